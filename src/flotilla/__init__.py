@@ -1,0 +1,125 @@
+"""flotilla: run Python functions and distributed training jobs on ephemeral multi-node pools.
+
+    import flotilla as sky
+
+    @sky.function
+    def hello():
+        return sky.instance_info().node
+
+    with sky.Compute(nodes=4) as pool:
+        print(hello() @ pool)          # [0, 1, 2, 3]
+
+The names below are the whole public API. They are loaded on first use, so that the node
+agent (``python -m flotilla.agent``), which imports this package, starts fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from ._accelerators import Accelerator, accelerators
+    from ._compute import Compute, PoolState
+    from ._errors import (
+        ConfigurationError,
+        FlotillaError,
+        NodeLostError,
+        PoolClosedError,
+        ProvisionError,
+        RemoteError,
+        SerializationError,
+        TaskTimeoutError,
+        WorkerDiedError,
+    )
+    from ._function import CallGroup, Function, PendingCall, function, gather
+    from ._info import InstanceInfo, Peer, instance_info
+    from ._local import Local
+    from ._output import silent, stderr, stdout
+    from ._plugins import Plugin
+    from ._provider import AgentProcess, Options, PoolSpec, Provider
+    from ._shard import shard
+
+_EXPORTS: dict[str, str] = {
+    "Accelerator": "_accelerators",
+    "accelerators": "_accelerators",
+    "Compute": "_compute",
+    "PoolState": "_compute",
+    "ConfigurationError": "_errors",
+    "FlotillaError": "_errors",
+    "NodeLostError": "_errors",
+    "PoolClosedError": "_errors",
+    "ProvisionError": "_errors",
+    "RemoteError": "_errors",
+    "SerializationError": "_errors",
+    "TaskTimeoutError": "_errors",
+    "WorkerDiedError": "_errors",
+    "CallGroup": "_function",
+    "Function": "_function",
+    "PendingCall": "_function",
+    "function": "_function",
+    "gather": "_function",
+    "InstanceInfo": "_info",
+    "Peer": "_info",
+    "instance_info": "_info",
+    "Local": "_local",
+    "silent": "_output",
+    "stderr": "_output",
+    "stdout": "_output",
+    "Plugin": "_plugins",
+    "AgentProcess": "_provider",
+    "Options": "_provider",
+    "PoolSpec": "_provider",
+    "Provider": "_provider",
+    "shard": "_shard",
+}
+
+__all__ = [
+    "Accelerator",
+    "AgentProcess",
+    "CallGroup",
+    "Compute",
+    "ConfigurationError",
+    "FlotillaError",
+    "Function",
+    "InstanceInfo",
+    "Local",
+    "NodeLostError",
+    "Options",
+    "Peer",
+    "PendingCall",
+    "Plugin",
+    "PoolClosedError",
+    "PoolSpec",
+    "PoolState",
+    "Provider",
+    "ProvisionError",
+    "RemoteError",
+    "SerializationError",
+    "TaskTimeoutError",
+    "WorkerDiedError",
+    "__version__",
+    "accelerators",
+    "function",
+    "gather",
+    "instance_info",
+    "shard",
+    "silent",
+    "stderr",
+    "stdout",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flotilla' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,473 @@
+"""The node agent: ``python -m flotilla.agent``.
+
+Every provider starts exactly this command on every node, with the protocol on its
+stdin/stdout. The agent is single-threaded and imports only the standard library, so it
+starts in a few tens of milliseconds. It
+
+* says HELLO (pid, host, boot id, a free port), then waits for CONFIG;
+* forks the executor, relays frames between client and executor, and forwards the
+  executor's stdout/stderr as OUTPUT frames;
+* enforces per-task timeouts, replaces an executor that dies or times out (the task that
+  was running gets a DIED/TIMEOUT result, the queued ones are re-sent to the new one);
+* exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
+  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds.
+
+Executor states (one executor at a time)::
+
+    STARTING --READY--> RUNNING --died / timeout--> STARTING (a new process)
+    STARTING --failed start--> FAILED
+    RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from itertools import islice
+from typing import Any
+
+from ._protocol import HEADER, TIMEOUT, Buffer, FrameReader, Kind, Status, frame
+
+_STDERR_TAIL_LINES = 40
+_DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+
+
+class ExecState(Enum):
+    """Lifecycle of the executor process (transitions in the module docstring)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Outbox:
+    """Non-blocking writer: queues what the descriptor cannot take now."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.queue: deque[memoryview] = deque()
+        self.broken = False
+
+    def send(self, parts: list[Buffer]) -> None:
+        if self.broken:
+            return
+        self.queue.extend(memoryview(p).cast("B") for p in parts if len(p))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Write what fits; True when nothing is left."""
+        q = self.queue
+        while q and not self.broken:
+            try:
+                n = os.writev(self.fd, list(islice(q, 256)))
+            except BlockingIOError:
+                return False
+            except OSError:  # the reader is gone
+                self.broken = True
+                q.clear()
+                return True
+            while n:
+                if n >= q[0].nbytes:
+                    n -= q.popleft().nbytes
+                else:
+                    q[0] = q[0][n:]
+                    n = 0
+        return not q
+
+
+@dataclass
+class Task:
+    ident: int
+    timeout: float
+    frame: list[Buffer]
+    deadline: float = 0.0
+
+
+@dataclass
+class Executor:
+    pid: int
+    to_fd: int
+    from_fd: int
+    out_fd: int
+    err_fd: int
+    outbox: Outbox
+    reader: FrameReader = field(default_factory=FrameReader)
+    state: ExecState = ExecState.STARTING
+    stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
+    partial_err: bytes = b""
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.proto_in = 0
+        self.proto_out = os.dup(1)
+        os.dup2(2, 1)  # anything printed in this process goes to stderr, not the protocol
+        self.client = Outbox(self.proto_out)
+        self.client_reader = FrameReader()
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proto_in, selectors.EVENT_READ, self._on_client)
+        self.config: dict[str, Any] | None = None
+        self.blob = b""
+        self.defines: list[list[Buffer]] = []
+        self.tasks: deque[Task] = deque()  # sent to the executor, in order; [0] is running
+        self.executor: Executor | None = None
+        self.restarts = 0
+        self.last_seen = time.monotonic()
+        self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.done = False
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.begin_stop(grace=1.0))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._hello()
+        try:
+            while not self.done:
+                for key, mask in self.sel.select(self._next_wakeup()):
+                    current = self.sel.get_map().get(key.fd)
+                    if current is not None and current.data is key.data:  # not closed meanwhile
+                        key.data(mask)
+                self._check_deadlines()
+                self._watch_writes()
+        finally:
+            self._cleanup()
+
+    def _next_wakeup(self) -> float:
+        now = time.monotonic()
+        wake = self.last_seen + self.heartbeat_timeout
+        if self.tasks and self.tasks[0].deadline:
+            wake = min(wake, self.tasks[0].deadline)
+        if self.stopping:
+            wake = min(wake, self.stop_deadline)
+        return max(0.0, wake - now)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        if self.stopping:
+            if self.executor is None or now >= self.stop_deadline:
+                self.done = True
+            return
+        if now - self.last_seen > self.heartbeat_timeout:
+            self._log(f"no message from the client for {self.heartbeat_timeout:.0f} s; exiting")
+            self.begin_stop(grace=1.0)
+            return
+        if self.tasks and self.tasks[0].deadline and now >= self.tasks[0].deadline:
+            task = self.tasks.popleft()
+            self._kill_executor()
+            body = json.dumps({"timeout": task.timeout}).encode()
+            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
+            self._start_executor()
+
+    # -- client side -------------------------------------------------------------------
+    def _hello(self) -> None:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot_id = f.read().strip()
+        except OSError:
+            boot_id = ""
+        hello = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "boot_id": boot_id,
+            "python": sys.executable,
+            "python_version": "%d.%d.%d" % sys.version_info[:3],
+            "port": port,
+        }
+        self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
+
+    def _on_client(self, mask: int) -> None:
+        frames = self.client_reader.read(self.proto_in)
+        if frames is None:  # the client is gone
+            self.sel.unregister(self.proto_in)
+            self.client.broken = True
+            self.begin_stop(grace=1.0)
+            return
+        self.last_seen = time.monotonic()
+        for kind, ident, body in frames:
+            if kind == Kind.TASK:
+                (timeout,) = TIMEOUT.unpack_from(body)
+                task = Task(ident, timeout, [HEADER.pack(kind, ident, len(body)), body])
+                self.tasks.append(task)
+                if len(self.tasks) == 1:
+                    self._arm(task)
+                self._to_executor(task.frame)
+            elif kind == Kind.DEFINE:
+                parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
+                self.defines.append(parts)
+                self._to_executor(parts)
+            elif kind == Kind.CONFIG:
+                self._configure(body)
+            elif kind == Kind.SHUTDOWN:
+                self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
+
+    def _configure(self, body: bytes | bytearray) -> None:
+        n = int.from_bytes(body[:4], "little")
+        config: dict[str, Any] = json.loads(bytes(body[4 : 4 + n]))
+        self.blob = bytes(body[4 + n :])
+        self.heartbeat_timeout = float(config.get("heartbeat_timeout", _DEFAULT_HEARTBEAT_TIMEOUT))
+        workdir = config.get("workdir")
+        if workdir:
+            os.makedirs(os.path.expanduser(workdir), exist_ok=True)
+            os.chdir(os.path.expanduser(workdir))
+        probe = config.get("shm_probe")
+        shm_ok = False
+        if probe:
+            try:
+                with open(os.path.join("/dev/shm", probe["name"])) as f:
+                    shm_ok = f.read() == probe["token"]
+            except OSError:
+                shm_ok = False
+        config["shm_prefix"] = f"flotilla-{config['pool_id']}-" if shm_ok else ""
+        self.config = config
+        self._start_executor()
+
+    def _arm(self, task: Task) -> None:
+        task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
+
+    # -- executor side -----------------------------------------------------------------
+    def _start_executor(self) -> None:
+        assert self.config is not None
+        if self.stopping:
+            return
+        r_task, w_task = os.pipe()
+        r_res, w_res = os.pipe()
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the executor
+            try:
+                self.sel.close()
+                for fd in (self.proto_in, self.proto_out, w_task, r_res, r_out, r_err):
+                    os.close(fd)
+                os.setpgid(0, 0)
+                _die_with_parent()
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(w_out, 1)
+                os.dup2(w_err, 2)
+                for fd in (devnull, w_out, w_err):
+                    os.close(fd)
+                from ._executor import main
+
+                main(self.config, self.blob, r_task, w_res)
+            finally:
+                os._exit(70)
+        for fd in (r_task, w_res, w_out, w_err):
+            os.close(fd)
+        ex = Executor(pid, w_task, r_res, r_out, r_err, Outbox(w_task))
+        self.executor = ex
+        os.set_blocking(r_out, False)
+        os.set_blocking(r_err, False)
+        self.sel.register(r_res, selectors.EVENT_READ, partial(self._on_executor, ex))
+        self.sel.register(r_out, selectors.EVENT_READ, partial(self._on_output, ex, 1))
+        self.sel.register(r_err, selectors.EVENT_READ, partial(self._on_output, ex, 2))
+        for parts in self.defines:
+            ex.outbox.send(parts)
+        for task in self.tasks:
+            ex.outbox.send(task.frame)
+        if self.tasks:
+            self._arm(self.tasks[0])
+
+    def _to_executor(self, parts: list[Buffer]) -> None:
+        ex = self.executor
+        if ex is not None and ex.state in (ExecState.STARTING, ExecState.RUNNING):
+            ex.outbox.send(parts)
+
+    def _watch_writes(self) -> None:
+        """Watch for writability exactly the outboxes that have something queued."""
+        outboxes = [self.client]
+        if self.executor is not None:
+            outboxes.append(self.executor.outbox)
+        registered = self.sel.get_map()
+        for box in outboxes:
+            if box.queue and box.fd not in registered:
+                self.sel.register(box.fd, selectors.EVENT_WRITE, partial(self._on_writable, box))
+            elif not box.queue and box.fd in registered:
+                self.sel.unregister(box.fd)
+
+    def _on_writable(self, box: Outbox, mask: int) -> None:
+        box.flush()
+
+    def _on_executor(self, ex: Executor, mask: int) -> None:
+        frames = ex.reader.read(ex.from_fd)
+        if frames is None:
+            self._executor_exited(ex)
+            return
+        for kind, ident, body in frames:
+            if kind == Kind.RESULT:
+                self._drain_output()
+                self.client.send([HEADER.pack(kind, ident, len(body)), body])
+                if self.tasks and self.tasks[0].ident == ident:
+                    self.tasks.popleft()
+                    if self.tasks:
+                        self._arm(self.tasks[0])
+            elif kind == Kind.READY:
+                info = json.loads(body)
+                if "error" in info:
+                    ex.state = ExecState.FAILED
+                else:
+                    ex.state = ExecState.RUNNING
+                info.update(restarts=self.restarts, shm=bool(self.config and self.config["shm_prefix"]))
+                self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
+
+    def _on_output(self, ex: Executor, stream: int, mask: int) -> None:
+        self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
+
+    def _forward_output(self, ex: Executor, fd: int, stream: int) -> bool:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not data:
+            if fd in self.sel.get_map():
+                self.sel.unregister(fd)
+            return False
+        if stream == 2:
+            lines = (ex.partial_err + data).split(b"\n")
+            ex.partial_err = lines.pop()[-4096:]
+            ex.stderr_tail.extend(line[-1000:] for line in lines)
+        self.client.send(frame(Kind.OUTPUT, stream, data))
+        return True
+
+    def _drain_output(self) -> None:
+        """Forward what the executor wrote before its latest message."""
+        ex = self.executor
+        if ex is None:
+            return
+        for fd, stream in ((ex.out_fd, 1), (ex.err_fd, 2)):
+            while fd in self.sel.get_map() and self._forward_output(ex, fd, stream):
+                pass
+
+    def _executor_exited(self, ex: Executor) -> None:
+        status = _reap(ex.pid)
+        self._drain_output()
+        self._close_executor(ex)
+        if self.stopping:
+            return
+        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
+        death = {
+            "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
+            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
+            "pid": ex.pid,
+        }
+        if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
+            if ex.state is ExecState.STARTING:
+                error = "the executor process exited during start-up"
+                self.client.send(frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode()))
+            self.executor = None
+            return
+        if self.tasks:
+            task = self.tasks.popleft()
+            body = json.dumps(death).encode()
+            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
+        self.restarts += 1
+        self._start_executor()
+
+    def _kill_executor(self) -> None:
+        ex = self.executor
+        if ex is None:
+            return
+        _kill_group(ex.pid)
+        _reap(ex.pid, wait=True)
+        self._close_executor(ex)
+
+    def _close_executor(self, ex: Executor) -> None:
+        for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
+            if fd in self.sel.get_map():
+                self.sel.unregister(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _kill_group(ex.pid)  # whatever the task left behind in its process group
+        if self.executor is ex:
+            self.executor = None
+
+    # -- shutdown ----------------------------------------------------------------------
+    def begin_stop(self, grace: float) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.stop_deadline = time.monotonic() + grace
+        ex = self.executor
+        if ex is not None and ex.state is not ExecState.FAILED:
+            ex.outbox.send(frame(Kind.SHUTDOWN, 0))
+
+    def _cleanup(self) -> None:
+        self._kill_executor()
+        if self.config and self.config.get("pool_id"):
+            prefix = f"flotilla-{self.config['pool_id']}-"
+            try:
+                for name in os.listdir("/dev/shm"):
+                    if name.startswith(prefix):
+                        try:
+                            os.unlink(os.path.join("/dev/shm", name))
+                        except OSError:
+                            pass
+            except OSError:
+                pass
+        self.client.flush()
+
+    def _log(self, message: str) -> None:
+        print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+
+
+def _reap(pid: int, wait: bool = False) -> int | None:
+    """Wait for ``pid``; give it up to 2 s to exit by itself unless ``wait``."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            _kill_group(pid)
+            wait = True
+        else:
+            time.sleep(0.005)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """Make the kernel kill this process when the agent dies (Linux)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main() -> None:
+    """Entry point of ``python -m flotilla.agent``."""
+    Agent().run()
+    os._exit(0)

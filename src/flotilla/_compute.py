@@ -1,0 +1,542 @@
+"""``Compute``: a pool of nodes, and how calls are dispatched to it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pickle
+import secrets
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, as_completed, wait
+from enum import Enum
+from typing import Any, TypeVar
+
+from . import _loop
+from ._accelerators import Accelerator, parse_accelerator
+from ._errors import (
+    ConfigurationError,
+    PoolClosedError,
+    ProvisionError,
+    RemoteError,
+    SerializationError,
+    TaskTimeoutError,
+    WorkerDiedError,
+)
+from ._function import Function, PendingCall, as_call, function
+from ._info import InstanceInfo, Peer
+from ._node import Node, NodeState, Payload, Submission, describe_exit
+from ._protocol import Buffer, Kind, Status
+from ._provider import AgentProcess, Options, PoolSpec, Provider
+from ._serialize import (
+    SHM_DIR,
+    Pickled,
+    decode,
+    describe_unpicklable,
+    encode,
+    pickle_obj,
+    shm_name_of,
+    unlink_shm,
+    write_shm,
+)
+
+R = TypeVar("R")
+
+
+class PoolState(Enum):
+    """Lifecycle of a pool::
+
+    NEW --enter--> STARTING --all nodes ready--> RUNNING --exit--> CLOSING --> CLOSED
+    STARTING --failure / Ctrl-C--> CLOSING --> CLOSED
+    """
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class Compute:
+    """A pool of nodes. Use it as a context manager; leaving the block stops everything.
+
+    Args:
+        provider: where the nodes run; None means ``flotilla.Local()`` (local processes).
+        nodes: number of nodes (>= 1).
+        accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
+        image: the node environment (an ``Image``); None for the provider's default.
+        plugins: framework plugins (``plugins.torch()``...), applied in order.
+        options: :class:`Options` (cluster/standalone mode, timeouts, env).
+
+    Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
+    ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
+    or with :meth:`map`.
+    """
+
+    def __init__(
+        self,
+        provider: Provider | None = None,
+        nodes: int = 1,
+        accelerator: str | Accelerator | None = None,
+        image: Any = None,
+        plugins: Sequence[Any] = (),
+        options: Options | None = None,
+    ) -> None:
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node")
+        if provider is None:
+            from ._local import Local
+
+            provider = Local()
+        if not isinstance(provider, Provider):
+            raise TypeError(
+                f"provider must be a flotilla provider such as flotilla.Local(), got {type(provider).__name__}"
+            )
+        if options is None:
+            options = Options()
+        elif not isinstance(options, Options):
+            raise TypeError(f"options must be a flotilla.Options, got {type(options).__name__}")
+        self.provider = provider
+        self.nodes = nodes
+        self.accelerator = parse_accelerator(accelerator)
+        self.image = image
+        self.plugins = tuple(plugins)
+        self.options = options
+        self.pool_id = secrets.token_hex(4)
+        self._check_plugins()
+        self._state = PoolState.NEW
+        self._nodes: list[Node] = []
+        self._procs: list[AgentProcess] = []
+        self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
+        self._rr = 0
+        self._shm_prefix = f"flotilla-{self.pool_id}-"
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    def _check_plugins(self) -> None:
+        for p in self.plugins:
+            if not (hasattr(p, "around_process") or hasattr(p, "transform")):
+                raise TypeError(f"{p!r} is not a flotilla plugin (it has neither transform nor around_process)")
+            if not self.options.cluster and getattr(p, "requires_cluster", False):
+                name = getattr(p, "name", type(p).__name__)
+                raise ConfigurationError(
+                    f"plugin {name!r} needs cluster mode (nodes that know each other), but the pool "
+                    f"has Options(cluster=False): remove the plugin or use cluster=True"
+                )
+
+    def __repr__(self) -> str:
+        return f"<flotilla.Compute {self.provider!r} nodes={self.nodes} {self._state.value}>"
+
+    @property
+    def state(self) -> PoolState:
+        return self._state
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> Compute:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> Compute:
+        """Start the pool (what entering the ``with`` block does)."""
+        if self._state is not PoolState.NEW:
+            raise PoolClosedError("a Compute pool can be started once; create a new Compute")
+        spec = PoolSpec(self.pool_id, self.nodes, self.accelerator, self.image, self.plugins, self.options)
+        self.provider.validate(spec)
+        image = self.image
+        for p in self.plugins:
+            hook = getattr(p, "transform", None)
+            if hook is not None:
+                image = hook(image, spec)
+        spec = PoolSpec(self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options)
+        try:
+            blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
+        except Exception as e:
+            raise SerializationError(f"the pool's plugins cannot be pickled: {e}") from e
+        self._state = PoolState.STARTING
+        loop = _loop.get_loop()
+        fut = asyncio.run_coroutine_threadsafe(self._start(spec, blob), loop)
+        try:
+            fut.result()
+        except BaseException:
+            fut.cancel()
+            self.close()
+            raise
+        self._state = PoolState.RUNNING
+        return self
+
+    async def _start(self, spec: PoolSpec, blob: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        probe = {"name": f"{self._shm_prefix}probe", "token": secrets.token_hex(16)}
+        try:
+            fd = os.open(os.path.join(SHM_DIR, probe["name"]), os.O_CREAT | os.O_WRONLY, 0o600)
+            os.write(fd, probe["token"].encode())
+            os.close(fd)
+        except OSError:
+            probe = {}
+        procs = await self.provider.start(spec, self.provider.agent_command())
+        self._procs = procs
+        self._nodes = [Node(rank, p, self._on_result, self._on_lost) for rank, p in enumerate(procs)]
+        for node in self._nodes:
+            node.start(loop)
+        timeout = self.options.start_timeout
+        hellos = await self._wait_all([n.hello for n in self._nodes], timeout, "start")
+        peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in self._nodes)
+        head = peers[0]
+        head_port = int(hellos[0]["port"])
+        cluster = self.options.cluster
+        for node in self._nodes:
+            info = InstanceInfo(
+                node=node.rank,
+                total_nodes=len(self._nodes),
+                is_head=cluster and node.rank == 0,
+                head_addr=head.addr if cluster else "",
+                head_port=head_port if cluster else 0,
+                accelerators=self.accelerator.count if self.accelerator else 0,
+                peers=peers if cluster else (),
+                pool_id=self.pool_id,
+                addr=node.proc.address,
+                cluster=cluster,
+                accelerator=self.accelerator.name if self.accelerator else None,
+            )
+            config = {
+                "pool_id": self.pool_id,
+                "compute_pool": info.to_json(),
+                "env": dict(self.options.env),
+                "heartbeat_timeout": self.options.heartbeat_timeout,
+                "shutdown_grace": self.options.shutdown_grace,
+                "shm_probe": probe or None,
+            }
+            node.configure(config, blob)
+        await self._wait_all([n.ready for n in self._nodes], timeout, "initialise")
+        unlink_shm(probe.get("name", "")) if probe else None
+        self._heartbeat = loop.create_task(self._heartbeats())
+
+    async def _wait_all(
+        self, futures: list[asyncio.Future[dict[str, Any]] | None], timeout: float, what: str
+    ) -> list[dict[str, Any]]:
+        waiting = [f for f in futures if f is not None]
+        done, pending = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for fut in waiting:  # root cause first: the first node that failed
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        if pending:
+            late = [n.name for n, f in zip(self._nodes, futures, strict=True) if f in pending]
+            raise ProvisionError(
+                f"{', '.join(late)} did not {what} within {timeout:.0f} s "
+                f"(Options(start_timeout=...) sets the limit)"
+            )
+        return [f.result() for f in waiting]
+
+    async def _heartbeats(self) -> None:
+        interval = self.options.heartbeat_timeout / 4
+        while True:
+            await asyncio.sleep(interval)
+            for node in self._nodes:
+                if node.state is NodeState.READY:
+                    node.send_control(Kind.PING, wait=False)
+
+    def close(self) -> None:
+        """Stop every node and release everything the pool started. Idempotent."""
+        if self._state in (PoolState.CLOSED, PoolState.NEW):
+            self._state = PoolState.CLOSED
+            return
+        self._state = PoolState.CLOSING
+        try:
+            _loop.run(self._close())
+        finally:
+            self._state = PoolState.CLOSED
+
+    async def _close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        for node in self._nodes:
+            if node.state is NodeState.READY or node.state is NodeState.CONFIGURING:
+                node.send_control(Kind.SHUTDOWN)
+            node.state = NodeState.CLOSED
+        grace = self.options.shutdown_grace + 0.5
+        await asyncio.gather(*(p.wait(grace) for p in self._procs))
+        await asyncio.gather(*(p.terminate() for p in self._procs), return_exceptions=True)
+        for node in self._nodes:
+            node.flush_output()
+            with node.lock:
+                subs = list(node.inflight.values())
+                node.inflight.clear()
+            for sub in subs:
+                self._settle(sub, exc=PoolClosedError(f"the pool closed before {node.name} finished the call"))
+        with contextlib.suppress(OSError):
+            for name in os.listdir(SHM_DIR):
+                if name.startswith(self._shm_prefix):
+                    unlink_shm(name)
+
+    # -- dispatch ------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._state is not PoolState.RUNNING:
+            if self._state is PoolState.NEW:
+                raise PoolClosedError("this pool is not started: use `with flotilla.Compute(...) as pool:`")
+            raise PoolClosedError(
+                f"this pool is {self._state.value}: send calls inside the `with flotilla.Compute(...)` block"
+            )
+
+    def _function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
+        cached = self._functions.get(id(fn))
+        if cached is None or cached[2] is not fn:
+            try:
+                pickled = pickle_obj(fn.fn)
+            except Exception as e:
+                found = describe_unpicklable(fn.fn, fn.name)
+                where = f": {found[0]} (type {found[1]}) cannot be pickled" if found else ""
+                raise SerializationError(
+                    f"function {fn.name} cannot be sent to the pool{where} ({e}); "
+                    f"create such objects inside the function instead of capturing them",
+                    path=found[0] if found else fn.name,
+                    type_name=found[1] if found else "",
+                ) from None
+            cached = (len(self._functions) + 1, encode(pickled), fn)
+            self._functions[id(fn)] = cached
+        return cached[0], cached[1]
+
+    def _payload(self, call: PendingCall[Any], fn_key: int, shared: bool) -> Payload:
+        try:
+            pickled = pickle_obj((fn_key, call.args, call.kwargs))
+        except Exception as e:
+            found = describe_unpicklable(call.args, "args") or describe_unpicklable(call.kwargs, "kwargs")
+            path, type_name = (found[0], found[1]) if found else ("arguments", "")
+            raise SerializationError(
+                f"cannot send {call.function.name}(...) to the pool: {path} of type {type_name} "
+                f"cannot be pickled ({e}); pass something picklable, or create it inside the function",
+                path=path,
+                type_name=type_name,
+            ) from None
+        shm = ""
+        if shared and pickled.shm_bytes and any(n.shm for n in self._nodes):
+            shm = write_shm(pickled, self._shm_prefix)
+        return Payload(pickled, shm)
+
+    def _submission(self, call: PendingCall[Any], payload: Payload, fn_key: int, define: list[Buffer], pinned: bool) -> Submission:
+        fut: Future[Any] = Future()
+        fut.set_running_or_notify_cancel()
+        payload.acquire()
+        fn = call.function
+        return Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
+
+    def _ready_nodes(self) -> list[Node]:
+        return [n for n in self._nodes if n.state is NodeState.READY]
+
+    def _least_busy(self, exclude: Node | None = None) -> Node:
+        nodes = [n for n in self._ready_nodes() if n is not exclude] or self._ready_nodes()
+        if not nodes:
+            raise self._all_lost()
+        self._rr += 1
+        start = self._rr % len(nodes)
+        best = nodes[start]
+        for i in range(1, len(nodes)):
+            node = nodes[(start + i) % len(nodes)]
+            if len(node.inflight) < len(best.inflight):
+                best = node
+        return best
+
+    def _all_lost(self) -> PoolClosedError:
+        return PoolClosedError("no node of this pool can take calls: every node was lost")
+
+    def _prepare(self, calls: Sequence[PendingCall[Any]]) -> list[Submission]:
+        subs = []
+        for call in calls:
+            key, define = self._function(call.function)
+            payload = self._payload(call, key, shared=False)
+            subs.append(self._submission(call, payload, key, define, pinned=False))
+        return subs
+
+    def _dispatch(self, subs: list[Submission]) -> None:
+        by_node: dict[Node, list[Submission]] = {}
+        load = {n: len(n.inflight) for n in self._ready_nodes()}
+        if not load:
+            raise self._all_lost()
+        nodes = list(load)
+        for i, sub in enumerate(subs):
+            self._rr += 1
+            best = nodes[(self._rr + i) % len(nodes)]
+            for node in nodes:
+                if load[node] < load[best]:
+                    best = node
+            load[best] += 1
+            by_node.setdefault(best, []).append(sub)
+        for node, batch in by_node.items():
+            node.send(batch)
+
+    def submit(self, call: PendingCall[R]) -> Future[R]:
+        """Run ``call`` on the least busy node; returns a Future (``call > pool``)."""
+        self._check_running()
+        call = as_call(call, ">")
+        subs = self._prepare([call])
+        self._dispatch(subs)
+        return subs[0].future
+
+    def run(self, call: PendingCall[R]) -> R:
+        """Run ``call`` on the least busy node and return its value (``call >> pool``)."""
+        return self.submit(call).result()
+
+    def broadcast(self, call: PendingCall[R]) -> list[R]:
+        """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""
+        self._check_running()
+        call = as_call(call, "@")
+        lost = [n.name for n in self._nodes if n.state is not NodeState.READY]
+        if lost:
+            raise PoolClosedError(f"cannot broadcast: {', '.join(lost)} can no longer take calls")
+        key, define = self._function(call.function)
+        payload = self._payload(call, key, shared=True)
+        subs = [self._submission(call, payload, key, define, pinned=True) for _ in self._nodes]
+        try:
+            for node, sub in zip(self._nodes, subs, strict=True):
+                node.send([sub])
+        except BaseException:
+            for sub in subs:
+                if sub.node is None:
+                    payload.release()
+            raise
+        return _results([s.future for s in subs])
+
+    def run_many(self, calls: Sequence[PendingCall[Any]]) -> list[Any]:
+        """Run different calls in parallel; results in call order."""
+        return _results(self._submit_many(calls))
+
+    def _submit_many(self, calls: Sequence[PendingCall[Any]]) -> list[Future[Any]]:
+        self._check_running()
+        subs = self._prepare([as_call(c, "gather") for c in calls])
+        self._dispatch(subs)
+        return [s.future for s in subs]
+
+    def submit_group(self, calls: Sequence[PendingCall[Any]]) -> Future[tuple[Any, ...]]:
+        """Run calls in parallel in the background; a Future of their results' tuple."""
+        futures = self._submit_many(calls)
+        out: Future[tuple[Any, ...]] = Future()
+        out.set_running_or_notify_cancel()
+        remaining = [len(futures)]
+
+        def done(_: Future[Any]) -> None:
+            remaining[0] -= 1
+            if out.done():
+                return
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                out.set_exception(failed.exception())  # type: ignore[arg-type]
+            elif remaining[0] == 0:
+                out.set_result(tuple(f.result() for f in futures))
+
+        for f in futures:
+            f.add_done_callback(done)
+        if not futures:
+            out.set_result(())
+        return out
+
+    def stream(self, calls: Sequence[PendingCall[Any]], ordered: bool = True) -> Iterator[Any]:
+        """Yield results as calls finish: in call order, or completion order if not ``ordered``."""
+        futures = self._submit_many(calls)
+
+        def results() -> Iterator[Any]:
+            if ordered:
+                for f in futures:
+                    yield f.result()
+            else:
+                for f in as_completed(futures):
+                    yield f.result()
+
+        return results()
+
+    def map(self, fn: Callable[..., R] | Function[..., R], iterable: Iterable[Any]) -> list[R]:
+        """``[fn(x) for x in iterable]``, spread over the nodes; results in input order."""
+        f = fn if isinstance(fn, Function) else function(fn)
+        return self.run_many([f(x) for x in iterable])
+
+    # -- results (loop thread) ---------------------------------------------------------
+    def _on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
+        try:
+            if status == Status.OK:
+                value = decode(body, 1)
+                shm = shm_name_of(body, 1)
+                if shm:
+                    unlink_shm(shm)
+                self._settle(sub, value=value)
+            elif status == Status.ERROR:
+                self._settle(sub, exc=_remote_exception(decode(body, 1), node.rank))
+            elif status == Status.TIMEOUT:
+                timeout = sub.timeout
+                self._settle(sub, exc=TaskTimeoutError(
+                    f"{sub.call.function.name}(...) ran longer than its timeout of {timeout:g} s on "
+                    f"{node.name}; its process was stopped and replaced",
+                    node=node.rank, timeout=timeout))
+            elif status == Status.DIED:
+                death = json.loads(bytes(body[1:]))
+                how, sig = describe_exit(death.get("exitcode"))
+                tail = death.get("stderr_tail", "").rstrip()
+                msg = f"{node.name}: the process running {sub.call.function.name}(...) {how}"
+                if tail:
+                    msg += f"\n--- last lines of its stderr ---\n{tail}"
+                err = WorkerDiedError(msg, node=node.rank, exitcode=death.get("exitcode"),
+                                      signal=sig, stderr_tail=tail)
+                if not self._retry(sub, err):
+                    self._settle(sub, exc=err)
+            else:
+                self._settle(sub, exc=RemoteError("flotilla.ProtocolError", f"unknown status {status}", "", node.rank))
+        except BaseException as e:  # e.g. a result whose type cannot be unpickled here
+            if not sub.future.done():
+                self._settle(sub, exc=e)
+
+    def _on_lost(self, node: Node, subs: list[Submission]) -> None:
+        err = node.lost_error("was lost while running a call: its agent exited")
+        for sub in subs:
+            if not self._retry(sub, err):
+                self._settle(sub, exc=err)
+
+    def _retry(self, sub: Submission, err: BaseException) -> bool:
+        if sub.retries_left <= 0 or self._state is not PoolState.RUNNING:
+            return False
+        sub.retries_left -= 1
+        previous = sub.node
+        try:
+            target = previous if sub.pinned and previous is not None else self._least_busy(exclude=previous)
+            target.send([sub])
+        except Exception:
+            return False
+        return True
+
+    def _settle(self, sub: Submission, *, value: Any = None, exc: BaseException | None = None) -> None:
+        sub.payload.release()
+        if sub.future.done():
+            return
+        if exc is not None:
+            sub.future.set_exception(exc)
+        else:
+            sub.future.set_result(value)
+
+
+def _results(futures: list[Future[Any]]) -> list[Any]:
+    """Wait for every future; raise the first failure as soon as it happens."""
+    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    if pending:
+        first = next(f for f in futures if f.done() and f.exception() is not None)
+        raise first.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def _remote_exception(described: tuple[bytes | None, str, str, str], node: int) -> BaseException:
+    data, type_name, message, tb = described
+    if type_name == "flotilla.SerializationError":
+        return SerializationError(f"{message} (on node {node})")
+    exc: Any = None
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+        except Exception:
+            exc = None
+    if not isinstance(exc, Exception):  # not rebuildable here, or SystemExit & co.
+        return RemoteError(type_name, message, tb, node)
+    exc.add_note(f"\n--- remote traceback (node {node}) ---\n{tb.rstrip()}")
+    with contextlib.suppress(AttributeError, TypeError):
+        exc.node = node
+        exc.remote_traceback = tb
+    return exc
+
+

@@ -1,0 +1,104 @@
+"""The executor: the persistent process on a node that runs tasks.
+
+The agent forks it (and forks a new one when it dies or a task times out). It enters the
+plugins' ``around_process`` hooks once, says READY, then runs the tasks it is sent one at a
+time, in order, answering each with a RESULT frame. Its stdout/stderr are pipes the agent
+forwards to the client; the protocol uses two other pipes, so prints cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import traceback
+from contextlib import ExitStack
+from typing import Any, NoReturn
+
+from ._protocol import TIMEOUT, Kind, Status, frame, iter_frames, write_all
+
+
+def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
+    """Run the executor loop; never returns."""
+    os.environ.update(config.get("env", {}))
+    os.environ["COMPUTE_POOL"] = config["compute_pool"]
+    if isinstance(sys.stdout, __import__("io").TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
+    shm_prefix: str = config.get("shm_prefix", "")
+    stack = ExitStack()
+    try:
+        from . import _serialize
+        from ._info import instance_info
+        from ._plugins import enter_plugins
+
+        plugins = pickle.loads(blob) if blob else []
+        enter_plugins(stack, plugins, instance_info())
+    except BaseException:
+        _send(wfd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
+        _flush()
+        os._exit(1)
+    _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
+
+    functions: dict[int, Any] = {}
+    for kind, ident, body in iter_frames(rfd):
+        if kind == Kind.TASK:
+            status, parts = _run(functions, body, shm_prefix, _serialize)
+            _flush()
+            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+        elif kind == Kind.DEFINE:
+            functions[ident] = _serialize.decode(body)
+        elif kind == Kind.SHUTDOWN:
+            break
+    try:
+        stack.close()
+    finally:
+        _flush()
+        os._exit(0)
+
+
+def _run(functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any) -> tuple[int, list[Any]]:
+    try:
+        fn_key, args, kwargs = ser.decode(body, TIMEOUT.size)
+        value = functions[fn_key](*args, **kwargs)
+        del args, kwargs
+        status = Status.OK
+    except BaseException as e:  # user code: report everything, including SystemExit
+        value = _describe(e)
+        status = Status.ERROR
+    try:
+        pickled = ser.pickle_obj(value)
+    except Exception as e:
+        found = ser.describe_unpicklable(value, "result")
+        where = f" at {found[0]} (type {found[1]})" if found else ""
+        msg = f"the task's return value cannot be pickled{where}: {e}"
+        pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
+        status = Status.ERROR
+    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
+    return status, ser.encode(pickled, shm)
+
+
+def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
+    """(pickled exception or None, type name, message, formatted traceback)."""
+    import cloudpickle
+
+    t = type(e)
+    tb = "".join(traceback.format_exception(t, e, e.__traceback__.tb_next if e.__traceback__ else None))
+    e.__traceback__ = None
+    try:
+        data: bytes | None = cloudpickle.dumps(e, protocol=5)
+    except Exception:
+        data = None
+    return data, f"{t.__module__}.{t.__qualname__}", str(e), tb
+
+
+def _send(fd: int, kind: Kind, ident: int, body: bytes) -> None:
+    write_all(fd, frame(kind, ident, body))
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass

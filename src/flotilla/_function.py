@@ -1,0 +1,223 @@
+"""Lazy functions: ``@function``, :class:`PendingCall`, :class:`CallGroup` and :func:`gather`.
+
+Calling a decorated function runs nothing: it returns a :class:`PendingCall`, which an
+operator sends to a pool::
+
+    call >> pool    run on one node (the least busy); returns the value
+    call @ pool     run on every node; returns a list ordered by node rank
+    call > pool     run on one node in the background; returns a concurrent.futures.Future
+    a & b & c       a CallGroup: run different calls in parallel (``>> pool`` -> tuple)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+
+if TYPE_CHECKING:
+    from ._compute import Compute
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _not_a_pool(op: str, other: object) -> TypeError:
+    return TypeError(
+        f"the right side of `{op}` must be a running flotilla pool (the value of "
+        f"`with flotilla.Compute(...) as pool`), not {type(other).__name__}"
+    )
+
+
+def _check_pool(op: str, pool: object) -> Compute:
+    from ._compute import Compute
+
+    if not isinstance(pool, Compute):
+        raise _not_a_pool(op, pool)
+    return pool
+
+
+class Function(Generic[P, R]):
+    """A function that runs on a pool. Create it with :func:`function`.
+
+    Attributes:
+        fn: the wrapped Python function.
+        timeout: seconds a call may run on a node before it is stopped (None: no limit).
+        retries: how many times a call is re-run when its node or process dies under it.
+    """
+
+    __slots__ = ("__dict__", "fn", "retries", "timeout")
+
+    def __init__(self, fn: Callable[P, R], *, timeout: float | None = None, retries: int = 0) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+        self.fn = fn
+        self.timeout = timeout
+        self.retries = retries
+        functools.update_wrapper(self, fn)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> PendingCall[R]:
+        """Bind arguments; nothing runs until the call is sent to a pool."""
+        return PendingCall(self, args, kwargs)
+
+    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the function here, in this process (``instance_info()`` is single-node)."""
+        return self.fn(*args, **kwargs)
+
+    def with_fn(self, fn: Callable[P, R]) -> Function[P, R]:
+        """The same options around another callable (used by the output decorators)."""
+        return Function(fn, timeout=self.timeout, retries=self.retries)
+
+    def _misuse(self, op: str) -> TypeError:
+        return TypeError(
+            f"`{self.name}` was not called: write `{self.name}(...) {op} pool` "
+            f"(a flotilla function must be called to bind its arguments first)"
+        )
+
+    def __rshift__(self, pool: object) -> Any:
+        raise self._misuse(">>")
+
+    def __matmul__(self, pool: object) -> Any:
+        raise self._misuse("@")
+
+    def __gt__(self, pool: object) -> Any:
+        raise self._misuse(">")
+
+    def __and__(self, other: object) -> Any:
+        raise self._misuse("&")
+
+    def __repr__(self) -> str:
+        return f"<flotilla.function {self.name}>"
+
+
+@overload
+def function(fn: Callable[P, R], /) -> Function[P, R]: ...
+@overload
+def function(
+    *, timeout: float | None = None, retries: int = 0
+) -> Callable[[Callable[P, R]], Function[P, R]]: ...
+
+
+def function(
+    fn: Callable[P, R] | None = None, /, *, timeout: float | None = None, retries: int = 0
+) -> Function[P, R] | Callable[[Callable[P, R]], Function[P, R]]:
+    """Make ``fn`` runnable on a pool: ``@flotilla.function`` or ``@flotilla.function(timeout=60)``.
+
+    ``timeout`` (seconds) stops a call that runs longer on its node; the node's process is
+    replaced and stays usable. ``retries`` re-runs a call whose node or process died under it
+    (crash, OOM kill); an exception raised by the function itself is never retried.
+    """
+    if fn is None:
+        return lambda f: Function(f, timeout=timeout, retries=retries)
+    if isinstance(fn, Function):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"@flotilla.function needs a callable, got {type(fn).__name__}")
+    return Function(fn, timeout=timeout, retries=retries)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall(Generic[R]):
+    """A function bound to its arguments, not yet run. Picklable.
+
+    Attributes:
+        function: the :class:`Function` to run.
+        args: positional arguments.
+        kwargs: keyword arguments.
+    """
+
+    function: Function[..., R]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def local(self) -> R:
+        """Run the call here, in this process."""
+        return self.function.fn(*self.args, **self.kwargs)
+
+    def __rshift__(self, pool: object) -> R:
+        return _check_pool(">>", pool).run(self)
+
+    def __matmul__(self, pool: object) -> list[R]:
+        return _check_pool("@", pool).broadcast(self)
+
+    def __gt__(self, pool: object) -> Future[R]:  # type: ignore[override]
+        return _check_pool(">", pool).submit(self)
+
+    def __and__(self, other: object) -> CallGroup:
+        return CallGroup((self,)) & other
+
+    def __repr__(self) -> str:
+        return f"<flotilla pending call {self.function.name}(...)>"
+
+
+@dataclass(frozen=True, slots=True)
+class CallGroup:
+    """Several calls that run in parallel; built with ``&`` or :func:`gather`.
+
+    ``group >> pool`` returns a tuple of results in call order; with ``stream=True`` it
+    returns an iterator that yields results as they finish (in call order when
+    ``ordered``, else in completion order).
+    """
+
+    calls: tuple[PendingCall[Any], ...]
+    stream: bool = False
+    ordered: bool = True
+
+    def __and__(self, other: object) -> CallGroup:
+        if isinstance(other, PendingCall):
+            return CallGroup((*self.calls, other), self.stream, self.ordered)
+        if isinstance(other, CallGroup):
+            return CallGroup((*self.calls, *other.calls), self.stream, self.ordered)
+        raise _not_a_call("&", other)
+
+    def __rshift__(self, pool: object) -> Any:
+        p = _check_pool(">>", pool)
+        if self.stream:
+            return p.stream(self.calls, ordered=self.ordered)
+        return tuple(p.run_many(self.calls))
+
+    def __gt__(self, pool: object) -> Future[tuple[Any, ...]]:  # type: ignore[override]
+        return _check_pool(">", pool).submit_group(self.calls)
+
+    def __matmul__(self, pool: object) -> tuple[list[Any], ...]:
+        p = _check_pool("@", pool)
+        return tuple(p.broadcast(c) for c in self.calls)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[PendingCall[Any]]:
+        return iter(self.calls)
+
+
+def _not_a_call(op: str, other: object) -> TypeError:
+    hint = ""
+    if callable(other) and not isinstance(other, Function):
+        hint = " (decorate the function with @flotilla.function and call it)"
+    elif isinstance(other, Function):
+        hint = f" (call it: {other.name}(...))"
+    return TypeError(f"`{op}` combines pending calls, got {type(other).__name__}{hint}")
+
+
+def as_call(obj: object, op: str) -> PendingCall[Any]:
+    """``obj`` as a PendingCall, or a TypeError with a hint."""
+    if isinstance(obj, PendingCall):
+        return obj
+    raise _not_a_call(op, obj)
+
+
+def gather(*calls: PendingCall[Any], stream: bool = False, ordered: bool = True) -> CallGroup:
+    """Group calls to run in parallel: ``gather(a, b, c) >> pool`` returns a tuple.
+
+    With ``stream=True``, ``>> pool`` returns an iterator yielding results as they finish;
+    ``ordered=False`` yields them in completion order instead of call order.
+    """
+    return CallGroup(tuple(as_call(c, "gather") for c in calls), stream, ordered)

@@ -1,0 +1,307 @@
+"""The client's side of one node: its agent connection, in-flight calls and output."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ._errors import NodeLostError, ProvisionError
+from ._protocol import TIMEOUT, Buffer, Kind, frame
+from ._provider import AgentProcess
+from ._serialize import Pickled, encode, unlink_shm
+
+if TYPE_CHECKING:
+    from ._function import PendingCall
+
+_task_ids = itertools.count(1)
+_STDERR_TAIL = 40
+
+
+class NodeState(Enum):
+    """Lifecycle of a node as the client sees it::
+
+    STARTING --HELLO--> CONFIGURING --READY--> READY
+    STARTING | CONFIGURING | READY --agent gone--> LOST
+    any --pool closes--> CLOSED
+    """
+
+    STARTING = "starting"
+    CONFIGURING = "configuring"
+    READY = "ready"
+    LOST = "lost"
+    CLOSED = "closed"
+
+
+class Payload:
+    """Encoded arguments of a call, shared by every node it is sent to.
+
+    Pickled once; the wire form is built at most twice (with and without shared memory).
+    The shared-memory file is removed when the last call using it finishes.
+    """
+
+    __slots__ = ("_inline", "_lock", "_shm", "pickled", "shm_name", "users")
+
+    def __init__(self, pickled: Pickled, shm_name: str = "") -> None:
+        self.pickled = pickled
+        self.shm_name = shm_name
+        self.users = 0
+        self._lock = threading.Lock()
+        self._inline: list[Buffer] | None = None
+        self._shm: list[Buffer] | None = None
+
+    def parts(self, shm: bool) -> list[Buffer]:
+        if shm and self.shm_name:
+            if self._shm is None:
+                self._shm = encode(self.pickled, self.shm_name)
+            return self._shm
+        if self._inline is None:
+            self._inline = encode(self.pickled)
+        return self._inline
+
+    def acquire(self) -> None:
+        with self._lock:
+            self.users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            last = self.users == 0
+        if last and self.shm_name:
+            unlink_shm(self.shm_name)
+
+
+@dataclass(eq=False)
+class Submission:
+    """One call on its way to (or running on) one node."""
+
+    call: PendingCall[Any]
+    future: Future[Any]
+    fn_key: int
+    define: list[Buffer]
+    payload: Payload
+    retries_left: int
+    timeout: float
+    pinned: bool  # must run on this node (a broadcast)
+    node: Node | None = None
+    attempts: int = 0
+    done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
+
+
+class Node:
+    """Connection to one agent. Writes happen on any thread; reads on the loop thread."""
+
+    def __init__(
+        self,
+        rank: int,
+        proc: AgentProcess,
+        on_result: Callable[[Node, Submission, int, bytes | bytearray], None],
+        on_lost: Callable[[Node, list[Submission]], None],
+    ) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.state = NodeState.STARTING
+        self.lock = threading.Lock()
+        self.inflight: dict[int, Submission] = {}
+        self.defined: set[int] = set()
+        self.shm = False
+        self.hello_info: dict[str, Any] = {}
+        self.ready_info: dict[str, Any] = {}
+        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL)
+        self._err_partial = b""
+        self._out_partial: dict[int, bytes] = {1: b"", 2: b""}
+        self._on_result = on_result
+        self._on_lost = on_lost
+        self.hello: asyncio.Future[dict[str, Any]] | None = None
+        self.ready: asyncio.Future[dict[str, Any]] | None = None
+
+    @property
+    def name(self) -> str:
+        host = self.proc.host
+        return f"node {self.rank}" + (f" ({host})" if host and host != "localhost" else "")
+
+    # -- start-up --------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.hello = loop.create_future()
+        self.ready = loop.create_future()
+        self.proc.start_reading(loop, self._on_frames, self._on_stderr)
+
+    def configure(self, config: dict[str, Any], blob: bytes) -> None:
+        data = json.dumps(config).encode()
+        self.state = NodeState.CONFIGURING
+        with self.lock:
+            self.proc.write(frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob))
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, subs: list[Submission]) -> None:
+        """Send calls to this node (any thread). Raises NodeLostError if it is gone."""
+        parts: list[Buffer] = []
+        with self.lock:
+            if self.state is not NodeState.READY:
+                raise self.lost_error("cannot take calls")
+            for sub in subs:
+                tid = next(_task_ids)
+                sub.node = self
+                sub.attempts += 1
+                self.inflight[tid] = sub
+                if sub.fn_key not in self.defined:
+                    self.defined.add(sub.fn_key)
+                    parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
+                timeout = TIMEOUT.pack(sub.timeout)
+                parts += frame(Kind.TASK, tid, timeout, *sub.payload.parts(self.shm))
+            try:
+                self.proc.write(parts)
+            except OSError as e:
+                for sub in subs:
+                    sub.node = None
+                self.inflight = {t: s for t, s in self.inflight.items() if s not in subs}
+                raise self.lost_error(f"cannot take calls ({e})") from None
+
+    def send_control(self, kind: Kind, wait: bool = True) -> bool:
+        """Send a body-less control frame; False if the node is gone or (without wait) busy."""
+        if not self.lock.acquire(blocking=wait):
+            return False
+        try:
+            self.proc.write(frame(kind, 0))
+            return True
+        except OSError:
+            return False
+        finally:
+            self.lock.release()
+
+    # -- receiving (loop thread) -----------------------------------------------------
+    def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
+        if frames is None:
+            self._gone()
+            return
+        for kind, ident, body in frames:
+            if kind == Kind.RESULT:
+                with self.lock:
+                    sub = self.inflight.pop(ident, None)
+                if sub is not None:
+                    if not self.inflight:
+                        self.flush_output()
+                    self._on_result(self, sub, body[0], body)
+            elif kind == Kind.OUTPUT:
+                self._output(ident, bytes(body))
+            elif kind == Kind.HELLO:
+                self.hello_info = json.loads(body)
+                if self.hello and not self.hello.done():
+                    self.hello.set_result(self.hello_info)
+            elif kind == Kind.READY:
+                self._on_ready(json.loads(body))
+
+    def _on_ready(self, info: dict[str, Any]) -> None:
+        if "error" in info:
+            detail = info["error"].rstrip()
+            tail = info.get("stderr_tail", "").rstrip()
+            msg = f"{self.name}: the executor failed to start:\n{detail}"
+            if tail:
+                msg += f"\n--- last lines of its stderr ---\n{tail}"
+            if self.ready and not self.ready.done():
+                self.ready.set_exception(ProvisionError(msg))
+            else:  # a replacement executor failed: the node cannot run anything more
+                self.state = NodeState.LOST
+                self._fail_all(msg)
+            return
+        self.ready_info = info
+        self.shm = bool(info.get("shm"))
+        if self.state is not NodeState.CLOSED:
+            self.state = NodeState.READY
+        if self.ready and not self.ready.done():
+            self.ready.set_result(info)
+
+    def _on_stderr(self, data: bytes) -> None:
+        lines = (self._err_partial + data).split(b"\n")
+        self._err_partial = lines.pop()[-4096:]
+        self.stderr_tail.extend(line.decode(errors="replace") for line in lines)
+
+    def _gone(self) -> None:
+        if self.state is NodeState.CLOSED:
+            return
+        self.flush_output()
+        self.state = NodeState.LOST
+        err = self.lost_error("lost: its agent exited")
+        for fut in (self.hello, self.ready):
+            if fut is not None and not fut.done():
+                fut.set_exception(ProvisionError(str(err)))
+        self._fail_all(str(err))
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            subs = list(self.inflight.values())
+            self.inflight.clear()
+        if subs:
+            self._on_lost(self, subs)
+
+    def lost_error(self, what: str) -> NodeLostError:
+        status = self.proc.exit_status()
+        how = ""
+        sig_name = None
+        if status is not None:
+            if status < 0:
+                sig_name = _signal_name(-status)
+                how = f" (killed by {sig_name})"
+            else:
+                how = f" (exit status {status})"
+        tail = "\n".join(self.stderr_tail).rstrip()
+        msg = f"{self.name} {what}{how}"
+        if tail:
+            msg += f"\n--- last lines of the agent's stderr ---\n{tail}"
+        return NodeLostError(msg, node=self.rank, exitcode=status, signal=sig_name, stderr_tail=tail)
+
+    # -- output ----------------------------------------------------------------------
+    def _output(self, stream: int, data: bytes) -> None:
+        buf = self._out_partial[stream] + data
+        lines = buf.split(b"\n")
+        self._out_partial[stream] = lines.pop()
+        if lines:
+            prefix = f"(node {self.rank}) "
+            text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+            _write(stream, text)
+
+    def flush_output(self) -> None:
+        for stream, rest in self._out_partial.items():
+            if rest:
+                self._out_partial[stream] = b""
+                _write(stream, f"(node {self.rank}) {rest.decode(errors='replace')}\n")
+
+
+_print_lock = threading.Lock()
+
+
+def _write(stream: int, text: str) -> None:
+    target = sys.stdout if stream == 1 else sys.stderr
+    with _print_lock:
+        try:
+            target.write(text)
+            target.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def describe_exit(exitcode: int | None) -> tuple[str, str | None]:
+    """('killed by SIGKILL (exit status -9)', 'SIGKILL') and the like."""
+    if exitcode is None:
+        return "exited (status unknown)", None
+    if exitcode < 0:
+        name = _signal_name(-exitcode)
+        hint = " — out of memory?" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}", name
+    return f"exited with status {exitcode}", None

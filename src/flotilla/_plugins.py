@@ -1,0 +1,48 @@
+"""The plugin interface.
+
+A plugin is a small object with optional hooks, applied in the order given to ``Compute``:
+
+``transform(image, cluster) -> image``
+    Client side, before node environments are built: add packages, indexes, env vars.
+``around_process(info) -> context manager | None``
+    Node side, entered once per executor process before its first task (with the node's
+    :class:`~flotilla.InstanceInfo`) and exited when the executor shuts down. Set
+    environment variables and initialise the framework here (``init_process_group``...).
+
+A plugin that only makes sense in cluster mode sets ``requires_cluster = True``; pools with
+``Options(cluster=False)`` then refuse it before anything starts. Plugins travel to the
+nodes pickled, so keep their state small and picklable.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+from ._info import InstanceInfo
+
+
+class Plugin:
+    """Base class for plugins; every hook is optional."""
+
+    name: str = "plugin"
+    requires_cluster: bool = False
+
+    def transform(self, image: Any, cluster: Any) -> Any:
+        """Return the image the nodes should build (client side)."""
+        return image
+
+    def around_process(self, info: InstanceInfo) -> AbstractContextManager[Any] | None:
+        """Context entered once per executor process (node side)."""
+        return None
+
+
+def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> None:
+    """Enter each plugin's ``around_process`` context, in order, on ``stack``."""
+    for plugin in plugins:
+        hook = getattr(plugin, "around_process", None)
+        if hook is None:
+            continue
+        cm = hook(info)
+        if cm is not None:
+            stack.enter_context(cm)

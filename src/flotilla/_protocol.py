@@ -1,0 +1,153 @@
+"""The wire protocol between client, agent and executor.
+
+A stream of frames, each a fixed header followed by a body::
+
+    kind: u8 | ident: u64 | length: u64 | body: `length` bytes
+
+The same framing is used on the client <-> agent channel (the agent's stdin/stdout, a pipe
+locally or an SSH channel remotely) and on the agent <-> executor pipes. User code never
+writes to these descriptors: the agent moves its own stdout away before it speaks, and the
+executor's stdout/stderr are separate pipes that the agent forwards as OUTPUT frames.
+
+This module is imported by the agent at start-up: it must stay standard-library only.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from enum import IntEnum
+from typing import TypeAlias
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+HEADER = struct.Struct("<BQQ")
+HEADER_SIZE = HEADER.size
+# Bodies at least this large are read straight into their own buffer (no re-copying).
+_BIG = 1 << 20
+_CHUNK = 1 << 18
+
+
+class Kind(IntEnum):
+    """Frame kinds. ``ident`` is a task id, a function key or a stream number."""
+
+    # agent -> client
+    HELLO = 1  # JSON: the agent is up (pid, host, boot id, python, free port)
+    READY = 2  # JSON: the executor is initialised (or failed to, with "error")
+    RESULT = 3  # ident=task id; body = status byte + payload
+    OUTPUT = 4  # ident=1 stdout / 2 stderr; body = raw bytes the executor wrote
+    # client -> agent
+    CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
+    DEFINE = 11  # ident=function key; body = pickled function
+    TASK = 12  # ident=task id; body = f64 timeout (0 = none) + payload
+    PING = 13  # keep-alive; the agent exits when none arrives for a while
+    SHUTDOWN = 14  # stop the executor gracefully and exit
+
+
+class Status(IntEnum):
+    """First byte of a RESULT body."""
+
+    OK = 0  # payload: pickled return value
+    ERROR = 1  # payload: pickled (exception bytes | None, type name, message, traceback)
+    DIED = 2  # payload: JSON describing how the executor died
+    TIMEOUT = 3  # payload: JSON with the timeout
+
+
+TIMEOUT = struct.Struct("<d")
+
+
+def frame(kind: Kind, ident: int, *parts: Buffer) -> list[Buffer]:
+    """Header and body parts of one frame, ready for :func:`write_all`."""
+    length = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+    return [HEADER.pack(kind, ident, length), *parts]
+
+
+def write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    """Write every byte of ``parts`` to a blocking descriptor."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views[:512])
+        while written:
+            first = views[0]
+            if written >= first.nbytes:
+                written -= first.nbytes
+                views.pop(0)
+            else:
+                views[0] = first[written:]
+                written = 0
+
+
+class FrameReader:
+    """Incremental frame parser over a byte stream.
+
+    ``read(fd)`` performs one read and returns the frames it completed. Large bodies are
+    read directly into a buffer of their final size, so a 100 MB payload is copied once.
+    """
+
+    __slots__ = ("_big", "_big_filled", "_big_header", "_buf")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._big: bytearray | None = None
+        self._big_filled = 0
+        self._big_header: tuple[int, int] = (0, 0)
+
+    def read(self, fd: int) -> list[tuple[int, int, bytes | bytearray]] | None:
+        """Read once from ``fd``; ``None`` at end of stream."""
+        if self._big is not None:
+            view = memoryview(self._big)[self._big_filled :]
+            n = os.readv(fd, [view])
+            if n == 0:
+                return None
+            self._big_filled += n
+            if self._big_filled < len(self._big):
+                return []
+            kind, ident = self._big_header
+            body = self._big
+            self._big = None
+            return [(kind, ident, body)]
+        data = os.read(fd, _CHUNK)
+        if not data:
+            return None
+        return self.feed(data)
+
+    def feed(self, data: Buffer) -> list[tuple[int, int, bytes | bytearray]]:
+        """Add bytes; return the frames they complete."""
+        buf = self._buf
+        buf += data
+        out: list[tuple[int, int, bytes | bytearray]] = []
+        start = 0
+        end = len(buf)
+        while end - start >= HEADER_SIZE:
+            kind, ident, length = HEADER.unpack_from(buf, start)
+            body_start = start + HEADER_SIZE
+            if end - body_start >= length:
+                out.append((kind, ident, bytes(buf[body_start : body_start + length])))
+                start = body_start + length
+                continue
+            if length >= _BIG:
+                big = bytearray(length)
+                have = end - body_start
+                big[:have] = buf[body_start:end]
+                self._big, self._big_filled, self._big_header = big, have, (kind, ident)
+                start = end
+            break
+        if start:
+            del buf[:start]
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Whether a partial frame is buffered."""
+        return bool(self._buf) or self._big is not None
+
+
+def iter_frames(fd: int) -> Iterator[tuple[int, int, bytes | bytearray]]:
+    """Blocking iteration over the frames of ``fd`` until end of stream."""
+    reader = FrameReader()
+    while True:
+        frames = reader.read(fd)
+        if frames is None:
+            return
+        yield from frames

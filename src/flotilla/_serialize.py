@@ -1,0 +1,210 @@
+"""Payload encoding: cloudpickle with pickle protocol 5 out-of-band buffers.
+
+A payload is the pickle stream plus the large buffers it refers to (numpy arrays, torch
+tensors, bytes-like objects of at least ``OUT_OF_BAND`` bytes), which are never copied into
+the pickle stream. On the wire a payload is::
+
+    u32 nbuf | u64 main_len | u16 shm_name_len | shm name | nbuf x (u8 where, u64 offset, u64 len)
+    | main pickle | inline buffers
+
+``where`` is 0 for a buffer that follows inline and 1 for one that lies in the shared
+memory file ``shm name`` (same-host nodes only): a broadcast of a 100 MB array to four
+local nodes writes it to shared memory once and each node maps it copy-on-write.
+Decoding is zero-copy: buffers become views of the received frame or of the mapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ._protocol import Buffer
+
+OUT_OF_BAND = 64 * 1024  # buffers this large are not copied into the pickle stream
+SHM_MIN = 1 << 20  # buffers this large go through shared memory between same-host nodes
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
+
+_HEAD = struct.Struct("<IQH")
+_BUF = struct.Struct("<BQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    """A pickled object: the pickle stream and its out-of-band buffers."""
+
+    main: bytes
+    buffers: tuple[memoryview, ...]
+
+    @property
+    def shm_bytes(self) -> int:
+        """Bytes that would travel through shared memory."""
+        return sum(b.nbytes for b in self.buffers if b.nbytes >= SHM_MIN)
+
+
+def pickle_obj(obj: Any) -> Pickled:
+    """Pickle ``obj`` with cloudpickle, keeping large buffers out of band."""
+    import cloudpickle
+
+    buffers: list[memoryview] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        view = buf.raw()
+        if view.nbytes < OUT_OF_BAND:
+            return True  # a true value means: serialize in band
+        buffers.append(view)
+        return False
+
+    main = cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
+    return Pickled(main, tuple(buffers))
+
+
+def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
+    """Wire parts of ``p``; buffers of ``SHM_MIN`` bytes or more lie in ``shm_name``."""
+    descriptors: list[Buffer] = []
+    inline: list[Buffer] = []
+    shm_offset = 0
+    for view in p.buffers:
+        if shm_name and view.nbytes >= SHM_MIN:
+            descriptors.append(_BUF.pack(1, shm_offset, view.nbytes))
+            shm_offset += _aligned(view.nbytes)
+        else:
+            descriptors.append(_BUF.pack(0, 0, view.nbytes))
+            inline.append(view)
+    name = shm_name.encode() if shm_offset else b""
+    head = _HEAD.pack(len(p.buffers), len(p.main), len(name))
+    return [head, name, *descriptors, p.main, *inline]
+
+
+def write_shm(p: Pickled, prefix: str) -> str:
+    """Write ``p``'s large buffers to a new shared-memory file; return its name ('' if none)."""
+    big = [b for b in p.buffers if b.nbytes >= SHM_MIN]
+    if not big:
+        return ""
+    name = f"{prefix}{secrets.token_hex(8)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        offset = 0
+        for view in big:
+            flat = view.cast("B")
+            done = 0
+            while done < flat.nbytes:
+                done += os.pwrite(fd, flat[done:], offset + done)
+            offset += _aligned(view.nbytes)
+    except BaseException:
+        unlink_shm(name)
+        raise
+    finally:
+        os.close(fd)
+    return name
+
+
+def unlink_shm(name: str) -> None:
+    """Remove a shared-memory file; already gone is fine."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def decode(body: Buffer, offset: int = 0) -> Any:
+    """Unpickle a payload that starts at ``offset`` of ``body``."""
+    view = memoryview(body)
+    nbuf, main_len, name_len = _HEAD.unpack_from(view, offset)
+    pos = offset + _HEAD.size
+    name = bytes(view[pos : pos + name_len]).decode()
+    pos += name_len
+    descriptors = [_BUF.unpack_from(view, pos + i * _BUF.size) for i in range(nbuf)]
+    pos += nbuf * _BUF.size
+    main = view[pos : pos + main_len]
+    pos += main_len
+    shm: memoryview | None = None
+    if name:
+        shm = _map_private(name)
+    buffers: list[memoryview] = []
+    for where, shm_offset, length in descriptors:
+        if where == 1:
+            assert shm is not None
+            buffers.append(shm[shm_offset : shm_offset + length])
+        else:
+            buffers.append(view[pos : pos + length])
+            pos += length
+    return pickle.loads(main, buffers=buffers)
+
+
+def shm_name_of(body: Buffer, offset: int = 0) -> str:
+    """The shared-memory file a payload refers to ('' if none)."""
+    _, _, name_len = _HEAD.unpack_from(body, offset)
+    start = offset + _HEAD.size
+    return bytes(memoryview(body)[start : start + name_len]).decode()
+
+
+def _map_private(name: str) -> memoryview:
+    """Map a shared-memory file copy-on-write: writes stay private to this process."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return memoryview(mapping)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def describe_unpicklable(obj: Any, root: str) -> tuple[str, str, str] | None:
+    """Find the innermost part of ``obj`` that cannot be pickled.
+
+    Returns ``(path, type name, reason)``, e.g. ``("args[1]['x']", "_thread.lock", ...)``,
+    or None when ``obj`` pickles fine.
+    """
+    import cloudpickle
+
+    def fails(o: Any) -> str | None:
+        try:
+            cloudpickle.dumps(o, protocol=5, buffer_callback=lambda b: False)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def children(o: Any, path: str) -> list[tuple[Any, str]]:
+        if isinstance(o, dict):
+            return [(v, f"{path}[{k!r}]") for k, v in o.items()]
+        if isinstance(o, list | tuple):
+            return [(v, f"{path}[{i}]") for i, v in enumerate(o)]
+        if isinstance(o, set | frozenset):
+            return [(v, f"{path}{{{v!r}}}") for v in o]
+        if callable(o) and getattr(o, "__closure__", None):
+            names = o.__code__.co_freevars
+            return [
+                (c.cell_contents, f"{path}<closure {n}>")
+                for n, c in zip(names, o.__closure__, strict=False)
+            ]
+        attrs = getattr(o, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(o, type):
+            return [(v, f"{path}.{k}") for k, v in attrs.items()]
+        return []
+
+    def walk(o: Any, path: str, seen: set[int]) -> tuple[str, str, str] | None:
+        reason = fails(o)
+        if reason is None:
+            return None
+        if id(o) not in seen:
+            seen.add(id(o))
+            for child, child_path in children(o, path):
+                found = walk(child, child_path, seen)
+                if found is not None:
+                    return found
+        t = type(o)
+        return path, f"{t.__module__}.{t.__qualname__}", reason
+
+    return walk(obj, root, set())
+
+
