@@ -4,8 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_CUDA = {"A100", "A10", "A10G", "A40", "H100", "H200", "L4", "L40S", "T4", "V100", "RTX4090",
-         "RTX3090", "B200", "GH200", "P100", "K80"}
+_CUDA = {
+    "A100",
+    "A10",
+    "A10G",
+    "A40",
+    "H100",
+    "H200",
+    "L4",
+    "L40S",
+    "T4",
+    "V100",
+    "RTX4090",
+    "RTX3090",
+    "B200",
+    "GH200",
+    "P100",
+    "K80",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +53,9 @@ def parse_accelerator(spec: str | Accelerator | None) -> Accelerator | None:
     if spec is None or isinstance(spec, Accelerator):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"accelerator must be a string like 'A100:8' or an Accelerator, got {spec!r}")
+        raise TypeError(
+            f"accelerator must be a string like 'A100:8' or an Accelerator, got {spec!r}"
+        )
     name, _, count = spec.partition(":")
     try:
         n = int(count) if count else 1
@@ -56,7 +74,7 @@ def _factory(name: str, cuda: bool = True) -> type:
     return make  # type: ignore[return-value]
 
 
-class accelerators:  # noqa: N801 - a namespace, as in ``sky.accelerators.A100()``
+class accelerators:
     """Constructors for common accelerators: ``accelerators.A100(count=8)``."""
 
     A100 = staticmethod(_factory("A100"))

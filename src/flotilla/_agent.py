@@ -187,7 +187,7 @@ class Agent:
             "host": socket.gethostname(),
             "boot_id": boot_id,
             "python": sys.executable,
-            "python_version": "%d.%d.%d" % sys.version_info[:3],
+            "python_version": ".".join(map(str, sys.version_info[:3])),
             "port": port,
         }
         self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
@@ -325,7 +325,9 @@ class Agent:
                     ex.state = ExecState.FAILED
                 else:
                     ex.state = ExecState.RUNNING
-                info.update(restarts=self.restarts, shm=bool(self.config and self.config["shm_prefix"]))
+                info.update(
+                    restarts=self.restarts, shm=bool(self.config and self.config["shm_prefix"])
+                )
                 self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
 
     def _on_output(self, ex: Executor, stream: int, mask: int) -> None:
@@ -371,7 +373,9 @@ class Agent:
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
                 error = "the executor process exited during start-up"
-                self.client.send(frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode()))
+                self.client.send(
+                    frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
+                )
             self.executor = None
             return
         if self.tasks:

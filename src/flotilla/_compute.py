@@ -31,7 +31,6 @@ from ._protocol import Buffer, Kind, Status
 from ._provider import AgentProcess, Options, PoolSpec, Provider
 from ._serialize import (
     SHM_DIR,
-    Pickled,
     decode,
     describe_unpicklable,
     encode,
@@ -84,14 +83,17 @@ class Compute:
         options: Options | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node")
+            raise ValueError(
+                f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node"
+            )
         if provider is None:
             from ._local import Local
 
             provider = Local()
         if not isinstance(provider, Provider):
             raise TypeError(
-                f"provider must be a flotilla provider such as flotilla.Local(), got {type(provider).__name__}"
+                "provider must be a flotilla provider such as flotilla.Local(), "
+                f"got {type(provider).__name__}"
             )
         if options is None:
             options = Options()
@@ -116,11 +118,14 @@ class Compute:
     def _check_plugins(self) -> None:
         for p in self.plugins:
             if not (hasattr(p, "around_process") or hasattr(p, "transform")):
-                raise TypeError(f"{p!r} is not a flotilla plugin (it has neither transform nor around_process)")
+                raise TypeError(
+                    f"{p!r} is not a flotilla plugin (it has neither transform nor around_process)"
+                )
             if not self.options.cluster and getattr(p, "requires_cluster", False):
                 name = getattr(p, "name", type(p).__name__)
                 raise ConfigurationError(
-                    f"plugin {name!r} needs cluster mode (nodes that know each other), but the pool "
+                    f"plugin {name!r} needs cluster mode (nodes that know each other), "
+                    "but the pool "
                     f"has Options(cluster=False): remove the plugin or use cluster=True"
                 )
 
@@ -143,14 +148,18 @@ class Compute:
         """Start the pool (what entering the ``with`` block does)."""
         if self._state is not PoolState.NEW:
             raise PoolClosedError("a Compute pool can be started once; create a new Compute")
-        spec = PoolSpec(self.pool_id, self.nodes, self.accelerator, self.image, self.plugins, self.options)
+        spec = PoolSpec(
+            self.pool_id, self.nodes, self.accelerator, self.image, self.plugins, self.options
+        )
         self.provider.validate(spec)
         image = self.image
         for p in self.plugins:
             hook = getattr(p, "transform", None)
             if hook is not None:
                 image = hook(image, spec)
-        spec = PoolSpec(self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options)
+        spec = PoolSpec(
+            self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options
+        )
         try:
             blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
         except Exception as e:
@@ -178,7 +187,9 @@ class Compute:
             probe = {}
         procs = await self.provider.start(spec, self.provider.agent_command())
         self._procs = procs
-        self._nodes = [Node(rank, p, self._on_result, self._on_lost) for rank, p in enumerate(procs)]
+        self._nodes = [
+            Node(rank, p, self._on_result, self._on_lost) for rank, p in enumerate(procs)
+        ]
         for node in self._nodes:
             node.start(loop)
         timeout = self.options.start_timeout
@@ -218,7 +229,9 @@ class Compute:
         self, futures: list[asyncio.Future[dict[str, Any]] | None], timeout: float, what: str
     ) -> list[dict[str, Any]]:
         waiting = [f for f in futures if f is not None]
-        done, pending = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        _done, pending = await asyncio.wait(
+            waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+        )
         for fut in waiting:  # root cause first: the first node that failed
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
@@ -265,19 +278,35 @@ class Compute:
                 subs = list(node.inflight.values())
                 node.inflight.clear()
             for sub in subs:
-                self._settle(sub, exc=PoolClosedError(f"the pool closed before {node.name} finished the call"))
+                self._settle(
+                    sub,
+                    exc=PoolClosedError(f"the pool closed before {node.name} finished the call"),
+                )
         with contextlib.suppress(OSError):
             for name in os.listdir(SHM_DIR):
                 if name.startswith(self._shm_prefix):
                     unlink_shm(name)
 
+    # -- operators with something else on the left ---------------------------------------
+    def __rrshift__(self, other: object) -> Any:
+        raise _left_operand_error(">>", other)
+
+    def __rmatmul__(self, other: object) -> Any:
+        raise _left_operand_error("@", other)
+
+    def __lt__(self, other: object) -> Any:  # `other > pool` when other has no __gt__
+        raise _left_operand_error(">", other)
+
     # -- dispatch ------------------------------------------------------------------------
     def _check_running(self) -> None:
         if self._state is not PoolState.RUNNING:
             if self._state is PoolState.NEW:
-                raise PoolClosedError("this pool is not started: use `with flotilla.Compute(...) as pool:`")
+                raise PoolClosedError(
+                    "this pool is not started: use `with flotilla.Compute(...) as pool:`"
+                )
             raise PoolClosedError(
-                f"this pool is {self._state.value}: send calls inside the `with flotilla.Compute(...)` block"
+                f"this pool is {self._state.value}: "
+                "send calls inside the `with flotilla.Compute(...)` block"
             )
 
     def _function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
@@ -302,11 +331,14 @@ class Compute:
         try:
             pickled = pickle_obj((fn_key, call.args, call.kwargs))
         except Exception as e:
-            found = describe_unpicklable(call.args, "args") or describe_unpicklable(call.kwargs, "kwargs")
+            found = describe_unpicklable(call.args, "args") or describe_unpicklable(
+                call.kwargs, "kwargs"
+            )
             path, type_name = (found[0], found[1]) if found else ("arguments", "")
             raise SerializationError(
                 f"cannot send {call.function.name}(...) to the pool: {path} of type {type_name} "
-                f"cannot be pickled ({e}); pass something picklable, or create it inside the function",
+                f"cannot be pickled ({e}); pass something picklable, "
+                "or create it inside the function",
                 path=path,
                 type_name=type_name,
             ) from None
@@ -315,7 +347,14 @@ class Compute:
             shm = write_shm(pickled, self._shm_prefix)
         return Payload(pickled, shm)
 
-    def _submission(self, call: PendingCall[Any], payload: Payload, fn_key: int, define: list[Buffer], pinned: bool) -> Submission:
+    def _submission(
+        self,
+        call: PendingCall[Any],
+        payload: Payload,
+        fn_key: int,
+        define: list[Buffer],
+        pinned: bool,
+    ) -> Submission:
         fut: Future[Any] = Future()
         fut.set_running_or_notify_cancel()
         payload.acquire()
@@ -421,7 +460,7 @@ class Compute:
                 return
             failed = next((f for f in futures if f.done() and f.exception() is not None), None)
             if failed is not None:
-                out.set_exception(failed.exception())  # type: ignore[arg-type]
+                out.set_exception(failed.exception())
             elif remaining[0] == 0:
                 out.set_result(tuple(f.result() for f in futures))
 
@@ -463,10 +502,15 @@ class Compute:
                 self._settle(sub, exc=_remote_exception(decode(body, 1), node.rank))
             elif status == Status.TIMEOUT:
                 timeout = sub.timeout
-                self._settle(sub, exc=TaskTimeoutError(
-                    f"{sub.call.function.name}(...) ran longer than its timeout of {timeout:g} s on "
-                    f"{node.name}; its process was stopped and replaced",
-                    node=node.rank, timeout=timeout))
+                self._settle(
+                    sub,
+                    exc=TaskTimeoutError(
+                        f"{sub.call.function.name}(...) ran longer than its timeout of "
+                        f"{timeout:g} s on {node.name}; its process was stopped and replaced",
+                        node=node.rank,
+                        timeout=timeout,
+                    ),
+                )
             elif status == Status.DIED:
                 death = json.loads(bytes(body[1:]))
                 how, sig = describe_exit(death.get("exitcode"))
@@ -474,12 +518,22 @@ class Compute:
                 msg = f"{node.name}: the process running {sub.call.function.name}(...) {how}"
                 if tail:
                     msg += f"\n--- last lines of its stderr ---\n{tail}"
-                err = WorkerDiedError(msg, node=node.rank, exitcode=death.get("exitcode"),
-                                      signal=sig, stderr_tail=tail)
+                err = WorkerDiedError(
+                    msg,
+                    node=node.rank,
+                    exitcode=death.get("exitcode"),
+                    signal=sig,
+                    stderr_tail=tail,
+                )
                 if not self._retry(sub, err):
                     self._settle(sub, exc=err)
             else:
-                self._settle(sub, exc=RemoteError("flotilla.ProtocolError", f"unknown status {status}", "", node.rank))
+                self._settle(
+                    sub,
+                    exc=RemoteError(
+                        "flotilla.ProtocolError", f"unknown status {status}", "", node.rank
+                    ),
+                )
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here
             if not sub.future.done():
                 self._settle(sub, exc=e)
@@ -496,13 +550,19 @@ class Compute:
         sub.retries_left -= 1
         previous = sub.node
         try:
-            target = previous if sub.pinned and previous is not None else self._least_busy(exclude=previous)
+            target = (
+                previous
+                if sub.pinned and previous is not None
+                else self._least_busy(exclude=previous)
+            )
             target.send([sub])
         except Exception:
             return False
         return True
 
-    def _settle(self, sub: Submission, *, value: Any = None, exc: BaseException | None = None) -> None:
+    def _settle(
+        self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
+    ) -> None:
         sub.payload.release()
         if sub.future.done():
             return
@@ -512,9 +572,22 @@ class Compute:
             sub.future.set_result(value)
 
 
+def _left_operand_error(op: str, other: object) -> TypeError:
+    if callable(other):
+        name = getattr(other, "__name__", type(other).__name__)
+        return TypeError(
+            f"`{name}` is a plain function: decorate it with @flotilla.function and call it, "
+            f"as in `{name}(...) {op} pool`"
+        )
+    return TypeError(
+        f"the left side of `{op} pool` must be a call of a @flotilla.function, "
+        f"not {type(other).__name__}"
+    )
+
+
 def _results(futures: list[Future[Any]]) -> list[Any]:
     """Wait for every future; raise the first failure as soon as it happens."""
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
     if pending:
         first = next(f for f in futures if f.done() and f.exception() is not None)
         raise first.exception()  # type: ignore[misc]
@@ -535,8 +608,6 @@ def _remote_exception(described: tuple[bytes | None, str, str, str], node: int) 
         return RemoteError(type_name, message, tb, node)
     exc.add_note(f"\n--- remote traceback (node {node}) ---\n{tb.rstrip()}")
     with contextlib.suppress(AttributeError, TypeError):
-        exc.node = node
-        exc.remote_traceback = tb
+        setattr(exc, "node", node)  # noqa: B010
+        setattr(exc, "remote_traceback", tb)  # noqa: B010
     return exc
-
-

@@ -8,6 +8,7 @@ forwards to the client; the protocol uses two other pipes, so prints cannot corr
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -23,6 +24,7 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     """Run the executor loop; never returns."""
     os.environ.update(config.get("env", {}))
     os.environ["COMPUTE_POOL"] = config["compute_pool"]
+    faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     if isinstance(sys.stdout, __import__("io").TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     shm_prefix: str = config.get("shm_prefix", "")
@@ -57,7 +59,9 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         os._exit(0)
 
 
-def _run(functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any) -> tuple[int, list[Any]]:
+def _run(
+    functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any
+) -> tuple[int, list[Any]]:
     try:
         fn_key, args, kwargs = ser.decode(body, TIMEOUT.size)
         value = functions[fn_key](*args, **kwargs)
@@ -83,7 +87,9 @@ def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
     import cloudpickle
 
     t = type(e)
-    tb = "".join(traceback.format_exception(t, e, e.__traceback__.tb_next if e.__traceback__ else None))
+    tb = "".join(
+        traceback.format_exception(t, e, e.__traceback__.tb_next if e.__traceback__ else None)
+    )
     e.__traceback__ = None
     try:
         data: bytes | None = cloudpickle.dumps(e, protocol=5)

@@ -50,7 +50,9 @@ class Function(Generic[P, R]):
 
     __slots__ = ("__dict__", "fn", "retries", "timeout")
 
-    def __init__(self, fn: Callable[P, R], *, timeout: float | None = None, retries: int = 0) -> None:
+    def __init__(
+        self, fn: Callable[P, R], *, timeout: float | None = None, retries: int = 0
+    ) -> None:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(retries, int) or retries < 0:
@@ -96,6 +98,32 @@ class Function(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<flotilla.function {self.name}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # By reference when the module attribute is this object (plain pickle cannot pickle
+        # the wrapped function itself: its name leads to this wrapper); by value otherwise.
+        module = getattr(self.fn, "__module__", None)
+        qualname = getattr(self.fn, "__qualname__", "")
+        if module and module != "__main__" and "<" not in qualname:
+            try:
+                if _resolve(module, qualname) is self:
+                    return _resolve, (module, qualname)
+            except (ImportError, AttributeError):
+                pass
+        return _rebuild, (self.fn, self.timeout, self.retries)
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rebuild(fn: Callable[..., Any], timeout: float | None, retries: int) -> Function[..., Any]:
+    return Function(fn, timeout=timeout, retries=retries)
 
 
 @overload
@@ -148,7 +176,7 @@ class PendingCall(Generic[R]):
     def __matmul__(self, pool: object) -> list[R]:
         return _check_pool("@", pool).broadcast(self)
 
-    def __gt__(self, pool: object) -> Future[R]:  # type: ignore[override]
+    def __gt__(self, pool: object) -> Future[R]:
         return _check_pool(">", pool).submit(self)
 
     def __and__(self, other: object) -> CallGroup:
@@ -184,7 +212,7 @@ class CallGroup:
             return p.stream(self.calls, ordered=self.ordered)
         return tuple(p.run_many(self.calls))
 
-    def __gt__(self, pool: object) -> Future[tuple[Any, ...]]:  # type: ignore[override]
+    def __gt__(self, pool: object) -> Future[tuple[Any, ...]]:
         return _check_pool(">", pool).submit_group(self.calls)
 
     def __matmul__(self, pool: object) -> tuple[list[Any], ...]:

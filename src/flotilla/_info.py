@@ -103,7 +103,9 @@ def instance_info() -> InstanceInfo:
         try:
             info = InstanceInfo.from_json(raw)
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"{ENV_VAR} is not a valid pool description ({e}): {raw[:200]!r}") from e
+            raise ValueError(
+                f"{ENV_VAR} is not a valid pool description ({e}): {raw[:200]!r}"
+            ) from e
         _cache.clear()
         _cache[raw] = info
     return info

@@ -257,7 +257,9 @@ class Node:
         msg = f"{self.name} {what}{how}"
         if tail:
             msg += f"\n--- last lines of the agent's stderr ---\n{tail}"
-        return NodeLostError(msg, node=self.rank, exitcode=status, signal=sig_name, stderr_tail=tail)
+        return NodeLostError(
+            msg, node=self.rank, exitcode=status, signal=sig_name, stderr_tail=tail
+        )
 
     # -- output ----------------------------------------------------------------------
     def _output(self, stream: int, data: bytes) -> None:

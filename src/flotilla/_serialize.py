@@ -206,5 +206,3 @@ def describe_unpicklable(obj: Any, root: str) -> tuple[str, str, str] | None:
         return path, f"{t.__module__}.{t.__qualname__}", reason
 
     return walk(obj, root, set())
-
-

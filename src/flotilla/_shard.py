@@ -81,6 +81,8 @@ def _take(d: Any, indices: list[int]) -> Any:
         return [d[i] for i in indices]
     if isinstance(d, tuple):
         return tuple(d[i] for i in indices)
-    if isinstance(d, str | bytes):
-        return type(d)().join(d[i : i + 1] for i in indices)  # type: ignore[arg-type]
+    if isinstance(d, str):
+        return "".join(d[i] for i in indices)
+    if isinstance(d, bytes):
+        return bytes(d[i] for i in indices)
     return [d[i] for i in indices]

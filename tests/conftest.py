@@ -1,0 +1,23 @@
+"""Shared fixtures: real local pools (real agent and executor processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import flotilla as sky
+
+
+@pytest.fixture(scope="module")
+def pool4() -> Iterator[sky.Compute]:
+    """A 4-node local pool shared by a test module."""
+    with sky.Compute(nodes=4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool2() -> Iterator[sky.Compute]:
+    """A 2-node local pool shared by a test module."""
+    with sky.Compute(nodes=2) as pool:
+        yield pool

@@ -1,0 +1,347 @@
+"""The programming model: lazy functions, operators, runtime context, output, errors."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flotilla as sky
+from flotilla._info import SINGLE_NODE
+
+
+@sky.function
+def noop(x: Any = None) -> Any:
+    return x
+
+
+@sky.function
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+@sky.function
+def whoami() -> sky.InstanceInfo:
+    return sky.instance_info()
+
+
+@sky.function
+def touch(path: str) -> str:
+    Path(path).write_text("ran")
+    return path
+
+
+# -- public namespace ------------------------------------------------------------------
+
+
+def test_all_lists_exactly_the_public_api() -> None:
+    import types
+
+    loaded = {n for n in sky.__all__ if getattr(sky, n) is not None}  # resolves every name
+    public = {
+        n
+        for n, v in vars(sky).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+    assert public == loaded - {"__version__"}
+    assert sorted(dir(sky)) == sorted(set(dir(sky)))
+    for name in sky.__all__:
+        assert getattr(sky, name) is not None, name
+    assert len(sky.__all__) == len(set(sky.__all__))
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = sky.nope  # type: ignore[attr-defined]
+
+
+# -- lazy functions --------------------------------------------------------------------
+
+
+def test_calling_a_function_runs_nothing_and_returns_a_picklable_call(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    call = touch(str(marker))
+    assert isinstance(call, sky.PendingCall)
+    assert not marker.exists()
+    clone = pickle.loads(pickle.dumps(call))
+    assert clone.args == (str(marker),)
+    assert clone.local() == str(marker)
+    assert marker.read_text() == "ran"
+
+
+def test_local_runs_in_process_with_single_node_info() -> None:
+    assert add.local(2, b=3) == 5
+    assert whoami.local() == SINGLE_NODE
+    assert SINGLE_NODE.total_nodes == 1 and SINGLE_NODE.is_head and SINGLE_NODE.peers
+
+
+def test_function_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        sky.function(timeout=0)(lambda: None)
+    with pytest.raises(ValueError, match="retries"):
+        sky.function(retries=-1)(lambda: None)
+    f = sky.function(timeout=5, retries=2)(lambda: None)
+    assert (f.timeout, f.retries) == (5, 2)
+
+
+# -- operators -------------------------------------------------------------------------
+
+
+def test_rshift_runs_on_one_node_and_returns_the_value(pool4: sky.Compute) -> None:
+    assert add(2, b=40) >> pool4 == 42
+
+
+def test_matmul_runs_on_every_node_in_rank_order(pool4: sky.Compute) -> None:
+    infos = whoami() @ pool4
+    assert [i.node for i in infos] == [0, 1, 2, 3]
+    assert all(i.total_nodes == 4 for i in infos)
+
+
+def test_and_and_gather_run_different_calls_in_parallel(pool4: sky.Compute) -> None:
+    assert (add(1) & add(2) & add(3)) >> pool4 == (1, 2, 3)
+    assert sky.gather(add(1), add(2, 2), noop("x")) >> pool4 == (1, 4, "x")
+
+
+def test_gather_streams_results(pool4: sky.Compute) -> None:
+    ordered = sky.gather(*(add(i) for i in range(20)), stream=True) >> pool4
+    assert list(ordered) == list(range(20))
+    unordered = sky.gather(*(add(i) for i in range(20)), stream=True, ordered=False) >> pool4
+    assert sorted(unordered) == list(range(20))
+
+
+def test_gt_returns_a_future(pool4: sky.Compute) -> None:
+    fut = add(20, 22) > pool4
+    assert fut.result(timeout=30) == 42
+    group = (add(1) & add(2)) > pool4
+    assert group.result(timeout=30) == (1, 2)
+
+
+def test_map_spreads_calls_and_keeps_input_order(pool4: sky.Compute) -> None:
+    assert pool4.map(lambda x: x * x, range(10)) == [x * x for x in range(10)]
+    nodes = pool4.map(lambda _: sky.instance_info().node, range(40))
+    assert set(nodes) == {0, 1, 2, 3}
+
+
+def test_rshift_prefers_the_least_busy_node(pool2: sky.Compute, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+
+    @sky.function
+    def wait_for_gate() -> int:
+        import time
+
+        while not gate.exists():
+            time.sleep(0.01)
+        return sky.instance_info().node
+
+    busy = wait_for_gate() > pool2
+    free = whoami() >> pool2  # the other node must answer while the first is busy
+    gate.write_text("open")
+    assert free.node != busy.result(timeout=30)
+
+
+# -- runtime context -------------------------------------------------------------------
+
+
+def test_instance_info_describes_the_cluster(pool4: sky.Compute) -> None:
+    infos = whoami() @ pool4
+    head = infos[0]
+    assert head.is_head and not any(i.is_head for i in infos[1:])
+    assert all(i.head_addr == "127.0.0.1" and i.head_port == head.head_port for i in infos)
+    assert 1024 < head.head_port < 65536
+    assert all(i.pool_id == pool4.pool_id for i in infos)
+    assert all([p.node for p in i.peers] == [0, 1, 2, 3] for i in infos)
+    assert all(p.addr == "127.0.0.1" for p in head.peers)
+    assert all(i.accelerators == 0 and i.cluster for i in infos)
+
+
+def test_standalone_mode_has_no_peers_and_no_head() -> None:
+    with sky.Compute(nodes=2, options=sky.Options(cluster=False)) as pool:
+        infos = whoami() @ pool
+    assert [i.node for i in infos] == [0, 1]
+    assert all(not i.is_head and i.peers == () and not i.cluster for i in infos)
+
+
+def test_options_env_is_set_in_tasks() -> None:
+    @sky.function
+    def read_env() -> str:
+        import os
+
+        return os.environ["FLOTILLA_TEST_VAR"]
+
+    with sky.Compute(nodes=1, options=sky.Options(env={"FLOTILLA_TEST_VAR": "yes"})) as pool:
+        assert read_env() >> pool == "yes"
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def test_broadcast_of_a_large_array_reaches_every_node_intact(pool4: sky.Compute) -> None:
+    arr = np.arange(5_000_000, dtype=np.float64)  # 40 MB: travels through shared memory
+
+    @sky.function
+    def mutate_and_sum(a: np.ndarray) -> tuple[float, float]:
+        total = float(a.sum())
+        a[0] = sky.instance_info().node + 100  # copy-on-write: private to this node
+        return total, float(a[0])
+
+    results = mutate_and_sum(arr) @ pool4
+    assert [r[0] for r in results] == [float(arr.sum())] * 4
+    assert [r[1] for r in results] == [100.0, 101.0, 102.0, 103.0]
+    assert arr[0] == 0
+
+
+def test_large_results_come_back_intact(pool2: sky.Compute) -> None:
+    @sky.function
+    def make(n: int) -> np.ndarray:
+        return np.full(n, sky.instance_info().node, dtype=np.int32)
+
+    out = make(3_000_000) @ pool2
+    assert [int(a.sum()) for a in out] == [0, 3_000_000]
+    assert out[1].flags.writeable
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+class BadInput(ValueError):
+    pass
+
+
+@sky.function
+def fail(msg: str) -> None:
+    raise BadInput(msg)
+
+
+def test_remote_exception_keeps_its_type_traceback_and_node(pool2: sky.Compute) -> None:
+    with pytest.raises(BadInput, match="broken input") as info:
+        fail("broken input") >> pool2
+    err = info.value
+    assert err.node in (0, 1)  # type: ignore[attr-defined]
+    assert "remote traceback" in err.__notes__[0]
+    assert "raise BadInput(msg)" in err.remote_traceback  # type: ignore[attr-defined]
+
+
+def test_broadcast_reraises_the_failure(pool2: sky.Compute) -> None:
+    @sky.function
+    def fail_on_one() -> int:
+        if sky.instance_info().node == 1:
+            raise KeyError("node one")
+        return 0
+
+    with pytest.raises(KeyError, match="node one") as info:
+        fail_on_one() @ pool2
+    assert info.value.node == 1  # type: ignore[attr-defined]
+    assert add(1, 1) @ pool2 == [2, 2]
+
+
+def test_remote_system_exit_does_not_exit_the_client(pool2: sky.Compute) -> None:
+    @sky.function
+    def leave() -> None:
+        raise SystemExit(4)
+
+    with pytest.raises(sky.RemoteError, match="SystemExit"):
+        leave() >> pool2
+
+
+def test_unpicklable_argument_is_named_before_anything_is_sent(pool2: sky.Compute) -> None:
+    lock = threading.Lock()
+    with pytest.raises(sky.SerializationError, match=r"args\[1\]\['x'\]") as info:
+        add(1, {"x": lock}) >> pool2
+    assert "lock" in info.value.type_name
+    with pytest.raises(sky.SerializationError, match=r"kwargs\['b'\]"):
+        add(1, b=(i for i in range(3))) >> pool2  # type: ignore[arg-type]
+
+
+def test_unpicklable_closure_is_named(pool2: sky.Compute) -> None:
+    lock = threading.Lock()
+
+    @sky.function
+    def uses_lock() -> bool:
+        return lock.locked()
+
+    with pytest.raises(sky.SerializationError, match="lock") as info:
+        uses_lock() >> pool2
+    assert "closure lock" in info.value.path
+
+
+def test_unpicklable_result_is_a_clear_error(pool2: sky.Compute) -> None:
+    @sky.function
+    def give_lock() -> Any:
+        return {"ok": 1, "bad": threading.Lock()}
+
+    with pytest.raises(sky.SerializationError, match=r"result\['bad'\]"):
+        give_lock() >> pool2
+    assert add(1) >> pool2 == 1
+
+
+# -- misuse ----------------------------------------------------------------------------
+
+
+def plain(x: int) -> int:
+    return x
+
+
+def test_misuse_gets_a_one_line_hint(pool2: sky.Compute) -> None:
+    with pytest.raises(TypeError, match="@flotilla.function"):
+        plain >> pool2  # type: ignore[operator]
+    with pytest.raises(TypeError, match=r"was not called: write `add\(...\) >> pool`"):
+        add >> pool2
+    with pytest.raises(TypeError, match=r"add\(...\) @ pool"):
+        add @ pool2  # type: ignore[operator]
+    with pytest.raises(TypeError, match="running flotilla pool"):
+        add(1) >> 3  # type: ignore[operator]
+    with pytest.raises(TypeError, match="pending calls"):
+        add(1) & plain  # type: ignore[operator]
+
+
+def test_nodes_must_be_positive() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="nodes must be a positive integer"):
+            sky.Compute(nodes=bad)  # type: ignore[arg-type]
+
+
+def test_closed_and_unstarted_pools_refuse_calls() -> None:
+    pool = sky.Compute(nodes=1)
+    with pytest.raises(sky.PoolClosedError, match="not started"):
+        add(1) >> pool
+    with pool:
+        assert add(1) >> pool == 1
+    with pytest.raises(sky.PoolClosedError, match="closed"):
+        add(1) >> pool
+    with pytest.raises(sky.PoolClosedError):
+        pool.open()
+
+
+class CountingLocal(sky.Local):
+    """The real local provider, counting how often it was asked to start nodes."""
+
+    starts = 0
+
+    async def start(self, spec: sky.PoolSpec, command: list[str]) -> list[sky.AgentProcess]:
+        CountingLocal.starts += 1
+        return await super().start(spec, command)
+
+
+def test_missing_accelerator_fails_before_anything_starts() -> None:
+    CountingLocal.starts = 0
+    with (
+        pytest.raises(sky.ConfigurationError, match="A100:8.*has 0 GPU"),
+        sky.Compute(provider=CountingLocal(), nodes=2, accelerator="A100:8"),
+    ):
+        pass
+    with pytest.raises(sky.ConfigurationError, match="A100"):
+        sky.Compute(provider=CountingLocal(), accelerator=sky.accelerators.A100()).open()
+    assert CountingLocal.starts == 0
+
+
+def test_plugin_needing_a_cluster_is_refused_in_standalone_mode() -> None:
+    class NeedsCluster(sky.Plugin):
+        name = "needs-cluster"
+        requires_cluster = True
+
+    with pytest.raises(sky.ConfigurationError, match="needs-cluster.*cluster=False"):
+        sky.Compute(nodes=2, plugins=[NeedsCluster()], options=sky.Options(cluster=False))
