@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import select
 import signal
 import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -51,6 +52,44 @@ class ExecState(Enum):
     STOPPED = "stopped"
 
 
+class Poller:
+    """epoll with a callback per descriptor.
+
+    Callbacks registered ``first`` run before the others of the same wake-up: the
+    executor's output pipes are drained before its results are forwarded, so a task's
+    output always reaches the client before the task's result.
+    """
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.callbacks: dict[int, tuple[bool, Callable[[], None]]] = {}
+
+    def register(
+        self, fd: int, write: bool, callback: Callable[[], None], first: bool = False
+    ) -> None:
+        self.epoll.register(fd, select.EPOLLOUT if write else select.EPOLLIN)
+        self.callbacks[fd] = (first, callback)
+
+    def unregister(self, fd: int) -> None:
+        if self.callbacks.pop(fd, None) is not None:
+            self.epoll.unregister(fd)
+
+    def __contains__(self, fd: int) -> bool:
+        return fd in self.callbacks
+
+    def poll(self, timeout: float) -> list[Callable[[], None]]:
+        events = self.epoll.poll(timeout)
+        cbs = self.callbacks
+        if len(events) == 1:
+            entry = cbs.get(events[0][0])
+            return [entry[1]] if entry else []
+        entries = [cbs[fd] for fd, _ in events if fd in cbs]
+        return [cb for first, cb in entries if first] + [cb for first, cb in entries if not first]
+
+    def close(self) -> None:
+        self.epoll.close()
+
+
 class Outbox:
     """Non-blocking writer: queues what the descriptor cannot take now."""
 
@@ -62,6 +101,22 @@ class Outbox:
 
     def send(self, parts: list[Buffer]) -> None:
         if self.broken:
+            return
+        if not self.queue:  # fast path: write directly
+            try:
+                n = os.writev(self.fd, parts)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self.broken = True
+                return
+            for p in parts:
+                size = memoryview(p).nbytes
+                if n >= size:
+                    n -= size
+                    continue
+                self.queue.append(memoryview(p).cast("B")[n:])
+                n = 0
             return
         self.queue.extend(memoryview(p).cast("B") for p in parts if len(p))
         self.flush()
@@ -116,8 +171,8 @@ class Agent:
         os.dup2(2, 1)  # anything printed in this process goes to stderr, not the protocol
         self.client = Outbox(self.proto_out)
         self.client_reader = FrameReader()
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.proto_in, selectors.EVENT_READ, self._on_client)
+        self.sel = Poller()
+        self.sel.register(self.proto_in, False, self._on_client)
         self.config: dict[str, Any] | None = None
         self.blob = b""
         self.defines: list[list[Buffer]] = []
@@ -137,10 +192,8 @@ class Agent:
         self._hello()
         try:
             while not self.done:
-                for key, mask in self.sel.select(self._next_wakeup()):
-                    current = self.sel.get_map().get(key.fd)
-                    if current is not None and current.data is key.data:  # not closed meanwhile
-                        key.data(mask)
+                for callback in self.sel.poll(self._next_wakeup()):
+                    callback()
                 self._check_deadlines()
                 self._watch_writes()
         finally:
@@ -192,7 +245,7 @@ class Agent:
         }
         self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
 
-    def _on_client(self, mask: int) -> None:
+    def _on_client(self) -> None:
         frames = self.client_reader.read(self.proto_in)
         if frames is None:  # the client is gone
             self.sel.unregister(self.proto_in)
@@ -276,9 +329,9 @@ class Agent:
         self.executor = ex
         os.set_blocking(r_out, False)
         os.set_blocking(r_err, False)
-        self.sel.register(r_res, selectors.EVENT_READ, partial(self._on_executor, ex))
-        self.sel.register(r_out, selectors.EVENT_READ, partial(self._on_output, ex, 1))
-        self.sel.register(r_err, selectors.EVENT_READ, partial(self._on_output, ex, 2))
+        self.sel.register(r_res, False, partial(self._on_executor, ex))
+        self.sel.register(r_out, False, partial(self._on_output, ex, 1), first=True)
+        self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
         for parts in self.defines:
             ex.outbox.send(parts)
         for task in self.tasks:
@@ -296,24 +349,19 @@ class Agent:
         outboxes = [self.client]
         if self.executor is not None:
             outboxes.append(self.executor.outbox)
-        registered = self.sel.get_map()
         for box in outboxes:
-            if box.queue and box.fd not in registered:
-                self.sel.register(box.fd, selectors.EVENT_WRITE, partial(self._on_writable, box))
-            elif not box.queue and box.fd in registered:
+            if box.queue and box.fd not in self.sel:
+                self.sel.register(box.fd, True, box.flush)
+            elif not box.queue and box.fd in self.sel:
                 self.sel.unregister(box.fd)
 
-    def _on_writable(self, box: Outbox, mask: int) -> None:
-        box.flush()
-
-    def _on_executor(self, ex: Executor, mask: int) -> None:
+    def _on_executor(self, ex: Executor) -> None:
         frames = ex.reader.read(ex.from_fd)
         if frames is None:
             self._executor_exited(ex)
             return
         for kind, ident, body in frames:
-            if kind == Kind.RESULT:
-                self._drain_output()
+            if kind == Kind.RESULT:  # its output was forwarded first (see Poller)
                 self.client.send([HEADER.pack(kind, ident, len(body)), body])
                 if self.tasks and self.tasks[0].ident == ident:
                     self.tasks.popleft()
@@ -330,7 +378,7 @@ class Agent:
                 )
                 self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
 
-    def _on_output(self, ex: Executor, stream: int, mask: int) -> None:
+    def _on_output(self, ex: Executor, stream: int) -> None:
         self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
 
     def _forward_output(self, ex: Executor, fd: int, stream: int) -> bool:
@@ -339,8 +387,7 @@ class Agent:
         except BlockingIOError:
             return False
         if not data:
-            if fd in self.sel.get_map():
-                self.sel.unregister(fd)
+            self.sel.unregister(fd)
             return False
         if stream == 2:
             lines = (ex.partial_err + data).split(b"\n")
@@ -355,7 +402,7 @@ class Agent:
         if ex is None:
             return
         for fd, stream in ((ex.out_fd, 1), (ex.err_fd, 2)):
-            while fd in self.sel.get_map() and self._forward_output(ex, fd, stream):
+            while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
     def _executor_exited(self, ex: Executor) -> None:
@@ -395,8 +442,7 @@ class Agent:
 
     def _close_executor(self, ex: Executor) -> None:
         for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
-            if fd in self.sel.get_map():
-                self.sel.unregister(fd)
+            self.sel.unregister(fd)
             try:
                 os.close(fd)
             except OSError:

@@ -111,7 +111,6 @@ class Compute:
         self._nodes: list[Node] = []
         self._procs: list[AgentProcess] = []
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
-        self._rr = 0
         self._shm_prefix = f"flotilla-{self.pool_id}-"
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -368,14 +367,7 @@ class Compute:
         nodes = [n for n in self._ready_nodes() if n is not exclude] or self._ready_nodes()
         if not nodes:
             raise self._all_lost()
-        self._rr += 1
-        start = self._rr % len(nodes)
-        best = nodes[start]
-        for i in range(1, len(nodes)):
-            node = nodes[(start + i) % len(nodes)]
-            if len(node.inflight) < len(best.inflight):
-                best = node
-        return best
+        return min(nodes, key=lambda n: len(n.inflight))
 
     def _all_lost(self) -> PoolClosedError:
         return PoolClosedError("no node of this pool can take calls: every node was lost")
@@ -389,17 +381,17 @@ class Compute:
         return subs
 
     def _dispatch(self, subs: list[Submission]) -> None:
-        by_node: dict[Node, list[Submission]] = {}
-        load = {n: len(n.inflight) for n in self._ready_nodes()}
+        """Send each call to the least busy node; ties go to the lowest rank.
+
+        Counting each assignment spreads a batch evenly; preferring low ranks among idle
+        nodes keeps one agent warm for a stream of single calls.
+        """
+        load = {n: len(n.inflight) for n in self._nodes if n.state is NodeState.READY}
         if not load:
             raise self._all_lost()
-        nodes = list(load)
-        for i, sub in enumerate(subs):
-            self._rr += 1
-            best = nodes[(self._rr + i) % len(nodes)]
-            for node in nodes:
-                if load[node] < load[best]:
-                    best = node
+        by_node: dict[Node, list[Submission]] = {}
+        for sub in subs:
+            best = min(load, key=load.__getitem__)
             load[best] += 1
             by_node.setdefault(best, []).append(sub)
         for node, batch in by_node.items():

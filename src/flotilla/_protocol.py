@@ -59,12 +59,23 @@ TIMEOUT = struct.Struct("<d")
 
 def frame(kind: Kind, ident: int, *parts: Buffer) -> list[Buffer]:
     """Header and body parts of one frame, ready for :func:`write_all`."""
-    length = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+    length = 0
+    for p in parts:
+        length += p.nbytes if isinstance(p, memoryview) else len(p)
     return [HEADER.pack(kind, ident, length), *parts]
 
 
 def write_all(fd: int, parts: Sequence[Buffer]) -> None:
     """Write every byte of ``parts`` to a blocking descriptor."""
+    size = 0
+    for p in parts:
+        size += p.nbytes if isinstance(p, memoryview) else len(p)
+    if size <= 65536:  # small: one copy, one system call
+        data = b"".join(parts)
+        n = os.write(fd, data)
+        if n == size:
+            return
+        parts = [memoryview(data)[n:]]
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
         written = os.writev(fd, views[:512])
