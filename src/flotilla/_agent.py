@@ -62,7 +62,7 @@ class Poller:
 
     def __init__(self) -> None:
         self.epoll = select.epoll()
-        self.callbacks: dict[int, tuple[bool, Callable[[], None]]] = {}
+        self.callbacks: dict[int, tuple[bool, Callable[[], object]]] = {}
 
     def register(
         self, fd: int, write: bool, callback: Callable[[], None], first: bool = False
@@ -77,7 +77,7 @@ class Poller:
     def __contains__(self, fd: int) -> bool:
         return fd in self.callbacks
 
-    def poll(self, timeout: float) -> list[Callable[[], None]]:
+    def poll(self, timeout: float) -> list[Callable[[], object]]:
         events = self.epoll.poll(timeout)
         cbs = self.callbacks
         if len(events) == 1:
