@@ -65,7 +65,7 @@ class Poller:
         self.callbacks: dict[int, tuple[bool, Callable[[], object]]] = {}
 
     def register(
-        self, fd: int, write: bool, callback: Callable[[], None], first: bool = False
+        self, fd: int, write: bool, callback: Callable[[], object], first: bool = False
     ) -> None:
         self.epoll.register(fd, select.EPOLLOUT if write else select.EPOLLIN)
         self.callbacks[fd] = (first, callback)
