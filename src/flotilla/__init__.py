@@ -33,6 +33,7 @@ if _typing.TYPE_CHECKING:
         WorkerDiedError,
     )
     from ._function import CallGroup, Function, PendingCall, function, gather
+    from ._image import Image, Secret
     from ._info import InstanceInfo, Peer, instance_info
     from ._local import Local
     from ._output import silent, stderr, stdout
@@ -59,6 +60,8 @@ _EXPORTS: dict[str, str] = {
     "PendingCall": "_function",
     "function": "_function",
     "gather": "_function",
+    "Image": "_image",
+    "Secret": "_image",
     "InstanceInfo": "_info",
     "Peer": "_info",
     "instance_info": "_info",
@@ -82,6 +85,7 @@ __all__ = [
     "ConfigurationError",
     "FlotillaError",
     "Function",
+    "Image",
     "InstanceInfo",
     "Local",
     "NodeLostError",
@@ -95,6 +99,7 @@ __all__ = [
     "Provider",
     "ProvisionError",
     "RemoteError",
+    "Secret",
     "SerializationError",
     "TaskTimeoutError",
     "WorkerDiedError",

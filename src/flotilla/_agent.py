@@ -179,6 +179,7 @@ class Agent:
         self.tasks: deque[Task] = deque()  # sent to the executor, in order; [0] is running
         self.executor: Executor | None = None
         self.restarts = 0
+        self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
         self.stopping = False
@@ -211,7 +212,7 @@ class Agent:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         if self.stopping:
-            if self.executor is None or now >= self.stop_deadline:
+            if (self.executor is None and self.builder is None) or now >= self.stop_deadline:
                 self.done = True
             return
         if now - self.last_seen > self.heartbeat_timeout:
@@ -267,6 +268,8 @@ class Agent:
                 self._to_executor(parts)
             elif kind == Kind.CONFIG:
                 self._configure(body)
+            elif kind == Kind.INCLUDES:
+                self._start_build(bytes(body))
             elif kind == Kind.SHUTDOWN:
                 self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
 
@@ -289,7 +292,82 @@ class Agent:
                 shm_ok = False
         config["shm_prefix"] = f"flotilla-{config['pool_id']}-" if shm_ok else ""
         self.config = config
+        image = config.get("image")
+        if image:
+            from ._build import env_dir, is_built
+
+            config["image_dir"] = env_dir(config["home"], image["hash"])
+            if not is_built(config["home"], image["hash"]):
+                need = bool(image["includes_sha256"])
+                self.client.send(frame(Kind.BUILD, 0, json.dumps({"need_includes": need}).encode()))
+                if not need:
+                    self._start_build(b"")
+                return
         self._start_executor()
+
+    # -- environment build -------------------------------------------------------------
+    def _start_build(self, includes: bytes) -> None:
+        """Build the Image in a subprocess; its output streams to the client as PROGRESS."""
+        import subprocess
+
+        assert self.config is not None
+        env = dict(os.environ, **self.config.get("env", {}))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla._build", self.config["home"]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        self.builder = proc
+        self.build_tail: deque[bytes] = deque(maxlen=_STDERR_TAIL_LINES)
+        self.build_step = "start"
+        self.build_partial = b""
+        out = proc.stdout.fileno()
+        os.set_blocking(out, False)
+        self.sel.register(out, False, self._on_build_output)
+        try:
+            proc.stdin.write(json.dumps(self.config["image"]).encode() + b"\n" + includes)
+            proc.stdin.close()
+        except OSError:
+            pass  # it died early; its output says why
+
+    def _on_build_output(self) -> None:
+        proc = self.builder
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if data:
+            lines = (self.build_partial + data).split(b"\n")
+            self.build_partial = lines.pop()
+            for line in lines:
+                if line.startswith(b"::step "):
+                    self.build_step = line[7:].decode(errors="replace")
+                elif not line.startswith(b"::error "):
+                    self.build_tail.append(line)
+            self.client.send(frame(Kind.PROGRESS, 0, data))
+            return
+        self.sel.unregister(fd)
+        code = proc.wait()
+        proc.stdout.close()
+        self.builder = None
+        if code == 0:
+            self._start_executor()
+            return
+        tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
+        error = {
+            "error": f"the environment build failed in step {self.build_step!r} "
+            f"with exit code {code}",
+            "build_step": self.build_step,
+            "exitcode": code,
+            "stderr_tail": tail,
+        }
+        self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
 
     def _arm(self, task: Task) -> None:
         task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
@@ -463,6 +541,9 @@ class Agent:
 
     def _cleanup(self) -> None:
         self._kill_executor()
+        if self.builder is not None:
+            _kill_group(self.builder.pid)
+            self.builder.wait()
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"
             try:

@@ -25,9 +25,11 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._function import Function, PendingCall, as_call, function
+from ._image import Image, plain_env, redact, secret_values
 from ._info import InstanceInfo, Peer
-from ._node import Node, NodeState, Payload, Submission, describe_exit
-from ._protocol import Buffer, Kind, Status
+from ._node import Node, NodeEvents, NodeState, Payload, Submission, describe_exit
+from ._progress import Progress
+from ._protocol import Buffer, Kind, Status, frame
 from ._provider import AgentProcess, Options, PoolSpec, Provider
 from ._serialize import (
     SHM_DIR,
@@ -113,6 +115,11 @@ class Compute:
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self._shm_prefix = f"flotilla-{self.pool_id}-"
         self._heartbeat: asyncio.Task[None] | None = None
+        self._includes = b""
+        self._build_spec: dict[str, Any] | None = None
+        self._env: dict[str, str] = {}
+        self._secrets: list[str] = []
+        self._progress = Progress(0)
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
@@ -143,26 +150,35 @@ class Compute:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _spec(self, image: Image) -> PoolSpec:
+        return PoolSpec(
+            self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options
+        )
+
     def open(self) -> Compute:
         """Start the pool (what entering the ``with`` block does)."""
         if self._state is not PoolState.NEW:
             raise PoolClosedError("a Compute pool can be started once; create a new Compute")
-        spec = PoolSpec(
-            self.pool_id, self.nodes, self.accelerator, self.image, self.plugins, self.options
-        )
+        image = self.image if self.image is not None else Image()
+        if not isinstance(image, Image):
+            raise TypeError(f"image must be a flotilla.Image, got {type(image).__name__}")
+        spec = self._spec(image)
         self.provider.validate(spec)
-        image = self.image
         for p in self.plugins:
             hook = getattr(p, "transform", None)
             if hook is not None:
                 image = hook(image, spec)
-        spec = PoolSpec(
-            self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options
-        )
+                if not isinstance(image, Image):
+                    raise TypeError(f"plugin {p!r}: transform() must return an Image")
+        spec = self._spec(image)
         try:
             blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
         except Exception as e:
             raise SerializationError(f"the pool's plugins cannot be pickled: {e}") from e
+        self._includes = image.includes_archive()
+        self._build_spec = image.build_spec(self._includes) if image.needs_build else None
+        self._env = {**plain_env(image.env), **plain_env(self.options.env)}
+        self._secrets = secret_values(image.env) + secret_values(self.options.env)
         self._state = PoolState.STARTING
         loop = _loop.get_loop()
         fut = asyncio.run_coroutine_threadsafe(self._start(spec, blob), loop)
@@ -186,11 +202,14 @@ class Compute:
             probe = {}
         procs = await self.provider.start(spec, self.provider.agent_command())
         self._procs = procs
+        self._progress = Progress(len(procs), self._secrets)
+        events = _StartupEvents(self)
         self._nodes = [
-            Node(rank, p, self._on_result, self._on_lost) for rank, p in enumerate(procs)
+            Node(rank, p, self._on_result, self._on_lost, events) for rank, p in enumerate(procs)
         ]
         for node in self._nodes:
             node.start(loop)
+        self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
         timeout = self.options.start_timeout
         hellos = await self._wait_all([n.hello for n in self._nodes], timeout, "start")
         peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in self._nodes)
@@ -214,20 +233,25 @@ class Compute:
             config = {
                 "pool_id": self.pool_id,
                 "compute_pool": info.to_json(),
-                "env": dict(self.options.env),
+                "env": self._env,
+                "image": self._build_spec,
+                "home": self.provider.home,
                 "heartbeat_timeout": self.options.heartbeat_timeout,
                 "shutdown_grace": self.options.shutdown_grace,
                 "shm_probe": probe or None,
             }
             node.configure(config, blob)
         await self._wait_all([n.ready for n in self._nodes], timeout, "initialise")
-        unlink_shm(probe.get("name", "")) if probe else None
-        self._heartbeat = loop.create_task(self._heartbeats())
+        self._progress.finish()
+        if probe:
+            unlink_shm(probe["name"])
 
     async def _wait_all(
         self, futures: list[asyncio.Future[dict[str, Any]] | None], timeout: float, what: str
     ) -> list[dict[str, Any]]:
         waiting = [f for f in futures if f is not None]
+        for f in waiting:  # failures after the first are reported through the first
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
         _done, pending = await asyncio.wait(
             waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
         )
@@ -247,7 +271,7 @@ class Compute:
         while True:
             await asyncio.sleep(interval)
             for node in self._nodes:
-                if node.state is NodeState.READY:
+                if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     node.send_control(Kind.PING, wait=False)
 
     def close(self) -> None:
@@ -562,6 +586,28 @@ class Compute:
             sub.future.set_exception(exc)
         else:
             sub.future.set_result(value)
+
+
+class _StartupEvents(NodeEvents):
+    """Start-up reports of a pool's nodes: progress display, includes on request."""
+
+    def __init__(self, pool: Compute) -> None:
+        self.pool = pool
+
+    def phase(self, node: Node, phase: str) -> None:
+        self.pool._progress.set_phase(node.rank, phase)
+
+    def building(self, node: Node, info: dict[str, Any]) -> None:
+        self.pool._progress.set_phase(node.rank, "environment")
+        if info.get("need_includes"):
+            with node.lock:
+                node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
+
+    def build_output(self, node: Node, data: bytes) -> None:
+        self.pool._progress.build_output(node.rank, data)
+
+    def redact(self, text: str) -> str:
+        return redact(text, self.pool._secrets)
 
 
 def _left_operand_error(op: str, other: object) -> TypeError:

@@ -25,6 +25,14 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     os.environ.update(config.get("env", {}))
     os.environ["COMPUTE_POOL"] = config["compute_pool"]
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
+    image_dir = config.get("image_dir")
+    if image_dir:  # the Image's environment comes first on the import path
+        paths = [os.path.join(image_dir, "includes"), os.path.join(image_dir, "site")]
+        sys.path[:0] = paths
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
+        bin_dir = os.path.join(image_dir, "site", "bin")
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     if isinstance(sys.stdout, __import__("io").TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     shm_prefix: str = config.get("shm_prefix", "")

@@ -36,6 +36,7 @@ class Local(Provider):
     def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
         self.python = python or sys.executable
         self.workdir = workdir
+        self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
 
     def __repr__(self) -> str:
         return "Local()"

@@ -97,6 +97,23 @@ class Submission:
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
 
+class NodeEvents:
+    """What a node reports during start-up; the pool overrides these."""
+
+    def phase(self, node: Node, phase: str) -> None:
+        """The node entered a start-up phase."""
+
+    def building(self, node: Node, info: dict[str, Any]) -> None:
+        """The node builds its environment (and may need the includes archive)."""
+
+    def build_output(self, node: Node, data: bytes) -> None:
+        """Output of the node's environment build."""
+
+    def redact(self, text: str) -> str:
+        """``text`` with secrets removed."""
+        return text
+
+
 class Node:
     """Connection to one agent. Writes happen on any thread; reads on the loop thread."""
 
@@ -106,6 +123,7 @@ class Node:
         proc: AgentProcess,
         on_result: Callable[[Node, Submission, int, bytes | bytearray], None],
         on_lost: Callable[[Node, list[Submission]], None],
+        events: NodeEvents | None = None,
     ) -> None:
         self.rank = rank
         self.proc = proc
@@ -121,6 +139,7 @@ class Node:
         self._out_partial: dict[int, bytes] = {1: b"", 2: b""}
         self._on_result = on_result
         self._on_lost = on_lost
+        self.events = events or NodeEvents()
         self.hello: asyncio.Future[dict[str, Any]] | None = None
         self.ready: asyncio.Future[dict[str, Any]] | None = None
 
@@ -195,18 +214,29 @@ class Node:
                 self._output(ident, bytes(body))
             elif kind == Kind.HELLO:
                 self.hello_info = json.loads(body)
+                self.events.phase(self, "starting")
                 if self.hello and not self.hello.done():
                     self.hello.set_result(self.hello_info)
             elif kind == Kind.READY:
                 self._on_ready(json.loads(body))
+            elif kind == Kind.PROGRESS:
+                self.events.build_output(self, bytes(body))
+            elif kind == Kind.BUILD:
+                self.events.building(self, json.loads(body))
 
     def _on_ready(self, info: dict[str, Any]) -> None:
         if "error" in info:
             detail = info["error"].rstrip()
             tail = info.get("stderr_tail", "").rstrip()
-            msg = f"{self.name}: the executor failed to start:\n{detail}"
-            if tail:
-                msg += f"\n--- last lines of its stderr ---\n{tail}"
+            if "build_step" in info:
+                msg = f"{self.name}: {detail}"
+                if tail:
+                    msg += f"\n--- last lines of the build output ---\n{tail}"
+            else:
+                msg = f"{self.name}: the executor failed to start:\n{detail}"
+                if tail:
+                    msg += f"\n--- last lines of its stderr ---\n{tail}"
+            msg = self.events.redact(msg)
             if self.ready and not self.ready.done():
                 self.ready.set_exception(ProvisionError(msg))
             else:  # a replacement executor failed: the node cannot run anything more

@@ -37,12 +37,15 @@ class Kind(IntEnum):
     READY = 2  # JSON: the executor is initialised (or failed to, with "error")
     RESULT = 3  # ident=task id; body = status byte + payload
     OUTPUT = 4  # ident=1 stdout / 2 stderr; body = raw bytes the executor wrote
+    BUILD = 5  # JSON: the node builds its environment ({"need_includes": bool})
+    PROGRESS = 6  # text: output of the environment build
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function
     TASK = 12  # ident=task id; body = f64 timeout (0 = none) + payload
     PING = 13  # keep-alive; the agent exits when none arrives for a while
     SHUTDOWN = 14  # stop the executor gracefully and exit
+    INCLUDES = 15  # the Image's includes archive, sent when the agent asks for it
 
 
 class Status(IntEnum):

@@ -34,14 +34,14 @@ class Options:
             assumes the client is gone and exits (end of stream is noticed at once).
         shutdown_grace: seconds a node's process gets to exit cleanly when the pool closes
             (plugins' teardown runs then) before it is killed.
-        env: environment variables set in every task process.
+        env: environment variables set in every task process (values may be ``Secret``).
     """
 
     cluster: bool = True
     start_timeout: float = 120.0
     heartbeat_timeout: float = 30.0
     shutdown_grace: float = 2.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
@@ -115,6 +115,8 @@ class Provider(ABC):
     """Starts agents. Subclass it to add a new place to run."""
 
     name: str = "provider"
+    home: str = "~/.flotilla"
+    """Where nodes keep built environments between pools."""
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

@@ -1,0 +1,242 @@
+"""Node side of ``Image``: build an environment once per content hash.
+
+Run by the agent as ``python -m flotilla._build HOME`` with the build spec as JSON on stdin
+(followed by the includes archive), and the image's env in its environment (never on disk).
+It prints ``::step NAME`` before each step; the agent turns its output into progress and,
+on failure, into an error naming the step, the exit code and the last lines.
+
+Layout: ``HOME/envs/<hash>/{site,includes}`` plus ``.complete`` once finished. The build
+happens in a temporary directory renamed into place, under a lock, so concurrent pools on
+one machine build once and a failed build leaves nothing half-made. Standard library only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import Any
+
+
+def env_dir(home: str, spec_hash: str) -> str:
+    return os.path.join(os.path.expanduser(home), "envs", spec_hash)
+
+
+def is_built(home: str, spec_hash: str) -> bool:
+    return os.path.exists(os.path.join(env_dir(home, spec_hash), ".complete"))
+
+
+class BuildError(Exception):
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def step(name: str) -> None:
+    print(f"::step {name}", flush=True)
+
+
+def run(cmd: list[str] | str, **kw: Any) -> None:
+    """Run a command, streaming its output; BuildError with its exit code on failure."""
+    shown = cmd if isinstance(cmd, str) else " ".join(cmd)
+    print(f"$ {shown}", flush=True)
+    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, **kw)
+    if proc.returncode != 0:
+        raise BuildError(
+            f"command failed with exit code {proc.returncode}: {shown}", proc.returncode
+        )
+
+
+def check_python(wanted: str | None) -> None:
+    if not wanted:
+        return
+    have = "%d.%d.%d" % sys.version_info[:3]  # noqa: UP031
+    if not (have + ".").startswith(wanted + "."):
+        raise BuildError(
+            f"the node's Python is {have} ({sys.executable}) but the image asks for {wanted}"
+        )
+
+
+def install_apt(packages: list[str]) -> None:
+    missing = [p for p in packages if not _dpkg_installed(p.split("=")[0])]
+    if not missing:
+        print("apt: every package is already installed", flush=True)
+        return
+    if shutil.which("apt-get") is None:
+        raise BuildError(f"apt packages {missing} are missing and this node has no apt-get")
+    if os.geteuid() != 0:
+        raise BuildError(f"apt packages {missing} are missing and installing them needs root")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    try:
+        run(cmd, env=env)
+    except BuildError:
+        run(["apt-get", "update"], env=env)
+        run(cmd, env=env)
+
+
+def _dpkg_installed(name: str) -> bool:
+    if shutil.which("dpkg-query") is None:
+        return False
+    out = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True
+    ).stdout
+    return out.strip().endswith("installed")
+
+
+def _requirement_api() -> Any:
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        try:
+            from pip._vendor.packaging.requirements import (  # type: ignore[assignment]
+                Requirement,
+            )
+        except ImportError:
+            return None
+    return Requirement
+
+
+def unsatisfied(requirements: list[str], path: list[str]) -> list[str]:
+    """The requirements that the node's environment (``path``) does not satisfy yet."""
+    import importlib.metadata as md
+
+    requirement = _requirement_api()
+    out = []
+    for text in requirements:
+        if requirement is None or text.startswith(("-", "git+", "http:", "https:", "file:")):
+            out.append(text)
+            continue
+        req = requirement(text)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        dists = list(md.distributions(name=req.name, path=path))
+        if not dists or not req.specifier.contains(dists[0].version, prereleases=True):
+            out.append(text)
+    return out
+
+
+def installed_names(path: list[str]) -> set[str]:
+    import importlib.metadata as md
+
+    names = set()
+    for dist in md.distributions(path=path):
+        name = dist.metadata["Name"]
+        if name:
+            names.add(re.sub(r"[-_.]+", "-", name).lower())
+    return names
+
+
+def find_uv(home: str) -> list[str]:
+    try:
+        import uv
+
+        return [uv.find_uv_bin()]
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("uv")
+    if found:
+        return [found]
+    tools = os.path.join(os.path.expanduser(home), "tools", "uv")
+    binary = os.path.join(tools, "bin", "uv")
+    if not os.path.exists(binary):
+        print("installing uv for this node", flush=True)
+        run([sys.executable, "-m", "pip", "install", "--quiet", "--target", tools, "uv"])
+    return [binary]
+
+
+def install_pip(spec: dict[str, Any], site: str, home: str) -> None:
+    base = [p for p in sys.path if p]
+    wanted = unsatisfied(spec["pip"], base)
+    if not wanted:
+        print("pip: every requirement is already satisfied on this node", flush=True)
+        return
+    print(f"pip: installing {', '.join(wanted)}", flush=True)
+    requested = {re.split(r"[\s\[<>=!~;@]", w, maxsplit=1)[0].lower() for w in wanted}
+    keep_out = sorted(installed_names(base) - {re.sub(r"[-_.]+", "-", r) for r in requested})
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("".join(f"{name} ; sys_platform == 'never'\n" for name in keep_out))
+        overrides = f.name
+    try:
+        cmd = [*find_uv(home), "pip", "install", "--python", sys.executable, "--target", site]
+        cmd += ["--overrides", overrides]  # what the node has is never installed again
+        for index in spec["pip_indexes"]:
+            cmd += ["--extra-index-url", index]
+        run([*cmd, *wanted])
+    finally:
+        os.unlink(overrides)
+
+
+def unpack_includes(data: bytes, target: str) -> None:
+    os.makedirs(target, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(target, filter="data")
+    print(f"includes: unpacked {len(data)} bytes", flush=True)
+
+
+def run_setup(commands: list[str], build: str) -> None:
+    env = dict(os.environ)
+    env["PATH"] = os.path.join(build, "site", "bin") + os.pathsep + env.get("PATH", "")
+    paths = [os.path.join(build, "includes"), os.path.join(build, "site")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    for command in commands:
+        run(command, shell=True, cwd=build, env=env, executable="/bin/bash")
+
+
+def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
+    target = env_dir(home, spec["hash"])
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another pool on this machine may be building it
+        if is_built(home, spec["hash"]):
+            print("environment already built", flush=True)
+            return
+        tmp = tempfile.mkdtemp(prefix=f"{spec['hash']}.tmp-", dir=os.path.dirname(target))
+        try:
+            if spec.get("python"):
+                step("python")
+                check_python(spec["python"])
+            if spec["apt"]:
+                step("apt")
+                install_apt(spec["apt"])
+            os.makedirs(os.path.join(tmp, "site"))
+            if spec["pip"]:
+                step("pip")
+                install_pip(spec, os.path.join(tmp, "site"), home)
+            if includes:
+                step("includes")
+                unpack_includes(includes, os.path.join(tmp, "includes"))
+            if spec["setup"]:
+                step("setup")
+                run_setup(spec["setup"], tmp)
+            with open(os.path.join(tmp, ".complete"), "w") as f:
+                json.dump({k: v for k, v in spec.items() if k != "env"}, f)
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def main() -> None:
+    home = sys.argv[1]
+    raw = sys.stdin.buffer.read()
+    head, _, includes = raw.partition(b"\n")
+    spec = json.loads(head)
+    try:
+        build(spec, includes, home)
+    except BuildError as e:
+        print(f"::error {e}", flush=True)
+        sys.exit(e.code if 0 < e.code < 256 else 1)
+    step("done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``Image``: what every node's Python environment contains.
+
+An Image is frozen and has a content hash. Each node builds it once per hash (under
+``~/.flotilla/envs/<hash>`` or the provider's work directory) and later pools reuse it, so a
+second pool with the same Image runs no installer at all. See ``_build`` for the node side.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_EXCLUDES = (
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    "venv",
+    ".venv-*",
+    "env",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    "node_modules",
+    ".tox",
+)
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """A value that must never be shown: in logs, progress, errors or files on disk.
+
+    Wrap sensitive ``env`` values: ``Image(env={"WANDB_API_KEY": flotilla.Secret(key)})``.
+    Variables whose names look secret (``HF_TOKEN``, ``*_PASSWORD``, ``*_API_KEY``...) are
+    treated as secrets even when given as plain strings.
+    """
+
+    value: str = field(repr=False)
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+
+def is_secret(name: str, value: object) -> bool:
+    """Whether an environment variable must be hidden."""
+    return isinstance(value, Secret) or bool(_SECRET_NAME.search(name))
+
+
+def plain_env(env: Mapping[str, str | Secret]) -> dict[str, str]:
+    """``env`` with secrets unwrapped, for the processes that need the values."""
+    return {k: v.value if isinstance(v, Secret) else str(v) for k, v in env.items()}
+
+
+def secret_values(env: Mapping[str, str | Secret]) -> list[str]:
+    """The values to redact from anything shown to a person."""
+    out = []
+    for k, v in env.items():
+        raw = v.value if isinstance(v, Secret) else str(v)
+        if is_secret(k, v) and len(raw) >= 4:
+            out.append(raw)
+    return out
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """Replace every secret value in ``text`` by ``***``."""
+    for s in secrets:
+        text = text.replace(s, "***")
+    return text
+
+
+def _tuple(value: Any, name: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(f"Image.{name} must be a list of strings, got {value!r}") from None
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise TypeError(f"Image.{name} entries must be non-empty strings, got {item!r}")
+    return items
+
+
+@dataclass(frozen=True)
+class Image:
+    """A node environment.
+
+    Attributes:
+        python: required Python version on the nodes ("3.11"); None accepts the node's.
+        pip: requirements ("numpy", "torch>=2.3"); those the node already satisfies are
+            not installed again.
+        pip_indexes: extra package index URLs, searched before PyPI.
+        apt: Debian packages, installed only when missing.
+        env: environment variables for every task process; wrap secrets in ``Secret``.
+        includes: local files, folders and packages shipped to every node and importable
+            there (on ``sys.path``).
+        excludes: glob patterns left out of ``includes`` (added to the defaults: .git,
+            __pycache__, virtualenvs...).
+        setup: shell commands run once per environment build, after the installs.
+    """
+
+    python: str | None = None
+    pip: tuple[str, ...] = ()
+    pip_indexes: tuple[str, ...] = ()
+    apt: tuple[str, ...] = ()
+    env: Mapping[str, str | Secret] = field(default_factory=dict)
+    includes: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
+            object.__setattr__(self, name, _tuple(getattr(self, name), name))
+        if self.python is not None and not re.fullmatch(r"3\.\d+(\.\d+)?", str(self.python)):
+            raise ValueError(f"Image.python must look like '3.11', got {self.python!r}")
+        if not isinstance(self.env, Mapping):
+            raise TypeError(f"Image.env must be a dict of name -> value, got {self.env!r}")
+        for k in self.env:
+            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"Image.env: {k!r} is not a valid environment variable name")
+        for pkg in self.apt:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(=[\w.+:~-]+)?", pkg):
+                raise ValueError(f"Image.apt: {pkg!r} is not a Debian package name")
+        missing = [p for p in self.includes if not os.path.exists(p)]
+        if missing:
+            raise FileNotFoundError(
+                f"Image.includes: {', '.join(map(repr, missing))} not found "
+                f"(paths are relative to {os.getcwd()})"
+            )
+
+    def __repr__(self) -> str:
+        shown = {k: "***" if is_secret(k, v) else v for k, v in self.env.items()}
+        fields = [f"{n}={getattr(self, n)!r}" for n in ("python", "pip", "pip_indexes", "apt")]
+        return f"Image({', '.join(fields)}, env={shown!r}, includes={self.includes!r}, ...)"
+
+    @property
+    def needs_build(self) -> bool:
+        """Whether nodes have anything to build for this image."""
+        return bool(self.pip or self.apt or self.includes or self.setup or self.python)
+
+    def includes_archive(self) -> bytes:
+        """A deterministic tar.gz of ``includes`` (empty bytes when there are none)."""
+        if not self.includes:
+            return b""
+        patterns = DEFAULT_EXCLUDES + self.excludes
+        buf = io.BytesIO()
+        with (
+            gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=1) as gz,
+            tarfile.open(fileobj=gz, mode="w") as tar,
+        ):
+            for path in self.includes:
+                base = os.path.basename(os.path.normpath(path))
+                for src, arc in sorted(_walk(path, base, patterns)):
+                    info = tar.gettarinfo(src, arcname=arc)
+                    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                    if info.isfile():
+                        with open(src, "rb") as f:
+                            tar.addfile(info, f)
+                    else:
+                        tar.addfile(info)
+        return buf.getvalue()
+
+    def build_spec(self, includes: bytes) -> dict[str, Any]:
+        """What a node needs to build this image (no env values: they are not built in)."""
+        spec: dict[str, Any] = {
+            "python": self.python,
+            "pip": list(self.pip),
+            "pip_indexes": list(self.pip_indexes),
+            "apt": list(self.apt),
+            "setup": list(self.setup),
+            "includes_sha256": hashlib.sha256(includes).hexdigest() if includes else "",
+        }
+        spec["hash"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+        return spec
+
+
+def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatch(name, p) for p in patterns)
+
+
+def _walk(path: str, arc: str, patterns: tuple[str, ...]) -> Iterable[tuple[str, str]]:
+    if _excluded(os.path.basename(path), patterns):
+        return
+    yield path, arc
+    if os.path.isdir(path) and not os.path.islink(path):
+        for name in os.listdir(path):
+            yield from _walk(os.path.join(path, name), f"{arc}/{name}", patterns)
