@@ -25,7 +25,7 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._function import Function, PendingCall, as_call, function
-from ._image import Image, plain_env, redact, secret_values
+from ._image import Image, plain_env, redact, secret_values, ship_user_modules
 from ._info import InstanceInfo, Peer
 from ._node import Node, NodeEvents, NodeState, Payload, Submission, describe_exit
 from ._progress import Progress
@@ -175,6 +175,8 @@ class Compute:
             blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
         except Exception as e:
             raise SerializationError(f"the pool's plugins cannot be pickled: {e}") from e
+        if not self.provider.shares_filesystem:
+            ship_user_modules()
         self._includes = image.includes_archive()
         self._build_spec = image.build_spec(self._includes) if image.needs_build else None
         self._env = {**plain_env(image.env), **plain_env(self.options.env)}

@@ -198,3 +198,29 @@ def _walk(path: str, arc: str, patterns: tuple[str, ...]) -> Iterable[tuple[str,
     if os.path.isdir(path) and not os.path.islink(path):
         for name in os.listdir(path):
             yield from _walk(os.path.join(path, name), f"{arc}/{name}", patterns)
+
+
+def ship_user_modules() -> list[str]:
+    """Pickle the user's own modules by value, for nodes that do not have them.
+
+    A module is the user's when its file lies outside the interpreter's installation and
+    outside any site-packages: the project the client runs from. Returns their names.
+    """
+    import sys
+
+    import cloudpickle
+
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    shipped = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or "." in name or name == "__main__" or name.startswith("flotilla"):
+            continue
+        path = os.path.realpath(file)
+        if "site-packages" in path or "dist-packages" in path:
+            continue
+        if any(path.startswith(root + os.sep) for root in installed):
+            continue
+        cloudpickle.register_pickle_by_value(module)
+        shipped.append(name)
+    return shipped

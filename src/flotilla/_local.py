@@ -32,6 +32,7 @@ class Local(Provider):
     """
 
     name = "local"
+    shares_filesystem = True
 
     def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
         self.python = python or sys.executable

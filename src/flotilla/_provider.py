@@ -117,6 +117,8 @@ class Provider(ABC):
     name: str = "provider"
     home: str = "~/.flotilla"
     """Where nodes keep built environments between pools."""
+    shares_filesystem: bool = False
+    """True when nodes see the client's files (then user modules are imported, not shipped)."""
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

@@ -1,0 +1,201 @@
+"""Image: node environments built once per content hash, with real installs (uv)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import flotilla as sky
+
+SECRET = "s3cr3t-value-never-shown"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh flotilla home (where nodes keep built environments)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("FLOTILLA_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user project with a local package that the nodes do not have."""
+    root = tmp_path / "project"
+    pkg = root / "shipped_pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("ANSWER = 42\n")
+    (pkg / "__pycache__" / "stale.pyc").write_bytes(b"junk")
+    (pkg / "notes.tmp").write_text("excluded")
+    monkeypatch.chdir(root)
+    return root
+
+
+@sky.function
+def import_shipped() -> tuple[int, list[str]]:
+    import shipped_pkg  # type: ignore[import-not-found]
+
+    return shipped_pkg.ANSWER, sorted(os.listdir(os.path.dirname(shipped_pkg.__file__)))
+
+
+def built_envs(home: Path) -> list[Path]:
+    envs = home / "envs"
+    return sorted(p for p in envs.iterdir() if p.is_dir()) if envs.exists() else []
+
+
+def test_includes_make_a_local_package_importable(home: Path, project: Path) -> None:
+    image = sky.Image(includes=["shipped_pkg"], excludes=["*.tmp"])
+    with sky.Compute(nodes=2, image=image) as pool:
+        results = import_shipped() @ pool
+    assert results == [(42, ["__init__.py"])] * 2  # __pycache__ and *.tmp were not shipped
+
+
+def test_second_pool_with_the_same_image_builds_nothing(
+    home: Path, project: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    image = sky.Image(includes=["shipped_pkg"], setup=["echo built >> build-count.txt"])
+    with sky.Compute(nodes=2, image=image) as pool:
+        import_shipped() @ pool
+    first = capfd.readouterr().err
+    assert "building environment: setup" in first
+    [env] = built_envs(home)
+    assert (env / "build-count.txt").read_text() == "built\n"  # two nodes, one build
+
+    with sky.Compute(nodes=2, image=image) as pool:
+        assert import_shipped() @ pool == [(42, ["__init__.py", "notes.tmp"])] * 2
+    assert "building environment" not in capfd.readouterr().err
+    assert (env / "build-count.txt").read_text() == "built\n"
+    assert built_envs(home) == [env]
+
+
+def test_requirements_the_node_already_has_are_not_installed(
+    home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with sky.Compute(nodes=1, image=sky.Image(pip=["numpy", "cloudpickle>=2"])):
+        pass
+    assert "building environment: pip" in capfd.readouterr().err
+    [env] = built_envs(home)
+    assert list((env / "site").iterdir()) == []
+
+
+def test_a_missing_package_is_installed_with_uv(home: Path) -> None:
+    @sky.function
+    def use_it() -> str:
+        import humanize  # type: ignore[import-not-found]
+
+        return str(humanize.__file__)
+
+    with sky.Compute(nodes=1, image=sky.Image(pip=["humanize"])) as pool:
+        where = use_it() >> pool
+    [env] = built_envs(home)
+    assert where.startswith(str(env / "site"))
+    assert not (env / "site" / "numpy").exists()
+
+
+def test_failing_setup_names_node_step_exit_code_and_output(home: Path) -> None:
+    image = sky.Image(setup=["echo preparing; echo second line >&2; exit 3"])
+    before = _agents()
+    with pytest.raises(sky.ProvisionError) as info, sky.Compute(nodes=2, image=image):
+        pass
+    msg = str(info.value)
+    assert msg.startswith("node ")
+    assert "step 'setup'" in msg and "exit code 3" in msg
+    assert "preparing" in msg and "second line" in msg
+    assert built_envs(home) == []  # nothing half-built is kept
+    _wait_gone(_agents() - before)
+
+
+def test_secrets_never_appear_in_output_or_errors(
+    home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    image = sky.Image(
+        env={"HF_TOKEN": SECRET, "PLAIN": "visible", "OTHER": sky.Secret(SECRET + "2")},
+        setup=["echo token=$HF_TOKEN other=$OTHER; exit 1"],
+    )
+    assert SECRET not in repr(image)
+    with pytest.raises(sky.ProvisionError) as info, sky.Compute(nodes=1, image=image):
+        pass
+    out, err = capfd.readouterr()
+    for text in (str(info.value), out, err):
+        assert SECRET not in text
+    assert "token=*** other=***" in str(info.value)
+
+
+def test_env_reaches_tasks_with_secrets_unwrapped(home: Path) -> None:
+    @sky.function
+    def read() -> tuple[str, str]:
+        return os.environ["HF_TOKEN"], os.environ["PLAIN"]
+
+    image = sky.Image(env={"HF_TOKEN": sky.Secret(SECRET), "PLAIN": "visible"})
+    with sky.Compute(nodes=1, image=image) as pool:
+        assert read() >> pool == (SECRET, "visible")
+    assert built_envs(home) == []  # env alone needs no build
+
+
+def test_wrong_python_version_fails_in_the_python_step(home: Path) -> None:
+    with (
+        pytest.raises(sky.ProvisionError, match="step 'python'") as info,
+        sky.Compute(nodes=1, image=sky.Image(python="3.99")),
+    ):
+        pass
+    assert "the image asks for 3.99" in str(info.value)
+
+
+def test_bad_images_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        sky.Image(includes=[str(tmp_path / "no-such-dir")])
+    with pytest.raises(ValueError, match="Debian package name"):
+        sky.Image(apt=["Bad Name!"])
+    with pytest.raises(ValueError, match=r"3\.11"):
+        sky.Image(python="eleven")
+    with pytest.raises(ValueError, match="environment variable name"):
+        sky.Image(env={"1BAD": "x"})
+    with pytest.raises(TypeError, match=r"flotilla\.Image"):
+        sky.Compute(image="python:3.11").open()  # type: ignore[arg-type]
+
+
+def test_image_hash_follows_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mod.py").write_text("X = 1\n")
+    a = sky.Image(pip=["numpy"], includes=["mod.py"])
+    spec_a = a.build_spec(a.includes_archive())
+    assert spec_a == a.build_spec(a.includes_archive())  # deterministic
+    (tmp_path / "mod.py").write_text("X = 2\n")
+    assert a.build_spec(a.includes_archive())["hash"] != spec_a["hash"]
+    b = sky.Image(pip=["numpy"], includes=["mod.py"], env={"A": "1"})
+    assert b.build_spec(b.includes_archive())["hash"] == a.build_spec(a.includes_archive())["hash"]
+
+
+def _agents() -> set[int]:
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"flotilla.agent" in cmd or b"flotilla._build" in cmd:
+                out.add(int(pid))
+    return out
+
+
+def _wait_gone(pids: set[int], timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = {p for p in pids if _alive(p)}
+        if not alive:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"processes still running: {alive}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
