@@ -324,6 +324,7 @@ class Agent:
         self.builder = proc
         self.build_tail: deque[bytes] = deque(maxlen=_STDERR_TAIL_LINES)
         self.build_step = "start"
+        self.build_error = ""
         self.build_partial = b""
         out = proc.stdout.fileno()
         os.set_blocking(out, False)
@@ -348,7 +349,9 @@ class Agent:
             for line in lines:
                 if line.startswith(b"::step "):
                     self.build_step = line[7:].decode(errors="replace")
-                elif not line.startswith(b"::error "):
+                elif line.startswith(b"::error "):
+                    self.build_error = line[8:].decode(errors="replace")
+                else:
                     self.build_tail.append(line)
             self.client.send(frame(Kind.PROGRESS, 0, data))
             return
@@ -362,7 +365,7 @@ class Agent:
         tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
         error = {
             "error": f"the environment build failed in step {self.build_step!r} "
-            f"with exit code {code}",
+            f"with exit code {code}" + (f": {self.build_error}" if self.build_error else ""),
             "build_step": self.build_step,
             "exitcode": code,
             "stderr_tail": tail,
