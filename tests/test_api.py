@@ -286,7 +286,7 @@ def plain(x: int) -> int:
 
 
 def test_misuse_gets_a_one_line_hint(pool2: sky.Compute) -> None:
-    with pytest.raises(TypeError, match="@flotilla.function"):
+    with pytest.raises(TypeError, match=r"@flotilla\.function"):
         plain >> pool2  # type: ignore[operator]
     with pytest.raises(TypeError, match=r"was not called: write `add\(...\) >> pool`"):
         add >> pool2
@@ -329,7 +329,7 @@ class CountingLocal(sky.Local):
 def test_missing_accelerator_fails_before_anything_starts() -> None:
     CountingLocal.starts = 0
     with (
-        pytest.raises(sky.ConfigurationError, match="A100:8.*has 0 GPU"),
+        pytest.raises(sky.ConfigurationError, match=r"A100:8.*has 0 GPU"),
         sky.Compute(provider=CountingLocal(), nodes=2, accelerator="A100:8"),
     ):
         pass
@@ -343,5 +343,60 @@ def test_plugin_needing_a_cluster_is_refused_in_standalone_mode() -> None:
         name = "needs-cluster"
         requires_cluster = True
 
-    with pytest.raises(sky.ConfigurationError, match="needs-cluster.*cluster=False"):
+    with pytest.raises(sky.ConfigurationError, match=r"needs-cluster.*cluster=False"):
         sky.Compute(nodes=2, plugins=[NeedsCluster()], options=sky.Options(cluster=False))
+
+
+# -- cancellation and subsets ----------------------------------------------------------
+
+
+def test_cancel_stops_a_running_call_and_skips_a_queued_one(tmp_path: Path) -> None:
+    from concurrent.futures import CancelledError
+
+    started = tmp_path / "started"
+    skipped = tmp_path / "skipped-ran"
+
+    @sky.function
+    def hang(marker: str) -> int:
+        import os
+        import time
+
+        Path(marker).write_text(str(os.getpid()))
+        time.sleep(60)
+        return 0
+
+    with sky.Compute(nodes=1) as pool:
+        running = hang(str(started)) > pool
+        queued = touch(str(skipped)) > pool
+        while not started.exists():  # synchronise on the task having started
+            pass
+        pool.cancel([queued])
+        pool.cancel([running])
+        with pytest.raises(CancelledError):
+            running.result(timeout=30)
+        with pytest.raises(CancelledError):
+            queued.result(timeout=30)
+        assert not skipped.exists()
+        assert add(1, 1) >> pool == 2  # the node got a new process and answers
+
+
+def test_broadcast_to_a_subset_of_nodes(pool4: sky.Compute) -> None:
+    futures = pool4.submit_broadcast(whoami(), nodes=[1, 3])
+    assert [f.result(timeout=30).node for f in futures] == [1, 3]
+
+
+def test_output_sink_receives_lines_instead_of_printing(
+    pool2: sky.Compute, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @sky.function
+    def speak() -> None:
+        print("hello from", sky.instance_info().node)
+
+    got: list[tuple[int, int, list[str]]] = []
+    pool2.output_sink = lambda rank, stream, lines: got.append((rank, stream, lines))
+    try:
+        speak() @ pool2
+    finally:
+        pool2.output_sink = None
+    assert sorted(got) == [(0, 1, ["hello from 0"]), (1, 1, ["hello from 1"])]
+    assert "hello from" not in capsys.readouterr().out

@@ -148,6 +148,7 @@ class Task:
     timeout: float
     frame: list[Buffer]
     deadline: float = 0.0
+    cancelled: bool = False
 
 
 @dataclass
@@ -270,6 +271,8 @@ class Agent:
                 self._configure(body)
             elif kind == Kind.INCLUDES:
                 self._start_build(bytes(body))
+            elif kind == Kind.CANCEL:
+                self._cancel(ident)
             elif kind == Kind.SHUTDOWN:
                 self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
 
@@ -372,6 +375,19 @@ class Agent:
         }
         self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
 
+    def _cancel(self, ident: int) -> None:
+        """Stop a task: replace the executor if it runs it, else let the executor skip it."""
+        if self.tasks and self.tasks[0].ident == ident:
+            self.tasks.popleft()
+            self._kill_executor()
+            self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            self._start_executor()
+        else:
+            for task in self.tasks:
+                if task.ident == ident:
+                    task.cancelled = True  # settled here if this executor is replaced
+                    self._to_executor(frame(Kind.CANCEL, ident))
+
     def _arm(self, task: Task) -> None:
         task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
 
@@ -415,6 +431,9 @@ class Agent:
         self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
         for parts in self.defines:
             ex.outbox.send(parts)
+        for task in [t for t in self.tasks if t.cancelled]:
+            self.tasks.remove(task)
+            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
         for task in self.tasks:
             ex.outbox.send(task.frame)
         if self.tasks:

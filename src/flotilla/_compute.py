@@ -9,7 +9,7 @@ import os
 import pickle
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, as_completed, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, as_completed, wait
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -115,11 +115,14 @@ class Compute:
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self._shm_prefix = f"flotilla-{self.pool_id}-"
         self._heartbeat: asyncio.Task[None] | None = None
+        self._by_future: dict[int, Submission] = {}  # cancellable calls, by id(future)
         self._includes = b""
         self._build_spec: dict[str, Any] | None = None
         self._env: dict[str, str] = {}
         self._secrets: list[str] = []
         self._progress = Progress(0)
+        self.output_sink: Callable[[int, int, list[str]], None] | None = None
+        """Receives (node rank, stream, lines) instead of printing them, when set."""
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
@@ -205,7 +208,7 @@ class Compute:
         procs = await self.provider.start(spec, self.provider.agent_command())
         self._procs = procs
         self._progress = Progress(len(procs), self._secrets)
-        events = _StartupEvents(self)
+        events = _PoolEvents(self)
         self._nodes = [
             Node(rank, p, self._on_result, self._on_lost, events) for rank, p in enumerate(procs)
         ]
@@ -384,7 +387,9 @@ class Compute:
         fut.set_running_or_notify_cancel()
         payload.acquire()
         fn = call.function
-        return Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
+        sub = Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
+        self._by_future[id(fut)] = sub
+        return sub
 
     def _ready_nodes(self) -> list[Node]:
         return [n for n in self._nodes if n.state is NodeState.READY]
@@ -437,23 +442,38 @@ class Compute:
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""
+        return _results(self.submit_broadcast(call))
+
+    def submit_broadcast(
+        self, call: PendingCall[R], nodes: Sequence[int] | None = None
+    ) -> list[Future[R]]:
+        """Run ``call`` on every node (or the ranks in ``nodes``); a Future per node."""
         self._check_running()
         call = as_call(call, "@")
-        lost = [n.name for n in self._nodes if n.state is not NodeState.READY]
+        targets = self._nodes if nodes is None else [self._nodes[r] for r in nodes]
+        lost = [n.name for n in targets if n.state is not NodeState.READY]
         if lost:
             raise PoolClosedError(f"cannot broadcast: {', '.join(lost)} can no longer take calls")
         key, define = self._function(call.function)
         payload = self._payload(call, key, shared=True)
-        subs = [self._submission(call, payload, key, define, pinned=True) for _ in self._nodes]
+        subs = [self._submission(call, payload, key, define, pinned=True) for _ in targets]
         try:
-            for node, sub in zip(self._nodes, subs, strict=True):
+            for node, sub in zip(targets, subs, strict=True):
                 node.send([sub])
         except BaseException:
             for sub in subs:
                 if sub.node is None:
                     payload.release()
             raise
-        return _results([s.future for s in subs])
+        return [s.future for s in subs]
+
+    def cancel(self, futures: Iterable[Future[Any]]) -> None:
+        """Stop calls sent to this pool: a running one has its process replaced, a queued
+        one is skipped. Their futures raise ``concurrent.futures.CancelledError``."""
+        for fut in futures:
+            sub = self._by_future.get(id(fut))
+            if sub is not None and sub.node is not None and not fut.done():
+                sub.node.send_control(Kind.CANCEL, ident=sub.tid)
 
     def run_many(self, calls: Sequence[PendingCall[Any]]) -> list[Any]:
         """Run different calls in parallel; results in call order."""
@@ -518,6 +538,8 @@ class Compute:
                 self._settle(sub, value=value)
             elif status == Status.ERROR:
                 self._settle(sub, exc=_remote_exception(decode(body, 1), node.rank))
+            elif status == Status.CANCELLED:
+                self._settle(sub, exc=CancelledError())
             elif status == Status.TIMEOUT:
                 timeout = sub.timeout
                 self._settle(
@@ -582,6 +604,7 @@ class Compute:
         self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
     ) -> None:
         sub.payload.release()
+        self._by_future.pop(id(sub.future), None)
         if sub.future.done():
             return
         if exc is not None:
@@ -590,8 +613,8 @@ class Compute:
             sub.future.set_result(value)
 
 
-class _StartupEvents(NodeEvents):
-    """Start-up reports of a pool's nodes: progress display, includes on request."""
+class _PoolEvents(NodeEvents):
+    """What a pool's nodes report: start-up progress, includes on request, output."""
 
     def __init__(self, pool: Compute) -> None:
         self.pool = pool
@@ -610,6 +633,13 @@ class _StartupEvents(NodeEvents):
 
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
+
+    def output(self, node: Node, stream: int, lines: list[str]) -> None:
+        sink = self.pool.output_sink
+        if sink is None:
+            super().output(node, stream, lines)
+        else:
+            sink(node.rank, stream, lines)
 
 
 def _left_operand_error(op: str, other: object) -> TypeError:

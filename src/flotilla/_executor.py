@@ -12,12 +12,14 @@ import faulthandler
 import json
 import os
 import pickle
+import select
 import sys
 import traceback
+from collections import deque
 from contextlib import ExitStack
 from typing import Any, NoReturn
 
-from ._protocol import TIMEOUT, Kind, Status, frame, iter_frames, write_all
+from ._protocol import TIMEOUT, FrameReader, Kind, Status, frame, write_all
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
@@ -51,8 +53,14 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
 
     functions: dict[int, Any] = {}
-    for kind, ident, body in iter_frames(rfd):
+    inbox = _Inbox(rfd)
+    while (item := inbox.next()) is not None:
+        kind, ident, body = item
         if kind == Kind.TASK:
+            if ident in inbox.cancelled:
+                inbox.cancelled.discard(ident)
+                write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+                continue
             status, parts = _run(functions, body, shm_prefix, _serialize)
             _flush()
             write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
@@ -65,6 +73,42 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     finally:
         _flush()
         os._exit(0)
+
+
+class _Inbox:
+    """Frames from the agent, read ahead so that a CANCEL queued behind a task is seen
+    before the task runs."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.reader = FrameReader()
+        self.frames: deque[tuple[int, int, bytes | bytearray]] = deque()
+        self.cancelled: set[int] = set()
+        self.eof = False
+
+    def next(self) -> tuple[int, int, bytes | bytearray] | None:
+        self._read(block=not self.frames)
+        return self.frames.popleft() if self.frames else None
+
+    def _read(self, block: bool) -> None:
+        while not self.eof:
+            try:
+                got = self.reader.read(self.fd)
+            except BlockingIOError:
+                if block and not self.frames:
+                    select.select([self.fd], [], [])
+                    continue
+                return
+            if got is None:
+                self.eof = True
+                return
+            for f in got:
+                if f[0] == Kind.CANCEL:
+                    self.cancelled.add(f[1])
+                else:
+                    self.frames.append(f)
+            block = False
 
 
 def _run(

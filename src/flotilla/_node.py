@@ -93,6 +93,7 @@ class Submission:
     timeout: float
     pinned: bool  # must run on this node (a broadcast)
     node: Node | None = None
+    tid: int = 0  # the task id on its current node
     attempts: int = 0
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
@@ -112,6 +113,11 @@ class NodeEvents:
     def redact(self, text: str) -> str:
         """``text`` with secrets removed."""
         return text
+
+    def output(self, node: Node, stream: int, lines: list[str]) -> None:
+        """Complete lines a node's tasks printed (stream 1: stdout, 2: stderr)."""
+        prefix = f"(node {node.rank}) "
+        _write(stream, "".join(f"{prefix}{line}\n" for line in lines))
 
 
 class Node:
@@ -170,6 +176,7 @@ class Node:
             for sub in subs:
                 tid = next(_task_ids)
                 sub.node = self
+                sub.tid = tid
                 sub.attempts += 1
                 self.inflight[tid] = sub
                 if sub.fn_key not in self.defined:
@@ -185,12 +192,12 @@ class Node:
                 self.inflight = {t: s for t, s in self.inflight.items() if s not in subs}
                 raise self.lost_error(f"cannot take calls ({e})") from None
 
-    def send_control(self, kind: Kind, wait: bool = True) -> bool:
+    def send_control(self, kind: Kind, wait: bool = True, ident: int = 0) -> bool:
         """Send a body-less control frame; False if the node is gone or (without wait) busy."""
         if not self.lock.acquire(blocking=wait):
             return False
         try:
-            self.proc.write(frame(kind, 0))
+            self.proc.write(frame(kind, ident))
             return True
         except OSError:
             return False
@@ -297,15 +304,13 @@ class Node:
         lines = buf.split(b"\n")
         self._out_partial[stream] = lines.pop()
         if lines:
-            prefix = f"(node {self.rank}) "
-            text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
-            _write(stream, text)
+            self.events.output(self, stream, [line.decode(errors="replace") for line in lines])
 
     def flush_output(self) -> None:
         for stream, rest in self._out_partial.items():
             if rest:
                 self._out_partial[stream] = b""
-                _write(stream, f"(node {self.rank}) {rest.decode(errors='replace')}\n")
+                self.events.output(self, stream, [rest.decode(errors="replace")])
 
 
 _print_lock = threading.Lock()

@@ -46,6 +46,7 @@ class Kind(IntEnum):
     PING = 13  # keep-alive; the agent exits when none arrives for a while
     SHUTDOWN = 14  # stop the executor gracefully and exit
     INCLUDES = 15  # the Image's includes archive, sent when the agent asks for it
+    CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
 
 
 class Status(IntEnum):
@@ -55,6 +56,7 @@ class Status(IntEnum):
     ERROR = 1  # payload: pickled (exception bytes | None, type name, message, traceback)
     DIED = 2  # payload: JSON describing how the executor died
     TIMEOUT = 3  # payload: JSON with the timeout
+    CANCELLED = 4  # no payload: the call was cancelled
 
 
 TIMEOUT = struct.Struct("<d")
