@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import pickle
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, as_completed, wait
+from concurrent.futures import Future, as_completed
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -19,25 +17,22 @@ from ._errors import (
     ConfigurationError,
     PoolClosedError,
     ProvisionError,
-    RemoteError,
     SerializationError,
-    TaskTimeoutError,
     WorkerDiedError,
 )
 from ._function import Function, PendingCall, as_call, function
 from ._image import Image, plain_env, redact, secret_values, ship_user_modules
 from ._info import InstanceInfo, Peer
-from ._node import Node, NodeEvents, NodeState, Payload, Submission, describe_exit
+from ._node import Node, NodeEvents, NodeState, Payload, Submission
+from ._outcome import outcome, results
 from ._progress import Progress
-from ._protocol import Buffer, Kind, Status, frame
+from ._protocol import Buffer, Kind, frame
 from ._provider import AgentProcess, Options, PoolSpec, Provider
 from ._serialize import (
     SHM_DIR,
-    decode,
     describe_unpicklable,
     encode,
     pickle_obj,
-    shm_name_of,
     unlink_shm,
     write_shm,
 )
@@ -442,7 +437,7 @@ class Compute:
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""
-        return _results(self.submit_broadcast(call))
+        return results(self.submit_broadcast(call))
 
     def submit_broadcast(
         self, call: PendingCall[R], nodes: Sequence[int] | None = None
@@ -477,7 +472,7 @@ class Compute:
 
     def run_many(self, calls: Sequence[PendingCall[Any]]) -> list[Any]:
         """Run different calls in parallel; results in call order."""
-        return _results(self._submit_many(calls))
+        return results(self._submit_many(calls))
 
     def _submit_many(self, calls: Sequence[PendingCall[Any]]) -> list[Future[Any]]:
         self._check_running()
@@ -512,7 +507,7 @@ class Compute:
         """Yield results as calls finish: in call order, or completion order if not ``ordered``."""
         futures = self._submit_many(calls)
 
-        def results() -> Iterator[Any]:
+        def iterate() -> Iterator[Any]:
             if ordered:
                 for f in futures:
                     yield f.result()
@@ -520,7 +515,7 @@ class Compute:
                 for f in as_completed(futures):
                     yield f.result()
 
-        return results()
+        return iterate()
 
     def map(self, fn: Callable[..., R] | Function[..., R], iterable: Iterable[Any]) -> list[R]:
         """``[fn(x) for x in iterable]``, spread over the nodes; results in input order."""
@@ -530,53 +525,12 @@ class Compute:
     # -- results (loop thread) ---------------------------------------------------------
     def _on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
         try:
-            if status == Status.OK:
-                value = decode(body, 1)
-                shm = shm_name_of(body, 1)
-                if shm:
-                    unlink_shm(shm)
-                self._settle(sub, value=value)
-            elif status == Status.ERROR:
-                self._settle(sub, exc=_remote_exception(decode(body, 1), node.rank))
-            elif status == Status.CANCELLED:
-                self._settle(sub, exc=CancelledError())
-            elif status == Status.TIMEOUT:
-                timeout = sub.timeout
-                self._settle(
-                    sub,
-                    exc=TaskTimeoutError(
-                        f"{sub.call.function.name}(...) ran longer than its timeout of "
-                        f"{timeout:g} s on {node.name}; its process was stopped and replaced",
-                        node=node.rank,
-                        timeout=timeout,
-                    ),
-                )
-            elif status == Status.DIED:
-                death = json.loads(bytes(body[1:]))
-                how, sig = describe_exit(death.get("exitcode"))
-                tail = death.get("stderr_tail", "").rstrip()
-                msg = f"{node.name}: the process running {sub.call.function.name}(...) {how}"
-                if tail:
-                    msg += f"\n--- last lines of its stderr ---\n{tail}"
-                err = WorkerDiedError(
-                    msg,
-                    node=node.rank,
-                    exitcode=death.get("exitcode"),
-                    signal=sig,
-                    stderr_tail=tail,
-                )
-                if not self._retry(sub, err):
-                    self._settle(sub, exc=err)
-            else:
-                self._settle(
-                    sub,
-                    exc=RemoteError(
-                        "flotilla.ProtocolError", f"unknown status {status}", "", node.rank
-                    ),
-                )
+            value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here
-            if not sub.future.done():
-                self._settle(sub, exc=e)
+            value, exc = None, e
+        if isinstance(exc, WorkerDiedError) and self._retry(sub, exc):
+            return
+        self._settle(sub, value=value, exc=exc)
 
     def _on_lost(self, node: Node, subs: list[Submission]) -> None:
         err = node.lost_error("was lost while running a call: its agent exited")
@@ -653,31 +607,3 @@ def _left_operand_error(op: str, other: object) -> TypeError:
         f"the left side of `{op} pool` must be a call of a @flotilla.function, "
         f"not {type(other).__name__}"
     )
-
-
-def _results(futures: list[Future[Any]]) -> list[Any]:
-    """Wait for every future; raise the first failure as soon as it happens."""
-    _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    if pending:
-        first = next(f for f in futures if f.done() and f.exception() is not None)
-        raise first.exception()  # type: ignore[misc]
-    return [f.result() for f in futures]
-
-
-def _remote_exception(described: tuple[bytes | None, str, str, str], node: int) -> BaseException:
-    data, type_name, message, tb = described
-    if type_name == "flotilla.SerializationError":
-        return SerializationError(f"{message} (on node {node})")
-    exc: Any = None
-    if data is not None:
-        try:
-            exc = pickle.loads(data)
-        except Exception:
-            exc = None
-    if not isinstance(exc, Exception):  # not rebuildable here, or SystemExit & co.
-        return RemoteError(type_name, message, tb, node)
-    exc.add_note(f"\n--- remote traceback (node {node}) ---\n{tb.rstrip()}")
-    with contextlib.suppress(AttributeError, TypeError):
-        setattr(exc, "node", node)  # noqa: B010
-        setattr(exc, "remote_traceback", tb)  # noqa: B010
-    return exc

@@ -1,0 +1,80 @@
+"""What a RESULT frame becomes on the client: a value, or the exception to raise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
+from typing import Any
+
+from ._errors import RemoteError, SerializationError, TaskTimeoutError, WorkerDiedError
+from ._node import Node, describe_exit
+from ._protocol import Status
+from ._serialize import decode, shm_name_of, unlink_shm
+
+
+def outcome(
+    node: Node, fn_name: str, timeout: float, status: int, body: bytes | bytearray
+) -> tuple[Any, BaseException | None]:
+    """``(value, None)`` for a result, ``(None, exception)`` for a failure."""
+    if status == Status.OK:
+        value = decode(body, 1)
+        shm = shm_name_of(body, 1)
+        if shm:  # a large result came through shared memory; it is mapped now
+            unlink_shm(shm)
+        return value, None
+    if status == Status.ERROR:
+        return None, remote_exception(decode(body, 1), node.rank)
+    if status == Status.CANCELLED:
+        return None, CancelledError()
+    if status == Status.TIMEOUT:
+        return None, TaskTimeoutError(
+            f"{fn_name}(...) ran longer than its timeout of {timeout:g} s on {node.name}; "
+            "its process was stopped and replaced",
+            node=node.rank,
+            timeout=timeout,
+        )
+    if status == Status.DIED:
+        death = json.loads(bytes(body[1:]))
+        how, sig = describe_exit(death.get("exitcode"))
+        tail = death.get("stderr_tail", "").rstrip()
+        msg = f"{node.name}: the process running {fn_name}(...) {how}"
+        if tail:
+            msg += f"\n--- last lines of its stderr ---\n{tail}"
+        return None, WorkerDiedError(
+            msg, node=node.rank, exitcode=death.get("exitcode"), signal=sig, stderr_tail=tail
+        )
+    return None, RemoteError("flotilla.ProtocolError", f"unknown status {status}", "", node.rank)
+
+
+def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -> BaseException:
+    """Rebuild a task's exception with its own type, or a RemoteError when that is impossible.
+
+    The remote traceback is attached as a note, and as ``remote_traceback`` with ``node``.
+    """
+    data, type_name, message, tb = described
+    if type_name == "flotilla.SerializationError":
+        return SerializationError(f"{message} (on node {node})")
+    exc: Any = None
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+        except Exception:
+            exc = None
+    if not isinstance(exc, Exception):  # not rebuildable here, or SystemExit & co.
+        return RemoteError(type_name, message, tb, node)
+    exc.add_note(f"\n--- remote traceback (node {node}) ---\n{tb.rstrip()}")
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, "node", node)  # noqa: B010
+        setattr(exc, "remote_traceback", tb)  # noqa: B010
+    return exc
+
+
+def results(futures: list[Future[Any]]) -> list[Any]:
+    """Wait for every future; raise the first failure as soon as it happens."""
+    _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    if pending:
+        first = next(f for f in futures if f.done() and f.exception() is not None)
+        raise first.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
