@@ -61,6 +61,13 @@ class Local(Provider):
         env.pop("COMPUTE_POOL", None)
         env["PYTHONPATH"] = os.pathsep.join(_client_path())
         started: list[AgentProcess] = []
+        if self.workdir is not None:
+            try:
+                os.makedirs(self.workdir, exist_ok=True)
+            except OSError as e:
+                raise ProvisionError(
+                    f"cannot create the nodes' work folder {self.workdir!r}: {e}"
+                ) from e
         try:
             for rank in range(spec.nodes):
                 workdir = tempfile.mkdtemp(

@@ -1,0 +1,175 @@
+"""Cleanup: whatever way a pool's block ends, every process, working directory and
+shared-memory file it created goes away. Real pools, real processes, no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _procs import Client, assert_all_gone, kill_quietly, processes_in, wait_until
+
+import flotilla as sky
+
+STOP_WITHIN = 5.0  # leaving the block stops everything within this many seconds
+ORPHANS_EXIT_WITHIN = 10.0  # agents notice a vanished client within this many seconds
+
+
+class Boom(Exception):
+    pass
+
+
+@sky.function
+def where() -> tuple[int, int, str]:
+    """(agent pid, executor pid, working directory) of the node running this."""
+    return os.getppid(), os.getpid(), os.getcwd()
+
+
+@sky.function
+def nap(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def pids_and_dirs(found: list[tuple[int, int, str]], nodes: int) -> tuple[list[int], list[str]]:
+    pids = [pid for agent, executor, _ in found for pid in (agent, executor)]
+    dirs = [cwd for _, _, cwd in found]
+    assert len(set(pids)) == 2 * nodes, found
+    assert len(set(dirs)) == nodes, found
+    return pids, dirs
+
+
+def assert_dirs_removed(dirs: list[str]) -> None:
+    assert dirs
+    assert [d for d in dirs if os.path.exists(d)] == []
+
+
+def test_leaving_the_block_normally_stops_everything() -> None:
+    pids: list[int] = []
+    try:
+        with sky.Compute(nodes=2) as pool:  # the default provider, its default temp dirs
+            pids, dirs = pids_and_dirs(where() @ pool, 2)
+            assert all(Path(d).is_dir() and pool.pool_id in d for d in dirs)
+        assert pool.state is sky.PoolState.CLOSED
+        assert_all_gone(pids, STOP_WITHIN, "the pool's agents and executors")
+        assert_dirs_removed(dirs)
+    finally:
+        kill_quietly(pids)
+
+
+@pytest.mark.parametrize("exc_type", [Boom, KeyboardInterrupt])
+def test_leaving_the_block_by_exception_stops_everything_even_mid_call(
+    tmp_path: Path, exc_type: type[BaseException]
+) -> None:
+    nodes_dir = tmp_path / "nodes"
+    nodes_dir.mkdir()
+    pids: list[int] = []
+    running: Future[None] | None = None
+    try:
+        with (
+            pytest.raises(exc_type),
+            sky.Compute(sky.Local(workdir=str(nodes_dir)), nodes=2) as pool,
+        ):
+            pids, dirs = pids_and_dirs(where() @ pool, 2)
+            running = nap(60) > pool  # still running when the block is left
+            raise exc_type
+        assert pool.state is sky.PoolState.CLOSED
+        assert_all_gone(pids, STOP_WITHIN, "the pool's agents and executors")
+        assert wait_until(lambda: not processes_in(nodes_dir), STOP_WITHIN)
+        assert_dirs_removed(dirs)
+        assert running is not None and running.done()
+        assert isinstance(running.exception(), sky.PoolClosedError)
+    finally:
+        kill_quietly(pids)
+
+
+@sky.function
+def double_and_look(array: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Twice the array, and the pool's shared-memory files this node can see."""
+    prefix = f"flotilla-{sky.instance_info().pool_id}-"
+    seen = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    return array * 2, seen
+
+
+def shm_files(pool_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"flotilla-{pool_id}-")]
+
+
+def test_no_shared_memory_files_remain_after_a_large_broadcast() -> None:
+    array = np.arange(20 * 1024 * 1024 // 8, dtype=np.float64)  # 20 MB
+    with sky.Compute(nodes=2) as pool:
+        results = double_and_look(array) @ pool
+    for doubled, seen in results:
+        np.testing.assert_array_equal(doubled, array * 2)
+        assert seen, "the 20 MB argument did not travel through shared memory"
+    assert shm_files(pool.pool_id) == []
+
+
+# -- the client process goes away ------------------------------------------------------
+
+CLIENT = """
+    import json, os, time
+    import flotilla as sky
+
+    @sky.function
+    def where():
+        return os.getppid(), os.getpid(), os.getcwd()
+
+    @sky.function
+    def nap():
+        print("napping")
+        time.sleep(60)
+
+    with sky.Compute(sky.Local(workdir=NODES_DIR), nodes=2) as pool:
+        print(json.dumps(where() @ pool), flush=True)
+        nap() >> pool
+    print("the block ended normally", flush=True)
+"""
+
+
+def start_client(tmp_path: Path) -> tuple[Client, Path]:
+    nodes_dir = tmp_path / "nodes"
+    nodes_dir.mkdir()
+    return Client(CLIENT.replace("NODES_DIR", repr(str(nodes_dir))), tmp_path), nodes_dir
+
+
+def test_ctrl_c_in_the_client_stops_everything(tmp_path: Path) -> None:
+    client, nodes_dir = start_client(tmp_path)
+    pids: list[int] = []
+    try:
+        first = client.expect(lambda line: line.startswith("[["))
+        pids, dirs = pids_and_dirs([tuple(x) for x in json.loads(first)], 2)
+        client.expect(lambda line: line.endswith(") napping"))  # the long call is running
+        client.signal(signal.SIGINT)
+        assert_all_gone(pids, STOP_WITHIN, "the pool's agents and executors")
+        code = client.wait()
+        assert code != 0
+        assert "KeyboardInterrupt" in client.stderr()
+        assert "the block ended normally" not in client.rest_of_stdout()
+        assert wait_until(lambda: not processes_in(nodes_dir), STOP_WITHIN)
+        assert_dirs_removed(dirs)
+    finally:
+        client.kill()
+        kill_quietly(pids)
+        kill_quietly(processes_in(nodes_dir))
+
+
+def test_agents_and_executors_exit_when_the_client_is_killed(tmp_path: Path) -> None:
+    client, nodes_dir = start_client(tmp_path)
+    pids: list[int] = []
+    try:
+        first = client.expect(lambda line: line.startswith("[["))
+        pids, _ = pids_and_dirs([tuple(x) for x in json.loads(first)], 2)
+        client.expect(lambda line: line.endswith(") napping"))
+        client.signal(signal.SIGKILL)
+        assert client.wait() == -signal.SIGKILL
+        assert_all_gone(pids, ORPHANS_EXIT_WITHIN, "agents and executors of a killed client")
+        assert wait_until(lambda: not processes_in(nodes_dir), ORPHANS_EXIT_WITHIN)
+    finally:
+        client.kill()
+        kill_quietly(pids)
+        kill_quietly(processes_in(nodes_dir))
