@@ -400,3 +400,30 @@ def test_output_sink_receives_lines_instead_of_printing(
         pool2.output_sink = None
     assert sorted(got) == [(0, 1, ["hello from 0"]), (1, 1, ["hello from 1"])]
     assert "hello from" not in capsys.readouterr().out
+
+
+class TwoPerNode(sky.Plugin):
+    """A plugin asking for two processes per node, as torch(procs_per_node=2) does."""
+
+    procs_per_node = 2
+
+
+def test_several_processes_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    @sky.function
+    def where() -> tuple[int, int, int, int]:
+        import os
+
+        info = sky.instance_info()
+        print("hi")
+        return info.node, info.local_rank, info.procs_per_node, os.getpid()
+
+    with sky.Compute(nodes=2, plugins=[TwoPerNode()]) as pool:
+        results = where() @ pool
+        assert add(1, 2) >> pool == 3
+        assert len(set(pool.map(lambda _: __import__("os").getpid(), range(16)))) == 4
+    assert [r[:3] for r in results] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert len({r[3] for r in results}) == 4  # four processes
+    out = capsys.readouterr().out
+    assert sorted(line for line in out.splitlines() if "hi" in line) == [
+        f"(rank {r}) hi" for r in range(4)
+    ]

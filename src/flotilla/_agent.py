@@ -36,7 +36,7 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
-from ._protocol import HEADER, TIMEOUT, Buffer, FrameReader, Kind, Status, frame
+from ._protocol import HEADER, TASK_HEAD, Buffer, FrameReader, Kind, Status, frame
 
 _STDERR_TAIL_LINES = 40
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
@@ -151,8 +151,11 @@ class Task:
     cancelled: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class Executor:
+    """One executor process and the pipes the agent holds to it."""
+
+    slot: Slot
     pid: int
     to_fd: int
     from_fd: int
@@ -163,6 +166,20 @@ class Executor:
     state: ExecState = ExecState.STARTING
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
     partial_err: bytes = b""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One local rank of the node: its executor (replaced when it dies) and its tasks.
+
+    ``tasks`` were sent to the executor in order; ``tasks[0]`` is the one running.
+    """
+
+    rank: int
+    tasks: deque[Task] = field(default_factory=deque)
+    executor: Executor | None = None
+    restarts: int = 0
+    ready: bool = False
 
 
 class Agent:
@@ -177,9 +194,7 @@ class Agent:
         self.config: dict[str, Any] | None = None
         self.blob = b""
         self.defines: list[list[Buffer]] = []
-        self.tasks: deque[Task] = deque()  # sent to the executor, in order; [0] is running
-        self.executor: Executor | None = None
-        self.restarts = 0
+        self.slots: list[Slot] = []
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
@@ -204,8 +219,9 @@ class Agent:
     def _next_wakeup(self) -> float:
         now = time.monotonic()
         wake = self.last_seen + self.heartbeat_timeout
-        if self.tasks and self.tasks[0].deadline:
-            wake = min(wake, self.tasks[0].deadline)
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].deadline:
+                wake = min(wake, slot.tasks[0].deadline)
         if self.stopping:
             wake = min(wake, self.stop_deadline)
         return max(0.0, wake - now)
@@ -213,19 +229,21 @@ class Agent:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         if self.stopping:
-            if (self.executor is None and self.builder is None) or now >= self.stop_deadline:
+            idle = all(s.executor is None for s in self.slots) and self.builder is None
+            if idle or now >= self.stop_deadline:
                 self.done = True
             return
         if now - self.last_seen > self.heartbeat_timeout:
             self._log(f"no message from the client for {self.heartbeat_timeout:.0f} s; exiting")
             self.begin_stop(grace=1.0)
             return
-        if self.tasks and self.tasks[0].deadline and now >= self.tasks[0].deadline:
-            task = self.tasks.popleft()
-            self._kill_executor()
-            body = json.dumps({"timeout": task.timeout}).encode()
-            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
-            self._start_executor()
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
+                task = slot.tasks.popleft()
+                self._kill_executor(slot)
+                body = json.dumps({"timeout": task.timeout}).encode()
+                self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
+                self._start_executor(slot)
 
     # -- client side -------------------------------------------------------------------
     def _hello(self) -> None:
@@ -257,16 +275,18 @@ class Agent:
         self.last_seen = time.monotonic()
         for kind, ident, body in frames:
             if kind == Kind.TASK:
-                (timeout,) = TIMEOUT.unpack_from(body)
+                timeout, local_rank = TASK_HEAD.unpack_from(body)
+                slot = self.slots[local_rank]
                 task = Task(ident, timeout, [HEADER.pack(kind, ident, len(body)), body])
-                self.tasks.append(task)
-                if len(self.tasks) == 1:
+                slot.tasks.append(task)
+                if len(slot.tasks) == 1:
                     self._arm(task)
-                self._to_executor(task.frame)
+                self._to_executor(slot, task.frame)
             elif kind == Kind.DEFINE:
                 parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
                 self.defines.append(parts)
-                self._to_executor(parts)
+                for slot in self.slots:
+                    self._to_executor(slot, parts)
             elif kind == Kind.CONFIG:
                 self._configure(body)
             elif kind == Kind.INCLUDES:
@@ -295,6 +315,7 @@ class Agent:
                 shm_ok = False
         config["shm_prefix"] = f"flotilla-{config['pool_id']}-" if shm_ok else ""
         self.config = config
+        self.slots = [Slot(rank) for rank in range(int(config.get("procs", 1)))]
         image = config.get("image")
         if image:
             from ._build import env_dir, is_built
@@ -306,7 +327,7 @@ class Agent:
                 if not need:
                     self._start_build(b"")
                 return
-        self._start_executor()
+        self._start_executors()
 
     # -- environment build -------------------------------------------------------------
     def _start_build(self, includes: bytes) -> None:
@@ -363,12 +384,13 @@ class Agent:
         proc.stdout.close()
         self.builder = None
         if code == 0:
-            self._start_executor()
+            self._start_executors()
             return
         tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
+        reason = f": {self.build_error}" if self.build_error else ""
         error = {
             "error": f"the environment build failed in step {self.build_step!r} "
-            f"with exit code {code}" + (f": {self.build_error}" if self.build_error else ""),
+            f"with exit code {code}{reason}",
             "build_step": self.build_step,
             "exitcode": code,
             "stderr_tail": tail,
@@ -377,22 +399,28 @@ class Agent:
 
     def _cancel(self, ident: int) -> None:
         """Stop a task: replace the executor if it runs it, else let the executor skip it."""
-        if self.tasks and self.tasks[0].ident == ident:
-            self.tasks.popleft()
-            self._kill_executor()
-            self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-            self._start_executor()
-        else:
-            for task in self.tasks:
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].ident == ident:
+                slot.tasks.popleft()
+                self._kill_executor(slot)
+                self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+                self._start_executor(slot)
+                return
+            for task in slot.tasks:
                 if task.ident == ident:
                     task.cancelled = True  # settled here if this executor is replaced
-                    self._to_executor(frame(Kind.CANCEL, ident))
+                    self._to_executor(slot, frame(Kind.CANCEL, ident))
+                    return
 
     def _arm(self, task: Task) -> None:
         task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
 
     # -- executor side -----------------------------------------------------------------
-    def _start_executor(self) -> None:
+    def _start_executors(self) -> None:
+        for slot in self.slots:
+            self._start_executor(slot)
+
+    def _start_executor(self, slot: Slot) -> None:
         assert self.config is not None
         if self.stopping:
             return
@@ -407,6 +435,11 @@ class Agent:
                 self.sel.close()
                 for fd in (self.proto_in, self.proto_out, w_task, r_res, r_out, r_err):
                     os.close(fd)
+                for other in self.slots:
+                    if other.executor is not None:
+                        ex = other.executor
+                        for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd):
+                            os.close(fd)
                 os.setpgid(0, 0)
                 _die_with_parent()
                 devnull = os.open(os.devnull, os.O_RDONLY)
@@ -417,13 +450,13 @@ class Agent:
                     os.close(fd)
                 from ._executor import main
 
-                main(self.config, self.blob, r_task, w_res)
+                main(dict(self.config, local_rank=slot.rank), self.blob, r_task, w_res)
             finally:
                 os._exit(70)
         for fd in (r_task, w_res, w_out, w_err):
             os.close(fd)
-        ex = Executor(pid, w_task, r_res, r_out, r_err, Outbox(w_task))
-        self.executor = ex
+        ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
+        slot.executor = ex
         os.set_blocking(r_out, False)
         os.set_blocking(r_err, False)
         self.sel.register(r_res, False, partial(self._on_executor, ex))
@@ -431,24 +464,23 @@ class Agent:
         self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
         for parts in self.defines:
             ex.outbox.send(parts)
-        for task in [t for t in self.tasks if t.cancelled]:
-            self.tasks.remove(task)
+        for task in [t for t in slot.tasks if t.cancelled]:
+            slot.tasks.remove(task)
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
-        for task in self.tasks:
+        for task in slot.tasks:
             ex.outbox.send(task.frame)
-        if self.tasks:
-            self._arm(self.tasks[0])
+        if slot.tasks:
+            self._arm(slot.tasks[0])
 
-    def _to_executor(self, parts: list[Buffer]) -> None:
-        ex = self.executor
+    def _to_executor(self, slot: Slot, parts: list[Buffer]) -> None:
+        ex = slot.executor
         if ex is not None and ex.state in (ExecState.STARTING, ExecState.RUNNING):
             ex.outbox.send(parts)
 
     def _watch_writes(self) -> None:
         """Watch for writability exactly the outboxes that have something queued."""
         outboxes = [self.client]
-        if self.executor is not None:
-            outboxes.append(self.executor.outbox)
+        outboxes += [s.executor.outbox for s in self.slots if s.executor is not None]
         for box in outboxes:
             if box.queue and box.fd not in self.sel:
                 self.sel.register(box.fd, True, box.flush)
@@ -460,23 +492,31 @@ class Agent:
         if frames is None:
             self._executor_exited(ex)
             return
+        slot = ex.slot
         for kind, ident, body in frames:
             if kind == Kind.RESULT:  # its output was forwarded first (see Poller)
                 self.client.send([HEADER.pack(kind, ident, len(body)), body])
-                if self.tasks and self.tasks[0].ident == ident:
-                    self.tasks.popleft()
-                    if self.tasks:
-                        self._arm(self.tasks[0])
+                if slot.tasks and slot.tasks[0].ident == ident:
+                    slot.tasks.popleft()
+                    if slot.tasks:
+                        self._arm(slot.tasks[0])
             elif kind == Kind.READY:
                 info = json.loads(body)
                 if "error" in info:
                     ex.state = ExecState.FAILED
-                else:
-                    ex.state = ExecState.RUNNING
-                info.update(
-                    restarts=self.restarts, shm=bool(self.config and self.config["shm_prefix"])
-                )
-                self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
+                    info["local_rank"] = slot.rank
+                    self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
+                    continue
+                ex.state = ExecState.RUNNING
+                first = not all(s.ready for s in self.slots)
+                slot.ready = True
+                if first and all(s.ready for s in self.slots):  # the whole node is up
+                    ready = {
+                        "pids": [s.executor.pid for s in self.slots if s.executor],
+                        "restarts": sum(s.restarts for s in self.slots),
+                        "shm": bool(self.config and self.config["shm_prefix"]),
+                    }
+                    self.client.send(frame(Kind.READY, 0, json.dumps(ready).encode()))
 
     def _on_output(self, ex: Executor, stream: int) -> None:
         self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
@@ -493,21 +533,19 @@ class Agent:
             lines = (ex.partial_err + data).split(b"\n")
             ex.partial_err = lines.pop()[-4096:]
             ex.stderr_tail.extend(line[-1000:] for line in lines)
-        self.client.send(frame(Kind.OUTPUT, stream, data))
+        self.client.send(frame(Kind.OUTPUT, stream | ex.slot.rank << 8, data))
         return True
 
-    def _drain_output(self) -> None:
-        """Forward what the executor wrote before its latest message."""
-        ex = self.executor
-        if ex is None:
-            return
+    def _drain_output(self, ex: Executor) -> None:
+        """Forward what the executor wrote before it exited."""
         for fd, stream in ((ex.out_fd, 1), (ex.err_fd, 2)):
             while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
     def _executor_exited(self, ex: Executor) -> None:
+        slot = ex.slot
         status = _reap(ex.pid)
-        self._drain_output()
+        self._drain_output(ex)
         self._close_executor(ex)
         if self.stopping:
             return
@@ -516,6 +554,7 @@ class Agent:
             "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
             "stderr_tail": b"\n".join(tail).decode(errors="replace"),
             "pid": ex.pid,
+            "local_rank": slot.rank,
         }
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
@@ -523,17 +562,16 @@ class Agent:
                 self.client.send(
                     frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
                 )
-            self.executor = None
             return
-        if self.tasks:
-            task = self.tasks.popleft()
+        if slot.tasks:
+            task = slot.tasks.popleft()
             body = json.dumps(death).encode()
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
-        self.restarts += 1
-        self._start_executor()
+        slot.restarts += 1
+        self._start_executor(slot)
 
-    def _kill_executor(self) -> None:
-        ex = self.executor
+    def _kill_executor(self, slot: Slot) -> None:
+        ex = slot.executor
         if ex is None:
             return
         _kill_group(ex.pid)
@@ -548,8 +586,8 @@ class Agent:
             except OSError:
                 pass
         _kill_group(ex.pid)  # whatever the task left behind in its process group
-        if self.executor is ex:
-            self.executor = None
+        if ex.slot.executor is ex:
+            ex.slot.executor = None
 
     # -- shutdown ----------------------------------------------------------------------
     def begin_stop(self, grace: float) -> None:
@@ -557,12 +595,16 @@ class Agent:
             return
         self.stopping = True
         self.stop_deadline = time.monotonic() + grace
-        ex = self.executor
-        if ex is not None and ex.state is not ExecState.FAILED:
-            ex.outbox.send(frame(Kind.SHUTDOWN, 0))
+        if self.builder is not None:
+            _kill_group(self.builder.pid)
+        for slot in self.slots:
+            ex = slot.executor
+            if ex is not None and ex.state is not ExecState.FAILED:
+                ex.outbox.send(frame(Kind.SHUTDOWN, 0))
 
     def _cleanup(self) -> None:
-        self._kill_executor()
+        for slot in self.slots:
+            self._kill_executor(slot)
         if self.builder is not None:
             _kill_group(self.builder.pid)
             self.builder.wait()

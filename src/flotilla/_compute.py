@@ -104,6 +104,10 @@ class Compute:
         self.options = options
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
+        self.procs_per_node = max(
+            [int(getattr(p, "procs_per_node", 1)) for p in self.plugins] + [1]
+        )
+        """Processes per node (a plugin such as ``plugins.torch(procs_per_node=2)`` sets it)."""
         self._state = PoolState.NEW
         self._nodes: list[Node] = []
         self._procs: list[AgentProcess] = []
@@ -229,9 +233,11 @@ class Compute:
                 addr=node.proc.address,
                 cluster=cluster,
                 accelerator=self.accelerator.name if self.accelerator else None,
+                procs_per_node=self.procs_per_node,
             )
             config = {
                 "pool_id": self.pool_id,
+                "procs": self.procs_per_node,
                 "compute_pool": info.to_json(),
                 "env": self._env,
                 "image": self._build_spec,
@@ -412,14 +418,19 @@ class Compute:
         Counting each assignment spreads a batch evenly; preferring low ranks among idle
         nodes keeps one agent warm for a stream of single calls.
         """
-        load = {n: len(n.inflight) for n in self._nodes if n.state is NodeState.READY}
+        load = {
+            (n, w): busy
+            for n in self._nodes
+            if n.state is NodeState.READY
+            for w, busy in enumerate(n.busy)
+        }
         if not load:
             raise self._all_lost()
         by_node: dict[Node, list[Submission]] = {}
         for sub in subs:
-            best = min(load, key=load.__getitem__)
+            node, sub.worker = best = min(load, key=load.__getitem__)
             load[best] += 1
-            by_node.setdefault(best, []).append(sub)
+            by_node.setdefault(node, []).append(sub)
         for node, batch in by_node.items():
             node.send(batch)
 
@@ -442,7 +453,8 @@ class Compute:
     def submit_broadcast(
         self, call: PendingCall[R], nodes: Sequence[int] | None = None
     ) -> list[Future[R]]:
-        """Run ``call`` on every node (or the ranks in ``nodes``); a Future per node."""
+        """Run ``call`` on every node (or the ranks in ``nodes``); a Future per process, in
+        global rank order (one per node unless a plugin runs several processes per node)."""
         self._check_running()
         call = as_call(call, "@")
         targets = self._nodes if nodes is None else [self._nodes[r] for r in nodes]
@@ -451,9 +463,11 @@ class Compute:
             raise PoolClosedError(f"cannot broadcast: {', '.join(lost)} can no longer take calls")
         key, define = self._function(call.function)
         payload = self._payload(call, key, shared=True)
-        subs = [self._submission(call, payload, key, define, pinned=True) for _ in targets]
+        ranks = [(node, w) for node in targets for w in range(len(node.busy))]
+        subs = [self._submission(call, payload, key, define, pinned=True) for _ in ranks]
         try:
-            for node, sub in zip(targets, subs, strict=True):
+            for (node, worker), sub in zip(ranks, subs, strict=True):
+                sub.worker = worker
                 node.send([sub])
         except BaseException:
             for sub in subs:
@@ -544,11 +558,11 @@ class Compute:
         sub.retries_left -= 1
         previous = sub.node
         try:
-            target = (
-                previous
-                if sub.pinned and previous is not None
-                else self._least_busy(exclude=previous)
-            )
+            if sub.pinned and previous is not None:
+                target = previous
+            else:
+                target = self._least_busy(exclude=previous)
+                sub.worker = min(range(len(target.busy)), key=target.busy.__getitem__)
             target.send([sub])
         except Exception:
             return False
@@ -588,10 +602,10 @@ class _PoolEvents(NodeEvents):
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
 
-    def output(self, node: Node, stream: int, lines: list[str]) -> None:
+    def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         sink = self.pool.output_sink
         if sink is None:
-            super().output(node, stream, lines)
+            super().output(node, stream, lines, local_rank)
         else:
             sink(node.rank, stream, lines)
 

@@ -19,13 +19,15 @@ from collections import deque
 from contextlib import ExitStack
 from typing import Any, NoReturn
 
-from ._protocol import TIMEOUT, FrameReader, Kind, Status, frame, write_all
+from ._protocol import TASK_HEAD, FrameReader, Kind, Status, frame, write_all
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     """Run the executor loop; never returns."""
     os.environ.update(config.get("env", {}))
-    os.environ["COMPUTE_POOL"] = config["compute_pool"]
+    info = json.loads(config["compute_pool"])
+    info["local_rank"] = config.get("local_rank", 0)
+    os.environ["COMPUTE_POOL"] = json.dumps(info)
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     image_dir = config.get("image_dir")
     if image_dir:  # the Image's environment comes first on the import path
@@ -115,7 +117,7 @@ def _run(
     functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any
 ) -> tuple[int, list[Any]]:
     try:
-        fn_key, args, kwargs = ser.decode(body, TIMEOUT.size)
+        fn_key, args, kwargs = ser.decode(body, TASK_HEAD.size)
         value = functions[fn_key](*args, **kwargs)
         del args, kwargs
         status = Status.OK

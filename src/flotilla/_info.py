@@ -47,6 +47,9 @@ class InstanceInfo:
         addr: this node's own address (as listed in ``peers``).
         cluster: False in standalone mode (``Options(cluster=False)``): no peers, no head.
         accelerator: the accelerator type name (e.g. "A100"), or None.
+        local_rank: this process's rank on its node (0 unless a plugin asks for several
+            processes per node, as ``plugins.torch(procs_per_node=...)`` does).
+        procs_per_node: processes per node running each broadcast call.
     """
 
     node: int
@@ -60,6 +63,8 @@ class InstanceInfo:
     addr: str = "127.0.0.1"
     cluster: bool = True
     accelerator: str | None = None
+    local_rank: int = 0
+    procs_per_node: int = 1
 
     def to_json(self) -> str:
         """The ``COMPUTE_POOL`` representation."""

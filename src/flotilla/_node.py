@@ -16,7 +16,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NodeLostError, ProvisionError
-from ._protocol import TIMEOUT, Buffer, Kind, frame
+from ._protocol import TASK_HEAD, Buffer, Kind, frame
 from ._provider import AgentProcess
 from ._serialize import Pickled, encode, unlink_shm
 
@@ -94,6 +94,7 @@ class Submission:
     pinned: bool  # must run on this node (a broadcast)
     node: Node | None = None
     tid: int = 0  # the task id on its current node
+    worker: int = 0  # the local rank it runs on
     attempts: int = 0
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
@@ -114,9 +115,12 @@ class NodeEvents:
         """``text`` with secrets removed."""
         return text
 
-    def output(self, node: Node, stream: int, lines: list[str]) -> None:
+    def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         """Complete lines a node's tasks printed (stream 1: stdout, 2: stderr)."""
-        prefix = f"(node {node.rank}) "
+        procs = len(node.busy)
+        prefix = (
+            f"(node {node.rank}) " if procs == 1 else f"(rank {node.rank * procs + local_rank}) "
+        )
         _write(stream, "".join(f"{prefix}{line}\n" for line in lines))
 
 
@@ -136,13 +140,14 @@ class Node:
         self.state = NodeState.STARTING
         self.lock = threading.Lock()
         self.inflight: dict[int, Submission] = {}
+        self.busy = [0]  # calls in flight per local rank
         self.defined: set[int] = set()
         self.shm = False
         self.hello_info: dict[str, Any] = {}
         self.ready_info: dict[str, Any] = {}
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL)
         self._err_partial = b""
-        self._out_partial: dict[int, bytes] = {1: b"", 2: b""}
+        self._out_partial: dict[int, bytes] = {}  # by OUTPUT ident (stream, local rank)
         self._on_result = on_result
         self._on_lost = on_lost
         self.events = events or NodeEvents()
@@ -161,6 +166,7 @@ class Node:
         self.proc.start_reading(loop, self._on_frames, self._on_stderr)
 
     def configure(self, config: dict[str, Any], blob: bytes) -> None:
+        self.busy = [0] * int(config.get("procs", 1))
         data = json.dumps(config).encode()
         self.state = NodeState.CONFIGURING
         with self.lock:
@@ -182,14 +188,17 @@ class Node:
                 if sub.fn_key not in self.defined:
                     self.defined.add(sub.fn_key)
                     parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
-                timeout = TIMEOUT.pack(sub.timeout)
-                parts += frame(Kind.TASK, tid, timeout, *sub.payload.parts(self.shm))
+                self.busy[sub.worker] += 1
+                head = TASK_HEAD.pack(sub.timeout, sub.worker)
+                parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
             try:
                 self.proc.write(parts)
             except OSError as e:
                 for sub in subs:
                     sub.node = None
                 self.inflight = {t: s for t, s in self.inflight.items() if s not in subs}
+                for sub in subs:
+                    self.busy[sub.worker] -= 1
                 raise self.lost_error(f"cannot take calls ({e})") from None
 
     def send_control(self, kind: Kind, wait: bool = True, ident: int = 0) -> bool:
@@ -213,6 +222,8 @@ class Node:
             if kind == Kind.RESULT:
                 with self.lock:
                     sub = self.inflight.pop(ident, None)
+                    if sub is not None:
+                        self.busy[sub.worker] -= 1
                 if sub is not None:
                     if not self.inflight:
                         self.flush_output()
@@ -277,6 +288,7 @@ class Node:
         with self.lock:
             subs = list(self.inflight.values())
             self.inflight.clear()
+            self.busy = [0] * len(self.busy)
         if subs:
             self._on_lost(self, subs)
 
@@ -299,18 +311,19 @@ class Node:
         )
 
     # -- output ----------------------------------------------------------------------
-    def _output(self, stream: int, data: bytes) -> None:
-        buf = self._out_partial[stream] + data
+    def _output(self, ident: int, data: bytes) -> None:
+        buf = self._out_partial.get(ident, b"") + data
         lines = buf.split(b"\n")
-        self._out_partial[stream] = lines.pop()
+        self._out_partial[ident] = lines.pop()
         if lines:
-            self.events.output(self, stream, [line.decode(errors="replace") for line in lines])
+            text = [line.decode(errors="replace") for line in lines]
+            self.events.output(self, ident & 0xFF, text, ident >> 8)
 
     def flush_output(self) -> None:
-        for stream, rest in self._out_partial.items():
+        for ident, rest in self._out_partial.items():
             if rest:
-                self._out_partial[stream] = b""
-                self.events.output(self, stream, [rest.decode(errors="replace")])
+                self._out_partial[ident] = b""
+                self.events.output(self, ident & 0xFF, [rest.decode(errors="replace")], ident >> 8)
 
 
 _print_lock = threading.Lock()

@@ -10,7 +10,10 @@ A plugin is a small object with optional hooks, applied in the order given to ``
     environment variables and initialise the framework here (``init_process_group``...).
 
 A plugin that only makes sense in cluster mode sets ``requires_cluster = True``; pools with
-``Options(cluster=False)`` then refuse it before anything starts. Plugins travel to the
+``Options(cluster=False)`` then refuse it before anything starts. A plugin that sets
+``procs_per_node = P`` makes every node run P executor processes (local ranks 0..P-1, in
+``InstanceInfo.local_rank``); a broadcast then runs once per process and returns
+``nodes * P`` results in global rank order (``node * P + local_rank``). Plugins travel to the
 nodes pickled, so keep their state small and picklable.
 """
 
@@ -27,6 +30,7 @@ class Plugin:
 
     name: str = "plugin"
     requires_cluster: bool = False
+    procs_per_node: int = 1
 
     def transform(self, image: Any, cluster: Any) -> Any:
         """Return the image the nodes should build (client side)."""

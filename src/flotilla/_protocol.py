@@ -36,13 +36,13 @@ class Kind(IntEnum):
     HELLO = 1  # JSON: the agent is up (pid, host, boot id, python, free port)
     READY = 2  # JSON: the executor is initialised (or failed to, with "error")
     RESULT = 3  # ident=task id; body = status byte + payload
-    OUTPUT = 4  # ident=1 stdout / 2 stderr; body = raw bytes the executor wrote
+    OUTPUT = 4  # ident=stream (1 stdout, 2 stderr) | local rank << 8; body = raw bytes
     BUILD = 5  # JSON: the node builds its environment ({"need_includes": bool})
     PROGRESS = 6  # text: output of the environment build
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function
-    TASK = 12  # ident=task id; body = f64 timeout (0 = none) + payload
+    TASK = 12  # ident=task id; body = TASK_HEAD (timeout, local rank) + payload
     PING = 13  # keep-alive; the agent exits when none arrives for a while
     SHUTDOWN = 14  # stop the executor gracefully and exit
     INCLUDES = 15  # the Image's includes archive, sent when the agent asks for it
@@ -59,7 +59,8 @@ class Status(IntEnum):
     CANCELLED = 4  # no payload: the call was cancelled
 
 
-TIMEOUT = struct.Struct("<d")
+TASK_HEAD = struct.Struct("<dH")
+"""Start of a TASK body: the timeout in seconds (0: none) and the local rank to run it on."""
 
 
 def frame(kind: Kind, ident: int, *parts: Buffer) -> list[Buffer]:
