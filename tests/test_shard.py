@@ -88,7 +88,7 @@ def test_bad_arguments() -> None:
         sky.shard()
     with pytest.raises(TypeError, match="no length"):
         sky.shard(x for x in range(3))
-    with pytest.raises(ValueError, match="node must be in 0..1"):
+    with pytest.raises(ValueError, match=r"node must be in 0\.\.1"):
         sky.shard([1, 2], node=2, total_nodes=2)
     with pytest.raises(ValueError, match="total_nodes"):
         sky.shard([1, 2], node=0, total_nodes=0)

@@ -19,6 +19,7 @@ import typing as _typing
 from ._version import __version__
 
 if _typing.TYPE_CHECKING:
+    from . import plugins
     from ._accelerators import Accelerator, accelerators
     from ._compute import Compute, PoolState
     from ._errors import (
@@ -40,6 +41,7 @@ if _typing.TYPE_CHECKING:
     from ._plugins import Plugin
     from ._provider import AgentProcess, Options, PoolSpec, Provider
     from ._shard import shard
+    from ._ssh import SSH, SSHHost
 
 _EXPORTS: dict[str, str] = {
     "Accelerator": "_accelerators",
@@ -75,9 +77,12 @@ _EXPORTS: dict[str, str] = {
     "PoolSpec": "_provider",
     "Provider": "_provider",
     "shard": "_shard",
+    "SSH": "_ssh",
+    "SSHHost": "_ssh",
 }
 
 __all__ = [
+    "SSH",
     "Accelerator",
     "AgentProcess",
     "CallGroup",
@@ -99,6 +104,7 @@ __all__ = [
     "Provider",
     "ProvisionError",
     "RemoteError",
+    "SSHHost",
     "Secret",
     "SerializationError",
     "TaskTimeoutError",
@@ -108,6 +114,7 @@ __all__ = [
     "function",
     "gather",
     "instance_info",
+    "plugins",
     "shard",
     "silent",
     "stderr",
@@ -116,6 +123,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> _typing.Any:
+    if name == "plugins":  # the built-in plugins: flotilla.plugins.torch() ...
+        return _importlib.import_module(".plugins", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'flotilla' has no attribute {name!r}")

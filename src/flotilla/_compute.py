@@ -593,7 +593,7 @@ class _PoolEvents(NodeEvents):
     def building(self, node: Node, info: dict[str, Any]) -> None:
         self.pool._progress.set_phase(node.rank, "environment")
         if info.get("need_includes"):
-            with node.lock:
+            with node.write_lock:
                 node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
 
     def build_output(self, node: Node, data: bytes) -> None:

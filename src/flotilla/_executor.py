@@ -110,7 +110,8 @@ class _Inbox:
                     self.cancelled.add(f[1])
                 else:
                     self.frames.append(f)
-            block = False
+            if self.frames:  # a partial frame: keep waiting for the rest
+                block = False
 
 
 def _run(

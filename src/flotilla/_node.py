@@ -138,7 +138,8 @@ class Node:
         self.rank = rank
         self.proc = proc
         self.state = NodeState.STARTING
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards inflight, busy, defined: held briefly
+        self.write_lock = threading.Lock()  # keeps frames whole and in order on the channel
         self.inflight: dict[int, Submission] = {}
         self.busy = [0]  # calls in flight per local rank
         self.defined: set[int] = set()
@@ -169,41 +170,42 @@ class Node:
         self.busy = [0] * int(config.get("procs", 1))
         data = json.dumps(config).encode()
         self.state = NodeState.CONFIGURING
-        with self.lock:
+        with self.write_lock:
             self.proc.write(frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob))
 
     # -- sending ---------------------------------------------------------------------
     def send(self, subs: list[Submission]) -> None:
         """Send calls to this node (any thread). Raises NodeLostError if it is gone."""
         parts: list[Buffer] = []
-        with self.lock:
-            if self.state is not NodeState.READY:
-                raise self.lost_error("cannot take calls")
-            for sub in subs:
-                tid = next(_task_ids)
-                sub.node = self
-                sub.tid = tid
-                sub.attempts += 1
-                self.inflight[tid] = sub
-                if sub.fn_key not in self.defined:
-                    self.defined.add(sub.fn_key)
-                    parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
-                self.busy[sub.worker] += 1
-                head = TASK_HEAD.pack(sub.timeout, sub.worker)
-                parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
+        with self.write_lock:  # the loop thread only ever takes self.lock: no deadlock
+            with self.lock:
+                if self.state is not NodeState.READY:
+                    raise self.lost_error("cannot take calls")
+                for sub in subs:
+                    tid = next(_task_ids)
+                    sub.node = self
+                    sub.tid = tid
+                    sub.attempts += 1
+                    self.inflight[tid] = sub
+                    if sub.fn_key not in self.defined:
+                        self.defined.add(sub.fn_key)
+                        parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
+                    self.busy[sub.worker] += 1
+                    head = TASK_HEAD.pack(sub.timeout, sub.worker)
+                    parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
             try:
                 self.proc.write(parts)
             except OSError as e:
-                for sub in subs:
-                    sub.node = None
-                self.inflight = {t: s for t, s in self.inflight.items() if s not in subs}
-                for sub in subs:
-                    self.busy[sub.worker] -= 1
+                with self.lock:
+                    for sub in subs:
+                        sub.node = None
+                        if self.inflight.pop(sub.tid, None) is not None:
+                            self.busy[sub.worker] -= 1
                 raise self.lost_error(f"cannot take calls ({e})") from None
 
     def send_control(self, kind: Kind, wait: bool = True, ident: int = 0) -> bool:
         """Send a body-less control frame; False if the node is gone or (without wait) busy."""
-        if not self.lock.acquire(blocking=wait):
+        if not self.write_lock.acquire(blocking=wait):
             return False
         try:
             self.proc.write(frame(kind, ident))
@@ -211,7 +213,7 @@ class Node:
         except OSError:
             return False
         finally:
-            self.lock.release()
+            self.write_lock.release()
 
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:

@@ -131,9 +131,23 @@ class FrameReader:
 
     def feed(self, data: Buffer) -> list[tuple[int, int, bytes | bytearray]]:
         """Add bytes; return the frames they complete."""
+        out: list[tuple[int, int, bytes | bytearray]] = []
+        big = self._big
+        if big is not None:  # continue a large body
+            view = memoryview(data).cast("B")
+            take = min(len(big) - self._big_filled, view.nbytes)
+            big[self._big_filled : self._big_filled + take] = view[:take]
+            self._big_filled += take
+            if self._big_filled < len(big):
+                return out
+            kind, ident = self._big_header
+            out.append((kind, ident, big))
+            self._big = None
+            data = view[take:]
+            if not data:
+                return out
         buf = self._buf
         buf += data
-        out: list[tuple[int, int, bytes | bytearray]] = []
         start = 0
         end = len(buf)
         while end - start >= HEADER_SIZE:

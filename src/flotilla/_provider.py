@@ -84,9 +84,11 @@ class AgentProcess(ABC):
 
     @abstractmethod
     def write(self, parts: Sequence[Buffer]) -> None:
-        """Write protocol bytes to the agent's stdin; blocks until written.
+        """Write protocol bytes to the agent's stdin (any thread but the event loop's).
 
-        Raises OSError (BrokenPipeError) when the agent is gone. Callers serialize writes.
+        It may block until written, but must never wait for the event loop: callers hold
+        the node's write lock. Raises OSError (BrokenPipeError) when the agent is gone.
+        Callers serialize writes.
         """
 
     @abstractmethod

@@ -23,7 +23,9 @@ def shard(
       parts stay disjoint and together cover the data.
     * Several arrays stay aligned (``x, y = shard(x, y)``); their lengths must match.
     * ``drop_last``: every node gets exactly ``len(data) // N`` items (striding kept).
-    * ``node``/``total_nodes`` default to ``instance_info()``.
+    * ``node``/``total_nodes`` default to this process's global rank and the world size
+      (``instance_info()``: the node's rank, or ``node * procs_per_node + local_rank``
+      when a plugin runs several processes per node).
     * Type preserving: lists, tuples, numpy arrays, torch tensors, pandas DataFrames and
       Series (rows), and any sized indexable sequence (returned as a list).
 
@@ -31,9 +33,9 @@ def shard(
     """
     if not data:
         raise TypeError("shard() needs at least one sequence to split")
-    info = instance_info()
-    k = info.node if node is None else node
-    n = info.total_nodes if total_nodes is None else total_nodes
+    info = instance_info()  # with several processes per node, shard by global rank
+    k = info.node * info.procs_per_node + info.local_rank if node is None else node
+    n = info.total_nodes * info.procs_per_node if total_nodes is None else total_nodes
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"total_nodes must be a positive integer, got {n!r}")
     if not isinstance(k, int) or not 0 <= k < n:

@@ -1,0 +1,154 @@
+"""Built-in plugins: ready-made distributed setups for common frameworks.
+
+    import flotilla as sky
+    from flotilla import plugins
+
+    with sky.Compute(nodes=4, plugins=[plugins.torch()]) as pool:
+        results = train() @ pool      # torch.distributed is initialised on every node
+
+Plugins are applied in the order given. Combine them freely; ports do not collide:
+``torch`` rendezvouses on the head node's ``head_port``, the ``jax`` coordinator on
+``head_port + 1``, TensorFlow worker ``k`` on ``head_port + 2 + k``. Only ``head_port`` is
+checked free when the pool starts.
+
+Writing your own plugin
+-----------------------
+A plugin is any picklable object with one or both of these optional methods (subclass
+:class:`flotilla.Plugin` to get defaults for both):
+
+``transform(image, cluster) -> image``
+    Runs on the client before the nodes are built. ``cluster`` is the
+    :class:`~flotilla.PoolSpec` (``.nodes``, ``.accelerator``, ``.options``); ``image`` is
+    the pool's ``flotilla.Image`` or None. Return a new image (``dataclasses.replace``) with
+    your packages added; never mutate the one you are given. Raise
+    :class:`~flotilla.ConfigurationError` to refuse a pool you cannot serve.
+``around_process(info) -> context manager | None``
+    Runs on every node, in each executor process, once, before its first task, with the
+    node's :class:`~flotilla.InstanceInfo` (``node``, ``total_nodes``, ``head_addr``,
+    ``head_port``, ``peers``, ``addr``...). Set environment variables and initialise your
+    framework when the context is entered; tear down when it exits (the pool is closing).
+    Return None when there is nothing to do. Import heavy frameworks inside this method,
+    not at module level: the client may not have them installed.
+
+Set ``requires_cluster = True`` on a plugin that needs nodes that know each other: pools
+with ``Options(cluster=False)`` then refuse it before starting anything. Set
+``procs_per_node = P`` to have every node run P processes (``info.local_rank`` 0..P-1,
+``info.procs_per_node``); ``around_process`` then runs in each of them. Keep a plugin's
+state small: it is pickled and sent to every node.
+
+Example::
+
+    import contextlib, os
+    import flotilla as sky
+
+    class Horovod(sky.Plugin):
+        name = "horovod"
+        requires_cluster = True
+
+        @contextlib.contextmanager
+        def _setup(self, info):
+            os.environ["HOROVOD_RANK"] = str(info.node)
+            yield
+
+        def around_process(self, info):
+            return self._setup(info)
+"""
+
+from __future__ import annotations
+
+from ._huggingface import HuggingfacePlugin
+from ._jax import JaxPlugin
+from ._keras import KerasPlugin
+from ._tensorflow import TensorflowPlugin
+from ._torch import TorchPlugin
+
+__all__ = ["huggingface", "jax", "keras", "tensorflow", "torch"]
+
+
+def torch(
+    backend: str | None = None,
+    cuda: str = "cu128",
+    version: str = "latest",
+    vision: str | None = None,
+    audio: str | None = None,
+    procs_per_node: int = 1,
+) -> TorchPlugin:
+    """PyTorch: installs torch and initialises ``torch.distributed`` on every node.
+
+    Args:
+        backend: process group backend; None picks "nccl" when CUDA is available on the
+            node and "gloo" otherwise.
+        cuda: CUDA suffix of PyTorch's wheel index (``download.pytorch.org/whl/{cuda}``),
+            used when the pool's accelerator runs CUDA; other pools use the CPU index.
+        version: "latest" (unpinned), a version ("2.3.0", pinned with ``==``) or a
+            constraint (">=2.3", "~=2.4", ">=2.3,<2.5"). Invalid: ValueError, here.
+        vision: torchvision version, same forms; None does not install it.
+        audio: torchaudio version, same forms; None does not install it.
+        procs_per_node: processes (ranks) per node, e.g. one per GPU. Every node then runs
+            that many executor processes, each a rank (``node * procs_per_node +
+            local_rank``), and a broadcast returns one result per rank, in rank order.
+
+    In each process, for two or more ranks in all, it sets ``MASTER_ADDR`` (the head's
+    address), ``MASTER_PORT`` (``head_port``), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and ``NODE_RANK``, and ``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME`` (the interface carrying the node's address) unless already set;
+    then calls ``torch.distributed.init_process_group(backend, init_method="env://")``
+    once per process, and ``destroy_process_group()`` when the pool closes. A single rank
+    gets no setup. Needs cluster mode.
+    """
+    return TorchPlugin(backend, cuda, version, vision, audio, procs_per_node)
+
+
+def jax() -> JaxPlugin:
+    """JAX: installs jax (``jax[cuda12]`` on CUDA pools) and initialises ``jax.distributed``.
+
+    With two or more processes in the pool (nodes, or several processes per node that
+    another plugin asked for), each process gets ``JAX_COORDINATOR_ADDRESS`` (the head
+    node, port ``head_port + 1`` so that it does not collide with torch's
+    ``MASTER_PORT``), ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (its global rank) and
+    ``JAX_LOCAL_DEVICE_COUNT``; ``jax.distributed.initialize(...)`` runs before the first
+    task and ``jax.distributed.shutdown()`` when the pool closes. Afterwards
+    ``jax.devices()`` lists every process's devices. Several nodes need cluster mode; a
+    single process gets no setup.
+    """
+    return JaxPlugin()
+
+
+def keras(backend: str = "jax") -> KerasPlugin:
+    """Keras 3: installs keras and selects its backend before anything imports it.
+
+    Args:
+        backend: "jax", "torch" or "tensorflow" (ValueError otherwise), set as
+            ``KERAS_BACKEND`` in each node's process.
+
+    With the JAX backend on several nodes it also makes training data-parallel over every
+    process's devices: ``keras.distribution.set_distribution(DataParallel(...))``, after
+    ``jax.distributed`` is initialised (it initialises it itself when ``plugins.jax()`` is
+    not in the pool; with it, either order works). Each node then feeds its own part of
+    the data (``flotilla.shard``). For the torch backend, add ``plugins.torch()``.
+    """
+    return KerasPlugin(backend)
+
+
+def huggingface(token: str | None = None) -> HuggingfacePlugin:
+    """HuggingFace: installs transformers, datasets and tokenizers; sets ``HF_TOKEN``.
+
+    Args:
+        token: a HuggingFace access token, set as ``HF_TOKEN`` in each node's process
+            (the hub libraries read it from there). Never shown in the plugin's repr.
+
+    For multi-node training, combine with ``plugins.torch()``.
+    """
+    return HuggingfacePlugin(token)
+
+
+def tensorflow() -> TensorflowPlugin:
+    """TensorFlow: installs tensorflow and sets ``TF_CONFIG`` for multi-worker training.
+
+    With two or more processes in the pool, each gets ``TF_CONFIG`` as
+    ``{"cluster": {"worker": ["addr:port", ...]}, "task": {"type": "worker", "index": k}}``
+    with one worker per process in rank order (worker ``k`` on port ``head_port + 2 + k``
+    of its node), which is what ``tf.distribute.MultiWorkerMirroredStrategy()`` reads.
+    Needs cluster mode.
+    """
+    return TensorflowPlugin()

@@ -1,0 +1,44 @@
+"""Setting environment variables for the life of a plugin's ``around_process`` context."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from .._info import InstanceInfo
+
+
+@contextmanager
+def environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ``; restore the previous values on exit."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def unless_set(values: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``values`` whose variable the user has not set already."""
+    return {key: value for key, value in values.items() if key not in os.environ}
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def global_rank(info: InstanceInfo) -> int:
+    """This process's rank in the pool: ``node * procs_per_node + local_rank``."""
+    return info.node * info.procs_per_node + info.local_rank
+
+
+def world_size(info: InstanceInfo) -> int:
+    """Processes in the pool: ``total_nodes * procs_per_node``."""
+    return info.total_nodes * info.procs_per_node

@@ -1,0 +1,40 @@
+"""The HuggingFace plugin: transformers, datasets and tokenizers, and the access token."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._info import InstanceInfo
+from .._plugins import Plugin
+from ._env import environ
+from ._image import extend
+
+PACKAGES = ("transformers", "datasets", "tokenizers")
+
+
+@dataclass(frozen=True)
+class HuggingfacePlugin(Plugin):
+    """See :func:`flotilla.plugins.huggingface`. Its repr never shows the token."""
+
+    token: str | None = field(default=None, repr=False)
+
+    name = "huggingface"
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise ValueError("huggingface token must be a non-empty string or None")
+
+    def __repr__(self) -> str:
+        return f"plugins.huggingface(token={'***' if self.token else None})"
+
+    def transform(self, image: Any, cluster: Any) -> Any:
+        """Add transformers, datasets and tokenizers to the image."""
+        return extend(image, pip=PACKAGES)
+
+    def around_process(self, info: InstanceInfo) -> AbstractContextManager[None] | None:
+        """Set ``HF_TOKEN`` in the process environment (if a token was given)."""
+        if self.token is None:
+            return None
+        return environ({"HF_TOKEN": self.token})

@@ -1,0 +1,139 @@
+"""The PyTorch plugin: torch wheels in the image, ``torch.distributed`` ready on the nodes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .._info import InstanceInfo
+from .._plugins import Plugin
+from ._env import environ, unless_set, world_size
+from ._image import extend
+from ._net import interface_for
+from ._versions import requirement
+
+WHEEL_INDEX = "https://download.pytorch.org/whl/{}"
+"""PyTorch's wheel index; ``{}`` is the ``cuda`` suffix ("cu128") or "cpu"."""
+
+BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
+
+
+def rank_env(info: InstanceInfo, local_rank: int = 0, procs_per_node: int = 1) -> dict[str, str]:
+    """The torchrun-style variables of one process of the pool.
+
+    Process ``local_rank`` of node ``info.node`` gets global rank
+    ``node * procs_per_node + local_rank`` out of ``total_nodes * procs_per_node``;
+    the rendezvous is on the head node (``head_addr:head_port``).
+    """
+    if procs_per_node < 1:
+        raise ValueError(f"procs_per_node must be at least 1, got {procs_per_node}")
+    if not 0 <= local_rank < procs_per_node:
+        raise ValueError(f"local_rank must be in 0..{procs_per_node - 1}, got {local_rank}")
+    return {
+        "MASTER_ADDR": info.head_addr,
+        "MASTER_PORT": str(info.head_port),
+        "WORLD_SIZE": str(info.total_nodes * procs_per_node),
+        "RANK": str(info.node * procs_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(procs_per_node),
+        "NODE_RANK": str(info.node),
+    }
+
+
+def socket_ifname_env(addr: str) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for the interface carrying ``addr``.
+
+    Only the variables the user has not set; nothing when no local interface carries it.
+    """
+    name = interface_for(addr)
+    if name is None:
+        return {}
+    return unless_set({"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name})
+
+
+@dataclass(frozen=True)
+class TorchPlugin(Plugin):
+    """See :func:`flotilla.plugins.torch`."""
+
+    backend: str | None = None
+    cuda: str = "cu128"
+    version: str = "latest"
+    vision: str | None = None
+    audio: str | None = None
+    procs_per_node: int = 1
+
+    name = "torch"
+    requires_cluster = True
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(
+                f"torch backend must be one of {', '.join(BACKENDS)} or None (auto), "
+                f"got {self.backend!r}"
+            )
+        if not isinstance(self.cuda, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", self.cuda):
+            raise ValueError(
+                f"cuda must be a wheel index suffix such as 'cu128', got {self.cuda!r}"
+            )
+        if (
+            isinstance(self.procs_per_node, bool)
+            or not isinstance(self.procs_per_node, int)
+            or self.procs_per_node < 1
+        ):
+            raise ValueError(
+                f"procs_per_node must be a positive integer, got {self.procs_per_node!r}"
+            )
+        self.requirements()  # a bad version is an error now, not on the nodes
+
+    def requirements(self) -> list[str]:
+        """The pip requirements: torch, and torchvision/torchaudio when asked for."""
+        reqs = [requirement("torch", self.version, "torch version")]
+        if self.vision is not None:
+            reqs.append(requirement("torchvision", self.vision, "vision (torchvision version)"))
+        if self.audio is not None:
+            reqs.append(requirement("torchaudio", self.audio, "audio (torchaudio version)"))
+        return reqs
+
+    def index_url(self, cluster: Any) -> str:
+        """The CUDA wheel index when the pool's accelerator runs CUDA, the CPU one otherwise."""
+        accelerator = getattr(cluster, "accelerator", None)
+        cuda = accelerator is not None and bool(getattr(accelerator, "cuda", False))
+        return WHEEL_INDEX.format(self.cuda if cuda else "cpu")
+
+    def transform(self, image: Any, cluster: Any) -> Any:
+        """Add torch (+ vision/audio) and the matching wheel index to the image."""
+        return extend(image, pip=self.requirements(), pip_indexes=[self.index_url(cluster)])
+
+    def around_process(self, info: InstanceInfo) -> AbstractContextManager[None] | None:
+        """Initialise the default process group; nothing for a single process."""
+        if not info.cluster or world_size(info) < 2:
+            return None
+        return self._process_group(info)
+
+    @contextmanager
+    def _process_group(self, info: InstanceInfo) -> Iterator[None]:
+        # the pool's processes per node: this plugin's procs_per_node, or more if another
+        # plugin asked for more (every process of the pool is a rank)
+        local_rank = info.local_rank
+        env = rank_env(info, local_rank, info.procs_per_node)
+        env.update(socket_ifname_env(info.addr))
+        with environ(env):
+            import torch
+            import torch.distributed as dist
+
+            cuda = torch.cuda.is_available()
+            backend = self.backend or ("nccl" if cuda else "gloo")
+            if cuda and torch.cuda.device_count() > 0:
+                torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            created = False
+            if not dist.is_initialized():
+                dist.init_process_group(backend=backend, init_method="env://")
+                created = True
+            try:
+                yield
+            finally:
+                if created and dist.is_initialized():
+                    dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""Version arguments of the plugins (``version="2.3.0"``, ``">=2.3"``, ``"latest"``).
+
+* ``"latest"``: no constraint (pip picks the newest release).
+* A bare version (``"2.3.0"``, ``"2.3.*"``) pins it: ``==2.3.0``.
+* A constraint (``">=2.3"``, ``"~=2.4"``, ``"<2.5"``, ``">=2.3,<2.5"``) is passed through.
+
+Anything else is a ValueError when the plugin is created, not on the nodes.
+Validation uses ``packaging`` when it is installed, a strict regex otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RELEASE = r"(?:\d+!)?\d+(?:\.\d+)*"
+_SUFFIX = (
+    r"(?:[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"  # pre-release
+    r"(?:-\d+|[-_.]?(?:post|rev|r)[-_.]?\d*)?"  # post-release
+    r"(?:[-_.]?dev[-_.]?\d*)?"  # development release
+    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?"  # local version
+)
+_CLAUSE = re.compile(
+    rf"===\S+"
+    rf"|(?:==|!=)(?:{_RELEASE}\.\*|{_RELEASE}{_SUFFIX})"
+    rf"|~=(?:\d+!)?\d+(?:\.\d+)+{_SUFFIX}"
+    rf"|(?:<=|>=|<|>){_RELEASE}{_SUFFIX}",
+    re.IGNORECASE,
+)
+
+
+def version_spec(version: str, what: str = "version") -> str:
+    """The pip specifier for a plugin's version argument ('' for "latest")."""
+    if not isinstance(version, str):
+        raise TypeError(f"{what} must be a string such as 'latest', '2.3.0' or '>=2.3'")
+    text = "".join(version.split())
+    if text == "latest":
+        return ""
+    spec = "==" + text if text[:1].isdigit() else text
+    if not text or not is_valid_specifier(spec):
+        raise ValueError(
+            f"invalid {what} {version!r}: use 'latest', a version such as '2.3.0', "
+            "or a constraint such as '>=2.3', '~=2.4' or '>=2.3,<2.5'"
+        )
+    return spec
+
+
+def requirement(package: str, version: str, what: str = "version") -> str:
+    """``requirement("torch", "2.3.0")`` -> ``"torch==2.3.0"``; "latest" -> ``"torch"``."""
+    return package + version_spec(version, what)
+
+
+def is_valid_specifier(spec: str) -> bool:
+    """Whether ``spec`` (e.g. ``">=2.3,<2.5"``) is a valid pip version specifier.
+
+    Stricter than pip on one point: an empty clause (``">=2.3,"``) is refused as a typo.
+    """
+    if not spec or spec[0] not in "<>=!~" or not all(spec.split(",")):
+        return False
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        return is_valid_specifier_regex(spec)
+    try:
+        req = Requirement("x" + spec)  # the grammar pip parses requirements with
+    except InvalidRequirement:
+        return False
+    return req.name == "x" and req.marker is None and req.url is None and not req.extras
+
+
+def is_valid_specifier_regex(spec: str) -> bool:
+    """:func:`is_valid_specifier` without ``packaging`` (PEP 440, slightly simplified)."""
+    clauses = spec.split(",")
+    return bool(spec) and all(_CLAUSE.fullmatch(c) for c in clauses)

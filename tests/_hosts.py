@@ -1,0 +1,454 @@
+"""Real SSH test hosts on this machine: network namespaces on a bridge, one sshd each.
+
+``Lab`` builds them (root only) and tears everything down, also after failures::
+
+    with Lab() as lab:
+        hosts = lab.add_hosts(3)
+        provider = lab.provider(hosts)       # flotilla SSH provider with the lab's keys
+
+Each lab has unique names (from the pid) and its own /24 in 10.x that no interface or
+route of this machine uses; tests talk only to addresses the lab created. Every host has
+its own address, sshd (host key made per lab), hostname and /etc/hosts; the client key,
+authorized_keys and a known_hosts pinning every host key are made per lab too.
+
+The pytest fixture ``ssh_lab`` (session scope, 3 hosts) wraps it; test modules import it:
+``from _hosts import ssh_lab_fixture  # noqa: F401``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SSHD = "/usr/sbin/sshd"
+_SSHD_CONFIG = """\
+ListenAddress {addr}
+HostKey {hostkey}
+PidFile {pidfile}
+AuthorizedKeysFile {authorized_keys}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+UseDNS no
+AllowTcpForwarding yes
+MaxSessions 64
+MaxStartups 64
+Subsystem sftp /usr/lib/openssh/sftp-server
+"""
+
+
+class LabError(RuntimeError):
+    """The test hosts cannot be set up on this machine."""
+
+
+def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command; on failure raise LabError with its output."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise LabError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def lab_unavailable() -> str | None:
+    """Why no lab can be built here (None: it can)."""
+    if os.geteuid() != 0:
+        return "SSH test hosts need root (network namespaces, a bridge, sshd)"
+    if shutil.which("ip") is None:
+        return "SSH test hosts need the `ip` command (iproute2)"
+    return None
+
+
+def ensure_sshd() -> None:
+    """Install openssh-server if missing (apt-get update only when the install fails)."""
+    if os.path.exists(SSHD) and shutil.which("ssh-keygen"):
+        return
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "openssh-server"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(install, capture_output=True, env=env).returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env)
+        proc = subprocess.run(install, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise LabError(f"cannot install openssh-server: {proc.stderr.strip()[-500:]}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_labs() -> None:
+    """Remove the namespaces and links of labs whose process is gone (a killed test run)."""
+    for line in run("ip", "netns", "list").stdout.splitlines():
+        match = re.match(r"(flotilla-(\d+)[a-z]-h\d+)\b", line)
+        if match and not _pid_alive(int(match.group(2))):
+            netns = match.group(1)
+            for pid in pids_in_netns(netns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            run("ip", "netns", "del", netns, check=False)
+    for line in run("ip", "-o", "link", "show").stdout.splitlines():
+        match = re.match(r"\d+: (fl[bv](\d+)[a-z](x\d+)?)[@:]", line)
+        if match and not _pid_alive(int(match.group(2))):
+            run("ip", "link", "del", match.group(1), check=False)
+
+
+def pids_in_netns(netns: str) -> list[int]:
+    """Every process whose network namespace is ``/run/netns/{netns}``."""
+    try:
+        ns = os.stat(f"/run/netns/{netns}")
+    except OSError:
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (ns.st_dev, ns.st_ino):
+            out.append(int(entry))
+    return out
+
+
+def keygen(path: Path, comment: str) -> str:
+    """Make an ed25519 key pair at ``path``; return the public key line."""
+    run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+    return path.with_suffix(".pub").read_text().strip()
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network this machine has an address or a route in."""
+    nets = []
+    for line in run("ip", "-o", "-4", "addr", "show").stdout.splitlines():
+        words = line.split()
+        if "inet" in words:
+            nets.append(ipaddress.ip_interface(words[words.index("inet") + 1]).network)
+    for line in run("ip", "-o", "-4", "route", "show", "table", "all").stdout.splitlines():
+        first = line.split()[0] if line.split() else ""
+        if first and first[0].isdigit():
+            with contextlib.suppress(ValueError):
+                nets.append(ipaddress.ip_network(first, strict=False))
+    return nets
+
+
+def free_subnet(seed: int) -> str:
+    """A 10.x.y.0/24 (as "10.x.y") that no address or route of this machine overlaps."""
+    used = _used_networks()
+    for step in range(4096):
+        n = seed + step * 7919
+        prefix = f"10.{100 + (n >> 8) % 100}.{n % 256}"
+        net = ipaddress.ip_network(f"{prefix}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return prefix
+    raise LabError("no free 10.x.y.0/24 subnet for the test hosts")
+
+
+@dataclass
+class TestHost:
+    """One test host: a network namespace with an address and an sshd."""
+
+    index: int
+    netns: str
+    veth: str
+    addr: str
+    hostname: str
+    folder: Path
+    pubkey: str = ""
+    sshd: subprocess.Popen[bytes] | None = None
+    _log: Any = field(default=None, repr=False)
+
+    __test__ = False  # not a test class, whatever pytest thinks of the name
+
+
+class Lab:
+    """A bridge with test hosts; a context manager that removes everything it made."""
+
+    _count = 0
+
+    def __init__(self) -> None:
+        pid = os.getpid()
+        Lab._count += 1
+        self.tag = f"{pid}{chr(ord('a') + (Lab._count - 1) % 26)}"  # unique in this process
+        self.bridge = f"flb{self.tag}"[:15]
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"flotilla-lab-{self.tag}-"))
+        self.tmp.chmod(0o755)
+        self.subnet = ""
+        self.hosts: list[TestHost] = []
+        self.client_key = self.tmp / "client_key"
+        self.authorized_keys = self.tmp / "authorized_keys"
+        self.known_hosts = self.tmp / "known_hosts"
+        self._next = 0
+        self._seed = pid
+
+    # -- life cycle ------------------------------------------------------------------
+    def __enter__(self) -> Lab:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Install sshd if needed, make the client key and the bridge."""
+        reason = lab_unavailable()
+        if reason:
+            raise LabError(reason)
+        ensure_sshd()
+        remove_stale_labs()
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self.authorized_keys.write_text(keygen(self.client_key, "flotilla-lab-client") + "\n")
+        self.known_hosts.write_text("")
+        self.subnet = free_subnet(self._seed)
+        run("ip", "link", "add", self.bridge, "type", "bridge")
+        run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        run("ip", "link", "set", self.bridge, "up")
+
+    def close(self) -> None:
+        """Stop every host and remove the bridge and files. Safe to call twice."""
+        for host in list(self.hosts):
+            with contextlib.suppress(Exception):
+                self.remove_host(host)
+        if self.subnet:
+            run("ip", "link", "del", self.bridge, check=False)
+            self.subnet = ""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- hosts -----------------------------------------------------------------------
+    def add_hosts(self, count: int) -> list[TestHost]:
+        return [self.add_host() for _ in range(count)]
+
+    def add_host(self) -> TestHost:
+        """A new host with its own address, hostname and running sshd."""
+        self._next += 1
+        i = self._next
+        host = TestHost(
+            index=i,
+            netns=f"flotilla-{self.tag}-h{i}",
+            veth=f"flv{self.tag}x{i}"[-15:],
+            addr=f"{self.subnet}.{i + 1}",
+            hostname=f"flhost{i}",
+            folder=self.tmp / f"h{i}",
+        )
+        self.hosts.append(host)
+        host.folder.mkdir()
+        run("ip", "netns", "add", host.netns)
+        run(
+            "ip",
+            "link",
+            "add",
+            host.veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            host.netns,
+        )
+        run("ip", "link", "set", host.veth, "master", self.bridge, "up")
+        run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
+        run("ip", "-n", host.netns, "link", "set", "eth0", "up")
+        run("ip", "-n", host.netns, "link", "set", "lo", "up")
+        host.pubkey = keygen(host.folder / "hostkey", host.hostname)
+        with open(self.known_hosts, "a") as f:
+            f.write(f"{host.addr} {' '.join(host.pubkey.split()[:2])}\n")
+        self.start_sshd(host)
+        return host
+
+    def start_sshd(self, host: TestHost) -> None:
+        """Start the host's sshd and wait until it listens.
+
+        The host gets its own hostname, /etc/hosts and /dev/shm (as a separate machine has:
+        no shared-memory shortcut with the client); the rest of the file system is shared.
+        """
+        config = host.folder / "sshd_config"
+        config.write_text(
+            _SSHD_CONFIG.format(
+                addr=host.addr,
+                hostkey=host.folder / "hostkey",
+                pidfile=host.folder / "sshd.pid",
+                authorized_keys=self.authorized_keys,
+            )
+        )
+        hosts_file = host.folder / "hosts"
+        hosts_file.write_text(f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
+        inner = (
+            f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
+            "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && "
+            f"exec {SSHD} -D -e -f {config}"
+        )
+        host._log = open(host.folder / "sshd.log", "ab")  # noqa: SIM115 - closed in remove_host
+        host.sshd = subprocess.Popen(
+            [*_in_netns(host.netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
+            stdin=subprocess.DEVNULL,
+            stdout=host._log,
+            stderr=host._log,
+        )
+        self._wait_listening(host)
+
+    def _wait_listening(self, host: TestHost, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert host.sshd is not None
+            if host.sshd.poll() is not None:
+                log = (host.folder / "sshd.log").read_text(errors="replace")
+                raise LabError(f"sshd of {host.addr} exited ({host.sshd.returncode}): {log}")
+            with contextlib.suppress(OSError), socket.create_connection((host.addr, 22), 0.2):
+                return
+            time.sleep(0.01)
+        raise LabError(f"sshd of {host.addr} does not listen after {timeout:g} s")
+
+    def remove_host(self, host: TestHost) -> None:
+        """Kill everything running in the host, then delete its veth and namespace."""
+        self.kill_all(host)
+        if host.sshd is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                host.sshd.wait(5)
+        if host._log is not None:
+            host._log.close()
+        run("ip", "link", "del", host.veth, check=False)
+        run("ip", "netns", "del", host.netns, check=False)
+        self.hosts.remove(host)
+
+    def unused_addr(self) -> str:
+        """An address in the lab's subnet where no host is (and none will be)."""
+        return f"{self.subnet}.250"
+
+    # -- faults ----------------------------------------------------------------------
+    def link_down(self, host: TestHost) -> None:
+        """Cut the host off the network (its processes keep running)."""
+        run("ip", "link", "set", host.veth, "down")
+
+    def link_up(self, host: TestHost) -> None:
+        run("ip", "link", "set", host.veth, "up")
+
+    def kill_all(self, host: TestHost) -> None:
+        """SIGKILL every process in the host (its sshd, sessions and agents)."""
+        for pid in self.pids(host):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    # -- processes -------------------------------------------------------------------
+    def pids(self, host: TestHost) -> list[int]:
+        """Every process whose network namespace is the host's."""
+        return pids_in_netns(host.netns)
+
+    def agent_pids(self, hosts: list[TestHost] | None = None) -> dict[str, list[int]]:
+        """Host address -> live processes whose command line mentions flotilla.agent."""
+        out: dict[str, list[int]] = {}
+        for host in self.hosts if hosts is None else hosts:
+            found = [pid for pid in self.pids(host) if _is_agent(pid)]
+            if found:
+                out[host.addr] = found
+        return out
+
+    def wait_no_agents(
+        self, hosts: list[TestHost] | None = None, timeout: float = 5.0
+    ) -> dict[str, list[int]]:
+        """Wait until no agent runs on ``hosts``; what is still running (empty: none)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = self.agent_pids(hosts)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.02)
+
+    # -- the provider ----------------------------------------------------------------
+    def provider(self, hosts: list[TestHost] | None = None, **kwargs: Any) -> Any:
+        """A flotilla SSH provider for ``hosts`` (default: all), with the lab's keys."""
+        from flotilla._ssh import SSH
+
+        options: dict[str, Any] = {
+            "user": "root",
+            "key": str(self.client_key),
+            "known_hosts": str(self.known_hosts),
+            "workdir": str(self.tmp / "workdir"),
+            "connect_timeout": 5.0,
+        }
+        options.update(kwargs)
+        return SSH([h.addr for h in (self.hosts if hosts is None else hosts)], **options)
+
+
+def _in_netns(netns: str) -> list[str]:
+    """Command prefix that runs in a namespace (nsenter keeps /sys, unlike ip netns exec)."""
+    return ["nsenter", f"--net=/run/netns/{netns}"]
+
+
+def _is_agent(pid: int) -> bool:
+    """Whether ``pid`` is a live (non-zombie) flotilla agent or executor."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return b"flotilla.agent" in cmdline and stat[stat.rindex(")") + 2] != "Z"
+
+
+@contextlib.contextmanager
+def lab_with_hosts(count: int) -> Iterator[Lab]:
+    """A lab with ``count`` hosts, torn down on exit."""
+    with Lab() as lab:
+        lab.add_hosts(count)
+        yield lab
+
+
+_shared: Lab | None = None
+_shared_users = 0
+
+
+@pytest.fixture(scope="session", name="ssh_lab")
+def ssh_lab_fixture() -> Iterator[Lab]:
+    """Three SSH test hosts for the whole session (skips when they cannot be built).
+
+    Every test module that imports this fixture gets its own session-scoped instance of
+    it; they all share one lab, removed when the last of them is finalised.
+    """
+    global _shared, _shared_users
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    if _shared is None:
+        lab = Lab()
+        try:
+            lab.start()
+            lab.add_hosts(3)
+        except BaseException:
+            lab.close()
+            raise
+        _shared = lab
+    _shared_users += 1
+    try:
+        yield _shared
+    finally:
+        _shared_users -= 1
+        if _shared_users == 0:
+            _shared.close()
+            _shared = None

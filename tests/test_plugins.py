@@ -1,0 +1,857 @@
+"""Built-in plugins (``flotilla.plugins``): image transforms, version semantics, and real
+distributed runs on the local provider (torch DDP/FSDP over gloo, jax.distributed, Keras).
+
+Framework tests skip when the framework is not installed. Pools whose plugins would make
+the nodes install a framework the client lacks (tensorflow, transformers) use
+:class:`AroundProcessOnly`, which runs a plugin's node-side hook without its transform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import flotilla as sky
+import flotilla.plugins as plugins
+from flotilla._info import InstanceInfo, Peer
+from flotilla.plugins import _versions
+from flotilla.plugins._image import extend, merge_requirements, package_name
+from flotilla.plugins._jax import coordinator_address, jax_env, local_device_ids
+from flotilla.plugins._net import interface_for, parse_ip_addr
+from flotilla.plugins._tensorflow import tf_config
+from flotilla.plugins._torch import rank_env, socket_ifname_env
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@dataclass(frozen=True)
+class StandInImage:
+    """The fields of ``flotilla.Image`` that plugins touch."""
+
+    python: str | None = None
+    pip: tuple[str, ...] = ()
+    pip_indexes: tuple[str, ...] = ()
+    apt: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    includes: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+
+
+class AroundProcessOnly:
+    """A plugin's node-side hook without its transform (so nothing gets installed)."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.name = plugin.name
+        self.requires_cluster = plugin.requires_cluster
+
+    def around_process(self, info: InstanceInfo) -> Any:
+        return self.plugin.around_process(info)
+
+
+def spec(nodes: int = 2, accelerator: Any = None, cluster: bool = True) -> sky.PoolSpec:
+    acc = sky.Accelerator(accelerator) if isinstance(accelerator, str) else accelerator
+    return sky.PoolSpec("test", nodes, acc, None, (), sky.Options(cluster=cluster))
+
+
+def info(
+    node: int = 0,
+    total: int = 2,
+    head: str = "10.0.0.1",
+    port: int = 29500,
+    local_rank: int = 0,
+    procs: int = 1,
+    accelerators: int = 0,
+) -> InstanceInfo:
+    peers = tuple(Peer(k, f"10.0.0.{k + 1}", f"n{k}") for k in range(total))
+    return InstanceInfo(
+        node=node,
+        total_nodes=total,
+        is_head=node == 0,
+        head_addr=head,
+        head_port=port,
+        accelerators=accelerators,
+        peers=peers,
+        pool_id="p1",
+        addr=peers[node].addr,
+        local_rank=local_rank,
+        procs_per_node=procs,
+    )
+
+
+class TwoPerNode(sky.Plugin):
+    """Two processes per node, as ``plugins.torch(procs_per_node=2)`` asks."""
+
+    procs_per_node = 2
+
+
+def test_exports_and_pickling() -> None:
+    assert plugins.__all__ == ["huggingface", "jax", "keras", "tensorflow", "torch"]
+    made = [
+        plugins.torch(vision="latest"),
+        plugins.jax(),
+        plugins.keras(),
+        plugins.huggingface(token="hf_x"),
+        plugins.tensorflow(),
+    ]
+    for p in made:
+        assert isinstance(p, sky.Plugin)
+        assert pickle.loads(pickle.dumps(p)) == p  # plugins travel to the nodes pickled
+    assert [p.name for p in made] == ["torch", "jax", "keras", "huggingface", "tensorflow"]
+    assert [p.requires_cluster for p in made] == [True, False, False, False, True]
+    assert repr(plugins.torch()).startswith("TorchPlugin(backend=None, cuda='cu128'")
+
+
+# -- versions ---------------------------------------------------------------------------
+
+VALID = [
+    ("latest", "torch"),
+    ("2.3.0", "torch==2.3.0"),
+    ("2.3", "torch==2.3"),
+    ("2.3.*", "torch==2.3.*"),
+    ("2.4.0rc1", "torch==2.4.0rc1"),
+    ("2.3.0+cu121", "torch==2.3.0+cu121"),
+    (">=2.3", "torch>=2.3"),
+    ("~=2.4", "torch~=2.4"),
+    ("<2.5", "torch<2.5"),
+    ("==2.3.1", "torch==2.3.1"),
+    ("!=2.4.0", "torch!=2.4.0"),
+    (">=2.3,<2.5", "torch>=2.3,<2.5"),
+    (">= 2.3, < 2.5", "torch>=2.3,<2.5"),
+]
+INVALID = [
+    "",
+    "  ",
+    "newest",
+    "v2.3",
+    ">=",
+    "=>2.3",
+    "2.3.0.x!",
+    ">=2.3,",
+    "~=2",
+    "2..3",
+    "=2.3",
+    ">=2.3;python_version>'3'",
+    "[cpu]",
+]
+
+
+@pytest.mark.parametrize(("version", "req"), VALID)
+def test_version_forms(version: str, req: str) -> None:
+    assert _versions.requirement("torch", version) == req
+    assert plugins.torch(version=version).requirements() == [req]
+
+
+@pytest.mark.parametrize("version", INVALID)
+def test_invalid_version_is_a_value_error_at_creation(version: str) -> None:
+    with pytest.raises(ValueError, match="version"):
+        plugins.torch(version=version)
+    with pytest.raises(ValueError, match="torchvision"):
+        plugins.torch(vision=version)
+    with pytest.raises(ValueError, match="torchaudio"):
+        plugins.torch(audio=version)
+
+
+@pytest.mark.parametrize(("version", "req"), VALID)
+def test_regex_fallback_agrees_with_packaging_on_valid(version: str, req: str) -> None:
+    spec = req.removeprefix("torch")
+    if spec:
+        assert _versions.is_valid_specifier_regex(spec)
+
+
+@pytest.mark.parametrize("version", INVALID)
+def test_regex_fallback_agrees_with_packaging_on_invalid(version: str) -> None:
+    text = "".join(version.split())
+    spec = "==" + text if text[:1].isdigit() else text
+    assert not _versions.is_valid_specifier_regex(spec)
+
+
+def test_version_without_packaging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "packaging.requirements", None)  # import fails
+    assert plugins.torch(version=">=2.3,<2.5").requirements() == ["torch>=2.3,<2.5"]
+    with pytest.raises(ValueError):
+        plugins.torch(version="newest")
+
+
+def test_other_invalid_arguments() -> None:
+    with pytest.raises(TypeError):
+        plugins.torch(version=2.3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend"):
+        plugins.torch(backend="nccl2")
+    with pytest.raises(ValueError, match="cuda"):
+        plugins.torch(cuda="cu 128")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="procs_per_node"):
+            plugins.torch(procs_per_node=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keras backend"):
+        plugins.keras(backend="theano")
+    with pytest.raises(ValueError, match="token"):
+        plugins.huggingface(token="")
+
+
+# -- transforms -------------------------------------------------------------------------
+
+
+def test_torch_transform_cpu_pool_uses_cpu_index() -> None:
+    out = plugins.torch().transform(StandInImage(), spec())
+    assert out == StandInImage(pip=("torch",), pip_indexes=(CPU_INDEX,))
+
+
+def test_torch_transform_cuda_accelerator_uses_cuda_index() -> None:
+    cuda_spec = spec(accelerator=sky.accelerators.A100())
+    out = plugins.torch(vision="latest", audio="2.3.0").transform(StandInImage(), cuda_spec)
+    assert out.pip == ("torch", "torchvision", "torchaudio==2.3.0")
+    assert out.pip_indexes == ("https://download.pytorch.org/whl/cu128",)
+    out = plugins.torch(cuda="cu124").transform(StandInImage(), cuda_spec)
+    assert out.pip_indexes == ("https://download.pytorch.org/whl/cu124",)
+
+
+def test_torch_transform_non_cuda_accelerator_uses_cpu_index() -> None:
+    out = plugins.torch().transform(StandInImage(), spec(accelerator=sky.accelerators.MI300X()))
+    assert out.pip_indexes == (CPU_INDEX,)
+
+
+def test_transform_keeps_what_the_image_has_without_duplicates() -> None:
+    image = StandInImage(
+        pip=("numpy", "torchvision==0.18.0", "torch"),
+        pip_indexes=(CPU_INDEX + "/", "https://example.invalid/simple"),
+        env={"A": "1"},
+    )
+    out = plugins.torch(version="2.3.0", vision="latest").transform(image, spec())
+    # the bare "torch" is refined by the pin; the image's pinned torchvision wins
+    assert out.pip == ("numpy", "torchvision==0.18.0", "torch==2.3.0")
+    assert out.pip_indexes == image.pip_indexes
+    assert out.env == {"A": "1"}
+    assert image.pip == ("numpy", "torchvision==0.18.0", "torch")  # not mutated
+    again = plugins.torch(version="2.3.0", vision="latest").transform(out, spec())
+    assert again == out
+
+
+def test_merge_requirements_by_normalised_name() -> None:
+    assert package_name("Torch_Vision[extra]>=1 ; python_version>'3'") == "torch-vision"
+    assert merge_requirements(["jax[cuda12]"], ["jax"]) == ("jax[cuda12]",)
+    assert merge_requirements(["Jax"], ["jax[cuda12]"]) == ("jax[cuda12]",)
+    assert merge_requirements([], ["a", "b", "a"]) == ("a", "b")
+
+
+def test_other_plugins_transforms() -> None:
+    cuda = spec(accelerator="H100")
+    assert plugins.jax().transform(StandInImage(), spec()).pip == ("jax",)
+    assert plugins.jax().transform(StandInImage(), cuda).pip == ("jax[cuda12]",)
+    assert plugins.keras().transform(StandInImage(), spec()).pip == ("keras",)
+    assert plugins.huggingface().transform(StandInImage(pip=("torch",)), spec()).pip == (
+        "torch",
+        "transformers",
+        "datasets",
+        "tokenizers",
+    )
+    assert plugins.tensorflow().transform(StandInImage(), spec()).pip == ("tensorflow",)
+    assert plugins.tensorflow().transform(StandInImage(), cuda).pip == ("tensorflow[and-cuda]",)
+
+
+def test_transforms_chain_in_plugin_order() -> None:
+    image: Any = StandInImage()
+    for p in (plugins.torch(), plugins.huggingface(token="hf_x"), plugins.torch()):
+        image = p.transform(image, spec())
+    assert image.pip == ("torch", "transformers", "datasets", "tokenizers")
+    assert image.pip_indexes == (CPU_INDEX,)
+
+
+def test_transform_of_no_image() -> None:
+    out = plugins.torch().transform(None, spec())
+    image_cls = getattr(sky, "Image", None) if "Image" in sky.__all__ else None
+    if image_cls is None:
+        assert out is None
+    else:
+        assert isinstance(out, image_cls)
+        assert out.pip == ("torch",)
+        assert out.pip_indexes == (CPU_INDEX,)
+
+
+def test_transform_of_a_real_image() -> None:
+    if "Image" not in sky.__all__:
+        pytest.skip("this flotilla has no Image yet")
+    image = sky.Image(pip=["numpy"], env={"X": "1"})
+    out = plugins.torch(vision="0.18.0").transform(image, spec())
+    assert out.pip == ("numpy", "torch", "torchvision==0.18.0")
+    assert out.pip_indexes == (CPU_INDEX,)
+    assert dict(out.env) == {"X": "1"}
+
+
+def test_extend_refuses_what_is_not_an_image() -> None:
+    with pytest.raises(TypeError, match="Image"):
+        extend({"pip": []}, pip=["x"])
+    assert extend(StandInImage(), env={"A": "1"}).env == {"A": "1"}
+    assert extend(StandInImage(env={"A": "0"}), env={"A": "1", "B": "2"}).env == {
+        "A": "0",
+        "B": "2",
+    }
+
+
+# -- cluster mode -----------------------------------------------------------------------
+
+
+def test_standalone_pool_refuses_torch_and_tensorflow() -> None:
+    for plugin in (plugins.torch(), plugins.tensorflow()):
+        with pytest.raises(sky.ConfigurationError, match="cluster"):
+            sky.Compute(nodes=2, plugins=[plugin], options=sky.Options(cluster=False))
+
+
+def test_jax_and_keras_refuse_a_multi_node_standalone_pool_before_start() -> None:
+    for plugin in (plugins.jax(), plugins.keras()):
+        with pytest.raises(sky.ConfigurationError, match="cluster"):
+            plugin.transform(None, spec(nodes=2, cluster=False))
+        plugin.transform(None, spec(nodes=1, cluster=False))  # one node: fine
+        pool = sky.Compute(nodes=2, plugins=[plugin], options=sky.Options(cluster=False))
+        with pytest.raises(sky.ConfigurationError, match="cluster"):
+            pool.open()
+        assert pool.state is sky.PoolState.CLOSED or pool.state is sky.PoolState.NEW
+    plugins.keras(backend="torch").transform(None, spec(nodes=2, cluster=False))
+
+
+def test_torch_procs_per_node_sets_the_pools_processes() -> None:
+    assert plugins.torch().procs_per_node == 1
+    assert sky.Compute(nodes=2, plugins=[plugins.torch(procs_per_node=3)]).procs_per_node == 3
+
+
+# -- node-side environment (pure) -----------------------------------------------------
+
+
+def test_rank_env_one_process_per_node() -> None:
+    assert rank_env(info(node=2, total=4)) == {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": "4",
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "NODE_RANK": "2",
+    }
+
+
+def test_rank_env_several_processes_per_node() -> None:
+    envs = [rank_env(info(node=n, total=3), local, 4) for n in range(3) for local in range(4)]
+    assert [int(e["RANK"]) for e in envs] == list(range(12))
+    assert {e["WORLD_SIZE"] for e in envs} == {"12"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"4"}
+    e = rank_env(info(node=1, total=3), 2, 4)
+    assert (e["RANK"], e["LOCAL_RANK"], e["NODE_RANK"]) == ("6", "2", "1")
+    with pytest.raises(ValueError, match="local_rank"):
+        rank_env(info(), 4, 4)
+    with pytest.raises(ValueError, match="procs_per_node"):
+        rank_env(info(), 0, 0)
+
+
+def test_single_rank_gets_no_setup() -> None:
+    one = info(node=0, total=1)
+    assert plugins.torch().around_process(one) is None
+    assert plugins.jax().around_process(one) is None
+    assert plugins.tensorflow().around_process(one) is None
+    two_local = info(node=0, total=1, local_rank=1, procs=2)  # one node, two processes
+    assert plugins.torch().around_process(two_local) is not None
+    assert plugins.jax().around_process(two_local) is not None
+    assert plugins.tensorflow().around_process(two_local) is not None
+
+
+def test_jax_env_uses_the_port_after_torchs() -> None:
+    assert jax_env(info(node=1, total=3)) == {
+        "JAX_COORDINATOR_ADDRESS": "10.0.0.1:29501",
+        "JAX_NUM_PROCESSES": "3",
+        "JAX_PROCESS_ID": "1",
+        "JAX_LOCAL_DEVICE_COUNT": "1",
+    }
+    assert coordinator_address(info(head="fd00::1")) == "[fd00::1]:29501"
+
+
+def test_jax_env_with_several_processes_per_node() -> None:
+    env = jax_env(info(node=1, total=3, local_rank=1, procs=2))
+    assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("6", "3")
+    assert env["JAX_LOCAL_DEVICE_COUNT"] == "1"
+    gpus = [local_device_ids(info(local_rank=r, procs=4, accelerators=8)) for r in range(4)]
+    assert gpus == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert jax_env(info(local_rank=3, procs=4, accelerators=8))["JAX_LOCAL_DEVICE_COUNT"] == "2"
+    assert local_device_ids(info(local_rank=1, procs=2, accelerators=1)) == [0]
+    assert local_device_ids(info(procs=1, accelerators=8)) is None  # all of them
+    assert local_device_ids(info(local_rank=1, procs=2)) is None  # CPU
+    assert jax_env(info(accelerators=8))["JAX_LOCAL_DEVICE_COUNT"] == "8"
+
+
+def test_tf_config_content() -> None:
+    assert tf_config(info(node=1, total=3)) == {
+        "cluster": {"worker": ["10.0.0.1:29502", "10.0.0.2:29503", "10.0.0.3:29504"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert tf_config(info(node=1, total=2, local_rank=1, procs=2)) == {
+        "cluster": {
+            "worker": ["10.0.0.1:29502", "10.0.0.1:29503", "10.0.0.2:29504", "10.0.0.2:29505"]
+        },
+        "task": {"type": "worker", "index": 3},
+    }
+
+
+def test_around_process_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_CONFIG", "before")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cm = plugins.tensorflow().around_process(info(node=0, total=2))
+    assert cm is not None
+    with cm:
+        assert json.loads(os.environ["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
+    assert os.environ["TF_CONFIG"] == "before"
+    hf = plugins.huggingface(token="hf_abc").around_process(info())
+    assert hf is not None
+    with hf:
+        assert os.environ["HF_TOKEN"] == "hf_abc"
+    assert "HF_TOKEN" not in os.environ
+    assert plugins.huggingface().around_process(info()) is None
+
+
+def test_keras_sets_its_backend_on_a_single_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.delitem(sys.modules, "keras", raising=False)
+    with plugins.keras(backend="torch").around_process(info(total=1)):
+        assert os.environ["KERAS_BACKEND"] == "torch"
+    assert "KERAS_BACKEND" not in os.environ
+
+
+# -- network interface ------------------------------------------------------------------
+
+IP_ADDR_OUTPUT = """\
+1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
+1: lo    inet6 ::1/128 scope host \\       valid_lft forever preferred_lft forever
+4: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0\\       valid_lft forever
+4: eth0    inet 192.0.2.9/24 scope global secondary eth0\\       valid_lft forever
+5: ib0@if7    inet6 fd00::2/64 scope global \\       valid_lft forever preferred_lft forever
+"""
+
+
+def test_parse_ip_addr() -> None:
+    import ipaddress
+
+    def find(addr: str) -> str | None:
+        return parse_ip_addr(IP_ADDR_OUTPUT, ipaddress.ip_address(addr))
+
+    assert find("127.0.0.1") == "lo"
+    assert find("192.0.2.9") == "eth0"
+    assert find("fd00::2") == "ib0"
+    assert find("192.0.2.3") is None
+
+
+def test_interface_for_this_machine() -> None:
+    assert interface_for("127.0.0.1") == "lo"
+    assert interface_for("localhost") == "lo"
+    assert interface_for("198.51.100.77") is None  # TEST-NET-2: on no interface here
+    assert interface_for("no-such-host.invalid") is None
+
+
+def test_socket_ifname_env_keeps_the_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    assert socket_ifname_env("127.0.0.1") == {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert socket_ifname_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert socket_ifname_env("198.51.100.77") == {}
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A network namespace with interface fl0 carrying 10.213.7.2 and (secondary) .9."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    name = f"fltest-{uuid.uuid4().hex[:8]}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    try:
+        ip("netns", "add", name)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace: {e.stderr.decode().strip()}")
+    try:
+        ip("-n", name, "link", "add", "fl0", "type", "veth", "peer", "name", "fl1")
+        ip("-n", name, "addr", "add", "10.213.7.2/24", "dev", "fl0")
+        ip("-n", name, "addr", "add", "10.213.7.9/24", "dev", "fl0")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+
+
+def test_interface_for_in_a_network_namespace(netns: str) -> None:
+    code = (
+        "from flotilla.plugins._net import interface_for as f;"
+        "print(f('10.213.7.2'), f('10.213.7.9'), f('127.0.0.1'), f('10.213.7.3'))"
+    )
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    ).stdout.split()
+    assert out == ["fl0", "fl0", "lo", "None"]
+
+
+# -- secrets ----------------------------------------------------------------------------
+
+TOKEN = "hf_Sup3rS3cretT0kenValue"
+
+
+def test_huggingface_repr_hides_the_token() -> None:
+    p = plugins.huggingface(token=TOKEN)
+    for text in (repr(p), str(p), f"{p}", repr([p]), repr(AroundProcessOnly(p).__dict__)):
+        assert TOKEN not in text
+    assert "***" in repr(p)
+    assert repr(plugins.huggingface()) == "plugins.huggingface(token=None)"
+    assert pickle.loads(pickle.dumps(p)).token == TOKEN
+    assert dataclasses.replace(p).token == TOKEN
+
+
+@sky.function
+def hf_env(plugin: Any) -> bool:
+    print(f"plugin: {plugin!r}")
+    print(f"environment: {sorted(os.environ)}")
+    return os.environ.get("HF_TOKEN") == TOKEN
+
+
+def test_huggingface_token_reaches_the_nodes_and_no_output(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    plugin = plugins.huggingface(token=TOKEN)
+    with sky.Compute(nodes=2, plugins=[AroundProcessOnly(plugin)]) as pool:
+        assert hf_env(plugin) @ pool == [True, True]
+    out, err = capfd.readouterr()
+    assert "plugin: plugins.huggingface(token=***)" in out
+    assert "HF_TOKEN" in out
+    assert TOKEN not in out + err
+
+
+# -- TensorFlow -------------------------------------------------------------------------
+
+
+@sky.function
+def read_tf_config() -> tuple[sky.InstanceInfo, Any]:
+    return sky.instance_info(), json.loads(os.environ["TF_CONFIG"])
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_tf_config_on_each_node(procs: int) -> None:
+    chosen: list[Any] = [AroundProcessOnly(plugins.tensorflow())]
+    if procs == 2:
+        chosen.append(TwoPerNode())
+    with sky.Compute(nodes=3, plugins=chosen) as pool:
+        results = read_tf_config() @ pool
+    assert len(results) == 3 * procs
+    first = results[0][0]
+    workers = [
+        f"{p.addr}:{first.head_port + 2 + p.node * procs + local}"
+        for p in first.peers
+        for local in range(procs)
+    ]
+    assert len(set(workers)) == 3 * procs
+    for rank, (node_info, config) in enumerate(results):
+        assert node_info.node * procs + node_info.local_rank == rank
+        assert config == {
+            "cluster": {"worker": workers},
+            "task": {"type": "worker", "index": rank},
+        }
+
+
+# -- PyTorch ----------------------------------------------------------------------------
+
+
+@sky.function
+def ddp_train(x_full: Any, y_full: Any, mode: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # different on every node: DDP must broadcast rank 0's weights
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    initial = [p.detach().clone() for p in model.parameters()]
+    if mode == "sampler":
+        dataset = TensorDataset(x_full, y_full)
+        sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=rank)
+        loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+    else:
+        x, y = sky.shard(x_full, y_full)
+        sampler = None
+        loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = 0
+    for epoch in range(3):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for bx, by in loader:
+            loss = nn.functional.mse_loss(model(bx), by)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen += len(bx)
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "seen": seen,
+        "initial": initial,
+        "final": [p.detach().clone() for p in model.parameters()],
+        "env": {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")},
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
+
+
+@pytest.fixture(scope="module")
+def torch_pool4() -> Iterator[sky.Compute]:
+    pytest.importorskip("torch")
+    with sky.Compute(nodes=4, plugins=[plugins.torch()]) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("mode", ["sampler", "shard"])
+def test_ddp_on_four_nodes(torch_pool4: sky.Compute, mode: str) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=gen)
+    y = x.sum(dim=1, keepdim=True)
+    results = ddp_train(x, y, mode) @ torch_pool4
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert {(r["world"], r["backend"], r["ifname"]) for r in results} == {(4, "gloo", "lo")}
+    assert [r["env"]["NODE_RANK"] for r in results] == ["0", "1", "2", "3"]
+    assert {(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for r in results} == {("0", "1")}
+    assert [r["seen"] for r in results] == [3 * 64] * 4  # each node trained on its quarter
+    first = results[0]
+    for r in results:
+        for a, b in zip(r["initial"], first["initial"], strict=True):
+            assert torch.equal(a, b)  # DDP synchronised the initial weights
+        for a, b in zip(r["final"], first["final"], strict=True):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6)  # identical after training
+    assert any(
+        not torch.allclose(a, b) for a, b in zip(first["final"], first["initial"], strict=True)
+    )
+
+
+def test_ddp_with_two_processes_per_node() -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=gen)
+    y = x.sum(dim=1, keepdim=True)
+    with sky.Compute(nodes=2, plugins=[plugins.torch(procs_per_node=2)]) as pool:
+        results = ddp_train(x, y, "sampler") @ pool
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]  # one result per rank, in order
+    assert [(r["env"]["NODE_RANK"], r["env"]["LOCAL_RANK"]) for r in results] == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    ]
+    assert {(r["world"], r["env"]["LOCAL_WORLD_SIZE"]) for r in results} == {(4, "2")}
+    assert [r["seen"] for r in results] == [3 * 64] * 4
+    for r in results:
+        for a, b in zip(r["final"], results[0]["final"], strict=True):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_reference_torch_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """Document 002's "Basic DDP training", ``.cuda()`` removed, local provider."""
+    pytest.importorskip("torch")
+
+    @sky.function
+    @sky.stdout(only="head")
+    def train() -> dict:  # type: ignore[type-arg]
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
+
+        model = nn.Linear(784, 10)
+        model = DDP(model)
+
+        x = torch.randn(1000, 784)
+        y = torch.randint(0, 10, (1000,))
+        dataset = TensorDataset(x, y)
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
+        loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loss_fn = nn.CrossEntropyLoss()
+
+        for epoch in range(10):
+            sampler.set_epoch(epoch)
+            for batch_x, batch_y in loader:
+                batch_x, batch_y = batch_x, batch_y
+                loss = loss_fn(model(batch_x), batch_y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            print(f"Epoch {epoch}: loss={loss.item():.4f}")
+
+        return {"final_loss": loss.item(), "rank": rank}
+
+    with sky.Compute(
+        nodes=4,
+        plugins=[sky.plugins.torch()],  # type: ignore[attr-defined]
+    ) as compute:
+        results = train() @ compute
+
+    for r in results:
+        print(f"Rank {r['rank']}: loss={r['final_loss']:.4f}")
+
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    out = capsys.readouterr().out.splitlines()
+    epochs = [line for line in out if "Epoch" in line]
+    assert len(epochs) == 10
+    assert all(line.startswith("(node 0) Epoch") for line in epochs)
+    assert len([line for line in out if line.startswith("Rank ")]) == 4
+
+
+@sky.function
+def fsdp_train() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # FSDP shards the (identical) initial weights
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    initial = [p.detach().clone() for p in model.parameters()]
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)  # each node its own data
+    losses = []
+    for _ in range(20):
+        x = torch.randn(32, 8, generator=gen)
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    shards = [tuple(p.to_local().shape) for p in model.parameters()]
+    final = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return {"rank": rank, "initial": initial, "final": final, "shards": shards, "losses": losses}
+
+
+def test_fsdp_on_two_nodes() -> None:
+    torch = pytest.importorskip("torch")
+    with sky.Compute(nodes=2, plugins=[plugins.torch()]) as pool:
+        results = fsdp_train() @ pool
+    a, b = results
+    assert (a["rank"], b["rank"]) == (0, 1)
+    assert a["shards"][0] == (16, 8)  # the 32x8 weight is split between the two nodes
+    for x, y in zip(a["final"], b["final"], strict=True):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6)
+    assert any(not torch.allclose(f, i) for f, i in zip(a["final"], a["initial"], strict=True))
+    assert a["losses"][-1] < a["losses"][0]
+
+
+# -- JAX and Keras ----------------------------------------------------------------------
+
+
+@sky.function
+def jax_probe() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    local = jnp.array([jax.process_index() + 1.0, 10.0 * (jax.process_index() + 1)])
+    gathered = multihost_utils.process_allgather(local)
+    return {
+        "count": jax.process_count(),
+        "index": jax.process_index(),
+        "devices": len(jax.devices()),
+        "gathered": gathered.tolist(),
+        "total": float(gathered.sum()),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("JAX_")},
+    }
+
+
+def test_jax_distributed_on_two_nodes() -> None:
+    pytest.importorskip("jax")
+    with sky.Compute(nodes=2, plugins=[plugins.jax()]) as pool:
+        results = jax_probe() @ pool
+    assert [(r["count"], r["index"], r["devices"]) for r in results] == [(2, 0, 2), (2, 1, 2)]
+    for r in results:
+        assert r["gathered"] == [[1.0, 10.0], [2.0, 20.0]]
+        assert r["total"] == 33.0
+    assert [r["env"]["JAX_PROCESS_ID"] for r in results] == ["0", "1"]
+    assert {r["env"]["JAX_NUM_PROCESSES"] for r in results} == {"2"}
+
+
+def test_jax_distributed_with_two_processes_on_one_node() -> None:
+    pytest.importorskip("jax")
+    with sky.Compute(nodes=1, plugins=[TwoPerNode(), plugins.jax()]) as pool:
+        results = jax_probe() @ pool
+    assert [(r["count"], r["index"]) for r in results] == [(2, 0), (2, 1)]
+    assert results[0]["gathered"] == [[1.0, 10.0], [2.0, 20.0]]
+
+
+@sky.function
+def keras_train(x_full: Any, y_full: Any) -> dict[str, Any]:
+    import jax
+    import keras
+    import numpy as np
+
+    x, y = sky.shard(x_full, y_full)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    return {
+        "backend": keras.backend.backend(),
+        "processes": jax.process_count(),
+        "distribution": type(keras.distribution.distribution()).__name__,
+        "losses": history.history["loss"],
+        "before": before,
+        "after": [np.asarray(w) for w in model.get_weights()],
+    }
+
+
+@pytest.mark.parametrize("with_jax_plugin", [True, False], ids=["jax+keras", "keras-alone"])
+def test_keras_jax_trains_on_two_nodes(with_jax_plugin: bool) -> None:
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("jax")
+    if importlib.util.find_spec("keras") is None:  # importing it here would pick a backend
+        pytest.skip("keras is not installed")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32"))[:, None]
+    chosen = [plugins.jax(), plugins.keras()] if with_jax_plugin else [plugins.keras("jax")]
+    with sky.Compute(nodes=2, plugins=chosen) as pool:
+        a, b = keras_train(x, y) @ pool
+    for r in (a, b):
+        assert (r["backend"], r["processes"], r["distribution"]) == ("jax", 2, "DataParallel")
+        assert r["losses"][-1] < r["losses"][0]
+    assert a["losses"] == b["losses"]  # one global loss: the nodes trained together
+    for wa, wb in zip(a["after"], b["after"], strict=True):
+        np.testing.assert_allclose(wa, wb, rtol=0, atol=1e-6)
+    assert any(not np.allclose(w, w0) for w, w0 in zip(a["after"], a["before"], strict=True))

@@ -1,0 +1,395 @@
+"""The SSH provider against real sshd test hosts (network namespaces, see ``_hosts``).
+
+Tests that need the hosts need root; they skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+
+import flotilla as sky
+from flotilla import _bootstrap
+from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
+from flotilla._ssh import SSH, SSHHost, parse_host
+
+asyncssh = pytest.importorskip("asyncssh")  # the `ssh` extra
+
+
+@sky.function
+def where() -> dict[str, object]:
+    """What a node knows about itself."""
+    import flotilla
+
+    info = sky.instance_info()
+    return {
+        "node": info.node,
+        "addr": info.addr,
+        "head_addr": info.head_addr,
+        "peers": [(p.node, p.addr) for p in info.peers],
+        "hostname": socket.gethostname(),
+        "flotilla": flotilla.__file__,
+        "pid": os.getpid(),
+    }
+
+
+@sky.function
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@sky.function
+def big(n: int) -> bytes:
+    return b"x" * n
+
+
+@sky.function
+def size_of(data: bytes) -> int:
+    return len(data)
+
+
+@sky.function
+def block_after(marker: str, seconds: float) -> None:
+    """Create ``marker`` (the task started), then sleep."""
+    Path(f"{marker}.{sky.instance_info().node}").touch()
+    time.sleep(seconds)
+
+
+def _hosts3(lab: Lab) -> list[TestHost]:
+    return lab.hosts[:3]
+
+
+# -- configuration (no hosts needed) ----------------------------------------------------------
+def test_parse_host_forms() -> None:
+    assert parse_host("h") == SSHHost("h")
+    assert parse_host("alice@h") == SSHHost("h", user="alice")
+    assert parse_host("alice@h:2222") == SSHHost("h", user="alice", port=2222)
+    assert parse_host("[fe80::1]:22") == SSHHost("fe80::1", port=22)
+    assert parse_host("fe80::1") == SSHHost("fe80::1")
+    for bad in ("", "h:port", "alice@", "[fe80::1"):
+        with pytest.raises(ConfigurationError):
+            parse_host(bad)
+
+
+def test_host_objects_and_defaults() -> None:
+    provider = SSH(["a", SSHHost("b", user="bob", port=2200, private_addr="10.0.0.2")], user="u")
+    first, second = (provider._target(h) for h in provider.hosts)
+    assert (first.host, first.user, first.port, first.address) == ("a", "u", 22, "a")
+    assert (second.host, second.user, second.port, second.address) == (
+        "b",
+        "bob",
+        2200,
+        "10.0.0.2",
+    )
+    assert provider.home == "~/.flotilla"
+    with pytest.raises(ConfigurationError):
+        SSH([])
+    with pytest.raises(ConfigurationError):
+        SSH(["a"], port=0)
+
+
+def test_more_nodes_than_hosts_is_refused_before_connecting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_connect(*args: object, **kwargs: object) -> None:
+        raise AssertionError("validate() must refuse before connecting")
+
+    monkeypatch.setattr(asyncssh, "connect", no_connect)
+    provider = SSH(["192.0.2.1", "192.0.2.2"], connect_timeout=1)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigurationError, match=r"3 nodes but SSH has 2 host"):
+        sky.Compute(provider=provider, nodes=3).open()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_missing_asyncssh_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "asyncssh", None)  # import fails
+    with pytest.raises(ConfigurationError, match=r"pip install 'flotilla\[ssh\]'"):
+        sky.Compute(provider=SSH(["192.0.2.1"]), nodes=1).open()
+
+
+def test_bundle_is_deterministic_and_complete() -> None:
+    first = _bootstrap.build_bundle(_bootstrap._package_dirs())
+    second = _bootstrap.build_bundle(_bootstrap._package_dirs())
+    assert first == second
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(first.data)) as tar:
+        names = tar.getnames()
+    assert "flotilla/agent.py" in names and "cloudpickle/__init__.py" in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+# -- real hosts -----------------------------------------------------------------------------
+def test_broadcast_rshift_gather_on_three_hosts(ssh_lab: Lab) -> None:
+    with sky.Compute(provider=ssh_lab.provider(_hosts3(ssh_lab)), nodes=3) as pool:
+        infos = where() @ pool
+        assert [i["node"] for i in infos] == [0, 1, 2]
+        assert add(2, 3) >> pool == 5
+        assert sky.gather(*(add(i, i) for i in range(6))) >> pool == (0, 2, 4, 6, 8, 10)
+        assert pool.map(size_of, [b"", b"ab", b"abcd"]) == [0, 2, 4]
+        assert big(3 << 20) >> pool == b"x" * (3 << 20)  # a result > 1 MiB: many SSH packets
+
+
+def test_large_arguments_over_ssh(ssh_lab: Lab) -> None:
+    with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
+        assert size_of(b"y" * (5 << 20)) >> pool == 5 << 20  # written in parts, not joined
+
+
+def test_instance_info_has_each_hosts_own_address(ssh_lab: Lab) -> None:
+    hosts = _hosts3(ssh_lab)
+    with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
+        infos = where() @ pool
+    addrs = [h.addr for h in hosts]
+    assert [i["addr"] for i in infos] == addrs
+    assert all(i["head_addr"] == addrs[0] for i in infos)
+    assert all(i["peers"] == list(enumerate(addrs)) for i in infos)
+    assert [i["hostname"] for i in infos] == [h.hostname for h in hosts]
+    bundle = _bootstrap.client_bundle()
+    assert all(f"/lib/{bundle.hash}/flotilla/" in str(i["flotilla"]) for i in infos)
+
+
+def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:
+    host = ssh_lab.hosts[0]
+    provider = ssh_lab.provider([host])
+    provider.hosts = (SSHHost(host.addr, private_addr="192.0.2.77"),)
+    with sky.Compute(provider=provider, nodes=1) as pool:
+        info = where() >> pool
+    assert info["addr"] == "192.0.2.77" and info["peers"] == [(0, "192.0.2.77")]
+
+
+def test_leaving_the_pool_leaves_no_process(ssh_lab: Lab) -> None:
+    hosts = _hosts3(ssh_lab)
+    with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
+        pids = {i["pid"] for i in where() @ pool}
+        running = ssh_lab.agent_pids(hosts)
+        assert len(running) == 3  # an agent (and its executor) on every host
+        assert pids <= {pid for found in running.values() for pid in found}
+    assert ssh_lab.wait_no_agents(hosts, timeout=3.0) == {}
+
+
+def test_exit_status_of_agents(ssh_lab: Lab) -> None:
+    hosts = ssh_lab.hosts[:2]
+    with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool:
+        procs = list(pool._procs)
+        os.kill(int(pool._nodes[1].hello_info["pid"]), signal.SIGKILL)  # PIDs are shared
+        _wait_for(lambda: procs[1].exit_status() is not None)
+        assert procs[1].exit_status() == -signal.SIGKILL  # reported by sshd as exit-signal
+        with pytest.raises(NodeLostError, match=r"node 1 \(.*\) .*killed by SIGKILL"):
+            pool._nodes[1].send([])
+        assert add(1, 2) >> pool == 3  # the other node carries on
+    assert procs[0].exit_status() == 0  # a clean exit after SHUTDOWN
+
+
+def test_bootstrap_from_scratch_then_cache_hit(ssh_lab: Lab, tmp_path: Path) -> None:
+    workdir = tmp_path / "fresh"
+    hosts = _hosts3(ssh_lab)
+    uploads = _bootstrap.stats.uploads
+    with sky.Compute(provider=ssh_lab.provider(hosts, workdir=str(workdir)), nodes=3) as pool:
+        assert add(1, 1) >> pool == 2
+    first = _bootstrap.stats.uploads - uploads
+    assert 1 <= first <= 3  # the hosts share this machine's disk: one upload may serve all
+    bundle = _bootstrap.client_bundle()
+    assert (workdir / "lib" / bundle.hash / "flotilla" / "agent.py").is_file()
+    assert not [p for p in (workdir / "lib").iterdir() if p.name.startswith(".tmp")]
+    hits = _bootstrap.stats.hits
+    with sky.Compute(provider=ssh_lab.provider(hosts, workdir=str(workdir)), nodes=3) as pool:
+        assert add(2, 2) >> pool == 4
+    assert _bootstrap.stats.uploads - uploads == first  # no new upload
+    assert _bootstrap.stats.hits - hits == 3
+
+
+def test_python_missing_or_too_old(ssh_lab: Lab, tmp_path: Path) -> None:
+    host = ssh_lab.hosts[0]
+    provider = ssh_lab.provider([host], python="/nonexistent/python3")
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=provider, nodes=1).open()
+    msg = str(info.value)
+    assert msg.startswith(host.addr) and "/nonexistent/python3" in msg
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\necho 3.9\nexit 3\n")
+    old.chmod(0o755)
+    with pytest.raises(ProvisionError, match=r"is Python 3\.9; flotilla needs Python >= 3\.11"):
+        sky.Compute(provider=ssh_lab.provider([host], python=str(old)), nodes=1).open()
+
+
+def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
+    host = ssh_lab.hosts[0]
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=ssh_lab.provider([host], known_hosts=str(empty)), nodes=1).open()
+    msg = str(info.value)
+    fingerprint = _fingerprint(host)
+    assert msg.startswith(f"{host.addr}: REFUSED: unknown host key")
+    assert fingerprint in msg
+    assert "accept_new_host_keys=True" in msg and f"ssh-keyscan {host.addr} >> {empty}" in msg
+    assert empty.read_text() == ""
+
+
+def test_changed_host_key_is_always_refused(ssh_lab: Lab, tmp_path: Path) -> None:
+    host = ssh_lab.hosts[0]
+    other = keygen(tmp_path / "otherkey", "other")
+    known = tmp_path / "known_hosts"
+    known.write_text(f"{host.addr} {' '.join(other.split()[:2])}\n")
+    provider = ssh_lab.provider([host], known_hosts=str(known), accept_new_host_keys=True)
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=provider, nodes=1).open()
+    msg = str(info.value)
+    assert msg.startswith(f"{host.addr}: REFUSED: the host key changed")
+    assert _fingerprint(host) in msg and "ssh-keygen -R" in msg
+    assert known.read_text().count("\n") == 1  # nothing recorded
+
+
+def test_accept_new_host_keys_records_the_key(ssh_lab: Lab, tmp_path: Path) -> None:
+    hosts = _hosts3(ssh_lab)
+    known = tmp_path / "ssh" / "known_hosts"  # neither the file nor its folder exist yet
+    provider = ssh_lab.provider(hosts, known_hosts=str(known), accept_new_host_keys=True)
+    with sky.Compute(provider=provider, nodes=3) as pool:
+        assert add(1, 2) >> pool == 3
+    lines = known.read_text().splitlines()
+    assert sorted(lines) == sorted(f"{h.addr} {' '.join(h.pubkey.split()[:2])}" for h in hosts)
+    with sky.Compute(provider=ssh_lab.provider(hosts, known_hosts=str(known)), nodes=3) as pool:
+        assert add(2, 2) >> pool == 4  # pinned now, no prompt needed
+    assert known.read_text().splitlines() == lines
+
+
+def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
+    addr = ssh_lab.unused_addr()
+    good = ssh_lab.hosts[0].addr
+    provider = ssh_lab.provider(connect_timeout=1.5)
+    provider.hosts = (SSHHost(good), SSHHost(addr))
+    t0 = time.monotonic()
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=provider, nodes=2).open()
+    elapsed = time.monotonic() - t0
+    assert str(info.value).startswith(f"{addr}: cannot connect over SSH (port 22)")
+    assert elapsed < 1.5 + 1.5, elapsed
+    assert ssh_lab.wait_no_agents(ssh_lab.hosts[:1], timeout=3.0) == {}  # the good one stopped
+
+
+def test_refused_port_names_the_host(ssh_lab: Lab) -> None:
+    host = ssh_lab.hosts[0]
+    provider = ssh_lab.provider([host], port=2)
+    with pytest.raises(ProvisionError, match=rf"^{host.addr}: cannot connect over SSH \(port 2\)"):
+        sky.Compute(provider=provider, nodes=1).open()
+
+
+def test_host_dying_mid_task_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:
+    doomed = ssh_lab.add_host()
+    hosts = [*ssh_lab.hosts[:2], doomed]
+    marker = str(tmp_path / "started")
+    try:
+        options = sky.Options(shutdown_grace=1.0)
+        provider = ssh_lab.provider(hosts)
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as ex,
+            sky.Compute(provider=provider, nodes=3, options=options) as pool,
+        ):
+            fut = ex.submit(lambda: block_after(marker, 120) @ pool)
+            _wait_for(lambda: all(os.path.exists(f"{marker}.{n}") for n in range(3)))
+            cut = time.monotonic()
+            ssh_lab.link_down(doomed)
+            with pytest.raises(NodeLostError) as info:
+                fut.result(timeout=30)
+            detected = time.monotonic() - cut
+        err = info.value
+        assert err.node == 2 and f"node 2 ({doomed.addr})" in str(err)
+        assert "SSH connection" in str(err) and err.exitcode == 255
+        assert detected < 12, detected  # keepalive: 3 unanswered probes 2 s apart
+        assert ssh_lab.wait_no_agents(hosts[:2], timeout=5.0) == {}
+    finally:
+        ssh_lab.remove_host(doomed)
+
+
+def test_killed_agent_host_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:
+    doomed = ssh_lab.add_host()
+    hosts = [ssh_lab.hosts[0], doomed]
+    marker = str(tmp_path / "started")
+    try:
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as ex,
+            sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool,
+        ):
+            fut = ex.submit(lambda: block_after(marker, 120) @ pool)
+            _wait_for(lambda: all(os.path.exists(f"{marker}.{n}") for n in range(2)))
+            ssh_lab.kill_all(doomed)  # sshd, session, agent, executor: the host is gone
+            with pytest.raises(NodeLostError, match=rf"node 1 \({doomed.addr}\)"):
+                fut.result(timeout=30)
+        assert ssh_lab.wait_no_agents(hosts[:1], timeout=5.0) == {}
+    finally:
+        ssh_lab.remove_host(doomed)
+
+
+def test_writes_from_many_threads(ssh_lab: Lab) -> None:
+    hosts = _hosts3(ssh_lab)
+    with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
+        results: list[int] = []
+        lock = threading.Lock()
+
+        def client(k: int) -> None:
+            for i in range(20):
+                value = add(k, i) >> pool
+                with lock:
+                    results.append(value)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(results) == sorted(k + i for k in range(6) for i in range(20))
+
+
+# -- plugins ----------------------------------------------------------------------------------
+@sky.function
+def ddp_train(steps: int) -> list[float]:
+    """Train a tiny model with DDP; return its parameters."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(1234 + dist.get_rank())  # different data on every rank
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    return [float(x) for p in model.module.parameters() for x in p.detach().flatten()]
+
+
+def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
+    pytest.importorskip("torch")
+    plugins = pytest.importorskip("flotilla.plugins")
+    if not hasattr(plugins, "torch"):
+        pytest.skip("flotilla.plugins.torch is not available")
+    hosts = _hosts3(ssh_lab)
+    provider = ssh_lab.provider(hosts, python=sys.executable)  # the interpreter with torch
+    with sky.Compute(provider=provider, nodes=3, plugins=[plugins.torch()]) as pool:
+        params = ddp_train(5) @ pool
+    assert params[0] == params[1] == params[2]
+    assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _fingerprint(host: TestHost) -> str:
+    return str(asyncssh.import_public_key(host.pubkey).get_fingerprint("sha256"))
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
