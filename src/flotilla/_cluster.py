@@ -1,0 +1,423 @@
+"""The cluster daemon: one process per named cluster, owning its pool.
+
+``flotilla launch -c NAME`` starts it as ``python -m flotilla._cluster NAME`` (its own
+session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
+``NAME.sock`` (see ``_wire``): jobs are queued and run one at a time (see ``_jobs``), their
+output streamed to whoever follows them and kept per node. It stops on ``flotilla down``
+(and removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
+(the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
+shows STALE until ``flotilla down NAME``.
+
+``launch --down`` of a new cluster runs the same :class:`ClusterDaemon` inside the CLI
+process instead (no second process to start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from ._compute import Compute
+from ._errors import FlotillaError
+from ._image import redact
+from ._jobs import Job, Runner
+from ._jobspec import JobSpec, task_id
+from ._providers import ProviderSpec, make_provider, ssh_config
+from ._remote import node_facts
+from ._state import (
+    ClusterState,
+    JobStatus,
+    NodeRecord,
+    Paths,
+    delete,
+    load,
+    process_start,
+    update,
+)
+from ._wire import Event, encode, prefix
+
+_CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown goes on
+
+
+class ClusterDaemon:
+    """A named cluster's pool, job queue and socket server."""
+
+    def __init__(self, paths: Paths) -> None:
+        record = load(paths)
+        if record is None:
+            raise FlotillaError(f"cluster {paths.name!r} has no state file")
+        self.paths = paths
+        self.name = paths.name
+        self.spec = ProviderSpec.from_dict(record.provider)
+        self.num_nodes = record.num_nodes
+        self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
+        self.pool: Compute | None = None
+        self.runner: Runner | None = None
+        self.nodes: list[NodeRecord] = []
+        self.error = ""  # why provisioning failed
+        self.secrets: set[str] = set()  # every job's, to redact what they print later
+        self.token = secrets.token_hex(6)  # in FLOTILLA_RUN_TOKEN of every job process
+        self.up = threading.Event()  # set when provisioning ended, well or not
+        self.jobs: dict[int, Job] = {}
+        self.queue: deque[Job] = deque()
+        self.current: Job | None = None
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.delete_on_stop = False
+        self.wake = threading.Event()
+        self.stopped = threading.Event()
+        self.last_activity = time.time()
+        self.server: socket.socket | None = None
+        self.handlers: list[threading.Thread] = []
+        self.provisioner: threading.Thread | None = None
+        self.shutdown_lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Take over the record, listen on the socket, start provisioning and the job loop."""
+        with update(self.paths) as rec:
+            rec.pid = os.getpid()
+            rec.pid_start = process_start(rec.pid)
+            rec.state = ClusterState.STARTING.value
+            rec.error = ""
+            rec.nodes = []
+            rec.last_activity = self.last_activity
+            for job in rec.jobs:  # left unfinished by a daemon that died
+                if not JobStatus(job.status).finished:
+                    job.status = JobStatus.FAILED.value
+                    job.error = "the cluster daemon running it exited"
+        path = str(self.paths.socket)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            server.bind(path)
+        finally:
+            os.umask(old)
+        server.listen(64)
+        self.server = server
+        self.provisioner = self._thread(self._provision, "provision")
+        self._thread(self._accept, "accept")
+        self._thread(self._job_loop, "jobs")
+
+    def _thread(self, target: Any, name: str) -> threading.Thread:
+        t = threading.Thread(target=target, name=f"flotilla-{name}", daemon=True)
+        t.start()
+        return t
+
+    def serve_forever(self) -> None:
+        """Wait for a stop request, the idle limit or a failed provisioning; then stop."""
+        while True:
+            timeout = None
+            with self.cv:
+                busy = self.current is not None or bool(self.queue)
+                if self.stopping:
+                    break
+                if self.up.is_set() and self.error and not busy:
+                    break  # provisioning failed and every job was told
+                if self.idle is not None and not busy and self.up.is_set():
+                    left = self.last_activity + self.idle - time.time()
+                    if left <= 0:
+                        print(f"idle for {self.idle / 60:g} min: stopping", file=sys.stderr)
+                        break
+                    timeout = left
+            self.wake.wait(timeout)
+            self.wake.clear()
+        self.shutdown()
+
+    def request_stop(self, delete_record: bool) -> None:
+        with self.cv:
+            self.stopping = True
+            self.delete_on_stop = self.delete_on_stop or delete_record
+            self.cv.notify_all()
+        self.wake.set()
+
+    def shutdown(self) -> None:
+        """Cancel the jobs, close the pool, then remove or update the record. Idempotent."""
+        with self.shutdown_lock:
+            if not self.stopped.is_set():
+                self._shutdown()
+        for t in list(self.handlers):  # let `down` and followers get their last answer
+            if t is not threading.current_thread():
+                t.join(2.0)
+
+    def _shutdown(self) -> None:
+        with self.cv:
+            self.stopping = True
+            pending = list(self.queue)
+            self.queue.clear()
+            current = self.current
+            self.cv.notify_all()
+        with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+            if not self.error:
+                rec.state = ClusterState.STOPPING.value
+        for job in pending:
+            job.finish(JobStatus.CANCELLED, 130, [f"job {job.id} was cancelled: cluster down"])
+            self._save_job(job)
+        if current is not None:
+            current.cancel_requested = True  # also when it still waits for provisioning
+            if self.runner is not None:
+                self.runner.cancel(current)
+            current.done.wait(_CANCEL_WAIT)
+        if self.provisioner is not None:
+            self.provisioner.join()
+        if self.runner is not None:
+            self.runner.reap_all()  # what jobs left running: `ray start` daemons and such
+        if self.pool is not None:
+            self.pool.close()
+        if self.server is not None:
+            self.server.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.paths.socket)
+        if self.delete_on_stop:
+            delete(self.paths)
+        else:
+            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+                rec.state = (ClusterState.FAILED if self.error else ClusterState.STOPPED).value
+                rec.nodes = []
+                rec.last_activity = self.last_activity
+        self.stopped.set()
+
+    # -- provisioning ------------------------------------------------------------------
+    def _provision(self) -> None:
+        try:
+            provider = make_provider(self.spec, self.paths.nodes)
+            pool = Compute(provider, nodes=self.num_nodes)
+            pool.output_sink = self._on_output
+            with self.cv:
+                if self.stopping:
+                    return
+            pool.open()
+            self.pool = pool
+            subdir = "" if self.spec.shares_filesystem else f"clusters/{self.name}"
+            facts = pool.broadcast(node_facts(subdir))
+            self.nodes = [NodeRecord(**f) for f in facts]
+            self.runner = Runner(
+                pool,
+                self.name,
+                self.spec.kind,
+                self.nodes,
+                self.spec.shares_filesystem,
+                self._save_job,
+                self.token,
+            )
+            with update(self.paths) as rec:
+                rec.state = ClusterState.UP.value
+                rec.nodes = self.nodes
+                rec.token = self.token
+            if self.spec.kind == "ssh":
+                self.paths.ssh_config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.paths.ssh_config.write_text(ssh_config(self.name, self.spec, self.nodes))
+        except BaseException as e:  # root cause first: the provider's own message
+            self.error = str(e) or type(e).__name__
+            print(f"provisioning failed: {self.error}", file=sys.stderr)
+            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+                rec.state = ClusterState.FAILED.value
+                rec.error = self.error
+        finally:
+            self.up.set()
+            self.wake.set()
+
+    def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
+        job = self.current
+        if job is not None:
+            job.output(node, stream, lines)
+        else:  # a background process of an earlier job: keep it in the daemon's log
+            head = prefix(node, node)
+            clean = [redact(line, self.secrets) for line in lines]
+            sys.stderr.write("".join(f"{head}{line}\n" for line in clean))
+
+    # -- jobs --------------------------------------------------------------------------
+    def submit(self, spec: JobSpec) -> Job:
+        """Queue a job; it runs after the jobs before it."""
+        with self.cv:
+            if self.stopping:
+                raise FlotillaError(f"cluster {self.name} is going down")
+        now = time.time()
+        with update(self.paths) as rec:
+            job_id = rec.next_job
+            rec.next_job += 1
+            job = Job(job_id, spec, task_id(self.name, job_id, now), self.paths.job_dir(job_id))
+            rec.jobs.append(job.record())
+            rec.last_activity = now
+        with self.cv:
+            self.secrets.update(job.secrets)  # its background processes may print them later
+            self.jobs[job_id] = job
+            self.queue.append(job)
+            self.last_activity = now
+            self.cv.notify_all()
+        return job
+
+    def _save_job(self, job: Job) -> None:
+        with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+            rec.jobs = [job.record() if j.id == job.id else j for j in rec.jobs]
+            rec.last_activity = time.time()
+
+    def _job_loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.stopping:
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                job = self.current = self.queue.popleft()
+            self.up.wait()
+            if self.runner is None:
+                why = self.error or "it is going down"
+                job.finish(
+                    JobStatus.FAILED,
+                    1,
+                    [f"job {job.id} failed: cluster {self.name} could not start: {why}"],
+                )
+                self._save_job(job)
+            else:
+                self.runner.run(job)
+            with self.cv:
+                self.current = None
+                self.last_activity = time.time()
+            if job.spec.down_after:
+                self.request_stop(delete_record=True)
+            self.wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a queued or running job and wait for it to end."""
+        with self.cv:
+            queued = job in self.queue
+            if queued:
+                self.queue.remove(job)
+        if queued:
+            job.finish(JobStatus.CANCELLED, 130, [f"job {job.id} was cancelled"])
+            self._save_job(job)
+        elif not job.done.is_set() and self.runner is not None:
+            self.runner.cancel(job)
+        job.done.wait(_CANCEL_WAIT)
+
+    # -- the socket --------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self.server is not None
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return  # closed: shutting down
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self.handlers = [h for h in self.handlers if h.is_alive()] + [t]
+            t.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                with conn.makefile("rb") as f:
+                    request = json.loads(f.readline() or b"{}")
+                self._serve(conn, request)
+            except (FlotillaError, ValueError, KeyError, TypeError) as e:
+                with contextlib.suppress(OSError):
+                    conn.sendall(encode({"ev": "error", "message": str(e)}))
+            except OSError:
+                pass  # the client went away
+
+    def _serve(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        op = request.get("op")
+        if op == "ping":
+            conn.sendall(encode({"ev": "pong", "pid": os.getpid(), "error": self.error}))
+        elif op == "submit":
+            job = self.submit(JobSpec.from_dict(request["job"]))
+            ahead = len(self.queue) - 1 + (self.current is not None)
+            conn.sendall(
+                encode({"ev": "accepted", "job": job.id, "task_id": job.task_id, "ahead": ahead})
+            )
+            if request.get("attach"):
+                self._stream(conn, job, None, replay=False)
+        elif op == "follow":
+            job_opt = self.jobs.get(int(request["job"]))
+            if job_opt is None:
+                conn.sendall(encode({"ev": "gone"}))
+            else:
+                node = request.get("node")
+                self._stream(conn, job_opt, None if node is None else int(node), replay=True)
+        elif op == "cancel":
+            job_opt = self.jobs.get(int(request["job"]))
+            if job_opt is None:
+                conn.sendall(encode({"ev": "gone"}))
+                return
+            was = job_opt.status
+            if not job_opt.done.is_set():
+                self.cancel(job_opt)
+            conn.sendall(encode({"ev": "cancelled", "was": was.value, **job_opt.end_event()}))
+        elif op == "down":
+            self.request_stop(delete_record=True)
+            self.stopped.wait()
+            conn.sendall(encode({"ev": "down"}))
+        else:
+            raise ValueError(f"unknown request {op!r}")
+
+    def _stream(self, conn: socket.socket, job: Job, node: int | None, replay: bool) -> None:
+        backlog, sub = job.subscribe(node, replay)
+        if backlog:
+            conn.sendall(b"".join(encode({"ev": "log", "line": line}) for line in backlog))
+        if sub is None:
+            conn.sendall(encode(job.end_event()))
+            return
+        try:
+            while True:
+                batch = [sub.events.get()]
+                while not sub.events.empty() and len(batch) < 1000:
+                    batch.append(sub.events.get_nowait())
+                conn.sendall(b"".join(encode(ev) for ev in batch))
+                if any(ev["ev"] == "end" for ev in batch):
+                    return
+        finally:
+            job.unsubscribe(sub)
+
+
+def follow_local(job: Job) -> Iterator[Event]:
+    """Events of a job of a daemon in this process (``launch --down``), then its end."""
+    _, sub = job.subscribe(None, replay=False)
+    if sub is None:
+        yield job.end_event()
+        return
+    try:
+        while True:
+            event: Event = sub.events.get()
+            yield event
+            if event["ev"] == "end":
+                return
+    finally:
+        job.unsubscribe(sub)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flotilla._cluster NAME [--ready-fd FD]``: run a cluster's daemon."""
+    parser = argparse.ArgumentParser(prog="python -m flotilla._cluster")
+    parser.add_argument("name")
+    parser.add_argument("--ready-fd", type=int, default=-1)
+    args = parser.parse_args(argv)
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    daemon = ClusterDaemon(Paths(args.name))
+    signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop(delete_record=False))
+    signal.signal(signal.SIGINT, lambda *_: daemon.request_stop(delete_record=False))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    daemon.start()
+    if args.ready_fd >= 0:
+        with contextlib.suppress(OSError):
+            os.write(args.ready_fd, b"1")
+            os.close(args.ready_fd)
+    daemon.serve_forever()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Jobs inside a cluster daemon: their logs and listeners (:class:`Job`) and their phases on
+the pool (:class:`Runner`).
+
+Phases (SkyPilot's, document 003), each a barrier::
+
+    sync    workdir and file_mounts unpacked on every node (skipped when unchanged)
+    setup   ``setup`` on every node of the cluster
+    run     ``run`` on the first ``num_nodes`` nodes
+
+When a node's script exits non-zero (or its process dies), the other nodes of the phase
+are stopped (``Compute.cancel``) and the job fails; its report names that node, its exit
+status and its last lines first: the root cause first, the consequences after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ._compute import Compute
+from ._image import is_secret, redact
+from ._jobspec import JobSpec, hostfile, phase_env
+from ._providers import check_gpus
+from ._remote import TOKEN_VAR, free_port, reap, run_script, unpack
+from ._state import JobRecord, JobStatus, NodeRecord
+from ._sync import build as build_archive
+from ._wire import Event, node_name, prefix
+
+TAIL_LINES = 20
+"""Lines of a failing node shown in the job's report."""
+_MIN_REDACTED = 4  # shorter secret values would blank out ordinary text
+
+
+class Subscriber:
+    """A client following a job: its events, optionally only one node's."""
+
+    def __init__(self, node: int | None) -> None:
+        self.node = node
+        self.events: queue.Queue[Event] = queue.Queue()
+
+
+class Job:
+    """A submitted job: its status, logs (job.log and node-K.log) and followers.
+
+    ``output`` runs on the pool's loop thread, everything else on daemon threads; one lock
+    keeps the log files and the followers' event streams in the same order.
+    """
+
+    def __init__(self, job_id: int, spec: JobSpec, task: str, folder: Path) -> None:
+        self.id = job_id
+        self.spec = spec
+        self.task_id = task
+        self.dir = folder
+        self.status = JobStatus.PENDING
+        self.submitted = time.time()
+        self.started = 0.0
+        self.ended = 0.0
+        self.exit_code: int | None = None
+        self.failed_node: int | None = None
+        self.report: list[str] = []
+        self.secrets = [v for v in spec.secrets.values() if len(v) >= _MIN_REDACTED] + [
+            v for k, v in spec.envs.items() if is_secret(k, v) and len(v) >= _MIN_REDACTED
+        ]
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.cancel_requested = False
+        self.active: list[Future[Any]] = []
+        self.ranks: dict[int, int] = {}
+        self.tails: dict[int, deque[str]] = {}
+        self.subscribers: list[Subscriber] = []
+        self._files: dict[str, IO[str]] = {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def record(self) -> JobRecord:
+        return JobRecord(
+            id=self.id,
+            name=self.spec.name,
+            task_id=self.task_id,
+            status=self.status.value,
+            num_nodes=self.spec.num_nodes or 0,
+            submitted=self.submitted,
+            started=self.started,
+            ended=self.ended,
+            exit_code=self.exit_code,
+            failed_node=self.failed_node,
+            error=self.report[0] if self.report else "",
+        )
+
+    # -- logs and followers -------------------------------------------------------------
+    def _file(self, name: str) -> IO[str]:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(self.dir / name, "a", encoding="utf-8")  # noqa: SIM115
+        return f
+
+    def _publish(self, event: Event, node: int | None = None) -> None:
+        for sub in self.subscribers:
+            if sub.node is None or sub.node == node:
+                sub.events.put(event)
+
+    def output(self, node: int, stream: int, lines: list[str]) -> None:
+        """Lines a node printed: logged, kept for the report, sent to the followers."""
+        with self.lock:
+            rank = self.ranks.get(node, node)
+            head = prefix(node, rank)
+            tail = self.tails.setdefault(node, deque(maxlen=TAIL_LINES))
+            clean = [redact(line, self.secrets) for line in lines]
+            self._file(f"node-{node}.log").write("".join(f"{line}\n" for line in clean))
+            self._file("job.log").write("".join(f"{head}{line}\n" for line in clean))
+            for line in clean:
+                tail.append(line)
+                self._publish(
+                    {"ev": "out", "node": node, "rank": rank, "stream": stream, "line": line},
+                    node,
+                )
+            for f in self._files.values():
+                f.flush()
+            if self.done.is_set():  # a straggler after the end: do not keep files open
+                self._close()
+
+    def _close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def phase(self, text: str, ranks: dict[int, int] | None = None) -> None:
+        """Announce a phase; ``ranks`` (node -> rank) names the lines that follow."""
+        with self.lock:
+            if ranks is not None:
+                self.ranks = ranks
+                self.tails = {}
+            self._file("job.log").write(f"flotilla: {text}\n")
+            self._file("job.log").flush()
+            self._publish({"ev": "phase", "text": text})
+
+    def subscribe(self, node: int | None, replay: bool) -> tuple[list[str], Subscriber | None]:
+        """Follow the job (``node``: only that node's lines): its log so far (when
+        ``replay``) and a Subscriber that gets what comes next, or None when the job has
+        already ended."""
+        with self.lock:
+            backlog: list[str] = []
+            if replay:
+                name = "job.log" if node is None else f"node-{node}.log"
+                with contextlib.suppress(FileNotFoundError):
+                    backlog = (self.dir / name).read_text(encoding="utf-8").splitlines()
+            if self.done.is_set():
+                return backlog, None
+            sub = Subscriber(node)
+            self.subscribers.append(sub)
+            return backlog, sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        with self.lock, contextlib.suppress(ValueError):
+            self.subscribers.remove(sub)
+
+    def end_event(self) -> Event:
+        return {
+            "ev": "end",
+            "job": self.id,
+            "status": self.status.value,
+            "exit_code": self.exit_code,
+            "report": self.report,
+            "elapsed": round((self.ended or time.time()) - (self.started or self.submitted), 3),
+        }
+
+    def finish(self, status: JobStatus, exit_code: int, report: list[str]) -> None:
+        with self.lock:
+            self.status = status
+            self.exit_code = exit_code
+            self.report = [redact(line, self.secrets) for line in report]
+            self.ended = time.time()
+            log = self._file("job.log")
+            for line in self.report or [f"job {self.id} {status.value}"]:
+                log.write(f"flotilla: {line}\n")
+            self._close()
+            self._publish(self.end_event())
+            self.subscribers.clear()
+            self.done.set()
+
+
+@dataclass
+class Failure:
+    """The first node that failed in a phase (the root cause).
+
+    Attributes:
+        node: the node's index in the cluster.
+        rank: its rank in the phase.
+        phase: "sync", "setup" or "run".
+        code: the script's exit status (negative: killed by that signal); None when its
+            process or node died under it.
+        reason: what happened, in words.
+        also: nodes that failed on their own after it.
+        stopped: nodes stopped because of it.
+    """
+
+    node: int
+    rank: int
+    phase: str
+    code: int | None
+    reason: str
+    also: list[Failure] = field(default_factory=list)
+    stopped: list[int] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status the CLI returns for it."""
+        if self.code is None:
+            return 1
+        return self.code if self.code > 0 else 128 - self.code
+
+
+def _describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+class Runner:
+    """Runs jobs' phases on a cluster's pool, one job at a time.
+
+    Args:
+        pool: the running pool.
+        cluster: the cluster's name.
+        provider: the provider's kind ("local", "ssh").
+        nodes: the pool's nodes, in rank order.
+        shares_filesystem: whether every node runs on this machine.
+        on_status: called after each job status change (to save the state file).
+        token: marks every process the jobs start (FLOTILLA_RUN_TOKEN), to find them.
+    """
+
+    def __init__(
+        self,
+        pool: Compute,
+        cluster: str,
+        provider: str,
+        nodes: list[NodeRecord],
+        shares_filesystem: bool,
+        on_status: Callable[[Job], None],
+        token: str,
+    ) -> None:
+        self.pool = pool
+        self.cluster = cluster
+        self.provider = provider
+        self.nodes = nodes
+        self.shares_filesystem = shares_filesystem
+        self.on_status = on_status
+        self.workdirs = {n.node: n.workdir for n in nodes}
+        self.token = token
+        self.synced: str | None = None  # digest of what every node has unpacked
+
+    def _status(self, job: Job, status: JobStatus) -> None:
+        job.status = status
+        self.on_status(job)
+
+    def run(self, job: Job) -> None:
+        """Run every phase of ``job``; never raises (failures end the job)."""
+        spec = job.spec
+        job.started = time.time()
+        try:
+            count = spec.num_nodes or len(self.nodes)
+            if count > len(self.nodes):
+                raise ValueError(
+                    f"the job needs {count} nodes but cluster {self.cluster} has {len(self.nodes)}"
+                )
+            check_gpus(spec.gpus_per_node, [n.gpus for n in self.nodes])
+            failure = self._sync(job)
+            if failure is None and spec.do_setup and spec.setup and not job.cancel_requested:
+                self._status(job, JobStatus.SETTING_UP)
+                failure = self._script(job, "setup", spec.setup, len(self.nodes))
+            if failure is None and spec.run and not job.cancel_requested:
+                self._status(job, JobStatus.RUNNING)
+                failure = self._script(job, "run", spec.run, count)
+                for attempt in range(1, spec.retries + 1):
+                    if failure is None or job.cancel_requested:
+                        break
+                    self._reap(job)
+                    who = node_name(failure.node, failure.rank)
+                    job.phase(
+                        f"job {job.id}: {who} {failure.reason}; running it again "
+                        f"(retry {attempt} of {spec.retries}, same task id)"
+                    )
+                    failure = self._script(job, "run", spec.run, count)
+        except Exception as e:  # the pool is gone, a workdir vanished...
+            self._reap(job)
+            self._end(job, JobStatus.FAILED, 1, [f"job {job.id} ({spec.name}) failed: {e}"])
+            return
+        if failure is not None or job.cancel_requested:
+            self._reap(job)
+        if failure is not None:
+            status = JobStatus.FAILED_SETUP if failure.phase == "setup" else JobStatus.FAILED
+            job.failed_node = failure.node
+            self._end(job, status, failure.exit_code, self._report(job, failure))
+        elif job.cancel_requested:
+            self._end(job, JobStatus.CANCELLED, 130, [f"job {job.id} ({spec.name}) was cancelled"])
+        else:
+            self._end(job, JobStatus.SUCCEEDED, 0, [])
+
+    def _end(self, job: Job, status: JobStatus, code: int, report: list[str]) -> None:
+        job.finish(status, code, report)
+        self.on_status(job)
+
+    def _reap(self, job: Job | None, timeout: float = 30.0) -> None:
+        """Kill what ``job`` (None: every job of this pool) left running on the nodes, also
+        processes that escaped its process group (setsid, daemons, launchers' workers)."""
+        prefix = f"{self.token}." + (f"{job.id}." if job is not None else "")
+        ranks = [0] if self.shares_filesystem else list(range(len(self.nodes)))
+        with contextlib.suppress(Exception):  # best effort: the pool may be going away
+            wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks), timeout)
+
+    def reap_all(self) -> None:
+        """Kill every process any job of this pool started (the cluster goes down)."""
+        self._reap(None)
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job``: its running scripts are killed, its next phases skipped."""
+        job.cancel_requested = True
+        self.pool.cancel(list(job.active))
+
+    # -- phases ------------------------------------------------------------------------
+    def _sync(self, job: Job) -> Failure | None:
+        spec = job.spec
+        archive = build_archive(spec.workdir, spec.file_mounts)
+        if archive is None or archive.digest == self.synced:
+            return None
+        job.phase(
+            f"job {job.id}: sync {archive.files} file(s), {len(archive.data) / 1e6:.1f} MB, "
+            f"to {len(self.nodes)} node(s)",
+            {n.node: n.node for n in self.nodes},
+        )
+        call = unpack(archive.data, archive.targets, self.shares_filesystem, self.workdirs)
+        failure = self._supervise(job, "sync", self.pool.submit_broadcast(call), ok=None)
+        if failure is None:
+            self.synced = archive.digest
+        return failure
+
+    def _script(self, job: Job, phase: str, script: str, count: int) -> Failure | None:
+        spec = job.spec
+        ranks = list(range(count))
+        port = self.pool.submit_broadcast(free_port(), nodes=[0])[0].result()
+        common, per_node = phase_env(
+            cluster=self.cluster,
+            provider=self.provider,
+            cluster_ips=[n.ip for n in self.nodes],
+            job_nodes=count,
+            job_id=job.id,
+            task=job.task_id,
+            gpus_per_node=spec.gpus_per_node,
+            master_port=port,
+            setup=phase == "setup",
+        )
+        common.update(spec.envs)
+        common.update(spec.secrets)
+        common[TOKEN_VAR] = f"{self.token}.{job.id}."
+        hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_per_node)
+        job.phase(f"job {job.id}: {phase} on {count} node(s)", {r: r for r in ranks})
+        call = run_script(script, common, per_node, hosts, job.id, self.workdirs)
+        return self._supervise(job, phase, self.pool.submit_broadcast(call, nodes=ranks), ok=0)
+
+    def _supervise(
+        self, job: Job, phase: str, futures: list[Future[Any]], ok: int | None
+    ) -> Failure | None:
+        """Wait for a phase's calls (one per node, in rank order); on the first failure,
+        stop the others. ``ok``: the value a script returns on success (None: any)."""
+        job.active = futures
+        if job.cancel_requested:
+            self.pool.cancel(futures)
+        pending = {f: rank for rank, f in enumerate(futures)}
+        failure: Failure | None = None
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                rank = pending.pop(fut)
+                try:
+                    value = fut.result()
+                except CancelledError:
+                    if failure is not None:
+                        failure.stopped.append(rank)
+                    continue
+                except Exception as e:
+                    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    found = Failure(rank, rank, phase, None, reason)
+                else:
+                    if ok is None or value == ok:
+                        continue
+                    found = Failure(rank, rank, phase, int(value), _describe_status(int(value)))
+                if failure is None:
+                    failure = found
+                    self.pool.cancel(list(pending))
+                else:
+                    failure.also.append(found)
+        job.active = []
+        return failure
+
+    def _report(self, job: Job, failure: Failure) -> list[str]:
+        """Root cause first: the failing node, how it failed, its last lines; then the
+        nodes that failed too, then those stopped because of it."""
+        who = node_name(failure.node, failure.rank)
+        lines = [
+            f"job {job.id} ({job.spec.name}) failed in {failure.phase}: {who} {failure.reason}"
+        ]
+        tail = list(job.tails.get(failure.node, ()))
+        if tail:
+            lines.append(f"last lines of {who}:")
+            lines.extend(f"  {line}" for line in tail)
+        for other in failure.also:
+            lines.append(f"then {node_name(other.node, other.rank)} {other.reason}")
+        if failure.stopped:
+            names = ", ".join(node_name(r, r) for r in sorted(failure.stopped))
+            lines.append(f"stopped because {who} failed: {names}")
+        return lines

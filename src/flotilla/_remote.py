@@ -1,0 +1,189 @@
+"""What the command-line jobs run on the nodes (flotilla functions, sent by reference).
+
+A node runs shell scripts in its working directory with ``bash -c``; the script's output
+goes straight to the executor's stdout/stderr, so it streams to the client with the node's
+prefix, and the call returns the exit status. Stopping the call (``Compute.cancel``) kills
+the executor's process group, which includes the script and its children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from ._function import function
+from ._info import instance_info
+
+WORKDIR_MEMBER = "workdir"
+"""Archive members under this name go to the node's working directory."""
+TOKEN_VAR = "FLOTILLA_RUN_TOKEN"
+"""Every process a job starts inherits this variable (``<cluster token>.<job>.``), so its
+processes can be found, and stopped, even those that left the process group (setsid,
+daemons such as ``ray start``, torchrun's workers)."""
+
+
+@function
+def node_facts(subdir: str = "") -> dict[str, Any]:
+    """This node's index, address, host name, working directory for jobs, agent pid and
+    GPUs. The jobs' directory is the agent's own, or ``subdir/node-K`` below it (created)
+    when nodes may share a file system."""
+    info = instance_info()
+    workdir = os.getcwd()
+    if subdir:
+        workdir = os.path.join(workdir, subdir, f"node-{info.node}")
+        os.makedirs(workdir, exist_ok=True)
+    return {
+        "node": info.node,
+        "ip": info.addr,
+        "host": socket.gethostname(),
+        "workdir": workdir,
+        "agent_pid": os.getppid(),  # the executor is the agent's child
+        "gpus": len(glob.glob("/dev/nvidia[0-9]*")),
+    }
+
+
+@function
+def free_port() -> int:
+    """A TCP port free on this node right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@function
+def run_script(
+    script: str,
+    env: dict[str, str],
+    per_node: dict[int, dict[str, str]],
+    hostfile: str | None = None,
+    job: int = 0,
+    workdirs: dict[int, str] | None = None,
+) -> int:
+    """Run ``bash -c script`` here with ``env`` and this node's ``per_node`` entry, in its
+    ``workdirs`` entry (default: the current directory); its exit status (negative: killed
+    by that signal). ``hostfile`` is written to a file whose path goes into
+    FLOTILLA_HOSTFILE."""
+    node = instance_info().node
+    cwd = (workdirs or {}).get(node) or os.getcwd()
+    full = dict(os.environ)
+    full.pop("COMPUTE_POOL", None)
+    full.update(env)
+    full.update(per_node.get(node, {}))
+    if hostfile is not None:
+        path = os.path.join(cwd, ".flotilla", f"hostfile-{job}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(hostfile)
+        full["FLOTILLA_HOSTFILE"] = path
+    proc = subprocess.Popen(["bash", "-c", script], env=full, cwd=cwd, stdin=subprocess.DEVNULL)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@function
+def reap(token_prefix: str) -> int:
+    """Kill (SIGKILL) every process on this machine whose environment has a
+    FLOTILLA_RUN_TOKEN starting with ``token_prefix``; the number killed."""
+    me = os.getpid()
+    wanted = f"{TOKEN_VAR}={token_prefix}".encode()
+    killed = 0
+    for _ in range(10):  # again, for what they forked meanwhile
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if any(item.startswith(wanted) for item in env.split(b"\0")):
+                with contextlib.suppress(OSError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    found += 1
+        killed += found
+        if not found:
+            break
+    return killed
+
+
+@function
+def unpack(
+    archive: bytes,
+    targets: dict[str, str],
+    home_is_workdir: bool,
+    workdirs: dict[int, str] | None = None,
+) -> int:
+    """Unpack a sync archive: member ``workdir/...`` into this node's working directory
+    (its ``workdirs`` entry, default: the current directory), member ``<key>[/...]`` to
+    ``targets[key]`` (a file mount). Returns the files written.
+
+    On providers whose nodes share this machine (``home_is_workdir``), ``~`` and relative
+    node paths are inside the node's working directory, so nodes do not overwrite each
+    other; absolute paths are written under a lock, by one node at a time.
+    """
+    cwd = (workdirs or {}).get(instance_info().node) or os.getcwd()
+    written = 0
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        members = tar.getmembers()
+        for key, dest_root in [(WORKDIR_MEMBER, cwd), *targets.items()]:
+            if key != WORKDIR_MEMBER:
+                dest_root = _node_path(dest_root, cwd, home_is_workdir)
+            mine = [m for m in members if m.name == key or m.name.startswith(key + "/")]
+            if not mine:
+                continue
+            shared = not os.path.abspath(dest_root).startswith(cwd + os.sep)
+            with _lock_for(dest_root) if shared else contextlib.nullcontext():
+                for m in mine:
+                    if m.name == key:  # the mount's own entry: a file, or the folder itself
+                        if m.isdir():
+                            os.makedirs(dest_root, exist_ok=True)
+                            continue
+                        m.name = os.path.basename(dest_root)
+                        parent = os.path.dirname(dest_root) or "."
+                    else:
+                        m.name = m.name[len(key) + 1 :]
+                        parent = dest_root
+                    os.makedirs(parent, exist_ok=True)
+                    tar.extract(m, parent, filter="data")
+                    written += 1
+    return written
+
+
+def _node_path(target: str, cwd: str, home_is_workdir: bool) -> str:
+    if home_is_workdir:
+        if target == "~" or target.startswith("~/"):
+            return os.path.join(cwd, target[2:])
+        if not os.path.isabs(target):
+            return os.path.join(cwd, target)
+        return target
+    return os.path.abspath(os.path.expanduser(target))
+
+
+@contextlib.contextmanager
+def _lock_for(path: str) -> Iterator[None]:
+    """An exclusive lock named after ``path``, shared by every node on this machine."""
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:20]
+    lock = os.path.join(tempfile.gettempdir(), f"flotilla-sync-{os.getuid()}-{digest}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,350 @@
+"""Named clusters on disk: where their files live, their lifecycle, their state files.
+
+Everything lives under ``$FLOTILLA_HOME`` (default ``~/.flotilla``)::
+
+    clusters/              mode 0700
+      NAME.json            the cluster's state (ClusterRecord), replaced atomically
+      NAME.lock            flock()ed while the state is read-modified-written
+      NAME.sock            the cluster daemon's Unix socket
+      NAME/daemon.log      the daemon's own output
+      NAME/nodes/          local provider: the nodes' working directories
+      NAME/jobs/ID/        a job's logs: job.log (every node, prefixed), node-K.log
+
+The state file never holds secrets: no environment values, only variable names.
+This module imports nothing heavy: the CLI reads state on every command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigurationError
+
+NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
+_SOCKET_LIMIT = 100  # sun_path holds 108 bytes
+
+
+class ClusterState(Enum):
+    """A named cluster's lifecycle. Written transitions (who makes them)::
+
+        (none) ---launch--------------> STARTING     the CLI creates the record, starts the daemon
+        STARTING --pool running-------> UP           daemon
+        STARTING --provisioning failed-> FAILED      daemon (the error is kept in the record)
+        UP --down / idle / SIGTERM----> STOPPING     daemon
+        STOPPING --pool closed--------> STOPPED      daemon; `down` then deletes the record
+        STOPPED, FAILED --launch------> STARTING     the CLI, with a new daemon
+
+    STALE is never written: it is what a record in STARTING, UP or STOPPING is when its
+    daemon process is gone (killed, machine rebooted). ``flotilla down`` cleans it up.
+    """
+
+    STARTING = "STARTING"
+    UP = "UP"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+    STALE = "STALE"
+
+    @property
+    def needs_daemon(self) -> bool:
+        """Whether a daemon process must exist in this state."""
+        return self in (ClusterState.STARTING, ClusterState.UP, ClusterState.STOPPING)
+
+
+class JobStatus(Enum):
+    """A job's lifecycle::
+
+    PENDING --> SETTING_UP --> RUNNING --> SUCCEEDED | FAILED | CANCELLED
+    PENDING --> CANCELLED | FAILED (the cluster failed to start)
+    SETTING_UP --> FAILED_SETUP | CANCELLED
+    """
+
+    PENDING = "PENDING"
+    SETTING_UP = "SETTING_UP"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    FAILED_SETUP = "FAILED_SETUP"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (JobStatus.PENDING, JobStatus.SETTING_UP, JobStatus.RUNNING)
+
+
+@dataclass
+class NodeRecord:
+    """One node of a running cluster.
+
+    Attributes:
+        node: index in the cluster (0 is the head).
+        ip: the address other nodes reach it at.
+        host: its host name.
+        workdir: its working directory (where jobs run).
+        agent_pid: pid of its agent, on its host.
+        gpus: accelerators the node has.
+    """
+
+    node: int
+    ip: str
+    host: str
+    workdir: str
+    agent_pid: int
+    gpus: int = 0
+
+
+@dataclass
+class JobRecord:
+    """One job as ``flotilla queue`` shows it.
+
+    Attributes:
+        id: job number in the cluster (1, 2, ...).
+        name: the task's name.
+        task_id: FLOTILLA_TASK_ID / SKYPILOT_TASK_ID of the job.
+        status: a JobStatus value.
+        num_nodes: nodes ``run`` runs on.
+        submitted, started, ended: UNIX times (0 when not yet).
+        exit_code: the job's exit status (None while it runs; the failing node's status).
+        failed_node: the node that failed first, or None.
+        error: the first line of the failure report ('' when it succeeded).
+    """
+
+    id: int
+    name: str
+    task_id: str
+    status: str = JobStatus.PENDING.value
+    num_nodes: int = 0
+    submitted: float = 0.0
+    started: float = 0.0
+    ended: float = 0.0
+    exit_code: int | None = None
+    failed_node: int | None = None
+    error: str = ""
+
+
+@dataclass
+class ClusterRecord:
+    """A named cluster's state file.
+
+    Attributes:
+        name: the cluster's name.
+        provider: how its nodes are provisioned (``ProviderSpec`` as a dict).
+        num_nodes: number of nodes.
+        state: a ClusterState value (never STALE).
+        created: UNIX time the cluster was launched.
+        last_activity: UNIX time of the last job end or command.
+        pid: the daemon's process id (0 before it started).
+        pid_start: the daemon's start time in clock ticks (guards against pid reuse).
+        idle_minutes: the daemon stops the cluster after this long without jobs (None: never).
+        nodes: the running nodes.
+        jobs: every job, oldest first.
+        next_job: the next job's number.
+        error: why the cluster failed, for FAILED.
+        token: the prefix of FLOTILLA_RUN_TOKEN in its jobs' processes (not a secret: it
+            finds them, after a daemon died).
+    """
+
+    name: str
+    provider: dict[str, Any]
+    num_nodes: int
+    state: str = ClusterState.STARTING.value
+    created: float = 0.0
+    last_activity: float = 0.0
+    pid: int = 0
+    pid_start: int = 0
+    idle_minutes: float | None = None
+    nodes: list[NodeRecord] = field(default_factory=list)
+    jobs: list[JobRecord] = field(default_factory=list)
+    next_job: int = 1
+    error: str = ""
+    token: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:
+        data = dict(data)
+        data["nodes"] = [NodeRecord(**n) for n in data.get("nodes", [])]
+        data["jobs"] = [JobRecord(**j) for j in data.get("jobs", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def job(self, job_id: int) -> JobRecord | None:
+        return next((j for j in self.jobs if j.id == job_id), None)
+
+    def observed_state(self) -> ClusterState:
+        """The recorded state, or STALE when its daemon is gone."""
+        state = ClusterState(self.state)
+        if state.needs_daemon and self.pid and not process_alive(self.pid, self.pid_start):
+            return ClusterState.STALE
+        return state
+
+
+# -- where things live ---------------------------------------------------------------------
+def flotilla_home() -> Path:
+    """``$FLOTILLA_HOME``, or ``~/.flotilla``."""
+    return Path(os.path.expanduser(os.environ.get("FLOTILLA_HOME") or "~/.flotilla"))
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid cluster name, else a ConfigurationError."""
+    if not NAME_RE.fullmatch(name):
+        raise ConfigurationError(
+            f"{name!r} is not a valid cluster name: use a letter, then letters, digits, "
+            "'-' or '_' (at most 63 characters)"
+        )
+    return name
+
+
+class Paths:
+    """The files of one named cluster."""
+
+    def __init__(self, name: str, home: Path | None = None) -> None:
+        self.name = check_name(name)
+        self.home = home or flotilla_home()
+        self.clusters = self.home / "clusters"
+        self.state = self.clusters / f"{name}.json"
+        self.lock = self.clusters / f"{name}.lock"
+        self.dir = self.clusters / name
+        self.daemon_log = self.dir / "daemon.log"
+        self.nodes = self.dir / "nodes"
+        self.jobs = self.dir / "jobs"
+        self.ssh_config = self.home / "ssh" / f"{name}.config"
+        self.socket = _socket_path(self.clusters / f"{name}.sock")
+
+    def job_dir(self, job_id: int) -> Path:
+        return self.jobs / str(job_id)
+
+    def ensure(self) -> None:
+        """Create the cluster's folders, private to this user."""
+        for folder in (self.home, self.clusters):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.clusters, 0o700)
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+
+
+def _socket_path(wanted: Path) -> Path:
+    """``wanted``, or a short private path under /tmp when it is too long for a socket."""
+    if len(os.fsencode(wanted)) <= _SOCKET_LIMIT:
+        return wanted
+    digest = hashlib.sha256(os.fsencode(wanted)).hexdigest()[:20]
+    folder = Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"{digest}.sock"
+
+
+def all_names(home: Path | None = None) -> list[str]:
+    """Names of every cluster with a state file."""
+    folder = (home or flotilla_home()) / "clusters"
+    try:
+        entries = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted(e[:-5] for e in entries if e.endswith(".json") and NAME_RE.fullmatch(e[:-5]))
+
+
+# -- reading and writing -------------------------------------------------------------------
+def load(paths: Paths) -> ClusterRecord | None:
+    """The cluster's record, or None when it has none. Reads need no lock: writes are
+    atomic renames."""
+    try:
+        with open(paths.state, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigurationError(f"the state file {paths.state} is unreadable: {e}") from None
+    return ClusterRecord.from_dict(data)
+
+
+@contextlib.contextmanager
+def locked(paths: Paths) -> Iterator[None]:
+    """Hold the cluster's lock (an flock on NAME.lock) for a read-modify-write."""
+    paths.ensure()
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def save(paths: Paths, record: ClusterRecord) -> None:
+    """Write the record atomically (temporary file, fsync, rename). Call under ``locked``."""
+    paths.ensure()
+    data = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{paths.name}.", suffix=".tmp", dir=paths.clusters)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, paths.state)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def update(paths: Paths) -> Iterator[ClusterRecord]:
+    """Lock, load, let the caller change the record, save. The record must exist."""
+    with locked(paths):
+        record = load(paths)
+        if record is None:
+            raise ConfigurationError(f"cluster {paths.name!r} does not exist")
+        yield record
+        save(paths, record)
+
+
+def delete(paths: Paths) -> None:
+    """Remove the cluster's state, socket, ssh config and files (logs included)."""
+    import shutil
+
+    with locked(paths):
+        for path in (paths.state, paths.socket, paths.ssh_config):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shutil.rmtree(paths.dir, ignore_errors=True)
+    # NAME.lock stays: removing it could let two commands lock different files at once
+
+
+# -- processes -----------------------------------------------------------------------------
+def process_start(pid: int) -> int:
+    """The start time of ``pid`` in clock ticks since boot (0 when there is no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19]) if fields[0] != "Z" else 0
+
+
+def process_alive(pid: int, start: int = 0) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, when ``start`` is given, is the same process."""
+    began = process_start(pid)
+    return began != 0 and (start == 0 or began == start)
+
+
+def wait_gone(pid: int, start: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for a process (not our child) to exit; True when it did."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while process_alive(pid, start):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return True

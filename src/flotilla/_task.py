@@ -1,0 +1,519 @@
+"""Task files (SkyPilot format): parse and validate them into :class:`Task`.
+
+A task file says how many nodes a job needs, what they need, how to set them up and what
+to run::
+
+    name: train
+    num_nodes: 2
+    resources:
+      accelerators: A100:8
+    workdir: .
+    envs: {EPOCHS: "3"}
+    secrets: {HF_TOKEN: null}        # given with --secret HF_TOKEN=...
+    setup: pip install -r requirements.txt
+    run: torchrun --nnodes=$SKYPILOT_NUM_NODES ... train.py
+
+Every mistake is reported with the file, the line and the field (``task.yaml:3: unknown
+field 'num_node' (did you mean 'num_nodes'?)``) before anything starts. PyYAML is imported
+only here, so commands that take no task file do not pay for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import yaml
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_AMOUNT = re.compile(r"\d+(\.\d+)?\+?")
+_PORTS = re.compile(r"\d+(-\d+)?")
+
+
+class TaskError(ConfigurationError):
+    """A task file that cannot be run as written.
+
+    Attributes:
+        path: the task file ('' for a task given on the command line).
+        line: 1-based line of the offending field (0 when unknown).
+        field: dotted name of the field (``resources.accelerators``), or ''.
+    """
+
+    def __init__(self, message: str, *, path: str = "", line: int = 0, field: str = "") -> None:
+        where = path + (f":{line}" if path and line else "")
+        super().__init__(f"{where}: {message}" if where else message)
+        self.path = path
+        self.line = line
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What every node of the task needs (``resources:``). Only ``accelerators`` is a hard
+    requirement on the local and SSH providers; the other fields are hints they report.
+
+    Attributes:
+        accelerators: accelerator type and count per node, e.g. "A100:8" (None: no GPU).
+        cpus: vCPUs per node: "4" (exactly) or "4+" (at least).
+        memory: memory per node in GB: "64" or "64+".
+        infra: where to run, e.g. "aws/us-east-1" or "k8s" (``cloud`` is its old name).
+        use_spot: whether spot/preemptible instances may be used.
+        network_tier: "standard" or "best" (InfiniBand/EFA where available).
+        disk_size: OS disk size per node, in GB.
+        ports: ports to open on the nodes: 8080, "10000-10010" or a list of them.
+        image_id: the machine or container image to boot the nodes from.
+        region: cloud region (a hint).
+        zone: cloud zone (a hint).
+        instance_type: cloud instance type (a hint).
+        disk_tier: disk performance tier (a hint).
+        labels: labels to attach to the nodes.
+    """
+
+    accelerators: str | None = None
+    cpus: str | None = None
+    memory: str | None = None
+    infra: str | None = None
+    use_spot: bool | None = None
+    network_tier: str | None = None
+    disk_size: int | None = None
+    ports: tuple[str, ...] = ()
+    image_id: str | None = None
+    region: str | None = None
+    zone: str | None = None
+    instance_type: str | None = None
+    disk_tier: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def accelerator_name(self) -> str | None:
+        """The accelerator type ("A100"), or None."""
+        return self.accelerators.partition(":")[0] if self.accelerators else None
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Accelerators per node, a fraction rounded up (0 without accelerators)."""
+        if not self.accelerators:
+            return 0
+        _, _, count = self.accelerators.partition(":")
+        return math.ceil(float(count)) if count else 1
+
+    def hints(self) -> dict[str, object]:
+        """The fields that are set, other than ``accelerators``: name -> value."""
+        out: dict[str, object] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name != "accelerators" and value not in (None, (), {}):
+                out[name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Task:
+    """A job: where it runs, how nodes are set up, what runs on them.
+
+    Attributes:
+        name: a name shown in ``flotilla queue`` (default: the file's name).
+        num_nodes: nodes the ``run`` commands run on (None: not given; see the CLI).
+        resources: what every node needs.
+        workdir: a local folder synced to every node's working directory; ``run`` and
+            ``setup`` start there. Absolute once loaded.
+        file_mounts: node path -> local file or folder (absolute) copied there; on the
+            local provider ``~`` and relative node paths are inside the node's working
+            directory.
+        envs: environment variables of ``setup`` and ``run``.
+        secrets: like ``envs``, but never written to disk nor shown (redacted as ``***``).
+        setup: shell commands run once on every node of the cluster, before ``run``.
+        run: shell commands run on each of the ``num_nodes`` nodes.
+        path: the task file ('' for a command given on the command line).
+        lines: field name -> line number in the file, for later messages.
+    """
+
+    name: str | None = None
+    num_nodes: int | None = None
+    resources: Resources = field(default_factory=Resources)
+    workdir: str | None = None
+    file_mounts: Mapping[str, str] = field(default_factory=dict)
+    envs: Mapping[str, str | None] = field(default_factory=dict)
+    secrets: Mapping[str, str | None] = field(default_factory=dict)
+    setup: str | None = None
+    run: str | None = None
+    path: str = ""
+    lines: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def with_overrides(
+        self, envs: Mapping[str, str | None], secrets: Mapping[str, str | None]
+    ) -> Task:
+        """``--env`` / ``--secret`` applied (a value of None is read from this process's
+        environment); every variable must then have a value."""
+        merged_env = dict(self.envs)
+        merged_secrets = dict(self.secrets)
+        for target, given, flag in (
+            (merged_env, envs, "--env"),
+            (merged_secrets, secrets, "--secret"),
+        ):
+            for key, value in given.items():
+                if not _NAME.fullmatch(key):
+                    raise TaskError(f"{flag} {key}: not a valid environment variable name")
+                if value is None:
+                    value = os.environ.get(key)
+                    if value is None:
+                        raise TaskError(
+                            f"{flag} {key}: no value given and {key} is not set here "
+                            f"(write {flag} {key}=VALUE)"
+                        )
+                target[key] = value
+        for kind, values, flag in (
+            ("envs", merged_env, "--env"),
+            ("secrets", merged_secrets, "--secret"),
+        ):
+            for key, value in values.items():
+                if value is None:
+                    raise TaskError(
+                        f"{kind}.{key} has no value: pass {flag} {key}=VALUE",
+                        path=self.path,
+                        line=self.lines.get(f"{kind}.{key}", 0),
+                        field=f"{kind}.{key}",
+                    )
+        return replace(self, envs=merged_env, secrets=merged_secrets)
+
+    def job_nodes(self, cluster_nodes: int) -> int:
+        """Nodes the ``run`` commands use on a cluster of ``cluster_nodes``."""
+        n = self.num_nodes if self.num_nodes is not None else cluster_nodes
+        if n > cluster_nodes:
+            raise TaskError(
+                f"num_nodes is {n} but the cluster has {cluster_nodes} node(s): launch a "
+                f"cluster with at least {n} nodes (flotilla launch --nodes {n} ...)",
+                path=self.path,
+                line=self.lines.get("num_nodes", 0),
+                field="num_nodes",
+            )
+        return n
+
+
+def command_task(command: str, num_nodes: int | None = None) -> Task:
+    """A task that runs a shell ``command`` (``flotilla exec NAME 'CMD'``)."""
+    if not command.strip():
+        raise TaskError("the command is empty")
+    return Task(name=command.split()[0][:40], num_nodes=num_nodes, run=command)
+
+
+# -- loading -------------------------------------------------------------------------------
+def load_task(path: str) -> Task:
+    """Read and validate the task file at ``path``; TaskError names the field and line."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise TaskError(f"cannot read the task file: {e.strerror or e}", path=path) from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else 0
+        problem = e.problem or e.context or "syntax error"
+        raise TaskError(f"invalid YAML: {problem}", path=path, line=line) from None
+    except yaml.YAMLError as e:
+        raise TaskError(f"invalid YAML: {e}", path=path) from None
+    if root is None:
+        raise TaskError("the task file is empty: it needs at least `run:`", path=path)
+    return _Parser(path).task(root)
+
+
+def _line(node: yaml.Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+class _Parser:
+    """Turns the composed YAML tree into a Task, checking each field against its node."""
+
+    def __init__(self, path: str) -> None:
+        import yaml
+
+        self.yaml = yaml
+        self.path = path
+        self.lines: dict[str, int] = {}
+        self.constructor = yaml.SafeLoader("")
+
+    def error(self, message: str, node: yaml.Node | None, name: str) -> TaskError:
+        line = _line(node) if node is not None else 0
+        return TaskError(message, path=self.path, line=line, field=name)
+
+    def value(self, node: yaml.Node) -> Any:
+        return self.constructor.construct_object(node, deep=True)
+
+    def mapping(
+        self, node: yaml.Node, name: str, known: Mapping[str, Any] | None
+    ) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """A mapping's entries: key -> (key node, value node); unknown keys are errors."""
+        if not isinstance(node, self.yaml.MappingNode):
+            what = f"`{name}`" if name else "the task file"
+            raise self.error(
+                f"{what} must be a mapping (key: value lines), got {_kind(self.value(node))}",
+                node,
+                name,
+            )
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for key_node, value_node in node.value:
+            key = self.value(key_node)
+            full = f"{name}.{key}" if name else str(key)
+            if not isinstance(key, str):
+                raise self.error(f"field names must be strings, got {key!r}", key_node, full)
+            if key in out:
+                raise self.error(f"field '{full}' is given twice", key_node, full)
+            if known is not None and key not in known:
+                raise self.error(_unknown(key, name, known), key_node, full)
+            self.lines[full] = _line(key_node)
+            out[key] = (key_node, value_node)
+        return out
+
+    def task(self, root: yaml.Node) -> Task:
+        fields = self.mapping(root, "", _TASK_FIELDS)
+        values: dict[str, Any] = {}
+        for key, (_key_node, node) in fields.items():
+            values[key] = _TASK_FIELDS[key](self, node, key)
+        if not values.get("run") and not values.get("setup"):
+            raise TaskError(
+                "the task has nothing to run: add `run:` (and optionally `setup:`)",
+                path=self.path,
+            )
+        name = values.get("name") or os.path.splitext(os.path.basename(self.path))[0]
+        values["name"] = name
+        return Task(**values, path=self.path, lines=dict(self.lines))
+
+    # -- field checkers (each returns the field's value) --------------------------------
+    def text(self, node: yaml.Node, name: str) -> str | None:
+        value = self.value(node)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.error(f"`{name}` must be a string, got {_kind(value)}", node, name)
+        return value
+
+    def script(self, node: yaml.Node, name: str) -> str | None:
+        value = self.value(node)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return "\n".join(value)  # a list of commands, one per line
+        return self.text(node, name)
+
+    def positive_int(self, node: yaml.Node, name: str) -> int | None:
+        value = self.value(node)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(f"`{name}` must be a whole number, got {_kind(value)}", node, name)
+        if value < 1:
+            raise self.error(f"`{name}` must be at least 1, got {value}", node, name)
+        return value
+
+    def boolean(self, node: yaml.Node, name: str) -> bool | None:
+        value = self.value(node)
+        if value is None or isinstance(value, bool):
+            return value
+        raise self.error(f"`{name}` must be true or false, got {_kind(value)}", node, name)
+
+    def folder(self, node: yaml.Node, name: str) -> str | None:
+        value = self.text(node, name)
+        if value is None:
+            return None
+        path = os.path.abspath(os.path.expanduser(value))
+        if not os.path.isdir(path):
+            raise self.error(
+                f"`{name}`: {value!r} is not a folder (from {os.getcwd()})", node, name
+            )
+        return path
+
+    def variables(self, node: yaml.Node, name: str) -> dict[str, str | None]:
+        if self.value(node) is None:
+            return {}
+        out: dict[str, str | None] = {}
+        for key, (key_node, value_node) in self.mapping(node, name, None).items():
+            full = f"{name}.{key}"
+            if not _NAME.fullmatch(key):
+                raise self.error(f"`{full}`: not a valid environment variable name", key_node, full)
+            value = self.value(value_node)
+            if value is None:
+                out[key] = None
+            elif isinstance(value, bool):
+                out[key] = "true" if value else "false"
+            elif isinstance(value, str | int | float):
+                out[key] = str(value)
+            else:
+                raise self.error(
+                    f"`{full}` must be a string or a number, got {_kind(value)}", value_node, full
+                )
+        return out
+
+    def mounts(self, node: yaml.Node, name: str) -> dict[str, str]:
+        if self.value(node) is None:
+            return {}
+        out: dict[str, str] = {}
+        for target, (key_node, value_node) in self.mapping(node, name, None).items():
+            full = f"{name}.{target}"
+            source = self.value(value_node)
+            if isinstance(source, dict):
+                source = source.get("source")
+            if not isinstance(source, str):
+                raise self.error(
+                    f"`{full}` must be a local path, got {_kind(source)}", value_node, full
+                )
+            if re.match(r"[a-z][a-z0-9+]*://", source):
+                raise self.error(
+                    f"`{full}`: {source!r} is cloud storage, which flotilla cannot mount; "
+                    "copy it in `setup` instead",
+                    value_node,
+                    full,
+                )
+            local = os.path.abspath(os.path.expanduser(source))
+            if not os.path.exists(local):
+                raise self.error(f"`{full}`: {source!r} does not exist", value_node, full)
+            if not target.strip():
+                raise self.error(f"`{name}`: an empty node path", key_node, full)
+            out[target] = local
+        return out
+
+    def resources(self, node: yaml.Node, name: str) -> Resources:
+        if self.value(node) is None:
+            return Resources()
+        fields = self.mapping(node, name, _RESOURCE_FIELDS)
+        values: dict[str, Any] = {}
+        for key, (_key_node, value_node) in fields.items():
+            full = f"{name}.{key}"
+            checked = _RESOURCE_FIELDS[key](self, value_node, full)
+            if key == "cloud":  # the old name of `infra`
+                if "infra" in fields:
+                    raise self.error(f"give `{name}.infra` or `{full}`, not both", value_node, full)
+                key = "infra"
+            values[key] = checked
+        return Resources(**values)
+
+    def accelerators(self, node: yaml.Node, name: str) -> str | None:
+        value = self.value(node)
+        if value is None:
+            return None
+        if isinstance(value, dict) and len(value) == 1:
+            ((acc, count),) = value.items()
+            value = f"{acc}:{count}" if count is not None else str(acc)
+        if not isinstance(value, str):
+            raise self.error(
+                f"`{name}` must be one accelerator like 'A100:8', got {_kind(value)}", node, name
+            )
+        acc, _, count = value.partition(":")
+        if not acc.strip() or (count and not re.fullmatch(r"\d+(\.\d+)?", count.strip())):
+            raise self.error(
+                f"`{name}`: {value!r} is not an accelerator like 'A100' or 'A100:8'", node, name
+            )
+        if count and float(count) <= 0:
+            raise self.error(f"`{name}`: the count must be positive, got {count}", node, name)
+        return f"{acc.strip()}:{count.strip()}" if count else acc.strip()
+
+    def amount(self, node: yaml.Node, name: str) -> str | None:
+        value = self.value(node)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not (
+            isinstance(value, int | float) or (isinstance(value, str) and _AMOUNT.fullmatch(value))
+        ):
+            raise self.error(
+                f"`{name}` must be a number, optionally followed by + ('4' or '4+'), "
+                f"got {_kind(value)}",
+                node,
+                name,
+            )
+        if float(str(value).rstrip("+")) <= 0:
+            raise self.error(f"`{name}` must be positive, got {value}", node, name)
+        return str(value)
+
+    def tier(self, node: yaml.Node, name: str) -> str | None:
+        value = self.text(node, name)
+        if value is not None and value not in ("standard", "best"):
+            raise self.error(f"`{name}` must be 'standard' or 'best', got {value!r}", node, name)
+        return value
+
+    def ports(self, node: yaml.Node, name: str) -> tuple[str, ...]:
+        value = self.value(node)
+        if value is None:
+            return ()
+        items = value if isinstance(value, list) else [value]
+        out = []
+        for item in items:
+            text = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
+            if not isinstance(text, str) or not _PORTS.fullmatch(text):
+                raise self.error(
+                    f"`{name}` must be ports like 8080 or '10000-10010', got {_kind(item)}",
+                    node,
+                    name,
+                )
+            out.append(text)
+        return tuple(out)
+
+    def labels(self, node: yaml.Node, name: str) -> dict[str, str]:
+        values = self.variables(node, name) if self.value(node) is not None else {}
+        return {k: v or "" for k, v in values.items()}
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int | float):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _unknown(key: str, section: str, known: Mapping[str, Any]) -> str:
+    where = f"in `{section}` " if section else ""
+    message = f"unknown field '{key}' {where}".rstrip()
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"{message} (did you mean '{close[0]}'?)"
+    return f"{message} (known fields: {', '.join(sorted(known))})"
+
+
+_Check = Callable[[_Parser, "yaml.Node", str], Any]
+
+_TASK_FIELDS: dict[str, _Check] = {
+    "name": _Parser.text,
+    "num_nodes": _Parser.positive_int,
+    "resources": _Parser.resources,
+    "workdir": _Parser.folder,
+    "file_mounts": _Parser.mounts,
+    "envs": _Parser.variables,
+    "secrets": _Parser.variables,
+    "setup": _Parser.script,
+    "run": _Parser.script,
+}
+
+_RESOURCE_FIELDS: dict[str, _Check] = {
+    "accelerators": _Parser.accelerators,
+    "cpus": _Parser.amount,
+    "memory": _Parser.amount,
+    "infra": _Parser.text,
+    "cloud": _Parser.text,
+    "use_spot": _Parser.boolean,
+    "network_tier": _Parser.tier,
+    "disk_size": _Parser.positive_int,
+    "ports": _Parser.ports,
+    "image_id": _Parser.text,
+    "region": _Parser.text,
+    "zone": _Parser.text,
+    "instance_type": _Parser.text,
+    "disk_tier": _Parser.text,
+    "labels": _Parser.labels,
+}
