@@ -855,3 +855,54 @@ def test_keras_jax_trains_on_two_nodes(with_jax_plugin: bool) -> None:
     for wa, wb in zip(a["after"], b["after"], strict=True):
         np.testing.assert_allclose(wa, wb, rtol=0, atol=1e-6)
     assert any(not np.allclose(w, w0) for w, w0 in zip(a["after"], a["before"], strict=True))
+
+
+@sky.function
+def hf_train(steps: int) -> dict[str, Any]:
+    import os
+    import tempfile
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+    )
+    before = sum(float(p.detach().sum()) for p in model.parameters())
+    data = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 32
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    after = [float(p.detach().sum()) for p in model.parameters()]
+    return {
+        "world_size": args.world_size,
+        "token_set": os.environ.get("HF_TOKEN") == TOKEN,
+        "before": before,
+        "after": after,
+    }
+
+
+def test_huggingface_trainer_trains_distributed_on_two_nodes(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    with sky.Compute(nodes=2, plugins=[plugins.torch(), plugins.huggingface(token=TOKEN)]) as pool:
+        results = hf_train(4) @ pool
+    assert [r["world_size"] for r in results] == [2, 2]  # the Trainer saw the process group
+    assert all(r["token_set"] for r in results)
+    assert results[0]["after"] == results[1]["after"]  # replicas stayed in sync
+    assert sum(results[0]["after"]) != pytest.approx(results[0]["before"])  # and trained
+    out, err = capfd.readouterr()
+    assert TOKEN not in out + err
