@@ -103,6 +103,15 @@ def kill_quietly(pids: Iterable[int]) -> None:
                 pass
 
 
+def interruptible() -> None:
+    """In a child before exec: Ctrl-C (SIGINT) as in a terminal.
+
+    A process started in the background by a non-interactive shell (as CI runners may do)
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Client:
     """A client script run as a subprocess of this interpreter, its stdout read by line.
 
@@ -123,6 +132,7 @@ class Client:
             stderr=subprocess.PIPE,
             cwd=cwd,
             env=env,
+            preexec_fn=interruptible,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _hosts import Lab
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
-from _procs import alive, assert_all_gone, kill_quietly, processes_in, wait_until
+from _procs import alive, assert_all_gone, interruptible, kill_quietly, processes_in, wait_until
 
 from flotilla._state import ClusterState, JobStatus, Paths, all_names, load
 
@@ -730,6 +730,7 @@ def test_interrupting_launch_down_stops_everything(cli: CLI, tmp_path: Path) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         assert wait_until(lambda: len(list(shared.glob("pid-*"))) == 2, 30)
