@@ -418,6 +418,18 @@ class Compute:
         Counting each assignment spreads a batch evenly; preferring low ranks among idle
         nodes keeps one agent warm for a stream of single calls.
         """
+        if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
+            best_node, best_worker, least = None, 0, 0
+            for n in self._nodes:
+                if n.state is NodeState.READY:
+                    for w, busy in enumerate(n.busy):
+                        if best_node is None or busy < least:
+                            best_node, best_worker, least = n, w, busy
+            if best_node is None:
+                raise self._all_lost()
+            subs[0].worker = best_worker
+            best_node.send(subs)
+            return
         load = {
             (n, w): busy
             for n in self._nodes

@@ -26,7 +26,7 @@ HEADER = struct.Struct("<BQQ")
 HEADER_SIZE = HEADER.size
 # Bodies at least this large are read straight into their own buffer (no re-copying).
 _BIG = 1 << 20
-_CHUNK = 1 << 18
+_CHUNK = 1 << 16  # larger reads cost more than they save: os.read allocates the whole size
 
 
 class Kind(IntEnum):
