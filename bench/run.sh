@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Benchmarks flotilla against its peers and rewrites BENCHMARKS.md (run it as `./dev bench`).
+# The peers (ray, dask[distributed], numpy) live in their own venv, .venv-bench, never in
+# flotilla's dependencies. A stamp file skips the install when nothing changed.
+# Extra arguments go to bench/bench.py (try `./dev bench --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv-bench
+PEERS=("ray" "dask[distributed]" "numpy" "torch==2.13.0")
+
+ensure_venv() {
+    local stamp="$VENV/.installed" want
+    want=$( (sha256sum pyproject.toml bench/run.sh; echo "${PEERS[*]}") | sha256sum | cut -d' ' -f1)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+        return
+    fi
+    echo "installing the benchmark peers into $VENV (once)..." >&2
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PEERS[@]}" -e .
+    echo "$want" >"$stamp"
+}
+
+ensure_venv
+mkdir -p bench/results
+"$VENV/bin/python" bench/bench.py --markdown BENCHMARKS.md --results bench/results "$@"
+case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0 ;; esac
+
+# The other issues' benchmarks run with the project's venv (torch, asyncssh) and are
+# appended to the report: DDP and Image start-up, the command line, and SSH (root only:
+# it makes test hosts in network namespaces).
+{
+    echo
+    echo "## Training and node environments (issue 4)"
+    echo
+    .venv/bin/python bench/bench_env.py 2>/dev/null | sed 's/^## /### /'
+    echo
+    echo "## Command line (issue 5)"
+    echo
+    .venv/bin/python bench/bench_cli.py 2>/dev/null | sed 's/^## /### /'
+    if [ "$(id -u)" = 0 ]; then
+        echo
+        echo "## SSH provider on 4 test hosts (issue 3)"
+        echo
+        .venv/bin/python bench/bench_ssh.py 2>/dev/null | sed 's/^## /### /'
+    fi
+} >>BENCHMARKS.md
