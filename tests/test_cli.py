@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,15 @@ from pathlib import Path
 import pytest
 from _hosts import Lab
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
-from _procs import alive, assert_all_gone, interruptible, kill_quietly, processes_in, wait_until
+from _procs import (
+    alive,
+    assert_all_gone,
+    cmdline,
+    interruptible,
+    kill_quietly,
+    processes_in,
+    wait_until,
+)
 
 from flotilla._state import ClusterState, JobStatus, Paths, all_names, load
 
@@ -680,6 +691,178 @@ def test_a_run_that_starts_its_own_cluster_head_on_rank_0(cli: CLI, tmp_path: Pa
     assert "(node-0, rank=0) JOINED welcome late, member 4" in later.stdout
     cli.ok("down", "rayish")
     assert_all_gone([head], timeout=10, what="the job's own head process")
+
+
+RAY_JOB = """\
+import os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init(address=sys.argv[1])
+deadline = time.monotonic() + 30
+while True:
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) == 2:
+        break
+    if time.monotonic() > deadline:
+        sys.exit(f"{len(nodes)} Ray node(s) alive after 30 s, not 2")
+    time.sleep(0.05)
+
+
+@ray.remote(num_cpus=1)
+def where():
+    # a Ray worker inherits the environment of the raylet that started it: of its flotilla node
+    return ray.get_runtime_context().get_node_id(), os.environ["SKYPILOT_NODE_RANK"], os.getpid()
+
+
+pinned = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
+refs = [where.options(scheduling_strategy=s).remote() for s in pinned]
+for node, (ran_on, rank, pid) in zip(nodes, ray.get(refs, timeout=30)):
+    print(f"RAY-TASK wanted={node['NodeID']} ran_on={ran_on} rank={rank} pid={pid}", flush=True)
+ray.shutdown()
+"""
+
+
+def ray_processes(token: str, marker: str) -> list[int]:
+    """Live processes whose environment has a FLOTILLA_RUN_TOKEN starting with ``token`` or
+    whose command line names ``marker``."""
+    wanted = f"FLOTILLA_RUN_TOKEN={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            env = []
+        if (any(v.startswith(wanted) for v in env) or marker in cmdline(pid)) and alive(pid):
+            found.append(pid)
+    return found
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A new folder with a short path: Ray's sockets (AF_UNIX, 107 bytes at most) go in
+    its session folder, too deep below tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix="flotilla-ray-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_ray_cluster_started_by_the_run_spans_both_nodes_and_stops_with_it(
+    cli: CLI, tmp_path: Path, short_dir: Path
+) -> None:
+    """Document 003's Ray program for real: rank 0 starts a Ray head, rank 1 joins it, rank
+    0's driver runs a task on each node; then each node stops exactly the Ray it started
+    (never `ray stop`: it kills every Ray on the machine)."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+    if shutil.which("ray", path=cli.env["PATH"]) is None:
+        pytest.skip("the `ray` command is not on PATH")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "ray_job.py").write_text(RAY_JOB)
+    # this test's own Ray: its files below tmp_path (through a short link), its own token
+    (tmp_path / "ray").mkdir()
+    ray_tmp = short_dir / "t"
+    ray_tmp.symlink_to(tmp_path / "ray")
+    token = tmp_path / "ray-auth-token"
+    token.write_text(secrets.token_hex(32))
+    task = cli.task(
+        "ray_train.yaml",
+        f"""\
+        name: ray-two-nodes
+        num_nodes: 2
+        workdir: {project}
+        envs:
+          SHARED: {shared}
+          RAY_TMP: {ray_tmp}
+          RAY_AUTH_MODE: token
+          RAY_AUTH_TOKEN_PATH: {token}
+          RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: 0
+        run: |
+          HEAD_IP=$(echo "$SKYPILOT_NODE_IPS" | head -n1)
+          R=$SKYPILOT_NODE_RANK
+          LOG="$SHARED/ray-$R.log"
+          free_port() {{
+            python -c "import socket; print(socket.create_server(('', 0)).getsockname()[1])"
+          }}
+          # poll a condition for up to 30 s; give up as soon as our `ray start` is gone
+          await() {{
+            for _ in $(seq 600); do
+              eval "$1" && return 0
+              kill -0 "$RAY_PID" 2>/dev/null || {{ echo "ray start exited"; return 1; }}
+              sleep 0.05
+            done
+            echo "timed out: $1"
+            return 1
+          }}
+          # no default ports: other Ray clusters may run on this machine
+          FLAGS="--num-cpus=1 --object-store-memory=100000000 --disable-usage-stats \\
+            --temp-dir=$RAY_TMP/$R --dashboard-agent-listen-port=$(free_port) --block"
+          RAY_PID=$$
+          if [ "$R" == "0" ]; then
+            HEAD="--head --port=$MASTER_PORT --include-dashboard=false"
+            HEAD="$HEAD --dashboard-port=$(free_port)"
+            if python -c "import grpc" 2>/dev/null; then  # ray[client]: a client server
+              HEAD="$HEAD --ray-client-server-port=$(free_port)"
+            fi
+            ray start $HEAD $FLAGS > "$LOG" 2>&1 &
+            RAY_PID=$!
+            echo $RAY_PID > "$SHARED/ray-start-$R.pid"
+            if await 'grep -q "Ray runtime started" "$LOG"'; then
+              touch "$SHARED/head-up"
+              python ray_job.py "$HEAD_IP:$MASTER_PORT"
+              STATUS=$?
+            else
+              STATUS=1
+            fi
+            touch "$SHARED/done"
+            # the worker leaves first: a raylet whose head is gone hangs on its way out (then
+            # `ray start` kills it, and its agents, waiting for it, stay)
+            await '[ -f "$SHARED/left-1" ]' || STATUS=1
+          else
+            await '[ -f "$SHARED/head-up" ]' || exit 1
+            ray start --address="$HEAD_IP:$MASTER_PORT" $FLAGS > "$LOG" 2>&1 &
+            RAY_PID=$!
+            echo $RAY_PID > "$SHARED/ray-start-$R.pid"
+            await '[ -f "$SHARED/done" ]'
+            STATUS=$?
+          fi
+          # `ray start --block` stops what it started on SIGTERM, then exits
+          kill -TERM $RAY_PID
+          wait $RAY_PID
+          touch "$SHARED/left-$R"
+          [ $STATUS == 0 ] || tail -n 30 "$LOG"
+          echo "RAY-STOPPED $STATUS"
+          exit $STATUS
+        """,
+    )
+    done = cli.ok("launch", task, "-c", "ray", timeout=40)
+    tasks = [line for line in done.stdout.splitlines() if "RAY-TASK" in line]
+    assert len(tasks) == 2, done.stdout + done.stderr
+    assert all(line.startswith("(node-0, rank=0) ") for line in tasks)  # the driver's
+    fields = [dict(kv.split("=") for kv in line.split("RAY-TASK ")[1].split()) for line in tasks]
+    assert all(f["wanted"] == f["ran_on"] for f in fields)
+    assert len({f["ran_on"] for f in fields}) == 2
+    assert sorted(f["rank"] for f in fields) == ["0", "1"]  # a worker of each node's raylet
+    assert node_lines(done.stdout, "RAY-STOPPED") == {0: "0", 1: "0"}
+    rec = cli.record("ray")
+    assert rec is not None and rec.jobs[-1].status == JobStatus.SUCCEEDED.value
+    # the job stopped its Ray itself: nothing it started is left, before any `down`
+    starters = [int((shared / f"ray-start-{r}.pid").read_text()) for r in (0, 1)]
+    workers = [int(f["pid"]) for f in fields]
+    assert_all_gone(starters + workers, timeout=10, what="the job's Ray processes")
+    job_token = f"{rec.token}.{rec.jobs[-1].id}."
+    if not wait_until(lambda: not ray_processes(job_token, str(short_dir)), 10):
+        left = ray_processes(job_token, str(short_dir))
+        raise AssertionError(f"Ray processes left: {[(p, cmdline(p)) for p in left]}")
 
 
 def test_a_cluster_that_cannot_start_says_why_and_leaves_nothing(
