@@ -70,6 +70,11 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def all_pids() -> list[int]:
+    """Every process id on the machine, from /proc."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
 def processes_in(directory: Path) -> list[int]:
     """Live processes whose working directory is ``directory`` or lies below it.
 
@@ -79,10 +84,7 @@ def processes_in(directory: Path) -> list[int]:
     """
     root = str(directory.resolve())
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
+    for pid in all_pids():
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:

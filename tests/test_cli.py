@@ -26,6 +26,7 @@ from _hosts import Lab
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import (
     alive,
+    all_pids,
     assert_all_gone,
     cmdline,
     interruptible,
@@ -728,10 +729,7 @@ def ray_processes(token: str, marker: str) -> list[int]:
     whose command line names ``marker``."""
     wanted = f"FLOTILLA_RUN_TOKEN={token}".encode()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
+    for pid in all_pids():
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
