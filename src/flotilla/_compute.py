@@ -392,14 +392,21 @@ class Compute:
         self._by_future[id(fut)] = sub
         return sub
 
-    def _ready_nodes(self) -> list[Node]:
-        return [n for n in self._nodes if n.state is NodeState.READY]
-
-    def _least_busy(self, exclude: Node | None = None) -> Node:
-        nodes = [n for n in self._ready_nodes() if n is not exclude] or self._ready_nodes()
-        if not nodes:
+    def _least_busy(self, exclude: Node | None = None) -> tuple[Node, int]:
+        """The ready (node, local rank) with the fewest calls in flight, lowest rank first
+        among equals; on a node other than ``exclude`` when there is one."""
+        nodes = [n for n in self._nodes if n.state is NodeState.READY]
+        if exclude is not None:
+            nodes = [n for n in nodes if n is not exclude] or nodes
+        best: tuple[Node, int] | None = None
+        least = 0
+        for node in nodes:
+            for worker, busy in enumerate(node.busy):
+                if best is None or busy < least:
+                    best, least = (node, worker), busy
+        if best is None:
             raise self._all_lost()
-        return min(nodes, key=lambda n: len(n.inflight))
+        return best
 
     def _all_lost(self) -> PoolClosedError:
         return PoolClosedError("no node of this pool can take calls: every node was lost")
@@ -419,16 +426,8 @@ class Compute:
         nodes keeps one agent warm for a stream of single calls.
         """
         if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
-            best_node, best_worker, least = None, 0, 0
-            for n in self._nodes:
-                if n.state is NodeState.READY:
-                    for w, busy in enumerate(n.busy):
-                        if best_node is None or busy < least:
-                            best_node, best_worker, least = n, w, busy
-            if best_node is None:
-                raise self._all_lost()
-            subs[0].worker = best_worker
-            best_node.send(subs)
+            node, subs[0].worker = self._least_busy()
+            node.send(subs)
             return
         load = {
             (n, w): busy
@@ -573,8 +572,7 @@ class Compute:
             if sub.pinned and previous is not None:
                 target = previous
             else:
-                target = self._least_busy(exclude=previous)
-                sub.worker = min(range(len(target.busy)), key=target.busy.__getitem__)
+                target, sub.worker = self._least_busy(exclude=previous)
             target.send([sub])
         except Exception:
             return False

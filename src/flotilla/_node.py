@@ -349,7 +349,8 @@ def _signal_name(num: int) -> str:
 
 
 def describe_exit(exitcode: int | None) -> tuple[str, str | None]:
-    """('killed by SIGKILL (exit status -9)', 'SIGKILL') and the like."""
+    """How a process ended and its signal's name: ('was killed by SIGSEGV', 'SIGSEGV'),
+    ('exited with status 3', None)."""
     if exitcode is None:
         return "exited (status unknown)", None
     if exitcode < 0:
