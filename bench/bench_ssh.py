@@ -87,7 +87,7 @@ def measure(lab: Lab, reps: int, calls: int) -> dict[str, list[float]]:
     """Every measurement, ``reps`` values each."""
     python = sys.executable
     cached = lab.provider(python=python)
-    start_time(cached)  # warm: the bundle is on the hosts, asyncssh imported
+    start_time(cached)  # warm: the bundle is on the hosts
     out: dict[str, list[float]] = {"cached": [], "upload": [], "ssh_rt": [], "local_rt": []}
     for rep in range(reps):
         out["cached"].append(start_time(cached))

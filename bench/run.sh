@@ -26,7 +26,7 @@ mkdir -p bench/results
 "$VENV/bin/python" bench/bench.py --markdown BENCHMARKS.md --results bench/results "$@"
 case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0 ;; esac
 
-# The other issues' benchmarks run with the project's venv (torch, asyncssh) and are
+# The other issues' benchmarks run with the project's venv (torch) and are
 # appended to the report: DDP and Image start-up, the command line, and SSH (root only:
 # it makes test hosts in network namespaces).
 {

@@ -9,6 +9,7 @@ import concurrent.futures
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,13 +18,12 @@ from pathlib import Path
 
 import pytest
 from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _procs import Client, all_pids, assert_all_gone, cmdline
 
 import flotilla as sky
-from flotilla import _bootstrap
+from flotilla import _bootstrap, _ssh
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
 from flotilla._ssh import SSH, SSHHost, parse_host
-
-asyncssh = pytest.importorskip("asyncssh")  # the `ssh` extra
 
 
 @sky.function
@@ -104,7 +104,7 @@ def test_more_nodes_than_hosts_is_refused_before_connecting(
     def no_connect(*args: object, **kwargs: object) -> None:
         raise AssertionError("validate() must refuse before connecting")
 
-    monkeypatch.setattr(asyncssh, "connect", no_connect)
+    monkeypatch.setattr(_ssh, "spawn", no_connect)
     provider = SSH(["192.0.2.1", "192.0.2.2"], connect_timeout=1)
     t0 = time.monotonic()
     with pytest.raises(ConfigurationError, match=r"3 nodes but SSH has 2 host"):
@@ -112,10 +112,27 @@ def test_more_nodes_than_hosts_is_refused_before_connecting(
     assert time.monotonic() - t0 < 1.0
 
 
-def test_missing_asyncssh_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "asyncssh", None)  # import fails
-    with pytest.raises(ConfigurationError, match=r"pip install 'flotilla\[ssh\]'"):
+def test_missing_ssh_client_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh there
+    with pytest.raises(ConfigurationError, match=r"OpenSSH's `ssh` client.*apt-get install"):
         sky.Compute(provider=SSH(["192.0.2.1"]), nodes=1).open()
+
+
+def test_accept_new_needs_a_writable_known_hosts(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    provider = SSH(["192.0.2.1"], known_hosts=blocker / "known_hosts", accept_new_host_keys=True)
+    with pytest.raises(ConfigurationError, match=r"file is not a directory"):
+        sky.Compute(provider=provider, nodes=1).open()
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    if os.access(folder, os.W_OK):
+        return  # root writes anywhere: only the first case applies
+    provider = SSH(["192.0.2.1"], known_hosts=folder / "known_hosts", accept_new_host_keys=True)
+    with pytest.raises(ConfigurationError, match=r"it is not writable"):
+        sky.Compute(provider=provider, nodes=1).open()
 
 
 def test_bundle_is_deterministic_and_complete() -> None:
@@ -185,7 +202,7 @@ def test_exit_status_of_agents(ssh_lab: Lab) -> None:
         procs = list(pool._procs)
         os.kill(int(pool._nodes[1].hello_info["pid"]), signal.SIGKILL)  # PIDs are shared
         _wait_for(lambda: procs[1].exit_status() is not None)
-        assert procs[1].exit_status() == -signal.SIGKILL  # reported by sshd as exit-signal
+        assert procs[1].exit_status() == -signal.SIGKILL  # reported by the start command
         with pytest.raises(NodeLostError, match=r"node 1 \(.*\) .*killed by SIGKILL"):
             pool._nodes[1].send([])
         assert add(1, 2) >> pool == 3  # the other node carries on
@@ -259,7 +276,12 @@ def test_accept_new_host_keys_records_the_key(ssh_lab: Lab, tmp_path: Path) -> N
     with sky.Compute(provider=provider, nodes=3) as pool:
         assert add(1, 2) >> pool == 3
     lines = known.read_text().splitlines()
-    assert sorted(lines) == sorted(f"{h.addr} {' '.join(h.pubkey.split()[:2])}" for h in hosts)
+    assert len(lines) == 3
+    for h in hosts:  # recorded as ssh records keys (hashed or not, per the ssh config)
+        found = subprocess.run(
+            ["ssh-keygen", "-F", h.addr, "-f", str(known)], capture_output=True, text=True
+        ).stdout
+        assert " ".join(h.pubkey.split()[:2]) in found
     with sky.Compute(provider=ssh_lab.provider(hosts, known_hosts=str(known)), nodes=3) as pool:
         assert add(2, 2) >> pool == 4  # pinned now, no prompt needed
     assert known.read_text().splitlines() == lines
@@ -332,6 +354,40 @@ def test_killed_agent_host_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:
         ssh_lab.remove_host(doomed)
 
 
+def test_killed_client_leaves_nothing_on_the_hosts(ssh_lab: Lab, tmp_path: Path) -> None:
+    hosts = ssh_lab.hosts[:2]
+    script = f"""
+        import sys, threading
+        import flotilla as sky
+
+        @sky.function
+        def nap():
+            print("napping", flush=True)
+            import time; time.sleep(120)
+
+        provider = sky.SSH({[h.addr for h in hosts]!r}, user="root",
+                           key={str(ssh_lab.client_key)!r},
+                           known_hosts={str(ssh_lab.known_hosts)!r},
+                           workdir={str(ssh_lab.tmp / "workdir")!r}, python=sys.executable)
+        with sky.Compute(provider=provider, nodes=2) as pool:
+            threading.Thread(target=lambda: nap() @ pool, daemon=True).start()
+            threading.Event().wait()
+    """
+    client = Client(script, tmp_path)
+    try:
+        client.expect(lambda line: line.endswith("napping"), timeout=30)
+        client.expect(lambda line: line.endswith("napping"), timeout=30)
+        assert len(ssh_lab.agent_pids(hosts)) == 2
+        ssh_pids = [p for p in all_pids() if str(ssh_lab.client_key) in cmdline(p)]
+        assert len(ssh_pids) == 2  # one ssh process per host
+        client.signal(signal.SIGKILL)
+        assert client.wait() == -signal.SIGKILL
+        assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+        assert_all_gone(ssh_pids, 10.0, "ssh processes of a killed client")
+    finally:
+        client.kill()
+
+
 def test_writes_from_many_threads(ssh_lab: Lab) -> None:
     hosts = _hosts3(ssh_lab)
     with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
@@ -385,7 +441,10 @@ def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
 
 # -- helpers ----------------------------------------------------------------------------------
 def _fingerprint(host: TestHost) -> str:
-    return str(asyncssh.import_public_key(host.pubkey).get_fingerprint("sha256"))
+    out = subprocess.run(
+        ["ssh-keygen", "-lf", "-"], input=host.pubkey, capture_output=True, text=True, check=True
+    ).stdout
+    return out.split()[1]  # "256 SHA256:... comment (ED25519)"
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:

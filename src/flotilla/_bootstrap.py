@@ -10,17 +10,21 @@ the sha256 of its content. A node keeps every bundle it received under
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
-One remote command checks the interpreter (>= 3.11; once per bundle and interpreter),
-tests for the bundle and, when it is there, execs the agent at once: a cache hit costs a
-single round trip and a single Python start. Otherwise the
-command answers ``NEED_UPLOAD``; the bundle is then streamed to the node's Python, which
-extracts it into a temporary directory and renames that into place (atomic: concurrent
-pools never see a half-extracted bundle), and the command is run again.
+One remote command, on the connection that then carries the agent's stdio, checks the
+interpreter (>= 3.11; once per bundle and interpreter), tests for the bundle and, when it is
+there, starts the agent at once: a cache hit costs a single Python start, the agent.
+Otherwise it answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: the
+node's Python checks its hash, extracts it into a temporary directory and renames that into
+place (atomic: concurrent pools never see a half-extracted bundle), then the agent starts.
+
+The agent runs as a child of the command's shell, which reports on stderr the signal that
+killed it (``FLOTILLA_BOOT SIGNAL 9``): remote shells do not pass signals on.
 
 Answer lines (stdout, before the agent's first frame)::
 
     FLOTILLA_BOOT AGENT             the agent follows on this stream
-    FLOTILLA_BOOT NEED_UPLOAD       the bundle is missing
+    FLOTILLA_BOOT NEED_UPLOAD       the bundle is missing: send it on stdin
+    FLOTILLA_BOOT UPLOAD_FAILED 1   installing the bundle failed (its status)
     FLOTILLA_BOOT NO_PYTHON 127     the interpreter cannot be run (its status)
     FLOTILLA_BOOT BAD_PYTHON 3.9    the interpreter is too old (its version)
 
@@ -29,6 +33,7 @@ Lines before the answer (a chatty shell profile) are ignored.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import io
@@ -39,9 +44,9 @@ import tarfile
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, TypeVar
 
 from ._errors import ProvisionError
+from ._pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")
 
@@ -89,38 +94,28 @@ class Answer(Enum):
 
     AGENT = "AGENT"
     NEED_UPLOAD = "NEED_UPLOAD"
+    UPLOAD_FAILED = "UPLOAD_FAILED"
     NO_PYTHON = "NO_PYTHON"
     BAD_PYTHON = "BAD_PYTHON"
 
 
-P = TypeVar("P")
+SIGNAL_LINE = MARKER + b"SIGNAL "
+"""Prefix of the stderr line saying which signal killed the agent."""
 
 
-class Launcher(Protocol[P]):
-    """Runs shell commands on one node (e.g. over one SSH connection).
+class NoAnswer(Exception):
+    """The start command ended without answering: the remote shell itself failed (e.g.
+    ssh could not connect). The provider turns this into a ProvisionError.
 
-    ``P`` is the launcher's handle of a running command, which becomes the agent's stdio.
+    Attributes:
+        status: the command's exit status (None if unknown).
+        stderr: its last stderr output.
     """
 
-    host: str
-    """The node's name, for messages."""
-
-    async def launch(self, command: str) -> tuple[str, str, P]:
-        """Start ``command`` (a POSIX shell script); wait for its answer line.
-
-        Returns the answer line (without :data:`MARKER`), the stderr text seen so far and
-        the running command, whose stdout continues after the answer line. Raises
-        ProvisionError when the command ends without answering.
-        """
-        ...
-
-    async def run(self, command: str, stdin: bytes) -> tuple[int | None, str]:
-        """Run ``command`` to completion with ``stdin``; its exit status and stderr text."""
-        ...
-
-    async def discard(self, proc: P) -> None:
-        """Release a command started by :meth:`launch` that is not used further."""
-        ...
+    def __init__(self, status: int | None, stderr: str) -> None:
+        super().__init__(f"no answer (exit status {status}): {stderr.strip()[-500:]}")
+        self.status = status
+        self.stderr = stderr
 
 
 # -- the bundle (client side) --------------------------------------------------------------
@@ -204,14 +199,16 @@ _CHECK_PYTHON = (
 )
 
 
-def start_command(workdir: str, python: str, bundle_hash: str) -> str:
-    """The command that checks the node and execs the agent (see the module docstring).
+def start_command(workdir: str, python: str, bundle_hash: str, bundle_size: int) -> str:
+    """The command that checks the node, installs the bundle if needed and runs the agent
+    (see the module docstring).
 
     The interpreter check runs once per bundle and interpreter: it leaves a marker file in
     the bundle directory, so a cache hit starts a single Python process, the agent.
     """
     py = python_words(python)
     checked = ".python-ok-" + hashlib.sha256(python.encode()).hexdigest()[:16]
+    extract = f'{py} -S -c {shlex.quote(_EXTRACT)} "$W/lib" {bundle_hash} {bundle_size}'
     script = f"""\
 W={shell_path(workdir)}
 L="$W/lib/{bundle_hash}"
@@ -220,48 +217,53 @@ if [ ! -e "$L/{checked}" ]; then
   S=$?
   if [ "$S" -eq 3 ]; then echo "FLOTILLA_BOOT BAD_PYTHON $V"; exit 0; fi
   if [ "$S" -ne 0 ]; then echo "FLOTILLA_BOOT NO_PYTHON $S"; exit 0; fi
-  if [ ! -d "$L" ]; then echo "FLOTILLA_BOOT NEED_UPLOAD"; exit 0; fi
+  if [ ! -d "$L" ]; then
+    echo "FLOTILLA_BOOT NEED_UPLOAD"
+    {extract} || {{ echo "FLOTILLA_BOOT UPLOAD_FAILED $?"; exit 0; }}
+  fi
   : > "$L/{checked}" 2>/dev/null
 fi
 cd "$W" || exit 1
 echo "FLOTILLA_BOOT AGENT"
-PYTHONPATH="$L${{PYTHONPATH:+:$PYTHONPATH}}" exec {py} -m flotilla.agent
+PYTHONPATH="$L${{PYTHONPATH:+:$PYTHONPATH}}" {py} -m flotilla.agent
+S=$?
+if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
+exit "$S"
 """
     return "exec sh -c " + shlex.quote(script)
 
 
 _EXTRACT = """\
-import os, shutil, sys, tarfile, tempfile
-lib, name = sys.argv[1], sys.argv[2]
-target = os.path.join(lib, name)
+import hashlib, io, os, shutil, sys, tarfile, tempfile
+lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+parts = []
+while size:
+    part = os.read(0, min(size, 1 << 20))
+    if not part:
+        sys.exit("the bundle upload ended early")
+    parts.append(part)
+    size -= len(part)
+data = b"".join(parts)
+if hashlib.sha256(data).hexdigest() != name:
+    sys.exit("the uploaded bundle does not match its hash")
 os.makedirs(lib, exist_ok=True)
-if os.path.isdir(target):
-    sys.stdin.buffer.read()
-    sys.exit(0)
-tmp = tempfile.mkdtemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
-try:
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|gz") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(tmp, filter="data")
-        else:
-            tar.extractall(tmp)
+target = os.path.join(lib, name)
+if not os.path.isdir(target):
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
     try:
-        os.rename(tmp, target)
-    except OSError:
-        if not os.path.isdir(target):
-            raise
-finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(tmp, filter="data")
+            else:
+                tar.extractall(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not os.path.isdir(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 """
-
-
-def upload_command(workdir: str, python: str, bundle_hash: str) -> str:
-    """The command that reads a bundle on stdin and installs it under ``{workdir}/lib``."""
-    py = python_words(python)
-    script = (
-        f'W={shell_path(workdir)}\nexec {py} -c {shlex.quote(_EXTRACT)} "$W/lib" {bundle_hash}\n'
-    )
-    return "exec sh -c " + shlex.quote(script)
 
 
 # -- the dance -------------------------------------------------------------------------------
@@ -276,47 +278,45 @@ def parse_answer(host: str, line: str) -> tuple[Answer, str]:
         ) from None
 
 
-async def start_agent(launcher: Launcher[P], workdir: str, python: str, bundle: Bundle) -> P:
-    """Start the agent on the launcher's node, uploading the bundle first if needed.
+async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundle) -> None:
+    """Follow the start command (:func:`start_command`) that ``agent`` runs until the agent
+    itself runs, sending the bundle when the node lacks it.
 
-    Returns the running agent command (its stdio is the protocol channel). Raises
-    ProvisionError naming the host when the node has no suitable Python or the upload fails.
+    Raises NoAnswer when the command ends without answering, and ProvisionError naming
+    the host when the node has no suitable Python or installing the bundle fails.
     """
-    command = start_command(workdir, python, bundle.hash)
-    for attempt in range(2):
-        line, err, proc = await launcher.launch(command)
-        answer, detail = parse_answer(launcher.host, line)
+    uploaded = False
+    while True:
+        line = await agent.read_line(MARKER)
+        if line is None:
+            raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
+        answer, detail = parse_answer(agent.host, line)
         if answer is Answer.AGENT:
-            if attempt == 0:
+            if not uploaded:
                 stats.hits += 1
-            return proc
-        await launcher.discard(proc)
-        if answer is not Answer.NEED_UPLOAD:
-            raise _python_error(launcher.host, python, answer, detail, err)
-        if attempt:
-            break
-        await upload(launcher, workdir, python, bundle)
-    raise ProvisionError(
-        f"{launcher.host}: the flotilla bundle is still missing under {workdir}/lib after "
-        "uploading it (is the work directory writable and on a persistent file system?)"
-    )
-
-
-async def upload(launcher: Launcher[P], workdir: str, python: str, bundle: Bundle) -> None:
-    """Send the bundle to the node and install it atomically under ``{workdir}/lib``."""
-    logger.info(
-        "%s: uploading flotilla bundle %s (%d KB)",
-        launcher.host,
-        bundle.hash[:12],
-        len(bundle.data) // 1024,
-    )
-    stats.uploads += 1
-    status, err = await launcher.run(upload_command(workdir, python, bundle.hash), bundle.data)
-    if status != 0:
-        detail = err.strip().splitlines()[-1] if err.strip() else f"exit status {status}"
-        raise ProvisionError(
-            f"{launcher.host}: cannot install the flotilla bundle under {workdir}/lib: {detail}"
-        )
+            return
+        if answer is Answer.NEED_UPLOAD and not uploaded:
+            logger.info(
+                "%s: uploading flotilla bundle %s (%d KB)",
+                agent.host,
+                bundle.hash[:12],
+                len(bundle.data) // 1024,
+            )
+            stats.uploads += 1
+            uploaded = True
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(None, agent.write, [bundle.data])
+            except OSError:
+                continue  # the command ended: the next read says why
+            continue
+        err = agent.err_tail.decode(errors="replace")
+        if answer is Answer.UPLOAD_FAILED:
+            why = err.strip().splitlines()[-1] if err.strip() else f"exit status {detail}"
+            raise ProvisionError(
+                f"{agent.host}: cannot install the flotilla bundle under {workdir}/lib: {why}"
+            )
+        raise _python_error(agent.host, python, answer, detail, err)
 
 
 def _python_error(host: str, python: str, answer: Answer, detail: str, err: str) -> ProvisionError:

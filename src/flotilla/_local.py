@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import glob
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
 
 from ._errors import ConfigurationError, ProvisionError
-from ._protocol import Buffer, FrameReader, write_all
-from ._provider import AgentProcess, FramesCallback, PoolSpec, Provider
+from ._pipe import PipeAgent, spawn
+from ._provider import AgentProcess, PoolSpec, Provider
 
 
 class Local(Provider):
@@ -74,16 +69,7 @@ class Local(Provider):
                     prefix=f"flotilla-{spec.pool_id}-node{rank}-", dir=self.workdir
                 )
                 try:
-                    proc = subprocess.Popen(
-                        command,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        cwd=workdir,
-                        env=env,
-                        start_new_session=True,  # Ctrl-C reaches the client, which stops us
-                        bufsize=0,
-                    )
+                    proc = spawn(command, cwd=workdir, env=env)
                 except OSError as e:
                     shutil.rmtree(workdir, ignore_errors=True)
                     raise ProvisionError(f"cannot start the agent {command[0]!r}: {e}") from e
@@ -95,83 +81,15 @@ class Local(Provider):
         return started
 
 
-class LocalAgent(AgentProcess):
-    """An agent started as a child process of the client."""
+class LocalAgent(PipeAgent):
+    """An agent started as a child process of the client, in its own working directory."""
 
     def __init__(self, proc: subprocess.Popen[bytes], workdir: str) -> None:
-        assert proc.stdin and proc.stdout and proc.stderr
-        self.proc = proc
+        super().__init__(proc, address="127.0.0.1", host="localhost")
         self.workdir = workdir
-        self.address = "127.0.0.1"
-        self.host = "localhost"
-        self._in = proc.stdin.fileno()
-        self._out = proc.stdout.fileno()
-        self._err = proc.stderr.fileno()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def write(self, parts: Sequence[Buffer]) -> None:
-        write_all(self._in, parts)
-
-    def start_reading(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_frames: FramesCallback,
-        on_stderr: Callable[[bytes], None],
-    ) -> None:
-        self._loop = loop
-        reader = FrameReader()
-
-        def readable() -> None:
-            try:
-                frames = reader.read(self._out)
-            except OSError:
-                frames = None
-            if frames is None:
-                loop.remove_reader(self._out)
-            on_frames(frames)
-
-        def err_readable() -> None:
-            try:
-                data = os.read(self._err, 65536)
-            except OSError:
-                data = b""
-            if not data:
-                loop.remove_reader(self._err)
-                return
-            on_stderr(data)
-
-        loop.add_reader(self._out, readable)
-        loop.add_reader(self._err, err_readable)
-
-    async def wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while self.proc.poll() is None:
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        return self.proc.returncode
-
-    def exit_status(self) -> int | None:
-        return self.proc.poll()
 
     async def terminate(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            if await self.wait(1.5) is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                await self.wait(1.0)
-        if self._loop is not None:
-            for fd in (self._out, self._err):
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(fd)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
+        await super().terminate()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -1,0 +1,235 @@
+"""An agent reached through the stdio pipes of a child process of the client.
+
+The child is the agent itself (the local provider) or a command that runs it elsewhere and
+relays its stdio (``ssh host ...`` for the SSH provider; ``srun``, ``docker exec`` and the
+like for others). Writes are plain pipe writes from the caller's thread; reads happen on
+the client's event loop.
+
+Before the protocol starts, a remote start command may print answer lines (see
+``_bootstrap``): :meth:`PipeAgent.read_line` reads them, and whatever follows the answer is
+handed to the frame reader when :meth:`PipeAgent.start_reading` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+from ._protocol import Buffer, FrameReader, write_all
+from ._provider import AgentProcess, FramesCallback
+
+_NOISE_LIMIT = 1 << 16
+"""Bytes of output (e.g. a chatty shell profile) kept while looking for an answer line."""
+_ERR_TAIL = 8192
+_EXIT_WAIT = 1.0
+"""Seconds to wait, at end of output, for the process's exit status and last stderr bytes."""
+
+
+class PipeAgent(AgentProcess):
+    """An agent whose protocol channel is a child process's stdin/stdout.
+
+    Attributes:
+        proc: the child process (started with three pipes, in its own session).
+        err_tail: the last bytes the child wrote to stderr.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], address: str, host: str) -> None:
+        assert proc.stdin and proc.stdout and proc.stderr
+        self.proc = proc
+        self.address = address
+        self.host = host
+        self.err_tail = b""
+        self._in = proc.stdin.fileno()
+        self._out = proc.stdout.fileno()
+        self._err = proc.stderr.fileno()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early_out = bytearray()  # stdout read before start_reading()
+        self._out_ended = False
+        self._early_err: list[bytes] = []  # stderr read before start_reading()
+        self._on_stderr: Callable[[bytes], None] = self._early_err.append
+        self._err_ended: asyncio.Future[None] | None = None
+
+    # -- writing -----------------------------------------------------------------------
+    def write(self, parts: Sequence[Buffer]) -> None:
+        write_all(self._in, parts)
+
+    # -- reading -----------------------------------------------------------------------
+    async def read_line(self, marker: bytes) -> str | None:
+        """The rest of the next stdout line that starts with ``marker``.
+
+        Lines before it are dropped; what follows it stays for :meth:`start_reading`.
+        Returns None when stdout ends first. Stderr is collected meanwhile (``err_tail``).
+        """
+        loop = asyncio.get_running_loop()
+        self._read_stderr(loop)
+        while True:
+            line = self._take_line(marker)
+            if line is not None:
+                return line
+            if self._out_ended:
+                return None
+            data = await _read_once(loop, self._out)
+            if data:
+                self._early_out += data
+            else:
+                self._out_ended = True
+
+    def _take_line(self, marker: bytes) -> str | None:
+        buf = self._early_out
+        while True:
+            end = buf.find(b"\n")
+            if end < 0:
+                if len(buf) > _NOISE_LIMIT:
+                    del buf[: -len(marker)]
+                return None
+            line = bytes(buf[:end])
+            del buf[: end + 1]
+            if line.startswith(marker):
+                return line[len(marker) :].decode(errors="replace").strip()
+
+    def start_reading(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_frames: FramesCallback,
+        on_stderr: Callable[[bytes], None],
+    ) -> None:
+        """Deliver stdout as frames and stderr as bytes on ``loop``, starting with what
+        was read before. End of stdout is reported (``on_frames(None)``) once the process
+        has exited and its stderr has ended, or after a second, so that messages about a
+        lost node carry its exit status and last words."""
+        self._loop = loop
+        self._read_stderr(loop)
+        early, self._early_err = self._early_err, []
+        self._on_stderr = on_stderr
+        for data in early:
+            on_stderr(data)
+        reader = FrameReader()
+        if self._early_out:
+            frames = reader.feed(bytes(self._early_out))
+            self._early_out.clear()
+            if frames:
+                on_frames(frames)
+        if self._out_ended:
+            loop.create_task(self._ended(on_frames))
+            return
+
+        def readable() -> None:
+            try:
+                frames = reader.read(self._out)
+            except OSError:
+                frames = None
+            if frames is None:
+                loop.remove_reader(self._out)
+                self._out_ended = True
+                loop.create_task(self._ended(on_frames))
+            elif frames:
+                on_frames(frames)
+
+        loop.add_reader(self._out, readable)
+
+    def _read_stderr(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read stderr on ``loop`` from now on (once), into ``err_tail`` and the callback."""
+        if self._err_ended is not None:
+            return
+        ended: asyncio.Future[None] = loop.create_future()
+        self._err_ended = ended
+
+        def readable() -> None:
+            try:
+                data = os.read(self._err, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                loop.remove_reader(self._err)
+                if not ended.done():
+                    ended.set_result(None)
+                return
+            self.err_tail = (self.err_tail + data)[-_ERR_TAIL:]
+            self._on_stderr(data)
+
+        loop.add_reader(self._err, readable)
+
+    async def _ended(self, on_frames: FramesCallback) -> None:
+        if self._err_ended is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._err_ended), _EXIT_WAIT)
+        await self.wait(_EXIT_WAIT)
+        on_frames(None)
+
+    # -- ending ------------------------------------------------------------------------
+    async def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while self.proc.poll() is None:
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return self.exit_status()
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll()
+
+    async def terminate(self) -> None:
+        """End of stdin, then SIGTERM, then SIGKILL to the child's process group."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            if await self.wait(1.5) is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                await self.wait(1.0)
+        loop = self._loop
+        if loop is not None:
+            for fd in (self._out, self._err):
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(fd)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+
+
+def spawn(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with three unbuffered pipes in a new session (Ctrl-C reaches only
+    the client, which then stops its pool in order)."""
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        bufsize=0,
+        **kwargs,
+    )
+
+
+async def _read_once(loop: asyncio.AbstractEventLoop, fd: int) -> bytes:
+    """One read of ``fd`` once it is readable; b"" at end of stream."""
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not done.done():
+            done.set_result(data)
+
+    loop.add_reader(fd, readable)
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
