@@ -9,12 +9,18 @@ starts in a few tens of milliseconds. It
   executor's stdout/stderr as OUTPUT frames;
 * enforces per-task timeouts, replaces an executor that dies or times out (the task that
   was running gets a DIED/TIMEOUT result, the queued ones are re-sent to the new one);
+* in a pool whose processes form one group (``config["group"]``: a plugin's collective,
+  e.g. a torch process group), does not replace a lost executor alone, since a lone new
+  process could not rejoin the group: it tells the client (BROKEN), which restarts every
+  executor of the pool (RESTART: queued and running tasks end ABORTED);
 * exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
   client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds.
 
 Executor states (one executor at a time)::
 
-    STARTING --READY--> RUNNING --died / timeout--> STARTING (a new process)
+    STARTING --READY--> RUNNING --died / timeout / cancelled--> STARTING (a new process)
+    RUNNING --died / timeout / cancelled, group pool--> (none) --RESTART--> STARTING
+    RUNNING | STARTING --RESTART--> STARTING (a new process)
     STARTING --failed start--> FAILED
     RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
 """
@@ -36,6 +42,7 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
+from ._exits import describe_exit
 from ._protocol import HEADER, TASK_HEAD, Buffer, FrameReader, Kind, Status, frame
 
 _STDERR_TAIL_LINES = 40
@@ -201,6 +208,7 @@ class Agent:
         self.stopping = False
         self.stop_deadline = 0.0
         self.done = False
+        self.generation = 0  # of the pool's process group: RESTART frames count them
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -243,7 +251,7 @@ class Agent:
                 self._kill_executor(slot)
                 body = json.dumps({"timeout": task.timeout}).encode()
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
-                self._start_executor(slot)
+                self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
 
     # -- client side -------------------------------------------------------------------
     def _hello(self) -> None:
@@ -293,6 +301,8 @@ class Agent:
                 self._start_build(bytes(body))
             elif kind == Kind.CANCEL:
                 self._cancel(ident)
+            elif kind == Kind.RESTART:
+                self._restart(ident, bytes(body))
             elif kind == Kind.SHUTDOWN:
                 self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
 
@@ -404,13 +414,38 @@ class Agent:
                 slot.tasks.popleft()
                 self._kill_executor(slot)
                 self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-                self._start_executor(slot)
+                self._replace(slot, "a running call was cancelled")
                 return
             for task in slot.tasks:
                 if task.ident == ident:
                     task.cancelled = True  # settled here if this executor is replaced
                     self._to_executor(slot, frame(Kind.CANCEL, ident))
                     return
+
+    def _replace(self, slot: Slot, reason: str) -> None:
+        """Start a new executor in place of one that was stopped or died; in a group pool,
+        ask the client to restart the whole group instead (see the module docstring)."""
+        assert self.config is not None
+        if not self.config.get("group"):
+            self._start_executor(slot)
+        elif not self.stopping:
+            where = f"local rank {slot.rank}: " if len(self.slots) > 1 else ""
+            self.client.send(frame(Kind.BROKEN, self.generation, (where + reason).encode()))
+
+    def _restart(self, generation: int, cause: bytes) -> None:
+        """Replace every executor; the tasks they held end ABORTED (with ``cause``)."""
+        self.generation = generation
+        for slot in self.slots:
+            self._kill_executor(slot)
+            while slot.tasks:
+                task = slot.tasks.popleft()
+                if task.cancelled:
+                    self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
+                else:
+                    status = bytes((Status.ABORTED,))
+                    self.client.send(frame(Kind.RESULT, task.ident, status, cause))
+            slot.restarts += 1
+            self._start_executor(slot)
 
     def _arm(self, task: Task) -> None:
         task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
@@ -550,8 +585,9 @@ class Agent:
         if self.stopping:
             return
         tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
+        exitcode = os.waitstatus_to_exitcode(status) if status is not None else None
         death = {
-            "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
+            "exitcode": exitcode,
             "stderr_tail": b"\n".join(tail).decode(errors="replace"),
             "pid": ex.pid,
             "local_rank": slot.rank,
@@ -563,12 +599,14 @@ class Agent:
                     frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
                 )
             return
-        if slot.tasks:
-            task = slot.tasks.popleft()
+        task = slot.tasks.popleft() if slot.tasks else None
+        slot.restarts += 1
+        how, _ = describe_exit(exitcode)
+        # in a group pool, the restart is asked for first: a retry of the task comes after it
+        self._replace(slot, f"the process {'running a call ' if task else ''}{how}")
+        if task is not None:
             body = json.dumps(death).encode()
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
-        slot.restarts += 1
-        self._start_executor(slot)
 
     def _kill_executor(self, slot: Slot) -> None:
         ex = slot.executor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,7 +27,7 @@ from ._info import InstanceInfo, Peer
 from ._node import Node, NodeEvents, NodeState, Payload, Submission
 from ._outcome import outcome, results
 from ._progress import Progress
-from ._protocol import Buffer, Kind, frame
+from ._protocol import Buffer, Kind, Status, frame
 from ._provider import AgentProcess, Options, PoolSpec, Provider
 from ._serialize import (
     SHM_DIR,
@@ -37,6 +38,10 @@ from ._serialize import (
     write_shm,
 )
 
+logger = logging.getLogger("flotilla")
+STRAGGLER_GRACE = 1.0
+"""Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
+before the group is restarted (see ``_plugins``)."""
 R = TypeVar("R")
 
 
@@ -108,6 +113,13 @@ class Compute:
             [int(getattr(p, "procs_per_node", 1)) for p in self.plugins] + [1]
         )
         """Processes per node (a plugin such as ``plugins.torch(procs_per_node=2)`` sets it)."""
+        self._group = (
+            options.cluster
+            and nodes * self.procs_per_node > 1
+            and any(getattr(p, "forms_group", False) for p in self.plugins)
+        )
+        """The pool's processes form one group: they are restarted together (see _plugins)."""
+        self._generation = 0  # group restarts so far
         self._state = PoolState.NEW
         self._nodes: list[Node] = []
         self._procs: list[AgentProcess] = []
@@ -245,6 +257,7 @@ class Compute:
                 "heartbeat_timeout": self.options.heartbeat_timeout,
                 "shutdown_grace": self.options.shutdown_grace,
                 "shm_probe": probe or None,
+                "group": self._group,
             }
             node.configure(config, blob)
         await self._wait_all([n.ready for n in self._nodes], timeout, "initialise")
@@ -476,6 +489,8 @@ class Compute:
         payload = self._payload(call, key, shared=True)
         ranks = [(node, w) for node in targets for w in range(len(node.busy))]
         subs = [self._submission(call, payload, key, define, pinned=True) for _ in ranks]
+        for sub in subs:
+            sub.siblings, sub.generation = subs, self._generation
         try:
             for (node, worker), sub in zip(ranks, subs, strict=True):
                 sub.worker = worker
@@ -553,9 +568,33 @@ class Compute:
             value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here
             value, exc = None, e
+        if self._group and status == Status.ERROR and exc is not None and _others_run(sub):
+            # the others may wait for this one in a collective, and would wait forever
+            what = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            cause = f"{node.name}: {sub.call.function.name}(...) raised {what}"
+            asyncio.get_running_loop().call_later(
+                STRAGGLER_GRACE, self._restart_if_stuck, sub, cause
+            )
         if isinstance(exc, WorkerDiedError) and self._retry(sub, exc):
             return
         self._settle(sub, value=value, exc=exc)
+
+    def _restart_if_stuck(self, sub: Submission, cause: str) -> None:
+        """Restart the group if calls of ``sub``'s broadcast still run, in the group
+        generation they were sent in (loop thread)."""
+        if _others_run(sub):
+            self._restart_group(cause, sub.generation)
+
+    def _restart_group(self, cause: str, generation: int) -> None:
+        """Restart every process of a group pool (see ``_plugins``), once per ``generation``
+        of the group: later reports of the same break are ignored (loop thread)."""
+        if generation != self._generation or self._state is not PoolState.RUNNING:
+            return
+        self._generation += 1
+        logger.warning("restarting every process of the pool: %s", cause)
+        for node in self._nodes:
+            if node.state is NodeState.READY:
+                node.send_control(Kind.RESTART, ident=self._generation, body=cause.encode())
 
     def _on_lost(self, node: Node, subs: list[Submission]) -> None:
         err = node.lost_error("was lost while running a call: its agent exited")
@@ -565,6 +604,8 @@ class Compute:
 
     def _retry(self, sub: Submission, err: BaseException) -> bool:
         if sub.retries_left <= 0 or self._state is not PoolState.RUNNING:
+            return False
+        if self._group and sub.siblings:  # alone, it would wait for the others forever
             return False
         sub.retries_left -= 1
         previous = sub.node
@@ -609,6 +650,9 @@ class _PoolEvents(NodeEvents):
     def build_output(self, node: Node, data: bytes) -> None:
         self.pool._progress.build_output(node.rank, data)
 
+    def broken(self, node: Node, generation: int, reason: str) -> None:
+        self.pool._restart_group(f"{node.name}: {reason}", generation)
+
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
 
@@ -618,6 +662,11 @@ class _PoolEvents(NodeEvents):
             super().output(node, stream, lines, local_rank)
         else:
             sink(node.rank, stream, lines)
+
+
+def _others_run(sub: Submission) -> bool:
+    """True when another call of ``sub``'s broadcast has not finished."""
+    return any(s is not sub and not s.future.done() for s in sub.siblings or ())
 
 
 def _left_operand_error(op: str, other: object) -> TypeError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import signal
 import sys
 import threading
 from collections import deque
@@ -16,6 +15,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NodeLostError, ProvisionError
+from ._exits import signal_name
 from ._protocol import TASK_HEAD, Buffer, Kind, frame
 from ._provider import AgentProcess
 from ._serialize import Pickled, encode, unlink_shm
@@ -96,6 +96,8 @@ class Submission:
     tid: int = 0  # the task id on its current node
     worker: int = 0  # the local rank it runs on
     attempts: int = 0
+    siblings: list[Submission] | None = None  # the calls of the same broadcast
+    generation: int = 0  # of the pool's process group when the broadcast was sent
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
 
@@ -107,6 +109,9 @@ class NodeEvents:
 
     def building(self, node: Node, info: dict[str, Any]) -> None:
         """The node builds its environment (and may need the includes archive)."""
+
+    def broken(self, node: Node, generation: int, reason: str) -> None:
+        """A process of a group pool was replaced (see ``_plugins``)."""
 
     def build_output(self, node: Node, data: bytes) -> None:
         """Output of the node's environment build."""
@@ -203,12 +208,14 @@ class Node:
                             self.busy[sub.worker] -= 1
                 raise self.lost_error(f"cannot take calls ({e})") from None
 
-    def send_control(self, kind: Kind, wait: bool = True, ident: int = 0) -> bool:
-        """Send a body-less control frame; False if the node is gone or (without wait) busy."""
+    def send_control(
+        self, kind: Kind, wait: bool = True, ident: int = 0, body: bytes = b""
+    ) -> bool:
+        """Send a control frame; False if the node is gone or (without wait) busy."""
         if not self.write_lock.acquire(blocking=wait):
             return False
         try:
-            self.proc.write(frame(kind, ident))
+            self.proc.write(frame(kind, ident, body))
             return True
         except OSError:
             return False
@@ -239,6 +246,8 @@ class Node:
                     self.hello.set_result(self.hello_info)
             elif kind == Kind.READY:
                 self._on_ready(json.loads(body))
+            elif kind == Kind.BROKEN:
+                self.events.broken(self, ident, bytes(body).decode(errors="replace"))
             elif kind == Kind.PROGRESS:
                 self.events.build_output(self, bytes(body))
             elif kind == Kind.BUILD:
@@ -300,7 +309,7 @@ class Node:
         sig_name = None
         if status is not None:
             if status < 0:
-                sig_name = _signal_name(-status)
+                sig_name = signal_name(-status)
                 how = f" (killed by {sig_name})"
             else:
                 how = f" (exit status {status})"
@@ -339,22 +348,3 @@ def _write(stream: int, text: str) -> None:
             target.flush()
         except (OSError, ValueError):
             pass
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def describe_exit(exitcode: int | None) -> tuple[str, str | None]:
-    """How a process ended and its signal's name: ('was killed by SIGSEGV', 'SIGSEGV'),
-    ('exited with status 3', None)."""
-    if exitcode is None:
-        return "exited (status unknown)", None
-    if exitcode < 0:
-        name = _signal_name(-exitcode)
-        hint = " — out of memory?" if name == "SIGKILL" else ""
-        return f"was killed by {name}{hint}", name
-    return f"exited with status {exitcode}", None

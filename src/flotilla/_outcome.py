@@ -9,7 +9,8 @@ from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
 from typing import Any
 
 from ._errors import RemoteError, SerializationError, TaskTimeoutError, WorkerDiedError
-from ._node import Node, describe_exit
+from ._exits import describe_exit
+from ._node import Node
 from ._protocol import Status
 from ._serialize import decode, shm_name_of, unlink_shm
 
@@ -34,6 +35,13 @@ def outcome(
             "its process was stopped and replaced",
             node=node.rank,
             timeout=timeout,
+        )
+    if status == Status.ABORTED:
+        cause = bytes(body[1:]).decode(errors="replace")
+        return None, WorkerDiedError(
+            f"{node.name}: {fn_name}(...) was stopped because {cause}; the pool's processes "
+            "form one group (a plugin's collective), so all of them were restarted",
+            node=node.rank,
         )
     if status == Status.DIED:
         death = json.loads(bytes(body[1:]))

@@ -15,6 +15,16 @@ A plugin that only makes sense in cluster mode sets ``requires_cluster = True``;
 ``InstanceInfo.local_rank``); a broadcast then runs once per process and returns
 ``nodes * P`` results in global rank order (``node * P + local_rank``). Plugins travel to the
 nodes pickled, so keep their state small and picklable.
+
+A plugin whose processes form one communication group (a torch process group, JAX's
+distributed runtime, a TensorFlow collective) sets ``forms_group = True``. A lone replacement
+process could not rejoin such a group, so in such a pool (with two or more processes) a
+call that dies, times out or is cancelled while running, or one that raises while other
+processes of the same broadcast still run (they may wait for it in a collective), restarts
+every process of the pool, as torchrun restarts all workers: the calls the others were
+running or had queued end with a WorkerDiedError naming the cause, and the pool carries on
+with a fresh group. A broadcast call is not retried there (``retries``): run the broadcast
+again.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ class Plugin:
     name: str = "plugin"
     requires_cluster: bool = False
     procs_per_node: int = 1
+    forms_group: bool = False
 
     def transform(self, image: Any, cluster: Any) -> Any:
         """Return the image the nodes should build (client side)."""

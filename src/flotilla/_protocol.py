@@ -39,6 +39,7 @@ class Kind(IntEnum):
     OUTPUT = 4  # ident=stream (1 stdout, 2 stderr) | local rank << 8; body = raw bytes
     BUILD = 5  # JSON: the node builds its environment ({"need_includes": bool})
     PROGRESS = 6  # text: output of the environment build
+    BROKEN = 7  # ident=restart generation; text: why a process of a group pool was replaced
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function
@@ -47,6 +48,7 @@ class Kind(IntEnum):
     SHUTDOWN = 14  # stop the executor gracefully and exit
     INCLUDES = 15  # the Image's includes archive, sent when the agent asks for it
     CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
+    RESTART = 17  # ident=new generation; text: the cause. Replace every executor, abort tasks
 
 
 class Status(IntEnum):
@@ -57,6 +59,7 @@ class Status(IntEnum):
     DIED = 2  # payload: JSON describing how the executor died
     TIMEOUT = 3  # payload: JSON with the timeout
     CANCELLED = 4  # no payload: the call was cancelled
+    ABORTED = 5  # payload: text, the cause: the pool's process group was restarted
 
 
 TASK_HEAD = struct.Struct("<dH")

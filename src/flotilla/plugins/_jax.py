@@ -110,6 +110,7 @@ class JaxPlugin(Plugin):
     """See :func:`flotilla.plugins.jax`."""
 
     name = "jax"
+    forms_group = True
 
     def transform(self, image: Any, cluster: Any) -> Any:
         """Add ``jax`` (``jax[cuda12]`` with a CUDA accelerator) to the image."""

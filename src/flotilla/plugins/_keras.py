@@ -32,6 +32,11 @@ class KerasPlugin(Plugin):
 
     name = "keras"
 
+    @property
+    def forms_group(self) -> bool:  # type: ignore[override]
+        """With JAX, the processes of a pool of several form one distributed runtime."""
+        return self.backend == "jax"
+
     def __post_init__(self) -> None:
         if self.backend not in KERAS_BACKENDS:
             raise ValueError(

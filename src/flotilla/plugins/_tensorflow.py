@@ -50,6 +50,7 @@ class TensorflowPlugin(Plugin):
 
     name = "tensorflow"
     requires_cluster = True
+    forms_group = True
 
     def transform(self, image: Any, cluster: Any) -> Any:
         """Add ``tensorflow`` (``tensorflow[and-cuda]`` with a CUDA accelerator)."""

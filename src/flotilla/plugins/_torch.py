@@ -67,6 +67,7 @@ class TorchPlugin(Plugin):
 
     name = "torch"
     requires_cluster = True
+    forms_group = True
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:

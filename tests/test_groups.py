@@ -1,0 +1,126 @@
+"""Pools whose processes form one group (torch process group): a broken group is restarted
+whole, so no rank waits forever for a peer that is gone (real torch, gloo, local nodes)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import flotilla as sky
+from flotilla._errors import WorkerDiedError
+
+pytest.importorskip("torch")
+
+
+@sky.function
+def all_reduce(value: float) -> tuple[float, int]:
+    """The sum of ``value`` over the group, and this process's pid."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value])
+    dist.all_reduce(t)
+    return float(t.item()), os.getpid()
+
+
+@sky.function
+def rank_fails(bad_rank: int, how: str) -> float:
+    """Rank ``bad_rank`` fails (``how``: raise, exit); the others enter a collective."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        if how == "raise":
+            raise ValueError("bad batch on this rank")
+        os._exit(3)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # waits for bad_rank, which never comes
+    return float(t.item())
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[sky.Compute]:
+    with sky.Compute(nodes=2, plugins=[sky.plugins.torch()]) as p:
+        yield p
+
+
+def test_a_rank_raising_does_not_leave_the_others_waiting(pool: sky.Compute) -> None:
+    before = {pid for _, pid in all_reduce(1.0) @ pool}
+    futures = pool.submit_broadcast(rank_fails(0, "raise"))
+    with pytest.raises(ValueError, match="bad batch"):  # the root cause, from rank 0
+        futures[0].result(timeout=60)
+    with pytest.raises(WorkerDiedError) as info:  # rank 1 no longer waits in all_reduce
+        futures[1].result(timeout=60)
+    assert "node 0: rank_fails(...) raised ValueError: bad batch" in str(info.value)
+    assert "all of them were restarted" in str(info.value)
+    after = all_reduce(2.0) @ pool  # a fresh group, new processes on every node
+    assert [value for value, _ in after] == [4.0, 4.0]
+    assert not before & {pid for _, pid in after}
+
+
+def test_a_rank_dying_restarts_the_whole_group(pool: sky.Compute) -> None:
+    before = {pid for _, pid in all_reduce(1.0) @ pool}
+    futures = pool.submit_broadcast(rank_fails(1, "exit"))
+    with pytest.raises(WorkerDiedError, match=r"node 1: .*exited with status 3"):
+        futures[1].result(timeout=60)
+    with pytest.raises(Exception) as info:  # gloo's own error, or the restart's
+        futures[0].result(timeout=60)
+    assert not isinstance(info.value, ValueError)
+    after = all_reduce(3.0) @ pool
+    assert [value for value, _ in after] == [6.0, 6.0]
+    assert not before & {pid for _, pid in after}
+
+
+def test_an_error_on_every_rank_needs_no_restart(pool: sky.Compute) -> None:
+    before = sorted(pid for _, pid in all_reduce(1.0) @ pool)
+    with pytest.raises(ZeroDivisionError):
+        sky.function(lambda: 1 / 0)() @ pool
+    assert sorted(pid for _, pid in all_reduce(1.0) @ pool) == before  # same processes
+
+
+def test_one_rank_of_a_broadcast_is_not_retried_alone(pool: sky.Compute, tmp_path: Path) -> None:
+    marker = str(tmp_path / "died-once")
+    futures = pool.submit_broadcast(once_dies_then_reduces(marker))
+    # retried alone, rank 1 would wait in all_reduce for a rank 0 that has moved on
+    with pytest.raises(WorkerDiedError, match="killed by SIGKILL"):
+        futures[1].result(timeout=60)
+    assert all_reduce(1.0) @ pool is not None
+
+
+@sky.function(retries=2)
+def once_dies_then_reduces(marker: str) -> float:
+    """Rank 1 dies the first time (leaving ``marker``); then every rank reduces."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def test_a_pool_without_a_group_replaces_only_the_dead_process() -> None:
+    with sky.Compute(nodes=2) as plain:
+        pids = pid() @ plain
+        with pytest.raises(WorkerDiedError):
+            plain.submit_broadcast(exit_on(1))[1].result(timeout=30)
+        after = pid() @ plain
+    assert after[0] == pids[0] and after[1] != pids[1]
+
+
+@sky.function
+def pid() -> int:
+    return os.getpid()
+
+
+@sky.function
+def exit_on(node: int) -> None:
+    if sky.instance_info().node == node:
+        os._exit(3)
