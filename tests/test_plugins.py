@@ -376,6 +376,16 @@ def test_jax_env_uses_the_port_after_torchs() -> None:
     assert coordinator_address(info(head="fd00::1")) == "[fd00::1]:29501"
 
 
+def test_the_head_port_starts_a_block_of_free_ports() -> None:
+    from flotilla._agent import PORT_BLOCK, _bindable, free_port_block
+
+    base = free_port_block(PORT_BLOCK)
+    assert [p for p in range(base, base + PORT_BLOCK) if not _bindable(p)] == []
+    with sky.Compute(nodes=2) as pool:
+        head_port = sky.function(lambda: sky.instance_info().head_port)() >> pool
+    assert [p for p in range(head_port, head_port + PORT_BLOCK) if not _bindable(p)] == []
+
+
 def test_jax_env_with_several_processes_per_node() -> None:
     env = jax_env(info(node=1, total=3, local_rank=1, procs=2))
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("6", "3")

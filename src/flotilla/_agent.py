@@ -46,6 +46,9 @@ from ._exits import describe_exit
 from ._protocol import HEADER, TASK_HEAD, Buffer, FrameReader, Kind, Status, frame
 
 _STDERR_TAIL_LINES = 40
+PORT_BLOCK = 64
+"""HELLO's ``port`` starts a block of this many ports that were free on the node: the
+head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 
 
@@ -255,9 +258,7 @@ class Agent:
 
     # -- client side -------------------------------------------------------------------
     def _hello(self) -> None:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = free_port_block(PORT_BLOCK)
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot_id = f.read().strip()
@@ -661,6 +662,29 @@ class Agent:
 
     def _log(self, message: str) -> None:
         print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+
+
+def free_port_block(width: int) -> int:
+    """A port ``p`` such that ``p .. p + width - 1`` can all be bound now (the best of a
+    few tries: the first port alone if no whole block is found)."""
+    first = 0
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = int(s.getsockname()[1])
+        first = first or base
+        if base + width <= 65536 and all(_bindable(base + i) for i in range(1, width)):
+            return base
+    return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def _reap(pid: int, wait: bool = False) -> int | None:

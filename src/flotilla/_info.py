@@ -40,7 +40,8 @@ class InstanceInfo:
         total_nodes: number of nodes in the pool (MPI's world size).
         is_head: True on node 0 in cluster mode.
         head_addr: the address of node 0, reachable from every node ('' in standalone mode).
-        head_port: a port free on node 0 for the frameworks' rendezvous (MASTER_PORT).
+        head_port: a port free on node 0 for the frameworks' rendezvous (MASTER_PORT); the
+            63 ports after it were free there too when the pool started (plugins use them).
         accelerators: number of accelerators (GPUs) on this node.
         peers: every node with its address, in rank order (empty in standalone mode).
         pool_id: identifier of the pool, unique per ``Compute`` block.

@@ -17,8 +17,8 @@ COORDINATOR_PORT_OFFSET = 1
 """The JAX coordinator listens on ``head_port + 1`` of the head node.
 
 ``head_port`` itself is torch's ``MASTER_PORT``: the offset lets ``plugins.torch()`` and
-``plugins.jax()`` share a pool. (``head_port`` is checked free when the pool starts;
-``head_port + 1`` is not checked.)
+``plugins.jax()`` share a pool. (``head_port`` and the 63 ports after it are checked free
+on the head node when the pool starts.)
 """
 
 

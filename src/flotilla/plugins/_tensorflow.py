@@ -17,8 +17,9 @@ WORKER_PORT_OFFSET = 2
 
 ``head_port`` is torch's ``MASTER_PORT`` and ``head_port + 1`` the JAX coordinator's, so
 the three plugins can share a pool. Adding the rank keeps the ports distinct when several
-workers share an address (the local provider, several processes per node). These ports
-are not checked free when the pool starts.
+workers share an address (the local provider, several processes per node). The head
+node's ``head_port .. head_port + 63`` are checked free when the pool starts (so the ports
+of up to 62 workers on one machine are); other nodes' ports are not checked.
 """
 
 
