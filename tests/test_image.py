@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,43 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+needs_apt = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("apt-get") is None,
+    reason="installing apt packages needs root and apt-get (CI runs as root)",
+)
+
+
+def _installed(package: str) -> bool:
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True)
+    return out.stdout.strip().endswith(b"installed")
+
+
+@sky.function
+def tree_version() -> str:
+    return subprocess.run(["tree", "--version"], capture_output=True, text=True).stdout
+
+
+@needs_apt
+def test_a_missing_apt_package_is_installed_by_the_build(home: Path) -> None:
+    had = _installed("tree")
+    if had:
+        subprocess.run(["dpkg", "-r", "tree"], check=True, capture_output=True)
+    try:
+        with sky.Compute(nodes=2, image=sky.Image(apt=["tree"])) as pool:
+            assert all(v.startswith("tree v") for v in tree_version() @ pool)
+        assert _installed("tree")
+    finally:
+        if not had:
+            subprocess.run(["dpkg", "-r", "tree"], capture_output=True)
+
+
+@needs_apt
+def test_an_apt_package_that_cannot_be_installed_fails_the_apt_step(home: Path) -> None:
+    image = sky.Image(apt=["flotilla-no-such-package"])
+    with pytest.raises(sky.ProvisionError) as info, sky.Compute(nodes=1, image=image):
+        pass
+    msg = str(info.value)
+    assert msg.startswith("node 0") and "step 'apt'" in msg and "exit code 100" in msg
+    assert "Unable to locate package flotilla-no-such-package" in msg
