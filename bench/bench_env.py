@@ -11,7 +11,9 @@ project venv: ``./dev test`` installs it). Prints markdown tables; medians over 
   ``torchrun --nproc-per-node=2`` and a hand-written ``torch.multiprocessing.spawn``
   script (``ddp_spawn.py``), the last also timed from its parent's ``import torch``.
   All three run the same ``train()`` (``ddp_loop.py``); each rep waits for the machine's
-  CPUs to be idle first (other work skews start-up times by seconds on 2 CPUs).
+  CPUs to be idle first (other work skews start-up times by seconds on 2 CPUs). 11 reps:
+  on 2 shared CPUs a run's median step lands at random in a fast or a slow mode (1.7 or
+  2.5 ms here, for every system alike), so fewer reps cannot resolve a 5% goal.
 * Image: pool start (4 nodes, until ready) with no Image and with an Image already built
   on the nodes; and the first build of an Image with one small pure-Python package
   (``humanize``) in a fresh flotilla home with a fresh uv cache (downloads included).
@@ -157,7 +159,7 @@ def row(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--ddp-only", action="store_true", help="skip the Image benchmarks")
     args = parser.parse_args()
     reps = args.reps

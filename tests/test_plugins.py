@@ -8,12 +8,15 @@ the nodes install a framework the client lacks (tensorflow, transformers) use
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -29,9 +32,9 @@ from flotilla._info import InstanceInfo, Peer
 from flotilla.plugins import _versions
 from flotilla.plugins._image import extend, merge_requirements, package_name
 from flotilla.plugins._jax import coordinator_address, jax_env, local_device_ids
-from flotilla.plugins._net import interface_for, parse_ip_addr
+from flotilla.plugins._net import interface_for, parse_ip_addr, wait_listening
 from flotilla.plugins._tensorflow import tf_config
-from flotilla.plugins._torch import rank_env, socket_ifname_env
+from flotilla.plugins._torch import rank_env, socket_ifname_env, threads_env
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -327,6 +330,32 @@ def test_torch_procs_per_node_sets_the_pools_processes() -> None:
     assert sky.Compute(nodes=2, plugins=[plugins.torch(procs_per_node=3)]).procs_per_node == 3
 
 
+class RecordsCollector(sky.Plugin):
+    """Records, in the executor's environment, whether the collector ran during its hook."""
+
+    @contextlib.contextmanager
+    def _record(self) -> Iterator[None]:
+        os.environ["HOOK_SAW_GC"] = str(gc.isenabled())
+        yield
+
+    def around_process(self, info: InstanceInfo) -> Any:
+        return self._record()
+
+
+@sky.function
+def collector_state() -> tuple[str, bool, int]:
+    return os.environ["HOOK_SAW_GC"], gc.isenabled(), gc.get_freeze_count()
+
+
+def test_hooks_run_with_the_collector_paused_and_tasks_with_it_running() -> None:
+    with sky.Compute(nodes=2, plugins=[RecordsCollector()]) as pool:
+        states = collector_state() @ pool
+    for hook_saw, task_sees, frozen in states:
+        assert hook_saw == "False"  # the frameworks' imports run without collections
+        assert task_sees is True  # the user's code runs with the collector on
+        assert frozen > 0  # what the hooks made is frozen, not walked by each collection
+
+
 # -- node-side environment (pure) -----------------------------------------------------
 
 
@@ -353,6 +382,18 @@ def test_rank_env_several_processes_per_node() -> None:
         rank_env(info(), 4, 4)
     with pytest.raises(ValueError, match="procs_per_node"):
         rank_env(info(), 0, 0)
+
+
+def test_one_thread_per_rank_when_ranks_share_a_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_env(info(node=1)) == {}  # one rank on each machine: all its cores
+    assert threads_env(info(node=1, procs=2)) == {"OMP_NUM_THREADS": "1"}
+    shared = dataclasses.replace(
+        info(node=1), addr="127.0.0.1", peers=(Peer(0, "127.0.0.1"), Peer(1, "127.0.0.1"))
+    )
+    assert threads_env(shared) == {"OMP_NUM_THREADS": "1"}  # two local nodes
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_env(shared) == {}  # the user's choice stands
 
 
 def test_single_rank_gets_no_setup() -> None:
@@ -476,6 +517,15 @@ def test_socket_ifname_env_keeps_the_users_choice(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     assert socket_ifname_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
     assert socket_ifname_env("198.51.100.77") == {}
+
+
+def test_wait_listening_sees_a_listener_and_gives_up_on_a_closed_port() -> None:
+    with socket.socket() as listener, socket.socket() as closed:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        assert wait_listening("127.0.0.1", listener.getsockname()[1], timeout=5)
+        assert not wait_listening("127.0.0.1", closed.getsockname()[1], timeout=0.05)
 
 
 @pytest.fixture
@@ -625,6 +675,7 @@ def ddp_train(x_full: Any, y_full: Any, mode: str) -> dict[str, Any]:
         "final": [p.detach().clone() for p in model.parameters()],
         "env": {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")},
         "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -648,6 +699,8 @@ def test_ddp_on_four_nodes(torch_pool4: sky.Compute, mode: str) -> None:
     assert [r["env"]["NODE_RANK"] for r in results] == ["0", "1", "2", "3"]
     assert {(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for r in results} == {("0", "1")}
     assert [r["seen"] for r in results] == [3 * 64] * 4  # each node trained on its quarter
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))  # the user's, else one per rank
+    assert [r["threads"] for r in results] == [threads] * 4
     first = results[0]
     for r in results:
         for a, b in zip(r["initial"], first["initial"], strict=True):

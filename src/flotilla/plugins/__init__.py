@@ -28,7 +28,9 @@ A plugin is any picklable object with one or both of these optional methods (sub
     ``head_port``, ``peers``, ``addr``...). Set environment variables and initialise your
     framework when the context is entered; tear down when it exits (the pool is closing).
     Return None when there is nothing to do. Import heavy frameworks inside this method,
-    not at module level: the client may not have them installed.
+    not at module level: the client may not have them installed. The hooks run with the
+    garbage collector paused (imports are faster so), and what exists when the last one
+    has returned is frozen (``gc.freeze``); tasks run with the collector on.
 
 Set ``requires_cluster = True`` on a plugin that needs nodes that know each other: pools
 with ``Options(cluster=False)`` then refuse it before starting anything. Set
@@ -91,10 +93,15 @@ def torch(
     In each process, for two or more ranks in all, it sets ``MASTER_ADDR`` (the head's
     address), ``MASTER_PORT`` (``head_port``), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` and ``NODE_RANK``, and ``GLOO_SOCKET_IFNAME`` /
-    ``NCCL_SOCKET_IFNAME`` (the interface carrying the node's address) unless already set;
+    ``NCCL_SOCKET_IFNAME`` (the interface carrying the node's address) unless already set,
+    and, as torchrun does, ``OMP_NUM_THREADS=1`` unless set when several ranks share a
+    machine (local nodes, ``procs_per_node > 1``);
     then calls ``torch.distributed.init_process_group(backend, init_method="env://")``
-    once per process, and ``destroy_process_group()`` when the pool closes. A single rank
-    gets no setup. Needs cluster mode.
+    once per process, and ``destroy_process_group()`` when the pool closes. Ranks other
+    than 0 wait for rank 0's store to listen before they join (torch's own retry would
+    add up to a second), and ``torch._dynamo``, which DDP's constructor and the first
+    optimizer step import, is imported during this setup, where it is a third cheaper.
+    A single rank gets no setup. Needs cluster mode.
     """
     return TorchPlugin(backend, cuda, version, vision, audio, procs_per_node)
 

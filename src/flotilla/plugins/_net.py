@@ -12,6 +12,7 @@ import ipaddress
 import socket
 import struct
 import subprocess
+import time
 
 _SIOCGIFADDR = 0x8915
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -37,6 +38,26 @@ def interface_for(addr: str) -> str | None:
     if ip.is_loopback:
         return next((n for n in names if n == "lo"), None)
     return None
+
+
+def wait_listening(host: str, port: int, timeout: float, interval: float = 0.005) -> bool:
+    """Wait until ``host:port`` accepts a TCP connection; whether it did within ``timeout``.
+
+    For the ranks that rendezvous on a store another rank starts: torch's store client
+    that finds nobody listening retries after a randomised backoff of up to a second, so
+    a rank that is ready before the head's store waits that long after it is up. Probing
+    every ``interval`` seconds (a refused connect costs one syscall) lets it connect at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(left, interval)).close()
+            return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(interval)
 
 
 def _parse(addr: str) -> IPAddress | None:

@@ -10,15 +10,19 @@ from typing import Any
 
 from .._info import InstanceInfo
 from .._plugins import Plugin
-from ._env import environ, unless_set, world_size
+from ._env import environ, global_rank, unless_set, world_size
 from ._image import extend
-from ._net import interface_for
+from ._net import interface_for, wait_listening
 from ._versions import requirement
 
 WHEEL_INDEX = "https://download.pytorch.org/whl/{}"
 """PyTorch's wheel index; ``{}`` is the ``cuda`` suffix ("cu128") or "cpu"."""
 
 BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
+
+STORE_WAIT = 120.0
+"""Seconds a rank other than 0 waits for rank 0's store to listen before it lets
+``init_process_group`` (and its own timeout) take over."""
 
 
 def rank_env(info: InstanceInfo, local_rank: int = 0, procs_per_node: int = 1) -> dict[str, str]:
@@ -52,6 +56,20 @@ def socket_ifname_env(addr: str) -> dict[str, str]:
     if name is None:
         return {}
     return unless_set({"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name})
+
+
+def threads_env(info: InstanceInfo) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` when several ranks of the pool share this machine.
+
+    What torchrun does for several workers per node: each rank would otherwise use every
+    core for its intra-op threads and the ranks would oversubscribe the machine. Ranks
+    share a machine when their nodes have the same address (the local provider's nodes),
+    or when a node runs several processes. Nothing when the user has set the variable.
+    """
+    nodes_here = sum(1 for peer in info.peers if peer.addr == info.addr) or 1
+    if nodes_here * info.procs_per_node < 2:
+        return {}
+    return unless_set({"OMP_NUM_THREADS": "1"})
 
 
 @dataclass(frozen=True)
@@ -121,16 +139,23 @@ class TorchPlugin(Plugin):
         local_rank = info.local_rank
         env = rank_env(info, local_rank, info.procs_per_node)
         env.update(socket_ifname_env(info.addr))
+        env.update(threads_env(info))
         with environ(env):
             import torch
+            import torch._dynamo  # see below
             import torch.distributed as dist
 
+            # torch._dynamo is imported by DDP's constructor and by every optimizer's first
+            # step: a second of CPU. Here it is imported while the executor has the garbage
+            # collector paused (enter_plugins), a third faster than in the user's code.
             cuda = torch.cuda.is_available()
             backend = self.backend or ("nccl" if cuda else "gloo")
             if cuda and torch.cuda.device_count() > 0:
                 torch.cuda.set_device(local_rank % torch.cuda.device_count())
             created = False
             if not dist.is_initialized():
+                if global_rank(info) != 0:  # rank 0 starts the store (MASTER_ADDR:MASTER_PORT)
+                    wait_listening(info.head_addr, info.head_port, STORE_WAIT)
                 dist.init_process_group(backend=backend, init_method="env://")
                 created = True
             try:
