@@ -1,8 +1,8 @@
-"""The training loop both sides of the DDP benchmark run: a small MLP, 100 steps on CPU.
+"""The training loop every system of the DDP benchmark runs: a small MLP on CPU.
 
-Under torchrun: ``torchrun --nproc-per-node=2 bench/ddp_loop.py OUT.json`` (the script
-initialises the process group itself). Under flotilla: ``train(steps)`` is called in each
-node's process, where the torch plugin has already initialised the group.
+Under torchrun: ``torchrun --nproc-per-node=2 bench/ddp_loop.py OUT.json STEPS`` (the
+script initialises the process group itself). Under flotilla: ``train(steps)`` is called in
+each node's process, where the torch plugin has already initialised the group.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    result = train()
+    result = train(int(sys.argv[2]))
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
