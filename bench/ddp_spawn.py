@@ -1,7 +1,7 @@
 """The hand-written peer of the DDP benchmark: ``torch.multiprocessing.spawn``, 2 processes.
 
-``python bench/ddp_spawn.py OUT.json STEPS`` starts 2 processes with the spawn start method (the
-standard way); each sets ``MASTER_ADDR``/``MASTER_PORT`` (a free port the parent picked),
+``python bench/ddp_spawn.py OUT.json STEPS`` starts 2 processes with the spawn start method
+(the standard way); each sets ``MASTER_ADDR``/``MASTER_PORT`` (a free port the parent picked),
 initialises a gloo group and runs the same ``train()`` as the other systems
 (``ddp_loop.py``). Rank 0 writes the result to OUT.json, with ``parent_ready``: the time
 at which the parent had imported torch and was about to spawn (the "after import torch"

@@ -142,12 +142,13 @@ class TorchPlugin(Plugin):
         env.update(threads_env(info))
         with environ(env):
             import torch
-            import torch._dynamo  # see below
-            import torch.distributed as dist
 
             # torch._dynamo is imported by DDP's constructor and by every optimizer's first
             # step: a second of CPU. Here it is imported while the executor has the garbage
             # collector paused (enter_plugins), a third faster than in the user's code.
+            import torch._dynamo
+            import torch.distributed as dist
+
             cuda = torch.cuda.is_available()
             backend = self.backend or ("nccl" if cuda else "gloo")
             if cuda and torch.cuda.device_count() > 0:
