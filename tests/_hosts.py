@@ -382,7 +382,7 @@ class Lab:
     # -- the provider ----------------------------------------------------------------
     def provider(self, hosts: list[TestHost] | None = None, **kwargs: Any) -> Any:
         """A flotilla SSH provider for ``hosts`` (default: all), with the lab's keys."""
-        from flotilla._ssh import SSH
+        from flotilla._providers.ssh import SSH
 
         options: dict[str, Any] = {
             "user": "root",

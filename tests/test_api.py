@@ -440,7 +440,7 @@ def test_large_in_band_arguments_arrive_whole(pool2: sky.Compute) -> None:
 
 
 def test_frame_reader_completes_large_bodies_fed_in_chunks() -> None:
-    from flotilla._protocol import FrameReader, Kind, frame
+    from flotilla._wire.frames import FrameReader, Kind, frame
 
     body = bytes(range(256)) * 8192  # 2 MiB
     wire = b"".join(bytes(p) for p in frame(Kind.TASK, 7, body)) * 2

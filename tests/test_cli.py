@@ -35,7 +35,7 @@ from _procs import (
     wait_until,
 )
 
-from flotilla._state import ClusterState, JobStatus, Paths, all_names, load
+from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
 
 
 class CLI:

@@ -178,7 +178,7 @@ def _agents() -> set[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"flotilla.agent" in cmd or b"flotilla._build" in cmd:
+            if b"flotilla.agent" in cmd or b"flotilla._node.build" in cmd:
                 out.add(int(pid))
     return out
 

@@ -30,7 +30,7 @@ import flotilla as sky
 import flotilla.plugins as plugins
 from flotilla._info import InstanceInfo, Peer
 from flotilla.plugins import _versions
-from flotilla.plugins._image import extend, merge_requirements, package_name
+from flotilla.plugins._extend import extend, merge_requirements, package_name
 from flotilla.plugins._jax import coordinator_address, jax_env, local_device_ids
 from flotilla.plugins._net import interface_for, parse_ip_addr, wait_listening
 from flotilla.plugins._tensorflow import tf_config
@@ -418,7 +418,7 @@ def test_jax_env_uses_the_port_after_torchs() -> None:
 
 
 def test_the_head_port_starts_a_block_of_free_ports() -> None:
-    from flotilla._agent import PORT_BLOCK, _bindable, free_port_block
+    from flotilla._node.agent import PORT_BLOCK, _bindable, free_port_block
 
     base = free_port_block(PORT_BLOCK)
     assert [p for p in range(base, base + PORT_BLOCK) if not _bindable(p)] == []

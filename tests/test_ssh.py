@@ -21,9 +21,10 @@ from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ss
 from _procs import Client, all_pids, assert_all_gone, cmdline
 
 import flotilla as sky
-from flotilla import _bootstrap, _ssh
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
-from flotilla._ssh import SSH, SSHHost, parse_host
+from flotilla._providers import bootstrap as _bootstrap
+from flotilla._providers import ssh as _ssh
+from flotilla._providers.ssh import SSH, SSHHost, parse_host
 
 
 @sky.function

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from flotilla._errors import ConfigurationError
-from flotilla._jobspec import hostfile, phase_env, task_id
-from flotilla._providers import ProviderSpec, check_gpus, check_task
-from flotilla._remote import unpack
-from flotilla._sync import build
-from flotilla._task import Resources, Task, TaskError, command_task, load_task
+from flotilla.cli.backends.registry import ProviderSpec, check_gpus, check_task
+from flotilla.cli.jobspec import hostfile, phase_env, task_id
+from flotilla.cli.node_ops import unpack
+from flotilla.cli.sync import build
+from flotilla.cli.taskfile import Resources, Task, TaskError, command_task, load_task
 
 
 def write(tmp_path: Path, text: str, name: str = "task.yaml") -> str:

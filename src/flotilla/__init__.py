@@ -18,114 +18,79 @@ import typing as _typing
 
 from ._version import __version__
 
-if _typing.TYPE_CHECKING:
-    from . import plugins
-    from ._accelerators import Accelerator, accelerators
-    from ._compute import Compute, PoolState
-    from ._errors import (
-        ConfigurationError,
-        FlotillaError,
-        NodeLostError,
-        PoolClosedError,
-        ProvisionError,
-        RemoteError,
-        SerializationError,
-        TaskTimeoutError,
-        WorkerDiedError,
-    )
-    from ._function import CallGroup, Function, PendingCall, function, gather
-    from ._image import Image, Secret
-    from ._info import InstanceInfo, Peer, instance_info
-    from ._local import Local
-    from ._output import silent, stderr, stdout
-    from ._plugins import Plugin
-    from ._provider import AgentProcess, Options, PoolSpec, Provider
-    from ._shard import shard
-    from ._ssh import SSH, SSHHost
+if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
+    from . import plugins as plugins
+    from ._accelerators import Accelerator as Accelerator
+    from ._accelerators import accelerators as accelerators
+    from ._client.compute import Compute as Compute
+    from ._client.compute import PoolState as PoolState
+    from ._client.function import CallGroup as CallGroup
+    from ._client.function import Function as Function
+    from ._client.function import PendingCall as PendingCall
+    from ._client.function import function as function
+    from ._client.function import gather as gather
+    from ._errors import ConfigurationError as ConfigurationError
+    from ._errors import FlotillaError as FlotillaError
+    from ._errors import NodeLostError as NodeLostError
+    from ._errors import PoolClosedError as PoolClosedError
+    from ._errors import ProvisionError as ProvisionError
+    from ._errors import RemoteError as RemoteError
+    from ._errors import SerializationError as SerializationError
+    from ._errors import TaskTimeoutError as TaskTimeoutError
+    from ._errors import WorkerDiedError as WorkerDiedError
+    from ._image import Image as Image
+    from ._image import Secret as Secret
+    from ._info import InstanceInfo as InstanceInfo
+    from ._info import Peer as Peer
+    from ._info import instance_info as instance_info
+    from ._output import silent as silent
+    from ._output import stderr as stderr
+    from ._output import stdout as stdout
+    from ._providers.base import AgentProcess as AgentProcess
+    from ._providers.base import Options as Options
+    from ._providers.base import PoolSpec as PoolSpec
+    from ._providers.base import Provider as Provider
+    from ._providers.local import Local as Local
+    from ._providers.ssh import SSH as SSH
+    from ._providers.ssh import SSHHost as SSHHost
+    from ._shard import shard as shard
+    from .plugins._base import Plugin as Plugin
 
-_EXPORTS: dict[str, str] = {
-    "Accelerator": "_accelerators",
-    "accelerators": "_accelerators",
-    "Compute": "_compute",
-    "PoolState": "_compute",
-    "ConfigurationError": "_errors",
-    "FlotillaError": "_errors",
-    "NodeLostError": "_errors",
-    "PoolClosedError": "_errors",
-    "ProvisionError": "_errors",
-    "RemoteError": "_errors",
-    "SerializationError": "_errors",
-    "TaskTimeoutError": "_errors",
-    "WorkerDiedError": "_errors",
-    "CallGroup": "_function",
-    "Function": "_function",
-    "PendingCall": "_function",
-    "function": "_function",
-    "gather": "_function",
-    "Image": "_image",
-    "Secret": "_image",
-    "InstanceInfo": "_info",
-    "Peer": "_info",
-    "instance_info": "_info",
-    "Local": "_local",
-    "silent": "_output",
-    "stderr": "_output",
-    "stdout": "_output",
-    "Plugin": "_plugins",
-    "AgentProcess": "_provider",
-    "Options": "_provider",
-    "PoolSpec": "_provider",
-    "Provider": "_provider",
-    "shard": "_shard",
-    "SSH": "_ssh",
-    "SSHHost": "_ssh",
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    # module (relative to this package) -> the public names it defines. The one list of the
+    # API: __all__ and lazy loading derive from it; tests check the TYPE_CHECKING block above.
+    "_accelerators": ("Accelerator", "accelerators"),
+    "_client.compute": ("Compute", "PoolState"),
+    "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
+    "_errors": (
+        "ConfigurationError",
+        "FlotillaError",
+        "NodeLostError",
+        "PoolClosedError",
+        "ProvisionError",
+        "RemoteError",
+        "SerializationError",
+        "TaskTimeoutError",
+        "WorkerDiedError",
+    ),
+    "_image": ("Image", "Secret"),
+    "_info": ("InstanceInfo", "Peer", "instance_info"),
+    "_output": ("silent", "stderr", "stdout"),
+    "_providers.base": ("AgentProcess", "Options", "PoolSpec", "Provider"),
+    "_providers.local": ("Local",),
+    "_providers.ssh": ("SSH", "SSHHost"),
+    "_shard": ("shard",),
+    "plugins._base": ("Plugin",),
 }
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "SSH",
-    "Accelerator",
-    "AgentProcess",
-    "CallGroup",
-    "Compute",
-    "ConfigurationError",
-    "FlotillaError",
-    "Function",
-    "Image",
-    "InstanceInfo",
-    "Local",
-    "NodeLostError",
-    "Options",
-    "Peer",
-    "PendingCall",
-    "Plugin",
-    "PoolClosedError",
-    "PoolSpec",
-    "PoolState",
-    "Provider",
-    "ProvisionError",
-    "RemoteError",
-    "SSHHost",
-    "Secret",
-    "SerializationError",
-    "TaskTimeoutError",
-    "WorkerDiedError",
-    "__version__",
-    "accelerators",
-    "function",
-    "gather",
-    "instance_info",
-    "plugins",
-    "shard",
-    "silent",
-    "stderr",
-    "stdout",
-]
+__all__ = ["__version__", "plugins", *_MODULE_OF]
 
 
 def __getattr__(name: str) -> _typing.Any:
     if name == "plugins":  # the built-in plugins: flotilla.plugins.torch() ...
         return _importlib.import_module(".plugins", __name__)
-    module = _EXPORTS.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'flotilla' has no attribute {name!r}")
     value = getattr(_importlib.import_module(f".{module}", __name__), name)

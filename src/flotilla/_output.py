@@ -13,7 +13,7 @@ import io
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from ._function import Function
+from ._client.function import Function
 from ._info import InstanceInfo, instance_info
 
 F = TypeVar("F", bound=Callable[..., Any])

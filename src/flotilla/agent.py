@@ -1,6 +1,6 @@
 """``python -m flotilla.agent``: the node agent every provider starts (see ``_agent``)."""
 
-from ._agent import main
+from ._node.agent import main
 
 if __name__ == "__main__":
     main()

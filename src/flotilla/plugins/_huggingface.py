@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._info import InstanceInfo
-from .._plugins import Plugin
+from ._base import Plugin
 from ._env import environ
-from ._image import extend
+from ._extend import extend
 
 PACKAGES = ("transformers", "datasets", "tokenizers")
 

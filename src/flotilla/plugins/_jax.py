@@ -9,9 +9,9 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._info import InstanceInfo
-from .._plugins import Plugin
+from ._base import Plugin
 from ._env import environ, global_rank, host_port, world_size
-from ._image import extend
+from ._extend import extend
 
 COORDINATOR_PORT_OFFSET = 1
 """The JAX coordinator listens on ``head_port + 1`` of the head node.

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._info import InstanceInfo
-from .._plugins import Plugin
+from ._base import Plugin
 from ._env import environ
-from ._image import extend
+from ._extend import extend
 from ._jax import check_cluster, distributed, is_distributed
 
 KERAS_BACKENDS = ("jax", "torch", "tensorflow")

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._info import InstanceInfo
-from .._plugins import Plugin
+from ._base import Plugin
 from ._env import environ, global_rank, host_port, world_size
-from ._image import extend
+from ._extend import extend
 
 WORKER_PORT_OFFSET = 2
 """Worker ``k`` (the pool's process of global rank ``k``) listens on ``head_port + 2 + k``.

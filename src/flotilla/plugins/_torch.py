@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._info import InstanceInfo
-from .._plugins import Plugin
+from ._base import Plugin
 from ._env import environ, global_rank, unless_set, world_size
-from ._image import extend
+from ._extend import extend
 from ._net import interface_for, wait_listening
 from ._versions import requirement
 

@@ -1,7 +1,7 @@
 """The sync phase's archive: a task's ``workdir`` and ``file_mounts`` as one tar.gz.
 
 Built on the client (the daemon runs there), sent to every node in one broadcast and
-unpacked by :func:`flotilla._remote.unpack`. Members: ``workdir/...`` for the workdir,
+unpacked by :func:`flotilla.cli.node_ops.unpack`. Members: ``workdir/...`` for the workdir,
 ``m0``, ``m1``... (a file, or a folder and its contents) for the file mounts.
 """
 
@@ -16,8 +16,8 @@ import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from ._image import DEFAULT_EXCLUDES
-from ._remote import WORKDIR_MEMBER
+from .._image import DEFAULT_EXCLUDES
+from .node_ops import WORKDIR_MEMBER
 
 IGNORE_FILES = (".flotillaignore", ".skyignore")
 """Files in the workdir listing more patterns to leave out, one per line."""

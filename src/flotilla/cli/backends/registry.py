@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigurationError
+from ..._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._provider import Provider
-    from ._state import NodeRecord
-    from ._task import Task
+    from ..._providers.base import Provider
+    from ..state import NodeRecord
+    from ..taskfile import Task
 
 KINDS = ("local", "ssh")
 
@@ -85,12 +85,12 @@ def make_provider(spec: ProviderSpec, nodes_dir: Path) -> Provider:
     """The flotilla provider for ``spec``; local nodes' working directories go under
     ``nodes_dir``."""
     if spec.kind == "local":
-        from ._local import Local
+        from ..._providers.local import Local
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
         return Local(workdir=str(nodes_dir))
     try:
-        from ._ssh import SSH
+        from ..._providers.ssh import SSH
     except ImportError as e:
         raise ConfigurationError(f"the ssh provider is not available yet ({e})") from None
     options: dict[str, Any] = {"accept_new_host_keys": spec.accept_new_host_keys}
@@ -122,7 +122,7 @@ def check_task(task: Task, spec: ProviderSpec, cluster_nodes: int) -> list[str]:
     warnings: list[str] = []
     gpus = res.gpus_per_node
     if spec.kind == "local":
-        from ._local import local_gpu_count
+        from ..._providers.local import local_gpu_count
 
         have = local_gpu_count()
         if gpus > have:
@@ -200,7 +200,7 @@ def _memory_gb() -> float:
 def ssh_config(cluster: str, spec: ProviderSpec, nodes: list[NodeRecord]) -> str:
     """ssh_config entries for an SSH cluster: ``NAME`` (the head) and ``NAME-workerK``, as
     SkyPilot writes them; include the file from ``~/.ssh/config`` to ``ssh NAME-worker1``."""
-    from ._ssh import parse_host
+    from ..._providers.ssh import parse_host
 
     out = [f"# flotilla cluster {cluster}: generated, removed by `flotilla down {cluster}`\n"]
     for node in nodes:

@@ -30,7 +30,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 _SOCKET_LIMIT = 100  # sun_path holds 108 bytes

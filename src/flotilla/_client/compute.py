@@ -12,24 +12,19 @@ from concurrent.futures import Future, as_completed
 from enum import Enum
 from typing import Any, TypeVar
 
-from . import _loop
-from ._accelerators import Accelerator, parse_accelerator
-from ._errors import (
+from .._accelerators import Accelerator, parse_accelerator
+from .._errors import (
     ConfigurationError,
     PoolClosedError,
     ProvisionError,
     SerializationError,
     WorkerDiedError,
 )
-from ._function import Function, PendingCall, as_call, function
-from ._image import Image, plain_env, redact, secret_values, ship_user_modules
-from ._info import InstanceInfo, Peer
-from ._node import Node, NodeEvents, NodeState, Payload, Submission
-from ._outcome import outcome, results
-from ._progress import Progress
-from ._protocol import Buffer, Kind, Status, frame
-from ._provider import AgentProcess, Options, PoolSpec, Provider
-from ._serialize import (
+from .._image import Image, plain_env, redact, secret_values, ship_user_modules
+from .._info import InstanceInfo, Peer
+from .._providers.base import AgentProcess, Options, PoolSpec, Provider
+from .._wire.frames import Buffer, Kind, Status, frame
+from .._wire.serialize import (
     SHM_DIR,
     describe_unpicklable,
     encode,
@@ -37,6 +32,11 @@ from ._serialize import (
     unlink_shm,
     write_shm,
 )
+from . import loop as _loop
+from .function import Function, PendingCall, as_call, function
+from .node import Node, NodeEvents, NodeState, Payload, Submission
+from .outcome import outcome, results
+from .progress import Progress
 
 logger = logging.getLogger("flotilla")
 STRAGGLER_GRACE = 1.0
@@ -89,7 +89,7 @@ class Compute:
                 f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node"
             )
         if provider is None:
-            from ._local import Local
+            from .._providers.local import Local
 
             provider = Local()
         if not isinstance(provider, Provider):

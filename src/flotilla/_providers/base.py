@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._accelerators import Accelerator
-from ._protocol import Buffer
+from .._accelerators import Accelerator
+from .._wire.frames import Buffer
 
 FramesCallback = Callable[[list[tuple[int, int, bytes | bytearray]] | None], None]
 """Receives the frames an agent sent; None at end of stream (the agent is gone)."""

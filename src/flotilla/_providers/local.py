@@ -9,9 +9,9 @@ import subprocess
 import sys
 import tempfile
 
-from ._errors import ConfigurationError, ProvisionError
-from ._pipe import PipeAgent, spawn
-from ._provider import AgentProcess, PoolSpec, Provider
+from .._errors import ConfigurationError, ProvisionError
+from .base import AgentProcess, PoolSpec, Provider
+from .pipe import PipeAgent, spawn
 
 
 class Local(Provider):

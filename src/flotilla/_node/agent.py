@@ -42,8 +42,8 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
-from ._exits import describe_exit
-from ._protocol import HEADER, TASK_HEAD, Buffer, FrameReader, Kind, Status, frame
+from .._wire.exits import describe_exit
+from .._wire.frames import HEADER, TASK_HEAD, Buffer, FrameReader, Kind, Status, frame
 
 _STDERR_TAIL_LINES = 40
 PORT_BLOCK = 64
@@ -329,7 +329,7 @@ class Agent:
         self.slots = [Slot(rank) for rank in range(int(config.get("procs", 1)))]
         image = config.get("image")
         if image:
-            from ._build import env_dir, is_built
+            from .build import env_dir, is_built
 
             config["image_dir"] = env_dir(config["home"], image["hash"])
             if not is_built(config["home"], image["hash"]):
@@ -348,7 +348,7 @@ class Agent:
         assert self.config is not None
         env = dict(os.environ, **self.config.get("env", {}))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla._build", self.config["home"]],
+            [sys.executable, "-m", "flotilla._node.build", self.config["home"]],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -484,7 +484,7 @@ class Agent:
                 os.dup2(w_err, 2)
                 for fd in (devnull, w_out, w_err):
                     os.close(fd)
-                from ._executor import main
+                from .executor import main
 
                 main(dict(self.config, local_rank=slot.rank), self.blob, r_task, w_res)
             finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 if TYPE_CHECKING:
-    from ._compute import Compute
+    from .compute import Compute
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,7 +32,7 @@ def _not_a_pool(op: str, other: object) -> TypeError:
 
 
 def _check_pool(op: str, pool: object) -> Compute:
-    from ._compute import Compute
+    from .compute import Compute
 
     if not isinstance(pool, Compute):
         raise _not_a_pool(op, pool)

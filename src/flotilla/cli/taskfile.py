@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
     import yaml

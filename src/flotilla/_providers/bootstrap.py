@@ -45,8 +45,8 @@ import threading
 from dataclasses import dataclass
 from enum import Enum
 
-from ._errors import ProvisionError
-from ._pipe import PipeAgent
+from .._errors import ProvisionError
+from .pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")
 

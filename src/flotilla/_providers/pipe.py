@@ -20,8 +20,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from ._protocol import Buffer, FrameReader, write_all
-from ._provider import AgentProcess, FramesCallback
+from .._wire.frames import Buffer, FrameReader, write_all
+from .base import AgentProcess, FramesCallback
 
 _NOISE_LIMIT = 1 << 16
 """Bytes of output (e.g. a chatty shell profile) kept while looking for an answer line."""

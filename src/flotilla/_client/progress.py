@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TextIO
 
-from ._image import redact
+from .._image import redact
 
 
 class Progress:

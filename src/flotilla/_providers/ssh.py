@@ -27,10 +27,10 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._bootstrap import SIGNAL_LINE, Bundle, NoAnswer, client_bundle, start_agent, start_command
-from ._errors import ConfigurationError, ProvisionError
-from ._pipe import PipeAgent, spawn
-from ._provider import AgentProcess, FramesCallback, PoolSpec, Provider
+from .._errors import ConfigurationError, ProvisionError
+from .base import AgentProcess, FramesCallback, PoolSpec, Provider
+from .bootstrap import SIGNAL_LINE, Bundle, NoAnswer, client_bundle, start_agent, start_command
+from .pipe import PipeAgent, spawn
 
 logger = logging.getLogger("flotilla.ssh")
 

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ._protocol import Buffer
+from .frames import Buffer
 
 OUT_OF_BAND = 64 * 1024  # buffers this large are not copied into the pickle stream
 SHM_MIN = 1 << 20  # buffers this large go through shared memory between same-host nodes

@@ -22,8 +22,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from ._function import function
-from ._info import instance_info
+from .._client.function import function
+from .._info import instance_info
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""

@@ -1,6 +1,6 @@
 """Node side of ``Image``: build an environment once per content hash.
 
-Run by the agent as ``python -m flotilla._build HOME`` with the build spec as JSON on stdin
+Run by the agent as ``python -m flotilla._node.build HOME`` with the build spec as JSON on stdin
 (followed by the includes archive), and the image's env in its environment (never on disk).
 It prints ``::step NAME`` before each step; the agent turns its output into progress and,
 on failure, into an error naming the step, the exit code and the last lines.

@@ -8,11 +8,11 @@ import pickle
 from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
 from typing import Any
 
-from ._errors import RemoteError, SerializationError, TaskTimeoutError, WorkerDiedError
-from ._exits import describe_exit
-from ._node import Node
-from ._protocol import Status
-from ._serialize import decode, shm_name_of, unlink_shm
+from .._errors import RemoteError, SerializationError, TaskTimeoutError, WorkerDiedError
+from .._wire.exits import describe_exit
+from .._wire.frames import Status
+from .._wire.serialize import decode, shm_name_of, unlink_shm
+from .node import Node
 
 
 def outcome(

@@ -1,6 +1,6 @@
 """The cluster daemon: one process per named cluster, owning its pool.
 
-``flotilla launch -c NAME`` starts it as ``python -m flotilla._cluster NAME`` (its own
+``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
 ``NAME.sock`` (see ``_wire``): jobs are queued and run one at a time (see ``_jobs``), their
 output streamed to whoever follows them and kept per node. It stops on ``flotilla down``
@@ -28,14 +28,15 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from ._compute import Compute
-from ._errors import FlotillaError
-from ._image import redact
-from ._jobs import Job, Runner
-from ._jobspec import JobSpec, task_id
-from ._providers import ProviderSpec, make_provider, ssh_config
-from ._remote import node_facts
-from ._state import (
+from .._client.compute import Compute
+from .._errors import FlotillaError
+from .._image import redact
+from .backends.registry import ProviderSpec, make_provider, ssh_config
+from .ipc import Event, encode, prefix
+from .jobs import Job, Runner
+from .jobspec import JobSpec, task_id
+from .node_ops import node_facts
+from .state import (
     ClusterState,
     JobStatus,
     NodeRecord,
@@ -45,7 +46,6 @@ from ._state import (
     process_start,
     update,
 )
-from ._wire import Event, encode, prefix
 
 _CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown goes on
 
@@ -399,8 +399,8 @@ def follow_local(job: Job) -> Iterator[Event]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m flotilla._cluster NAME [--ready-fd FD]``: run a cluster's daemon."""
-    parser = argparse.ArgumentParser(prog="python -m flotilla._cluster")
+    """``python -m flotilla.cli.daemon NAME [--ready-fd FD]``: run a cluster's daemon."""
+    parser = argparse.ArgumentParser(prog="python -m flotilla.cli.daemon")
     parser.add_argument("name")
     parser.add_argument("--ready-fd", type=int, default=-1)
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from collections import deque
 from contextlib import ExitStack
 from typing import Any, NoReturn
 
-from ._protocol import TASK_HEAD, FrameReader, Kind, Status, frame, write_all
+from .._wire.frames import TASK_HEAD, FrameReader, Kind, Status, frame, write_all
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
@@ -42,9 +42,9 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     shm_prefix: str = config.get("shm_prefix", "")
     stack = ExitStack()
     try:
-        from . import _serialize
-        from ._info import instance_info
-        from ._plugins import enter_plugins
+        from .._info import instance_info
+        from .._wire import serialize as _serialize
+        from ..plugins._base import enter_plugins
 
         plugins = pickle.loads(blob) if blob else []
         enter_plugins(stack, plugins, instance_info())

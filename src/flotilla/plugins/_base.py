@@ -33,7 +33,7 @@ import gc
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
-from ._info import InstanceInfo
+from .._info import InstanceInfo
 
 
 class Plugin:

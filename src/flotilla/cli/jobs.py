@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ._compute import Compute
-from ._image import is_secret, redact
-from ._jobspec import JobSpec, hostfile, phase_env
-from ._providers import check_gpus
-from ._remote import TOKEN_VAR, free_port, reap, run_script, unpack
-from ._state import JobRecord, JobStatus, NodeRecord
-from ._sync import build as build_archive
-from ._wire import Event, node_name, prefix
+from .._client.compute import Compute
+from .._image import is_secret, redact
+from .backends.registry import check_gpus
+from .ipc import Event, node_name, prefix
+from .jobspec import JobSpec, hostfile, phase_env
+from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
+from .state import JobRecord, JobStatus, NodeRecord
+from .sync import build as build_archive
 
 TAIL_LINES = 20
 """Lines of a failing node shown in the job's report."""

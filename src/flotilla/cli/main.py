@@ -25,9 +25,10 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._errors import ConfigurationError, FlotillaError
-from ._jobspec import JobSpec
-from ._state import (
+from .._errors import ConfigurationError, FlotillaError
+from .ipc import Event, prefix
+from .jobspec import JobSpec
+from .state import (
     ClusterRecord,
     ClusterState,
     JobStatus,
@@ -40,13 +41,12 @@ from ._state import (
     save,
     wait_gone,
 )
-from ._wire import Event, prefix
 
 if TYPE_CHECKING:
     import socket
 
-    from ._providers import ProviderSpec
-    from ._task import Task
+    from .backends.registry import ProviderSpec
+    from .taskfile import Task
 
 _START_TIMEOUT = 120.0  # seconds to wait for another command's daemon to listen
 
@@ -158,7 +158,7 @@ def _running(paths: Paths) -> ClusterRecord:
 
 def _connect(paths: Paths, rec: ClusterRecord, timeout: float = _START_TIMEOUT) -> socket.socket:
     """A connection to the cluster's daemon, waiting while it starts."""
-    from ._wire import connect
+    from .ipc import connect
 
     deadline = time.monotonic() + timeout
     delay = 0.005
@@ -179,7 +179,7 @@ def _connect(paths: Paths, rec: ClusterRecord, timeout: float = _START_TIMEOUT) 
 
 def _submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> int:
     """Send a job to the cluster's daemon; follow it unless ``detach``."""
-    from ._wire import encode, events
+    from .ipc import encode, events
 
     sock = _connect(paths, rec)
     with sock:
@@ -211,7 +211,7 @@ def _submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> in
 
 # -- launch ----------------------------------------------------------------------------------
 def _task_from(arg: str, nodes: int | None, envs: list[str], secrets: list[str]) -> Task:
-    from ._task import command_task, load_task
+    from .taskfile import command_task, load_task
 
     if os.path.isfile(arg) or arg.endswith((".yaml", ".yml")):
         task = load_task(arg)
@@ -232,7 +232,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str | None]:
 
 def _provider_spec(args: argparse.Namespace) -> ProviderSpec | None:
     """The provider the flags ask for; None when they ask for nothing in particular."""
-    from ._providers import ProviderSpec
+    from .backends.registry import ProviderSpec
 
     given = args.provider is not None or args.hosts
     if not given:
@@ -272,7 +272,7 @@ def _job_spec(
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from ._providers import ProviderSpec, check_task
+    from .backends.registry import ProviderSpec, check_task
 
     task = _task_from(args.task, None, args.env, args.secret)
     if args.nodes is not None and args.nodes < 1:
@@ -367,7 +367,7 @@ def _start_daemon(
                 [
                     sys.executable,
                     "-m",
-                    "flotilla._cluster",
+                    "flotilla.cli.daemon",
                     paths.name,
                     "--ready-fd",
                     str(write_fd),
@@ -422,7 +422,7 @@ def _launch_here(
 ) -> int:
     """``launch --down`` of a new cluster: the daemon runs inside this process, for the
     job's duration (other commands see and reach it as usual)."""
-    from ._cluster import ClusterDaemon, follow_local
+    from .daemon import ClusterDaemon, follow_local
 
     with locked(paths):
         current = load(paths)
@@ -467,7 +467,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             code=2,
         )
     if task.resources.gpus_per_node:
-        from ._providers import ProviderSpec, check_task
+        from .backends.registry import ProviderSpec, check_task
 
         for warning in check_task(task, ProviderSpec.from_dict(rec.provider), rec.num_nodes):
             _say(f"warning: {warning}")
@@ -550,7 +550,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         ClusterState.STARTING,
     )
     if args.follow and live:
-        from ._wire import encode, events
+        from .ipc import encode, events
 
         with _connect(paths, rec) as sock:
             sock.sendall(encode({"op": "follow", "job": job_id, "node": args.node}))
@@ -578,7 +578,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from ._wire import encode, events
+    from .ipc import encode, events
 
     paths = Paths(args.cluster)
     rec = _running(paths)
@@ -603,8 +603,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from ._state import delete
-    from ._wire import request
+    from .ipc import request
+    from .state import delete
 
     code = 0
     for name in args.clusters:
@@ -639,7 +639,7 @@ def _kill_leftovers(paths: Paths, token: str) -> None:
     """Kill what a local cluster may have left running: its jobs' processes (found by
     their FLOTILLA_RUN_TOKEN) and anything in its nodes' working directories."""
     if token:
-        from ._remote import reap
+        from .node_ops import reap
 
         reap.local(f"{token}.")
     root = str(paths.nodes.resolve())
@@ -658,7 +658,7 @@ def _kill_leftovers(paths: Paths, token: str) -> None:
 def cmd_ssh(args: argparse.Namespace) -> int:
     import shlex
 
-    from ._jobspec import phase_env
+    from .jobspec import phase_env
 
     paths = Paths(args.cluster)
     rec = _running(paths)

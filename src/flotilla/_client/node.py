@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NodeLostError, ProvisionError
-from ._exits import signal_name
-from ._protocol import TASK_HEAD, Buffer, Kind, frame
-from ._provider import AgentProcess
-from ._serialize import Pickled, encode, unlink_shm
+from .._errors import NodeLostError, ProvisionError
+from .._providers.base import AgentProcess
+from .._wire.exits import signal_name
+from .._wire.frames import TASK_HEAD, Buffer, Kind, frame
+from .._wire.serialize import Pickled, encode, unlink_shm
 
 if TYPE_CHECKING:
-    from ._function import PendingCall
+    from .function import PendingCall
 
 _task_ids = itertools.count(1)
 _STDERR_TAIL = 40

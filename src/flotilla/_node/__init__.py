@@ -1,0 +1,4 @@
+"""The node side: the agent every provider starts, its executor and environment builder.
+
+Standard library only: nodes may have nothing but Python.
+"""

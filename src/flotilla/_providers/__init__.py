@@ -1,0 +1,1 @@
+"""Providers: where nodes come from (local processes, SSH hosts, ...), behind one interface."""

@@ -1,0 +1,1 @@
+"""Command-line backends: one module per provider kind."""
