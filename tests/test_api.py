@@ -317,13 +317,13 @@ def test_closed_and_unstarted_pools_refuse_calls() -> None:
 
 
 class CountingLocal(sky.Local):
-    """The real local provider, counting how often it was asked to start nodes."""
+    """The real local provider, counting how often it was asked for machines."""
 
     starts = 0
 
-    async def start(self, spec: sky.PoolSpec, command: list[str]) -> list[sky.AgentProcess]:
+    async def acquire(self, spec: sky.PoolSpec) -> Any:
         CountingLocal.starts += 1
-        return await super().start(spec, command)
+        return await super().acquire(spec)
 
 
 def test_missing_accelerator_fails_before_anything_starts() -> None:

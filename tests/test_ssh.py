@@ -84,7 +84,7 @@ def test_parse_host_forms() -> None:
 
 def test_host_objects_and_defaults() -> None:
     provider = SSH(["a", SSHHost("b", user="bob", port=2200, private_addr="10.0.0.2")], user="u")
-    first, second = (provider._target(h) for h in provider.hosts)
+    first, second = (provider.target(h) for h in provider.hosts)
     assert (first.host, first.user, first.port, first.address) == ("a", "u", 22, "a")
     assert (second.host, second.user, second.port, second.address) == (
         "b",

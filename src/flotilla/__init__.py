@@ -47,6 +47,8 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._output import stderr as stderr
     from ._output import stdout as stdout
     from ._providers.base import AgentProcess as AgentProcess
+    from ._providers.base import Allocation as Allocation
+    from ._providers.base import Machine as Machine
     from ._providers.base import Options as Options
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
@@ -76,7 +78,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_image": ("Image", "Secret"),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
     "_output": ("silent", "stderr", "stdout"),
-    "_providers.base": ("AgentProcess", "Options", "PoolSpec", "Provider"),
+    "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.local": ("Local",),
     "_providers.ssh": ("SSH", "SSHHost"),
     "_shard": ("shard",),

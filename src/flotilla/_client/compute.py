@@ -22,7 +22,7 @@ from .._errors import (
 )
 from .._image import Image, plain_env, redact, secret_values, ship_user_modules
 from .._info import InstanceInfo, Peer
-from .._providers.base import AgentProcess, Options, PoolSpec, Provider
+from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._wire.frames import Buffer, Kind, Status, frame
 from .._wire.serialize import (
     SHM_DIR,
@@ -123,6 +123,7 @@ class Compute:
         self._state = PoolState.NEW
         self._nodes: list[Node] = []
         self._procs: list[AgentProcess] = []
+        self._allocation: Allocation | None = None
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self._shm_prefix = f"flotilla-{self.pool_id}-"
         self._heartbeat: asyncio.Task[None] | None = None
@@ -216,7 +217,7 @@ class Compute:
             os.close(fd)
         except OSError:
             probe = {}
-        procs = await self.provider.start(spec, self.provider.agent_command())
+        self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
         self._procs = procs
         self._progress = Progress(len(procs), self._secrets)
         events = _PoolEvents(self)
@@ -314,6 +315,8 @@ class Compute:
         grace = self.options.shutdown_grace + 0.5
         await asyncio.gather(*(p.wait(grace) for p in self._procs))
         await asyncio.gather(*(p.terminate() for p in self._procs), return_exceptions=True)
+        if self._allocation is not None:
+            await self._allocation.release()
         for node in self._nodes:
             node.flush_output()
             with node.lock:

@@ -1,9 +1,21 @@
-"""The provider interface.
+"""The provider model: where nodes come from.
 
-A provider does one thing: start one agent command per node and hand back, per node, its
-stdio (the protocol channel), the address peers use to reach it, and a way to terminate
-it. Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so
-Local, SSH, SLURM and cloud providers share one path and run the same agent entrypoint.
+A provider gets machines and starts the agent on them, in four separate steps that every
+backend implements (as submitit's executors and dask's ``ProcessInterface`` do):
+
+1. **acquire** (:meth:`Provider.acquire`): get N machines for a pool, an
+   :class:`Allocation` (local process folders, a set of SSH hosts, a SLURM job, cloud
+   instances). Nothing runs on them yet.
+2. **start an agent** (:meth:`Allocation.start_agent`): run ``python -m flotilla.agent`` on
+   one machine and hand back its stdio as an :class:`AgentProcess` (the protocol channel),
+   with the address peers use to reach it.
+3. **replace** (:meth:`Allocation.replace`): the machine at rank k is lost; get another one
+   for that rank (a new process tree, a spare or reconnected host, a new SLURM step or
+   instance).
+4. **release** (:meth:`Allocation.release`): give everything back. Idempotent.
+
+Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so every
+backend shares one path (:meth:`Provider.start`) and runs the same agent entry point.
 """
 
 from __future__ import annotations
@@ -12,9 +24,11 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from .._accelerators import Accelerator
+from .._errors import ProvisionError
 from .._wire.frames import Buffer
 
 FramesCallback = Callable[[list[tuple[int, int, bytes | bytearray]] | None], None]
@@ -61,6 +75,8 @@ class PoolSpec:
         image: the node environment (an ``Image``), or None for the provider's default.
         plugins: plugins, in order.
         options: pool options.
+        vcpus: CPUs wanted per node, or None (the provider's default).
+        memory_gb: memory wanted per node in GiB, or None (the provider's default).
     """
 
     pool_id: str
@@ -69,6 +85,8 @@ class PoolSpec:
     image: Any
     plugins: tuple[Any, ...]
     options: Options
+    vcpus: float | None = None
+    memory_gb: float | None = None
 
 
 class AgentProcess(ABC):
@@ -113,8 +131,112 @@ class AgentProcess(ABC):
         return None
 
 
+class MachineState(Enum):
+    """Lifecycle of one machine of an allocation::
+
+        PENDING --reachable / agent started--> RUNNING
+        PENDING | RUNNING --gone (agent exited, host down, preempted)--> LOST
+        PENDING | RUNNING | LOST --released--> RELEASED
+
+    A LOST machine is never reused as it is: :meth:`Allocation.replace` puts a new
+    :class:`Machine` at its rank.
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    LOST = "lost"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One machine of an allocation.
+
+    Attributes:
+        rank: the node rank it serves.
+        host: a name for it in messages (host name, node name, instance id).
+        address: the address other nodes use to reach it.
+        ident: what the provider knows it by (a work folder, ``user@host:port``, a SLURM
+            node name, an EC2 instance id); unique within the allocation's history.
+    """
+
+    rank: int
+    host: str
+    address: str
+    ident: str
+
+
+class AllocationState(Enum):
+    """Lifecycle of an allocation::
+
+    ACQUIRING --every machine granted--> READY --release()--> RELEASING --> RELEASED
+    ACQUIRING --failure / cancelled--> RELEASING --> RELEASED
+    READY --replace(k)--> READY (machine k is a new one)
+    """
+
+    ACQUIRING = "acquiring"
+    READY = "ready"
+    RELEASING = "releasing"
+    RELEASED = "released"
+
+
+LostCallback = Callable[[int, str], None]
+"""Called with (rank, reason) when a provider learns that a machine is gone."""
+
+
+class Allocation(ABC):
+    """The machines a provider acquired for one pool. All methods run on the client's loop.
+
+    Attributes:
+        spec: the pool's request.
+        machines: the current machine of each rank, in rank order.
+        state: where the allocation is in its lifecycle.
+    """
+
+    def __init__(self, spec: PoolSpec, machines: Sequence[Machine]) -> None:
+        self.spec = spec
+        self.machines: list[Machine] = list(machines)
+        self.state = AllocationState.READY
+        self.machine_states: dict[str, MachineState] = {
+            m.ident: MachineState.PENDING for m in machines
+        }
+        self._on_lost: LostCallback | None = None
+
+    @abstractmethod
+    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        """Start the agent ``command`` on ``machine``; ProvisionError naming the machine."""
+
+    async def replace(self, rank: int, reason: str) -> Machine:
+        """Put a new machine at ``rank`` (its current one is lost, for ``reason``) and
+        release the old one. ProvisionError when no machine can be had."""
+        raise ProvisionError(
+            f"{self.machines[rank].host}: {reason}; this provider cannot replace machines"
+        )
+
+    @abstractmethod
+    async def release(self) -> None:
+        """Release every machine the allocation ever held. Idempotent; never raises."""
+
+    def watch(self, on_lost: LostCallback) -> None:
+        """Report machines the provider learns are gone (a SLURM node DOWN, a spot
+        interruption notice) to ``on_lost(rank, reason)``. A lost agent is noticed by the
+        client anyway; this is for what only the provider can see."""
+        self._on_lost = on_lost
+
+    def mark(self, machine: Machine, state: MachineState) -> None:
+        """Record ``machine``'s new state."""
+        self.machine_states[machine.ident] = state
+
+    def report_lost(self, rank: int, reason: str) -> None:
+        """Tell the watcher (if any) that the machine at ``rank`` is gone."""
+        self.mark(self.machines[rank], MachineState.LOST)
+        if self._on_lost is not None:
+            self._on_lost(rank, reason)
+
+
 class Provider(ABC):
-    """Starts agents. Subclass it to add a new place to run."""
+    """Gets machines and starts agents on them. Subclass it to add a new place to run:
+    implement :meth:`acquire` (and an :class:`Allocation`), and :meth:`validate`."""
 
     name: str = "provider"
     home: str = "~/.flotilla"
@@ -129,12 +251,48 @@ class Provider(ABC):
         """
 
     @abstractmethod
-    async def start(self, spec: PoolSpec, command: list[str]) -> list[AgentProcess]:
-        """Start ``command`` (the agent) once per node; return them in rank order.
+    async def acquire(self, spec: PoolSpec) -> Allocation:
+        """Get ``spec.nodes`` machines. On failure release what was got and raise
+        ProvisionError; on cancellation release too."""
 
-        On failure, stop whatever was started and raise ProvisionError.
-        """
+    async def start(
+        self, spec: PoolSpec, command: list[str]
+    ) -> tuple[Allocation, list[AgentProcess]]:
+        """The one path every provider shares: acquire, then start the agents on every
+        machine at once. The first failure in rank order is raised (root cause first),
+        after everything started was stopped and the allocation released."""
+        allocation = await self.acquire(spec)
+        try:
+            agents = await start_agents(allocation, allocation.machines, command)
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation, agents
 
     def agent_command(self) -> list[str]:
         """The agent command line (``python -m flotilla.agent``) for this provider's nodes."""
         return ["python3", "-m", "flotilla.agent"]
+
+
+async def start_agents(
+    allocation: Allocation, machines: Sequence[Machine], command: list[str]
+) -> list[AgentProcess]:
+    """Start an agent on each of ``machines`` at once; in their order. On a failure (or
+    cancellation) every agent started is terminated and the first failure in order raised."""
+    tasks = [asyncio.create_task(allocation.start_agent(m, command)) for m in machines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed or not all(t.done() for t in tasks):  # an error, or we were cancelled
+            for t in tasks:
+                t.cancel()
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            for agent in done:
+                if isinstance(agent, AgentProcess):
+                    await agent.terminate()
+    if failed:
+        raise failed[0].exception()  # type: ignore[misc]
+    for m in machines:
+        allocation.mark(m, MachineState.RUNNING)
+    return [t.result() for t in tasks]

@@ -5,12 +5,19 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
-from .base import AgentProcess, PoolSpec, Provider
+from .base import (
+    AgentProcess,
+    Allocation,
+    AllocationState,
+    Machine,
+    MachineState,
+    PoolSpec,
+    Provider,
+)
 from .pipe import PipeAgent, spawn
 
 
@@ -51,11 +58,8 @@ class Local(Provider):
     def agent_command(self) -> list[str]:
         return [self.python, "-m", "flotilla.agent"]
 
-    async def start(self, spec: PoolSpec, command: list[str]) -> list[AgentProcess]:
-        env = dict(os.environ)
-        env.pop("COMPUTE_POOL", None)
-        env["PYTHONPATH"] = os.pathsep.join(_client_path())
-        started: list[AgentProcess] = []
+    async def acquire(self, spec: PoolSpec) -> LocalAllocation:
+        """One fresh work folder per node: a local "machine" is a process tree there."""
         if self.workdir is not None:
             try:
                 os.makedirs(self.workdir, exist_ok=True)
@@ -63,34 +67,59 @@ class Local(Provider):
                 raise ProvisionError(
                     f"cannot create the nodes' work folder {self.workdir!r}: {e}"
                 ) from e
+        allocation = LocalAllocation(self, spec)
         try:
-            for rank in range(spec.nodes):
-                workdir = tempfile.mkdtemp(
-                    prefix=f"flotilla-{spec.pool_id}-node{rank}-", dir=self.workdir
-                )
-                try:
-                    proc = spawn(command, cwd=workdir, env=env)
-                except OSError as e:
-                    shutil.rmtree(workdir, ignore_errors=True)
-                    raise ProvisionError(f"cannot start the agent {command[0]!r}: {e}") from e
-                started.append(LocalAgent(proc, workdir))
+            allocation.machines = [allocation.new_machine(r) for r in range(spec.nodes)]
         except BaseException:
-            for agent in started:
-                await agent.terminate()
+            await allocation.release()
             raise
-        return started
+        return allocation
 
 
-class LocalAgent(PipeAgent):
-    """An agent started as a child process of the client, in its own working directory."""
+class LocalAllocation(Allocation):
+    """Work folders on this machine; an agent is a child process in one of them."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], workdir: str) -> None:
-        super().__init__(proc, address="127.0.0.1", host="localhost")
-        self.workdir = workdir
+    def __init__(self, provider: Local, spec: PoolSpec) -> None:
+        super().__init__(spec, [])
+        self.provider = provider
+        self.env = dict(os.environ)
+        self.env.pop("COMPUTE_POOL", None)
+        self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
+        self._folders: list[str] = []  # every folder ever made, removed at release
 
-    async def terminate(self) -> None:
-        await super().terminate()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+    def new_machine(self, rank: int) -> Machine:
+        try:
+            folder = tempfile.mkdtemp(
+                prefix=f"flotilla-{self.spec.pool_id}-node{rank}-", dir=self.provider.workdir
+            )
+        except OSError as e:
+            raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
+        self._folders.append(folder)
+        machine = Machine(rank, "localhost", "127.0.0.1", folder)
+        self.mark(machine, MachineState.PENDING)
+        return machine
+
+    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        try:
+            proc = spawn(command, cwd=machine.ident, env=self.env)
+        except OSError as e:
+            raise ProvisionError(f"cannot start the agent {command[0]!r}: {e}") from e
+        return PipeAgent(proc, address=machine.address, host=machine.host)
+
+    async def replace(self, rank: int, reason: str) -> Machine:
+        old = self.machines[rank]
+        machine = self.new_machine(rank)
+        self.machines[rank] = machine
+        self.mark(old, MachineState.RELEASED)
+        shutil.rmtree(old.ident, ignore_errors=True)
+        return machine
+
+    async def release(self) -> None:
+        self.state = AllocationState.RELEASED
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        for machine in self.machines:
+            self.mark(machine, MachineState.RELEASED)
 
 
 def _client_path() -> list[str]:

@@ -28,7 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._errors import ConfigurationError, ProvisionError
-from .base import AgentProcess, FramesCallback, PoolSpec, Provider
+from .base import (
+    AgentProcess,
+    Allocation,
+    AllocationState,
+    FramesCallback,
+    Machine,
+    MachineState,
+    PoolSpec,
+    Provider,
+)
 from .bootstrap import SIGNAL_LINE, Bundle, NoAnswer, client_bundle, start_agent, start_command
 from .pipe import PipeAgent, spawn
 
@@ -186,7 +195,7 @@ class SSH(Provider):
     def agent_command(self) -> list[str]:
         return [self.python, "-m", "flotilla.agent"]
 
-    def _target(self, host: SSHHost) -> _Target:
+    def target(self, host: SSHHost) -> _Target:
         return _Target(
             host=host.host,
             user=host.user or self.user,
@@ -221,32 +230,14 @@ class SSH(Provider):
             argv += ["-o", f"{name}={value}"]
         return [*argv, "--", target.host, command]
 
-    async def start(self, spec: PoolSpec, command: list[str]) -> list[AgentProcess]:
-        """Connect to the first ``spec.nodes`` hosts at once and start their agents.
-
-        The agent command is the bootstrap's (``{python} -m flotilla.agent`` with the
-        bundle on ``PYTHONPATH``), so ``command`` is not used. The first failure (in rank
-        order among those seen together) is raised; everything started is stopped.
-        """
-        bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
+    async def acquire(self, spec: PoolSpec) -> SSHAllocation:
+        """The first ``spec.nodes`` hosts serve the ranks; the others are spares that
+        :meth:`SSHAllocation.replace` takes in order. Nothing is connected yet."""
         if self.accept_new_host_keys:
             os.makedirs(os.path.dirname(self.known_hosts) or ".", mode=0o700, exist_ok=True)
-        timeout = spec.options.start_timeout
-        tasks = [
-            asyncio.create_task(self._start_one(self._target(h), bundle, timeout))
-            for h in self.hosts[: spec.nodes]
-        ]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
-            if failed or not all(t.done() for t in tasks):  # an error, or we were cancelled
-                await _cancel_all(tasks)
-        if failed:
-            raise failed[0].exception()  # type: ignore[misc]
-        return [t.result() for t in tasks]
+        return SSHAllocation(self, spec)
 
-    async def _start_one(self, target: _Target, bundle: Bundle, timeout: float) -> SSHAgent:
+    async def start_one(self, target: _Target, bundle: Bundle, timeout: float) -> SSHAgent:
         """Start one host's agent; ProvisionError naming the host."""
         argv = self.ssh_argv(
             target, start_command(self.workdir, self.python, bundle.hash, len(bundle.data))
@@ -386,13 +377,48 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-async def _cancel_all(tasks: list[asyncio.Task[SSHAgent]]) -> None:
-    """Cancel unfinished start tasks and terminate the agents the others started."""
-    for task in tasks:
-        task.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    agents = [r for r in results if isinstance(r, SSHAgent)]
-    await asyncio.gather(*(a.terminate() for a in agents), return_exceptions=True)
+class SSHAllocation(Allocation):
+    """Hosts of an SSH provider: ``hosts[:nodes]`` serve the ranks, the rest are spares.
+
+    A lost host is replaced by the next spare; with none left, by the same host again (a
+    reconnection: the host may have rebooted or its network come back).
+    """
+
+    def __init__(self, provider: SSH, spec: PoolSpec) -> None:
+        targets = [provider.target(h) for h in provider.hosts]
+        machines = [_machine(rank, t) for rank, t in enumerate(targets[: spec.nodes])]
+        super().__init__(spec, machines)
+        self.provider = provider
+        self.targets = {m.ident: t for m, t in zip(machines, targets, strict=False)}
+        self.spares = targets[spec.nodes :]
+        self._bundle: Bundle | None = None
+
+    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        """Run the bootstrap over ssh (``command`` is the bootstrap's, not used)."""
+        if self._bundle is None:
+            self._bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
+        timeout = self.spec.options.start_timeout
+        return await self.provider.start_one(self.targets[machine.ident], self._bundle, timeout)
+
+    async def replace(self, rank: int, reason: str) -> Machine:
+        old = self.machines[rank]
+        self.mark(old, MachineState.RELEASED)
+        target = self.spares.pop(0) if self.spares else self.targets[old.ident]
+        machine = _machine(rank, target)
+        self.targets[machine.ident] = target
+        self.machines[rank] = machine
+        self.mark(machine, MachineState.PENDING)
+        return machine
+
+    async def release(self) -> None:
+        self.state = AllocationState.RELEASED
+        for machine in self.machines:
+            self.mark(machine, MachineState.RELEASED)
+
+
+def _machine(rank: int, target: _Target) -> Machine:
+    user = f"{target.user}@" if target.user else ""
+    return Machine(rank, target.host, target.address, f"{user}{target.host}:{target.port}")
 
 
 # -- the agent -------------------------------------------------------------------------------
