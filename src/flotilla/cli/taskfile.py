@@ -207,16 +207,22 @@ def command_task(command: str, num_nodes: int | None = None) -> Task:
 
 # -- loading -------------------------------------------------------------------------------
 def load_task(path: str) -> Task:
-    """Read and validate the task file at ``path``; TaskError names the field and line."""
+    """Read and validate the task file at ``path``; TaskError names the field and line.
+    The file is read through the bounded loader (``yamlsafe``): hostile files are refused
+    before anything is built from them."""
     import yaml
 
+    from .yamlsafe import MAX_BYTES, YamlRefused, compose
+
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # enough to see it is too large
     except OSError as e:
         raise TaskError(f"cannot read the task file: {e.strerror or e}", path=path) from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = compose(data)
+    except YamlRefused as e:
+        raise TaskError(e.message, path=path, line=e.line) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else 0
