@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._redaction import MIN_CHARS, looks_secret, shown_env
+
 DEFAULT_EXCLUDES = (
     ".git",
     "__pycache__",
@@ -32,7 +34,6 @@ DEFAULT_EXCLUDES = (
     "node_modules",
     ".tox",
 )
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class Secret:
 
 def is_secret(name: str, value: object) -> bool:
     """Whether an environment variable must be hidden."""
-    return isinstance(value, Secret) or bool(_SECRET_NAME.search(name))
+    return isinstance(value, Secret) or looks_secret(name)
 
 
 def plain_env(env: Mapping[str, str | Secret]) -> dict[str, str]:
@@ -67,16 +68,9 @@ def secret_values(env: Mapping[str, str | Secret]) -> list[str]:
     out = []
     for k, v in env.items():
         raw = v.value if isinstance(v, Secret) else str(v)
-        if is_secret(k, v) and len(raw) >= 4:
+        if is_secret(k, v) and len(raw) >= MIN_CHARS:
             out.append(raw)
     return out
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    """Replace every secret value in ``text`` by ``***``."""
-    for s in secrets:
-        text = text.replace(s, "***")
-    return text
 
 
 def _tuple(value: Any, name: str) -> tuple[str, ...]:
@@ -140,7 +134,7 @@ class Image:
             )
 
     def __repr__(self) -> str:
-        shown = {k: "***" if is_secret(k, v) else v for k, v in self.env.items()}
+        shown = shown_env(self.env)
         fields = [f"{n}={getattr(self, n)!r}" for n in ("python", "pip", "pip_indexes", "apt")]
         return f"Image({', '.join(fields)}, env={shown!r}, includes={self.includes!r}, ...)"
 

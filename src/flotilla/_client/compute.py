@@ -20,9 +20,10 @@ from .._errors import (
     SerializationError,
     WorkerDiedError,
 )
-from .._image import Image, plain_env, redact, secret_values, ship_user_modules
+from .._image import Image, plain_env, secret_values, ship_user_modules
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._redaction import plugin_secrets, redact, redact_exception
 from .._wire.frames import Buffer, Kind, Status, frame
 from .._wire.serialize import (
     SHM_DIR,
@@ -195,7 +196,11 @@ class Compute:
         self._includes = image.includes_archive()
         self._build_spec = image.build_spec(self._includes) if image.needs_build else None
         self._env = {**plain_env(image.env), **plain_env(self.options.env)}
-        self._secrets = secret_values(image.env) + secret_values(self.options.env)
+        self._secrets = (
+            secret_values(image.env)
+            + secret_values(self.options.env)
+            + plugin_secrets(self.plugins)
+        )
         self._state = PoolState.STARTING
         loop = _loop.get_loop()
         fut = asyncio.run_coroutine_threadsafe(self._start(spec, blob), loop)
@@ -594,6 +599,7 @@ class Compute:
         if generation != self._generation or self._state is not PoolState.RUNNING:
             return
         self._generation += 1
+        cause = redact(cause, self._secrets)  # logged, and sent to every node
         logger.warning("restarting every process of the pool: %s", cause)
         for node in self._nodes:
             if node.state is NodeState.READY:
@@ -629,8 +635,8 @@ class Compute:
         self._by_future.pop(id(sub.future), None)
         if sub.future.done():
             return
-        if exc is not None:
-            sub.future.set_exception(exc)
+        if exc is not None:  # the one point errors reach the caller through: no secrets
+            sub.future.set_exception(redact_exception(exc, self._secrets))
         else:
             sub.future.set_result(value)
 
@@ -660,6 +666,8 @@ class _PoolEvents(NodeEvents):
         return redact(text, self.pool._secrets)
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
+        if self.pool._secrets:  # the one point task output passes, to console or sink
+            lines = [redact(line, self.pool._secrets) for line in lines]
         sink = self.pool.output_sink
         if sink is None:
             super().output(node, stream, lines, local_rank)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TextIO
 
-from .._image import redact
+from .._redaction import redact
 
 
 class Progress:

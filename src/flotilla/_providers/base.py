@@ -57,6 +57,15 @@ class Options:
     shutdown_grace: float = 2.0
     env: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # env values may be secrets: never shown
+        from .._redaction import shown_env
+
+        return (
+            f"Options(cluster={self.cluster!r}, start_timeout={self.start_timeout!r}, "
+            f"heartbeat_timeout={self.heartbeat_timeout!r}, "
+            f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r})"
+        )
+
     def __post_init__(self) -> None:
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)

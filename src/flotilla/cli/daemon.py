@@ -30,7 +30,7 @@ from typing import Any
 
 from .._client.compute import Compute
 from .._errors import FlotillaError
-from .._image import redact
+from .._redaction import redact
 from .backends.registry import ProviderSpec, make_provider, ssh_config
 from .ipc import Event, encode, prefix
 from .jobs import Job, Runner

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._client.compute import Compute
-from .._image import is_secret, redact
+from .._image import is_secret
+from .._redaction import redact
 from .backends.registry import check_gpus
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env
