@@ -30,9 +30,10 @@ from typing import Any
 
 from .._client.compute import Compute
 from .._errors import FlotillaError
+from .._private import private_dir, socket_address
 from .._redaction import redact
 from .backends.registry import ProviderSpec, make_provider, ssh_config
-from .ipc import Event, encode, prefix
+from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
 from .jobspec import JobSpec, task_id
 from .node_ops import node_facts
@@ -43,6 +44,7 @@ from .state import (
     Paths,
     delete,
     load,
+    locked,
     process_start,
     update,
 )
@@ -53,10 +55,18 @@ _CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown
 class ClusterDaemon:
     """A named cluster's pool, job queue and socket server."""
 
-    def __init__(self, paths: Paths) -> None:
-        record = load(paths)
+    def __init__(self, paths: Paths, generation: int | None = None) -> None:
+        with locked(paths):  # the launching command writes the record under this lock
+            record = load(paths)
         if record is None:
             raise FlotillaError(f"cluster {paths.name!r} has no state file")
+        if generation is not None and record.generation != generation:
+            raise FlotillaError(
+                f"cluster {paths.name!r} was launched again meanwhile (generation "
+                f"{record.generation}, this daemon's is {generation})"
+            )
+        self.generation = record.generation  # every change of the record checks it
+        self.socket_inode = 0  # of the socket this daemon bound, to remove only its own
         self.paths = paths
         self.name = paths.name
         self.spec = ProviderSpec.from_dict(record.provider)
@@ -86,7 +96,7 @@ class ClusterDaemon:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
-        with update(self.paths) as rec:
+        with update(self.paths, self.generation) as rec:
             rec.pid = os.getpid()
             rec.pid_start = process_start(rec.pid)
             rec.state = ClusterState.STARTING.value
@@ -97,15 +107,16 @@ class ClusterDaemon:
                 if not JobStatus(job.status).finished:
                     job.status = JobStatus.FAILED.value
                     job.error = "the cluster daemon running it exited"
-        path = str(self.paths.socket)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            server.bind(path)
-        finally:
-            os.umask(old)
+        with socket_address(self.paths.socket) as address:  # in the verified private folder
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address)
+            old = os.umask(0o177)
+            try:
+                server.bind(address)
+            finally:
+                os.umask(old)
+            self.socket_inode = os.stat(address).st_ino
         server.listen(64)
         self.server = server
         self.provisioner = self._thread(self._provision, "provision")
@@ -160,7 +171,10 @@ class ClusterDaemon:
             self.queue.clear()
             current = self.current
             self.cv.notify_all()
-        with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+        with (
+            contextlib.suppress(FlotillaError, OSError),
+            update(self.paths, self.generation) as rec,
+        ):
             if not self.error:
                 rec.state = ClusterState.STOPPING.value
         for job in pending:
@@ -179,16 +193,24 @@ class ClusterDaemon:
             self.pool.close()
         if self.server is not None:
             self.server.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.paths.socket)
+        self._unlink_socket()
         if self.delete_on_stop:
-            delete(self.paths)
+            delete(self.paths, self.generation)
         else:
-            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+            with (
+                contextlib.suppress(FlotillaError, OSError),
+                update(self.paths, self.generation) as rec,
+            ):
                 rec.state = (ClusterState.FAILED if self.error else ClusterState.STOPPED).value
                 rec.nodes = []
                 rec.last_activity = self.last_activity
         self.stopped.set()
+
+    def _unlink_socket(self) -> None:
+        """Remove this daemon's socket, never a newer daemon's at the same path."""
+        with contextlib.suppress(OSError), socket_address(self.paths.socket) as address:
+            if os.stat(address).st_ino == self.socket_inode:
+                os.unlink(address)
 
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
@@ -213,17 +235,20 @@ class ClusterDaemon:
                 self._save_job,
                 self.token,
             )
-            with update(self.paths) as rec:
+            with update(self.paths, self.generation) as rec:
                 rec.state = ClusterState.UP.value
                 rec.nodes = self.nodes
                 rec.token = self.token
             if self.spec.kind == "ssh":
-                self.paths.ssh_config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                private_dir(self.paths.ssh_config.parent)
                 self.paths.ssh_config.write_text(ssh_config(self.name, self.spec, self.nodes))
         except BaseException as e:  # root cause first: the provider's own message
             self.error = str(e) or type(e).__name__
             print(f"provisioning failed: {self.error}", file=sys.stderr)
-            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+            with (
+                contextlib.suppress(FlotillaError, OSError),
+                update(self.paths, self.generation) as rec,
+            ):
                 rec.state = ClusterState.FAILED.value
                 rec.error = self.error
         finally:
@@ -246,7 +271,7 @@ class ClusterDaemon:
             if self.stopping:
                 raise FlotillaError(f"cluster {self.name} is going down")
         now = time.time()
-        with update(self.paths) as rec:
+        with update(self.paths, self.generation) as rec:
             job_id = rec.next_job
             rec.next_job += 1
             job = Job(job_id, spec, task_id(self.name, job_id, now), self.paths.job_dir(job_id))
@@ -261,7 +286,10 @@ class ClusterDaemon:
         return job
 
     def _save_job(self, job: Job) -> None:
-        with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+        with (
+            contextlib.suppress(FlotillaError, OSError),
+            update(self.paths, self.generation) as rec,
+        ):
             rec.jobs = [job.record() if j.id == job.id else j for j in rec.jobs]
             rec.last_activity = time.time()
 
@@ -318,6 +346,20 @@ class ClusterDaemon:
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
+            uid = peer_uid(conn)
+            if uid != os.geteuid():  # the socket is private; this holds even if it is not
+                print(f"refused a connection from uid {uid}", file=sys.stderr)
+                with contextlib.suppress(OSError):
+                    conn.sendall(
+                        encode(
+                            {
+                                "ev": "error",
+                                "message": f"refused: this cluster belongs to uid "
+                                f"{os.geteuid()}, and only its owner may use it",
+                            }
+                        )
+                    )
+                return
             try:
                 with conn.makefile("rb") as f:
                     request = json.loads(f.readline() or b"{}")
@@ -403,9 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flotilla.cli.daemon")
     parser.add_argument("name")
     parser.add_argument("--ready-fd", type=int, default=-1)
+    parser.add_argument("--generation", type=int, default=None)
     args = parser.parse_args(argv)
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    daemon = ClusterDaemon(Paths(args.name))
+    daemon = ClusterDaemon(Paths(args.name), args.generation)
     signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop(delete_record=False))
     signal.signal(signal.SIGINT, lambda *_: daemon.request_stop(delete_record=False))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -12,12 +12,16 @@ The client sends one request and reads events until the daemon closes the connec
 Job events: {"ev": "out", "node": K, "rank": R, "stream": 1|2, "line": "..."},
 {"ev": "phase", "text": "..."}, {"ev": "end", "status": "...", "exit_code": N,
 "report": [lines]}. Errors: {"ev": "error", "message": "..."}.
+
+The socket sits in the cluster's private folder and the daemon serves only connections
+whose peer credentials (``SO_PEERCRED``) are its own user's: secrets travel in ``submit``.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,13 +35,23 @@ def encode(obj: Event) -> bytes:
 
 def connect(path: Path) -> socket.socket:
     """A connection to the daemon listening at ``path`` (OSError when there is none)."""
+    from .._private import socket_address
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(path))
+        with socket_address(path) as address:  # a socket in a folder we verified
+            sock.connect(address)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket connection."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def events(sock: socket.socket) -> Iterator[Event]:

@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from .._client.compute import Compute
 from .._image import is_secret
+from .._private import private_dirs
 from .._redaction import redact
 from .backends.registry import check_gpus
 from .ipc import Event, node_name, prefix
@@ -79,7 +80,7 @@ class Job:
         self.tails: dict[int, deque[str]] = {}
         self.subscribers: list[Subscriber] = []
         self._files: dict[str, IO[str]] = {}
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dirs(folder.parent, folder)
 
     def record(self) -> JobRecord:
         return JobRecord(

@@ -31,14 +31,16 @@ from .jobspec import JobSpec
 from .state import (
     ClusterRecord,
     ClusterState,
+    CorruptStateError,
     JobStatus,
     Paths,
     all_names,
     load,
-    locked,
+    locked_generation,
     process_alive,
     process_start,
     save,
+    update,
     wait_gone,
 )
 
@@ -210,14 +212,53 @@ def _submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> in
 
 
 # -- launch ----------------------------------------------------------------------------------
-def _task_from(arg: str, nodes: int | None, envs: list[str], secrets: list[str]) -> Task:
+def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
     from .taskfile import command_task, load_task
 
     if os.path.isfile(arg) or arg.endswith((".yaml", ".yml")):
         task = load_task(arg)
     else:
         task = command_task(arg, nodes)
-    return task.with_overrides(_pairs(envs, "--env"), _pairs(secrets, "--secret"))
+    secrets: dict[str, str | None] = {}
+    for path in args.secret_file:
+        secrets.update(_secret_file(path))
+    given = _pairs(args.secret, "--secret")
+    shown = sorted(k for k, v in given.items() if v is not None)
+    if shown:
+        _say(
+            f"warning: --secret {shown[0]}=VALUE puts the value on the command line, where "
+            f"every user of this machine can read it (ps); pass --secret {shown[0]} to take "
+            "it from the environment, or --secret-file FILE"
+        )
+    secrets.update(given)
+    return task.with_overrides(_pairs(args.env, "--env"), secrets)
+
+
+def _secret_file(path: str) -> dict[str, str | None]:
+    """The ``KEY=VALUE`` lines of a ``--secret-file`` (blank lines and ``#`` comments are
+    skipped; the value is taken as it is, quotes included)."""
+    import stat
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigurationError(f"--secret-file {path}: cannot read it ({e})") from None
+    if stat.S_IMODE(mode) & 0o077:
+        _say(f"warning: --secret-file {path} can be read by other users: chmod 600 {path}")
+    out: dict[str, str | None] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        key, eq, value = text.partition("=")
+        if not eq or not key.strip():
+            raise ConfigurationError(
+                f"{path}:{number}: expected KEY=VALUE (a secret file has one per line)"
+            )
+        out[key.strip()] = value
+    return out
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str | None]:
@@ -274,7 +315,7 @@ def _job_spec(
 def cmd_launch(args: argparse.Namespace) -> int:
     from .backends.registry import ProviderSpec, check_task
 
-    task = _task_from(args.task, None, args.env, args.secret)
+    task = _task_from(args.task, None, args)
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
     if args.idle_minutes is not None and args.idle_minutes <= 0:
@@ -323,9 +364,11 @@ def _new_record(
     nodes: int,
     idle: float | None,
     pid: int,
+    generation: int,
 ) -> ClusterRecord:
     now = time.time()
     rec = ClusterRecord(
+        generation=generation,
         name=paths.name,
         provider=spec.to_dict(),
         num_nodes=nodes,
@@ -347,7 +390,7 @@ def _start_daemon(
     another command is starting the same cluster, use its daemon."""
     import subprocess
 
-    with locked(paths):
+    with locked_generation(paths) as generation:
         current = load(paths)
         if current is not None and current.observed_state() in (
             ClusterState.UP,
@@ -371,6 +414,8 @@ def _start_daemon(
                     paths.name,
                     "--ready-fd",
                     str(write_fd),
+                    "--generation",
+                    str(generation),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -381,7 +426,7 @@ def _start_daemon(
                 env=env,
             )
         os.close(write_fd)
-        rec = _new_record(paths, current, spec, nodes, idle, proc.pid)
+        rec = _new_record(paths, current, spec, nodes, idle, proc.pid, generation)
         save(paths, rec)
     try:
         ready = os.read(read_fd, 1)
@@ -390,12 +435,9 @@ def _start_daemon(
     if not ready:
         proc.wait()
         tail = _tail(paths.daemon_log, 15)
-        with contextlib.suppress(FlotillaError), locked(paths):
-            failed = load(paths)
-            if failed is not None and failed.pid == proc.pid:
-                failed.state = ClusterState.FAILED.value
-                failed.error = f"its daemon exited with status {proc.returncode}"
-                save(paths, failed)
+        with contextlib.suppress(FlotillaError), update(paths, generation) as failed:
+            failed.state = ClusterState.FAILED.value
+            failed.error = f"its daemon exited with status {proc.returncode}"
         raise CLIError(
             f"cluster {paths.name}: the daemon exited with status {proc.returncode} before "
             f"it was ready; its log ({paths.daemon_log}) ends with:\n{tail}"
@@ -424,15 +466,18 @@ def _launch_here(
     job's duration (other commands see and reach it as usual)."""
     from .daemon import ClusterDaemon, follow_local
 
-    with locked(paths):
+    with locked_generation(paths) as generation:
         current = load(paths)
         if current is not None and current.observed_state() in (
             ClusterState.UP,
             ClusterState.STARTING,
         ):
             return _submit(paths, current, job, detach=False)
-        save(paths, _new_record(paths, current, spec, nodes, args.idle_minutes, os.getpid()))
-    daemon = ClusterDaemon(paths)
+        record = _new_record(
+            paths, current, spec, nodes, args.idle_minutes, os.getpid(), generation
+        )
+        save(paths, record)
+    daemon = ClusterDaemon(paths, generation)
 
     def interrupt(*_: object) -> NoReturn:
         raise KeyboardInterrupt
@@ -459,7 +504,7 @@ def _launch_here(
 def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = _running(paths)
-    task = _task_from(args.task, args.nodes, args.env, args.secret)
+    task = _task_from(args.task, args.nodes, args)
     nodes = args.nodes or task.num_nodes or rec.num_nodes
     if nodes > rec.num_nodes:
         raise CLIError(
@@ -481,7 +526,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     notes: list[str] = []
     now = time.time()
     for name in names:
-        rec = load(Paths(name))
+        try:
+            rec = load(Paths(name))
+        except CorruptStateError as e:  # this cluster only: the others are still listed
+            rows.append([name, "?", "?", "CORRUPT", "-", "-"])
+            notes.append(str(e))
+            continue
         if rec is None:
             notes.append(f"{name}: no such cluster")
             continue
@@ -517,7 +567,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
     rec = _record(Paths(args.cluster))
     rows = [["ID", "NAME", "STATUS", "NODES", "SUBMITTED", "DURATION", "EXIT"]]
     now = time.time()
-    for j in rec.jobs:
+    for j in rec.observed_jobs():  # LOST when the daemon is gone
         end = j.ended or now
         rows.append(
             [
@@ -609,7 +659,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     code = 0
     for name in args.clusters:
         paths = Paths(name)
-        rec = load(paths)
+        try:
+            rec = load(paths)
+        except CorruptStateError:
+            _down_corrupt(paths)
+            continue
         if rec is None:
             _say(f"there is no cluster {name!r}")
             code = 1
@@ -630,9 +684,24 @@ def cmd_down(args: argparse.Namespace) -> int:
             _say(f"cluster {name}: its daemon (pid {rec.pid}) was gone; cleaning up")
         if rec.provider.get("kind") == "local":
             _kill_leftovers(paths, rec.token)
-        delete(paths)
-        _say(f"cluster {name}: down")
+        if delete(paths, rec.generation):
+            _say(f"cluster {name}: down")
+        else:
+            _say(f"cluster {name}: down (a new cluster of that name was launched meanwhile)")
     return code
+
+
+def _down_corrupt(paths: Paths) -> None:
+    """``down`` of a cluster whose state file is unreadable: ask a daemon that may still
+    listen to stop, then remove what is left."""
+    from .ipc import request
+    from .state import delete
+
+    with contextlib.suppress(OSError, ValueError, FlotillaError):
+        list(request(paths.socket, {"op": "down"}))
+    _kill_leftovers(paths, "")
+    delete(paths)
+    _say(f"cluster {paths.name}: its unreadable state was removed; down")
 
 
 def _kill_leftovers(paths: Paths, token: str) -> None:
@@ -712,8 +781,16 @@ def _parser() -> argparse.ArgumentParser:
             "--secret",
             action="append",
             default=[],
-            metavar="K=V",
-            help="a secret variable: never logged or written to disk (K alone: from here)",
+            metavar="K",
+            help="a secret variable, its value taken from this environment: never logged, "
+            "shown or written to disk (K=V works but shows V to every user through ps)",
+        )
+        q.add_argument(
+            "--secret-file",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="secret variables from a file of KEY=VALUE lines",
         )
         q.add_argument(
             "-d", "--detach", action="store_true", help="submit and return; do not follow"

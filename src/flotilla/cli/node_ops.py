@@ -9,7 +9,6 @@ the executor's process group, which includes the script and its children.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import io
@@ -18,12 +17,11 @@ import signal
 import socket
 import subprocess
 import tarfile
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 from .._client.function import function
 from .._info import instance_info
+from .._private import file_lock, locks_dir
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -176,14 +174,9 @@ def _node_path(target: str, cwd: str, home_is_workdir: bool) -> str:
     return os.path.abspath(os.path.expanduser(target))
 
 
-@contextlib.contextmanager
-def _lock_for(path: str) -> Iterator[None]:
-    """An exclusive lock named after ``path``, shared by every node on this machine."""
+def _lock_for(path: str) -> contextlib.AbstractContextManager[None]:
+    """An exclusive lock named after ``path``, shared by every node of this user on this
+    machine: a private file under ``$FLOTILLA_HOME/locks`` (not in the shared temp folder,
+    where another user could take the name first or plant a symlink)."""
     digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:20]
-    lock = os.path.join(tempfile.gettempdir(), f"flotilla-sync-{os.getuid()}-{digest}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return file_lock(locks_dir() / f"sync-{digest}.lock")

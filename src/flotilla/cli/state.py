@@ -1,16 +1,20 @@
 """Named clusters on disk: where their files live, their lifecycle, their state files.
 
-Everything lives under ``$FLOTILLA_HOME`` (default ``~/.flotilla``)::
+Everything lives under ``$FLOTILLA_HOME`` (default ``~/.flotilla``), in folders created or
+verified private (owned by this user, mode 0700, never through a symlink: see ``_private``)::
 
     clusters/              mode 0700
       NAME.json            the cluster's state (ClusterRecord), replaced atomically
-      NAME.lock            flock()ed while the state is read-modified-written
-      NAME.sock            the cluster daemon's Unix socket
+      NAME.lock            flock()ed while the state is read-modified-written; it also holds
+                           the name's last generation number (see ClusterRecord.generation)
+      NAME.sock            the cluster daemon's Unix socket (reached through the folder's
+                           descriptor, so a long FLOTILLA_HOME needs no other folder)
       NAME/daemon.log      the daemon's own output
       NAME/nodes/          local provider: the nodes' working directories
       NAME/jobs/ID/        a job's logs: job.log (every node, prefixed), node-K.log
 
 The state file never holds secrets: no environment values, only variable names.
+A state file that cannot be read affects only its own cluster (CorruptStateError).
 This module imports nothing heavy: the CLI reads state on every command.
 """
 
@@ -18,22 +22,35 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, FlotillaError
+from .._private import flotilla_home as flotilla_home
+from .._private import open_private_file, private_dirs
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
-_SOCKET_LIMIT = 100  # sun_path holds 108 bytes
+
+
+class CorruptStateError(ConfigurationError):
+    """A cluster's state file is unreadable or malformed (truncated, edited by hand).
+
+    Only that cluster is affected: ``status`` lists it as CORRUPT, ``down NAME`` removes it.
+    """
+
+
+class GenerationChanged(FlotillaError):
+    """The cluster's record belongs to a later launch of the same name than the process
+    that wanted to change it (an old daemon finishing after ``down``, while a new
+    ``launch`` already runs): that process must leave the record and files alone."""
 
 
 class ClusterState(Enum):
@@ -69,6 +86,9 @@ class JobStatus(Enum):
     PENDING --> SETTING_UP --> RUNNING --> SUCCEEDED | FAILED | CANCELLED
     PENDING --> CANCELLED | FAILED (the cluster failed to start)
     SETTING_UP --> FAILED_SETUP | CANCELLED
+
+    LOST is never written: it is what an unfinished job is when its cluster's daemon is
+    gone (``queue`` on a STALE cluster). A new daemon records such jobs as FAILED.
     """
 
     PENDING = "PENDING"
@@ -78,6 +98,7 @@ class JobStatus(Enum):
     FAILED = "FAILED"
     FAILED_SETUP = "FAILED_SETUP"
     CANCELLED = "CANCELLED"
+    LOST = "LOST"
 
     @property
     def finished(self) -> bool:
@@ -154,6 +175,10 @@ class ClusterRecord:
         error: why the cluster failed, for FAILED.
         token: the prefix of FLOTILLA_RUN_TOKEN in its jobs' processes (not a secret: it
             finds them, after a daemon died).
+        generation: which launch of this name the record belongs to (1, 2, ... per name,
+            counted in NAME.lock). A daemon changes or deletes the record and the
+            cluster's files only while the generation is its own, so a daemon of an
+            earlier launch, still finishing, cannot touch a newer cluster of the same name.
     """
 
     name: str
@@ -170,6 +195,7 @@ class ClusterRecord:
     next_job: int = 1
     error: str = ""
     token: str = ""
+    generation: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:
@@ -189,11 +215,17 @@ class ClusterRecord:
             return ClusterState.STALE
         return state
 
+    def observed_jobs(self) -> list[JobRecord]:
+        """The jobs as they are: unfinished ones are LOST when the daemon is gone."""
+        if self.observed_state() is not ClusterState.STALE:
+            return list(self.jobs)
+        return [
+            j if JobStatus(j.status).finished else replace(j, status=JobStatus.LOST.value)
+            for j in self.jobs
+        ]
+
 
 # -- where things live ---------------------------------------------------------------------
-def flotilla_home() -> Path:
-    """``$FLOTILLA_HOME``, or ``~/.flotilla``."""
-    return Path(os.path.expanduser(os.environ.get("FLOTILLA_HOME") or "~/.flotilla"))
 
 
 def check_name(name: str) -> str:
@@ -220,27 +252,14 @@ class Paths:
         self.nodes = self.dir / "nodes"
         self.jobs = self.dir / "jobs"
         self.ssh_config = self.home / "ssh" / f"{name}.config"
-        self.socket = _socket_path(self.clusters / f"{name}.sock")
+        self.socket = self.clusters / f"{name}.sock"
 
     def job_dir(self, job_id: int) -> Path:
         return self.jobs / str(job_id)
 
     def ensure(self) -> None:
-        """Create the cluster's folders, private to this user."""
-        for folder in (self.home, self.clusters):
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.clusters, 0o700)
-        self.dir.mkdir(mode=0o700, exist_ok=True)
-
-
-def _socket_path(wanted: Path) -> Path:
-    """``wanted``, or a short private path under /tmp when it is too long for a socket."""
-    if len(os.fsencode(wanted)) <= _SOCKET_LIMIT:
-        return wanted
-    digest = hashlib.sha256(os.fsencode(wanted)).hexdigest()[:20]
-    folder = Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder / f"{digest}.sock"
+        """Create (or verify) the cluster's folders, private to this user."""
+        private_dirs(self.home, self.clusters, self.dir)
 
 
 def all_names(home: Path | None = None) -> list[str]:
@@ -263,20 +282,55 @@ def load(paths: Paths) -> ClusterRecord | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise ConfigurationError(f"the state file {paths.state} is unreadable: {e}") from None
-    return ClusterRecord.from_dict(data)
+        raise _corrupt(paths, str(e)) from None
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object, got {type(data).__name__}")
+        record = ClusterRecord.from_dict(data)
+        ClusterState(record.state)
+        for job in record.jobs:
+            JobStatus(job.status)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise _corrupt(paths, f"malformed: {e}") from None
+    return record
+
+
+def _corrupt(paths: Paths, why: str) -> CorruptStateError:
+    return CorruptStateError(
+        f"cluster {paths.name}: its state file {paths.state} is unreadable ({why}); "
+        f"`flotilla down {paths.name}` removes it (other clusters are not affected)"
+    )
 
 
 @contextlib.contextmanager
 def locked(paths: Paths) -> Iterator[None]:
     """Hold the cluster's lock (an flock on NAME.lock) for a read-modify-write."""
+    with _locked_fd(paths):
+        yield
+
+
+@contextlib.contextmanager
+def _locked_fd(paths: Paths) -> Iterator[int]:
     paths.ensure()
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_private_file(paths.lock)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def locked_generation(paths: Paths) -> Iterator[int]:
+    """Hold the cluster's lock and take the name's next generation number (kept in
+    NAME.lock, which outlives the record): for a launch that writes a new record."""
+    with _locked_fd(paths) as fd:
+        raw = os.pread(fd, 32, 0).strip()
+        generation = (int(raw) if raw.isdigit() else 0) + 1
+        data = str(generation).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        yield generation
 
 
 def save(paths: Paths, record: ClusterRecord) -> None:
@@ -298,26 +352,46 @@ def save(paths: Paths, record: ClusterRecord) -> None:
 
 
 @contextlib.contextmanager
-def update(paths: Paths) -> Iterator[ClusterRecord]:
-    """Lock, load, let the caller change the record, save. The record must exist."""
+def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecord]:
+    """Lock, load, let the caller change the record, save. The record must exist, and be
+    of ``generation`` when one is given (else GenerationChanged)."""
     with locked(paths):
         record = load(paths)
         if record is None:
             raise ConfigurationError(f"cluster {paths.name!r} does not exist")
+        _check_generation(paths, record, generation)
         yield record
         save(paths, record)
 
 
-def delete(paths: Paths) -> None:
-    """Remove the cluster's state, socket, ssh config and files (logs included)."""
+def _check_generation(paths: Paths, record: ClusterRecord | None, generation: int | None) -> None:
+    if generation is not None and record is not None and record.generation != generation:
+        raise GenerationChanged(
+            f"cluster {paths.name} was launched again (generation {record.generation}, "
+            f"not {generation})"
+        )
+
+
+def delete(paths: Paths, generation: int | None = None) -> bool:
+    """Remove the cluster's state, socket, ssh config and files (logs included); with
+    ``generation``, only while the record is of that generation (else nothing is removed
+    and False is returned). A corrupt record is removed too."""
     import shutil
 
     with locked(paths):
+        if generation is not None:
+            try:
+                current = load(paths)
+            except CorruptStateError:
+                current = None
+            if current is not None and current.generation != generation:
+                return False
         for path in (paths.state, paths.socket, paths.ssh_config):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         shutil.rmtree(paths.dir, ignore_errors=True)
     # NAME.lock stays: removing it could let two commands lock different files at once
+    return True
 
 
 # -- processes -----------------------------------------------------------------------------
