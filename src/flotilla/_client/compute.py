@@ -23,6 +23,7 @@ from .._errors import (
 from .._image import Image, plain_env, secret_values, ship_user_modules
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._providers.limits import out_of_files
 from .._redaction import plugin_secrets, redact, redact_exception
 from .._wire.frames import Buffer, Kind, Status, frame
 from .._wire.serialize import (
@@ -206,9 +207,12 @@ class Compute:
         fut = asyncio.run_coroutine_threadsafe(self._start(spec, blob), loop)
         try:
             fut.result()
-        except BaseException:
+        except BaseException as e:
             fut.cancel()
             self.close()
+            translated = out_of_files(e)  # EMFILE anywhere in the start: with the advice
+            if translated is not None:
+                raise translated from e
             raise
         self._state = PoolState.RUNNING
         return self

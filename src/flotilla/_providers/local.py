@@ -18,6 +18,7 @@ from .base import (
     PoolSpec,
     Provider,
 )
+from .limits import check_local_capacity, out_of_files
 from .pipe import PipeAgent, spawn
 
 
@@ -45,6 +46,7 @@ class Local(Provider):
         return "Local()"
 
     def validate(self, spec: PoolSpec) -> None:
+        check_local_capacity(spec.nodes)  # files, processes, memory: before anything starts
         acc = spec.accelerator
         if acc is not None:
             have = local_gpu_count()
@@ -103,7 +105,9 @@ class LocalAllocation(Allocation):
         try:
             proc = spawn(command, cwd=machine.ident, env=self.env)
         except OSError as e:
-            raise ProvisionError(f"cannot start the agent {command[0]!r}: {e}") from e
+            raise out_of_files(e) or ProvisionError(
+                f"cannot start the agent {command[0]!r}: {e}"
+            ) from e
         return PipeAgent(proc, address=machine.address, host=machine.host)
 
     async def replace(self, rank: int, reason: str) -> Machine:

@@ -344,6 +344,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         spec = wanted or ProviderSpec()
         cluster_nodes = args.nodes or task.num_nodes or 1
+        if spec.kind == "local":  # refused here, before a daemon starts
+            from .._providers.limits import check_local_capacity
+
+            check_local_capacity(cluster_nodes)
     job_nodes = task.job_nodes(cluster_nodes)
     for warning in check_task(task, spec, cluster_nodes):
         _say(f"warning: {warning}")
