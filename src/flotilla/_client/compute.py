@@ -213,7 +213,10 @@ class Compute:
             translated = out_of_files(e)  # EMFILE anywhere in the start: with the advice
             if translated is not None:
                 raise translated from e
-            raise
+            clean = redact_exception(e, self._secrets)  # agents' stderr tails and such
+            if clean is e:
+                raise
+            raise clean from None
         self._state = PoolState.RUNNING
         return self
 
