@@ -28,7 +28,7 @@ import pytest
 from _procs import alive, kill_quietly, processes_in, wait_until
 
 from flotilla._errors import ConfigurationError
-from flotilla._private import file_lock, open_private_file, private_dir
+from flotilla._node.private import file_lock, open_private_file, private_dir
 from flotilla.cli.state import (
     ClusterRecord,
     ClusterState,

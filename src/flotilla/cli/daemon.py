@@ -30,7 +30,7 @@ from typing import Any
 
 from .._client.compute import Compute
 from .._errors import FlotillaError
-from .._private import private_dir, socket_address
+from .._node.private import private_dir, socket_address
 from .._redaction import redact
 from .backends.registry import ProviderSpec, make_provider, ssh_config
 from .ipc import Event, encode, peer_uid, prefix

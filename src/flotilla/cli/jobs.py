@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from .._client.compute import Compute
 from .._image import is_secret
-from .._private import private_dirs
+from .._node.private import private_dirs
 from .._redaction import redact
 from .backends.registry import check_gpus
 from .ipc import Event, node_name, prefix

@@ -21,7 +21,7 @@ from typing import Any
 
 from .._client.function import function
 from .._info import instance_info
-from .._private import file_lock, locks_dir
+from .._node.private import file_lock, locks_dir
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""

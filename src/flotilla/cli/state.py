@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError, FlotillaError
-from .._private import flotilla_home as flotilla_home
-from .._private import open_private_file, private_dirs
+from .._node.private import flotilla_home as flotilla_home
+from .._node.private import open_private_file, private_dirs
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 

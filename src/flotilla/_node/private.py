@@ -8,7 +8,8 @@ following a symlink (``O_NOFOLLOW | O_DIRECTORY``), then checked on the open des
 anyone else. Anything else is refused with a :class:`ConfigurationError` naming the folder
 and the fix; nothing is ever created in a folder that failed the check.
 
-Standard library only: the node side uses it too (locks under ``FLOTILLA_HOME``).
+Standard library only (node side): nodes take their locks under ``FLOTILLA_HOME`` too; the
+client and the command line use it for everything they keep on disk.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
