@@ -638,13 +638,13 @@ def test_launch_right_after_down_of_the_same_name_always_succeeds(cli: CLI) -> N
 
 
 def test_an_old_daemon_cannot_touch_a_newer_cluster_of_the_same_name(cli: CLI) -> None:
-    from flotilla.cli.state import GenerationChanged, delete, update
+    from flotilla.cli.state import StaleGenerationError, delete, update
 
     cli.ok("launch", "-c", "gen", "echo one")
     paths = Paths("gen", cli.home)
     rec = load(paths)
     assert rec is not None
-    with pytest.raises(GenerationChanged), update(paths, rec.generation - 1):
+    with pytest.raises(StaleGenerationError), update(paths, rec.generation - 1):
         pass
     assert not delete(paths, rec.generation - 1)
     assert load(paths) is not None and paths.dir.exists()

@@ -102,7 +102,7 @@ def private_dirs(*paths: Path | str) -> None:
         private_dir(path)
 
 
-def open_private_file(path: Path | str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+def open_private_file(path: str | os.PathLike[str], flags: int = os.O_RDWR | os.O_CREAT) -> int:
     """Open (by default create) the file ``path`` inside a verified folder: never through
     a symlink, and refused unless it is a regular file owned by this user. The folder is
     checked (and created) first. The caller closes the descriptor."""

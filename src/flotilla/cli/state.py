@@ -47,7 +47,7 @@ class CorruptStateError(ConfigurationError):
     """
 
 
-class GenerationChanged(FlotillaError):
+class StaleGenerationError(FlotillaError):
     """The cluster's record belongs to a later launch of the same name than the process
     that wanted to change it (an old daemon finishing after ``down``, while a new
     ``launch`` already runs): that process must leave the record and files alone."""
@@ -354,7 +354,7 @@ def save(paths: Paths, record: ClusterRecord) -> None:
 @contextlib.contextmanager
 def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecord]:
     """Lock, load, let the caller change the record, save. The record must exist, and be
-    of ``generation`` when one is given (else GenerationChanged)."""
+    of ``generation`` when one is given (else StaleGenerationError)."""
     with locked(paths):
         record = load(paths)
         if record is None:
@@ -366,7 +366,7 @@ def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecor
 
 def _check_generation(paths: Paths, record: ClusterRecord | None, generation: int | None) -> None:
     if generation is not None and record is not None and record.generation != generation:
-        raise GenerationChanged(
+        raise StaleGenerationError(
             f"cluster {paths.name} was launched again (generation {record.generation}, "
             f"not {generation})"
         )
