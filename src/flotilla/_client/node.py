@@ -285,7 +285,7 @@ class Node:
         self.stderr_tail.extend(line.decode(errors="replace") for line in lines)
 
     def _gone(self) -> None:
-        if self.state is NodeState.CLOSED:
+        if self.state is NodeState.CLOSED or self.state is NodeState.LOST:
             return
         self.flush_output()
         self.state = NodeState.LOST
@@ -300,8 +300,7 @@ class Node:
             subs = list(self.inflight.values())
             self.inflight.clear()
             self.busy = [0] * len(self.busy)
-        if subs:
-            self._on_lost(self, subs)
+        self._on_lost(self, subs)  # also without calls: the pool replaces the node
 
     def lost_error(self, what: str) -> NodeLostError:
         status = self.proc.exit_status()
