@@ -97,7 +97,8 @@ def build(sources: Iterable[Source], *, level: int = 6) -> Archive:
     files = 0
     with (
         gzip.GzipFile(filename="", fileobj=buf, mode="wb", mtime=0, compresslevel=level) as gz,
-        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+        io.BufferedWriter(gz, 1 << 20) as batched,  # tar writes 512-byte blocks: batch them
+        tarfile.open(fileobj=batched, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
         for src in sources:
             for entry, arcname, st in _walk(src.path, src.name, "", src.exclude, os.stat(src.path)):
