@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
-from .._wire.exits import signal_name
+from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import TASK_HEAD, Buffer, Kind, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 
@@ -304,20 +304,13 @@ class Node:
 
     def lost_error(self, what: str) -> NodeLostError:
         status = self.proc.exit_status()
-        how = ""
-        sig_name = None
-        if status is not None:
-            if status < 0:
-                sig_name = signal_name(-status)
-                how = f" (killed by {sig_name})"
-            else:
-                how = f" (exit status {status})"
+        how = f" ({exit_summary(status)})" if status is not None else ""
         tail = "\n".join(self.stderr_tail).rstrip()
         msg = f"{self.name} {what}{how}"
         if tail:
             msg += f"\n--- last lines of the agent's stderr ---\n{tail}"
         return NodeLostError(
-            msg, node=self.rank, exitcode=status, signal=sig_name, stderr_tail=tail
+            msg, node=self.rank, exitcode=status, signal=exit_signal(status), stderr_tail=tail
         )
 
     # -- output ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,6 +141,7 @@ def unpack(
     """
     cwd = (workdirs or {}).get(instance_info().node) or os.getcwd()
     written = 0
+    now = time.time()  # archives carry one fixed time: a changed file must look changed
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         members = tar.getmembers()
         for key, dest_root in [(WORKDIR_MEMBER, cwd), *targets.items()]:
@@ -161,6 +163,7 @@ def unpack(
                         m.name = m.name[len(key) + 1 :]
                         parent = dest_root
                     os.makedirs(parent, exist_ok=True)
+                    m.mtime = now  # (Python's byte-code cache compares times and sizes)
                     tar.extract(m, parent, filter="data")
                     written += 1
     return written
