@@ -68,7 +68,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--idle-minutes must be positive, got {args.idle_minutes}")
     name = args.cluster or f"flotilla-{os.urandom(2).hex()}"
     paths = Paths(name)
-    wanted = registry.spec_from_args(args)
+    wanted = registry.spec_from_args(args, task)
     existing = load(paths)
     state = existing.observed_state() if existing else None
     if existing is not None and state is ClusterState.STALE:

@@ -131,6 +131,9 @@ class Backend(ABC, Generic[S]):
             ``~`` in a file mount is the node's folder, one node does machine-wide work).
         honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
         hint_reason: why it cannot act on the others (shown with the warning).
+        infra: the task-file ``resources.infra`` names (the part before any ``/``:
+            ``aws`` of ``aws/us-east-1``) that choose this backend when the command line
+            names none; such an ``infra`` is acted on, not warned about.
     """
 
     spec_type: type[S]
@@ -139,6 +142,7 @@ class Backend(ABC, Generic[S]):
     shares_filesystem: ClassVar[bool] = False
     honours: ClassVar[frozenset[str]] = frozenset()
     hint_reason: ClassVar[str] = "its nodes already exist"
+    infra: ClassVar[tuple[str, ...]] = ()
 
     @property
     def kind(self) -> str:
@@ -196,6 +200,8 @@ class Backend(ABC, Generic[S]):
         }
         for name in HINTS:
             value = values[name]
+            if name == "infra" and infra_name(res.infra) in self.infra:
+                continue
             if value is not None and name not in self.honours:
                 warnings.append(
                     f"{task_location(task, name)}resources.{name}: {value!r} is a hint the "
@@ -237,6 +243,11 @@ class Backend(ABC, Generic[S]):
     ) -> ShellCommand:
         """How to open a shell (``command`` empty) or run ``command`` in the working
         directory of node ``node`` of a running cluster."""
+
+
+def infra_name(infra: str | None) -> str:
+    """The provider part of a task's ``resources.infra`` (``aws`` of ``aws/us-east-1``)."""
+    return (infra or "").split("/", 1)[0].strip().lower()
 
 
 def task_location(task: Task, name: str) -> str:

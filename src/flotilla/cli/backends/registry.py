@@ -1,33 +1,43 @@
 """The command line's backends (provider kinds), and the only place that lists them.
 
-A backend is one module in this folder that defines:
+A backend is one module in this folder (see ``local.py``, ``ssh.py``) that defines:
 
-- a :class:`~.base.ProviderSpec` subclass: a frozen dataclass with ``kind = "NAME"`` (a
-  ClassVar: ``--provider NAME`` and ``"kind"`` in the state file) and one documented field
-  per provider option (the state file keeps them; ``__post_init__`` checks them);
-- a :class:`~.base.Backend` subclass over that spec, whose typed members are
-  ``spec_type``, ``summary`` (``--help`` text), ``flags`` (:class:`~.base.Flag` s added to
-  ``flotilla launch``), ``shares_filesystem``, ``honours`` and ``hint_reason`` (which task
-  ``resources`` it acts on), ``spec_from_args(args)`` (flags -> spec),
-  ``check_resources(task, spec, nodes)`` and ``check_nodes(spec, nodes)`` (task-file checks),
-  ``make_provider(spec, nodes_dir)`` (spec -> a ``flotilla`` provider, imported there),
-  ``on_up``/``on_down`` (hooks when the cluster is up / taken down) and
-  ``shell(paths, spec, nodes, node, command)`` (``flotilla ssh``);
-- ``BACKEND``: its one instance.
+1. a :class:`~.base.ProviderSpec` subclass: a frozen dataclass with ``kind = "NAME"`` (a
+   ClassVar: ``--provider NAME``, ``"kind"`` in the state file) and one documented field
+   per provider option (kept in the state file; ``__post_init__`` checks them);
+2. a :class:`~.base.Backend` subclass over that spec (``Backend[MySpec]``), whose typed
+   members are
+
+   - ``spec_type``: the spec class; ``summary``: one line for ``--help``;
+   - ``flags``: its ``flotilla launch`` flags (:class:`~.base.Flag`), and
+     ``spec_from_args(args) -> spec``;
+   - ``infra``: task-file ``resources.infra`` names that choose it;
+   - task-file checks: ``check_nodes(spec, n)``, ``check_resources(task, spec, n)``,
+     ``honours`` / ``hint_reason`` (which ``resources`` it acts on; warnings for the rest);
+   - ``make_provider(spec, nodes_dir) -> Provider`` (imports its provider there) and
+     ``shares_filesystem``;
+   - hooks: ``on_up(paths, spec, nodes)`` once the cluster runs, ``on_down(paths, record)``
+     at ``flotilla down``;
+   - ``shell(paths, spec, nodes, node, command) -> ShellCommand``: ``flotilla ssh``;
+3. ``BACKEND``: its one instance.
 
 Adding a provider kind (SLURM, AWS...) is adding such a module and its ``BACKEND`` to
-:data:`BACKENDS` below; nothing else in the command line names provider kinds.
+:data:`BACKENDS` below: nothing else in the command line names provider kinds (a test
+checks it).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
 from . import local, ssh
-from .base import Backend, ProviderSpec
+from .base import Backend, ProviderSpec, infra_name
+
+if TYPE_CHECKING:
+    from ..taskfile import Task
 
 BACKENDS: tuple[Backend[Any], ...] = (local.BACKEND, ssh.BACKEND)
 """Every backend, the default (used when the command line names none) first."""
@@ -72,14 +82,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         b.add_flags(parser)
 
 
-def spec_from_args(args: argparse.Namespace) -> ProviderSpec | None:
+def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> ProviderSpec | None:
     """The provider the command line asks for: ``--provider``, else the backend whose flags
-    were given; None when it asks for nothing in particular. A backend's flag given with
-    another backend is a ConfigurationError."""
+    were given, else the one the task's ``resources.infra`` names (see ``Backend.infra``);
+    None when nothing asks for one in particular. A backend's flag given with another
+    backend is a ConfigurationError."""
     given = {b.kind: b.given_flags(args) for b in BACKENDS}
     chosen: str | None = args.provider
     if chosen is None:
         implied = [kind for kind, flags in given.items() if flags]
+        if not implied and task is not None:
+            name = infra_name(task.resources.infra)
+            implied = [b.kind for b in BACKENDS if name and name in b.infra]
         if not implied:
             return None
         chosen = implied[0]
