@@ -8,6 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigurationError
+from .backends import registry
 from .clusters import launch_here, running, start_daemon, submit
 from .console import CLIError, say
 from .jobspec import JobSpec
@@ -59,8 +60,6 @@ def _job_spec(
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .backends import registry
-
     task = _task_from(args.task, None, args.env, args.secret)
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
@@ -114,8 +113,6 @@ def cmd_exec(args: argparse.Namespace) -> int:
             code=2,
         )
     if task.resources.gpus_per_node:
-        from .backends import registry
-
         spec = registry.spec_from_dict(rec.provider)
         for warning in registry.backend_for(spec).check_task(task, spec, rec.num_nodes):
             say(f"warning: {warning}")

@@ -29,7 +29,7 @@ class LocalSpec(ProviderSpec):
 
 class LocalBackend(Backend[LocalSpec]):
     spec_type = LocalSpec
-    summary = "processes on this machine (the default)"
+    summary = "processes on this machine"
     shares_filesystem = True
     honours = frozenset({"cpus", "memory", "ports"})  # checked against this machine, or free
 
