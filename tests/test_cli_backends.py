@@ -155,7 +155,7 @@ class FakeSpec(ProviderSpec):
 class FakeBackend(Backend[FakeSpec]):
     spec_type = FakeSpec
     summary = "a test double"
-    flags = (Flag("--fake-partition", "where jobs go"),)
+    flags = (Flag("--fake-partition", "where jobs go"), Flag("--fake-gpus", "GPUs", type=int))
     infra = ("fake",)
     hint_reason = "a test double"
 
@@ -179,6 +179,8 @@ def test_a_backend_added_to_the_registry_gets_its_flags_infra_and_checks(
     assert spec == FakeSpec(partition="gpu")
     assert registry.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert registry.spec_from_args(launch_args("--provider", "fake")) == FakeSpec()
+    assert launch_args("--fake-gpus", "2").fake_gpus == 2
+    assert registry.spec_from_args(launch_args("--fake-gpus", "2")) == FakeSpec()  # it chose fake
     with pytest.raises(ConfigurationError, match="--fake-partition is for --provider fake"):
         registry.spec_from_args(launch_args("--provider", "local", "--fake-partition", "x"))
 

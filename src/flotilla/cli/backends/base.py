@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -65,12 +65,16 @@ class Flag:
         help: the help text.
         switch: an on/off flag (no value; False unless given).
         metavar: how the help shows its value (default: argparse's).
+        type: converts the value (e.g. ``int``); argparse reports what it refuses.
+        choices: the values allowed (empty: any).
     """
 
     name: str
     help: str
     switch: bool = False
     metavar: str | None = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -158,7 +162,13 @@ class Backend(ABC, Generic[S]):
             if flag.switch:
                 group.add_argument(flag.name, action="store_true", help=flag.help)
             else:
-                group.add_argument(flag.name, help=flag.help, metavar=flag.metavar)
+                group.add_argument(
+                    flag.name,
+                    help=flag.help,
+                    metavar=flag.metavar,
+                    type=flag.type,
+                    choices=flag.choices or None,
+                )
 
     def given_flags(self, args: argparse.Namespace) -> list[str]:
         """The names of this backend's flags the command line set."""
