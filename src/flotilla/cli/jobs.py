@@ -28,7 +28,7 @@ from typing import IO, Any
 from .._client.compute import Compute
 from .._image import is_secret, redact
 from .._wire.exits import describe_exit
-from .backends.registry import check_gpus
+from .backends.base import check_gpus
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
@@ -224,7 +224,7 @@ class Runner:
     Args:
         pool: the running pool.
         cluster: the cluster's name.
-        provider: the provider's kind ("local", "ssh").
+        provider: the provider's kind (``ProviderSpec.kind``).
         nodes: the pool's nodes, in rank order.
         shares_filesystem: whether every node runs on this machine.
         on_status: called after each job status change (to save the state file).
