@@ -2,7 +2,8 @@
 
 An Image is frozen and has a content hash. Each node builds it once per hash (under
 ``~/.flotilla/envs/<hash>`` or the provider's work directory) and later pools reuse it, so a
-second pool with the same Image runs no installer at all. See ``_build`` for the node side.
+second pool with the same Image runs no installer at all. The node side is
+``flotilla._node.build``; the includes archive comes from ``flotilla._archive``.
 """
 
 from __future__ import annotations
