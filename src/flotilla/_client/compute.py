@@ -306,7 +306,7 @@ class Compute:
         interval = self.options.heartbeat_timeout / 4
         while True:
             await asyncio.sleep(interval)
-            for node in self._nodes:
+            for node in [*self._nodes, *self._renewals.starting]:
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     node.send_control(Kind.PING, wait=False)
 

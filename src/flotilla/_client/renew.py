@@ -41,11 +41,14 @@ class Renewals:
     Attributes:
         replaced: how many nodes were replaced so far (in a group pool: each renewal of
             the group counts the lost node once).
+        starting: nodes started in place of lost ones, not in service yet (the pool's
+            heartbeats reach them too: an environment build may take a while).
     """
 
     def __init__(self, pool: Compute) -> None:
         self.pool = pool
         self.replaced = 0
+        self.starting: list[Node] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     def begin(self, rank: int, why: str) -> list[int]:
@@ -101,6 +104,7 @@ class Renewals:
             procs = await start_agents(allocation, machines, pool.provider.agent_command())
             pool._procs += procs
             fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
+            self.starting += fresh
             pool._progress = progress
             loop = asyncio.get_running_loop()
             for node in fresh:
@@ -134,6 +138,7 @@ class Renewals:
             return
         finally:
             progress.finish()
+            self.starting = [n for n in self.starting if n not in fresh]
         self.replaced += 1
         dispatcher.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
