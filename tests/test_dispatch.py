@@ -16,6 +16,7 @@ from _procs import wait_until
 
 import flotilla as sky
 from flotilla._client import dispatch
+from flotilla._client.loop import get_loop
 from flotilla._providers.base import AllocationState, MachineState
 
 
@@ -360,3 +361,16 @@ def test_closing_releases_the_allocation_and_fails_what_waits(fake: FakeProvider
         waiting[1].result(timeout=10)
     assert fake.allocation is not None and fake.allocation.state is AllocationState.RELEASED
     assert all(a.status is not None for a in fake.agents)
+
+
+def test_a_machine_the_provider_reports_lost_is_replaced(
+    fake: FakeProvider, pool: sky.Compute
+) -> None:
+    before = fake.live[2]
+    assert fake.allocation is not None
+    get_loop().call_soon_threadsafe(fake.allocation.report_lost, 2, "spot interruption")
+    assert wait_until(lambda: before.status is not None)  # its agent is stopped
+    assert work() @ pool == [0, 1, 2]
+    assert fake.live[2] is not before
+    reason = "the provider reports its machine lost: spot interruption"
+    assert ("replace", 2, reason) in fake.events

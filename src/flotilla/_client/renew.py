@@ -49,11 +49,13 @@ class Renewals:
         self.pool = pool
         self.replaced = 0
         self.starting: list[Node] = []
+        self._reported: dict[int, str] = {}  # rank -> what the provider said of its loss
         self._tasks: set[asyncio.Task[None]] = set()
 
     def begin(self, rank: int, why: str) -> list[int]:
         """Start replacing the node at ``rank``; the ranks that are down meanwhile."""
         pool = self.pool
+        why = self._reported.pop(rank, why)
         ranks = list(range(pool.nodes)) if pool._group else [rank]
         also = ", restarting every process of the pool" if len(ranks) > 1 else ""
         logger.warning("node %d lost (%s), replacing%s", rank, why, also)
@@ -65,7 +67,7 @@ class Renewals:
         spot interruption): stop its agent, so that the node is lost and replaced."""
         nodes = self.pool._nodes
         if rank < len(nodes) and nodes[rank].state is NodeState.READY:
-            logger.warning("node %d: the provider reports its machine lost: %s", rank, reason)
+            self._reported[rank] = f"the provider reports its machine lost: {reason}"
             self._spawn(nodes[rank].proc.terminate())
 
     async def cancel(self) -> None:
