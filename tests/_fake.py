@@ -137,16 +137,22 @@ class FakeAgent(AgentProcess):
         return self.status
 
     # -- what tests do to it -----------------------------------------------------------
-    def lose(self, status: int = -9) -> None:
-        """The agent dies (killed by SIGKILL by default): its stream ends."""
-        self.end(status)
+    def lose(self, status: int = -9, report: bool = True) -> None:
+        """The agent dies (killed by SIGKILL by default): its stream ends. With ``report``
+        False the end of stream is not delivered yet (writes already fail): call
+        :meth:`report_end` (the window between a death and the client noticing it)."""
+        self.end(status, report)
 
-    def end(self, status: int) -> None:
+    def end(self, status: int, report: bool = True) -> None:
         with self._lock:
             if self.status is not None:
                 return
             self.status = status
         self._ended.set()
+        if report:
+            self.report_end()
+
+    def report_end(self) -> None:
         if self._loop is not None and self._on_frames is not None:
             self._loop.call_soon_threadsafe(self._on_frames, None)
 

@@ -16,6 +16,7 @@ from _procs import wait_until
 
 import flotilla as sky
 from flotilla._client import dispatch
+from flotilla._client.loop import get_loop
 from flotilla._providers.base import AllocationState, MachineState
 
 
@@ -245,6 +246,42 @@ def test_calls_wait_for_a_node_being_replaced_or_go_elsewhere(
     assert fake.calls[-1].agent is fake.live[0] is fake.agents[-1]
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_calls_sent_to_a_dead_node_before_its_loss_is_noticed_wait_for_the_replacement(
+    fake: FakeProvider, nodes: int
+) -> None:
+    with sky.Compute(provider=fake, nodes=nodes) as pool:
+        dead = fake.live[-1]
+        dead.lose(report=False)  # writes to it fail; the client has not seen its end yet
+        everywhere = pool.submit_broadcast(work())
+        single = work() > pool
+        if nodes == 2:
+            assert single.result(timeout=10) == 0  # the live node took it
+        assert not everywhere[-1].done()  # it waits for the dead node's replacement
+        dead.report_end()
+        assert [f.result(timeout=10) for f in everywhere] == list(range(nodes))
+        assert single.result(timeout=10) == 0
+        assert fake.live[-1] is not dead
+
+
+def test_a_retry_whose_only_node_died_meanwhile_waits_for_its_replacement(
+    fake: FakeProvider,
+) -> None:
+    def die_with_the_agent(call: FakeCall) -> Any:
+        if call.attempt == 1:
+            call.agent.lose(report=False)  # the agent goes down with the process
+            return DIE
+        return call.rank
+
+    fake.on("flaky", die_with_the_agent)
+    with sky.Compute(provider=fake, nodes=1) as pool:
+        fut = flaky() > pool
+        assert not fut.done()  # the retry waits: its node refused it
+        fake.agents[0].report_end()
+        assert fut.result(timeout=10) == 0
+        assert [c.agent for c in fake.calls] == fake.agents  # once on each agent
+
+
 def test_a_call_with_retries_in_flight_on_a_lost_node_runs_again_on_its_replacement(
     fake: FakeProvider, pool: sky.Compute
 ) -> None:
@@ -324,3 +361,16 @@ def test_closing_releases_the_allocation_and_fails_what_waits(fake: FakeProvider
         waiting[1].result(timeout=10)
     assert fake.allocation is not None and fake.allocation.state is AllocationState.RELEASED
     assert all(a.status is not None for a in fake.agents)
+
+
+def test_a_machine_the_provider_reports_lost_is_replaced(
+    fake: FakeProvider, pool: sky.Compute
+) -> None:
+    before = fake.live[2]
+    assert fake.allocation is not None
+    get_loop().call_soon_threadsafe(fake.allocation.report_lost, 2, "spot interruption")
+    assert wait_until(lambda: before.status is not None)  # its agent is stopped
+    assert work() @ pool == [0, 1, 2]
+    assert fake.live[2] is not before
+    reason = "the provider reports its machine lost: spot interruption"
+    assert ("replace", 2, reason) in fake.events

@@ -37,6 +37,8 @@ class PoolState(Enum):
 
     NEW --enter--> STARTING --all nodes ready--> RUNNING --exit--> CLOSING --> CLOSED
     STARTING --failure / Ctrl-C--> CLOSING --> CLOSED
+
+    A pool stays RUNNING while a lost node is replaced (see ``renew.py``).
     """
 
     NEW = "new"
@@ -120,7 +122,6 @@ class Compute:
         )
         self._heartbeat: asyncio.Task[None] | None = None
         self._blob = b""
-        self._probe: dict[str, str] = {}
         self._head_port = 0
         self._includes = b""
         self._build_spec: dict[str, Any] | None = None
@@ -306,7 +307,7 @@ class Compute:
         interval = self.options.heartbeat_timeout / 4
         while True:
             await asyncio.sleep(interval)
-            for node in self._nodes:
+            for node in [*self._nodes, *self._renewals.starting]:
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     node.send_control(Kind.PING, wait=False)
 

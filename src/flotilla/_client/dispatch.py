@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -155,11 +155,13 @@ class Dispatcher:
         return subs
 
     # -- sending ---------------------------------------------------------------------
-    def least_busy(self, exclude: Node | None = None) -> tuple[Node, int] | None:
+    def least_busy(
+        self, exclude: Node | None = None, dead: Collection[Node] = ()
+    ) -> tuple[Node, int] | None:
         """The ready (node, local rank) with the fewest calls in flight, lowest rank first
-        among equals; on a node other than ``exclude`` when there is one. None if no node
-        is ready."""
-        nodes = [n for n in self.nodes if n.state is NodeState.READY]
+        among equals; on a node other than ``exclude`` when there is one, never on one of
+        ``dead`` (they refused a call). None if no node is ready."""
+        nodes = [n for n in self.nodes if n.state is NodeState.READY and n not in dead]
         if exclude is not None:
             nodes = [n for n in nodes if n is not exclude] or nodes
         best: tuple[Node, int] | None = None
@@ -201,14 +203,23 @@ class Dispatcher:
                 if self.replacer is None:
                     raise
                 for sub in batch:
-                    self.place(sub, exclude=node)
+                    self.place(sub, dead={node})
 
-    def place(self, sub: Submission, rank: int | None = None, exclude: Node | None = None) -> None:
+    def place(
+        self,
+        sub: Submission,
+        rank: int | None = None,
+        exclude: Node | None = None,
+        dead: set[Node] | None = None,
+    ) -> None:
         """Send ``sub`` to the node at ``rank`` (a pinned call) or to the least busy one
-        (other than ``exclude`` if possible); or park it until a lost node is back.
+        (other than ``exclude`` if possible, never one of ``dead``); or park it until a
+        lost node is back.
 
-        Raises PoolClosedError when it can run nowhere, NodeLostError when its node is
-        lost and lost nodes are not replaced."""
+        A node that refuses the call (its agent is gone, the loss not reported yet) is
+        treated as down from then on. Raises PoolClosedError when the call can run
+        nowhere, NodeLostError when its node is lost and lost nodes are not replaced."""
+        dead = set() if dead is None else dead
         while True:
             with self.lock:
                 if rank is not None:
@@ -221,7 +232,7 @@ class Dispatcher:
                         self._waiting.setdefault(rank, []).append(sub)
                         return
                 else:
-                    choice = self.least_busy(exclude)
+                    choice = self.least_busy(exclude, dead)
                     if choice is None:
                         if self._waiting:
                             self._unplaced.append(sub)
@@ -237,7 +248,7 @@ class Dispatcher:
                 with self.lock:  # its loss is on its way: wait for the replacement
                     if self.nodes[node.rank] is node and node.rank not in self._gone:
                         self._waiting.setdefault(node.rank, [])
-                exclude = node
+                dead.add(node)
 
     def broadcast(self, call: PendingCall[Any], ranks: Sequence[int]) -> list[Submission]:
         """Send ``call`` to every process of the nodes at ``ranks``; a submission each."""

@@ -41,16 +41,21 @@ class Renewals:
     Attributes:
         replaced: how many nodes were replaced so far (in a group pool: each renewal of
             the group counts the lost node once).
+        starting: nodes started in place of lost ones, not in service yet (the pool's
+            heartbeats reach them too: an environment build may take a while).
     """
 
     def __init__(self, pool: Compute) -> None:
         self.pool = pool
         self.replaced = 0
+        self.starting: list[Node] = []
+        self._reported: dict[int, str] = {}  # rank -> what the provider said of its loss
         self._tasks: set[asyncio.Task[None]] = set()
 
     def begin(self, rank: int, why: str) -> list[int]:
         """Start replacing the node at ``rank``; the ranks that are down meanwhile."""
         pool = self.pool
+        why = self._reported.pop(rank, why)
         ranks = list(range(pool.nodes)) if pool._group else [rank]
         also = ", restarting every process of the pool" if len(ranks) > 1 else ""
         logger.warning("node %d lost (%s), replacing%s", rank, why, also)
@@ -62,7 +67,7 @@ class Renewals:
         spot interruption): stop its agent, so that the node is lost and replaced."""
         nodes = self.pool._nodes
         if rank < len(nodes) and nodes[rank].state is NodeState.READY:
-            logger.warning("node %d: the provider reports its machine lost: %s", rank, reason)
+            self._reported[rank] = f"the provider reports its machine lost: {reason}"
             self._spawn(nodes[rank].proc.terminate())
 
     async def cancel(self) -> None:
@@ -101,6 +106,7 @@ class Renewals:
             procs = await start_agents(allocation, machines, pool.provider.agent_command())
             pool._procs += procs
             fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
+            self.starting += fresh
             pool._progress = progress
             loop = asyncio.get_running_loop()
             for node in fresh:
@@ -134,6 +140,7 @@ class Renewals:
             return
         finally:
             progress.finish()
+            self.starting = [n for n in self.starting if n not in fresh]
         self.replaced += 1
         dispatcher.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
