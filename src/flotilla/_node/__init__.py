@@ -6,6 +6,8 @@
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
     build.py       an Image's environment, built once per content hash (a subprocess)
+    locks.py       the one flock helper (node side and command line)
+    procs.py       the one process-table walk (/proc): start times, liveness, reaping
 
 Standard library only: nodes may have nothing but Python (tests/test_layers.py checks).
 """
