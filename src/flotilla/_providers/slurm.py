@@ -538,7 +538,9 @@ class _Job:
         reported = 0.0
         name = next(a.split("=", 1)[1] for a in argv if a.startswith("--job-name="))
         while not out_line.done():
-            await asyncio.wait([out_line, err_done], timeout=1.0)
+            await asyncio.wait(
+                [out_line, err_done], timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+            )
             if out_line.done():
                 break
             waited = time.monotonic() - started
