@@ -6,6 +6,7 @@ command (the provider's and the tests') reaches the test cluster through ``SLURM
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixtu
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
+from flotilla._providers.base import Options, PoolSpec
 from flotilla._providers.slurm import Slurm, parse_time
 
 
@@ -348,3 +350,73 @@ def test_invalid_arguments() -> None:
         Slurm(queue_timeout=0)
     with pytest.raises(ConfigurationError, match="partition"):
         Slurm(partition="")
+
+
+# -- node loss --------------------------------------------------------------------------------
+def _spec(nodes: int) -> PoolSpec:
+    return PoolSpec(f"t{os.getpid()}", nodes, None, None, (), Options())
+
+
+def test_replace_is_a_new_one_node_job_without_the_lost_node(
+    slurm_cluster: SlurmCluster,
+) -> None:
+    async def scenario() -> tuple[list[str], list[str], list[str]]:
+        allocation = await Slurm().acquire(_spec(2))
+        try:
+            before = [m.host for m in allocation.machines]
+            await allocation.replace(0, "lost in a test")
+            after = [m.host for m in allocation.machines]
+            return before, after, _pool_jobs(slurm_cluster)
+        finally:
+            await allocation.release()
+
+    before, after, jobs = asyncio.run(scenario())
+    assert before == ["n1", "n2"]
+    assert after == ["n3", "n2"]  # the lost node is excluded from the new job
+    assert len(jobs) == 2 and all(j.split()[2] == "RUNNING" for j in jobs)
+    assert _pool_jobs(slurm_cluster) == []  # release ended both jobs
+
+
+def test_a_node_slurm_marks_down_is_reported_lost(slurm_cluster: SlurmCluster) -> None:
+    async def scenario() -> list[tuple[int, str]]:
+        allocation = await Slurm().acquire(_spec(2))
+        lost: list[tuple[int, str]] = []
+        try:
+            allocation.watch_interval = 0.05  # type: ignore[attr-defined]
+            allocation.watch(lambda rank, reason: lost.append((rank, reason)))
+            slurm_cluster.slurm(
+                "scontrol", "update", "nodename=n2", "state=down", "reason=flotilla-test"
+            )
+            for _ in range(200):
+                if lost:
+                    break
+                await asyncio.sleep(0.05)
+            return lost
+        finally:
+            await allocation.release()
+            slurm_cluster.slurm("scontrol", "update", "nodename=n2", "state=resume")
+
+    lost = asyncio.run(scenario())
+    slurm_cluster.wait_idle()
+    assert lost and lost[0][0] == 1
+    assert "SLURM marks node n2 DOWN" in lost[0][1] and "flotilla-test" in lost[0][1]
+    assert _pool_jobs(slurm_cluster) == []
+
+
+# -- without a shared filesystem --------------------------------------------------------------
+@sky.function
+def flotilla_file() -> str:
+    import flotilla
+
+    return flotilla.__file__
+
+
+def test_unshared_filesystem_ships_flotilla_to_the_nodes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    provider = Slurm(shared_filesystem=False, workdir=str(tmp_path / "nodes"))
+    assert not provider.shares_filesystem and provider.python == "python3"
+    with sky.Compute(provider=provider, nodes=2) as pool:
+        files = flotilla_file() @ pool
+    assert all(f.startswith(str(tmp_path / "nodes" / "lib")) for f in files), files
+    assert _pool_jobs(slurm_cluster) == []

@@ -52,6 +52,7 @@ from .base import (
     AgentProcess,
     Allocation,
     AllocationState,
+    LostCallback,
     Machine,
     MachineState,
     PoolSpec,
@@ -79,6 +80,9 @@ _RESERVED = {
     "--jobid": "flotilla",
 }
 _PENDING_REPORT_EVERY = 30.0
+WATCH_INTERVAL = 5.0
+"""Seconds between two looks at SLURM's view of a pool's nodes and jobs (see watch())."""
+_LOST_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN"}
 _GONE_TIMEOUT = 10.0
 
 
@@ -156,6 +160,20 @@ def _node_addresses(names: Sequence[str]) -> dict[str, str]:
         f = _fields(line)
         if "NodeName" in f:
             out[f["NodeName"]] = f.get("NodeAddr") or f["NodeName"]
+    return out
+
+
+def _node_states(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Node name -> (State, first word of Reason); empty when SLURM cannot be asked."""
+    try:
+        proc = _run(["scontrol", "-o", "show", "node", ",".join(names)], timeout=10.0)
+    except ProvisionError:
+        return {}
+    out = {}
+    for line in proc.stdout.splitlines():
+        f = _fields(line)
+        if "NodeName" in f:
+            out[f["NodeName"]] = (f.get("State", ""), f.get("Reason", ""))
     return out
 
 
@@ -727,6 +745,8 @@ class SlurmAllocation(Allocation):
         self.jobs: list[_Job] = [job]
         self.job_of: dict[str, _Job] = {}
         self.agents: list[PipeAgent] = []
+        self.watch_interval = WATCH_INTERVAL
+        self._watcher: asyncio.Task[None] | None = None
         self.env = _slurm_env()
         if provider.shares_filesystem:
             self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
@@ -801,12 +821,50 @@ class SlurmAllocation(Allocation):
         self.machines[rank] = machine
         return machine
 
+    def watch(self, on_lost: LostCallback) -> None:
+        """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
+        FAIL or NOT_RESPONDING, or a job that ended under the pool (cancelled by an admin,
+        out of time), is reported lost. A dead step is noticed by the client anyway."""
+        super().watch(on_lost)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to poll from
+            if self._watcher is None:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        reported: set[str] = set()
+        while self.state is AllocationState.READY:
+            await asyncio.sleep(self.watch_interval)
+            machines = [m for m in self.machines if m.ident not in reported]
+            if not machines or self.state is not AllocationState.READY:
+                continue
+            nodes = await loop.run_in_executor(None, _node_states, [m.host for m in machines])
+            ended = {}
+            for job in {self.job_of[m.ident] for m in machines}:
+                if await loop.run_in_executor(None, _job_state, job.id) is None:
+                    ended[job.id] = job
+            if self.state is not AllocationState.READY:
+                break
+            for m in machines:
+                state, why = nodes.get(m.host, ("", ""))
+                job = self.job_of[m.ident]
+                if _LOST_STATES & set(state.split("+")):
+                    reason = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
+                elif job.id in ended:
+                    reason = f"SLURM job {job.id} ended (cancelled, or out of time)"
+                else:
+                    continue
+                reported.add(m.ident)
+                self.report_lost(m.rank, reason)
+
     async def release(self) -> None:
         """Stop the steps still running, then end every job the pool made (never one it
         runs inside) and wait until SLURM no longer lists them."""
         if self.state is AllocationState.RELEASED:
             return
         self.state = AllocationState.RELEASING
+        if self._watcher is not None:
+            self._watcher.cancel()
         await asyncio.gather(
             *(a.terminate() for a in self.agents if a.proc.poll() is None),
             return_exceptions=True,
