@@ -22,7 +22,8 @@ from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixtu
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
 from flotilla._providers.base import Options, PoolSpec
-from flotilla._providers.slurm import Slurm, parse_time
+from flotilla._providers.slurm import Slurm
+from flotilla._providers.slurm_job import parse_time
 
 
 @pytest.fixture(autouse=True)
