@@ -85,6 +85,20 @@ def test_three_node_pool_ranks_hostnames_addresses(slurm_cluster: SlurmCluster) 
     assert _pool_jobs(slurm_cluster) == []  # release waited until SLURM dropped the job
 
 
+@sky.function
+def echo(data: bytes) -> bytes:
+    return data
+
+
+def test_binary_data_passes_unchanged_over_srun(slurm_cluster: SlurmCluster) -> None:
+    """srun relays the protocol byte for byte (the step's stdout is a raw pty under
+    --unbuffered: no newline translation, no control characters eaten)."""
+    data = os.urandom(3 << 20) + b"\r\n\n\x03\x04\x1a\x00" * 1000
+    with sky.Compute(provider=Slurm(), nodes=2) as pool:
+        assert echo(data) >> pool == data
+        assert echo(b"\n") @ pool == [b"\n", b"\n"]
+
+
 def test_job_is_gone_after_an_exception(slurm_cluster: SlurmCluster) -> None:
     with pytest.raises(ZeroDivisionError), sky.Compute(provider=Slurm(), nodes=2) as pool:
         assert len(_pool_jobs(slurm_cluster)) == 1

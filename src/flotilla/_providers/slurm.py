@@ -187,6 +187,7 @@ class Slurm(Provider):
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
         self.queue_timeout = queue_timeout
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
+        self._partition: Partition | None = None
 
     def __repr__(self) -> str:
         where = f"partition={self.partition!r}" if self.partition else ""
@@ -220,7 +221,7 @@ class Slurm(Provider):
                     f"--nodes={spec.nodes}, or pass Slurm(partition=...) for a new allocation"
                 )
             return
-        part = self.partition_info()
+        part = self._partition = self.partition_info()
         if spec.nodes > part.nodes:
             raise ConfigurationError(
                 f"the pool asks for {spec.nodes} nodes but partition {part.name!r} has "
@@ -316,7 +317,7 @@ class Slurm(Provider):
         if self.time_limit is not None:
             return [f"--time={format_time(self.time_limit)}"]
         try:
-            part = self.partition_info()
+            part = self._partition or self.partition_info()  # validate()'s, if it ran
         except (ConfigurationError, ProvisionError):
             return []
         if part.default_time is not None:
