@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import math
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -203,7 +204,7 @@ class Slurm(Provider):
 
     # -- validation ------------------------------------------------------------------
     def validate(self, spec: PoolSpec) -> None:
-        missing = [c for c in COMMANDS if _which(c) is None]
+        missing = [c for c in COMMANDS if shutil.which(c) is None]
         if missing:
             raise ConfigurationError(
                 f"the SLURM commands {', '.join(missing)} are not on PATH: run on a login node "
@@ -351,12 +352,6 @@ class Slurm(Provider):
             await allocation.release()
             raise
         return allocation
-
-
-def _which(command: str) -> str | None:
-    import shutil
-
-    return shutil.which(command)
 
 
 # -- the allocation ------------------------------------------------------------------------
