@@ -43,5 +43,6 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         echo "## SSH provider on 4 test hosts (issue 3)"
         echo
         .venv/bin/python bench/bench_ssh.py 2>/dev/null | sed 's/^## /### /'
+        echo; .venv/bin/python bench/bench_slurm.py 2>/dev/null # SLURM provider (issue 15)
     fi
 } >>BENCHMARKS.md

@@ -53,6 +53,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
     from ._providers.local import Local as Local
+    from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
     from ._providers.ssh import SSHHost as SSHHost
     from ._shard import shard as shard
@@ -80,6 +81,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_output": ("silent", "stderr", "stdout"),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.local": ("Local",),
+    "_providers.slurm": ("Slurm",),
     "_providers.ssh": ("SSH", "SSHHost"),
     "_shard": ("shard",),
     "plugins._base": ("Plugin",),
