@@ -212,6 +212,11 @@ class Agent:
         self.stop_deadline = 0.0
         self.done = False
         self.generation = 0  # of the pool's process group: RESTART frames count them
+        self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
+        if "FLOTILLA_CLOUD" in os.environ:
+            from .cloud import start
+
+            self.cloud = start()
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -282,6 +287,8 @@ class Agent:
             self.begin_stop(grace=1.0)
             return
         self.last_seen = time.monotonic()
+        if self.cloud is not None:
+            self.cloud.touch(self.last_seen)
         for kind, ident, body in frames:
             if kind == Kind.TASK:
                 timeout, local_rank = TASK_HEAD.unpack_from(body)
