@@ -29,13 +29,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
 import yaml
-from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, lab_unavailable
+from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
 
 REGION = "us-east-1"
 ZONES = ("us-east-1a", "us-east-1b")
@@ -164,6 +164,9 @@ class Instance:
     host: TestHost | None = None
     timer: threading.Timer | None = None
     imds: subprocess.Popen[bytes] | None = None
+    seen: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # boot vs. shutdown
+    stopped: bool = False
 
 
 class AwsLab:
@@ -179,13 +182,19 @@ class AwsLab:
         self.ami = ""
         self.instances: dict[str, Instance] = {}
         self.booted: list[str] = []
+        self.boot_times: dict[str, tuple[float, float]] = {}  # id -> (seen, sshd started)
         self.env: dict[str, str] = {}
         self._saved_env: dict[str, str | None] = {}
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
         self._next = 0
+        self._ended: set[str] = set()  # instances seen terminated (and their hosts stopped)
+        self._ended_cond = threading.Condition()
         self.watcher_error: BaseException | None = None
+        self.impostor = False
+        """Instances boot with a host key of their own instead of the user-data's one
+        (someone in the middle)."""
 
     # -- life cycle ------------------------------------------------------------------
     def __enter__(self) -> AwsLab:
@@ -293,7 +302,7 @@ class AwsLab:
             "ssh_user": "root",
             "private_ips": True,
             "workdir": str(self.lab.tmp / "workdir"),
-            "poweroff_command": ["sh", "-c", f"date +%s.%N >> {self.lab.tmp}/poweroff-$PPID"],
+            "poweroff_command": ["sh", "-c", f"date +%s.%N >> {self.lab.tmp}/poweroff-$(hostname)"],
             "connect_timeout": 5.0,
         }
         options.update(kwargs)
@@ -362,14 +371,18 @@ class AwsLab:
         ident, state = desc["InstanceId"], desc["State"]["Name"]
         known = self.instances.get(ident)
         if state in ("shutting-down", "terminated", "stopping", "stopped"):
-            if known is not None and (known.host is not None or known.timer is not None):
-                self._shutdown(known)
+            if ident not in self._ended:
+                if known is not None:
+                    self._shutdown(known)
+                with self._ended_cond:
+                    self._ended.add(ident)
+                    self._ended_cond.notify_all()
             return
         if known is not None:
             return
         data = ec2.describe_instance_attribute(InstanceId=ident, Attribute="userData")
         text = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
-        inst = Instance(ident, desc["PrivateIpAddress"])
+        inst = Instance(ident, desc["PrivateIpAddress"], seen=time.monotonic())
         self.instances[ident] = inst
         inst.timer = threading.Timer(self.boot_delay, self._boot, (inst, text))
         inst.timer.daemon = True
@@ -377,9 +390,12 @@ class AwsLab:
 
     def _boot(self, inst: Instance, user_data: str) -> None:
         """Start the instance's host as cloud-init would configure it."""
+        with inst.lock:
+            if not inst.stopped:  # else terminated before it booted
+                self._boot_host(inst, user_data)
+
+    def _boot_host(self, inst: Instance, user_data: str) -> None:
         with self._lock:
-            if inst.timer is None:  # terminated before it booted
-                return
             self._next += 1
             i = self._next
         config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else {}
@@ -410,9 +426,12 @@ class AwsLab:
             subprocess.run(cmd, check=True, capture_output=True)
         keys = config.get("ssh_keys", {})
         hostkey = host.folder / "hostkey"
-        hostkey.write_text(keys["ed25519_private"])
-        hostkey.chmod(0o600)
-        host.pubkey = keys["ed25519_public"]
+        if self.impostor:
+            host.pubkey = keygen(hostkey, "impostor")
+        else:
+            hostkey.write_text(keys["ed25519_private"])
+            hostkey.chmod(0o600)
+            host.pubkey = keys["ed25519_public"]
         authorized = host.folder / "authorized_keys"
         authorized.write_text("".join(k + "\n" for k in config.get("ssh_authorized_keys", [])))
         inst.imds = subprocess.Popen(
@@ -446,25 +465,39 @@ class AwsLab:
             stderr=host._log,
         )
         self.booted.append(inst.instance_id)
+        self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
 
     def _shutdown(self, inst: Instance) -> None:
         """The instance is terminated: stop its host and everything in it."""
-        with self._lock:
-            timer, inst.timer = inst.timer, None
+        if inst.timer is not None:
+            inst.timer.cancel()
+        with inst.lock:  # waits for a boot under way
+            inst.stopped = True
             host = inst.host
-        if timer is not None:
-            timer.cancel()
-        if host is not None and host in self.lab.hosts:
-            with contextlib.suppress(Exception):
-                self.lab.remove_host(host)
-        if inst.imds is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                inst.imds.wait(5)
-        inst.host = None
+            if host is not None and host in self.lab.hosts:
+                with contextlib.suppress(Exception):
+                    self.lab.remove_host(host)
+            if inst.imds is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    inst.imds.wait(5)
+            inst.host = None
+
+    def wait_ended(self, instance_id: str, timeout: float = 30.0) -> bool:
+        """Wait until the watcher saw ``instance_id`` terminated and stopped its host."""
+        with self._ended_cond:
+            return self._ended_cond.wait_for(lambda: instance_id in self._ended, timeout)
 
     def host_of(self, instance_id: str) -> TestHost | None:
         inst = self.instances.get(instance_id)
         return inst.host if inst else None
+
+    def poweroffs(self, addr: str) -> list[float]:
+        """When the harmless power-off command of the instance at ``addr`` ran."""
+        path = self.lab.tmp / f"poweroff-ip-{addr.replace('.', '-')}"
+        try:
+            return [float(line) for line in path.read_text().split()]
+        except OSError:
+            return []
 
 
 def _utcnow() -> Any:

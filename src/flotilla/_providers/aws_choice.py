@@ -11,7 +11,12 @@ AMI comes from AWS's public SSM parameters for that architecture.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +194,66 @@ def _smallest(
     )
 
 
+CATALOG_TTL = 86400.0
+"""Seconds a region's instance type list is reused from the local cache."""
+_KEPT = (
+    "InstanceType",
+    "VCpuInfo",
+    "MemoryInfo",
+    "GpuInfo",
+    "ProcessorInfo",
+    "BareMetal",
+    "CurrentGeneration",
+    "SupportedUsageClasses",
+)
+_catalog: dict[str, list[dict[str, Any]]] = {}
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "flotilla", "aws")
+
+
 def _describe_types(api: Api, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The instance types ``filters`` select; cached for a day in this process and on
+    disk (the catalog changes rarely, and listing it costs seconds)."""
+    endpoint = str(api.client("ec2").meta.endpoint_url)
+    key = hashlib.sha256(json.dumps([endpoint, api.region, filters]).encode()).hexdigest()[:24]
+    if key in _catalog:
+        return _catalog[key]
+    path = os.path.join(_cache_dir(), f"types-{api.region}-{key}.json")
+    try:
+        if time.time() - os.stat(path).st_mtime < CATALOG_TTL:
+            with open(path) as f:
+                types: list[dict[str, Any]] = json.load(f)
+            _catalog[key] = types
+            return types
+    except (OSError, ValueError):
+        pass
+    types = [{k: t[k] for k in _KEPT if k in t} for t in _list_types(api, filters)]
+    _catalog[key] = types
+    _store(path, types)
+    return types
+
+
+def _store(path: str, types: list[dict[str, Any]]) -> None:
+    """Write the cache file atomically (0600 in a 0700 folder); stale files go."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        for name in os.listdir(folder):
+            old = os.path.join(folder, name)
+            if time.time() - os.stat(old).st_mtime > CATALOG_TTL:
+                os.unlink(old)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".types-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(types, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("cannot cache the instance types in %s: %s", folder, e)
+
+
+def _list_types(api: Api, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     token = ""
     while True:

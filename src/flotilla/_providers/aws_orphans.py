@@ -138,13 +138,12 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
 def terminate(api: Api, filters: list[dict[str, Any]], known: set[str], timeout: float) -> None:
     """Terminate the instances ``filters`` select (and the ``known`` ids), then wait until
     every one is terminated (ProvisionError after ``timeout`` s)."""
-    reply = api.call(
-        "ec2",
-        "describe_instances",
-        "find the pool's instances",
-        Filters=[*filters, {"Name": "instance-state-name", "Values": _LIVE_STATES}],
-    )
-    ids = sorted({i["InstanceId"] for r in reply["Reservations"] for i in r["Instances"]} | known)
+    reply = api.call("ec2", "describe_instances", "find the pool's instances", Filters=filters)
+    found = {
+        i["InstanceId"]: i["State"]["Name"] for r in reply["Reservations"] for i in r["Instances"]
+    }
+    # known ids the filter missed (their tags not applied?) are terminated too
+    ids = sorted({i for i, state in found.items() if state != "terminated"} | (known - set(found)))
     if not ids:
         return
     try:
