@@ -138,8 +138,8 @@ import flotilla as sky
 from _aws import AwsLab
 lab = AwsLab.__new__(AwsLab)
 provider = {provider}
-with sky.Compute(provider=provider, nodes=2) as pool:
-    print(pool.pool_id, flush=True)
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)) as pool:
+    print(pool.pool_id, time.time(), flush=True)
     time.sleep(600)
 """
 
@@ -168,7 +168,7 @@ def _pool_id(proc: subprocess.Popen[str]) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     assert line, f"the client did not start its pool: {proc.stderr.read() if proc.stderr else ''}"
-    return line
+    return line.split()[0]
 
 
 def test_nothing_left_after_ctrl_c(aws_lab: AwsLab) -> None:
@@ -189,6 +189,9 @@ def test_kill9_watchdog_and_orphan_cleanup(aws_lab: AwsLab) -> None:
     pool_id = _pool_id(proc)
     instances = aws_lab.pool_instances(pool_id)
     addrs = [i["PrivateIpAddress"] for i in instances]
+    # the client is alive and in contact for longer than ttl: no instance powers off
+    time.sleep(ttl + 1)
+    assert [a for a in addrs if aws_lab.poweroffs(a)] == []
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     workdir = aws_lab.lab.tmp / "workdir" / "watchdog"
@@ -294,6 +297,7 @@ def test_quota_error(aws_lab: AwsLab) -> None:
         ({"region": "us-east-9"}, "region 'us-east-9' does not exist"),
         ({"ami": "ami-00000000"}, "AMI"),
         ({"instance_type": "z9.huge"}, "no such instance type"),
+        ({"ttl": 10}, "must exceed Options"),
     ],
 )
 def test_bad_input_before_launch(aws_lab: AwsLab, kwargs: dict[str, Any], message: str) -> None:
