@@ -391,3 +391,85 @@ def test_import_flotilla_does_not_import_boto3() -> None:
     code = "import sys, flotilla; flotilla.AWS; print('boto3' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the node side, without the lab (no root needed) ----------------------------------------
+def _node_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(sky.__file__))}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_watchdog_fires_ttl_after_the_last_contact(tmp_path: Any) -> None:
+    """Contact renewed after start postpones the power-off; it runs once, ttl s after the
+    last contact."""
+    contact, fired = tmp_path / "contact", tmp_path / "fired"
+    code = f"""
+import os, threading, time
+from flotilla._node.cloud import Config, watchdog
+open({str(contact)!r}, "a").close()
+def renew():  # the agent's contact, 0.5 s after start
+    time.sleep(0.5)
+    os.utime({str(contact)!r})
+threading.Thread(target=renew).start()
+watchdog(Config({str(contact)!r}, 1.0, ("sh", "-c", "date +%s.%N >> {fired}")))
+"""
+    started = time.time()
+    proc = _node_python(code)
+    assert proc.returncode == 0, proc.stderr
+    times = [float(t) for t in fired.read_text().split()]
+    assert len(times) == 1
+    last_contact = contact.stat().st_mtime
+    assert last_contact >= started + 0.4  # the renewal counted ...
+    assert times[0] >= last_contact + 1.0  # ... and the power-off waited ttl after it
+
+
+def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
+    import http.server
+    import threading
+
+    token = "tok123"
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            seen.append(
+                f"PUT {self.path} {self.headers.get('X-aws-ec2-metadata-token-ttl-seconds')}"
+            )
+            self._send(200, token.encode())
+
+        def do_GET(self) -> None:
+            ok = self.headers.get("X-aws-ec2-metadata-token") == token
+            seen.append(f"GET {self.path} {ok}")
+            if not ok:
+                return self._send(401, b"")
+            self._send(200, b'{"action": "stop", "time": "2026-11-23T19:00:00Z"}')
+
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        code = f"""
+from flotilla._node.cloud import Config, poll_interruptions
+poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
+"""
+        proc = _node_python(code)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("FLOTILLA_CLOUD NOTICE ")
+    assert '"action": "stop"' in proc.stderr
+    assert seen[:2] == [
+        "PUT /latest/api/token 21600",
+        "GET /latest/meta-data/spot/instance-action True",
+    ]

@@ -98,12 +98,15 @@ def start() -> Contact | None:
     with open(config.contact, "a"):
         pass
     os.utime(config.contact)
-    subprocess.Popen(
-        [sys.executable, "-m", "flotilla._node.cloud"],
-        env={**os.environ, ENV: text},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "flotilla._node.cloud"],
+            env={**os.environ, ENV: text},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+    except OSError as e:  # the agent still serves the pool; the client releases it
+        print(f"flotilla agent: cannot start the instance watchdog: {e}", file=sys.stderr)
     every = min(5.0, config.ttl / 10) if config.ttl > 0 else 3600.0
     return Contact(config.contact, every)
 

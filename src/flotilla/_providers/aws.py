@@ -420,7 +420,7 @@ class AWSAllocation(Allocation):
         except Exception:  # the price is informative only
             return ""
         prices = [float(h["SpotPrice"]) for h in history if h["AvailabilityZone"] in choice.zones]
-        return f", spot price from ${min(prices):.4f}/h" if prices else ""
+        return f", spot price from ${min(prices):.4g}/h" if prices else ""
 
     def _tags(self, resource: str) -> dict[str, Any]:
         tags = {
