@@ -53,7 +53,7 @@ def _spec(nodes: int, **kwargs: Any) -> PoolSpec:
 
 
 def test_three_node_spot_pool(aws_lab: AwsLab) -> None:
-    provider = aws_lab.provider(allocation="spot", tags={"team": "ml"})
+    provider = aws_lab.provider(allocation="spot", tags={"team": "ml"}, ports=[8080, "9000-9001"])
     with sky.Compute(provider=provider, nodes=3) as pool:
         got = where() @ pool
         pool_id = pool.pool_id
@@ -76,7 +76,10 @@ def test_three_node_spot_pool(aws_lab: AwsLab) -> None:
         assert {r["CidrIp"] for r in ssh[0]["IpRanges"]} == vpc_ranges
         members = [r for r in rules if r["IpProtocol"] == "-1"]
         assert members[0]["UserIdGroupPairs"][0]["GroupId"] == group["GroupId"]
-        assert len(rules) == 2
+        tcp = [r for r in rules if r["IpProtocol"] == "tcp" and r["FromPort"] != 22]
+        opened = {(r["FromPort"], r["ToPort"]) for r in tcp}
+        assert opened == {(8080, 8080), (9000, 9001)}  # and nothing else
+        assert len(rules) == 4
     _gone(aws_lab, pool_id)
 
 
@@ -343,6 +346,8 @@ def test_no_credentials(aws_lab: AwsLab, monkeypatch: pytest.MonkeyPatch, tmp_pa
         ({"subnet": "sn-1"}, "subnet"),
         ({"disk_gb": 2}, "disk_gb"),
         ({"instance_type": "large"}, "instance_type"),
+        ({"ports": ["80-70"]}, "ports"),
+        ({"ports": [0]}, "ports"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

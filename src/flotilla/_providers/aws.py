@@ -109,6 +109,8 @@ class AWS(Provider):
             itself off (and so terminates): the bound on what a dead client costs.
         tags: extra tags for every resource of the pool.
         profile: AWS profile of ~/.aws/config (default: the default credential chain).
+        ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the
+            pool's security group (a task file's ``ports``); none by default.
         workdir: folder on the instances for flotilla's files.
         python: interpreter on the instances.
         poweroff_command: what the instance watchdog runs when ``ttl`` expires.
@@ -131,6 +133,7 @@ class AWS(Provider):
         tags: dict[str, str] | None = None,
         profile: str | None = None,
         *,
+        ports: Sequence[int | str] = (),
         workdir: str = "~/.flotilla",
         python: str = "python3",
         poweroff_command: Sequence[str] = ("sudo", "-n", "poweroff"),
@@ -183,6 +186,7 @@ class AWS(Provider):
         self.ttl = float(ttl)
         self.tags = tags
         self.profile = profile
+        self.ports = tuple(_port_range(p) for p in ports)
         self.workdir = workdir
         self.home = workdir
         self.python = python
@@ -459,6 +463,15 @@ class AWSAllocation(Allocation):
                     ],
                 },
                 {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": self.security_group}]},
+                *(
+                    {
+                        "IpProtocol": "tcp",
+                        "FromPort": low,
+                        "ToPort": high,
+                        "IpRanges": [{"CidrIp": "0.0.0.0/0", "Description": "AWS(ports=...)"}],
+                    }
+                    for low, high in self.provider.ports
+                ),
             ],
         )
 
@@ -783,6 +796,21 @@ async def _wait_port(addr: str, port: int, deadline: float, name: str, timeout: 
             continue
         writer.close()
         return
+
+
+def _port_range(port: int | str) -> tuple[int, int]:
+    """``8000`` or ``"8000-8010"`` as (first, last); ConfigurationError otherwise."""
+    text = str(port).strip()
+    low, sep, high = text.partition("-")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        first = last = 0
+    if isinstance(port, bool) or not 0 < first <= last < 65536:
+        raise ConfigurationError(
+            f"AWS(ports=[{port!r}]): a TCP port (8000) or range ('8000-8010') within 1-65535"
+        )
+    return first, last
 
 
 def _public_cidr() -> str:
