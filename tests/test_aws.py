@@ -17,7 +17,7 @@ import pytest
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
 
 import flotilla as sky
-from flotilla._providers.aws import AWSAllocation
+from flotilla._providers.aws_pool import AWSAllocation
 from flotilla._providers.base import Options, PoolSpec
 
 
