@@ -225,6 +225,7 @@ class AwsLab:
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": REGION,
             "AWS_EC2_METADATA_DISABLED": "true",
+            "XDG_CACHE_HOME": str(self.lab.tmp / "cache"),  # the instance type catalog
         }
         for key, value in self.env.items():
             self._saved_env[key] = os.environ.get(key)
