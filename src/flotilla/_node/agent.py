@@ -76,6 +76,11 @@ class Agent:
             Kind.RESTART: lambda generation, cause: ex.restart(generation, bytes(cause)),
             Kind.SHUTDOWN: self._shutdown,
         }
+        self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
+        if "FLOTILLA_CLOUD" in os.environ:
+            from .cloud import start
+
+            self.cloud = start()
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -143,6 +148,8 @@ class Agent:
             self.begin_stop(grace=1.0)
             return
         self.last_seen = time.monotonic()
+        if self.cloud is not None:
+            self.cloud.touch(self.last_seen)
         handlers = self._on_frame
         for kind, ident, body in frames:
             handler = handlers.get(kind)
