@@ -161,7 +161,9 @@ class Dispatcher:
         """The ready (node, local rank) with the fewest calls in flight, lowest rank first
         among equals; on a node other than ``exclude`` when there is one, never on one of
         ``dead`` (they refused a call). None if no node is ready."""
-        nodes = [n for n in self.nodes if n.state is NodeState.READY and n not in dead]
+        nodes = [n for n in self.nodes if n.state is NodeState.READY]
+        if dead:
+            nodes = [n for n in nodes if n not in dead]
         if exclude is not None:
             nodes = [n for n in nodes if n is not exclude] or nodes
         best: tuple[Node, int] | None = None
@@ -219,7 +221,6 @@ class Dispatcher:
         A node that refuses the call (its agent is gone, the loss not reported yet) is
         treated as down from then on. Raises PoolClosedError when the call can run
         nowhere, NodeLostError when its node is lost and lost nodes are not replaced."""
-        dead = set() if dead is None else dead
         while True:
             with self.lock:
                 if rank is not None:
@@ -232,7 +233,7 @@ class Dispatcher:
                         self._waiting.setdefault(rank, []).append(sub)
                         return
                 else:
-                    choice = self.least_busy(exclude, dead)
+                    choice = self.least_busy(exclude, dead or ())
                     if choice is None:
                         if self._waiting:
                             self._unplaced.append(sub)
@@ -248,7 +249,7 @@ class Dispatcher:
                 with self.lock:  # its loss is on its way: wait for the replacement
                     if self.nodes[node.rank] is node and node.rank not in self._gone:
                         self._waiting.setdefault(node.rank, [])
-                dead.add(node)
+                dead = {node} | (dead or set())
 
     def broadcast(self, call: PendingCall[Any], ranks: Sequence[int]) -> list[Submission]:
         """Send ``call`` to every process of the nodes at ``ranks``; a submission each."""
