@@ -225,7 +225,7 @@ class Node:
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
         if frames is None:
-            self._gone()
+            self.gone()
             return
         for kind, ident, body in frames:
             if kind == Kind.RESULT:
@@ -284,7 +284,8 @@ class Node:
         self._err_partial = lines.pop()[-4096:]
         self.stderr_tail.extend(line.decode(errors="replace") for line in lines)
 
-    def _gone(self) -> None:
+    def gone(self) -> None:
+        """The agent is gone: fail the node's calls and report the loss. Idempotent."""
         if self.state is NodeState.CLOSED or self.state is NodeState.LOST:
             return
         self.flush_output()

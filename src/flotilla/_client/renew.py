@@ -69,7 +69,7 @@ class Renewals:
         nodes = self.pool._nodes
         if rank < len(nodes) and nodes[rank].state is NodeState.READY:
             self._reported[rank] = f"the provider reports its machine lost: {reason}"
-            self._spawn(nodes[rank].proc.terminate())
+            self._spawn(_drop(nodes[rank]))
 
     async def cancel(self) -> None:
         """Stop every replacement under way (the pool closes); their agents are stopped."""
@@ -153,3 +153,10 @@ async def _stop(node: Node) -> None:
     with contextlib.suppress(Exception):
         if await node.proc.wait(1.0) is None:
             await node.proc.terminate()
+
+
+async def _drop(node: Node) -> None:
+    """Stop ``node``'s agent and declare the node gone: once its readers are removed, the
+    end of its stream may never be read, so the loss is not left to that."""
+    await node.proc.terminate()
+    node.gone()
