@@ -28,7 +28,8 @@ import pytest
 from _procs import alive, kill_quietly, processes_in, wait_until
 
 from flotilla._errors import ConfigurationError
-from flotilla._node.private import file_lock, open_private_file, private_dir
+from flotilla._node.locks import exclusive
+from flotilla._node.private import open_private_file, private_dir
 from flotilla.cli.state import (
     ClusterRecord,
     ClusterState,
@@ -218,7 +219,7 @@ def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(
     locks = private_dir(tmp_path / "locks")
     victim = tmp_path / "victim"
     (locks / "sync.lock").symlink_to(victim)
-    with pytest.raises(ConfigurationError, match="symlink"), file_lock(locks / "sync.lock"):
+    with pytest.raises(ConfigurationError, match="symlink"), exclusive(locks / "sync.lock"):
         pass
     assert not victim.exists()
     fifo = locks / "fifo.lock"
@@ -315,7 +316,7 @@ def test_sync_lock_cannot_be_blocked_or_redirected_by_another_user(
         assert not victim.exists()
         lock_dir = cli.home / "locks"
         assert os.stat(lock_dir).st_mode & 0o777 == 0o700
-        assert [p.name for p in lock_dir.iterdir()] == [f"sync-{digest}.lock"]
+        assert [p.name for p in lock_dir.iterdir()] == [f"{digest}.lock"]
     finally:
         holder.kill()
         holder.communicate()

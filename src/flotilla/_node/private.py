@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 from collections.abc import Iterator
@@ -126,17 +125,6 @@ def open_private_file(path: str | os.PathLike[str], flags: int = os.O_RDWR | os.
         os.close(fd)
         raise
     return fd
-
-
-@contextlib.contextmanager
-def file_lock(path: Path | str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the private file ``path`` (created when missing)."""
-    fd = open_private_file(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def locks_dir() -> Path:

@@ -2,7 +2,7 @@
 
 ``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
-``NAME.sock`` (see ``_wire``): jobs are queued and run one at a time (see ``_jobs``), their
+``NAME.sock`` (see ``ipc``): jobs are queued and run one at a time (see ``jobs``), their
 output streamed to whoever follows them and kept per node. It stops on ``flotilla down``
 (and removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
 (the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
@@ -30,14 +30,16 @@ from typing import Any
 
 from .._client.compute import Compute
 from .._errors import FlotillaError
-from .._node.private import private_dir, socket_address
+from .._node import procs
+from .._node.private import socket_address
 from .._redaction import redact
-from .backends.registry import ProviderSpec, make_provider, ssh_config
+from .backends import registry
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
 from .jobspec import JobSpec, task_id
 from .node_ops import node_facts
 from .state import (
+    ClusterRecord,
     ClusterState,
     JobStatus,
     NodeRecord,
@@ -45,7 +47,6 @@ from .state import (
     delete,
     load,
     locked,
-    process_start,
     update,
 )
 
@@ -69,7 +70,8 @@ class ClusterDaemon:
         self.socket_inode = 0  # of the socket this daemon bound, to remove only its own
         self.paths = paths
         self.name = paths.name
-        self.spec = ProviderSpec.from_dict(record.provider)
+        self.spec = registry.spec_from_dict(record.provider)
+        self.backend = registry.backend_for(self.spec)
         self.num_nodes = record.num_nodes
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
@@ -96,9 +98,9 @@ class ClusterDaemon:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
-        with update(self.paths, self.generation) as rec:
+        with self._update() as rec:
             rec.pid = os.getpid()
-            rec.pid_start = process_start(rec.pid)
+            rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
             rec.error = ""
             rec.nodes = []
@@ -171,10 +173,7 @@ class ClusterDaemon:
             self.queue.clear()
             current = self.current
             self.cv.notify_all()
-        with (
-            contextlib.suppress(FlotillaError, OSError),
-            update(self.paths, self.generation) as rec,
-        ):
+        with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
             if not self.error:
                 rec.state = ClusterState.STOPPING.value
         for job in pending:
@@ -197,14 +196,15 @@ class ClusterDaemon:
         if self.delete_on_stop:
             delete(self.paths, self.generation)
         else:
-            with (
-                contextlib.suppress(FlotillaError, OSError),
-                update(self.paths, self.generation) as rec,
-            ):
+            with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
                 rec.state = (ClusterState.FAILED if self.error else ClusterState.STOPPED).value
                 rec.nodes = []
                 rec.last_activity = self.last_activity
         self.stopped.set()
+
+    def _update(self) -> contextlib.AbstractContextManager[ClusterRecord]:
+        """The record, to change it, while it is still this daemon's generation."""
+        return update(self.paths, self.generation)
 
     def _unlink_socket(self) -> None:
         """Remove this daemon's socket, never a newer daemon's at the same path."""
@@ -215,7 +215,7 @@ class ClusterDaemon:
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
         try:
-            provider = make_provider(self.spec, self.paths.nodes)
+            provider = self.backend.make_provider(self.spec, self.paths.nodes)
             pool = Compute(provider, nodes=self.num_nodes)
             pool.output_sink = self._on_output
             with self.cv:
@@ -223,7 +223,8 @@ class ClusterDaemon:
                     return
             pool.open()
             self.pool = pool
-            subdir = "" if self.spec.shares_filesystem else f"clusters/{self.name}"
+            shared = self.backend.shares_filesystem
+            subdir = "" if shared else f"clusters/{self.name}"
             facts = pool.broadcast(node_facts(subdir))
             self.nodes = [NodeRecord(**f) for f in facts]
             self.runner = Runner(
@@ -231,24 +232,19 @@ class ClusterDaemon:
                 self.name,
                 self.spec.kind,
                 self.nodes,
-                self.spec.shares_filesystem,
+                shared,
                 self._save_job,
                 self.token,
             )
-            with update(self.paths, self.generation) as rec:
+            with self._update() as rec:
                 rec.state = ClusterState.UP.value
                 rec.nodes = self.nodes
                 rec.token = self.token
-            if self.spec.kind == "ssh":
-                private_dir(self.paths.ssh_config.parent)
-                self.paths.ssh_config.write_text(ssh_config(self.name, self.spec, self.nodes))
+            self.backend.on_up(self.paths, self.spec, self.nodes)
         except BaseException as e:  # root cause first: the provider's own message
             self.error = str(e) or type(e).__name__
             print(f"provisioning failed: {self.error}", file=sys.stderr)
-            with (
-                contextlib.suppress(FlotillaError, OSError),
-                update(self.paths, self.generation) as rec,
-            ):
+            with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
                 rec.state = ClusterState.FAILED.value
                 rec.error = self.error
         finally:
@@ -271,7 +267,7 @@ class ClusterDaemon:
             if self.stopping:
                 raise FlotillaError(f"cluster {self.name} is going down")
         now = time.time()
-        with update(self.paths, self.generation) as rec:
+        with self._update() as rec:
             job_id = rec.next_job
             rec.next_job += 1
             job = Job(job_id, spec, task_id(self.name, job_id, now), self.paths.job_dir(job_id))
@@ -286,10 +282,7 @@ class ClusterDaemon:
         return job
 
     def _save_job(self, job: Job) -> None:
-        with (
-            contextlib.suppress(FlotillaError, OSError),
-            update(self.paths, self.generation) as rec,
-        ):
+        with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
             rec.jobs = [job.record() if j.id == job.id else j for j in rec.jobs]
             rec.last_activity = time.time()
 
@@ -349,16 +342,12 @@ class ClusterDaemon:
             uid = peer_uid(conn)
             if uid != os.geteuid():  # the socket is private; this holds even if it is not
                 print(f"refused a connection from uid {uid}", file=sys.stderr)
+                refusal = (
+                    f"refused: this cluster belongs to uid {os.geteuid()}, and only its "
+                    "owner may use it"
+                )
                 with contextlib.suppress(OSError):
-                    conn.sendall(
-                        encode(
-                            {
-                                "ev": "error",
-                                "message": f"refused: this cluster belongs to uid "
-                                f"{os.geteuid()}, and only its owner may use it",
-                            }
-                        )
-                    )
+                    conn.sendall(encode({"ev": "error", "message": refusal}))
                 return
             try:
                 with conn.makefile("rb") as f:

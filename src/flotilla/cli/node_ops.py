@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import io
 import os
-import signal
 import socket
 import subprocess
 import tarfile
+import time
 from typing import Any
 
 from .._client.function import function
 from .._info import instance_info
-from .._node.private import file_lock, locks_dir
+from .._node import locks, procs
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -98,27 +97,8 @@ def run_script(
 def reap(token_prefix: str) -> int:
     """Kill (SIGKILL) every process on this machine whose environment has a
     FLOTILLA_RUN_TOKEN starting with ``token_prefix``; the number killed."""
-    me = os.getpid()
     wanted = f"{TOKEN_VAR}={token_prefix}".encode()
-    killed = 0
-    for _ in range(10):  # again, for what they forked meanwhile
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read()
-            except OSError:
-                continue
-            if any(item.startswith(wanted) for item in env.split(b"\0")):
-                with contextlib.suppress(OSError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-        killed += found
-        if not found:
-            break
-    return killed
+    return procs.kill_all(lambda pid: procs.has_env(pid, wanted))
 
 
 @function
@@ -138,6 +118,7 @@ def unpack(
     """
     cwd = (workdirs or {}).get(instance_info().node) or os.getcwd()
     written = 0
+    now = time.time()  # archives carry one fixed time: a changed file must look changed
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         members = tar.getmembers()
         for key, dest_root in [(WORKDIR_MEMBER, cwd), *targets.items()]:
@@ -147,7 +128,7 @@ def unpack(
             if not mine:
                 continue
             shared = not os.path.abspath(dest_root).startswith(cwd + os.sep)
-            with _lock_for(dest_root) if shared else contextlib.nullcontext():
+            with locks.named(os.path.abspath(dest_root)) if shared else contextlib.nullcontext():
                 for m in mine:
                     if m.name == key:  # the mount's own entry: a file, or the folder itself
                         if m.isdir():
@@ -159,6 +140,7 @@ def unpack(
                         m.name = m.name[len(key) + 1 :]
                         parent = dest_root
                     os.makedirs(parent, exist_ok=True)
+                    m.mtime = now  # (Python's byte-code cache compares times and sizes)
                     tar.extract(m, parent, filter="data")
                     written += 1
     return written
@@ -172,11 +154,3 @@ def _node_path(target: str, cwd: str, home_is_workdir: bool) -> str:
             return os.path.join(cwd, target)
         return target
     return os.path.abspath(os.path.expanduser(target))
-
-
-def _lock_for(path: str) -> contextlib.AbstractContextManager[None]:
-    """An exclusive lock named after ``path``, shared by every node of this user on this
-    machine: a private file under ``$FLOTILLA_HOME/locks`` (not in the shared temp folder,
-    where another user could take the name first or plant a symlink)."""
-    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:20]
-    return file_lock(locks_dir() / f"sync-{digest}.lock")

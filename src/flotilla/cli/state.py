@@ -1,7 +1,7 @@
 """Named clusters on disk: where their files live, their lifecycle, their state files.
 
 Everything lives under ``$FLOTILLA_HOME`` (default ``~/.flotilla``), in folders created or
-verified private (owned by this user, mode 0700, never through a symlink: see ``_private``)::
+verified private (owned by this user, mode 0700, never through a symlink: ``_node/private``)::
 
     clusters/              mode 0700
       NAME.json            the cluster's state (ClusterRecord), replaced atomically
@@ -21,12 +21,10 @@ This module imports nothing heavy: the CLI reads state on every command.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
@@ -34,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError, FlotillaError
+from .._node import locks, procs
 from .._node.private import flotilla_home as flotilla_home
-from .._node.private import open_private_file, private_dirs
+from .._node.private import private_dirs
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 
@@ -211,7 +210,7 @@ class ClusterRecord:
     def observed_state(self) -> ClusterState:
         """The recorded state, or STALE when its daemon is gone."""
         state = ClusterState(self.state)
-        if state.needs_daemon and self.pid and not process_alive(self.pid, self.pid_start):
+        if state.needs_daemon and self.pid and not procs.alive(self.pid, self.pid_start):
             return ClusterState.STALE
         return state
 
@@ -305,31 +304,21 @@ def _corrupt(paths: Paths, why: str) -> CorruptStateError:
 @contextlib.contextmanager
 def locked(paths: Paths) -> Iterator[None]:
     """Hold the cluster's lock (an flock on NAME.lock) for a read-modify-write."""
-    with _locked_fd(paths):
-        yield
-
-
-@contextlib.contextmanager
-def _locked_fd(paths: Paths) -> Iterator[int]:
     paths.ensure()
-    fd = open_private_file(paths.lock)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
-    finally:
-        os.close(fd)  # closing releases the lock
+    with locks.exclusive(paths.lock):
+        yield
 
 
 @contextlib.contextmanager
 def locked_generation(paths: Paths) -> Iterator[int]:
     """Hold the cluster's lock and take the name's next generation number (kept in
     NAME.lock, which outlives the record): for a launch that writes a new record."""
-    with _locked_fd(paths) as fd:
+    paths.ensure()
+    with locks.exclusive(paths.lock) as fd:
         raw = os.pread(fd, 32, 0).strip()
         generation = (int(raw) if raw.isdigit() else 0) + 1
-        data = str(generation).encode()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        os.pwrite(fd, str(generation).encode(), 0)
         yield generation
 
 
@@ -359,17 +348,13 @@ def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecor
         record = load(paths)
         if record is None:
             raise ConfigurationError(f"cluster {paths.name!r} does not exist")
-        _check_generation(paths, record, generation)
+        if generation is not None and record.generation != generation:
+            raise StaleGenerationError(
+                f"cluster {paths.name} was launched again (generation {record.generation}, "
+                f"not {generation})"
+            )
         yield record
         save(paths, record)
-
-
-def _check_generation(paths: Paths, record: ClusterRecord | None, generation: int | None) -> None:
-    if generation is not None and record is not None and record.generation != generation:
-        raise StaleGenerationError(
-            f"cluster {paths.name} was launched again (generation {record.generation}, "
-            f"not {generation})"
-        )
 
 
 def delete(paths: Paths, generation: int | None = None) -> bool:
@@ -391,34 +376,4 @@ def delete(paths: Paths, generation: int | None = None) -> bool:
                 os.unlink(path)
         shutil.rmtree(paths.dir, ignore_errors=True)
     # NAME.lock stays: removing it could let two commands lock different files at once
-    return True
-
-
-# -- processes -----------------------------------------------------------------------------
-def process_start(pid: int) -> int:
-    """The start time of ``pid`` in clock ticks since boot (0 when there is no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]) if fields[0] != "Z" else 0
-
-
-def process_alive(pid: int, start: int = 0) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, when ``start`` is given, is the same process."""
-    began = process_start(pid)
-    return began != 0 and (start == 0 or began == start)
-
-
-def wait_gone(pid: int, start: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` s for a process (not our child) to exit; True when it did."""
-    deadline = time.monotonic() + timeout
-    delay = 0.002
-    while process_alive(pid, start):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
     return True
