@@ -725,20 +725,27 @@ def _parser() -> argparse.ArgumentParser:
             help="run a failed `run` again up to this many times (same task id)",
         )
 
+    def provider_flags(q: argparse.ArgumentParser) -> None:
+        q.add_argument(
+            "--provider", choices=("local", "ssh"), help="where nodes run (default: local)"
+        )
+        q.add_argument("--hosts", help="ssh: user@host[:port],... one per node, head first")
+        q.add_argument("--ssh-user", help="ssh: default login user")
+        q.add_argument("--ssh-key", help="ssh: private key file")
+        q.add_argument("--known-hosts", help="ssh: known_hosts file to check host keys against")
+        q.add_argument(
+            "--accept-new-host-keys",
+            action="store_true",
+            help="ssh: trust hosts seen the first time",
+        )
+        q.add_argument("--ssh-python", help="ssh: the hosts' Python interpreter")
+        q.add_argument("--ssh-workdir", help="ssh: flotilla's folder on the hosts (~/.flotilla)")
+
     q = sub.add_parser("launch", help="start a cluster (if needed), sync, set up and run a task")
     q.add_argument("task", help="a task file (SkyPilot YAML) or a shell command")
     q.add_argument("-c", "--cluster", help="cluster name (default: a new one)")
     q.add_argument("--nodes", type=int, help="cluster size (default: the task's num_nodes)")
-    q.add_argument("--provider", choices=("local", "ssh"), help="where nodes run (default: local)")
-    q.add_argument("--hosts", help="ssh: user@host[:port],... one per node, head first")
-    q.add_argument("--ssh-user", help="ssh: default login user")
-    q.add_argument("--ssh-key", help="ssh: private key file")
-    q.add_argument("--known-hosts", help="ssh: known_hosts file to check host keys against")
-    q.add_argument(
-        "--accept-new-host-keys", action="store_true", help="ssh: trust hosts seen the first time"
-    )
-    q.add_argument("--ssh-python", help="ssh: the hosts' Python interpreter")
-    q.add_argument("--ssh-workdir", help="ssh: flotilla's folder on the hosts (~/.flotilla)")
+    provider_flags(q)
     q.add_argument("--no-setup", action="store_true", help="skip the task's setup")
     q.add_argument("--down", action="store_true", help="remove the cluster when the job ends")
     q.add_argument(
@@ -783,6 +790,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--node", type=int, default=0)
     q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
     q.set_defaults(func=cmd_ssh)
+
+    from .managed.commands import add_jobs_parser
+
+    add_jobs_parser(sub, job_flags, provider_flags)
     return p
 
 
