@@ -259,10 +259,11 @@ def test_a_managed_job_recovers_by_itself_when_a_node_loses_its_agent(jobs: Jobs
     task = jobs.task("resumable.yaml", RESUMABLE)
     launch = jobs.popen("launch", task, "--env", f"CKPT={jobs.ckpt}")
     try:
-        pid_file = jobs.ckpt / "pid-1"
-        assert wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), 60), (
-            "rank 1 never started"
-        )
+        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        assert wait_until(
+            lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 60
+        ), "the ranks never started"
+        pid_file = pid_files[1]
         assert wait_until(lambda: jobs.record().state == "RUNNING", 30)
         agent = agent_above(int(pid_file.read_text()))
         os.kill(agent, signal.SIGKILL)  # node 1's agent is lost mid-run
