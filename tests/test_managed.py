@@ -351,8 +351,12 @@ def test_cancel_stops_a_detached_job_and_its_cluster(jobs: Jobs) -> None:
     assert wait_until(lambda: all(p.exists() for p in started), 60)
     rec = jobs.record()
     assert alive(rec.pid) and token_processes(rec.token)
+    follower = jobs.popen("logs", "long", "--follow")
     cancelled = jobs("cancel", "long")
     assert cancelled.returncode == 0, cancelled.stderr
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130  # it followed the job to its end
+    assert "flotilla: managed job 1 CANCELLED: cancelled" in err
     assert "managed job 1: CANCELLED" in cancelled.stderr
     assert jobs.record().state == "CANCELLED"
     logs = jobs("logs", "1")
@@ -375,3 +379,29 @@ def test_a_bad_job_recovery_is_refused_before_anything_starts(jobs: Jobs) -> Non
     assert done.returncode == 2
     assert f"{task}:3: `resources.job_recovery`: 'NEXT_CLOUD' is not a recovery" in done.stderr
     assert jobs.records() == []
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_controller_shows_failed_and_cancel_cleans_up(jobs: Jobs) -> None:
+    task = jobs.task(
+        "long.yaml",
+        """\
+        name: orphaned
+        run: |
+          setsid sleep 300 &                 # a process that leaves the job's group
+          echo started > $CKPT/started
+          sleep 300
+        """,
+    )
+    assert jobs("launch", task, "-d", "--env", f"CKPT={jobs.ckpt}").returncode == 0
+    assert wait_until((jobs.ckpt / "started").exists, 60)
+    rec = jobs.record()
+    os.kill(rec.pid, signal.SIGKILL)
+    assert_all_gone([rec.pid], 10, "controller")
+    queue = jobs("queue")
+    assert f"1: its controller (pid {rec.pid}) is gone" in queue.stdout
+    assert queue.stdout.splitlines()[1].split()[-1] == "FAILED"
+    done = jobs("cancel", "1")
+    assert "managed job 1: CANCELLED" in done.stderr, done.stderr
+    assert jobs.record().error == "cancelled (its controller was gone)"
+    assert_nothing_left(jobs)
