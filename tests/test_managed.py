@@ -298,17 +298,21 @@ FAILS_TWICE = """\
         echo x >> $CKPT/attempts
         if [ $(wc -l < $CKPT/attempts) -le 2 ]; then echo "attempt failing"; exit 1; fi
       fi
-      echo "rank $SKYPILOT_NODE_RANK ok"
+      echo "rank $SKYPILOT_NODE_RANK ok with token $TOKEN"
 """
 
 
 @pytest.mark.timeout(90)
 def test_a_program_that_fails_twice_succeeds_with_two_restarts(jobs: Jobs) -> None:
     task = jobs.task("flaky.yaml", FAILS_TWICE.format(restarts=2))
-    done = jobs("launch", task, "--env", f"CKPT={jobs.ckpt}")
+    secret = "hunter2-secret-value"
+    done = jobs("launch", task, "--env", f"CKPT={jobs.ckpt}", "--secret", f"TOKEN={secret}")
     assert done.returncode == 0, done.stderr
     assert (jobs.ckpt / "attempts").read_text().count("x") == 3
-    assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
+    assert "rank 0 ok with token ***" in done.stdout and "rank 1 ok with token ***" in done.stdout
+    assert secret not in done.stdout + done.stderr
+    for path in jobs.home.rglob("*"):  # never on disk: records, logs
+        assert not path.is_file() or secret not in path.read_text(errors="replace"), path
     rec = jobs.record()
     assert (rec.state, rec.recoveries, rec.restarts_on_errors) == ("SUCCEEDED", 2, 2)
     assert "restart 2 of max_restarts_on_errors=2" in done.stderr
@@ -318,7 +322,7 @@ def test_a_program_that_fails_twice_succeeds_with_two_restarts(jobs: Jobs) -> No
 @pytest.mark.timeout(90)
 def test_with_one_restart_it_fails_and_says_why(jobs: Jobs) -> None:
     task = jobs.task("flaky.yaml", FAILS_TWICE.format(restarts=1))
-    done = jobs("launch", task, "--env", f"CKPT={jobs.ckpt}")
+    done = jobs("launch", task, "--env", f"CKPT={jobs.ckpt}", "--env", "TOKEN=t")
     assert done.returncode == 1, done.stderr
     assert (jobs.ckpt / "attempts").read_text().count("x") == 2
     rec = jobs.record()

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -161,8 +162,6 @@ class Controller:
             state, code, error = ManagedJobState.FAILED, 1, f"the controller failed: {e!r}"
         finally:
             self._teardown()
-            import shutil
-
             shutil.rmtree(self.home.nodes(self.id), ignore_errors=True)
         if state is ManagedJobState.SUCCEEDED:
             self.note(f"managed job {self.id} succeeded (recoveries: {self.policy.recoveries})")
