@@ -255,8 +255,13 @@ RESUMABLE = """\
 
 
 @pytest.mark.timeout(120)
-def test_a_managed_job_recovers_by_itself_when_a_node_loses_its_agent(jobs: Jobs) -> None:
-    task = jobs.task("resumable.yaml", RESUMABLE)
+@pytest.mark.parametrize("strategy", ["EAGER_NEXT_REGION", "FAILOVER"])
+def test_a_managed_job_recovers_by_itself_when_a_node_loses_its_agent(
+    jobs: Jobs, strategy: str
+) -> None:
+    recovery = f"num_nodes: 2\n    resources:\n      job_recovery: {strategy}\n"
+    text = RESUMABLE.replace("num_nodes: 2\n", recovery)
+    task = jobs.task("resumable.yaml", text)
     launch = jobs.popen("launch", task, "--env", f"CKPT={jobs.ckpt}")
     try:
         pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]

@@ -41,6 +41,7 @@ from typing import Any
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
 from ..._errors import FlotillaError
+from ..._providers.base import Options
 from ..backends.registry import ProviderSpec, make_provider
 from ..jobs import Failure, Job, Runner
 from ..jobspec import JobSpec, task_id
@@ -214,7 +215,10 @@ class Controller:
                 recoveries=self.policy.recoveries,
                 restarts_on_errors=self.policy.restarts_on_errors,
             )
-            what = f"node(s) {', '.join(map(str, lost))} lost; " if lost else ""
+            gone = set(lost)
+            if failure is not None:
+                gone |= {f.node for f in (failure, *failure.also) if f.code is None}
+            what = f"node(s) {', '.join(map(str, sorted(gone)))} lost; " if gone else ""
             self.note(f"recovery {self.policy.recoveries}: {what}{decision.reason}")
             try:
                 self._recover(cause, lost)
@@ -223,8 +227,9 @@ class Controller:
                     return ManagedJobState.CANCELLED, 130, "cancelled during a recovery"
                 return ManagedJobState.FAILED, 1, f"the cluster could not be recovered: {_why(e)}"
 
-    def _probe(self) -> list[int]:
-        """Ranks whose nodes do not answer now (every rank when the pool is unusable)."""
+    def _probe(self, timeout: float = PROBE_TIMEOUT) -> list[int]:
+        """Ranks whose nodes do not answer within ``timeout`` s (every rank when the pool
+        is unusable). A node the pool is replacing answers once it is back."""
         pool = self.pool
         if pool is None:
             return []
@@ -238,15 +243,22 @@ class Controller:
                 futures[rank] = pool.submit_broadcast(alive(), nodes=[rank])[0]
             except Exception:
                 lost.append(rank)
-        wait(list(futures.values()), PROBE_TIMEOUT)
+        wait(list(futures.values()), timeout)
         lost += [r for r, f in futures.items() if not f.done() or f.exception() is not None]
         return sorted(lost)
 
     def _recover(self, cause: Cause, lost: list[int]) -> None:
-        """Get the cluster back for another attempt: the same one after a failed program,
-        else the lost nodes replaced (FAILOVER, when the pool can) or a new cluster."""
+        """Get the cluster back for another attempt: the same one after a failed program;
+        after a lost node, with FAILOVER the same pool once it has replaced the lost nodes
+        (when it cannot, or with EAGER_NEXT_REGION, a new cluster)."""
         if cause is Cause.PROGRAM_FAILED:
             return  # the Runner killed what the attempt left; setup and run start over
+        pool = self.pool
+        if self.policy.recovery.strategy == "FAILOVER" and pool is not None:
+            if not self._probe(pool.options.start_timeout + PROBE_TIMEOUT):
+                self._attach(pool)  # new nodes: their facts, a Runner that syncs them
+                return
+            self.note("the lost node(s) could not be replaced: launching a new cluster")
         self._teardown()
         delay = RELAUNCH_BACKOFF
         for attempt in range(1, RELAUNCH_TRIES + 1):
@@ -265,15 +277,27 @@ class Controller:
     def _provision(self) -> None:
         """Start the job's cluster and its Runner."""
         started = time.monotonic()
-        nodes_dir = self.home.nodes(self.id)
-        provider = make_provider(self.provider, nodes_dir)
-        pool = Compute(provider, nodes=self.record.num_nodes)
+        provider = make_provider(self.provider, self.home.nodes(self.id))
+        pool = Compute(provider, nodes=self.record.num_nodes, options=self._options())
         pool.output_sink = self._on_output
         with self.lock:
             self.pool = pool
         if self.cancelled.is_set():
             raise FlotillaError("cancelled")
         pool.open()
+        self._attach(pool)
+        self.note(
+            f"cluster {self.cluster}: {self.record.num_nodes} {self.provider.kind} node(s) up "
+            f"in {time.monotonic() - started:.2f} s"
+        )
+
+    def _options(self) -> Options:
+        """The pool's options: FAILOVER lets the pool replace lost nodes at their rank;
+        EAGER_NEXT_REGION relaunches the whole cluster, so the pool does not bother."""
+        return Options()
+
+    def _attach(self, pool: Compute) -> None:
+        """A Runner for ``pool``'s current nodes (new ones sync and set up again)."""
         subdir = "" if self.provider.shares_filesystem else f"managed/{self.id}"
         facts = pool.broadcast(node_facts(subdir))
         nodes = [NodeRecord(**f) for f in facts]
@@ -288,10 +312,6 @@ class Controller:
         )
         with self.lock:
             self.runner = runner
-        self.note(
-            f"cluster {self.cluster}: {len(nodes)} {self.provider.kind} node(s) up in "
-            f"{time.monotonic() - started:.2f} s"
-        )
 
     def _teardown(self) -> None:
         """Stop everything the job's cluster runs: the job's processes (also those that
