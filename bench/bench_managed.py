@@ -4,9 +4,11 @@ Standalone: ``python bench/bench_managed.py [--reps 5]``. Both sides run a 2-nod
 this machine whose first attempt works (sleeps) until it is broken from outside:
 
 - **flotilla** (``flotilla jobs launch``, local provider): SIGKILL node 1's *agent* (the
-  whole node is lost: agent, executor, run command); the controller notices, tears the
-  cluster down, launches a new one, runs ``setup`` and ``run`` again on both nodes. Goal
-  (issue 13): ``run`` started again on every node at most 5 s after the kill.
+  whole node is lost: agent, executor, run command); the controller notices and gets the
+  cluster back: ``EAGER_NEXT_REGION`` (the default) tears it down and launches a new one,
+  ``FAILOVER`` keeps the pool, which replaces the lost node at its rank; then ``setup``
+  and ``run`` again on both nodes. Goal (issue 13): ``run`` started again on every node
+  at most 5 s after the kill.
 - **torchrun** (``--max-restarts 3``, c10d rendezvous on 127.0.0.1, two agents, one per
   node, ``--monitor-interval 0.1``): SIGKILL node 1's *worker*; its agent restarts, the
   other agent sees the new rendezvous round and restarts its worker too. torchrun cannot
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -37,6 +40,8 @@ from pathlib import Path
 TASK = """\
 name: bench-recovery
 num_nodes: 2
+resources:
+  job_recovery: {strategy}
 setup: "true"
 run: |
   python3 -c "import time; print(time.time())" >> $CKPT/start-$SKYPILOT_NODE_RANK
@@ -107,11 +112,11 @@ def agent_above(pid: int) -> int:
     raise RuntimeError(f"no flotilla agent above {pid}")
 
 
-def flotilla_recovery(tmp: Path) -> float:
+def flotilla_recovery(tmp: Path, strategy: str) -> float:
     home, ckpt = tmp / "home", tmp / "ckpt"
     ckpt.mkdir()
     task = tmp / "task.yaml"
-    task.write_text(TASK)
+    task.write_text(TASK.format(strategy=strategy))
     env = dict(os.environ, FLOTILLA_HOME=str(home))
     env.pop("COMPUTE_POOL", None)
     argv = [sys.executable, "-m", "flotilla", "jobs"]
@@ -197,18 +202,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     rows: list[tuple[str, list[float], str]] = []
-    for label, fn, goal in (
+    cases: list[tuple[str, Callable[[Path], float], str]] = [
         (
-            "flotilla managed job: node 1's agent killed -> `run` again on both nodes",
-            flotilla_recovery,
+            f"flotilla managed job, {strategy}: node 1's agent killed -> `run` again on both nodes",
+            functools.partial(flotilla_recovery, strategy=strategy),
             "<= 5 s",
-        ),
+        )
+        for strategy in ("EAGER_NEXT_REGION", "FAILOVER")
+    ]
+    cases.append(
         (
             "torchrun --max-restarts (c10d): node 1's worker killed -> both workers again",
             torchrun_recovery,
             "",
-        ),
-    ):
+        )
+    )
+    for label, fn, goal in cases:
         times = []
         for _ in range(args.reps):
             with tempfile.TemporaryDirectory(prefix="flotilla-bench-managed-") as tmp:
