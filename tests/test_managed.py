@@ -286,6 +286,11 @@ def test_a_managed_job_recovers_by_itself_when_a_node_loses_its_agent(
     setups = sorted((jobs.ckpt / "setup.log").read_text().splitlines())
     assert setups == ["setup rank 0"] * 2 + ["setup rank 1"] * 2  # again on the new nodes
     assert "recovery 1: node(s) 1 lost; a node was lost: recovering (not counted)" in err, err
+    if strategy == "FAILOVER":  # the pool replaced node 1 at its rank: no new cluster
+        assert "node 1 lost (its agent was killed by SIGKILL), replacing" in err
+        assert err.count("node(s) up in") == 1
+    else:  # a new cluster
+        assert err.count("node(s) up in") == 2
     queue = jobs("queue")
     row = next(line for line in queue.stdout.splitlines() if line.startswith("1 "))
     assert row.split()[-2:] == ["1", "SUCCEEDED"]

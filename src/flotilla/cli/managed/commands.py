@@ -25,39 +25,35 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, FlotillaError
-from ..state import process_alive, wait_gone
+from ..._node import procs
+from ..console import say
 from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
 
 if TYPE_CHECKING:
-    from ..backends.registry import ProviderSpec
+    from ..backends.base import ProviderSpec
     from ..jobspec import JobSpec
 
 _FOLLOW_POLL = 0.1  # seconds between looks at a followed job's log
 _CANCEL_WAIT = 60.0  # seconds a controller gets to cancel its job and tear down
 
 
-def _say(text: str) -> None:
-    sys.stderr.write(f"flotilla: {text}\n")
-    sys.stderr.flush()
-
-
 # -- launch ----------------------------------------------------------------------------------
 def cmd_jobs_launch(args: argparse.Namespace) -> int:
     """Check the task, record the job, start its controller; follow it unless ``-d``."""
-    from ..backends.registry import ProviderSpec, check_task
-    from ..main import _job_spec, _provider_spec, _task_from
+    from ..backends import registry
+    from ..cmd_run import _job_spec, _task_from
 
     task = _task_from(args.task, None, args.env, args.secret)
     if not task.run:
         raise ConfigurationError("a managed job needs `run:` (setup alone never ends a job)")
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
-    spec = _provider_spec(args) or ProviderSpec()
+    spec = registry.spec_from_args(args, task) or registry.DEFAULT.spec_type()
     nodes = args.nodes or task.num_nodes or 1
     job_nodes = task.job_nodes(nodes)
-    for warning in check_task(task, spec, nodes):
-        _say(f"warning: {warning}")
+    for warning in registry.backend_for(spec).check_task(task, spec, nodes):
+        say(f"warning: {warning}")
     recovery = task.resources.job_recovery or JobRecovery()
     if args.retries:  # --retries N, as for `launch`: N restarts when the program fails
         if args.retries < 0:
@@ -70,11 +66,11 @@ def cmd_jobs_launch(args: argparse.Namespace) -> int:
         check_name(args.name)
         job = _renamed(job, args.name)
     rec = start(JobsHome(), job, spec, recovery)
-    _say(
+    say(
         f"managed job {rec.id} ({rec.name}): {job_nodes} {spec.kind} node(s), task id {rec.task_id}"
     )
     if args.detach:
-        _say(
+        say(
             f"follow it with `flotilla jobs logs {rec.id} --follow`; "
             f"`flotilla jobs cancel {rec.id}` stops it"
         )
@@ -150,21 +146,15 @@ def start(
             failed.state = ManagedJobState.FAILED.value
             failed.error = f"its controller exited with status {proc.returncode} at start"
             failed.ended = time.time()
-        tail = _tail(home.controller_log(rec.id), 15)
+        from ..console import tail
+
+        ends = tail(home.controller_log(rec.id), 15)
         raise FlotillaError(
             f"managed job {rec.id}: its controller exited with status {proc.returncode} "
-            f"before it started; its log ends with:\n{tail}"
+            f"before it started; its log ends with:\n{ends}"
         )
     proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
     return home.load(rec.id) or rec
-
-
-def _tail(path: Any, lines: int) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
 
 
 # -- following a job -------------------------------------------------------------------------
@@ -195,7 +185,7 @@ def follow(home: JobsHome, job_id: int, interrupt_hint: bool = False) -> int:
             time.sleep(_FOLLOW_POLL)
     except KeyboardInterrupt:
         if interrupt_hint:
-            _say(
+            say(
                 f"stopped following managed job {job_id}; it keeps running: "
                 f"`flotilla jobs logs {job_id} --follow`, `flotilla jobs cancel {job_id}`"
             )
@@ -221,13 +211,13 @@ def _exit_status(rec: ManagedJobRecord | None) -> int:
     if state is ManagedJobState.CANCELLED:
         return 130
     if rec.controller_gone():
-        _say(f"managed job {rec.id}: its controller (pid {rec.pid}) exited unexpectedly")
+        say(f"managed job {rec.id}: its controller (pid {rec.pid}) exited unexpectedly")
     return rec.exit_code or 1
 
 
 # -- queue, logs, cancel -----------------------------------------------------------------------
 def cmd_jobs_queue(args: argparse.Namespace) -> int:
-    from ..main import _duration, _table
+    from ..console import duration, table
 
     records = JobsHome().all()
     if not records:
@@ -245,7 +235,7 @@ def cmd_jobs_queue(args: argparse.Namespace) -> int:
                 r.name,
                 str(r.num_nodes),
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted)),
-                _duration(end - r.started) if r.started else "-",
+                duration(end - r.started) if r.started else "-",
                 str(r.recoveries),
                 state.value,
             ]
@@ -254,7 +244,7 @@ def cmd_jobs_queue(args: argparse.Namespace) -> int:
             notes.append(f"{r.id}: its controller (pid {r.pid}) is gone")
         elif state is ManagedJobState.FAILED and r.error:
             notes.append(f"{r.id}: {r.error}")
-    sys.stdout.write(_table(rows))
+    sys.stdout.write(table(rows))
     for note in notes:
         print(note)
     return 0
@@ -270,7 +260,7 @@ def cmd_jobs_logs(args: argparse.Namespace) -> int:
             for chunk in iter(lambda: f.read(1 << 16), ""):
                 sys.stdout.write(chunk)
     except FileNotFoundError:
-        _say(f"managed job {rec.id} has no output yet")
+        say(f"managed job {rec.id} has no output yet")
     sys.stdout.flush()
     return _exit_status(rec) if rec.observed_state().finished else 0
 
@@ -282,7 +272,7 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
     if args.all:
         targets = [r for r in home.all() if not r.observed_state().finished]
         if not targets:
-            _say("no managed job is running")
+            say("no managed job is running")
     else:
         targets = [home.resolve(ref) for ref in args.jobs]
     code = 0
@@ -296,13 +286,13 @@ def cancel(home: JobsHome, rec: ManagedJobRecord) -> int:
     whose controller is gone is cleaned up here."""
     state = rec.observed_state()
     if state.finished and not rec.controller_gone():
-        _say(f"managed job {rec.id} had already ended ({state.value})")
+        say(f"managed job {rec.id} had already ended ({state.value})")
         return 0
-    if rec.pid and process_alive(rec.pid, rec.pid_start):
+    if rec.pid and procs.alive(rec.pid, rec.pid_start):
         with contextlib.suppress(ProcessLookupError):
             os.kill(rec.pid, signal.SIGTERM)
-        if not wait_gone(rec.pid, rec.pid_start, _CANCEL_WAIT):
-            _say(f"managed job {rec.id}: its controller (pid {rec.pid}) does not stop")
+        if not procs.wait_gone(rec.pid, rec.pid_start, _CANCEL_WAIT):
+            say(f"managed job {rec.id}: its controller (pid {rec.pid}) does not stop")
             return 1
     final = home.load(rec.id) or rec
     if not ManagedJobState(final.state).finished:  # the controller was gone: clean up here
@@ -312,20 +302,18 @@ def cancel(home: JobsHome, rec: ManagedJobRecord) -> int:
             r.error = "cancelled (its controller was gone)"
             r.ended = time.time()
         final = home.load(rec.id) or final
-    _say(f"managed job {rec.id}: {final.state}")
+    say(f"managed job {rec.id}: {final.state}")
     return 0
 
 
 def _reap_leftovers(home: JobsHome, rec: ManagedJobRecord) -> None:
-    """Kill what a job whose controller died left on this machine (local provider)."""
-    if rec.provider.get("kind") != "local":
-        return
-    from ..node_ops import reap
-    from .controller import kill_in
+    """Clean up after a job whose controller died, as ``flotilla down`` does after a
+    daemon: its backend kills what the job left on this machine."""
+    from ..backends import registry
 
-    if rec.token:
-        reap.local(f"{rec.token}.")
-    kill_in(home.nodes(rec.id))
+    spec = registry.spec_from_dict(rec.provider)
+    paths, record = home.cluster(rec)
+    registry.backend_for(spec).on_down(paths, record)
 
 
 # -- the parser --------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -35,18 +36,18 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, wait
-from pathlib import Path
 from typing import Any
 
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
 from ..._errors import FlotillaError
+from ..._node import procs
 from ..._providers.base import Options
-from ..backends.registry import ProviderSpec, make_provider
+from ..backends import registry
 from ..jobs import Failure, Job, Runner
 from ..jobspec import JobSpec, task_id
-from ..node_ops import node_facts, reap
-from ..state import JobStatus, NodeRecord, process_start
+from ..node_ops import node_facts
+from ..state import JobStatus, NodeRecord
 from .recovery import Cause, JobRecovery, RecoveryPolicy
 from .state import JobsHome, ManagedJobState
 
@@ -107,7 +108,8 @@ class Controller:
         self.id = job_id
         self.record = rec
         self.spec = JobSpec.from_dict(request["job"])
-        self.provider = ProviderSpec.from_dict(rec.provider)
+        self.provider = registry.spec_from_dict(rec.provider)
+        self.backend = registry.backend_for(self.provider)
         self.policy = RecoveryPolicy(JobRecovery.from_dict(rec.recovery))
         self.cluster = f"{rec.name}-{job_id}"
         self.task_id = rec.task_id or task_id(self.cluster, job_id, rec.submitted)
@@ -152,7 +154,7 @@ class Controller:
         """Run the job to its end; the job's exit status. Never raises."""
         self._set(
             pid=os.getpid(),
-            pid_start=process_start(os.getpid()),
+            pid_start=procs.start_time(os.getpid()),
             state=ManagedJobState.STARTING.value,
             token=self.token,
             task_id=self.task_id,
@@ -277,7 +279,7 @@ class Controller:
     def _provision(self) -> None:
         """Start the job's cluster and its Runner."""
         started = time.monotonic()
-        provider = make_provider(self.provider, self.home.nodes(self.id))
+        provider = self.backend.make_provider(self.provider, self.home.nodes(self.id))
         pool = Compute(provider, nodes=self.record.num_nodes, options=self._options())
         pool.output_sink = self._on_output
         with self.lock:
@@ -294,24 +296,20 @@ class Controller:
     def _options(self) -> Options:
         """The pool's options: FAILOVER lets the pool replace lost nodes at their rank;
         EAGER_NEXT_REGION relaunches the whole cluster, so the pool does not bother."""
-        return Options()
+        return Options(replace_lost_nodes=self.policy.recovery.strategy == "FAILOVER")
 
     def _attach(self, pool: Compute) -> None:
         """A Runner for ``pool``'s current nodes (new ones sync and set up again)."""
-        subdir = "" if self.provider.shares_filesystem else f"managed/{self.id}"
-        facts = pool.broadcast(node_facts(subdir))
+        shares = self.backend.shares_filesystem
+        facts = pool.broadcast(node_facts("" if shares else f"managed/{self.id}"))
         nodes = [NodeRecord(**f) for f in facts]
         runner = _Runner(
-            pool,
-            self.cluster,
-            self.provider.kind,
-            nodes,
-            self.provider.shares_filesystem,
-            self._on_status,
-            self.token,
+            pool, self.cluster, self.provider.kind, nodes, shares, self._on_status, self.token
         )
         with self.lock:
             self.runner = runner
+        paths, _ = self.home.cluster(self.record)
+        self.backend.on_up(paths, self.provider, nodes)
 
     def _teardown(self) -> None:
         """Stop everything the job's cluster runs: the job's processes (also those that
@@ -324,9 +322,9 @@ class Controller:
         if pool is not None:
             with contextlib.suppress(Exception):
                 pool.close()
-        if self.provider.kind == "local":  # what a lost agent left behind on this machine
-            reap.local(f"{self.token}.")
-            kill_in(self.home.nodes(self.id))
+        paths, record = self.home.cluster(self.record)
+        record.token = self.token
+        self.backend.on_down(paths, record)  # e.g. what a lost agent left on this machine
 
     # -- cancellation --------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -342,19 +340,17 @@ class Controller:
             runner.cancel(job)
 
 
-def kill_in(root: Path) -> None:
-    """SIGKILL every process of this user whose working directory is under ``root``."""
-    base = str(root.resolve()) if root.exists() else str(root)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cwd = os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)")
-        except OSError:
-            continue
-        if cwd == base or cwd.startswith(base + os.sep):
-            with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGKILL)
+class _ToJobLog(logging.Handler):
+    """The pool's own messages (node k lost, replacing, back after N s) into the job's
+    log, where ``jobs logs`` shows them, and the controller's."""
+
+    def __init__(self, controller: Controller) -> None:
+        super().__init__(logging.INFO)
+        self.controller = controller
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.controller.note(self.format(record))
 
 
 def _why(e: BaseException) -> str:
@@ -378,10 +374,11 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     controller = Controller(JobsHome(), args.job, request)
+    logging.getLogger("flotilla").addHandler(_ToJobLog(controller))
     signal.signal(signal.SIGTERM, lambda *_: controller.cancel())
     signal.signal(signal.SIGINT, lambda *_: controller.cancel())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    controller._set(pid=os.getpid(), pid_start=process_start(os.getpid()))
+    controller._set(pid=os.getpid(), pid_start=procs.start_time(os.getpid()))
     if args.ready_fd >= 0:
         with contextlib.suppress(OSError):
             os.write(args.ready_fd, b"1")

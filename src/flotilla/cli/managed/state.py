@@ -16,7 +16,6 @@ This module imports nothing heavy: ``jobs queue`` reads the records on every cal
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
@@ -27,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..state import flotilla_home, process_alive
+from ..._node import locks, procs
+from ..state import ClusterRecord, Paths, flotilla_home
 
 
 class ManagedJobState(Enum):
@@ -122,7 +122,7 @@ class ManagedJobRecord:
         """Whether the job is unfinished but its controller process no longer runs."""
         if self.state in _FINISHED or not self.pid:
             return False
-        return not process_alive(self.pid, self.pid_start)
+        return not procs.alive(self.pid, self.pid_start)
 
     def observed_state(self) -> ManagedJobState:
         """The recorded state, or FAILED when the job is unfinished and its controller is
@@ -173,12 +173,28 @@ class JobsHome:
     def locked(self) -> Iterator[None]:
         """Hold the jobs' lock (an flock on jobs.lock) for a read-modify-write."""
         self.ensure()
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with locks.exclusive(self.lock):
             yield
-        finally:
-            os.close(fd)
+
+    def cluster(self, rec: ManagedJobRecord) -> tuple[Paths, ClusterRecord]:
+        """The job's cluster as the backends know clusters (their ``on_up``/``on_down``
+        hooks): files in the job's own folder, its provider, its run token. It has no
+        state file: ``flotilla status`` does not list it, ``jobs queue`` does."""
+        paths = Paths(f"managed-{rec.id}", self.home)
+        paths.dir = self.dir(rec.id)
+        paths.nodes = self.nodes(rec.id)
+        paths.jobs = paths.dir
+        paths.daemon_log = self.controller_log(rec.id)
+        paths.ssh_config = paths.dir / "ssh.config"
+        record = ClusterRecord(
+            name=paths.name,
+            provider=dict(rec.provider),
+            num_nodes=rec.num_nodes,
+            pid=rec.pid,
+            pid_start=rec.pid_start,
+            token=rec.token,
+        )
+        return paths, record
 
     def load(self, job_id: int) -> ManagedJobRecord | None:
         """A job's record, or None. Reads need no lock: writes are atomic renames."""
