@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _hosts import Lab
+from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import alive, all_pids, assert_all_gone, cmdline, kill_quietly, processes_in, wait_until
 
 from flotilla._errors import ConfigurationError
@@ -418,4 +420,46 @@ def test_a_killed_controller_shows_failed_and_cancel_cleans_up(jobs: Jobs) -> No
     done = jobs("cancel", "1")
     assert "managed job 1: CANCELLED" in done.stderr, done.stderr
     assert jobs.record().error == "cancelled (its controller was gone)"
+    assert_nothing_left(jobs)
+
+
+@pytest.mark.timeout(120)
+def test_a_managed_job_on_ssh_hosts_recovers_when_a_hosts_agent_is_killed(
+    jobs: Jobs, ssh_lab: Lab
+) -> None:
+    hosts = ssh_lab.hosts[:2]
+    task = jobs.task("resumable.yaml", RESUMABLE)
+    launch = jobs.popen(
+        "launch",
+        task,
+        "--env",
+        f"CKPT={jobs.ckpt}",
+        "--provider",
+        "ssh",
+        "--hosts",
+        ",".join(f"root@{h.addr}" for h in hosts),
+        "--ssh-key",
+        str(ssh_lab.client_key),
+        "--known-hosts",
+        str(ssh_lab.known_hosts),
+        "--ssh-workdir",
+        str(jobs.cwd / "remote-workdir"),
+    )
+    try:
+        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        assert wait_until(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 60)
+        agent = agent_above(int(pid_files[1].read_text()))
+        assert agent in ssh_lab.agent_pids([hosts[1]])[hosts[1].addr]  # node 1's host
+        os.kill(agent, signal.SIGKILL)
+        out, err = launch.communicate(timeout=90)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    rec = jobs.record()
+    assert (rec.state, rec.recoveries) == ("SUCCEEDED", 1)
+    for rank in (0, 1):
+        assert (jobs.ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
+        assert f"rank {rank} resumed from step 1" in out
+    assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
     assert_nothing_left(jobs)
