@@ -38,6 +38,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Command line (issue 5)"
     echo
     .venv/bin/python bench/bench_cli.py 2>/dev/null | sed 's/^## /### /'
+    echo
+    echo "## Managed jobs: recovery from a lost node (issue 13)"
+    echo
+    .venv/bin/python bench/bench_managed.py 2>/dev/null | sed 's/^## /### /'
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"

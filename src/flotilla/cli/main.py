@@ -8,6 +8,7 @@
     flotilla cancel dev JOB                        stop a job on every node
     flotilla ssh dev [--node K] [CMD]              a shell in a node's working directory
     flotilla down dev                              stop everything, remove the cluster
+    flotilla jobs launch|queue|logs|cancel ...     managed jobs: recovered when nodes are lost
 
 Commands that only talk to a running cluster import nothing heavy (no asyncio, no pool
 machinery): the cluster daemon (``daemon``) does the work and streams the output back.
@@ -15,7 +16,8 @@ machinery): the cluster daemon (``daemon``) does the work and streams the output
 Where things are: ``parser`` (the commands and their flags), ``cmd_run`` (launch, exec),
 ``cmd_jobs`` (queue, logs, cancel), ``cmd_clusters`` (status, down, ssh), ``clusters``
 (reaching a cluster's daemon), ``console`` (what is printed), ``backends`` (one module per
-provider kind, listed in ``backends.registry``), ``daemon`` and ``jobs`` (the daemon's side).
+provider kind, listed in ``backends.registry``), ``daemon`` and ``jobs`` (the daemon's side),
+``managed`` (``flotilla jobs``: managed jobs and their controller).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from .backends import registry
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_status
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
+from .managed.commands import add_jobs_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,4 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--node", type=int, default=0)
     q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
     q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
+
+    add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
     return p

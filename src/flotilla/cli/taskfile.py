@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
+from .managed.recovery import JobRecovery, parse_job_recovery
 
 if TYPE_CHECKING:
     import yaml
@@ -75,6 +76,8 @@ class Resources:
         instance_type: cloud instance type (a hint).
         disk_tier: disk performance tier (a hint).
         labels: labels to attach to the nodes.
+        job_recovery: how a managed job (``flotilla jobs launch``) recovers; None: the
+            defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
     """
 
     accelerators: str | None = None
@@ -91,6 +94,7 @@ class Resources:
     instance_type: str | None = None
     disk_tier: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    job_recovery: JobRecovery | None = None
 
     @property
     def accelerator_name(self) -> str | None:
@@ -110,7 +114,7 @@ class Resources:
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name != "accelerators" and value not in (None, (), {}):
+            if name not in ("accelerators", "job_recovery") and value not in (None, (), {}):
                 out[name] = value
         return out
 
@@ -422,6 +426,12 @@ class _Parser:
             raise self.error(f"`{name}`: the count must be positive, got {count}", node, name)
         return f"{acc.strip()}:{count.strip()}" if count else acc.strip()
 
+    def job_recovery(self, node: yaml.Node, name: str) -> JobRecovery:
+        try:
+            return parse_job_recovery(self.value(node), name)
+        except ConfigurationError as e:
+            raise self.error(str(e), node, name) from None
+
     def amount(self, node: yaml.Node, name: str) -> str | None:
         value = self.value(node)
         if value is None:
@@ -508,6 +518,7 @@ _TASK_FIELDS: dict[str, _Check] = {
 
 _RESOURCE_FIELDS: dict[str, _Check] = {
     "accelerators": _Parser.accelerators,
+    "job_recovery": _Parser.job_recovery,
     "cpus": _Parser.amount,
     "memory": _Parser.amount,
     "infra": _Parser.text,

@@ -1,0 +1,348 @@
+"""``flotilla jobs ...``: managed jobs (SkyPilot's ``sky jobs``)::
+
+    flotilla jobs launch task.yaml [-n NAME] [--nodes N] [--env K=V] [--secret K=V]
+                         [--provider ... and its options] [-d]
+    flotilla jobs queue                      every managed job: state, recoveries, durations
+    flotilla jobs logs NAME|ID [--follow]    a job's output, every attempt's
+    flotilla jobs cancel NAME|ID... | -a     stop jobs (their clusters are torn down)
+
+``jobs launch`` starts the job's controller (see ``controller``), which runs the task on a
+cluster of its own and recovers it when a node is lost or the program fails with
+restarts left (the task file's ``resources.job_recovery``). Without ``-d`` the command
+follows the job's log until it ends; Ctrl-C stops following, not the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..._errors import ConfigurationError, FlotillaError
+from ..._node import procs
+from ..console import say
+from .recovery import JobRecovery
+from .state import JobsHome, ManagedJobRecord, ManagedJobState
+
+if TYPE_CHECKING:
+    from ..backends.base import ProviderSpec
+    from ..jobspec import JobSpec
+
+_FOLLOW_POLL = 0.1  # seconds between looks at a followed job's log
+_CANCEL_WAIT = 60.0  # seconds a controller gets to cancel its job and tear down
+
+
+# -- launch ----------------------------------------------------------------------------------
+def cmd_jobs_launch(args: argparse.Namespace) -> int:
+    """Check the task, record the job, start its controller; follow it unless ``-d``."""
+    from ..backends import registry
+    from ..cmd_run import _job_spec, _task_from
+
+    task = _task_from(args.task, None, args)
+    if not task.run:
+        raise ConfigurationError("a managed job needs `run:` (setup alone never ends a job)")
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
+    spec = registry.spec_from_args(args, task) or registry.DEFAULT.spec_type()
+    nodes = args.nodes or task.num_nodes or 1
+    job_nodes = task.job_nodes(nodes)
+    for warning in registry.backend_for(spec).check_task(task, spec, nodes):
+        say(f"warning: {warning}")
+    recovery = task.resources.job_recovery or JobRecovery()
+    if args.retries:  # --retries N, as for `launch`: N restarts when the program fails
+        if args.retries < 0:
+            raise ConfigurationError(f"--retries must be 0 or more, got {args.retries}")
+        recovery = replace(recovery, max_restarts_on_errors=args.retries)
+    job = _job_spec(task, job_nodes, True, True, False, 0)
+    if args.name:
+        from ..state import check_name
+
+        check_name(args.name)
+        job = _renamed(job, args.name)
+    rec = start(JobsHome(), job, spec, recovery)
+    say(
+        f"managed job {rec.id} ({rec.name}): {job_nodes} {spec.kind} node(s), task id {rec.task_id}"
+    )
+    if args.detach:
+        say(
+            f"follow it with `flotilla jobs logs {rec.id} --follow`; "
+            f"`flotilla jobs cancel {rec.id}` stops it"
+        )
+        return 0
+    return follow(JobsHome(), rec.id, interrupt_hint=True)
+
+
+def _renamed(job: JobSpec, name: str) -> JobSpec:
+    return replace(job, name=name)
+
+
+def start(
+    home: JobsHome, job: JobSpec, spec: ProviderSpec, recovery: JobRecovery
+) -> ManagedJobRecord:
+    """Record a managed job and start its controller; returns once the controller owns
+    the job. The job's variables and secrets go through the controller's stdin only."""
+    import subprocess
+
+    from ..jobspec import task_id
+
+    now = time.time()
+    rec = home.create(
+        ManagedJobRecord(
+            id=0,
+            name=job.name,
+            num_nodes=job.num_nodes or 1,
+            provider=spec.to_dict(),
+            recovery=recovery.to_dict(),
+            submitted=now,
+        )
+    )
+    with home.update(rec.id) as current:
+        current.task_id = task_id(f"{rec.name}-{rec.id}", rec.id, now)
+        rec = current
+    env = dict(os.environ)
+    env.pop("COMPUTE_POOL", None)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    )
+    read_fd, write_fd = os.pipe()
+    with open(home.controller_log(rec.id), "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flotilla.cli.managed.controller",
+                str(rec.id),
+                "--ready-fd",
+                str(write_fd),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=log,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            cwd=home.dir(rec.id),
+            env=env,
+        )
+    os.close(write_fd)
+    assert proc.stdin is not None
+    try:
+        with proc.stdin:
+            proc.stdin.write(json.dumps({"job": job.to_dict()}).encode())
+        ready = os.read(read_fd, 1)
+    except OSError:
+        ready = b""
+    finally:
+        os.close(read_fd)
+    if not ready:
+        proc.wait()
+        with contextlib.suppress(FlotillaError, OSError), home.update(rec.id) as failed:
+            failed.state = ManagedJobState.FAILED.value
+            failed.error = f"its controller exited with status {proc.returncode} at start"
+            failed.ended = time.time()
+        from ..console import tail
+
+        ends = tail(home.controller_log(rec.id), 15)
+        raise FlotillaError(
+            f"managed job {rec.id}: its controller exited with status {proc.returncode} "
+            f"before it started; its log ends with:\n{ends}"
+        )
+    proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
+    return home.load(rec.id) or rec
+
+
+# -- following a job -------------------------------------------------------------------------
+def follow(home: JobsHome, job_id: int, interrupt_hint: bool = False) -> int:
+    """Print the job's log as it grows until the job ends; its exit status. Controller
+    lines (``flotilla: ...``) go to stderr, the nodes' lines to stdout."""
+    path = home.log(job_id)
+    offset = 0
+    partial = b""
+    try:
+        while True:
+            rec = home.load(job_id)
+            ended = rec is None or rec.observed_state().finished
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""
+            offset += len(chunk)
+            data = partial + chunk
+            *lines, partial = data.split(b"\n")
+            _print_lines(lines)
+            if ended:
+                if partial:
+                    _print_lines([partial])
+                break
+            time.sleep(_FOLLOW_POLL)
+    except KeyboardInterrupt:
+        if interrupt_hint:
+            say(
+                f"stopped following managed job {job_id}; it keeps running: "
+                f"`flotilla jobs logs {job_id} --follow`, `flotilla jobs cancel {job_id}`"
+            )
+        return 130
+    return _exit_status(home.load(job_id))
+
+
+def _print_lines(lines: list[bytes]) -> None:
+    for raw in lines:
+        line = raw.decode("utf-8", errors="replace")
+        stream = sys.stderr if line.startswith("flotilla: ") else sys.stdout
+        stream.write(line + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _exit_status(rec: ManagedJobRecord | None) -> int:
+    if rec is None:
+        return 1
+    state = rec.observed_state()
+    if state is ManagedJobState.SUCCEEDED:
+        return 0
+    if state is ManagedJobState.CANCELLED:
+        return 130
+    if rec.controller_gone():
+        say(f"managed job {rec.id}: its controller (pid {rec.pid}) exited unexpectedly")
+    return rec.exit_code or 1
+
+
+# -- queue, logs, cancel -----------------------------------------------------------------------
+def cmd_jobs_queue(args: argparse.Namespace) -> int:
+    from ..console import duration, table
+
+    records = JobsHome().all()
+    if not records:
+        print("no managed jobs (`flotilla jobs launch TASK` starts one)")
+        return 0
+    rows = [["ID", "NAME", "NODES", "SUBMITTED", "DURATION", "#RECOVERIES", "STATUS"]]
+    notes: list[str] = []
+    now = time.time()
+    for r in records:
+        state = r.observed_state()
+        end = r.ended or now
+        rows.append(
+            [
+                str(r.id),
+                r.name,
+                str(r.num_nodes),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted)),
+                duration(end - r.started) if r.started else "-",
+                str(r.recoveries),
+                state.value,
+            ]
+        )
+        if r.controller_gone():
+            notes.append(f"{r.id}: its controller (pid {r.pid}) is gone")
+        elif state is ManagedJobState.FAILED and r.error:
+            notes.append(f"{r.id}: {r.error}")
+    sys.stdout.write(table(rows))
+    for note in notes:
+        print(note)
+    return 0
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> int:
+    home = JobsHome()
+    rec = home.resolve(args.job)
+    if args.follow:
+        return follow(home, rec.id)
+    try:
+        with open(home.log(rec.id), encoding="utf-8", errors="replace") as f:
+            for chunk in iter(lambda: f.read(1 << 16), ""):
+                sys.stdout.write(chunk)
+    except FileNotFoundError:
+        say(f"managed job {rec.id} has no output yet")
+    sys.stdout.flush()
+    return _exit_status(rec) if rec.observed_state().finished else 0
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    home = JobsHome()
+    if args.all == bool(args.jobs):
+        raise ConfigurationError("give the jobs to cancel (NAME or ID), or -a for every job")
+    if args.all:
+        targets = [r for r in home.all() if not r.observed_state().finished]
+        if not targets:
+            say("no managed job is running")
+    else:
+        targets = [home.resolve(ref) for ref in args.jobs]
+    code = 0
+    for rec in targets:
+        code = max(code, cancel(home, rec))
+    return code
+
+
+def cancel(home: JobsHome, rec: ManagedJobRecord) -> int:
+    """Cancel one job: its controller stops the job and tears its cluster down; a job
+    whose controller is gone is cleaned up here."""
+    state = rec.observed_state()
+    if state.finished and not rec.controller_gone():
+        say(f"managed job {rec.id} had already ended ({state.value})")
+        return 0
+    if rec.pid and procs.alive(rec.pid, rec.pid_start):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rec.pid, signal.SIGTERM)
+        if not procs.wait_gone(rec.pid, rec.pid_start, _CANCEL_WAIT):
+            say(f"managed job {rec.id}: its controller (pid {rec.pid}) does not stop")
+            return 1
+    final = home.load(rec.id) or rec
+    if not ManagedJobState(final.state).finished:  # the controller was gone: clean up here
+        _reap_leftovers(home, final)
+        with home.update(rec.id) as r:
+            r.state = ManagedJobState.CANCELLED.value
+            r.error = "cancelled (its controller was gone)"
+            r.ended = time.time()
+        final = home.load(rec.id) or final
+    say(f"managed job {rec.id}: {final.state}")
+    return 0
+
+
+def _reap_leftovers(home: JobsHome, rec: ManagedJobRecord) -> None:
+    """Clean up after a job whose controller died, as ``flotilla down`` does after a
+    daemon: its backend kills what the job left on this machine."""
+    from ..backends import registry
+
+    spec = registry.spec_from_dict(rec.provider)
+    paths, record = home.cluster(rec)
+    registry.backend_for(spec).on_down(paths, record)
+
+
+# -- the parser --------------------------------------------------------------------------------
+def add_jobs_parser(sub: Any, job_flags: Any, provider_flags: Any) -> argparse.ArgumentParser:
+    """Add ``jobs`` and its subcommands to the ``flotilla`` parser's ``sub``;
+    ``job_flags(q)`` / ``provider_flags(q)`` add the flags ``launch`` has."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "jobs", help="managed jobs: run on their own cluster, recovered when nodes are lost"
+    )
+    jobs = p.add_subparsers(dest="jobs_command", required=True, metavar="SUBCOMMAND")
+
+    q = jobs.add_parser("launch", help="run a task as a managed job")
+    q.add_argument("task", help="a task file (SkyPilot YAML) or a shell command")
+    q.add_argument("-n", "--name", help="the job's name (default: the task's)")
+    q.add_argument("--nodes", type=int, help="nodes (default: the task's num_nodes, or 1)")
+    job_flags(q)
+    provider_flags(q)
+    q.set_defaults(func=cmd_jobs_launch)
+
+    q = jobs.add_parser("queue", help="every managed job: state, recoveries, durations")
+    q.set_defaults(func=cmd_jobs_queue)
+
+    q = jobs.add_parser("logs", help="a managed job's output (every attempt's)")
+    q.add_argument("job", metavar="NAME|ID")
+    q.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    q.set_defaults(func=cmd_jobs_logs)
+
+    q = jobs.add_parser("cancel", help="cancel managed jobs (their clusters are torn down)")
+    q.add_argument("jobs", nargs="*", metavar="NAME|ID")
+    q.add_argument("-a", "--all", action="store_true", help="every unfinished managed job")
+    q.set_defaults(func=cmd_jobs_cancel)
+    return p
