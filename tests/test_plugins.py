@@ -168,27 +168,6 @@ def test_invalid_version_is_a_value_error_at_creation(version: str) -> None:
         plugins.torch(audio=version)
 
 
-@pytest.mark.parametrize(("version", "req"), VALID)
-def test_regex_fallback_agrees_with_packaging_on_valid(version: str, req: str) -> None:
-    spec = req.removeprefix("torch")
-    if spec:
-        assert _versions.is_valid_specifier_regex(spec)
-
-
-@pytest.mark.parametrize("version", INVALID)
-def test_regex_fallback_agrees_with_packaging_on_invalid(version: str) -> None:
-    text = "".join(version.split())
-    spec = "==" + text if text[:1].isdigit() else text
-    assert not _versions.is_valid_specifier_regex(spec)
-
-
-def test_version_without_packaging(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "packaging.requirements", None)  # import fails
-    assert plugins.torch(version=">=2.3,<2.5").requirements() == ["torch>=2.3,<2.5"]
-    with pytest.raises(ValueError):
-        plugins.torch(version="newest")
-
-
 def test_other_invalid_arguments() -> None:
     with pytest.raises(TypeError):
         plugins.torch(version=2.3)  # type: ignore[arg-type]
