@@ -89,3 +89,12 @@ def test_decorated_options_survive_output_decorators() -> None:
 def test_only_must_be_head_or_a_predicate() -> None:
     with pytest.raises(ValueError, match="only="):
         sky.stdout(only="tail")  # type: ignore[arg-type]
+
+
+def test_stdout_only_head_in_standalone_mode_keeps_node_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with sky.Compute(nodes=2, options=sky.Options(cluster=False)) as pool:
+        below("sa") @ pool
+    got = lines(capsys.readouterr().out, "sa")
+    assert len(got) == 1 and got[0].endswith("sa 0")
