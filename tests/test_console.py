@@ -216,3 +216,64 @@ def test_piped_through_a_terminal_has_no_escapes(
     ]
     assert "(node-1, rank=1)   0%|" in lines  # the bar's first state
     assert lines[-2:] == ["(node-1, rank=1) 100%|##########|", "END"]
+
+
+# -- a real pool -----------------------------------------------------------------------------
+POOL_SCRIPT = r"""
+import sys
+sys.path.insert(0, {src!r})
+import flotilla as sky
+
+@sky.function
+def bar(steps: int) -> int:
+    node = sky.instance_info().node
+    print(f"before {{node}}", flush=True)
+    for k in range(steps + 1):
+        sys.stderr.write(f"\r{{k * 100 // steps:3d}}%|{{'#' * (k * 10 // steps):10s}}|")
+        sys.stderr.flush()
+    sys.stderr.write("\n")
+    print(f"after {{node}}", flush=True)
+    return node
+
+with sky.Compute(nodes=2) as pool:
+    assert bar(50) @ pool == [0, 1]
+print("END", flush=True)
+"""
+
+
+def _pool_script(tmp_path: Path) -> Path:
+    path = tmp_path / "pool.py"
+    path.write_text(POOL_SCRIPT.format(src=str(Path(__file__).resolve().parent.parent / "src")))
+    return path
+
+
+def test_a_node_bar_keeps_its_prefix_on_a_terminal(
+    tmp_path: Path, terminals: list[Terminal]
+) -> None:
+    term = Terminal([sys.executable, str(_pool_script(tmp_path))], 100, 30, tmp_path)
+    terminals.append(term)
+    screen = term.wait_for(lambda s: "END" in s, "the pool's end")
+    rows = _rows(screen)
+    assert sorted(r for r in rows if "%|" in r) == [
+        f"(node-{k}, rank={k}) 100%|##########|" for k in range(2)
+    ], screen  # one line per bar: its final state, with its prefix
+    assert sorted(r for r in rows if "before" in r or "after" in r) == sorted(
+        f"(node-{k}, rank={k}) {w} {k}" for k in range(2) for w in ("before", "after")
+    )
+
+
+def test_a_node_bar_piped_is_throttled_and_complete(tmp_path: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(_pool_script(tmp_path))], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert ESC.search(proc.stdout + proc.stderr) is None
+    for k in range(2):
+        bars = [x for x in proc.stderr.splitlines() if x.startswith(f"(node-{k}, rank={k}) ")]
+        assert bars[-1] == f"(node-{k}, rank={k}) 100%|##########|"
+        assert len(bars) <= 2  # the first state (unless it came with the end), then the end
+    assert sorted(x for x in proc.stdout.splitlines() if "before" in x or "after" in x) == sorted(
+        f"(node-{k}, rank={k}) {w} {k}" for k in range(2) for w in ("before", "after")
+    )

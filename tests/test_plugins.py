@@ -765,7 +765,7 @@ def test_reference_torch_example_runs_as_written(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out.splitlines()
     epochs = [line for line in out if "Epoch" in line]
     assert len(epochs) == 10
-    assert all(line.startswith("(node 0) Epoch") for line in epochs)
+    assert all(line.startswith("(node-0, rank=0) Epoch") for line in epochs)
     assert len([line for line in out if line.startswith("Rank ")]) == 4
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
@@ -33,10 +34,10 @@ from .._wire.serialize import (
     write_shm,
 )
 from . import loop as _loop
+from .console import Console
 from .function import Function, PendingCall, as_call, function
 from .node import Node, NodeEvents, NodeState, Payload, Submission
 from .outcome import outcome, results
-from .progress import Progress
 
 logger = logging.getLogger("flotilla")
 STRAGGLER_GRACE = 1.0
@@ -132,9 +133,12 @@ class Compute:
         self._build_spec: dict[str, Any] | None = None
         self._env: dict[str, str] = {}
         self._secrets: list[str] = []
-        self._progress = Progress(0)
+        self._console = Console()
         self.output_sink: Callable[[int, int, list[str]], None] | None = None
         """Receives (node rank, stream, lines) instead of printing them, when set."""
+        self.state_sink: Callable[[int, int, str], None] | None = None
+        """With ``output_sink``: receives (node rank, stream, what a line redrawn with
+        ``\\r`` shows now: a progress bar), instead of drawing it."""
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
@@ -219,7 +223,9 @@ class Compute:
             probe = {}
         self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
         self._procs = procs
-        self._progress = Progress(len(procs), self._secrets)
+        self._console = Console(self._secrets)
+        self._console.begin(range(len(procs)))
+        started = time.monotonic()
         events = _PoolEvents(self)
         self._nodes = [
             Node(rank, p, self._on_result, self._on_lost, events) for rank, p in enumerate(procs)
@@ -262,7 +268,7 @@ class Compute:
             }
             node.configure(config, blob)
         await self._wait_all([n.ready for n in self._nodes], timeout, "initialise")
-        self._progress.finish()
+        self._console.end(f"{len(self._nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
         if probe:
             unlink_shm(probe["name"])
 
@@ -296,6 +302,7 @@ class Compute:
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""
+        self._console.close()
         if self._state in (PoolState.CLOSED, PoolState.NEW):
             self._state = PoolState.CLOSED
             return
@@ -319,6 +326,8 @@ class Compute:
             await self._allocation.release()
         for node in self._nodes:
             node.flush_output()
+        self._console.close()  # the lines just flushed ended their bars
+        for node in self._nodes:
             with node.lock:
                 subs = list(node.inflight.values())
                 node.inflight.clear()
@@ -642,16 +651,16 @@ class _PoolEvents(NodeEvents):
         self.pool = pool
 
     def phase(self, node: Node, phase: str) -> None:
-        self.pool._progress.set_phase(node.rank, phase)
+        self.pool._console.set_phase(node.rank, phase)
 
     def building(self, node: Node, info: dict[str, Any]) -> None:
-        self.pool._progress.set_phase(node.rank, "environment")
+        self.pool._console.set_phase(node.rank, "environment")
         if info.get("need_includes"):
             with node.write_lock:
                 node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
 
     def build_output(self, node: Node, data: bytes) -> None:
-        self.pool._progress.build_output(node.rank, data)
+        self.pool._console.build_output(node.rank, data)
 
     def broken(self, node: Node, generation: int, reason: str) -> None:
         self.pool._restart_group(f"{node.name}: {reason}", generation)
@@ -662,9 +671,15 @@ class _PoolEvents(NodeEvents):
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         sink = self.pool.output_sink
         if sink is None:
-            super().output(node, stream, lines, local_rank)
+            self.pool._console.lines(node.rank, node.global_rank(local_rank), stream, lines)
         else:
             sink(node.rank, stream, lines)
+
+    def state(self, node: Node, stream: int, text: str, local_rank: int = 0) -> None:
+        if self.pool.output_sink is None:
+            self.pool._console.state(node.rank, node.global_rank(local_rank), stream, text)
+        elif self.pool.state_sink is not None:
+            self.pool.state_sink(node.rank, stream, text)
 
 
 def _others_run(sub: Submission) -> bool:
