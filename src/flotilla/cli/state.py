@@ -321,17 +321,8 @@ def delete(paths: Paths) -> None:
 
 
 # -- processes -----------------------------------------------------------------------------
-_PROC = os.path.isdir("/proc/self")  # Linux: read /proc (fast); elsewhere: psutil
-
-
 def process_start(pid: int) -> int:
-    """The start time of ``pid`` (0 when there is no such process, or only a zombie).
-
-    With ``pid`` it names one process: a pid reused later has another start time. The
-    unit is the platform's (clock ticks since boot from ``/proc`` on Linux, hundredths of
-    a second since the epoch from psutil elsewhere, as on macOS): compare, do not show."""
-    if not _PROC:
-        return _process_start_portable(pid)
+    """The start time of ``pid`` in clock ticks since boot (0 when there is no such process)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -339,18 +330,6 @@ def process_start(pid: int) -> int:
         return 0
     fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19]) if fields[0] != "Z" else 0
-
-
-def _process_start_portable(pid: int) -> int:
-    import psutil  # ~40 ms to import: only where there is no /proc
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return 0
-        return round(proc.create_time() * 100)
-    except (psutil.Error, OSError):
-        return 0
 
 
 def process_alive(pid: int, start: int = 0) -> bool:
