@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from flotilla._ignore import Excluded, human_size, load, walk
+from flotilla._ignore import Excluded, Rules, human_size, load
 
 
 def make(root: Path, files: dict[str, str]) -> None:
@@ -14,8 +15,25 @@ def make(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
+def walk(rules: Rules, folder: str = "", rel: str = "") -> list[str]:
+    """The files an archive builder keeps: asks about a folder before what it holds."""
+    kept: list[str] = []
+    for name in sorted(os.listdir(os.path.join(rules.root, folder))):
+        child = f"{rel}/{name}" if rel else name
+        path = os.path.join(rules.root, child)
+        is_dir = os.path.isdir(path) and not os.path.islink(path)
+        if rules(child, is_dir):
+            continue
+        kept += walk(rules, child, child) if is_dir else [child]
+    return kept
+
+
 def synced(root: Path, excluded: Excluded | None = None) -> list[str]:
-    return [rel for _, rel in walk(load(str(root)), excluded) if (root / rel).is_file()]
+    rules = load(str(root))
+    kept = walk(rules)
+    if excluded is not None:
+        excluded.__dict__.update(rules.excluded.__dict__)
+    return kept
 
 
 TREE = {

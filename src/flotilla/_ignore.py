@@ -13,15 +13,15 @@ anchored to the file's folder, ``*.pt`` matches at any depth, ``logs/`` only fol
 ``**`` any number of folders, and ``!keep.pt`` re-includes what an earlier pattern left
 out (not inside a folder that is itself left out, as in git).
 
-:func:`walk` yields what to sync and adds up what it left out, so that the sync can say
-how much it did not send (a dataset or checkpoints left out by a rule are the point;
-left in by a missing rule, they are what makes a sync slow).
+:class:`Rules` is the archive builder's exclusion hook (``_archive``); it adds up what it
+leaves out, so that the sync can say how much it did not send (a dataset or checkpoints
+left out by a rule are the point; left in by a missing rule, they make a sync slow).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,110 +56,88 @@ class Excluded:
         return f"{self.files} file(s) ({human_size(self.bytes)})"
 
 
-@dataclass(frozen=True)
 class Rules:
-    """The ignore rules of one folder.
+    """The ignore rules of one folder, as an exclusion hook: ``rules(rel, is_dir)`` says
+    whether to leave out ``rel`` (a ``/``-separated path below the folder) and counts what
+    it leaves out in :attr:`excluded`. The archive builder asks about a folder before what
+    it holds, and does not walk a folder left out.
 
     Attributes:
         root: the folder (absolute).
-        sources: the ignore files read, relative to ``root`` (``.gitignore`` files of
-            subfolders are found during the walk and not listed here).
-        nested_gitignore: whether subfolders' ``.gitignore`` files apply (the fallback).
+        sources: the top-level ignore files read (``.gitignore`` files of subfolders are
+            read when the walk gets there).
+        excluded: what was left out so far.
     """
 
-    root: str
-    sources: tuple[str, ...]
-    nested_gitignore: bool
-    top: GitIgnoreSpec
+    def __init__(self, root: str, extra: Iterable[str] = ()) -> None:
+        from pathspec import GitIgnoreSpec
+
+        self._spec_type = GitIgnoreSpec
+        self.root = os.path.abspath(root)
+        self.excluded = Excluded()
+        lines: list[str] = list(DEFAULT_RULES)
+        sources: list[str] = []
+        for name in IGNORE_FILES:
+            found = _read(os.path.join(self.root, name))
+            if found is not None:
+                sources.append(name)
+                lines += found
+        self._nested = not sources  # the .gitignore fallback, as git reads it
+        if self._nested:
+            found = _read(os.path.join(self.root, GITIGNORE))
+            if found is not None:
+                sources.append(GITIGNORE)
+                lines += found
+        lines += extra
+        self.sources = tuple(sources)
+        self._specs: dict[str, GitIgnoreSpec | None] = {"": GitIgnoreSpec.from_lines(lines)}
+
+    def __call__(self, rel: str, is_dir: bool) -> bool:
+        if not self.ignored(rel, is_dir):
+            return False
+        self.excluded.paths.append(rel + ("/" if is_dir else ""))
+        _count(os.path.join(self.root, *rel.split("/")), is_dir, self.excluded)
+        return True
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
-        """Whether ``rel`` (a ``/``-separated path under ``root``) is left out by the
-        top-level rules (subfolders' ``.gitignore`` files are applied by :func:`walk`)."""
-        return _ignored([("", self.top)], rel, is_dir)
+        """Whether ``rel`` is left out: the last rule that matches decides, and a deeper
+        ``.gitignore`` comes after the ones above it (nothing is counted)."""
+        verdict = False
+        parts = rel.split("/")
+        for depth in range(len(parts)):
+            base = "/".join(parts[:depth])
+            spec = self._spec(base)
+            if spec is None:
+                continue
+            below = "/".join(parts[depth:]) + ("/" if is_dir else "")
+            result = spec.check_file(below)
+            if result.include is not None:
+                verdict = result.include
+        return verdict
+
+    def _spec(self, base: str) -> GitIgnoreSpec | None:
+        if base not in self._specs:
+            found = None
+            if self._nested:
+                found = _read(os.path.join(self.root, *base.split("/"), GITIGNORE))
+            self._specs[base] = None if found is None else self._spec_type.from_lines(found)
+        return self._specs[base]
 
 
 def load(root: str, extra: Iterable[str] = ()) -> Rules:
     """The rules of ``root``: built-in, the ignore files found there, then ``extra``."""
-    from pathspec import GitIgnoreSpec
-
-    root = os.path.abspath(root)
-    lines: list[str] = list(DEFAULT_RULES)
-    sources: list[str] = []
-    for name in IGNORE_FILES:
-        found = _read(os.path.join(root, name))
-        if found is not None:
-            sources.append(name)
-            lines += found
-    nested = not sources
-    if nested:
-        found = _read(os.path.join(root, GITIGNORE))
-        if found is not None:
-            sources.append(GITIGNORE)
-            lines += found
-    lines += extra
-    return Rules(root, tuple(sources), nested, GitIgnoreSpec.from_lines(lines))
+    return Rules(root, extra)
 
 
-def walk(rules: Rules, excluded: Excluded | None = None) -> Iterator[tuple[str, str]]:
-    """``(absolute path, relative path)`` of every entry to sync under ``rules.root``,
-    folders before their contents, in sorted order; what is left out is added to
-    ``excluded``. Symbolic links are yielded, never followed."""
-    from pathspec import GitIgnoreSpec
-
-    specs: list[tuple[str, GitIgnoreSpec]] = [("", rules.top)]
-    yield from _walk(rules, rules.root, "", specs, excluded, GitIgnoreSpec)
-
-
-def _walk(
-    rules: Rules,
-    folder: str,
-    rel: str,
-    specs: list[tuple[str, GitIgnoreSpec]],
-    excluded: Excluded | None,
-    spec_type: type[GitIgnoreSpec],
-) -> Iterator[tuple[str, str]]:
-    if rules.nested_gitignore and rel:
-        found = _read(os.path.join(folder, GITIGNORE))
-        if found is not None:
-            specs = [*specs, (rel + "/", spec_type.from_lines(found))]
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:
-        return
-    for entry in entries:
-        child = f"{rel}/{entry.name}" if rel else entry.name
-        is_dir = entry.is_dir(follow_symlinks=False)
-        if _ignored(specs, child, is_dir):
-            if excluded is not None:
-                excluded.paths.append(child + ("/" if is_dir else ""))
-                _count(entry, is_dir, excluded)
-            continue
-        yield entry.path, child
-        if is_dir:
-            yield from _walk(rules, entry.path, child, specs, excluded, spec_type)
-
-
-def _ignored(specs: list[tuple[str, GitIgnoreSpec]], rel: str, is_dir: bool) -> bool:
-    """The last rule that matches decides; a deeper ``.gitignore`` comes after."""
-    verdict = False
-    for base, spec in specs:
-        if not rel.startswith(base):
-            continue
-        result = spec.check_file(rel[len(base) :] + ("/" if is_dir else ""))
-        if result.include is not None:
-            verdict = result.include
-    return verdict
-
-
-def _count(entry: os.DirEntry[str], is_dir: bool, excluded: Excluded) -> None:
+def _count(path: str, is_dir: bool, excluded: Excluded) -> None:
     if not is_dir:
         try:
-            excluded.bytes += entry.stat(follow_symlinks=False).st_size
+            excluded.bytes += os.lstat(path).st_size
         except OSError:
             pass
         excluded.files += 1
         return
-    for dirpath, _dirs, files in os.walk(entry.path):
+    for dirpath, _dirs, files in os.walk(path):
         for name in files:
             try:
                 excluded.bytes += os.lstat(os.path.join(dirpath, name)).st_size
