@@ -30,7 +30,7 @@ from .._client.compute import Compute
 from .._image import is_secret, redact
 from .backends.registry import check_gpus
 from .ipc import Event, node_name, prefix
-from .jobspec import JobSpec, hostfile, phase_env
+from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
 from .state import JobRecord, JobStatus, NodeRecord
 from .sync import build as build_archive
@@ -361,6 +361,9 @@ class Runner:
             master_port=port,
             setup=phase == "setup",
         )
+        if self.shares_filesystem and "HOME" not in spec.envs:  # ~: as for file mounts
+            for rank, env in per_node.items():
+                env.update(shared_machine_home(self.workdirs[rank]))
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."
