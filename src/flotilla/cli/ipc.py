@@ -10,6 +10,7 @@ The client sends one request and reads events until the daemon closes the connec
     {"op": "down"}                                  -> {"ev": "down"} once everything stopped
 
 Job events: {"ev": "out", "node": K, "rank": R, "stream": 1|2, "line": "..."},
+{"ev": "bar", ...the same fields} (a line redrawn with \\r: what it shows now),
 {"ev": "phase", "text": "..."}, {"ev": "end", "status": "...", "exit_code": N,
 "report": [lines]}. Errors: {"ev": "error", "message": "..."}.
 """

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._client.compute import Compute
+from .._client.lines import Throttle
 from .._image import is_secret, redact
 from .backends.registry import check_gpus
 from .ipc import Event, node_name, prefix
@@ -77,6 +78,7 @@ class Job:
         self.ranks: dict[int, int] = {}
         self.tails: dict[int, deque[str]] = {}
         self.subscribers: list[Subscriber] = []
+        self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
         self._files: dict[str, IO[str]] = {}
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -110,22 +112,43 @@ class Job:
     def output(self, node: int, stream: int, lines: list[str]) -> None:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
         with self.lock:
+            throttle = self.throttles.get((node, stream))
+            if throttle is not None:
+                throttle.reset()  # a finished line ends the node's bar
+            self._lines(node, stream, lines)
+
+    def state(self, node: int, stream: int, text: str) -> None:
+        """A node redrew its unfinished line with ``\\r`` (a progress bar): followers get
+        every state (a terminal redraws the bar in place); the logs get a line now and
+        then (the first state, then one per few seconds; the final line comes as output)."""
+        with self.lock:
             rank = self.ranks.get(node, node)
-            head = prefix(node, rank)
-            tail = self.tails.setdefault(node, deque(maxlen=TAIL_LINES))
-            clean = [redact(line, self.secrets) for line in lines]
-            self._file(f"node-{node}.log").write("".join(f"{line}\n" for line in clean))
-            self._file("job.log").write("".join(f"{head}{line}\n" for line in clean))
-            for line in clean:
-                tail.append(line)
+            clean = redact(text, self.secrets)
+            event = {"ev": "bar", "node": node, "rank": rank, "stream": stream, "line": clean}
+            self._publish(event, node)
+            throttle = self.throttles.setdefault((node, stream), Throttle())
+            if throttle.due():
+                self._lines(node, stream, [text], publish=False)
+
+    def _lines(self, node: int, stream: int, lines: list[str], publish: bool = True) -> None:
+        """Log lines (held: ``self.lock``) and, unless not ``publish``, send them on."""
+        rank = self.ranks.get(node, node)
+        head = prefix(node, rank)
+        tail = self.tails.setdefault(node, deque(maxlen=TAIL_LINES))
+        clean = [redact(line, self.secrets) for line in lines]
+        self._file(f"node-{node}.log").write("".join(f"{line}\n" for line in clean))
+        self._file("job.log").write("".join(f"{head}{line}\n" for line in clean))
+        for line in clean:
+            tail.append(line)
+            if publish:
                 self._publish(
                     {"ev": "out", "node": node, "rank": rank, "stream": stream, "line": line},
                     node,
                 )
-            for f in self._files.values():
-                f.flush()
-            if self.done.is_set():  # a straggler after the end: do not keep files open
-                self._close()
+        for f in self._files.values():
+            f.flush()
+        if self.done.is_set():  # a straggler after the end: do not keep files open
+            self._close()
 
     def _close(self) -> None:
         for f in self._files.values():
