@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .._image import redact
 from .lines import Throttle
 
 if TYPE_CHECKING:
@@ -47,6 +46,16 @@ def prefix(node: int, rank: int | None = None) -> str:
 def node_color(node: int) -> str:
     """The colour of a node's prefix (a ``rich`` style name)."""
     return _PALETTE[node % len(_PALETTE)]
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """``text`` without the ``secrets`` (imported when there are some: the command line
+    imports this module and stays light)."""
+    if not secrets:
+        return text
+    from .._image import redact as image_redact
+
+    return image_redact(text, secrets)
 
 
 def _is_tty(stream: TextIO) -> bool:

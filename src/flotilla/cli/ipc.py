@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._client.console import prefix as prefix  # node lines: one format, the API's too
+
 Event = dict[str, Any]
 
 
@@ -57,11 +59,6 @@ def request(path: Path, obj: Event) -> Iterator[Event]:
         yield from events(sock)
     finally:
         sock.close()
-
-
-def prefix(node: int, rank: int) -> str:
-    """The prefix of a node's lines: ``(node-1, rank=1) ``."""
-    return f"(node-{node}, rank={rank}) "
 
 
 def node_name(node: int, rank: int) -> str:
