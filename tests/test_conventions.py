@@ -36,9 +36,10 @@ def test_counts_and_indexes() -> None:
 
 
 def test_job_names_are_readable() -> None:
-    assert job_name("python   train.py\n --lr 3") == "python train.py --lr 3"
+    assert job_name("python   train.py\n --lr 3") == "python-train.py-lr-3"
     long = job_name("for i in 1 2 3 4 5 6 7 8 9 10; do echo $i; sleep 1; done")
-    assert long.startswith("for i in 1 2 3") and long.endswith("...") and len(long) <= 40
+    assert long.startswith("for-i-in-1-2-3") and len(long) <= 40 and " " not in long
+    assert job_name("$ ; |") == "command"
 
 
 def test_next_steps_name_the_cluster_and_its_idle_policy() -> None:

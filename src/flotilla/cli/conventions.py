@@ -16,6 +16,7 @@ Light on imports: every command goes through here.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 
@@ -126,10 +127,13 @@ def confirm(question: str, yes: bool) -> bool:
 
 
 def job_name(command: str, limit: int = 40) -> str:
-    """A readable name for an ad-hoc command's job: the command, spaces collapsed, cut to
-    ``limit`` characters (``for i in 1 2; do ...``), not its first word."""
-    text = " ".join(command.split())
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+    """A readable name for an ad-hoc command's job, not just its first word (``for``,
+    ``if``): its words joined by ``-`` (``python-train.py-lr-3``), cut to ``limit``
+    characters; no spaces, so that ``flotilla queue``'s columns stay columns."""
+    slug = re.sub(r"[^A-Za-z0-9._]+", "-", command).strip("-.")
+    if len(slug) > limit:
+        slug = slug[:limit].rstrip("-.")
+    return slug or "command"
 
 
 def next_steps(cluster: str, job: int | None, idle_minutes: float | None) -> list[str]:
