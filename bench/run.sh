@@ -43,5 +43,9 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         echo "## SSH provider on 4 test hosts (issue 3)"
         echo
         .venv/bin/python bench/bench_ssh.py 2>/dev/null | sed 's/^## /### /'
+        echo; echo "## SLURM provider on 3 test hosts (issue 15)"; echo
+        .venv/bin/python bench/bench_slurm.py 2>/dev/null | sed 's/^## /### /'
+        echo; echo "## AWS provider on moto and booting test hosts (issue 16)"; echo
+        .venv/bin/python bench/bench_aws.py 2>/dev/null
     fi
 } >>BENCHMARKS.md

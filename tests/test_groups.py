@@ -28,13 +28,17 @@ def all_reduce(value: float) -> tuple[float, int]:
 
 @sky.function
 def rank_fails(bad_rank: int, how: str) -> float:
-    """Rank ``bad_rank`` fails (``how``: raise, exit); the others enter a collective."""
+    """Rank ``bad_rank`` fails (``how``: raise, exit, hang); the others enter a collective."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == bad_rank:
         if how == "raise":
             raise ValueError("bad batch on this rank")
+        if how == "hang":
+            time.sleep(120)
         os._exit(3)
     t = torch.ones(1)
     dist.all_reduce(t)  # waits for bad_rank, which never comes
@@ -124,3 +128,27 @@ def pid() -> int:
 def exit_on(node: int) -> None:
     if sky.instance_info().node == node:
         os._exit(3)
+
+
+@sky.function
+def agent_pid() -> int:
+    return os.getppid()
+
+
+def test_a_lost_node_restarts_the_whole_group_on_a_fresh_agent_everywhere(
+    pool: sky.Compute,
+) -> None:
+    before = {pid for _, pid in all_reduce(1.0) @ pool}
+    agents = agent_pid() @ pool
+    reducing = pool.submit_broadcast(rank_fails(1, "hang"))  # rank 0 waits in all_reduce
+    node = pool._nodes[1]
+    os.kill(agents[1], 9)  # node 1's agent is gone: rank 0 would wait forever
+    with pytest.raises(WorkerDiedError, match="node 1 was lost"):
+        reducing[0].result(timeout=60)
+    with pytest.raises(WorkerDiedError):  # NodeLostError: its agent was killed
+        reducing[1].result(timeout=60)
+    assert node.state.value == "lost"
+    after = all_reduce(5.0) @ pool  # a fresh group of the new agents
+    assert [value for value, _ in after] == [10.0, 10.0]
+    assert not before & {pid for _, pid in after}
+    assert not set(agents) & set(agent_pid() @ pool)  # every node has a new agent

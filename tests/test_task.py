@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 
 from flotilla._errors import ConfigurationError
-from flotilla.cli.backends.registry import ProviderSpec, check_gpus, check_task
+from flotilla.cli.backends import registry
+from flotilla.cli.backends.base import ProviderSpec, check_gpus
+from flotilla.cli.backends.local import LocalSpec
+from flotilla.cli.backends.ssh import SSHSpec
 from flotilla.cli.jobspec import hostfile, phase_env, task_id
 from flotilla.cli.node_ops import unpack
 from flotilla.cli.sync import build
 from flotilla.cli.taskfile import Resources, Task, TaskError, command_task, load_task
+
+
+def check_task(task: Task, spec: ProviderSpec, cluster_nodes: int) -> list[str]:
+    return registry.backend_for(spec).check_task(task, spec, cluster_nodes)
 
 
 def write(tmp_path: Path, text: str, name: str = "task.yaml") -> str:
@@ -204,7 +211,7 @@ def test_job_nodes_and_command_tasks() -> None:
 def test_local_provider_refuses_missing_gpus_and_warns_about_hints(tmp_path: Path) -> None:
     gpu = load_task(write(tmp_path, "run: x\nresources:\n  accelerators: H100:4\n"))
     with pytest.raises(ConfigurationError, match=r"task.yaml:3: resources.accelerators: H100:4"):
-        check_task(gpu, ProviderSpec(), 2)
+        check_task(gpu, LocalSpec(), 2)
     hints = load_task(
         write(
             tmp_path,
@@ -212,23 +219,23 @@ def test_local_provider_refuses_missing_gpus_and_warns_about_hints(tmp_path: Pat
             "  ports: 8080\n  network_tier: standard\n",
         )
     )
-    warnings = check_task(hints, ProviderSpec(), 2)
+    warnings = check_task(hints, LocalSpec(), 2)
     assert [w.split(": ")[1] for w in warnings] == [
         "resources.cpus",
         "resources.memory",
         "resources.infra",
     ]
     assert all(w.startswith(f"{tmp_path / 'task.yaml'}:") for w in warnings)
-    assert check_task(Task(run="x"), ProviderSpec(), 1) == []
+    assert check_task(Task(run="x"), LocalSpec(), 1) == []
 
 
 def test_ssh_provider_spec_checks() -> None:
     with pytest.raises(ConfigurationError, match="needs hosts"):
-        ProviderSpec(kind="ssh")
+        SSHSpec()
     with pytest.raises(ConfigurationError, match="unknown provider 'aws'"):
-        ProviderSpec(kind="aws")
-    spec = ProviderSpec(kind="ssh", hosts=("root@h1", "root@h2"))
-    assert ProviderSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+        registry.spec_from_dict({"kind": "aws"})
+    spec = SSHSpec(hosts=("root@h1", "root@h2"))
+    assert registry.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ConfigurationError, match="3 nodes wanted but --hosts lists 2"):
         check_task(Task(run="x"), spec, 3)
     hints = Task(run="x", resources=Resources(cpus="4"))

@@ -46,6 +46,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._output import silent as silent
     from ._output import stderr as stderr
     from ._output import stdout as stdout
+    from ._providers.aws import AWS as AWS
     from ._providers.base import AgentProcess as AgentProcess
     from ._providers.base import Allocation as Allocation
     from ._providers.base import Machine as Machine
@@ -53,6 +54,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
     from ._providers.local import Local as Local
+    from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
     from ._providers.ssh import SSHHost as SSHHost
     from ._shard import shard as shard
@@ -78,8 +80,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_image": ("Image", "Secret"),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
     "_output": ("silent", "stderr", "stdout"),
+    "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.local": ("Local",),
+    "_providers.slurm": ("Slurm",),
     "_providers.ssh": ("SSH", "SSHHost"),
     "_shard": ("shard",),
     "plugins._base": ("Plugin",),

@@ -1,32 +1,66 @@
-"""flotilla's exception hierarchy.
+"""flotilla's exception hierarchy: every error flotilla raises, in one tree.
 
 Every error flotilla raises derives from :class:`FlotillaError`. Lower-level errors
 (subprocess, SSH, schedulers) are translated at the boundary into these classes, with the
 root cause first in the message. Errors raised by *user code* on a node are re-raised with
 their original type when it can be imported locally; otherwise as :class:`RemoteError`.
 
-    FlotillaError
-    ├── ConfigurationError (ValueError)   bad input, detected before anything starts
-    ├── SerializationError (TypeError)    a function/argument/result cannot be pickled
-    ├── PoolClosedError (RuntimeError)    the pool is not running
-    ├── ProvisionError                    the provider could not start a node
-    ├── RemoteError                       user exception whose type is not importable here
-    ├── TaskTimeoutError (TimeoutError)   a call ran longer than its ``timeout``
-    └── WorkerDiedError                   the process running a call died under it
-        └── NodeLostError                 the whole node (agent, connection) is gone
+    FlotillaError                           flotilla.FlotillaError
+    ├── ConfigurationError (ValueError)     bad input, detected before anything starts
+    │   └── TaskError                       cli/taskfile.py: a task file that cannot run
+    │                                       as written (path, line, field)
+    ├── SerializationError (TypeError)      a function/argument/result cannot be pickled
+    ├── PoolClosedError (RuntimeError)      the pool is not running
+    ├── ProvisionError                      the provider could not start or reach a node
+    ├── RemoteError                         user exception whose type is not importable here
+    ├── TaskTimeoutError (TimeoutError)     a call ran longer than its ``timeout``
+    ├── WorkerDiedError                     the process running a call died under it
+    │   └── NodeLostError                   the whole node (agent, connection) is gone
+    └── CLIError                            cli/main.py: a command that cannot go on
+                                            (``code``: the exit status)
+
+The classes defined here are the public ones (exported by :mod:`flotilla`): they print as
+``flotilla.WorkerDiedError`` (their ``__module__`` is ``flotilla``) and pickle by that name.
+The command line's two live in its modules and stay internal. Two lower-level exceptions
+never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
+agent reports it, and the client raises ProvisionError) and
+``_providers.bootstrap.NoAnswer`` (a remote start command ended without answering; the
+provider raises ProvisionError).
 """
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any, TypeVar
 
+_E = TypeVar("_E", bound=type[BaseException])
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # (missing from typeshed)
+
+
+def _public(cls: _E) -> _E:
+    """Name ``cls`` by its public path, ``flotilla.<name>``: tracebacks, ``repr`` and
+    pickles then show the name users import, not this private module's."""
+    cls.__module__ = "flotilla"
+    return cls
+
+
+@_public
 class FlotillaError(Exception):
     """Base class of every error raised by flotilla itself."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle as ``cls(*args)``, which fails for keyword-only attributes
+        # (``node=``...): rebuild without calling __init__, then set ``args`` (OSError's
+        # __new__, under TaskTimeoutError, ignores them) and the attributes.
+        return _NEWOBJ, (type(self), *self.args), {"args": self.args, **self.__dict__}
 
+
+@_public
 class ConfigurationError(FlotillaError, ValueError):
     """Invalid configuration, detected before anything is provisioned."""
 
 
+@_public
 class SerializationError(FlotillaError, TypeError):
     """A function, argument or result cannot be pickled.
 
@@ -40,14 +74,17 @@ class SerializationError(FlotillaError, TypeError):
         self.type_name = type_name
 
 
+@_public
 class PoolClosedError(FlotillaError, RuntimeError):
     """An operation was attempted on a pool that is not running."""
 
 
+@_public
 class ProvisionError(FlotillaError):
     """The provider could not start or reach a node."""
 
 
+@_public
 class RemoteError(FlotillaError):
     """An exception raised on a node whose type cannot be rebuilt locally.
 
@@ -63,6 +100,7 @@ class RemoteError(FlotillaError):
         self.node = node
 
 
+@_public
 class TaskTimeoutError(FlotillaError, TimeoutError):
     """A call ran longer than its ``timeout``; its process was stopped and replaced."""
 
@@ -72,6 +110,7 @@ class TaskTimeoutError(FlotillaError, TimeoutError):
         self.timeout = timeout
 
 
+@_public
 class WorkerDiedError(FlotillaError):
     """The process running a call died (crash, ``os._exit``, signal, OOM kill).
 
@@ -95,5 +134,6 @@ class WorkerDiedError(FlotillaError):
         self.stderr_tail = stderr_tail
 
 
+@_public
 class NodeLostError(WorkerDiedError):
     """A node's agent or its connection is gone; the node takes no more calls."""

@@ -2,21 +2,22 @@
 
 An Image is frozen and has a content hash. Each node builds it once per hash (under
 ``~/.flotilla/envs/<hash>`` or the provider's work directory) and later pools reuse it, so a
-second pool with the same Image runs no installer at all. See ``_build`` for the node side.
+second pool with the same Image runs no installer at all. The node side is
+``flotilla._node.build``; the includes archive comes from ``flotilla._archive``.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
 import os
 import re
-import tarfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._archive import Source, glob_excludes
+from ._archive import build as build_archive
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -150,26 +151,13 @@ class Image:
         return bool(self.pip or self.apt or self.includes or self.setup or self.python)
 
     def includes_archive(self) -> bytes:
-        """A deterministic tar.gz of ``includes`` (empty bytes when there are none)."""
+        """A reproducible tar.gz of ``includes`` (empty bytes when there are none): each
+        include under its base name, without what ``excludes`` and the defaults match."""
         if not self.includes:
             return b""
-        patterns = DEFAULT_EXCLUDES + self.excludes
-        buf = io.BytesIO()
-        with (
-            gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=1) as gz,
-            tarfile.open(fileobj=gz, mode="w") as tar,
-        ):
-            for path in self.includes:
-                base = os.path.basename(os.path.normpath(path))
-                for src, arc in sorted(_walk(path, base, patterns)):
-                    info = tar.gettarinfo(src, arcname=arc)
-                    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-                    if info.isfile():
-                        with open(src, "rb") as f:
-                            tar.addfile(info, f)
-                    else:
-                        tar.addfile(info)
-        return buf.getvalue()
+        exclude = glob_excludes(DEFAULT_EXCLUDES + self.excludes)
+        sources = [Source(p, os.path.basename(os.path.normpath(p)), exclude) for p in self.includes]
+        return build_archive(sources, level=1).data
 
     def build_spec(self, includes: bytes) -> dict[str, Any]:
         """What a node needs to build this image (no env values: they are not built in)."""
@@ -183,21 +171,6 @@ class Image:
         }
         spec["hash"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
         return spec
-
-
-def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
-    import fnmatch
-
-    return any(fnmatch.fnmatch(name, p) for p in patterns)
-
-
-def _walk(path: str, arc: str, patterns: tuple[str, ...]) -> Iterable[tuple[str, str]]:
-    if _excluded(os.path.basename(path), patterns):
-        return
-    yield path, arc
-    if os.path.isdir(path) and not os.path.islink(path):
-        for name in os.listdir(path):
-            yield from _walk(os.path.join(path, name), f"{arc}/{name}", patterns)
 
 
 def ship_user_modules() -> list[str]:

@@ -1,4 +1,4 @@
-"""``python -m flotilla.agent``: the node agent every provider starts (see ``_agent``)."""
+"""``python -m flotilla.agent``: the node agent every provider starts (see ``flotilla._node``)."""
 
 from ._node.agent import main
 

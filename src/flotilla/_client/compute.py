@@ -1,4 +1,5 @@
-"""``Compute``: a pool of nodes, and how calls are dispatched to it."""
+"""``Compute``: a pool of nodes and its lifecycle; the calls' dispatch and retry policy is
+in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
 
 from __future__ import annotations
 
@@ -14,35 +15,21 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
-from .._errors import (
-    ConfigurationError,
-    PoolClosedError,
-    ProvisionError,
-    SerializationError,
-    WorkerDiedError,
-)
+from .._errors import ConfigurationError, PoolClosedError, ProvisionError, SerializationError
 from .._image import Image, plain_env, redact, secret_values, ship_user_modules
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._wire.frames import Buffer, Kind, Status, frame
-from .._wire.serialize import (
-    SHM_DIR,
-    describe_unpicklable,
-    encode,
-    pickle_obj,
-    unlink_shm,
-    write_shm,
-)
+from .._wire.frames import Kind, frame
+from .._wire.serialize import SHM_DIR, pickle_obj, unlink_shm
 from . import loop as _loop
 from .console import Console
+from .dispatch import Dispatcher
 from .function import Function, PendingCall, as_call, function
-from .node import Node, NodeEvents, NodeState, Payload, Submission
-from .outcome import outcome, results
+from .node import Node, NodeEvents, NodeState
+from .outcome import results
+from .renew import Renewals
 
 logger = logging.getLogger("flotilla")
-STRAGGLER_GRACE = 1.0
-"""Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
-before the group is restarted (see ``_plugins``)."""
 R = TypeVar("R")
 
 
@@ -51,6 +38,8 @@ class PoolState(Enum):
 
     NEW --enter--> STARTING --all nodes ready--> RUNNING --exit--> CLOSING --> CLOSED
     STARTING --failure / Ctrl-C--> CLOSING --> CLOSED
+
+    A pool stays RUNNING while a lost node is replaced (see ``renew.py``).
     """
 
     NEW = "new"
@@ -120,15 +109,21 @@ class Compute:
             and any(getattr(p, "forms_group", False) for p in self.plugins)
         )
         """The pool's processes form one group: they are restarted together (see _plugins)."""
-        self._generation = 0  # group restarts so far
         self._state = PoolState.NEW
-        self._nodes: list[Node] = []
-        self._procs: list[AgentProcess] = []
+        self._procs: list[AgentProcess] = []  # every agent the pool started
         self._allocation: Allocation | None = None
-        self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self._shm_prefix = f"flotilla-{self.pool_id}-"
+        self._renewals = Renewals(self)
+        self._dispatcher = Dispatcher(
+            self._group,
+            self.procs_per_node,
+            self._shm_prefix,
+            running=lambda: self._state is PoolState.RUNNING,
+            replacer=self._renewals.begin if options.replace_lost_nodes else None,
+        )
         self._heartbeat: asyncio.Task[None] | None = None
-        self._by_future: dict[int, Submission] = {}  # cancellable calls, by id(future)
+        self._blob = b""
+        self._head_port = 0
         self._includes = b""
         self._build_spec: dict[str, Any] | None = None
         self._env: dict[str, str] = {}
@@ -160,6 +155,11 @@ class Compute:
     @property
     def state(self) -> PoolState:
         return self._state
+
+    @property
+    def _nodes(self) -> list[Node]:
+        """The current node at each rank."""
+        return self._dispatcher.nodes
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Compute:
@@ -214,66 +214,83 @@ class Compute:
 
     async def _start(self, spec: PoolSpec, blob: bytes) -> None:
         loop = asyncio.get_running_loop()
+        self._blob = blob
+        probe = self._write_probe()
+        self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
+        self._allocation.watch(self._renewals.provider_lost)
+        self._procs = list(procs)
+        self._console = Console(self._secrets)
+        self._console.begin(range(len(procs)))
+        started = time.monotonic()
+        self._dispatcher.nodes[:] = [self._new_node(rank, p) for rank, p in enumerate(procs)]
+        for node in self._nodes:
+            node.start(loop)
+        self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
+        timeout = self.options.start_timeout
+        nodes = self._nodes
+        hellos = await self._wait_all(nodes, [n.hello for n in nodes], timeout, "start")
+        self._head_port = int(hellos[0]["port"])
+        for node in self._nodes:
+            self._configure(node, self._nodes, probe)
+        await self._wait_all(nodes, [n.ready for n in nodes], timeout, "initialise")
+        self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
+        if probe:
+            unlink_shm(probe["name"])
+
+    def _new_node(self, rank: int, proc: AgentProcess) -> Node:
+        d = self._dispatcher
+        return Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
+
+    def _write_probe(self) -> dict[str, str]:
+        """A shared-memory file that nodes on this machine can read (then they use shared
+        memory for large buffers); empty when /dev/shm cannot be written."""
         probe = {"name": f"{self._shm_prefix}probe", "token": secrets.token_hex(16)}
         try:
             fd = os.open(os.path.join(SHM_DIR, probe["name"]), os.O_CREAT | os.O_WRONLY, 0o600)
             os.write(fd, probe["token"].encode())
             os.close(fd)
         except OSError:
-            probe = {}
-        self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
-        self._procs = procs
-        self._console = Console(self._secrets)
-        self._console.begin(range(len(procs)))
-        started = time.monotonic()
-        events = _PoolEvents(self)
-        self._nodes = [
-            Node(rank, p, self._on_result, self._on_lost, events) for rank, p in enumerate(procs)
-        ]
-        for node in self._nodes:
-            node.start(loop)
-        self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
-        timeout = self.options.start_timeout
-        hellos = await self._wait_all([n.hello for n in self._nodes], timeout, "start")
-        peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in self._nodes)
-        head = peers[0]
-        head_port = int(hellos[0]["port"])
+            return {}
+        return probe
+
+    def _configure(self, node: Node, nodes: list[Node], probe: dict[str, str]) -> None:
+        """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
+        peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in nodes)
         cluster = self.options.cluster
-        for node in self._nodes:
-            info = InstanceInfo(
-                node=node.rank,
-                total_nodes=len(self._nodes),
-                is_head=cluster and node.rank == 0,
-                head_addr=head.addr if cluster else "",
-                head_port=head_port if cluster else 0,
-                accelerators=self.accelerator.count if self.accelerator else 0,
-                peers=peers if cluster else (),
-                pool_id=self.pool_id,
-                addr=node.proc.address,
-                cluster=cluster,
-                accelerator=self.accelerator.name if self.accelerator else None,
-                procs_per_node=self.procs_per_node,
-            )
-            config = {
-                "pool_id": self.pool_id,
-                "procs": self.procs_per_node,
-                "compute_pool": info.to_json(),
-                "env": self._env,
-                "image": self._build_spec,
-                "home": self.provider.home,
-                "heartbeat_timeout": self.options.heartbeat_timeout,
-                "shutdown_grace": self.options.shutdown_grace,
-                "shm_probe": probe or None,
-                "group": self._group,
-            }
-            node.configure(config, blob)
-        await self._wait_all([n.ready for n in self._nodes], timeout, "initialise")
-        self._console.end(f"{len(self._nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
-        if probe:
-            unlink_shm(probe["name"])
+        info = InstanceInfo(
+            node=node.rank,
+            total_nodes=len(nodes),
+            is_head=cluster and node.rank == 0,
+            head_addr=peers[0].addr if cluster else "",
+            head_port=self._head_port if cluster else 0,
+            accelerators=self.accelerator.count if self.accelerator else 0,
+            peers=peers if cluster else (),
+            pool_id=self.pool_id,
+            addr=node.proc.address,
+            cluster=cluster,
+            accelerator=self.accelerator.name if self.accelerator else None,
+            procs_per_node=self.procs_per_node,
+        )
+        config = {
+            "pool_id": self.pool_id,
+            "procs": self.procs_per_node,
+            "compute_pool": info.to_json(),
+            "env": self._env,
+            "image": self._build_spec,
+            "home": self.provider.home,
+            "heartbeat_timeout": self.options.heartbeat_timeout,
+            "shutdown_grace": self.options.shutdown_grace,
+            "shm_probe": probe or None,
+            "group": self._group,
+        }
+        node.configure(config, self._blob)
 
     async def _wait_all(
-        self, futures: list[asyncio.Future[dict[str, Any]] | None], timeout: float, what: str
+        self,
+        nodes: list[Node],
+        futures: list[asyncio.Future[dict[str, Any]] | None],
+        timeout: float,
+        what: str,
     ) -> list[dict[str, Any]]:
         waiting = [f for f in futures if f is not None]
         for f in waiting:  # failures after the first are reported through the first
@@ -285,7 +302,7 @@ class Compute:
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
         if pending:
-            late = [n.name for n, f in zip(self._nodes, futures, strict=True) if f in pending]
+            late = [n.name for n, f in zip(nodes, futures, strict=True) if f in pending]
             raise ProvisionError(
                 f"{', '.join(late)} did not {what} within {timeout:.0f} s "
                 f"(Options(start_timeout=...) sets the limit)"
@@ -296,7 +313,7 @@ class Compute:
         interval = self.options.heartbeat_timeout / 4
         while True:
             await asyncio.sleep(interval)
-            for node in self._nodes:
+            for node in [*self._nodes, *self._renewals.starting]:
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     node.send_control(Kind.PING, wait=False)
 
@@ -315,6 +332,7 @@ class Compute:
     async def _close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        await self._renewals.cancel()  # a replacement under way stops (its agent with it)
         for node in self._nodes:
             if node.state is NodeState.READY or node.state is NodeState.CONFIGURING:
                 node.send_control(Kind.SHUTDOWN)
@@ -327,15 +345,7 @@ class Compute:
         for node in self._nodes:
             node.flush_output()
         self._console.close()  # the lines just flushed ended their bars
-        for node in self._nodes:
-            with node.lock:
-                subs = list(node.inflight.values())
-                node.inflight.clear()
-            for sub in subs:
-                self._settle(
-                    sub,
-                    exc=PoolClosedError(f"the pool closed before {node.name} finished the call"),
-                )
+        self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
         with contextlib.suppress(OSError):
             for name in os.listdir(SHM_DIR):
                 if name.startswith(self._shm_prefix):
@@ -351,7 +361,7 @@ class Compute:
     def __lt__(self, other: object) -> Any:  # `other > pool` when other has no __gt__
         raise _left_operand_error(">", other)
 
-    # -- dispatch ------------------------------------------------------------------------
+    # -- dispatch (see dispatch.py) ------------------------------------------------------
     def _check_running(self) -> None:
         if self._state is not PoolState.RUNNING:
             if self._state is PoolState.NEW:
@@ -363,119 +373,12 @@ class Compute:
                 "send calls inside the `with flotilla.Compute(...)` block"
             )
 
-    def _function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
-        cached = self._functions.get(id(fn))
-        if cached is None or cached[2] is not fn:
-            try:
-                pickled = pickle_obj(fn.fn)
-            except Exception as e:
-                found = describe_unpicklable(fn.fn, fn.name)
-                where = f": {found[0]} (type {found[1]}) cannot be pickled" if found else ""
-                raise SerializationError(
-                    f"function {fn.name} cannot be sent to the pool{where} ({e}); "
-                    f"create such objects inside the function instead of capturing them",
-                    path=found[0] if found else fn.name,
-                    type_name=found[1] if found else "",
-                ) from None
-            cached = (len(self._functions) + 1, encode(pickled), fn)
-            self._functions[id(fn)] = cached
-        return cached[0], cached[1]
-
-    def _payload(self, call: PendingCall[Any], fn_key: int, shared: bool) -> Payload:
-        try:
-            pickled = pickle_obj((fn_key, call.args, call.kwargs))
-        except Exception as e:
-            found = describe_unpicklable(call.args, "args") or describe_unpicklable(
-                call.kwargs, "kwargs"
-            )
-            path, type_name = (found[0], found[1]) if found else ("arguments", "")
-            raise SerializationError(
-                f"cannot send {call.function.name}(...) to the pool: {path} of type {type_name} "
-                f"cannot be pickled ({e}); pass something picklable, "
-                "or create it inside the function",
-                path=path,
-                type_name=type_name,
-            ) from None
-        shm = ""
-        if shared and pickled.shm_bytes and any(n.shm for n in self._nodes):
-            shm = write_shm(pickled, self._shm_prefix)
-        return Payload(pickled, shm)
-
-    def _submission(
-        self,
-        call: PendingCall[Any],
-        payload: Payload,
-        fn_key: int,
-        define: list[Buffer],
-        pinned: bool,
-    ) -> Submission:
-        fut: Future[Any] = Future()
-        fut.set_running_or_notify_cancel()
-        payload.acquire()
-        fn = call.function
-        sub = Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
-        self._by_future[id(fut)] = sub
-        return sub
-
-    def _least_busy(self, exclude: Node | None = None) -> tuple[Node, int]:
-        """The ready (node, local rank) with the fewest calls in flight, lowest rank first
-        among equals; on a node other than ``exclude`` when there is one."""
-        nodes = [n for n in self._nodes if n.state is NodeState.READY]
-        if exclude is not None:
-            nodes = [n for n in nodes if n is not exclude] or nodes
-        best: tuple[Node, int] | None = None
-        least = 0
-        for node in nodes:
-            for worker, busy in enumerate(node.busy):
-                if best is None or busy < least:
-                    best, least = (node, worker), busy
-        if best is None:
-            raise self._all_lost()
-        return best
-
-    def _all_lost(self) -> PoolClosedError:
-        return PoolClosedError("no node of this pool can take calls: every node was lost")
-
-    def _prepare(self, calls: Sequence[PendingCall[Any]]) -> list[Submission]:
-        subs = []
-        for call in calls:
-            key, define = self._function(call.function)
-            payload = self._payload(call, key, shared=False)
-            subs.append(self._submission(call, payload, key, define, pinned=False))
-        return subs
-
-    def _dispatch(self, subs: list[Submission]) -> None:
-        """Send each call to the least busy node; ties go to the lowest rank.
-
-        Counting each assignment spreads a batch evenly; preferring low ranks among idle
-        nodes keeps one agent warm for a stream of single calls.
-        """
-        if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
-            node, subs[0].worker = self._least_busy()
-            node.send(subs)
-            return
-        load = {
-            (n, w): busy
-            for n in self._nodes
-            if n.state is NodeState.READY
-            for w, busy in enumerate(n.busy)
-        }
-        if not load:
-            raise self._all_lost()
-        by_node: dict[Node, list[Submission]] = {}
-        for sub in subs:
-            node, sub.worker = best = min(load, key=load.__getitem__)
-            load[best] += 1
-            by_node.setdefault(node, []).append(sub)
-        for node, batch in by_node.items():
-            node.send(batch)
-
     def submit(self, call: PendingCall[R]) -> Future[R]:
         """Run ``call`` on the least busy node; returns a Future (``call > pool``)."""
         self._check_running()
         call = as_call(call, ">")
-        subs = self._prepare([call])
-        self._dispatch(subs)
+        subs = self._dispatcher.prepare([call])
+        self._dispatcher.dispatch(subs)
         return subs[0].future
 
     def run(self, call: PendingCall[R]) -> R:
@@ -490,37 +393,18 @@ class Compute:
         self, call: PendingCall[R], nodes: Sequence[int] | None = None
     ) -> list[Future[R]]:
         """Run ``call`` on every node (or the ranks in ``nodes``); a Future per process, in
-        global rank order (one per node unless a plugin runs several processes per node)."""
+        global rank order (one per node unless a plugin runs several processes per node).
+
+        A node being replaced (its agent was lost) gets its call once it is back."""
         self._check_running()
         call = as_call(call, "@")
-        targets = self._nodes if nodes is None else [self._nodes[r] for r in nodes]
-        lost = [n.name for n in targets if n.state is not NodeState.READY]
-        if lost:
-            raise PoolClosedError(f"cannot broadcast: {', '.join(lost)} can no longer take calls")
-        key, define = self._function(call.function)
-        payload = self._payload(call, key, shared=True)
-        ranks = [(node, w) for node in targets for w in range(len(node.busy))]
-        subs = [self._submission(call, payload, key, define, pinned=True) for _ in ranks]
-        for sub in subs:
-            sub.siblings, sub.generation = subs, self._generation
-        try:
-            for (node, worker), sub in zip(ranks, subs, strict=True):
-                sub.worker = worker
-                node.send([sub])
-        except BaseException:
-            for sub in subs:
-                if sub.node is None:
-                    payload.release()
-            raise
-        return [s.future for s in subs]
+        ranks = range(self.nodes) if nodes is None else [self._nodes[r].rank for r in nodes]
+        return [s.future for s in self._dispatcher.broadcast(call, list(ranks))]
 
     def cancel(self, futures: Iterable[Future[Any]]) -> None:
         """Stop calls sent to this pool: a running one has its process replaced, a queued
         one is skipped. Their futures raise ``concurrent.futures.CancelledError``."""
-        for fut in futures:
-            sub = self._by_future.get(id(fut))
-            if sub is not None and sub.node is not None and not fut.done():
-                sub.node.send_control(Kind.CANCEL, ident=sub.tid)
+        self._dispatcher.cancel(futures)
 
     def run_many(self, calls: Sequence[PendingCall[Any]]) -> list[Any]:
         """Run different calls in parallel; results in call order."""
@@ -528,8 +412,8 @@ class Compute:
 
     def _submit_many(self, calls: Sequence[PendingCall[Any]]) -> list[Future[Any]]:
         self._check_running()
-        subs = self._prepare([as_call(c, "gather") for c in calls])
-        self._dispatch(subs)
+        subs = self._dispatcher.prepare([as_call(c, "gather") for c in calls])
+        self._dispatcher.dispatch(subs)
         return [s.future for s in subs]
 
     def submit_group(self, calls: Sequence[PendingCall[Any]]) -> Future[tuple[Any, ...]]:
@@ -574,75 +458,6 @@ class Compute:
         f = fn if isinstance(fn, Function) else function(fn)
         return self.run_many([f(x) for x in iterable])
 
-    # -- results (loop thread) ---------------------------------------------------------
-    def _on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
-        try:
-            value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
-        except BaseException as e:  # e.g. a result whose type cannot be unpickled here
-            value, exc = None, e
-        if self._group and status == Status.ERROR and exc is not None and _others_run(sub):
-            # the others may wait for this one in a collective, and would wait forever
-            what = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            cause = f"{node.name}: {sub.call.function.name}(...) raised {what}"
-            asyncio.get_running_loop().call_later(
-                STRAGGLER_GRACE, self._restart_if_stuck, sub, cause
-            )
-        if isinstance(exc, WorkerDiedError) and self._retry(sub, exc):
-            return
-        self._settle(sub, value=value, exc=exc)
-
-    def _restart_if_stuck(self, sub: Submission, cause: str) -> None:
-        """Restart the group if calls of ``sub``'s broadcast still run, in the group
-        generation they were sent in (loop thread)."""
-        if _others_run(sub):
-            self._restart_group(cause, sub.generation)
-
-    def _restart_group(self, cause: str, generation: int) -> None:
-        """Restart every process of a group pool (see ``_plugins``), once per ``generation``
-        of the group: later reports of the same break are ignored (loop thread)."""
-        if generation != self._generation or self._state is not PoolState.RUNNING:
-            return
-        self._generation += 1
-        logger.warning("restarting every process of the pool: %s", cause)
-        for node in self._nodes:
-            if node.state is NodeState.READY:
-                node.send_control(Kind.RESTART, ident=self._generation, body=cause.encode())
-
-    def _on_lost(self, node: Node, subs: list[Submission]) -> None:
-        err = node.lost_error("was lost while running a call: its agent exited")
-        for sub in subs:
-            if not self._retry(sub, err):
-                self._settle(sub, exc=err)
-
-    def _retry(self, sub: Submission, err: BaseException) -> bool:
-        if sub.retries_left <= 0 or self._state is not PoolState.RUNNING:
-            return False
-        if self._group and sub.siblings:  # alone, it would wait for the others forever
-            return False
-        sub.retries_left -= 1
-        previous = sub.node
-        try:
-            if sub.pinned and previous is not None:
-                target = previous
-            else:
-                target, sub.worker = self._least_busy(exclude=previous)
-            target.send([sub])
-        except Exception:
-            return False
-        return True
-
-    def _settle(
-        self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
-    ) -> None:
-        sub.payload.release()
-        self._by_future.pop(id(sub.future), None)
-        if sub.future.done():
-            return
-        if exc is not None:
-            sub.future.set_exception(exc)
-        else:
-            sub.future.set_result(value)
-
 
 class _PoolEvents(NodeEvents):
     """What a pool's nodes report: start-up progress, includes on request, output."""
@@ -663,7 +478,7 @@ class _PoolEvents(NodeEvents):
         self.pool._console.build_output(node.rank, data)
 
     def broken(self, node: Node, generation: int, reason: str) -> None:
-        self.pool._restart_group(f"{node.name}: {reason}", generation)
+        self.pool._dispatcher.restart_group(f"{node.name}: {reason}", generation)
 
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
@@ -680,11 +495,6 @@ class _PoolEvents(NodeEvents):
             self.pool._console.state(node.rank, node.global_rank(local_rank), stream, text)
         elif self.pool.state_sink is not None:
             self.pool.state_sink(node.rank, stream, text)
-
-
-def _others_run(sub: Submission) -> bool:
-    """True when another call of ``sub``'s broadcast has not finished."""
-    return any(s is not sub and not s.future.done() for s in sub.siblings or ())
 
 
 def _left_operand_error(op: str, other: object) -> TypeError:

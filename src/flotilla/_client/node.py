@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
-from .._wire.exits import signal_name
+from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import TASK_HEAD, Buffer, Kind, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
@@ -232,7 +232,7 @@ class Node:
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
         if frames is None:
-            self._gone()
+            self.gone()
             return
         for kind, ident, body in frames:
             if kind == Kind.RESULT:
@@ -291,8 +291,9 @@ class Node:
         self._err_partial = lines.pop()[-4096:]
         self.stderr_tail.extend(line.decode(errors="replace") for line in lines)
 
-    def _gone(self) -> None:
-        if self.state is NodeState.CLOSED:
+    def gone(self) -> None:
+        """The agent is gone: fail the node's calls and report the loss. Idempotent."""
+        if self.state is NodeState.CLOSED or self.state is NodeState.LOST:
             return
         self.flush_output()
         self.state = NodeState.LOST
@@ -307,25 +308,17 @@ class Node:
             subs = list(self.inflight.values())
             self.inflight.clear()
             self.busy = [0] * len(self.busy)
-        if subs:
-            self._on_lost(self, subs)
+        self._on_lost(self, subs)  # also without calls: the pool replaces the node
 
     def lost_error(self, what: str) -> NodeLostError:
         status = self.proc.exit_status()
-        how = ""
-        sig_name = None
-        if status is not None:
-            if status < 0:
-                sig_name = signal_name(-status)
-                how = f" (killed by {sig_name})"
-            else:
-                how = f" (exit status {status})"
+        how = f" ({exit_summary(status)})" if status is not None else ""
         tail = "\n".join(self.stderr_tail).rstrip()
         msg = f"{self.name} {what}{how}"
         if tail:
             msg += f"\n--- last lines of the agent's stderr ---\n{tail}"
         return NodeLostError(
-            msg, node=self.rank, exitcode=status, signal=sig_name, stderr_tail=tail
+            msg, node=self.rank, exitcode=status, signal=exit_signal(status), stderr_tail=tail
         )
 
     # -- output ----------------------------------------------------------------------

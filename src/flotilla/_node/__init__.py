@@ -1,4 +1,13 @@
-"""The node side: the agent every provider starts, its executor and environment builder.
+"""The node side: the agent every provider starts, its executors and environment builder.
 
-Standard library only: nodes may have nothing but Python.
+    agent.py       the agent: the client-facing side (HELLO, CONFIG, the client's frames,
+                   heartbeats, shutdown) and the environment build's subprocess
+    supervisor.py  the executors: one process per local rank, forked, fed, watched, replaced
+    eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
+    executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
+    build.py       an Image's environment, built once per content hash (a subprocess)
+    locks.py       the one flock helper (node side and command line)
+    procs.py       the one process-table walk (/proc): start times, liveness, reaping
+
+Standard library only: nodes may have nothing but Python (tests/test_layers.py checks).
 """

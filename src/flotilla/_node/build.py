@@ -12,7 +12,6 @@ one machine build once and a failed build leaves nothing half-made. Standard lib
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
@@ -23,6 +22,8 @@ import sys
 import tarfile
 import tempfile
 from typing import Any
+
+from .locks import exclusive
 
 
 def env_dir(home: str, spec_hash: str) -> str:
@@ -193,8 +194,7 @@ def run_setup(commands: list[str], build: str) -> None:
 def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
     target = env_dir(home, spec["hash"])
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another pool on this machine may be building it
+    with exclusive(target + ".lock"):  # another pool on this machine may be building it
         if is_built(home, spec["hash"]):
             print("environment already built", flush=True)
             return

@@ -16,10 +16,11 @@ import select
 import sys
 import traceback
 from collections import deque
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, NoReturn
 
-from .._wire.frames import TASK_HEAD, FrameReader, Kind, Status, frame, write_all
+from .._wire.frames import TASK_HEAD, Body, FrameReader, Kind, Status, frame, write_all
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
@@ -56,19 +57,31 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
+
+    def task(ident: int, body: Body) -> bool:
+        if ident in inbox.cancelled:
+            inbox.cancelled.discard(ident)
+            write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            return True
+        status, parts = _run(functions, body, shm_prefix, _serialize)
+        _flush()
+        write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+        return True
+
+    def define(ident: int, body: Body) -> bool:
+        functions[ident] = _serialize.decode(body)
+        return True
+
+    # kind -> handler(ident, body), False to stop (CANCEL frames are taken by the inbox)
+    handlers: dict[int, Callable[[int, Body], bool]] = {
+        Kind.TASK: task,
+        Kind.DEFINE: define,
+        Kind.SHUTDOWN: lambda ident, body: False,
+    }
     while (item := inbox.next()) is not None:
         kind, ident, body = item
-        if kind == Kind.TASK:
-            if ident in inbox.cancelled:
-                inbox.cancelled.discard(ident)
-                write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-                continue
-            status, parts = _run(functions, body, shm_prefix, _serialize)
-            _flush()
-            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
-        elif kind == Kind.DEFINE:
-            functions[ident] = _serialize.decode(body)
-        elif kind == Kind.SHUTDOWN:
+        handler = handlers.get(kind)
+        if handler is not None and not handler(ident, body):
             break
     try:
         stack.close()
@@ -85,11 +98,11 @@ class _Inbox:
         self.fd = fd
         os.set_blocking(fd, False)
         self.reader = FrameReader()
-        self.frames: deque[tuple[int, int, bytes | bytearray]] = deque()
+        self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
         self.eof = False
 
-    def next(self) -> tuple[int, int, bytes | bytearray] | None:
+    def next(self) -> tuple[int, int, Body] | None:
         self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
 

@@ -49,6 +49,11 @@ class Options:
         shutdown_grace: seconds a node's process gets to exit cleanly when the pool closes
             (plugins' teardown runs then) before it is killed.
         env: environment variables set in every task process (values may be ``Secret``).
+        replace_lost_nodes: True (default): a node whose agent is lost (killed, host gone,
+            connection dropped) is replaced at the same rank through the provider (a new
+            process tree, a spare or reconnected host...) and the pool keeps its size; in a
+            pool whose processes form one group every process is restarted with it. False:
+            the node stays lost; broadcasts then fail naming it.
     """
 
     cluster: bool = True
@@ -56,8 +61,13 @@ class Options:
     heartbeat_timeout: float = 30.0
     shutdown_grace: float = 2.0
     env: dict[str, Any] = field(default_factory=dict)
+    replace_lost_nodes: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replace_lost_nodes, bool):
+            raise ValueError(
+                f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
+            )
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:

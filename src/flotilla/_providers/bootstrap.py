@@ -4,9 +4,9 @@ Provider-independent: SSH uses it, and so can any provider that reaches its node
 remote shell (cloud VMs over SSH, a container exec...). It needs only a :class:`Launcher`.
 
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
-Python; an editable development install works too) into a deterministic tar.gz named by
-the sha256 of its content. A node keeps every bundle it received under
-``{workdir}/lib/{hash}/`` and runs the agent with ``PYTHONPATH`` pointing there::
+Python; an editable development install works too) into a reproducible tar.gz
+(:mod:`flotilla._archive`) named by the sha256 of its content. A node keeps every bundle
+it received under ``{workdir}/lib/{hash}/`` and runs the agent with ``PYTHONPATH`` pointing there::
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
@@ -34,17 +34,16 @@ Lines before the answer (a chatty shell profile) are ignored.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import hashlib
-import io
 import logging
 import os
 import shlex
-import tarfile
 import threading
 from dataclasses import dataclass
 from enum import Enum
 
+from .._archive import Source, glob_excludes
+from .._archive import build as build_archive
 from .._errors import ProvisionError
 from .pipe import PipeAgent
 
@@ -53,9 +52,8 @@ logger = logging.getLogger("flotilla.bootstrap")
 MIN_PYTHON = (3, 11)
 MARKER = b"FLOTILLA_BOOT "
 """Prefix of the answer line of the start command."""
-_EXCLUDED_DIRS = {"__pycache__"}
-_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
-_MTIME = 1_600_000_000  # fixed timestamps: equal content gives an equal archive and hash
+_EXCLUDED = ("__pycache__", "*.pyc", "*.pyo")
+"""Left out of the bundle: byte code (each node compiles its own)."""
 
 
 @dataclass(frozen=True)
@@ -141,41 +139,11 @@ def _package_dirs() -> dict[str, str]:
 
 
 def build_bundle(packages: dict[str, str]) -> Bundle:
-    """A deterministic tar.gz of ``packages`` (name -> directory), without byte code."""
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(packages):
-            for path, arcname in _package_files(packages[name], name):
-                _add_file(tar, path, arcname)
-    data = gzip.compress(raw.getvalue(), compresslevel=6, mtime=0)
-    return Bundle(hashlib.sha256(data).hexdigest(), data)
-
-
-def _package_files(root: str, name: str) -> list[tuple[str, str]]:
-    """(path, name in the archive) of every file of a package directory, sorted."""
-    out: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
-        rel = os.path.relpath(dirpath, root)
-        for filename in sorted(filenames):
-            if filename.endswith(_EXCLUDED_SUFFIXES):
-                continue
-            arc_dir = name if rel == "." else f"{name}/{rel.replace(os.sep, '/')}"
-            out.append((os.path.join(dirpath, filename), f"{arc_dir}/{filename}"))
-    return out
-
-
-def _add_file(tar: tarfile.TarFile, path: str, arcname: str) -> None:
-    """Add one regular file with normalised metadata (owner, mode, time)."""
-    with open(path, "rb") as f:
-        content = f.read()
-    info = tarfile.TarInfo(arcname)
-    info.size = len(content)
-    info.mtime = _MTIME
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(content))
+    """A reproducible tar.gz (see :mod:`flotilla._archive`) of ``packages`` (name ->
+    directory), without byte code."""
+    exclude = glob_excludes(_EXCLUDED)
+    archive = build_archive(Source(packages[name], name, exclude) for name in sorted(packages))
+    return Bundle(archive.sha256, archive.data)
 
 
 # -- remote commands -----------------------------------------------------------------------

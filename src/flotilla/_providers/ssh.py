@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -401,10 +402,14 @@ class SSHAllocation(Allocation):
         return await self.provider.start_one(self.targets[machine.ident], self._bundle, timeout)
 
     async def replace(self, rank: int, reason: str) -> Machine:
+        """The next spare host, else the same host again (a new connection)."""
         old = self.machines[rank]
         self.mark(old, MachineState.RELEASED)
         target = self.spares.pop(0) if self.spares else self.targets[old.ident]
         machine = _machine(rank, target)
+        uses = sum(1 for t in self.targets.values() if t == target)
+        if uses:  # a reconnection: a new machine of the allocation's history, same host
+            machine = dataclasses.replace(machine, ident=f"{machine.ident}#{uses + 1}")
         self.targets[machine.ident] = target
         self.machines[rank] = machine
         self.mark(machine, MachineState.PENDING)

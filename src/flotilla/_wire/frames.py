@@ -21,6 +21,8 @@ from enum import IntEnum
 from typing import TypeAlias
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
+Body: TypeAlias = bytes | bytearray
+"""A received frame's body."""
 
 HEADER = struct.Struct("<BQQ")
 HEADER_SIZE = HEADER.size
@@ -113,7 +115,7 @@ class FrameReader:
         self._big_filled = 0
         self._big_header: tuple[int, int] = (0, 0)
 
-    def read(self, fd: int) -> list[tuple[int, int, bytes | bytearray]] | None:
+    def read(self, fd: int) -> list[tuple[int, int, Body]] | None:
         """Read once from ``fd``; ``None`` at end of stream."""
         if self._big is not None:
             view = memoryview(self._big)[self._big_filled :]
@@ -132,9 +134,9 @@ class FrameReader:
             return None
         return self.feed(data)
 
-    def feed(self, data: Buffer) -> list[tuple[int, int, bytes | bytearray]]:
+    def feed(self, data: Buffer) -> list[tuple[int, int, Body]]:
         """Add bytes; return the frames they complete."""
-        out: list[tuple[int, int, bytes | bytearray]] = []
+        out: list[tuple[int, int, Body]] = []
         big = self._big
         if big is not None:  # continue a large body
             view = memoryview(data).cast("B")

@@ -2,7 +2,7 @@
 
 ``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
-``NAME.sock`` (see ``_wire``): jobs are queued and run one at a time (see ``_jobs``), their
+``NAME.sock`` (see ``ipc``): jobs are queued and run one at a time (see ``jobs``), their
 output streamed to whoever follows them and kept per node. It stops on ``flotilla down``
 (and removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
 (the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
@@ -31,21 +31,13 @@ from typing import Any
 from .._client.compute import Compute
 from .._errors import FlotillaError
 from .._image import redact
-from .backends.registry import ProviderSpec, make_provider, ssh_config
+from .._node import procs
+from .backends import registry
 from .ipc import Event, encode, prefix
 from .jobs import Job, Runner
 from .jobspec import JobSpec, task_id
 from .node_ops import node_facts
-from .state import (
-    ClusterState,
-    JobStatus,
-    NodeRecord,
-    Paths,
-    delete,
-    load,
-    process_start,
-    update,
-)
+from .state import ClusterState, JobStatus, NodeRecord, Paths, delete, load, update
 
 _CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown goes on
 
@@ -59,7 +51,8 @@ class ClusterDaemon:
             raise FlotillaError(f"cluster {paths.name!r} has no state file")
         self.paths = paths
         self.name = paths.name
-        self.spec = ProviderSpec.from_dict(record.provider)
+        self.spec = registry.spec_from_dict(record.provider)
+        self.backend = registry.backend_for(self.spec)
         self.num_nodes = record.num_nodes
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
@@ -88,7 +81,7 @@ class ClusterDaemon:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
         with update(self.paths) as rec:
             rec.pid = os.getpid()
-            rec.pid_start = process_start(rec.pid)
+            rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
             rec.error = ""
             rec.nodes = []
@@ -193,7 +186,7 @@ class ClusterDaemon:
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
         try:
-            provider = make_provider(self.spec, self.paths.nodes)
+            provider = self.backend.make_provider(self.spec, self.paths.nodes)
             pool = Compute(provider, nodes=self.num_nodes)
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
@@ -202,7 +195,8 @@ class ClusterDaemon:
                     return
             pool.open()
             self.pool = pool
-            subdir = "" if self.spec.shares_filesystem else f"clusters/{self.name}"
+            shared = self.backend.shares_filesystem
+            subdir = "" if shared else f"clusters/{self.name}"
             facts = pool.broadcast(node_facts(subdir))
             self.nodes = [NodeRecord(**f) for f in facts]
             self.runner = Runner(
@@ -210,7 +204,7 @@ class ClusterDaemon:
                 self.name,
                 self.spec.kind,
                 self.nodes,
-                self.spec.shares_filesystem,
+                shared,
                 self._save_job,
                 self.token,
             )
@@ -218,9 +212,7 @@ class ClusterDaemon:
                 rec.state = ClusterState.UP.value
                 rec.nodes = self.nodes
                 rec.token = self.token
-            if self.spec.kind == "ssh":
-                self.paths.ssh_config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                self.paths.ssh_config.write_text(ssh_config(self.name, self.spec, self.nodes))
+            self.backend.on_up(self.paths, self.spec, self.nodes)
         except BaseException as e:  # root cause first: the provider's own message
             self.error = str(e) or type(e).__name__
             print(f"provisioning failed: {self.error}", file=sys.stderr)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -29,7 +28,8 @@ from typing import IO, Any
 from .._client.compute import Compute
 from .._client.lines import Throttle
 from .._image import is_secret, redact
-from .backends.registry import check_gpus
+from .._wire.exits import describe_exit
+from .backends.base import check_gpus
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
@@ -241,23 +241,13 @@ class Failure:
         return self.code if self.code > 0 else 128 - self.code
 
 
-def _describe_status(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with status {code}"
-
-
 class Runner:
     """Runs jobs' phases on a cluster's pool, one job at a time.
 
     Args:
         pool: the running pool.
         cluster: the cluster's name.
-        provider: the provider's kind ("local", "ssh").
+        provider: the provider's kind (``ProviderSpec.kind``).
         nodes: the pool's nodes, in rank order.
         shares_filesystem: whether every node runs on this machine.
         on_status: called after each job status change (to save the state file).
@@ -421,7 +411,8 @@ class Runner:
                 else:
                     if ok is None or value == ok:
                         continue
-                    found = Failure(rank, rank, phase, int(value), _describe_status(int(value)))
+                    how, _ = describe_exit(int(value))
+                    found = Failure(rank, rank, phase, int(value), how)
                 if failure is None:
                     failure = found
                     self.pool.cancel(list(pending))

@@ -9,21 +9,18 @@ the executor's process group, which includes the script and its children.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
-import hashlib
 import io
 import os
-import signal
 import socket
 import subprocess
 import tarfile
-import tempfile
-from collections.abc import Iterator
+import time
 from typing import Any
 
 from .._client.function import function
 from .._info import instance_info
+from .._node import locks, procs
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -100,27 +97,8 @@ def run_script(
 def reap(token_prefix: str) -> int:
     """Kill (SIGKILL) every process on this machine whose environment has a
     FLOTILLA_RUN_TOKEN starting with ``token_prefix``; the number killed."""
-    me = os.getpid()
     wanted = f"{TOKEN_VAR}={token_prefix}".encode()
-    killed = 0
-    for _ in range(10):  # again, for what they forked meanwhile
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read()
-            except OSError:
-                continue
-            if any(item.startswith(wanted) for item in env.split(b"\0")):
-                with contextlib.suppress(OSError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-        killed += found
-        if not found:
-            break
-    return killed
+    return procs.kill_all(lambda pid: procs.has_env(pid, wanted))
 
 
 @function
@@ -140,6 +118,7 @@ def unpack(
     """
     cwd = (workdirs or {}).get(instance_info().node) or os.getcwd()
     written = 0
+    now = time.time()  # archives carry one fixed time: a changed file must look changed
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         members = tar.getmembers()
         for key, dest_root in [(WORKDIR_MEMBER, cwd), *targets.items()]:
@@ -149,7 +128,7 @@ def unpack(
             if not mine:
                 continue
             shared = not os.path.abspath(dest_root).startswith(cwd + os.sep)
-            with _lock_for(dest_root) if shared else contextlib.nullcontext():
+            with locks.named(os.path.abspath(dest_root)) if shared else contextlib.nullcontext():
                 for m in mine:
                     if m.name == key:  # the mount's own entry: a file, or the folder itself
                         if m.isdir():
@@ -161,6 +140,7 @@ def unpack(
                         m.name = m.name[len(key) + 1 :]
                         parent = dest_root
                     os.makedirs(parent, exist_ok=True)
+                    m.mtime = now  # (Python's byte-code cache compares times and sizes)
                     tar.extract(m, parent, filter="data")
                     written += 1
     return written
@@ -174,16 +154,3 @@ def _node_path(target: str, cwd: str, home_is_workdir: bool) -> str:
             return os.path.join(cwd, target)
         return target
     return os.path.abspath(os.path.expanduser(target))
-
-
-@contextlib.contextmanager
-def _lock_for(path: str) -> Iterator[None]:
-    """An exclusive lock named after ``path``, shared by every node on this machine."""
-    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:20]
-    lock = os.path.join(tempfile.gettempdir(), f"flotilla-sync-{os.getuid()}-{digest}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -17,13 +17,11 @@ This module imports nothing heavy: the CLI reads state on every command.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import re
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError
+from .._node import locks, procs
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 _SOCKET_LIMIT = 100  # sun_path holds 108 bytes
@@ -185,7 +184,7 @@ class ClusterRecord:
     def observed_state(self) -> ClusterState:
         """The recorded state, or STALE when its daemon is gone."""
         state = ClusterState(self.state)
-        if state.needs_daemon and self.pid and not process_alive(self.pid, self.pid_start):
+        if state.needs_daemon and self.pid and not procs.alive(self.pid, self.pid_start):
             return ClusterState.STALE
         return state
 
@@ -238,9 +237,7 @@ def _socket_path(wanted: Path) -> Path:
     if len(os.fsencode(wanted)) <= _SOCKET_LIMIT:
         return wanted
     digest = hashlib.sha256(os.fsencode(wanted)).hexdigest()[:20]
-    folder = Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder / f"{digest}.sock"
+    return Path(locks.private_dir()) / f"{digest}.sock"
 
 
 def all_names(home: Path | None = None) -> list[str]:
@@ -271,12 +268,8 @@ def load(paths: Paths) -> ClusterRecord | None:
 def locked(paths: Paths) -> Iterator[None]:
     """Hold the cluster's lock (an flock on NAME.lock) for a read-modify-write."""
     paths.ensure()
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with locks.exclusive(paths.lock):
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def save(paths: Paths, record: ClusterRecord) -> None:
@@ -318,33 +311,3 @@ def delete(paths: Paths) -> None:
                 os.unlink(path)
         shutil.rmtree(paths.dir, ignore_errors=True)
     # NAME.lock stays: removing it could let two commands lock different files at once
-
-
-# -- processes -----------------------------------------------------------------------------
-def process_start(pid: int) -> int:
-    """The start time of ``pid`` in clock ticks since boot (0 when there is no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]) if fields[0] != "Z" else 0
-
-
-def process_alive(pid: int, start: int = 0) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, when ``start`` is given, is the same process."""
-    began = process_start(pid)
-    return began != 0 and (start == 0 or began == start)
-
-
-def wait_gone(pid: int, start: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` s for a process (not our child) to exit; True when it did."""
-    deadline = time.monotonic() + timeout
-    delay = 0.002
-    while process_alive(pid, start):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True

@@ -7,15 +7,12 @@ unpacked by :func:`flotilla.cli.node_ops.unpack`. Members: ``workdir/...`` for t
 
 from __future__ import annotations
 
-import fnmatch
-import gzip
-import hashlib
-import io
 import os
-import tarfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._archive import Source, glob_excludes
+from .._archive import build as build_archive
 from .._image import DEFAULT_EXCLUDES
 from .node_ops import WORKDIR_MEMBER
 
@@ -42,25 +39,20 @@ class SyncArchive:
 
 def build(workdir: str | None, file_mounts: Mapping[str, str]) -> SyncArchive | None:
     """The archive of ``workdir`` and ``file_mounts`` (node path -> local path), or None
-    when there is nothing to sync."""
+    when there is nothing to sync. Reproducible (see :mod:`flotilla._archive`): an
+    unchanged workdir has the same digest, however often its files were touched."""
     if not workdir and not file_mounts:
         return None
-    buf = io.BytesIO()
+    sources: list[Source] = []
+    if workdir:
+        patterns = DEFAULT_EXCLUDES + _ignore_patterns(workdir)
+        sources.append(Source(workdir, WORKDIR_MEMBER, glob_excludes(patterns)))
     targets: dict[str, str] = {}
-    files = 0
-    with (
-        gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=1) as gz,
-        tarfile.open(fileobj=gz, mode="w") as tar,
-    ):
-        if workdir:
-            patterns = DEFAULT_EXCLUDES + _ignore_patterns(workdir)
-            files += _add(tar, workdir, WORKDIR_MEMBER, patterns, top=True)
-        for i, (target, source) in enumerate(sorted(file_mounts.items())):
-            key = f"m{i}"
-            targets[key] = target
-            files += _add(tar, source, key, DEFAULT_EXCLUDES, top=True)
-    data = buf.getvalue()
-    return SyncArchive(data, targets, hashlib.sha256(data).hexdigest(), files)
+    for i, (target, source) in enumerate(sorted(file_mounts.items())):
+        targets[f"m{i}"] = target
+        sources.append(Source(source, f"m{i}", glob_excludes(DEFAULT_EXCLUDES)))
+    archive = build_archive(sources, level=1)
+    return SyncArchive(archive.data, targets, archive.sha256, archive.files)
 
 
 def _ignore_patterns(workdir: str) -> tuple[str, ...]:
@@ -75,27 +67,3 @@ def _ignore_patterns(workdir: str) -> tuple[str, ...]:
             line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#")
         )
     return tuple(out)
-
-
-def _add(tar: tarfile.TarFile, path: str, arc: str, patterns: tuple[str, ...], top: bool) -> int:
-    count = 0
-    for src, name in _walk(path, arc, patterns, top):
-        info = tar.gettarinfo(src, arcname=name)
-        info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
-        if info.isfile():
-            with open(src, "rb") as f:
-                tar.addfile(info, f)
-            count += 1
-        else:
-            tar.addfile(info)
-    return count
-
-
-def _walk(path: str, arc: str, patterns: tuple[str, ...], top: bool) -> Iterator[tuple[str, str]]:
-    name = os.path.basename(path)
-    if not top and any(fnmatch.fnmatch(name, p) for p in patterns):
-        return
-    yield path, arc
-    if os.path.isdir(path) and not os.path.islink(path):
-        for entry in sorted(os.listdir(path)):
-            yield from _walk(os.path.join(path, entry), f"{arc}/{entry}", patterns, False)

@@ -11,8 +11,6 @@ flotilla and pip cannot disagree on what a version means.
 
 from __future__ import annotations
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
 
 def version_spec(version: str, what: str = "version") -> str:
     """The pip specifier for a plugin's version argument ('' for "latest")."""
@@ -42,6 +40,10 @@ def is_valid_specifier(spec: str) -> bool:
     """
     if not spec or spec[0] not in "<>=!~" or not all(spec.split(",")):
         return False
+    # here, not at the top: the plugins' modules load on the nodes, which have only the
+    # standard library; versions are checked on the client, where the plugin is created
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
     try:
         SpecifierSet(spec)
     except InvalidSpecifier:

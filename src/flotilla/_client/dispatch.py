@@ -1,0 +1,504 @@
+"""Where calls go and what happens when they fail: the pool's dispatch and retry policy.
+
+:class:`Dispatcher` turns calls into :class:`Submission` objects (the function pickled once
+per pool, arguments once per call), sends each to a node, and settles its future when the
+node answers. The policy, in one place:
+
+- **Least busy first.** A single call goes to the ready (node, local rank) with the fewest
+  calls in flight, the lowest rank among equals (one agent stays warm for a stream of
+  single calls); a batch is spread by counting each assignment.
+- **Retries.** A call made with ``retries=`` whose process or node dies under it runs again:
+  a broadcast's call on the same rank, a single call on another node when there is one.
+- **Group restarts.** In a pool whose processes form one group (``forms_group`` plugins),
+  one rank failing while its siblings still run restarts every process (see ``_plugins``),
+  and a broadcast's call is never retried alone (it would wait for the others forever).
+- **Lost nodes.** When a node's agent is gone, its rank is *down* while the pool replaces it
+  (``_client/renew.py``): calls pinned to that rank (broadcasts, their retries) wait for the
+  new node; single calls go to other nodes, or wait when none is ready. A rank that cannot
+  be replaced (or with ``Options(replace_lost_nodes=False)``) is *gone*: broadcasts then fail
+  at once naming the node and why.
+
+Calls are sent from any thread; results and losses arrive on the loop thread. ``lock``
+guards the rank bookkeeping and is never held while writing to a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from .._errors import (
+    NodeLostError,
+    PoolClosedError,
+    SerializationError,
+    WorkerDiedError,
+)
+from .._wire.frames import Buffer, Kind, Status
+from .._wire.serialize import describe_unpicklable, encode, pickle_obj, write_shm
+from .function import Function, PendingCall
+from .node import Node, NodeState, Payload, Submission
+from .outcome import outcome
+
+logger = logging.getLogger("flotilla")
+STRAGGLER_GRACE = 1.0
+"""Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
+before the group is restarted (see ``_plugins``)."""
+
+Replacer = Callable[[int, str], list[int]]
+"""Starts replacing the lost node at a rank (with a reason); returns every rank it takes
+down meanwhile (the lost one, or all of them in a group pool)."""
+
+
+class Dispatcher:
+    """Sends a pool's calls to its nodes and settles their futures.
+
+    Attributes:
+        nodes: the current node at each rank (a replacement takes its rank's place).
+        group: the pool's processes form one group (restarted together).
+        procs: processes per node.
+        generation: group restarts so far; a break is acted on once per generation.
+        replacer: starts the replacement of a lost node; None when lost nodes are not
+            replaced (``Options(replace_lost_nodes=False)``).
+        running: whether the pool takes calls (RUNNING).
+    """
+
+    def __init__(
+        self,
+        group: bool,
+        procs: int,
+        shm_prefix: str,
+        running: Callable[[], bool],
+        replacer: Replacer | None = None,
+    ) -> None:
+        self.nodes: list[Node] = []
+        self.group = group
+        self.procs = procs
+        self.generation = 0
+        self.replacer = replacer
+        self.running = running
+        self.lock = threading.Lock()
+        self._shm_prefix = shm_prefix
+        self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
+        self._by_future: dict[int, Submission] = {}  # cancellable calls, by id(future)
+        self._waiting: dict[int, list[Submission]] = {}  # down ranks: calls waiting for them
+        self._replacing: set[int] = set()  # ranks whose replacement runs
+        self._unplaced: list[Submission] = []  # single calls waiting for any ready node
+        self._gone: dict[int, str] = {}  # ranks lost for good: why
+
+    # -- preparing calls -------------------------------------------------------------
+    def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
+        """The pool's key of ``fn`` and its wire form (pickled once per pool)."""
+        cached = self._functions.get(id(fn))
+        if cached is None or cached[2] is not fn:
+            try:
+                pickled = pickle_obj(fn.fn)
+            except Exception as e:
+                found = describe_unpicklable(fn.fn, fn.name)
+                where = f": {found[0]} (type {found[1]}) cannot be pickled" if found else ""
+                raise SerializationError(
+                    f"function {fn.name} cannot be sent to the pool{where} ({e}); "
+                    f"create such objects inside the function instead of capturing them",
+                    path=found[0] if found else fn.name,
+                    type_name=found[1] if found else "",
+                ) from None
+            cached = (len(self._functions) + 1, encode(pickled), fn)
+            self._functions[id(fn)] = cached
+        return cached[0], cached[1]
+
+    def payload(self, call: PendingCall[Any], fn_key: int, shared: bool) -> Payload:
+        """The call's arguments, pickled; in shared memory if ``shared`` and worth it."""
+        try:
+            pickled = pickle_obj((fn_key, call.args, call.kwargs))
+        except Exception as e:
+            found = describe_unpicklable(call.args, "args") or describe_unpicklable(
+                call.kwargs, "kwargs"
+            )
+            path, type_name = (found[0], found[1]) if found else ("arguments", "")
+            raise SerializationError(
+                f"cannot send {call.function.name}(...) to the pool: {path} of type {type_name} "
+                f"cannot be pickled ({e}); pass something picklable, "
+                "or create it inside the function",
+                path=path,
+                type_name=type_name,
+            ) from None
+        shm = ""
+        if shared and pickled.shm_bytes and any(n.shm for n in self.nodes):
+            shm = write_shm(pickled, self._shm_prefix)
+        return Payload(pickled, shm)
+
+    def submission(
+        self,
+        call: PendingCall[Any],
+        payload: Payload,
+        fn_key: int,
+        define: list[Buffer],
+        pinned: bool,
+    ) -> Submission:
+        fut: Future[Any] = Future()
+        fut.set_running_or_notify_cancel()
+        payload.acquire()
+        fn = call.function
+        sub = Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
+        self._by_future[id(fut)] = sub
+        return sub
+
+    def prepare(self, calls: Sequence[PendingCall[Any]]) -> list[Submission]:
+        subs = []
+        for call in calls:
+            key, define = self.function(call.function)
+            payload = self.payload(call, key, shared=False)
+            subs.append(self.submission(call, payload, key, define, pinned=False))
+        return subs
+
+    # -- sending ---------------------------------------------------------------------
+    def least_busy(
+        self, exclude: Node | None = None, dead: Collection[Node] = ()
+    ) -> tuple[Node, int] | None:
+        """The ready (node, local rank) with the fewest calls in flight, lowest rank first
+        among equals; on a node other than ``exclude`` when there is one, never on one of
+        ``dead`` (they refused a call). None if no node is ready."""
+        nodes = [n for n in self.nodes if n.state is NodeState.READY]
+        if dead:
+            nodes = [n for n in nodes if n not in dead]
+        if exclude is not None:
+            nodes = [n for n in nodes if n is not exclude] or nodes
+        best: tuple[Node, int] | None = None
+        least = 0
+        for node in nodes:
+            for worker, busy in enumerate(node.busy):
+                if best is None or busy < least:
+                    best, least = (node, worker), busy
+        return best
+
+    def dispatch(self, subs: list[Submission]) -> None:
+        """Send each call to the least busy node; ties go to the lowest rank.
+
+        Counting each assignment spreads a batch evenly; preferring low ranks among idle
+        nodes keeps one agent warm for a stream of single calls.
+        """
+        if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
+            self.place(subs[0])
+            return
+        load = {
+            (n, w): busy
+            for n in self.nodes
+            if n.state is NodeState.READY
+            for w, busy in enumerate(n.busy)
+        }
+        if not load:
+            for sub in subs:
+                self.place(sub)
+            return
+        by_node: dict[Node, list[Submission]] = {}
+        for sub in subs:
+            node, sub.worker = best = min(load, key=load.__getitem__)
+            load[best] += 1
+            by_node.setdefault(node, []).append(sub)
+        for node, batch in by_node.items():
+            try:
+                node.send(batch)
+            except NodeLostError:
+                if self.replacer is None:
+                    raise
+                for sub in batch:
+                    self.place(sub, dead={node})
+
+    def place(
+        self,
+        sub: Submission,
+        rank: int | None = None,
+        exclude: Node | None = None,
+        dead: set[Node] | None = None,
+    ) -> None:
+        """Send ``sub`` to the node at ``rank`` (a pinned call) or to the least busy one
+        (other than ``exclude`` if possible, never one of ``dead``); or park it until a
+        lost node is back.
+
+        A node that refuses the call (its agent is gone, the loss not reported yet) is
+        treated as down from then on. Raises PoolClosedError when the call can run
+        nowhere, NodeLostError when its node is lost and lost nodes are not replaced."""
+        while True:
+            with self.lock:
+                if rank is not None:
+                    if rank in self._gone:
+                        raise self._gone_error([rank], "cannot run the call")
+                    node = self.nodes[rank]
+                    if rank in self._waiting or (
+                        node.state is not NodeState.READY and self.replacer is not None
+                    ):
+                        self._waiting.setdefault(rank, []).append(sub)
+                        return
+                else:
+                    choice = self.least_busy(exclude, dead or ())
+                    if choice is None:
+                        if self._waiting:
+                            self._unplaced.append(sub)
+                            return
+                        raise self.all_lost()
+                    node, sub.worker = choice
+            try:
+                node.send([sub])
+                return
+            except NodeLostError:
+                if self.replacer is None or not self.running():
+                    raise
+                with self.lock:  # its loss is on its way: wait for the replacement
+                    if self.nodes[node.rank] is node and node.rank not in self._gone:
+                        self._waiting.setdefault(node.rank, [])
+                dead = {node} | (dead or set())
+
+    def broadcast(self, call: PendingCall[Any], ranks: Sequence[int]) -> list[Submission]:
+        """Send ``call`` to every process of the nodes at ``ranks``; a submission each."""
+        with self.lock:
+            gone = [r for r in ranks if r in self._gone]
+            if self.replacer is None:
+                gone += [
+                    r for r in ranks if self.nodes[r].state is not NodeState.READY and r not in gone
+                ]
+        if gone:
+            raise self._gone_error(sorted(gone), "cannot broadcast")
+        key, define = self.function(call.function)
+        payload = self.payload(call, key, shared=True)
+        places = [(r, w) for r in ranks for w in range(self.procs)]
+        subs = [self.submission(call, payload, key, define, pinned=True) for _ in places]
+        for sub in subs:
+            sub.siblings, sub.generation = subs, self.generation
+        try:
+            for (rank, worker), sub in zip(places, subs, strict=True):
+                sub.worker = worker
+                self.place(sub, rank)
+        except BaseException:
+            for sub in subs:
+                if sub.node is None and not self._parked(sub):
+                    payload.release()
+                    self._by_future.pop(id(sub.future), None)
+            raise
+        return subs
+
+    def _parked(self, sub: Submission) -> bool:
+        with self.lock:
+            return any(sub in subs for subs in self._waiting.values())
+
+    def cancel(self, futures: Iterable[Future[Any]]) -> None:
+        """Stop calls: a running one has its process replaced, a queued one is skipped."""
+        for fut in futures:
+            sub = self._by_future.get(id(fut))
+            if sub is None or fut.done():
+                continue
+            if sub.node is not None:
+                sub.node.send_control(Kind.CANCEL, ident=sub.tid)
+            elif self._unpark(sub):
+                self.settle(sub, exc=_cancelled())
+
+    def _unpark(self, sub: Submission) -> bool:
+        with self.lock:
+            for subs in (*self._waiting.values(), self._unplaced):
+                if sub in subs:
+                    subs.remove(sub)
+                    return True
+        return False
+
+    def all_lost(self) -> PoolClosedError:
+        return PoolClosedError("no node of this pool can take calls: every node was lost")
+
+    def _gone_error(self, ranks: list[int], what: str) -> PoolClosedError:
+        reasons = "; ".join(f"node {r}: {self._gone.get(r) or 'lost'}" for r in ranks)
+        names = ", ".join(self.nodes[r].name for r in ranks)
+        return PoolClosedError(f"{what}: {names} can no longer take calls ({reasons})")
+
+    # -- results (loop thread) -------------------------------------------------------
+    def on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
+        try:
+            value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
+        except BaseException as e:  # e.g. a result whose type cannot be unpickled here
+            value, exc = None, e
+        if self.group and status == Status.ERROR and exc is not None and _others_run(sub):
+            # the others may wait for this one in a collective, and would wait forever
+            what = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            cause = f"{node.name}: {sub.call.function.name}(...) raised {what}"
+            asyncio.get_running_loop().call_later(
+                STRAGGLER_GRACE, self._restart_if_stuck, sub, cause
+            )
+        if isinstance(exc, WorkerDiedError) and self.retry(sub, exc):
+            return
+        self.settle(sub, value=value, exc=exc)
+
+    def _restart_if_stuck(self, sub: Submission, cause: str) -> None:
+        """Restart the group if calls of ``sub``'s broadcast still run, in the group
+        generation they were sent in."""
+        if _others_run(sub):
+            self.restart_group(cause, sub.generation)
+
+    def restart_group(self, cause: str, generation: int) -> None:
+        """Restart every process of a group pool (see ``_plugins``), once per ``generation``
+        of the group: later reports of the same break are ignored."""
+        if generation != self.generation or not self.running():
+            return
+        self.generation += 1
+        logger.warning("restarting every process of the pool: %s", cause)
+        for node in self.nodes:
+            if node.state is NodeState.READY:
+                node.send_control(Kind.RESTART, ident=self.generation, body=cause.encode())
+
+    def on_lost(self, node: Node, subs: list[Submission]) -> None:
+        """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
+        err = node.lost_error("was lost while running a call: its agent exited")
+        why = _why(node)
+        rank = node.rank
+        with self.lock:
+            current = rank < len(self.nodes) and self.nodes[rank] is node
+            fresh = current and rank not in self._replacing and rank not in self._gone
+        if fresh and self.replacer is not None and self.running():
+            down = self.replacer(rank, why)
+            with self.lock:
+                self._replacing.update(down)
+                for r in down:
+                    self._waiting.setdefault(r, [])
+        elif fresh:
+            hint = "; Options(replace_lost_nodes=True) replaces lost nodes"
+            self._give_up([rank], why + (hint if self.replacer is None else ""))
+        for sub in subs:
+            if not self.retry(sub, err):
+                self.settle(sub, exc=err)
+
+    def retry(self, sub: Submission, err: BaseException) -> bool:
+        """Send ``sub`` again after ``err`` if it has retries left; whether it was."""
+        if sub.retries_left <= 0 or not self.running():
+            return False
+        if self.group and sub.siblings:  # alone, it would wait for the others forever
+            return False
+        sub.retries_left -= 1
+        previous = sub.node
+        sub.node = None
+        try:
+            if sub.pinned and previous is not None:
+                self.place(sub, previous.rank)
+            else:
+                self.place(sub, exclude=previous)
+        except Exception:
+            return False
+        return True
+
+    def settle(
+        self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
+    ) -> None:
+        sub.payload.release()
+        self._by_future.pop(id(sub.future), None)
+        if sub.future.done():
+            return
+        if exc is not None:
+            sub.future.set_exception(exc)
+        else:
+            sub.future.set_result(value)
+
+    # -- lost nodes and their replacements (loop thread) ------------------------------
+    def retire(self, node: Node, cause: str) -> None:
+        """Take a live node of a group pool out of service (its group is restarted): its
+        calls end as ABORTED ones do, or are retried."""
+        node.state = NodeState.CLOSED
+        with node.lock:
+            subs = list(node.inflight.values())
+            node.inflight.clear()
+        for sub in subs:
+            err = WorkerDiedError(
+                f"{node.name}: {sub.call.function.name}(...) was stopped because {cause}; "
+                "the pool's processes form one group, so all of them were restarted",
+                node=node.rank,
+            )
+            if not self.retry(sub, err):
+                self.settle(sub, exc=err)
+
+    def back(self, nodes: Sequence[Node]) -> None:
+        """Replacement ``nodes`` are ready: put them in service and send what waited."""
+        with self.lock:
+            for node in nodes:
+                self.nodes[node.rank] = node
+                self._replacing.discard(node.rank)
+            waiting = [(n.rank, self._waiting.pop(n.rank, [])) for n in nodes]
+            unplaced, self._unplaced = self._unplaced, []
+        for rank, subs in waiting:
+            for sub in subs:
+                self._resend(sub, rank)
+        for sub in unplaced:
+            self._resend(sub, None)
+
+    def _resend(self, sub: Submission, rank: int | None) -> None:
+        if sub.future.done():
+            return
+        if self.group and sub.siblings:
+            failed = next((s for s in sub.siblings if _failed(s)), None)
+            if failed is not None:  # it would wait in a collective for a sibling that ended
+                err = failed.future.exception()
+                self.settle(sub, exc=WorkerDiedError(f"not run: {err}", node=rank or 0))
+                return
+            sub.generation = self.generation
+        try:
+            self.place(sub, rank)
+        except Exception as e:
+            self.settle(sub, exc=e)
+
+    def failed(self, ranks: Sequence[int], reason: str) -> None:
+        """The nodes at ``ranks`` could not be replaced: they are gone for good."""
+        self._give_up(ranks, f"lost, and no replacement could be started: {reason}")
+
+    def _give_up(self, ranks: Sequence[int], reason: str) -> None:
+        with self.lock:
+            waiting: list[tuple[int, Submission]] = []
+            for rank in ranks:
+                self._gone[rank] = reason
+                self._replacing.discard(rank)
+                waiting += [(rank, sub) for sub in self._waiting.pop(rank, [])]
+            unplaced: list[Submission] = []
+            if not self._waiting:
+                unplaced, self._unplaced = self._unplaced, []
+        for rank, sub in waiting:
+            self.settle(sub, exc=self._gone_error([rank], "cannot run the call"))
+        for sub in unplaced:
+            self._resend(sub, None)
+
+    def close(self, exc: Callable[[str], BaseException]) -> None:
+        """The pool closes: every call still waiting or in flight ends with ``exc(where)``."""
+        with self.lock:
+            parked = [s for subs in self._waiting.values() for s in subs] + self._unplaced
+            self._waiting.clear()
+            self._unplaced = []
+        for sub in parked:
+            self.settle(sub, exc=exc("a lost node was replaced"))
+        for node in self.nodes:
+            with node.lock:
+                subs = list(node.inflight.values())
+                node.inflight.clear()
+            for sub in subs:
+                self.settle(sub, exc=exc(f"{node.name} finished the call"))
+
+
+def _why(node: Node) -> str:
+    """Why ``node`` was lost, in a few words for the console."""
+    lost = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's last words
+    if lost:
+        return f"the connection was lost: {lost}"
+    err = node.lost_error("")
+    if err.signal:
+        return f"its agent was killed by {err.signal}"
+    if err.exitcode is not None:
+        return f"its agent exited with status {err.exitcode}"
+    return "its agent's stream ended"
+
+
+def _others_run(sub: Submission) -> bool:
+    """True when another call of ``sub``'s broadcast has not finished."""
+    return any(s is not sub and not s.future.done() for s in sub.siblings or ())
+
+
+def _failed(sub: Submission) -> bool:
+    return sub.future.done() and not sub.future.cancelled() and sub.future.exception() is not None
+
+
+def _cancelled() -> BaseException:
+    from concurrent.futures import CancelledError
+
+    return CancelledError()

@@ -1,0 +1,161 @@
+"""Replacing lost nodes: the pool keeps its size.
+
+When a node's agent is lost (its stream ended: the process was killed, the host went away,
+the SSH connection dropped) the pool asks its allocation for another machine at that rank
+(:meth:`Allocation.replace`: a new process tree, a spare or reconnected host...), starts an
+agent there and configures it with the same rank and the current peers; once it is ready
+it takes the rank's place and the calls that waited for it are sent (see ``dispatch.py``).
+
+In a pool whose processes form one group (``forms_group`` plugins) a group cannot go on
+with one member new: every node gets a fresh agent (the survivors on the machines they
+have), as torchrun restarts all workers, and every node learns the new peers and head.
+
+The console says what happened: ``node k lost (why), replacing`` then ``node k back after
+N s`` (or why it could not be replaced: then the rank is gone and broadcasts fail naming
+it). Everything runs on the client's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from .._providers.base import MachineState, start_agents
+from .._wire.frames import Kind
+from .._wire.serialize import unlink_shm
+from .node import Node, NodeState
+
+if TYPE_CHECKING:
+    from .compute import Compute
+
+logger = logging.getLogger("flotilla")
+
+
+class Renewals:
+    """The replacements of one pool's lost nodes, under way or done.
+
+    Attributes:
+        replaced: how many nodes were replaced so far (in a group pool: each renewal of
+            the group counts the lost node once).
+        starting: nodes started in place of lost ones, not in service yet (the pool's
+            heartbeats reach them too: an environment build may take a while).
+    """
+
+    def __init__(self, pool: Compute) -> None:
+        self.pool = pool
+        self.replaced = 0
+        self.starting: list[Node] = []
+        self._reported: dict[int, str] = {}  # rank -> what the provider said of its loss
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def begin(self, rank: int, why: str) -> list[int]:
+        """Start replacing the node at ``rank``; the ranks that are down meanwhile."""
+        pool = self.pool
+        why = self._reported.pop(rank, why)
+        ranks = list(range(pool.nodes)) if pool._group else [rank]
+        also = ", restarting every process of the pool" if len(ranks) > 1 else ""
+        logger.warning("node %d lost (%s), replacing%s", rank, why, also)
+        self._spawn(self._renew(rank, ranks, why))
+        return ranks
+
+    def provider_lost(self, rank: int, reason: str) -> None:
+        """The provider learned that the machine at ``rank`` is gone (a SLURM node down, a
+        spot interruption): stop its agent, so that the node is lost and replaced."""
+        nodes = self.pool._nodes
+        if rank < len(nodes) and nodes[rank].state is NodeState.READY:
+            self._reported[rank] = f"the provider reports its machine lost: {reason}"
+            self._spawn(_drop(nodes[rank]))
+
+    async def cancel(self) -> None:
+        """Stop every replacement under way (the pool closes); their agents are stopped."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _renew(self, lost: int, ranks: list[int], why: str) -> None:
+        pool = self.pool
+        dispatcher = pool._dispatcher
+        allocation = pool._allocation
+        assert allocation is not None
+        started = time.monotonic()
+        old = {r: dispatcher.nodes[r] for r in ranks}
+        if len(ranks) > 1:  # a group: the survivors' processes cannot go on with a new member
+            dispatcher.generation += 1
+            cause = f"node {lost} was lost ({why})"
+            for r in ranks:
+                if r != lost:
+                    dispatcher.retire(old[r], cause)
+                    self._spawn(_stop(old[r]))
+        await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
+        allocation.mark(allocation.machines[lost], MachineState.LOST)
+        fresh: list[Node] = []
+        console = pool._console  # one row per node being replaced, on a terminal
+        console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
+        try:
+            await allocation.replace(lost, why)
+            machines = [allocation.machines[r] for r in ranks]
+            procs = await start_agents(allocation, machines, pool.provider.agent_command())
+            pool._procs += procs
+            fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
+            self.starting += fresh
+            loop = asyncio.get_running_loop()
+            for node in fresh:
+                node.start(loop)
+            timeout = pool.options.start_timeout
+            hellos = await pool._wait_all(fresh, [n.hello for n in fresh], timeout, "start")
+            if ranks[0] == 0:  # a new head: its port
+                pool._head_port = int(hellos[0]["port"])
+            current = list(dispatcher.nodes)
+            for node in fresh:
+                current[node.rank] = node
+            probe = pool._write_probe()
+            try:
+                for node in fresh:
+                    pool._configure(node, current, probe)
+                await pool._wait_all(fresh, [n.ready for n in fresh], timeout, "initialise")
+            finally:
+                if probe:
+                    unlink_shm(probe["name"])
+        except asyncio.CancelledError:
+            for node in fresh:
+                node.state = NodeState.CLOSED
+            raise
+        except Exception as e:
+            for node in fresh:
+                node.state = NodeState.CLOSED
+                self._spawn(node.proc.terminate())
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            logger.error("node %d could not be replaced: %s", lost, reason)
+            dispatcher.failed(ranks, reason)
+            return
+        finally:
+            console.end()
+            self.starting = [n for n in self.starting if n not in fresh]
+        self.replaced += 1
+        dispatcher.back(fresh)
+        logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
+
+
+async def _stop(node: Node) -> None:
+    """Stop a retired node's agent: politely (SHUTDOWN), then by force."""
+    node.send_control(Kind.SHUTDOWN)
+    with contextlib.suppress(Exception):
+        if await node.proc.wait(1.0) is None:
+            await node.proc.terminate()
+
+
+async def _drop(node: Node) -> None:
+    """Stop ``node``'s agent and declare the node gone: once its readers are removed, the
+    end of its stream may never be read, so the loss is not left to that."""
+    await node.proc.terminate()
+    node.gone()

@@ -1,0 +1,229 @@
+"""Cloud instance duties of a node: the power-off watchdog and the spot interruption poller.
+
+A cloud provider asks for them by setting ``FLOTILLA_CLOUD`` (JSON, see :class:`Config`) in
+the agent's environment. The agent then calls :func:`start` once and :meth:`Contact.touch`
+whenever a frame from the client arrives. :func:`start` runs ``python -m
+flotilla._node.cloud``, which
+
+* forks the **watchdog**, a daemon (own session, no inherited descriptors) that outlives
+  the agent and runs the power-off command ``ttl`` seconds after the last contact from the
+  client: the modification time of the contact file, which the agent touches. One
+  watchdog per instance (a lock file): a second agent on the instance shares it. With the
+  instance's shutdown behaviour "terminate", power-off ends the instance and its billing;
+* then polls the instance metadata service (IMDSv2: a token, then
+  ``spot/instance-action``) until the agent ends (it dies with it), and on an interruption
+  notice writes one line to its stderr, which is the agent's, so it reaches the client on
+  the agent's stderr stream::
+
+      FLOTILLA_CLOUD NOTICE {"action": "terminate", "time": "2026-11-23T19:00:00Z"}
+
+Standard library only (it runs on the node).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "FLOTILLA_CLOUD"
+NOTICE = b"FLOTILLA_CLOUD NOTICE "
+"""Prefix of the stderr line that announces an interruption."""
+_TOKEN_TTL = 21600
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a cloud provider asks of a node.
+
+    Attributes:
+        contact: the contact file (per instance); its mtime is the last client contact.
+        ttl: seconds after the last contact when the watchdog powers off (0: no watchdog).
+        poweroff: the power-off command (argv).
+        imds: base URL of the instance metadata service ("" for no interruption poller).
+        poll: seconds between two metadata polls.
+    """
+
+    contact: str
+    ttl: float
+    poweroff: tuple[str, ...]
+    imds: str = ""
+    poll: float = 2.0
+
+    @staticmethod
+    def from_json(text: str) -> Config:
+        raw: dict[str, Any] = json.loads(text)
+        return Config(
+            contact=os.path.expanduser(str(raw["contact"])),
+            ttl=float(raw.get("ttl", 0)),
+            poweroff=tuple(raw.get("poweroff", ())),
+            imds=str(raw.get("imds", "")),
+            poll=float(raw.get("poll", 2.0)),
+        )
+
+
+class Contact:
+    """The agent's side: touches the contact file, at most once per ``every`` seconds."""
+
+    def __init__(self, path: str, every: float) -> None:
+        self.path = path
+        self.every = every
+        self.last = time.monotonic()
+
+    def touch(self, now: float) -> None:
+        if now - self.last >= self.every:
+            self.last = now
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+
+def start() -> Contact | None:
+    """Start the watchdog and the poller if ``FLOTILLA_CLOUD`` asks for them (the variable
+    is removed from the agent's environment: task processes do not inherit it)."""
+    text = os.environ.pop(ENV, None)
+    if not text:
+        return None
+    config = Config.from_json(text)
+    os.makedirs(os.path.dirname(config.contact) or ".", mode=0o700, exist_ok=True)
+    with open(config.contact, "a"):
+        pass
+    os.utime(config.contact)
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "flotilla._node.cloud"],
+            env={**os.environ, ENV: text},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+    except OSError as e:  # the agent still serves the pool; the client releases it
+        print(f"flotilla agent: cannot start the instance watchdog: {e}", file=sys.stderr)
+    every = min(5.0, config.ttl / 10) if config.ttl > 0 else 3600.0
+    return Contact(config.contact, every)
+
+
+# -- the watchdog ----------------------------------------------------------------------------
+def watchdog(config: Config, log: Any = None) -> None:
+    """Run ``config.poweroff`` ``config.ttl`` s after the contact file's last modification.
+    Returns at once when another watchdog holds the instance's lock."""
+    lock = open(config.contact + ".lock", "a")  # noqa: SIM115 - held until the process ends
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    while True:
+        try:
+            last = os.stat(config.contact).st_mtime
+        except OSError:
+            last = time.time()
+        left = last + config.ttl - time.time()
+        if left <= 0:
+            _log(config, f"no contact from the client since {last:.3f}: {config.poweroff}")
+            try:
+                subprocess.run(list(config.poweroff), stdin=subprocess.DEVNULL)
+            except OSError as e:
+                _log(config, f"cannot run the power-off command: {e}")
+            return
+        time.sleep(min(left, 5.0) + 0.01)
+
+
+def _log(config: Config, message: str) -> None:
+    try:
+        with open(config.contact + ".log", "a") as f:
+            f.write(f"{time.time():.3f} watchdog: {message}\n")
+    except OSError:
+        pass
+
+
+def _daemonize() -> bool:
+    """Fork a daemon (new session, stdio on /dev/null); True in the daemon."""
+    if os.fork():
+        os.wait()
+        return False
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    return True
+
+
+# -- the interruption poller -----------------------------------------------------------------
+def poll_interruptions(config: Config) -> None:
+    """Poll IMDSv2 until an interruption notice comes; announce it on stderr, once."""
+    token = ""
+    expires = 0.0
+    while True:
+        now = time.monotonic()
+        try:
+            if not token or now >= expires:
+                token = _request(
+                    f"{config.imds}/latest/api/token",
+                    "PUT",
+                    {"X-aws-ec2-metadata-token-ttl-seconds": str(_TOKEN_TTL)},
+                )
+                expires = now + _TOKEN_TTL - 60
+            body = _request(
+                f"{config.imds}/latest/meta-data/spot/instance-action",
+                "GET",
+                {"X-aws-ec2-metadata-token": token},
+            )
+        except urllib.error.HTTPError as e:
+            if e.code == 401:
+                token = ""  # expired: get another
+        except (OSError, ValueError):
+            pass  # metadata service unreachable: keep trying
+        else:
+            try:
+                notice = json.loads(body)
+            except ValueError:
+                notice = {"action": body.strip()}
+            os.write(2, NOTICE + json.dumps(notice).encode() + b"\n")
+            return
+        time.sleep(config.poll)
+
+
+def _request(url: str, method: str, headers: dict[str, str]) -> str:
+    req = urllib.request.Request(url, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=2.0) as resp:
+        return str(resp.read().decode())
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def main() -> None:
+    """Entry point of ``python -m flotilla._node.cloud`` (started by :func:`start`)."""
+    config = Config.from_json(os.environ[ENV])
+    _die_with_parent()
+    if config.ttl > 0 and _daemonize():
+        watchdog(config)
+        os._exit(0)
+    if config.imds:
+        poll_interruptions(config)
+    else:
+        signal.pause()  # nothing to poll: end with the agent
+
+
+if __name__ == "__main__":
+    main()

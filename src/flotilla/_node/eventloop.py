@@ -1,0 +1,107 @@
+"""The agent's event loop parts: epoll with a callback per descriptor, and a non-blocking
+writer that queues what a pipe cannot take now (standard library only).
+
+The agent is one thread: everything it does is a callback of :class:`Poller`, and every
+write goes through an :class:`Outbox`, so a slow reader (a busy executor, an SSH channel)
+never blocks the others.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+
+from .._wire.frames import Buffer
+
+
+class Poller:
+    """epoll with a callback per descriptor.
+
+    Callbacks registered ``first`` run before the others of the same wake-up: the
+    executor's output pipes are drained before its results are forwarded, so a task's
+    output always reaches the client before the task's result.
+    """
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.callbacks: dict[int, tuple[bool, Callable[[], object]]] = {}
+
+    def register(
+        self, fd: int, write: bool, callback: Callable[[], object], first: bool = False
+    ) -> None:
+        self.epoll.register(fd, select.EPOLLOUT if write else select.EPOLLIN)
+        self.callbacks[fd] = (first, callback)
+
+    def unregister(self, fd: int) -> None:
+        if self.callbacks.pop(fd, None) is not None:
+            self.epoll.unregister(fd)
+
+    def __contains__(self, fd: int) -> bool:
+        return fd in self.callbacks
+
+    def poll(self, timeout: float) -> list[Callable[[], object]]:
+        events = self.epoll.poll(timeout)
+        cbs = self.callbacks
+        if len(events) == 1:
+            entry = cbs.get(events[0][0])
+            return [entry[1]] if entry else []
+        entries = [cbs[fd] for fd, _ in events if fd in cbs]
+        return [cb for first, cb in entries if first] + [cb for first, cb in entries if not first]
+
+    def close(self) -> None:
+        self.epoll.close()
+
+
+class Outbox:
+    """Non-blocking writer: queues what the descriptor cannot take now."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.queue: deque[memoryview] = deque()
+        self.broken = False
+
+    def send(self, parts: list[Buffer]) -> None:
+        if self.broken:
+            return
+        if not self.queue:  # fast path: write directly
+            try:
+                n = os.writev(self.fd, parts)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self.broken = True
+                return
+            for p in parts:
+                size = memoryview(p).nbytes
+                if n >= size:
+                    n -= size
+                    continue
+                self.queue.append(memoryview(p).cast("B")[n:])
+                n = 0
+            return
+        self.queue.extend(memoryview(p).cast("B") for p in parts if len(p))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Write what fits; True when nothing is left."""
+        q = self.queue
+        while q and not self.broken:
+            try:
+                n = os.writev(self.fd, list(islice(q, 256)))
+            except BlockingIOError:
+                return False
+            except OSError:  # the reader is gone
+                self.broken = True
+                q.clear()
+                return True
+            while n:
+                if n >= q[0].nbytes:
+                    n -= q.popleft().nbytes
+                else:
+                    q[0] = q[0][n:]
+                    n = 0
+        return not q

@@ -1,0 +1,88 @@
+"""This machine's processes, read from ``/proc``: one walk for the node side and the command
+line (is a daemon still the same process; kill what a job or a local cluster left behind).
+
+Linux only, as the node side is. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+
+def pids() -> Iterator[int]:
+    """Every process id on this machine except this process's own."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            yield int(entry)
+
+
+def start_time(pid: int) -> int:
+    """The start time of ``pid`` in clock ticks since boot; 0 when there is no such process
+    or it is a zombie (it has exited; only its entry is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    # the command name is in parentheses and may hold spaces: the fields follow the last ')'
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[19]) if fields[0] != "Z" else 0
+
+
+def alive(pid: int, start: int = 0) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, when ``start`` is given, is the same process
+    (its pid was not reused)."""
+    began = start_time(pid)
+    return began != 0 and (start == 0 or began == start)
+
+
+def wait_gone(pid: int, start: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for a process (not our child) to exit; True when it did."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while alive(pid, start):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)  # not our child: nothing to wait on but its /proc entry
+        delay = min(delay * 2, 0.05)
+    return True
+
+
+def cwd(pid: int) -> str | None:
+    """The working directory of ``pid`` (None: gone, or not ours to read)."""
+    try:
+        return os.readlink(f"/proc/{pid}/cwd").removesuffix(" (deleted)")
+    except OSError:
+        return None
+
+
+def has_env(pid: int, prefix: bytes) -> bool:
+    """Whether an entry (``NAME=value``) of ``pid``'s environment starts with ``prefix``."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return any(item.startswith(prefix) for item in env.split(b"\0"))
+
+
+def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
+    """SIGKILL every process (this one excepted) for which ``match(pid)`` is true, walking
+    again for what they forked meanwhile (at most ``rounds`` walks); the number killed."""
+    killed = 0
+    for _ in range(rounds):
+        found = 0
+        for pid in pids():
+            if match(pid) and alive(pid):  # a zombie is dead already
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    found += 1
+        killed += found
+        if not found:
+            break
+    return killed

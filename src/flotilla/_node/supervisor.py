@@ -1,0 +1,440 @@
+"""The agent's executors: one process per local rank, forked, fed, watched and replaced
+(standard library only).
+
+The :class:`Supervisor` forks each executor (:mod:`flotilla._node.executor`) with four
+pipes: tasks in, results out, and its stdout and stderr, which are forwarded to the client
+as OUTPUT frames (drained before results, so a task's output arrives before its result).
+It enforces per-task timeouts and, when an executor dies, times out or has its running
+task cancelled, starts a new one: the task it was running ends DIED/TIMEOUT/CANCELLED and
+the queued ones are sent again to the new process. In a pool whose processes form one
+group (``config["group"]``: a plugin's collective, e.g. a torch process group) a lone new
+process could not rejoin the group, so it tells the client instead (BROKEN), which restarts
+every executor of the pool (RESTART: queued and running tasks end ABORTED).
+
+Executor states (one executor per slot at a time)::
+
+    STARTING --READY--> RUNNING --died / timeout / cancelled--> STARTING (a new process)
+    RUNNING --died / timeout / cancelled, group pool--> (none) --RESTART--> STARTING
+    RUNNING | STARTING --RESTART--> STARTING (a new process)
+    STARTING --failed start--> FAILED
+    RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from typing import Any
+
+from .._wire.exits import describe_exit
+from .._wire.frames import HEADER, TASK_HEAD, Body, Buffer, FrameReader, Kind, Status, frame
+from .eventloop import Outbox, Poller
+
+STDERR_TAIL_LINES = 40
+"""Lines of an executor's (or the build's) stderr kept to explain its death."""
+
+
+class ExecState(Enum):
+    """Lifecycle of an executor process (transitions in the module docstring)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Task:
+    """A call sent to a slot: its TASK frame, kept to send again to a new executor."""
+
+    ident: int
+    timeout: float
+    frame: list[Buffer]
+    deadline: float = 0.0
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Executor:
+    """One executor process and the pipes the agent holds to it."""
+
+    slot: Slot
+    pid: int
+    to_fd: int
+    from_fd: int
+    out_fd: int
+    err_fd: int
+    outbox: Outbox
+    reader: FrameReader = field(default_factory=FrameReader)
+    state: ExecState = ExecState.STARTING
+    stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    partial_err: bytes = b""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One local rank of the node: its executor (replaced when it dies) and its tasks.
+
+    ``tasks`` were sent to the executor in order; ``tasks[0]`` is the one running.
+    """
+
+    rank: int
+    tasks: deque[Task] = field(default_factory=deque)
+    executor: Executor | None = None
+    restarts: int = 0
+    ready: bool = False
+
+
+class Supervisor:
+    """The node's executors (see the module docstring).
+
+    Args:
+        sel: the agent's poller; executor pipes are registered there.
+        client: the agent's outbox to the client.
+        agent_fds: the agent's own descriptors (the protocol), closed in each executor.
+    """
+
+    def __init__(self, sel: Poller, client: Outbox, agent_fds: tuple[int, ...]) -> None:
+        self.sel = sel
+        self.client = client
+        self.agent_fds = agent_fds
+        self.config: dict[str, Any] | None = None
+        self.blob = b""  # the pickled plugins, for each executor
+        self.defines: list[list[Buffer]] = []  # every DEFINE, for each new executor
+        self.slots: list[Slot] = []
+        self.stopping = False
+        self.generation = 0  # of the pool's process group: RESTART frames count them
+        self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
+            Kind.RESULT: self._result,
+            Kind.READY: self._ready,
+        }
+
+    def configure(self, config: dict[str, Any], blob: bytes) -> None:
+        """Take the pool's configuration; one slot per local rank (``procs``)."""
+        self.config = config
+        self.blob = blob
+        self.slots = [Slot(rank) for rank in range(int(config.get("procs", 1)))]
+
+    # -- what the client asks -----------------------------------------------------------
+    def submit(self, ident: int, body: Body) -> None:
+        """A TASK frame: queue it on its local rank's executor."""
+        timeout, local_rank = TASK_HEAD.unpack_from(body)
+        slot = self.slots[local_rank]
+        task = Task(ident, timeout, [HEADER.pack(Kind.TASK, ident, len(body)), body])
+        slot.tasks.append(task)
+        if len(slot.tasks) == 1:
+            _arm(task)
+        self._to_executor(slot, task.frame)
+
+    def define(self, ident: int, body: Body) -> None:
+        """A DEFINE frame: every executor, and every later one, gets it."""
+        parts: list[Buffer] = [HEADER.pack(Kind.DEFINE, ident, len(body)), body]
+        self.defines.append(parts)
+        for slot in self.slots:
+            self._to_executor(slot, parts)
+
+    def cancel(self, ident: int) -> None:
+        """Stop a task: replace the executor if it runs it, else let the executor skip it."""
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].ident == ident:
+                slot.tasks.popleft()
+                self._kill(slot)
+                self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+                self._replace(slot, "a running call was cancelled")
+                return
+            for task in slot.tasks:
+                if task.ident == ident:
+                    task.cancelled = True  # settled here if this executor is replaced
+                    self._to_executor(slot, frame(Kind.CANCEL, ident))
+                    return
+
+    def restart(self, generation: int, cause: bytes) -> None:
+        """Replace every executor; the tasks they held end ABORTED (with ``cause``)."""
+        self.generation = generation
+        for slot in self.slots:
+            self._kill(slot)
+            while slot.tasks:
+                task = slot.tasks.popleft()
+                if task.cancelled:
+                    self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
+                else:
+                    status = bytes((Status.ABORTED,))
+                    self.client.send(frame(Kind.RESULT, task.ident, status, cause))
+            slot.restarts += 1
+            self._start(slot)
+
+    def start_all(self) -> None:
+        for slot in self.slots:
+            self._start(slot)
+
+    def stop(self) -> None:
+        """Ask every executor to end (SHUTDOWN) and start no new one."""
+        self.stopping = True
+        for slot in self.slots:
+            ex = slot.executor
+            if ex is not None and ex.state is not ExecState.FAILED:
+                ex.outbox.send(frame(Kind.SHUTDOWN, 0))
+
+    def kill_all(self) -> None:
+        for slot in self.slots:
+            self._kill(slot)
+
+    # -- time -----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """Whether no executor is left."""
+        return all(s.executor is None for s in self.slots)
+
+    def next_deadline(self, default: float) -> float:
+        """The earliest running task's deadline (monotonic time), or ``default``."""
+        wake = default
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].deadline:
+                wake = min(wake, slot.tasks[0].deadline)
+        return wake
+
+    def check_timeouts(self, now: float) -> None:
+        """End the running tasks past their deadline (TIMEOUT) and replace their process."""
+        for slot in self.slots:
+            if slot.tasks and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
+                task = slot.tasks.popleft()
+                self._kill(slot)
+                body = json.dumps({"timeout": task.timeout}).encode()
+                self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
+                self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
+
+    def outboxes(self) -> list[Outbox]:
+        return [s.executor.outbox for s in self.slots if s.executor is not None]
+
+    # -- executors ------------------------------------------------------------------------
+    def _replace(self, slot: Slot, reason: str) -> None:
+        """Start a new executor in place of one that was stopped or died; in a group pool,
+        ask the client to restart the whole group instead (see the module docstring)."""
+        assert self.config is not None
+        if not self.config.get("group"):
+            self._start(slot)
+        elif not self.stopping:
+            where = f"local rank {slot.rank}: " if len(self.slots) > 1 else ""
+            self.client.send(frame(Kind.BROKEN, self.generation, (where + reason).encode()))
+
+    def _start(self, slot: Slot) -> None:
+        assert self.config is not None
+        if self.stopping:
+            return
+        r_task, w_task = os.pipe()
+        r_res, w_res = os.pipe()
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the executor
+            try:
+                self.sel.close()
+                for fd in (*self.agent_fds, w_task, r_res, r_out, r_err):
+                    os.close(fd)
+                for other in self.slots:
+                    if other.executor is not None:
+                        ex = other.executor
+                        for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd):
+                            os.close(fd)
+                os.setpgid(0, 0)
+                _die_with_parent()
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(w_out, 1)
+                os.dup2(w_err, 2)
+                for fd in (devnull, w_out, w_err):
+                    os.close(fd)
+                from .executor import main
+
+                main(dict(self.config, local_rank=slot.rank), self.blob, r_task, w_res)
+            finally:
+                os._exit(70)
+        for fd in (r_task, w_res, w_out, w_err):
+            os.close(fd)
+        ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
+        slot.executor = ex
+        os.set_blocking(r_out, False)
+        os.set_blocking(r_err, False)
+        self.sel.register(r_res, False, partial(self._on_executor, ex))
+        self.sel.register(r_out, False, partial(self._on_output, ex, 1), first=True)
+        self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
+        for parts in self.defines:
+            ex.outbox.send(parts)
+        for task in [t for t in slot.tasks if t.cancelled]:
+            slot.tasks.remove(task)
+            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
+        for task in slot.tasks:
+            ex.outbox.send(task.frame)
+        if slot.tasks:
+            _arm(slot.tasks[0])
+
+    def _to_executor(self, slot: Slot, parts: list[Buffer]) -> None:
+        ex = slot.executor
+        if ex is not None and ex.state in (ExecState.STARTING, ExecState.RUNNING):
+            ex.outbox.send(parts)
+
+    def _on_executor(self, ex: Executor) -> None:
+        frames = ex.reader.read(ex.from_fd)
+        if frames is None:
+            self._exited(ex)
+            return
+        for kind, ident, body in frames:
+            handler = self._on_frame.get(kind)
+            if handler is not None:
+                handler(ex, ident, body)
+
+    def _result(self, ex: Executor, ident: int, body: Body) -> None:
+        """A task's result: its output was forwarded first (see Poller)."""
+        self.client.send([HEADER.pack(Kind.RESULT, ident, len(body)), body])
+        tasks = ex.slot.tasks
+        if tasks and tasks[0].ident == ident:
+            tasks.popleft()
+            if tasks:
+                _arm(tasks[0])
+
+    def _ready(self, ex: Executor, ident: int, body: Body) -> None:
+        """The executor is set up (or failed to be); READY goes to the client once the
+        whole node is up."""
+        slot = ex.slot
+        info = json.loads(body)
+        if "error" in info:
+            ex.state = ExecState.FAILED
+            info["local_rank"] = slot.rank
+            self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
+            return
+        ex.state = ExecState.RUNNING
+        first = not all(s.ready for s in self.slots)
+        slot.ready = True
+        if first and all(s.ready for s in self.slots):  # the whole node is up
+            ready = {
+                "pids": [s.executor.pid for s in self.slots if s.executor],
+                "restarts": sum(s.restarts for s in self.slots),
+                "shm": bool(self.config and self.config["shm_prefix"]),
+            }
+            self.client.send(frame(Kind.READY, 0, json.dumps(ready).encode()))
+
+    def _on_output(self, ex: Executor, stream: int) -> None:
+        self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
+
+    def _forward_output(self, ex: Executor, fd: int, stream: int) -> bool:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not data:
+            self.sel.unregister(fd)
+            return False
+        if stream == 2:
+            lines = (ex.partial_err + data).split(b"\n")
+            ex.partial_err = lines.pop()[-4096:]
+            ex.stderr_tail.extend(line[-1000:] for line in lines)
+        self.client.send(frame(Kind.OUTPUT, stream | ex.slot.rank << 8, data))
+        return True
+
+    def _drain_output(self, ex: Executor) -> None:
+        """Forward what the executor wrote before it exited."""
+        for fd, stream in ((ex.out_fd, 1), (ex.err_fd, 2)):
+            while fd in self.sel and self._forward_output(ex, fd, stream):
+                pass
+
+    def _exited(self, ex: Executor) -> None:
+        slot = ex.slot
+        status = _reap(ex.pid)
+        self._drain_output(ex)
+        self._close(ex)
+        if self.stopping:
+            return
+        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
+        exitcode = os.waitstatus_to_exitcode(status) if status is not None else None
+        death = {
+            "exitcode": exitcode,
+            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
+            "pid": ex.pid,
+            "local_rank": slot.rank,
+        }
+        if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
+            if ex.state is ExecState.STARTING:
+                error = "the executor process exited during start-up"
+                self.client.send(
+                    frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
+                )
+            return
+        task = slot.tasks.popleft() if slot.tasks else None
+        slot.restarts += 1
+        how, _ = describe_exit(exitcode)
+        # in a group pool, the restart is asked for first: a retry of the task comes after it
+        self._replace(slot, f"the process {'running a call ' if task else ''}{how}")
+        if task is not None:
+            body = json.dumps(death).encode()
+            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
+
+    def _kill(self, slot: Slot) -> None:
+        ex = slot.executor
+        if ex is None:
+            return
+        kill_group(ex.pid)
+        _reap(ex.pid, wait=True)
+        self._close(ex)
+
+    def _close(self, ex: Executor) -> None:
+        for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
+            self.sel.unregister(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        kill_group(ex.pid)  # whatever the task left behind in its process group
+        if ex.slot.executor is ex:
+            ex.slot.executor = None
+
+
+def _arm(task: Task) -> None:
+    task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
+
+
+def _reap(pid: int, wait: bool = False) -> int | None:
+    """Wait for ``pid``; give it up to 2 s to exit by itself unless ``wait``."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            kill_group(pid)
+            wait = True
+        else:
+            time.sleep(0.005)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group, if it is still there."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """Make the kernel kill this process when the agent dies (Linux)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)

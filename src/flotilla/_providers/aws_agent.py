@@ -1,0 +1,127 @@
+"""Agents on EC2 instances: the SSH provider's start path, pinned keys, interruption notices.
+
+An instance is an SSH host whose host key the client generated (``aws_keys``): the agent
+starts as on any SSH host (the client's exact flotilla, shipped by content hash), with the
+pool's login key and known_hosts, once the instance answers on port 22.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ProvisionError
+from .._node.cloud import ENV as CLOUD_ENV
+from .._node.cloud import NOTICE
+from .base import AgentProcess, FramesCallback
+from .ssh import SSH, SSHHost, _Target
+
+if TYPE_CHECKING:
+    from .aws import AWS
+
+TRANSIENT = (
+    "Connection refused",
+    "No route to host",
+    "timed out",
+    "Connection closed",
+    "Connection reset",
+    "kex_exchange_identification",
+    "ended without answering",
+)
+"""SSH failures of an instance that is still booting (sshd not up or restarting)."""
+
+
+class InstanceSSH(SSH):
+    """The SSH provider's agent start, for instances: the pool's login key, the pool's
+    known_hosts (host keys pinned), and ``FLOTILLA_CLOUD`` set for the agent."""
+
+    def __init__(self, provider: AWS, login_key: str, known_hosts: str) -> None:
+        super().__init__(
+            [SSHHost("instance")],
+            user=provider.ssh_user,
+            key=login_key,
+            known_hosts=known_hosts,
+            python=provider.python,
+            workdir=provider.workdir,
+            connect_timeout=provider.connect_timeout,
+        )
+        self.cloud_env: dict[str, str] = {}  # connect address -> FLOTILLA_CLOUD
+
+    def ssh_argv(self, target: _Target, command: str, *extra: str) -> list[str]:
+        env = self.cloud_env.get(target.host)
+        if env:
+            command = f"export {CLOUD_ENV}={shlex.quote(env)}; {command}"
+        return super().ssh_argv(target, command, *extra)
+
+
+class AWSAgent(AgentProcess):
+    """An agent on an instance: the SSH agent, with interruption notices taken out of its
+    stderr and handed to ``on_notice``."""
+
+    def __init__(
+        self, inner: AgentProcess, host: str, on_notice: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.inner = inner
+        self.address = inner.address
+        self.host = host
+        self.on_notice = on_notice
+
+    def write(self, parts: Sequence[Any]) -> None:
+        self.inner.write(parts)
+
+    def start_reading(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_frames: FramesCallback,
+        on_stderr: Callable[[bytes], None],
+    ) -> None:
+        def filtered(data: bytes) -> None:  # whole lines (the SSH agent passes whole lines)
+            kept = []
+            for line in data.splitlines(keepends=True):
+                if line.startswith(NOTICE):
+                    try:
+                        notice = json.loads(line[len(NOTICE) :])
+                    except ValueError:
+                        notice = {}
+                    self.on_notice(notice if isinstance(notice, dict) else {})
+                else:
+                    kept.append(line)
+            if kept:
+                on_stderr(b"".join(kept))
+
+        self.inner.start_reading(loop, on_frames, filtered)
+
+    async def wait(self, timeout: float) -> int | None:
+        return await self.inner.wait(timeout)
+
+    async def terminate(self) -> None:
+        await self.inner.terminate()
+
+    def exit_status(self) -> int | None:
+        return self.inner.exit_status()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: float) -> None:
+    """Wait until ``addr:port`` accepts a TCP connection (the instance's sshd is up)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProvisionError(
+                f"{name}: SSH (port {port}) did not answer within {timeout:g} s of the launch "
+                "(Options(start_timeout=...) sets the limit; is the security group's SSH rule "
+                "for this machine's address, and private_ips= right?)"
+            )
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), min(1.0, left))
+        except (OSError, TimeoutError):
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return

@@ -1,0 +1,98 @@
+"""SSH keys of an AWS pool: made by the client, handed over in cloud-init user-data, pinned.
+
+No trust on first use: the client generates the instances' SSH host key and the pool's
+login key (``ssh-keygen``, ed25519) in a pool-private folder (0700, files 0600), gives both
+to the instances in ``#cloud-config`` user-data (``ssh_keys``, ``ssh_authorized_keys``;
+cloud-init installs them before sshd starts) and connects with exactly that host key
+pinned in the folder's own ``known_hosts``. An instance that answers with another key is
+refused. No EC2 key pair is created: nothing key-related is left in the account.
+
+One RunInstances call gives every instance it launches the same user-data, so the
+instances of one launch share their host key; a replacement launch gets a key of its own.
+(Distinct keys in one user-data would not help: every instance could read all of them.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from .._errors import ConfigurationError, ProvisionError
+
+FOLDER_PREFIX = "flotilla-aws-"
+"""Pool folders are ``{tempdir}/flotilla-aws-{pool_id}-XXXX`` (the orphan cleanup finds them)."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """An ed25519 key pair on disk.
+
+    Attributes:
+        path: the private key file (0600); the public key is ``path + ".pub"``.
+        public: the public key line (``ssh-ed25519 AAAA... comment``).
+    """
+
+    path: str
+    public: str
+
+    def private(self) -> str:
+        with open(self.path) as f:
+            return f.read()
+
+
+def pool_folder(pool_id: str) -> str:
+    """A new folder for the pool's keys and known_hosts, private to this user (0700)."""
+    return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{pool_id}-")
+
+
+def remove_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def keygen(folder: str, name: str, comment: str) -> KeyPair:
+    """A new ed25519 key pair ``folder/name``; ProvisionError when ssh-keygen fails."""
+    exe = shutil.which("ssh-keygen")
+    if exe is None:
+        raise ConfigurationError(
+            "the AWS provider makes SSH keys with OpenSSH's `ssh-keygen`, which is not on "
+            "PATH: install it (apt-get install openssh-client, brew install openssh)"
+        )
+    path = os.path.join(folder, name)
+    proc = subprocess.run(
+        [exe, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", path],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise ProvisionError(f"ssh-keygen failed ({proc.returncode}): {proc.stderr.strip()}")
+    with open(path + ".pub") as f:
+        return KeyPair(path, f.read().strip())
+
+
+def user_data(host_key: KeyPair, login_key: KeyPair) -> str:
+    """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key
+    and authorizes ``login_key`` for the default user."""
+    private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
+    return (
+        "#cloud-config\n"
+        "ssh_deletekeys: true\n"
+        "ssh_genkeytypes: []\n"
+        "ssh_keys:\n"
+        "  ed25519_private: |\n"
+        f"{private}\n"
+        f"  ed25519_public: {host_key.public}\n"
+        "ssh_authorized_keys:\n"
+        f"  - {login_key.public}\n"
+    )
+
+
+def pin(known_hosts: str, address: str, host_key: KeyPair) -> None:
+    """Record ``host_key`` as the only key accepted for ``address``."""
+    key = " ".join(host_key.public.split()[:2])
+    fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(f"{address} {key}\n")

@@ -1,0 +1,193 @@
+"""What AWS pools leave when their client dies, and removing it.
+
+Every resource of a pool is tagged ``flotilla:client = host:pid:start`` (the client
+process's start time in clock ticks: a recycled pid is not mistaken for the client). A pool
+whose client ran on this machine and is gone is an orphan: :func:`remove_orphans`
+terminates its instances, deletes its security group and its local key folder. Pools of
+clients on other machines cannot be checked from here and are left alone (their instances
+end themselves ``ttl`` s after their client stopped talking to them).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .aws_api import Api, error_code, translate
+from .aws_keys import FOLDER_PREFIX
+
+_LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+
+
+@dataclass(frozen=True)
+class Orphans:
+    """What :func:`remove_orphans` found (and removed, unless it was a dry run).
+
+    Attributes:
+        pools: ids of the orphan pools.
+        instances: their instances.
+        security_groups: their security groups.
+        folders: their local key folders.
+        skipped: pools whose client ran on another machine (not checked, not touched).
+    """
+
+    pools: tuple[str, ...]
+    instances: tuple[str, ...]
+    security_groups: tuple[str, ...]
+    folders: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+
+def client_id() -> str:
+    """``host:pid:start`` of this process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def client_alive(client: str) -> bool | None:
+    """Whether the client process ``client`` still runs (None: not on this machine)."""
+    host, _, rest = client.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return not start or _start_ticks(int(pid)) == start
+
+
+def _tag(resource: dict[str, Any], key: str) -> str:
+    for tag in resource.get("Tags", []):
+        if tag["Key"] == key:
+            return str(tag["Value"])
+    return ""
+
+
+def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
+    """Find the orphan pools (see the module docstring) and remove their resources."""
+    tagged = [{"Name": "tag-key", "Values": ["flotilla:pool"]}]
+    reply = api.call(
+        "ec2",
+        "describe_instances",
+        "list flotilla's instances",
+        Filters=[*tagged, {"Name": "instance-state-name", "Values": _LIVE_STATES}],
+    )
+    instances = [i for r in reply["Reservations"] for i in r["Instances"]]
+    groups = api.call(
+        "ec2", "describe_security_groups", "list flotilla's security groups", Filters=tagged
+    )["SecurityGroups"]
+    clients: dict[str, str] = {}  # pool -> client
+    for resource in [*instances, *groups]:
+        clients[_tag(resource, "flotilla:pool")] = _tag(resource, "flotilla:client")
+    folders: dict[str, list[str]] = {}
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*")):
+        try:
+            with open(os.path.join(folder, "client")) as f:
+                client = f.read().strip()
+        except OSError:
+            continue
+        pool = os.path.basename(folder)[len(FOLDER_PREFIX) :].rsplit("-", 1)[0]
+        clients.setdefault(pool, client)
+        folders.setdefault(pool, []).append(folder)
+    dead, skipped = set(), set()
+    for pool, client in clients.items():
+        alive = client_alive(client)
+        if alive is None:
+            skipped.add(pool)
+        elif not alive:
+            dead.add(pool)
+    orphans = Orphans(
+        pools=tuple(sorted(dead)),
+        instances=tuple(
+            sorted(i["InstanceId"] for i in instances if _tag(i, "flotilla:pool") in dead)
+        ),
+        security_groups=tuple(
+            sorted(g["GroupId"] for g in groups if _tag(g, "flotilla:pool") in dead)
+        ),
+        folders=tuple(sorted(f for p in dead for f in folders.get(p, []))),
+        skipped=tuple(sorted(skipped)),
+    )
+    if dry_run:
+        return orphans
+    if orphans.instances:
+        terminate(api, [{"Name": "instance-id", "Values": list(orphans.instances)}], set(), 600)
+    for group in orphans.security_groups:
+        delete_group(api, group, 600)
+    for folder in orphans.folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return orphans
+
+
+def terminate(api: Api, filters: list[dict[str, Any]], known: set[str], timeout: float) -> None:
+    """Terminate the instances ``filters`` select (and the ``known`` ids), then wait until
+    every one is terminated (ProvisionError after ``timeout`` s)."""
+    reply = api.call("ec2", "describe_instances", "find the pool's instances", Filters=filters)
+    found = {
+        i["InstanceId"]: i["State"]["Name"] for r in reply["Reservations"] for i in r["Instances"]
+    }
+    # known ids the filter missed (their tags not applied?) are terminated too
+    ids = sorted({i for i, state in found.items() if state != "terminated"} | (known - set(found)))
+    if not ids:
+        return
+    try:
+        api.raw("ec2", "terminate_instances", InstanceIds=ids)
+    except Exception as e:
+        if error_code(e) != "InvalidInstanceID.NotFound":
+            raise translate(e, "terminate the pool's instances") from e
+        return
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        reply = api.call(
+            "ec2", "describe_instances", "check the instances terminated", InstanceIds=ids
+        )
+        left = [
+            i["InstanceId"]
+            for r in reply["Reservations"]
+            for i in r["Instances"]
+            if i["State"]["Name"] != "terminated"
+        ]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise translate(
+                TimeoutError(f"instances {', '.join(left)} still not terminated"),
+                "terminate the pool's instances",
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+def delete_group(api: Api, group: str, timeout: float) -> None:
+    """Delete security group ``group``, waiting while terminated instances still hold it."""
+    deadline = time.monotonic() + timeout
+    delay = 0.5
+    while True:
+        try:
+            api.raw("ec2", "delete_security_group", GroupId=group)
+            return
+        except Exception as e:
+            code = error_code(e)
+            if code == "InvalidGroup.NotFound":
+                return
+            if code != "DependencyViolation" or time.monotonic() > deadline:
+                raise translate(e, f"delete security group {group}") from e
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)

@@ -1,0 +1,495 @@
+"""The SLURM provider: a pool is one SLURM job; each node's agent is one job step.
+
+**Allocation.** ``salloc`` with a *holder* command, run on the client's machine (the login
+node): ``salloc --nodes=N ... sh -c 'echo FLOTILLA_SLURM_JOB $SLURM_JOB_ID ...; exec cat'``.
+The holder prints the job id and node list once the nodes are ready and then waits for end
+of stdin, which is a pipe from the client: when the client closes it (release) or dies
+(even by kill -9) the holder exits and salloc relinquishes the job at once. salloc was
+measured against ``sbatch`` of a holder script on the test cluster: ~10 ms to a running
+job against ~2.9 s (an sbatch job waits for the scheduler's next pass, salloc's request is
+scheduled when it arrives), and salloc needs no polling to learn the job runs. While the
+job is pending, salloc is sent SIGTERM if the client dies (``PR_SET_PDEATHSIG``): salloc
+then revokes the pending request. ``--time`` is only the last backstop.
+
+**Agents.** ``srun --jobid=J --nodes=1 --ntasks=1 -w NODE --overlap python -m
+flotilla.agent`` per node: srun relays the step's stdin/stdout, which are the protocol
+channel (a :class:`PipeAgent`). Without ``--exact`` a step gets every CPU and the memory the
+job holds on its node, and the GPUs the job asked for.
+
+**Files.** On a SLURM cluster the login and compute nodes normally share the users' home and
+project directories, so by default (``shared_filesystem=True``) the nodes run the client's
+own interpreter (``sys.executable``) with the client's import path, as the local provider
+does, and user modules are imported rather than shipped. With ``shared_filesystem=False``
+the nodes get the client's flotilla through the bootstrap (see ``bootstrap``) over the
+step's stdio, into ``workdir`` on each node.
+
+**Inside an existing allocation** (the program runs under ``sbatch``/``salloc``:
+``SLURM_JOB_ID`` is set and no ``partition`` is given) the pool uses that job's nodes with
+steps and never cancels the job.
+
+**Replacing a node.** The pool's job is submitted with ``--no-kill`` so that it survives the
+failure of one of its nodes; a replacement is a new one-node job (excluding the lost node),
+released with the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+from .._errors import ConfigurationError, ProvisionError
+from .base import (
+    AgentProcess,
+    Allocation,
+    AllocationState,
+    LostCallback,
+    Machine,
+    MachineState,
+    PoolSpec,
+    Provider,
+)
+from .bootstrap import NoAnswer, client_bundle, start_agent, start_command
+from .local import _client_path
+from .pipe import PipeAgent, spawn
+from .slurm_job import (
+    HOLDER,
+    Job,
+    Partition,
+    error_of,
+    fields,
+    format_time,
+    gres_offer,
+    hostnames,
+    job_state,
+    node_addresses,
+    node_states,
+    parse_limit,
+    parse_time,
+    query,
+    say,
+    slurm_env,
+)
+
+COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
+FALLBACK_TIME = "1-00:00:00"
+"""--time when neither time= nor the partition gives a limit (never UNLIMITED)."""
+_RESERVED = {
+    "--nodes": "nodes=",
+    "-N": "nodes=",
+    "--ntasks": "nodes=",
+    "-n": "nodes=",
+    "--ntasks-per-node": "nodes=",
+    "--job-name": "the pool id",
+    "-J": "the pool id",
+    "--no-shell": "flotilla's holder",
+    "--jobid": "flotilla",
+}
+WATCH_INTERVAL = 5.0
+"""Seconds between two looks at SLURM's view of a pool's nodes and jobs (see watch())."""
+_LOST_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN"}
+
+
+class Slurm(Provider):
+    """Run the pool as one SLURM job, one job step per node.
+
+    Used on a login node of a SLURM cluster (the SLURM commands must be on PATH), or inside
+    a job: ``Compute(provider=Slurm(partition="gpu", time="2:00:00"), nodes=4,
+    accelerator="A100:8")``.
+
+    Args:
+        partition: partition to submit to (default: the cluster's default partition; inside
+            a job, None means "use this job's nodes").
+        account: ``--account``.
+        qos: ``--qos``.
+        time: time limit (``--time``: minutes, HH:MM:SS, D-HH:MM:SS). Default: the
+            partition's DefaultTime, else its MaxTime, else one day; never unlimited.
+        constraint: ``--constraint`` (node features).
+        reservation: ``--reservation``.
+        gres: ``--gres`` per node, e.g. ``"gpu:a100:8"``; default: from the pool's
+            ``accelerator`` (``gpu:TYPE:COUNT``). GRES names are site-defined: this wins.
+        sbatch_args: more salloc/sbatch options, e.g. ``("--exclusive=user",)``.
+        python: interpreter on the nodes (default: this interpreter when the filesystem is
+            shared, else ``python3``).
+        workdir: working directory of the agents (default: the current directory when the
+            filesystem is shared, else ``~/.flotilla``, where the bootstrap keeps flotilla).
+        queue_timeout: seconds the job may wait in the queue before the pool gives up
+            (default: wait as long as it takes; Ctrl-C cancels the job).
+        shared_filesystem: whether the nodes see the client's files (the usual SLURM setup).
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        account: str | None = None,
+        qos: str | None = None,
+        time: str | int | None = None,
+        constraint: str | None = None,
+        reservation: str | None = None,
+        gres: str | None = None,
+        sbatch_args: Sequence[str] = (),
+        python: str | None = None,
+        workdir: str | None = None,
+        queue_timeout: float | None = None,
+        shared_filesystem: bool = True,
+    ) -> None:
+        for key, value in (
+            ("partition", partition),
+            ("account", account),
+            ("qos", qos),
+            ("constraint", constraint),
+            ("reservation", reservation),
+            ("gres", gres),
+            ("python", python),
+            ("workdir", workdir),
+        ):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigurationError(
+                    f"Slurm({key}=...) must be a non-empty string, got {value!r}"
+                )
+        self.time_limit = parse_time(time) if time is not None else None
+        if isinstance(sbatch_args, str) or not all(isinstance(a, str) for a in sbatch_args):
+            raise ConfigurationError(
+                f"Slurm(sbatch_args=...) must be a list of strings such as ['--exclusive'], "
+                f"got {sbatch_args!r}"
+            )
+        for arg in sbatch_args:
+            option = arg.split("=", 1)[0]
+            if option in _RESERVED:
+                raise ConfigurationError(
+                    f"Slurm(sbatch_args=...): {option} is set by flotilla (from "
+                    f"{_RESERVED[option]}); remove it"
+                )
+        if queue_timeout is not None and (
+            isinstance(queue_timeout, bool)
+            or not isinstance(queue_timeout, int | float)
+            or queue_timeout <= 0
+        ):
+            raise ConfigurationError(
+                f"Slurm(queue_timeout=...) must be a positive number of seconds or None, "
+                f"got {queue_timeout!r}"
+            )
+        self.partition = partition
+        self.account = account
+        self.qos = qos
+        self.time = time
+        self.constraint = constraint
+        self.reservation = reservation
+        self.gres = gres
+        self.sbatch_args = tuple(sbatch_args)
+        self.shares_filesystem = bool(shared_filesystem)
+        self.python = python or (sys.executable if self.shares_filesystem else "python3")
+        self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
+        self.queue_timeout = queue_timeout
+        self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
+        self._partition: Partition | None = None
+
+    def __repr__(self) -> str:
+        where = f"partition={self.partition!r}" if self.partition else ""
+        return f"Slurm({where})"
+
+    def agent_command(self) -> list[str]:
+        return [self.python, "-m", "flotilla.agent"]
+
+    def existing_job(self) -> str | None:
+        """The job this program runs in, when the pool should use its nodes."""
+        job = os.environ.get("SLURM_JOB_ID")
+        return job if job and self.partition is None else None
+
+    # -- validation ------------------------------------------------------------------
+    def validate(self, spec: PoolSpec) -> None:
+        missing = [c for c in COMMANDS if shutil.which(c) is None]
+        if missing:
+            raise ConfigurationError(
+                f"the SLURM commands {', '.join(missing)} are not on PATH: run on a login node "
+                "of the cluster (or inside a job), or install the SLURM client "
+                "(apt-get install slurm-client) configured for your cluster"
+            )
+        job = self.existing_job()
+        if job is not None:
+            nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+            have = len(hostnames(nodelist)) if nodelist else 0
+            if spec.nodes > have:
+                raise ConfigurationError(
+                    f"the pool asks for {spec.nodes} nodes but runs inside SLURM job {job}, "
+                    f"which has {have}: lower nodes= to at most {have}, submit the job with "
+                    f"--nodes={spec.nodes}, or pass Slurm(partition=...) for a new allocation"
+                )
+            return
+        part = self._partition = self.partition_info()
+        if spec.nodes > part.nodes:
+            raise ConfigurationError(
+                f"the pool asks for {spec.nodes} nodes but partition {part.name!r} has "
+                f"{part.nodes}: lower nodes= or pick a larger partition (`sinfo -s` lists them)"
+            )
+        limit = part.max_time
+        if self.time_limit is not None and limit is not None and self.time_limit > limit:
+            raise ConfigurationError(
+                f"Slurm(time={self.time!r}) exceeds partition {part.name!r}'s limit "
+                f"({format_time(limit)}): ask for at most that"
+            )
+        acc = spec.accelerator
+        if acc is not None and self.gres is None:
+            fits = [c for kind, c in part.gpus if kind == acc.name.lower() and c >= acc.count]
+            if not fits:
+                offered = ", ".join(f"gpu:{k}:{c}" if k else f"gpu:{c}" for k, c in part.gpus)
+                raise ConfigurationError(
+                    f"partition {part.name!r} has no nodes with {acc.count} {acc.name} GPU(s) "
+                    f"(its nodes offer: {offered or 'no GPUs'}): pick another partition or "
+                    "accelerator, or give the site's GRES name with Slurm(gres=...)"
+                )
+
+    def partition_info(self) -> Partition:
+        """The partition the pool would run in; ConfigurationError if there is none."""
+        proc = query(["scontrol", "-o", "show", "partition"])
+        if proc.returncode != 0:
+            raise ProvisionError(f"cannot query SLURM's partitions: {error_of(proc)}")
+        parts = [fields(line) for line in proc.stdout.splitlines() if "PartitionName=" in line]
+        names = [p["PartitionName"] for p in parts]
+        if self.partition is None:
+            found = [p for p in parts if p.get("Default") == "YES"]
+            if not found:
+                raise ConfigurationError(
+                    "this SLURM cluster has no default partition: pass Slurm(partition=...), "
+                    f"one of {', '.join(names)}"
+                )
+        else:
+            found = [p for p in parts if p["PartitionName"] == self.partition]
+            if not found:
+                raise ConfigurationError(
+                    f"SLURM has no partition {self.partition!r}: pass Slurm(partition=...) "
+                    f"with one of {', '.join(names) or '(none)'}"
+                )
+        p = found[0]
+        gpus: list[tuple[str, int]] = []
+        gres = query(["sinfo", "-h", "-p", p["PartitionName"], "-o", "%G"])
+        for line in gres.stdout.splitlines():
+            gpus += gres_offer(line)
+        return Partition(
+            name=p["PartitionName"],
+            nodes=int(p.get("TotalNodes", "0") or 0),
+            max_time=parse_limit(p.get("MaxTime")),
+            default_time=parse_limit(p.get("DefaultTime")),
+            gpus=tuple(sorted(set(gpus))),
+        )
+
+    # -- allocation ------------------------------------------------------------------
+    def salloc_argv(self, spec: PoolSpec, nodes: int, exclude: Sequence[str] = ()) -> list[str]:
+        """The salloc command line of a job of ``nodes`` nodes for ``spec``."""
+        argv = [
+            "salloc",
+            f"--nodes={nodes}",
+            "--ntasks-per-node=1",
+            f"--job-name=flotilla-{spec.pool_id}",
+            "--no-kill",
+        ]
+        for option, value in (
+            ("partition", self.partition),
+            ("account", self.account),
+            ("qos", self.qos),
+            ("constraint", self.constraint),
+            ("reservation", self.reservation),
+        ):
+            if value is not None:
+                argv.append(f"--{option}={value}")
+        argv += self._time_args()
+        gres = self.gres
+        if gres is None and spec.accelerator is not None:
+            gres = f"gpu:{spec.accelerator.name.lower()}:{spec.accelerator.count}"
+        if gres is not None:
+            argv.append(f"--gres={gres}")
+        if spec.vcpus is not None:
+            argv.append(f"--cpus-per-task={max(1, math.ceil(spec.vcpus))}")
+        else:
+            argv.append("--exclusive")  # a node is a whole machine, as on other providers
+        if spec.memory_gb is not None:
+            argv.append(f"--mem={max(1, math.ceil(spec.memory_gb * 1024))}M")
+        if exclude:
+            argv.append(f"--exclude={','.join(exclude)}")
+        return [*argv, *self.sbatch_args, "sh", "-c", HOLDER]
+
+    def _time_args(self) -> list[str]:
+        if self.time_limit is not None:
+            return [f"--time={format_time(self.time_limit)}"]
+        try:
+            part = self._partition or self.partition_info()  # validate()'s, if it ran
+        except (ConfigurationError, ProvisionError):
+            return []
+        if part.default_time is not None:
+            return []  # SLURM applies the partition's default
+        if part.max_time is not None:
+            return [f"--time={format_time(part.max_time)}"]
+        say(
+            f"partition {part.name!r} has no time limit: the pool's job asks for "
+            f"{FALLBACK_TIME} (pass Slurm(time=...) to choose)"
+        )
+        return [f"--time={FALLBACK_TIME}"]
+
+    async def acquire(self, spec: PoolSpec) -> SlurmAllocation:
+        loop = asyncio.get_running_loop()
+        job = self.existing_job()
+        if job is not None:
+            names = await loop.run_in_executor(None, hostnames, os.environ["SLURM_JOB_NODELIST"])
+            allocation = SlurmAllocation(self, spec, job=Job(job, None, names))
+        else:
+            argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
+            held = await Job.submit(argv, self.queue_timeout)
+            allocation = SlurmAllocation(self, spec, job=held)
+        try:
+            names = allocation.job.nodes[: spec.nodes]
+            addrs = await loop.run_in_executor(None, node_addresses, names)
+            allocation.machines = [
+                allocation.new_machine(rank, name, addrs.get(name, name), allocation.job)
+                for rank, name in enumerate(names)
+            ]
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation
+
+
+# -- the allocation ------------------------------------------------------------------------
+class SlurmAllocation(Allocation):
+    """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
+
+    def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
+        super().__init__(spec, [])
+        self.provider = provider
+        self.job = job
+        self.jobs: list[Job] = [job]
+        self.job_of: dict[str, Job] = {}
+        self.agents: list[PipeAgent] = []
+        self.watch_interval = WATCH_INTERVAL
+        self._watcher: asyncio.Task[None] | None = None
+        self.env = slurm_env()
+        if provider.shares_filesystem:
+            self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
+        self.env.pop("COMPUTE_POOL", None)
+
+    def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
+        machine = Machine(rank, node, address, f"{job.id}:{node}")
+        self.job_of[machine.ident] = job
+        self.mark(machine, MachineState.PENDING)
+        return machine
+
+    def srun_argv(self, machine: Machine, command: list[str]) -> list[str]:
+        job = self.job_of[machine.ident]
+        argv = [
+            "srun",
+            f"--jobid={job.id}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={machine.host}",
+            "--overlap",
+            f"--job-name=flotilla-{self.spec.pool_id}-node{machine.rank}",
+            "--quiet",
+            "--unbuffered",  # else slurmstepd forwards stdout line by line (frames are binary)
+        ]
+        if self.provider.shares_filesystem and self.provider.workdir is not None:
+            argv.append(f"--chdir={self.provider.workdir}")
+        return [*argv, *command]
+
+    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        provider = self.provider
+        if not provider.shares_filesystem:
+            workdir = provider.workdir or "~/.flotilla"
+            bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
+            boot = start_command(workdir, provider.python, bundle.hash, len(bundle.data))
+            command = ["sh", "-c", boot]
+        argv = self.srun_argv(machine, command)
+        try:
+            agent = PipeAgent(spawn(argv, env=self.env), machine.address, machine.host)
+        except OSError as e:
+            raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
+        self.agents.append(agent)
+        if not provider.shares_filesystem:
+            try:
+                await start_agent(agent, workdir, provider.python, bundle)
+            except NoAnswer as e:
+                await agent.terminate()
+                raise ProvisionError(
+                    f"{machine.host}: the SLURM step ended without starting the agent: "
+                    f"{e.stderr.strip() or f'exit status {e.status}'}"
+                ) from None
+            except BaseException:
+                await agent.terminate()
+                raise
+        return agent
+
+    async def replace(self, rank: int, reason: str) -> Machine:
+        """A new one-node job for ``rank`` (SLURM cannot add a node to a running job),
+        avoiding the lost node."""
+        old = self.machines[rank]
+        self.mark(old, MachineState.LOST)
+        if not self.job.owned:
+            raise ProvisionError(
+                f"{old.host}: {reason}; the pool runs inside SLURM job {self.job.id}, whose "
+                "nodes it cannot replace"
+            )
+        loop = asyncio.get_running_loop()
+        argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, [old.host])
+        job = await Job.submit(argv, self.provider.queue_timeout)
+        self.jobs.append(job)
+        addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
+        machine = self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
+        self.machines[rank] = machine
+        return machine
+
+    def watch(self, on_lost: LostCallback) -> None:
+        """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
+        FAIL or NOT_RESPONDING, or a job that ended under the pool (cancelled by an admin,
+        out of time), is reported lost. A dead step is noticed by the client anyway."""
+        super().watch(on_lost)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to poll from
+            if self._watcher is None:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        reported: set[str] = set()
+        while self.state is AllocationState.READY:
+            await asyncio.sleep(self.watch_interval)
+            machines = [m for m in self.machines if m.ident not in reported]
+            if not machines or self.state is not AllocationState.READY:
+                continue
+            nodes = await loop.run_in_executor(None, node_states, [m.host for m in machines])
+            ended = {}
+            for job in {self.job_of[m.ident] for m in machines}:
+                if await loop.run_in_executor(None, job_state, job.id) is None:
+                    ended[job.id] = job
+            if self.state is not AllocationState.READY:
+                break
+            for m in machines:
+                state, why = nodes.get(m.host, ("", ""))
+                job = self.job_of[m.ident]
+                if _LOST_STATES & set(state.split("+")):
+                    reason = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
+                elif job.id in ended:
+                    reason = f"SLURM job {job.id} ended (cancelled, or out of time)"
+                else:
+                    continue
+                reported.add(m.ident)
+                self.report_lost(m.rank, reason)
+
+    async def release(self) -> None:
+        """Stop the steps still running, then end every job the pool made (never one it
+        runs inside) and wait until SLURM no longer lists them."""
+        if self.state is AllocationState.RELEASED:
+            return
+        self.state = AllocationState.RELEASING
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await asyncio.gather(
+            *(a.terminate() for a in self.agents if a.proc.poll() is None),
+            return_exceptions=True,
+        )
+        await asyncio.gather(*(job.release() for job in self.jobs), return_exceptions=True)
+        self.state = AllocationState.RELEASED
+        for machine in self.machines:
+            self.mark(machine, MachineState.RELEASED)

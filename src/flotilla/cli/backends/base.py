@@ -1,0 +1,281 @@
+"""What every command-line backend is made of: :class:`ProviderSpec` (its options, as the
+cluster's state file records them), :class:`Flag` (its ``flotilla launch`` flags) and
+:class:`Backend` (the behaviour: flags to spec, task checks, provider factory, hooks when a
+cluster is up or taken down, ``flotilla ssh``). See ``registry`` for how they are listed.
+
+This module and the backend modules import nothing heavy: every command reads them. A
+backend imports its provider (``flotilla._providers...``) inside :meth:`make_provider`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from ..._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..._providers.base import Provider
+    from ..state import ClusterRecord, NodeRecord, Paths
+    from ..taskfile import Task
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    """A cluster's provider and its options: plain data, kept in the cluster's state file
+    (:meth:`to_dict`, with ``kind``) and turned into a provider by the cluster's daemon.
+    Each backend subclasses it with its own documented fields; checks of the values alone
+    go in ``__post_init__`` (raising ConfigurationError, before anything starts)."""
+
+    kind: ClassVar[str] = ""
+    """The backend's name: ``--provider KIND``, ``"kind"`` in the state file."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-ready data (tuples as lists), ``kind`` included."""
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {"kind": self.kind, **data}
+
+    @classmethod
+    def from_fields(cls, data: Mapping[str, Any]) -> ProviderSpec:
+        """The spec from :meth:`to_dict`'s data; unknown keys (``kind``, fields of another
+        flotilla version) are ignored, lists become tuples."""
+        known = {f.name for f in fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def describe(self) -> str:
+        """How messages name where the cluster runs."""
+        return self.kind
+
+    def max_nodes(self) -> int | None:
+        """How many nodes this provider can start (None: no limit)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag a backend adds to ``flotilla launch`` (in its own help group).
+
+    Attributes:
+        name: the flag, e.g. ``--hosts``; its value is ``args.<name without dashes, - as _>``.
+        help: the help text.
+        switch: an on/off flag (no value; False unless given).
+        metavar: how the help shows its value (default: argparse's).
+        type: converts the value (e.g. ``int``); argparse reports what it refuses.
+        choices: the values allowed (empty: any).
+    """
+
+    name: str
+    help: str
+    switch: bool = False
+    metavar: str | None = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    def given(self, args: argparse.Namespace) -> bool:
+        """Whether the command line set this flag."""
+        return getattr(args, self.dest, None) not in (None, False)
+
+
+@dataclass(frozen=True)
+class ShellCommand:
+    """What ``flotilla ssh`` executes (it replaces the CLI process).
+
+    Attributes:
+        argv: the program and its arguments (looked up on PATH).
+        env: the environment (None: the CLI's own).
+        cwd: the directory to run in (None: the current one).
+        note: a line to tell the user first ('' for none).
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None
+    cwd: str | None = None
+    note: str = ""
+
+
+HINTS = (
+    "infra",
+    "region",
+    "zone",
+    "instance_type",
+    "image_id",
+    "use_spot",
+    "network_tier",
+    "disk_size",
+    "disk_tier",
+    "labels",
+    "cpus",
+    "memory",
+    "ports",
+)
+"""Task ``resources`` fields a backend may not act on: set ones outside its ``honours``
+are reported as warnings, in this order."""
+
+S = TypeVar("S", bound=ProviderSpec)
+
+
+class Backend(ABC, Generic[S]):
+    """One provider kind on the command line.
+
+    Attributes:
+        spec_type: its :class:`ProviderSpec` subclass (``spec_type.kind`` is its name).
+        summary: what ``--provider KIND`` means, for ``--help``.
+        flags: its ``flotilla launch`` flags. Giving one without ``--provider`` selects
+            this backend; giving one with another ``--provider`` is an error.
+        shares_filesystem: every node runs on this machine (node paths are kept apart,
+            ``~`` in a file mount is the node's folder, one node does machine-wide work).
+        honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
+        hint_reason: why it cannot act on the others (shown with the warning).
+        infra: the task-file ``resources.infra`` names (the part before any ``/``:
+            ``aws`` of ``aws/us-east-1``) that choose this backend when the command line
+            names none; such an ``infra`` is acted on, not warned about.
+    """
+
+    spec_type: type[S]
+    summary: ClassVar[str]
+    flags: ClassVar[tuple[Flag, ...]] = ()
+    shares_filesystem: ClassVar[bool] = False
+    honours: ClassVar[frozenset[str]] = frozenset()
+    hint_reason: ClassVar[str] = "its nodes already exist"
+    infra: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def kind(self) -> str:
+        return self.spec_type.kind
+
+    # -- the command line ---------------------------------------------------------------
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        """Add :attr:`flags` to ``parser``, in a help group named after the backend."""
+        if not self.flags:
+            return
+        group = parser.add_argument_group(f"--provider {self.kind}")
+        for flag in self.flags:
+            if flag.switch:
+                group.add_argument(flag.name, action="store_true", help=flag.help)
+            else:
+                group.add_argument(
+                    flag.name,
+                    help=flag.help,
+                    metavar=flag.metavar,
+                    type=flag.type,
+                    choices=flag.choices or None,
+                )
+
+    def given_flags(self, args: argparse.Namespace) -> list[str]:
+        """The names of this backend's flags the command line set."""
+        return [f.name for f in self.flags if f.given(args)]
+
+    @abstractmethod
+    def spec_from_args(self, args: argparse.Namespace) -> S:
+        """The spec the command line asks for (paths made absolute: the daemon runs
+        elsewhere); a ConfigurationError when it is incomplete."""
+
+    def spec_from_dict(self, data: Mapping[str, Any]) -> S:
+        """The spec kept in a state file."""
+        spec = self.spec_type.from_fields(data)
+        assert isinstance(spec, self.spec_type)
+        return spec
+
+    # -- task files ---------------------------------------------------------------------
+    def check_task(self, task: Task, spec: S, cluster_nodes: int) -> list[str]:
+        """What this provider cannot honour in a task: a ConfigurationError for a
+        requirement (too many nodes, GPUs this machine lacks), a warning (returned) for
+        each hint it cannot act on."""
+        self.check_nodes(spec, cluster_nodes)
+        warnings = self.check_resources(task, spec, cluster_nodes)
+        res = task.resources
+        values: dict[str, object] = {
+            "infra": res.infra,
+            "region": res.region,
+            "zone": res.zone,
+            "instance_type": res.instance_type,
+            "image_id": res.image_id,
+            "use_spot": res.use_spot or None,
+            "network_tier": res.network_tier if res.network_tier == "best" else None,
+            "disk_size": res.disk_size,
+            "disk_tier": res.disk_tier,
+            "labels": dict(res.labels) or None,
+            "cpus": res.cpus,
+            "memory": res.memory,
+            "ports": ",".join(res.ports) or None,
+        }
+        for name in HINTS:
+            value = values[name]
+            if name == "infra" and infra_name(res.infra) in self.infra:
+                continue
+            if value is not None and name not in self.honours:
+                warnings.append(
+                    f"{task_location(task, name)}resources.{name}: {value!r} is a hint the "
+                    f"{self.kind} provider cannot act on ({self.hint_reason}); ignored"
+                )
+        return warnings
+
+    def check_nodes(self, spec: S, cluster_nodes: int) -> None:
+        """Raise a ConfigurationError when the provider cannot start ``cluster_nodes``."""
+        limit = spec.max_nodes()
+        if limit is not None and cluster_nodes > limit:
+            raise ConfigurationError(
+                f"{cluster_nodes} nodes wanted but the {self.kind} provider has {limit}: "
+                f"use --nodes {limit}"
+            )
+
+    def check_resources(self, task: Task, spec: S, cluster_nodes: int) -> list[str]:
+        """Check the ``resources`` fields this backend honours; warnings about them."""
+        return []
+
+    # -- the cluster daemon -------------------------------------------------------------
+    @abstractmethod
+    def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
+        """The flotilla provider for ``spec``; ``nodes_dir`` is the cluster's own folder on
+        this machine for nodes' working directories (used by providers whose nodes run
+        here)."""
+
+    def on_up(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord]) -> None:
+        """The cluster's nodes are running (e.g. write an ssh config for them)."""
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """``flotilla down``: the daemon is gone (or was already); clean up what it may
+        have left behind on this machine before the cluster's files are removed."""
+
+    # -- flotilla ssh -------------------------------------------------------------------
+    @abstractmethod
+    def shell(
+        self, paths: Paths, spec: S, nodes: Sequence[NodeRecord], node: int, command: str
+    ) -> ShellCommand:
+        """How to open a shell (``command`` empty) or run ``command`` in the working
+        directory of node ``node`` of a running cluster."""
+
+
+def infra_name(infra: str | None) -> str:
+    """The provider part of a task's ``resources.infra`` (``aws`` of ``aws/us-east-1``)."""
+    return (infra or "").split("/", 1)[0].strip().lower()
+
+
+def task_location(task: Task, name: str) -> str:
+    """``file:line: `` of ``resources.<name>`` in the task file, for messages."""
+    where = task.path
+    line = task.lines.get(f"resources.{name}", 0)
+    if not line and name == "infra":
+        line = task.lines.get("resources.cloud", 0)
+    return f"{where}:{line}: " if where and line else (f"{where}: " if where else "")
+
+
+def check_gpus(want: int, gpus_by_node: list[int]) -> None:
+    """After provisioning (remote hosts' GPUs are known only then): every node must have
+    ``want`` accelerators."""
+    short = [i for i, have in enumerate(gpus_by_node) if have < want]
+    if want and short:
+        raise ConfigurationError(
+            f"resources.accelerators: the task needs {want} GPU(s) per node but node(s) "
+            f"{', '.join(map(str, short))} have "
+            f"{', '.join(str(gpus_by_node[i]) for i in short)}"
+        )

@@ -1,0 +1,244 @@
+"""Reaching a named cluster's daemon from a command: its record and state, starting the
+daemon (``launch``), connecting to it, submitting a job and following it.
+
+Nothing heavy is imported here: the daemon itself (``daemon``) is imported only by
+``launch --down``, which runs it in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from .._errors import FlotillaError
+from .._node import procs
+from .console import CLIError, say, show, tail
+from .jobspec import JobSpec
+from .state import ClusterRecord, ClusterState, Paths, load, locked, save
+
+if TYPE_CHECKING:
+    import socket
+
+    from .backends.base import ProviderSpec
+
+DAEMON_MODULE = "flotilla.cli.daemon"
+"""What ``python -m`` runs as a cluster's daemon (see ``daemon.main``)."""
+START_TIMEOUT = 120.0  # seconds to wait for another command's daemon to listen
+
+
+def record(paths: Paths) -> ClusterRecord:
+    rec = load(paths)
+    if rec is None:
+        raise CLIError(
+            f"there is no cluster {paths.name!r} (see `flotilla status`; "
+            f"`flotilla launch -c {paths.name} TASK` starts one)"
+        )
+    return rec
+
+
+def running(paths: Paths) -> ClusterRecord:
+    """The record of a cluster whose daemon runs, or a CLIError saying what it is instead."""
+    rec = record(paths)
+    state = rec.observed_state()
+    if state is ClusterState.STALE:
+        raise CLIError(
+            f"cluster {paths.name}: its daemon (pid {rec.pid}) is gone, so the cluster is "
+            f"stale; `flotilla down {paths.name}` cleans it up"
+        )
+    if state in (ClusterState.STOPPED, ClusterState.FAILED):
+        why = f" ({rec.error})" if rec.error else ""
+        raise CLIError(
+            f"cluster {paths.name} is {state.value}{why}: "
+            f"`flotilla launch -c {paths.name} TASK` starts it again"
+        )
+    return rec
+
+
+def connect(paths: Paths, rec: ClusterRecord, timeout: float = START_TIMEOUT) -> socket.socket:
+    """A connection to the cluster's daemon, waiting while it starts."""
+    from .ipc import connect as ipc_connect
+
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            return ipc_connect(paths.socket)
+        except OSError as e:
+            if not procs.alive(rec.pid, rec.pid_start):
+                raise CLIError(
+                    f"cluster {paths.name}: its daemon (pid {rec.pid}) is gone; "
+                    f"`flotilla down {paths.name}` cleans it up"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise CLIError(f"cluster {paths.name}: its daemon does not answer ({e})") from None
+            time.sleep(delay)  # it is starting: it listens within moments
+            delay = min(delay * 2, 0.1)
+
+
+def submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> int:
+    """Send a job to the cluster's daemon; follow it unless ``detach``."""
+    from .ipc import encode, events
+
+    sock = connect(paths, rec)
+    with sock:
+        sock.sendall(encode({"op": "submit", "job": spec.to_dict(), "attach": not detach}))
+        stream = events(sock)
+        first = next(stream, None)
+        if first is None or first["ev"] != "accepted":
+            message = first["message"] if first else "the cluster daemon closed the connection"
+            raise CLIError(f"cluster {paths.name}: {message}")
+        job = first["job"]
+        if first.get("ahead"):
+            say(f"job {job} queued behind {first['ahead']} job(s) on {paths.name}")
+        if detach:
+            say(
+                f"job {job} submitted to {paths.name} (task id {first['task_id']}); "
+                f"follow it with `flotilla logs {paths.name} {job} --follow`"
+            )
+            return 0
+        try:
+            code = show(stream)
+        except KeyboardInterrupt:
+            say(
+                f"stopped following job {job}; it keeps running: "
+                f"`flotilla logs {paths.name} {job} --follow`, `flotilla cancel {paths.name} {job}`"
+            )
+            return 130
+    return 0 if code is None else code
+
+
+def new_record(
+    paths: Paths,
+    old: ClusterRecord | None,
+    spec: ProviderSpec,
+    nodes: int,
+    idle: float | None,
+    pid: int,
+) -> ClusterRecord:
+    now = time.time()
+    rec = ClusterRecord(
+        name=paths.name,
+        provider=spec.to_dict(),
+        num_nodes=nodes,
+        created=now,
+        last_activity=now,
+        pid=pid,
+        pid_start=procs.start_time(pid) if pid else 0,
+        idle_minutes=idle,
+    )
+    if old is not None:  # a stopped cluster started again keeps its job history
+        rec.jobs, rec.next_job = old.jobs, old.next_job
+    return rec
+
+
+def start_daemon(
+    paths: Paths, old: ClusterRecord | None, spec: ProviderSpec, nodes: int, idle: float | None
+) -> ClusterRecord:
+    """Create the record and start the cluster's daemon; returns once it listens. When
+    another command is starting the same cluster, use its daemon."""
+    import subprocess
+
+    with locked(paths):
+        current = load(paths)
+        if current is not None and current.observed_state() in (
+            ClusterState.UP,
+            ClusterState.STARTING,
+        ):
+            return current  # another command won the race
+        paths.ensure()
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env.pop("COMPUTE_POOL", None)
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding flotilla/
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        )
+        with open(paths.daemon_log, "ab") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    DAEMON_MODULE,
+                    paths.name,
+                    "--ready-fd",
+                    str(write_fd),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+                cwd=paths.dir,
+                env=env,
+            )
+        os.close(write_fd)
+        rec = new_record(paths, current, spec, nodes, idle, proc.pid)
+        save(paths, rec)
+    try:
+        ready = os.read(read_fd, 1)
+    finally:
+        os.close(read_fd)
+    if not ready:
+        proc.wait()
+        last = tail(paths.daemon_log, 15)
+        with contextlib.suppress(FlotillaError), locked(paths):
+            failed = load(paths)
+            if failed is not None and failed.pid == proc.pid:
+                failed.state = ClusterState.FAILED.value
+                failed.error = f"its daemon exited with status {proc.returncode}"
+                save(paths, failed)
+        raise CLIError(
+            f"cluster {paths.name}: the daemon exited with status {proc.returncode} before "
+            f"it was ready; its log ({paths.daemon_log}) ends with:\n{last}"
+        )
+    proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
+    return rec
+
+
+def launch_here(
+    paths: Paths,
+    old: ClusterRecord | None,
+    spec: ProviderSpec,
+    nodes: int,
+    idle: float | None,
+    job: JobSpec,
+) -> int:
+    """``launch --down`` of a new cluster: the daemon runs inside this process, for the
+    job's duration (other commands see and reach it as usual)."""
+    from .daemon import ClusterDaemon, follow_local
+
+    with locked(paths):
+        current = load(paths)
+        if current is not None and current.observed_state() in (
+            ClusterState.UP,
+            ClusterState.STARTING,
+        ):
+            return submit(paths, current, job, detach=False)
+        save(paths, new_record(paths, current, spec, nodes, idle, os.getpid()))
+    daemon = ClusterDaemon(paths)
+
+    def interrupt(*_: object) -> NoReturn:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    serving = threading.Thread(target=daemon.serve_forever, name="flotilla-serve", daemon=True)
+    try:
+        daemon.start()
+        serving.start()  # stop requests (`flotilla down`, the job's end) are handled there
+        submitted = daemon.submit(job)
+        return show(follow_local(submitted)) or 0
+    except KeyboardInterrupt:
+        say(f"interrupted: stopping cluster {paths.name}")
+        return 130
+    finally:
+        daemon.request_stop(delete_record=True)
+        if serving.is_alive():
+            serving.join()
+        daemon.shutdown()  # when it never started serving; otherwise a no-op
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,110 @@
+"""The clusters themselves: ``flotilla status``, ``flotilla down``, ``flotilla ssh``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from .._errors import ConfigurationError
+from .._node import procs
+from .backends import registry
+from .clusters import running
+from .console import CLIError, duration, say, table
+from .state import ClusterState, JobStatus, Paths, all_names, load
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    names = args.clusters or all_names()
+    rows = [["NAME", "PROVIDER", "NODES", "STATE", "AGE", "IDLE"]]
+    notes: list[str] = []
+    now = time.time()
+    for name in names:
+        rec = load(Paths(name))
+        if rec is None:
+            notes.append(f"{name}: no such cluster")
+            continue
+        state = rec.observed_state()
+        busy = any(not JobStatus(j.status).finished for j in rec.jobs)
+        idle = "-" if busy or state is not ClusterState.UP else duration(now - rec.last_activity)
+        rows.append(
+            [
+                name,
+                str(rec.provider.get("kind", "?")),
+                str(rec.num_nodes),
+                state.value,
+                duration(now - rec.created),
+                idle,
+            ]
+        )
+        if state is ClusterState.STALE:
+            notes.append(
+                f"{name}: its daemon (pid {rec.pid}) is gone; `flotilla down {name}` cleans up"
+            )
+        elif rec.error:
+            notes.append(f"{name}: {rec.error}")
+    if len(rows) == 1 and not notes:
+        print("no clusters (`flotilla launch TASK -c NAME` starts one)")
+        return 0
+    sys.stdout.write(table(rows))
+    for note in notes:
+        print(note)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from .ipc import request
+    from .state import delete
+
+    code = 0
+    for name in args.clusters:
+        paths = Paths(name)
+        rec = load(paths)
+        if rec is None:
+            say(f"there is no cluster {name!r}")
+            code = 1
+            continue
+        state = rec.observed_state()
+        if state.needs_daemon:
+            try:
+                answers = list(request(paths.socket, {"op": "down"}))
+            except OSError:
+                answers = []
+            if not any(a["ev"] == "down" for a in answers) and procs.alive(rec.pid, rec.pid_start):
+                os.kill(rec.pid, signal.SIGTERM)
+            if not procs.wait_gone(rec.pid, rec.pid_start, 60.0):
+                raise CLIError(f"cluster {name}: its daemon (pid {rec.pid}) does not stop")
+        elif state is ClusterState.STALE:
+            say(f"cluster {name}: its daemon (pid {rec.pid}) was gone; cleaning up")
+        try:
+            backend = registry.backend(str(rec.provider.get("kind", registry.DEFAULT.kind)))
+        except ConfigurationError as e:
+            say(f"cluster {name}: {e}; nothing it left behind is looked for")
+        else:
+            backend.on_down(paths, rec)
+        delete(paths)
+        say(f"cluster {name}: down")
+    return code
+
+
+def cmd_ssh(args: argparse.Namespace) -> int:
+    paths = Paths(args.cluster)
+    rec = running(paths)
+    if not rec.nodes:
+        raise CLIError(f"cluster {paths.name} is still starting")
+    if not 0 <= args.node < len(rec.nodes):
+        raise CLIError(f"cluster {paths.name} has nodes 0 to {len(rec.nodes) - 1}", code=2)
+    spec = registry.spec_from_dict(rec.provider)
+    shell = registry.backend_for(spec).shell(
+        paths, spec, rec.nodes, args.node, " ".join(args.remote)
+    )
+    if shell.note:
+        say(shell.note)
+    if shell.cwd is not None:
+        os.chdir(shell.cwd)
+    sys.stdout.flush()
+    if shell.env is None:
+        os.execvp(shell.argv[0], shell.argv)
+    os.execvpe(shell.argv[0], shell.argv, dict(shell.env))

@@ -1,0 +1,120 @@
+"""``flotilla launch`` and ``flotilla exec``: turn a task file or a command into a job and
+run it on a cluster (started first by ``launch`` when it is not up)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from .._errors import ConfigurationError
+from .backends import registry
+from .clusters import launch_here, running, start_daemon, submit
+from .console import CLIError, say
+from .jobspec import JobSpec
+from .state import ClusterState, Paths, load
+
+if TYPE_CHECKING:
+    from .taskfile import Task
+
+
+def _task_from(arg: str, nodes: int | None, envs: list[str], secrets: list[str]) -> Task:
+    from .taskfile import command_task, load_task
+
+    if os.path.isfile(arg) or arg.endswith((".yaml", ".yml")):
+        task = load_task(arg)
+    else:
+        task = command_task(arg, nodes)
+    return task.with_overrides(_pairs(envs, "--env"), _pairs(secrets, "--secret"))
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not key:
+            raise ConfigurationError(f"{flag} {item!r}: expected NAME=VALUE")
+        out[key] = value if eq else None
+    return out
+
+
+def _job_spec(
+    task: Task, nodes: int, do_setup: bool, mounts: bool, down: bool, retries: int
+) -> JobSpec:
+    if retries < 0:
+        raise ConfigurationError(f"--retries must be 0 or more, got {retries}")
+    return JobSpec(
+        name=task.name or "job",
+        run=task.run,
+        setup=task.setup,
+        num_nodes=nodes,
+        envs={k: v for k, v in task.envs.items() if v is not None},
+        secrets={k: v for k, v in task.secrets.items() if v is not None},
+        workdir=task.workdir,
+        file_mounts=dict(task.file_mounts) if mounts else {},
+        gpus_per_node=task.resources.gpus_per_node,
+        do_setup=do_setup,
+        down_after=down,
+        retries=retries,
+    )
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    task = _task_from(args.task, None, args.env, args.secret)
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.idle_minutes is not None and args.idle_minutes <= 0:
+        raise ConfigurationError(f"--idle-minutes must be positive, got {args.idle_minutes}")
+    name = args.cluster or f"flotilla-{os.urandom(2).hex()}"
+    paths = Paths(name)
+    wanted = registry.spec_from_args(args, task)
+    existing = load(paths)
+    state = existing.observed_state() if existing else None
+    if existing is not None and state is ClusterState.STALE:
+        running(paths)  # raises, saying so
+    reuse = existing is not None and state in (ClusterState.UP, ClusterState.STARTING)
+    if existing is not None and reuse:
+        spec = registry.spec_from_dict(existing.provider)
+        if wanted is not None and wanted != spec:
+            raise CLIError(
+                f"cluster {name} runs on {spec.describe()}; "
+                f"`flotilla down {name}` first to change its provider"
+            )
+        if args.nodes is not None and args.nodes != existing.num_nodes:
+            raise CLIError(
+                f"cluster {name} has {existing.num_nodes} node(s), not {args.nodes}: "
+                f"`flotilla down {name}` first, or launch on another cluster name"
+            )
+        cluster_nodes = existing.num_nodes
+    else:
+        spec = wanted or registry.DEFAULT.spec_type()
+        cluster_nodes = args.nodes or task.num_nodes or 1
+    job_nodes = task.job_nodes(cluster_nodes)
+    for warning in registry.backend_for(spec).check_task(task, spec, cluster_nodes):
+        say(f"warning: {warning}")
+    job = _job_spec(task, job_nodes, not args.no_setup, True, args.down, args.retries)
+    if not reuse:
+        if args.down and not args.detach:
+            return launch_here(paths, existing, spec, cluster_nodes, args.idle_minutes, job)
+        existing = start_daemon(paths, existing, spec, cluster_nodes, args.idle_minutes)
+        say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
+    assert existing is not None
+    return submit(paths, existing, job, args.detach)
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    paths = Paths(args.cluster)
+    rec = running(paths)
+    task = _task_from(args.task, args.nodes, args.env, args.secret)
+    nodes = args.nodes or task.num_nodes or rec.num_nodes
+    if nodes > rec.num_nodes:
+        raise CLIError(
+            f"the job needs {nodes} node(s) but cluster {paths.name} has {rec.num_nodes}",
+            code=2,
+        )
+    if task.resources.gpus_per_node:
+        spec = registry.spec_from_dict(rec.provider)
+        for warning in registry.backend_for(spec).check_task(task, spec, rec.num_nodes):
+            say(f"warning: {warning}")
+    job = _job_spec(task, nodes, False, False, False, args.retries)
+    return submit(paths, rec, job, args.detach)

@@ -1,0 +1,96 @@
+"""What the command line prints: its messages, job output as it streams, tables; and
+:class:`CLIError`, a command that cannot go on. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+
+from .._errors import FlotillaError
+from .ipc import Event, prefix
+from .state import JobStatus
+
+
+class CLIError(FlotillaError):
+    """A command that cannot go on; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def say(text: str) -> None:
+    sys.stderr.write(f"flotilla: {text}\n")
+    sys.stderr.flush()
+
+
+def show(events: Iterable[Event], raw: bool = False, quiet_end: bool = False) -> int | None:
+    """Print a job's events as they come; the job's exit status (None: the daemon no
+    longer has the job). Node lines carry their node unless ``raw`` (one node's log)."""
+    out, err = sys.stdout, sys.stderr
+    for ev in events:
+        what = ev["ev"]
+        if what == "out":
+            line = ev["line"] if raw else prefix(ev["node"], ev["rank"]) + ev["line"]
+            stream = out if ev["stream"] == 1 else err
+            stream.write(line + "\n")
+            stream.flush()
+        elif what == "log":
+            out.write(ev["line"] + "\n")
+            out.flush()
+        elif what == "phase":
+            if not raw:
+                say(ev["text"])
+        elif what == "end":
+            out.flush()
+            report(ev, quiet_end)
+            code = ev.get("exit_code")
+            return int(code) if code is not None else 1
+        elif what == "gone":
+            return None
+        elif what == "error":
+            raise CLIError(ev["message"])
+    raise CLIError("the cluster daemon went away before the job ended (see `flotilla status`)")
+
+
+def report(ev: Event, quiet: bool) -> None:
+    """The end of a job: root cause first for a failure."""
+    report: list[str] = ev.get("report") or []
+    if ev["status"] == JobStatus.SUCCEEDED.value:
+        if not quiet:
+            say(f"job {ev['job']} succeeded ({ev.get('elapsed', 0):.2f} s)")
+        return
+    if report:
+        sys.stderr.write(f"flotilla: {report[0]}\n")
+        sys.stderr.write("".join(f"  {line}\n" for line in report[1:]))
+    else:
+        sys.stderr.write(f"flotilla: job {ev['job']} {ev['status']}\n")
+    sys.stderr.flush()
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n" for r in rows
+    )
+
+
+def duration(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def tail(path: str | os.PathLike[str], lines: int) -> str:
+    """The last ``lines`` lines of a text file ('' when it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""

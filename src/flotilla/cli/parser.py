@@ -1,0 +1,92 @@
+"""The ``flotilla`` argument parser: its commands, their arguments and flags (the backends
+add theirs to ``launch``, see ``backends.registry``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .backends import registry
+from .cmd_clusters import cmd_down, cmd_ssh, cmd_status
+from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
+from .cmd_run import cmd_exec, cmd_launch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flotilla`` command line: one sub-command per ``cmd_*`` function."""
+    p = argparse.ArgumentParser(
+        prog="flotilla",
+        description="Run task files (SkyPilot format) on multi-node clusters.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def job_flags(q: argparse.ArgumentParser) -> None:
+        q.add_argument(
+            "--env", action="append", default=[], metavar="K=V", help="set or override a variable"
+        )
+        q.add_argument(
+            "--secret",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="a secret variable: never logged or written to disk (K alone: from here)",
+        )
+        q.add_argument(
+            "-d", "--detach", action="store_true", help="submit and return; do not follow"
+        )
+        q.add_argument(
+            "--retries",
+            type=int,
+            default=0,
+            help="run a failed `run` again up to this many times (same task id)",
+        )
+
+    q = sub.add_parser("launch", help="start a cluster (if needed), sync, set up and run a task")
+    q.add_argument("task", help="a task file (SkyPilot YAML) or a shell command")
+    q.add_argument("-c", "--cluster", help="cluster name (default: a new one)")
+    q.add_argument("--nodes", type=int, help="cluster size (default: the task's num_nodes)")
+    q.add_argument("--no-setup", action="store_true", help="skip the task's setup")
+    q.add_argument("--down", action="store_true", help="remove the cluster when the job ends")
+    q.add_argument(
+        "--idle-minutes", type=float, help="stop the cluster after this long without jobs"
+    )
+    job_flags(q)
+    registry.add_flags(q)
+    q.set_defaults(func=cmd_launch)
+
+    q = sub.add_parser("exec", help="sync the workdir and run a task or command (no setup)")
+    q.add_argument("cluster")
+    q.add_argument("task", help="a task file or a shell command")
+    q.add_argument("--nodes", type=int, help="nodes to run on (default: the task's, or all)")
+    job_flags(q)
+    q.set_defaults(func=cmd_exec)
+
+    q = sub.add_parser("status", help="the clusters: provider, nodes, state, age, idle time")
+    q.add_argument("clusters", nargs="*")
+    q.set_defaults(func=cmd_status)
+
+    q = sub.add_parser("queue", help="a cluster's jobs")
+    q.add_argument("cluster")
+    q.set_defaults(func=cmd_queue)
+
+    q = sub.add_parser("logs", help="a job's output (default: the latest job)")
+    q.add_argument("cluster")
+    q.add_argument("job", nargs="?", type=int)
+    q.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    q.add_argument("--node", type=int, help="only this node's output")
+    q.set_defaults(func=cmd_logs)
+
+    q = sub.add_parser("cancel", help="stop jobs on every node")
+    q.add_argument("cluster")
+    q.add_argument("jobs", nargs="+", type=int)
+    q.set_defaults(func=cmd_cancel)
+
+    q = sub.add_parser("down", help="stop clusters and remove them (logs included)")
+    q.add_argument("clusters", nargs="+")
+    q.set_defaults(func=cmd_down)
+
+    q = sub.add_parser("ssh", help="a shell (or a command) on a node, in its working directory")
+    q.add_argument("cluster")
+    q.add_argument("--node", type=int, default=0)
+    q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
+    q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
+    return p

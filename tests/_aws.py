@@ -1,0 +1,529 @@
+"""An EC2 region on this machine: moto's real HTTP EC2/SSM API, and instances that boot.
+
+``AwsLab`` (root only) starts moto in server mode on a test bridge's address and points
+boto3 at it (``AWS_ENDPOINT_URL``, dummy credentials): the provider runs unchanged. The
+default VPC gets the bridge's /24 (two subnets, two zones) instead of its own subnets,
+so instances get private addresses on the bridge, in order. A watcher thread follows the
+API: every instance launched "boots" after ``boot_delay`` seconds as a network-namespace
+host with the instance's private address, whose sshd is configured from the instance's
+user-data as cloud-init would (host key from ``ssh_keys``, ``ssh_authorized_keys``), with
+an instance metadata stand-in on 169.254.169.254 (IMDSv2 token, ``spot/instance-action``);
+terminating the instance stops the host and everything in it.
+
+Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInstances
+answer with an error code (capacity, quota) for a market and zone, as AWS would; the
+provider has no test branch. :meth:`AwsLab.interrupt` announces a spot interruption in an
+instance's metadata. The pytest fixture ``aws_lab`` (session scope) wraps it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+import pytest
+import yaml
+from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
+
+REGION = "us-east-1"
+ZONES = ("us-east-1a", "us-east-1b")
+UBUNTU_PARAM = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
+GPU_PARAM = (
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
+)
+ACCOUNT = "123456789012"  # moto's default account
+
+_SSHD_CONFIG = """\
+ListenAddress {addr}
+HostKey {hostkey}
+PidFile {pidfile}
+AuthorizedKeysFile {authorized_keys}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+UseDNS no
+MaxSessions 64
+MaxStartups 64
+"""
+
+_IMDS = r"""
+import http.server, os, secrets, sys
+folder, instance = sys.argv[1], sys.argv[2]
+token = secrets.token_hex(16)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, body=b""):
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_PUT(self):
+        ok = self.path == "/latest/api/token"
+        ok = ok and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self._send(200, token.encode()) if ok else self._send(400)
+
+    def do_GET(self):
+        if self.headers.get("X-aws-ec2-metadata-token") != token:
+            return self._send(401)
+        if self.path == "/latest/meta-data/instance-id":
+            return self._send(200, instance.encode())
+        if self.path == "/latest/meta-data/spot/instance-action":
+            try:
+                with open(os.path.join(folder, "instance-action"), "rb") as f:
+                    return self._send(200, f.read())
+            except OSError:
+                return self._send(404)
+        self._send(404)
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("169.254.169.254", 80), Handler)
+print("ready", flush=True)
+server.serve_forever()
+"""
+
+
+@dataclass
+class Rule:
+    """RunInstances answers ``code`` for launches in ``market`` ("spot"/"on-demand"/None:
+    any) and ``zone`` (None: any), ``times`` times (None: always)."""
+
+    code: str
+    market: str | None = None
+    zone: str | None = None
+    times: int | None = None
+
+
+class Faults:
+    """WSGI middleware in front of moto: counts requests by action, answers RunInstances
+    with the errors the rules say (an AWS-shaped error response)."""
+
+    def __init__(self, app: Callable[..., Any], zone_of: dict[str, str]) -> None:
+        self.app = app
+        self.zone_of = zone_of
+        self.rules: list[Rule] = []
+        self.calls: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(length) if length else b""
+        environ["wsgi.input"] = io.BytesIO(body)
+        params = {k: v[0] for k, v in parse_qs(body.decode(errors="replace")).items()}
+        action = params.get("Action", "")
+        if action == "RunInstances":
+            market = (
+                "spot"
+                if params.get("InstanceMarketOptions.MarketType") == "spot"
+                else ("on-demand")
+            )
+            subnet = params.get("NetworkInterface.1.SubnetId") or params.get("SubnetId", "")
+            zone = self.zone_of.get(subnet, "")
+            with self.lock:
+                for rule in self.rules:
+                    if rule.times == 0:
+                        continue
+                    if rule.market in (None, market) and rule.zone in (None, zone):
+                        if rule.times is not None:
+                            rule.times -= 1
+                        xml = (
+                            '<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error>'
+                            f"<Code>{rule.code}</Code><Message>test: no {market} capacity in "
+                            f"{zone}</Message></Error></Errors><RequestID>x</RequestID></Response>"
+                        ).encode()
+                        start_response(
+                            "400 Bad Request",
+                            [("Content-Type", "text/xml"), ("Content-Length", str(len(xml)))],
+                        )
+                        return [xml]
+        return self.app(environ, start_response)
+
+
+@dataclass
+class Instance:
+    """A booted (or booting) instance of the lab."""
+
+    instance_id: str
+    addr: str
+    host: TestHost | None = None
+    timer: threading.Timer | None = None
+    imds: subprocess.Popen[bytes] | None = None
+    seen: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # boot vs. shutdown
+    stopped: bool = False
+
+
+class AwsLab:
+    """moto + booting instances (see the module docstring). A context manager."""
+
+    def __init__(self, boot_delay: float = 0.0) -> None:
+        self.boot_delay = boot_delay
+        self.lab = Lab()
+        self.server: Any = None
+        self.faults: Faults | None = None
+        self.endpoint = ""
+        self.subnets: dict[str, str] = {}  # zone -> subnet id
+        self.ami = ""
+        self.instances: dict[str, Instance] = {}
+        self.booted: list[str] = []
+        self.boot_times: dict[str, tuple[float, float]] = {}  # id -> (seen, sshd started)
+        self.env: dict[str, str] = {}
+        self._saved_env: dict[str, str | None] = {}
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._next = 0
+        self._ended: set[str] = set()  # instances seen terminated (and their hosts stopped)
+        self._ended_cond = threading.Condition()
+        self.watcher_error: BaseException | None = None
+        self.impostor = False
+        """Instances boot with a host key of their own instead of the user-data's one
+        (someone in the middle)."""
+
+    # -- life cycle ------------------------------------------------------------------
+    def __enter__(self) -> AwsLab:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.lab.start()
+        addr = f"{self.lab.subnet}.1"
+        self.faults = Faults(DomainDispatcherApplication(create_backend_app), {})
+        self.server = make_server(addr, 0, self.faults, threaded=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://{addr}:{self.server.server_port}"
+        self.env = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "XDG_CACHE_HOME": str(self.lab.tmp / "cache"),  # the instance type catalog
+        }
+        for key, value in self.env.items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        self._setup_region()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="aws-lab-watcher")
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        for inst in list(self.instances.values()):
+            self._shutdown(inst)
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
+        self.lab.close()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
+
+    def client(self, service: str = "ec2") -> Any:
+        import boto3
+
+        return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint)
+
+    def _setup_region(self) -> None:
+        """The default VPC on the bridge's /24 (two /25 subnets, zones a and b), and the
+        public AMI parameters."""
+        from moto.ssm.models import Parameter, ssm_backends
+
+        ec2 = self.client()
+        vpc = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
+        for subnet in ec2.describe_subnets()["Subnets"]:
+            ec2.delete_subnet(SubnetId=subnet["SubnetId"])
+        ec2.associate_vpc_cidr_block(VpcId=vpc["VpcId"], CidrBlock=f"{self.lab.subnet}.0/24")
+        for zone, half in zip(ZONES, ("0/25", "128/25"), strict=True):
+            subnet = ec2.create_subnet(
+                VpcId=vpc["VpcId"], CidrBlock=f"{self.lab.subnet}.{half}", AvailabilityZone=zone
+            )["Subnet"]["SubnetId"]
+            self.subnets[zone] = subnet
+            assert self.faults is not None
+            self.faults.zone_of[subnet] = zone
+        images = ec2.describe_images(Owners=["amazon"])["Images"]
+        self.ami = next(i["ImageId"] for i in images if i["Architecture"] == "x86_64")
+        backend = ssm_backends[ACCOUNT][REGION]
+        for name in (UBUNTU_PARAM, GPU_PARAM):
+            backend._parameters[name].append(
+                Parameter(
+                    account_id=ACCOUNT,
+                    name=name,
+                    value=self.ami,
+                    parameter_type="String",
+                    description=None,
+                    allowed_pattern=None,
+                    keyid=None,
+                    last_modified_date=_utcnow(),
+                    version=1,
+                    data_type="aws:ec2:image",
+                )
+            )
+
+    # -- what tests use --------------------------------------------------------------
+    def provider(self, **kwargs: Any) -> Any:
+        """A flotilla AWS provider for this region: root login, private addresses, a
+        harmless power-off command that records when it fired."""
+        from flotilla._providers.aws import AWS
+
+        options: dict[str, Any] = {
+            "region": REGION,
+            "ssh_user": "root",
+            "private_ips": True,
+            "workdir": str(self.lab.tmp / "workdir"),
+            "poweroff_command": ["sh", "-c", f"date +%s.%N >> {self.lab.tmp}/poweroff-$(hostname)"],
+            "connect_timeout": 5.0,
+        }
+        options.update(kwargs)
+        return AWS(**options)
+
+    def fail_launches(
+        self,
+        code: str,
+        market: str | None = None,
+        zone: str | None = None,
+        times: int | None = None,
+    ) -> None:
+        assert self.faults is not None
+        with self.faults.lock:
+            self.faults.rules.append(Rule(code, market, zone, times))
+
+    def clear_faults(self) -> None:
+        assert self.faults is not None
+        with self.faults.lock:
+            self.faults.rules.clear()
+
+    def interrupt(self, instance_id: str, action: str = "terminate") -> None:
+        """Announce a spot interruption in the instance's metadata."""
+        inst = self.instances[instance_id]
+        assert inst.host is not None
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+        path = inst.host.folder / "instance-action"
+        path.write_text(f'{{"action": "{action}", "time": "{when}"}}')
+
+    def describe(self, **filters: Any) -> list[dict[str, Any]]:
+        reply = self.client().describe_instances(**filters)
+        return [i for r in reply["Reservations"] for i in r["Instances"]]
+
+    def pool_instances(self, pool_id: str) -> list[dict[str, Any]]:
+        return self.describe(Filters=[{"Name": "tag:flotilla:pool", "Values": [pool_id]}])
+
+    def pool_groups(self, pool_id: str) -> list[dict[str, Any]]:
+        return self.client().describe_security_groups(
+            Filters=[{"Name": "tag:flotilla:pool", "Values": [pool_id]}]
+        )["SecurityGroups"]
+
+    def wait_booted(self, instance_id: str, timeout: float = 20.0) -> Instance:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            inst = self.instances.get(instance_id)
+            if inst is not None and inst.host is not None and inst.host.sshd is not None:
+                return inst
+            time.sleep(0.02)
+        raise LabError(f"{instance_id} did not boot within {timeout:g} s")
+
+    # -- the watcher -----------------------------------------------------------------
+    def _watch(self) -> None:
+        ec2 = self.client()
+        while not self._stop.is_set():
+            try:
+                reply = ec2.describe_instances()
+                for inst in (i for r in reply["Reservations"] for i in r["Instances"]):
+                    self._follow(ec2, inst)
+            except BaseException as e:  # shown by tests that check watcher_error
+                if self._stop.is_set():
+                    return
+                self.watcher_error = e
+            self._stop.wait(0.05)
+
+    def _follow(self, ec2: Any, desc: dict[str, Any]) -> None:
+        ident, state = desc["InstanceId"], desc["State"]["Name"]
+        known = self.instances.get(ident)
+        if state in ("shutting-down", "terminated", "stopping", "stopped"):
+            if ident not in self._ended:
+                if known is not None:
+                    self._shutdown(known)
+                with self._ended_cond:
+                    self._ended.add(ident)
+                    self._ended_cond.notify_all()
+            return
+        if known is not None:
+            return
+        data = ec2.describe_instance_attribute(InstanceId=ident, Attribute="userData")
+        text = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
+        inst = Instance(ident, desc["PrivateIpAddress"], seen=time.monotonic())
+        self.instances[ident] = inst
+        inst.timer = threading.Timer(self.boot_delay, self._boot, (inst, text))
+        inst.timer.daemon = True
+        inst.timer.start()
+
+    def _boot(self, inst: Instance, user_data: str) -> None:
+        """Start the instance's host as cloud-init would configure it."""
+        with inst.lock:
+            if not inst.stopped:  # else terminated before it booted
+                self._boot_host(inst, user_data)
+
+    def _boot_host(self, inst: Instance, user_data: str) -> None:
+        with self._lock:
+            self._next += 1
+            i = self._next
+        config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else {}
+        lab = self.lab
+        host = TestHost(
+            index=1000 + i,
+            netns=f"flotilla-{lab.tag}-h{100 + i}",
+            veth=f"flv{lab.tag}x{100 + i}"[-15:],
+            addr=inst.addr,
+            hostname=f"ip-{inst.addr.replace('.', '-')}",
+            folder=lab.tmp / f"i{i}",
+        )
+        host.folder.mkdir()
+        with self._lock:
+            lab.hosts.append(host)
+            inst.host = host
+        netns = host.netns
+        veth = ["ip", "link", "add", host.veth, "type", "veth"]
+        for cmd in (
+            ["ip", "netns", "add", netns],
+            [*veth, "peer", "name", "eth0", "netns", netns],
+            ["ip", "link", "set", host.veth, "master", lab.bridge, "up"],
+            ["ip", "-n", netns, "addr", "add", f"{host.addr}/24", "dev", "eth0"],
+            ["ip", "-n", netns, "link", "set", "eth0", "up"],
+            ["ip", "-n", netns, "link", "set", "lo", "up"],
+            ["ip", "-n", netns, "addr", "add", "169.254.169.254/32", "dev", "lo"],
+        ):
+            subprocess.run(cmd, check=True, capture_output=True)
+        keys = config.get("ssh_keys", {})
+        hostkey = host.folder / "hostkey"
+        if self.impostor:
+            host.pubkey = keygen(hostkey, "impostor")
+        else:
+            hostkey.write_text(keys["ed25519_private"])
+            hostkey.chmod(0o600)
+            host.pubkey = keys["ed25519_public"]
+        authorized = host.folder / "authorized_keys"
+        authorized.write_text("".join(k + "\n" for k in config.get("ssh_authorized_keys", [])))
+        inst.imds = subprocess.Popen(
+            [*_in_netns(netns), sys.executable, "-c", _IMDS, str(host.folder), inst.instance_id],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert inst.imds.stdout is not None
+        inst.imds.stdout.readline()  # "ready": the metadata service answers before sshd
+        sshd_config = host.folder / "sshd_config"
+        sshd_config.write_text(
+            _SSHD_CONFIG.format(
+                addr=host.addr,
+                hostkey=hostkey,
+                pidfile=host.folder / "sshd.pid",
+                authorized_keys=authorized,
+            )
+        )
+        hosts_file = host.folder / "hosts"
+        hosts_file.write_text(f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
+        inner = (
+            f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
+            f"exec {SSHD} -D -e -f {sshd_config}"
+        )
+        host._log = open(host.folder / "sshd.log", "ab")  # noqa: SIM115 - closed by the lab
+        host.sshd = subprocess.Popen(
+            [*_in_netns(netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
+            stdin=subprocess.DEVNULL,
+            stdout=host._log,
+            stderr=host._log,
+        )
+        self.booted.append(inst.instance_id)
+        self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
+
+    def _shutdown(self, inst: Instance) -> None:
+        """The instance is terminated: stop its host and everything in it."""
+        if inst.timer is not None:
+            inst.timer.cancel()
+        with inst.lock:  # waits for a boot under way
+            inst.stopped = True
+            host = inst.host
+            if host is not None and host in self.lab.hosts:
+                with contextlib.suppress(Exception):
+                    self.lab.remove_host(host)
+            if inst.imds is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    inst.imds.wait(5)
+            inst.host = None
+
+    def wait_ended(self, instance_id: str, timeout: float = 30.0) -> bool:
+        """Wait until the watcher saw ``instance_id`` terminated and stopped its host."""
+        with self._ended_cond:
+            return self._ended_cond.wait_for(lambda: instance_id in self._ended, timeout)
+
+    def host_of(self, instance_id: str) -> TestHost | None:
+        inst = self.instances.get(instance_id)
+        return inst.host if inst else None
+
+    def poweroffs(self, addr: str) -> list[float]:
+        """When the harmless power-off command of the instance at ``addr`` ran."""
+        path = self.lab.tmp / f"poweroff-ip-{addr.replace('.', '-')}"
+        try:
+            return [float(line) for line in path.read_text().split()]
+        except OSError:
+            return []
+
+
+def _utcnow() -> Any:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC)
+
+
+def aws_unavailable() -> str | None:
+    """Why no AWS lab can be built here (None: it can)."""
+    reason = lab_unavailable()
+    if reason:
+        return reason
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        return f"the AWS tests need boto3 and moto[server] (pip install 'flotilla[dev]'): {e}"
+    return None
+
+
+@pytest.fixture(scope="session", name="aws_lab")
+def aws_lab_fixture() -> Iterator[AwsLab]:
+    reason = aws_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with AwsLab() as lab:
+        yield lab

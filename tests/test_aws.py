@@ -1,0 +1,469 @@
+"""The AWS provider against a real EC2 API (moto in server mode) and booting instances
+(namespace hosts configured from the instances' user-data): see ``_aws.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytest
+from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
+
+import flotilla as sky
+from flotilla._providers.aws_pool import AWSAllocation
+from flotilla._providers.base import Options, PoolSpec
+
+
+@sky.function
+def where() -> dict[str, Any]:
+    info = sky.instance_info()
+    return {
+        "node": info.node,
+        "addr": info.addr,
+        "head_addr": info.head_addr,
+        "peers": [p.addr for p in info.peers],
+    }
+
+
+@sky.function
+def fail() -> None:
+    raise ValueError("boom")
+
+
+def _gone(lab: AwsLab, pool_id: str) -> None:
+    """Nothing of the pool is left: instances terminated, group and key folder gone."""
+    states = {i["InstanceId"]: i["State"]["Name"] for i in lab.pool_instances(pool_id)}
+    assert states and set(states.values()) == {"terminated"}, states
+    assert lab.pool_groups(pool_id) == []
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-aws-{pool_id}-*")) == []
+    for ident in states:
+        assert lab.wait_ended(ident), f"the lab did not see {ident} terminated"
+        assert lab.host_of(ident) is None, f"{ident}'s host still runs"
+
+
+def _spec(nodes: int, **kwargs: Any) -> PoolSpec:
+    return PoolSpec("t" + os.urandom(3).hex(), nodes, None, None, (), Options(), **kwargs)
+
+
+def test_three_node_spot_pool(aws_lab: AwsLab) -> None:
+    provider = aws_lab.provider(allocation="spot", tags={"team": "ml"}, ports=[8080, "9000-9001"])
+    with sky.Compute(provider=provider, nodes=3) as pool:
+        got = where() @ pool
+        pool_id = pool.pool_id
+        instances = sorted(aws_lab.pool_instances(pool_id), key=lambda i: i["AmiLaunchIndex"])
+        addrs = [i["PrivateIpAddress"] for i in instances]
+        assert [g["node"] for g in got] == [0, 1, 2]
+        assert [g["addr"] for g in got] == addrs
+        assert all(g["peers"] == addrs and g["head_addr"] == addrs[0] for g in got)
+        for inst in instances:
+            assert inst["InstanceLifecycle"] == "spot"
+            tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+            assert tags["flotilla:pool"] == pool_id and tags["team"] == "ml"
+            assert tags["flotilla:client"].split(":")[1] == str(os.getpid())
+            assert "flotilla:created" in tags and "flotilla:owner" in tags
+        (group,) = aws_lab.pool_groups(pool_id)
+        rules = group["IpPermissions"]
+        ssh = [r for r in rules if r.get("FromPort") == 22]
+        # private_ips=True: SSH from the VPC's address ranges (the client is inside)
+        vpc_ranges = {"172.31.0.0/16", f"{aws_lab.lab.subnet}.0/24"}
+        assert {r["CidrIp"] for r in ssh[0]["IpRanges"]} == vpc_ranges
+        members = [r for r in rules if r["IpProtocol"] == "-1"]
+        assert members[0]["UserIdGroupPairs"][0]["GroupId"] == group["GroupId"]
+        tcp = [r for r in rules if r["IpProtocol"] == "tcp" and r["FromPort"] != 22]
+        opened = {(r["FromPort"], r["ToPort"]) for r in tcp}
+        assert opened == {(8080, 8080), (9000, 9001)}  # and nothing else
+        assert len(rules) == 4
+    _gone(aws_lab, pool_id)
+
+
+def _acquire(provider: Any, spec: PoolSpec) -> AWSAllocation:
+    """Acquire without starting agents (the API side alone)."""
+    return asyncio.run(provider.acquire(spec))
+
+
+def _release(allocation: AWSAllocation) -> None:
+    asyncio.run(allocation.release())
+
+
+def test_choice_fits_vcpus_and_memory(aws_lab: AwsLab) -> None:
+    provider = aws_lab.provider(allocation="on-demand")
+    spec = _spec(2, vcpus=6, memory_gb=10)
+    allocation = _acquire(provider, spec)
+    try:
+        choice = allocation.choice
+        assert choice is not None and choice.vcpus >= 6 and choice.memory_gb >= 10
+        launched = aws_lab.pool_instances(spec.pool_id)
+        assert {i["InstanceType"] for i in launched} == {choice.instance_type}
+        assert len(launched) == 2 and "InstanceLifecycle" not in launched[0]
+        # the smallest: every type of the next size down lacks vCPUs or memory
+        assert choice.vcpus == 8
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_gpu_choice(aws_lab: AwsLab) -> None:
+    from flotilla._accelerators import Accelerator
+
+    provider = aws_lab.provider(allocation="on-demand")
+    spec = PoolSpec("t" + os.urandom(3).hex(), 1, Accelerator("A100", 8), None, (), Options())
+    allocation = _acquire(provider, spec)
+    try:
+        assert allocation.choice is not None
+        assert allocation.choice.instance_type.startswith("p4d")
+        assert allocation.choice.gpus == 8
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_nothing_left_after_an_exception(aws_lab: AwsLab) -> None:
+    with (
+        pytest.raises(ValueError, match="boom"),
+        sky.Compute(provider=aws_lab.provider(), nodes=2) as pool,
+    ):
+        pool_id = pool.pool_id
+        fail() >> pool
+    _gone(aws_lab, pool_id)
+
+
+_CLIENT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import flotilla as sky
+from _aws import AwsLab
+lab = AwsLab.__new__(AwsLab)
+provider = {provider}
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)) as pool:
+    print(pool.pool_id, time.time(), flush=True)
+    time.sleep(600)
+"""
+
+
+def _client(aws_lab: AwsLab, **kwargs: Any) -> subprocess.Popen[str]:
+    options = {
+        "region": REGION,
+        "ssh_user": "root",
+        "private_ips": True,
+        "workdir": str(aws_lab.lab.tmp / "workdir"),
+        "poweroff_command": aws_lab.provider().poweroff_command,
+        **kwargs,
+    }
+    provider = f"sky.AWS(**{options!r})"
+    code = _CLIENT.format(tests=os.path.dirname(__file__), provider=provider)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _pool_id(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line, f"the client did not start its pool: {proc.stderr.read() if proc.stderr else ''}"
+    return line.split()[0]
+
+
+def test_nothing_left_after_ctrl_c(aws_lab: AwsLab) -> None:
+    proc = _client(aws_lab)
+    pool_id = _pool_id(proc)
+    assert {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)} <= {"pending", "running"}
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    _gone(aws_lab, pool_id)
+
+
+def test_kill9_watchdog_and_orphan_cleanup(aws_lab: AwsLab) -> None:
+    """A killed client leaves its pool; each instance's watchdog powers off ttl s after
+    the last contact from the client (not before), and remove_orphans() removes the rest."""
+    ttl = 3.0
+    proc = _client(aws_lab, ttl=ttl)
+    pool_id = _pool_id(proc)
+    instances = aws_lab.pool_instances(pool_id)
+    addrs = [i["PrivateIpAddress"] for i in instances]
+    # the client is alive and in contact for longer than ttl: no instance powers off
+    time.sleep(ttl + 1)
+    assert [a for a in addrs if aws_lab.poweroffs(a)] == []
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    workdir = aws_lab.lab.tmp / "workdir" / "watchdog"
+    deadline = time.monotonic() + 60
+    while not all(aws_lab.poweroffs(a) for a in addrs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for inst, addr in zip(instances, addrs, strict=True):
+        fired = aws_lab.poweroffs(addr)
+        assert len(fired) == 1, f"{addr}: the watchdog fired {fired}"
+        last_contact = (workdir / inst["InstanceId"]).stat().st_mtime
+        assert fired[0] >= last_contact + ttl
+    # the client is gone: its pool is an orphan; another client's live pool is not
+    with sky.Compute(provider=aws_lab.provider(), nodes=1) as live:
+        orphans = aws_lab.provider().remove_orphans()
+        assert pool_id in orphans.pools and live.pool_id not in orphans.pools
+        assert set(orphans.instances) >= {i["InstanceId"] for i in instances}
+        assert len(orphans.security_groups) >= 1 and len(orphans.folders) >= 1
+        assert {i["State"]["Name"] for i in aws_lab.pool_instances(live.pool_id)} == {"running"}
+    _gone(aws_lab, pool_id)
+
+
+def test_another_host_key_is_refused(aws_lab: AwsLab) -> None:
+    aws_lab.impostor = True
+    try:
+        with (
+            pytest.raises(sky.ProvisionError, match="REFUSED") as err,
+            sky.Compute(provider=aws_lab.provider(), nodes=1),
+        ):
+            pass
+    finally:
+        aws_lab.impostor = False
+    assert "host key" in str(err.value)
+    (pool_id,) = {
+        t["Value"]
+        for i in aws_lab.describe()
+        for t in i["Tags"]
+        if t["Key"] == "flotilla:pool" and i["InstanceId"] in str(err.value)
+    }
+    _gone(aws_lab, pool_id)
+
+
+def test_spot_capacity_falls_back_to_the_next_zone(aws_lab: AwsLab) -> None:
+    aws_lab.fail_launches("InsufficientInstanceCapacity", market="spot", zone=ZONES[0])
+    spec = _spec(3)
+    try:
+        allocation = _acquire(aws_lab.provider(allocation="spot"), spec)
+    finally:
+        aws_lab.clear_faults()
+    try:
+        assert (allocation.market, allocation.zone) == ("spot", ZONES[1])
+        launched = aws_lab.pool_instances(spec.pool_id)
+        assert len(launched) == 3
+        assert {i["Placement"]["AvailabilityZone"] for i in launched} == {ZONES[1]}
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_spot_if_available_falls_back_to_on_demand(aws_lab: AwsLab) -> None:
+    aws_lab.fail_launches("InsufficientInstanceCapacity", market="spot")
+    spec = _spec(2)
+    try:
+        allocation = _acquire(aws_lab.provider(allocation="spot-if-available"), spec)
+    finally:
+        aws_lab.clear_faults()
+    try:
+        assert allocation.market == "on-demand"
+        launched = aws_lab.pool_instances(spec.pool_id)
+        assert len(launched) == 2 and all("InstanceLifecycle" not in i for i in launched)
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_spot_without_capacity_fails_and_leaves_nothing(aws_lab: AwsLab) -> None:
+    aws_lab.fail_launches("InsufficientInstanceCapacity", market="spot")
+    spec = _spec(2)
+    try:
+        with pytest.raises(sky.ProvisionError, match="no capacity") as err:
+            _acquire(aws_lab.provider(allocation="spot"), spec)
+    finally:
+        aws_lab.clear_faults()
+    assert "spot-if-available" in str(err.value) and ZONES[1] in str(err.value)
+    assert aws_lab.pool_instances(spec.pool_id) == []
+    assert aws_lab.pool_groups(spec.pool_id) == []
+
+
+def test_quota_error(aws_lab: AwsLab) -> None:
+    aws_lab.fail_launches("VcpuLimitExceeded", market="on-demand")
+    spec = _spec(2)
+    try:
+        with pytest.raises(sky.ProvisionError, match="quota") as err:
+            _acquire(aws_lab.provider(allocation="on-demand"), spec)
+    finally:
+        aws_lab.clear_faults()
+    assert "VcpuLimitExceeded" in str(err.value) and "Service Quotas" in str(err.value)
+    assert aws_lab.pool_groups(spec.pool_id) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"region": "us-east-9"}, "region 'us-east-9' does not exist"),
+        ({"ami": "ami-00000000"}, "AMI"),
+        ({"instance_type": "z9.huge"}, "no such instance type"),
+        ({"ttl": 10}, "must exceed Options"),
+    ],
+)
+def test_bad_input_before_launch(aws_lab: AwsLab, kwargs: dict[str, Any], message: str) -> None:
+    before = {i["InstanceId"] for i in aws_lab.describe()}
+    with (
+        pytest.raises(sky.ConfigurationError, match=message),
+        sky.Compute(provider=aws_lab.provider(**kwargs), nodes=1),
+    ):
+        pass
+    assert {i["InstanceId"] for i in aws_lab.describe()} == before
+
+
+def test_accelerator_no_type_offers(aws_lab: AwsLab) -> None:
+    before = {i["InstanceId"] for i in aws_lab.describe()}
+    with (
+        pytest.raises(sky.ConfigurationError, match="accelerator H100:16") as err,
+        sky.Compute(provider=aws_lab.provider(), nodes=1, accelerator="H100:16"),
+    ):
+        pass
+    assert "instance_type" in str(err.value)
+    assert {i["InstanceId"] for i in aws_lab.describe()} == before
+
+
+def test_no_credentials(aws_lab: AwsLab, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    with (
+        pytest.raises(sky.ConfigurationError, match="no AWS credentials") as err,
+        sky.Compute(provider=aws_lab.provider(), nodes=1),
+    ):
+        pass
+    assert "aws configure" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"allocation": "cheap"}, "allocation"),
+        ({"ttl": 0}, "ttl"),
+        ({"tags": {"aws:x": "y"}}, "tag key"),
+        ({"subnet": "sn-1"}, "subnet"),
+        ({"disk_gb": 2}, "disk_gb"),
+        ({"instance_type": "large"}, "instance_type"),
+        ({"ports": ["80-70"]}, "ports"),
+        ({"ports": [0]}, "ports"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(sky.ConfigurationError, match=message):
+        sky.AWS(**kwargs)
+
+
+def test_interruption_notice_leads_to_a_replacement(aws_lab: AwsLab) -> None:
+    """An interruption notice in one instance's metadata: the pool replaces that node with a
+    new instance (same group and tags, its own address), the old one is terminated, and the
+    next broadcast answers on 3 nodes with the same ranks."""
+    with sky.Compute(provider=aws_lab.provider(allocation="spot"), nodes=3) as pool:
+        allocation = pool._allocation
+        assert isinstance(allocation, AWSAllocation)
+        old = allocation.machines[1]
+        aws_lab.interrupt(old.ident)
+        deadline = time.monotonic() + 90
+        while allocation.machines[1].ident == old.ident and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls the provider's record: the replacement is under way
+        new = allocation.machines[1]
+        assert new.ident != old.ident and new.address != old.address
+        answers = where() @ pool
+        assert [a["node"] for a in answers] == [0, 1, 2]
+        assert answers[1]["addr"] == new.address
+        states = {i["InstanceId"]: i for i in aws_lab.pool_instances(pool.pool_id)}
+        assert states[old.ident]["State"]["Name"] in ("shutting-down", "terminated")
+        fresh = states[new.ident]
+        assert fresh["InstanceLifecycle"] == "spot"
+        assert fresh["NetworkInterfaces"][0]["Groups"][0]["GroupId"] == allocation.security_group
+        pool_id = pool.pool_id
+    _gone(aws_lab, pool_id)
+
+
+def test_import_flotilla_does_not_import_boto3() -> None:
+    code = "import sys, flotilla; flotilla.AWS; print('boto3' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- the node side, without the lab (no root needed) ----------------------------------------
+def _node_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(sky.__file__))}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_watchdog_fires_ttl_after_the_last_contact(tmp_path: Any) -> None:
+    """Contact renewed after start postpones the power-off; it runs once, ttl s after the
+    last contact."""
+    contact, fired = tmp_path / "contact", tmp_path / "fired"
+    code = f"""
+import os, threading, time
+from flotilla._node.cloud import Config, watchdog
+open({str(contact)!r}, "a").close()
+def renew():  # the agent's contact, 0.5 s after start
+    time.sleep(0.5)
+    os.utime({str(contact)!r})
+threading.Thread(target=renew).start()
+watchdog(Config({str(contact)!r}, 1.0, ("sh", "-c", "date +%s.%N >> {fired}")))
+"""
+    started = time.time()
+    proc = _node_python(code)
+    assert proc.returncode == 0, proc.stderr
+    times = [float(t) for t in fired.read_text().split()]
+    assert len(times) == 1
+    last_contact = contact.stat().st_mtime
+    assert last_contact >= started + 0.4  # the renewal counted ...
+    assert times[0] >= last_contact + 1.0  # ... and the power-off waited ttl after it
+
+
+def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
+    import http.server
+    import threading
+
+    token = "tok123"
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            seen.append(
+                f"PUT {self.path} {self.headers.get('X-aws-ec2-metadata-token-ttl-seconds')}"
+            )
+            self._send(200, token.encode())
+
+        def do_GET(self) -> None:
+            ok = self.headers.get("X-aws-ec2-metadata-token") == token
+            seen.append(f"GET {self.path} {ok}")
+            if not ok:
+                return self._send(401, b"")
+            self._send(200, b'{"action": "stop", "time": "2026-11-23T19:00:00Z"}')
+
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        code = f"""
+from flotilla._node.cloud import Config, poll_interruptions
+poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
+"""
+        proc = _node_python(code)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("FLOTILLA_CLOUD NOTICE ")
+    assert '"action": "stop"' in proc.stderr
+    assert seen[:2] == [
+        "PUT /latest/api/token 21600",
+        "GET /latest/meta-data/spot/instance-action True",
+    ]

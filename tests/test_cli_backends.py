@@ -1,0 +1,193 @@
+"""The command line's backends: the registry is the only place that lists provider kinds,
+an unknown kind is a clear error, and flags choose and build a backend's spec. In-process:
+no cluster is started here (tests/test_cli.py runs the backends for real)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import flotilla.cli
+from flotilla._errors import ConfigurationError
+from flotilla._providers.base import Provider
+from flotilla.cli.backends import registry
+from flotilla.cli.backends.base import Backend, Flag, ProviderSpec, ShellCommand
+from flotilla.cli.backends.local import LocalSpec
+from flotilla.cli.backends.ssh import SSHSpec
+from flotilla.cli.clusters import DAEMON_MODULE
+from flotilla.cli.parser import build_parser
+from flotilla.cli.state import NodeRecord, Paths
+from flotilla.cli.taskfile import Resources, Task
+
+CLI_DIR = Path(flotilla.cli.__file__).parent
+BACKENDS_DIR = CLI_DIR / "backends"
+
+
+def launch_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["launch", "task.yaml", *flags])
+
+
+# -- provider kinds are named in the backends only ---------------------------------------------
+def _kind_literals(path: Path, kinds: set[str], root: Path = CLI_DIR.parent) -> list[str]:
+    """``file:line: 'kind'`` for each string constant equal to a provider kind, except a
+    sub-command's name (``add_parser("ssh")``: the `flotilla ssh` command) and a path
+    component (``home / "ssh"``: a folder's name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_parser"
+            and node.args
+        ):
+            allowed.add(id(node.args[0]))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            allowed.update((id(node.left), id(node.right)))
+    hits = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in kinds and id(node) not in allowed
+    ]
+    hits.sort(key=lambda node: (node.lineno, node.col_offset))
+    return [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in hits]
+
+
+def test_provider_kinds_appear_only_in_the_backend_modules() -> None:
+    kinds = set(registry.kinds())
+    modules = [p for p in CLI_DIR.rglob("*.py") if BACKENDS_DIR not in p.parents]
+    assert len(modules) > 10  # the walk found the command line's modules
+    found = [hit for path in sorted(modules) for hit in _kind_literals(path, kinds)]
+    assert found == [], (
+        "provider kinds named outside cli/backends/ (ask the backend instead: "
+        "registry.backend_for(spec).<member>):\n" + "\n".join(found)
+    )
+
+
+def test_the_kind_check_catches_a_comparison(tmp_path: Path) -> None:
+    """The check above can fail: a branch on a kind is reported, a command name is not."""
+    module = tmp_path / "flotilla" / "cli" / "bad.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        'def f(kind, sub, home):\n    sub.add_parser("ssh")\n    d = home / "ssh"\n'
+        '    return kind == "ssh"\n'
+    )
+    assert _kind_literals(module, {"ssh"}, tmp_path) == ["flotilla/cli/bad.py:4: 'ssh'"]
+
+
+def test_every_backend_module_is_in_the_registry() -> None:
+    """A backend module that is not listed would silently not exist for the command line."""
+    listed = {type(b).__module__ for b in registry.BACKENDS}
+    for path in BACKENDS_DIR.glob("*.py"):
+        if path.stem in ("__init__", "base", "registry"):
+            continue
+        module = importlib.import_module(f"flotilla.cli.backends.{path.stem}")
+        assert isinstance(module.BACKEND, Backend), f"{path.name} has no BACKEND"
+        assert module.__name__ in listed, f"{path.name} is not in registry.BACKENDS"
+    assert len(set(registry.kinds())) == len(registry.BACKENDS), "two backends share a kind"
+
+
+# -- the registry --------------------------------------------------------------------------------
+def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
+    known = ", ".join(registry.kinds())
+    with pytest.raises(
+        ConfigurationError, match=f"unknown provider 'slurm': flotilla has {known}$"
+    ):
+        registry.backend("slurm")
+    with pytest.raises(ConfigurationError, match="unknown provider 'aws'"):
+        registry.spec_from_dict({"kind": "aws", "hosts": ["h1"]})
+    assert "local" in known and "ssh" in known
+
+
+def test_specs_round_trip_through_the_state_file_format() -> None:
+    specs: list[ProviderSpec] = [
+        LocalSpec(),
+        SSHSpec(hosts=("root@h1", "h2:2222"), key="/k", accept_new_host_keys=True),
+    ]
+    for spec in specs:
+        data = json.loads(json.dumps(spec.to_dict()))
+        assert data["kind"] == spec.kind
+        assert registry.spec_from_dict(data) == spec
+        assert registry.backend_for(spec).kind == spec.kind
+    # an older state file (no kind) is the default backend; unknown keys are ignored
+    assert registry.spec_from_dict({"future_option": 1}) == registry.DEFAULT.spec_type()
+
+
+def test_flags_choose_the_backend_and_build_its_spec() -> None:
+    assert registry.spec_from_args(launch_args()) is None  # nothing asked: the cluster's own
+    assert registry.spec_from_args(launch_args("--provider", "local")) == LocalSpec()
+    spec = registry.spec_from_args(
+        launch_args("--hosts", "a, b", "--ssh-key", "key", "--accept-new-host-keys")
+    )
+    key = str(Path("key").absolute())
+    assert spec == SSHSpec(hosts=("a", "b"), key=key, accept_new_host_keys=True)
+    with pytest.raises(ConfigurationError, match="--hosts is for --provider ssh, not local"):
+        registry.spec_from_args(launch_args("--provider", "local", "--hosts", "a"))
+    with pytest.raises(ConfigurationError, match="needs hosts: --hosts"):
+        registry.spec_from_args(launch_args("--ssh-key", "key"))
+    with pytest.raises(SystemExit):  # argparse: invalid choice, with the list
+        launch_args("--provider", "slurm")
+
+
+def test_the_daemon_module_the_cli_starts_exists() -> None:
+    spec = importlib.util.find_spec(DAEMON_MODULE)
+    assert spec is not None and spec.origin is not None
+    assert "def main(" in Path(spec.origin).read_text()
+
+
+# -- a new backend is one class and one registry entry --------------------------------------------
+@dataclass(frozen=True)
+class FakeSpec(ProviderSpec):
+    """A backend the registry does not ship, added the way SLURM or AWS will be."""
+
+    kind = "fake"
+    partition: str | None = None
+
+
+class FakeBackend(Backend[FakeSpec]):
+    spec_type = FakeSpec
+    summary = "a test double"
+    flags = (Flag("--fake-partition", "where jobs go"), Flag("--fake-gpus", "GPUs", type=int))
+    infra = ("fake",)
+    hint_reason = "a test double"
+
+    def spec_from_args(self, args: argparse.Namespace) -> FakeSpec:
+        return FakeSpec(partition=args.fake_partition)
+
+    def make_provider(self, spec: FakeSpec, nodes_dir: Path) -> Provider:
+        raise NotImplementedError
+
+    def shell(
+        self, paths: Paths, spec: FakeSpec, nodes: Sequence[NodeRecord], node: int, command: str
+    ) -> ShellCommand:
+        raise NotImplementedError
+
+
+def test_a_backend_added_to_the_registry_gets_its_flags_infra_and_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry, "BACKENDS", (*registry.BACKENDS, FakeBackend()))
+    spec = registry.spec_from_args(launch_args("--fake-partition", "gpu"))
+    assert spec == FakeSpec(partition="gpu")
+    assert registry.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert registry.spec_from_args(launch_args("--provider", "fake")) == FakeSpec()
+    assert launch_args("--fake-gpus", "2").fake_gpus == 2
+    assert registry.spec_from_args(launch_args("--fake-gpus", "2")) == FakeSpec()  # it chose fake
+    with pytest.raises(ConfigurationError, match="--fake-partition is for --provider fake"):
+        registry.spec_from_args(launch_args("--provider", "local", "--fake-partition", "x"))
+
+    task = Task(run="x", resources=Resources(infra="fake/region-1", use_spot=True))
+    assert registry.spec_from_args(launch_args(), task) == FakeSpec()  # chosen by infra
+    assert registry.spec_from_args(launch_args(), Task(run="x")) is None
+    warnings = registry.backend("fake").check_task(task, FakeSpec(), 2)
+    assert [w.split(":")[0] for w in warnings] == ["resources.use_spot"]  # infra is acted on
+    local_warnings = registry.DEFAULT.check_task(task, registry.DEFAULT.spec_type(), 2)
+    assert any("resources.infra: 'fake/region-1'" in w for w in local_warnings)

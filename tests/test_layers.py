@@ -1,0 +1,160 @@
+"""The layers: data flows one way (command line -> client -> providers -> node side, with the
+wire format at the bottom), and the node side needs nothing but the standard library.
+
+The agent runs on machines that have nothing but a Python: the SSH bootstrap ships only
+flotilla and cloudpickle, and an agent must start before any Image is built."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flotilla
+
+PACKAGE = Path(flotilla.__file__).parent
+SRC = PACKAGE.parent
+
+NODE_SIDE = ("flotilla._node", "flotilla._wire")
+"""The packages the agent and executor are made of."""
+NODE_SIDE_ALSO = (
+    "flotilla",  # the package: its __init__ loads nothing until a name is used
+    "flotilla._version",
+    "flotilla.agent",  # python -m flotilla.agent
+    "flotilla._info",  # instance_info(), for the plugins' hooks and the task processes
+    "flotilla._errors",  # raised by plugins' checks
+    "flotilla.plugins",  # the executor enters the plugins' hooks; their classes unpickle
+)
+"""Other flotilla modules the node side may load (``flotilla.plugins`` with its modules)."""
+
+_PROBE = """
+import pkgutil, sys
+sys.path.insert(0, {src!r})
+before = set(sys.modules)  # the interpreter's own start-up (site, .pth files)
+import flotilla, flotilla.agent, flotilla._node, flotilla._wire, flotilla.plugins
+for package in (flotilla._node, flotilla._wire, flotilla.plugins):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        __import__(info.name)
+from flotilla._node.executor import main  # and what it imports before it says READY:
+from flotilla._info import instance_info
+from flotilla._wire import serialize
+from flotilla.plugins._base import enter_plugins
+import json
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def _node_side_allowed(name: str) -> bool:
+    if name.split(".")[0] in sys.stdlib_module_names or name == "__main__":
+        return True
+    if name in NODE_SIDE_ALSO:
+        return True
+    return name.startswith(tuple(p + "." for p in (*NODE_SIDE, "flotilla.plugins"))) or (
+        name in NODE_SIDE
+    )
+
+
+def test_the_node_side_loads_only_the_standard_library() -> None:
+    """In a clean interpreter (-I: no PYTHONPATH, no user site, no current folder), importing
+    every agent-side module loads nothing from outside the standard library and flotilla's
+    node-side modules. The interpreter keeps its site-packages: a third-party import would
+    succeed there, and be reported by name."""
+    probe = _PROBE.format(src=str(SRC))
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout)
+    assert "flotilla._node.agent" in loaded and "flotilla.plugins._torch" in loaded
+    assert [m for m in loaded if not _node_side_allowed(m)] == []
+
+
+def test_the_probe_notices_a_foreign_module() -> None:
+    """The check above can fail: a third-party or client-side module is reported."""
+    assert not _node_side_allowed("cloudpickle")
+    assert not _node_side_allowed("flotilla._client.compute")
+    assert not _node_side_allowed("flotilla._image")
+    assert _node_side_allowed("flotilla._node.agent") and _node_side_allowed("json")
+
+
+# -- one-way imports ---------------------------------------------------------------------------
+RULES = {
+    "flotilla._wire": ("flotilla._node", "flotilla._client", "flotilla._providers", "flotilla.cli"),
+    "flotilla._node": ("flotilla._client", "flotilla._providers", "flotilla.cli"),
+    "flotilla._providers": ("flotilla._client", "flotilla.cli"),
+    "flotilla._client": ("flotilla.cli",),
+}
+"""Package -> the packages its modules never import (at any level: also inside functions
+and under TYPE_CHECKING)."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module, relative ones resolved."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            # ``from . import x`` / ``from .. import cli``: the names may be modules
+            out.extend((node.lineno, f"{target}.{alias.name}") for alias in node.names)
+    return out
+
+
+def _violations(path: Path) -> list[str]:
+    module = _module_name(path)
+    found: dict[int, str] = {}  # one per import statement
+    for package, forbidden in RULES.items():
+        if module != package and not module.startswith(package + "."):
+            continue
+        for line, target in _imports(path):
+            if line in found:
+                continue
+            if any(target == f or target.startswith(f + ".") for f in forbidden):
+                found[line] = f"{path.relative_to(SRC)}:{line}: {module} imports {target}"
+    return list(found.values())
+
+
+def test_layers_import_one_way() -> None:
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 30
+    assert [v for path in modules for v in _violations(path)] == []
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "expected"),
+    [
+        ("_wire/x.py", "from .._client import compute\n", "flotilla._client"),
+        ("_node/x.py", "def f():\n    from ..cli.main import main\n", "flotilla.cli.main"),
+        ("_providers/x.py", "from .. import _client\n", "flotilla._client"),
+        ("_client/x.py", "import flotilla.cli.jobs\n", "flotilla.cli.jobs"),
+    ],
+)
+def test_the_layer_check_notices_a_backward_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, source: str, expected: str
+) -> None:
+    """The check above can fail: every kind of backward import is reported."""
+    fake = tmp_path / "flotilla"
+    (fake / where).parent.mkdir(parents=True)
+    (fake / where).write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert [v.rpartition(" imports ")[2] for v in _violations(fake / where)] == [expected]

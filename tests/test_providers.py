@@ -1,0 +1,193 @@
+"""The provider model (flotilla/_providers/base.py) step by step: acquire machines, start an
+agent on one, replace the machine at a rank, release everything; states follow the
+transitions their enums document. Local on this machine, SSH on the namespace test hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _procs import assert_all_gone, processes_in
+
+import flotilla as sky
+from flotilla._errors import ProvisionError
+from flotilla._providers.base import (
+    AgentProcess,
+    AllocationState,
+    Machine,
+    MachineState,
+    PoolSpec,
+    start_agents,
+)
+from flotilla._providers.local import Local, LocalAllocation
+from flotilla._providers.pipe import PipeAgent
+
+
+def spec(nodes: int) -> PoolSpec:
+    return PoolSpec(secrets.token_hex(4), nodes, None, sky.Image(), (), sky.Options())
+
+
+def pid_of(agent: AgentProcess) -> int:
+    assert isinstance(agent, PipeAgent)
+    return agent.proc.pid
+
+
+@pytest.fixture
+def nodes_dir(tmp_path: Path) -> Iterator[Path]:
+    folder = tmp_path / "nodes"
+    yield folder
+    for pid in processes_in(folder) if folder.exists() else []:
+        os.kill(pid, 9)
+
+
+# -- Local ---------------------------------------------------------------------------------
+
+
+def test_local_acquire_start_replace_release(nodes_dir: Path) -> None:
+    provider = Local(workdir=str(nodes_dir))
+    lost: list[tuple[int, str]] = []
+
+    async def scenario() -> dict[str, Any]:
+        allocation = await provider.acquire(spec(2))
+        allocation.watch(lambda rank, why: lost.append((rank, why)))
+        seen: dict[str, Any] = {"state": allocation.state, "machines": list(allocation.machines)}
+        seen["acquired"] = {
+            m.ident: allocation.machine_states[m.ident] for m in allocation.machines
+        }
+        agents = await start_agents(allocation, allocation.machines, provider.agent_command())
+        seen["running"] = [allocation.machine_states[m.ident] for m in allocation.machines]
+        seen["cwds"] = [os.readlink(f"/proc/{pid_of(a)}/cwd") for a in agents]
+        old = allocation.machines[1]
+        allocation.report_lost(1, "its agent was killed")
+        seen["lost"] = allocation.machine_states[old.ident]
+        await agents[1].terminate()
+        new = await allocation.replace(1, "its agent was killed")
+        seen["new"], seen["old_folder_exists"] = new, os.path.exists(old.ident)
+        seen["after_replace"] = (
+            allocation.machine_states[old.ident],
+            allocation.machine_states[new.ident],
+        )
+        [fresh] = await start_agents(allocation, [new], provider.agent_command())
+        seen["fresh_cwd"] = os.readlink(f"/proc/{pid_of(fresh)}/cwd")
+        seen["pids"] = [pid_of(agents[0]), pid_of(agents[1]), pid_of(fresh)]
+        seen["new_state"] = allocation.machine_states[new.ident]
+        for agent in (agents[0], fresh):
+            await agent.terminate()
+        await allocation.release()
+        await allocation.release()  # idempotent
+        seen["released"] = (allocation.state, set(allocation.machine_states.values()))
+        return seen
+
+    seen = asyncio.run(scenario())
+    first: list[Machine] = seen["machines"]
+    assert seen["state"] is AllocationState.READY
+    assert [m.rank for m in first] == [0, 1] and all(m.address == "127.0.0.1" for m in first)
+    assert set(seen["acquired"].values()) == {MachineState.PENDING}
+    assert seen["running"] == [MachineState.RUNNING, MachineState.RUNNING]
+    assert seen["cwds"] == [m.ident for m in first]  # one work folder per machine
+    assert seen["lost"] is MachineState.LOST and lost == [(1, "its agent was killed")]
+    new: Machine = seen["new"]
+    assert new.rank == 1 and new.ident != first[1].ident
+    assert not seen["old_folder_exists"]  # the lost machine's folder went with it
+    assert seen["after_replace"] == (MachineState.RELEASED, MachineState.PENDING)
+    assert seen["fresh_cwd"] == new.ident  # a new process tree in a new folder
+    assert seen["new_state"] is MachineState.RUNNING
+    assert seen["released"] == (AllocationState.RELEASED, {MachineState.RELEASED})
+    assert_all_gone(seen["pids"], timeout=5, what="agents")
+    assert list(nodes_dir.iterdir()) == []  # every folder ever made is gone
+
+
+class _BrokenRank2(Local):
+    """Starts the agents of ranks 0 and 1, then fails to start rank 2's."""
+
+    started: list[int]
+
+    async def acquire(self, spec: PoolSpec) -> LocalAllocation:
+        allocation = await super().acquire(spec)
+        provider = self
+        provider.started = []
+        original = allocation.start_agent
+
+        async def start_agent(machine: Machine, command: list[str]) -> AgentProcess:
+            if machine.rank == 2:  # started last: the others are up by now
+                raise ProvisionError("node 2: no agent today")
+            agent = await original(machine, command)
+            provider.started.append(pid_of(agent))
+            return agent
+
+        allocation.start_agent = start_agent  # type: ignore[method-assign]
+        return allocation
+
+
+def test_provider_start_releases_everything_when_one_agent_fails(nodes_dir: Path) -> None:
+    provider = _BrokenRank2(workdir=str(nodes_dir))
+    with pytest.raises(ProvisionError, match="node 2: no agent today"):
+        asyncio.run(provider.start(spec(3), provider.agent_command()))
+    assert len(provider.started) == 2
+    assert_all_gone(provider.started, timeout=5, what="the agents that had started")
+    assert list(nodes_dir.iterdir()) == []
+
+
+def test_a_pool_whose_agent_cannot_start_leaves_nothing(nodes_dir: Path) -> None:
+    provider = _BrokenRank2(workdir=str(nodes_dir))
+    pool = sky.Compute(provider, nodes=3)
+    with pytest.raises(ProvisionError, match="node 2: no agent today"):
+        pool.open()
+    assert pool.state is sky.PoolState.CLOSED
+    assert_all_gone(provider.started, timeout=5, what="the agents that had started")
+    assert list(nodes_dir.iterdir()) == []
+
+
+# -- SSH -------------------------------------------------------------------------------------
+
+
+def test_ssh_spare_hosts_then_reconnection(ssh_lab: Lab) -> None:
+    spare = ssh_lab.add_host()
+    hosts = [*ssh_lab.hosts[:2], spare]
+    provider = ssh_lab.provider(hosts)
+    pool_spec = spec(2)
+    provider.validate(pool_spec)
+
+    async def scenario() -> dict[str, Any]:
+        allocation = await provider.acquire(pool_spec)
+        seen: dict[str, Any] = {"hosts": [m.host for m in allocation.machines]}
+        agents = await start_agents(allocation, allocation.machines, provider.agent_command())
+        old = allocation.machines[1]
+        await agents[1].terminate()
+        first = await allocation.replace(1, "lost")  # the spare
+        [on_spare] = await start_agents(allocation, [first], provider.agent_command())
+        await on_spare.terminate()
+        second = await allocation.replace(1, "lost again")  # no spare left: the same host
+        [again] = await start_agents(allocation, [second], provider.agent_command())
+        seen["replacements"] = [first, second]
+        seen["agents"] = [on_spare.host, again.host]
+        seen["states"] = [allocation.machine_states[m.ident] for m in (old, first, second)]
+        await again.terminate()
+        await agents[0].terminate()
+        await allocation.release()
+        seen["released"] = set(allocation.machine_states.values())
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+        assert seen["hosts"] == [hosts[0].addr, hosts[1].addr]
+        first, second = seen["replacements"]
+        assert (first.rank, first.host) == (1, spare.addr)
+        assert (second.rank, second.host) == (1, spare.addr)  # reconnected
+        assert first.ident != second.ident  # each machine of the history has its own ident
+        assert seen["agents"] == [spare.addr, spare.addr]
+        assert seen["states"] == [
+            MachineState.RELEASED,
+            MachineState.RELEASED,
+            MachineState.RUNNING,
+        ]
+        assert seen["released"] == {MachineState.RELEASED}
+        assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
+    finally:
+        ssh_lab.remove_host(spare)
