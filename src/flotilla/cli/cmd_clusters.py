@@ -13,6 +13,7 @@ from .._node import procs
 from .backends import registry
 from .clusters import running
 from .console import CLIError, duration, say, table
+from .conventions import EXIT_FLOTILLA, confirm
 from .state import ClusterState, JobStatus, Paths, all_names, load
 
 
@@ -59,12 +60,24 @@ def cmd_down(args: argparse.Namespace) -> int:
     from .state import delete
 
     code = 0
-    for name in args.clusters:
+    names: list[str] = args.clusters
+    if args.all:
+        if names:
+            raise ConfigurationError("give cluster names or -a/--all, not both")
+        names = all_names()
+        if not names:
+            say("there are no clusters")
+            return 0
+        if not confirm(f"stop and remove cluster(s) {', '.join(names)}?", args.yes):
+            raise CLIError("nothing was stopped")
+    elif not names:
+        raise ConfigurationError("which clusters? `flotilla down NAME...`, or -a for every one")
+    for name in names:
         paths = Paths(name)
         rec = load(paths)
         if rec is None:
             say(f"there is no cluster {name!r}")
-            code = 1
+            code = EXIT_FLOTILLA
             continue
         state = rec.observed_state()
         if state.needs_daemon:

@@ -348,9 +348,14 @@ class Runner:
         archive = build_archive(spec.workdir, spec.file_mounts)
         if archive is None or archive.digest == self.synced:
             return None
+        left = archive.excluded
+        left_out = ""
+        if left.files:
+            by = ", ".join(archive.rules) or "the built-in rules"
+            left_out = f"; left out {left.describe()} by {by}"
         job.phase(
             f"job {job.id}: sync {archive.files} file(s), {len(archive.data) / 1e6:.1f} MB, "
-            f"to {len(self.nodes)} node(s)",
+            f"to {len(self.nodes)} node(s){left_out}",
             {n.node: n.node for n in self.nodes},
         )
         call = unpack(archive.data, archive.targets, self.shares_filesystem, self.workdirs)
