@@ -173,3 +173,10 @@ def test_sync_follows_the_ignore_files_and_says_what_it_left_out(cli: CLI) -> No
     found = {line.split(") ", 1)[1] for line in done.stdout.splitlines() if ") ./" in line}
     assert found == {"./.skyignore", "./train.py", "./data/keep.csv", "./sub/ckpt/notes.txt"}
     assert "left out 2 file(s) (5.2 KB) by .skyignore" in done.stderr, done.stderr
+
+
+def test_ssh_on_a_local_node_has_the_same_home_as_run(cli: CLI) -> None:
+    cli.ok("launch", "echo run-home=$HOME", "-c", "hm", "--nodes", "2")
+    rec = cli.record("hm")
+    done = cli.ok("ssh", "hm", "--node", "1", "echo", "ssh-home=$HOME")
+    assert done.stdout.strip() == f"ssh-home={rec.nodes[1].workdir}"
