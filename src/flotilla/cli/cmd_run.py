@@ -11,7 +11,7 @@ from .._errors import ConfigurationError
 from .backends import registry
 from .clusters import launch_here, running, start_daemon, submit
 from .console import CLIError, say
-from .conventions import EXIT_INTERRUPTED, next_steps
+from .conventions import next_steps
 from .jobspec import JobSpec
 from .state import ClusterState, Paths, load
 
@@ -101,7 +101,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
     assert existing is not None
     code = submit(paths, existing, job, args.detach)
-    if not args.down and code != EXIT_INTERRUPTED:  # the cluster stays: say what next
+    if not args.down and code == 0:  # the cluster stays: say what next (a failure's
+        # report stays the last thing said)
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)
     return code
