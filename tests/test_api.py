@@ -425,7 +425,7 @@ def test_several_processes_per_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert len({r[3] for r in results}) == 4  # four processes
     out = capsys.readouterr().out
     assert sorted(line for line in out.splitlines() if "hi" in line) == [
-        f"(rank {r}) hi" for r in range(4)
+        f"(node-{r // 2}, rank={r}) hi" for r in range(4)
     ]
 
 

@@ -56,8 +56,8 @@ def lines(text: str, tag: str) -> list[str]:
 def test_lines_carry_their_node(pool4: sky.Compute, capsys: pytest.CaptureFixture[str]) -> None:
     chatter("p1") @ pool4
     out, err = capsys.readouterr()
-    assert lines(out, "p1") == [f"(node {k}) p1 out {k}" for k in range(4)]
-    assert lines(err, "p1") == [f"(node {k}) p1 err {k}" for k in range(4)]
+    assert lines(out, "p1") == [f"(node-{k}, rank={k}) p1 out {k}" for k in range(4)]
+    assert lines(err, "p1") == [f"(node-{k}, rank={k}) p1 err {k}" for k in range(4)]
 
 
 @pytest.mark.parametrize("fn", [below, above], ids=["below", "above"])
@@ -65,12 +65,15 @@ def test_stdout_only_head(
     fn: sky.Function[[str], None], pool4: sky.Compute, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fn("h1") @ pool4
-    assert lines(capsys.readouterr().out, "h1") == ["(node 0) h1 0"]
+    assert lines(capsys.readouterr().out, "h1") == ["(node-0, rank=0) h1 0"]
 
 
 def test_stdout_predicate(pool4: sky.Compute, capsys: pytest.CaptureFixture[str]) -> None:
     first_two("pr") @ pool4
-    assert lines(capsys.readouterr().out, "pr") == ["(node 0) pr 0", "(node 1) pr 1"]
+    assert lines(capsys.readouterr().out, "pr") == [
+        "(node-0, rank=0) pr 0",
+        "(node-1, rank=1) pr 1",
+    ]
 
 
 def test_silent_and_stderr(pool4: sky.Compute, capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +81,7 @@ def test_silent_and_stderr(pool4: sky.Compute, capsys: pytest.CaptureFixture[str
     err_head("eh") @ pool4
     out, err = capsys.readouterr()
     assert lines(out + err, "sl") == []
-    assert lines(err, "eh") == ["(node 0) eh 0"]
+    assert lines(err, "eh") == ["(node-0, rank=0) eh 0"]
 
 
 def test_decorated_options_survive_output_decorators() -> None:
@@ -89,3 +92,12 @@ def test_decorated_options_survive_output_decorators() -> None:
 def test_only_must_be_head_or_a_predicate() -> None:
     with pytest.raises(ValueError, match="only="):
         sky.stdout(only="tail")  # type: ignore[arg-type]
+
+
+def test_stdout_only_head_in_standalone_mode_keeps_node_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with sky.Compute(nodes=2, options=sky.Options(cluster=False)) as pool:
+        below("sa") @ pool
+    got = lines(capsys.readouterr().out, "sa")
+    assert len(got) == 1 and got[0].endswith("sa 0")

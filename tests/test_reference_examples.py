@@ -32,7 +32,7 @@ def test_distributed_task_runtime_context(capsys: pytest.CaptureFixture[str]) ->
     assert results == [6, 6, 6, 6]
     out = capsys.readouterr().out
     assert sorted(line for line in out.splitlines() if "Node" in line) == [
-        f"(node {k}) Node {k} of 4" for k in range(4)
+        f"(node-{k}, rank={k}) Node {k} of 4" for k in range(4)
     ]
 
 
@@ -64,8 +64,8 @@ def test_head_only_output(capsys: pytest.CaptureFixture[str]) -> None:
         train() @ compute  # runs on all 4 nodes
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if "Epoch" in line] == [
-        "(node 0) Epoch 0: loss=0.9000",
-        "(node 0) Epoch 1: loss=0.5000",
+        "(node-0, rank=0) Epoch 0: loss=0.9000",
+        "(node-0, rank=0) Epoch 1: loss=0.5000",
     ]
 
 

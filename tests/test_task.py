@@ -201,7 +201,8 @@ def test_job_nodes_and_command_tasks() -> None:
     with pytest.raises(TaskError, match="num_nodes is 4 but the cluster has 3"):
         Task(run="x", num_nodes=4).job_nodes(3)
     task = command_task("python train.py --fast", 2)
-    assert (task.name, task.num_nodes, task.run) == ("python", 2, "python train.py --fast")
+    assert (task.name, task.num_nodes) == ("python-train.py-fast", 2)
+    assert task.run == "python train.py --fast"
     with pytest.raises(TaskError):
         command_task("  ")
 

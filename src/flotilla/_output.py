@@ -22,7 +22,8 @@ Only = Literal["head"] | Callable[[InstanceInfo], bool]
 
 def _predicate(only: Only) -> Callable[[InstanceInfo], bool]:
     if only == "head":
-        return lambda info: info.is_head
+        # node 0, also in standalone mode (no head there, but one node should speak)
+        return lambda info: info.is_head or (not info.cluster and info.node == 0)
     if callable(only):
         return only
     raise ValueError(f"only= must be 'head' or a predicate taking an InstanceInfo, got {only!r}")
@@ -53,12 +54,14 @@ def _decorator(streams: tuple[str, ...], keep: Callable[[InstanceInfo], bool]) -
 
 
 def stdout(only: Only = "head") -> Callable[[F], F]:
-    """Keep stdout only on the nodes ``only`` selects: ``"head"`` or ``lambda info: ...``."""
+    """Keep stdout only on the nodes ``only`` selects: ``"head"`` (node 0, in standalone
+    mode too) or ``lambda info: ...``."""
     return _decorator(("stdout",), _predicate(only))
 
 
 def stderr(only: Only = "head") -> Callable[[F], F]:
-    """Keep stderr only on the nodes ``only`` selects: ``"head"`` or ``lambda info: ...``."""
+    """Keep stderr only on the nodes ``only`` selects: ``"head"`` (node 0, in standalone
+    mode too) or ``lambda info: ...``."""
     return _decorator(("stderr",), _predicate(only))
 
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
@@ -23,11 +24,11 @@ from .._redaction import plugin_secrets, redact, redact_exception
 from .._wire.frames import Kind, frame
 from .._wire.serialize import SHM_DIR, pickle_obj, unlink_shm
 from . import loop as _loop
+from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, as_call, function
 from .node import Node, NodeEvents, NodeState
 from .outcome import results
-from .progress import Progress
 from .renew import Renewals
 
 logger = logging.getLogger("flotilla")
@@ -129,9 +130,12 @@ class Compute:
         self._build_spec: dict[str, Any] | None = None
         self._env: dict[str, str] = {}
         self._secrets: list[str] = []
-        self._progress = Progress(0)
+        self._console = Console()
         self.output_sink: Callable[[int, int, list[str]], None] | None = None
         """Receives (node rank, stream, lines) instead of printing them, when set."""
+        self.state_sink: Callable[[int, int, str], None] | None = None
+        """With ``output_sink``: receives (node rank, stream, what a line redrawn with
+        ``\\r`` shows now: a progress bar), instead of drawing it."""
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
@@ -228,7 +232,9 @@ class Compute:
         self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
         self._allocation.watch(self._renewals.provider_lost)
         self._procs = list(procs)
-        self._progress = Progress(len(procs), self._secrets)
+        self._console = Console(self._secrets)
+        self._console.begin(range(len(procs)))
+        started = time.monotonic()
         self._dispatcher.nodes[:] = [self._new_node(rank, p) for rank, p in enumerate(procs)]
         for node in self._nodes:
             node.start(loop)
@@ -240,7 +246,7 @@ class Compute:
         for node in self._nodes:
             self._configure(node, self._nodes, probe)
         await self._wait_all(nodes, [n.ready for n in nodes], timeout, "initialise")
-        self._progress.finish()
+        self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
         if probe:
             unlink_shm(probe["name"])
 
@@ -326,6 +332,7 @@ class Compute:
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""
+        self._console.close()
         if self._state in (PoolState.CLOSED, PoolState.NEW):
             self._state = PoolState.CLOSED
             return
@@ -350,6 +357,7 @@ class Compute:
             await self._allocation.release()
         for node in self._nodes:
             node.flush_output()
+        self._console.close()  # the lines just flushed ended their bars
         self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
         with contextlib.suppress(OSError):
             for name in os.listdir(SHM_DIR):
@@ -471,16 +479,16 @@ class _PoolEvents(NodeEvents):
         self.pool = pool
 
     def phase(self, node: Node, phase: str) -> None:
-        self.pool._progress.set_phase(node.rank, phase)
+        self.pool._console.set_phase(node.rank, phase)
 
     def building(self, node: Node, info: dict[str, Any]) -> None:
-        self.pool._progress.set_phase(node.rank, "environment")
+        self.pool._console.set_phase(node.rank, "environment")
         if info.get("need_includes"):
             with node.write_lock:
                 node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
 
     def build_output(self, node: Node, data: bytes) -> None:
-        self.pool._progress.build_output(node.rank, data)
+        self.pool._console.build_output(node.rank, data)
 
     def broken(self, node: Node, generation: int, reason: str) -> None:
         self.pool._dispatcher.restart_group(f"{node.name}: {reason}", generation)
@@ -493,9 +501,15 @@ class _PoolEvents(NodeEvents):
             lines = [redact(line, self.pool._secrets) for line in lines]
         sink = self.pool.output_sink
         if sink is None:
-            super().output(node, stream, lines, local_rank)
+            self.pool._console.lines(node.rank, node.global_rank(local_rank), stream, lines)
         else:
             sink(node.rank, stream, lines)
+
+    def state(self, node: Node, stream: int, text: str, local_rank: int = 0) -> None:
+        if self.pool.output_sink is None:
+            self.pool._console.state(node.rank, node.global_rank(local_rank), stream, text)
+        elif self.pool.state_sink is not None:
+            self.pool.state_sink(node.rank, stream, text)
 
 
 def _left_operand_error(op: str, other: object) -> TypeError:

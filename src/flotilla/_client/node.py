@@ -19,6 +19,8 @@ from .._providers.base import AgentProcess
 from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import TASK_HEAD, Buffer, Kind, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
+from .console import prefix
+from .lines import LineAssembler
 
 if TYPE_CHECKING:
     from .function import PendingCall
@@ -122,11 +124,12 @@ class NodeEvents:
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         """Complete lines a node's tasks printed (stream 1: stdout, 2: stderr)."""
-        procs = len(node.busy)
-        prefix = (
-            f"(node {node.rank}) " if procs == 1 else f"(rank {node.rank * procs + local_rank}) "
-        )
-        _write(stream, "".join(f"{prefix}{line}\n" for line in lines))
+        head = prefix(node.rank, node.global_rank(local_rank))
+        _write(stream, "".join(f"{head}{line}\n" for line in lines))
+
+    def state(self, node: Node, stream: int, text: str, local_rank: int = 0) -> None:
+        """A task redrew its unfinished line with ``\\r`` (a progress bar): ``text`` is
+        what the line shows now."""
 
 
 class Node:
@@ -153,12 +156,16 @@ class Node:
         self.ready_info: dict[str, Any] = {}
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL)
         self._err_partial = b""
-        self._out_partial: dict[int, bytes] = {}  # by OUTPUT ident (stream, local rank)
+        self._out: dict[int, LineAssembler] = {}  # by OUTPUT ident (stream, local rank)
         self._on_result = on_result
         self._on_lost = on_lost
         self.events = events or NodeEvents()
         self.hello: asyncio.Future[dict[str, Any]] | None = None
         self.ready: asyncio.Future[dict[str, Any]] | None = None
+
+    def global_rank(self, local_rank: int) -> int:
+        """The global rank of this node's process ``local_rank``."""
+        return self.rank * len(self.busy) + local_rank
 
     @property
     def name(self) -> str:
@@ -316,18 +323,21 @@ class Node:
 
     # -- output ----------------------------------------------------------------------
     def _output(self, ident: int, data: bytes) -> None:
-        buf = self._out_partial.get(ident, b"") + data
-        lines = buf.split(b"\n")
-        self._out_partial[ident] = lines.pop()
+        assembler = self._out.get(ident)
+        if assembler is None:
+            assembler = self._out[ident] = LineAssembler()
+        lines, state = assembler.feed(data)
         if lines:
-            text = [line.decode(errors="replace") for line in lines]
-            self.events.output(self, ident & 0xFF, text, ident >> 8)
+            self.events.output(self, ident & 0xFF, lines, ident >> 8)
+        if state is not None:
+            self.events.state(self, ident & 0xFF, state, ident >> 8)
 
     def flush_output(self) -> None:
-        for ident, rest in self._out_partial.items():
-            if rest:
-                self._out_partial[ident] = b""
-                self.events.output(self, ident & 0xFF, [rest.decode(errors="replace")], ident >> 8)
+        """The unfinished lines as finished ones (the calls ended): nothing is lost."""
+        for ident, assembler in self._out.items():
+            rest = assembler.flush()
+            if rest is not None:
+                self.events.output(self, ident & 0xFF, [rest], ident >> 8)
 
 
 _print_lock = threading.Lock()

@@ -59,7 +59,8 @@ def outcome(
 def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -> BaseException:
     """Rebuild a task's exception with its own type, or a RemoteError when that is impossible.
 
-    The remote traceback is attached as a note, and as ``remote_traceback`` with ``node``.
+    The remote traceback is the exception's cause (see ``tracebacks``), and its
+    ``remote_traceback`` attribute with ``node``.
     """
     data, type_name, message, tb = described
     if type_name == "flotilla.SerializationError":
@@ -72,7 +73,11 @@ def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -
             exc = None
     if not isinstance(exc, Exception):  # not rebuildable here, or SystemExit & co.
         return RemoteError(type_name, message, tb, node)
-    exc.add_note(f"\n--- remote traceback (node {node}) ---\n{tb.rstrip()}")
+    from .tracebacks import RemoteTraceback, user_frames
+
+    shown = user_frames(tb)
+    exc.__cause__ = RemoteTraceback(shown, node)  # printed first: the user's frames lead
+    exc.add_note(f"(the remote traceback (node {node}) is above)")
     with contextlib.suppress(AttributeError, TypeError):
         setattr(exc, "node", node)  # noqa: B010
         setattr(exc, "remote_traceback", tb)  # noqa: B010

@@ -28,7 +28,6 @@ from .._providers.base import MachineState, start_agents
 from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
 from .node import Node, NodeState
-from .progress import Progress
 
 if TYPE_CHECKING:
     from .compute import Compute
@@ -100,7 +99,8 @@ class Renewals:
         await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
         allocation.mark(allocation.machines[lost], MachineState.LOST)
         fresh: list[Node] = []
-        progress = Progress(pool.nodes, pool._secrets)
+        console = pool._console  # one row per node being replaced, on a terminal
+        console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
         try:
             await allocation.replace(lost, why)
             machines = [allocation.machines[r] for r in ranks]
@@ -108,7 +108,6 @@ class Renewals:
             pool._procs += procs
             fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
             self.starting += fresh
-            pool._progress = progress
             loop = asyncio.get_running_loop()
             for node in fresh:
                 node.start(loop)
@@ -140,7 +139,7 @@ class Renewals:
             dispatcher.failed(ranks, reason)
             return
         finally:
-            progress.finish()
+            console.end()
             self.starting = [n for n in self.starting if n not in fresh]
         self.replaced += 1
         dispatcher.back(fresh)

@@ -1,7 +1,10 @@
 """This machine's processes, read from ``/proc``: one walk for the node side and the command
 line (is a daemon still the same process; kill what a job or a local cluster left behind).
 
-Linux only, as the node side is. Standard library only.
+On Linux everything is read from ``/proc``. Where there is none (a macOS laptop running
+the command line), whether a process runs and when it started come from ``ps`` (POSIX),
+so that a cluster's daemon is not taken for gone; the rest (working directories,
+environments) is Linux's, as the node side is. Standard library only.
 """
 
 from __future__ import annotations
@@ -9,21 +12,30 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+
+HAS_PROC = os.path.isdir("/proc/self")
 
 
 def pids() -> Iterator[int]:
     """Every process id on this machine except this process's own."""
     me = os.getpid()
+    if not HAS_PROC:
+        yield from (p for p in _ps_pids() if p != me)
+        return
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != me:
             yield int(entry)
 
 
 def start_time(pid: int) -> int:
-    """The start time of ``pid`` in clock ticks since boot; 0 when there is no such process
-    or it is a zombie (it has exited; only its entry is left)."""
+    """The start time of ``pid``; 0 when there is no such process or it is a zombie (it
+    has exited; only its entry is left). Compare it, do not show it: clock ticks since boot
+    from ``/proc``, seconds since the epoch from ``ps`` elsewhere."""
+    if not HAS_PROC:
+        return _ps_start(pid)
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
@@ -86,3 +98,31 @@ def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
         if not found:
             break
     return killed
+
+
+def _ps(*args: str) -> str:
+    try:
+        done = subprocess.run(
+            ["ps", *args], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}
+        )
+    except OSError:
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def _ps_pids() -> list[int]:
+    return [int(w) for w in _ps("-A", "-o", "pid=").split() if w.isdigit()]
+
+
+def _ps_start(pid: int) -> int:
+    """``ps``'s view of ``pid``: its start time in seconds since the epoch (0: none or a
+    zombie). ``lstart`` is ``Mon Nov 23 19:13:47 2026`` on Linux, macOS and the BSDs."""
+    if pid <= 0:
+        return 0
+    fields = _ps("-o", "stat=,lstart=", "-p", str(pid)).split()
+    if len(fields) < 6 or fields[0].startswith("Z"):
+        return 0
+    try:
+        return int(time.mktime(time.strptime(" ".join(fields[1:6]), "%a %b %d %H:%M:%S %Y")))
+    except ValueError:
+        return 0

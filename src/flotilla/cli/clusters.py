@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 from .._errors import FlotillaError
 from .._node import procs
 from .console import CLIError, say, show, tail
+from .conventions import EXIT_LOST, EXIT_PROVISION
 from .jobspec import JobSpec
 from .state import ClusterRecord, ClusterState, Paths, load, locked_generation, save, update
 
@@ -73,10 +74,13 @@ def connect(paths: Paths, rec: ClusterRecord, timeout: float = START_TIMEOUT) ->
             if not procs.alive(rec.pid, rec.pid_start):
                 raise CLIError(
                     f"cluster {paths.name}: its daemon (pid {rec.pid}) is gone; "
-                    f"`flotilla down {paths.name}` cleans it up"
+                    f"`flotilla down {paths.name}` cleans it up",
+                    code=EXIT_LOST,
                 ) from None
             if time.monotonic() >= deadline:
-                raise CLIError(f"cluster {paths.name}: its daemon does not answer ({e})") from None
+                raise CLIError(
+                    f"cluster {paths.name}: its daemon does not answer ({e})", code=EXIT_LOST
+                ) from None
             time.sleep(delay)  # it is starting: it listens within moments
             delay = min(delay * 2, 0.1)
 
@@ -99,7 +103,7 @@ def submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> int
         if detach:
             say(
                 f"job {job} submitted to {paths.name} (task id {first['task_id']}); "
-                f"follow it with `flotilla logs {paths.name} {job} --follow`"
+                f"follow it with `flotilla logs {paths.name} {job}`"
             )
             return 0
         try:
@@ -107,7 +111,7 @@ def submit(paths: Paths, rec: ClusterRecord, spec: JobSpec, detach: bool) -> int
         except KeyboardInterrupt:
             say(
                 f"stopped following job {job}; it keeps running: "
-                f"`flotilla logs {paths.name} {job} --follow`, `flotilla cancel {paths.name} {job}`"
+                f"`flotilla logs {paths.name} {job}`, `flotilla cancel {paths.name} {job}`"
             )
             return 130
     return 0 if code is None else code
@@ -196,7 +200,8 @@ def start_daemon(
             failed.error = f"its daemon exited with status {proc.returncode}"
         raise CLIError(
             f"cluster {paths.name}: the daemon exited with status {proc.returncode} before "
-            f"it was ready; its log ({paths.daemon_log}) ends with:\n{last}"
+            f"it was ready; its log ({paths.daemon_log}) ends with:\n{last}",
+            code=EXIT_PROVISION,
         )
     proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
     return rec

@@ -14,6 +14,7 @@ from .._node import procs
 from .backends import registry
 from .clusters import running
 from .console import CLIError, duration, say, table
+from .conventions import EXIT_FLOTILLA, confirm
 from .state import (
     ClusterRecord,
     ClusterState,
@@ -73,7 +74,19 @@ def cmd_down(args: argparse.Namespace) -> int:
     from .state import delete
 
     code = 0
-    for name in args.clusters:
+    names: list[str] = args.clusters
+    if args.all:
+        if names:
+            raise ConfigurationError("give cluster names or -a/--all, not both")
+        names = all_names()
+        if not names:
+            say("there are no clusters")
+            return 0
+        if not confirm(f"stop and remove cluster(s) {', '.join(names)}?", args.yes):
+            raise CLIError("nothing was stopped")
+    elif not names:
+        raise ConfigurationError("which clusters? `flotilla down NAME...`, or -a for every one")
+    for name in names:
         paths = Paths(name)
         try:
             rec = load(paths)
@@ -82,7 +95,7 @@ def cmd_down(args: argparse.Namespace) -> int:
             continue
         if rec is None:
             say(f"there is no cluster {name!r}")
-            code = 1
+            code = EXIT_FLOTILLA
             continue
         state = rec.observed_state()
         if state.needs_daemon:

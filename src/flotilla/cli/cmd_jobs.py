@@ -6,8 +6,10 @@ import argparse
 import sys
 import time
 
+from .._errors import ConfigurationError
 from .clusters import connect, record, running
 from .console import CLIError, duration, say, show, table
+from .conventions import EXIT_FLOTILLA, confirm
 from .state import ClusterState, JobStatus, Paths
 
 
@@ -81,11 +83,25 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
     code = 0
-    for job_id in args.jobs:
+    ids: list[int] = args.jobs
+    if args.all:
+        if ids:
+            raise ConfigurationError("give job ids or -a/--all, not both")
+        ids = [j.id for j in rec.jobs if not JobStatus(j.status).finished]
+        if not ids:
+            say(f"cluster {paths.name} has no job to cancel")
+            return 0
+        if not confirm(f"cancel job(s) {', '.join(map(str, ids))} on {paths.name}?", args.yes):
+            raise CLIError("nothing was cancelled")
+    elif not ids:
+        raise ConfigurationError(
+            f"which jobs? `flotilla cancel {paths.name} JOB...`, or -a for every unfinished job"
+        )
+    for job_id in ids:
         job = rec.job(job_id)
         if job is None:
             say(f"cluster {paths.name} has no job {job_id}")
-            code = 1
+            code = EXIT_FLOTILLA
             continue
         with connect(paths, rec) as sock:
             sock.sendall(encode({"op": "cancel", "job": job_id}))

@@ -11,6 +11,7 @@ from .._errors import ConfigurationError
 from .backends import registry
 from .clusters import launch_here, running, start_daemon, submit
 from .console import CLIError, say
+from .conventions import next_steps
 from .jobspec import JobSpec
 from .state import ClusterState, Paths, load
 
@@ -138,7 +139,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         existing = start_daemon(paths, existing, spec, cluster_nodes, args.idle_minutes)
         say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
     assert existing is not None
-    return submit(paths, existing, job, args.detach)
+    code = submit(paths, existing, job, args.detach)
+    if not args.down and code == 0:  # the cluster stays: say what next (a failure's
+        # report stays the last thing said)
+        for line in next_steps(name, None, existing.idle_minutes):
+            say(line)
+    return code
 
 
 def cmd_exec(args: argparse.Namespace) -> int:

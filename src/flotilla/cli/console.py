@@ -6,16 +6,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 from .._errors import FlotillaError
-from .ipc import Event, prefix
+from .ipc import Event
 from .state import JobStatus
 
 
 class CLIError(FlotillaError):
-    """A command that cannot go on; ``code`` is the exit status."""
+    """A command that cannot go on; ``code`` is the exit status (see ``conventions``)."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = 100) -> None:
         super().__init__(message)
         self.code = code
 
@@ -27,15 +28,31 @@ def say(text: str) -> None:
 
 def show(events: Iterable[Event], raw: bool = False, quiet_end: bool = False) -> int | None:
     """Print a job's events as they come; the job's exit status (None: the daemon no
-    longer has the job). Node lines carry their node unless ``raw`` (one node's log)."""
+    longer has the job). Node lines carry their node unless ``raw`` (one node's log), in
+    the node's colour on a terminal; bars (``bar`` events) are redrawn in place there, and
+    written now and then elsewhere (see ``flotilla._client.console``)."""
+    from .._client.console import Console
+
+    console = Console()
+    try:
+        return _show(events, raw, quiet_end, console)
+    finally:
+        console.close()
+
+
+def _show(events: Iterable[Event], raw: bool, quiet_end: bool, console: Any) -> int | None:
     out, err = sys.stdout, sys.stderr
     for ev in events:
         what = ev["ev"]
-        if what == "out":
-            line = ev["line"] if raw else prefix(ev["node"], ev["rank"]) + ev["line"]
+        if what == "out" and raw:
             stream = out if ev["stream"] == 1 else err
-            stream.write(line + "\n")
+            stream.write(ev["line"] + "\n")
             stream.flush()
+        elif what == "out":
+            console.lines(ev["node"], ev["rank"], ev["stream"], [ev["line"]])
+        elif what == "bar":
+            if not raw:
+                console.state(ev["node"], ev["rank"], ev["stream"], ev["line"])
         elif what == "log":
             out.write(ev["line"] + "\n")
             out.flush()
@@ -43,15 +60,20 @@ def show(events: Iterable[Event], raw: bool = False, quiet_end: bool = False) ->
             if not raw:
                 say(ev["text"])
         elif what == "end":
+            console.close()
             out.flush()
             report(ev, quiet_end)
             code = ev.get("exit_code")
-            return int(code) if code is not None else 1
+            if code is None:
+                return 1
+            return 128 - int(code) if int(code) < 0 else int(code)  # killed by signal N
         elif what == "gone":
             return None
         elif what == "error":
             raise CLIError(ev["message"])
-    raise CLIError("the cluster daemon went away before the job ended (see `flotilla status`)")
+    raise CLIError(
+        "the cluster daemon went away before the job ended (see `flotilla status`)", code=102
+    )
 
 
 def report(ev: Event, quiet: bool) -> None:

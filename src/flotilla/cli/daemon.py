@@ -218,6 +218,7 @@ class ClusterDaemon:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
             pool = Compute(provider, nodes=self.num_nodes)
             pool.output_sink = self._on_output
+            pool.state_sink = self._on_state
             with self.cv:
                 if self.stopping:
                     return
@@ -259,6 +260,11 @@ class ClusterDaemon:
             head = prefix(node, node)
             clean = [redact(line, self.secrets) for line in lines]
             sys.stderr.write("".join(f"{head}{line}\n" for line in clean))
+
+    def _on_state(self, node: int, stream: int, text: str) -> None:
+        job = self.current
+        if job is not None:  # between jobs, a bar's final line still comes as output
+            job.state(node, stream, text)
 
     # -- jobs --------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> Job:

@@ -10,6 +10,7 @@ The client sends one request and reads events until the daemon closes the connec
     {"op": "down"}                                  -> {"ev": "down"} once everything stopped
 
 Job events: {"ev": "out", "node": K, "rank": R, "stream": 1|2, "line": "..."},
+{"ev": "bar", ...the same fields} (a line redrawn with \\r: what it shows now),
 {"ev": "phase", "text": "..."}, {"ev": "end", "status": "...", "exit_code": N,
 "report": [lines]}. Errors: {"ev": "error", "message": "..."}.
 
@@ -25,6 +26,8 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from .._client.console import prefix as prefix  # node lines: one format, the API's too
 
 Event = dict[str, Any]
 
@@ -70,11 +73,6 @@ def request(path: Path, obj: Event) -> Iterator[Event]:
         yield from events(sock)
     finally:
         sock.close()
-
-
-def prefix(node: int, rank: int) -> str:
-    """The prefix of a node's lines: ``(node-1, rank=1) ``."""
-    return f"(node-{node}, rank={rank}) "
 
 
 def node_name(node: int, rank: int) -> str:

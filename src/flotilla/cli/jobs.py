@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._client.compute import Compute
+from .._client.lines import Throttle
 from .._image import is_secret
 from .._node.private import private_dirs
 from .._redaction import redact
 from .._wire.exits import describe_exit
 from .backends.base import check_gpus
 from .ipc import Event, node_name, prefix
-from .jobspec import JobSpec, hostfile, phase_env
+from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
 from .state import JobRecord, JobStatus, NodeRecord
 from .sync import build as build_archive
@@ -79,6 +80,7 @@ class Job:
         self.ranks: dict[int, int] = {}
         self.tails: dict[int, deque[str]] = {}
         self.subscribers: list[Subscriber] = []
+        self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
         self._files: dict[str, IO[str]] = {}
         private_dirs(folder.parent, folder)
 
@@ -112,22 +114,43 @@ class Job:
     def output(self, node: int, stream: int, lines: list[str]) -> None:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
         with self.lock:
+            throttle = self.throttles.get((node, stream))
+            if throttle is not None:
+                throttle.reset()  # a finished line ends the node's bar
+            self._lines(node, stream, lines)
+
+    def state(self, node: int, stream: int, text: str) -> None:
+        """A node redrew its unfinished line with ``\\r`` (a progress bar): followers get
+        every state (a terminal redraws the bar in place); the logs get a line now and
+        then (the first state, then one per few seconds; the final line comes as output)."""
+        with self.lock:
             rank = self.ranks.get(node, node)
-            head = prefix(node, rank)
-            tail = self.tails.setdefault(node, deque(maxlen=TAIL_LINES))
-            clean = [redact(line, self.secrets) for line in lines]
-            self._file(f"node-{node}.log").write("".join(f"{line}\n" for line in clean))
-            self._file("job.log").write("".join(f"{head}{line}\n" for line in clean))
-            for line in clean:
-                tail.append(line)
+            clean = redact(text, self.secrets)
+            event = {"ev": "bar", "node": node, "rank": rank, "stream": stream, "line": clean}
+            self._publish(event, node)
+            throttle = self.throttles.setdefault((node, stream), Throttle())
+            if throttle.due():
+                self._lines(node, stream, [text], publish=False)
+
+    def _lines(self, node: int, stream: int, lines: list[str], publish: bool = True) -> None:
+        """Log lines (held: ``self.lock``) and, unless not ``publish``, send them on."""
+        rank = self.ranks.get(node, node)
+        head = prefix(node, rank)
+        tail = self.tails.setdefault(node, deque(maxlen=TAIL_LINES))
+        clean = [redact(line, self.secrets) for line in lines]
+        self._file(f"node-{node}.log").write("".join(f"{line}\n" for line in clean))
+        self._file("job.log").write("".join(f"{head}{line}\n" for line in clean))
+        for line in clean:
+            tail.append(line)
+            if publish:
                 self._publish(
                     {"ev": "out", "node": node, "rank": rank, "stream": stream, "line": line},
                     node,
                 )
-            for f in self._files.values():
-                f.flush()
-            if self.done.is_set():  # a straggler after the end: do not keep files open
-                self._close()
+        for f in self._files.values():
+            f.flush()
+        if self.done.is_set():  # a straggler after the end: do not keep files open
+            self._close()
 
     def _close(self) -> None:
         for f in self._files.values():
@@ -327,9 +350,14 @@ class Runner:
         archive = build_archive(spec.workdir, spec.file_mounts)
         if archive is None or archive.digest == self.synced:
             return None
+        left = archive.excluded
+        left_out = ""
+        if left.files:
+            by = ", ".join(archive.rules) or "the built-in rules"
+            left_out = f"; left out {left.describe()} by {by}"
         job.phase(
             f"job {job.id}: sync {archive.files} file(s), {len(archive.data) / 1e6:.1f} MB, "
-            f"to {len(self.nodes)} node(s)",
+            f"to {len(self.nodes)} node(s){left_out}",
             {n.node: n.node for n in self.nodes},
         )
         call = unpack(archive.data, archive.targets, self.shares_filesystem, self.workdirs)
@@ -353,6 +381,9 @@ class Runner:
             master_port=port,
             setup=phase == "setup",
         )
+        if self.shares_filesystem and "HOME" not in spec.envs:  # ~: as for file mounts
+            for rank, env in per_node.items():
+                env.update(shared_machine_home(self.workdirs[rank]))
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."

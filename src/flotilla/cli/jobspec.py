@@ -19,6 +19,8 @@ Variables of ``setup`` and ``run`` (FLOTILLA_* and their SkyPilot names, same me
     MASTER_ADDR, MASTER_PORT    the head's address and a port free on it (torchrun, env://)
     WORLD_SIZE, NODE_RANK, RANK number of nodes, this node's rank (one process per node)
     PYTHONUNBUFFERED=1          so that Python programs' output streams as it is printed
+    HOME (nodes on this machine) the node's working directory, where ``~`` in file_mounts
+                                lands (XDG_CACHE_HOME keeps the real ~/.cache: shared caches)
 
 In ``run`` they describe the job's nodes only (the first ``num_nodes`` of the cluster); in
 ``setup`` every node of the cluster. The task's ``envs`` and ``secrets`` come last and win.
@@ -27,6 +29,7 @@ In ``run`` they describe the job's nodes only (the first ``num_nodes`` of the cl
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -148,3 +151,12 @@ def phase_env(
                 mine[f"{p}_SETUP_NODE_RANK"] = str(rank)
         per_node[rank] = mine  # node index == rank: jobs use the first nodes of the cluster
     return common, per_node
+
+
+def shared_machine_home(workdir: str) -> dict[str, str]:
+    """HOME for a node that shares this machine with others (the local provider): its own
+    working directory, so that ``~/x`` in ``setup`` and ``run`` is where a ``~/x`` file
+    mount was unpacked, and nodes do not write over each other's home. Caches (pip, uv,
+    Hugging Face) stay in the real ``~/.cache``, shared, through XDG_CACHE_HOME."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return {"HOME": workdir, "XDG_CACHE_HOME": cache}

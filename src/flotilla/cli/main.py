@@ -4,11 +4,13 @@
     flotilla exec dev task.yaml | 'CMD'            sync the workdir and run (no setup)
     flotilla status                                clusters: provider, nodes, state, age, idle
     flotilla queue dev                             the cluster's jobs
-    flotilla logs dev [JOB] [--follow] [--node K]  a job's output, kept per node
-    flotilla cancel dev JOB                        stop a job on every node
-    flotilla ssh dev [--node K] [CMD]              a shell in a node's working directory
-    flotilla down dev                              stop everything, remove the cluster
+    flotilla logs dev [JOB] [--node K]             a job's output, followed (--no-follow)
+    flotilla cancel dev JOB... | -a [-y]           stop jobs on every node
+    flotilla ssh dev [--node K] [--] [CMD...]      a shell in a node's working directory
+    flotilla down dev... | -a [-y]                 stop everything, remove the clusters
     flotilla jobs launch|queue|logs|cancel ...     managed jobs: recovered when nodes are lost
+
+Exit status: the job's own, or one of ``conventions.EXIT_CODES`` for flotilla's own.
 
 Commands that only talk to a running cluster import nothing heavy (no asyncio, no pool
 machinery): the cluster daemon (``daemon``) does the work and streams the output back.
@@ -26,19 +28,31 @@ import contextlib
 import os
 import sys
 
-from .._errors import ConfigurationError, FlotillaError
+from .._errors import ConfigurationError, FlotillaError, ProvisionError, WorkerDiedError
 from .console import CLIError, say
-from .parser import build_parser
+from .conventions import (
+    EXIT_FLOTILLA,
+    EXIT_INTERRUPTED,
+    EXIT_LOST,
+    EXIT_PROVISION,
+    EXIT_USAGE,
+    split_command,
+)
+from .parser import build_parser, command_options
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``flotilla`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     after: list[str] = []
-    if "--" in argv:  # `flotilla ssh NAME --node 1 -- CMD ARGS`: CMD is not parsed
+    parser = build_parser()
+    valued = command_options(parser, argv[0]) if argv else None
+    if valued is not None:  # `flotilla ssh NAME --node 1 CMD ARGS`: CMD is not parsed
+        parsed, after = split_command(argv[1:], valued)
+        argv = [argv[0], *parsed]
+    elif "--" in argv:
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
-    parser = build_parser()
     args = parser.parse_args(argv)
     if after:
         if not getattr(args, "takes_rest", False):
@@ -51,12 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except ConfigurationError as e:
         say(f"error: {e}")
-        return 2
+        return EXIT_USAGE
+    except ProvisionError as e:
+        say(f"error: {e}")
+        return EXIT_PROVISION
+    except WorkerDiedError as e:  # a node lost under the command
+        say(f"error: {e}")
+        return EXIT_LOST
     except FlotillaError as e:
         say(f"error: {e}")
-        return 1
+        return EXIT_FLOTILLA
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import argparse
 
+from .._version import __version__
 from .backends import registry
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_status
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
+from .conventions import EXIT_CODES, count, index
 from .managed.commands import add_jobs_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flotilla`` command line: one sub-command per ``cmd_*`` function."""
+    codes = "; ".join(f"{c}: {what}" for c, what in EXIT_CODES.items())
     p = argparse.ArgumentParser(
         prog="flotilla",
         description="Run task files (SkyPilot format) on multi-node clusters.",
+        epilog=f"Exit status: the job's own, or {codes}.",
     )
+    p.add_argument("--version", action="version", version=f"flotilla {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def job_flags(q: argparse.ArgumentParser) -> None:
@@ -52,7 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("launch", help="start a cluster (if needed), sync, set up and run a task")
     q.add_argument("task", help="a task file (SkyPilot YAML) or a shell command")
     q.add_argument("-c", "--cluster", help="cluster name (default: a new one)")
-    q.add_argument("--nodes", type=int, help="cluster size (default: the task's num_nodes)")
+    q.add_argument(
+        "--nodes",
+        "--num-nodes",
+        dest="nodes",
+        type=count("--nodes"),
+        help="cluster size (default: the task's num_nodes)",
+    )
     q.add_argument("--no-setup", action="store_true", help="skip the task's setup")
     q.add_argument("--down", action="store_true", help="remove the cluster when the job ends")
     q.add_argument(
@@ -65,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("exec", help="sync the workdir and run a task or command (no setup)")
     q.add_argument("cluster")
     q.add_argument("task", help="a task file or a shell command")
-    q.add_argument("--nodes", type=int, help="nodes to run on (default: the task's, or all)")
+    q.add_argument(
+        "--nodes",
+        "--num-nodes",
+        dest="nodes",
+        type=count("--nodes"),
+        help="nodes to run on (default: the task's, or all)",
+    )
     job_flags(q)
     q.set_defaults(func=cmd_exec)
 
@@ -80,24 +97,44 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("logs", help="a job's output (default: the latest job)")
     q.add_argument("cluster")
     q.add_argument("job", nargs="?", type=int)
-    q.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
-    q.add_argument("--node", type=int, help="only this node's output")
+    q.add_argument(
+        "-f", "--follow", action="store_true", default=True, help="print until it ends (default)"
+    )
+    q.add_argument(
+        "--no-follow", dest="follow", action="store_false", help="print what there is, exit"
+    )
+    q.add_argument("--node", type=index("--node"), help="only this node's output")
     q.set_defaults(func=cmd_logs)
 
     q = sub.add_parser("cancel", help="stop jobs on every node")
     q.add_argument("cluster")
-    q.add_argument("jobs", nargs="+", type=int)
+    q.add_argument("jobs", nargs="*", type=int, metavar="JOB")
+    q.add_argument("-a", "--all", action="store_true", help="every job not finished yet")
+    q.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     q.set_defaults(func=cmd_cancel)
 
     q = sub.add_parser("down", help="stop clusters and remove them (logs included)")
-    q.add_argument("clusters", nargs="+")
+    q.add_argument("clusters", nargs="*", metavar="CLUSTER")
+    q.add_argument("-a", "--all", action="store_true", help="every cluster")
+    q.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     q.set_defaults(func=cmd_down)
 
     q = sub.add_parser("ssh", help="a shell (or a command) on a node, in its working directory")
     q.add_argument("cluster")
-    q.add_argument("--node", type=int, default=0)
+    q.add_argument("--node", type=index("--node"), default=0, help="the node (default: 0)")
     q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
     q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
 
     add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
     return p
+
+
+def command_options(parser: argparse.ArgumentParser, name: str) -> set[str] | None:
+    """For a sub-command whose last words are a command to run (``flotilla ssh``), its
+    options that take a value (see ``conventions.split_command``); None for the others."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(name)
+            if sub is not None and sub.get_default("takes_rest"):
+                return {o for a in sub._actions if a.nargs != 0 for o in a.option_strings}
+    return None

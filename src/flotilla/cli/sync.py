@@ -3,21 +3,22 @@
 Built on the client (the daemon runs there), sent to every node in one broadcast and
 unpacked by :func:`flotilla.cli.node_ops.unpack`. Members: ``workdir/...`` for the workdir,
 ``m0``, ``m1``... (a file, or a folder and its contents) for the file mounts.
+
+The workdir goes without what its ignore files leave out (``.skyignore``,
+``.flotillaignore``, else ``.gitignore``; gitignore's rules, see :mod:`flotilla._ignore`);
+the archive says how much that was.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
+from .._ignore import Excluded, Rules
 from .._image import DEFAULT_EXCLUDES
 from .node_ops import WORKDIR_MEMBER
-
-IGNORE_FILES = (".flotillaignore", ".skyignore")
-"""Files in the workdir listing more patterns to leave out, one per line."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,16 @@ class SyncArchive:
         targets: archive member -> node path, for the file mounts.
         digest: sha256 of ``data``; nodes that got this digest already need nothing.
         files: number of files in the archive.
+        excluded: what the workdir's rules left out.
+        rules: the workdir's ignore files that were read (none: the built-in rules only).
     """
 
     data: bytes
     targets: dict[str, str]
     digest: str
     files: int
+    excluded: Excluded = field(default_factory=Excluded)
+    rules: tuple[str, ...] = ()
 
 
 def build(workdir: str | None, file_mounts: Mapping[str, str]) -> SyncArchive | None:
@@ -44,26 +49,16 @@ def build(workdir: str | None, file_mounts: Mapping[str, str]) -> SyncArchive | 
     if not workdir and not file_mounts:
         return None
     sources: list[Source] = []
-    if workdir:
-        patterns = DEFAULT_EXCLUDES + _ignore_patterns(workdir)
-        sources.append(Source(workdir, WORKDIR_MEMBER, glob_excludes(patterns)))
+    rules = Rules(workdir) if workdir else None
+    if workdir and rules is not None:
+        sources.append(Source(workdir, WORKDIR_MEMBER, rules))
     targets: dict[str, str] = {}
     for i, (target, source) in enumerate(sorted(file_mounts.items())):
         targets[f"m{i}"] = target
         sources.append(Source(source, f"m{i}", glob_excludes(DEFAULT_EXCLUDES)))
     archive = build_archive(sources, level=1)
-    return SyncArchive(archive.data, targets, archive.sha256, archive.files)
-
-
-def _ignore_patterns(workdir: str) -> tuple[str, ...]:
-    out: list[str] = []
-    for name in IGNORE_FILES:
-        try:
-            with open(os.path.join(workdir, name)) as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        out.extend(
-            line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#")
-        )
-    return tuple(out)
+    if rules is None:
+        return SyncArchive(archive.data, targets, archive.sha256, archive.files)
+    return SyncArchive(
+        archive.data, targets, archive.sha256, archive.files, rules.excluded, rules.sources
+    )

@@ -206,7 +206,9 @@ def command_task(command: str, num_nodes: int | None = None) -> Task:
     """A task that runs a shell ``command`` (``flotilla exec NAME 'CMD'``)."""
     if not command.strip():
         raise TaskError("the command is empty")
-    return Task(name=command.split()[0][:40], num_nodes=num_nodes, run=command)
+    from .conventions import job_name
+
+    return Task(name=job_name(command), num_nodes=num_nodes, run=command)
 
 
 # -- loading -------------------------------------------------------------------------------

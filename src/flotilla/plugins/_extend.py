@@ -17,11 +17,14 @@ _NAME = re.compile(r"\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
 
 
 def package_name(requirement: str) -> str:
-    """The normalised name in a pip requirement: ``"Torch_Vision>=1"`` -> ``"torch-vision"``."""
+    """The normalised name in a pip requirement: ``"Torch_Vision>=1"`` -> ``"torch-vision"``
+    (PEP 503, as pip compares names). Not a requirement (a path, a URL): itself, lowered."""
+    from packaging.utils import canonicalize_name  # client side only (see _versions)
+
     m = _NAME.match(requirement)
     if m is None:
         return requirement.strip().lower()
-    return re.sub(r"[-_.]+", "-", m.group(1)).lower()
+    return canonicalize_name(m.group(1))
 
 
 def merge_requirements(existing: Iterable[str], added: Iterable[str]) -> tuple[str, ...]:

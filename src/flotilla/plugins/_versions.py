@@ -4,28 +4,12 @@
 * A bare version (``"2.3.0"``, ``"2.3.*"``) pins it: ``==2.3.0``.
 * A constraint (``">=2.3"``, ``"~=2.4"``, ``"<2.5"``, ``">=2.3,<2.5"``) is passed through.
 
-Anything else is a ValueError when the plugin is created, not on the nodes.
-Validation uses ``packaging`` when it is installed, a strict regex otherwise.
+Anything else is a ValueError when the plugin is created, not on the nodes. The rules are
+PEP 440's as ``packaging`` (the library pip vendors) implements them: one parser, so
+flotilla and pip cannot disagree on what a version means.
 """
 
 from __future__ import annotations
-
-import re
-
-_RELEASE = r"(?:\d+!)?\d+(?:\.\d+)*"
-_SUFFIX = (
-    r"(?:[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"  # pre-release
-    r"(?:-\d+|[-_.]?(?:post|rev|r)[-_.]?\d*)?"  # post-release
-    r"(?:[-_.]?dev[-_.]?\d*)?"  # development release
-    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?"  # local version
-)
-_CLAUSE = re.compile(
-    rf"===\S+"
-    rf"|(?:==|!=)(?:{_RELEASE}\.\*|{_RELEASE}{_SUFFIX})"
-    rf"|~=(?:\d+!)?\d+(?:\.\d+)+{_SUFFIX}"
-    rf"|(?:<=|>=|<|>){_RELEASE}{_SUFFIX}",
-    re.IGNORECASE,
-)
 
 
 def version_spec(version: str, what: str = "version") -> str:
@@ -56,18 +40,12 @@ def is_valid_specifier(spec: str) -> bool:
     """
     if not spec or spec[0] not in "<>=!~" or not all(spec.split(",")):
         return False
+    # here, not at the top: the plugins' modules load on the nodes, which have only the
+    # standard library; versions are checked on the client, where the plugin is created
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
     try:
-        from packaging.requirements import InvalidRequirement, Requirement
-    except ImportError:
-        return is_valid_specifier_regex(spec)
-    try:
-        req = Requirement("x" + spec)  # the grammar pip parses requirements with
-    except InvalidRequirement:
+        SpecifierSet(spec)
+    except InvalidSpecifier:
         return False
-    return req.name == "x" and req.marker is None and req.url is None and not req.extras
-
-
-def is_valid_specifier_regex(spec: str) -> bool:
-    """:func:`is_valid_specifier` without ``packaging`` (PEP 440, slightly simplified)."""
-    clauses = spec.split(",")
-    return bool(spec) and all(_CLAUSE.fullmatch(c) for c in clauses)
+    return True

@@ -109,7 +109,7 @@ class LocalBackend(Backend[LocalSpec]):
     ) -> ShellCommand:
         """bash in the node's folder, with the variables a job's ``run`` gets (those of one
         job only left out)."""
-        from ..jobspec import phase_env
+        from ..jobspec import phase_env, shared_machine_home
 
         common, per_node = phase_env(
             cluster=paths.name,
@@ -126,6 +126,7 @@ class LocalBackend(Backend[LocalSpec]):
         env.pop("COMPUTE_POOL", None)
         skip = {"MASTER_PORT", "FLOTILLA_JOB_ID", "FLOTILLA_TASK_ID", "SKYPILOT_TASK_ID"}
         env.update({k: v for k, v in {**common, **per_node[node]}.items() if k not in skip})
+        env.update(shared_machine_home(nodes[node].workdir))  # ~ as in the jobs' run
         argv = ("bash", "-c", command) if command else ("bash", "-i")
         return ShellCommand(argv, env=env, cwd=nodes[node].workdir)
 
