@@ -842,7 +842,7 @@ def test_ray_cluster_started_by_the_run_spans_both_nodes_and_stops_with_it(
           exit $STATUS
         """,
     )
-    done = cli.ok("launch", task, "-c", "ray", timeout=40)
+    done = cli.ok("launch", task, "-c", "ray", timeout=120)
     tasks = [line for line in done.stdout.splitlines() if "RAY-TASK" in line]
     assert len(tasks) == 2, done.stdout + done.stderr
     assert all(line.startswith("(node-0, rank=0) ") for line in tasks)  # the driver's
