@@ -187,7 +187,14 @@ class ClusterDaemon:
     def _provision(self) -> None:
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
-            pool = Compute(provider, nodes=self.num_nodes)
+            wants = self.backend.pool_resources(self.spec)
+            pool = Compute(
+                provider,
+                nodes=self.num_nodes,
+                accelerator=wants.accelerator,
+                vcpus=wants.vcpus,
+                memory_gb=wants.memory_gb,
+            )
             pool.output_sink = self._on_output
             with self.cv:
                 if self.stopping:
