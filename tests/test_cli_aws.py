@@ -1,0 +1,76 @@
+"""``flotilla`` with ``--provider aws`` / ``infra: aws/<region>`` against the EC2 emulator and
+booting namespace instances of ``_aws`` (root only): the CLI and its daemon run as
+subprocesses pointed at the emulator through the standard AWS_* variables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
+
+TASK = f"""\
+num_nodes: 3
+resources:
+  infra: aws/{REGION}
+  use_spot: true
+  cpus: 2
+  ports: 8080
+  labels:
+    team: ml
+setup: echo "SETUP $SKYPILOT_NODE_RANK"
+run: |
+  echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES $(echo $SKYPILOT_NODE_IPS) $MASTER_ADDR"
+"""
+
+
+def _lab_flags(lab: AwsLab) -> list[str]:
+    """The lab's instances: root login, private addresses, a harmless power-off."""
+    return [
+        "--aws-user",
+        "root",
+        "--private-ips",
+        "--aws-workdir",
+        str(lab.lab.tmp / "workdir"),
+        "--poweroff-command",
+        f"sh -c 'date +%s.%N >> {lab.lab.tmp}/poweroff-$(hostname)'",
+    ]
+
+
+def _cluster_instances(lab: AwsLab, tag: str, value: str) -> list[dict[str, Any]]:
+    return lab.describe(Filters=[{"Name": f"tag:{tag}", "Values": [value]}])
+
+
+def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
+    cli: CLI, aws_lab: AwsLab
+) -> None:
+    cli.env.update(aws_lab.env)
+    task = cli.task("job.yaml", TASK)
+    done = cli.ok("launch", task, "-c", "cloud", *_lab_flags(aws_lab), timeout=300)
+    instances = _cluster_instances(aws_lab, "team", "ml")
+    live = [i for i in instances if i["State"]["Name"] == "running"]
+    assert len(live) == 3, instances
+    live.sort(key=lambda i: i["AmiLaunchIndex"])
+    addrs = [i["PrivateIpAddress"] for i in live]
+    ips = " ".join(addrs)
+    assert node_lines(done.stdout, "SETUP") == {r: str(r) for r in range(3)}
+    assert node_lines(done.stdout, "RUN") == {r: f"{r} 3 {ips} {addrs[0]}" for r in range(3)}
+    for inst in live:
+        assert inst["InstanceLifecycle"] == "spot"  # use_spot
+    (kind,) = {i["InstanceType"] for i in live}
+    info = aws_lab.client().describe_instance_types(InstanceTypes=[kind])["InstanceTypes"][0]
+    assert info["VCpuInfo"]["DefaultVCpus"] >= 2  # cpus: 2 chose the type
+    pool_id = {t["Key"]: t["Value"] for t in live[0]["Tags"]}["flotilla:pool"]
+    (group,) = aws_lab.pool_groups(pool_id)
+    opened = {r.get("FromPort") for r in group["IpPermissions"] if r["IpProtocol"] == "tcp"}
+    assert opened == {22, 8080}  # ports: opened in the pool's group
+    # flotilla ssh reaches node 2 with the pool's pinned key, in its working directory
+    rec = cli.record("cloud")
+    assert rec is not None
+    shell = cli.ok("ssh", "cloud", "--node", "2", "--", "hostname -I; pwd")
+    assert addrs[2] in shell.stdout.split() and rec.nodes[2].workdir in shell.stdout.split()
+    cli.ok("down", "cloud", timeout=120)
+    states = {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)}
+    assert states == {"terminated"}
+    assert aws_lab.pool_groups(pool_id) == []
