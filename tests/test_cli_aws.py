@@ -74,3 +74,39 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
     states = {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)}
     assert states == {"terminated"}
     assert aws_lab.pool_groups(pool_id) == []
+
+
+def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsLab) -> None:
+    """The cluster's daemon (the pool's client) is killed -9: its instances stay until their
+    ttl. ``flotilla down --orphans --provider aws`` removes them, its group and keys; a live
+    cluster's pool is left alone."""
+    import os
+    import signal
+
+    from _procs import wait_until
+
+    from flotilla._node import procs
+
+    cli.env.update(aws_lab.env)
+    cli.ok("launch", "echo up", "-c", "doomed", "--provider", "aws", *_lab_flags(aws_lab))
+    cli.ok("launch", "echo up", "-c", "alive", "--provider", "aws", *_lab_flags(aws_lab))
+    doomed, alive = cli.record("doomed"), cli.record("alive")
+    assert doomed is not None and alive is not None
+    pools = {}
+    for name, rec in (("doomed", doomed), ("alive", alive)):
+        (inst,) = [
+            i
+            for i in aws_lab.describe()
+            if i["PrivateIpAddress"] == rec.nodes[0].ip and i["State"]["Name"] == "running"
+        ]
+        pools[name] = {t["Key"]: t["Value"] for t in inst["Tags"]}["flotilla:pool"]
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(lambda: not procs.alive(doomed.pid, doomed.pid_start), 30.0)
+    done = cli.ok("down", "--orphans", "--provider", "aws", "--region", REGION, timeout=120)
+    assert pools["doomed"] in done.stderr + done.stdout
+    assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["doomed"])} == {"terminated"}
+    assert aws_lab.pool_groups(pools["doomed"]) == []
+    running = {i["State"]["Name"] for i in aws_lab.pool_instances(pools["alive"])}
+    assert running == {"running"}
+    cli.ok("down", "doomed", "alive", timeout=120)
+    assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["alive"])} == {"terminated"}

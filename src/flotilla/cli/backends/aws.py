@@ -193,6 +193,29 @@ class AWSBackend(Backend[AWSSpec]):
 
         return AWS(**spec.provider_options())
 
+    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+        """Instances, security groups and key folders of pools whose client (a killed
+        program, or a cluster daemon) is gone; pools of other machines' clients are
+        listed, not touched."""
+        from ..._providers.aws import AWS
+
+        found = AWS(region=region).remove_orphans(dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
+        lines = [
+            f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
+            + ", ".join(found.pools)
+        ]
+        for what, items in (
+            ("instance(s)", found.instances),
+            ("security group(s)", found.security_groups),
+            ("key folder(s)", found.folders),
+        ):
+            if items:
+                lines.append(f"{verb} {len(items)} {what}: {', '.join(items)}")
+        if found.skipped:
+            lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        return lines
+
     def shell(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:

@@ -272,6 +272,13 @@ class Backend(ABC, Generic[S]):
         """``flotilla down``: the daemon is gone (or was already); clean up what it may
         have left behind on this machine before the cluster's files are removed."""
 
+    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+        """``flotilla down --orphans --provider KIND``: remove what pools of killed clients
+        left behind (only those: a live client's pool is never touched); one line per
+        finding. Default: nothing can be left (a provider whose nodes end with the
+        client)."""
+        return [f"the {self.kind} provider leaves nothing behind when its client dies"]
+
     # -- flotilla ssh -------------------------------------------------------------------
     @abstractmethod
     def shell(
