@@ -110,3 +110,59 @@ def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsL
     assert running == {"running"}
     cli.ok("down", "doomed", "alive", timeout=120)
     assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["alive"])} == {"terminated"}
+
+
+def test_node_records_follow_a_replaced_instance(cli: CLI, aws_lab: AwsLab) -> None:
+    """An instance of a cluster terminated without notice is replaced by the pool; the
+    cluster's node records (agent pid, address, host) follow the new machine, so ``flotilla
+    ssh --node K`` and the next job reach it."""
+    from _procs import cmdline, wait_until
+
+    from flotilla._node import procs
+
+    cli.env.update(aws_lab.env)
+    cli.ok(
+        "launch",
+        "echo up",
+        "-c",
+        "renew",
+        "--nodes",
+        "3",
+        "--provider",
+        "aws",
+        *_lab_flags(aws_lab),
+        timeout=300,
+    )
+    before = cli.record("renew")
+    assert before is not None
+    (old,) = [
+        i
+        for i in aws_lab.describe()
+        if i["PrivateIpAddress"] == before.nodes[2].ip and i["State"]["Name"] == "running"
+    ]
+    aws_lab.client().terminate_instances(InstanceIds=[old["InstanceId"]])
+
+    def moved() -> bool:
+        rec = cli.record("renew")
+        return rec is not None and rec.nodes[2].agent_pid != before.nodes[2].agent_pid
+
+    assert wait_until(moved, 120.0), "the node records did not follow the replacement"
+    after = cli.record("renew")
+    assert after is not None
+    assert [n.node for n in after.nodes] == [0, 1, 2]
+    assert after.nodes[:2] == before.nodes[:2]
+    assert not procs.alive(before.nodes[2].agent_pid)  # the old host and agent are gone
+    new_pid = after.nodes[2].agent_pid
+    assert procs.alive(new_pid) and "flotilla.agent" in cmdline(new_pid)
+    (new,) = [
+        i
+        for i in aws_lab.describe()
+        if i["PrivateIpAddress"] == after.nodes[2].ip and i["State"]["Name"] == "running"
+    ]
+    assert new["InstanceId"] != old["InstanceId"]
+    shell = cli.ok("ssh", "renew", "--node", "2", "--", "hostname -I; pwd")
+    assert after.nodes[2].ip in shell.stdout.split()
+    assert after.nodes[2].workdir in shell.stdout.split()
+    job = cli.ok("exec", "renew", "echo AT $SKYPILOT_NODE_RANK $(hostname -I)")
+    assert after.nodes[2].ip in node_lines(job.stdout, "AT")[2].split()
+    cli.ok("down", "renew", timeout=120)

@@ -139,6 +139,9 @@ class Compute:
         self._progress = Progress(0)
         self.output_sink: Callable[[int, int, list[str]], None] | None = None
         """Receives (node rank, stream, lines) instead of printing them, when set."""
+        self.on_replaced: Callable[[list[int]], None] | None = None
+        """Called with the ranks whose nodes were replaced, once the new ones serve (on the
+        pool's event loop: it must not block)."""
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
