@@ -13,8 +13,8 @@ TASK = """\
 num_nodes: 3
 setup: echo "SETUP $(hostname) $SKYPILOT_NODE_RANK"
 run: |
-  echo "RUN $SKYPILOT_NODE_RANK $(hostname) $SKYPILOT_NUM_NODES $(echo $SKYPILOT_NODE_IPS) \\
-    $MASTER_ADDR $SLURM_JOB_ID"
+  IPS=$(echo $SKYPILOT_NODE_IPS)
+  echo "RUN $SKYPILOT_NODE_RANK $(hostname) $SKYPILOT_NUM_NODES $IPS $MASTER_ADDR $SLURM_JOB_ID"
 """
 
 
