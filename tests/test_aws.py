@@ -381,6 +381,30 @@ def test_interruption_notice_leads_to_a_replacement(aws_lab: AwsLab) -> None:
     _gone(aws_lab, pool_id)
 
 
+def test_an_instance_terminated_without_notice_is_replaced(aws_lab: AwsLab) -> None:
+    """EC2 reclaims an instance with no notice (terminated in the API: the lab stops its
+    host, the SSH connection drops): the pool notices the lost node, launches a new
+    instance for that rank, and the next broadcast answers on 3 nodes."""
+    with sky.Compute(provider=aws_lab.provider(allocation="spot"), nodes=3) as pool:
+        allocation = pool._allocation
+        assert isinstance(allocation, AWSAllocation)
+        old = allocation.machines[2]
+        aws_lab.client().terminate_instances(InstanceIds=[old.ident])
+        deadline = time.monotonic() + 90
+        while allocation.machines[2].ident == old.ident and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls the provider's record: the replacement is under way
+        new = allocation.machines[2]
+        assert new.ident != old.ident  # (EC2 may hand the freed private address out again)
+        answers = where() @ pool
+        assert [a["node"] for a in answers] == [0, 1, 2]
+        assert answers[2]["addr"] == new.address
+        assert answers[2]["peers"][2] == new.address
+        states = {i["InstanceId"]: i["State"]["Name"] for i in aws_lab.pool_instances(pool.pool_id)}
+        assert states[old.ident] == "terminated" and states[new.ident] == "running"
+        pool_id = pool.pool_id
+    _gone(aws_lab, pool_id)
+
+
 def test_import_flotilla_does_not_import_boto3() -> None:
     code = "import sys, flotilla; flotilla.AWS; print('boto3' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -19,8 +19,10 @@ import flotilla.cli
 from flotilla._errors import ConfigurationError
 from flotilla._providers.base import Provider
 from flotilla.cli.backends import registry
+from flotilla.cli.backends.aws import AWSSpec
 from flotilla.cli.backends.base import Backend, Flag, ProviderSpec, ShellCommand
 from flotilla.cli.backends.local import LocalSpec
+from flotilla.cli.backends.slurm import SlurmSpec
 from flotilla.cli.backends.ssh import SSHSpec
 from flotilla.cli.clusters import DAEMON_MODULE
 from flotilla.cli.parser import build_parser
@@ -98,19 +100,25 @@ def test_every_backend_module_is_in_the_registry() -> None:
 # -- the registry --------------------------------------------------------------------------------
 def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
     known = ", ".join(registry.kinds())
-    with pytest.raises(
-        ConfigurationError, match=f"unknown provider 'slurm': flotilla has {known}$"
-    ):
-        registry.backend("slurm")
-    with pytest.raises(ConfigurationError, match="unknown provider 'aws'"):
-        registry.spec_from_dict({"kind": "aws", "hosts": ["h1"]})
-    assert "local" in known and "ssh" in known
+    with pytest.raises(ConfigurationError, match=f"unknown provider 'k8s': flotilla has {known}$"):
+        registry.backend("k8s")
+    with pytest.raises(ConfigurationError, match="unknown provider 'k8s'"):
+        registry.spec_from_dict({"kind": "k8s", "hosts": ["h1"]})
+    assert known == "local, ssh, slurm, aws"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
     specs: list[ProviderSpec] = [
         LocalSpec(),
         SSHSpec(hosts=("root@h1", "h2:2222"), key="/k", accept_new_host_keys=True),
+        SlurmSpec(partition="gpu", time="2:00:00", accelerator="A100:2", vcpus=4.0),
+        AWSSpec(
+            region="us-east-1",
+            allocation="spot",
+            ports=("8080", "9000-9001"),
+            tags=(("team", "ml"),),
+            memory_gb=16.0,
+        ),
     ]
     for spec in specs:
         data = json.loads(json.dumps(spec.to_dict()))
@@ -134,7 +142,7 @@ def test_flags_choose_the_backend_and_build_its_spec() -> None:
     with pytest.raises(ConfigurationError, match="needs hosts: --hosts"):
         registry.spec_from_args(launch_args("--ssh-key", "key"))
     with pytest.raises(SystemExit):  # argparse: invalid choice, with the list
-        launch_args("--provider", "slurm")
+        launch_args("--provider", "k8s")
 
 
 def test_the_daemon_module_the_cli_starts_exists() -> None:
@@ -191,3 +199,58 @@ def test_a_backend_added_to_the_registry_gets_its_flags_infra_and_checks(
     assert [w.split(":")[0] for w in warnings] == ["resources.use_spot"]  # infra is acted on
     local_warnings = registry.DEFAULT.check_task(task, registry.DEFAULT.spec_type(), 2)
     assert any("resources.infra: 'fake/region-1'" in w for w in local_warnings)
+
+
+# -- task files choose and complete the SLURM and AWS specs ---------------------------------------
+def test_task_resources_complete_the_slurm_spec() -> None:
+    task = Task(
+        run="true",
+        resources=Resources(infra="slurm/gpu", accelerators="A100:2", cpus="4+", memory="32"),
+    )
+    spec = registry.spec_from_args(launch_args(), task)
+    assert spec == SlurmSpec(partition="gpu", accelerator="A100:2", vcpus=4.0, memory_gb=32.0)
+    backend = registry.backend_for(spec)
+    assert backend.check_task(task, spec, 2) == []  # every field acted on
+    wants = backend.pool_resources(spec)
+    assert (wants.accelerator, wants.vcpus, wants.memory_gb) == ("A100:2", 4.0, 32.0)
+    # the command line wins over the task
+    spec = registry.spec_from_args(launch_args("--partition", "debug"), task)
+    assert isinstance(spec, SlurmSpec) and spec.partition == "debug"
+    with pytest.raises(ConfigurationError, match="unlimited time"):
+        registry.spec_from_args(launch_args("--time", "UNLIMITED"), task)
+
+
+def test_task_resources_complete_the_aws_spec() -> None:
+    res = Resources(
+        infra="aws/eu-west-1",
+        use_spot=True,
+        instance_type="c5.large",
+        cpus="2",
+        memory="4+",
+        disk_size=50,
+        image_id="ami-0123456789abcdef0",
+        ports=("8080", "9000-9001"),
+        labels={"team": "ml"},
+    )
+    task = Task(run="true", resources=res)
+    spec = registry.spec_from_args(launch_args(), task)
+    assert spec == AWSSpec(
+        region="eu-west-1",
+        instance_type="c5.large",
+        allocation="spot",
+        ami="ami-0123456789abcdef0",
+        disk_gb=50,
+        ports=("8080", "9000-9001"),
+        tags=(("team", "ml"),),
+        vcpus=2.0,
+        memory_gb=4.0,
+    )
+    assert registry.backend_for(spec).check_task(task, spec, 3) == []
+    with pytest.raises(ConfigurationError, match=r"resources\.cpus: 'many'"):
+        registry.spec_from_args(
+            launch_args(), Task(run="true", resources=Resources(infra="aws", cpus="many"))
+        )
+    with pytest.raises(ConfigurationError, match="disk_gb"):
+        registry.spec_from_args(
+            launch_args(), Task(run="true", resources=Resources(infra="aws", disk_size=2))
+        )

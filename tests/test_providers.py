@@ -191,3 +191,64 @@ def test_ssh_spare_hosts_then_reconnection(ssh_lab: Lab) -> None:
         assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
     finally:
         ssh_lab.remove_host(spare)
+
+
+# -- resource requests (vcpus=, memory_gb=) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vcpus": 0}, "vcpus must be a positive number"),
+        ({"vcpus": -2}, "vcpus must be a positive number"),
+        ({"vcpus": "4"}, "vcpus must be a positive number"),
+        ({"vcpus": True}, "vcpus must be a positive number"),
+        ({"memory_gb": float("nan")}, "memory_gb must be a positive number"),
+        ({"memory_gb": float("inf")}, "memory_gb must be a finite number"),
+    ],
+)
+def test_resource_requests_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sky.Compute(**kwargs)
+
+
+@sky.function
+def _pid() -> int:
+    return os.getpid()
+
+
+class _Recording(Local):
+    """The local provider, keeping the spec it was asked to validate."""
+
+    seen: list[PoolSpec]
+
+    def validate(self, spec: PoolSpec) -> None:
+        self.seen = [*getattr(self, "seen", []), spec]
+        super().validate(spec)
+
+
+def test_resource_requests_reach_the_provider(nodes_dir: Path) -> None:
+    provider = _Recording(workdir=str(nodes_dir))
+    with sky.Compute(provider=provider, nodes=1, vcpus=1, memory_gb=0.25) as pool:
+        assert (_pid() >> pool) != os.getpid()
+    assert {(s.vcpus, s.memory_gb) for s in provider.seen} == {(1.0, 0.25)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vcpus": (os.cpu_count() or 1) + 1}, "CPU"),
+        ({"memory_gb": 1 << 20}, "GiB"),
+    ],
+)
+def test_local_refuses_more_than_this_machine_has(
+    nodes_dir: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    """Refused before anything starts: no node folder is made."""
+    from flotilla._errors import ConfigurationError
+
+    pool = sky.Compute(provider=Local(workdir=str(nodes_dir)), nodes=2, **kwargs)
+    with pytest.raises(ConfigurationError, match=f"{message}.*the local provider runs on this"):
+        pool.open()
+    assert not nodes_dir.exists() or not any(nodes_dir.iterdir())
+    assert pool.state is sky.PoolState.NEW

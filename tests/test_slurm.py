@@ -119,6 +119,14 @@ def test_short_partition_and_time(slurm_cluster: SlurmCluster) -> None:
     assert f"JobName=flotilla-{pool.pool_id}" in shown
 
 
+def test_resource_requests_become_cpus_per_task_and_mem(slurm_cluster: SlurmCluster) -> None:
+    with sky.Compute(provider=Slurm(), nodes=2, vcpus=2, memory_gb=0.5) as pool:
+        job = (where() >> pool)["job"]
+        shown = slurm_cluster.slurm("scontrol", "-o", "show", "job", str(job)).stdout
+    assert "MinCPUsNode=2" in shown
+    assert "MinMemoryNode=512M" in shown
+
+
 @sky.function
 def ddp_train(steps: int) -> list[float]:
     """Train a tiny model with DDP; return its parameters."""

@@ -61,6 +61,11 @@ class Compute:
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
         options: :class:`Options` (cluster/standalone mode, timeouts, env).
+        vcpus: CPUs wanted per node (None: the provider's default). Providers act on it:
+            the local one checks this machine has them, SLURM asks for
+            ``--cpus-per-task``, AWS picks an instance type that has them.
+        memory_gb: memory wanted per node in GiB (None: the provider's default), acted on
+            as ``vcpus`` is (SLURM: ``--mem``).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -75,6 +80,8 @@ class Compute:
         image: Any = None,
         plugins: Sequence[Any] = (),
         options: Options | None = None,
+        vcpus: float | None = None,
+        memory_gb: float | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(
@@ -99,6 +106,8 @@ class Compute:
         self.image = image
         self.plugins = tuple(plugins)
         self.options = options
+        self.vcpus = _resource("vcpus", vcpus, "CPUs per node, e.g. vcpus=4")
+        self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
         self.procs_per_node = max(
@@ -136,6 +145,9 @@ class Compute:
         self.state_sink: Callable[[int, int, str], None] | None = None
         """With ``output_sink``: receives (node rank, stream, what a line redrawn with
         ``\\r`` shows now: a progress bar), instead of drawing it."""
+        self.on_replaced: Callable[[list[int]], None] | None = None
+        """Called with the ranks whose nodes were replaced, once the new ones serve (on the
+        pool's event loop: it must not block)."""
 
     def _check_plugins(self) -> None:
         for p in self.plugins:
@@ -173,7 +185,14 @@ class Compute:
 
     def _spec(self, image: Image) -> PoolSpec:
         return PoolSpec(
-            self.pool_id, self.nodes, self.accelerator, image, self.plugins, self.options
+            self.pool_id,
+            self.nodes,
+            self.accelerator,
+            image,
+            self.plugins,
+            self.options,
+            vcpus=self.vcpus,
+            memory_gb=self.memory_gb,
         )
 
     def open(self) -> Compute:
@@ -523,3 +542,14 @@ def _left_operand_error(op: str, other: object) -> TypeError:
         f"the left side of `{op} pool` must be a call of a @flotilla.function, "
         f"not {type(other).__name__}"
     )
+
+
+def _resource(name: str, value: object, example: str) -> float | None:
+    """A per-node resource request: None or a positive number (as a float)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number ({example}), got {value!r}")
+    if value == float("inf"):
+        raise ValueError(f"{name} must be a finite number ({example}), got {value!r}")
+    return float(value)

@@ -144,6 +144,8 @@ class Renewals:
         self.replaced += 1
         dispatcher.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
+        if pool.on_replaced is not None:
+            pool.on_replaced(ranks)
 
 
 async def _stop(node: Node) -> None:

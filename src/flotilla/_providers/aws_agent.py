@@ -109,19 +109,38 @@ class AWSAgent(AgentProcess):
 
 
 async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: float) -> None:
-    """Wait until ``addr:port`` accepts a TCP connection (the instance's sshd is up)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ProvisionError(
-                f"{name}: SSH (port {port}) did not answer within {timeout:g} s of the launch "
-                "(Options(start_timeout=...) sets the limit; is the security group's SSH rule "
-                "for this machine's address, and private_ips= right?)"
+    """Wait until ``addr:port`` accepts a TCP connection (the instance's sshd is up).
+
+    A new attempt starts every 0.1 s without waiting for the earlier ones: before the
+    instance's network is up an attempt hangs (no ARP answer) until its own timeout, and
+    a sequential poll would notice sshd that much later."""
+    pending: set[asyncio.Task[bool]] = set()
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProvisionError(
+                    f"{name}: SSH (port {port}) did not answer within {timeout:g} s of the "
+                    "launch (Options(start_timeout=...) sets the limit; is the security "
+                    "group's SSH rule for this machine's address, and private_ips= right?)"
+                )
+            pending.add(asyncio.create_task(_connects(addr, port, min(1.0, left))))
+            done, pending = await asyncio.wait(
+                pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED
             )
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), min(1.0, left))
-        except (OSError, TimeoutError):
-            await asyncio.sleep(0.1)
-            continue
-        writer.close()
-        return
+            if any(t.result() for t in done):
+                return
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _connects(addr: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``addr:port`` succeeds within ``timeout`` s."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True

@@ -14,6 +14,7 @@ instances of one launch share their host key; a replacement launch gets a key of
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -96,3 +97,31 @@ def pin(known_hosts: str, address: str, host_key: KeyPair) -> None:
     fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(f"{address} {key}\n")
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` options that log in to the running pool instance at ``address`` as its
+    pool does: the pool's login key and its pinned host key (for ``flotilla ssh``). The
+    pool is found by its folder's known_hosts (only live pools have a folder); a
+    ConfigurationError when no pool of this user has an instance there."""
+    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "known_hosts")
+    for known_hosts in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
+        folder = os.path.dirname(known_hosts)
+        key = os.path.join(folder, "login_key")
+        if os.stat(folder).st_uid != os.getuid() or not os.path.exists(key):
+            continue
+        with open(known_hosts) as f:
+            if any(line.split(" ", 1)[0] == address for line in f):
+                return [
+                    "-i",
+                    key,
+                    "-o",
+                    "IdentitiesOnly=yes",
+                    "-o",
+                    f"UserKnownHostsFile={known_hosts}",
+                    "-o",
+                    "StrictHostKeyChecking=yes",
+                ]
+    raise ConfigurationError(
+        f"no running AWS pool of this user has an instance at {address}: is the cluster up?"
+    )

@@ -46,7 +46,23 @@ class Local(Provider):
         return "Local()"
 
     def validate(self, spec: PoolSpec) -> None:
+        """Every node runs on this machine: each one's GPUs, CPUs and memory must fit it.
+        (The nodes share it; a request is what one node may use, as on any provider.)"""
         check_local_capacity(spec.nodes)  # files, processes, memory: before anything starts
+        cpus = os.cpu_count() or 1
+        if spec.vcpus is not None and spec.vcpus > cpus:
+            raise ConfigurationError(
+                f"vcpus={spec.vcpus:g} per node requested but this machine has {cpus} CPU(s); "
+                f"the local provider runs on this machine only: ask for at most {cpus}, or "
+                "use a provider with larger machines"
+            )
+        mem = memory_gb()
+        if spec.memory_gb is not None and mem and spec.memory_gb > mem:
+            raise ConfigurationError(
+                f"memory_gb={spec.memory_gb:g} per node requested but this machine has "
+                f"{mem:.1f} GiB; the local provider runs on this machine only: ask for at "
+                "most that, or use a provider with larger machines"
+            )
         acc = spec.accelerator
         if acc is not None:
             have = local_gpu_count()
@@ -139,3 +155,18 @@ def _client_path() -> list[str]:
 def local_gpu_count() -> int:
     """Number of NVIDIA GPUs visible on this machine."""
     return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def memory_gb() -> float:
+    """This machine's memory in GiB (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024 / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (OSError, ValueError):
+        return 0.0

@@ -73,6 +73,15 @@ def cmd_down(args: argparse.Namespace) -> int:
     from .ipc import request
     from .state import delete
 
+    if args.orphans:
+        if args.provider is None:
+            raise CLIError(
+                f"--orphans needs --provider: one of {', '.join(registry.kinds())}", code=2
+            )
+        for line in registry.backend(args.provider).remove_orphans(args.region, args.dry_run):
+            say(line)
+    elif not args.clusters:
+        raise CLIError("name the clusters to take down, or use --orphans --provider P", code=2)
     code = 0
     names: list[str] = args.clusters
     if args.all:

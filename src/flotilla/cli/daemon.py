@@ -94,6 +94,7 @@ class ClusterDaemon:
         self.handlers: list[threading.Thread] = []
         self.provisioner: threading.Thread | None = None
         self.shutdown_lock = threading.Lock()
+        self.refresh_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -216,18 +217,24 @@ class ClusterDaemon:
     def _provision(self) -> None:
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
-            pool = Compute(provider, nodes=self.num_nodes)
+            wants = self.backend.pool_resources(self.spec)
+            pool = Compute(
+                provider,
+                nodes=self.num_nodes,
+                accelerator=wants.accelerator,
+                vcpus=wants.vcpus,
+                memory_gb=wants.memory_gb,
+            )
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
+            pool.on_replaced = self._on_replaced
             with self.cv:
                 if self.stopping:
                     return
             pool.open()
             self.pool = pool
             shared = self.backend.shares_filesystem
-            subdir = "" if shared else f"clusters/{self.name}"
-            facts = pool.broadcast(node_facts(subdir))
-            self.nodes = [NodeRecord(**f) for f in facts]
+            self.nodes = self._node_records()
             self.runner = Runner(
                 pool,
                 self.name,
@@ -251,6 +258,35 @@ class ClusterDaemon:
         finally:
             self.up.set()
             self.wake.set()
+
+    def _node_records(self) -> list[NodeRecord]:
+        """What each node says of itself (address, host, working directory, agent pid)."""
+        assert self.pool is not None
+        subdir = "" if self.backend.shares_filesystem else f"clusters/{self.name}"
+        return [NodeRecord(**f) for f in self.pool.broadcast(node_facts(subdir))]
+
+    def _on_replaced(self, ranks: list[int]) -> None:
+        self._thread(self._refresh_nodes, "nodes")  # not on the pool's loop: it broadcasts
+
+    def _refresh_nodes(self) -> None:
+        """A node was replaced (a new machine at its rank): the records, which ``flotilla
+        ssh`` and the next jobs use, follow the new machine. (A running job's calls queue
+        before this one on the nodes: the records change when it ends.)"""
+        with self.refresh_lock:
+            if self.pool is None or self.runner is None:
+                return  # still provisioning: the records are written when it ends
+            try:
+                nodes = self._node_records()
+            except FlotillaError as e:
+                print(f"could not describe the replaced node(s): {e}", file=sys.stderr)
+                return
+            with self.cv:
+                if self.stopping:
+                    return
+                self.nodes[:] = nodes  # the runner holds this list
+            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+                rec.nodes = self.nodes
+            self.backend.on_up(self.paths, self.spec, self.nodes)
 
     def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
         job = self.current

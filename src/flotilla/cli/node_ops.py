@@ -32,9 +32,10 @@ daemons such as ``ray start``, torchrun's workers)."""
 
 @function
 def node_facts(subdir: str = "") -> dict[str, Any]:
-    """This node's index, address, host name, working directory for jobs, agent pid and
-    GPUs. The jobs' directory is the agent's own, or ``subdir/node-K`` below it (created)
-    when nodes may share a file system."""
+    """This node's index, address, host name, working directory for jobs, agent pid,
+    GPUs, and its batch-scheduler job and node name (under SLURM). The jobs' directory is
+    the agent's own, or ``subdir/node-K`` below it (created) when nodes may share a file
+    system."""
     info = instance_info()
     workdir = os.getcwd()
     if subdir:
@@ -47,6 +48,8 @@ def node_facts(subdir: str = "") -> dict[str, Any]:
         "workdir": workdir,
         "agent_pid": os.getppid(),  # the executor is the agent's child
         "gpus": len(glob.glob("/dev/nvidia[0-9]*")),
+        "scheduler_job": os.environ.get("SLURM_JOB_ID", ""),
+        "scheduler_node": os.environ.get("SLURMD_NODENAME", ""),
     }
 
 

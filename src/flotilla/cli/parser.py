@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("clusters", nargs="*", metavar="CLUSTER")
     q.add_argument("-a", "--all", action="store_true", help="every cluster")
     q.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    q.add_argument(
+        "--orphans",
+        action="store_true",
+        help="also remove what killed clients left with --provider (e.g. cloud instances)",
+    )
+    q.add_argument("--provider", choices=registry.kinds(), help="where to look for orphans")
+    q.add_argument("--region", help="the region to look in (default: the configured one)")
+    q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
     q.set_defaults(func=cmd_down)
 
     q = sub.add_parser("ssh", help="a shell (or a command) on a node, in its working directory")

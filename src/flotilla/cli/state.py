@@ -115,6 +115,9 @@ class NodeRecord:
         workdir: its working directory (where jobs run).
         agent_pid: pid of its agent, on its host.
         gpus: accelerators the node has.
+        scheduler_job: the batch scheduler's job the node's agent runs in
+            (``SLURM_JOB_ID``; '' when none).
+        scheduler_node: the scheduler's name for the node (``SLURMD_NODENAME``; '').
     """
 
     node: int
@@ -123,6 +126,8 @@ class NodeRecord:
     workdir: str
     agent_pid: int
     gpus: int = 0
+    scheduler_job: str = ""
+    scheduler_node: str = ""
 
 
 @dataclass

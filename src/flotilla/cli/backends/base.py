@@ -86,6 +86,22 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class PoolResources:
+    """What a cluster's pool asks of every node, given to ``Compute`` by the daemon (the
+    provider acts on it: a SLURM ``--gres``/``--cpus-per-task``/``--mem``, an instance type).
+
+    Attributes:
+        accelerator: accelerators per node, e.g. ``"A100:8"`` (None: none asked for).
+        vcpus: CPUs per node (None: the provider's default).
+        memory_gb: memory per node in GiB (None: the provider's default).
+    """
+
+    accelerator: str | None = None
+    vcpus: float | None = None
+    memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
 class ShellCommand:
     """What ``flotilla ssh`` executes (it replaces the CLI process).
 
@@ -179,6 +195,12 @@ class Backend(ABC, Generic[S]):
         """The spec the command line asks for (paths made absolute: the daemon runs
         elsewhere); a ConfigurationError when it is incomplete."""
 
+    def with_task(self, spec: S, task: Task) -> S:
+        """``spec`` completed with what the task file's ``resources`` ask of this provider
+        (``infra: NAME/REGION``, accelerators, CPUs...); what the command line set wins.
+        Default: the spec unchanged."""
+        return spec
+
     def spec_from_dict(self, data: Mapping[str, Any]) -> S:
         """The spec kept in a state file."""
         spec = self.spec_type.from_fields(data)
@@ -233,6 +255,10 @@ class Backend(ABC, Generic[S]):
         return []
 
     # -- the cluster daemon -------------------------------------------------------------
+    def pool_resources(self, spec: S) -> PoolResources:
+        """What the cluster's pool asks of every node (default: nothing in particular)."""
+        return PoolResources()
+
     @abstractmethod
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
         """The flotilla provider for ``spec``; ``nodes_dir`` is the cluster's own folder on
@@ -246,6 +272,13 @@ class Backend(ABC, Generic[S]):
         """``flotilla down``: the daemon is gone (or was already); clean up what it may
         have left behind on this machine before the cluster's files are removed."""
 
+    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+        """``flotilla down --orphans --provider KIND``: remove what pools of killed clients
+        left behind (only those: a live client's pool is never touched); one line per
+        finding. Default: nothing can be left (a provider whose nodes end with the
+        client)."""
+        return [f"the {self.kind} provider leaves nothing behind when its client dies"]
+
     # -- flotilla ssh -------------------------------------------------------------------
     @abstractmethod
     def shell(
@@ -258,6 +291,29 @@ class Backend(ABC, Generic[S]):
 def infra_name(infra: str | None) -> str:
     """The provider part of a task's ``resources.infra`` (``aws`` of ``aws/us-east-1``)."""
     return (infra or "").split("/", 1)[0].strip().lower()
+
+
+def infra_detail(infra: str | None) -> str | None:
+    """The part of ``resources.infra`` after the provider (``us-east-1`` of
+    ``aws/us-east-1``), or None."""
+    _, _, rest = (infra or "").partition("/")
+    return rest.strip() or None
+
+
+def amount(text: str | None, field: str) -> float | None:
+    """A task's ``cpus``/``memory`` value ("4", "4+": at least 4) as a number (None when
+    unset); a ConfigurationError when it is not one."""
+    if text is None:
+        return None
+    try:
+        value = float(str(text).strip().rstrip("+"))
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigurationError(
+            f"resources.{field}: {text!r} is not a positive number (e.g. 4 or 4+)"
+        )
+    return value
 
 
 def task_location(task: Task, name: str) -> str:

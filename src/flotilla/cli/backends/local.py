@@ -46,7 +46,7 @@ class LocalBackend(Backend[LocalSpec]):
     def check_resources(self, task: Task, spec: LocalSpec, cluster_nodes: int) -> list[str]:
         """GPUs are a requirement (this machine has them or the task cannot run); CPUs and
         memory beyond this machine's are warned about (the nodes share it anyway)."""
-        from ..._providers.local import local_gpu_count
+        from ..._providers.local import local_gpu_count, memory_gb
 
         res = task.resources
         warnings: list[str] = []
@@ -70,7 +70,7 @@ class LocalBackend(Backend[LocalSpec]):
                 f"{task_location(task, 'cpus')}resources.cpus: {res.cpus} per node asked, this "
                 f"machine has {cpus} (shared by {cluster_nodes} local node(s)); running anyway"
             )
-        mem = _memory_gb()
+        mem = memory_gb()
         if res.memory and mem and float(res.memory.rstrip("+")) > mem:
             warnings.append(
                 f"{task_location(task, 'memory')}resources.memory: {res.memory} GB per node "
@@ -129,18 +129,6 @@ class LocalBackend(Backend[LocalSpec]):
         env.update(shared_machine_home(nodes[node].workdir))  # ~ as in the jobs' run
         argv = ("bash", "-c", command) if command else ("bash", "-i")
         return ShellCommand(argv, env=env, cwd=nodes[node].workdir)
-
-
-def _memory_gb() -> float:
-    """This machine's memory in GiB (0 when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 BACKEND = LocalBackend()

@@ -10,11 +10,13 @@ A backend is one module in this folder (see ``local.py``, ``ssh.py``) that defin
 
    - ``spec_type``: the spec class; ``summary``: one line for ``--help``;
    - ``flags``: its ``flotilla launch`` flags (:class:`~.base.Flag`), and
-     ``spec_from_args(args) -> spec``;
+     ``spec_from_args(args) -> spec``; ``with_task(spec, task) -> spec`` adds what a task
+     file's ``resources`` ask for;
    - ``infra``: task-file ``resources.infra`` names that choose it;
    - task-file checks: ``check_nodes(spec, n)``, ``check_resources(task, spec, n)``,
      ``honours`` / ``hint_reason`` (which ``resources`` it acts on; warnings for the rest);
-   - ``make_provider(spec, nodes_dir) -> Provider`` (imports its provider there) and
+   - ``make_provider(spec, nodes_dir) -> Provider`` (imports its provider there),
+     ``pool_resources(spec)`` (the pool's accelerator, vcpus, memory_gb) and
      ``shares_filesystem``;
    - hooks: ``on_up(paths, spec, nodes)`` once the cluster runs, ``on_down(paths, record)``
      at ``flotilla down``;
@@ -33,13 +35,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import local, ssh
+from . import aws, local, slurm, ssh
 from .base import Backend, ProviderSpec, infra_name
 
 if TYPE_CHECKING:
     from ..taskfile import Task
 
-BACKENDS: tuple[Backend[Any], ...] = (local.BACKEND, ssh.BACKEND)
+BACKENDS: tuple[Backend[Any], ...] = (local.BACKEND, ssh.BACKEND, slurm.BACKEND, aws.BACKEND)
 """Every backend, the default (used when the command line names none) first."""
 
 DEFAULT = BACKENDS[0]
@@ -103,5 +105,8 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
                 f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for --provider {kind}"
                 + (f", not {chosen}" if args.provider else "")
             )
-    spec: ProviderSpec = backend(chosen).spec_from_args(args)
+    b = backend(chosen)
+    spec: ProviderSpec = b.spec_from_args(args)
+    if task is not None:
+        spec = b.with_task(spec, task)
     return spec

@@ -1,0 +1,233 @@
+"""``--provider aws``: EC2 instances launched for the cluster and terminated by ``flotilla
+down`` (see ``flotilla._providers.aws``).
+
+A task file chooses it with ``resources: infra: aws`` or ``aws/<region>``, and its
+``resources`` are acted on: ``use_spot`` (spot only; otherwise on-demand, as SkyPilot),
+``instance_type``, ``accelerators``/``cpus``/``memory`` (the smallest type that has them),
+``disk_size`` (GiB), ``image_id``, ``ports`` (opened in the pool's security group) and
+``labels`` (tags on every resource). Flags given on the command line win over the task.
+
+Jobs run in ``WORKDIR/clusters/NAME/node-K`` on the instances. ``flotilla ssh`` logs in with
+the pool's own key and pinned host key, kept by the provider while the cluster runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..._errors import ConfigurationError
+from .base import (
+    Backend,
+    Flag,
+    PoolResources,
+    ProviderSpec,
+    ShellCommand,
+    amount,
+    infra_detail,
+    infra_name,
+)
+
+if TYPE_CHECKING:
+    from ..._providers.base import Provider
+    from ..state import NodeRecord, Paths
+    from ..taskfile import Task
+
+ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
+
+
+@dataclass(frozen=True)
+class AWSSpec(ProviderSpec):
+    """EC2 instances.
+
+    Attributes:
+        region: AWS region (None: the configured one).
+        instance_type: the instance type (None: the smallest that fits the resources).
+        allocation: "on-demand", "spot" or "spot-if-available".
+        ami: the AMI id (None: Ubuntu, or the Deep Learning Base AMI for GPU types).
+        user: the AMI's login user.
+        private_ips: connect to the instances' private addresses (client inside the VPC).
+        disk_gb: root volume size in GiB (None: the AMI's).
+        ports: TCP ports or ranges ("8000-8010") opened to everyone.
+        tags: tags on every resource of the cluster.
+        workdir: flotilla's folder on the instances.
+        ttl: seconds after the last contact from the client when an instance powers off.
+        poweroff_command: what an instance runs when ``ttl`` expires (None: ``sudo -n
+            poweroff``).
+        accelerator: accelerators per node (``A100:8``).
+        vcpus: CPUs per node.
+        memory_gb: memory per node in GiB.
+    """
+
+    kind = "aws"
+
+    region: str | None = None
+    instance_type: str | None = None
+    allocation: str = "on-demand"
+    ami: str | None = None
+    user: str = "ubuntu"
+    private_ips: bool = False
+    disk_gb: int | None = None
+    ports: tuple[str, ...] = ()
+    tags: tuple[tuple[str, str], ...] = ()
+    workdir: str = "~/.flotilla"
+    ttl: float = 600.0
+    poweroff_command: str | None = None
+    accelerator: str | None = None
+    vcpus: float | None = None
+    memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigurationError(
+                f"--allocation {self.allocation!r}: use one of {', '.join(ALLOCATIONS)}"
+            )
+        # lists of pairs come back from the state file as lists: tuples again
+        object.__setattr__(self, "tags", tuple(tuple(t) for t in self.tags))
+        self.provider_options()  # the provider's own checks, before anything starts
+
+    def describe(self) -> str:
+        return f"aws {self.region}" if self.region else "aws"
+
+    def provider_options(self) -> dict[str, Any]:
+        """The AWS provider's arguments (it checks them)."""
+        from ..._providers.aws import AWS
+
+        options: dict[str, Any] = {
+            "region": self.region,
+            "instance_type": self.instance_type,
+            "allocation": self.allocation,
+            "ami": self.ami,
+            "ssh_user": self.user,
+            "private_ips": self.private_ips,
+            "disk_gb": self.disk_gb,
+            "ttl": self.ttl,
+            "tags": dict(self.tags),
+            "ports": self.ports,
+            "workdir": self.workdir,
+        }
+        if self.poweroff_command:
+            options["poweroff_command"] = shlex.split(self.poweroff_command)
+        AWS(**options)  # raises a ConfigurationError for a bad value
+        return options
+
+
+class AWSBackend(Backend[AWSSpec]):
+    spec_type = AWSSpec
+    summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
+    flags = (
+        Flag("--region", "AWS region (default: the configured one)"),
+        Flag("--instance-type", "EC2 instance type (default: the smallest that fits)"),
+        Flag("--allocation", "on-demand (default), spot or spot-if-available", choices=ALLOCATIONS),
+        Flag("--aws-user", "the AMI's login user (ubuntu)"),
+        Flag("--private-ips", "connect to private addresses (client in the VPC)", switch=True),
+        Flag("--aws-workdir", "flotilla's folder on the instances (~/.flotilla)"),
+        Flag("--ttl", "seconds without the client before instances end (600)", type=float),
+        Flag("--poweroff-command", "what instances run when --ttl expires (sudo -n poweroff)"),
+    )
+    honours = frozenset(
+        {
+            "region",
+            "instance_type",
+            "image_id",
+            "use_spot",
+            "disk_size",
+            "labels",
+            "cpus",
+            "memory",
+            "ports",
+        }
+    )
+    hint_reason = "EC2 has no such setting flotilla knows of"
+    infra = ("aws",)
+
+    def spec_from_args(self, args: argparse.Namespace) -> AWSSpec:
+        options: dict[str, Any] = {
+            "region": args.region,
+            "instance_type": args.instance_type,
+            "private_ips": args.private_ips,
+            "poweroff_command": args.poweroff_command,
+        }
+        for name, value in (
+            ("allocation", args.allocation),
+            ("user", args.aws_user),
+            ("workdir", args.aws_workdir),
+            ("ttl", args.ttl),
+        ):
+            if value is not None:
+                options[name] = value
+        return AWSSpec(**options)
+
+    def with_task(self, spec: AWSSpec, task: Task) -> AWSSpec:
+        res = task.resources
+        region = spec.region or res.region
+        if infra_name(res.infra) in self.infra:
+            region = spec.region or infra_detail(res.infra) or region
+        allocation = spec.allocation
+        if res.use_spot and allocation == "on-demand":
+            allocation = "spot"
+        return replace(
+            spec,
+            region=region,
+            instance_type=spec.instance_type or res.instance_type,
+            allocation=allocation,
+            ami=spec.ami or res.image_id,
+            disk_gb=spec.disk_gb or res.disk_size,
+            ports=spec.ports or tuple(str(p) for p in res.ports),
+            tags=spec.tags or tuple(sorted((str(k), str(v)) for k, v in res.labels.items())),
+            accelerator=res.accelerators,
+            vcpus=amount(res.cpus, "cpus"),
+            memory_gb=amount(res.memory, "memory"),
+        )
+
+    def pool_resources(self, spec: AWSSpec) -> PoolResources:
+        return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb)
+
+    def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
+        from ..._providers.aws import AWS
+
+        return AWS(**spec.provider_options())
+
+    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+        """Instances, security groups and key folders of pools whose client (a killed
+        program, or a cluster daemon) is gone; pools of other machines' clients are
+        listed, not touched."""
+        from ..._providers.aws import AWS
+
+        found = AWS(region=region).remove_orphans(dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
+        lines = [
+            f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
+            + ", ".join(found.pools)
+        ]
+        for what, items in (
+            ("instance(s)", found.instances),
+            ("security group(s)", found.security_groups),
+            ("key folder(s)", found.folders),
+        ):
+            if items:
+                lines.append(f"{verb} {len(items)} {what}: {', '.join(items)}")
+        if found.skipped:
+            lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        return lines
+
+    def shell(
+        self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
+    ) -> ShellCommand:
+        from ..._providers.aws_keys import ssh_login
+
+        address = nodes[node].ip
+        login = [*ssh_login(address), f"{spec.user}@{address}"]
+        remote = f"cd {shlex.quote(nodes[node].workdir)} && " + (
+            command or "exec ${SHELL:-bash} -l"
+        )
+        tty = ("-t",) if not command and sys.stdin.isatty() else ()
+        return ShellCommand(("ssh", *login, *tty, remote))
+
+
+BACKEND = AWSBackend()

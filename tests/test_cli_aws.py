@@ -1,0 +1,168 @@
+"""``flotilla`` with ``--provider aws`` / ``infra: aws/<region>`` against the EC2 emulator and
+booting namespace instances of ``_aws`` (root only): the CLI and its daemon run as
+subprocesses pointed at the emulator through the standard AWS_* variables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
+
+TASK = f"""\
+num_nodes: 3
+resources:
+  infra: aws/{REGION}
+  use_spot: true
+  cpus: 2
+  ports: 8080
+  labels:
+    team: ml
+setup: echo "SETUP $SKYPILOT_NODE_RANK"
+run: |
+  echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES $(echo $SKYPILOT_NODE_IPS) $MASTER_ADDR"
+"""
+
+
+def _lab_flags(lab: AwsLab) -> list[str]:
+    """The lab's instances: root login, private addresses, a harmless power-off."""
+    return [
+        "--aws-user",
+        "root",
+        "--private-ips",
+        "--aws-workdir",
+        str(lab.lab.tmp / "workdir"),
+        "--poweroff-command",
+        f"sh -c 'date +%s.%N >> {lab.lab.tmp}/poweroff-$(hostname)'",
+    ]
+
+
+def _cluster_instances(lab: AwsLab, tag: str, value: str) -> list[dict[str, Any]]:
+    return lab.describe(Filters=[{"Name": f"tag:{tag}", "Values": [value]}])
+
+
+def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
+    cli: CLI, aws_lab: AwsLab
+) -> None:
+    cli.env.update(aws_lab.env)
+    task = cli.task("job.yaml", TASK)
+    done = cli.ok("launch", task, "-c", "cloud", *_lab_flags(aws_lab), timeout=300)
+    instances = _cluster_instances(aws_lab, "team", "ml")
+    live = [i for i in instances if i["State"]["Name"] == "running"]
+    assert len(live) == 3, instances
+    live.sort(key=lambda i: i["AmiLaunchIndex"])
+    addrs = [i["PrivateIpAddress"] for i in live]
+    ips = " ".join(addrs)
+    assert node_lines(done.stdout, "SETUP") == {r: str(r) for r in range(3)}
+    assert node_lines(done.stdout, "RUN") == {r: f"{r} 3 {ips} {addrs[0]}" for r in range(3)}
+    for inst in live:
+        assert inst["InstanceLifecycle"] == "spot"  # use_spot
+    (kind,) = {i["InstanceType"] for i in live}
+    info = aws_lab.client().describe_instance_types(InstanceTypes=[kind])["InstanceTypes"][0]
+    assert info["VCpuInfo"]["DefaultVCpus"] >= 2  # cpus: 2 chose the type
+    pool_id = {t["Key"]: t["Value"] for t in live[0]["Tags"]}["flotilla:pool"]
+    (group,) = aws_lab.pool_groups(pool_id)
+    opened = {r.get("FromPort") for r in group["IpPermissions"] if r["IpProtocol"] == "tcp"}
+    assert opened == {22, 8080}  # ports: opened in the pool's group
+    # flotilla ssh reaches node 2 with the pool's pinned key, in its working directory
+    rec = cli.record("cloud")
+    assert rec is not None
+    shell = cli.ok("ssh", "cloud", "--node", "2", "--", "hostname -I; pwd")
+    assert addrs[2] in shell.stdout.split() and rec.nodes[2].workdir in shell.stdout.split()
+    cli.ok("down", "cloud", timeout=120)
+    states = {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)}
+    assert states == {"terminated"}
+    assert aws_lab.pool_groups(pool_id) == []
+
+
+def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsLab) -> None:
+    """The cluster's daemon (the pool's client) is killed -9: its instances stay until their
+    ttl. ``flotilla down --orphans --provider aws`` removes them, its group and keys; a live
+    cluster's pool is left alone."""
+    import os
+    import signal
+
+    from _procs import wait_until
+
+    from flotilla._node import procs
+
+    cli.env.update(aws_lab.env)
+    cli.ok("launch", "echo up", "-c", "doomed", "--provider", "aws", *_lab_flags(aws_lab))
+    cli.ok("launch", "echo up", "-c", "alive", "--provider", "aws", *_lab_flags(aws_lab))
+    doomed, alive = cli.record("doomed"), cli.record("alive")
+    assert doomed is not None and alive is not None
+    pools = {}
+    for name, rec in (("doomed", doomed), ("alive", alive)):
+        (inst,) = [
+            i
+            for i in aws_lab.describe()
+            if i["PrivateIpAddress"] == rec.nodes[0].ip and i["State"]["Name"] == "running"
+        ]
+        pools[name] = {t["Key"]: t["Value"] for t in inst["Tags"]}["flotilla:pool"]
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(lambda: not procs.alive(doomed.pid, doomed.pid_start), 30.0)
+    done = cli.ok("down", "--orphans", "--provider", "aws", "--region", REGION, timeout=120)
+    assert pools["doomed"] in done.stderr + done.stdout
+    assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["doomed"])} == {"terminated"}
+    assert aws_lab.pool_groups(pools["doomed"]) == []
+    running = {i["State"]["Name"] for i in aws_lab.pool_instances(pools["alive"])}
+    assert running == {"running"}
+    cli.ok("down", "doomed", "alive", timeout=120)
+    assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["alive"])} == {"terminated"}
+
+
+def test_node_records_follow_a_replaced_instance(cli: CLI, aws_lab: AwsLab) -> None:
+    """An instance of a cluster terminated without notice is replaced by the pool; the
+    cluster's node records (agent pid, address, host) follow the new machine, so ``flotilla
+    ssh --node K`` and the next job reach it."""
+    from _procs import cmdline, wait_until
+
+    from flotilla._node import procs
+
+    cli.env.update(aws_lab.env)
+    cli.ok(
+        "launch",
+        "echo up",
+        "-c",
+        "renew",
+        "--nodes",
+        "3",
+        "--provider",
+        "aws",
+        *_lab_flags(aws_lab),
+        timeout=300,
+    )
+    before = cli.record("renew")
+    assert before is not None
+    (old,) = [
+        i
+        for i in aws_lab.describe()
+        if i["PrivateIpAddress"] == before.nodes[2].ip and i["State"]["Name"] == "running"
+    ]
+    aws_lab.client().terminate_instances(InstanceIds=[old["InstanceId"]])
+
+    def moved() -> bool:
+        rec = cli.record("renew")
+        return rec is not None and rec.nodes[2].agent_pid != before.nodes[2].agent_pid
+
+    assert wait_until(moved, 120.0), "the node records did not follow the replacement"
+    after = cli.record("renew")
+    assert after is not None
+    assert [n.node for n in after.nodes] == [0, 1, 2]
+    assert after.nodes[:2] == before.nodes[:2]
+    assert not procs.alive(before.nodes[2].agent_pid)  # the old host and agent are gone
+    new_pid = after.nodes[2].agent_pid
+    assert procs.alive(new_pid) and "flotilla.agent" in cmdline(new_pid)
+    (new,) = [
+        i
+        for i in aws_lab.describe()
+        if i["PrivateIpAddress"] == after.nodes[2].ip and i["State"]["Name"] == "running"
+    ]
+    assert new["InstanceId"] != old["InstanceId"]
+    shell = cli.ok("ssh", "renew", "--node", "2", "--", "hostname -I; pwd")
+    assert after.nodes[2].ip in shell.stdout.split()
+    assert after.nodes[2].workdir in shell.stdout.split()
+    job = cli.ok("exec", "renew", "echo AT $SKYPILOT_NODE_RANK $(hostname -I)")
+    assert after.nodes[2].ip in node_lines(job.stdout, "AT")[2].split()
+    cli.ok("down", "renew", timeout=120)
