@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
@@ -304,12 +305,23 @@ class Compute:
         return [f.result() for f in waiting]
 
     async def _heartbeats(self) -> None:
-        interval = self.options.heartbeat_timeout / 4
+        """Ping every node (agents exit when the client is silent) and declare lost the
+        nodes whose agents went silent (they BEAT every quarter of the timeout)."""
+        limit = self.options.heartbeat_timeout
+        interval = limit / 4
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            for node in [*self._nodes, *self._renewals.starting]:
+            now = time.monotonic()
+            nodes = [*self._nodes, *self._renewals.starting]
+            if now - last > 2 * interval:  # this process was stalled, not the nodes
+                for node in nodes:
+                    node.last_heard = max(node.last_heard, now)
+            last = now
+            for node in nodes:
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     node.send_control(Kind.PING, wait=False)
+                    node.check_silence(now, limit)
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""

@@ -346,7 +346,7 @@ class Dispatcher:
 
     def on_lost(self, node: Node, subs: list[Submission]) -> None:
         """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
-        err = node.lost_error("was lost while running a call: its agent exited")
+        err = node.lost_error(f"was lost while running a call: {node.loss}")
         why = _why(node)
         rank = node.rank
         with self.lock:
@@ -478,6 +478,8 @@ class Dispatcher:
 
 def _why(node: Node) -> str:
     """Why ``node`` was lost, in a few words for the console."""
+    if node.silence:
+        return f"it stopped answering for {node.silence:.1f} s"
     lost = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's last words
     if lost:
         return f"the connection was lost: {lost}"

@@ -13,8 +13,13 @@ starts in a few tens of milliseconds. It
   e.g. a torch process group), does not replace a lost executor alone, since a lone new
   process could not rejoin the group: it tells the client (BROKEN), which restarts every
   executor of the pool (RESTART: queued and running tasks end ABORTED);
+* sends BEAT every quarter of ``heartbeat_timeout`` once configured, so that the client
+  learns within that time when the node stops answering (a frozen process or VM, a network
+  black hole), whatever carries the channel;
 * exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
-  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds.
+  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds
+  (after reading what waits in its stdin: a stopped and resumed agent finds the client's
+  pings there and goes on).
 
 The parts: :mod:`.eventloop` (the poller and non-blocking writers it runs on),
 :mod:`.supervisor` (the executors: fork, feed, watch, replace; their states), and this
@@ -61,6 +66,7 @@ class Agent:
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
+        self.next_beat = float("inf")  # when to send the next BEAT (once configured)
         self.stopping = False
         self.stop_deadline = 0.0
         self.done = False
@@ -97,7 +103,9 @@ class Agent:
             self._cleanup()
 
     def _next_wakeup(self) -> float:
-        wake = self.executors.next_deadline(self.last_seen + self.heartbeat_timeout)
+        wake = self.executors.next_deadline(
+            min(self.last_seen + self.heartbeat_timeout, self.next_beat)
+        )
         if self.stopping:
             wake = min(wake, self.stop_deadline)
         return max(0.0, wake - time.monotonic())
@@ -108,7 +116,14 @@ class Agent:
             if (self.executors.idle and self.builder is None) or now >= self.stop_deadline:
                 self.done = True
             return
+        if now >= self.next_beat:
+            self.client.send(frame(Kind.BEAT, 0))
+            self.next_beat = now + self.heartbeat_timeout / 4
         if now - self.last_seen > self.heartbeat_timeout:
+            for callback in self.sel.poll(0.0):  # what waits in stdin (e.g. after SIGSTOP)
+                callback()
+            if self.done or self.stopping or now - self.last_seen <= self.heartbeat_timeout:
+                return
             self._log(f"no message from the client for {self.heartbeat_timeout:.0f} s; exiting")
             self.begin_stop(grace=1.0)
             return
@@ -162,6 +177,7 @@ class Agent:
         config: dict[str, Any] = json.loads(bytes(body[4 : 4 + n]))
         blob = bytes(body[4 + n :])
         self.heartbeat_timeout = float(config.get("heartbeat_timeout", _DEFAULT_HEARTBEAT_TIMEOUT))
+        self.next_beat = time.monotonic() + self.heartbeat_timeout / 4
         workdir = config.get("workdir")
         if workdir:
             os.makedirs(os.path.expanduser(workdir), exist_ok=True)

@@ -127,7 +127,7 @@ class PipeAgent(AgentProcess):
                 loop.remove_reader(self._out)
                 self._out_ended = True
                 loop.create_task(self._ended(on_frames))
-            elif frames:
+            else:  # also when only part of a frame came: the agent is alive
                 on_frames(frames)
 
         loop.add_reader(self._out, readable)
@@ -185,6 +185,7 @@ class PipeAgent(AgentProcess):
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(signal.SIGCONT)  # a stopped (frozen) agent acts on it
             if await self.wait(1.5) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)

@@ -42,6 +42,7 @@ class Kind(IntEnum):
     BUILD = 5  # JSON: the node builds its environment ({"need_includes": bool})
     PROGRESS = 6  # text: output of the environment build
     BROKEN = 7  # ident=restart generation; text: why a process of a group pool was replaced
+    BEAT = 8  # the agent is alive: sent every quarter of the heartbeat timeout once configured
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function
