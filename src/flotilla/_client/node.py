@@ -103,6 +103,8 @@ class Submission:
     attempts: int = 0
     siblings: list[Submission] | None = None  # the calls of the same broadcast
     generation: int = 0  # of the pool's process group when the broadcast was sent
+    finished: bool = False  # its node reported its end (its future may still be held)
+    held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
 
