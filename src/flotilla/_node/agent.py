@@ -16,6 +16,10 @@ starts in a few tens of milliseconds. It
 * sends BEAT every quarter of ``heartbeat_timeout`` once configured, so that the client
   learns within that time when the node stops answering (a frozen process or VM, a network
   black hole), whatever carries the channel;
+* marks every process it starts with a token in its environment (``FLOTILLA_NODE_TOKEN``,
+  inherited by what tasks start), and at exit kills every process that carries it: what a
+  task left running outside the executor's process group (``setsid``, a double fork, a
+  launcher's workers) is stopped with the pool too;
 * exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
   client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds
   (after reading what waits in its stdin: a stopped and resumed agent finds the client's
@@ -41,12 +45,15 @@ from typing import Any
 
 from .._wire.frames import Body, FrameReader, Kind, frame
 from .eventloop import Outbox, Poller
+from .procs import has_env, kill_all
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group
 
 PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
+"""Environment variable marking every process an agent started (directly or not)."""
 
 
 class Agent:
@@ -54,6 +61,8 @@ class Agent:
     docstring), runs the executors through a :class:`Supervisor`."""
 
     def __init__(self) -> None:
+        self.token = f"{os.getpid()}.{os.urandom(8).hex()}"
+        os.environ[TOKEN_VAR] = self.token  # inherited by the executors and all they start
         self.proto_in = 0
         self.proto_out = os.dup(1)
         os.dup2(2, 1)  # anything printed in this process goes to stderr, not the protocol
@@ -293,6 +302,8 @@ class Agent:
         if self.builder is not None:
             kill_group(self.builder.pid)
             self.builder.wait()
+        marker = f"{TOKEN_VAR}={self.token}".encode()
+        kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"
             try:
