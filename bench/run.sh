@@ -38,6 +38,12 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Command line (issue 5)"
     echo
     .venv/bin/python bench/bench_cli.py 2>/dev/null | sed 's/^## /### /'
+    echo
+    echo "## Frozen and lost nodes (issue 13)"
+    echo
+    .venv/bin/python bench/bench_liveness.py 2>/dev/null
+    echo
+    .venv/bin/python bench/bench_replace.py 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"
