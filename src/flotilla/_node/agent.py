@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.frames import Body, FrameReader, Kind, frame
+from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .eventloop import Outbox, Poller
 from .procs import has_env, kill_all
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group
@@ -165,7 +165,11 @@ class Agent:
         self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
 
     def _on_client(self) -> None:
-        frames = self.client_reader.read(self.proto_in)
+        try:
+            frames = self.client_reader.read(self.proto_in)
+        except FrameError as e:
+            self._log(f"the client's stream is corrupt ({e}); exiting")
+            frames = None
         if frames is None:  # the client is gone
             self.sel.unregister(self.proto_in)
             self.client.broken = True
