@@ -49,6 +49,14 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         from ..plugins._base import enter_plugins
 
         plugins = pickle.loads(blob) if blob else []
+        if config.get("group"):  # every node reaches the head before the collective forms
+            from .preflight import preflight
+
+            unreachable = preflight(info)
+            if unreachable:
+                _send(wfd, Kind.READY, 0, json.dumps({"error": unreachable}).encode())
+                _flush()
+                os._exit(1)
         enter_plugins(stack, plugins, instance_info())
     except BaseException:
         _send(wfd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
