@@ -52,6 +52,8 @@ PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
+"""Set by a provider that made a working folder for this node alone: removed at exit."""
 TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
 """Environment variable marking every process an agent started (directly or not)."""
 
@@ -308,6 +310,7 @@ class Agent:
             self.builder.wait()
         marker = f"{TOKEN_VAR}={self.token}".encode()
         kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
+        self._remove_node_dir()
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"
             try:
@@ -320,6 +323,17 @@ class Agent:
             except OSError:
                 pass
         self.client.flush()
+
+    def _remove_node_dir(self) -> None:
+        """Remove the node's own working folder (``FLOTILLA_NODE_DIR``: a provider that
+        made one folder per node says so), whatever ended the agent: a client killed
+        without closing its pool leaves nothing behind."""
+        folder = os.environ.pop(NODE_DIR_VAR, "")
+        if folder and os.path.isdir(folder) and not os.path.islink(folder):
+            import shutil
+
+            os.chdir("/")
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _log(self, message: str) -> None:
         print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
