@@ -63,8 +63,6 @@ class Agent:
     docstring), runs the executors through a :class:`Supervisor`."""
 
     def __init__(self) -> None:
-        self.token = f"{os.getpid()}.{os.urandom(8).hex()}"
-        os.environ[TOKEN_VAR] = self.token  # inherited by the executors and all they start
         self.proto_in = 0
         self.proto_out = os.dup(1)
         os.dup2(2, 1)  # anything printed in this process goes to stderr, not the protocol
@@ -97,7 +95,9 @@ class Agent:
         if "FLOTILLA_CLOUD" in os.environ:
             from .cloud import start
 
-            self.cloud = start()
+            self.cloud = start()  # its watchdog outlives the agent on purpose: no token
+        self.token = f"{os.getpid()}.{os.urandom(8).hex()}"
+        os.environ[TOKEN_VAR] = self.token  # inherited by the executors and all they start
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
