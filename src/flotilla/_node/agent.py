@@ -77,6 +77,7 @@ class Agent:
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
         self.next_beat = float("inf")  # when to send the next BEAT (once configured)
         self.stopping = False
+        self.own_dir = True  # remove FLOTILLA_NODE_DIR at exit (not after SHUTDOWN)
         self.stop_deadline = 0.0
         self.done = False
         ex = self.executors
@@ -291,7 +292,10 @@ class Agent:
 
     # -- shutdown ----------------------------------------------------------------------
     def _shutdown(self, _: int, __: Body) -> None:
-        """SHUTDOWN: the executors get ``shutdown_grace`` seconds to end by themselves."""
+        """SHUTDOWN: the executors get ``shutdown_grace`` seconds to end by themselves.
+        The client is there: it decides what becomes of the node's folder (a new agent may
+        be started in it), so the agent leaves it."""
+        self.own_dir = False
         self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
 
     def begin_stop(self, grace: float) -> None:
@@ -326,10 +330,11 @@ class Agent:
 
     def _remove_node_dir(self) -> None:
         """Remove the node's own working folder (``FLOTILLA_NODE_DIR``: a provider that
-        made one folder per node says so), whatever ended the agent: a client killed
-        without closing its pool leaves nothing behind."""
+        made one folder per node says so) when the agent ends without the client's
+        SHUTDOWN (the client was killed, went silent, or the agent was signalled): a
+        client killed without closing its pool leaves nothing behind."""
         folder = os.environ.pop(NODE_DIR_VAR, "")
-        if folder and os.path.isdir(folder) and not os.path.islink(folder):
+        if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
             import shutil
 
             os.chdir("/")
