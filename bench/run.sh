@@ -42,6 +42,12 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Managed jobs: recovery from a lost node (issue 13)"
     echo
     .venv/bin/python bench/bench_managed.py 2>/dev/null | sed 's/^## /### /'
+    echo
+    echo "## Frozen and lost nodes (issue 13)"
+    echo
+    .venv/bin/python bench/bench_liveness.py 2>/dev/null
+    echo
+    .venv/bin/python bench/bench_replace.py 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"

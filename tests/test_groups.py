@@ -152,3 +152,21 @@ def test_a_lost_node_restarts_the_whole_group_on_a_fresh_agent_everywhere(
     assert [value for value, _ in after] == [10.0, 10.0]
     assert not before & {pid for _, pid in after}
     assert not set(agents) & set(agent_pid() @ pool)  # every node has a new agent
+
+
+@sky.function
+def ok() -> int:
+    return sky.instance_info().node
+
+
+@pytest.mark.timeout(600)  # eight torch group restarts on a busy 2-core machine
+def test_a_broadcast_right_after_a_failed_one_never_pairs_with_a_stale_collective() -> None:
+    """Rank 1 raises while the others all_reduce; at once, ok() on every node: the failed
+    broadcast returns only once its siblings ended (the group restarted), so the next
+    one runs on the fresh group. Many rounds: no round hangs, every ok() answers."""
+    with sky.Compute(nodes=3, plugins=[sky.plugins.torch()]) as pool:
+        for _ in range(8):
+            with pytest.raises(ValueError, match="bad batch"):
+                rank_fails(1, "raise") @ pool
+            assert ok() @ pool == [0, 1, 2]
+            assert [total for total, _ in all_reduce(1.0) @ pool] == [3.0, 3.0, 3.0]

@@ -120,7 +120,9 @@ class WorkerDiedError(FlotillaError):
     """The process running a call died (crash, ``os._exit``, signal, OOM kill).
 
     ``exitcode`` is the exit status, ``signal`` the terminating signal's name (or None),
-    ``stderr_tail`` the last lines the process wrote to stderr.
+    ``stderr_tail`` the last lines the process wrote to stderr. ``restarted`` is True when
+    the process was stopped because the pool's group was restarted: the cause is another
+    rank's failure, which a broadcast raises in preference.
     """
 
     def __init__(
@@ -131,12 +133,14 @@ class WorkerDiedError(FlotillaError):
         exitcode: int | None = None,
         signal: str | None = None,
         stderr_tail: str = "",
+        restarted: bool = False,
     ) -> None:
         super().__init__(message)
         self.node = node
         self.exitcode = exitcode
         self.signal = signal
         self.stderr_tail = stderr_tail
+        self.restarted = restarted
 
 
 @_public

@@ -342,12 +342,29 @@ class Compute:
         return [f.result() for f in waiting]
 
     async def _heartbeats(self) -> None:
-        interval = self.options.heartbeat_timeout / 4
+        """Ping every node (agents exit when the client is silent) and declare lost the
+        nodes whose agents went silent (they BEAT every quarter of the timeout). Silence is
+        checked every quarter second: a frozen node is found within the timeout + 0.25 s."""
+        limit = self.options.heartbeat_timeout
+        interval = limit / 4
+        tick = min(interval, 0.25)
+        last = next_ping = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
-            for node in [*self._nodes, *self._renewals.starting]:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            nodes = [*self._nodes, *self._renewals.starting]
+            if now - last > interval:  # this process was stalled, not the nodes
+                for node in nodes:
+                    node.last_heard = max(node.last_heard, now)
+            last = now
+            ping = now >= next_ping
+            if ping:
+                next_ping = now + interval
+            for node in nodes:
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
-                    node.send_control(Kind.PING, wait=False)
+                    if ping:
+                        node.send_control(Kind.PING, wait=False)
+                    node.check_silence(now, limit)
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""

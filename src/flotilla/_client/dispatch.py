@@ -12,6 +12,9 @@ node answers. The policy, in one place:
 - **Group restarts.** In a pool whose processes form one group (``forms_group`` plugins),
   one rank failing while its siblings still run restarts every process (see ``_plugins``),
   and a broadcast's call is never retried alone (it would wait for the others forever).
+  The failure is *held* until every sibling has ended (finished, or aborted by the
+  restart): a failed broadcast returns only then, so the next call is sent after the
+  RESTART on every node and cannot pair with a stale collective.
 - **Lost nodes.** When a node's agent is gone, its rank is *down* while the pool replaces it
   (``_client/renew.py``): calls pinned to that rank (broadcasts, their retries) wait for the
   new node; single calls go to other nodes, or wait when none is ready. A rank that cannot
@@ -90,6 +93,7 @@ class Dispatcher:
         self._replacing: set[int] = set()  # ranks whose replacement runs
         self._unplaced: list[Submission] = []  # single calls waiting for any ready node
         self._gone: dict[int, str] = {}  # ranks lost for good: why
+        self._held: set[Submission] = set()  # group failures waiting for their siblings
 
     # -- preparing calls -------------------------------------------------------------
     def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
@@ -325,6 +329,12 @@ class Dispatcher:
             asyncio.get_running_loop().call_later(
                 STRAGGLER_GRACE, self._restart_if_stuck, sub, cause
             )
+        sub.finished = True
+        if self.group and exc is not None and _others_run(sub):
+            with self.lock:
+                sub.held = (value, exc)  # settled once every sibling has ended
+                self._held.add(sub)
+            return
         if isinstance(exc, WorkerDiedError) and self.retry(sub, exc):
             return
         self.settle(sub, value=value, exc=exc)
@@ -349,7 +359,7 @@ class Dispatcher:
 
     def on_lost(self, node: Node, subs: list[Submission]) -> None:
         """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
-        err = node.lost_error("was lost while running a call: its agent exited")
+        err = node.lost_error(f"was lost while running a call: {node.loss}")
         why = _why(node)
         rank = node.rank
         with self.lock:
@@ -391,12 +401,27 @@ class Dispatcher:
     ) -> None:
         sub.payload.release()
         self._by_future.pop(id(sub.future), None)
-        if sub.future.done():
-            return
-        if exc is not None:  # the one point errors reach the caller through: no secrets
-            sub.future.set_exception(redact_exception(exc, self.secrets))
-        else:
-            sub.future.set_result(value)
+        if not sub.future.done():
+            if exc is not None:
+                # the one point errors reach the caller through: no secrets
+                sub.future.set_exception(redact_exception(exc, self.secrets))
+            else:
+                sub.future.set_result(value)
+        if self._held and sub.siblings:
+            self._release_held(sub.siblings)
+
+    def _release_held(self, siblings: list[Submission]) -> None:
+        """Settle the held failures of a broadcast whose calls have all ended."""
+        with self.lock:
+            if any(s.held is None and not s.future.done() for s in siblings):
+                return
+            held = [s for s in siblings if s in self._held]
+            self._held.difference_update(held)
+        for s in held:
+            assert s.held is not None
+            value, exc = s.held
+            s.held = None
+            self.settle(s, value=value, exc=exc)
 
     # -- lost nodes and their replacements (loop thread) ------------------------------
     def retire(self, node: Node, cause: str) -> None:
@@ -411,6 +436,7 @@ class Dispatcher:
                 f"{node.name}: {sub.call.function.name}(...) was stopped because {cause}; "
                 "the pool's processes form one group, so all of them were restarted",
                 node=node.rank,
+                restarted=True,
             )
             if not self.retry(sub, err):
                 self.settle(sub, exc=err)
@@ -435,7 +461,7 @@ class Dispatcher:
         if self.group and sub.siblings:
             failed = next((s for s in sub.siblings if _failed(s)), None)
             if failed is not None:  # it would wait in a collective for a sibling that ended
-                err = failed.future.exception()
+                err = failed.held[1] if failed.held else failed.future.exception()
                 self.settle(sub, exc=WorkerDiedError(f"not run: {err}", node=rank or 0))
                 return
             sub.generation = self.generation
@@ -471,6 +497,11 @@ class Dispatcher:
             self._unplaced = []
         for sub in parked:
             self.settle(sub, exc=exc("a lost node was replaced"))
+        with self.lock:
+            held, self._held = list(self._held), set()
+        for sub in held:
+            assert sub.held is not None
+            self.settle(sub, exc=sub.held[1])
         for node in self.nodes:
             with node.lock:
                 subs = list(node.inflight.values())
@@ -481,6 +512,8 @@ class Dispatcher:
 
 def _why(node: Node) -> str:
     """Why ``node`` was lost, in a few words for the console."""
+    if node.silence:
+        return f"it stopped answering for {node.silence:.1f} s"
     lost = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's last words
     if lost:
         return f"the connection was lost: {lost}"
@@ -494,10 +527,12 @@ def _why(node: Node) -> str:
 
 def _others_run(sub: Submission) -> bool:
     """True when another call of ``sub``'s broadcast has not finished."""
-    return any(s is not sub and not s.future.done() for s in sub.siblings or ())
+    return any(s is not sub and not s.finished and not s.future.done() for s in sub.siblings or ())
 
 
 def _failed(sub: Submission) -> bool:
+    if sub.held is not None:
+        return True
     return sub.future.done() and not sub.future.cancelled() and sub.future.exception() is not None
 
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
 from .._wire.exits import exit_signal, exit_summary
-from .._wire.frames import TASK_HEAD, Buffer, Kind, frame
+from .._wire.frames import TASK_HEAD, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
 from .lines import LineAssembler
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 
 _task_ids = itertools.count(1)
 _STDERR_TAIL = 40
+TIMEOUT_GRACE = 1.0
+"""Seconds past a call's timeout after which the client ends the call itself, when its node
+did not report the timeout (a frozen agent or VM, a network black hole)."""
 
 
 class NodeState(Enum):
@@ -34,6 +38,7 @@ class NodeState(Enum):
 
     STARTING --HELLO--> CONFIGURING --READY--> READY
     STARTING | CONFIGURING | READY --agent gone--> LOST
+    CONFIGURING | READY --nothing heard for heartbeat_timeout--> LOST
     any --pool closes--> CLOSED
     """
 
@@ -100,6 +105,8 @@ class Submission:
     attempts: int = 0
     siblings: list[Submission] | None = None  # the calls of the same broadcast
     generation: int = 0  # of the pool's process group when the broadcast was sent
+    finished: bool = False  # its node reported its end (its future may still be held)
+    held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
 
@@ -162,6 +169,10 @@ class Node:
         self.events = events or NodeEvents()
         self.hello: asyncio.Future[dict[str, Any]] | None = None
         self.ready: asyncio.Future[dict[str, Any]] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.last_heard = time.monotonic()  # when the agent last sent anything
+        self.loss = "its agent exited"  # why the node was lost, once it is
+        self.silence = 0.0  # seconds nothing was heard from it, when that is why
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -174,8 +185,10 @@ class Node:
 
     # -- start-up --------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.hello = loop.create_future()
         self.ready = loop.create_future()
+        self.last_heard = time.monotonic()
         self.proc.start_reading(loop, self._on_frames, self._on_stderr)
 
     def configure(self, config: dict[str, Any], blob: bytes) -> None:
@@ -205,6 +218,8 @@ class Node:
                     self.busy[sub.worker] += 1
                     head = TASK_HEAD.pack(sub.timeout, sub.worker)
                     parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
+                    if sub.timeout and self.loop is not None:
+                        self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
             try:
                 self.proc.write(parts)
             except OSError as e:
@@ -229,11 +244,36 @@ class Node:
         finally:
             self.write_lock.release()
 
+    # -- the client's own watch (loop thread) ----------------------------------------
+    def _arm_timeout(self, sub: Submission, tid: int) -> None:
+        assert self.loop is not None
+        self.loop.call_later(sub.timeout + TIMEOUT_GRACE, self._overdue, sub, tid)
+
+    def _overdue(self, sub: Submission, tid: int) -> None:
+        """``sub`` outlived its timeout and the node did not say so (its agent may be
+        frozen): the call ends as a timeout here; the node is asked to stop it."""
+        with self.lock:
+            if self.inflight.get(tid) is not sub:
+                return
+            del self.inflight[tid]
+            self.busy[sub.worker] -= 1
+        self.send_control(Kind.CANCEL, wait=False, ident=tid)
+        self._on_result(self, sub, Status.TIMEOUT, bytes((Status.TIMEOUT,)))
+
+    def check_silence(self, now: float, limit: float) -> None:
+        """Declare the node lost if nothing came from its agent for ``limit`` seconds
+        (the agent sends BEAT every quarter of that)."""
+        silent = now - self.last_heard
+        if silent > limit and self.state in (NodeState.READY, NodeState.CONFIGURING):
+            self.silence = silent
+            self.gone(f"stopped answering: nothing heard from its agent for {silent:.1f} s")
+
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
         if frames is None:
             self.gone()
             return
+        self.last_heard = time.monotonic()  # also for part of a frame (an empty list)
         for kind, ident, body in frames:
             if kind == Kind.RESULT:
                 with self.lock:
@@ -291,13 +331,16 @@ class Node:
         self._err_partial = lines.pop()[-4096:]
         self.stderr_tail.extend(line.decode(errors="replace") for line in lines)
 
-    def gone(self) -> None:
-        """The agent is gone: fail the node's calls and report the loss. Idempotent."""
+    def gone(self, loss: str = "") -> None:
+        """The agent is gone (``loss``: why, when it is not that it exited): fail the
+        node's calls and report the loss. Idempotent."""
         if self.state is NodeState.CLOSED or self.state is NodeState.LOST:
             return
         self.flush_output()
         self.state = NodeState.LOST
-        err = self.lost_error("lost: its agent exited")
+        if loss:
+            self.loss = loss
+        err = self.lost_error(f"lost: {self.loss}")
         for fut in (self.hello, self.ready):
             if fut is not None and not fut.done():
                 fut.set_exception(ProvisionError(str(err)))

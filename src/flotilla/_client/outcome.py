@@ -42,6 +42,7 @@ def outcome(
             f"{node.name}: {fn_name}(...) was stopped because {cause}; the pool's processes "
             "form one group (a plugin's collective), so all of them were restarted",
             node=node.rank,
+            restarted=True,
         )
     if status == Status.DIED:
         death = json.loads(bytes(body[1:]))
@@ -85,9 +86,11 @@ def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -
 
 
 def results(futures: list[Future[Any]]) -> list[Any]:
-    """Wait for every future; raise the first failure as soon as it happens."""
-    _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    if pending:
-        first = next(f for f in futures if f.done() and f.exception() is not None)
-        raise first.exception()  # type: ignore[misc]
+    """Wait for every future; raise the first failure as soon as it happens (the root
+    cause rather than a call stopped by the group restart it caused, when both are in)."""
+    wait(futures, return_when=FIRST_EXCEPTION)
+    failures = [e for f in futures if f.done() and (e := f.exception()) is not None]
+    if failures:
+        causes = [e for e in failures if not getattr(e, "restarted", False)]
+        raise (causes or failures)[0]
     return [f.result() for f in futures]

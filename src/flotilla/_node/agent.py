@@ -13,8 +13,17 @@ starts in a few tens of milliseconds. It
   e.g. a torch process group), does not replace a lost executor alone, since a lone new
   process could not rejoin the group: it tells the client (BROKEN), which restarts every
   executor of the pool (RESTART: queued and running tasks end ABORTED);
+* sends BEAT every quarter of ``heartbeat_timeout`` once configured, so that the client
+  learns within that time when the node stops answering (a frozen process or VM, a network
+  black hole), whatever carries the channel;
+* marks every process it starts with a token in its environment (``FLOTILLA_NODE_TOKEN``,
+  inherited by what tasks start), and at exit kills every process that carries it: what a
+  task left running outside the executor's process group (``setsid``, a double fork, a
+  launcher's workers) is stopped with the pool too;
 * exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
-  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds.
+  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds
+  (after reading what waits in its stdin: a stopped and resumed agent finds the client's
+  pings there and goes on).
 
 The parts: :mod:`.eventloop` (the poller and non-blocking writers it runs on),
 :mod:`.supervisor` (the executors: fork, feed, watch, replace; their states), and this
@@ -34,14 +43,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.frames import Body, FrameReader, Kind, frame
+from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .eventloop import Outbox, Poller
+from .procs import has_env, kill_all
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group
 
 PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
+"""Set by a provider that made a working folder for this node alone: removed at exit."""
+TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
+"""Environment variable marking every process an agent started (directly or not)."""
 
 
 class Agent:
@@ -61,7 +75,9 @@ class Agent:
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
+        self.next_beat = float("inf")  # when to send the next BEAT (once configured)
         self.stopping = False
+        self.own_dir = True  # remove FLOTILLA_NODE_DIR at exit (not after SHUTDOWN)
         self.stop_deadline = 0.0
         self.done = False
         ex = self.executors
@@ -80,7 +96,9 @@ class Agent:
         if "FLOTILLA_CLOUD" in os.environ:
             from .cloud import start
 
-            self.cloud = start()
+            self.cloud = start()  # its watchdog outlives the agent on purpose: no token
+        self.token = f"{os.getpid()}.{os.urandom(8).hex()}"
+        os.environ[TOKEN_VAR] = self.token  # inherited by the executors and all they start
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -97,7 +115,9 @@ class Agent:
             self._cleanup()
 
     def _next_wakeup(self) -> float:
-        wake = self.executors.next_deadline(self.last_seen + self.heartbeat_timeout)
+        wake = self.executors.next_deadline(
+            min(self.last_seen + self.heartbeat_timeout, self.next_beat)
+        )
         if self.stopping:
             wake = min(wake, self.stop_deadline)
         return max(0.0, wake - time.monotonic())
@@ -108,7 +128,14 @@ class Agent:
             if (self.executors.idle and self.builder is None) or now >= self.stop_deadline:
                 self.done = True
             return
+        if now >= self.next_beat:
+            self.client.send(frame(Kind.BEAT, 0))
+            self.next_beat = now + self.heartbeat_timeout / 4
         if now - self.last_seen > self.heartbeat_timeout:
+            for callback in self.sel.poll(0.0):  # what waits in stdin (e.g. after SIGSTOP)
+                callback()
+            if self.done or self.stopping or now - self.last_seen <= self.heartbeat_timeout:
+                return
             self._log(f"no message from the client for {self.heartbeat_timeout:.0f} s; exiting")
             self.begin_stop(grace=1.0)
             return
@@ -141,7 +168,11 @@ class Agent:
         self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
 
     def _on_client(self) -> None:
-        frames = self.client_reader.read(self.proto_in)
+        try:
+            frames = self.client_reader.read(self.proto_in)
+        except FrameError as e:
+            self._log(f"the client's stream is corrupt ({e}); exiting")
+            frames = None
         if frames is None:  # the client is gone
             self.sel.unregister(self.proto_in)
             self.client.broken = True
@@ -162,6 +193,7 @@ class Agent:
         config: dict[str, Any] = json.loads(bytes(body[4 : 4 + n]))
         blob = bytes(body[4 + n :])
         self.heartbeat_timeout = float(config.get("heartbeat_timeout", _DEFAULT_HEARTBEAT_TIMEOUT))
+        self.next_beat = time.monotonic() + self.heartbeat_timeout / 4
         workdir = config.get("workdir")
         if workdir:
             os.makedirs(os.path.expanduser(workdir), exist_ok=True)
@@ -260,7 +292,10 @@ class Agent:
 
     # -- shutdown ----------------------------------------------------------------------
     def _shutdown(self, _: int, __: Body) -> None:
-        """SHUTDOWN: the executors get ``shutdown_grace`` seconds to end by themselves."""
+        """SHUTDOWN: the executors get ``shutdown_grace`` seconds to end by themselves.
+        The client is there: it decides what becomes of the node's folder (a new agent may
+        be started in it), so the agent leaves it."""
+        self.own_dir = False
         self.begin_stop(grace=float((self.config or {}).get("shutdown_grace", 3.0)))
 
     def begin_stop(self, grace: float) -> None:
@@ -277,6 +312,9 @@ class Agent:
         if self.builder is not None:
             kill_group(self.builder.pid)
             self.builder.wait()
+        marker = f"{TOKEN_VAR}={self.token}".encode()
+        kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
+        self._remove_node_dir()
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"
             try:
@@ -289,6 +327,18 @@ class Agent:
             except OSError:
                 pass
         self.client.flush()
+
+    def _remove_node_dir(self) -> None:
+        """Remove the node's own working folder (``FLOTILLA_NODE_DIR``: a provider that
+        made one folder per node says so) when the agent ends without the client's
+        SHUTDOWN (the client was killed, went silent, or the agent was signalled): a
+        client killed without closing its pool leaves nothing behind."""
+        folder = os.environ.pop(NODE_DIR_VAR, "")
+        if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
+            import shutil
+
+            os.chdir("/")
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _log(self, message: str) -> None:
         print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ forwards to the client; the protocol uses two other pipes, so prints cannot corr
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -48,6 +49,14 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         from ..plugins._base import enter_plugins
 
         plugins = pickle.loads(blob) if blob else []
+        if config.get("group"):  # every node reaches the head before the collective forms
+            from .preflight import preflight
+
+            unreachable = preflight(info)
+            if unreachable:
+                _send(wfd, Kind.READY, 0, json.dumps({"error": unreachable}).encode())
+                _flush()
+                os._exit(1)
         enter_plugins(stack, plugins, instance_info())
     except BaseException:
         _send(wfd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
@@ -57,6 +66,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
+    me = os.getpid()
+    streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
 
     def task(ident: int, body: Body) -> bool:
         if ident in inbox.cancelled:
@@ -64,7 +75,10 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
         status, parts = _run(functions, body, shm_prefix, _serialize)
+        if os.getpid() != me:  # a child the task forked returned here: it has no say
+            os._exit(0)
         _flush()
+        _restore_streams(streams)
         write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
         return True
 
@@ -88,6 +102,18 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     finally:
         _flush()
         os._exit(0)
+
+
+def _restore_streams(saved: list[int]) -> None:
+    """Point file descriptors 1 and 2 (and sys.stdout/sys.stderr) at the output pipes
+    again: a task may have closed or redirected them (``os.close(1)``)."""
+    for fd, copy in zip((1, 2), saved, strict=True):
+        with contextlib.suppress(OSError):
+            os.dup2(copy, fd)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None or getattr(stream, "closed", False):
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115
 
 
 class _Inbox:

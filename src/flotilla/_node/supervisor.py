@@ -35,7 +35,17 @@ from functools import partial
 from typing import Any
 
 from .._wire.exits import describe_exit
-from .._wire.frames import HEADER, TASK_HEAD, Body, Buffer, FrameReader, Kind, Status, frame
+from .._wire.frames import (
+    HEADER,
+    TASK_HEAD,
+    Body,
+    Buffer,
+    FrameError,
+    FrameReader,
+    Kind,
+    Status,
+    frame,
+)
 from .eventloop import Outbox, Poller
 
 STDERR_TAIL_LINES = 40
@@ -284,7 +294,18 @@ class Supervisor:
             ex.outbox.send(parts)
 
     def _on_executor(self, ex: Executor) -> None:
-        frames = ex.reader.read(ex.from_fd)
+        corrupt = ""
+        try:
+            frames = ex.reader.read(ex.from_fd)
+        except FrameError as e:  # e.g. a task wrote on the executor's result channel
+            frames, corrupt = None, str(e)
+        if corrupt:  # handled out of the except block: a new executor is forked next
+            ex.stderr_tail.append(
+                f"flotilla: the executor's result channel broke: {corrupt}".encode()
+            )
+            kill_group(ex.pid)
+            self._exited(ex, wait=True)
+            return
         if frames is None:
             self._exited(ex)
             return
@@ -347,9 +368,9 @@ class Supervisor:
             while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
-    def _exited(self, ex: Executor) -> None:
+    def _exited(self, ex: Executor, wait: bool = False) -> None:
         slot = ex.slot
-        status = _reap(ex.pid)
+        status = _reap(ex.pid, wait=wait)
         self._drain_output(ex)
         self._close(ex)
         if self.stopping:

@@ -44,8 +44,11 @@ class Options:
             frameworks. False: standalone workers, no peers and no head; plugins that need
             a cluster are refused.
         start_timeout: seconds to wait for every node to be up and initialised.
-        heartbeat_timeout: an agent that hears nothing from the client for this long
-            assumes the client is gone and exits (end of stream is noticed at once).
+        heartbeat_timeout: a node whose agent sends nothing for this long (a frozen
+            process or VM, a network black hole) is declared lost by the client (then
+            replaced, see ``replace_lost_nodes``), and an agent that hears nothing from the
+            client for this long assumes it is gone and exits (end of stream is noticed at
+            once either way).
         shutdown_grace: seconds a node's process gets to exit cleanly when the pool closes
             (plugins' teardown runs then) before it is killed.
         env: environment variables set in every task process (values may be ``Secret``).
@@ -58,7 +61,7 @@ class Options:
 
     cluster: bool = True
     start_timeout: float = 120.0
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = 10.0
     shutdown_grace: float = 2.0
     env: dict[str, Any] = field(default_factory=dict)
     replace_lost_nodes: bool = True

@@ -119,7 +119,9 @@ class LocalAllocation(Allocation):
 
     async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
         try:
-            proc = spawn(command, cwd=machine.ident, env=self.env)
+            # the agent removes its folder when it exits, even if this client was killed
+            env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident)
+            proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"

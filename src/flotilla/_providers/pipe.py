@@ -20,7 +20,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from .._wire.frames import Buffer, FrameReader, write_all
+from .._wire.frames import Buffer, FrameError, FrameReader, write_all
 from .base import AgentProcess, FramesCallback
 
 _NOISE_LIMIT = 1 << 16
@@ -44,6 +44,7 @@ class PipeAgent(AgentProcess):
         self.address = address
         self.host = host
         self.err_tail = b""
+        self.lost_reason = ""  # why the stream was dropped, when it was not its end
         self._in = proc.stdin.fileno()
         self._out = proc.stdout.fileno()
         self._err = proc.stderr.fileno()
@@ -121,13 +122,16 @@ class PipeAgent(AgentProcess):
         def readable() -> None:
             try:
                 frames = reader.read(self._out)
+            except FrameError as e:  # the agent's stream is corrupt: the node is lost
+                self.lost_reason = str(e)
+                frames = None
             except OSError:
                 frames = None
             if frames is None:
                 loop.remove_reader(self._out)
                 self._out_ended = True
                 loop.create_task(self._ended(on_frames))
-            elif frames:
+            else:  # also when only part of a frame came: the agent is alive
                 on_frames(frames)
 
         loop.add_reader(self._out, readable)
@@ -185,6 +189,7 @@ class PipeAgent(AgentProcess):
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(signal.SIGCONT)  # a stopped (frozen) agent acts on it
             if await self.wait(1.5) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)

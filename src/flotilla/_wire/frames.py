@@ -42,6 +42,7 @@ class Kind(IntEnum):
     BUILD = 5  # JSON: the node builds its environment ({"need_includes": bool})
     PROGRESS = 6  # text: output of the environment build
     BROKEN = 7  # ident=restart generation; text: why a process of a group pool was replaced
+    BEAT = 8  # the agent is alive: sent every quarter of the heartbeat timeout once configured
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function
@@ -100,11 +101,29 @@ def write_all(fd: int, parts: Sequence[Buffer]) -> None:
                 written = 0
 
 
+def _memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 1 << 40
+
+
+MAX_BODY = _memory()
+"""The largest frame body accepted: this machine's memory (a larger length can only be a
+corrupt stream, e.g. a task that wrote on a channel that is not its own)."""
+
+
+class FrameError(ValueError):
+    """The stream is corrupt (a frame longer than this machine's memory)."""
+
+
 class FrameReader:
     """Incremental frame parser over a byte stream.
 
     ``read(fd)`` performs one read and returns the frames it completed. Large bodies are
     read directly into a buffer of their final size, so a 100 MB payload is copied once.
+    A header announcing more than :data:`MAX_BODY` bytes raises :class:`FrameError`
+    (instead of a MemoryError that would take the reader's process down).
     """
 
     __slots__ = ("_big", "_big_filled", "_big_header", "_buf")
@@ -157,6 +176,11 @@ class FrameReader:
         end = len(buf)
         while end - start >= HEADER_SIZE:
             kind, ident, length = HEADER.unpack_from(buf, start)
+            if length > MAX_BODY:
+                raise FrameError(
+                    f"a frame announced {length} bytes, more than this machine's memory "
+                    f"({MAX_BODY} bytes): the stream is corrupt"
+                )
             body_start = start + HEADER_SIZE
             if end - body_start >= length:
                 out.append((kind, ident, bytes(buf[body_start : body_start + length])))

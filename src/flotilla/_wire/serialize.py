@@ -20,6 +20,7 @@ import os
 import pickle
 import secrets
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +83,20 @@ def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
 
 
 def write_shm(p: Pickled, prefix: str) -> str:
-    """Write ``p``'s large buffers to a new shared-memory file; return its name ('' if none)."""
+    """Write ``p``'s large buffers to a new shared-memory file; return its name ('' if none).
+
+    Shared memory is an optimisation: when ``/dev/shm`` is missing, full or not writable,
+    nothing is left behind, '' is returned (the buffers then travel through the pipe) and
+    one warning per process says so."""
     big = [b for b in p.buffers if b.nbytes >= SHM_MIN]
     if not big:
         return ""
     name = f"{prefix}{secrets.token_hex(8)}"
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as e:
+        _shm_unavailable(e)
+        return ""
     try:
         offset = 0
         for view in big:
@@ -96,12 +105,31 @@ def write_shm(p: Pickled, prefix: str) -> str:
             while done < flat.nbytes:
                 done += os.pwrite(fd, flat[done:], offset + done)
             offset += _aligned(view.nbytes)
+    except OSError as e:  # typically ENOSPC: /dev/shm is full
+        unlink_shm(name)
+        _shm_unavailable(e)
+        return ""
     except BaseException:
         unlink_shm(name)
         raise
     finally:
         os.close(fd)
     return name
+
+
+_warned = False
+
+
+def _shm_unavailable(e: OSError) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        print(
+            f"flotilla: shared memory cannot be used ({SHM_DIR}: {e.strerror or e}); large "
+            "buffers travel through the pipe instead (slower; free or enlarge /dev/shm)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def unlink_shm(name: str) -> None:

@@ -1,0 +1,95 @@
+"""Liveness from the client's side: a node whose agent stops answering (here SIGSTOP, as a
+frozen process or VM would) is declared lost within the heartbeat timeout and replaced, and
+a call's timeout is enforced by the client even when the agent cannot enforce it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import wait
+
+import pytest
+from _procs import alive
+
+import flotilla as sky
+
+
+@sky.function
+def rank() -> int:
+    return sky.instance_info().node
+
+
+@sky.function(timeout=5)
+def long_nap() -> int:
+    import time
+
+    time.sleep(60)
+    return sky.instance_info().node
+
+
+@sky.function(timeout=1)
+def short_nap() -> int:
+    import time
+
+    time.sleep(60)
+    return 0
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """``pid`` stopped with SIGSTOP; resumed (or killed, if it no longer matters) after."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def agent_pid(pool: sky.Compute, node: int) -> int:
+    return int(pool._nodes[node].hello_info["pid"])
+
+
+def test_a_frozen_agent_is_declared_lost_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    options = sky.Options(heartbeat_timeout=2)
+    with sky.Compute(nodes=3, options=options) as pool:
+        assert rank() @ pool == [0, 1, 2]
+        frozen = agent_pid(pool, 1)
+        try:
+            with caplog.at_level(logging.WARNING, logger="flotilla"):
+                futures = pool.submit_broadcast(long_nap())
+                with stopped(frozen):
+                    done, _ = wait([futures[1]], timeout=60)
+                    assert done, "the frozen node's call never ended"
+                    err = futures[1].exception()
+                    assert isinstance(err, sky.NodeLostError)
+                    assert err.node == 1
+                    assert "node 1" in str(err) and "stopped answering" in str(err)
+                    assert "nothing heard from its agent for" in str(err)
+                    for f in (futures[0], futures[2]):  # the live nodes enforce the timeout
+                        assert isinstance(f.exception(timeout=60), sky.TaskTimeoutError)
+                    assert rank() @ pool == [0, 1, 2]  # every node answers: node 1 is new
+            assert agent_pid(pool, 1) != frozen
+            assert not alive(frozen)  # the frozen agent was stopped with its node
+            messages = [r.getMessage() for r in caplog.records]
+            assert any(m.startswith("node 1 lost (it stopped answering for") for m in messages)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+
+
+def test_a_call_timeout_is_enforced_by_the_client_when_the_agent_is_frozen() -> None:
+    options = sky.Options(heartbeat_timeout=120)  # the node is not declared lost meanwhile
+    with sky.Compute(nodes=1, options=options) as pool:
+        pid = agent_pid(pool, 0)
+        future = pool.submit(short_nap())
+        with stopped(pid):
+            with pytest.raises(sky.TaskTimeoutError) as info:
+                future.result(timeout=60)
+            assert "timeout of 1 s on node 0" in str(info.value)
+        # resumed, the agent reads what waited in its stdin (the cancel) and goes on
+        assert (rank() >> pool) == 0
+        assert agent_pid(pool, 0) == pid
