@@ -80,8 +80,8 @@ def cmd_down(args: argparse.Namespace) -> int:
             )
         for line in registry.backend(args.provider).remove_orphans(args.region, args.dry_run):
             say(line)
-    elif not args.clusters:
-        raise CLIError("name the clusters to take down, or use --orphans --provider P", code=2)
+        if not args.clusters and not args.all:
+            return 0
     code = 0
     names: list[str] = args.clusters
     if args.all:
@@ -94,7 +94,10 @@ def cmd_down(args: argparse.Namespace) -> int:
         if not confirm(f"stop and remove cluster(s) {', '.join(names)}?", args.yes):
             raise CLIError("nothing was stopped")
     elif not names:
-        raise ConfigurationError("which clusters? `flotilla down NAME...`, or -a for every one")
+        raise ConfigurationError(
+            "which clusters? `flotilla down NAME...`, -a for every one, "
+            "or --orphans --provider P for what killed clients left"
+        )
     for name in names:
         paths = Paths(name)
         try:
