@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
