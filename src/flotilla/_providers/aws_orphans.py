@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._node import procs
 from .aws_api import Api, error_code, translate
 from .aws_keys import FOLDER_PREFIX
 
@@ -50,12 +51,8 @@ def client_id() -> str:
 
 
 def _start_ticks(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    return stat[stat.rindex(")") + 2 :].split()[19]
+    """``pid``'s start time as the owner tag keeps it ("" when it is gone or a zombie)."""
+    return str(procs.start_time(pid) or "")
 
 
 def client_alive(client: str) -> bool | None:
