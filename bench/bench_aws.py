@@ -41,14 +41,25 @@ def node() -> int:
     return sky.instance_info().node
 
 
+def busy_cpu() -> float:
+    """CPU seconds this machine has spent busy (all processes, all cores) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def one_pool(lab: AwsLab, nodes: int) -> dict[str, Any]:
-    """Start a pool, broadcast once, close it: its timings (s) and API calls."""
+    """Start a pool, broadcast once, close it: its timings (s), the machine's busy CPU
+    seconds from the pool's start to the first result, and the API calls."""
     before = Counter(aws_api.calls)
     seen_before = set(lab.boot_times)
     t0 = time.monotonic()
+    cpu0 = busy_cpu()
     with sky.Compute(provider=lab.provider(), nodes=nodes) as pool:
         result = node() @ pool
         t1 = time.monotonic()
+        cpu = busy_cpu() - cpu0
     assert result == list(range(nodes)), result
     calls = Counter(aws_api.calls)
     calls.subtract(before)
@@ -60,6 +71,7 @@ def one_pool(lab: AwsLab, nodes: int) -> dict[str, Any]:
         "api": launched - t0,
         "boot": booted - launched,
         "after_boot": t1 - booted,
+        "cpu": cpu,
         "calls": +calls,
     }
 
@@ -123,6 +135,13 @@ def report(
             f"| {n} node(s): pool start to first broadcast result | {spread(col(n, 'total'))} | |"
         )
         print(f"| {n} node(s): last boot to first result | {spread(col(n, 'after_boot'))} | |")
+    cpus = os.cpu_count() or 1
+    for n in (1, 3, 8):
+        busy = statistics.median(col(n, "cpu"))
+        print(
+            f"| {n} node(s): busy CPU, whole machine, start to result | {busy:.2f} CPU-s "
+            f"(>= {busy / cpus:.2f} s of wall time on {cpus} cores) | |"
+        )
     print(
         f"| 8 nodes / 1 node | {ratio:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
         f"<= 1.3x: {'met' if ratio <= 1.3 else 'NOT met'} |"

@@ -4,11 +4,12 @@
 boto3 at it (``AWS_ENDPOINT_URL``, dummy credentials): the provider runs unchanged. The
 default VPC gets the bridge's /24 (two subnets, two zones) instead of its own subnets,
 so instances get private addresses on the bridge, in order. A watcher thread follows the
-API: every instance launched "boots" after ``boot_delay`` seconds as a network-namespace
-host with the instance's private address, whose sshd is configured from the instance's
-user-data as cloud-init would (host key from ``ssh_keys``, ``ssh_authorized_keys``), with
-an instance metadata stand-in on 169.254.169.254 (IMDSv2 token, ``spot/instance-action``);
-terminating the instance stops the host and everything in it.
+API: every instance launched is at once a network-namespace host with the instance's
+private address and an instance metadata stand-in on 169.254.169.254 (IMDSv2 token,
+``spot/instance-action``), as its network interface is on EC2; it "boots" ``boot_delay``
+seconds after the launch: its sshd, configured from the instance's user-data as cloud-init
+would (host key from ``ssh_keys``, ``ssh_authorized_keys``), starts. Terminating the
+instance stops the host and everything in it.
 
 Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInstances
 answer with an error code (capacity, quota) for a market and zone, as AWS would; the
@@ -35,7 +36,7 @@ from urllib.parse import parse_qs
 
 import pytest
 import yaml
-from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
+from _hosts import Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
 
 REGION = "us-east-1"
 ZONES = ("us-east-1a", "us-east-1b")
@@ -44,21 +45,6 @@ GPU_PARAM = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
 )
 ACCOUNT = "123456789012"  # moto's default account
-
-_SSHD_CONFIG = """\
-ListenAddress {addr}
-HostKey {hostkey}
-PidFile {pidfile}
-AuthorizedKeysFile {authorized_keys}
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-UseDNS no
-MaxSessions 64
-MaxStartups 64
-"""
 
 _IMDS = r"""
 import http.server, os, secrets, sys
@@ -162,11 +148,10 @@ class Instance:
     instance_id: str
     addr: str
     host: TestHost | None = None
-    timer: threading.Timer | None = None
     imds: subprocess.Popen[bytes] | None = None
     seen: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)  # boot vs. shutdown
-    stopped: bool = False
+    stopped: threading.Event = field(default_factory=threading.Event)
 
 
 class AwsLab:
@@ -385,46 +370,33 @@ class AwsLab:
         text = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
         inst = Instance(ident, desc["PrivateIpAddress"], seen=time.monotonic())
         self.instances[ident] = inst
-        inst.timer = threading.Timer(self.boot_delay, self._boot, (inst, text))
-        inst.timer.daemon = True
-        inst.timer.start()
+        threading.Thread(target=self._life, args=(inst, text), daemon=True).start()
 
-    def _boot(self, inst: Instance, user_data: str) -> None:
-        """Start the instance's host as cloud-init would configure it."""
+    def _life(self, inst: Instance, user_data: str) -> None:
+        """An instance's boot, as EC2 does it: its network interface (address, metadata
+        service) is there at once, its sshd (configured from the user-data as cloud-init
+        would) answers ``boot_delay`` seconds after the launch was seen."""
         with inst.lock:
-            if not inst.stopped:  # else terminated before it booted
-                self._boot_host(inst, user_data)
+            if inst.stopped.is_set():  # terminated before it got its network
+                return
+            self._network(inst, user_data)
+        if inst.stopped.wait(max(0.0, inst.seen + self.boot_delay - time.monotonic())):
+            return
+        with inst.lock:
+            if not inst.stopped.is_set() and inst.host is not None:
+                self.lab.start_sshd(inst.host, inst.host.folder / "authorized_keys", wait=False)
+                self.booted.append(inst.instance_id)
+                self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
 
-    def _boot_host(self, inst: Instance, user_data: str) -> None:
+    def _network(self, inst: Instance, user_data: str) -> None:
         with self._lock:
             self._next += 1
             i = self._next
         config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else {}
-        lab = self.lab
-        host = TestHost(
-            index=1000 + i,
-            netns=f"flotilla-{lab.tag}-h{100 + i}",
-            veth=f"flv{lab.tag}x{100 + i}"[-15:],
-            addr=inst.addr,
-            hostname=f"ip-{inst.addr.replace('.', '-')}",
-            folder=lab.tmp / f"i{i}",
+        host = self.lab.new_host(
+            100 + i, inst.addr, f"ip-{inst.addr.replace('.', '-')}", ("169.254.169.254",)
         )
-        host.folder.mkdir()
-        with self._lock:
-            lab.hosts.append(host)
-            inst.host = host
-        netns = host.netns
-        veth = ["ip", "link", "add", host.veth, "type", "veth"]
-        for cmd in (
-            ["ip", "netns", "add", netns],
-            [*veth, "peer", "name", "eth0", "netns", netns],
-            ["ip", "link", "set", host.veth, "master", lab.bridge, "up"],
-            ["ip", "-n", netns, "addr", "add", f"{host.addr}/24", "dev", "eth0"],
-            ["ip", "-n", netns, "link", "set", "eth0", "up"],
-            ["ip", "-n", netns, "link", "set", "lo", "up"],
-            ["ip", "-n", netns, "addr", "add", "169.254.169.254/32", "dev", "lo"],
-        ):
-            subprocess.run(cmd, check=True, capture_output=True)
+        inst.host = host
         keys = config.get("ssh_keys", {})
         hostkey = host.folder / "hostkey"
         if self.impostor:
@@ -436,44 +408,25 @@ class AwsLab:
         authorized = host.folder / "authorized_keys"
         authorized.write_text("".join(k + "\n" for k in config.get("ssh_authorized_keys", [])))
         inst.imds = subprocess.Popen(
-            [*_in_netns(netns), sys.executable, "-c", _IMDS, str(host.folder), inst.instance_id],
+            [
+                *_in_netns(host.netns),
+                sys.executable,
+                "-c",
+                _IMDS,
+                str(host.folder),
+                inst.instance_id,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
         assert inst.imds.stdout is not None
         inst.imds.stdout.readline()  # "ready": the metadata service answers before sshd
-        sshd_config = host.folder / "sshd_config"
-        sshd_config.write_text(
-            _SSHD_CONFIG.format(
-                addr=host.addr,
-                hostkey=hostkey,
-                pidfile=host.folder / "sshd.pid",
-                authorized_keys=authorized,
-            )
-        )
-        hosts_file = host.folder / "hosts"
-        hosts_file.write_text(f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
-        inner = (
-            f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
-            f"exec {SSHD} -D -e -f {sshd_config}"
-        )
-        host._log = open(host.folder / "sshd.log", "ab")  # noqa: SIM115 - closed by the lab
-        host.sshd = subprocess.Popen(
-            [*_in_netns(netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
-            stdin=subprocess.DEVNULL,
-            stdout=host._log,
-            stderr=host._log,
-        )
-        self.booted.append(inst.instance_id)
-        self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
 
     def _shutdown(self, inst: Instance) -> None:
         """The instance is terminated: stop its host and everything in it."""
-        if inst.timer is not None:
-            inst.timer.cancel()
-        with inst.lock:  # waits for a boot under way
-            inst.stopped = True
+        inst.stopped.set()
+        with inst.lock:  # waits for a network set-up or boot under way
             host = inst.host
             if host is not None and host in self.lab.hosts:
                 with contextlib.suppress(Exception):

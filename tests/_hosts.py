@@ -247,42 +247,44 @@ class Lab:
         """A new host with its own address, hostname and running sshd."""
         self._next += 1
         i = self._next
-        host = TestHost(
-            index=i,
-            netns=f"flotilla-{self.tag}-h{i}",
-            veth=f"flv{self.tag}x{i}"[-15:],
-            addr=f"{self.subnet}.{i + 1}",
-            hostname=f"flhost{i}",
-            folder=self.tmp / f"h{i}",
-        )
-        self.hosts.append(host)
-        host.folder.mkdir()
-        run("ip", "netns", "add", host.netns)
-        run(
-            "ip",
-            "link",
-            "add",
-            host.veth,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            host.netns,
-        )
-        run("ip", "link", "set", host.veth, "master", self.bridge, "up")
-        run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
-        run("ip", "-n", host.netns, "link", "set", "eth0", "up")
-        run("ip", "-n", host.netns, "link", "set", "lo", "up")
+        host = self.new_host(i, f"{self.subnet}.{i + 1}", f"flhost{i}")
         host.pubkey = keygen(host.folder / "hostkey", host.hostname)
         with open(self.known_hosts, "a") as f:
             f.write(f"{host.addr} {' '.join(host.pubkey.split()[:2])}\n")
         self.start_sshd(host)
         return host
 
-    def start_sshd(self, host: TestHost) -> None:
-        """Start the host's sshd and wait until it listens.
+    def new_host(
+        self, index: int, addr: str, hostname: str, local_addrs: tuple[str, ...] = ()
+    ) -> TestHost:
+        """A network namespace on the bridge with ``addr`` (and ``local_addrs`` on its
+        loopback), folder ``h{index}``; no daemon runs in it yet."""
+        host = TestHost(
+            index=index,
+            netns=f"flotilla-{self.tag}-h{index}",
+            veth=f"flv{self.tag}x{index}"[-15:],
+            addr=addr,
+            hostname=hostname,
+            folder=self.tmp / f"h{index}",
+        )
+        host.folder.mkdir()
+        self.hosts.append(host)
+        netns = host.netns
+        run("ip", "netns", "add", netns)
+        run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        run("ip", "link", "set", host.veth, "master", self.bridge, "up")
+        run("ip", "-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        run("ip", "-n", netns, "link", "set", "eth0", "up")
+        run("ip", "-n", netns, "link", "set", "lo", "up")
+        for local in local_addrs:
+            run("ip", "-n", netns, "addr", "add", f"{local}/32", "dev", "lo")
+        return host
+
+    def start_sshd(
+        self, host: TestHost, authorized_keys: Path | None = None, wait: bool = True
+    ) -> None:
+        """Start the host's sshd (host key ``{folder}/hostkey``; ``authorized_keys``: the
+        lab's by default) and, with ``wait``, wait until it listens.
 
         The host gets its own hostname, /etc/hosts and /dev/shm (as a separate machine has:
         no shared-memory shortcut with the client); the rest of the file system is shared.
@@ -293,24 +295,40 @@ class Lab:
                 addr=host.addr,
                 hostkey=host.folder / "hostkey",
                 pidfile=host.folder / "sshd.pid",
-                authorized_keys=self.authorized_keys,
+                authorized_keys=authorized_keys or self.authorized_keys,
             )
         )
-        hosts_file = host.folder / "hosts"
-        hosts_file.write_text(f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
-        inner = (
-            f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
+        self.start_daemon(
+            host,
             "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && "
-            f"exec {SSHD} -D -e -f {config}"
+            f"exec {SSHD} -D -e -f {config}",
+            "sshd.log",
         )
-        host._log = open(host.folder / "sshd.log", "ab")  # noqa: SIM115 - closed in remove_host
+        if wait:
+            self._wait_listening(host)
+
+    def start_daemon(
+        self,
+        host: TestHost,
+        command: str,
+        log: str,
+        hosts_text: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """Run the shell ``command`` (which ``exec``s the host's daemon) in the host: its
+        own hostname and /etc/hosts (``hosts_text``, default: localhost and the host),
+        output to ``{folder}/{log}``. ``host.sshd`` is the process."""
+        hosts_file = host.folder / "hosts"
+        hosts_file.write_text(hosts_text or f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
+        inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && {command}"
+        host._log = open(host.folder / log, "ab")  # noqa: SIM115 - closed in remove_host
         host.sshd = subprocess.Popen(
             [*_in_netns(host.netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
             stdin=subprocess.DEVNULL,
             stdout=host._log,
             stderr=host._log,
+            env=env,
         )
-        self._wait_listening(host)
 
     def _wait_listening(self, host: TestHost, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

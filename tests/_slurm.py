@@ -114,20 +114,15 @@ class SlurmLab(Lab):
         super().__init__()
         self.cluster = cluster
 
-    def start_sshd(self, host: TestHost) -> None:  # the hook that starts a host's daemon
+    def start_sshd(
+        self, host: TestHost, authorized_keys: Path | None = None, wait: bool = True
+    ) -> None:  # the hook that starts a host's daemon: slurmd
         host.hostname = f"n{host.index}"
-        hosts_file = host.folder / "hosts"
-        hosts_file.write_text(self.cluster.hosts_text())
-        inner = (
-            f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
-            f"exec slurmd -D -N {host.hostname} -f {self.cluster.conf}"
-        )
-        host._log = open(host.folder / "slurmd.out", "ab")  # noqa: SIM115 - closed in remove_host
-        host.sshd = subprocess.Popen(
-            [*_in_netns(host.netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
-            stdin=subprocess.DEVNULL,
-            stdout=host._log,
-            stderr=host._log,
+        self.start_daemon(
+            host,
+            f"exec slurmd -D -N {host.hostname} -f {self.cluster.conf}",
+            "slurmd.out",
+            hosts_text=self.cluster.hosts_text(),
             env=self.cluster.env,
         )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
@@ -77,11 +76,6 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
     assert aws_lab.pool_groups(pool_id) == []
 
 
-@pytest.mark.skip(
-    reason="issue 16, open: after the round-2 merges `down --orphans` removed the live "
-    "cluster's pool instead of the killed one's in this test (it passed on its own branch); "
-    "under investigation, see the issue's note"
-)
 def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsLab) -> None:
     """The cluster's daemon (the pool's client) is killed -9: its instances stay until their
     ttl. ``flotilla down --orphans --provider aws`` removes them, its group and keys; a live

@@ -257,6 +257,7 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
     while True:
         line = await agent.read_line(MARKER)
         if line is None:
+            await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
             raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
         answer, detail = parse_answer(agent.host, line)
         if answer is Answer.AGENT:

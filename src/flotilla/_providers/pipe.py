@@ -161,11 +161,16 @@ class PipeAgent(AgentProcess):
         loop.add_reader(self._err, readable)
 
     async def _ended(self, on_frames: FramesCallback) -> None:
-        if self._err_ended is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._err_ended), _EXIT_WAIT)
+        await self.stderr_ended(_EXIT_WAIT)
         await self.wait(_EXIT_WAIT)
         on_frames(None)
+
+    async def stderr_ended(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s until stderr has ended (being read): then ``err_tail``
+        holds the child's last words, even when its stdout ended first."""
+        if self._err_ended is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._err_ended), timeout)
 
     # -- ending ------------------------------------------------------------------------
     async def wait(self, timeout: float) -> int | None:
