@@ -242,6 +242,39 @@ def test_python_missing_or_too_old(ssh_lab: Lab, tmp_path: Path) -> None:
         sky.Compute(provider=ssh_lab.provider([host], python=str(old)), nodes=1).open()
 
 
+@pytest.mark.parametrize("how", ["owner", "writable"])
+def test_a_workdir_another_user_could_write_is_refused(
+    ssh_lab: Lab, tmp_path: Path, how: str
+) -> None:
+    """A working directory owned by another user, or that others can write, could have
+    flotilla's code replaced in it: the start command refuses it before running anything,
+    and the error says which directory and how to fix it."""
+    host = ssh_lab.hosts[0]
+    workdir = tmp_path / "shared"
+    workdir.mkdir()
+    if how == "owner":
+        os.chown(workdir, 65534, 65534)  # nobody's
+    else:
+        workdir.chmod(0o777)
+    provider = ssh_lab.provider([host], workdir=str(workdir))
+    problem = {"owner": "belongs to another user", "writable": "can be written by other users"}
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=provider, nodes=1).open()
+    msg = str(info.value)
+    assert msg.startswith(f"{host.addr}: refusing to run flotilla from {workdir}: ")
+    assert problem[how] in msg and "workdir=" in msg
+    assert list(workdir.iterdir()) == []  # nothing was written there
+    assert ssh_lab.wait_no_agents([host]) == {}
+
+
+def test_a_new_workdir_is_private(ssh_lab: Lab, tmp_path: Path) -> None:
+    host = ssh_lab.hosts[0]
+    workdir = tmp_path / "new" / "flotilla"
+    with sky.Compute(provider=ssh_lab.provider([host], workdir=str(workdir)), nodes=1) as pool:
+        assert add(1, 1) >> pool == 2
+    assert workdir.stat().st_mode & 0o777 == 0o700
+
+
 def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
     host = ssh_lab.hosts[0]
     empty = tmp_path / "known_hosts"
