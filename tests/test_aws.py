@@ -216,6 +216,64 @@ def test_kill9_watchdog_and_orphan_cleanup(aws_lab: AwsLab) -> None:
     _gone(aws_lab, pool_id)
 
 
+def _wait_for(what: str, check: Any, timeout: float = 60.0) -> None:
+    """Poll ``check()`` until it is true; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def test_boot_guard_powers_off_instances_no_agent_reaches(aws_lab: AwsLab) -> None:
+    """Instances launched whose agent never starts (the client launched them and went no
+    further, as a client killed right after RunInstances): each one's boot guard runs the
+    power-off command once, ttl s after the boot, and the watchdog never ran."""
+    ttl = 3.0
+    spec = PoolSpec("t" + os.urandom(3).hex(), 2, None, None, (), Options(start_timeout=1))
+    allocation = _acquire(aws_lab.provider(ttl=ttl), spec)
+    try:
+        idents = [m.ident for m in allocation.machines]
+        addrs = [m.address for m in allocation.machines]
+        _wait_for(
+            "every guard powered off", lambda: all(aws_lab.poweroffs(a, "guard") for a in addrs)
+        )
+        for ident, addr in zip(idents, addrs, strict=True):
+            inst = aws_lab.instances[ident]
+            assert inst.bootcmd_at > 0, f"{ident}: cloud-init's bootcmd did not run"
+            (fired,) = aws_lab.poweroffs(addr)  # once, and by the guard
+            assert aws_lab.poweroffs(addr, "guard") == [fired]
+            assert fired >= inst.bootcmd_at + ttl  # it waited ttl after the boot
+            console = aws_lab.console(ident)
+            assert "no agent started within 3 s of the boot" in console, console
+            assert ident in console  # the contact file it looked for is the instance's
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_boot_guard_leaves_a_live_pool_to_its_watchdog(aws_lab: AwsLab) -> None:
+    """A pool whose agent started: its boot guard, max(ttl, start_timeout) s after the
+    boot, sees the watchdog's contact file and exits; nothing powered off while the client
+    is alive and the pool still answers."""
+    provider = aws_lab.provider(ttl=3)
+    options = sky.Options(heartbeat_timeout=2, start_timeout=8)
+    with sky.Compute(provider=provider, nodes=1, options=options) as pool:
+        allocation = pool._allocation
+        assert isinstance(allocation, AWSAllocation)
+        (machine,) = allocation.machines
+
+        def console() -> str:
+            return aws_lab.console(machine.ident)
+
+        _wait_for("the guard decided", lambda: "agent started" in console())
+        assert "flotilla boot guard: an agent started" in console(), console()
+        assert "watchdog is in charge" in console()
+        assert aws_lab.poweroffs(machine.address) == []  # neither the guard nor the watchdog
+        assert [a["addr"] for a in where() @ pool] == [machine.address]
+        pool_id = pool.pool_id
+    _gone(aws_lab, pool_id)
+
+
 def test_another_host_key_is_refused(aws_lab: AwsLab) -> None:
     aws_lab.impostor = True
     try:
@@ -491,3 +549,64 @@ poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
         "PUT /latest/api/token 21600",
         "GET /latest/meta-data/spot/instance-action True",
     ]
+
+
+def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
+    """The boot guard's bootcmd line run by ``sh`` as cloud-init would (INSTANCE_ID set),
+    with a power-off command that records that it ran."""
+    from flotilla._providers.aws_guard import guard_command
+
+    record = f"echo $FLOTILLA_BOOT_GUARD >> {tmp_path}/fired"
+    line = guard_command(ttl, 1, str(tmp_path / "work"), "root", ["sh", "-c", record])
+    return subprocess.Popen(
+        ["sh", "-c", line],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": os.environ["PATH"], "INSTANCE_ID": "i-0123"},
+    )
+
+
+def test_boot_guard_script_powers_off_without_contact(tmp_path: Any) -> None:
+    """No contact file, or only one left from an earlier boot (removed at boot): the
+    guard runs the power-off command (FLOTILLA_BOOT_GUARD=1 set), once."""
+    contact = tmp_path / "work" / "watchdog" / "i-0123"
+    contact.parent.mkdir(parents=True)
+    contact.write_text("")  # the last boot's
+    proc = _guard(tmp_path, 1)
+    out, _ = proc.communicate(timeout=60)  # stdout ends when the detached guard does
+    assert (tmp_path / "fired").read_text() == "1\n"
+    assert "no agent started within 1 s of the boot" in out
+    assert not contact.exists()
+
+
+def test_boot_guard_script_exits_once_an_agent_started(tmp_path: Any) -> None:
+    contact = tmp_path / "work" / "watchdog" / "i-0123"
+    proc = _guard(tmp_path, 1)
+    assert proc.stdout is not None
+    assert "powering off in 1 s unless an agent starts" in proc.stdout.readline()
+    contact.parent.mkdir(parents=True)
+    contact.write_text("")  # the agent's start
+    out, _ = proc.communicate(timeout=60)
+    assert "an agent started" in out and "watchdog is in charge" in out
+    assert not (tmp_path / "fired").exists()
+
+
+def test_boot_guard_finds_the_login_users_home() -> None:
+    """The guard runs as root: ``~`` in the workdir is the ssh_user's home, looked up by
+    the shell when the guard checks (the user may not exist yet at boot)."""
+    import pwd
+
+    from flotilla._providers.aws_guard import _as_root, contact_path, home_path
+
+    me = pwd.getpwuid(os.getuid())
+    word = _as_root(home_path("~/.flotilla dir"), me.pw_name)
+    out = subprocess.run(
+        ["sh", "-c", f'printf %s {word}/"$1"', "sh", "x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == f"{me.pw_dir}/.flotilla dir/x"
+    assert contact_path("fl", "i-1") == "~/fl/watchdog/i-1"  # relative: to the home
+    with pytest.raises(sky.ConfigurationError, match="ssh_user"):
+        sky.AWS(ssh_user="ubuntu; rm -rf /")
