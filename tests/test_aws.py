@@ -610,3 +610,57 @@ def test_boot_guard_finds_the_login_users_home() -> None:
     assert contact_path("fl", "i-1") == "~/fl/watchdog/i-1"  # relative: to the home
     with pytest.raises(sky.ConfigurationError, match="ssh_user"):
         sky.AWS(ssh_user="ubuntu; rm -rf /")
+
+
+def test_launch_line_shows_the_choice_and_the_spot_price(
+    aws_lab: AwsLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before launching, the choice is shown: type, market (and fallback), zones, the spot
+    price from the emulator's spot price history, the AMI. The emulator has no Price List
+    API: the on-demand price is left out and the launch goes on."""
+    provider = aws_lab.provider(allocation="spot-if-available")
+    spec = _spec(1, vcpus=2)
+    allocation = _acquire(provider, spec)
+    try:
+        assert allocation.choice is not None
+        kind = allocation.choice.instance_type
+        line = next(
+            ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("flotilla: AWS ")
+        )
+        assert f"1 x {kind}" in line
+        assert "spot (on-demand if no spot capacity)" in line
+        assert ", spot $" in line and "/h" in line
+        assert "on-demand $" not in line
+        assert f"AMI {aws_lab.ami}" in line
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_on_demand_price_from_a_price_list_document() -> None:
+    """A GetProducts answer as AWS sends it (each product a JSON string): the hourly USD
+    price; a malformed or priceless document gives no price instead of an error."""
+    import json
+
+    from flotilla._providers.aws_price import describe, price_from_products
+
+    product = {
+        "product": {"attributes": {"instanceType": "m5.large", "regionCode": "us-east-1"}},
+        "terms": {
+            "OnDemand": {
+                "ABC.JRTCKXETXF": {
+                    "priceDimensions": {
+                        "ABC.JRTCKXETXF.6YS6EN2CT7": {
+                            "unit": "Hrs",
+                            "pricePerUnit": {"USD": "0.0960000000"},
+                            "description": "$0.096 per On Demand Linux m5.large Instance Hour",
+                        }
+                    }
+                }
+            }
+        },
+    }
+    assert price_from_products([json.dumps(product)]) == pytest.approx(0.096)
+    assert describe("on-demand", 0.096) == ", on-demand $0.096/h"
+    assert price_from_products(["{not json", json.dumps({"terms": {}})]) is None
+    assert describe("spot", None) == ""
