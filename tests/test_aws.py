@@ -141,13 +141,14 @@ import flotilla as sky
 from _aws import AwsLab
 lab = AwsLab.__new__(AwsLab)
 provider = {provider}
-with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)) as pool:
+options = sky.Options(heartbeat_timeout=2, start_timeout={start_timeout!r})
+with sky.Compute(provider=provider, nodes=2, options=options) as pool:
     print(pool.pool_id, time.time(), flush=True)
     time.sleep(600)
 """
 
 
-def _client(aws_lab: AwsLab, **kwargs: Any) -> subprocess.Popen[str]:
+def _client(aws_lab: AwsLab, start_timeout: float = 120.0, **kwargs: Any) -> subprocess.Popen[str]:
     options = {
         "region": REGION,
         "ssh_user": "root",
@@ -157,7 +158,9 @@ def _client(aws_lab: AwsLab, **kwargs: Any) -> subprocess.Popen[str]:
         **kwargs,
     }
     provider = f"sky.AWS(**{options!r})"
-    code = _CLIENT.format(tests=os.path.dirname(__file__), provider=provider)
+    code = _CLIENT.format(
+        tests=os.path.dirname(__file__), provider=provider, start_timeout=start_timeout
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
@@ -249,6 +252,42 @@ def test_boot_guard_powers_off_instances_no_agent_reaches(aws_lab: AwsLab) -> No
     finally:
         _release(allocation)
     _gone(aws_lab, spec.pool_id)
+
+
+def test_boot_guard_ends_the_instances_of_a_client_killed_after_launch(aws_lab: AwsLab) -> None:
+    """kill -9 of the client right after RunInstances, before its agents start (the
+    instances' sshd is not up yet): nothing releases the instances and no agent, so no
+    watchdog, ever starts there; each instance's boot guard powers it off, and
+    remove_orphans() removes the rest."""
+    boot_delay, aws_lab.boot_delay = aws_lab.boot_delay, 3600.0  # sshd stays down: no agent
+    try:
+        proc = _client(aws_lab, start_timeout=5.0, ttl=3.0)
+        mine: list[dict[str, Any]] = []
+
+        def launched() -> bool:
+            mine[:] = [
+                i
+                for i in aws_lab.describe()
+                for t in i.get("Tags", [])
+                if t["Key"] == "flotilla:client" and t["Value"].split(":")[1] == str(proc.pid)
+            ]
+            return len(mine) == 2 or proc.poll() is not None
+
+        _wait_for("the client launched its instances", launched)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert len(mine) == 2, proc.stderr.read() if proc.stderr else ""
+        addrs = [i["PrivateIpAddress"] for i in mine]
+        _wait_for(
+            "every guard powered off", lambda: all(aws_lab.poweroffs(a, "guard") for a in addrs)
+        )
+        assert [aws_lab.poweroffs(a, "watchdog") for a in addrs] == [[], []]
+        (pool_id,) = {t["Value"] for t in mine[0]["Tags"] if t["Key"] == "flotilla:pool"}
+        orphans = aws_lab.provider().remove_orphans()
+        assert pool_id in orphans.pools
+    finally:
+        aws_lab.boot_delay = boot_delay
+    _gone(aws_lab, pool_id)
 
 
 def test_boot_guard_leaves_a_live_pool_to_its_watchdog(aws_lab: AwsLab) -> None:
