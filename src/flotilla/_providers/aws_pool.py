@@ -20,6 +20,7 @@ from .._errors import ConfigurationError, ProvisionError
 from .aws_agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
 from .aws_api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
 from .aws_choice import InstanceChoice, check_ami, choose, default_ami
+from .aws_guard import contact_path, guard_command
 from .aws_keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
 from .aws_orphans import client_id
 from .aws_price import describe as describe_price
@@ -251,7 +252,15 @@ class AWSAllocation(Allocation):
         host_key = keygen(
             self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
         )
-        data = user_data(host_key, self.login_key)
+        provider = self.provider
+        guard = guard_command(
+            provider.ttl,
+            self.spec.options.start_timeout,
+            provider.workdir,
+            provider.ssh_user,
+            provider.poweroff_command,
+        )
+        data = user_data(host_key, self.login_key, [guard])
         allocation = self.provider.allocation
         markets = {"spot": ["spot"], "on-demand": ["on-demand"]}.get(
             allocation, ["spot", "on-demand"]
@@ -383,7 +392,7 @@ class AWSAllocation(Allocation):
         spot = inst.get("InstanceLifecycle") == "spot"
         self._ssh.cloud_env[addr] = json.dumps(
             {
-                "contact": f"{self.provider.workdir}/watchdog/{machine.ident}",
+                "contact": contact_path(self.provider.workdir, machine.ident),
                 "ttl": self.provider.ttl,
                 "poweroff": list(self.provider.poweroff_command),
                 "imds": IMDS if spot else "",
