@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._errors import ConfigurationError, ProvisionError
+from .pipe import read_chunks
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
 HOLDER = f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
@@ -350,18 +351,7 @@ def _read_lines(
     os.set_blocking(fd, False)
     partial = bytearray()
 
-    def readable() -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            if not done.done():
-                done.set_result(None)
-            return
+    def on_data(data: bytes) -> None:
         buf.extend(data)
         del buf[:-8192]
         partial.extend(data)
@@ -370,7 +360,7 @@ def _read_lines(
         for line in lines:
             on_line(line.decode(errors="replace"))
 
-    loop.add_reader(fd, readable)
+    read_chunks(loop, fd, on_data, done, None)
 
 
 def _read_first_line(
@@ -381,18 +371,7 @@ def _read_first_line(
     os.set_blocking(fd, False)
     buf = bytearray()
 
-    def readable() -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            if not done.done():
-                done.set_result(None)
-            return
+    def on_data(data: bytes) -> None:
         buf.extend(data)
         for line in bytes(buf).split(b"\n")[:-1]:
             if line.startswith(marker):
@@ -401,7 +380,7 @@ def _read_first_line(
                     done.set_result(line[len(marker) :].decode(errors="replace").strip())
                 return
 
-    loop.add_reader(fd, readable)
+    read_chunks(loop, fd, on_data, done, None)
 
 
 async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
