@@ -426,6 +426,37 @@ def test_a_node_slurm_marks_down_is_reported_lost(slurm_cluster: SlurmCluster) -
     assert _pool_jobs(slurm_cluster) == []
 
 
+# -- agents srun cannot start ------------------------------------------------------------------
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshared"])
+def test_srun_refusing_the_step_is_a_provision_error_with_its_cause(
+    slurm_cluster: SlurmCluster, tmp_path: Path, shared: bool
+) -> None:
+    """The pool's job is cancelled (scancel) after it was granted and before the agents
+    start: srun cannot create their steps, and says why."""
+    provider = Slurm(shared_filesystem=shared, workdir=None if shared else str(tmp_path))
+
+    async def scenario() -> tuple[str, str]:
+        allocation = await provider.acquire(_spec(2))
+        try:
+            job = allocation.job.id  # type: ignore[attr-defined]
+            slurm_cluster.slurm("scancel", job)
+            assert wait_until(lambda: not _pool_jobs(slurm_cluster), timeout=30)
+            with pytest.raises(ProvisionError) as caught:
+                await allocation.start_agent(allocation.machines[1], provider.agent_command())
+            return job, str(caught.value)
+        finally:
+            await allocation.release()
+
+    job, message = asyncio.run(scenario())
+    first, *rest = message.splitlines()
+    srun_says = [line for line in rest if line.startswith("srun: error:")]
+    assert srun_says, message  # srun's own output follows the summary
+    cause = srun_says[0].removeprefix("srun: error: ")
+    assert first.startswith(f"n2: SLURM could not start the agent's step in job {job}: {cause};")
+    assert "open the pool again" in first
+    assert _pool_jobs(slurm_cluster) == []
+
+
 # -- without a shared filesystem --------------------------------------------------------------
 @sky.function
 def flotilla_file() -> str:

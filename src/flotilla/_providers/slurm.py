@@ -53,7 +53,14 @@ from .base import (
     PoolSpec,
     Provider,
 )
-from .bootstrap import NoAnswer, client_bundle, start_agent, start_command
+from .bootstrap import (
+    NoAnswer,
+    announced,
+    client_bundle,
+    start_agent,
+    start_command,
+    wait_announced,
+)
 from .local import _client_path
 from .pipe import PipeAgent, spawn
 from .slurm_job import (
@@ -73,6 +80,7 @@ from .slurm_job import (
     query,
     say,
     slurm_env,
+    srun_error,
 )
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
@@ -396,30 +404,40 @@ class SlurmAllocation(Allocation):
         return [*argv, *command]
 
     async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        """Run the agent as a step on ``machine``'s node. The step's command first answers
+        (see ``bootstrap``), so that a step srun cannot start (the job is gone, the step
+        asks for what the job lacks) is a ProvisionError with srun's own words."""
         provider = self.provider
-        if not provider.shares_filesystem:
+        bundle = None
+        if provider.shares_filesystem:
+            command = announced(command)
+        else:
             workdir = provider.workdir or "~/.flotilla"
             bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
-            boot = start_command(workdir, provider.python, bundle.hash, len(bundle.data))
-            command = ["sh", "-c", boot]
+            command = [
+                "sh",
+                "-c",
+                start_command(workdir, provider.python, bundle.hash, len(bundle.data)),
+            ]
         argv = self.srun_argv(machine, command)
         try:
             agent = PipeAgent(spawn(argv, env=self.env), machine.address, machine.host)
         except OSError as e:
             raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
         self.agents.append(agent)
-        if not provider.shares_filesystem:
-            try:
+        try:
+            if bundle is None:
+                await wait_announced(agent)
+            else:
                 await start_agent(agent, workdir, provider.python, bundle)
-            except NoAnswer as e:
-                await agent.terminate()
-                raise ProvisionError(
-                    f"{machine.host}: the SLURM step ended without starting the agent: "
-                    f"{e.stderr.strip() or f'exit status {e.status}'}"
-                ) from None
-            except BaseException:
-                await agent.terminate()
-                raise
+        except NoAnswer as e:
+            await agent.terminate()
+            raise srun_error(
+                machine.host, self.job_of[machine.ident].id, e.status, e.stderr
+            ) from None
+        except BaseException:
+            await agent.terminate()
+            raise
         return agent
 
     async def replace(self, rank: int, reason: str) -> Machine:

@@ -330,14 +330,46 @@ def job_state(job_id: str) -> tuple[str, str] | None:
 
 def _salloc_error(job_id: str, stderr: str) -> str:
     """salloc's failure, root cause first."""
+    cause, output = _cause("salloc", stderr)
+    job = f" (job {job_id})" if job_id else ""
+    return f"SLURM refused the pool's allocation{job}: {cause or 'salloc exited'}{output}"
+
+
+def srun_error(host: str, job_id: str, status: int | None, stderr: str) -> ProvisionError:
+    """The error for an agent step that ended before the agent ran: srun's cause first
+    (with the node and job), what to do, then srun's last lines."""
+    cause, output = _cause("srun", stderr)
+    cause = cause or f"srun exited with status {status}"
+    low = cause.lower()
+    if any(w in low for w in ("invalid job id", "already completing", "completed", "expired")):
+        todo = (
+            f"the pool's job {job_id} ended before its agents started (cancelled with scancel, "
+            "out of time or preempted): open the pool again"
+        )
+    elif any(w in low for w in ("node configuration", "not available", "more processors")):
+        todo = (
+            f"the step asks for more than job {job_id} holds on {host}: check the job's "
+            f"resources (`scontrol show job {job_id}`) against Slurm(gres=..., sbatch_args=...)"
+        )
+    else:
+        todo = (
+            f"check the job (`scontrol show job {job_id}`) and the node (`scontrol show node "
+            f"{host}`), and slurmd's log on {host}"
+        )
+    return ProvisionError(
+        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}"
+    )
+
+
+def _cause(command: str, stderr: str) -> tuple[str, str]:
+    """(root cause, its output block) of a SLURM command's stderr: the first error line
+    without the command's prefix ("" when there is none), and the last lines of the output
+    under a header ("" when it said nothing)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()] or lines[-1:]
-    cause = errors[0].removeprefix("salloc: error: ") if errors else "salloc exited"
-    job = f" (job {job_id})" if job_id else ""
-    msg = f"SLURM refused the pool's allocation{job}: {cause}"
-    if lines:
-        msg += "\n--- salloc's output ---\n" + "\n".join(lines[-10:])
-    return msg
+    cause = errors[0].removeprefix(f"{command}: error: ") if errors else ""
+    output = f"\n--- {command}'s output ---\n" + "\n".join(lines[-10:]) if lines else ""
+    return cause, output
 
 
 def _read_lines(
