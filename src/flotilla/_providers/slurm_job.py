@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -20,8 +19,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from .._errors import ConfigurationError, ProvisionError
+from .._node.procs import die_with_parent
 from .pipe import read_chunks
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
@@ -178,14 +179,6 @@ def say(message: str) -> None:
         sys.stderr.flush()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the client (its creating thread) dies, so a
-    pending salloc revokes its request even when the client is killed -9."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Job:
     """A SLURM job a pool uses: its id, nodes, and (when the pool made it) the salloc
     holding it."""
@@ -211,7 +204,11 @@ class Job:
                 stderr=subprocess.PIPE,
                 env=slurm_env(),
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # SIGTERM when the client (salloc's creating thread) dies, so that a
+                # pending salloc revokes its request even when the client is killed -9
+                preexec_fn=partial(die_with_parent, signal.SIGTERM, None)
+                if sys.platform == "linux"
+                else None,
             )
         except OSError as e:
             raise ProvisionError(f"cannot run salloc: {e}") from e
