@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _ddp import assert_ddp_averages
 from _procs import Client, wait_until
 from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
@@ -127,29 +128,10 @@ def test_resource_requests_become_cpus_per_task_and_mem(slurm_cluster: SlurmClus
     assert "MinMemoryNode=512M" in shown
 
 
-@sky.function
-def ddp_train(steps: int) -> list[float]:
-    """Train a tiny model with DDP; return its parameters."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(1234 + dist.get_rank())  # different data on every rank
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        opt.step()
-    return [float(x) for p in model.module.parameters() for x in p.detach().flatten()]
-
-
 def test_ddp_gloo_across_three_nodes(slurm_cluster: SlurmCluster) -> None:
     pytest.importorskip("torch")
     with sky.Compute(provider=Slurm(), nodes=3, plugins=[sky.plugins.torch()]) as pool:
-        params = ddp_train(5) @ pool
-    assert len(params) == 3
-    assert params[0] == params[1] == params[2]  # gradients were averaged across the nodes
+        assert_ddp_averages(pool, 3)
     assert _pool_jobs(slurm_cluster) == []
 
 
