@@ -439,6 +439,30 @@ def test_srun_refusing_the_step_is_a_provision_error_with_its_cause(
     assert _pool_jobs(slurm_cluster) == []
 
 
+def test_a_step_that_waits_is_given_up_after_start_timeout(slurm_cluster: SlurmCluster) -> None:
+    """The pool's job is suspended: srun waits for the step to be allowed to start, and
+    the pool gives up after start_timeout instead of waiting for ever."""
+    provider = Slurm()
+    spec = PoolSpec(f"t{os.getpid()}", 1, None, None, (), Options(start_timeout=2))
+
+    async def scenario() -> tuple[str, str]:
+        allocation = await provider.acquire(spec)
+        job = allocation.job.id  # type: ignore[attr-defined]
+        try:
+            slurm_cluster.slurm("scontrol", "suspend", job)
+            with pytest.raises(ProvisionError) as caught:
+                await allocation.start_agent(allocation.machines[0], provider.agent_command())
+            return job, str(caught.value)
+        finally:
+            slurm_cluster.slurm("scontrol", "resume", job, check=False)
+            await allocation.release()
+
+    job, message = asyncio.run(scenario())
+    assert message.startswith(f"n1: the agent's step in SLURM job {job} did not start within 2 s")
+    assert "Options(start_timeout=...)" in message
+    assert _pool_jobs(slurm_cluster) == []
+
+
 # -- without a shared filesystem --------------------------------------------------------------
 @sky.function
 def flotilla_file() -> str:

@@ -425,15 +425,25 @@ class SlurmAllocation(Allocation):
         except OSError as e:
             raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
         self.agents.append(agent)
+        job = self.job_of[machine.ident].id
+        timeout = self.spec.options.start_timeout
         try:
-            if bundle is None:
-                await wait_announced(agent)
-            else:
-                await start_agent(agent, workdir, provider.python, bundle)
+            started = (
+                wait_announced(agent)
+                if bundle is None
+                else start_agent(agent, workdir, provider.python, bundle)
+            )
+            await asyncio.wait_for(started, timeout)
         except NoAnswer as e:
             await agent.terminate()
-            raise srun_error(
-                machine.host, self.job_of[machine.ident].id, e.status, e.stderr
+            raise srun_error(machine.host, job, e.status, e.stderr) from None
+        except TimeoutError:
+            await agent.terminate()
+            said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
+            raise ProvisionError(
+                f"{machine.host}: the agent's step in SLURM job {job} did not start within "
+                f"{timeout:g} s" + (f" (srun: {said[0]})" if said else "") + "; "
+                "Options(start_timeout=...) sets the limit"
             ) from None
         except BaseException:
             await agent.terminate()
