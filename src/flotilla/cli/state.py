@@ -365,16 +365,23 @@ def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecor
     """Lock, load, let the caller change the record, save. The record must exist, and be
     of ``generation`` when one is given (else StaleGenerationError)."""
     with locked(paths):
-        record = load(paths)
-        if record is None:
-            raise ConfigurationError(f"cluster {paths.name!r} does not exist")
-        if generation is not None and record.generation != generation:
-            raise StaleGenerationError(
-                f"cluster {paths.name} was launched again (generation {record.generation}, "
-                f"not {generation})"
-            )
+        record = load_own(paths, generation)
         yield record
         save(paths, record)
+
+
+def load_own(paths: Paths, generation: int | None) -> ClusterRecord:
+    """The cluster's record, which must exist (else ConfigurationError) and be of
+    ``generation`` when one is given (else StaleGenerationError). Call under ``locked``."""
+    record = load(paths)
+    if record is None:
+        raise ConfigurationError(f"cluster {paths.name!r} does not exist")
+    if generation is not None and record.generation != generation:
+        raise StaleGenerationError(
+            f"cluster {paths.name} was launched again (generation {record.generation}, "
+            f"not {generation})"
+        )
+    return record
 
 
 def delete(paths: Paths, generation: int | None = None) -> bool:
