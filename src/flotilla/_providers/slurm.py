@@ -14,7 +14,10 @@ then revokes the pending request. ``--time`` is only the last backstop.
 **Agents.** ``srun --jobid=J --nodes=1 --ntasks=1 -w NODE --overlap python -m
 flotilla.agent`` per node: srun relays the step's stdin/stdout, which are the protocol
 channel (a :class:`PipeAgent`). Without ``--exact`` a step gets every CPU and the memory the
-job holds on its node, and the GPUs the job asked for.
+job holds on its node, and the GPUs the job asked for. The step's command first answers
+(``bootstrap.announced``): a step srun cannot start (the job was cancelled or ended, srun
+refused it) is a ProvisionError with srun's own cause, and one that waits (a suspended job)
+is given up after ``Options.start_timeout``.
 
 **Files.** On a SLURM cluster the login and compute nodes normally share the users' home and
 project directories, so by default (``shared_filesystem=True``) the nodes run the client's
