@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _ddp import assert_ddp_averages
 from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import Client, all_pids, assert_all_gone, cmdline
 
@@ -443,23 +444,6 @@ def test_writes_from_many_threads(ssh_lab: Lab) -> None:
 
 
 # -- plugins ----------------------------------------------------------------------------------
-@sky.function
-def ddp_train(steps: int) -> list[float]:
-    """Train a tiny model with DDP; return its parameters."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(1234 + dist.get_rank())  # different data on every rank
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        opt.step()
-    return [float(x) for p in model.module.parameters() for x in p.detach().flatten()]
-
-
 def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
     pytest.importorskip("torch")
     plugins = pytest.importorskip("flotilla.plugins")
@@ -468,8 +452,7 @@ def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
     hosts = _hosts3(ssh_lab)
     provider = ssh_lab.provider(hosts, python=sys.executable)  # the interpreter with torch
     with sky.Compute(provider=provider, nodes=3, plugins=[plugins.torch()]) as pool:
-        params = ddp_train(5) @ pool
-    assert params[0] == params[1] == params[2]
+        assert_ddp_averages(pool, 3)
     assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
 
 

@@ -267,11 +267,7 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
     """
     uploaded = False
     while True:
-        line = await agent.read_line(MARKER)
-        if line is None:
-            await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
-            raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
-        answer, detail = parse_answer(agent.host, line)
+        answer, detail = await _next_answer(agent)
         if answer is Answer.AGENT:
             if not uploaded:
                 stats.hits += 1
@@ -314,6 +310,30 @@ def _unsafe_workdir(host: str, detail: str) -> ProvisionError:
         f"code the agent runs as you. {fix[0].upper()}{fix[1:]}, or pass a working directory "
         "you own (workdir=..., default ~/.flotilla)"
     )
+
+
+async def _next_answer(agent: PipeAgent) -> tuple[Answer, str]:
+    """The start command's next answer; NoAnswer (with its status and stderr) when it
+    ended without one."""
+    line = await agent.read_line(MARKER)
+    if line is None:
+        await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
+        raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
+    return parse_answer(agent.host, line)
+
+
+def announced(command: list[str]) -> list[str]:
+    """``command`` (an agent command line, for a node that needs no bundle) behind a shell
+    that first answers ``AGENT``: :func:`wait_announced` then tells a remote launcher that
+    failed (srun refused the step) from an agent that runs."""
+    return ["sh", "-c", f'echo "{MARKER.decode()}{Answer.AGENT.value}"; exec "$@"', "sh", *command]
+
+
+async def wait_announced(agent: PipeAgent) -> None:
+    """Wait for the answer of an :func:`announced` command: NoAnswer when it ended first."""
+    answer, _ = await _next_answer(agent)
+    if answer is not Answer.AGENT:
+        raise ProvisionError(f"{agent.host}: unexpected answer from the start command: {answer}")
 
 
 def _python_error(host: str, python: str, answer: Answer, detail: str, err: str) -> ProvisionError:
