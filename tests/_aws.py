@@ -101,6 +101,12 @@ class Rule:
     times: int | None = None
 
 
+_STATE_CHANGES = frozenset(
+    {"RunInstances", "TerminateInstances", "StopInstances", "StartInstances", "RebootInstances"}
+)
+_LIVE = ["pending", "running", "shutting-down", "stopping", "stopped"]
+
+
 class Faults:
     """WSGI middleware in front of moto: counts requests by action, answers RunInstances
     with the errors the rules say (an AWS-shaped error response)."""
@@ -111,6 +117,8 @@ class Faults:
         self.rules: list[Rule] = []
         self.calls: Counter[str] = Counter()
         self.lock = threading.Lock()
+        self.on_change: Callable[[], None] = lambda: None
+        """Called after a request that changes instances' states was answered."""
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -143,7 +151,10 @@ class Faults:
                             [("Content-Type", "text/xml"), ("Content-Length", str(len(xml)))],
                         )
                         return [xml]
-        return self.app(environ, start_response)
+        result = self.app(environ, start_response)
+        if action in _STATE_CHANGES:
+            self.on_change()
+        return result
 
 
 @dataclass
@@ -178,6 +189,7 @@ class AwsLab:
         self.env: dict[str, str] = {}
         self._saved_env: dict[str, str | None] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
         self._next = 0
@@ -208,6 +220,7 @@ class AwsLab:
         self.lab.start()
         addr = f"{self.lab.subnet}.1"
         self.faults = Faults(DomainDispatcherApplication(create_backend_app), {})
+        self.faults.on_change = self._wake.set
         self.server = make_server(addr, 0, self.faults, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.endpoint = f"http://{addr}:{self.server.server_port}"
@@ -228,6 +241,7 @@ class AwsLab:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._watcher is not None:
             self._watcher.join(5)
         for inst in list(self.instances.values()):
@@ -354,28 +368,47 @@ class AwsLab:
 
     # -- the watcher -----------------------------------------------------------------
     def _watch(self) -> None:
+        """Follow the instances: woken by the emulator after every request that changes
+        an instance's state (and once a second), it asks for the instances not yet
+        terminated only: the emulator keeps terminated ones, and describing every instance
+        of a long test session 20 times a second would take the CPU the tests need."""
         ec2 = self.client()
         while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                reply = ec2.describe_instances()
+                reply = ec2.describe_instances(
+                    Filters=[{"Name": "instance-state-name", "Values": _LIVE}]
+                )
+                live = set()
                 for inst in (i for r in reply["Reservations"] for i in r["Instances"]):
+                    live.add(inst["InstanceId"])
                     self._follow(ec2, inst)
+                for ident in [i for i in self.instances if i not in live]:
+                    self._end(ident)  # terminated: not listed any more
             except BaseException as e:  # shown by tests that check watcher_error
                 if self._stop.is_set():
                     return
                 self.watcher_error = e
-            self._stop.wait(0.05)
+
+    def _end(self, ident: str) -> None:
+        """``ident`` is terminated (or stopped): stop its host, once."""
+        if ident in self._ended:
+            return
+        known = self.instances.get(ident)
+        if known is not None:
+            self._shutdown(known)
+        with self._ended_cond:
+            self._ended.add(ident)
+            self._ended_cond.notify_all()
 
     def _follow(self, ec2: Any, desc: dict[str, Any]) -> None:
         ident, state = desc["InstanceId"], desc["State"]["Name"]
         known = self.instances.get(ident)
         if state in ("shutting-down", "terminated", "stopping", "stopped"):
-            if ident not in self._ended:
-                if known is not None:
-                    self._shutdown(known)
-                with self._ended_cond:
-                    self._ended.add(ident)
-                    self._ended_cond.notify_all()
+            self._end(ident)
             return
         if known is not None:
             return
