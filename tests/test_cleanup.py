@@ -173,3 +173,49 @@ def test_agents_and_executors_exit_when_the_client_is_killed(tmp_path: Path) -> 
         client.kill()
         kill_quietly(pids)
         kill_quietly(processes_in(nodes_dir))
+
+
+STARTING_CLIENT = """
+    import os, time
+    from pathlib import Path
+    import flotilla as sky
+
+    class Stall(sky.Plugin):
+        '''Holds the pool's start on the nodes: each executor says where it is, then waits.'''
+
+        def around_process(self, info):
+            Path(MARKS, f"{os.getppid()}.{os.getpid()}").touch()
+            time.sleep(60)
+
+    with sky.Compute(sky.Local(workdir=NODES_DIR), nodes=2, plugins=[Stall()]) as pool:
+        print("started", flush=True)
+"""
+
+
+def test_a_client_killed_during_the_start_leaves_no_shared_memory_file(tmp_path: Path) -> None:
+    """The client, its agents and executors are killed with SIGKILL together (an OOM or
+    cgroup kill: nobody cleans up) while the nodes start: the next pool start removes the
+    shared-memory probe they left."""
+    marks, nodes_dir = tmp_path / "marks", tmp_path / "nodes"
+    marks.mkdir()
+    nodes_dir.mkdir()
+    script = STARTING_CLIENT.replace("MARKS", repr(str(marks)))
+    client = Client(script.replace("NODES_DIR", repr(str(nodes_dir))), tmp_path)
+    pids: list[int] = []
+    try:
+        assert wait_until(lambda: len(list(marks.iterdir())) == 2, timeout=30), client.stderr()
+        pids = [int(pid) for mark in marks.iterdir() for pid in mark.name.split(".")]
+        owner = f"-{client.proc.pid}."
+        left = [n for n in os.listdir("/dev/shm") if n.startswith("flotilla-") and owner in n]
+        assert [n.rsplit("-", 1)[1] for n in left] == ["probe"]  # the start is under way
+        kill_quietly([client.proc.pid, *pids])
+        assert client.wait() == -signal.SIGKILL
+        assert_all_gone(pids, STOP_WITHIN, "the killed client's agents and executors")
+        assert (Path("/dev/shm") / left[0]).exists()  # nobody cleaned up
+        with sky.Compute(nodes=1) as pool:
+            assert (where() >> pool)[2]
+        assert not (Path("/dev/shm") / left[0]).exists()
+    finally:
+        client.kill()
+        kill_quietly(pids)
+        kill_quietly(processes_in(nodes_dir))

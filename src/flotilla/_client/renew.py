@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .._providers.base import MachineState, restart_agents
 from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
+from . import shm
 from .node import Node, NodeState
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class Renewals:
             current = list(dispatcher.nodes)
             for node in fresh:
                 current[node.rank] = node
-            probe = pool._write_probe()
+            probe = shm.write_probe(pool._shm_prefix)
             try:
                 for node in fresh:
                     pool._configure(node, current, probe)
