@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _procs import Client, assert_all_gone, kill_quietly, processes_in, wait_until
+from _procs import (
+    Client,
+    assert_all_gone,
+    kill_quietly,
+    processes_in,
+    remove_stale_test_folders,
+    session_folder,
+    wait_until,
+)
 
 import flotilla as sky
 
@@ -219,3 +230,34 @@ def test_a_client_killed_during_the_start_leaves_no_shared_memory_file(tmp_path:
         client.kill()
         kill_quietly(pids)
         kill_quietly(processes_in(nodes_dir))
+
+
+def test_the_temp_folders_of_a_killed_test_session_go_at_the_next_session_start() -> None:
+    """A test session killed before its teardown leaves its own temp folder; the next
+    session's start (conftest.py) removes it, and leaves a live session's alone."""
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); from _procs import session_folder; "
+            "print(session_folder('killed'), flush=True); sys.stdin.read()",
+            str(Path(__file__).parent),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ours = session_folder("live")
+    try:
+        assert killed.stdout is not None
+        theirs = Path(killed.stdout.readline().strip())
+        assert theirs.is_dir() and f"-{killed.pid}-" in theirs.name
+        killed.kill()
+        killed.wait()
+        removed = remove_stale_test_folders()
+        assert str(theirs) in removed and not theirs.exists()
+        assert ours.is_dir()
+    finally:
+        killed.kill()
+        killed.wait()
+        shutil.rmtree(ours, ignore_errors=True)
