@@ -26,6 +26,8 @@ from _procs import (
 )
 
 import flotilla as sky
+from flotilla._client import shm
+from flotilla._node import procs
 
 STOP_WITHIN = 5.0  # leaving the block stops everything within this many seconds
 ORPHANS_EXIT_WITHIN = 10.0  # agents notice a vanished client within this many seconds
@@ -117,7 +119,34 @@ def test_no_shared_memory_files_remain_after_a_large_broadcast() -> None:
     for doubled, seen in results:
         np.testing.assert_array_equal(doubled, array * 2)
         assert seen, "the 20 MB argument did not travel through shared memory"
+        owner = f"flotilla-{pool.pool_id}-{os.getpid()}."
+        assert all(name.startswith(owner) for name in seen), seen  # they say whose they are
     assert shm_files(pool.pool_id) == []
+
+
+def test_the_sweep_removes_only_the_files_of_gone_clients() -> None:
+    """A pool start removes the shared-memory files whose client is gone; a live client's
+    stay, and so do those of clients in another pid namespace (their pids mean nothing)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    start = procs.start_time(os.getpid())
+    here = os.stat("/proc/self/ns/pid").st_ino
+    names = {
+        "gone": f"flotilla-0badc0de-{gone.pid}.{start}.{here}-probe",
+        "live": f"flotilla-0badc0de-{os.getpid()}.{start}.{here}-probe",
+        "reused pid": f"flotilla-0badc0de-{os.getpid()}.{start + 1}.{here}-probe",
+        "elsewhere": f"flotilla-0badc0de-{gone.pid}.{start}.{here + 1}-probe",
+    }
+    for name in names.values():
+        Path("/dev/shm", name).touch()
+    try:
+        removed = shm.sweep()
+        assert names["gone"] in removed and names["reused pid"] in removed
+        left = {k for k, name in names.items() if Path("/dev/shm", name).exists()}
+        assert left == {"live", "elsewhere"}
+    finally:
+        for name in names.values():
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 # -- the client process goes away ------------------------------------------------------
