@@ -71,11 +71,15 @@ def sweep() -> list[str]:
         return []
     ours = _pid_namespace()
     removed = []
+    gone: dict[tuple[int, int], bool] = {}  # a live client may have many files
     for name in names:
         owner = _OWNED.match(name)
         if owner is None or int(owner[3]) != ours:
             continue
-        if not procs.alive(int(owner[1]), int(owner[2])):
+        key = (int(owner[1]), int(owner[2]))
+        if key not in gone:
+            gone[key] = not procs.alive(*key)
+        if gone[key]:
             with contextlib.suppress(OSError):  # not ours to remove, or gone meanwhile
                 unlink_shm(name)
                 removed.append(name)

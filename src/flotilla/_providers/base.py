@@ -11,7 +11,9 @@ backend implements (as submitit's executors and dask's ``ProcessInterface`` do):
    with the address peers use to reach it.
 3. **replace** (:meth:`Allocation.replace`): the machine at rank k is lost; get another one
    for that rank (a new process tree, a spare or reconnected host, a new SLURM step or
-   instance).
+   instance). The client calls :meth:`Allocation.renew` (replace, then start the agent
+   there), which a provider with several candidates overrides to try the next one when
+   the agent does not start (the SSH provider's spares).
 4. **release** (:meth:`Allocation.release`): give everything back. Idempotent.
 
 Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so every
