@@ -232,10 +232,12 @@ STARTING_CLIENT = """
 """
 
 
-def test_a_client_killed_during_the_start_leaves_no_shared_memory_file(tmp_path: Path) -> None:
+def test_what_a_client_killed_with_its_agents_during_the_start_left_goes_at_the_next_start(
+    tmp_path: Path,
+) -> None:
     """The client, its agents and executors are killed with SIGKILL together (an OOM or
     cgroup kill: nobody cleans up) while the nodes start: the next pool start removes the
-    shared-memory probe they left."""
+    shared-memory probe and the node folders they left."""
     marks, nodes_dir = tmp_path / "marks", tmp_path / "nodes"
     marks.mkdir()
     nodes_dir.mkdir()
@@ -252,9 +254,11 @@ def test_a_client_killed_during_the_start_leaves_no_shared_memory_file(tmp_path:
         assert client.wait() == -signal.SIGKILL
         assert_all_gone(pids, STOP_WITHIN, "the killed client's agents and executors")
         assert (Path("/dev/shm") / left[0]).exists()  # nobody cleaned up
-        with sky.Compute(nodes=1) as pool:
+        assert len(list(nodes_dir.iterdir())) == 2  # nor the node folders
+        with sky.Compute(sky.Local(workdir=str(nodes_dir)), nodes=1) as pool:
             assert (where() >> pool)[2]
         assert not (Path("/dev/shm") / left[0]).exists()
+        assert list(nodes_dir.iterdir()) == []
     finally:
         client.kill()
         kill_quietly(pids)

@@ -25,15 +25,14 @@ from .._wire.serialize import SHM_DIR, unlink_shm
 
 logger = logging.getLogger("flotilla")
 
-_OWNED = re.compile(r"flotilla-[0-9a-f]+-(\d+)\.(\d+)\.(\d+)-")
-"""A pool file's name: its owner's pid, start time and pid namespace."""
+_OWNED = re.compile(rf"flotilla-[0-9a-f]+-{procs.OWNER}-")
+"""A pool file's name: its pool, then its owner."""
 
 
 def pool_prefix(pool_id: str) -> str:
     """The start of the names of pool ``pool_id``'s files: the pool and its owner (this
     process). The agents' own cleanup matches ``flotilla-<pool id>-``."""
-    pid = os.getpid()
-    return f"flotilla-{pool_id}-{pid}.{procs.start_time(pid)}.{_pid_namespace()}-"
+    return f"flotilla-{pool_id}-{procs.owner_tag()}-"
 
 
 def write_probe(prefix: str) -> dict[str, str]:
@@ -69,28 +68,11 @@ def sweep() -> list[str]:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
-    ours = _pid_namespace()
     removed = []
-    gone: dict[tuple[int, int], bool] = {}  # a live client may have many files
-    for name in names:
-        owner = _OWNED.match(name)
-        if owner is None or int(owner[3]) != ours:
-            continue
-        key = (int(owner[1]), int(owner[2]))
-        if key not in gone:
-            gone[key] = not procs.alive(*key)
-        if gone[key]:
-            with contextlib.suppress(OSError):  # not ours to remove, or gone meanwhile
-                unlink_shm(name)
-                removed.append(name)
+    for name in procs.of_gone_owners(names, _OWNED):
+        with contextlib.suppress(OSError):  # not ours to remove, or gone meanwhile
+            unlink_shm(name)
+            removed.append(name)
     if removed:
         logger.info("removed %d shared-memory file(s) of gone clients", len(removed))
     return removed
-
-
-def _pid_namespace() -> int:
-    """An identifier of this process's pid namespace (0 where there is none to read)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
