@@ -65,8 +65,14 @@ def owner_tag() -> str:
     whoever finds one of a gone owner removes it (:func:`of_gone_owners`). The start time
     tells the owner from a later process with the same id; the pid namespace says where
     the id means something."""
+    global _tag
     pid = os.getpid()
-    return f"{pid}.{start_time(pid)}.{_pid_namespace()}"
+    if not _tag.startswith(f"{pid}."):  # first call, or a forked child
+        _tag = f"{pid}.{start_time(pid)}.{_pid_namespace()}"
+    return _tag
+
+
+_tag = ""
 
 
 def of_gone_owners(names: list[str], pattern: re.Pattern[str]) -> list[str]:
