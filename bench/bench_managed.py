@@ -37,6 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from _procs import agent_above
+
 TASK = """\
 name: bench-recovery
 num_nodes: 2
@@ -94,22 +98,6 @@ def started(ckpt: Path, ranks: int = 2) -> bool:
         if not path.exists() or not path.read_text().strip():
             return False
     return True
-
-
-def agent_above(pid: int) -> int:
-    """The highest ancestor of ``pid`` running ``flotilla.agent``."""
-    found, current = 0, pid
-    while current > 1:
-        with open(f"/proc/{current}/cmdline", "rb") as f:
-            cmd = f.read()
-        if b"flotilla.agent" in cmd:
-            found = current
-        elif found:
-            return found
-        with open(f"/proc/{current}/stat") as f:
-            stat = f.read()
-        current = int(stat[stat.rindex(")") + 2 :].split()[1])
-    raise RuntimeError(f"no flotilla agent above {pid}")
 
 
 def flotilla_recovery(tmp: Path, strategy: str) -> float:

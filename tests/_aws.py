@@ -8,8 +8,11 @@ API: every instance launched is at once a network-namespace host with the instan
 private address and an instance metadata stand-in on 169.254.169.254 (IMDSv2 token,
 ``spot/instance-action``), as its network interface is on EC2; it "boots" ``boot_delay``
 seconds after the launch: its sshd, configured from the instance's user-data as cloud-init
-would (host key from ``ssh_keys``, ``ssh_authorized_keys``), starts. Terminating the
-instance stops the host and everything in it.
+would (host key from ``ssh_keys``, ``ssh_authorized_keys``), starts. Before that, as soon as
+the network is there, the user-data's ``bootcmd`` runs in the host as cloud-init's init
+stage runs it (one ``/bin/sh`` script, as root, ``INSTANCE_ID`` set, output to the
+instance's console log, :meth:`AwsLab.console`); what it leaves running stays in the host.
+Terminating the instance stops the host and everything in it.
 
 Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInstances
 answer with an error code (capacity, quota) for a market and zone, as AWS would; the
@@ -24,6 +27,7 @@ import contextlib
 import io
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -31,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -150,6 +155,8 @@ class Instance:
     host: TestHost | None = None
     imds: subprocess.Popen[bytes] | None = None
     seen: float = 0.0
+    bootcmd_at: float = 0.0  # wall clock when cloud-init's bootcmd started (0: none)
+    console: Path | None = None  # the console log (cloud-init's output)
     lock: threading.Lock = field(default_factory=threading.Lock)  # boot vs. shutdown
     stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -280,7 +287,8 @@ class AwsLab:
     # -- what tests use --------------------------------------------------------------
     def provider(self, **kwargs: Any) -> Any:
         """A flotilla AWS provider for this region: root login, private addresses, a
-        harmless power-off command that records when it fired."""
+        harmless power-off command that records when it fired and who ran it (see
+        :meth:`poweroffs`)."""
         from flotilla._providers.aws import AWS
 
         options: dict[str, Any] = {
@@ -288,7 +296,12 @@ class AwsLab:
             "ssh_user": "root",
             "private_ips": True,
             "workdir": str(self.lab.tmp / "workdir"),
-            "poweroff_command": ["sh", "-c", f"date +%s.%N >> {self.lab.tmp}/poweroff-$(hostname)"],
+            "poweroff_command": [
+                "sh",
+                "-c",
+                f"echo $(date +%s.%N) ${{FLOTILLA_BOOT_GUARD:+guard}} "
+                f">> {self.lab.tmp}/poweroff-$(hostname)",
+            ],
             "connect_timeout": 5.0,
         }
         options.update(kwargs)
@@ -422,6 +435,47 @@ class AwsLab:
         )
         assert inst.imds.stdout is not None
         inst.imds.stdout.readline()  # "ready": the metadata service answers before sshd
+        self._poweroff_file(inst.addr).unlink(missing_ok=True)  # a former instance's
+        self._bootcmd(inst, config.get("bootcmd") or [])
+
+    def _bootcmd(self, inst: Instance, commands: list[Any]) -> None:
+        """Run the user-data's ``bootcmd`` in the instance as cloud-init does: the entries
+        as one shell script (strings as they are, lists as quoted words), ``/bin/sh`` as
+        root with ``INSTANCE_ID`` in the environment, waiting for the script (not for what
+        it starts in the background). The host's hostname is the instance's."""
+        host = inst.host
+        assert host is not None
+        inst.console = host.folder / "console.log"
+        if not commands:
+            return
+        lines = [
+            c if isinstance(c, str) else " ".join(shlex.quote(str(w)) for w in c) for c in commands
+        ]
+        script = host.folder / "bootcmd.sh"
+        script.write_text("#!/bin/sh\n" + "".join(line + "\n" for line in lines))
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+        inst.bootcmd_at = time.time()
+        with open(inst.console, "ab") as console:
+            proc = subprocess.Popen(
+                [
+                    *_in_netns(host.netns),
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f'hostname {host.hostname} && exec /bin/sh "$0"',
+                    str(script),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=console,
+                env={**env, "INSTANCE_ID": inst.instance_id},
+                cwd="/",
+            )
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # stopped with the host
+            pass
 
     def _shutdown(self, inst: Instance) -> None:
         """The instance is terminated: stop its host and everything in it."""
@@ -445,13 +499,33 @@ class AwsLab:
         inst = self.instances.get(instance_id)
         return inst.host if inst else None
 
-    def poweroffs(self, addr: str) -> list[float]:
-        """When the harmless power-off command of the instance at ``addr`` ran."""
-        path = self.lab.tmp / f"poweroff-ip-{addr.replace('.', '-')}"
+    def poweroffs(self, addr: str, by: str | None = None) -> list[float]:
+        """When the harmless power-off command of the instance at ``addr`` ran (since that
+        instance booted), by anyone or ``by`` ``"guard"`` (the boot guard) or
+        ``"watchdog"``."""
         try:
-            return [float(line) for line in path.read_text().split()]
+            text = self._poweroff_file(addr).read_text()
         except OSError:
             return []
+        times = []
+        for line in text.splitlines():
+            words = line.split()
+            if words and by in (None, words[1] if len(words) > 1 else "watchdog"):
+                times.append(float(words[0]))
+        return times
+
+    def _poweroff_file(self, addr: str) -> Path:
+        return self.lab.tmp / f"poweroff-ip-{addr.replace('.', '-')}"
+
+    def console(self, instance_id: str) -> str:
+        """The instance's console log: what its cloud-init commands wrote."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.console is None:
+            return ""
+        try:
+            return inst.console.read_text(errors="replace")
+        except OSError:
+            return ""
 
 
 def _utcnow() -> Any:

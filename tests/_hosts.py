@@ -199,6 +199,7 @@ class Lab:
         self.client_key = self.tmp / "client_key"
         self.authorized_keys = self.tmp / "authorized_keys"
         self.known_hosts = self.tmp / "known_hosts"
+        self.bashrc = self.tmp / "bashrc"
         self._next = 0
         self._seed = pid
 
@@ -224,10 +225,24 @@ class Lab:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         self.authorized_keys.write_text(keygen(self.client_key, "flotilla-lab-client") + "\n")
         self.known_hosts.write_text("")
+        self._write_bashrc()
         self.subnet = free_subnet(self._seed)
         run("ip", "link", "add", self.bridge, "type", "bridge")
         run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
+
+    def _write_bashrc(self) -> None:
+        """The hosts' ~/.bashrc, as on a fresh machine: this machine's ``python3`` first on
+        PATH and nothing else. (bash reads ~/.bashrc for every command run over SSH; this
+        machine's runs ``pyenv init``, ~100 processes per command, which a real host does
+        not, and which would be counted against every SSH start.)"""
+        found = subprocess.run(
+            ["python3", "-c", "import os, sys; print(os.path.dirname(sys.executable))"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        path = f"export PATH={found}:$PATH\n" if found else ""
+        self.bashrc.write_text(f"# a test host's ~/.bashrc (tests/_hosts.py)\n{path}")
 
     def close(self) -> None:
         """Stop every host and remove the bridge and files. Safe to call twice."""
@@ -316,11 +331,16 @@ class Lab:
         env: dict[str, str] | None = None,
     ) -> None:
         """Run the shell ``command`` (which ``exec``s the host's daemon) in the host: its
-        own hostname and /etc/hosts (``hosts_text``, default: localhost and the host),
-        output to ``{folder}/{log}``. ``host.sshd`` is the process."""
+        own hostname, /etc/hosts (``hosts_text``, default: localhost and the host) and
+        ~/.bashrc (see ``_write_bashrc``), output to ``{folder}/{log}``. ``host.sshd`` is
+        the process."""
         hosts_file = host.folder / "hosts"
         hosts_file.write_text(hosts_text or f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
-        inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && {command}"
+        inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
+        home_rc = Path.home() / ".bashrc"
+        if home_rc.is_file() and self.bashrc.is_file():
+            inner += f"mount --bind {self.bashrc} {home_rc} && "
+        inner += command
         host._log = open(host.folder / log, "ab")  # noqa: SIM115 - closed in remove_host
         host.sshd = subprocess.Popen(
             [*_in_netns(host.netns), "unshare", "--uts", "--mount", "sh", "-c", inner],

@@ -73,6 +73,23 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def agent_above(pid: int) -> int:
+    """The flotilla agent process above ``pid`` (its run command), found by parentage: the
+    highest ancestor running ``flotilla.agent`` (the executor below it, a fork of the
+    agent, has the same command line)."""
+    found = 0
+    current = pid
+    while current > 1:
+        if "flotilla.agent" in cmdline(current):
+            found = current
+        elif found:
+            return found
+        with open(f"/proc/{current}/stat") as f:
+            stat = f.read()
+        current = int(stat[stat.rindex(")") + 2 :].split()[1])
+    raise AssertionError(f"no flotilla agent above pid {pid} ({cmdline(pid)!r})")
+
+
 def all_pids() -> list[int]:
     """Every process id on the machine, from /proc."""
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]

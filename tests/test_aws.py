@@ -141,13 +141,14 @@ import flotilla as sky
 from _aws import AwsLab
 lab = AwsLab.__new__(AwsLab)
 provider = {provider}
-with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)) as pool:
+options = sky.Options(heartbeat_timeout=2, start_timeout={start_timeout!r})
+with sky.Compute(provider=provider, nodes=2, options=options) as pool:
     print(pool.pool_id, time.time(), flush=True)
     time.sleep(600)
 """
 
 
-def _client(aws_lab: AwsLab, **kwargs: Any) -> subprocess.Popen[str]:
+def _client(aws_lab: AwsLab, start_timeout: float = 120.0, **kwargs: Any) -> subprocess.Popen[str]:
     options = {
         "region": REGION,
         "ssh_user": "root",
@@ -157,7 +158,9 @@ def _client(aws_lab: AwsLab, **kwargs: Any) -> subprocess.Popen[str]:
         **kwargs,
     }
     provider = f"sky.AWS(**{options!r})"
-    code = _CLIENT.format(tests=os.path.dirname(__file__), provider=provider)
+    code = _CLIENT.format(
+        tests=os.path.dirname(__file__), provider=provider, start_timeout=start_timeout
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
@@ -213,6 +216,100 @@ def test_kill9_watchdog_and_orphan_cleanup(aws_lab: AwsLab) -> None:
         assert set(orphans.instances) >= {i["InstanceId"] for i in instances}
         assert len(orphans.security_groups) >= 1 and len(orphans.folders) >= 1
         assert {i["State"]["Name"] for i in aws_lab.pool_instances(live.pool_id)} == {"running"}
+    _gone(aws_lab, pool_id)
+
+
+def _wait_for(what: str, check: Any, timeout: float = 60.0) -> None:
+    """Poll ``check()`` until it is true; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def test_boot_guard_powers_off_instances_no_agent_reaches(aws_lab: AwsLab) -> None:
+    """Instances launched whose agent never starts (the client launched them and went no
+    further, as a client killed right after RunInstances): each one's boot guard runs the
+    power-off command once, ttl s after the boot, and the watchdog never ran."""
+    ttl = 3.0
+    spec = PoolSpec("t" + os.urandom(3).hex(), 2, None, None, (), Options(start_timeout=1))
+    allocation = _acquire(aws_lab.provider(ttl=ttl), spec)
+    try:
+        idents = [m.ident for m in allocation.machines]
+        addrs = [m.address for m in allocation.machines]
+        _wait_for(
+            "every guard powered off", lambda: all(aws_lab.poweroffs(a, "guard") for a in addrs)
+        )
+        for ident, addr in zip(idents, addrs, strict=True):
+            inst = aws_lab.instances[ident]
+            assert inst.bootcmd_at > 0, f"{ident}: cloud-init's bootcmd did not run"
+            (fired,) = aws_lab.poweroffs(addr)  # once, and by the guard
+            assert aws_lab.poweroffs(addr, "guard") == [fired]
+            assert fired >= inst.bootcmd_at + ttl  # it waited ttl after the boot
+            console = aws_lab.console(ident)
+            assert "no agent started within 3 s of the boot" in console, console
+            assert ident in console  # the contact file it looked for is the instance's
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_boot_guard_ends_the_instances_of_a_client_killed_after_launch(aws_lab: AwsLab) -> None:
+    """kill -9 of the client right after RunInstances, before its agents start (the
+    instances' sshd is not up yet): nothing releases the instances and no agent, so no
+    watchdog, ever starts there; each instance's boot guard powers it off, and
+    remove_orphans() removes the rest."""
+    boot_delay, aws_lab.boot_delay = aws_lab.boot_delay, 3600.0  # sshd stays down: no agent
+    try:
+        proc = _client(aws_lab, start_timeout=5.0, ttl=3.0)
+        mine: list[dict[str, Any]] = []
+
+        def launched() -> bool:
+            mine[:] = [
+                i
+                for i in aws_lab.describe()
+                for t in i.get("Tags", [])
+                if t["Key"] == "flotilla:client" and t["Value"].split(":")[1] == str(proc.pid)
+            ]
+            return len(mine) == 2 or proc.poll() is not None
+
+        _wait_for("the client launched its instances", launched)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert len(mine) == 2, proc.stderr.read() if proc.stderr else ""
+        addrs = [i["PrivateIpAddress"] for i in mine]
+        _wait_for(
+            "every guard powered off", lambda: all(aws_lab.poweroffs(a, "guard") for a in addrs)
+        )
+        assert [aws_lab.poweroffs(a, "watchdog") for a in addrs] == [[], []]
+        (pool_id,) = {t["Value"] for t in mine[0]["Tags"] if t["Key"] == "flotilla:pool"}
+        orphans = aws_lab.provider().remove_orphans()
+        assert pool_id in orphans.pools
+    finally:
+        aws_lab.boot_delay = boot_delay
+    _gone(aws_lab, pool_id)
+
+
+def test_boot_guard_leaves_a_live_pool_to_its_watchdog(aws_lab: AwsLab) -> None:
+    """A pool whose agent started: its boot guard, max(ttl, start_timeout) s after the
+    boot, sees the watchdog's contact file and exits; nothing powered off while the client
+    is alive and the pool still answers."""
+    provider = aws_lab.provider(ttl=3)
+    options = sky.Options(heartbeat_timeout=2, start_timeout=8)
+    with sky.Compute(provider=provider, nodes=1, options=options) as pool:
+        allocation = pool._allocation
+        assert isinstance(allocation, AWSAllocation)
+        (machine,) = allocation.machines
+
+        def console() -> str:
+            return aws_lab.console(machine.ident)
+
+        _wait_for("the guard decided", lambda: "agent started" in console())
+        assert "flotilla boot guard: an agent started" in console(), console()
+        assert "watchdog is in charge" in console()
+        assert aws_lab.poweroffs(machine.address) == []  # neither the guard nor the watchdog
+        assert [a["addr"] for a in where() @ pool] == [machine.address]
+        pool_id = pool.pool_id
     _gone(aws_lab, pool_id)
 
 
@@ -491,3 +588,118 @@ poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
         "PUT /latest/api/token 21600",
         "GET /latest/meta-data/spot/instance-action True",
     ]
+
+
+def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
+    """The boot guard's bootcmd line run by ``sh`` as cloud-init would (INSTANCE_ID set),
+    with a power-off command that records that it ran."""
+    from flotilla._providers.aws_guard import guard_command
+
+    record = f"echo $FLOTILLA_BOOT_GUARD >> {tmp_path}/fired"
+    line = guard_command(ttl, 1, str(tmp_path / "work"), "root", ["sh", "-c", record])
+    return subprocess.Popen(
+        ["sh", "-c", line],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": os.environ["PATH"], "INSTANCE_ID": "i-0123"},
+    )
+
+
+def test_boot_guard_script_powers_off_without_contact(tmp_path: Any) -> None:
+    """No contact file, or only one left from an earlier boot (removed at boot): the
+    guard runs the power-off command (FLOTILLA_BOOT_GUARD=1 set), once."""
+    contact = tmp_path / "work" / "watchdog" / "i-0123"
+    contact.parent.mkdir(parents=True)
+    contact.write_text("")  # the last boot's
+    proc = _guard(tmp_path, 1)
+    out, _ = proc.communicate(timeout=60)  # stdout ends when the detached guard does
+    assert (tmp_path / "fired").read_text() == "1\n"
+    assert "no agent started within 1 s of the boot" in out
+    assert not contact.exists()
+
+
+def test_boot_guard_script_exits_once_an_agent_started(tmp_path: Any) -> None:
+    contact = tmp_path / "work" / "watchdog" / "i-0123"
+    proc = _guard(tmp_path, 1)
+    assert proc.stdout is not None
+    assert "powering off in 1 s unless an agent starts" in proc.stdout.readline()
+    contact.parent.mkdir(parents=True)
+    contact.write_text("")  # the agent's start
+    out, _ = proc.communicate(timeout=60)
+    assert "an agent started" in out and "watchdog is in charge" in out
+    assert not (tmp_path / "fired").exists()
+
+
+def test_boot_guard_finds_the_login_users_home() -> None:
+    """The guard runs as root: ``~`` in the workdir is the ssh_user's home, looked up by
+    the shell when the guard checks (the user may not exist yet at boot)."""
+    import pwd
+
+    from flotilla._providers.aws_guard import _as_root, contact_path, home_path
+
+    me = pwd.getpwuid(os.getuid())
+    word = _as_root(home_path("~/.flotilla dir"), me.pw_name)
+    out = subprocess.run(
+        ["sh", "-c", f'printf %s {word}/"$1"', "sh", "x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == f"{me.pw_dir}/.flotilla dir/x"
+    assert contact_path("fl", "i-1") == "~/fl/watchdog/i-1"  # relative: to the home
+    with pytest.raises(sky.ConfigurationError, match="ssh_user"):
+        sky.AWS(ssh_user="ubuntu; rm -rf /")
+
+
+def test_launch_line_shows_the_choice_and_the_spot_price(
+    aws_lab: AwsLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before launching, the choice is shown: type, market (and fallback), zones, the spot
+    price from the emulator's spot price history, the AMI. The emulator has no Price List
+    API: the on-demand price is left out and the launch goes on."""
+    provider = aws_lab.provider(allocation="spot-if-available")
+    spec = _spec(1, vcpus=2)
+    allocation = _acquire(provider, spec)
+    try:
+        assert allocation.choice is not None
+        kind = allocation.choice.instance_type
+        line = next(
+            ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("flotilla: AWS ")
+        )
+        assert f"1 x {kind}" in line
+        assert "spot (on-demand if no spot capacity)" in line
+        assert ", spot $" in line and "/h" in line
+        assert "on-demand $" not in line
+        assert f"AMI {aws_lab.ami}" in line
+    finally:
+        _release(allocation)
+    _gone(aws_lab, spec.pool_id)
+
+
+def test_on_demand_price_from_a_price_list_document() -> None:
+    """A GetProducts answer as AWS sends it (each product a JSON string): the hourly USD
+    price; a malformed or priceless document gives no price instead of an error."""
+    import json
+
+    from flotilla._providers.aws_price import describe, price_from_products
+
+    product = {
+        "product": {"attributes": {"instanceType": "m5.large", "regionCode": "us-east-1"}},
+        "terms": {
+            "OnDemand": {
+                "ABC.JRTCKXETXF": {
+                    "priceDimensions": {
+                        "ABC.JRTCKXETXF.6YS6EN2CT7": {
+                            "unit": "Hrs",
+                            "pricePerUnit": {"USD": "0.0960000000"},
+                            "description": "$0.096 per On Demand Linux m5.large Instance Hour",
+                        }
+                    }
+                }
+            }
+        },
+    }
+    assert price_from_products([json.dumps(product)]) == pytest.approx(0.096)
+    assert describe("on-demand", 0.096) == ", on-demand $0.096/h"
+    assert price_from_products(["{not json", json.dumps({"terms": {}})]) is None
+    assert describe("spot", None) == ""

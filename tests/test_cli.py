@@ -8,6 +8,7 @@ sleeping a fixed time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,11 +18,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from _hosts import Lab
+from _hosts import Lab, TestHost
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import (
     alive,
@@ -35,33 +36,45 @@ from _procs import (
     wait_until,
 )
 
+from flotilla._errors import ConfigurationError
 from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+"""This checkout's sources: first on the CLI's import path."""
 
 
 class CLI:
-    """Runs ``python -m flotilla`` with FLOTILLA_HOME set to a test's folder."""
+    """Runs ``python -m flotilla`` (this checkout's) with FLOTILLA_HOME set to a test's
+    folder, and TMPDIR to ``tmpdir`` when given."""
 
-    def __init__(self, home: Path, cwd: Path) -> None:
+    def __init__(self, home: Path, cwd: Path, tmpdir: Path | None = None) -> None:
         self.home = home
         self.cwd = cwd
         self.env = dict(os.environ)
         self.env.pop("COMPUTE_POOL", None)
         self.env["FLOTILLA_HOME"] = str(home)
+        self.env["PYTHONPATH"] = SRC + os.pathsep + self.env.get("PYTHONPATH", "")
         bin_dir = os.path.dirname(sys.executable)  # torchrun & co. of this environment
         self.env["PATH"] = bin_dir + os.pathsep + self.env.get("PATH", "")
+        if tmpdir is not None:
+            self.env["TMPDIR"] = str(tmpdir)
 
-    def __call__(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "flotilla", *args],
             cwd=self.cwd,
-            env=self.env,
+            env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,
         )
 
-    def ok(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        done = self(*args, timeout=timeout)
+    def ok(
+        self, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        done = self(*args, timeout=timeout, env=env)
         assert done.returncode == 0, (
             f"flotilla {' '.join(args)} exited with {done.returncode}\n"
             f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
@@ -76,23 +89,47 @@ class CLI:
     def record(self, cluster: str):  # type: ignore[no-untyped-def]
         return load(Paths(cluster, self.home))
 
+    def clean_up(self) -> None:
+        """``flotilla down`` every cluster of this home, then assert (after killing them)
+        that no process is left below it and no daemon runs."""
+        daemons = []
+        for name in all_names(self.home):
+            with contextlib.suppress(ConfigurationError):  # a corrupt record: down removes it
+                rec = load(Paths(name, self.home))
+                if rec is not None and rec.pid:
+                    daemons.append(rec.pid)
+            self("down", name, timeout=60)
+        left = processes_in(self.home) + [p for p in daemons if alive(p)]
+        kill_quietly(left)
+        assert not left, f"processes left running after the test: {left}"
+
 
 @pytest.fixture
 def cli(tmp_path: Path) -> Iterator[CLI]:
-    home = tmp_path / "home"
-    runner = CLI(home, tmp_path)
+    runner = CLI(tmp_path / "home", tmp_path)
     try:
         yield runner
     finally:
-        daemons = []
-        for name in all_names(home):
-            rec = load(Paths(name, home))
-            if rec is not None and rec.pid:
-                daemons.append(rec.pid)
-            runner("down", name, timeout=60)
-        left = processes_in(home) + [p for p in daemons if alive(p)]
-        kill_quietly(left)
-        assert not left, f"processes left running after the test: {left}"
+        runner.clean_up()
+
+
+def ssh_flags(
+    lab: Lab, hosts: Sequence[TestHost], workdir: Path, known_hosts: Path | None = None
+) -> list[str]:
+    """``--provider ssh`` and its flags for ``hosts`` of the test lab: root with the lab's
+    key, host keys checked against ``known_hosts`` (default: the lab's)."""
+    return [
+        "--provider",
+        "ssh",
+        "--hosts",
+        ",".join(f"root@{h.addr}" for h in hosts),
+        "--ssh-key",
+        str(lab.client_key),
+        "--known-hosts",
+        str(known_hosts or lab.known_hosts),
+        "--ssh-workdir",
+        str(workdir),
+    ]
 
 
 def node_lines(stdout: str, marker: str) -> dict[int, str]:
@@ -575,16 +612,7 @@ def test_ssh_cluster_runs_on_its_hosts_and_writes_ssh_config_entries(
         task,
         "-c",
         "remote",
-        "--provider",
-        "ssh",
-        "--hosts",
-        ",".join(f"root@{h.addr}" for h in hosts),
-        "--ssh-key",
-        str(ssh_lab.client_key),
-        "--known-hosts",
-        str(ssh_lab.known_hosts),
-        "--ssh-workdir",
-        str(tmp_path / "remote-workdir"),
+        *ssh_flags(ssh_lab, hosts, tmp_path / "remote-workdir"),
     )
     ips = " ".join(h.addr for h in hosts)
     assert node_lines(done.stdout, "RUN") == {
@@ -875,16 +903,7 @@ def test_a_cluster_that_cannot_start_says_why_and_leaves_nothing(
         "echo never",
         "-c",
         "refused",
-        "--provider",
-        "ssh",
-        "--hosts",
-        f"root@{host.addr}",
-        "--ssh-key",
-        str(ssh_lab.client_key),
-        "--known-hosts",
-        str(empty),
-        "--ssh-workdir",
-        str(tmp_path / "remote-workdir"),
+        *ssh_flags(ssh_lab, [host], tmp_path / "remote-workdir", known_hosts=empty),
     )
     assert done.returncode != 0
     (cause,) = [line for line in done.stderr.splitlines() if "could not start" in line]

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 from _hosts import Lab
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
-from _procs import alive, all_pids, assert_all_gone, cmdline, kill_quietly, processes_in, wait_until
+from _procs import (
+    agent_above,
+    alive,
+    all_pids,
+    assert_all_gone,
+    kill_quietly,
+    processes_in,
+    wait_until,
+)
+from test_cli import ssh_flags
 
 from flotilla._errors import ConfigurationError
 from flotilla.cli.managed.recovery import (
@@ -223,23 +232,6 @@ def jobs(tmp_path: Path) -> Iterator[Jobs]:
         kill_quietly(left)
 
 
-def agent_above(pid: int) -> int:
-    """The flotilla agent process above ``pid`` (its run command), found by parentage: the
-    highest ancestor running ``flotilla.agent`` (the executor below it, a fork of the
-    agent, has the same command line)."""
-    found = 0
-    current = pid
-    while current > 1:
-        if "flotilla.agent" in cmdline(current):
-            found = current
-        elif found:
-            return found
-        with open(f"/proc/{current}/stat") as f:
-            stat = f.read()
-        current = int(stat[stat.rindex(")") + 2 :].split()[1])
-    raise AssertionError(f"no flotilla agent above pid {pid} ({cmdline(pid)!r})")
-
-
 RESUMABLE = """\
     name: resumable
     num_nodes: 2
@@ -434,16 +426,7 @@ def test_a_managed_job_on_ssh_hosts_recovers_when_a_hosts_agent_is_killed(
         task,
         "--env",
         f"CKPT={jobs.ckpt}",
-        "--provider",
-        "ssh",
-        "--hosts",
-        ",".join(f"root@{h.addr}" for h in hosts),
-        "--ssh-key",
-        str(ssh_lab.client_key),
-        "--known-hosts",
-        str(ssh_lab.known_hosts),
-        "--ssh-workdir",
-        str(jobs.cwd / "remote-workdir"),
+        *ssh_flags(ssh_lab, hosts, jobs.cwd / "remote-workdir"),
     )
     try:
         pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]

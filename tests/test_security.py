@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import alive, kill_quietly, processes_in, session_folder, wait_until
+from _procs import alive, session_folder, wait_until
+from test_cli import CLI, SRC
+from test_cli import cli as cli  # the fixture
 
 from flotilla._errors import ConfigurationError
 from flotilla._node.locks import exclusive
@@ -41,70 +43,8 @@ from flotilla.cli.state import (
     save,
 )
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
 SECRET = "s3cr3t-Value-9f8e7d6c"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (creates a user)")
-
-
-class CLI:
-    """``python -m flotilla`` with FLOTILLA_HOME (and TMPDIR) set for one test."""
-
-    def __init__(self, home: Path, cwd: Path, tmpdir: Path | None = None) -> None:
-        self.home = home
-        self.cwd = cwd
-        self.env = dict(os.environ)
-        self.env.pop("COMPUTE_POOL", None)
-        self.env["FLOTILLA_HOME"] = str(home)
-        self.env["PYTHONPATH"] = SRC + os.pathsep + self.env.get("PYTHONPATH", "")
-        if tmpdir is not None:
-            self.env["TMPDIR"] = str(tmpdir)
-
-    def __call__(
-        self, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "flotilla", *args],
-            cwd=self.cwd,
-            env={**self.env, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def ok(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-        done = self(*args, **kw)
-        assert done.returncode == 0, (
-            f"flotilla {' '.join(args)} exited with {done.returncode}\n"
-            f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-        )
-        return done
-
-    def task(self, name: str, text: str) -> str:
-        path = self.cwd / name
-        path.write_text(textwrap.dedent(text))
-        return str(path)
-
-
-def _cleanup(runner: CLI) -> None:
-    daemons = []
-    for name in all_names(runner.home):
-        with contextlib.suppress(ConfigurationError):
-            rec = load(Paths(name, runner.home))
-            if rec is not None and rec.pid:
-                daemons.append(rec.pid)
-        runner("down", name, timeout=60)
-    left = processes_in(runner.home) + [p for p in daemons if alive(p)]
-    kill_quietly(left)
-    assert not left, f"processes left running after the test: {left}"
-
-
-@pytest.fixture
-def cli(tmp_path: Path) -> Iterator[CLI]:
-    runner = CLI(tmp_path / "home", tmp_path)
-    try:
-        yield runner
-    finally:
-        _cleanup(runner)
 
 
 # -- a second local user ---------------------------------------------------------------------
@@ -260,7 +200,7 @@ def test_socket_folder_takeover_is_harmless(
         out = runner.ok("exec", "long", "echo again")
         assert "again" in out.stdout
     finally:
-        _cleanup(runner)
+        runner.clean_up()
 
 
 @needs_root
@@ -375,7 +315,7 @@ def test_a_client_of_another_user_cannot_talk_to_the_daemon(
         assert after is not None and after.next_job == 2  # no job was accepted
         assert runner.ok("queue", "mine").stdout.count("\n") == 2  # header + job 1
     finally:
-        _cleanup(runner)
+        runner.clean_up()
         shutil.rmtree(home, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _ddp import assert_ddp_averages
 from _procs import Client, wait_until
 from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
@@ -127,29 +128,10 @@ def test_resource_requests_become_cpus_per_task_and_mem(slurm_cluster: SlurmClus
     assert "MinMemoryNode=512M" in shown
 
 
-@sky.function
-def ddp_train(steps: int) -> list[float]:
-    """Train a tiny model with DDP; return its parameters."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(1234 + dist.get_rank())  # different data on every rank
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        opt.step()
-    return [float(x) for p in model.module.parameters() for x in p.detach().flatten()]
-
-
 def test_ddp_gloo_across_three_nodes(slurm_cluster: SlurmCluster) -> None:
     pytest.importorskip("torch")
     with sky.Compute(provider=Slurm(), nodes=3, plugins=[sky.plugins.torch()]) as pool:
-        params = ddp_train(5) @ pool
-    assert len(params) == 3
-    assert params[0] == params[1] == params[2]  # gradients were averaged across the nodes
+        assert_ddp_averages(pool, 3)
     assert _pool_jobs(slurm_cluster) == []
 
 
@@ -423,6 +405,61 @@ def test_a_node_slurm_marks_down_is_reported_lost(slurm_cluster: SlurmCluster) -
     slurm_cluster.wait_idle()
     assert lost and lost[0][0] == 1
     assert "SLURM marks node n2 DOWN" in lost[0][1] and "flotilla-test" in lost[0][1]
+    assert _pool_jobs(slurm_cluster) == []
+
+
+# -- agents srun cannot start ------------------------------------------------------------------
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshared"])
+def test_srun_refusing_the_step_is_a_provision_error_with_its_cause(
+    slurm_cluster: SlurmCluster, tmp_path: Path, shared: bool
+) -> None:
+    """The pool's job is cancelled (scancel) after it was granted and before the agents
+    start: srun cannot create their steps, and says why."""
+    provider = Slurm(shared_filesystem=shared, workdir=None if shared else str(tmp_path))
+
+    async def scenario() -> tuple[str, str]:
+        allocation = await provider.acquire(_spec(2))
+        try:
+            job = allocation.job.id  # type: ignore[attr-defined]
+            slurm_cluster.slurm("scancel", job)
+            assert wait_until(lambda: not _pool_jobs(slurm_cluster), timeout=30)
+            with pytest.raises(ProvisionError) as caught:
+                await allocation.start_agent(allocation.machines[1], provider.agent_command())
+            return job, str(caught.value)
+        finally:
+            await allocation.release()
+
+    job, message = asyncio.run(scenario())
+    first, *rest = message.splitlines()
+    srun_says = [line for line in rest if line.startswith("srun: error:")]
+    assert srun_says, message  # srun's own output follows the summary
+    cause = srun_says[0].removeprefix("srun: error: ")
+    assert first.startswith(f"n2: SLURM could not start the agent's step in job {job}: {cause};")
+    assert "open the pool again" in first
+    assert _pool_jobs(slurm_cluster) == []
+
+
+def test_a_step_that_waits_is_given_up_after_start_timeout(slurm_cluster: SlurmCluster) -> None:
+    """The pool's job is suspended: srun waits for the step to be allowed to start, and
+    the pool gives up after start_timeout instead of waiting for ever."""
+    provider = Slurm()
+    spec = PoolSpec(f"t{os.getpid()}", 1, None, None, (), Options(start_timeout=2))
+
+    async def scenario() -> tuple[str, str]:
+        allocation = await provider.acquire(spec)
+        job = allocation.job.id  # type: ignore[attr-defined]
+        try:
+            slurm_cluster.slurm("scontrol", "suspend", job)
+            with pytest.raises(ProvisionError) as caught:
+                await allocation.start_agent(allocation.machines[0], provider.agent_command())
+            return job, str(caught.value)
+        finally:
+            slurm_cluster.slurm("scontrol", "resume", job, check=False)
+            await allocation.release()
+
+    job, message = asyncio.run(scenario())
+    assert message.startswith(f"n1: the agent's step in SLURM job {job} did not start within 2 s")
+    assert "Options(start_timeout=...)" in message
     assert _pool_jobs(slurm_cluster) == []
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _ddp import assert_ddp_averages
 from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import Client, all_pids, assert_all_gone, cmdline
 
@@ -242,6 +243,39 @@ def test_python_missing_or_too_old(ssh_lab: Lab, tmp_path: Path) -> None:
         sky.Compute(provider=ssh_lab.provider([host], python=str(old)), nodes=1).open()
 
 
+@pytest.mark.parametrize("how", ["owner", "writable"])
+def test_a_workdir_another_user_could_write_is_refused(
+    ssh_lab: Lab, tmp_path: Path, how: str
+) -> None:
+    """A working directory owned by another user, or that others can write, could have
+    flotilla's code replaced in it: the start command refuses it before running anything,
+    and the error says which directory and how to fix it."""
+    host = ssh_lab.hosts[0]
+    workdir = tmp_path / "shared"
+    workdir.mkdir()
+    if how == "owner":
+        os.chown(workdir, 65534, 65534)  # nobody's
+    else:
+        workdir.chmod(0o777)
+    provider = ssh_lab.provider([host], workdir=str(workdir))
+    problem = {"owner": "belongs to another user", "writable": "can be written by other users"}
+    with pytest.raises(ProvisionError) as info:
+        sky.Compute(provider=provider, nodes=1).open()
+    msg = str(info.value)
+    assert msg.startswith(f"{host.addr}: refusing to run flotilla from {workdir}: ")
+    assert problem[how] in msg and "workdir=" in msg
+    assert list(workdir.iterdir()) == []  # nothing was written there
+    assert ssh_lab.wait_no_agents([host]) == {}
+
+
+def test_a_new_workdir_is_private(ssh_lab: Lab, tmp_path: Path) -> None:
+    host = ssh_lab.hosts[0]
+    workdir = tmp_path / "new" / "flotilla"
+    with sky.Compute(provider=ssh_lab.provider([host], workdir=str(workdir)), nodes=1) as pool:
+        assert add(1, 1) >> pool == 2
+    assert workdir.stat().st_mode & 0o777 == 0o700
+
+
 def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
     host = ssh_lab.hosts[0]
     empty = tmp_path / "known_hosts"
@@ -410,23 +444,6 @@ def test_writes_from_many_threads(ssh_lab: Lab) -> None:
 
 
 # -- plugins ----------------------------------------------------------------------------------
-@sky.function
-def ddp_train(steps: int) -> list[float]:
-    """Train a tiny model with DDP; return its parameters."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(1234 + dist.get_rank())  # different data on every rank
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        opt.step()
-    return [float(x) for p in model.module.parameters() for x in p.detach().flatten()]
-
-
 def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
     pytest.importorskip("torch")
     plugins = pytest.importorskip("flotilla.plugins")
@@ -435,8 +452,7 @@ def test_ddp_across_three_hosts(ssh_lab: Lab) -> None:
     hosts = _hosts3(ssh_lab)
     provider = ssh_lab.provider(hosts, python=sys.executable)  # the interpreter with torch
     with sky.Compute(provider=provider, nodes=3, plugins=[plugins.torch()]) as pool:
-        params = ddp_train(5) @ pool
-    assert params[0] == params[1] == params[2]
+        assert_ddp_averages(pool, 3)
     assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
 
 

@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from .procs import die_with_parent
+
 ENV = "FLOTILLA_CLOUD"
 NOTICE = b"FLOTILLA_CLOUD NOTICE "
 """Prefix of the stderr line that announces an interruption."""
@@ -200,22 +202,10 @@ def _request(url: str, method: str, headers: dict[str, str]) -> str:
         return str(resp.read().decode())
 
 
-def _die_with_parent() -> None:
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def main() -> None:
     """Entry point of ``python -m flotilla._node.cloud`` (started by :func:`start`)."""
     config = Config.from_json(os.environ[ENV])
-    _die_with_parent()
+    die_with_parent(exit_status=0)
     if config.ttl > 0 and _daemonize():
         watchdog(config)
         os._exit(0)

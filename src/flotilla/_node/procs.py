@@ -149,6 +149,22 @@ def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
     return killed
 
 
+def die_with_parent(sig: int = signal.SIGKILL, exit_status: int | None = 1) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux's
+    ``PR_SET_PDEATHSIG``; nothing elsewhere). Called in a child right after it was forked,
+    so that it never outlives the process that started it. When the parent is already gone
+    by then, exit with ``exit_status`` (None: carry on; a ``preexec_fn`` must)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if exit_status is not None and os.getppid() != parent:
+        os._exit(exit_status)
+
+
 def _ps(*args: str) -> str:
     try:
         done = subprocess.run(

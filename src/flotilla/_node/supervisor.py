@@ -47,6 +47,7 @@ from .._wire.frames import (
     frame,
 )
 from .eventloop import Outbox, Poller
+from .procs import die_with_parent
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
@@ -257,7 +258,7 @@ class Supervisor:
                         for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd):
                             os.close(fd)
                 os.setpgid(0, 0)
-                _die_with_parent()
+                die_with_parent()
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)
                 os.dup2(w_out, 1)
@@ -446,16 +447,3 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _die_with_parent() -> None:
-    """Make the kernel kill this process when the agent dies (Linux)."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(1)

@@ -17,7 +17,12 @@ Ctrl-C) terminates every instance tagged with the pool (also ones a lost respons
 report), checks they are terminated, deletes the security group and the local key folder.
 When the client dies, the instances end themselves: shutdown behaviour "terminate" plus a
 watchdog started with the agent that powers off ``ttl`` s after the last contact from the
-client (``_node/cloud.py``); :meth:`AWS.remove_orphans` removes what such a client left.
+client (``_node/cloud.py``). Before the agent starts, a boot guard in the user-data does it
+(``aws_guard``): cloud-init starts it at boot, and unless an agent has started (its
+watchdog's contact file exists) ``max(ttl, start_timeout)`` s later, it runs the same
+power-off command; so an instance that no client ever reaches (the client died right after
+RunInstances, SSH is blocked, a bad AMI) ends too. :meth:`AWS.remove_orphans` removes what
+such a client left.
 
 Spot interruption notices reach the client as a line on the agent's stderr (see
 ``_node/cloud.py``); :class:`AWSAgent` takes it out of the stream and reports the machine
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 
 from .._errors import ConfigurationError
 from .aws_api import Api
+from .aws_guard import USER_NAME, guard_command
 from .aws_orphans import Orphans, remove_orphans
 from .aws_pool import AWSAllocation
 from .base import PoolSpec, Provider
@@ -57,14 +63,17 @@ class AWS(Provider):
             or on a VPN to it) instead of public ones; no public address is assigned.
         disk_gb: root volume size in GiB (default: the AMI's).
         ttl: seconds after the last contact from the client when an instance powers
-            itself off (and so terminates): the bound on what a dead client costs.
+            itself off (and so terminates): the bound on what a dead client costs. An
+            instance whose agent never starts powers off ``max(ttl, start_timeout)`` s
+            after its boot (the boot guard, see ``aws_guard``).
         tags: extra tags for every resource of the pool.
         profile: AWS profile of ~/.aws/config (default: the default credential chain).
         ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the
             pool's security group (a task file's ``ports``); none by default.
         workdir: folder on the instances for flotilla's files.
         python: interpreter on the instances.
-        poweroff_command: what the instance watchdog runs when ``ttl`` expires.
+        poweroff_command: what the instance watchdog runs when ``ttl`` expires, and the
+            boot guard (as root, with ``FLOTILLA_BOOT_GUARD=1`` set) when no agent started.
         connect_timeout: seconds for one SSH connection attempt.
     """
 
@@ -124,8 +133,19 @@ class AWS(Provider):
                 )
         if not poweroff_command or not all(isinstance(w, str) for w in poweroff_command):
             raise ConfigurationError("AWS(poweroff_command=...): a non-empty list of strings")
-        if not isinstance(ssh_user, str) or not ssh_user.strip():
-            raise ConfigurationError(f"AWS(ssh_user={ssh_user!r}): a user name")
+        if not isinstance(ssh_user, str) or not USER_NAME.fullmatch(ssh_user):
+            raise ConfigurationError(
+                f"AWS(ssh_user={ssh_user!r}): a login name (letters, digits, '_', '.', '-')"
+            )
+        if not isinstance(workdir, str) or not workdir.strip():
+            raise ConfigurationError(f"AWS(workdir={workdir!r}): a folder on the instances")
+        try:
+            guard_command(ttl, 0, workdir, ssh_user, poweroff_command)
+        except ValueError as e:
+            raise ConfigurationError(
+                f"AWS(workdir={workdir!r}): {e}; use an absolute path or one under ~ "
+                "(the ssh_user's home)"
+            ) from None
         self.region = region
         self.instance_type = instance_type
         self.allocation = allocation

@@ -1,4 +1,5 @@
-"""The AWS provider's access to the EC2 and SSM APIs: clients, error translation, call counts.
+"""The AWS provider's access to the EC2, SSM and Price List APIs: clients, error translation,
+call counts.
 
 boto3 is an optional extra (``pip install flotilla[aws]``): it is imported here only, when
 an AWS pool is validated or started, so ``import flotilla`` stays light. Every call goes
@@ -46,6 +47,9 @@ CONFIGURE_CREDENTIALS = (
     "configure them with `aws configure` (or `aws sso login`), set AWS_ACCESS_KEY_ID and "
     "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass AWS(profile=...)"
 )
+
+INFORMATIVE = frozenset({"pricing"})
+"""Services whose answers are shown but not needed (prices): no retries, short timeouts."""
 
 calls: Counter[str] = Counter()
 """API calls this process made, by operation name (e.g. ``ec2.RunInstances``)."""
@@ -108,7 +112,7 @@ def translate(e: BaseException, what: str) -> Exception:
 
 
 class Api:
-    """EC2 and SSM clients of one region and profile, created on first use.
+    """The clients (EC2, SSM, Price List) of one region and profile, created on first use.
 
     Attributes:
         region: the region every call goes to.
@@ -125,7 +129,7 @@ class Api:
             raise translate(e, "open the AWS profile") from None
         self.profile = profile
         self.region: str = region or self.session.region_name or ""
-        self._clients: dict[str, Any] = {}
+        self._clients: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
 
     def check(self) -> None:
@@ -147,16 +151,21 @@ class Api:
         if self.session.get_credentials() is None:
             raise ConfigurationError(f"no AWS credentials found: {CONFIGURE_CREDENTIALS}")
 
-    def client(self, service: str) -> Any:
+    def client(self, service: str, region: str | None = None) -> Any:
+        """The ``service`` client of the pool's region (or of ``region``), made once."""
+        region = region or self.region
         with self._lock:
-            client = self._clients.get(service)
+            client = self._clients.get((service, region))
             if client is None:
                 from botocore.config import Config
 
-                config = Config(retries={"max_attempts": 4, "mode": "standard"})
-                client = self.session.client(service, region_name=self.region, config=config)
+                if service in INFORMATIVE:  # one quick try: nothing waits on a retry
+                    config = Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=3)
+                else:
+                    config = Config(retries={"max_attempts": 4, "mode": "standard"})
+                client = self.session.client(service, region_name=region, config=config)
                 client.meta.events.register("before-call", _count)
-                self._clients[service] = client
+                self._clients[(service, region)] = client
             return client
 
     def call(self, service: str, operation: str, what: str, **params: Any) -> Any:
@@ -168,10 +177,10 @@ class Api:
                 raise translate(e, what) from e
             raise
 
-    def raw(self, service: str, operation: str, **params: Any) -> Any:
+    def raw(self, service: str, operation: str, region: str | None = None, **params: Any) -> Any:
         """``client.operation(**params)`` with botocore's errors as they are (callers that
-        branch on the error code)."""
-        return getattr(self.client(service), operation)(**params)
+        branch on the error code); ``region``: another region's endpoint."""
+        return getattr(self.client(service, region), operation)(**params)
 
 
 def _count(model: Any, **_: Any) -> None:

@@ -15,10 +15,12 @@ instances of one launch share their host key; a replacement launch gets a key of
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import ConfigurationError, ProvisionError
@@ -74,10 +76,13 @@ def keygen(folder: str, name: str, comment: str) -> KeyPair:
         return KeyPair(path, f.read().strip())
 
 
-def user_data(host_key: KeyPair, login_key: KeyPair) -> str:
-    """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key
-    and authorizes ``login_key`` for the default user."""
+def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()) -> str:
+    """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key,
+    authorizes ``login_key`` for the default user and runs the ``bootcmd`` shell lines
+    early in every boot (the boot guard, see ``aws_guard``)."""
     private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
+    # a JSON string is a YAML double-quoted scalar: any shell line, safely quoted
+    commands = "".join(f"  - {json.dumps(line)}\n" for line in bootcmd)
     return (
         "#cloud-config\n"
         "ssh_deletekeys: true\n"
@@ -87,7 +92,7 @@ def user_data(host_key: KeyPair, login_key: KeyPair) -> str:
         f"{private}\n"
         f"  ed25519_public: {host_key.public}\n"
         "ssh_authorized_keys:\n"
-        f"  - {login_key.public}\n"
+        f"  - {login_key.public}\n" + (f"bootcmd:\n{commands}" if bootcmd else "")
     )
 
 

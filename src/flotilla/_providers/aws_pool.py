@@ -20,8 +20,11 @@ from .._errors import ConfigurationError, ProvisionError
 from .aws_agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
 from .aws_api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
 from .aws_choice import InstanceChoice, check_ami, choose, default_ami
+from .aws_guard import contact_path, guard_command
 from .aws_keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
 from .aws_orphans import client_id
+from .aws_price import describe as describe_price
+from .aws_price import on_demand_price, spot_price
 from .base import AgentProcess, Allocation, AllocationState, Machine, MachineState, PoolSpec
 from .bootstrap import Bundle, client_bundle
 from .ssh import _Target
@@ -116,17 +119,19 @@ class AWSAllocation(Allocation):
         else:
             self._client_cidrs = [await self._in_thread(_public_cidr)]
         spot = provider.allocation != "on-demand" and choice.spot
-        _, price = await _all(
+        fallback = spot and provider.allocation == "spot-if-available"
+        kind, api = choice.instance_type, self.api
+        _, spot_cost, on_demand_cost = await _all(
             self._in_thread(self._make_security_group),
-            self._in_thread(self._spot_price, choice) if spot else _nothing(),
+            self._in_thread(spot_price, api, kind, zones) if spot else _nothing(),
+            self._in_thread(on_demand_price, api, kind) if fallback or not spot else _nothing(),
         )
         market = "spot" if spot else "on-demand"
-        fallback = ""
-        if spot and provider.allocation == "spot-if-available":
-            fallback = " (on-demand if no spot capacity)"
+        prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
         _show(
-            f"AWS {self.api.region}: {spec.nodes} x {choice.describe()}, {market}{fallback}, "
-            f"zones {', '.join(zones)}{price}, AMI {self._image['ImageId']}"
+            f"AWS {self.api.region}: {spec.nodes} x {choice.describe()}, {market}"
+            f"{' (on-demand if no spot capacity)' if fallback else ''}, "
+            f"zones {', '.join(zones)}{prices}, AMI {self._image['ImageId']}"
         )
         instances = await self._in_thread(self._run, spec.nodes)
         self.machines = [self._machine(rank, inst) for rank, inst in enumerate(instances)]
@@ -190,20 +195,6 @@ class AWSAllocation(Allocation):
         ]
         return dict(sorted(subnets.items())), vpc_id, cidrs
 
-    def _spot_price(self, choice: InstanceChoice) -> str:
-        try:
-            history = self.api.raw(
-                "ec2",
-                "describe_spot_price_history",
-                InstanceTypes=[choice.instance_type],
-                ProductDescriptions=["Linux/UNIX"],
-                StartTime=datetime.now(UTC),
-            )["SpotPriceHistory"]
-        except Exception:  # the price is informative only
-            return ""
-        prices = [float(h["SpotPrice"]) for h in history if h["AvailabilityZone"] in choice.zones]
-        return f", spot price from ${min(prices):.4g}/h" if prices else ""
-
     def _tags(self, resource: str) -> dict[str, Any]:
         tags = {
             "Name": f"flotilla-{self.spec.pool_id}",
@@ -261,7 +252,15 @@ class AWSAllocation(Allocation):
         host_key = keygen(
             self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
         )
-        data = user_data(host_key, self.login_key)
+        provider = self.provider
+        guard = guard_command(
+            provider.ttl,
+            self.spec.options.start_timeout,
+            provider.workdir,
+            provider.ssh_user,
+            provider.poweroff_command,
+        )
+        data = user_data(host_key, self.login_key, [guard])
         allocation = self.provider.allocation
         markets = {"spot": ["spot"], "on-demand": ["on-demand"]}.get(
             allocation, ["spot", "on-demand"]
@@ -393,7 +392,7 @@ class AWSAllocation(Allocation):
         spot = inst.get("InstanceLifecycle") == "spot"
         self._ssh.cloud_env[addr] = json.dumps(
             {
-                "contact": f"{self.provider.workdir}/watchdog/{machine.ident}",
+                "contact": contact_path(self.provider.workdir, machine.ident),
                 "ttl": self.provider.ttl,
                 "poweroff": list(self.provider.poweroff_command),
                 "imds": IMDS if spot else "",
@@ -503,8 +502,8 @@ async def _all(*steps: Awaitable[Any]) -> list[Any]:
     return list(results)
 
 
-async def _nothing() -> str:
-    return ""
+async def _nothing() -> None:
+    return None
 
 
 def _public_cidr() -> str:

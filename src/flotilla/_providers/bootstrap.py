@@ -10,7 +10,8 @@ it received under ``{workdir}/lib/{hash}/`` and runs the agent with ``PYTHONPATH
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
-One remote command, on the connection that then carries the agent's stdio, checks the
+One remote command, on the connection that then carries the agent's stdio, refuses a
+working directory another user owns or can write (made 0700 when missing), checks the
 interpreter (>= 3.11; once per bundle and interpreter), tests for the bundle and, when it is
 there, starts the agent at once: a cache hit costs a single Python start, the agent.
 Otherwise it answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: the
@@ -27,6 +28,9 @@ Answer lines (stdout, before the agent's first frame)::
     FLOTILLA_BOOT UPLOAD_FAILED 1   installing the bundle failed (its status)
     FLOTILLA_BOOT NO_PYTHON 127     the interpreter cannot be run (its status)
     FLOTILLA_BOOT BAD_PYTHON 3.9    the interpreter is too old (its version)
+    FLOTILLA_BOOT UNSAFE_WORKDIR owner|writable DIR
+                                    the working directory (or the bundle's) belongs to
+                                    another user or others can write it: nothing runs
 
 Lines before the answer (a chatty shell profile) are ignored.
 """
@@ -95,6 +99,7 @@ class Answer(Enum):
     UPLOAD_FAILED = "UPLOAD_FAILED"
     NO_PYTHON = "NO_PYTHON"
     BAD_PYTHON = "BAD_PYTHON"
+    UNSAFE_WORKDIR = "UNSAFE_WORKDIR"
 
 
 SIGNAL_LINE = MARKER + b"SIGNAL "
@@ -180,6 +185,13 @@ def start_command(workdir: str, python: str, bundle_hash: str, bundle_size: int)
     script = f"""\
 W={shell_path(workdir)}
 L="$W/lib/{bundle_hash}"
+mkdir -p -m 700 "$W" 2>/dev/null
+for D in "$W" "$W/lib" "$L"; do
+  if [ -e "$D" ] && [ ! -O "$D" ]; then echo "FLOTILLA_BOOT UNSAFE_WORKDIR owner $D"; exit 0; fi
+done
+case $(ls -ldL -- "$W" 2>/dev/null) in
+  d????w*|d???????w*) echo "FLOTILLA_BOOT UNSAFE_WORKDIR writable $W"; exit 0 ;;
+esac
 if [ ! -e "$L/{checked}" ]; then
   V=$({py} -S -c {shlex.quote(_CHECK_PYTHON)})
   S=$?
@@ -255,11 +267,7 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
     """
     uploaded = False
     while True:
-        line = await agent.read_line(MARKER)
-        if line is None:
-            await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
-            raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
-        answer, detail = parse_answer(agent.host, line)
+        answer, detail = await _next_answer(agent)
         if answer is Answer.AGENT:
             if not uploaded:
                 stats.hits += 1
@@ -279,6 +287,8 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
             except OSError:
                 continue  # the command ended: the next read says why
             continue
+        if answer is Answer.UNSAFE_WORKDIR:
+            raise _unsafe_workdir(agent.host, detail)
         err = agent.err_tail.decode(errors="replace")
         if answer is Answer.UPLOAD_FAILED:
             why = err.strip().splitlines()[-1] if err.strip() else f"exit status {detail}"
@@ -286,6 +296,44 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
                 f"{agent.host}: cannot install the flotilla bundle under {workdir}/lib: {why}"
             )
         raise _python_error(agent.host, python, answer, detail, err)
+
+
+def _unsafe_workdir(host: str, detail: str) -> ProvisionError:
+    """The error for a working directory another user could write flotilla's code into."""
+    why, _, path = detail.partition(" ")
+    if why == "owner":
+        problem, fix = "belongs to another user", "remove it or use another workdir"
+    else:
+        problem, fix = "can be written by other users", f"run `chmod go-w {path}` on the node"
+    return ProvisionError(
+        f"{host}: refusing to run flotilla from {path}: it {problem}, who could replace the "
+        f"code the agent runs as you. {fix[0].upper()}{fix[1:]}, or pass a working directory "
+        "you own (workdir=..., default ~/.flotilla)"
+    )
+
+
+async def _next_answer(agent: PipeAgent) -> tuple[Answer, str]:
+    """The start command's next answer; NoAnswer (with its status and stderr) when it
+    ended without one."""
+    line = await agent.read_line(MARKER)
+    if line is None:
+        await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
+        raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
+    return parse_answer(agent.host, line)
+
+
+def announced(command: list[str]) -> list[str]:
+    """``command`` (an agent command line, for a node that needs no bundle) behind a shell
+    that first answers ``AGENT``: :func:`wait_announced` then tells a remote launcher that
+    failed (srun refused the step) from an agent that runs."""
+    return ["sh", "-c", f'echo "{MARKER.decode()}{Answer.AGENT.value}"; exec "$@"', "sh", *command]
+
+
+async def wait_announced(agent: PipeAgent) -> None:
+    """Wait for the answer of an :func:`announced` command: NoAnswer when it ended first."""
+    answer, _ = await _next_answer(agent)
+    if answer is not Answer.AGENT:
+        raise ProvisionError(f"{agent.host}: unexpected answer from the start command: {answer}")
 
 
 def _python_error(host: str, python: str, answer: Answer, detail: str, err: str) -> ProvisionError:

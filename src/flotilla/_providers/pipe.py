@@ -19,10 +19,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from .._wire.frames import Buffer, FrameError, FrameReader, write_all
 from .base import AgentProcess, FramesCallback
 
+_T = TypeVar("_T")
 _NOISE_LIMIT = 1 << 16
 """Bytes of output (e.g. a chatty shell profile) kept while looking for an answer line."""
 _ERR_TAIL = 8192
@@ -143,22 +145,11 @@ class PipeAgent(AgentProcess):
         ended: asyncio.Future[None] = loop.create_future()
         self._err_ended = ended
 
-        def readable() -> None:
-            try:
-                data = os.read(self._err, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                loop.remove_reader(self._err)
-                if not ended.done():
-                    ended.set_result(None)
-                return
+        def on_data(data: bytes) -> None:
             self.err_tail = (self.err_tail + data)[-_ERR_TAIL:]
             self._on_stderr(data)
 
-        loop.add_reader(self._err, readable)
+        read_chunks(loop, self._err, on_data, ended, None)
 
     async def _ended(self, on_frames: FramesCallback) -> None:
         await self.stderr_ended(_EXIT_WAIT)
@@ -228,6 +219,28 @@ async def _read_once(loop: asyncio.AbstractEventLoop, fd: int) -> bytes:
     """One read of ``fd`` once it is readable; b"" at end of stream."""
     done: asyncio.Future[bytes] = loop.create_future()
 
+    def on_data(data: bytes) -> None:
+        if not done.done():
+            done.set_result(data)
+
+    read_chunks(loop, fd, on_data, done, b"")
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+
+
+def read_chunks(
+    loop: asyncio.AbstractEventLoop,
+    fd: int,
+    on_data: Callable[[bytes], object],
+    done: asyncio.Future[_T],
+    at_end: _T,
+) -> None:
+    """Read ``fd`` on ``loop`` as it becomes readable, passing each chunk to ``on_data``;
+    at end of stream (or a read error) stop reading and set ``done`` to ``at_end`` (unless
+    it is set already). ``on_data`` may stop earlier with ``loop.remove_reader(fd)``."""
+
     def readable() -> None:
         try:
             data = os.read(fd, 65536)
@@ -235,11 +248,11 @@ async def _read_once(loop: asyncio.AbstractEventLoop, fd: int) -> bytes:
             return
         except OSError:
             data = b""
-        if not done.done():
-            done.set_result(data)
+        if not data:
+            loop.remove_reader(fd)
+            if not done.done():
+                done.set_result(at_end)
+            return
+        on_data(data)
 
     loop.add_reader(fd, readable)
-    try:
-        return await done
-    finally:
-        loop.remove_reader(fd)

@@ -14,7 +14,10 @@ then revokes the pending request. ``--time`` is only the last backstop.
 **Agents.** ``srun --jobid=J --nodes=1 --ntasks=1 -w NODE --overlap python -m
 flotilla.agent`` per node: srun relays the step's stdin/stdout, which are the protocol
 channel (a :class:`PipeAgent`). Without ``--exact`` a step gets every CPU and the memory the
-job holds on its node, and the GPUs the job asked for.
+job holds on its node, and the GPUs the job asked for. The step's command first answers
+(``bootstrap.announced``): a step srun cannot start (the job was cancelled or ended, srun
+refused it) is a ProvisionError with srun's own cause, and one that waits (a suspended job)
+is given up after ``Options.start_timeout``.
 
 **Files.** On a SLURM cluster the login and compute nodes normally share the users' home and
 project directories, so by default (``shared_filesystem=True``) the nodes run the client's
@@ -53,7 +56,14 @@ from .base import (
     PoolSpec,
     Provider,
 )
-from .bootstrap import NoAnswer, client_bundle, start_agent, start_command
+from .bootstrap import (
+    NoAnswer,
+    announced,
+    client_bundle,
+    start_agent,
+    start_command,
+    wait_announced,
+)
 from .local import _client_path
 from .pipe import PipeAgent, spawn
 from .slurm_job import (
@@ -73,6 +83,7 @@ from .slurm_job import (
     query,
     say,
     slurm_env,
+    srun_error,
 )
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
@@ -396,30 +407,50 @@ class SlurmAllocation(Allocation):
         return [*argv, *command]
 
     async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+        """Run the agent as a step on ``machine``'s node. The step's command first answers
+        (see ``bootstrap``), so that a step srun cannot start (the job is gone, the step
+        asks for what the job lacks) is a ProvisionError with srun's own words."""
         provider = self.provider
-        if not provider.shares_filesystem:
+        bundle = None
+        if provider.shares_filesystem:
+            command = announced(command)
+        else:
             workdir = provider.workdir or "~/.flotilla"
             bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
-            boot = start_command(workdir, provider.python, bundle.hash, len(bundle.data))
-            command = ["sh", "-c", boot]
+            command = [
+                "sh",
+                "-c",
+                start_command(workdir, provider.python, bundle.hash, len(bundle.data)),
+            ]
         argv = self.srun_argv(machine, command)
         try:
             agent = PipeAgent(spawn(argv, env=self.env), machine.address, machine.host)
         except OSError as e:
             raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
         self.agents.append(agent)
-        if not provider.shares_filesystem:
-            try:
-                await start_agent(agent, workdir, provider.python, bundle)
-            except NoAnswer as e:
-                await agent.terminate()
-                raise ProvisionError(
-                    f"{machine.host}: the SLURM step ended without starting the agent: "
-                    f"{e.stderr.strip() or f'exit status {e.status}'}"
-                ) from None
-            except BaseException:
-                await agent.terminate()
-                raise
+        job = self.job_of[machine.ident].id
+        timeout = self.spec.options.start_timeout
+        try:
+            started = (
+                wait_announced(agent)
+                if bundle is None
+                else start_agent(agent, workdir, provider.python, bundle)
+            )
+            await asyncio.wait_for(started, timeout)
+        except NoAnswer as e:
+            await agent.terminate()
+            raise srun_error(machine.host, job, e.status, e.stderr) from None
+        except TimeoutError:
+            await agent.terminate()
+            said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
+            raise ProvisionError(
+                f"{machine.host}: the agent's step in SLURM job {job} did not start within "
+                f"{timeout:g} s" + (f" (srun: {said[0]})" if said else "") + "; "
+                "Options(start_timeout=...) sets the limit"
+            ) from None
+        except BaseException:
+            await agent.terminate()
+            raise
         return agent
 
     async def replace(self, rank: int, reason: str) -> Machine:

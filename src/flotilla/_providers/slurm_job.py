@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -20,8 +19,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from .._errors import ConfigurationError, ProvisionError
+from .._node.procs import die_with_parent
+from .pipe import read_chunks
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
 HOLDER = f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
@@ -177,14 +179,6 @@ def say(message: str) -> None:
         sys.stderr.flush()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the client (its creating thread) dies, so a
-    pending salloc revokes its request even when the client is killed -9."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Job:
     """A SLURM job a pool uses: its id, nodes, and (when the pool made it) the salloc
     holding it."""
@@ -210,7 +204,11 @@ class Job:
                 stderr=subprocess.PIPE,
                 env=slurm_env(),
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # SIGTERM when the client (salloc's creating thread) dies, so that a
+                # pending salloc revokes its request even when the client is killed -9
+                preexec_fn=partial(die_with_parent, signal.SIGTERM, None)
+                if sys.platform == "linux"
+                else None,
             )
         except OSError as e:
             raise ProvisionError(f"cannot run salloc: {e}") from e
@@ -329,14 +327,46 @@ def job_state(job_id: str) -> tuple[str, str] | None:
 
 def _salloc_error(job_id: str, stderr: str) -> str:
     """salloc's failure, root cause first."""
+    cause, output = _cause("salloc", stderr)
+    job = f" (job {job_id})" if job_id else ""
+    return f"SLURM refused the pool's allocation{job}: {cause or 'salloc exited'}{output}"
+
+
+def srun_error(host: str, job_id: str, status: int | None, stderr: str) -> ProvisionError:
+    """The error for an agent step that ended before the agent ran: srun's cause first
+    (with the node and job), what to do, then srun's last lines."""
+    cause, output = _cause("srun", stderr)
+    cause = cause or f"srun exited with status {status}"
+    low = cause.lower()
+    if any(w in low for w in ("invalid job id", "already completing", "completed", "expired")):
+        todo = (
+            f"the pool's job {job_id} ended before its agents started (cancelled with scancel, "
+            "out of time or preempted): open the pool again"
+        )
+    elif any(w in low for w in ("node configuration", "not available", "more processors")):
+        todo = (
+            f"the step asks for more than job {job_id} holds on {host}: check the job's "
+            f"resources (`scontrol show job {job_id}`) against Slurm(gres=..., sbatch_args=...)"
+        )
+    else:
+        todo = (
+            f"check the job (`scontrol show job {job_id}`) and the node (`scontrol show node "
+            f"{host}`), and slurmd's log on {host}"
+        )
+    return ProvisionError(
+        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}"
+    )
+
+
+def _cause(command: str, stderr: str) -> tuple[str, str]:
+    """(root cause, its output block) of a SLURM command's stderr: the first error line
+    without the command's prefix ("" when there is none), and the last lines of the output
+    under a header ("" when it said nothing)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()] or lines[-1:]
-    cause = errors[0].removeprefix("salloc: error: ") if errors else "salloc exited"
-    job = f" (job {job_id})" if job_id else ""
-    msg = f"SLURM refused the pool's allocation{job}: {cause}"
-    if lines:
-        msg += "\n--- salloc's output ---\n" + "\n".join(lines[-10:])
-    return msg
+    cause = errors[0].removeprefix(f"{command}: error: ") if errors else ""
+    output = f"\n--- {command}'s output ---\n" + "\n".join(lines[-10:]) if lines else ""
+    return cause, output
 
 
 def _read_lines(
@@ -350,18 +380,7 @@ def _read_lines(
     os.set_blocking(fd, False)
     partial = bytearray()
 
-    def readable() -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            if not done.done():
-                done.set_result(None)
-            return
+    def on_data(data: bytes) -> None:
         buf.extend(data)
         del buf[:-8192]
         partial.extend(data)
@@ -370,7 +389,7 @@ def _read_lines(
         for line in lines:
             on_line(line.decode(errors="replace"))
 
-    loop.add_reader(fd, readable)
+    read_chunks(loop, fd, on_data, done, None)
 
 
 def _read_first_line(
@@ -381,18 +400,7 @@ def _read_first_line(
     os.set_blocking(fd, False)
     buf = bytearray()
 
-    def readable() -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            if not done.done():
-                done.set_result(None)
-            return
+    def on_data(data: bytes) -> None:
         buf.extend(data)
         for line in bytes(buf).split(b"\n")[:-1]:
             if line.startswith(marker):
@@ -401,7 +409,7 @@ def _read_first_line(
                     done.set_result(line[len(marker) :].decode(errors="replace").strip())
                 return
 
-    loop.add_reader(fd, readable)
+    read_chunks(loop, fd, on_data, done, None)
 
 
 async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from .._errors import FlotillaError
@@ -148,7 +146,7 @@ def start_daemon(
 ) -> ClusterRecord:
     """Create the record and start the cluster's daemon; returns once it listens. When
     another command is starting the same cluster, use its daemon."""
-    import subprocess
+    from .background import Background
 
     with locked_generation(paths) as generation:
         current = load(paths)
@@ -158,42 +156,16 @@ def start_daemon(
         ):
             return current  # another command won the race
         paths.ensure()
-        read_fd, write_fd = os.pipe()
-        env = dict(os.environ)
-        env.pop("COMPUTE_POOL", None)
-        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding flotilla/
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        daemon = Background(
+            DAEMON_MODULE,
+            [paths.name, "--generation", str(generation)],
+            log=paths.daemon_log,
+            cwd=paths.dir,
         )
-        with open(paths.daemon_log, "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    DAEMON_MODULE,
-                    paths.name,
-                    "--ready-fd",
-                    str(write_fd),
-                    "--generation",
-                    str(generation),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-                cwd=paths.dir,
-                env=env,
-            )
-        os.close(write_fd)
+        proc = daemon.proc
         rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation)
         save(paths, rec)
-    try:
-        ready = os.read(read_fd, 1)
-    finally:
-        os.close(read_fd)
-    if not ready:
-        proc.wait()
+    if not daemon.wait_ready():
         last = tail(paths.daemon_log, 15)
         with contextlib.suppress(FlotillaError), update(paths, generation) as failed:
             failed.state = ClusterState.FAILED.value
@@ -203,7 +175,6 @@ def start_daemon(
             f"it was ready; its log ({paths.daemon_log}) ends with:\n{last}",
             code=EXIT_PROVISION,
         )
-    proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
     return rec
 
 

@@ -45,7 +45,7 @@ from .state import (
     NodeRecord,
     Paths,
     delete,
-    load,
+    load_own,
     locked,
     update,
 )
@@ -58,14 +58,7 @@ class ClusterDaemon:
 
     def __init__(self, paths: Paths, generation: int | None = None) -> None:
         with locked(paths):  # the launching command writes the record under this lock
-            record = load(paths)
-        if record is None:
-            raise FlotillaError(f"cluster {paths.name!r} has no state file")
-        if generation is not None and record.generation != generation:
-            raise FlotillaError(
-                f"cluster {paths.name!r} was launched again meanwhile (generation "
-                f"{record.generation}, this daemon's is {generation})"
-            )
+            record = load_own(paths, generation)
         self.generation = record.generation  # every change of the record checks it
         self.socket_inode = 0  # of the socket this daemon bound, to remove only its own
         self.paths = paths

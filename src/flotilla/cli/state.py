@@ -25,7 +25,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -277,16 +277,43 @@ def all_names(home: Path | None = None) -> list[str]:
 
 
 # -- reading and writing -------------------------------------------------------------------
-def load(paths: Paths) -> ClusterRecord | None:
-    """The cluster's record, or None when it has none. Reads need no lock: writes are
-    atomic renames."""
+def read_json(path: Path, unreadable: Callable[[str], Exception]) -> Any:
+    """The JSON document in ``path`` (a record :func:`write_json` wrote), or None when there
+    is none; ``unreadable(why)`` is raised when it cannot be read or parsed. Reads need no
+    lock: writes are atomic renames."""
     try:
-        with open(paths.state, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise _corrupt(paths, str(e)) from None
+        raise unreadable(str(e)) from None
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, fsync,
+    rename): a reader sees the old record or the new one, never part of one."""
+    text = json.dumps(data, indent=1, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.write(fd, text)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load(paths: Paths) -> ClusterRecord | None:
+    """The cluster's record, or None when it has none. Reads need no lock: writes are
+    atomic renames."""
+    data = read_json(paths.state, lambda why: _corrupt(paths, why))
+    if data is None:
+        return None
     try:
         if not isinstance(data, dict):
             raise TypeError(f"expected an object, got {type(data).__name__}")
@@ -330,19 +357,7 @@ def locked_generation(paths: Paths) -> Iterator[int]:
 def save(paths: Paths, record: ClusterRecord) -> None:
     """Write the record atomically (temporary file, fsync, rename). Call under ``locked``."""
     paths.ensure()
-    data = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{paths.name}.", suffix=".tmp", dir=paths.clusters)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-        os.close(fd)
-        os.replace(tmp, paths.state)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_json(paths.state, asdict(record))
 
 
 @contextlib.contextmanager
@@ -350,16 +365,23 @@ def update(paths: Paths, generation: int | None = None) -> Iterator[ClusterRecor
     """Lock, load, let the caller change the record, save. The record must exist, and be
     of ``generation`` when one is given (else StaleGenerationError)."""
     with locked(paths):
-        record = load(paths)
-        if record is None:
-            raise ConfigurationError(f"cluster {paths.name!r} does not exist")
-        if generation is not None and record.generation != generation:
-            raise StaleGenerationError(
-                f"cluster {paths.name} was launched again (generation {record.generation}, "
-                f"not {generation})"
-            )
+        record = load_own(paths, generation)
         yield record
         save(paths, record)
+
+
+def load_own(paths: Paths, generation: int | None) -> ClusterRecord:
+    """The cluster's record, which must exist (else ConfigurationError) and be of
+    ``generation`` when one is given (else StaleGenerationError). Call under ``locked``."""
+    record = load(paths)
+    if record is None:
+        raise ConfigurationError(f"cluster {paths.name!r} does not exist")
+    if generation is not None and record.generation != generation:
+        raise StaleGenerationError(
+            f"cluster {paths.name} was launched again (generation {record.generation}, "
+            f"not {generation})"
+        )
+    return record
 
 
 def delete(paths: Paths, generation: int | None = None) -> bool:

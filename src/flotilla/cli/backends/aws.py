@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +24,11 @@ from ..._errors import ConfigurationError
 from .base import (
     Backend,
     Flag,
-    PoolResources,
-    ProviderSpec,
+    ResourceSpec,
     ShellCommand,
-    amount,
     infra_detail,
     infra_name,
+    ssh_shell,
 )
 
 if TYPE_CHECKING:
@@ -42,8 +40,9 @@ ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 
 
 @dataclass(frozen=True)
-class AWSSpec(ProviderSpec):
-    """EC2 instances.
+class AWSSpec(ResourceSpec):
+    """EC2 instances; the task's resources (see :class:`ResourceSpec`) choose the
+    instance type when none is given.
 
     Attributes:
         region: AWS region (None: the configured one).
@@ -59,9 +58,6 @@ class AWSSpec(ProviderSpec):
         ttl: seconds after the last contact from the client when an instance powers off.
         poweroff_command: what an instance runs when ``ttl`` expires (None: ``sudo -n
             poweroff``).
-        accelerator: accelerators per node (``A100:8``).
-        vcpus: CPUs per node.
-        memory_gb: memory per node in GiB.
     """
 
     kind = "aws"
@@ -78,9 +74,6 @@ class AWSSpec(ProviderSpec):
     workdir: str = "~/.flotilla"
     ttl: float = 600.0
     poweroff_command: str | None = None
-    accelerator: str | None = None
-    vcpus: float | None = None
-    memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -171,8 +164,8 @@ class AWSBackend(Backend[AWSSpec]):
         allocation = spec.allocation
         if res.use_spot and allocation == "on-demand":
             allocation = "spot"
-        return replace(
-            spec,
+        return spec.with_task_resources(
+            task,
             region=region,
             instance_type=spec.instance_type or res.instance_type,
             allocation=allocation,
@@ -180,13 +173,7 @@ class AWSBackend(Backend[AWSSpec]):
             disk_gb=spec.disk_gb or res.disk_size,
             ports=spec.ports or tuple(str(p) for p in res.ports),
             tags=spec.tags or tuple(sorted((str(k), str(v)) for k, v in res.labels.items())),
-            accelerator=res.accelerators,
-            vcpus=amount(res.cpus, "cpus"),
-            memory_gb=amount(res.memory, "memory"),
         )
-
-    def pool_resources(self, spec: AWSSpec) -> PoolResources:
-        return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb)
 
     def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
         from ..._providers.aws import AWS
@@ -223,10 +210,7 @@ class AWSBackend(Backend[AWSSpec]):
 
         address = nodes[node].ip
         login = [*ssh_login(address), f"{spec.user}@{address}"]
-        remote = f"cd {shlex.quote(nodes[node].workdir)} && " + (
-            command or "exec ${SHELL:-bash} -l"
-        )
-        tty = ("-t",) if not command and sys.stdin.isatty() else ()
+        tty, remote = ssh_shell(nodes[node].workdir, command)
         return ShellCommand(("ssh", *login, *tty, remote))
 
 

@@ -10,11 +10,13 @@ backend imports its provider (``flotilla._providers...``) inside :meth:`make_pro
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 from ..._errors import ConfigurationError
 
@@ -99,6 +101,34 @@ class PoolResources:
     accelerator: str | None = None
     vcpus: float | None = None
     memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class ResourceSpec(ProviderSpec):
+    """A spec whose provider acts on the task's per-node resources (a SLURM job's
+    ``--gres``/``--cpus-per-task``/``--mem``, an instance type): they come from the task
+    (:meth:`with_task_resources`), never from flags, and go to the pool as they are.
+
+    Attributes:
+        accelerator: accelerators per node (``A100:8``, the task's ``accelerators``).
+        vcpus: CPUs per node (the task's ``cpus``).
+        memory_gb: memory per node in GiB (the task's ``memory``).
+    """
+
+    accelerator: str | None = None
+    vcpus: float | None = None
+    memory_gb: float | None = None
+
+    def with_task_resources(self, task: Task, **changes: Any) -> Self:
+        """This spec with the task's resources (and ``changes``)."""
+        res = task.resources
+        return replace(
+            self,
+            accelerator=res.accelerators,
+            vcpus=amount(res.cpus, "cpus"),
+            memory_gb=amount(res.memory, "memory"),
+            **changes,
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +286,10 @@ class Backend(ABC, Generic[S]):
 
     # -- the cluster daemon -------------------------------------------------------------
     def pool_resources(self, spec: S) -> PoolResources:
-        """What the cluster's pool asks of every node (default: nothing in particular)."""
+        """What the cluster's pool asks of every node: a :class:`ResourceSpec`'s resources,
+        else nothing in particular."""
+        if isinstance(spec, ResourceSpec):
+            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb)
         return PoolResources()
 
     @abstractmethod
@@ -314,6 +347,13 @@ def amount(text: str | None, field: str) -> float | None:
             f"resources.{field}: {text!r} is not a positive number (e.g. 4 or 4+)"
         )
     return value
+
+
+def ssh_shell(workdir: str, command: str) -> tuple[tuple[str, ...], str]:
+    """(ssh's ``-t`` when a terminal is wanted, the remote command) of ``flotilla ssh``
+    over ssh: ``command``, or a login shell, in the node's ``workdir``."""
+    remote = f"cd {shlex.quote(workdir)} && " + (command or "exec ${SHELL:-bash} -l")
+    return ("-t",) if not command and sys.stdin.isatty() else (), remote
 
 
 def task_location(task: Task, name: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,10 +25,8 @@ from ..._errors import ConfigurationError
 from .base import (
     Backend,
     Flag,
-    PoolResources,
-    ProviderSpec,
+    ResourceSpec,
     ShellCommand,
-    amount,
     infra_detail,
     infra_name,
 )
@@ -40,17 +38,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SlurmSpec(ProviderSpec):
-    """A SLURM job.
+class SlurmSpec(ResourceSpec):
+    """A SLURM job; the task's resources (see :class:`ResourceSpec`) become ``--gres``,
+    ``--cpus-per-task`` and ``--mem``.
 
     Attributes:
         partition: the partition (None: the cluster's default one).
         time: the job's time limit (``--time``: minutes, HH:MM:SS, D-HH:MM:SS; None: the
             partition's default).
         account: ``--account`` (None: the user's default).
-        accelerator: accelerators per node (``A100:8``, from the task), asked as ``--gres``.
-        vcpus: CPUs per node (the task's ``cpus``), ``--cpus-per-task``.
-        memory_gb: memory per node in GiB (the task's ``memory``), ``--mem``.
     """
 
     kind = "slurm"
@@ -58,9 +54,6 @@ class SlurmSpec(ProviderSpec):
     partition: str | None = None
     time: str | None = None
     account: str | None = None
-    accelerator: str | None = None
-    vcpus: float | None = None
-    memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.time is not None:
@@ -92,16 +85,7 @@ class SlurmBackend(Backend[SlurmSpec]):
         partition = spec.partition
         if infra_name(res.infra) in self.infra:
             partition = partition or infra_detail(res.infra)
-        return replace(
-            spec,
-            partition=partition,
-            accelerator=res.accelerators,
-            vcpus=amount(res.cpus, "cpus"),
-            memory_gb=amount(res.memory, "memory"),
-        )
-
-    def pool_resources(self, spec: SlurmSpec) -> PoolResources:
-        return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb)
+        return spec.with_task_resources(task, partition=partition)
 
     def make_provider(self, spec: SlurmSpec, nodes_dir: Path) -> Provider:
         from ..._providers.slurm import Slurm

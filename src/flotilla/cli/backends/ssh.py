@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
 from ..._node.private import private_dir
-from .base import Backend, Flag, ProviderSpec, ShellCommand
+from .base import Backend, Flag, ProviderSpec, ShellCommand, ssh_shell
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -113,10 +111,7 @@ class SSHBackend(Backend[SSHSpec]):
         self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
         alias = _alias(paths.name, node)
-        remote = f"cd {shlex.quote(nodes[node].workdir)} && " + (
-            command or "exec ${SHELL:-bash} -l"
-        )
-        tty = ("-t",) if not command and sys.stdin.isatty() else ()
+        tty, remote = ssh_shell(nodes[node].workdir, command)
         return ShellCommand(
             ("ssh", "-F", str(paths.ssh_config), *tty, alias, remote),
             note=f"ssh config: {paths.ssh_config} "

@@ -87,8 +87,7 @@ def start(
 ) -> ManagedJobRecord:
     """Record a managed job and start its controller; returns once the controller owns
     the job. The job's variables and secrets go through the controller's stdin only."""
-    import subprocess
-
+    from ..background import Background
     from ..jobspec import task_id
 
     now = time.time()
@@ -105,43 +104,15 @@ def start(
     with home.update(rec.id) as current:
         current.task_id = task_id(f"{rec.name}-{rec.id}", rec.id, now)
         rec = current
-    env = dict(os.environ)
-    env.pop("COMPUTE_POOL", None)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [package_root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    controller = Background(
+        "flotilla.cli.managed.controller",
+        [str(rec.id)],
+        log=home.controller_log(rec.id),
+        cwd=home.dir(rec.id),
+        stdin=json.dumps({"job": job.to_dict()}).encode(),
     )
-    read_fd, write_fd = os.pipe()
-    with open(home.controller_log(rec.id), "ab") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flotilla.cli.managed.controller",
-                str(rec.id),
-                "--ready-fd",
-                str(write_fd),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=log,
-            pass_fds=(write_fd,),
-            start_new_session=True,
-            cwd=home.dir(rec.id),
-            env=env,
-        )
-    os.close(write_fd)
-    assert proc.stdin is not None
-    try:
-        with proc.stdin:
-            proc.stdin.write(json.dumps({"job": job.to_dict()}).encode())
-        ready = os.read(read_fd, 1)
-    except OSError:
-        ready = b""
-    finally:
-        os.close(read_fd)
-    if not ready:
-        proc.wait()
+    proc = controller.proc
+    if not controller.wait_ready():
         with contextlib.suppress(FlotillaError, OSError), home.update(rec.id) as failed:
             failed.state = ManagedJobState.FAILED.value
             failed.error = f"its controller exited with status {proc.returncode} at start"
@@ -153,7 +124,6 @@ def start(
             f"managed job {rec.id}: its controller exited with status {proc.returncode} "
             f"before it started; its log ends with:\n{ends}"
         )
-    proc.returncode = 0  # it lives on in its own session: no ResourceWarning about it
     return home.load(rec.id) or rec
 
 

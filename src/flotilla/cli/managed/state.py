@@ -16,9 +16,7 @@ This module imports nothing heavy: ``jobs queue`` reads the records on every cal
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -27,7 +25,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..._node import locks, procs
-from ..state import ClusterRecord, Paths, flotilla_home
+from ..state import ClusterRecord, Paths, flotilla_home, read_json, write_json
 
 
 class ManagedJobState(Enum):
@@ -198,15 +196,12 @@ class JobsHome:
 
     def load(self, job_id: int) -> ManagedJobRecord | None:
         """A job's record, or None. Reads need no lock: writes are atomic renames."""
-        try:
-            with open(self.record(job_id), encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            path = self.record(job_id)
-            raise ConfigurationError(f"the managed job record {path} is unreadable: {e}") from None
-        return ManagedJobRecord.from_dict(data)
+        path = self.record(job_id)
+        data = read_json(
+            path,
+            lambda why: ConfigurationError(f"the managed job record {path} is unreadable: {why}"),
+        )
+        return None if data is None else ManagedJobRecord.from_dict(data)
 
     def all(self) -> list[ManagedJobRecord]:
         """Every job's record, oldest first."""
@@ -220,19 +215,7 @@ class JobsHome:
 
     def save(self, record: ManagedJobRecord) -> None:
         """Write a record atomically (temporary file, fsync, rename). Call under ``locked``."""
-        data = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
-        fd, tmp = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=self.root)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-            os.close(fd)
-            os.replace(tmp, self.record(record.id))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_json(self.record(record.id), asdict(record))
 
     def create(self, record: ManagedJobRecord) -> ManagedJobRecord:
         """Give ``record`` the next free id, make its folder and save it."""
