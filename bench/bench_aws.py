@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _aws import AwsLab, aws_unavailable
 
 import flotilla as sky
-from flotilla._providers import aws_api
+from flotilla._providers.aws import api as aws_api
 
 
 @sky.function

@@ -17,7 +17,7 @@ import pytest
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
 
 import flotilla as sky
-from flotilla._providers.aws_pool import AWSAllocation
+from flotilla._providers.aws.pool import AWSAllocation
 from flotilla._providers.base import Options, PoolSpec
 
 
@@ -593,7 +593,7 @@ poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
 def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
     """The boot guard's bootcmd line run by ``sh`` as cloud-init would (INSTANCE_ID set),
     with a power-off command that records that it ran."""
-    from flotilla._providers.aws_guard import guard_command
+    from flotilla._providers.aws.guard import guard_command
 
     record = f"echo $FLOTILLA_BOOT_GUARD >> {tmp_path}/fired"
     line = guard_command(ttl, 1, str(tmp_path / "work"), "root", ["sh", "-c", record])
@@ -635,7 +635,7 @@ def test_boot_guard_finds_the_login_users_home() -> None:
     the shell when the guard checks (the user may not exist yet at boot)."""
     import pwd
 
-    from flotilla._providers.aws_guard import _as_root, contact_path, home_path
+    from flotilla._providers.aws.guard import _as_root, contact_path, home_path
 
     me = pwd.getpwuid(os.getuid())
     word = _as_root(home_path("~/.flotilla dir"), me.pw_name)
@@ -681,7 +681,7 @@ def test_on_demand_price_from_a_price_list_document() -> None:
     price; a malformed or priceless document gives no price instead of an error."""
     import json
 
-    from flotilla._providers.aws_price import describe, price_from_products
+    from flotilla._providers.aws.price import describe, price_from_products
 
     product = {
         "product": {"attributes": {"instanceType": "m5.large", "regionCode": "us-east-1"}},

@@ -471,7 +471,7 @@ def test_secrets_never_reach_the_callers_output_errors_or_reprs(tmp_path: Path) 
     assert "stdout has ***" in done.stdout and "stderr has ***" in done.stderr
     assert "connect failed for ***" in both
     assert "custom failure with ***" in both
-    # shown, redacted (the broadcast raises whichever node's failure came first)
+    # shown, redacted (the node whose failure arrived first: either of the two)
     assert re.search(r"remote traceback \(node [01]\) is above", both) and "in leak" in both
     assert "DB_PASSWORD': '***'" in both and "API_KEY': '***'" in both
 

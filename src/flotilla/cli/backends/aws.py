@@ -206,7 +206,7 @@ class AWSBackend(Backend[AWSSpec]):
     def shell(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
-        from ..._providers.aws_keys import ssh_login
+        from ..._providers.aws.keys import ssh_login
 
         address = nodes[node].ip
         login = [*ssh_login(address), f"{spec.user}@{address}"]

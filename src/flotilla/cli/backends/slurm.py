@@ -57,7 +57,7 @@ class SlurmSpec(ResourceSpec):
 
     def __post_init__(self) -> None:
         if self.time is not None:
-            from ..._providers.slurm_job import parse_time
+            from ..._providers.slurm.job import parse_time
 
             parse_time(self.time)  # a ConfigurationError saying the forms it takes
 

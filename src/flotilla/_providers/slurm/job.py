@@ -1,4 +1,4 @@
-"""SLURM commands and jobs, as the SLURM provider (``slurm``) uses them.
+"""SLURM commands and jobs, as the SLURM provider (``provider``) uses them.
 
 Queries (partitions, nodes, job states) run SLURM's own commands with this process's
 environment minus the variables of a job it may run in, so that they address the cluster
@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from .._errors import ConfigurationError, ProvisionError
-from .._node.procs import die_with_parent
-from .pipe import read_chunks
+from ..._errors import ConfigurationError, ProvisionError
+from ..._node.procs import die_with_parent
+from ..pipe import read_chunks
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
 HOLDER = f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'

@@ -1,4 +1,4 @@
-"""The EC2 instances of one pool: launch, replace, release (see ``aws`` for the design)."""
+"""The EC2 instances of one pool: launch, replace, release (see ``provider`` for the design)."""
 
 from __future__ import annotations
 
@@ -16,21 +16,21 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._errors import ConfigurationError, ProvisionError
-from .aws_agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
-from .aws_api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
-from .aws_choice import InstanceChoice, check_ami, choose, default_ami
-from .aws_guard import contact_path, guard_command
-from .aws_keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
-from .aws_orphans import client_id
-from .aws_price import describe as describe_price
-from .aws_price import on_demand_price, spot_price
-from .base import AgentProcess, Allocation, AllocationState, Machine, MachineState, PoolSpec
-from .bootstrap import Bundle, client_bundle
-from .ssh import _Target
+from ..._errors import ConfigurationError, ProvisionError
+from ..base import AgentProcess, Allocation, AllocationState, Machine, MachineState, PoolSpec
+from ..bootstrap import Bundle, client_bundle
+from ..ssh import _Target
+from .agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
+from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
+from .choice import InstanceChoice, check_ami, choose, default_ami
+from .guard import contact_path, guard_command
+from .keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
+from .orphans import client_id
+from .price import describe as describe_price
+from .price import on_demand_price, spot_price
 
 if TYPE_CHECKING:
-    from .aws import AWS
+    from .provider import AWS
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -478,7 +478,7 @@ class AWSAllocation(Allocation):
             self.state = AllocationState.RELEASED
 
     def _release(self) -> None:
-        from .aws_orphans import delete_group, terminate
+        from .orphans import delete_group, terminate
 
         pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.spec.pool_id]}]
         terminate(self.api, pool, set(self.instances), RELEASE_TIMEOUT)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from .aws_api import Api
+from .api import Api
 
 PRICING_REGION = "us-east-1"
 """Where the Price List API answers for every region."""

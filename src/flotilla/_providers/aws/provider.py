@@ -1,8 +1,8 @@
 """The AWS provider: ephemeral EC2 instances, reached over SSH with pinned host keys.
 
 Acquiring a pool (:meth:`AWS.acquire`) makes, in order: the instance choice (see
-``aws_choice``), a security group of its own (SSH from the client's address, all traffic
-between the pool's members, nothing else), the pool's keys (see ``aws_keys``) and ONE
+``choice``), a security group of its own (SSH from the client's address, all traffic
+between the pool's members, nothing else), the pool's keys (see ``keys``) and ONE
 RunInstances call for all the nodes, with ``MinCount = MaxCount = nodes``: EC2 launches all
 of them or none, so a partial launch is never kept. Spot (``allocation``) goes through
 InstanceMarketOptions; a capacity error moves to the next zone that offers the type, then,
@@ -18,7 +18,7 @@ report), checks they are terminated, deletes the security group and the local ke
 When the client dies, the instances end themselves: shutdown behaviour "terminate" plus a
 watchdog started with the agent that powers off ``ttl`` s after the last contact from the
 client (``_node/cloud.py``). Before the agent starts, a boot guard in the user-data does it
-(``aws_guard``): cloud-init starts it at boot, and unless an agent has started (its
+(``guard``): cloud-init starts it at boot, and unless an agent has started (its
 watchdog's contact file exists) ``max(ttl, start_timeout)`` s later, it runs the same
 power-off command; so an instance that no client ever reaches (the client died right after
 RunInstances, SSH is blocked, a bad AMI) ends too. :meth:`AWS.remove_orphans` removes what
@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._errors import ConfigurationError
-from .aws_api import Api
-from .aws_guard import USER_NAME, guard_command
-from .aws_orphans import Orphans, remove_orphans
-from .aws_pool import AWSAllocation
-from .base import PoolSpec, Provider
+from ..._errors import ConfigurationError
+from ..base import PoolSpec, Provider
+from .api import Api
+from .guard import USER_NAME, guard_command
+from .orphans import Orphans, remove_orphans
+from .pool import AWSAllocation
 
 ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 
@@ -65,7 +65,7 @@ class AWS(Provider):
         ttl: seconds after the last contact from the client when an instance powers
             itself off (and so terminates): the bound on what a dead client costs. An
             instance whose agent never starts powers off ``max(ttl, start_timeout)`` s
-            after its boot (the boot guard, see ``aws_guard``).
+            after its boot (the boot guard, see ``guard``).
         tags: extra tags for every resource of the pool.
         profile: AWS profile of ~/.aws/config (default: the default credential chain).
         ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the
@@ -176,7 +176,7 @@ class AWS(Provider):
 
     def validate(self, spec: PoolSpec) -> None:
         self.api.check()
-        from .ssh import _ssh_client
+        from ..ssh import _ssh_client
 
         _ssh_client()
         if self.ttl <= spec.options.heartbeat_timeout:

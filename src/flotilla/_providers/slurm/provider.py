@@ -45,8 +45,8 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from .._errors import ConfigurationError, ProvisionError
-from .base import (
+from ..._errors import ConfigurationError, ProvisionError
+from ..base import (
     AgentProcess,
     Allocation,
     AllocationState,
@@ -56,7 +56,7 @@ from .base import (
     PoolSpec,
     Provider,
 )
-from .bootstrap import (
+from ..bootstrap import (
     NoAnswer,
     announced,
     client_bundle,
@@ -64,9 +64,9 @@ from .bootstrap import (
     start_command,
     wait_announced,
 )
-from .local import _client_path
-from .pipe import PipeAgent, spawn
-from .slurm_job import (
+from ..local import _client_path
+from ..pipe import PipeAgent, spawn
+from .job import (
     HOLDER,
     Job,
     Partition,

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._accelerators import Accelerator
-from .._errors import ConfigurationError
-from .aws_api import Api, error_code
+from ..._accelerators import Accelerator
+from ..._errors import ConfigurationError
+from .api import Api, error_code
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -302,7 +302,7 @@ def default_ami(api: Api, choice: InstanceChoice) -> str:
                 f"no default AMI in {api.region}: the public SSM parameter {name} does not "
                 "exist there; pass AWS(ami='ami-...')"
             ) from e
-        from .aws_api import translate
+        from .api import translate
 
         raise translate(e, "look up the default AMI") from e
 

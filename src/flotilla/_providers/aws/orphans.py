@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._node import procs
-from .aws_api import Api, error_code, translate
-from .aws_keys import FOLDER_PREFIX
+from ..._node import procs
+from .api import Api, error_code, translate
+from .keys import FOLDER_PREFIX
 
 _LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 

@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._errors import ConfigurationError, ProvisionError
+from ..._errors import ConfigurationError, ProvisionError
 
 FOLDER_PREFIX = "flotilla-aws-"
 """Pool folders are ``{tempdir}/flotilla-aws-{pool_id}-XXXX`` (the orphan cleanup finds them)."""
@@ -79,7 +79,7 @@ def keygen(folder: str, name: str, comment: str) -> KeyPair:
 def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()) -> str:
     """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key,
     authorizes ``login_key`` for the default user and runs the ``bootcmd`` shell lines
-    early in every boot (the boot guard, see ``aws_guard``)."""
+    early in every boot (the boot guard, see ``guard``)."""
     private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
     # a JSON string is a YAML double-quoted scalar: any shell line, safely quoted
     commands = "".join(f"  - {json.dumps(line)}\n" for line in bootcmd)

@@ -1,6 +1,6 @@
 """Agents on EC2 instances: the SSH provider's start path, pinned keys, interruption notices.
 
-An instance is an SSH host whose host key the client generated (``aws_keys``): the agent
+An instance is an SSH host whose host key the client generated (``keys``): the agent
 starts as on any SSH host (the client's exact flotilla, shipped by content hash), with the
 pool's login key and known_hosts, once the instance answers on port 22.
 """
@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ProvisionError
-from .._node.cloud import ENV as CLOUD_ENV
-from .._node.cloud import NOTICE
-from .base import AgentProcess, FramesCallback
-from .ssh import SSH, SSHHost, _Target
+from ..._errors import ProvisionError
+from ..._node.cloud import ENV as CLOUD_ENV
+from ..._node.cloud import NOTICE
+from ..base import AgentProcess, FramesCallback
+from ..ssh import SSH, SSHHost, _Target
 
 if TYPE_CHECKING:
-    from .aws import AWS
+    from .provider import AWS
 
 TRANSIENT = (
     "Connection refused",

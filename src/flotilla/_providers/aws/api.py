@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from .._errors import ConfigurationError, ProvisionError
+from ..._errors import ConfigurationError, ProvisionError
 
 CAPACITY_CODES = frozenset(
     {
