@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import queue
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -230,3 +233,30 @@ class Client:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+TEST_FOLDER_PREFIX = "flotilla-test-"
+_TEST_FOLDER = re.compile(r"flotilla-(?:test-[a-z]+|lab)-(\d+)[a-z]?-")
+"""A test's own folder in the temp folder: ``flotilla-test-<kind>-<pid>-...`` (lab
+folders: ``flotilla-lab-<pid><letter>-...``, see _hosts.py), the pid being the test
+session's."""
+
+
+def session_folder(kind: str) -> Path:
+    """A new folder of this test session in the temp folder (for what needs a short path or
+    a place of its own outside tmp_path), named so that :func:`remove_stale_test_folders`
+    removes it if the session is killed before its teardown does."""
+    return Path(tempfile.mkdtemp(prefix=f"{TEST_FOLDER_PREFIX}{kind}-{os.getpid()}-"))
+
+
+def remove_stale_test_folders() -> list[str]:
+    """Remove the temp folders of test sessions that are gone (killed, timed out before
+    their teardown ran); their paths. A session's own and live ones are left alone."""
+    tmp = tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        found = _TEST_FOLDER.match(name)
+        if found and not alive(int(found[1])):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            removed.append(os.path.join(tmp, name))
+    return removed

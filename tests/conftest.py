@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from _procs import remove_stale_test_folders
 
 import flotilla as sky
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove the temp folders that killed test sessions left (their teardown never ran)."""
+    remove_stale_test_folders()
 
 
 @pytest.fixture(scope="module")

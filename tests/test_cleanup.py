@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _procs import Client, assert_all_gone, kill_quietly, processes_in, wait_until
+from _procs import (
+    Client,
+    assert_all_gone,
+    kill_quietly,
+    processes_in,
+    remove_stale_test_folders,
+    session_folder,
+    wait_until,
+)
 
 import flotilla as sky
+from flotilla._client import shm
+from flotilla._node import procs
 
 STOP_WITHIN = 5.0  # leaving the block stops everything within this many seconds
 ORPHANS_EXIT_WITHIN = 10.0  # agents notice a vanished client within this many seconds
@@ -106,7 +119,34 @@ def test_no_shared_memory_files_remain_after_a_large_broadcast() -> None:
     for doubled, seen in results:
         np.testing.assert_array_equal(doubled, array * 2)
         assert seen, "the 20 MB argument did not travel through shared memory"
+        owner = f"flotilla-{pool.pool_id}-{os.getpid()}."
+        assert all(name.startswith(owner) for name in seen), seen  # they say whose they are
     assert shm_files(pool.pool_id) == []
+
+
+def test_the_sweep_removes_only_the_files_of_gone_clients() -> None:
+    """A pool start removes the shared-memory files whose client is gone; a live client's
+    stay, and so do those of clients in another pid namespace (their pids mean nothing)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    start = procs.start_time(os.getpid())
+    here = os.stat("/proc/self/ns/pid").st_ino
+    names = {
+        "gone": f"flotilla-0badc0de-{gone.pid}.{start}.{here}-probe",
+        "live": f"flotilla-0badc0de-{os.getpid()}.{start}.{here}-probe",
+        "reused pid": f"flotilla-0badc0de-{os.getpid()}.{start + 1}.{here}-probe",
+        "elsewhere": f"flotilla-0badc0de-{gone.pid}.{start}.{here + 1}-probe",
+    }
+    for name in names.values():
+        Path("/dev/shm", name).touch()
+    try:
+        removed = shm.sweep()
+        assert names["gone"] in removed and names["reused pid"] in removed
+        left = {k for k, name in names.items() if Path("/dev/shm", name).exists()}
+        assert left == {"live", "elsewhere"}
+    finally:
+        for name in names.values():
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 # -- the client process goes away ------------------------------------------------------
@@ -173,3 +213,84 @@ def test_agents_and_executors_exit_when_the_client_is_killed(tmp_path: Path) -> 
         client.kill()
         kill_quietly(pids)
         kill_quietly(processes_in(nodes_dir))
+
+
+STARTING_CLIENT = """
+    import os, time
+    from pathlib import Path
+    import flotilla as sky
+
+    class Stall(sky.Plugin):
+        '''Holds the pool's start on the nodes: each executor says where it is, then waits.'''
+
+        def around_process(self, info):
+            Path(MARKS, f"{os.getppid()}.{os.getpid()}").touch()
+            time.sleep(60)
+
+    with sky.Compute(sky.Local(workdir=NODES_DIR), nodes=2, plugins=[Stall()]) as pool:
+        print("started", flush=True)
+"""
+
+
+def test_what_a_client_killed_with_its_agents_during_the_start_left_goes_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The client, its agents and executors are killed with SIGKILL together (an OOM or
+    cgroup kill: nobody cleans up) while the nodes start: the next pool start removes the
+    shared-memory probe and the node folders they left."""
+    marks, nodes_dir = tmp_path / "marks", tmp_path / "nodes"
+    marks.mkdir()
+    nodes_dir.mkdir()
+    script = STARTING_CLIENT.replace("MARKS", repr(str(marks)))
+    client = Client(script.replace("NODES_DIR", repr(str(nodes_dir))), tmp_path)
+    pids: list[int] = []
+    try:
+        assert wait_until(lambda: len(list(marks.iterdir())) == 2, timeout=30), client.stderr()
+        pids = [int(pid) for mark in marks.iterdir() for pid in mark.name.split(".")]
+        owner = f"-{client.proc.pid}."
+        left = [n for n in os.listdir("/dev/shm") if n.startswith("flotilla-") and owner in n]
+        assert [n.rsplit("-", 1)[1] for n in left] == ["probe"]  # the start is under way
+        kill_quietly([client.proc.pid, *pids])
+        assert client.wait() == -signal.SIGKILL
+        assert_all_gone(pids, STOP_WITHIN, "the killed client's agents and executors")
+        assert (Path("/dev/shm") / left[0]).exists()  # nobody cleaned up
+        assert len(list(nodes_dir.iterdir())) == 2  # nor the node folders
+        with sky.Compute(sky.Local(workdir=str(nodes_dir)), nodes=1) as pool:
+            assert (where() >> pool)[2]
+        assert not (Path("/dev/shm") / left[0]).exists()
+        assert list(nodes_dir.iterdir()) == []
+    finally:
+        client.kill()
+        kill_quietly(pids)
+        kill_quietly(processes_in(nodes_dir))
+
+
+def test_the_temp_folders_of_a_killed_test_session_go_at_the_next_session_start() -> None:
+    """A test session killed before its teardown leaves its own temp folder; the next
+    session's start (conftest.py) removes it, and leaves a live session's alone."""
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); from _procs import session_folder; "
+            "print(session_folder('killed'), flush=True); sys.stdin.read()",
+            str(Path(__file__).parent),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ours = session_folder("live")
+    try:
+        assert killed.stdout is not None
+        theirs = Path(killed.stdout.readline().strip())
+        assert theirs.is_dir() and f"-{killed.pid}-" in theirs.name
+        killed.kill()
+        killed.wait()
+        removed = remove_stale_test_folders()
+        assert str(theirs) in removed and not theirs.exists()
+        assert ours.is_dir()
+    finally:
+        killed.kill()
+        killed.wait()
+        shutil.rmtree(ours, ignore_errors=True)

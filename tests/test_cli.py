@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from _procs import (
     interruptible,
     kill_quietly,
     processes_in,
+    session_folder,
     wait_until,
 )
 
@@ -321,6 +321,7 @@ def test_skypilot_style_torchrun_task_trains_on_two_nodes(cli: CLI, tmp_path: Pa
             --master_addr=$MASTER_ADDR \\
             --master_port=$MASTER_PORT \\
             --node_rank=${{SKYPILOT_NODE_RANK}} \\
+            --log-dir={tmp_path / "torchrun-logs"} \\
             train.py
         """,
     )
@@ -772,7 +773,7 @@ def ray_processes(token: str, marker: str) -> list[int]:
 def short_dir() -> Iterator[Path]:
     """A new folder with a short path: Ray's sockets (AF_UNIX, 107 bytes at most) go in
     its session folder, too deep below tmp_path."""
-    path = Path(tempfile.mkdtemp(prefix="flotilla-ray-", dir="/tmp"))
+    path = session_folder("ray")
     try:
         yield path
     finally:

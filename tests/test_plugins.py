@@ -914,7 +914,7 @@ def hf_train(steps: int) -> dict[str, Any]:
     before = sum(float(p.detach().sum()) for p in model.parameters())
     data = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 32
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(),
+        output_dir=tempfile.mkdtemp(dir=os.getcwd()),  # the node's folder: goes with the pool
         per_device_train_batch_size=4,
         max_steps=steps,
         learning_rate=1e-2,

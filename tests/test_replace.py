@@ -15,6 +15,7 @@ from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import alive, assert_all_gone, wait_until
 
 import flotilla as sky
+from flotilla._providers.ssh import SSHAllocation
 
 
 @sky.function
@@ -161,3 +162,63 @@ def test_without_a_spare_the_same_ssh_host_is_reconnected(ssh_lab: Lab, tmp_path
         assert after[0]["agent"] != before[0]["agent"] and not alive(int(before[0]["agent"]))
         in_flight_broadcast_survives_a_kill(pool, folder, rank=1)
     assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
+
+
+def test_a_spare_whose_agent_does_not_start_is_set_aside_for_the_next(
+    ssh_lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    down, up = ssh_lab.add_host(), ssh_lab.add_host()
+    hosts = [*ssh_lab.hosts[:3], down, up]
+    try:
+        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
+            ssh_lab.kill_all(down)  # the first spare's sshd is gone: its connection is refused
+            with caplog.at_level(logging.WARNING, logger="flotilla"):
+                kill_agent(pool, 1)
+                after = where() @ pool
+            assert [i["node"] for i in after] == [0, 1, 2]
+            assert [i["addr"] for i in after] == [hosts[0].addr, up.addr, hosts[2].addr]
+            assert after[1]["peers"] == [hosts[0].addr, up.addr, hosts[2].addr]
+            allocation = pool._allocation
+            assert isinstance(allocation, SSHAllocation)
+            assert list(allocation.unusable) == [f"root@{down.addr}:22"]
+            assert "Connection refused" in allocation.unusable[f"root@{down.addr}:22"]
+            messages = [r.getMessage() for r in caplog.records]
+            assert any(
+                m.startswith(f"spare host {down.addr} set aside: {down.addr}: cannot connect")
+                and m.endswith(f"trying the next one, {up.addr}")
+                for m in messages
+            ), messages
+            assert any(m.startswith("node 1 back after ") for m in messages)
+        assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
+    finally:
+        ssh_lab.remove_host(down)
+        ssh_lab.remove_host(up)
+
+
+def test_when_no_host_can_take_the_rank_the_error_names_each_and_why(ssh_lab: Lab) -> None:
+    lost, spare = ssh_lab.add_host(), ssh_lab.add_host()
+    hosts = [ssh_lab.hosts[0], lost, spare]
+    try:
+        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool:
+            ssh_lab.kill_all(spare)
+            node = pool._nodes[1]
+            ssh_lab.kill_all(lost)  # node 1's host: its sshd, session and agent
+            assert wait_until(lambda: node.state.value != "ready")  # the client noticed
+            with pytest.raises(sky.FlotillaError) as info:
+                where() @ pool
+            message = str(info.value)
+            assert "node 1" in message
+            assert "no host could take node 1: every spare failed, then the lost host too" in (
+                message
+            )
+            assert f"{spare.addr}: cannot connect over SSH (port 22): Connection refused" in (
+                message
+            )
+            assert f"{lost.addr}: cannot connect over SSH (port 22): Connection refused" in (
+                message
+            )
+            assert (where() >> pool)["node"] == 0  # the other node carries on
+        assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}
+    finally:
+        ssh_lab.remove_host(lost)
+        ssh_lab.remove_host(spare)

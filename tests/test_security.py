@@ -19,14 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import alive, wait_until
+from _procs import alive, session_folder, wait_until
 from test_cli import CLI, SRC
 from test_cli import cli as cli  # the fixture
 
@@ -122,7 +121,7 @@ def _processes_of(user: str) -> list[int]:
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A stand-in for /tmp that this test owns: world-writable with the sticky bit."""
-    folder = Path(tempfile.mkdtemp(prefix="flotilla-shared-"))
+    folder = session_folder("shared")
     os.chmod(folder, 0o1777)
     try:
         yield folder
@@ -269,7 +268,7 @@ def test_a_client_of_another_user_cannot_talk_to_the_daemon(
 ) -> None:
     """Even with its folders opened up (a misplaced socket), the daemon refuses a
     connection whose peer credentials are another user's: nothing is submitted."""
-    home = Path(tempfile.mkdtemp(prefix="flotilla-sec-"))
+    home = session_folder("sec")
     runner = CLI(home, tmp_path)
     try:
         runner.ok("launch", "-c", "mine", "echo first")

@@ -4,9 +4,7 @@ in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,8 +20,9 @@ from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provi
 from .._providers.limits import out_of_files
 from .._redaction import plugin_secrets, redact, redact_exception
 from .._wire.frames import Kind, frame
-from .._wire.serialize import SHM_DIR, pickle_obj, unlink_shm
+from .._wire.serialize import pickle_obj, unlink_shm
 from . import loop as _loop
+from . import shm
 from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, as_call, function
@@ -123,7 +122,7 @@ class Compute:
         self._state = PoolState.NEW
         self._procs: list[AgentProcess] = []  # every agent the pool started
         self._allocation: Allocation | None = None
-        self._shm_prefix = f"flotilla-{self.pool_id}-"
+        self._shm_prefix = shm.pool_prefix(self.pool_id)
         self._renewals = Renewals(self)
         self._dispatcher = Dispatcher(
             self._group,
@@ -247,7 +246,7 @@ class Compute:
     async def _start(self, spec: PoolSpec, blob: bytes) -> None:
         loop = asyncio.get_running_loop()
         self._blob = blob
-        probe = self._write_probe()
+        await loop.run_in_executor(None, shm.sweep)  # what killed clients left
         self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
         self._allocation.watch(self._renewals.provider_lost)
         self._procs = list(procs)
@@ -262,28 +261,19 @@ class Compute:
         nodes = self._nodes
         hellos = await self._wait_all(nodes, [n.hello for n in nodes], timeout, "start")
         self._head_port = int(hellos[0]["port"])
-        for node in self._nodes:
-            self._configure(node, self._nodes, probe)
-        await self._wait_all(nodes, [n.ready for n in nodes], timeout, "initialise")
+        probe = shm.write_probe(self._shm_prefix)  # only now: it lives as short as it can
+        try:
+            for node in self._nodes:
+                self._configure(node, self._nodes, probe)
+            await self._wait_all(nodes, [n.ready for n in nodes], timeout, "initialise")
+        finally:
+            if probe:
+                unlink_shm(probe["name"])
         self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
-        if probe:
-            unlink_shm(probe["name"])
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
         return Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
-
-    def _write_probe(self) -> dict[str, str]:
-        """A shared-memory file that nodes on this machine can read (then they use shared
-        memory for large buffers); empty when /dev/shm cannot be written."""
-        probe = {"name": f"{self._shm_prefix}probe", "token": secrets.token_hex(16)}
-        try:
-            fd = os.open(os.path.join(SHM_DIR, probe["name"]), os.O_CREAT | os.O_WRONLY, 0o600)
-            os.write(fd, probe["token"].encode())
-            os.close(fd)
-        except OSError:
-            return {}
-        return probe
 
     def _configure(self, node: Node, nodes: list[Node], probe: dict[str, str]) -> None:
         """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
@@ -395,10 +385,7 @@ class Compute:
             node.flush_output()
         self._console.close()  # the lines just flushed ended their bars
         self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
-        with contextlib.suppress(OSError):
-            for name in os.listdir(SHM_DIR):
-                if name.startswith(self._shm_prefix):
-                    unlink_shm(name)
+        shm.remove_pool_files(self._shm_prefix)
 
     # -- operators with something else on the left ---------------------------------------
     def __rrshift__(self, other: object) -> Any:

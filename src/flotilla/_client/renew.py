@@ -2,9 +2,10 @@
 
 When a node's agent is lost (its stream ended: the process was killed, the host went away,
 the SSH connection dropped) the pool asks its allocation for another machine at that rank
-(:meth:`Allocation.replace`: a new process tree, a spare or reconnected host...), starts an
-agent there and configures it with the same rank and the current peers; once it is ready
-it takes the rank's place and the calls that waited for it are sent (see ``dispatch.py``).
+with an agent started on it (:meth:`Allocation.renew`: a new process tree, a spare or
+reconnected host...; the SSH provider tries its spares in turn until one starts), and
+configures it with the same rank and the current peers; once it is ready it takes the
+rank's place and the calls that waited for it are sent (see ``dispatch.py``).
 
 In a pool whose processes form one group (``forms_group`` plugins) a group cannot go on
 with one member new: every node gets a fresh agent (the survivors on the machines they
@@ -24,9 +25,10 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .._providers.base import MachineState, start_agents
+from .._providers.base import MachineState, restart_agents
 from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
+from . import shm
 from .node import Node, NodeState
 
 if TYPE_CHECKING:
@@ -102,9 +104,8 @@ class Renewals:
         console = pool._console  # one row per node being replaced, on a terminal
         console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
         try:
-            await allocation.replace(lost, why)
-            machines = [allocation.machines[r] for r in ranks]
-            procs = await start_agents(allocation, machines, pool.provider.agent_command())
+            command = pool.provider.agent_command()
+            procs = await restart_agents(allocation, lost, ranks, why, command)
             pool._procs += procs
             fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
             self.starting += fresh
@@ -118,7 +119,7 @@ class Renewals:
             current = list(dispatcher.nodes)
             for node in fresh:
                 current[node.rank] = node
-            probe = pool._write_probe()
+            probe = shm.write_probe(pool._shm_prefix)
             try:
                 for node in fresh:
                     pool._configure(node, current, probe)

@@ -206,7 +206,9 @@ class Agent:
                     shm_ok = f.read() == probe["token"]
             except OSError:
                 shm_ok = False
-        config["shm_prefix"] = f"flotilla-{config['pool_id']}-" if shm_ok else ""
+        # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
+        prefix = probe.get("prefix") if probe else None
+        config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
         self.config = config
         self.executors.configure(config, blob)
         image = config.get("image")

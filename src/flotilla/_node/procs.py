@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -51,6 +52,54 @@ def alive(pid: int, start: int = 0) -> bool:
     (its pid was not reused)."""
     began = start_time(pid)
     return began != 0 and (start == 0 or began == start)
+
+
+OWNER = r"(\d+)\.(\d+)\.(\d+)"
+"""What :func:`owner_tag` looks like, as a regular expression (groups: pid, start time,
+pid namespace)."""
+
+
+def owner_tag() -> str:
+    """``<pid>.<start time>.<pid namespace>`` of this process. Files and folders that must
+    not outlive it (shared-memory files, local node folders) carry it in their names, and
+    whoever finds one of a gone owner removes it (:func:`of_gone_owners`). The start time
+    tells the owner from a later process with the same id; the pid namespace says where
+    the id means something."""
+    global _tag
+    pid = os.getpid()
+    if not _tag.startswith(f"{pid}."):  # first call, or a forked child
+        _tag = f"{pid}.{start_time(pid)}.{_pid_namespace()}"
+    return _tag
+
+
+_tag = ""
+
+
+def of_gone_owners(names: list[str], pattern: re.Pattern[str]) -> list[str]:
+    """The ``names`` whose owner is gone: ``pattern`` matches a name's start, its first
+    three groups being an :data:`OWNER` tag. Owners in another pid namespace are never
+    taken for gone (their ids cannot be checked from here)."""
+    ours = _pid_namespace()
+    gone: dict[tuple[int, int], bool] = {}  # a live owner may have many files
+    out = []
+    for name in names:
+        found = pattern.match(name)
+        if found is None or int(found[3]) != ours:
+            continue
+        key = (int(found[1]), int(found[2]))
+        if key not in gone:
+            gone[key] = not alive(*key)
+        if gone[key]:
+            out.append(name)
+    return out
+
+
+def _pid_namespace() -> int:
+    """An identifier of this process's pid namespace (0 where there is none to read)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def wait_gone(pid: int, start: int, timeout: float) -> bool:

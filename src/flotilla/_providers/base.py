@@ -11,7 +11,9 @@ backend implements (as submitit's executors and dask's ``ProcessInterface`` do):
    with the address peers use to reach it.
 3. **replace** (:meth:`Allocation.replace`): the machine at rank k is lost; get another one
    for that rank (a new process tree, a spare or reconnected host, a new SLURM step or
-   instance).
+   instance). The client calls :meth:`Allocation.renew` (replace, then start the agent
+   there), which a provider with several candidates overrides to try the next one when
+   the agent does not start (the SSH provider's spares).
 4. **release** (:meth:`Allocation.release`): give everything back. Idempotent.
 
 Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so every
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -235,6 +237,19 @@ class Allocation(ABC):
             f"{self.machines[rank].host}: {reason}; this provider cannot replace machines"
         )
 
+    async def renew(self, rank: int, reason: str, command: list[str]) -> AgentProcess:
+        """Replace the lost machine at ``rank`` (:meth:`replace`) and start the agent
+        ``command`` on the new one, which is then RUNNING. ProvisionError when no machine
+        can be had or its agent does not start.
+
+        Providers with several candidates for a rank (the SSH provider's spare hosts)
+        override it to set a machine whose agent does not start aside and try the next.
+        """
+        machine = await self.replace(rank, reason)
+        agent = await self.start_agent(machine, command)
+        self.mark(machine, MachineState.RUNNING)
+        return agent
+
     @abstractmethod
     async def release(self) -> None:
         """Release every machine the allocation ever held. Idempotent; never raises."""
@@ -301,7 +316,38 @@ async def start_agents(
 ) -> list[AgentProcess]:
     """Start an agent on each of ``machines`` at once; in their order. On a failure (or
     cancellation) every agent started is terminated and the first failure in order raised."""
-    tasks = [asyncio.create_task(allocation.start_agent(m, command)) for m in machines]
+    agents = await _all_or_none([allocation.start_agent(m, command) for m in machines])
+    for m in machines:
+        allocation.mark(m, MachineState.RUNNING)
+    return agents
+
+
+async def restart_agents(
+    allocation: Allocation, lost: int, ranks: Sequence[int], reason: str, command: list[str]
+) -> list[AgentProcess]:
+    """Agents for ``ranks`` (in their order) after the machine at rank ``lost`` was lost
+    (for ``reason``): a new machine for ``lost`` (:meth:`Allocation.renew`), the others on
+    the machines they have; all at once. On a failure (or cancellation) every agent
+    started is terminated and the first failure in rank order raised."""
+    others = [allocation.machines[r] for r in ranks if r != lost]
+    agents = await _all_or_none(
+        [
+            allocation.renew(r, reason, command)
+            if r == lost
+            else allocation.start_agent(allocation.machines[r], command)
+            for r in ranks
+        ]
+    )
+    for m in others:
+        allocation.mark(m, MachineState.RUNNING)
+    return agents
+
+
+async def _all_or_none(starts: Sequence[Coroutine[Any, Any, AgentProcess]]) -> list[AgentProcess]:
+    """Run the agent ``starts`` at once; their agents in order, or, on a failure (or
+    cancellation), none: every agent started is terminated, the first failure in order
+    raised."""
+    tasks = [asyncio.create_task(start) for start in starts]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
@@ -315,6 +361,4 @@ async def start_agents(
                     await agent.terminate()
     if failed:
         raise failed[0].exception()  # type: ignore[misc]
-    for m in machines:
-        allocation.mark(m, MachineState.RUNNING)
     return [t.result() for t in tasks]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
+import re
 import shutil
 import sys
 import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
+from .._node import procs
 from .base import (
     AgentProcess,
     Allocation,
@@ -85,6 +88,7 @@ class Local(Provider):
                 raise ProvisionError(
                     f"cannot create the nodes' work folder {self.workdir!r}: {e}"
                 ) from e
+        await asyncio.get_running_loop().run_in_executor(None, self.remove_leftovers)
         allocation = LocalAllocation(self, spec)
         try:
             allocation.machines = [allocation.new_machine(r) for r in range(spec.nodes)]
@@ -92,6 +96,23 @@ class Local(Provider):
             await allocation.release()
             raise
         return allocation
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the node folders of gone clients (their agents were killed with them, by
+        an OOM or cgroup kill, before they could remove their own); their paths."""
+        parent = self.workdir or tempfile.gettempdir()
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return []
+        removed = [os.path.join(parent, n) for n in procs.of_gone_owners(names, _NODE_DIR)]
+        for folder in removed:
+            shutil.rmtree(folder, ignore_errors=True)
+        return removed
+
+
+_NODE_DIR = re.compile(rf"flotilla-[0-9a-f]+-{procs.OWNER}-node\d+-")
+"""A node folder's name: its pool, its client (the owner), its rank."""
 
 
 class LocalAllocation(Allocation):
@@ -108,7 +129,8 @@ class LocalAllocation(Allocation):
     def new_machine(self, rank: int) -> Machine:
         try:
             folder = tempfile.mkdtemp(
-                prefix=f"flotilla-{self.spec.pool_id}-node{rank}-", dir=self.provider.workdir
+                prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
+                dir=self.provider.workdir,
             )
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e

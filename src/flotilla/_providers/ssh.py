@@ -373,6 +373,10 @@ def _pattern(host: str, port: int) -> str:
     return host if port == 22 else f"[{host}]:{port}"
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().split("\n", 1)[0] or type(error).__name__
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -382,7 +386,13 @@ class SSHAllocation(Allocation):
     """Hosts of an SSH provider: ``hosts[:nodes]`` serve the ranks, the rest are spares.
 
     A lost host is replaced by the next spare; with none left, by the same host again (a
-    reconnection: the host may have rebooted or its network come back).
+    reconnection: the host may have rebooted or its network come back). A spare on which
+    the agent does not start (down, refusing, its key changed) is set aside for good
+    (``unusable``, with why) and the next one tried.
+
+    Attributes:
+        spares: the spare hosts not used yet, in order.
+        unusable: the spare hosts set aside (``user@host:port``) and why.
     """
 
     def __init__(self, provider: SSH, spec: PoolSpec) -> None:
@@ -392,6 +402,7 @@ class SSHAllocation(Allocation):
         self.provider = provider
         self.targets = {m.ident: t for m, t in zip(machines, targets, strict=False)}
         self.spares = targets[spec.nodes :]
+        self.unusable: dict[str, str] = {}
         self._bundle: Bundle | None = None
 
     async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
@@ -404,8 +415,11 @@ class SSHAllocation(Allocation):
     async def replace(self, rank: int, reason: str) -> Machine:
         """The next spare host, else the same host again (a new connection)."""
         old = self.machines[rank]
-        self.mark(old, MachineState.RELEASED)
-        target = self.spares.pop(0) if self.spares else self.targets[old.ident]
+        return self._put(rank, self.spares.pop(0) if self.spares else self.targets[old.ident])
+
+    def _put(self, rank: int, target: _Target) -> Machine:
+        """A new machine on ``target`` at ``rank``, in place of the current one."""
+        self.mark(self.machines[rank], MachineState.RELEASED)
         machine = _machine(rank, target)
         uses = sum(1 for t in self.targets.values() if t == target)
         if uses:  # a reconnection: a new machine of the allocation's history, same host
@@ -414,6 +428,38 @@ class SSHAllocation(Allocation):
         self.machines[rank] = machine
         self.mark(machine, MachineState.PENDING)
         return machine
+
+    async def renew(self, rank: int, reason: str, command: list[str]) -> AgentProcess:
+        """The agent on the next spare host where it starts; with no spare left, on the
+        same host again. A ProvisionError names every host tried and why it failed."""
+        lost = self.targets[self.machines[rank].ident]
+        failures: list[str] = []
+        while True:
+            spare = bool(self.spares)
+            machine = self._put(rank, self.spares.pop(0) if spare else lost)
+            try:
+                agent = await self.start_agent(machine, command)
+            except ProvisionError as e:
+                self.mark(machine, MachineState.LOST)
+                why = _first_line(e)
+                failures.append(why)
+                if not spare:
+                    if len(failures) == 1:
+                        raise
+                    raise ProvisionError(
+                        f"no host could take node {rank}: every spare failed, then the lost "
+                        f"host too: {'; '.join(failures)}"
+                    ) from e
+                self.unusable[machine.ident] = why
+                left = (
+                    f"trying the next one, {self.spares[0].host}"
+                    if self.spares
+                    else f"no spare left: reconnecting to {lost.host}"
+                )
+                logger.warning("spare host %s set aside: %s; %s", machine.host, why, left)
+                continue
+            self.mark(machine, MachineState.RUNNING)
+            return agent
 
     async def release(self) -> None:
         self.state = AllocationState.RELEASED

@@ -1,0 +1,78 @@
+"""A pool's shared-memory files in ``/dev/shm``, named so that they never outlive their client.
+
+Large arguments and results travel between the client and the nodes on its machine through
+files in ``/dev/shm`` (see ``_wire/serialize.py``); a probe file tells each node whether it
+sees the client's ``/dev/shm``. Each is removed once read, every one of a pool when the
+pool closes, and the agents remove their pool's when they exit. A client killed with
+SIGKILL together with its agents (an OOM or cgroup kill), or one whose nodes are remote
+(they cannot reach its ``/dev/shm``), would leave them behind: so every name says whose it
+is, ``flotilla-<pool id>-<pid>.<start>.<pid namespace>-...`` (the client's process id, its
+start time, which tells it from a later process with the same id, and its pid namespace,
+outside which the id means nothing), and every pool start removes those whose client is
+gone (:func:`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+
+from .._node import procs
+from .._wire.serialize import SHM_DIR, unlink_shm
+
+logger = logging.getLogger("flotilla")
+
+_OWNED = re.compile(rf"flotilla-[0-9a-f]+-{procs.OWNER}-")
+"""A pool file's name: its pool, then its owner."""
+
+
+def pool_prefix(pool_id: str) -> str:
+    """The start of the names of pool ``pool_id``'s files: the pool and its owner (this
+    process). The agents' own cleanup matches ``flotilla-<pool id>-``."""
+    return f"flotilla-{pool_id}-{procs.owner_tag()}-"
+
+
+def write_probe(prefix: str) -> dict[str, str]:
+    """A probe file that nodes on this machine can read (then they use shared memory for
+    large buffers, under ``prefix``): its name, token and the prefix; empty when
+    ``/dev/shm`` cannot be written. Remove it with :func:`unlink_shm` once read."""
+    probe = {"name": f"{prefix}probe", "token": secrets.token_hex(16), "prefix": prefix}
+    try:
+        fd = os.open(os.path.join(SHM_DIR, probe["name"]), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.write(fd, probe["token"].encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        unlink_shm(probe["name"])
+        return {}
+    return probe
+
+
+def remove_pool_files(prefix: str) -> None:
+    """Remove every file of the pool whose names start with ``prefix``."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefix):
+                unlink_shm(name)
+
+
+def sweep() -> list[str]:
+    """Remove the files of pools whose client is gone (killed before it could); their
+    names. Files of clients in other pid namespaces (containers sharing ``/dev/shm``) are
+    left alone: their process ids cannot be checked from here."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in procs.of_gone_owners(names, _OWNED):
+        with contextlib.suppress(OSError):  # not ours to remove, or gone meanwhile
+            unlink_shm(name)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d shared-memory file(s) of gone clients", len(removed))
+    return removed
