@@ -241,3 +241,59 @@ def test_an_apt_package_that_cannot_be_installed_fails_the_apt_step(home: Path) 
     msg = str(info.value)
     assert msg.startswith("node 0") and "step 'apt'" in msg and "exit code 100" in msg
     assert "Unable to locate package flotilla-no-such-package" in msg
+
+
+def test_a_build_stopped_midway_leaves_no_half_built_folder(home: Path, tmp_path: Path) -> None:
+    """Ctrl-C while a node builds its Image: the build stops and removes its half-built
+    folder before the client returns."""
+    import signal
+    import sys
+    import textwrap
+
+    from _procs import wait_until
+
+    started = tmp_path / "building"
+    script = tmp_path / "client.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import flotilla as sky
+            image = sky.Image(setup=["touch {started}; sleep 60"])
+            with sky.Compute(nodes=1, image=image):
+                pass
+            """
+        )
+    )
+    src = str(Path(sky.__file__).resolve().parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": src},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_until(started.exists, 60.0), "the build did not start"
+        half = [p.name for p in (home / "envs").iterdir() if ".tmp-" in p.name]
+        assert len(half) == 1, half
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) != 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert built_envs(home) == []
+
+
+def test_a_killed_builders_folder_is_removed_by_the_next_build(home: Path) -> None:
+    """A builder killed outright (SIGKILL: no time to clean up) leaves its temporary
+    folder; the next build of that environment, holding its lock, removes it."""
+    image = sky.Image(setup=["echo built > marker.txt"])
+    with sky.Compute(nodes=1, image=image):
+        pass
+    (env,) = built_envs(home)
+    shutil.rmtree(env)
+    stale = env.parent / f"{env.name}.tmp-killed"
+    (stale / "site").mkdir(parents=True)
+    with sky.Compute(nodes=1, image=image):
+        pass
+    assert built_envs(home) == [env]
+    assert (env / "marker.txt").read_text() == "built\n"

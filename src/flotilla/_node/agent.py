@@ -46,12 +46,14 @@ from typing import Any
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .eventloop import Outbox, Poller
 from .procs import has_env, kill_all
-from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group
+from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group, signal_group
 
 PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+BUILD_STOP_GRACE = 5.0
+"""Seconds a stopped environment build gets to remove its half-built folder."""
 NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
 """Set by a provider that made a working folder for this node alone: removed at exit."""
 TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
@@ -305,15 +307,21 @@ class Agent:
             return
         self.stopping = True
         self.stop_deadline = time.monotonic() + grace
-        if self.builder is not None:
-            kill_group(self.builder.pid)
+        if self.builder is not None:  # it removes its half-built folder (see _cleanup)
+            signal_group(self.builder.pid, signal.SIGTERM)
         self.executors.stop()
 
     def _cleanup(self) -> None:
         self.executors.kill_all()
-        if self.builder is not None:
-            kill_group(self.builder.pid)
-            self.builder.wait()
+        if self.builder is not None:  # a build stops on SIGTERM, removing its folder
+            signal_group(self.builder.pid, signal.SIGTERM)
+            import subprocess
+
+            try:
+                self.builder.wait(BUILD_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                kill_group(self.builder.pid)
+                self.builder.wait()
         marker = f"{TOKEN_VAR}={self.token}".encode()
         kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
         self._remove_node_dir()

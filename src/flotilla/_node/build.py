@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -198,7 +199,13 @@ def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
         if is_built(home, spec["hash"]):
             print("environment already built", flush=True)
             return
-        tmp = tempfile.mkdtemp(prefix=f"{spec['hash']}.tmp-", dir=os.path.dirname(target))
+        # with the lock held, a temporary folder of this hash is a builder's that was
+        # killed (SIGKILL leaves no time to clean up): remove it
+        prefix = f"{spec['hash']}.tmp-"
+        for stale in os.listdir(os.path.dirname(target)):
+            if stale.startswith(prefix):
+                shutil.rmtree(os.path.join(os.path.dirname(target), stale), ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(target))
         try:
             if spec.get("python"):
                 step("python")
@@ -226,6 +233,8 @@ def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
 
 
 def main() -> None:
+    # the agent stops a build with SIGTERM: unwind (the half-built folder is removed)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     home = sys.argv[1]
     raw = sys.stdin.buffer.read()
     head, _, includes = raw.partition(b"\n")

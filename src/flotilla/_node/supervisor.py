@@ -443,7 +443,12 @@ def _reap(pid: int, wait: bool = False) -> int | None:
 
 def kill_group(pgid: int) -> None:
     """SIGKILL a process group, if it is still there."""
+    signal_group(pgid, signal.SIGKILL)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group, if it is still there."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
