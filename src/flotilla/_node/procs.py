@@ -135,18 +135,19 @@ def has_env(pid: int, prefix: bytes) -> bool:
 def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
     """SIGKILL every process (this one excepted) for which ``match(pid)`` is true, walking
     again for what they forked meanwhile (at most ``rounds`` walks); the number killed."""
-    killed = 0
+    killed: set[int] = set()
     for _ in range(rounds):
         found = 0
         for pid in pids():
             if match(pid) and alive(pid):  # a zombie is dead already
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                    found += 1
-        killed += found
+                    # SIGKILL takes effect a moment later: the next walk may see it again
+                    found += pid not in killed
+                    killed.add(pid)
         if not found:
             break
-    return killed
+    return len(killed)
 
 
 def die_with_parent(sig: int = signal.SIGKILL, exit_status: int | None = 1) -> None:
