@@ -289,8 +289,19 @@ class SlurmCluster:
                 out.append(f"--- {path.name} ---\n{text[-1500:]}")
         return "\n".join(out)
 
+    def kill_clients(self) -> int:
+        """SIGKILL this cluster's client commands still running on this machine (salloc,
+        srun: their environment names its slurm.conf); how many. A salloc outliving its
+        killed client and then its cluster spins on the CPU for ever (seen after
+        test_kill_9_releases_the_job_within_30_s; see the issue notes)."""
+        from flotilla._node import procs
+
+        marker = f"SLURM_CONF={self.conf}".encode()
+        return procs.kill_all(lambda pid: procs.has_env(pid, marker))
+
     def close(self) -> None:
-        """Stop the daemons, every process on the hosts, and remove everything. Idempotent."""
+        """Stop the daemons, every process on the hosts, the cluster's client commands
+        left running, and remove everything. Idempotent."""
         if self.slurmctld is not None and self.slurmctld.poll() is None:
             self.slurm("scontrol", "shutdown", check=False)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -314,6 +325,7 @@ class SlurmCluster:
         self._logs.clear()
         self.nodes = []
         self.slurmctld = self.munged = None
+        self.kill_clients()  # the daemons are gone: what still names the cluster is a client
 
     # -- queries ---------------------------------------------------------------------
     def slurm(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
