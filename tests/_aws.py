@@ -126,6 +126,21 @@ class Faults:
         environ["wsgi.input"] = io.BytesIO(body)
         params = {k: v[0] for k, v in parse_qs(body.decode(errors="replace")).items()}
         action = params.get("Action", "")
+        if environ.get("HTTP_X_AMZ_TARGET", "").startswith("AWSPriceListService."):
+            # moto has no Price List API: answer as AWS does a user without permission
+            # (instead of moto's 500 and its message on stdout)
+            denied = (
+                b'{"__type": "AccessDeniedException", "message": "the emulator has no '
+                b'Price List API"}'
+            )
+            start_response(
+                "400 Bad Request",
+                [
+                    ("Content-Type", "application/x-amz-json-1.1"),
+                    ("Content-Length", str(len(denied))),
+                ],
+            )
+            return [denied]
         if action == "RunInstances":
             market = (
                 "spot"
