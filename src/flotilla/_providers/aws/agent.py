@@ -111,22 +111,31 @@ class AWSAgent(AgentProcess):
 async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: float) -> None:
     """Wait until ``addr:port`` accepts a TCP connection (the instance's sshd is up).
 
-    A new attempt starts every 0.1 s without waiting for the earlier ones: before the
+    A new attempt starts every 50 ms without waiting for the earlier ones: before the
     instance's network is up an attempt hangs (no ARP answer) until its own timeout, and
-    a sequential poll would notice sshd that much later."""
+    a sequential poll would notice sshd that much later. Once the network is up, a refused
+    attempt ends at once: the pace (not the attempts' ends) keeps this from spinning."""
     pending: set[asyncio.Task[bool]] = set()
+    next_try = time.monotonic()
     try:
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise ProvisionError(
                     f"{name}: SSH (port {port}) did not answer within {timeout:g} s of the "
                     "launch (Options(start_timeout=...) sets the limit; is the security "
                     "group's SSH rule for this machine's address, and private_ips= right?)"
                 )
-            pending.add(asyncio.create_task(_connects(addr, port, min(1.0, left))))
+            if now >= next_try:  # at most one new attempt per 50 ms: a refused one ends
+                pending.add(asyncio.create_task(_connects(addr, port, min(1.0, left))))
+                next_try = now + 0.05  # at once, and must not turn this into a busy loop
+            pause = max(0.0, min(next_try, deadline) - time.monotonic())
+            if not pending:
+                await asyncio.sleep(pause)
+                continue
             done, pending = await asyncio.wait(
-                pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED
+                pending, timeout=pause, return_when=asyncio.FIRST_COMPLETED
             )
             if any(t.result() for t in done):
                 return
