@@ -37,6 +37,7 @@ from _procs import (
 )
 
 from flotilla._errors import ConfigurationError
+from flotilla._node import procs
 from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -757,16 +758,11 @@ def ray_processes(token: str, marker: str) -> list[int]:
     """Live processes whose environment has a FLOTILLA_RUN_TOKEN starting with ``token`` or
     whose command line names ``marker``."""
     wanted = f"FLOTILLA_RUN_TOKEN={token}".encode()
-    found = []
-    for pid in all_pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            env = []
-        if (any(v.startswith(wanted) for v in env) or marker in cmdline(pid)) and alive(pid):
-            found.append(pid)
-    return found
+    return [
+        pid
+        for pid in all_pids()
+        if (procs.has_env(pid, wanted) or marker in cmdline(pid)) and alive(pid)
+    ]
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from _procs import (
 from test_cli import ssh_flags
 
 from flotilla._errors import ConfigurationError
+from flotilla._node import procs
 from flotilla.cli.managed.recovery import (
     Cause,
     JobRecovery,
@@ -197,16 +198,7 @@ class Jobs:
 def token_processes(token: str) -> list[int]:
     """Live processes whose FLOTILLA_RUN_TOKEN starts with ``token``."""
     wanted = f"FLOTILLA_RUN_TOKEN={token}.".encode()
-    found = []
-    for pid in all_pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(wanted) for v in env) and alive(pid):
-            found.append(pid)
-    return found
+    return [pid for pid in all_pids() if procs.has_env(pid, wanted) and alive(pid)]
 
 
 def assert_nothing_left(jobs: Jobs) -> None:
