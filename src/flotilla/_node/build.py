@@ -194,7 +194,8 @@ def run_setup(commands: list[str], build: str) -> None:
 
 def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
     target = env_dir(home, spec["hash"])
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    envs = os.path.dirname(target)
+    os.makedirs(envs, exist_ok=True)
     with exclusive(target + ".lock"):  # another pool on this machine may be building it
         if is_built(home, spec["hash"]):
             print("environment already built", flush=True)
@@ -202,10 +203,10 @@ def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
         # with the lock held, a temporary folder of this hash is a builder's that was
         # killed (SIGKILL leaves no time to clean up): remove it
         prefix = f"{spec['hash']}.tmp-"
-        for stale in os.listdir(os.path.dirname(target)):
+        for stale in os.listdir(envs):
             if stale.startswith(prefix):
-                shutil.rmtree(os.path.join(os.path.dirname(target), stale), ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(target))
+                shutil.rmtree(os.path.join(envs, stale), ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=envs)
         try:
             if spec.get("python"):
                 step("python")
