@@ -178,7 +178,7 @@ def _run(
 
 def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
     """(pickled exception or None, type name, message, formatted traceback)."""
-    import cloudpickle
+    from .._wire.serialize import dumps
 
     t = type(e)
     tb = "".join(
@@ -186,7 +186,7 @@ def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
     )
     e.__traceback__ = None
     try:
-        data: bytes | None = cloudpickle.dumps(e, protocol=5)
+        data: bytes | None = dumps(e)
     except Exception:
         data = None
     return data, f"{t.__module__}.{t.__qualname__}", str(e), tb

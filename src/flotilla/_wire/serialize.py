@@ -15,15 +15,20 @@ Decoding is zero-copy: buffers become views of the received frame or of the mapp
 
 from __future__ import annotations
 
+import functools
+import io
 import mmap
 import os
 import pickle
 import secrets
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
+from .code import reduce_code
 from .frames import Buffer
 
 OUT_OF_BAND = 64 * 1024  # buffers this large are not copied into the pickle stream
@@ -50,8 +55,6 @@ class Pickled:
 
 def pickle_obj(obj: Any) -> Pickled:
     """Pickle ``obj`` with cloudpickle, keeping large buffers out of band."""
-    import cloudpickle
-
     buffers: list[memoryview] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
@@ -61,8 +64,30 @@ def pickle_obj(obj: Any) -> Pickled:
         buffers.append(view)
         return False
 
-    main = cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
-    return Pickled(main, tuple(buffers))
+    return Pickled(dumps(obj, keep), tuple(buffers))
+
+
+def dumps(obj: Any, buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None) -> bytes:
+    """cloudpickle's ``dumps`` (protocol 5), code objects sent as ``code`` sends them: with
+    their file name and source lines, so remote tracebacks show the user's code."""
+    with io.BytesIO() as file:
+        _pickler()(file, protocol=5, buffer_callback=buffer_callback).dump(obj)
+        return file.getvalue()
+
+
+@functools.cache
+def _pickler() -> type[pickle.Pickler]:
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is CodeType:
+                reduced = reduce_code(obj)
+                if reduced is not None:
+                    return reduced
+            return super().reducer_override(obj)
+
+    return Pickler
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
@@ -193,11 +218,10 @@ def describe_unpicklable(obj: Any, root: str) -> tuple[str, str, str] | None:
     Returns ``(path, type name, reason)``, e.g. ``("args[1]['x']", "_thread.lock", ...)``,
     or None when ``obj`` pickles fine.
     """
-    import cloudpickle
 
     def fails(o: Any) -> str | None:
         try:
-            cloudpickle.dumps(o, protocol=5, buffer_callback=lambda b: False)
+            dumps(o, lambda b: False)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return None
