@@ -126,6 +126,73 @@ def test_map_spreads_calls_and_keeps_input_order(pool4: sky.Compute) -> None:
     assert set(nodes) == {0, 1, 2, 3}
 
 
+def test_map_takes_several_iterables_like_map(pool4: sky.Compute) -> None:
+    assert pool4.map(add, [1, 2, 3], [10, 20, 30]) == [11, 22, 33]
+    assert pool4.map(lambda a, b: a * b, range(5), [2, 2]) == [0, 2]  # the shortest ends it
+    assert pool4.map(add, []) == []
+    with pytest.raises(TypeError, match="at least one iterable"):
+        pool4.map(add)
+
+
+# -- API traps: retries of exceptions, functions called inside a task -------------------------
+def _flaky(counter: Path, failures: int) -> int:
+    """Raise ConnectionError the first ``failures`` times (attempts counted in a file)."""
+    attempts = len(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text("x" * attempts)
+    if attempts <= failures:
+        raise ConnectionError(f"attempt {attempts} failed")
+    return attempts
+
+
+def test_retry_on_runs_a_call_again_when_it_raises_one_of_those_types(
+    pool2: sky.Compute, tmp_path: Path
+) -> None:
+    retried = sky.function(retries=3, retry_on=(ConnectionError,))(_flaky)
+    assert retried(tmp_path / "a", 2) >> pool2 == 3  # two failures, the third attempt ran
+    with pytest.raises(ConnectionError, match="attempt 4 failed"):
+        retried(tmp_path / "b", 10) >> pool2  # 1 + 3 retries, then the error
+    assert len((tmp_path / "b").read_text()) == 4
+    other = sky.function(retries=3, retry_on=KeyError)(_flaky)
+    with pytest.raises(ConnectionError, match="attempt 1 failed"):
+        other(tmp_path / "d", 1) >> pool2  # not a retry_on type: raised at once
+    plain = sky.function(retries=3)(_flaky)
+    with pytest.raises(ConnectionError, match="attempt 1 failed"):
+        plain(tmp_path / "e", 1) >> pool2  # retries alone: crashes only, not exceptions
+
+
+def test_retry_on_takes_exception_classes_and_needs_retries() -> None:
+    with pytest.raises(sky.ConfigurationError, match="exception classes"):
+        sky.function(retries=1, retry_on=("ConnectionError",))(_flaky)  # type: ignore[arg-type]
+    with pytest.raises(sky.ConfigurationError, match="retry_on needs retries=N"):
+        sky.function(retry_on=(ConnectionError,))
+    f = sky.function(retries=2, retry_on=OSError)(_flaky)
+    assert f.retry_on == (OSError,)
+    assert pickle.loads(pickle.dumps(f(Path("x"), 0))).function.retry_on == (OSError,)
+
+
+@sky.function
+def double(x: int) -> int:
+    return 2 * x
+
+
+def test_a_flotilla_function_called_inside_a_task_runs_there(pool2: sky.Compute) -> None:
+    @sky.function
+    def outer(x: int) -> tuple[int, bool]:
+        value = double(x)  # a helper that is itself a flotilla function
+        return value, isinstance(value, sky.PendingCall)
+
+    assert outer(21) >> pool2 == (42, False)
+    assert outer(1) @ pool2 == [(2, False), (2, False)]
+    assert isinstance(double(1), sky.PendingCall)  # here, on the client: a pending call
+
+    @sky.function
+    def opens_a_pool_of_its_own() -> int:
+        with sky.Compute(nodes=1) as inner:
+            return double(5) >> inner  # bound while the task's own pool is open: sent there
+
+    assert opens_a_pool_of_its_own() >> pool2 == 10
+
+
 def test_rshift_prefers_the_least_busy_node(pool2: sky.Compute, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
 

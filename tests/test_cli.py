@@ -443,14 +443,26 @@ def test_two_node_task_on_a_three_node_cluster(cli: CLI, tmp_path: Path) -> None
     )
     done = cli.ok("launch", task, "-c", "trio", "--nodes", "3", "--env", f"SHARED={shared}")
     assert sorted(p.name for p in shared.iterdir()) == [f"setup-{r}-of-3" for r in range(3)]
-    expected = {r: f"rank={r} nodes=2 ips=2 world=2 hosts=2" for r in range(2)}
-    assert node_lines(done.stdout, "RUN") == expected
+    # --nodes (SkyPilot's --num-nodes) overrides the task's num_nodes
+    on_three = {r: f"rank={r} nodes=3 ips=3 world=3 hosts=3" for r in range(3)}
+    assert node_lines(done.stdout, "RUN") == on_three
 
     for p in shared.iterdir():
         p.unlink()
     again = cli.ok("exec", "trio", task, "--env", f"SHARED={shared}")
-    assert node_lines(again.stdout, "RUN") == expected
+    expected = {r: f"rank={r} nodes=2 ips=2 world=2 hosts=2" for r in range(2)}
+    assert node_lines(again.stdout, "RUN") == expected  # the task's num_nodes: 2 of the 3
     assert list(shared.iterdir()) == []  # exec runs no setup
+
+    # "debug on 1 node first": --num-nodes 1 on the same cluster runs on node 0 alone
+    one = cli.ok("launch", task, "-c", "trio", "--num-nodes", "1", "--env", f"SHARED={shared}")
+    assert node_lines(one.stdout, "RUN") == {0: "rank=0 nodes=1 ips=1 world=1 hosts=1"}
+
+
+def test_num_nodes_flag_overrides_the_task_on_a_new_cluster(cli: CLI) -> None:
+    task = cli.task("pair.yaml", "num_nodes: 2\nrun: echo RUN rank=$SKYPILOT_NODE_RANK\n")
+    done = cli.ok("launch", task, "-c", "solo", "--num-nodes", "1", "--down")
+    assert node_lines(done.stdout, "RUN") == {0: "rank=0"}
 
 
 def test_secrets_never_reach_logs_state_files_or_output(cli: CLI, tmp_path: Path) -> None:

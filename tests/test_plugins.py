@@ -305,8 +305,13 @@ def test_jax_and_keras_refuse_a_multi_node_standalone_pool_before_start() -> Non
 
 
 def test_torch_procs_per_node_sets_the_pools_processes() -> None:
-    assert plugins.torch().procs_per_node == 1
     assert sky.Compute(nodes=2, plugins=[plugins.torch(procs_per_node=3)]).procs_per_node == 3
+    # by default one rank per accelerator of the node (torchrun's --nproc_per_node=gpu)
+    assert sky.Compute(nodes=2, plugins=[plugins.torch()]).procs_per_node == 1
+    per_gpu = sky.Compute(nodes=2, accelerator="A100:4", plugins=[plugins.torch()])
+    assert per_gpu.procs_per_node == 4
+    asked = sky.Compute(nodes=2, accelerator="A100:4", plugins=[plugins.torch(procs_per_node=1)])
+    assert asked.procs_per_node == 1
 
 
 class RecordsCollector(sky.Plugin):

@@ -95,6 +95,20 @@ SINGLE_NODE = InstanceInfo(
 _cache: dict[str, InstanceInfo] = {}
 
 
+_task_process = False
+
+
+def mark_task_process() -> None:
+    """Record that this process runs a pool's tasks (the node's executor calls it)."""
+    global _task_process
+    _task_process = True
+
+
+def in_task() -> bool:
+    """Whether this process runs a pool's tasks (an executor on a node)."""
+    return _task_process
+
+
 def instance_info() -> InstanceInfo:
     """This process's place in the pool, read from ``COMPUTE_POOL``.
 

@@ -25,7 +25,7 @@ from . import loop as _loop
 from . import shm
 from .console import Console
 from .dispatch import Dispatcher
-from .function import Function, PendingCall, as_call, function
+from .function import Function, PendingCall, as_call, count_open_pools, function
 from .node import Node, NodeEvents, NodeState
 from .outcome import results
 from .renew import Renewals
@@ -109,10 +109,16 @@ class Compute:
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
+        per_accelerator = self.accelerator.count if self.accelerator is not None else 1
         self.procs_per_node = max(
-            [int(getattr(p, "procs_per_node", 1)) for p in self.plugins] + [1]
+            [
+                per_accelerator if n is None else int(n)
+                for n in (getattr(p, "procs_per_node", 1) for p in self.plugins)
+            ]
+            + [1]
         )
-        """Processes per node (a plugin such as ``plugins.torch(procs_per_node=2)`` sets it)."""
+        """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
+        None: one per accelerator)."""
         self._group = (
             options.cluster
             and nodes * self.procs_per_node > 1
@@ -241,6 +247,7 @@ class Compute:
                 raise
             raise clean from None
         self._state = PoolState.RUNNING
+        count_open_pools(+1)
         return self
 
     async def _start(self, spec: PoolSpec, blob: bytes) -> None:
@@ -362,6 +369,8 @@ class Compute:
         if self._state in (PoolState.CLOSED, PoolState.NEW):
             self._state = PoolState.CLOSED
             return
+        if self._state is PoolState.RUNNING:
+            count_open_pools(-1)
         self._state = PoolState.CLOSING
         try:
             _loop.run(self._close())
@@ -489,10 +498,13 @@ class Compute:
 
         return iterate()
 
-    def map(self, fn: Callable[..., R] | Function[..., R], iterable: Iterable[Any]) -> list[R]:
-        """``[fn(x) for x in iterable]``, spread over the nodes; results in input order."""
+    def map(self, fn: Callable[..., R] | Function[..., R], *iterables: Iterable[Any]) -> list[R]:
+        """``list(map(fn, *iterables))``, spread over the nodes; results in input order (with
+        several iterables, ``fn`` takes one item of each and the shortest one ends it)."""
+        if not iterables:
+            raise TypeError("pool.map(fn, items, ...) needs at least one iterable")
         f = fn if isinstance(fn, Function) else function(fn)
-        return self.run_many([f(x) for x in iterable])
+        return self.run_many([PendingCall(f, args, {}) for args in zip(*iterables, strict=False)])
 
 
 class _PoolEvents(NodeEvents):

@@ -7,8 +7,9 @@ node answers. The policy, in one place:
 - **Least busy first.** A single call goes to the ready (node, local rank) with the fewest
   calls in flight, the lowest rank among equals (one agent stays warm for a stream of
   single calls); a batch is spread by counting each assignment.
-- **Retries.** A call made with ``retries=`` whose process or node dies under it runs again:
-  a broadcast's call on the same rank, a single call on another node when there is one.
+- **Retries.** A call made with ``retries=`` whose process or node dies under it, or that
+  raised one of its ``retry_on`` exception types, runs again: a broadcast's call on the same
+  rank, a single call on another node when there is one.
 - **Group restarts.** In a pool whose processes form one group (``forms_group`` plugins),
   one rank failing while its siblings still run restarts every process (see ``_plugins``),
   and a broadcast's call is never retried alone (it would wait for the others forever).
@@ -335,7 +336,8 @@ class Dispatcher:
                 sub.held = (value, exc)  # settled once every sibling has ended
                 self._held.add(sub)
             return
-        if isinstance(exc, WorkerDiedError) and self.retry(sub, exc):
+        retried = isinstance(exc, (WorkerDiedError, *sub.call.function.retry_on))
+        if retried and exc is not None and self.retry(sub, exc):
             return
         self.settle(sub, value=value, exc=exc)
 

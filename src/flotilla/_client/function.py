@@ -12,10 +12,13 @@ operator sends to a pool::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+
+from .._errors import ConfigurationError
+from .._info import in_task
 
 if TYPE_CHECKING:
     from .compute import Compute
@@ -45,21 +48,32 @@ class Function(Generic[P, R]):
     Attributes:
         fn: the wrapped Python function.
         timeout: seconds a call may run on a node before it is stopped (None: no limit).
-        retries: how many times a call is re-run when its node or process dies under it.
+        retries: how many times a call is re-run when its node or process dies under it,
+            or when it raises one of ``retry_on``.
+        retry_on: exception types that make a call run again (up to ``retries`` times);
+            empty: exceptions the function raises are never retried.
     """
 
-    __slots__ = ("__dict__", "fn", "retries", "timeout")
+    __slots__ = ("__dict__", "fn", "retries", "retry_on", "timeout")
 
     def __init__(
-        self, fn: Callable[P, R], *, timeout: float | None = None, retries: int = 0
+        self,
+        fn: Callable[P, R],
+        *,
+        timeout: float | None = None,
+        retries: int = 0,
+        retry_on: type[BaseException] | Iterable[type[BaseException]] = (),
     ) -> None:
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+            raise ConfigurationError(
+                f"timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigurationError(f"retries must be a non-negative integer, got {retries!r}")
         self.fn = fn
         self.timeout = timeout
         self.retries = retries
+        self.retry_on = _exception_types(retry_on, retries)
         functools.update_wrapper(self, fn)
 
     @property
@@ -67,7 +81,13 @@ class Function(Generic[P, R]):
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> PendingCall[R]:
-        """Bind arguments; nothing runs until the call is sent to a pool."""
+        """Bind arguments; nothing runs until the call is sent to a pool.
+
+        Inside a task running on a node, calling a flotilla function runs it right there and
+        returns its value (a helper called by the task), unless the task opened a pool of
+        its own: then the call is bound, to be sent to that pool."""
+        if in_task() and not _open_pools:
+            return self.fn(*args, **kwargs)  # type: ignore[return-value]
         return PendingCall(self, args, kwargs)
 
     def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -76,7 +96,7 @@ class Function(Generic[P, R]):
 
     def with_fn(self, fn: Callable[P, R]) -> Function[P, R]:
         """The same options around another callable (used by the output decorators)."""
-        return Function(fn, timeout=self.timeout, retries=self.retries)
+        return Function(fn, timeout=self.timeout, retries=self.retries, retry_on=self.retry_on)
 
     def _misuse(self, op: str) -> TypeError:
         return TypeError(
@@ -110,7 +130,35 @@ class Function(Generic[P, R]):
                     return _resolve, (module, qualname)
             except (ImportError, AttributeError):
                 pass
-        return _rebuild, (self.fn, self.timeout, self.retries)
+        return _rebuild, (self.fn, self.timeout, self.retries, self.retry_on)
+
+
+_open_pools = 0
+"""Pools open in this process (see ``Function.__call__``); ``Compute`` counts them."""
+
+
+def count_open_pools(delta: int) -> None:
+    """A pool of this process opened (+1) or closed (-1)."""
+    global _open_pools
+    _open_pools += delta
+
+
+def _exception_types(
+    given: type[BaseException] | Iterable[type[BaseException]], retries: int
+) -> tuple[type[BaseException], ...]:
+    """``retry_on`` as a tuple of exception classes (checked: an error says what was wrong)."""
+    types = (given,) if isinstance(given, type) else tuple(given)
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise ConfigurationError(
+                f"retry_on takes exception classes, e.g. retry_on=(ConnectionError,), got {t!r}"
+            )
+    if types and retries < 1:
+        raise ConfigurationError(
+            "retry_on needs retries=N (how many times a call may run again), "
+            "e.g. @flotilla.function(retries=3, retry_on=(ConnectionError,))"
+        )
+    return types
 
 
 def _resolve(module: str, qualname: str) -> Any:
@@ -122,34 +170,51 @@ def _resolve(module: str, qualname: str) -> Any:
     return obj
 
 
-def _rebuild(fn: Callable[..., Any], timeout: float | None, retries: int) -> Function[..., Any]:
-    return Function(fn, timeout=timeout, retries=retries)
+def _rebuild(
+    fn: Callable[..., Any],
+    timeout: float | None,
+    retries: int,
+    retry_on: tuple[type[BaseException], ...] = (),
+) -> Function[..., Any]:
+    return Function(fn, timeout=timeout, retries=retries, retry_on=retry_on)
 
 
 @overload
 def function(fn: Callable[P, R], /) -> Function[P, R]: ...
 @overload
 def function(
-    *, timeout: float | None = None, retries: int = 0
+    *,
+    timeout: float | None = None,
+    retries: int = 0,
+    retry_on: type[BaseException] | Iterable[type[BaseException]] = (),
 ) -> Callable[[Callable[P, R]], Function[P, R]]: ...
 
 
 def function(
-    fn: Callable[P, R] | None = None, /, *, timeout: float | None = None, retries: int = 0
+    fn: Callable[P, R] | None = None,
+    /,
+    *,
+    timeout: float | None = None,
+    retries: int = 0,
+    retry_on: type[BaseException] | Iterable[type[BaseException]] = (),
 ) -> Function[P, R] | Callable[[Callable[P, R]], Function[P, R]]:
     """Make ``fn`` runnable on a pool: ``@flotilla.function`` or ``@flotilla.function(timeout=60)``.
 
     ``timeout`` (seconds) stops a call that runs longer on its node; the node's process is
     replaced and stays usable. ``retries`` re-runs a call whose node or process died under it
-    (crash, OOM kill); an exception raised by the function itself is never retried.
+    (crash, OOM kill), and one that raised an exception of a type in ``retry_on``
+    (``retries=3, retry_on=(ConnectionError,)``); other exceptions raised by the function
+    are never retried: they reach the caller at once.
     """
+    options: dict[str, Any] = {"timeout": timeout, "retries": retries, "retry_on": retry_on}
     if fn is None:
-        return lambda f: Function(f, timeout=timeout, retries=retries)
+        Function(lambda: None, **options)  # bad options: an error at the decorator's line
+        return lambda f: Function(f, **options)
     if isinstance(fn, Function):
         return fn
     if not callable(fn):
         raise TypeError(f"@flotilla.function needs a callable, got {type(fn).__name__}")
-    return Function(fn, timeout=timeout, retries=retries)
+    return Function(fn, **options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,10 +44,11 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     shm_prefix: str = config.get("shm_prefix", "")
     stack = ExitStack()
     try:
-        from .._info import instance_info
+        from .._info import instance_info, mark_task_process
         from .._wire import serialize as _serialize
         from ..plugins._base import enter_plugins
 
+        mark_task_process()  # a flotilla function called by a task runs right here
         plugins = pickle.loads(blob) if blob else []
         if config.get("group"):  # every node reaches the head before the collective forms
             from .preflight import preflight

@@ -120,7 +120,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 f"cluster {name} runs on {spec.describe()}; "
                 f"`flotilla down {name}` first to change its provider"
             )
-        if args.nodes is not None and args.nodes != existing.num_nodes:
+        if args.nodes is not None and args.nodes > existing.num_nodes:
             raise CLIError(
                 f"cluster {name} has {existing.num_nodes} node(s), not {args.nodes}: "
                 f"`flotilla down {name}` first, or launch on another cluster name"
@@ -129,7 +129,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         spec = wanted or registry.DEFAULT.spec_type()
         cluster_nodes = args.nodes or task.num_nodes or 1
-    job_nodes = task.job_nodes(cluster_nodes)
+    # --nodes/--num-nodes overrides the task's num_nodes, as SkyPilot's --num-nodes does
+    job_nodes = args.nodes if args.nodes is not None else task.job_nodes(cluster_nodes)
     for warning in registry.backend_for(spec).check_task(task, spec, cluster_nodes):
         say(f"warning: {warning}")
     job = _job_spec(task, job_nodes, not args.no_setup, True, args.down, args.retries)

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-nodes",
         dest="nodes",
         type=count("--nodes"),
-        help="cluster size (default: the task's num_nodes)",
+        help="nodes to run on, overriding the task's num_nodes (SkyPilot's --num-nodes); "
+        "a new cluster gets that many",
     )
     q.add_argument("--no-setup", action="store_true", help="skip the task's setup")
     q.add_argument("--down", action="store_true", help="remove the cluster when the job ends")

@@ -73,7 +73,7 @@ def torch(
     version: str = "latest",
     vision: str | None = None,
     audio: str | None = None,
-    procs_per_node: int = 1,
+    procs_per_node: int | None = None,
 ) -> TorchPlugin:
     """PyTorch: installs torch and initialises ``torch.distributed`` on every node.
 
@@ -86,9 +86,11 @@ def torch(
             constraint (">=2.3", "~=2.4", ">=2.3,<2.5"). Invalid: ValueError, here.
         vision: torchvision version, same forms; None does not install it.
         audio: torchaudio version, same forms; None does not install it.
-        procs_per_node: processes (ranks) per node, e.g. one per GPU. Every node then runs
-            that many executor processes, each a rank (``node * procs_per_node +
-            local_rank``), and a broadcast returns one result per rank, in rank order.
+        procs_per_node: processes (ranks) per node. Every node then runs that many
+            executor processes, each a rank (``node * procs_per_node + local_rank``), and a
+            broadcast returns one result per rank, in rank order. None (the default): one
+            per accelerator of the pool (``accelerator="A100:8"``: 8), as torchrun's
+            ``--nproc_per_node=gpu``; one on a pool without accelerators.
 
     In each process, for two or more ranks in all, it sets ``MASTER_ADDR`` (the head's
     address), ``MASTER_PORT`` (``head_port``), ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,

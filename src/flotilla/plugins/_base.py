@@ -11,7 +11,8 @@ A plugin is a small object with optional hooks, applied in the order given to ``
 
 A plugin that only makes sense in cluster mode sets ``requires_cluster = True``; pools with
 ``Options(cluster=False)`` then refuse it before anything starts. A plugin that sets
-``procs_per_node = P`` makes every node run P executor processes (local ranks 0..P-1, in
+``procs_per_node = P`` (None: one per accelerator of the pool) makes every node run P
+executor processes (local ranks 0..P-1, in
 ``InstanceInfo.local_rank``); a broadcast then runs once per process and returns
 ``nodes * P`` results in global rank order (``node * P + local_rank``). Plugins travel to the
 nodes pickled, so keep their state small and picklable.
@@ -41,7 +42,7 @@ class Plugin:
 
     name: str = "plugin"
     requires_cluster: bool = False
-    procs_per_node: int = 1
+    procs_per_node: int | None = 1
     forms_group: bool = False
 
     def transform(self, image: Any, cluster: Any) -> Any:

@@ -81,7 +81,7 @@ class TorchPlugin(Plugin):
     version: str = "latest"
     vision: str | None = None
     audio: str | None = None
-    procs_per_node: int = 1
+    procs_per_node: int | None = None
 
     name = "torch"
     requires_cluster = True
@@ -97,7 +97,7 @@ class TorchPlugin(Plugin):
             raise ValueError(
                 f"cuda must be a wheel index suffix such as 'cu128', got {self.cuda!r}"
             )
-        if (
+        if self.procs_per_node is not None and (
             isinstance(self.procs_per_node, bool)
             or not isinstance(self.procs_per_node, int)
             or self.procs_per_node < 1
