@@ -8,7 +8,7 @@
 
 Each lab has unique names (from the pid) and its own /24 in 10.x that no interface or
 route of this machine uses; tests talk only to addresses the lab created. Every host has
-its own address, sshd (host key made per lab), hostname and /etc/hosts; the client key,
+its own address, sshd (host key made per lab), hostname, /etc/hosts and ~/.ssh; the client key,
 authorized_keys and a known_hosts pinning every host key are made per lab too.
 
 The pytest fixture ``ssh_lab`` (session scope, 3 hosts) wraps it; test modules import it:
@@ -39,7 +39,7 @@ _SSHD_CONFIG = """\
 ListenAddress {addr}
 HostKey {hostkey}
 PidFile {pidfile}
-AuthorizedKeysFile {authorized_keys}
+AuthorizedKeysFile {authorized_keys} .ssh/authorized_keys
 PermitRootLogin prohibit-password
 PasswordAuthentication no
 KbdInteractiveAuthentication no
@@ -75,16 +75,22 @@ def lab_unavailable() -> str | None:
 
 
 def ensure_sshd() -> None:
-    """Install openssh-server if missing (apt-get update only when the install fails)."""
-    if os.path.exists(SSHD) and shutil.which("ssh-keygen"):
+    """Install openssh-server if missing."""
+    ensure_package("openssh-server", SSHD, shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen")
+
+
+def ensure_package(package: str, *paths: str) -> None:
+    """Install the Debian ``package`` unless every one of ``paths`` exists (apt-get update
+    only when the install fails); LabError when it cannot be installed."""
+    if all(os.path.exists(p) for p in paths):
         return
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "openssh-server"]
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     if subprocess.run(install, capture_output=True, env=env).returncode != 0:
         subprocess.run(["apt-get", "update"], capture_output=True, env=env)
         proc = subprocess.run(install, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise LabError(f"cannot install openssh-server: {proc.stderr.strip()[-500:]}")
+            raise LabError(f"cannot install {package}: {proc.stderr.strip()[-500:]}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -340,6 +346,12 @@ class Lab:
         home_rc = Path.home() / ".bashrc"
         if home_rc.is_file() and self.bashrc.is_file():
             inner += f"mount --bind {self.bashrc} {home_rc} && "
+        # ~/.ssh of its own, as a separate machine has (empty: nothing trusted, no config)
+        dot_ssh = Path.home() / ".ssh"
+        dot_ssh.mkdir(mode=0o700, exist_ok=True)
+        own_ssh = host.folder / "dot-ssh"
+        own_ssh.mkdir(mode=0o700, exist_ok=True)
+        inner += f"mount --bind {own_ssh} {dot_ssh} && "
         inner += command
         host._log = open(host.folder / log, "ab")  # noqa: SIM115 - closed in remove_host
         host.sshd = subprocess.Popen(

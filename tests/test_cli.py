@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from _hosts import Lab, TestHost
+from _hosts import Lab, TestHost, ensure_package
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import (
     alive,
@@ -639,6 +639,43 @@ def test_ssh_cluster_runs_on_its_hosts_and_writes_ssh_config_entries(
     cli.ok("down", "remote")
     assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
     assert not (cli.home / "ssh" / "remote.config").exists()
+
+
+MESH_TASK = """\
+num_nodes: 3
+run: |
+  if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
+    for ip in $SKYPILOT_NODE_IPS; do echo "MESH $ip $(ssh "$ip" hostname)"; done
+    echo "$SKYPILOT_NODE_IPS" | awk '{print $1 " slots=1"}' > hostfile
+    mpirun --allow-run-as-root --hostfile hostfile -np 3 --map-by node \\
+      sh -c 'echo "MPI $OMPI_COMM_WORLD_RANK $(hostname)"'
+  fi
+"""
+
+
+def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    ensure_package("openmpi-bin", "/usr/bin/mpirun")
+    hosts = ssh_lab.hosts[:3]
+    task = cli.task("mesh.yaml", MESH_TASK)
+    done = cli.ok("launch", task, "-c", "mesh", *ssh_flags(ssh_lab, hosts, tmp_path / "wd"))
+    said = [line.split("MESH ", 1)[1] for line in done.stdout.splitlines() if "MESH " in line]
+    assert said == [f"{h.addr} {h.hostname}" for h in hosts]  # no prompt, no TOFU, each host
+    ranks = sorted(line.split("MPI ", 1)[1] for line in done.stdout.splitlines() if "MPI " in line)
+    assert ranks == [f"{r} {h.hostname}" for r, h in enumerate(hosts)]
+    for h in hosts:  # authorized for the cluster's nodes only, tagged with the cluster
+        (line,) = [x for x in (h.folder / "dot-ssh" / "authorized_keys").read_text().splitlines()]
+        assert line.startswith(f'from="{",".join(x.addr for x in hosts)}" ssh-ed25519 ')
+        assert " flotilla-mesh-" in line
+    known = [p for p in (tmp_path / "wd").rglob("known_hosts") if "/.flotilla/mesh-" in str(p)]
+    assert len(known) == 3  # one per node, each pinning every node's host key
+    assert all(h.pubkey.split()[1] in k.read_text() for h in hosts for k in known)
+
+    cli.ok("down", "mesh")
+    for h in hosts:  # the keys and the authorization are gone with the cluster
+        assert (h.folder / "dot-ssh" / "authorized_keys").read_text() == ""
+    assert not [p for p in (tmp_path / "wd").rglob("*") if "/.flotilla/mesh-" in str(p)]
 
 
 def test_failed_run_is_retried_with_the_same_task_id(cli: CLI, tmp_path: Path) -> None:

@@ -22,6 +22,9 @@ resources:
 setup: echo "SETUP $SKYPILOT_NODE_RANK"
 run: |
   echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES $(echo $SKYPILOT_NODE_IPS) $MASTER_ADDR"
+  if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
+    for ip in $SKYPILOT_NODE_IPS; do echo "MESH $ip $(ssh "$ip" hostname -I)"; done
+  fi
 """
 
 
@@ -56,6 +59,11 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
     ips = " ".join(addrs)
     assert node_lines(done.stdout, "SETUP") == {r: str(r) for r in range(3)}
     assert node_lines(done.stdout, "RUN") == {r: f"{r} 3 {ips} {addrs[0]}" for r in range(3)}
+    # node 0 reaches every node over ssh: pinned host keys, the cluster's key
+    said = [
+        line.split("MESH ", 1)[1].split() for line in done.stdout.splitlines() if "MESH " in line
+    ]
+    assert [tuple(words[:2]) for words in said] == [(a, a) for a in addrs]
     for inst in live:
         assert inst["InstanceLifecycle"] == "spot"  # use_spot
     (kind,) = {i["InstanceType"] for i in live}

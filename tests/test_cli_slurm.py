@@ -44,6 +44,10 @@ def test_task_file_with_provider_slurm_runs_setup_then_run_on_3_nodes(
     # exec and logs on the same job
     again = cli.ok("exec", "hpc", "echo AGAIN $SKYPILOT_NODE_RANK $(hostname)")
     assert node_lines(again.stdout, "AGAIN") == {r: f"{r} n{r + 1}" for r in range(3)}
+    # no ssh between SLURM nodes: from node 0, srun reaches every node of the allocation
+    fan = "srun --overlap -N 3 --ntasks-per-node=1 hostname | sort | paste -sd,"
+    spread = cli.ok("exec", "hpc", "--nodes", "1", f'echo "SRUN $({fan})"')
+    assert node_lines(spread.stdout, "SRUN") == {0: "n1,n2,n3"}, spread.stderr
     logs = cli.ok("logs", "hpc", "1")
     assert node_lines(logs.stdout, "RUN") == node_lines(done.stdout, "RUN")
     # flotilla ssh: a step of the job on node K, in the node's working directory

@@ -33,6 +33,7 @@ from .._errors import FlotillaError
 from .._node import procs
 from .._node.private import socket_address
 from .._redaction import redact
+from . import mesh
 from .backends import registry
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
@@ -182,6 +183,9 @@ class ClusterDaemon:
             self.provisioner.join()
         if self.runner is not None:
             self.runner.reap_all()  # what jobs left running: `ray start` daemons and such
+            if self.runner.mesh and self.pool is not None:
+                with contextlib.suppress(Exception):  # best effort: nodes may be gone
+                    mesh.disconnect(self.pool, self.workdirs, self.runner.mesh)
         if self.pool is not None:
             self.pool.close()
         if self.server is not None:
@@ -237,6 +241,7 @@ class ClusterDaemon:
                 self._save_job,
                 self.token,
             )
+            self._connect_nodes()
             with self._update() as rec:
                 rec.state = ClusterState.UP.value
                 rec.nodes = self.nodes
@@ -251,6 +256,27 @@ class ClusterDaemon:
         finally:
             self.up.set()
             self.wake.set()
+
+    def _connect_nodes(self) -> None:
+        """Let nodes that are separate machines reach each other over SSH (see mesh.py);
+        not on SLURM (``srun --overlap`` is the way there) nor on this machine alone."""
+        assert self.pool is not None and self.runner is not None
+        if self.backend.shares_filesystem or any(n.scheduler_job for n in self.nodes):
+            return
+        self.runner.mesh = ""
+        try:
+            why = mesh.connect(self.pool, [n.ip for n in self.nodes], self.workdirs, self.token)
+        except Exception as e:  # the cluster works without it: say why, carry on
+            why = f"{type(e).__name__}: {e}"
+        if why is None:
+            self.runner.mesh = self.token
+        else:
+            print(f"the nodes cannot reach each other over ssh: {why}", file=sys.stderr)
+
+    @property
+    def workdirs(self) -> dict[int, str]:
+        """Each node's working directory for jobs, by rank."""
+        return {n.node: n.workdir for n in self.nodes}
 
     def _node_records(self) -> list[NodeRecord]:
         """What each node says of itself (address, host, working directory, agent pid)."""
@@ -280,6 +306,7 @@ class ClusterDaemon:
             with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
                 rec.nodes = self.nodes
             self.backend.on_up(self.paths, self.spec, self.nodes)
+            self._connect_nodes()  # the new machine's host key and authorization
 
     def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
         job = self.current

@@ -34,7 +34,7 @@ from .._wire.exits import describe_exit
 from .backends.base import check_gpus
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
-from .node_ops import TOKEN_VAR, free_port, reap, run_script, unpack
+from .node_ops import TOKEN_VAR, free_port, reap, run_script, slurm_allocation_env, unpack
 from .state import JobRecord, JobStatus, NodeRecord
 from .sync import build as build_archive
 
@@ -275,6 +275,7 @@ class Runner:
         self.workdirs = {n.node: n.workdir for n in nodes}
         self.token = token
         self.synced: str | None = None  # digest of what every node has unpacked
+        self.mesh = ""  # the tag of the nodes' SSH keys when they reach each other (mesh.py)
 
     def _status(self, job: Job, status: JobStatus) -> None:
         job.status = status
@@ -384,12 +385,15 @@ class Runner:
         if self.shares_filesystem and "HOME" not in spec.envs:  # ~: as for file mounts
             for rank, env in per_node.items():
                 env.update(shared_machine_home(self.workdirs[rank]))
+        scheduler_nodes = [n.scheduler_node for n in self.nodes if n.scheduler_node]
+        if scheduler_nodes and len(scheduler_nodes) == len(self.nodes):
+            common.update(slurm_allocation_env(scheduler_nodes))  # srun sees every node
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."
         hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_per_node)
         job.phase(f"job {job.id}: {phase} on {count} node(s)", {r: r for r in ranks})
-        call = run_script(script, common, per_node, hosts, job.id, self.workdirs)
+        call = run_script(script, common, per_node, hosts, job.id, self.workdirs, self.mesh)
         return self._supervise(job, phase, self.pool.submit_broadcast(call, nodes=ranks), ok=0)
 
     def _supervise(

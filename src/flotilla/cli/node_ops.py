@@ -21,6 +21,7 @@ from typing import Any
 from .._client.function import function
 from .._info import instance_info
 from .._node import locks, procs
+from .mesh import job_env as mesh_env
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -28,6 +29,44 @@ TOKEN_VAR = "FLOTILLA_RUN_TOKEN"
 """Every process a job starts inherits this variable (``<cluster token>.<job>.``), so its
 processes can be found, and stopped, even those that left the process group (setsid,
 daemons such as ``ray start``, torchrun's workers)."""
+
+
+SLURM_STEP_VARS = frozenset(
+    {
+        "SLURM_STEPID",
+        "SLURM_NTASKS",
+        "SLURM_NPROCS",
+        "SLURM_TASKS_PER_NODE",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "SLURM_GTIDS",
+        "SLURM_SRUN_COMM_HOST",
+        "SLURM_SRUN_COMM_PORT",
+        "SLURM_DISTRIBUTION",
+        "SLURM_TASK_PID",
+        "SLURM_LAUNCH_NODE_IPADDR",
+        "SLURM_CPU_BIND",
+        "SLURM_CPU_BIND_LIST",
+        "SLURM_CPU_BIND_TYPE",
+        "SLURM_CPU_BIND_VERBOSE",
+    }
+)
+"""What ``srun`` sets for the agent's own step (one task on one node): a job's scripts do not
+see them, so that ``srun`` and ``mpirun`` in them use the whole allocation."""
+
+
+def slurm_allocation_env(nodes: list[str]) -> dict[str, str]:
+    """The allocation's variables for a job's scripts on SLURM (``nodes``: its node names),
+    as a batch script has them."""
+    names = ",".join(nodes)
+    count = str(len(nodes))
+    return {
+        "SLURM_JOB_NODELIST": names,
+        "SLURM_NODELIST": names,
+        "SLURM_JOB_NUM_NODES": count,
+        "SLURM_NNODES": count,
+    }
 
 
 @function
@@ -70,15 +109,21 @@ def run_script(
     hostfile: str | None = None,
     job: int = 0,
     workdirs: dict[int, str] | None = None,
+    mesh: str = "",
 ) -> int:
     """Run ``bash -c script`` here with ``env`` and this node's ``per_node`` entry, in its
     ``workdirs`` entry (default: the current directory); its exit status (negative: killed
     by that signal). ``hostfile`` is written to a file whose path goes into
-    FLOTILLA_HOSTFILE."""
+    FLOTILLA_HOSTFILE; ``mesh``: the tag of the cluster's node-to-node SSH keys (``mesh``)."""
     node = instance_info().node
     cwd = (workdirs or {}).get(node) or os.getcwd()
     full = dict(os.environ)
     full.pop("COMPUTE_POOL", None)
+    if "SLURM_JOB_NODELIST" in env:  # the allocation's view, as in a batch script
+        for name in [k for k in full if k in SLURM_STEP_VARS or k.startswith("SLURM_STEP_")]:
+            del full[name]
+    if mesh:
+        full.update(mesh_env(mesh, cwd))
     full.update(env)
     full.update(per_node.get(node, {}))
     if hostfile is not None:
