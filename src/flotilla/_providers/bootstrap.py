@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import os
 import shlex
@@ -49,6 +50,7 @@ from enum import Enum
 from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
 from .._errors import ProvisionError
+from .._node import untar
 from .pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")
@@ -213,8 +215,8 @@ exit "$S"
     return "exec sh -c " + shlex.quote(script)
 
 
-_EXTRACT = """\
-import hashlib, io, os, shutil, sys, tarfile, tempfile
+_EXTRACT_SCRIPT = """\
+import hashlib, io, shutil, sys, tempfile
 lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = []
 while size:
@@ -232,10 +234,7 @@ if not os.path.isdir(target):
     tmp = tempfile.mkdtemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(tmp, filter="data")
-            else:
-                tar.extractall(tmp)
+            extract(tar, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -244,6 +243,9 @@ if not os.path.isdir(target):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 """
+_EXTRACT = inspect.getsource(untar) + "\n" + _EXTRACT_SCRIPT
+"""The node's bundle installer: the node side's one safe extraction (its module's source:
+flotilla is not on the node yet), then the script that reads, checks and unpacks."""
 
 
 # -- the dance -------------------------------------------------------------------------------
