@@ -176,6 +176,8 @@ class TestHost:
     hostname: str
     folder: Path
     pubkey: str = ""
+    path: str = ""  # PATH on the host (default: the lab's ~/.bashrc)
+    hidden: tuple[str, ...] = ()  # files and folders of this machine the host cannot see
     sshd: subprocess.Popen[bytes] | None = None
     _log: Any = field(default=None, repr=False)
 
@@ -258,11 +260,14 @@ class Lab:
     def add_hosts(self, count: int) -> list[TestHost]:
         return [self.add_host() for _ in range(count)]
 
-    def add_host(self) -> TestHost:
-        """A new host with its own address, hostname and running sshd."""
+    def add_host(self, path: str = "", hidden: tuple[str, ...] = ()) -> TestHost:
+        """A new host with its own address, hostname and running sshd; ``path``: its PATH
+        (default: the lab's), ``hidden``: files or folders of this machine it lacks (each
+        is an empty file or folder there; e.g. an interpreter)."""
         self._next += 1
         i = self._next
         host = self.new_host(i, f"{self.subnet}.{i + 1}", f"flhost{i}")
+        host.path, host.hidden = path, hidden
         host.pubkey = keygen(host.folder / "hostkey", host.hostname)
         with open(self.known_hosts, "a") as f:
             f.write(f"{host.addr} {' '.join(host.pubkey.split()[:2])}\n")
@@ -338,8 +343,15 @@ class Lab:
         hosts_file.write_text(hosts_text or f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
         inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
         home_rc = Path.home() / ".bashrc"
-        if home_rc.is_file() and self.bashrc.is_file():
-            inner += f"mount --bind {self.bashrc} {home_rc} && "
+        rc = self.bashrc
+        if host.path:
+            rc = host.folder / "bashrc"
+            rc.write_text(f"export PATH={host.path}\n")
+        if home_rc.is_file() and rc.is_file():
+            inner += f"mount --bind {rc} {home_rc} && "
+        for hidden in host.hidden:
+            empty = "-t tmpfs tmpfs" if os.path.isdir(hidden) else "--bind /dev/null"
+            inner += f"mount {empty} {hidden} && "
         inner += command
         host._log = open(host.folder / log, "ab")  # noqa: SIM115 - closed in remove_host
         host.sshd = subprocess.Popen(

@@ -1,14 +1,15 @@
 """The one safe archive extraction of the node side: includes, workdir sync, the bundle.
 
 ``tarfile``'s ``filter="data"`` exists from Python 3.11.4 (and 3.12) on; Debian 12's Python
-is 3.11.2. Where the filter exists it does the work; elsewhere :func:`extract` applies the
-same rules itself, refusing the whole archive (nothing is written) when a member
+is 3.11.2. On every version :func:`extract` first checks every member itself, refusing the
+whole archive (nothing is written) when a member
 
 * has an absolute name or a ``..`` component,
 * is a symbolic or hard link whose target lies outside the destination,
 * is a device, a FIFO or any other special file;
 
-and, as the filter does, extracted files get neither their recorded owner nor set-user-ID,
+then extracts with the filter where it exists; elsewhere, as the filter does, extracted
+files get neither their recorded owner nor set-user-ID,
 set-group-ID or sticky bits, and their permissions are taken from the archive without
 letting others write.
 
@@ -35,16 +36,11 @@ def extract(
     Python >= 3.11 (see the module docstring). Raises UnsafeArchive before writing
     anything when a member breaks a rule."""
     chosen = list(tar.getmembers() if members is None else members)
+    checked = [_checked(m, dest) for m in chosen]  # all first: a bad archive writes nothing
     if hasattr(tarfile, "data_filter"):
-        try:
-            for m in chosen:  # check them all first: nothing is written from a bad archive
-                tarfile.data_filter(m, dest)
-        except tarfile.FilterError as e:
-            raise UnsafeArchive(str(e)) from e
-        tar.extractall(dest, chosen, filter="data")
-        return
-    checked = [_checked(m, dest) for m in chosen]
-    tar.extractall(dest, checked)
+        tar.extractall(dest, chosen, filter="data")  # the same rules, tarfile's own way
+    else:
+        tar.extractall(dest, checked)
 
 
 def _checked(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
