@@ -21,6 +21,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -176,7 +177,7 @@ class TestHost:
     hostname: str
     folder: Path
     pubkey: str = ""
-    path: str = ""  # PATH on the host (default: the lab's ~/.bashrc)
+    env: dict[str, str] = field(default_factory=dict)  # set by its ~/.bashrc (else the lab's)
     hidden: tuple[str, ...] = ()  # files and folders of this machine the host cannot see
     sshd: subprocess.Popen[bytes] | None = None
     _log: Any = field(default=None, repr=False)
@@ -260,14 +261,14 @@ class Lab:
     def add_hosts(self, count: int) -> list[TestHost]:
         return [self.add_host() for _ in range(count)]
 
-    def add_host(self, path: str = "", hidden: tuple[str, ...] = ()) -> TestHost:
-        """A new host with its own address, hostname and running sshd; ``path``: its PATH
-        (default: the lab's), ``hidden``: files or folders of this machine it lacks (each
-        is an empty file or folder there; e.g. an interpreter)."""
+    def add_host(self, env: dict[str, str] | None = None, hidden: tuple[str, ...] = ()) -> TestHost:
+        """A new host with its own address, hostname and running sshd; ``env``: what its
+        ~/.bashrc exports (default: the lab's ~/.bashrc), ``hidden``: files or folders of
+        this machine it lacks (each is an empty file or folder there; e.g. an interpreter)."""
         self._next += 1
         i = self._next
         host = self.new_host(i, f"{self.subnet}.{i + 1}", f"flhost{i}")
-        host.path, host.hidden = path, hidden
+        host.env, host.hidden = dict(env or {}), hidden
         host.pubkey = keygen(host.folder / "hostkey", host.hostname)
         with open(self.known_hosts, "a") as f:
             f.write(f"{host.addr} {' '.join(host.pubkey.split()[:2])}\n")
@@ -344,9 +345,9 @@ class Lab:
         inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
         home_rc = Path.home() / ".bashrc"
         rc = self.bashrc
-        if host.path:
+        if host.env:
             rc = host.folder / "bashrc"
-            rc.write_text(f"export PATH={host.path}\n")
+            rc.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in host.env.items()))
         if home_rc.is_file() and rc.is_file():
             inner += f"mount --bind {rc} {home_rc} && "
         for hidden in host.hidden:

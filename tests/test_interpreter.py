@@ -11,8 +11,11 @@ its own PATH and, where a test needs it, without this machine's Python 3.11s.
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -74,13 +77,13 @@ def other_minor(*minors: str) -> str:
 
 
 def client_pythons() -> list[str]:
-    """Every interpreter of the client's minor version on this machine (hidden on a node
-    that must not find one)."""
+    """Every ``python3.X`` of the client's minor version on this machine (hidden on a node
+    that must not find one; their libraries stay)."""
     root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    out = [os.path.realpath(p) for p in glob.glob(f"/usr/bin/python{CLIENT}")]
-    out += glob.glob(os.path.join(root, "versions", f"{CLIENT}.*"))
-    out += glob.glob(f"/usr/local/bin/python{CLIENT}")
-    return sorted(set(out))
+    name = f"python{CLIENT}"
+    out = glob.glob(f"/usr/bin/{name}") + glob.glob(f"/usr/local/bin/{name}")
+    out += glob.glob(os.path.join(root, "versions", f"{CLIENT}.*", "bin", name))
+    return sorted({os.path.realpath(p) for p in out} | set(out))
 
 
 @sky.function
@@ -232,12 +235,15 @@ def host_with(ssh_lab: Lab, tmp_path: Path) -> Iterator[object]:
     the client's minor version are gone); removed after the test."""
     made = []
 
-    def make(python: str, hide: bool = False):  # type: ignore[no-untyped-def]
+    def make(python: str, hide: bool = False, **env: str):  # type: ignore[no-untyped-def]
         bin_dir = tmp_path / f"bin{len(made)}"
         bin_dir.mkdir()
         (bin_dir / "python3").symlink_to(python)
+        if "uv" in env:
+            (bin_dir / "uv").symlink_to(env.pop("uv"))
         hidden = tuple(client_pythons()) if hide else ()
-        host = ssh_lab.add_host(path=f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", hidden=hidden)
+        env["PATH"] = f"{bin_dir}:/usr/local/bin:/usr/bin:/bin"
+        host = ssh_lab.add_host(env=env, hidden=hidden)
         made.append(host)
         return host
 
@@ -293,6 +299,86 @@ def test_ssh_another_minor_without_a_match_is_refused_before_any_task(
     assert f"client runs Python {CLIENT}." in msg and "none was found on the node" in msg
     assert "SSH(python=" in msg and f"Image(python='{CLIENT}')" in msg
     assert not marker.exists()
+
+
+def _mirror(root: Path) -> tuple[str, str]:
+    """A python-build-standalone mirror in ``root`` holding one "install_only" archive made
+    from the client's own interpreter (its binary, libpython and standard library), and
+    uv's download list naming it (as a release of version CLIENT.99, so that it is the
+    newest): (mirror URL, list path)."""
+    base = Path(sys.base_prefix)
+    name = f"python{CLIENT}"
+    if not (base / "bin" / name).exists() or not (base / "lib" / name / "os.py").exists():
+        pytest.skip(f"the client's interpreter under {base} is not laid out as bin/ + lib/")
+    stage = root / "stage" / "python"
+    (stage / "bin").mkdir(parents=True)
+    (stage / "lib").mkdir()
+    shutil.copy2(base / "bin" / name, stage / "bin" / name)
+    (stage / "bin" / "python3").symlink_to(name)
+    for lib in glob.glob(str(base / "lib" / "libpython*.so*")):
+        shutil.copy2(lib, stage / "lib" / os.path.basename(lib), follow_symlinks=False)
+    skip = shutil.ignore_patterns("site-packages", "test", "__pycache__", "idlelib", "tkinter")
+    shutil.copytree(base / "lib" / name, stage / "lib" / name, symlinks=True, ignore=skip)
+    (stage / "lib" / name / "site-packages").mkdir()
+    tag = "20250101"
+    archive = f"cpython-{CLIENT}.99+{tag}-x86_64-unknown-linux-gnu-install_only.tar.gz"
+    (root / tag).mkdir()
+    with tarfile.open(root / tag / archive, "w:gz", compresslevel=1) as tar:
+        tar.add(stage, "python")
+    digest = hashlib.sha256((root / tag / archive).read_bytes()).hexdigest()
+    major, minor = CLIENT.split(".")
+    listing = {
+        f"cpython-{CLIENT}.99-linux-x86_64-gnu": {
+            "name": "cpython",
+            "arch": {"family": "x86_64", "variant": None},
+            "os": "linux",
+            "libc": "gnu",
+            "major": int(major),
+            "minor": int(minor),
+            "patch": 99,
+            "prerelease": "",
+            "url": "https://github.com/astral-sh/python-build-standalone/releases/download/"
+            f"{tag}/{archive}",
+            "sha256": digest,
+            "variant": None,
+        }
+    }
+    (root / "downloads.json").write_text(json.dumps(listing))
+    return f"file://{root}", str(root / "downloads.json")
+
+
+def test_ssh_image_python_installs_one_with_uv_from_the_mirror(
+    host_with: object, ssh_lab: Lab, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """No Python of the client's minor version on the node, Image(python=...) given: uv
+    installs one from UV_PYTHON_INSTALL_MIRROR (the Image's env). The mirror is local (no
+    network here); uv's own list of downloads names GitHub's releases, with their hashes,
+    so the node's UV_PYTHON_DOWNLOADS_JSON_URL names the mirror's own list."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the mirror's archive is named for x86_64 Linux")
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    if uv is None:
+        pytest.skip("needs uv (the dev extra installs it)")
+    mirror, listing = _mirror(tmp_path / "mirror")
+    installs = tmp_path / "uv-pythons"
+    host = host_with(  # type: ignore[operator]
+        other_minor("3.13", "3.12"),
+        hide=True,
+        uv=os.path.realpath(uv),
+        UV_PYTHON_INSTALL_DIR=str(installs),
+        UV_PYTHON_DOWNLOADS_JSON_URL=listing,
+    )
+    image = sky.Image(python=CLIENT, env={"UV_PYTHON_INSTALL_MIRROR": mirror})
+
+    @sky.function
+    def where() -> str:
+        return sys.executable
+
+    with sky.Compute(provider=ssh_lab.provider([host]), nodes=1, image=image) as pool:
+        ran, executable = version() >> pool, where() >> pool
+    assert ran.rpartition(".")[0] == CLIENT
+    assert executable.startswith(str(installs) + os.sep)
+    assert "installed on the node" in capfd.readouterr().err
 
 
 def test_ssh_named_python_of_another_minor_is_only_checked(ssh_lab: Lab) -> None:

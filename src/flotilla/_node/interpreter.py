@@ -110,7 +110,7 @@ def install(minor: str, uv: list[str], mirror: str | None) -> Found:
     if mirror:
         env["UV_PYTHON_INSTALL_MIRROR"] = mirror
     steps = [
-        [*uv, "python", "install", minor],
+        [*uv, "python", "install", "--no-bin", minor],  # nothing put on the user's PATH
         [*uv, "python", "find", "--python-preference", "only-managed", minor],
     ]
     out = ""
