@@ -15,7 +15,8 @@ working directory another user owns or can write (made 0700 when missing), check
 interpreter (>= 3.11; once per bundle and interpreter), tests for the bundle and, when it is
 there, starts the agent at once: a cache hit costs a single Python start, the agent.
 Otherwise it answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: the
-node's Python checks its hash, extracts it into a temporary directory and renames that into
+node's Python checks its hash, extracts it (:mod:`flotilla._node.untar`, the node side's one
+safe extraction, also on Python 3.11.0-3.11.3) into a temporary directory and renames that into
 place (atomic: concurrent pools never see a half-extracted bundle), then the agent starts.
 
 The agent runs as a child of the command's shell, which reports on stderr the signal that
