@@ -20,20 +20,23 @@ import shutil
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _hosts import Lab, TestHost, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from test_cli import CLI, node_lines, ssh_flags
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
 from flotilla._node import untar
+from flotilla.cli.state import Paths
 
 CLIENT = "%d.%d" % sys.version_info[:2]  # noqa: UP031
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 DEBIAN = "/usr/bin/python3"
+MakeHost = Callable[..., TestHost]
+"""``host_with(python, hide=False, **env)``: a test host whose ``python3`` is ``python``."""
 
 
 # -- the interpreters of this machine --------------------------------------------------------
@@ -69,6 +72,13 @@ def pyenv_python(minor: str) -> str:
     if not found:
         pytest.skip(f"needs a Python {minor} (pyenv's, under {root}/versions): none here")
     return found[-1]
+
+
+def node_minor(minor: str) -> str:
+    """pyenv's Python ``minor``, for a node on another minor version than the client's."""
+    if minor == CLIENT:
+        pytest.skip(f"{minor} is the client's own minor version")
+    return pyenv_python(minor)
 
 
 def other_minor(*minors: str) -> str:
@@ -107,7 +117,9 @@ def _tar(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", mode: int = 0o644):  # type: ignore[no-untyped-def]
+def _member(
+    name: str, kind: bytes = tarfile.REGTYPE, link: str = "", mode: int = 0o644
+) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type, info.linkname, info.mode = kind, link, mode
     return info
@@ -131,6 +143,7 @@ GOOD = _tar(
 _PROBE = """
 import io, os, sys, tarfile
 from flotilla._node import untar
+from flotilla.cli.state import Paths
 dest = sys.argv[1]
 with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:gz") as tar:
     try:
@@ -212,9 +225,7 @@ def test_local_with_debian_python_runs_without_the_client_s_paths() -> None:
 
 @pytest.mark.parametrize("minor", ["3.12", "3.13"])
 def test_local_with_another_minor_is_refused_before_any_task(minor: str, tmp_path: Path) -> None:
-    if minor == CLIENT:
-        pytest.skip("the client's own minor version")
-    python = pyenv_python(minor)
+    python = node_minor(minor)
     marker = tmp_path / "ran"
     with (
         pytest.raises(ProvisionError) as info,
@@ -230,12 +241,12 @@ def test_local_with_another_minor_is_refused_before_any_task(minor: str, tmp_pat
 
 # -- SSH hosts ---------------------------------------------------------------------------------
 @pytest.fixture
-def host_with(ssh_lab: Lab, tmp_path: Path) -> Iterator[object]:
+def host_with(ssh_lab: Lab, tmp_path: Path) -> Iterator[MakeHost]:
     """Makes a test host whose ``python3`` is ``python`` (``hide``: its Python 3.Xs of
     the client's minor version are gone); removed after the test."""
     made = []
 
-    def make(python: str, hide: bool = False, **env: str):  # type: ignore[no-untyped-def]
+    def make(python: str, hide: bool = False, **env: str) -> TestHost:
         bin_dir = tmp_path / f"bin{len(made)}"
         bin_dir.mkdir()
         (bin_dir / "python3").symlink_to(python)
@@ -271,11 +282,12 @@ def test_ssh_debian_python_with_includes(ssh_lab: Lab, tmp_path: Path) -> None:
         assert answer() >> pool == (42, version_of(python))
 
 
+@pytest.mark.parametrize("minor", ["3.12", "3.13"])
 def test_ssh_another_minor_runs_on_a_python_found_on_the_node(
-    host_with: object, ssh_lab: Lab, capfd: pytest.CaptureFixture[str]
+    host_with: MakeHost, ssh_lab: Lab, capfd: pytest.CaptureFixture[str], minor: str
 ) -> None:
-    node_python = other_minor("3.13", "3.12")
-    host = host_with(node_python)  # type: ignore[operator]
+    node_python = node_minor(minor)
+    host = host_with(node_python)
     with sky.Compute(provider=ssh_lab.provider([host]), nodes=1) as pool:
         ran = version() >> pool
     assert ran.rpartition(".")[0] == CLIENT
@@ -283,11 +295,12 @@ def test_ssh_another_minor_runs_on_a_python_found_on_the_node(
     assert f"runs on Python {ran}" in err and f"is Python {version_of(node_python)}" in err
 
 
+@pytest.mark.parametrize("minor", ["3.12", "3.13"])
 def test_ssh_another_minor_without_a_match_is_refused_before_any_task(
-    host_with: object, ssh_lab: Lab, tmp_path: Path
+    host_with: MakeHost, ssh_lab: Lab, tmp_path: Path, minor: str
 ) -> None:
-    node_python = other_minor("3.12", "3.13")
-    host = host_with(node_python, hide=True)  # type: ignore[operator]
+    node_python = node_minor(minor)
+    host = host_with(node_python, hide=True)
     marker = tmp_path / "ran"
     with (
         pytest.raises(ProvisionError) as info,
@@ -348,7 +361,7 @@ def _mirror(root: Path) -> tuple[str, str]:
 
 
 def test_ssh_image_python_installs_one_with_uv_from_the_mirror(
-    host_with: object, ssh_lab: Lab, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    host_with: MakeHost, ssh_lab: Lab, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """No Python of the client's minor version on the node, Image(python=...) given: uv
     installs one from UV_PYTHON_INSTALL_MIRROR (the Image's env). The mirror is local (no
@@ -361,7 +374,7 @@ def test_ssh_image_python_installs_one_with_uv_from_the_mirror(
         pytest.skip("needs uv (the dev extra installs it)")
     mirror, listing = _mirror(tmp_path / "mirror")
     installs = tmp_path / "uv-pythons"
-    host = host_with(  # type: ignore[operator]
+    host = host_with(
         other_minor("3.13", "3.12"),
         hide=True,
         uv=os.path.realpath(uv),
@@ -414,5 +427,33 @@ def test_cli_workdir_on_debian_python(ssh_lab: Lab, tmp_path: Path) -> None:
         flags = ssh_flags(ssh_lab, ssh_lab.hosts[:1], tmp_path / "remote-workdir")
         done = cli.ok("launch", task, "-c", "deb", *flags, "--ssh-python", python)
         assert node_lines(done.stdout, "READ") == {0: "from the workdir"}
+    finally:
+        cli.clean_up()
+
+
+def test_cli_launch_finds_a_python_or_refuses_before_the_run(
+    host_with: MakeHost, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """``flotilla launch`` starts its pool through the same path: a host whose python3 is
+    another minor version runs the task on a Python found there (the cluster's console,
+    its daemon's log, says which); one named with ``--ssh-python`` is refused, and the
+    task's commands never run."""
+    node_python = other_minor("3.13", "3.12")
+    cli = CLI(tmp_path / "home", tmp_path)
+    marker = tmp_path / "ran"
+    task = cli.task("task.yaml", f"run: touch {marker}\n")
+    try:
+        host = host_with(node_python)
+        cli.ok("launch", task, "-c", "found", *ssh_flags(ssh_lab, [host], tmp_path / "w"))
+        log = Paths("found", cli.home).daemon_log.read_text()
+        assert f"runs on Python {CLIENT}." in log
+        assert marker.exists()
+        marker.unlink()
+        flags = ssh_flags(ssh_lab, ssh_lab.hosts[:1], tmp_path / "w")
+        refused = cli("launch", task, "-c", "pinned", *flags, "--ssh-python", node_python)
+        assert refused.returncode != 0
+        assert f"the node runs Python {version_of(node_python)}" in refused.stderr
+        assert f"this client runs Python {CLIENT}." in refused.stderr
+        assert not marker.exists()
     finally:
         cli.clean_up()
