@@ -226,7 +226,16 @@ class Agent:
         self.client.flush()
         os.dup2(self.proto_out, 1)  # the protocol on stdout again, as the agent started
         sys.stderr.flush()
-        os.execv(found.path, [found.path, "-m", "flotilla.agent"])
+        try:
+            os.execv(found.path, [found.path, "-m", "flotilla.agent"])
+        except OSError as e:  # this agent goes on, and says so
+            os.dup2(2, 1)
+            os.set_blocking(self.proto_out, False)
+            os.environ.pop(SWITCH_VAR, None)
+            if self.cloud_env is not None:
+                os.environ.pop("FLOTILLA_CLOUD", None)  # (the tasks do not inherit it)
+            failed = [*found.looked, f"{found.path} (cannot be started: {e})"]
+            self._hello({"python_search": {"wanted": minor, "looked": failed}})
 
     def _configure(self, _: int, body: Body) -> None:
         """CONFIG: the pool's settings; then build the Image, or start the executors."""
