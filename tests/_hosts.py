@@ -21,6 +21,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -182,6 +183,8 @@ class TestHost:
     hostname: str
     folder: Path
     pubkey: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # set by its ~/.bashrc (else the lab's)
+    hidden: tuple[str, ...] = ()  # files and folders of this machine the host cannot see
     sshd: subprocess.Popen[bytes] | None = None
     _log: Any = field(default=None, repr=False)
 
@@ -264,11 +267,14 @@ class Lab:
     def add_hosts(self, count: int) -> list[TestHost]:
         return [self.add_host() for _ in range(count)]
 
-    def add_host(self) -> TestHost:
-        """A new host with its own address, hostname and running sshd."""
+    def add_host(self, env: dict[str, str] | None = None, hidden: tuple[str, ...] = ()) -> TestHost:
+        """A new host with its own address, hostname and running sshd; ``env``: what its
+        ~/.bashrc exports (default: the lab's ~/.bashrc), ``hidden``: files or folders of
+        this machine it lacks (each is an empty file or folder there; e.g. an interpreter)."""
         self._next += 1
         i = self._next
         host = self.new_host(i, f"{self.subnet}.{i + 1}", f"flhost{i}")
+        host.env, host.hidden = dict(env or {}), hidden
         host.pubkey = keygen(host.folder / "hostkey", host.hostname)
         with open(self.known_hosts, "a") as f:
             f.write(f"{host.addr} {' '.join(host.pubkey.split()[:2])}\n")
@@ -344,8 +350,15 @@ class Lab:
         hosts_file.write_text(hosts_text or f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
         inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
         home_rc = Path.home() / ".bashrc"
-        if home_rc.is_file() and self.bashrc.is_file():
-            inner += f"mount --bind {self.bashrc} {home_rc} && "
+        rc = self.bashrc
+        if host.env:
+            rc = host.folder / "bashrc"
+            rc.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in host.env.items()))
+        if home_rc.is_file() and rc.is_file():
+            inner += f"mount --bind {rc} {home_rc} && "
+        for hidden in host.hidden:
+            empty = "-t tmpfs tmpfs" if os.path.isdir(hidden) else "--bind /dev/null"
+            inner += f"mount {empty} {hidden} && "
         # ~/.ssh of its own, as a separate machine has (empty: nothing trusted, no config)
         dot_ssh = Path.home() / ".ssh"
         dot_ssh.mkdir(mode=0o700, exist_ok=True)

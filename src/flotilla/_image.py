@@ -166,6 +166,20 @@ class Image:
         return spec
 
 
+def is_installed(path: str) -> bool:
+    """Whether ``path`` belongs to the client's interpreter (its installation, a virtual
+    environment) or to a site-packages: not the user's own code."""
+    import sys
+
+    real = os.path.realpath(path)
+    if "site-packages" in real or "dist-packages" in real:
+        return True
+    roots = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    return any(
+        real == root or real.startswith(root + os.sep) for root in map(os.path.realpath, roots)
+    )
+
+
 def ship_user_modules() -> list[str]:
     """Pickle the user's own modules by value, for nodes that do not have them.
 
@@ -176,16 +190,12 @@ def ship_user_modules() -> list[str]:
 
     import cloudpickle
 
-    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     shipped = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if not file or "." in name or name == "__main__" or name.startswith("flotilla"):
             continue
-        path = os.path.realpath(file)
-        if "site-packages" in path or "dist-packages" in path:
-            continue
-        if any(path.startswith(root + os.sep) for root in installed):
+        if is_installed(file):
             continue
         cloudpickle.register_pickle_by_value(module)
         shipped.append(name)

@@ -26,6 +26,7 @@ from . import shm
 from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, as_call, count_open_pools, function
+from .interpreter import Policy, check_image, settle
 from .node import Node, NodeEvents, NodeState
 from .outcome import results
 from .renew import Renewals
@@ -102,6 +103,8 @@ class Compute:
         self.provider = provider
         self.nodes = nodes
         self.accelerator = parse_accelerator(accelerator)
+        if isinstance(image, Image):
+            check_image(image)  # before anything is provisioned
         self.image = image
         self.plugins = tuple(plugins)
         self.options = options
@@ -142,6 +145,7 @@ class Compute:
         self._head_port = 0
         self._includes = b""
         self._build_spec: dict[str, Any] | None = None
+        self._python = Policy.of(provider, Image())
         self._env: dict[str, str] = {}
         self._secrets: list[str] = []
         self._console = Console()
@@ -215,7 +219,9 @@ class Compute:
                 image = hook(image, spec)
                 if not isinstance(image, Image):
                     raise TypeError(f"plugin {p!r}: transform() must return an Image")
+        check_image(image)  # a plugin's too
         spec = self._spec(image)
+        self._python = Policy.of(self.provider, image)
         try:
             blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
         except Exception as e:
@@ -266,7 +272,7 @@ class Compute:
         self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
         timeout = self.options.start_timeout
         nodes = self._nodes
-        hellos = await self._wait_all(nodes, [n.hello for n in nodes], timeout, "start")
+        hellos = await self._hellos(nodes)
         self._head_port = int(hellos[0]["port"])
         probe = shm.write_probe(self._shm_prefix)  # only now: it lives as short as it can
         try:
@@ -277,6 +283,14 @@ class Compute:
             if probe:
                 unlink_shm(probe["name"])
         self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
+
+    async def _hellos(self, nodes: list[Node]) -> list[dict[str, Any]]:
+        """Wait for the HELLO of every node of ``nodes``, then make each run the client's
+        Python minor version (or raise ProvisionError): before anything else is sent."""
+        timeout = self.options.start_timeout
+        await self._wait_all(nodes, [n.hello for n in nodes], timeout, "start")
+        await settle(nodes, self._python, self._console.say, timeout)
+        return [n.hello_info for n in nodes]
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher

@@ -113,7 +113,7 @@ class Renewals:
             for node in fresh:
                 node.start(loop)
             timeout = pool.options.start_timeout
-            hellos = await pool._wait_all(fresh, [n.hello for n in fresh], timeout, "start")
+            hellos = await pool._hellos(fresh)
             if ranks[0] == 0:  # a new head: its port
                 pool._head_port = int(hellos[0]["port"])
             current = list(dispatcher.nodes)

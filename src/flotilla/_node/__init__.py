@@ -6,6 +6,8 @@
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
     build.py       an Image's environment, built once per content hash (a subprocess)
+    interpreter.py a Python of the client's minor version on this node: found or installed
+    untar.py       the one safe archive extraction (bundle, includes, workdir sync)
     locks.py       the one flock helper (node side and command line)
     procs.py       the one process-table walk (/proc): start times, liveness, reaping
 

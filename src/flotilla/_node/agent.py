@@ -56,6 +56,9 @@ BUILD_STOP_GRACE = 5.0
 """Seconds a stopped environment build gets to remove its half-built folder."""
 NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
 """Set by a provider that made a working folder for this node alone: removed at exit."""
+SWITCH_VAR = "FLOTILLA_PYTHON_SWITCH"
+"""Set for the interpreter an agent became (see ``_switch_python``): JSON, the one it left
+(``python_version``, ``python``) and whether the new one was ``installed``."""
 TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
 """Environment variable marking every process an agent started (directly or not)."""
 
@@ -93,8 +96,10 @@ class Agent:
             Kind.CANCEL: lambda ident, _: ex.cancel(ident),
             Kind.RESTART: lambda generation, cause: ex.restart(generation, bytes(cause)),
             Kind.SHUTDOWN: self._shutdown,
+            Kind.PYTHON: self._switch_python,
         }
         self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
+        self.cloud_env = os.environ.get("FLOTILLA_CLOUD")  # kept for a switch of interpreter
         if "FLOTILLA_CLOUD" in os.environ:
             from .cloud import start
 
@@ -152,7 +157,7 @@ class Agent:
                 self.sel.unregister(box.fd)
 
     # -- client side -------------------------------------------------------------------
-    def _hello(self) -> None:
+    def _hello(self, extra: dict[str, Any] | None = None) -> None:
         port = free_port_block(PORT_BLOCK)
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
@@ -167,6 +172,10 @@ class Agent:
             "python_version": ".".join(map(str, sys.version_info[:3])),
             "port": port,
         }
+        switched = os.environ.pop(SWITCH_VAR, "")
+        if switched:  # this interpreter replaced another one: the client says so
+            hello["switched_from"] = json.loads(switched)
+        hello.update(extra or {})
         self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
 
     def _on_client(self) -> None:
@@ -188,6 +197,45 @@ class Agent:
             handler = handlers.get(kind)
             if handler is not None:
                 handler(ident, body)
+
+    def _switch_python(self, _: int, body: Body) -> None:
+        """PYTHON: become a Python of the minor version asked for (see
+        :mod:`.interpreter`): this process ``exec``s it, whose agent says HELLO again; when
+        none is found (or installed), a new HELLO from this one says what was looked at."""
+        from . import interpreter
+
+        request = json.loads(bytes(body))
+        minor = str(request["version"])
+        found = interpreter.find(minor)
+        if not found.path and request.get("install"):
+            from .build import find_uv
+
+            uv = find_uv(request["home"])
+            installed = interpreter.install(minor, uv, request.get("mirror"))
+            looked = found.looked + installed.looked
+            found = interpreter.Found(installed.path, installed.version, looked, True)
+        if not found.path or self.config is not None:
+            search = {"wanted": minor, "looked": list(found.looked)}
+            self._hello({"python_search": search})
+            return
+        left = {"python_version": interpreter.this_python(), "python": sys.executable}
+        os.environ[SWITCH_VAR] = json.dumps({**left, "installed": found.installed})
+        if self.cloud_env is not None:  # its watchdog runs: the new agent finds it there
+            os.environ["FLOTILLA_CLOUD"] = self.cloud_env
+        os.set_blocking(self.proto_out, True)
+        self.client.flush()
+        os.dup2(self.proto_out, 1)  # the protocol on stdout again, as the agent started
+        sys.stderr.flush()
+        try:
+            os.execv(found.path, [found.path, "-m", "flotilla.agent"])
+        except OSError as e:  # this agent goes on, and says so
+            os.dup2(2, 1)
+            os.set_blocking(self.proto_out, False)
+            os.environ.pop(SWITCH_VAR, None)
+            if self.cloud_env is not None:
+                os.environ.pop("FLOTILLA_CLOUD", None)  # (the tasks do not inherit it)
+            failed = [*found.looked, f"{found.path} (cannot be started: {e})"]
+            self._hello({"python_search": {"wanted": minor, "looked": failed}})
 
     def _configure(self, _: int, body: Body) -> None:
         """CONFIG: the pool's settings; then build the Image, or start the executors."""

@@ -25,6 +25,7 @@ import tempfile
 from typing import Any
 
 from .locks import exclusive
+from .untar import UnsafeArchive, extract
 
 
 def env_dir(home: str, spec_hash: str) -> str:
@@ -179,7 +180,10 @@ def install_pip(spec: dict[str, Any], site: str, home: str) -> None:
 def unpack_includes(data: bytes, target: str) -> None:
     os.makedirs(target, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        tar.extractall(target, filter="data")
+        try:
+            extract(tar, target)
+        except UnsafeArchive as e:
+            raise BuildError(f"the includes archive is unsafe: {e}") from e
     print(f"includes: unpacked {len(data)} bytes", flush=True)
 
 

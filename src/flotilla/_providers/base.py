@@ -280,6 +280,10 @@ class Provider(ABC):
     """Where nodes keep built environments between pools."""
     shares_filesystem: bool = False
     """True when nodes see the client's files (then user modules are imported, not shipped)."""
+    python_pinned: bool = False
+    """The user named the nodes' interpreter (``python=``): flotilla only checks that it
+    is the client's Python minor version, and never looks for another one (see
+    ``_client/interpreter.py``)."""
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

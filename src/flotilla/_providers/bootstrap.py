@@ -15,7 +15,8 @@ working directory another user owns or can write (made 0700 when missing), check
 interpreter (>= 3.11; once per bundle and interpreter), tests for the bundle and, when it is
 there, starts the agent at once: a cache hit costs a single Python start, the agent.
 Otherwise it answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: the
-node's Python checks its hash, extracts it into a temporary directory and renames that into
+node's Python checks its hash, extracts it (:mod:`flotilla._node.untar`, the node side's one
+safe extraction, also on Python 3.11.0-3.11.3) into a temporary directory and renames that into
 place (atomic: concurrent pools never see a half-extracted bundle), then the agent starts.
 
 The agent runs as a child of the command's shell, which reports on stderr the signal that
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import os
 import shlex
@@ -49,6 +51,7 @@ from enum import Enum
 from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
 from .._errors import ProvisionError
+from .._node import untar
 from .pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")
@@ -213,8 +216,8 @@ exit "$S"
     return "exec sh -c " + shlex.quote(script)
 
 
-_EXTRACT = """\
-import hashlib, io, os, shutil, sys, tarfile, tempfile
+_EXTRACT_SCRIPT = """\
+import hashlib, io, shutil, sys, tempfile
 lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = []
 while size:
@@ -232,10 +235,7 @@ if not os.path.isdir(target):
     tmp = tempfile.mkdtemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(tmp, filter="data")
-            else:
-                tar.extractall(tmp)
+            extract(tar, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -244,6 +244,9 @@ if not os.path.isdir(target):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 """
+_EXTRACT = inspect.getsource(untar) + "\n" + _EXTRACT_SCRIPT
+"""The node's bundle installer: the node side's one safe extraction (its module's source:
+flotilla is not on the node yet), then the script that reads, checks and unpacks."""
 
 
 # -- the dance -------------------------------------------------------------------------------

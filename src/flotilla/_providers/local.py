@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
+from .._image import is_installed
 from .._node import procs
 from .base import (
     AgentProcess,
@@ -21,6 +22,7 @@ from .base import (
     PoolSpec,
     Provider,
 )
+from .bootstrap import _package_dirs
 from .limits import check_local_capacity, out_of_files
 from .pipe import PipeAgent, spawn
 
@@ -29,11 +31,15 @@ class Local(Provider):
     """Run the nodes as local processes (the default provider).
 
     Each node is a separate agent process tree with its own working directory; node
-    addresses are 127.0.0.1. By default the agents use this interpreter and its
-    environment (``sys.path`` is passed on), so a pool starts in a fraction of a second.
+    addresses are 127.0.0.1. By default the agents use this interpreter (its installed
+    packages), flotilla and cloudpickle as this client has them, and the user's own code
+    folders of the client's ``sys.path`` (never the client's standard library or
+    site-packages: another interpreter could not load them), so a pool starts in a
+    fraction of a second.
 
     Args:
-        python: interpreter for the agents (default: ``sys.executable``).
+        python: interpreter for the agents (default: ``sys.executable``); another one
+            must be the client's Python minor version (a pool with another is refused).
         workdir: parent folder of the nodes' working directories (default: a temp dir).
     """
 
@@ -42,6 +48,7 @@ class Local(Provider):
 
     def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
         self.python = python or sys.executable
+        self.python_pinned = python is not None
         self.workdir = workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
 
@@ -123,7 +130,7 @@ class LocalAllocation(Allocation):
         self.provider = provider
         self.env = dict(os.environ)
         self.env.pop("COMPUTE_POOL", None)
-        self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
+        self.user_path = user_code_path()
         self._folders: list[str] = []  # every folder ever made, removed at release
 
     def new_machine(self, rank: int) -> Machine:
@@ -135,6 +142,13 @@ class LocalAllocation(Allocation):
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
         self._folders.append(folder)
+        links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
+        try:
+            os.mkdir(links)
+            for name, path in _package_dirs().items():
+                os.symlink(path, os.path.join(links, name))
+        except OSError as e:
+            raise ProvisionError(f"cannot prepare node {rank}'s work folder: {e}") from e
         machine = Machine(rank, "localhost", "127.0.0.1", folder)
         self.mark(machine, MachineState.PENDING)
         return machine
@@ -142,7 +156,8 @@ class LocalAllocation(Allocation):
     async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
         try:
             # the agent removes its folder when it exits, even if this client was killed
-            env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident)
+            path = os.pathsep.join([os.path.join(machine.ident, _LIB), *self.user_path])
+            env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
@@ -166,12 +181,18 @@ class LocalAllocation(Allocation):
             self.mark(machine, MachineState.RELEASED)
 
 
-def _client_path() -> list[str]:
-    """This process's import path, so agents import what the client imports."""
+_LIB = ".flotilla-lib"
+"""In a node's folder: links to the client's flotilla and cloudpickle packages."""
+
+
+def user_code_path() -> list[str]:
+    """The folders of this process's import path that hold the user's own code (not the
+    interpreter's installation, not a site-packages), so agents import it as the client
+    does."""
     out: list[str] = []
     for entry in sys.path:
         path = os.path.abspath(entry or os.getcwd())
-        if path not in out and os.path.exists(path):
+        if path not in out and os.path.isdir(path) and not is_installed(path):
             out.append(path)
     return out
 

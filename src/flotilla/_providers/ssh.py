@@ -129,7 +129,9 @@ class SSH(Provider):
             (default: ``~/.ssh/known_hosts``).
         accept_new_host_keys: trust on first use: accept a host that is not in
             ``known_hosts`` and record its key there. A changed key is always refused.
-        python: interpreter on the hosts (Python >= 3.11).
+        python: interpreter on the hosts, of the client's Python minor version (default:
+            ``python3``, or, when that is another minor version, one found on the host;
+            see README "Python on the nodes").
         workdir: directory on the hosts for flotilla's files and the agents' working
             directory; ``~`` is the login user's home.
         connect_timeout: seconds to connect and authenticate to one host (whole seconds
@@ -146,7 +148,7 @@ class SSH(Provider):
         key: str | os.PathLike[str] | None = None,
         known_hosts: str | os.PathLike[str] | None = None,
         accept_new_host_keys: bool = False,
-        python: str = "python3",
+        python: str | None = None,
         workdir: str = "~/.flotilla",
         connect_timeout: float = 10.0,
     ) -> None:
@@ -162,7 +164,7 @@ class SSH(Provider):
             raise ConfigurationError(f"connect_timeout must be a number, got {connect_timeout!r}")
         if connect_timeout <= 0:
             raise ConfigurationError(f"connect_timeout must be positive, got {connect_timeout!r}")
-        if not python.strip() or not workdir.strip():
+        if (python is not None and not python.strip()) or not workdir.strip():
             raise ConfigurationError("SSH(python=..., workdir=...) must not be empty")
         self.user = user
         self.port = port
@@ -171,7 +173,8 @@ class SSH(Provider):
             os.fspath(known_hosts) if known_hosts is not None else "~/.ssh/known_hosts"
         )
         self.accept_new_host_keys = accept_new_host_keys
-        self.python = python
+        self.python = python or "python3"
+        self.python_pinned = python is not None
         self.workdir = workdir
         self.home = workdir
         self.connect_timeout = float(connect_timeout)

@@ -52,6 +52,7 @@ class Kind(IntEnum):
     INCLUDES = 15  # the Image's includes archive, sent when the agent asks for it
     CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
     RESTART = 17  # ident=new generation; text: the cause. Replace every executor, abort tasks
+    PYTHON = 18  # JSON: become a Python of the client's minor version; a new HELLO answers
 
 
 class Status(IntEnum):

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._client.function import function
 from .._info import instance_info
-from .._node import locks, procs
+from .._node import locks, procs, untar
 from .mesh import job_env as mesh_env
 
 WORKDIR_MEMBER = "workdir"
@@ -189,7 +189,7 @@ def unpack(
                         parent = dest_root
                     os.makedirs(parent, exist_ok=True)
                     m.mtime = now  # (Python's byte-code cache compares times and sizes)
-                    tar.extract(m, parent, filter="data")
+                    untar.extract(tar, parent, [m])
                     written += 1
     return written
 

@@ -71,7 +71,8 @@ class AWS(Provider):
         ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the
             pool's security group (a task file's ``ports``); none by default.
         workdir: folder on the instances for flotilla's files.
-        python: interpreter on the instances.
+        python: interpreter on the instances (default: ``python3``, or one of the
+            client's minor version found there; see README "Python on the nodes").
         poweroff_command: what the instance watchdog runs when ``ttl`` expires, and the
             boot guard (as root, with ``FLOTILLA_BOOT_GUARD=1`` set) when no agent started.
         connect_timeout: seconds for one SSH connection attempt.
@@ -95,7 +96,7 @@ class AWS(Provider):
         *,
         ports: Sequence[int | str] = (),
         workdir: str = "~/.flotilla",
-        python: str = "python3",
+        python: str | None = None,
         poweroff_command: Sequence[str] = ("sudo", "-n", "poweroff"),
         connect_timeout: float = 10.0,
     ) -> None:
@@ -160,7 +161,8 @@ class AWS(Provider):
         self.ports = tuple(_port_range(p) for p in ports)
         self.workdir = workdir
         self.home = workdir
-        self.python = python
+        self.python = python or "python3"
+        self.python_pinned = python is not None
         self.poweroff_command = tuple(poweroff_command)
         self.connect_timeout = float(connect_timeout)
         self._api: Api | None = None

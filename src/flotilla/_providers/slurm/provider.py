@@ -64,7 +64,7 @@ from ..bootstrap import (
     start_command,
     wait_announced,
 )
-from ..local import _client_path
+from ..local import user_code_path
 from ..pipe import PipeAgent, spawn
 from .job import (
     HOLDER,
@@ -196,6 +196,7 @@ class Slurm(Provider):
         self.sbatch_args = tuple(sbatch_args)
         self.shares_filesystem = bool(shared_filesystem)
         self.python = python or (sys.executable if self.shares_filesystem else "python3")
+        self.python_pinned = python is not None
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
         self.queue_timeout = queue_timeout
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
@@ -380,7 +381,7 @@ class SlurmAllocation(Allocation):
         self._watcher: asyncio.Task[None] | None = None
         self.env = slurm_env()
         if provider.shares_filesystem:
-            self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
+            self.env["PYTHONPATH"] = os.pathsep.join(user_code_path())
         self.env.pop("COMPUTE_POOL", None)
 
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
