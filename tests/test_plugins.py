@@ -953,3 +953,129 @@ def test_huggingface_trainer_trains_distributed_on_two_nodes(
     assert sum(results[0]["after"]) != pytest.approx(results[0]["before"])  # and trained
     out, err = capfd.readouterr()
     assert TOKEN not in out + err
+
+
+# -- launcher plugins: joblib, scikit-learn, accelerate; the Trainer with huggingface alone ----
+def square_where(x: int) -> tuple[int, int]:
+    return x * x, os.getpid()
+
+
+@sky.function
+def executor_pid() -> int:
+    return os.getpid()
+
+
+def test_joblib_parallel_inside_the_pool_runs_on_its_nodes() -> None:
+    joblib = pytest.importorskip("joblib")
+    with sky.Compute(nodes=2, plugins=[plugins.joblib()]) as pool:
+        executors = set(executor_pid() @ pool)
+        out = joblib.Parallel(n_jobs=-1, batch_size=1)(
+            joblib.delayed(square_where)(i) for i in range(12)
+        )
+        assert joblib.Parallel(n_jobs=-1)._effective_n_jobs() == 2  # one worker per process
+    assert [v for v, _ in out] == [i * i for i in range(12)]
+    assert {pid for _, pid in out} == executors  # every batch ran on the pool, on both nodes
+    assert os.getpid() not in executors
+    # after the pool: joblib is back to its own default backend
+    assert joblib.Parallel(n_jobs=1)(joblib.delayed(square_where)(2) for _ in range(1)) == [
+        (4, os.getpid())
+    ]
+
+
+class PidScorer:
+    """A scorer that returns the process that scored (picklable, by reference)."""
+
+    def __call__(self, estimator: Any, x: Any, y: Any) -> float:
+        return float(os.getpid())
+
+
+def test_sklearn_grid_search_with_n_jobs_minus_one_spreads_over_the_pool() -> None:
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import make_classification
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import GridSearchCV
+
+    x, y = make_classification(n_samples=60, n_features=4, random_state=0)
+    with sky.Compute(nodes=2, plugins=[plugins.sklearn()]) as pool:
+        executors = set(executor_pid() @ pool)
+        search = GridSearchCV(
+            LogisticRegression(max_iter=200),
+            {"C": [0.1, 1.0, 10.0, 100.0]},
+            cv=3,
+            n_jobs=-1,
+            scoring=PidScorer(),
+            pre_dispatch="all",
+        ).fit(x, y)
+    pids = {int(v) for k, v in search.cv_results_.items() if k.startswith("split") for v in v}
+    assert pids == executors  # the 12 fits were scored on both nodes, none here
+    assert search.best_params_["C"] in (0.1, 1.0, 10.0, 100.0)
+
+
+def test_sklearn_and_joblib_plugins_install_what_the_nodes_need() -> None:
+    image = plugins.sklearn().transform(sky.Image(), None)
+    assert {"scikit-learn", "joblib"} <= {package_name(p) for p in image.pip}
+    assert [package_name(p) for p in plugins.joblib().transform(None, None).pip] == ["joblib"]
+    with pytest.raises(ValueError, match="joblib version"):
+        plugins.joblib(version="not a version")
+
+
+@sky.function
+def accelerate_state() -> tuple[int, int, str]:
+    from accelerate import Accelerator
+
+    acc = Accelerator()  # as a training script makes it: no arguments
+    return acc.num_processes, acc.process_index, os.environ["ACCELERATE_MIXED_PRECISION"]
+
+
+def test_accelerate_plugin_gives_every_process_its_place_across_the_cluster() -> None:
+    pytest.importorskip("accelerate")
+    plugin = plugins.accelerate(config={"mixed_precision": "no"})
+    with sky.Compute(nodes=2, plugins=[plugin]) as pool:
+        assert accelerate_state() @ pool == [(2, 0, "no"), (2, 1, "no")]
+    image = plugin.transform(sky.Image(), PoolSpecStandIn())
+    assert {"torch", "accelerate"} <= {package_name(p) for p in image.pip}
+    with pytest.raises(sky.ConfigurationError, match="unknown key"):
+        plugins.accelerate(config={"num_processes": 8})  # topology comes from the pool
+
+
+@dataclass
+class PoolSpecStandIn:
+    accelerator: Any = None
+
+
+def test_huggingface_alone_runs_the_trainer_on_one_node() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    image = plugins.huggingface().transform(sky.Image(), None)
+    assert {"transformers", "accelerate", "torch"} <= {package_name(p) for p in image.pip}
+    with sky.Compute(nodes=1, plugins=[plugins.huggingface(token=TOKEN)]) as pool:
+        (result,) = hf_train(2) @ pool
+    assert result["world_size"] == 1 and result["token_set"]
+    assert sum(result["after"]) != pytest.approx(result["before"])  # it trained
+
+
+class RecordsPool(sky.Plugin):
+    """Records the client-side hook's life in a list the test holds."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def __reduce__(self) -> Any:
+        return (sky.Plugin, ())  # the nodes get a plain plugin: the log stays here
+
+    @contextlib.contextmanager
+    def _around(self, pool: sky.Compute) -> Iterator[None]:
+        self.log.append(f"enter {pool.state.name}")
+        yield
+        self.log.append("exit")
+
+    def around_pool(self, pool: Any) -> Any:
+        return self._around(pool)
+
+
+def test_around_pool_is_entered_once_the_pool_runs_and_exited_when_it_closes() -> None:
+    log: list[str] = []
+    with sky.Compute(nodes=1, plugins=[RecordsPool(log)]) as pool:
+        assert log == ["enter RUNNING"]
+        assert executor_pid() >> pool != os.getpid()
+    assert log == ["enter RUNNING", "exit"]

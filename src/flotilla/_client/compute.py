@@ -4,6 +4,7 @@ in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -141,6 +142,7 @@ class Compute:
             replacer=self._renewals.begin if options.replace_lost_nodes else None,
         )
         self._heartbeat: asyncio.Task[None] | None = None
+        self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
         self._blob = b""
         self._head_port = 0
         self._includes = b""
@@ -254,6 +256,15 @@ class Compute:
             raise clean from None
         self._state = PoolState.RUNNING
         count_open_pools(+1)
+        try:
+            for p in self.plugins:
+                hook = getattr(p, "around_pool", None)
+                cm = hook(self) if hook is not None else None
+                if cm is not None:
+                    self._pool_hooks.enter_context(cm)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     async def _start(self, spec: PoolSpec, blob: bytes) -> None:
@@ -385,6 +396,10 @@ class Compute:
             return
         if self._state is PoolState.RUNNING:
             count_open_pools(-1)
+            try:
+                self._pool_hooks.close()  # plugins' client side (around_pool) first
+            except Exception as e:  # the pool closes all the same
+                logger.warning("a plugin's around_pool failed to exit: %s", e)
         self._state = PoolState.CLOSING
         try:
             _loop.run(self._close())

@@ -32,6 +32,11 @@ A plugin is any picklable object with one or both of these optional methods (sub
     garbage collector paused (imports are faster so), and what exists when the last one
     has returned is frozen (``gc.freeze``); tasks run with the collector on.
 
+``around_pool(pool) -> context manager | None``
+    Runs on the client, in the thread that opened the pool, once it runs; exited when the
+    pool closes (before its nodes stop). ``pool`` is the running :class:`~flotilla.Compute`:
+    point a library at it here (the joblib plugin makes ``joblib.Parallel`` use it).
+
 Set ``requires_cluster = True`` on a plugin that needs nodes that know each other: pools
 with ``Options(cluster=False)`` then refuse it before starting anything. Set
 ``procs_per_node = P`` to have every node run P processes (``info.local_rank`` 0..P-1,
@@ -58,13 +63,18 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from ._accelerate import AcceleratePlugin
 from ._huggingface import HuggingfacePlugin
 from ._jax import JaxPlugin
+from ._joblib import JoblibPlugin
 from ._keras import KerasPlugin
 from ._tensorflow import TensorflowPlugin
 from ._torch import TorchPlugin
 
-__all__ = ["huggingface", "jax", "keras", "tensorflow", "torch"]
+__all__ = ["accelerate", "huggingface", "jax", "joblib", "keras", "sklearn", "tensorflow", "torch"]
 
 
 def torch(
@@ -140,7 +150,8 @@ def keras(backend: str = "jax") -> KerasPlugin:
 
 
 def huggingface(token: str | None = None) -> HuggingfacePlugin:
-    """HuggingFace: installs transformers, datasets and tokenizers; sets ``HF_TOKEN``.
+    """HuggingFace: installs transformers, datasets, tokenizers, and accelerate and torch
+    (what ``Trainer`` needs); sets ``HF_TOKEN``.
 
     Args:
         token: a HuggingFace access token, set as ``HF_TOKEN`` in each node's process
@@ -161,3 +172,42 @@ def tensorflow() -> TensorflowPlugin:
     Needs cluster mode.
     """
     return TensorflowPlugin()
+
+
+def accelerate(
+    config: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    procs_per_node: int | None = None,
+) -> AcceleratePlugin:
+    """Hugging Face Accelerate: what ``accelerate launch`` would set, in every process.
+
+    Args:
+        config: accelerate's settings, shaped like the YAML ``accelerate config`` writes:
+            ``{"fsdp": {"sharding_strategy": "FULL_SHARD", ...}}`` turns on FSDP,
+            ``{"deepspeed": {"zero_stage": 2, ...}}`` DeepSpeed, ``"mixed_precision"``
+            the dtype. Topology (ranks, world size, the head) comes from the pool.
+        backend: the process group's backend, as for :func:`torch`.
+        procs_per_node: processes per node (default: one per accelerator, else one):
+            ``num_processes`` is ``nodes * procs_per_node``.
+
+    Installs torch and accelerate, sets the torch plugin's variables and process group and
+    the ``ACCELERATE_*``/``FSDP_*`` variables before the first task, so ``Accelerator()``
+    and ``PartialState()`` in a task see the whole pool.
+    """
+    return AcceleratePlugin(
+        backend=backend, procs_per_node=procs_per_node, config=dict(config or {})
+    )
+
+
+def joblib(version: str = "latest") -> JoblibPlugin:
+    """joblib over the pool: inside the pool's ``with`` block, ``joblib.Parallel(n_jobs=-1)``
+    sends its batches to the nodes (one worker per process of the pool) instead of local
+    processes. Installs joblib on the nodes (``version`` as for :func:`torch`)."""
+    return JoblibPlugin(version)
+
+
+def sklearn(version: str = "latest") -> JoblibPlugin:
+    """scikit-learn over the pool: every estimator, search and cross-validation run with
+    ``n_jobs=-1`` inside the pool's ``with`` block fans out over the nodes (through the
+    joblib plugin's backend). Installs scikit-learn and joblib on the nodes."""
+    return JoblibPlugin(sklearn=version)

@@ -53,6 +53,11 @@ class Plugin:
         """Context entered once per executor process (node side)."""
         return None
 
+    def around_pool(self, pool: Any) -> AbstractContextManager[Any] | None:
+        """Context entered on the client once the pool runs, in the thread that opened it,
+        and exited when it closes (``pool`` is the running ``Compute``)."""
+        return None
+
 
 def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> None:
     """Enter each plugin's ``around_process`` context, in order, on ``stack``.

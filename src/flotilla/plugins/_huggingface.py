@@ -1,4 +1,5 @@
-"""The HuggingFace plugin: transformers, datasets and tokenizers, and the access token."""
+"""The HuggingFace plugin: transformers, datasets, tokenizers and what ``Trainer`` needs,
+and the access token."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from ._base import Plugin
 from ._env import environ
 from ._extend import extend
 
-PACKAGES = ("transformers", "datasets", "tokenizers")
+PACKAGES = ("transformers", "datasets", "tokenizers", "accelerate", "torch")
+"""What ``Trainer`` needs (it refuses to start without accelerate and torch); a package the
+node already has is not installed again."""
 
 
 @dataclass(frozen=True)
