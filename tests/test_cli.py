@@ -649,6 +649,7 @@ run: |
     echo "$SKYPILOT_NODE_IPS" | awk '{print $1 " slots=1"}' > hostfile
     mpirun --allow-run-as-root --hostfile hostfile -np 3 --map-by node \\
       sh -c 'echo "MPI $OMPI_COMM_WORLD_RANK $(hostname)"'
+    pdsh -w "$(echo $SKYPILOT_NODE_IPS | tr ' ' ,)" 'echo PDSH $(hostname)' | sort
   fi
 """
 
@@ -657,6 +658,7 @@ def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
     cli: CLI, ssh_lab: Lab, tmp_path: Path
 ) -> None:
     ensure_package("openmpi-bin", "/usr/bin/mpirun")
+    ensure_package("pdsh", "/usr/bin/pdsh")  # DeepSpeed's multi-node runner
     hosts = ssh_lab.hosts[:3]
     task = cli.task("mesh.yaml", MESH_TASK)
     done = cli.ok("launch", task, "-c", "mesh", *ssh_flags(ssh_lab, hosts, tmp_path / "wd"))
@@ -664,6 +666,8 @@ def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
     assert said == [f"{h.addr} {h.hostname}" for h in hosts]  # no prompt, no TOFU, each host
     ranks = sorted(line.split("MPI ", 1)[1] for line in done.stdout.splitlines() if "MPI " in line)
     assert ranks == [f"{r} {h.hostname}" for r, h in enumerate(hosts)]
+    pdsh = sorted(line.split("PDSH ", 1)[1] for line in done.stdout.splitlines() if "PDSH " in line)
+    assert pdsh == sorted(h.hostname for h in hosts)
     for h in hosts:  # authorized for the cluster's nodes only, tagged with the cluster
         (line,) = [x for x in (h.folder / "dot-ssh" / "authorized_keys").read_text().splitlines()]
         assert line.startswith(f'from="{",".join(x.addr for x in hosts)}" ssh-ed25519 ')

@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from .._client import mesh
 from .._client.compute import Compute
 from .._errors import FlotillaError
 from .._node import procs
 from .._node.private import socket_address
 from .._redaction import redact
-from . import mesh
 from .backends import registry
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner

@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 from .._client.function import function
+from .._client.mesh import job_env as mesh_env
 from .._info import instance_info
 from .._node import locks, procs, untar
-from .mesh import job_env as mesh_env
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""

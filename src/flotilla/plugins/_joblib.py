@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .._client.function import PendingCall, function
 from ._base import Plugin
 from ._extend import extend
 from ._versions import requirement
@@ -30,7 +29,6 @@ BACKEND = "flotilla"
 """The joblib backend's name (``joblib.parallel_config(backend="flotilla")``)."""
 
 
-@function
 def run_batch(batch: Callable[[], Any]) -> Any:
     """A joblib batch, run on a node (sent by reference)."""
     return batch()
@@ -98,6 +96,10 @@ def _backend_class() -> type:
     from joblib._parallel_backends import SequentialBackend
     from joblib.parallel import ParallelBackendBase
 
+    from .._client.function import Function, PendingCall  # client side only
+
+    batch_call = Function(run_batch)
+
     class FlotillaBackend(ParallelBackendBase):  # type: ignore[misc]
         """Sends each batch to the pool as a single call."""
 
@@ -125,7 +127,7 @@ def _backend_class() -> type:
         def submit(
             self, func: Callable[[], Any], callback: Callable[[Any], None] | None = None
         ) -> Future[Any]:
-            future: Future[Any] = self.pool.submit(PendingCall(run_batch, (func,), {}))
+            future: Future[Any] = self.pool.submit(PendingCall(batch_call, (func,), {}))
             self.futures.add(future)
             future.add_done_callback(self.futures.discard)
             if callback is not None:

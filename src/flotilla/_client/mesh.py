@@ -34,12 +34,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._client.function import function
 from .._info import instance_info
 from .._node import locks
+from .function import function
 
 if TYPE_CHECKING:
-    from .._client.compute import Compute
+    from .compute import Compute
 
 _MARK = "flotilla-mesh-"
 """The comment that tags a cluster's line in authorized_keys: ``flotilla-mesh-<tag>``."""
