@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sys
 import threading
 import traceback
 from collections import deque
@@ -122,7 +123,13 @@ class FakeAgent(AgentProcess):
         on_stderr: Callable[[bytes], None],
     ) -> None:
         self._loop, self._on_frames = loop, on_frames
-        hello = {"pid": self.pid, "host": self.host, "port": 29500 + self.pid % 1000}
+        hello = {
+            "pid": self.pid,
+            "host": self.host,
+            "port": 29500 + self.pid % 1000,
+            "python": sys.executable,  # the client's interpreter, as a local agent's
+            "python_version": "%d.%d.%d" % sys.version_info[:3],  # noqa: UP031
+        }
         self._send(Kind.HELLO, 0, json.dumps(hello).encode())
 
     async def wait(self, timeout: float) -> int | None:
