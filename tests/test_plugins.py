@@ -102,19 +102,41 @@ class TwoPerNode(sky.Plugin):
 
 
 def test_exports_and_pickling() -> None:
-    assert plugins.__all__ == ["huggingface", "jax", "keras", "tensorflow", "torch"]
+    assert plugins.__all__ == [
+        "accelerate",
+        "huggingface",
+        "jax",
+        "joblib",
+        "keras",
+        "sklearn",
+        "tensorflow",
+        "torch",
+    ]
     made = [
         plugins.torch(vision="latest"),
         plugins.jax(),
         plugins.keras(),
         plugins.huggingface(token="hf_x"),
         plugins.tensorflow(),
+        plugins.accelerate(config={"mixed_precision": "bf16"}),
+        plugins.joblib(),
+        plugins.sklearn(),
     ]
     for p in made:
         assert isinstance(p, sky.Plugin)
         assert pickle.loads(pickle.dumps(p)) == p  # plugins travel to the nodes pickled
-    assert [p.name for p in made] == ["torch", "jax", "keras", "huggingface", "tensorflow"]
-    assert [p.requires_cluster for p in made] == [True, False, False, False, True]
+    assert [p.name for p in made] == [
+        "torch",
+        "jax",
+        "keras",
+        "huggingface",
+        "tensorflow",
+        "accelerate",
+        "joblib",
+        "joblib",
+    ]
+    requires_cluster = [True, False, False, False, True, True, False, False]
+    assert [p.requires_cluster for p in made] == requires_cluster
     assert repr(plugins.torch()).startswith("TorchPlugin(backend=None, cuda='cu128'")
 
 
@@ -239,6 +261,7 @@ def test_other_plugins_transforms() -> None:
         "transformers",
         "datasets",
         "tokenizers",
+        "accelerate",  # what Trainer needs; torch is listed once
     )
     assert plugins.tensorflow().transform(StandInImage(), spec()).pip == ("tensorflow",)
     assert plugins.tensorflow().transform(StandInImage(), cuda).pip == ("tensorflow[and-cuda]",)
@@ -248,7 +271,7 @@ def test_transforms_chain_in_plugin_order() -> None:
     image: Any = StandInImage()
     for p in (plugins.torch(), plugins.huggingface(token="hf_x"), plugins.torch()):
         image = p.transform(image, spec())
-    assert image.pip == ("torch", "transformers", "datasets", "tokenizers")
+    assert image.pip == ("torch", "transformers", "datasets", "tokenizers", "accelerate")
     assert image.pip_indexes == (CPU_INDEX,)
 
 
