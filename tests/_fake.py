@@ -271,7 +271,7 @@ class FakeAllocation(Allocation):
         super().__init__(spec, [provider.machine(rank) for rank in range(spec.nodes)])
         self.provider = provider
 
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
         gate = self.provider.start_gate
         if gate is not None:  # a test holds the start of agents
             await asyncio.get_running_loop().run_in_executor(None, gate.wait)

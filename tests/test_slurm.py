@@ -424,7 +424,7 @@ def test_srun_refusing_the_step_is_a_provision_error_with_its_cause(
             slurm_cluster.slurm("scancel", job)
             assert wait_until(lambda: not _pool_jobs(slurm_cluster), timeout=30)
             with pytest.raises(ProvisionError) as caught:
-                await allocation.start_agent(allocation.machines[1], provider.agent_command())
+                await allocation.start_agent(allocation.machines[1])
             return job, str(caught.value)
         finally:
             await allocation.release()
@@ -451,7 +451,7 @@ def test_a_step_that_waits_is_given_up_after_start_timeout(slurm_cluster: SlurmC
         try:
             slurm_cluster.slurm("scontrol", "suspend", job)
             with pytest.raises(ProvisionError) as caught:
-                await allocation.start_agent(allocation.machines[0], provider.agent_command())
+                await allocation.start_agent(allocation.machines[0])
             return job, str(caught.value)
         finally:
             slurm_cluster.slurm("scontrol", "resume", job, check=False)

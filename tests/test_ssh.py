@@ -24,7 +24,7 @@ from _procs import Client, all_pids, assert_all_gone, cmdline
 import flotilla as sky
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
 from flotilla._providers import bootstrap as _bootstrap
-from flotilla._providers import ssh as _ssh
+from flotilla._providers import launch as _launch
 from flotilla._providers.ssh import SSH, SSHHost, parse_host
 
 
@@ -106,7 +106,7 @@ def test_more_nodes_than_hosts_is_refused_before_connecting(
     def no_connect(*args: object, **kwargs: object) -> None:
         raise AssertionError("validate() must refuse before connecting")
 
-    monkeypatch.setattr(_ssh, "spawn", no_connect)
+    monkeypatch.setattr(_launch, "spawn", no_connect)
     provider = SSH(["192.0.2.1", "192.0.2.2"], connect_timeout=1)
     t0 = time.monotonic()
     with pytest.raises(ConfigurationError, match=r"3 nodes but SSH has 2 host"):

@@ -33,6 +33,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._errors import FlotillaError as FlotillaError
     from ._errors import NodeLostError as NodeLostError
     from ._errors import PoolClosedError as PoolClosedError
+    from ._errors import ProvisionCause as ProvisionCause
     from ._errors import ProvisionError as ProvisionError
     from ._errors import RemoteError as RemoteError
     from ._errors import SerializationError as SerializationError
@@ -71,6 +72,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "FlotillaError",
         "NodeLostError",
         "PoolClosedError",
+        "ProvisionCause",
         "ProvisionError",
         "RemoteError",
         "SerializationError",

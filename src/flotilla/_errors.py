@@ -14,6 +14,7 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── SerializationError (TypeError)      a function/argument/result cannot be pickled
     ├── PoolClosedError (RuntimeError)      the pool is not running
     ├── ProvisionError                      the provider could not start or reach a node
+    │                                       (``cause``: a ProvisionCause)
     ├── RemoteError                         user exception whose type is not importable here
     ├── TaskTimeoutError (TimeoutError)     a call ran longer than its ``timeout``
     ├── WorkerDiedError                     the process running a call died under it
@@ -30,15 +31,16 @@ The command line's four live in its modules and stay internal. Two lower-level e
 never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
 agent reports it, and the client raises ProvisionError) and
 ``_providers.bootstrap.NoAnswer`` (a remote start command ended without answering; the
-provider raises ProvisionError).
+remote shell explains it as a ProvisionError, in ``_providers.launch``).
 """
 
 from __future__ import annotations
 
 import copyreg
+from enum import Enum
 from typing import Any, TypeVar
 
-_E = TypeVar("_E", bound=type[BaseException])
+_E = TypeVar("_E", bound=type)
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # (missing from typeshed)
 
 
@@ -85,8 +87,43 @@ class PoolClosedError(FlotillaError, RuntimeError):
 
 
 @_public
+class ProvisionCause(Enum):
+    """Why an agent did not start on a machine (:attr:`ProvisionError.cause`), set where the
+    remote shell's failure is translated (``_providers/launch.py``) and read by callers that
+    decide what to do next (retry a booting instance, set a spare host aside).
+    """
+
+    SPAWN = "spawn"
+    """The remote shell command (ssh, srun...) cannot be run on this machine."""
+    UNREACHABLE = "unreachable"
+    """The machine did not answer or refused the connection (it may still be booting)."""
+    UNKNOWN_HOST = "unknown-host"
+    """The machine's name does not resolve."""
+    IDENTITY = "identity"
+    """The machine's identity could not be verified (an unknown or changed host key)."""
+    AUTH = "auth"
+    """The machine refused the login."""
+    LAUNCHER = "launcher"
+    """The launcher refused to run the agent there (a SLURM step that cannot start)."""
+    NODE = "node"
+    """The machine lacks what the agent needs (Python, a safe working directory, space)."""
+    NO_ANSWER = "no-answer"
+    """The remote shell ended without answering, for no reason it stated."""
+    TIMEOUT = "timeout"
+    """The agent did not start within the pool's start timeout."""
+
+
+@_public
 class ProvisionError(FlotillaError):
-    """The provider could not start or reach a node."""
+    """The provider could not start or reach a node.
+
+    ``cause`` says why, when an agent did not start (None for other failures: no capacity,
+    an API error...).
+    """
+
+    def __init__(self, message: str, *, cause: ProvisionCause | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @_public

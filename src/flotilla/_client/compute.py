@@ -247,7 +247,7 @@ class Compute:
         loop = asyncio.get_running_loop()
         self._blob = blob
         await loop.run_in_executor(None, shm.sweep)  # what killed clients left
-        self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
+        self._allocation, procs = await self.provider.start(spec)
         self._allocation.watch(self._renewals.provider_lost)
         self._procs = list(procs)
         self._console = Console(self._secrets)

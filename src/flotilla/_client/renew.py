@@ -104,8 +104,7 @@ class Renewals:
         console = pool._console  # one row per node being replaced, on a terminal
         console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
         try:
-            command = pool.provider.agent_command()
-            procs = await restart_agents(allocation, lost, ranks, why, command)
+            procs = await restart_agents(allocation, lost, ranks, why)
             pool._procs += procs
             fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
             self.starting += fresh

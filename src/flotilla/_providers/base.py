@@ -227,8 +227,10 @@ class Allocation(ABC):
         self._on_lost: LostCallback | None = None
 
     @abstractmethod
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
-        """Start the agent ``command`` on ``machine``; ProvisionError naming the machine."""
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Start the agent (``python -m flotilla.agent``) on ``machine``; ProvisionError
+        naming the machine. A machine reached through a remote shell: see
+        ``launch.ShellAllocation``."""
 
     async def replace(self, rank: int, reason: str) -> Machine:
         """Put a new machine at ``rank`` (its current one is lost, for ``reason``) and
@@ -237,16 +239,16 @@ class Allocation(ABC):
             f"{self.machines[rank].host}: {reason}; this provider cannot replace machines"
         )
 
-    async def renew(self, rank: int, reason: str, command: list[str]) -> AgentProcess:
+    async def renew(self, rank: int, reason: str) -> AgentProcess:
         """Replace the lost machine at ``rank`` (:meth:`replace`) and start the agent
-        ``command`` on the new one, which is then RUNNING. ProvisionError when no machine
+        on the new one, which is then RUNNING. ProvisionError when no machine
         can be had or its agent does not start.
 
         Providers with several candidates for a rank (the SSH provider's spare hosts)
         override it to set a machine whose agent does not start aside and try the next.
         """
         machine = await self.replace(rank, reason)
-        agent = await self.start_agent(machine, command)
+        agent = await self.start_agent(machine)
         self.mark(machine, MachineState.RUNNING)
         return agent
 
@@ -292,38 +294,30 @@ class Provider(ABC):
         """Get ``spec.nodes`` machines. On failure release what was got and raise
         ProvisionError; on cancellation release too."""
 
-    async def start(
-        self, spec: PoolSpec, command: list[str]
-    ) -> tuple[Allocation, list[AgentProcess]]:
+    async def start(self, spec: PoolSpec) -> tuple[Allocation, list[AgentProcess]]:
         """The one path every provider shares: acquire, then start the agents on every
         machine at once. The first failure in rank order is raised (root cause first),
         after everything started was stopped and the allocation released."""
         allocation = await self.acquire(spec)
         try:
-            agents = await start_agents(allocation, allocation.machines, command)
+            agents = await start_agents(allocation, allocation.machines)
         except BaseException:
             await allocation.release()
             raise
         return allocation, agents
 
-    def agent_command(self) -> list[str]:
-        """The agent command line (``python -m flotilla.agent``) for this provider's nodes."""
-        return ["python3", "-m", "flotilla.agent"]
 
-
-async def start_agents(
-    allocation: Allocation, machines: Sequence[Machine], command: list[str]
-) -> list[AgentProcess]:
+async def start_agents(allocation: Allocation, machines: Sequence[Machine]) -> list[AgentProcess]:
     """Start an agent on each of ``machines`` at once; in their order. On a failure (or
     cancellation) every agent started is terminated and the first failure in order raised."""
-    agents = await _all_or_none([allocation.start_agent(m, command) for m in machines])
+    agents = await _all_or_none([allocation.start_agent(m) for m in machines])
     for m in machines:
         allocation.mark(m, MachineState.RUNNING)
     return agents
 
 
 async def restart_agents(
-    allocation: Allocation, lost: int, ranks: Sequence[int], reason: str, command: list[str]
+    allocation: Allocation, lost: int, ranks: Sequence[int], reason: str
 ) -> list[AgentProcess]:
     """Agents for ``ranks`` (in their order) after the machine at rank ``lost`` was lost
     (for ``reason``): a new machine for ``lost`` (:meth:`Allocation.renew`), the others on
@@ -332,9 +326,9 @@ async def restart_agents(
     others = [allocation.machines[r] for r in ranks if r != lost]
     agents = await _all_or_none(
         [
-            allocation.renew(r, reason, command)
+            allocation.renew(r, reason)
             if r == lost
-            else allocation.start_agent(allocation.machines[r], command)
+            else allocation.start_agent(allocation.machines[r])
             for r in ranks
         ]
     )

@@ -76,9 +76,6 @@ class Local(Provider):
                     f"or use a provider that has {acc.name} GPUs"
                 )
 
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
-
     async def acquire(self, spec: PoolSpec) -> LocalAllocation:
         """One fresh work folder per node: a local "machine" is a process tree there."""
         if self.workdir is not None:
@@ -139,7 +136,8 @@ class LocalAllocation(Allocation):
         self.mark(machine, MachineState.PENDING)
         return machine
 
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        command = [self.provider.python, "-m", "flotilla.agent"]
         try:
             # the agent removes its folder when it exits, even if this client was killed
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident)

@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..._errors import ConfigurationError, ProvisionError
-from ..base import AgentProcess, Allocation, AllocationState, Machine, MachineState, PoolSpec
-from ..bootstrap import Bundle, client_bundle
-from ..ssh import _Target
-from .agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._node.cloud import ENV as CLOUD_ENV
+from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
+from ..launch import ShellAllocation, start_remote_agent
+from ..ssh_shell import SSHShell, Target
+from .agent import RETRIED, AWSAgent, wait_port
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
 from .guard import contact_path, guard_command
@@ -45,7 +46,7 @@ _T = TypeVar("_T")
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flotilla-aws")
 
 
-class AWSAllocation(Allocation):
+class AWSAllocation(ShellAllocation):
     """The EC2 instances of one pool (see the module docstring).
 
     Attributes:
@@ -77,9 +78,9 @@ class AWSAllocation(Allocation):
         self._created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self._client = client_id()
         self._busy: set[concurrent.futures.Future[Any]] = set()
-        self._ssh: InstanceSSH | None = None
-        self._bundle: Bundle | None = None
         self._launches = 0
+        self.python = provider.python
+        self.workdir = provider.workdir
         with open(os.path.join(self.folder, "client"), "w") as f:
             f.write(self._client)
 
@@ -113,7 +114,15 @@ class AWSAllocation(Allocation):
             )
         self.choice = choice = dataclasses.replace(choice, zones=zones)
         self.login_key = login_key
-        self._ssh = InstanceSSH(provider, login_key.path, self.known_hosts)
+        self.shell = SSHShell(
+            lambda machine: Target(
+                self._connect_addr(self.instances[machine.ident]), provider.ssh_user, 22
+            ),
+            key=login_key.path,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=provider.connect_timeout,
+        )
         if provider.private_ips:
             self._client_cidrs = cidrs
         else:
@@ -382,47 +391,50 @@ class AWSAllocation(Allocation):
         return machine
 
     # -- agents ------------------------------------------------------------------------
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait until the instance answers on port 22, then start the agent over SSH with
-        its host key pinned (``command`` is the bootstrap's, not used)."""
-        assert self._ssh is not None
-        inst = self.instances[machine.ident]
-        addr = self._connect_addr(inst)
-        target = _Target(host=addr, user=self.provider.ssh_user, port=22, address=machine.address)
-        spot = inst.get("InstanceLifecycle") == "spot"
-        self._ssh.cloud_env[addr] = json.dumps(
-            {
-                "contact": contact_path(self.provider.workdir, machine.ident),
-                "ttl": self.provider.ttl,
-                "poweroff": list(self.provider.poweroff_command),
-                "imds": IMDS if spot else "",
-            }
-        )
-        if self._bundle is None:
-            self._bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
+        its host key pinned; a start that fails as on a booting instance (see
+        ``agent.RETRIED``) is tried again until the start timeout."""
+        addr = self._connect_addr(self.instances[machine.ident])
         timeout = self.spec.options.start_timeout
         deadline = time.monotonic() + timeout
         name = f"{machine.ident} ({addr})"
         await wait_port(addr, 22, deadline, name, timeout)
         while True:
             try:
-                agent = await self._ssh.start_one(
-                    target, self._bundle, max(1.0, deadline - time.monotonic())
+                agent = await start_remote_agent(
+                    self.shell,
+                    machine,
+                    python=self.python,
+                    workdir=self.workdir,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    env=self.agent_env(machine),
                 )
                 break
             except ProvisionError as e:
-                text = str(e)
-                if "REFUSED" in text:
+                if e.cause is ProvisionCause.IDENTITY:
                     raise ProvisionError(
                         f"{name}: REFUSED: the instance does not present the SSH host key "
                         "flotilla generated for it and handed over in its user-data (the "
                         "connection may be intercepted, or the AMI does not run cloud-init): "
-                        f"{text}"
+                        f"{e}",
+                        cause=e.cause,
                     ) from None
-                if not any(t in text for t in TRANSIENT) or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {text}") from None
+                if e.cause not in RETRIED or time.monotonic() > deadline:
+                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
                 await asyncio.sleep(0.2)
         return AWSAgent(agent, name, lambda notice: self._on_notice(machine.ident, notice))
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the instance watchdog's settings (see ``_node/cloud.py``)."""
+        spot = self.instances[machine.ident].get("InstanceLifecycle") == "spot"
+        settings = {
+            "contact": contact_path(self.provider.workdir, machine.ident),
+            "ttl": self.provider.ttl,
+            "poweroff": list(self.provider.poweroff_command),
+            "imds": IMDS if spot else "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
 
     def _on_notice(self, ident: str, notice: dict[str, Any]) -> None:
         for rank, machine in enumerate(self.machines):

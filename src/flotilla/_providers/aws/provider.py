@@ -8,9 +8,10 @@ of them or none, so a partial launch is never kept. Spot (``allocation``) goes t
 InstanceMarketOptions; a capacity error moves to the next zone that offers the type, then,
 for ``"spot-if-available"``, to on-demand.
 
-An instance is then an SSH host: the SSH provider's path starts the agents (the client's
-exact flotilla, shipped by content hash), for all nodes at once, each first waiting for its
-instance's port 22. Peers and ``head_addr`` are the private addresses.
+An instance is then an SSH host: the launch layer starts the agents through ``ssh``
+(``ssh_shell``; the client's exact flotilla, shipped by content hash), for all nodes at
+once, each first waiting for its instance's port 22. Peers and ``head_addr`` are the
+private addresses.
 
 Nothing is left behind: :meth:`AWSAllocation.release` (end of the block, an exception,
 Ctrl-C) terminates every instance tagged with the pool (also ones a lost response did not
@@ -176,9 +177,9 @@ class AWS(Provider):
 
     def validate(self, spec: PoolSpec) -> None:
         self.api.check()
-        from ..ssh import _ssh_client
+        from ..ssh_shell import ssh_client
 
-        _ssh_client()
+        ssh_client()
         if self.ttl <= spec.options.heartbeat_timeout:
             raise ConfigurationError(
                 f"AWS(ttl={self.ttl:g}) must exceed Options(heartbeat_timeout="
@@ -189,9 +190,6 @@ class AWS(Provider):
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
         if spec.memory_gb is not None and spec.memory_gb <= 0:
             raise ConfigurationError(f"memory_gb={spec.memory_gb!r}: a positive number")
-
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
 
     async def acquire(self, spec: PoolSpec) -> AWSAllocation:
         """Launch the pool's instances (see the module docstring); on failure or

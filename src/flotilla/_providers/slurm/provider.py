@@ -12,12 +12,12 @@ job is pending, salloc is sent SIGTERM if the client dies (``PR_SET_PDEATHSIG``)
 then revokes the pending request. ``--time`` is only the last backstop.
 
 **Agents.** ``srun --jobid=J --nodes=1 --ntasks=1 -w NODE --overlap python -m
-flotilla.agent`` per node: srun relays the step's stdin/stdout, which are the protocol
-channel (a :class:`PipeAgent`). Without ``--exact`` a step gets every CPU and the memory the
-job holds on its node, and the GPUs the job asked for. The step's command first answers
-(``bootstrap.announced``): a step srun cannot start (the job was cancelled or ended, srun
-refused it) is a ProvisionError with srun's own cause, and one that waits (a suspended job)
-is given up after ``Options.start_timeout``.
+flotilla.agent`` per node: srun is the remote shell of the launch layer (:class:`SrunShell`,
+``launch``), relaying the step's stdin/stdout, which are the protocol channel. Without
+``--exact`` a step gets every CPU and the memory the job holds on its node, and the GPUs the
+job asked for. The step's command first answers: a step srun cannot start (the job was
+cancelled or ended, srun refused it) is a ProvisionError with srun's own cause, and one that
+waits (a suspended job) is given up after ``Options.start_timeout``.
 
 **Files.** On a SLURM cluster the login and compute nodes normally share the users' home and
 project directories, so by default (``shared_filesystem=True``) the nodes run the client's
@@ -48,7 +48,6 @@ from collections.abc import Sequence
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
     AgentProcess,
-    Allocation,
     AllocationState,
     LostCallback,
     Machine,
@@ -56,16 +55,9 @@ from ..base import (
     PoolSpec,
     Provider,
 )
-from ..bootstrap import (
-    NoAnswer,
-    announced,
-    client_bundle,
-    start_agent,
-    start_command,
-    wait_announced,
-)
+from ..bootstrap import NoAnswer
+from ..launch import RemoteShell, ShellAllocation
 from ..local import _client_path
-from ..pipe import PipeAgent, spawn
 from .job import (
     HOLDER,
     Job,
@@ -204,9 +196,6 @@ class Slurm(Provider):
     def __repr__(self) -> str:
         where = f"partition={self.partition!r}" if self.partition else ""
         return f"Slurm({where})"
-
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
 
     def existing_job(self) -> str | None:
         """The job this program runs in, when the pool should use its nodes."""
@@ -366,7 +355,49 @@ class Slurm(Provider):
 
 
 # -- the allocation ------------------------------------------------------------------------
-class SlurmAllocation(Allocation):
+class SrunShell(RemoteShell):
+    """``srun`` as a remote shell: a command runs as a one-task step of the machine's job
+    on its node. A step srun cannot start (the job was cancelled or ended, the step asks
+    for what the job lacks) is explained with srun's own words; one that waits (a suspended
+    job) is given up after ``Options.start_timeout``."""
+
+    name = "srun"
+
+    def __init__(self, allocation: SlurmAllocation) -> None:
+        self.allocation = allocation
+        env = slurm_env()
+        if allocation.provider.shares_filesystem:
+            env["PYTHONPATH"] = os.pathsep.join(_client_path())
+        env.pop("COMPUTE_POOL", None)
+        self.env = env
+
+    def argv(self, machine: Machine, command: list[str]) -> list[str]:
+        allocation, provider = self.allocation, self.allocation.provider
+        job = allocation.job_of[machine.ident]
+        argv = [
+            "srun",
+            f"--jobid={job.id}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={machine.host}",
+            "--overlap",
+            f"--job-name=flotilla-{allocation.spec.pool_id}-node{machine.rank}",
+            "--quiet",
+            "--unbuffered",  # else slurmstepd forwards stdout line by line (frames are binary)
+        ]
+        if provider.shares_filesystem and provider.workdir is not None:
+            argv.append(f"--chdir={provider.workdir}")
+        return [*argv, *command]
+
+    def subject(self, machine: Machine) -> str:
+        return f"the agent's step in SLURM job {self.allocation.job_of[machine.ident].id}"
+
+    async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
+        job = self.allocation.job_of[machine.ident].id
+        return srun_error(machine.host, job, failure.status, failure.stderr)
+
+
+class SlurmAllocation(ShellAllocation):
     """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
 
     def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
@@ -375,13 +406,13 @@ class SlurmAllocation(Allocation):
         self.job = job
         self.jobs: list[Job] = [job]
         self.job_of: dict[str, Job] = {}
-        self.agents: list[PipeAgent] = []
+        self.agents: list[AgentProcess] = []
         self.watch_interval = WATCH_INTERVAL
         self._watcher: asyncio.Task[None] | None = None
-        self.env = slurm_env()
-        if provider.shares_filesystem:
-            self.env["PYTHONPATH"] = os.pathsep.join(_client_path())
-        self.env.pop("COMPUTE_POOL", None)
+        self.shell = SrunShell(self)
+        self.python = provider.python
+        self.workdir = provider.workdir or "~/.flotilla"
+        self.ship = not provider.shares_filesystem
 
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
         machine = Machine(rank, node, address, f"{job.id}:{node}")
@@ -389,68 +420,10 @@ class SlurmAllocation(Allocation):
         self.mark(machine, MachineState.PENDING)
         return machine
 
-    def srun_argv(self, machine: Machine, command: list[str]) -> list[str]:
-        job = self.job_of[machine.ident]
-        argv = [
-            "srun",
-            f"--jobid={job.id}",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={machine.host}",
-            "--overlap",
-            f"--job-name=flotilla-{self.spec.pool_id}-node{machine.rank}",
-            "--quiet",
-            "--unbuffered",  # else slurmstepd forwards stdout line by line (frames are binary)
-        ]
-        if self.provider.shares_filesystem and self.provider.workdir is not None:
-            argv.append(f"--chdir={self.provider.workdir}")
-        return [*argv, *command]
-
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
-        """Run the agent as a step on ``machine``'s node. The step's command first answers
-        (see ``bootstrap``), so that a step srun cannot start (the job is gone, the step
-        asks for what the job lacks) is a ProvisionError with srun's own words."""
-        provider = self.provider
-        bundle = None
-        if provider.shares_filesystem:
-            command = announced(command)
-        else:
-            workdir = provider.workdir or "~/.flotilla"
-            bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
-            command = [
-                "sh",
-                "-c",
-                start_command(workdir, provider.python, bundle.hash, len(bundle.data)),
-            ]
-        argv = self.srun_argv(machine, command)
-        try:
-            agent = PipeAgent(spawn(argv, env=self.env), machine.address, machine.host)
-        except OSError as e:
-            raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Run the agent as a step on ``machine``'s node (see :class:`SrunShell`)."""
+        agent = await super().start_agent(machine)
         self.agents.append(agent)
-        job = self.job_of[machine.ident].id
-        timeout = self.spec.options.start_timeout
-        try:
-            started = (
-                wait_announced(agent)
-                if bundle is None
-                else start_agent(agent, workdir, provider.python, bundle)
-            )
-            await asyncio.wait_for(started, timeout)
-        except NoAnswer as e:
-            await agent.terminate()
-            raise srun_error(machine.host, job, e.status, e.stderr) from None
-        except TimeoutError:
-            await agent.terminate()
-            said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
-            raise ProvisionError(
-                f"{machine.host}: the agent's step in SLURM job {job} did not start within "
-                f"{timeout:g} s" + (f" (srun: {said[0]})" if said else "") + "; "
-                "Options(start_timeout=...) sets the limit"
-            ) from None
-        except BaseException:
-            await agent.terminate()
-            raise
         return agent
 
     async def replace(self, rank: int, reason: str) -> Machine:
@@ -517,7 +490,7 @@ class SlurmAllocation(Allocation):
         if self._watcher is not None:
             self._watcher.cancel()
         await asyncio.gather(
-            *(a.terminate() for a in self.agents if a.proc.poll() is None),
+            *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,
         )
         await asyncio.gather(*(job.release() for job in self.jobs), return_exceptions=True)
