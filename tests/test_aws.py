@@ -324,6 +324,7 @@ def test_another_host_key_is_refused(aws_lab: AwsLab) -> None:
     finally:
         aws_lab.impostor = False
     assert "host key" in str(err.value)
+    assert err.value.cause is sky.ProvisionCause.IDENTITY
     (pool_id,) = {
         t["Value"]
         for i in aws_lab.describe()

@@ -22,7 +22,7 @@ from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ss
 from _procs import Client, all_pids, assert_all_gone, cmdline
 
 import flotilla as sky
-from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
+from flotilla._errors import ConfigurationError, NodeLostError, ProvisionCause, ProvisionError
 from flotilla._providers import bootstrap as _bootstrap
 from flotilla._providers import launch as _launch
 from flotilla._providers.ssh import SSH, SSHHost, parse_host
@@ -285,6 +285,7 @@ def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Pa
     msg = str(info.value)
     fingerprint = _fingerprint(host)
     assert msg.startswith(f"{host.addr}: REFUSED: unknown host key")
+    assert info.value.cause is ProvisionCause.IDENTITY
     assert fingerprint in msg
     assert "accept_new_host_keys=True" in msg and f"ssh-keyscan {host.addr} >> {empty}" in msg
     assert empty.read_text() == ""
@@ -300,6 +301,7 @@ def test_changed_host_key_is_always_refused(ssh_lab: Lab, tmp_path: Path) -> Non
         sky.Compute(provider=provider, nodes=1).open()
     msg = str(info.value)
     assert msg.startswith(f"{host.addr}: REFUSED: the host key changed")
+    assert info.value.cause is ProvisionCause.IDENTITY
     assert _fingerprint(host) in msg and "ssh-keygen -R" in msg
     assert known.read_text().count("\n") == 1  # nothing recorded
 
@@ -332,6 +334,7 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
         sky.Compute(provider=provider, nodes=2).open()
     elapsed = time.monotonic() - t0
     assert str(info.value).startswith(f"{addr}: cannot connect over SSH (port 22)")
+    assert info.value.cause is ProvisionCause.UNREACHABLE
     assert elapsed < 1.5 + 1.5, elapsed
     assert ssh_lab.wait_no_agents(ssh_lab.hosts[:1], timeout=3.0) == {}  # the good one stopped
 
@@ -339,8 +342,11 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
 def test_refused_port_names_the_host(ssh_lab: Lab) -> None:
     host = ssh_lab.hosts[0]
     provider = ssh_lab.provider([host], port=2)
-    with pytest.raises(ProvisionError, match=rf"^{host.addr}: cannot connect over SSH \(port 2\)"):
+    with pytest.raises(
+        ProvisionError, match=rf"^{host.addr}: cannot connect over SSH \(port 2\)"
+    ) as info:
         sky.Compute(provider=provider, nodes=1).open()
+    assert info.value.cause is ProvisionCause.UNREACHABLE
 
 
 def test_host_dying_mid_task_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from ..._errors import ConfigurationError, ProvisionError
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._node.procs import die_with_parent
 from ..pipe import read_chunks
 
@@ -354,7 +354,8 @@ def srun_error(host: str, job_id: str, status: int | None, stderr: str) -> Provi
             f"{host}`), and slurmd's log on {host}"
         )
     return ProvisionError(
-        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}"
+        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}",
+        cause=ProvisionCause.LAUNCHER,
     )
 
 
