@@ -36,10 +36,8 @@ from flotilla._info import InstanceInfo
 from flotilla._providers.base import (
     AgentProcess,
     Allocation,
-    AllocationState,
     FramesCallback,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
@@ -282,20 +280,13 @@ class FakeAllocation(Allocation):
         self.provider.events.append(("start", machine.rank, machine.ident))
         return agent
 
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         self.provider.events.append(("replace", rank, reason))
         if self.provider.no_spares:
             raise ProvisionError(f"no machine to replace node {rank} with")
-        old = self.machines[rank]
-        self.machines[rank] = machine = self.provider.machine(rank)
-        self.mark(old, MachineState.RELEASED)
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return self.provider.machine(rank)
 
-    async def release(self) -> None:
-        self.state = AllocationState.RELEASED
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
+    async def free(self) -> None:
         self.provider.events.append(("release", -1, ""))
 
 

@@ -24,7 +24,7 @@ import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
 from flotilla._providers.base import Options, PoolSpec
 from flotilla._providers.slurm import Slurm
-from flotilla._providers.slurm.job import parse_time
+from flotilla._providers.slurm.settings import parse_time
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ import flotilla as sky
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionCause, ProvisionError
 from flotilla._providers import bootstrap as _bootstrap
 from flotilla._providers import launch as _launch
-from flotilla._providers.ssh import SSH, SSHHost, parse_host
+from flotilla._providers.settings import SSHHost, parse_host
+from flotilla._providers.ssh import SSH
 
 
 @sky.function
@@ -182,7 +184,9 @@ def test_instance_info_has_each_hosts_own_address(ssh_lab: Lab) -> None:
 def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:
     host = ssh_lab.hosts[0]
     provider = ssh_lab.provider([host])
-    provider.hosts = (SSHHost(host.addr, private_addr="192.0.2.77"),)
+    provider.settings = replace(
+        provider.settings, hosts=(SSHHost(host.addr, private_addr="192.0.2.77"),)
+    )
     with sky.Compute(provider=provider, nodes=1) as pool:
         info = where() >> pool
     assert info["addr"] == "192.0.2.77" and info["peers"] == [(0, "192.0.2.77")]
@@ -328,7 +332,7 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
     addr = ssh_lab.unused_addr()
     good = ssh_lab.hosts[0].addr
     provider = ssh_lab.provider(connect_timeout=1.5)
-    provider.hosts = (SSHHost(good), SSHHost(addr))
+    provider.settings = replace(provider.settings, hosts=(SSHHost(good), SSHHost(addr)))
     t0 = time.monotonic()
     with pytest.raises(ProvisionError) as info:
         sky.Compute(provider=provider, nodes=2).open()

@@ -6,7 +6,8 @@ root cause first in the message. Errors raised by *user code* on a node are re-r
 their original type when it can be imported locally; otherwise as :class:`RemoteError`.
 
     FlotillaError                           flotilla.FlotillaError
-    ├── ConfigurationError (ValueError)     bad input, detected before anything starts
+    ├── ConfigurationError                  bad input (arguments, settings), detected
+    │   (ValueError, TypeError)             before anything starts
     │   ├── TaskError                       cli/taskfile.py: a task file that cannot run
     │   │                                   as written (path, line, field)
     │   └── CorruptStateError               cli/state.py: a cluster's state file is
@@ -63,8 +64,11 @@ class FlotillaError(Exception):
 
 
 @_public
-class ConfigurationError(FlotillaError, ValueError):
-    """Invalid configuration, detected before anything is provisioned."""
+class ConfigurationError(FlotillaError, ValueError, TypeError):
+    """Invalid configuration or arguments, detected before anything is provisioned.
+
+    Also a ValueError and a TypeError: code that catches either for a bad argument
+    (``Compute(nodes=0)``, ``Image(apt="x")``) keeps working."""
 
 
 @_public

@@ -16,6 +16,11 @@ backend implements (as submitit's executors and dask's ``ProcessInterface`` do):
    the agent does not start (the SSH provider's spares).
 4. **release** (:meth:`Allocation.release`): give everything back. Idempotent.
 
+The :class:`Allocation` base class keeps the books (machine and allocation states, the
+idempotent release); a provider implements only getting and giving back its own resources
+(:meth:`Provider.acquire`, :meth:`Allocation.replacement`, :meth:`Allocation.free`) and
+starting an agent (``launch.ShellAllocation`` for machines reached through a remote shell).
+
 Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so every
 backend shares one path (:meth:`Provider.start`) and runs the same agent entry point.
 """
@@ -23,15 +28,18 @@ backend shares one path (:meth:`Provider.start`) and runs the same agent entry p
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from .._accelerators import Accelerator
-from .._errors import ProvisionError
+from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
+
+logger = logging.getLogger("flotilla")
 
 FramesCallback = Callable[[list[tuple[int, int, bytes | bytearray]] | None], None]
 """Receives the frames an agent sent; None at end of stream (the agent is gone)."""
@@ -79,13 +87,13 @@ class Options:
 
     def __post_init__(self) -> None:
         if not isinstance(self.replace_lost_nodes, bool):
-            raise ValueError(
+            raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
             )
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"Options.{name} must be a positive number, got {value!r}")
+                raise ConfigurationError(f"Options.{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -211,20 +219,35 @@ LostCallback = Callable[[int, str], None]
 class Allocation(ABC):
     """The machines a provider acquired for one pool. All methods run on the client's loop.
 
+    The base class keeps the books: the machine at each rank, each machine's state and the
+    allocation's; a provider implements :meth:`start_agent`, and gets and gives back its own
+    resources in :meth:`replacement` and :meth:`free`.
+
     Attributes:
         spec: the pool's request.
-        machines: the current machine of each rank, in rank order.
+        machines: the current machine of each rank, in rank order (assigning the list
+            records its machines as PENDING; :meth:`put` changes one rank's).
         state: where the allocation is in its lifecycle.
+        machine_states: the state of every machine the allocation ever held, by ident.
     """
 
     def __init__(self, spec: PoolSpec, machines: Sequence[Machine]) -> None:
         self.spec = spec
-        self.machines: list[Machine] = list(machines)
         self.state = AllocationState.READY
-        self.machine_states: dict[str, MachineState] = {
-            m.ident: MachineState.PENDING for m in machines
-        }
+        self.machine_states: dict[str, MachineState] = {}
+        self._machines: list[Machine] = []
+        self.machines = list(machines)
         self._on_lost: LostCallback | None = None
+
+    @property
+    def machines(self) -> list[Machine]:
+        return self._machines
+
+    @machines.setter
+    def machines(self, machines: Sequence[Machine]) -> None:
+        self._machines = list(machines)
+        for machine in machines:
+            self.machine_states.setdefault(machine.ident, MachineState.PENDING)
 
     @abstractmethod
     async def start_agent(self, machine: Machine) -> AgentProcess:
@@ -233,11 +256,27 @@ class Allocation(ABC):
         ``launch.ShellAllocation``."""
 
     async def replace(self, rank: int, reason: str) -> Machine:
-        """Put a new machine at ``rank`` (its current one is lost, for ``reason``) and
-        release the old one. ProvisionError when no machine can be had."""
+        """Put a new machine at ``rank`` (its current one is lost, for ``reason``; see
+        :meth:`replacement`), which is then PENDING and the old one RELEASED.
+        ProvisionError when no machine can be had."""
+        machine = await self.replacement(rank, reason)
+        self.put(rank, machine)
+        return machine
+
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """A new machine for ``rank``, whose current machine is lost for ``reason``, after
+        giving back what the old one held. ProvisionError when none can be had (the
+        default: this provider cannot replace machines)."""
         raise ProvisionError(
             f"{self.machines[rank].host}: {reason}; this provider cannot replace machines"
         )
+
+    def put(self, rank: int, machine: Machine) -> None:
+        """Make ``machine`` (PENDING) the machine at ``rank``, in place of the current one
+        (RELEASED)."""
+        self.mark(self.machines[rank], MachineState.RELEASED)
+        self._machines[rank] = machine
+        self.mark(machine, MachineState.PENDING)
 
     async def renew(self, rank: int, reason: str) -> AgentProcess:
         """Replace the lost machine at ``rank`` (:meth:`replace`) and start the agent
@@ -252,9 +291,24 @@ class Allocation(ABC):
         self.mark(machine, MachineState.RUNNING)
         return agent
 
-    @abstractmethod
     async def release(self) -> None:
-        """Release every machine the allocation ever held. Idempotent; never raises."""
+        """Release every machine the allocation ever held (:meth:`free`). Idempotent; never
+        raises: what could not be given back is logged."""
+        if self.state in (AllocationState.RELEASING, AllocationState.RELEASED):
+            return
+        self.state = AllocationState.RELEASING
+        try:
+            await self.free()
+        except Exception as e:
+            logger.warning("pool %s: could not release everything: %s", self.spec.pool_id, e)
+        finally:
+            for ident in self.machine_states:
+                self.machine_states[ident] = MachineState.RELEASED
+            self.state = AllocationState.RELEASED
+
+    async def free(self) -> None:  # noqa: B027 - optional hook
+        """Give back everything the allocation holds (called once, by :meth:`release`):
+        nothing by default."""
 
     def watch(self, on_lost: LostCallback) -> None:
         """Report machines the provider learns are gone (a SLURM node DOWN, a spot
@@ -278,10 +332,19 @@ class Provider(ABC):
     implement :meth:`acquire` (and an :class:`Allocation`), and :meth:`validate`."""
 
     name: str = "provider"
+    settings_type: ClassVar[type[Any] | None] = None
+    """The provider's settings: a frozen dataclass whose fields, documented in its
+    docstring's ``Attributes:``, are the constructor's keyword arguments (the command line
+    derives ``flotilla launch``'s flags from them)."""
     home: str = "~/.flotilla"
     """Where nodes keep built environments between pools."""
     shares_filesystem: bool = False
     """True when nodes see the client's files (then user modules are imported, not shipped)."""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Self:
+        """The provider made from a :attr:`settings_type` object."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

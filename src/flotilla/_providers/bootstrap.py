@@ -135,10 +135,8 @@ def _package_dirs() -> dict[str, str]:
     """Import name -> directory of the packages a node needs, as this client has them."""
     import cloudpickle
 
-    import flotilla
-
-    return {
-        "flotilla": os.path.dirname(os.path.abspath(flotilla.__file__)),
+    return {  # flotilla: the package this module is in
+        "flotilla": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         "cloudpickle": os.path.dirname(os.path.abspath(cloudpickle.__file__)),
     }
 

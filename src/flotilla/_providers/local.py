@@ -15,14 +15,13 @@ from .._node import procs
 from .base import (
     AgentProcess,
     Allocation,
-    AllocationState,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
 from .limits import check_local_capacity, out_of_files
 from .pipe import PipeAgent, spawn
+from .settings import LocalSettings
 
 
 class Local(Provider):
@@ -32,15 +31,15 @@ class Local(Provider):
     addresses are 127.0.0.1. By default the agents use this interpreter and its
     environment (``sys.path`` is passed on), so a pool starts in a fraction of a second.
 
-    Args:
-        python: interpreter for the agents (default: ``sys.executable``).
-        workdir: parent folder of the nodes' working directories (default: a temp dir).
+    Args: the fields of :class:`LocalSettings`.
     """
 
     name = "local"
+    settings_type = LocalSettings
     shares_filesystem = True
 
     def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
+        self.settings = LocalSettings(python, workdir)
         self.python = python or sys.executable
         self.workdir = workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
@@ -132,9 +131,7 @@ class LocalAllocation(Allocation):
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
         self._folders.append(folder)
-        machine = Machine(rank, "localhost", "127.0.0.1", folder)
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return Machine(rank, "localhost", "127.0.0.1", folder)
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         command = [self.provider.python, "-m", "flotilla.agent"]
@@ -148,20 +145,15 @@ class LocalAllocation(Allocation):
             ) from e
         return PipeAgent(proc, address=machine.address, host=machine.host)
 
-    async def replace(self, rank: int, reason: str) -> Machine:
-        old = self.machines[rank]
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """A new folder; the lost machine's goes."""
         machine = self.new_machine(rank)
-        self.machines[rank] = machine
-        self.mark(old, MachineState.RELEASED)
-        shutil.rmtree(old.ident, ignore_errors=True)
+        shutil.rmtree(self.machines[rank].ident, ignore_errors=True)
         return machine
 
-    async def release(self) -> None:
-        self.state = AllocationState.RELEASED
+    async def free(self) -> None:
         for folder in self._folders:
             shutil.rmtree(folder, ignore_errors=True)
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
 
 
 def _client_path() -> list[str]:

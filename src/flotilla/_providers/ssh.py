@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from .._errors import ConfigurationError, ProvisionError
 from .base import (
     AgentProcess,
-    AllocationState,
     Machine,
     MachineState,
     PoolSpec,
     Provider,
 )
 from .launch import ShellAllocation
+from .settings import SSHHost, SSHSettings
 from .ssh_shell import SSHShell, Target, ssh_client
 
 logger = logging.getLogger("flotilla.ssh")
@@ -33,64 +33,12 @@ logger = logging.getLogger("flotilla.ssh")
 
 # -- hosts ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SSHHost:
-    """One SSH host.
-
-    Attributes:
-        host: host name or address the client connects to.
-        user: login user (default: the provider's ``user``, then SSH's default).
-        port: SSH port (default: the provider's ``port``).
-        private_addr: the address the other nodes use to reach this one (e.g. a private
-            network address); default: ``host``.
-    """
-
-    host: str
-    user: str | None = None
-    port: int | None = None
-    private_addr: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host.strip():
-            raise ConfigurationError(f"SSHHost.host must be a host name, got {self.host!r}")
-        if self.port is not None:
-            _check_port(self.port, f"port of host {self.host!r}")
-
-
-def parse_host(text: str) -> SSHHost:
-    """``SSHHost`` of ``"host"``, ``"user@host"``, ``"host:port"``, ``"user@[v6addr]:port"``."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigurationError(f"an SSH host must be a non-empty string, got {text!r}")
-    user, _, rest = text.strip().rpartition("@")
-    port: str | None = None
-    if rest.startswith("["):
-        host, sep, after = rest[1:].partition("]")
-        if not sep or (after and not after.startswith(":")):
-            raise ConfigurationError(f"cannot parse SSH host {text!r}: expected [address]:port")
-        port = after[1:] or None
-    elif rest.count(":") == 1:
-        host, port = rest.split(":")
-    else:
-        host = rest  # a plain name, or an IPv6 address without a port
-    if not host:
-        raise ConfigurationError(f"cannot parse SSH host {text!r}: no host name")
-    if port is not None and not port.isdigit():
-        raise ConfigurationError(f"cannot parse SSH host {text!r}: port {port!r} is not a number")
-    return SSHHost(host, user or None, int(port) if port else None)
-
-
-def _check_port(port: object, what: str) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ConfigurationError(f"{what} must be a TCP port number (1-65535), got {port!r}")
-
-
-@dataclass(frozen=True)
 class _Target(Target):
     """A host with the provider's defaults applied, and the address peers reach it at."""
 
     address: str
 
 
-# -- the provider --------------------------------------------------------------------------
 class SSH(Provider):
     """Run the nodes on existing machines reached over SSH.
 
@@ -98,23 +46,11 @@ class SSH(Provider):
     runs the client's own flotilla version (uploaded once per version, see ``_bootstrap``)
     with the host's ``python``. Needs OpenSSH's ``ssh`` client on this machine.
 
-    Args:
-        hosts: ``"user@host:port"`` strings or :class:`SSHHost` objects.
-        user: default login user (default: SSH's, usually the local user name).
-        port: default SSH port.
-        key: private key file (default: ssh-agent and ``~/.ssh/id_*``).
-        known_hosts: known_hosts file that host keys are checked against
-            (default: ``~/.ssh/known_hosts``).
-        accept_new_host_keys: trust on first use: accept a host that is not in
-            ``known_hosts`` and record its key there. A changed key is always refused.
-        python: interpreter on the hosts (Python >= 3.11).
-        workdir: directory on the hosts for flotilla's files and the agents' working
-            directory; ``~`` is the login user's home.
-        connect_timeout: seconds to connect and authenticate to one host (whole seconds
-            for ssh; a fraction is rounded up).
+    Args: the fields of :class:`SSHSettings`.
     """
 
     name = "ssh"
+    settings_type = SSHSettings
 
     def __init__(
         self,
@@ -128,31 +64,26 @@ class SSH(Provider):
         workdir: str = "~/.flotilla",
         connect_timeout: float = 10.0,
     ) -> None:
-        if isinstance(hosts, str | SSHHost):
-            hosts = [hosts]
-        self.hosts: tuple[SSHHost, ...] = tuple(
-            h if isinstance(h, SSHHost) else parse_host(h) for h in hosts
+        settings = SSHSettings(
+            hosts=hosts,
+            user=user,
+            port=port,
+            key=os.fspath(key) if key is not None else None,
+            known_hosts=os.fspath(known_hosts) if known_hosts is not None else "~/.ssh/known_hosts",
+            accept_new_host_keys=accept_new_host_keys,
+            python=python,
+            workdir=workdir,
+            connect_timeout=connect_timeout,
         )
-        if not self.hosts:
-            raise ConfigurationError("SSH(hosts=...) needs at least one host")
-        _check_port(port, "SSH(port=...)")
-        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float):
-            raise ConfigurationError(f"connect_timeout must be a number, got {connect_timeout!r}")
-        if connect_timeout <= 0:
-            raise ConfigurationError(f"connect_timeout must be positive, got {connect_timeout!r}")
-        if not python.strip() or not workdir.strip():
-            raise ConfigurationError("SSH(python=..., workdir=...) must not be empty")
-        self.user = user
-        self.port = port
-        self.key = os.path.expanduser(os.fspath(key)) if key is not None else None
-        self.known_hosts = os.path.expanduser(
-            os.fspath(known_hosts) if known_hosts is not None else "~/.ssh/known_hosts"
-        )
-        self.accept_new_host_keys = accept_new_host_keys
-        self.python = python
-        self.workdir = workdir
-        self.home = workdir
-        self.connect_timeout = float(connect_timeout)
+        self.settings = settings
+        self.home = settings.workdir
+
+    @property
+    def hosts(self) -> tuple[SSHHost, ...]:
+        """The hosts, in rank order (parsed when the settings were made)."""
+        hosts = self.settings.hosts
+        assert isinstance(hosts, tuple)
+        return tuple(h for h in hosts if isinstance(h, SSHHost))
 
     def __repr__(self) -> str:
         names = ", ".join(h.host for h in self.hosts[:4])
@@ -166,16 +97,16 @@ class SSH(Provider):
                 f"add hosts to SSH(hosts=[...]) or lower nodes= to at most {len(self.hosts)}"
             )
         ssh_client()
-        if self.key is not None and not os.path.isfile(self.key):
-            raise ConfigurationError(f"SSH(key=...): no such private key file: {self.key}")
-        if self.accept_new_host_keys:
-            _check_writable(self.known_hosts)
+        if self.settings.key is not None and not os.path.isfile(self.settings.key):
+            raise ConfigurationError(f"SSH(key=...): no such private key file: {self.settings.key}")
+        if self.settings.accept_new_host_keys:
+            _check_writable(self.settings.known_hosts)
 
     def target(self, host: SSHHost) -> _Target:
         return _Target(
             host=host.host,
-            user=host.user or self.user,
-            port=host.port or self.port,
+            user=host.user or self.settings.user,
+            port=host.port or self.settings.port,
             address=host.private_addr or host.host,
         )
 
@@ -183,17 +114,19 @@ class SSH(Provider):
         """``ssh`` with this provider's key, known_hosts and timeout, to ``target``."""
         return SSHShell(
             target,
-            key=self.key,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=self.accept_new_host_keys,
-            connect_timeout=self.connect_timeout,
+            key=self.settings.key,
+            known_hosts=self.settings.known_hosts,
+            accept_new_host_keys=self.settings.accept_new_host_keys,
+            connect_timeout=self.settings.connect_timeout,
         )
 
     async def acquire(self, spec: PoolSpec) -> SSHAllocation:
         """The first ``spec.nodes`` hosts serve the ranks; the others are spares that
         :meth:`SSHAllocation.replace` takes in order. Nothing is connected yet."""
-        if self.accept_new_host_keys:
-            os.makedirs(os.path.dirname(self.known_hosts) or ".", mode=0o700, exist_ok=True)
+        if self.settings.accept_new_host_keys:
+            os.makedirs(
+                os.path.dirname(self.settings.known_hosts) or ".", mode=0o700, exist_ok=True
+            )
         return SSHAllocation(self, spec)
 
 
@@ -240,24 +173,21 @@ class SSHAllocation(ShellAllocation):
         self.spares = targets[spec.nodes :]
         self.unusable: dict[str, str] = {}
         self.shell = provider.shell(lambda machine: self.targets[machine.ident])
-        self.python = provider.python
-        self.workdir = provider.workdir
+        self.python = provider.settings.python
+        self.workdir = provider.settings.workdir
 
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         """The next spare host, else the same host again (a new connection)."""
         old = self.machines[rank]
-        return self._put(rank, self.spares.pop(0) if self.spares else self.targets[old.ident])
+        return self._on(rank, self.spares.pop(0) if self.spares else self.targets[old.ident])
 
-    def _put(self, rank: int, target: _Target) -> Machine:
-        """A new machine on ``target`` at ``rank``, in place of the current one."""
-        self.mark(self.machines[rank], MachineState.RELEASED)
+    def _on(self, rank: int, target: _Target) -> Machine:
+        """A new machine on ``target`` for ``rank``."""
         machine = _machine(rank, target)
         uses = sum(1 for t in self.targets.values() if t == target)
         if uses:  # a reconnection: a new machine of the allocation's history, same host
             machine = dataclasses.replace(machine, ident=f"{machine.ident}#{uses + 1}")
         self.targets[machine.ident] = target
-        self.machines[rank] = machine
-        self.mark(machine, MachineState.PENDING)
         return machine
 
     async def renew(self, rank: int, reason: str) -> AgentProcess:
@@ -267,7 +197,8 @@ class SSHAllocation(ShellAllocation):
         failures: list[str] = []
         while True:
             spare = bool(self.spares)
-            machine = self._put(rank, self.spares.pop(0) if spare else lost)
+            machine = self._on(rank, self.spares.pop(0) if spare else lost)
+            self.put(rank, machine)
             try:
                 agent = await self.start_agent(machine)
             except ProvisionError as e:
@@ -291,11 +222,6 @@ class SSHAllocation(ShellAllocation):
                 continue
             self.mark(machine, MachineState.RUNNING)
             return agent
-
-    async def release(self) -> None:
-        self.state = AllocationState.RELEASED
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
 
 
 def _machine(rank: int, target: _Target) -> Machine:

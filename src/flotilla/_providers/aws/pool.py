@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._node.cloud import ENV as CLOUD_ENV
@@ -22,16 +22,14 @@ from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpe
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
 from .agent import RETRIED, AWSAgent, wait_port
-from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
+from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
 from .guard import contact_path, guard_command
 from .keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
 from .orphans import client_id
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
-
-if TYPE_CHECKING:
-    from .provider import AWS
+from .settings import AWSSettings
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -58,11 +56,11 @@ class AWSAllocation(ShellAllocation):
         folder: the local folder with the pool's keys and known_hosts.
     """
 
-    def __init__(self, provider: AWS, spec: PoolSpec) -> None:
+    def __init__(self, settings: AWSSettings, api: Api, spec: PoolSpec) -> None:
         super().__init__(spec, [])
         self.state = AllocationState.ACQUIRING
-        self.provider = provider
-        self.api = provider.api
+        self.settings = settings
+        self.api = api
         self.choice: InstanceChoice | None = None
         self.market = ""
         self.zone = ""
@@ -79,8 +77,8 @@ class AWSAllocation(ShellAllocation):
         self._client = client_id()
         self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
-        self.python = provider.python
-        self.workdir = provider.workdir
+        self.python = settings.python
+        self.workdir = settings.workdir
         with open(os.path.join(self.folder, "client"), "w") as f:
             f.write(self._client)
 
@@ -98,7 +96,7 @@ class AWSAllocation(ShellAllocation):
         """Check everything, then make the group and launch. Independent API calls run at
         once (the network, the instance choice and AMI, the keys; then the group and the
         spot price): a pool's start waits for 4 API round trips before RunInstances, not 9."""
-        provider, spec = self.provider, self.spec
+        settings, spec = self.settings, self.spec
         network, choice, login_key = await _all(
             self._in_thread(self._find_subnets),
             self._in_thread(self._choose),
@@ -116,19 +114,19 @@ class AWSAllocation(ShellAllocation):
         self.login_key = login_key
         self.shell = SSHShell(
             lambda machine: Target(
-                self._connect_addr(self.instances[machine.ident]), provider.ssh_user, 22
+                self._connect_addr(self.instances[machine.ident]), settings.ssh_user, 22
             ),
             key=login_key.path,
             known_hosts=self.known_hosts,
             accept_new_host_keys=False,
-            connect_timeout=provider.connect_timeout,
+            connect_timeout=settings.connect_timeout,
         )
-        if provider.private_ips:
+        if settings.private_ips:
             self._client_cidrs = cidrs
         else:
             self._client_cidrs = [await self._in_thread(_public_cidr)]
-        spot = provider.allocation != "on-demand" and choice.spot
-        fallback = spot and provider.allocation == "spot-if-available"
+        spot = settings.allocation != "on-demand" and choice.spot
+        fallback = spot and settings.allocation == "spot-if-available"
         kind, api = choice.instance_type, self.api
         _, spot_cost, on_demand_cost = await _all(
             self._in_thread(self._make_security_group),
@@ -148,24 +146,24 @@ class AWSAllocation(ShellAllocation):
 
     def _choose(self) -> InstanceChoice:
         """The instance choice and its AMI (checked)."""
-        provider, spec = self.provider, self.spec
+        settings, spec = self.settings, self.spec
         choice = choose(
             self.api,
-            provider.instance_type,
+            settings.instance_type,
             spec.accelerator,
             spec.vcpus,
             spec.memory_gb,
-            provider.allocation == "spot",
+            settings.allocation == "spot",
             None,
         )
-        ami = provider.ami or default_ami(self.api, choice)
+        ami = settings.ami or default_ami(self.api, choice)
         self._image = check_ami(self.api, ami, choice)
         return choice
 
     def _find_subnets(self) -> tuple[dict[str, str], str, list[str]]:
         """(zone -> subnet, VPC id, the VPC's CIDRs): the given subnet, or one subnet per
         zone of the default VPC (its default subnets first)."""
-        subnet = self.provider.subnet
+        subnet = self.settings.subnet
         if subnet:
             found = self.api.call(
                 "ec2", "describe_subnets", f"look up subnet {subnet}", SubnetIds=[subnet]
@@ -211,7 +209,7 @@ class AWSAllocation(ShellAllocation):
             TAG_OWNER: _owner(),
             TAG_CLIENT: self._client,
             TAG_CREATED: self._created,
-            **self.provider.tags,
+            **self.settings.tags,
         }
         return {"ResourceType": resource, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
 
@@ -248,7 +246,7 @@ class AWSAllocation(ShellAllocation):
                         "ToPort": high,
                         "IpRanges": [{"CidrIp": "0.0.0.0/0", "Description": "AWS(ports=...)"}],
                     }
-                    for low, high in self.provider.ports
+                    for low, high in self.settings.port_ranges()
                 ),
             ],
         )
@@ -261,16 +259,16 @@ class AWSAllocation(ShellAllocation):
         host_key = keygen(
             self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
         )
-        provider = self.provider
+        settings = self.settings
         guard = guard_command(
-            provider.ttl,
+            settings.ttl,
             self.spec.options.start_timeout,
-            provider.workdir,
-            provider.ssh_user,
-            provider.poweroff_command,
+            settings.workdir,
+            settings.ssh_user,
+            settings.poweroff_command,
         )
         data = user_data(host_key, self.login_key, [guard])
-        allocation = self.provider.allocation
+        allocation = self.settings.allocation
         markets = {"spot": ["spot"], "on-demand": ["on-demand"]}.get(
             allocation, ["spot", "on-demand"]
         )
@@ -297,7 +295,7 @@ class AWSAllocation(ShellAllocation):
                 instances = sorted(reply["Instances"], key=lambda i: int(i["AmiLaunchIndex"]))
                 for inst in instances:
                     self.instances[inst["InstanceId"]] = inst
-                if not self.provider.private_ips:
+                if not self.settings.private_ips:
                     instances = self._public_addresses(instances)
                 for inst in instances:
                     pin(self.known_hosts, self._connect_addr(inst), host_key)
@@ -327,7 +325,7 @@ class AWSAllocation(ShellAllocation):
                     "DeviceIndex": 0,
                     "SubnetId": self._subnets[zone],
                     "Groups": [self.security_group],
-                    "AssociatePublicIpAddress": not self.provider.private_ips,
+                    "AssociatePublicIpAddress": not self.settings.private_ips,
                     "DeleteOnTermination": True,
                 }
             ],
@@ -341,12 +339,12 @@ class AWSAllocation(ShellAllocation):
                     "InstanceInterruptionBehavior": "terminate",
                 },
             }
-        if self.provider.disk_gb:
+        if self.settings.disk_gb:
             params["BlockDeviceMappings"] = [
                 {
                     "DeviceName": self._image.get("RootDeviceName", "/dev/sda1"),
                     "Ebs": {
-                        "VolumeSize": self.provider.disk_gb,
+                        "VolumeSize": self.settings.disk_gb,
                         "VolumeType": "gp3",
                         "DeleteOnTermination": True,
                     },
@@ -381,14 +379,12 @@ class AWSAllocation(ShellAllocation):
         return [i for r in reply["Reservations"] for i in r["Instances"]]
 
     def _connect_addr(self, inst: dict[str, Any]) -> str:
-        if self.provider.private_ips:
+        if self.settings.private_ips:
             return str(inst["PrivateIpAddress"])
         return str(inst["PublicIpAddress"])
 
     def _machine(self, rank: int, inst: dict[str, Any]) -> Machine:
-        machine = Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
     # -- agents ------------------------------------------------------------------------
     async def start_agent(self, machine: Machine) -> AgentProcess:
@@ -429,9 +425,9 @@ class AWSAllocation(ShellAllocation):
         """``FLOTILLA_CLOUD``: the instance watchdog's settings (see ``_node/cloud.py``)."""
         spot = self.instances[machine.ident].get("InstanceLifecycle") == "spot"
         settings = {
-            "contact": contact_path(self.provider.workdir, machine.ident),
-            "ttl": self.provider.ttl,
-            "poweroff": list(self.provider.poweroff_command),
+            "contact": contact_path(self.settings.workdir, machine.ident),
+            "ttl": self.settings.ttl,
+            "poweroff": list(self.settings.poweroff_command),
             "imds": IMDS if spot else "",
         }
         return {CLOUD_ENV: json.dumps(settings)}
@@ -445,7 +441,7 @@ class AWSAllocation(ShellAllocation):
                 self.report_lost(rank, reason)
 
     # -- replace -----------------------------------------------------------------------
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         """Launch one new instance for ``rank`` (same type, group, tags; a new host key)
         and terminate the old one."""
         if self.state is not AllocationState.READY:
@@ -455,8 +451,6 @@ class AWSAllocation(ShellAllocation):
         old = self.machines[rank]
         (inst,) = await self._in_thread(self._run, 1)
         machine = self._machine(rank, inst)
-        self.machines[rank] = machine
-        self.mark(old, MachineState.RELEASED)
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
         try:
             await self._in_thread(
@@ -472,10 +466,7 @@ class AWSAllocation(ShellAllocation):
         return machine
 
     # -- release -----------------------------------------------------------------------
-    async def release(self) -> None:
-        if self.state in (AllocationState.RELEASING, AllocationState.RELEASED):
-            return
-        self.state = AllocationState.RELEASING
+    async def free(self) -> None:
         busy = list(self._busy)
         if busy:  # an API call of a cancelled launch may still be creating something
             await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
@@ -485,9 +476,6 @@ class AWSAllocation(ShellAllocation):
             _show(f"AWS: could not release everything of pool {self.spec.pool_id}: {e}")
         finally:
             remove_folder(self.folder)
-            for machine in self.machines:
-                self.mark(machine, MachineState.RELEASED)
-            self.state = AllocationState.RELEASED
 
     def _release(self) -> None:
         from .orphans import delete_group, terminate

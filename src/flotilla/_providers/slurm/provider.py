@@ -51,7 +51,6 @@ from ..base import (
     AllocationState,
     LostCallback,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
@@ -71,27 +70,16 @@ from .job import (
     node_addresses,
     node_states,
     parse_limit,
-    parse_time,
     query,
     say,
     slurm_env,
     srun_error,
 )
+from .settings import SlurmSettings, parse_time
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
 FALLBACK_TIME = "1-00:00:00"
 """--time when neither time= nor the partition gives a limit (never UNLIMITED)."""
-_RESERVED = {
-    "--nodes": "nodes=",
-    "-N": "nodes=",
-    "--ntasks": "nodes=",
-    "-n": "nodes=",
-    "--ntasks-per-node": "nodes=",
-    "--job-name": "the pool id",
-    "-J": "the pool id",
-    "--no-shell": "flotilla's holder",
-    "--jobid": "flotilla",
-}
 WATCH_INTERVAL = 5.0
 """Seconds between two looks at SLURM's view of a pool's nodes and jobs (see watch())."""
 _LOST_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN"}
@@ -104,28 +92,11 @@ class Slurm(Provider):
     a job: ``Compute(provider=Slurm(partition="gpu", time="2:00:00"), nodes=4,
     accelerator="A100:8")``.
 
-    Args:
-        partition: partition to submit to (default: the cluster's default partition; inside
-            a job, None means "use this job's nodes").
-        account: ``--account``.
-        qos: ``--qos``.
-        time: time limit (``--time``: minutes, HH:MM:SS, D-HH:MM:SS). Default: the
-            partition's DefaultTime, else its MaxTime, else one day; never unlimited.
-        constraint: ``--constraint`` (node features).
-        reservation: ``--reservation``.
-        gres: ``--gres`` per node, e.g. ``"gpu:a100:8"``; default: from the pool's
-            ``accelerator`` (``gpu:TYPE:COUNT``). GRES names are site-defined: this wins.
-        sbatch_args: more salloc/sbatch options, e.g. ``("--exclusive=user",)``.
-        python: interpreter on the nodes (default: this interpreter when the filesystem is
-            shared, else ``python3``).
-        workdir: working directory of the agents (default: the current directory when the
-            filesystem is shared, else ``~/.flotilla``, where the bootstrap keeps flotilla).
-        queue_timeout: seconds the job may wait in the queue before the pool gives up
-            (default: wait as long as it takes; Ctrl-C cancels the job).
-        shared_filesystem: whether the nodes see the client's files (the usual SLURM setup).
+    Args: the fields of :class:`SlurmSettings`.
     """
 
     name = "slurm"
+    settings_type = SlurmSettings
 
     def __init__(
         self,
@@ -142,65 +113,35 @@ class Slurm(Provider):
         queue_timeout: float | None = None,
         shared_filesystem: bool = True,
     ) -> None:
-        for key, value in (
-            ("partition", partition),
-            ("account", account),
-            ("qos", qos),
-            ("constraint", constraint),
-            ("reservation", reservation),
-            ("gres", gres),
-            ("python", python),
-            ("workdir", workdir),
-        ):
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(
-                    f"Slurm({key}=...) must be a non-empty string, got {value!r}"
-                )
+        self.settings = settings = SlurmSettings(
+            partition=partition,
+            account=account,
+            qos=qos,
+            time=time,
+            constraint=constraint,
+            reservation=reservation,
+            gres=gres,
+            sbatch_args=sbatch_args,
+            python=python,
+            workdir=workdir,
+            queue_timeout=queue_timeout,
+            shared_filesystem=shared_filesystem,
+        )
         self.time_limit = parse_time(time) if time is not None else None
-        if isinstance(sbatch_args, str) or not all(isinstance(a, str) for a in sbatch_args):
-            raise ConfigurationError(
-                f"Slurm(sbatch_args=...) must be a list of strings such as ['--exclusive'], "
-                f"got {sbatch_args!r}"
-            )
-        for arg in sbatch_args:
-            option = arg.split("=", 1)[0]
-            if option in _RESERVED:
-                raise ConfigurationError(
-                    f"Slurm(sbatch_args=...): {option} is set by flotilla (from "
-                    f"{_RESERVED[option]}); remove it"
-                )
-        if queue_timeout is not None and (
-            isinstance(queue_timeout, bool)
-            or not isinstance(queue_timeout, int | float)
-            or queue_timeout <= 0
-        ):
-            raise ConfigurationError(
-                f"Slurm(queue_timeout=...) must be a positive number of seconds or None, "
-                f"got {queue_timeout!r}"
-            )
-        self.partition = partition
-        self.account = account
-        self.qos = qos
-        self.time = time
-        self.constraint = constraint
-        self.reservation = reservation
-        self.gres = gres
-        self.sbatch_args = tuple(sbatch_args)
-        self.shares_filesystem = bool(shared_filesystem)
+        self.shares_filesystem = settings.shared_filesystem
         self.python = python or (sys.executable if self.shares_filesystem else "python3")
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
-        self.queue_timeout = queue_timeout
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
         self._partition: Partition | None = None
 
     def __repr__(self) -> str:
-        where = f"partition={self.partition!r}" if self.partition else ""
+        where = f"partition={self.settings.partition!r}" if self.settings.partition else ""
         return f"Slurm({where})"
 
     def existing_job(self) -> str | None:
         """The job this program runs in, when the pool should use its nodes."""
         job = os.environ.get("SLURM_JOB_ID")
-        return job if job and self.partition is None else None
+        return job if job and self.settings.partition is None else None
 
     # -- validation ------------------------------------------------------------------
     def validate(self, spec: PoolSpec) -> None:
@@ -231,11 +172,11 @@ class Slurm(Provider):
         limit = part.max_time
         if self.time_limit is not None and limit is not None and self.time_limit > limit:
             raise ConfigurationError(
-                f"Slurm(time={self.time!r}) exceeds partition {part.name!r}'s limit "
+                f"Slurm(time={self.settings.time!r}) exceeds partition {part.name!r}'s limit "
                 f"({format_time(limit)}): ask for at most that"
             )
         acc = spec.accelerator
-        if acc is not None and self.gres is None:
+        if acc is not None and self.settings.gres is None:
             fits = [c for kind, c in part.gpus if kind == acc.name.lower() and c >= acc.count]
             if not fits:
                 offered = ", ".join(f"gpu:{k}:{c}" if k else f"gpu:{c}" for k, c in part.gpus)
@@ -252,7 +193,7 @@ class Slurm(Provider):
             raise ProvisionError(f"cannot query SLURM's partitions: {error_of(proc)}")
         parts = [fields(line) for line in proc.stdout.splitlines() if "PartitionName=" in line]
         names = [p["PartitionName"] for p in parts]
-        if self.partition is None:
+        if self.settings.partition is None:
             found = [p for p in parts if p.get("Default") == "YES"]
             if not found:
                 raise ConfigurationError(
@@ -260,11 +201,11 @@ class Slurm(Provider):
                     f"one of {', '.join(names)}"
                 )
         else:
-            found = [p for p in parts if p["PartitionName"] == self.partition]
+            found = [p for p in parts if p["PartitionName"] == self.settings.partition]
             if not found:
                 raise ConfigurationError(
-                    f"SLURM has no partition {self.partition!r}: pass Slurm(partition=...) "
-                    f"with one of {', '.join(names) or '(none)'}"
+                    f"SLURM has no partition {self.settings.partition!r}: pass "
+                    f"Slurm(partition=...) with one of {', '.join(names) or '(none)'}"
                 )
         p = found[0]
         gpus: list[tuple[str, int]] = []
@@ -290,16 +231,16 @@ class Slurm(Provider):
             "--no-kill",
         ]
         for option, value in (
-            ("partition", self.partition),
-            ("account", self.account),
-            ("qos", self.qos),
-            ("constraint", self.constraint),
-            ("reservation", self.reservation),
+            ("partition", self.settings.partition),
+            ("account", self.settings.account),
+            ("qos", self.settings.qos),
+            ("constraint", self.settings.constraint),
+            ("reservation", self.settings.reservation),
         ):
             if value is not None:
                 argv.append(f"--{option}={value}")
         argv += self._time_args()
-        gres = self.gres
+        gres = self.settings.gres
         if gres is None and spec.accelerator is not None:
             gres = f"gpu:{spec.accelerator.name.lower()}:{spec.accelerator.count}"
         if gres is not None:
@@ -312,7 +253,7 @@ class Slurm(Provider):
             argv.append(f"--mem={max(1, math.ceil(spec.memory_gb * 1024))}M")
         if exclude:
             argv.append(f"--exclude={','.join(exclude)}")
-        return [*argv, *self.sbatch_args, "sh", "-c", HOLDER]
+        return [*argv, *self.settings.sbatch_args, "sh", "-c", HOLDER]
 
     def _time_args(self) -> list[str]:
         if self.time_limit is not None:
@@ -339,7 +280,7 @@ class Slurm(Provider):
             allocation = SlurmAllocation(self, spec, job=Job(job, None, names))
         else:
             argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
-            held = await Job.submit(argv, self.queue_timeout)
+            held = await Job.submit(argv, self.settings.queue_timeout)
             allocation = SlurmAllocation(self, spec, job=held)
         try:
             names = allocation.job.nodes[: spec.nodes]
@@ -417,7 +358,6 @@ class SlurmAllocation(ShellAllocation):
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
         machine = Machine(rank, node, address, f"{job.id}:{node}")
         self.job_of[machine.ident] = job
-        self.mark(machine, MachineState.PENDING)
         return machine
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
@@ -426,11 +366,10 @@ class SlurmAllocation(ShellAllocation):
         self.agents.append(agent)
         return agent
 
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         """A new one-node job for ``rank`` (SLURM cannot add a node to a running job),
         avoiding the lost node."""
         old = self.machines[rank]
-        self.mark(old, MachineState.LOST)
         if not self.job.owned:
             raise ProvisionError(
                 f"{old.host}: {reason}; the pool runs inside SLURM job {self.job.id}, whose "
@@ -438,12 +377,10 @@ class SlurmAllocation(ShellAllocation):
             )
         loop = asyncio.get_running_loop()
         argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, [old.host])
-        job = await Job.submit(argv, self.provider.queue_timeout)
+        job = await Job.submit(argv, self.provider.settings.queue_timeout)
         self.jobs.append(job)
         addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
-        machine = self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
-        self.machines[rank] = machine
-        return machine
+        return self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
 
     def watch(self, on_lost: LostCallback) -> None:
         """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
@@ -481,12 +418,9 @@ class SlurmAllocation(ShellAllocation):
                 reported.add(m.ident)
                 self.report_lost(m.rank, reason)
 
-    async def release(self) -> None:
+    async def free(self) -> None:
         """Stop the steps still running, then end every job the pool made (never one it
         runs inside) and wait until SLURM no longer lists them."""
-        if self.state is AllocationState.RELEASED:
-            return
-        self.state = AllocationState.RELEASING
         if self._watcher is not None:
             self._watcher.cancel()
         await asyncio.gather(
@@ -494,6 +428,3 @@ class SlurmAllocation(ShellAllocation):
             return_exceptions=True,
         )
         await asyncio.gather(*(job.release() for job in self.jobs), return_exceptions=True)
-        self.state = AllocationState.RELEASED
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
