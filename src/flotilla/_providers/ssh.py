@@ -43,7 +43,7 @@ class SSH(Provider):
     """Run the nodes on existing machines reached over SSH.
 
     Node ``i`` runs on ``hosts[i]``; a pool of N nodes uses the first N hosts. Each node
-    runs the client's own flotilla version (uploaded once per version, see ``_bootstrap``)
+    runs the client's own flotilla version (uploaded once per version, see ``bootstrap``)
     with the host's ``python``. Needs OpenSSH's ``ssh`` client on this machine.
 
     Args: the fields of :class:`SSHSettings`.
@@ -56,20 +56,22 @@ class SSH(Provider):
         self,
         hosts: Sequence[str | SSHHost] | str | SSHHost,
         user: str | None = None,
-        port: int = 22,
+        port: int = SSHSettings.port,
         key: str | os.PathLike[str] | None = None,
         known_hosts: str | os.PathLike[str] | None = None,
-        accept_new_host_keys: bool = False,
-        python: str = "python3",
-        workdir: str = "~/.flotilla",
-        connect_timeout: float = 10.0,
+        accept_new_host_keys: bool = SSHSettings.accept_new_host_keys,
+        python: str = SSHSettings.python,
+        workdir: str = SSHSettings.workdir,
+        connect_timeout: float = SSHSettings.connect_timeout,
     ) -> None:
         settings = SSHSettings(
             hosts=hosts,
             user=user,
             port=port,
             key=os.fspath(key) if key is not None else None,
-            known_hosts=os.fspath(known_hosts) if known_hosts is not None else "~/.ssh/known_hosts",
+            known_hosts=(
+                os.fspath(known_hosts) if known_hosts is not None else SSHSettings.known_hosts
+            ),
             accept_new_host_keys=accept_new_host_keys,
             python=python,
             workdir=workdir,

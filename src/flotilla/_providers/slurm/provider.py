@@ -107,11 +107,11 @@ class Slurm(Provider):
         constraint: str | None = None,
         reservation: str | None = None,
         gres: str | None = None,
-        sbatch_args: Sequence[str] = (),
+        sbatch_args: Sequence[str] = SlurmSettings.sbatch_args,
         python: str | None = None,
         workdir: str | None = None,
         queue_timeout: float | None = None,
-        shared_filesystem: bool = True,
+        shared_filesystem: bool = SlurmSettings.shared_filesystem,
     ) -> None:
         self.settings = settings = SlurmSettings(
             partition=partition,
