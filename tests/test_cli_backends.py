@@ -289,8 +289,9 @@ def test_a_settings_flag_reaches_the_provider(kind: str, flag: Flag, tmp_path: P
         argv.append(_SAMPLES.get(flag.setting, "7" if flag.type in (int, float) else "x1"))
     spec = registry.spec_from_args(launch_args(*argv))
     assert spec is not None
-    spec = registry.spec_from_dict(json.loads(json.dumps(spec.to_dict())))
-    provider = b.make_provider(spec, tmp_path)
+    kept = registry.spec_from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert kept == spec and hash(kept) == hash(spec)  # the state file keeps it as it is
+    provider = b.make_provider(kept, tmp_path)
     value = getattr(provider.settings, flag.setting)  # type: ignore[attr-defined]
     if flag.switch:
         expected: object = flag.value

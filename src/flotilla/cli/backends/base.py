@@ -53,6 +53,9 @@ class ProviderSpec:
         flotilla version) are ignored, lists become tuples."""
         known = {f.name for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        values["settings"] = tuple(  # (field, value) pairs; a list value was a tuple
+            (str(k), tuple(v) if isinstance(v, list) else v) for k, v in data.get("settings", ())
+        )
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def describe(self) -> str:
@@ -246,10 +249,9 @@ class Backend(ABC, Generic[S]):
 
     def given_settings(self, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
         """The (field, value) of every :attr:`pass_through` flag the command line set."""
+        given = [(f, f.value if f.switch else getattr(args, f.dest)) for f in self.pass_through]
         return tuple(
-            (f.setting, f.value if f.switch else getattr(args, f.dest))
-            for f in self.pass_through
-            if f.given(args)
+            (f.setting, tuple(v) if isinstance(v, list) else v) for f, v in given if f.given(args)
         )
 
     @abstractmethod

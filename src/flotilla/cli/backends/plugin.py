@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -106,9 +106,6 @@ class PluginBackend(Backend[PluginSpec]):
     def make_provider(self, spec: PluginSpec, nodes_dir: Path) -> Provider:
         assert self.settings_type is not None
         return self.provider.from_settings(self.settings_type(**dict(spec.settings)))
-
-    def spec_from_dict(self, data: Mapping[str, Any]) -> PluginSpec:
-        return self.spec_type(settings=tuple(tuple(pair) for pair in data.get("settings", ())))
 
     def shell(
         self, paths: Paths, spec: PluginSpec, nodes: Sequence[NodeRecord], node: int, command: str
