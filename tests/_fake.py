@@ -37,10 +37,8 @@ from flotilla._info import InstanceInfo
 from flotilla._providers.base import (
     AgentProcess,
     Allocation,
-    AllocationState,
     FramesCallback,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
@@ -278,7 +276,7 @@ class FakeAllocation(Allocation):
         super().__init__(spec, [provider.machine(rank) for rank in range(spec.nodes)])
         self.provider = provider
 
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
         gate = self.provider.start_gate
         if gate is not None:  # a test holds the start of agents
             await asyncio.get_running_loop().run_in_executor(None, gate.wait)
@@ -289,20 +287,13 @@ class FakeAllocation(Allocation):
         self.provider.events.append(("start", machine.rank, machine.ident))
         return agent
 
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         self.provider.events.append(("replace", rank, reason))
         if self.provider.no_spares:
             raise ProvisionError(f"no machine to replace node {rank} with")
-        old = self.machines[rank]
-        self.machines[rank] = machine = self.provider.machine(rank)
-        self.mark(old, MachineState.RELEASED)
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return self.provider.machine(rank)
 
-    async def release(self) -> None:
-        self.state = AllocationState.RELEASED
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
+    async def free(self) -> None:
         self.provider.events.append(("release", -1, ""))
 
 

@@ -154,7 +154,7 @@ def _client(aws_lab: AwsLab, start_timeout: float = 120.0, **kwargs: Any) -> sub
         "ssh_user": "root",
         "private_ips": True,
         "workdir": str(aws_lab.lab.tmp / "workdir"),
-        "poweroff_command": aws_lab.provider().poweroff_command,
+        "poweroff_command": aws_lab.provider().settings.poweroff_command,
         **kwargs,
     }
     provider = f"sky.AWS(**{options!r})"
@@ -324,6 +324,7 @@ def test_another_host_key_is_refused(aws_lab: AwsLab) -> None:
     finally:
         aws_lab.impostor = False
     assert "host key" in str(err.value)
+    assert err.value.cause is sky.ProvisionCause.IDENTITY
     (pool_id,) = {
         t["Value"]
         for i in aws_lab.describe()

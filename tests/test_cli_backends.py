@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +91,7 @@ def test_every_backend_module_is_in_the_registry() -> None:
     """A backend module that is not listed would silently not exist for the command line."""
     listed = {type(b).__module__ for b in registry.BACKENDS}
     for path in BACKENDS_DIR.glob("*.py"):
-        if path.stem in ("__init__", "base", "registry"):
+        if path.stem in ("__init__", "base", "registry", "plugin"):  # plugin: other packages
             continue
         module = importlib.import_module(f"flotilla.cli.backends.{path.stem}")
         assert isinstance(module.BACKEND, Backend), f"{path.name} has no BACKEND"
@@ -141,8 +143,8 @@ def test_flags_choose_the_backend_and_build_its_spec() -> None:
         registry.spec_from_args(launch_args("--provider", "local", "--hosts", "a"))
     with pytest.raises(ConfigurationError, match="needs hosts: --hosts"):
         registry.spec_from_args(launch_args("--ssh-key", "key"))
-    with pytest.raises(SystemExit):  # argparse: invalid choice, with the list
-        launch_args("--provider", "k8s")
+    with pytest.raises(ConfigurationError, match="unknown provider 'k8s'"):
+        registry.spec_from_args(launch_args("--provider", "k8s"))
 
 
 def test_the_daemon_module_the_cli_starts_exists() -> None:
@@ -254,3 +256,47 @@ def test_task_resources_complete_the_aws_spec() -> None:
         registry.spec_from_args(
             launch_args(), Task(run="true", resources=Resources(infra="aws", disk_size=2))
         )
+
+
+# -- every provider setting is reachable from `flotilla launch` --------------------------------
+@pytest.mark.parametrize("b", registry.BACKENDS, ids=lambda b: b.kind)
+def test_every_provider_setting_has_a_flag_or_is_set_by_the_command_line(b: Backend) -> None:  # type: ignore[type-arg]
+    """Each field of the provider's settings object is set by a `flotilla launch` flag
+    (derived from it), or by the command line itself / a task file (``Backend.fixed``)."""
+    assert b.settings_type is not None
+    fields_ = {f.name for f in dataclasses.fields(b.settings_type)}
+    flagged = {flag.setting for flag in b.all_flags if flag.setting}
+    assert flagged | set(b.fixed) == fields_
+    assert not flagged & set(b.fixed)
+
+
+_SAMPLES = {"subnet": "subnet-0123456789abcdef0", "sbatch_args": "--exclusive=user --nice=5"}
+_REQUIRED = {"ssh": ["--hosts", "h1,h2"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "flag"),
+    [(b.kind, f) for b in registry.BACKENDS for f in b.pass_through],
+    ids=lambda v: v if isinstance(v, str) else v.name,
+)
+def test_a_settings_flag_reaches_the_provider(kind: str, flag: Flag, tmp_path: Path) -> None:
+    """`flotilla launch --provider KIND --FLAG VALUE`: the provider the cluster's daemon
+    makes from the spec (also after the state file's round trip) has VALUE in its
+    settings."""
+    b = registry.backend(kind)
+    argv = ["--provider", kind, *_REQUIRED.get(kind, []), flag.name]
+    if not flag.switch:
+        argv.append(_SAMPLES.get(flag.setting, "7" if flag.type in (int, float) else "x1"))
+    spec = registry.spec_from_args(launch_args(*argv))
+    assert spec is not None
+    kept = registry.spec_from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert kept == spec and hash(kept) == hash(spec)  # the state file keeps it as it is
+    provider = b.make_provider(kept, tmp_path)
+    value = getattr(provider.settings, flag.setting)  # type: ignore[attr-defined]
+    if flag.switch:
+        expected: object = flag.value
+    elif flag.type is shlex.split:
+        expected = tuple(shlex.split(argv[-1]))
+    else:
+        expected = flag.type(argv[-1])
+    assert value == expected

@@ -19,7 +19,7 @@ import flotilla
 import flotilla as sky
 from flotilla import _errors
 
-PUBLIC = flotilla._EXPORTS["_errors"]
+PUBLIC = [name for name in flotilla._EXPORTS["_errors"] if name.endswith("Error")]
 
 
 def _samples() -> list[sky.FlotillaError]:
@@ -29,7 +29,7 @@ def _samples() -> list[sky.FlotillaError]:
         sky.ConfigurationError("bad nodes=0"),
         sky.SerializationError("cannot pickle", path="args[1]['x']", type_name="lock"),
         sky.PoolClosedError("closed"),
-        sky.ProvisionError("no host"),
+        sky.ProvisionError("no host", cause=sky.ProvisionCause.UNREACHABLE),
         sky.RemoteError("mymod.Oops", "it broke", "Traceback...", 3),
         sky.TaskTimeoutError("too slow", node=1, timeout=2.5),
         sky.WorkerDiedError("died", node=2, exitcode=-9, signal="SIGKILL", stderr_tail="Killed"),

@@ -158,3 +158,103 @@ def test_the_layer_check_notices_a_backward_import(
     (fake / where).write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
     assert [v.rpartition(" imports ")[2] for v in _violations(fake / where)] == [expected]
+
+
+# -- no import cycles --------------------------------------------------------------------------
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the package under ``root`` it imports (at any level: also
+    inside functions and under TYPE_CHECKING), a name resolved to its longest module."""
+    paths = {_module_name(p): p for p in sorted((root / "flotilla").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets: set[str] = set()
+        for _, target in _imports(path):
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of two modules or
+    more (Tarjan's algorithm, without recursion), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            module, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[module] = min(low[module], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+            if low[module] == index[module]:
+                component: list[str] = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No module imports, through any chain, a module that imports it: each one can be read
+    (and loaded) after what it depends on."""
+    graph = _import_graph(SRC)
+    assert len(graph) > 30
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_notices_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: a cycle through three modules, one import under
+    TYPE_CHECKING, one inside a function, is reported."""
+    package = tmp_path / "flotilla"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .c import g\n")
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
+    )
+    (package / "d.py").write_text("from .a import b\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert _cycles(_import_graph(tmp_path)) == [["flotilla.a", "flotilla.b", "flotilla.c"]]
+
+
+def test_the_library_loads_without_the_command_lines_dependencies() -> None:
+    """pyyaml and pathspec serve the command line (task files, folder sync): every public
+    name of the library loads without them."""
+    probe = (
+        f"import sys; sys.path.insert(0, {str(SRC)!r}); "
+        "sys.modules['yaml'] = sys.modules['pathspec'] = None; "  # importing them fails
+        "import flotilla; [getattr(flotilla, name) for name in flotilla.__all__]; "
+        "import flotilla.providers"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr

@@ -60,7 +60,7 @@ def test_local_acquire_start_replace_release(nodes_dir: Path) -> None:
         seen["acquired"] = {
             m.ident: allocation.machine_states[m.ident] for m in allocation.machines
         }
-        agents = await start_agents(allocation, allocation.machines, provider.agent_command())
+        agents = await start_agents(allocation, allocation.machines)
         seen["running"] = [allocation.machine_states[m.ident] for m in allocation.machines]
         seen["cwds"] = [os.readlink(f"/proc/{pid_of(a)}/cwd") for a in agents]
         old = allocation.machines[1]
@@ -73,7 +73,7 @@ def test_local_acquire_start_replace_release(nodes_dir: Path) -> None:
             allocation.machine_states[old.ident],
             allocation.machine_states[new.ident],
         )
-        [fresh] = await start_agents(allocation, [new], provider.agent_command())
+        [fresh] = await start_agents(allocation, [new])
         seen["fresh_cwd"] = os.readlink(f"/proc/{pid_of(fresh)}/cwd")
         seen["pids"] = [pid_of(agents[0]), pid_of(agents[1]), pid_of(fresh)]
         seen["new_state"] = allocation.machine_states[new.ident]
@@ -114,10 +114,10 @@ class _BrokenRank2(Local):
         provider.started = []
         original = allocation.start_agent
 
-        async def start_agent(machine: Machine, command: list[str]) -> AgentProcess:
+        async def start_agent(machine: Machine) -> AgentProcess:
             if machine.rank == 2:  # started last: the others are up by now
                 raise ProvisionError("node 2: no agent today")
-            agent = await original(machine, command)
+            agent = await original(machine)
             provider.started.append(pid_of(agent))
             return agent
 
@@ -128,7 +128,7 @@ class _BrokenRank2(Local):
 def test_provider_start_releases_everything_when_one_agent_fails(nodes_dir: Path) -> None:
     provider = _BrokenRank2(workdir=str(nodes_dir))
     with pytest.raises(ProvisionError, match="node 2: no agent today"):
-        asyncio.run(provider.start(spec(3), provider.agent_command()))
+        asyncio.run(provider.start(spec(3)))
     assert len(provider.started) == 2
     assert_all_gone(provider.started, timeout=5, what="the agents that had started")
     assert list(nodes_dir.iterdir()) == []
@@ -157,14 +157,14 @@ def test_ssh_spare_hosts_then_reconnection(ssh_lab: Lab) -> None:
     async def scenario() -> dict[str, Any]:
         allocation = await provider.acquire(pool_spec)
         seen: dict[str, Any] = {"hosts": [m.host for m in allocation.machines]}
-        agents = await start_agents(allocation, allocation.machines, provider.agent_command())
+        agents = await start_agents(allocation, allocation.machines)
         old = allocation.machines[1]
         await agents[1].terminate()
         first = await allocation.replace(1, "lost")  # the spare
-        [on_spare] = await start_agents(allocation, [first], provider.agent_command())
+        [on_spare] = await start_agents(allocation, [first])
         await on_spare.terminate()
         second = await allocation.replace(1, "lost again")  # no spare left: the same host
-        [again] = await start_agents(allocation, [second], provider.agent_command())
+        [again] = await start_agents(allocation, [second])
         seen["replacements"] = [first, second]
         seen["agents"] = [on_spare.host, again.host]
         seen["states"] = [allocation.machine_states[m.ident] for m in (old, first, second)]

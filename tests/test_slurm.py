@@ -21,10 +21,10 @@ from _procs import Client, wait_until
 from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
 import flotilla as sky
-from flotilla._errors import ConfigurationError, ProvisionError
+from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
 from flotilla._providers.base import Options, PoolSpec
 from flotilla._providers.slurm import Slurm
-from flotilla._providers.slurm.job import parse_time
+from flotilla._providers.slurm.settings import parse_time
 
 
 @pytest.fixture(autouse=True)
@@ -424,7 +424,8 @@ def test_srun_refusing_the_step_is_a_provision_error_with_its_cause(
             slurm_cluster.slurm("scancel", job)
             assert wait_until(lambda: not _pool_jobs(slurm_cluster), timeout=30)
             with pytest.raises(ProvisionError) as caught:
-                await allocation.start_agent(allocation.machines[1], provider.agent_command())
+                await allocation.start_agent(allocation.machines[1])
+            assert caught.value.cause is ProvisionCause.LAUNCHER
             return job, str(caught.value)
         finally:
             await allocation.release()
@@ -451,7 +452,8 @@ def test_a_step_that_waits_is_given_up_after_start_timeout(slurm_cluster: SlurmC
         try:
             slurm_cluster.slurm("scontrol", "suspend", job)
             with pytest.raises(ProvisionError) as caught:
-                await allocation.start_agent(allocation.machines[0], provider.agent_command())
+                await allocation.start_agent(allocation.machines[0])
+            assert caught.value.cause is ProvisionCause.TIMEOUT
             return job, str(caught.value)
         finally:
             slurm_cluster.slurm("scontrol", "resume", job, check=False)

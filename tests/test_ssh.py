@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ss
 from _procs import Client, all_pids, assert_all_gone, cmdline
 
 import flotilla as sky
-from flotilla._errors import ConfigurationError, NodeLostError, ProvisionError
+from flotilla._errors import ConfigurationError, NodeLostError, ProvisionCause, ProvisionError
 from flotilla._providers import bootstrap as _bootstrap
-from flotilla._providers import ssh as _ssh
-from flotilla._providers.ssh import SSH, SSHHost, parse_host
+from flotilla._providers import launch as _launch
+from flotilla._providers.settings import SSHHost, parse_host
+from flotilla._providers.ssh import SSH
 
 
 @sky.function
@@ -106,7 +108,7 @@ def test_more_nodes_than_hosts_is_refused_before_connecting(
     def no_connect(*args: object, **kwargs: object) -> None:
         raise AssertionError("validate() must refuse before connecting")
 
-    monkeypatch.setattr(_ssh, "spawn", no_connect)
+    monkeypatch.setattr(_launch, "spawn", no_connect)
     provider = SSH(["192.0.2.1", "192.0.2.2"], connect_timeout=1)
     t0 = time.monotonic()
     with pytest.raises(ConfigurationError, match=r"3 nodes but SSH has 2 host"):
@@ -182,7 +184,9 @@ def test_instance_info_has_each_hosts_own_address(ssh_lab: Lab) -> None:
 def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:
     host = ssh_lab.hosts[0]
     provider = ssh_lab.provider([host])
-    provider.hosts = (SSHHost(host.addr, private_addr="192.0.2.77"),)
+    provider.settings = replace(
+        provider.settings, hosts=(SSHHost(host.addr, private_addr="192.0.2.77"),)
+    )
     with sky.Compute(provider=provider, nodes=1) as pool:
         info = where() >> pool
     assert info["addr"] == "192.0.2.77" and info["peers"] == [(0, "192.0.2.77")]
@@ -285,6 +289,7 @@ def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Pa
     msg = str(info.value)
     fingerprint = _fingerprint(host)
     assert msg.startswith(f"{host.addr}: REFUSED: unknown host key")
+    assert info.value.cause is ProvisionCause.IDENTITY
     assert fingerprint in msg
     assert "accept_new_host_keys=True" in msg and f"ssh-keyscan {host.addr} >> {empty}" in msg
     assert empty.read_text() == ""
@@ -300,6 +305,7 @@ def test_changed_host_key_is_always_refused(ssh_lab: Lab, tmp_path: Path) -> Non
         sky.Compute(provider=provider, nodes=1).open()
     msg = str(info.value)
     assert msg.startswith(f"{host.addr}: REFUSED: the host key changed")
+    assert info.value.cause is ProvisionCause.IDENTITY
     assert _fingerprint(host) in msg and "ssh-keygen -R" in msg
     assert known.read_text().count("\n") == 1  # nothing recorded
 
@@ -326,12 +332,13 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
     addr = ssh_lab.unused_addr()
     good = ssh_lab.hosts[0].addr
     provider = ssh_lab.provider(connect_timeout=1.5)
-    provider.hosts = (SSHHost(good), SSHHost(addr))
+    provider.settings = replace(provider.settings, hosts=(SSHHost(good), SSHHost(addr)))
     t0 = time.monotonic()
     with pytest.raises(ProvisionError) as info:
         sky.Compute(provider=provider, nodes=2).open()
     elapsed = time.monotonic() - t0
     assert str(info.value).startswith(f"{addr}: cannot connect over SSH (port 22)")
+    assert info.value.cause is ProvisionCause.UNREACHABLE
     assert elapsed < 1.5 + 1.5, elapsed
     assert ssh_lab.wait_no_agents(ssh_lab.hosts[:1], timeout=3.0) == {}  # the good one stopped
 
@@ -339,8 +346,11 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
 def test_refused_port_names_the_host(ssh_lab: Lab) -> None:
     host = ssh_lab.hosts[0]
     provider = ssh_lab.provider([host], port=2)
-    with pytest.raises(ProvisionError, match=rf"^{host.addr}: cannot connect over SSH \(port 2\)"):
+    with pytest.raises(
+        ProvisionError, match=rf"^{host.addr}: cannot connect over SSH \(port 2\)"
+    ) as info:
         sky.Compute(provider=provider, nodes=1).open()
+    assert info.value.cause is ProvisionCause.UNREACHABLE
 
 
 def test_host_dying_mid_task_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:

@@ -33,13 +33,13 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._errors import FlotillaError as FlotillaError
     from ._errors import NodeLostError as NodeLostError
     from ._errors import PoolClosedError as PoolClosedError
+    from ._errors import ProvisionCause as ProvisionCause
     from ._errors import ProvisionError as ProvisionError
     from ._errors import RemoteError as RemoteError
     from ._errors import SerializationError as SerializationError
     from ._errors import TaskTimeoutError as TaskTimeoutError
     from ._errors import WorkerDiedError as WorkerDiedError
     from ._image import Image as Image
-    from ._image import Secret as Secret
     from ._info import InstanceInfo as InstanceInfo
     from ._info import Peer as Peer
     from ._info import instance_info as instance_info
@@ -54,9 +54,10 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
     from ._providers.local import Local as Local
+    from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
-    from ._providers.ssh import SSHHost as SSHHost
+    from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from .plugins._base import Plugin as Plugin
 
@@ -71,20 +72,23 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "FlotillaError",
         "NodeLostError",
         "PoolClosedError",
+        "ProvisionCause",
         "ProvisionError",
         "RemoteError",
         "SerializationError",
         "TaskTimeoutError",
         "WorkerDiedError",
     ),
-    "_image": ("Image", "Secret"),
+    "_image": ("Image",),
+    "_redaction": ("Secret",),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
     "_output": ("silent", "stderr", "stdout"),
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.local": ("Local",),
     "_providers.slurm": ("Slurm",),
-    "_providers.ssh": ("SSH", "SSHHost"),
+    "_providers.settings": ("SSHHost",),
+    "_providers.ssh": ("SSH",),
     "_shard": ("shard",),
     "plugins._base": ("Plugin",),
 }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._errors import ConfigurationError
+
 _CUDA = {
     "A100",
     "A10",
@@ -40,9 +42,11 @@ class Accelerator:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("an accelerator needs a name, e.g. 'A100'")
+            raise ConfigurationError("an accelerator needs a name, e.g. 'A100'")
         if not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"accelerator count must be a positive integer, got {self.count!r}")
+            raise ConfigurationError(
+                f"accelerator count must be a positive integer, got {self.count!r}"
+            )
 
     def __str__(self) -> str:
         return f"{self.name}:{self.count}"
@@ -53,14 +57,16 @@ def parse_accelerator(spec: str | Accelerator | None) -> Accelerator | None:
     if spec is None or isinstance(spec, Accelerator):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(
+        raise ConfigurationError(
             f"accelerator must be a string like 'A100:8' or an Accelerator, got {spec!r}"
         )
     name, _, count = spec.partition(":")
     try:
         n = int(count) if count else 1
     except ValueError:
-        raise ValueError(f"accelerator {spec!r}: the count after ':' must be an integer") from None
+        raise ConfigurationError(
+            f"accelerator {spec!r}: the count after ':' must be an integer"
+        ) from None
     name = name.strip()
     return Accelerator(name, n, cuda=name.upper() in _CUDA)
 

@@ -6,7 +6,8 @@ root cause first in the message. Errors raised by *user code* on a node are re-r
 their original type when it can be imported locally; otherwise as :class:`RemoteError`.
 
     FlotillaError                           flotilla.FlotillaError
-    ├── ConfigurationError (ValueError)     bad input, detected before anything starts
+    ├── ConfigurationError                  bad input (arguments, settings), detected
+    │   (ValueError, TypeError)             before anything starts
     │   ├── TaskError                       cli/taskfile.py: a task file that cannot run
     │   │                                   as written (path, line, field)
     │   └── CorruptStateError               cli/state.py: a cluster's state file is
@@ -14,6 +15,7 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── SerializationError (TypeError)      a function/argument/result cannot be pickled
     ├── PoolClosedError (RuntimeError)      the pool is not running
     ├── ProvisionError                      the provider could not start or reach a node
+    │                                       (``cause``: a ProvisionCause)
     ├── RemoteError                         user exception whose type is not importable here
     ├── TaskTimeoutError (TimeoutError)     a call ran longer than its ``timeout``
     ├── WorkerDiedError                     the process running a call died under it
@@ -30,15 +32,16 @@ The command line's four live in its modules and stay internal. Two lower-level e
 never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
 agent reports it, and the client raises ProvisionError) and
 ``_providers.bootstrap.NoAnswer`` (a remote start command ended without answering; the
-provider raises ProvisionError).
+remote shell explains it as a ProvisionError, in ``_providers.launch``).
 """
 
 from __future__ import annotations
 
 import copyreg
+from enum import Enum
 from typing import Any, TypeVar
 
-_E = TypeVar("_E", bound=type[BaseException])
+_E = TypeVar("_E", bound=type)
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # (missing from typeshed)
 
 
@@ -61,8 +64,11 @@ class FlotillaError(Exception):
 
 
 @_public
-class ConfigurationError(FlotillaError, ValueError):
-    """Invalid configuration, detected before anything is provisioned."""
+class ConfigurationError(FlotillaError, ValueError, TypeError):
+    """Invalid configuration or arguments, detected before anything is provisioned.
+
+    Also a ValueError and a TypeError: code that catches either for a bad argument
+    (``Compute(nodes=0)``, ``Image(apt="x")``) keeps working."""
 
 
 @_public
@@ -85,8 +91,43 @@ class PoolClosedError(FlotillaError, RuntimeError):
 
 
 @_public
+class ProvisionCause(Enum):
+    """Why an agent did not start on a machine (:attr:`ProvisionError.cause`), set where the
+    remote shell's failure is translated (``_providers/launch.py``) and read by callers that
+    decide what to do next (retry a booting instance, set a spare host aside).
+    """
+
+    SPAWN = "spawn"
+    """The remote shell command (ssh, srun...) cannot be run on this machine."""
+    UNREACHABLE = "unreachable"
+    """The machine did not answer or refused the connection (it may still be booting)."""
+    UNKNOWN_HOST = "unknown-host"
+    """The machine's name does not resolve."""
+    IDENTITY = "identity"
+    """The machine's identity could not be verified (an unknown or changed host key)."""
+    AUTH = "auth"
+    """The machine refused the login."""
+    LAUNCHER = "launcher"
+    """The launcher refused to run the agent there (a SLURM step that cannot start)."""
+    NODE = "node"
+    """The machine lacks what the agent needs (Python, a safe working directory, space)."""
+    NO_ANSWER = "no-answer"
+    """The remote shell ended without answering, for no reason it stated."""
+    TIMEOUT = "timeout"
+    """The agent did not start within the pool's start timeout."""
+
+
+@_public
 class ProvisionError(FlotillaError):
-    """The provider could not start or reach a node."""
+    """The provider could not start or reach a node.
+
+    ``cause`` says why, when an agent did not start (None for other failures: no capacity,
+    an API error...).
+    """
+
+    def __init__(self, message: str, *, cause: ProvisionCause | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @_public

@@ -18,7 +18,8 @@ from typing import Any
 
 from ._archive import Source, glob_excludes
 from ._archive import build as build_archive
-from ._redaction import MIN_CHARS, looks_secret, shown_env
+from ._errors import ConfigurationError
+from ._redaction import Secret, shown_env
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -36,53 +37,18 @@ DEFAULT_EXCLUDES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Secret:
-    """A value that must never be shown: in logs, progress, errors or files on disk.
-
-    Wrap sensitive ``env`` values: ``Image(env={"WANDB_API_KEY": flotilla.Secret(key)})``.
-    Variables whose names look secret (``HF_TOKEN``, ``*_PASSWORD``, ``*_API_KEY``...) are
-    treated as secrets even when given as plain strings.
-    """
-
-    value: str = field(repr=False)
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-
-def is_secret(name: str, value: object) -> bool:
-    """Whether an environment variable must be hidden."""
-    return isinstance(value, Secret) or looks_secret(name)
-
-
-def plain_env(env: Mapping[str, str | Secret]) -> dict[str, str]:
-    """``env`` with secrets unwrapped, for the processes that need the values."""
-    return {k: v.value if isinstance(v, Secret) else str(v) for k, v in env.items()}
-
-
-def secret_values(env: Mapping[str, str | Secret]) -> list[str]:
-    """The values to redact from anything shown to a person."""
-    out = []
-    for k, v in env.items():
-        raw = v.value if isinstance(v, Secret) else str(v)
-        if is_secret(k, v) and len(raw) >= MIN_CHARS:
-            out.append(raw)
-    return out
-
-
 def _tuple(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     try:
         items = tuple(value)
     except TypeError:
-        raise TypeError(f"Image.{name} must be a list of strings, got {value!r}") from None
+        raise ConfigurationError(f"Image.{name} must be a list of strings, got {value!r}") from None
     for item in items:
         if not isinstance(item, str) or not item.strip():
-            raise TypeError(f"Image.{name} entries must be non-empty strings, got {item!r}")
+            raise ConfigurationError(
+                f"Image.{name} entries must be non-empty strings, got {item!r}"
+            )
     return items
 
 
@@ -117,15 +83,17 @@ class Image:
         for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
             object.__setattr__(self, name, _tuple(getattr(self, name), name))
         if self.python is not None and not re.fullmatch(r"3\.\d+(\.\d+)?", str(self.python)):
-            raise ValueError(f"Image.python must look like '3.11', got {self.python!r}")
+            raise ConfigurationError(f"Image.python must look like '3.11', got {self.python!r}")
         if not isinstance(self.env, Mapping):
-            raise TypeError(f"Image.env must be a dict of name -> value, got {self.env!r}")
+            raise ConfigurationError(f"Image.env must be a dict of name -> value, got {self.env!r}")
         for k in self.env:
             if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                raise ValueError(f"Image.env: {k!r} is not a valid environment variable name")
+                raise ConfigurationError(
+                    f"Image.env: {k!r} is not a valid environment variable name"
+                )
         for pkg in self.apt:
             if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(=[\w.+:~-]+)?", pkg):
-                raise ValueError(f"Image.apt: {pkg!r} is not a Debian package name")
+                raise ConfigurationError(f"Image.apt: {pkg!r} is not a Debian package name")
         missing = [p for p in self.includes if not os.path.exists(p)]
         if missing:
             raise FileNotFoundError(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from ._client.function import Function
+from ._errors import ConfigurationError
 from ._info import InstanceInfo, instance_info
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -26,7 +27,9 @@ def _predicate(only: Only) -> Callable[[InstanceInfo], bool]:
         return lambda info: info.is_head or (not info.cluster and info.node == 0)
     if callable(only):
         return only
-    raise ValueError(f"only= must be 'head' or a predicate taking an InstanceInfo, got {only!r}")
+    raise ConfigurationError(
+        f"only= must be 'head' or a predicate taking an InstanceInfo, got {only!r}"
+    )
 
 
 def _decorator(streams: tuple[str, ...], keep: Callable[[InstanceInfo], bool]) -> Callable[[F], F]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 MIN_CHARS = 4
@@ -42,6 +43,43 @@ def looks_secret(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """A value that must never be shown: in logs, progress, errors or files on disk.
+
+    Wrap sensitive ``env`` values: ``Image(env={"WANDB_API_KEY": flotilla.Secret(key)})``.
+    Variables whose names look secret (``HF_TOKEN``, ``*_PASSWORD``, ``*_API_KEY``...) are
+    treated as secrets even when given as plain strings.
+    """
+
+    value: str = field(repr=False)
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+
+def is_secret(name: str, value: object) -> bool:
+    """Whether an environment variable must be hidden."""
+    return isinstance(value, Secret) or looks_secret(name)
+
+
+def plain_env(env: Mapping[str, str | Secret]) -> dict[str, str]:
+    """``env`` with secrets unwrapped, for the processes that need the values."""
+    return {k: v.value if isinstance(v, Secret) else str(v) for k, v in env.items()}
+
+
+def secret_values(env: Mapping[str, str | Secret]) -> list[str]:
+    """The values to redact from anything shown to a person."""
+    out = []
+    for k, v in env.items():
+        raw = v.value if isinstance(v, Secret) else str(v)
+        if is_secret(k, v) and len(raw) >= MIN_CHARS:
+            out.append(raw)
+    return out
+
+
 def redact(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every secret value (of at least MIN_CHARS) replaced by ``***``;
     longer values first, so that a secret containing another is hidden whole."""
@@ -53,16 +91,12 @@ def redact(text: str, secrets: Iterable[str]) -> str:
 
 def shown_env(env: Mapping[str, Any]) -> dict[str, Any]:
     """``env`` as reprs show it: secret values (wrapped, or by name) as ``***``."""
-    from ._image import is_secret
-
     return {k: MASK if is_secret(k, v) else v for k, v in env.items()}
 
 
 def plugin_secrets(plugins: Iterable[Any]) -> list[str]:
     """Secret values plugins hold: dataclass fields that are a ``Secret`` or whose name
     looks secret (``plugins.huggingface(token=...)``)."""
-    from ._image import Secret
-
     out: list[str] = []
     for plugin in plugins:
         if not dataclasses.is_dataclass(plugin):

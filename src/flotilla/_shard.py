@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from ._errors import ConfigurationError
 from ._info import instance_info
 
 
@@ -32,17 +33,17 @@ def shard(
     Returns one shard for one argument, a tuple of shards for several.
     """
     if not data:
-        raise TypeError("shard() needs at least one sequence to split")
+        raise ConfigurationError("shard() needs at least one sequence to split")
     info = instance_info()  # with several processes per node, shard by global rank
     k = info.node * info.procs_per_node + info.local_rank if node is None else node
     n = info.total_nodes * info.procs_per_node if total_nodes is None else total_nodes
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"total_nodes must be a positive integer, got {n!r}")
+        raise ConfigurationError(f"total_nodes must be a positive integer, got {n!r}")
     if not isinstance(k, int) or not 0 <= k < n:
-        raise ValueError(f"node must be in 0..{n - 1}, got {k!r}")
+        raise ConfigurationError(f"node must be in 0..{n - 1}, got {k!r}")
     lengths = [_length(d, i) for i, d in enumerate(data)]
     if len(set(lengths)) > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"shard() arrays must have the same length to stay aligned, got lengths {lengths}"
         )
     length = lengths[0]
@@ -62,7 +63,7 @@ def _length(d: Any, i: int) -> int:
     try:
         return len(d)
     except TypeError:
-        raise TypeError(
+        raise ConfigurationError(
             f"shard() argument {i} ({type(d).__name__}) has no length; pass a sized sequence"
         ) from None
 

@@ -14,20 +14,20 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
-from .._errors import ConfigurationError, PoolClosedError, ProvisionError, SerializationError
-from .._image import Image, plain_env, secret_values, ship_user_modules
-from .._info import InstanceInfo, Peer
+from .._errors import ConfigurationError, PoolClosedError, SerializationError
+from .._image import Image, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._providers.limits import out_of_files
-from .._redaction import plugin_secrets, redact, redact_exception
+from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
 from .._wire.frames import Kind, frame
-from .._wire.serialize import pickle_obj, unlink_shm
+from .._wire.serialize import pickle_obj
 from . import loop as _loop
 from . import shm
+from .bringup import Bringup
 from .console import Console
 from .dispatch import Dispatcher
-from .function import Function, PendingCall, as_call, count_open_pools, function
-from .interpreter import Policy, check_image, settle
+from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
+from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState
 from .outcome import results
 from .renew import Renewals
@@ -52,7 +52,7 @@ class PoolState(Enum):
     CLOSED = "closed"
 
 
-class Compute:
+class Compute(Pool):
     """A pool of nodes. Use it as a context manager; leaving the block stops everything.
 
     Args:
@@ -85,7 +85,7 @@ class Compute:
         memory_gb: float | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node"
             )
         if provider is None:
@@ -93,14 +93,16 @@ class Compute:
 
             provider = Local()
         if not isinstance(provider, Provider):
-            raise TypeError(
+            raise ConfigurationError(
                 "provider must be a flotilla provider such as flotilla.Local(), "
                 f"got {type(provider).__name__}"
             )
         if options is None:
             options = Options()
         elif not isinstance(options, Options):
-            raise TypeError(f"options must be a flotilla.Options, got {type(options).__name__}")
+            raise ConfigurationError(
+                f"options must be a flotilla.Options, got {type(options).__name__}"
+            )
         self.provider = provider
         self.nodes = nodes
         self.accelerator = parse_accelerator(accelerator)
@@ -130,27 +132,30 @@ class Compute:
         )
         """The pool's processes form one group: they are restarted together (see _plugins)."""
         self._state = PoolState.NEW
-        self._procs: list[AgentProcess] = []  # every agent the pool started
         self._allocation: Allocation | None = None
         self._shm_prefix = shm.pool_prefix(self.pool_id)
-        self._renewals = Renewals(self)
+        self._bringup = Bringup(
+            self.pool_id,
+            options,
+            self.accelerator,
+            self.procs_per_node,
+            self._group,
+            provider.home,
+            self._shm_prefix,
+            self._new_node,
+        )
         self._dispatcher = Dispatcher(
             self._group,
             self.procs_per_node,
             self._shm_prefix,
             running=lambda: self._state is PoolState.RUNNING,
-            replacer=self._renewals.begin if options.replace_lost_nodes else None,
+            replacer=self._replace if options.replace_lost_nodes else None,
         )
+        self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._heartbeat: asyncio.Task[None] | None = None
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
-        self._blob = b""
-        self._head_port = 0
         self._includes = b""
-        self._build_spec: dict[str, Any] | None = None
-        self._python = Policy.of(provider, Image())
-        self._env: dict[str, str] = {}
         self._secrets: list[str] = []
-        self._console = Console()
         self.output_sink: Callable[[int, int, list[str]], None] | None = None
         """Receives (node rank, stream, lines) instead of printing them, when set."""
         self.state_sink: Callable[[int, int, str], None] | None = None
@@ -163,7 +168,7 @@ class Compute:
     def _check_plugins(self) -> None:
         for p in self.plugins:
             if not (hasattr(p, "around_process") or hasattr(p, "transform")):
-                raise TypeError(
+                raise ConfigurationError(
                     f"{p!r} is not a flotilla plugin (it has neither transform nor around_process)"
                 )
             if not self.options.cluster and getattr(p, "requires_cluster", False):
@@ -185,6 +190,15 @@ class Compute:
     def _nodes(self) -> list[Node]:
         """The current node at each rank."""
         return self._dispatcher.nodes
+
+    @property
+    def _console(self) -> Console:
+        return self._bringup.console
+
+    @property
+    def _procs(self) -> list[AgentProcess]:
+        """Every agent the pool started."""
+        return self._bringup.procs
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Compute:
@@ -212,7 +226,7 @@ class Compute:
             raise PoolClosedError("a Compute pool can be started once; create a new Compute")
         image = self.image if self.image is not None else Image()
         if not isinstance(image, Image):
-            raise TypeError(f"image must be a flotilla.Image, got {type(image).__name__}")
+            raise ConfigurationError(f"image must be a flotilla.Image, got {type(image).__name__}")
         spec = self._spec(image)
         self.provider.validate(spec)
         for p in self.plugins:
@@ -220,10 +234,10 @@ class Compute:
             if hook is not None:
                 image = hook(image, spec)
                 if not isinstance(image, Image):
-                    raise TypeError(f"plugin {p!r}: transform() must return an Image")
+                    raise ConfigurationError(f"plugin {p!r}: transform() must return an Image")
         check_image(image)  # a plugin's too
         spec = self._spec(image)
-        self._python = Policy.of(self.provider, image)
+        self._bringup.python = Policy.of(self.provider, image)
         try:
             blob = pickle_obj(list(self.plugins)).main if self.plugins else b""
         except Exception as e:
@@ -231,8 +245,8 @@ class Compute:
         if not self.provider.shares_filesystem:
             ship_user_modules()
         self._includes = image.includes_archive()
-        self._build_spec = image.build_spec(self._includes) if image.needs_build else None
-        self._env = {**plain_env(image.env), **plain_env(self.options.env)}
+        self._bringup.build_spec = image.build_spec(self._includes) if image.needs_build else None
+        self._bringup.env = {**plain_env(image.env), **plain_env(self.options.env)}
         self._secrets = (
             secret_values(image.env)
             + secret_values(self.options.env)
@@ -269,99 +283,31 @@ class Compute:
 
     async def _start(self, spec: PoolSpec, blob: bytes) -> None:
         loop = asyncio.get_running_loop()
-        self._blob = blob
+        self._bringup.blob = blob
         await loop.run_in_executor(None, shm.sweep)  # what killed clients left
-        self._allocation, procs = await self.provider.start(spec, self.provider.agent_command())
+        self._allocation, procs = await self.provider.start(spec)
         self._allocation.watch(self._renewals.provider_lost)
-        self._procs = list(procs)
-        self._console = Console(self._secrets)
+        self._renewals.allocation = self._allocation
+        self._bringup.console = Console(self._secrets)
         self._console.begin(range(len(procs)))
         started = time.monotonic()
-        self._dispatcher.nodes[:] = [self._new_node(rank, p) for rank, p in enumerate(procs)]
-        for node in self._nodes:
-            node.start(loop)
+        nodes = self._bringup.nodes(range(len(procs)), procs)
+        self._dispatcher.nodes[:] = nodes
         self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
-        timeout = self.options.start_timeout
-        nodes = self._nodes
-        hellos = await self._hellos(nodes)
-        self._head_port = int(hellos[0]["port"])
-        probe = shm.write_probe(self._shm_prefix)  # only now: it lives as short as it can
-        try:
-            for node in self._nodes:
-                self._configure(node, self._nodes, probe)
-            await self._wait_all(nodes, [n.ready for n in nodes], timeout, "initialise")
-        finally:
-            if probe:
-                unlink_shm(probe["name"])
+        await self._bringup.bring_up(nodes, nodes)
         self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
-
-    async def _hellos(self, nodes: list[Node]) -> list[dict[str, Any]]:
-        """Wait for the HELLO of every node of ``nodes``, then make each run the client's
-        Python minor version (or raise ProvisionError): before anything else is sent."""
-        timeout = self.options.start_timeout
-        await self._wait_all(nodes, [n.hello for n in nodes], timeout, "start")
-        await settle(nodes, self._python, self._console.say, timeout)
-        return [n.hello_info for n in nodes]
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
         return Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
 
-    def _configure(self, node: Node, nodes: list[Node], probe: dict[str, str]) -> None:
-        """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
-        peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in nodes)
-        cluster = self.options.cluster
-        info = InstanceInfo(
-            node=node.rank,
-            total_nodes=len(nodes),
-            is_head=cluster and node.rank == 0,
-            head_addr=peers[0].addr if cluster else "",
-            head_port=self._head_port if cluster else 0,
-            accelerators=self.accelerator.count if self.accelerator else 0,
-            peers=peers if cluster else (),
-            pool_id=self.pool_id,
-            addr=node.proc.address,
-            cluster=cluster,
-            accelerator=self.accelerator.name if self.accelerator else None,
-            procs_per_node=self.procs_per_node,
-        )
-        config = {
-            "pool_id": self.pool_id,
-            "procs": self.procs_per_node,
-            "compute_pool": info.to_json(),
-            "env": self._env,
-            "image": self._build_spec,
-            "home": self.provider.home,
-            "heartbeat_timeout": self.options.heartbeat_timeout,
-            "shutdown_grace": self.options.shutdown_grace,
-            "shm_probe": probe or None,
-            "group": self._group,
-        }
-        node.configure(config, self._blob)
+    def _replace(self, rank: int, why: str) -> list[int]:
+        """The node at ``rank`` is lost: replace it (see ``renew.py``); the ranks down."""
+        return self._renewals.begin(rank, why)
 
-    async def _wait_all(
-        self,
-        nodes: list[Node],
-        futures: list[asyncio.Future[dict[str, Any]] | None],
-        timeout: float,
-        what: str,
-    ) -> list[dict[str, Any]]:
-        waiting = [f for f in futures if f is not None]
-        for f in waiting:  # failures after the first are reported through the first
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())
-        _done, pending = await asyncio.wait(
-            waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
-        )
-        for fut in waiting:  # root cause first: the first node that failed
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-        if pending:
-            late = [n.name for n, f in zip(nodes, futures, strict=True) if f in pending]
-            raise ProvisionError(
-                f"{', '.join(late)} did not {what} within {timeout:.0f} s "
-                f"(Options(start_timeout=...) sets the limit)"
-            )
-        return [f.result() for f in waiting]
+    def _replaced(self, ranks: list[int]) -> None:
+        if self.on_replaced is not None:
+            self.on_replaced(ranks)
 
     async def _heartbeats(self) -> None:
         """Ping every node (agents exit when the client is silent) and declare lost the
@@ -576,14 +522,14 @@ class _PoolEvents(NodeEvents):
             self.pool.state_sink(node.rank, stream, text)
 
 
-def _left_operand_error(op: str, other: object) -> TypeError:
+def _left_operand_error(op: str, other: object) -> ConfigurationError:
     if callable(other):
         name = getattr(other, "__name__", type(other).__name__)
-        return TypeError(
+        return ConfigurationError(
             f"`{name}` is a plain function: decorate it with @flotilla.function and call it, "
             f"as in `{name}(...) {op} pool`"
         )
-    return TypeError(
+    return ConfigurationError(
         f"the left side of `{op} pool` must be a call of a @flotilla.function, "
         f"not {type(other).__name__}"
     )
@@ -594,7 +540,7 @@ def _resource(name: str, value: object, example: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive number ({example}), got {value!r}")
+        raise ConfigurationError(f"{name} must be a positive number ({example}), got {value!r}")
     if value == float("inf"):
-        raise ValueError(f"{name} must be a finite number ({example}), got {value!r}")
+        raise ConfigurationError(f"{name} must be a finite number ({example}), got {value!r}")
     return float(value)

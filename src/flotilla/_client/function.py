@@ -12,32 +12,57 @@ operator sends to a pool::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from .._errors import ConfigurationError
 from .._info import in_task
-
-if TYPE_CHECKING:
-    from .compute import Compute
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _not_a_pool(op: str, other: object) -> TypeError:
-    return TypeError(
+class Pool(ABC):
+    """What the call operators (``>>``, ``@``, ``>``) send calls to: a running pool
+    (``Compute`` is the one kind)."""
+
+    @abstractmethod
+    def run(self, call: PendingCall[R]) -> R:
+        """Run ``call`` on one node; its value."""
+
+    @abstractmethod
+    def broadcast(self, call: PendingCall[R]) -> list[R]:
+        """Run ``call`` on every node; results in node-rank order."""
+
+    @abstractmethod
+    def submit(self, call: PendingCall[R]) -> Future[R]:
+        """Run ``call`` on one node; a Future."""
+
+    @abstractmethod
+    def run_many(self, calls: Sequence[PendingCall[Any]]) -> list[Any]:
+        """Run ``calls`` in parallel; results in call order."""
+
+    @abstractmethod
+    def submit_group(self, calls: Sequence[PendingCall[Any]]) -> Future[tuple[Any, ...]]:
+        """Run ``calls`` in parallel; a Future of their results' tuple."""
+
+    @abstractmethod
+    def stream(self, calls: Sequence[PendingCall[Any]], ordered: bool = True) -> Iterator[Any]:
+        """Results of ``calls`` as they finish."""
+
+
+def _not_a_pool(op: str, other: object) -> ConfigurationError:
+    return ConfigurationError(
         f"the right side of `{op}` must be a running flotilla pool (the value of "
         f"`with flotilla.Compute(...) as pool`), not {type(other).__name__}"
     )
 
 
-def _check_pool(op: str, pool: object) -> Compute:
-    from .compute import Compute
-
-    if not isinstance(pool, Compute):
+def _check_pool(op: str, pool: object) -> Pool:
+    if not isinstance(pool, Pool):
         raise _not_a_pool(op, pool)
     return pool
 
@@ -98,8 +123,8 @@ class Function(Generic[P, R]):
         """The same options around another callable (used by the output decorators)."""
         return Function(fn, timeout=self.timeout, retries=self.retries, retry_on=self.retry_on)
 
-    def _misuse(self, op: str) -> TypeError:
-        return TypeError(
+    def _misuse(self, op: str) -> ConfigurationError:
+        return ConfigurationError(
             f"`{self.name}` was not called: write `{self.name}(...) {op} pool` "
             f"(a flotilla function must be called to bind its arguments first)"
         )
@@ -213,7 +238,7 @@ def function(
     if isinstance(fn, Function):
         return fn
     if not callable(fn):
-        raise TypeError(f"@flotilla.function needs a callable, got {type(fn).__name__}")
+        raise ConfigurationError(f"@flotilla.function needs a callable, got {type(fn).__name__}")
     return Function(fn, **options)
 
 
@@ -291,13 +316,13 @@ class CallGroup:
         return iter(self.calls)
 
 
-def _not_a_call(op: str, other: object) -> TypeError:
+def _not_a_call(op: str, other: object) -> ConfigurationError:
     hint = ""
     if callable(other) and not isinstance(other, Function):
         hint = " (decorate the function with @flotilla.function and call it)"
     elif isinstance(other, Function):
         hint = f" (call it: {other.name}(...))"
-    return TypeError(f"`{op}` combines pending calls, got {type(other).__name__}{hint}")
+    return ConfigurationError(f"`{op}` combines pending calls, got {type(other).__name__}{hint}")
 
 
 def as_call(obj: object, op: str) -> PendingCall[Any]:

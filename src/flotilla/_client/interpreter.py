@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
-from .._image import Image, plain_env
+from .._image import Image
+from .._redaction import plain_env
 from .._wire.frames import Kind
 from .node import Node
 

@@ -22,17 +22,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from .._providers.base import MachineState, restart_agents
+from .._providers.base import Allocation, MachineState, restart_agents
 from .._wire.frames import Kind
-from .._wire.serialize import unlink_shm
-from . import shm
+from .bringup import Bringup
+from .dispatch import Dispatcher
 from .node import Node, NodeState
-
-if TYPE_CHECKING:
-    from .compute import Compute
 
 logger = logging.getLogger("flotilla")
 
@@ -40,15 +37,26 @@ logger = logging.getLogger("flotilla")
 class Renewals:
     """The replacements of one pool's lost nodes, under way or done.
 
+    Args:
+        dispatcher: the pool's calls and nodes.
+        bringup: brings the new nodes up.
+        on_back: called with the ranks replaced, once their new nodes serve.
+
     Attributes:
+        allocation: the pool's machines (set once the pool has them).
         replaced: how many nodes were replaced so far (in a group pool: each renewal of
             the group counts the lost node once).
         starting: nodes started in place of lost ones, not in service yet (the pool's
             heartbeats reach them too: an environment build may take a while).
     """
 
-    def __init__(self, pool: Compute) -> None:
-        self.pool = pool
+    def __init__(
+        self, dispatcher: Dispatcher, bringup: Bringup, on_back: Callable[[list[int]], None]
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.bringup = bringup
+        self.on_back = on_back
+        self.allocation: Allocation | None = None
         self.replaced = 0
         self.starting: list[Node] = []
         self._reported: dict[int, str] = {}  # rank -> what the provider said of its loss
@@ -56,9 +64,8 @@ class Renewals:
 
     def begin(self, rank: int, why: str) -> list[int]:
         """Start replacing the node at ``rank``; the ranks that are down meanwhile."""
-        pool = self.pool
         why = self._reported.pop(rank, why)
-        ranks = list(range(pool.nodes)) if pool._group else [rank]
+        ranks = list(range(len(self.dispatcher.nodes))) if self.bringup.group else [rank]
         also = ", restarting every process of the pool" if len(ranks) > 1 else ""
         logger.warning("node %d lost (%s), replacing%s", rank, why, also)
         self._spawn(self._renew(rank, ranks, why))
@@ -67,7 +74,7 @@ class Renewals:
     def provider_lost(self, rank: int, reason: str) -> None:
         """The provider learned that the machine at ``rank`` is gone (a SLURM node down, a
         spot interruption): stop its agent, so that the node is lost and replaced."""
-        nodes = self.pool._nodes
+        nodes = self.dispatcher.nodes
         if rank < len(nodes) and nodes[rank].state is NodeState.READY:
             self._reported[rank] = f"the provider reports its machine lost: {reason}"
             self._spawn(_drop(nodes[rank]))
@@ -85,9 +92,7 @@ class Renewals:
         task.add_done_callback(self._tasks.discard)
 
     async def _renew(self, lost: int, ranks: list[int], why: str) -> None:
-        pool = self.pool
-        dispatcher = pool._dispatcher
-        allocation = pool._allocation
+        dispatcher, allocation = self.dispatcher, self.allocation
         assert allocation is not None
         started = time.monotonic()
         old = {r: dispatcher.nodes[r] for r in ranks}
@@ -101,32 +106,13 @@ class Renewals:
         await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
         allocation.mark(allocation.machines[lost], MachineState.LOST)
         fresh: list[Node] = []
-        console = pool._console  # one row per node being replaced, on a terminal
+        console = self.bringup.console  # one row per node being replaced, on a terminal
         console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
         try:
-            command = pool.provider.agent_command()
-            procs = await restart_agents(allocation, lost, ranks, why, command)
-            pool._procs += procs
-            fresh = [pool._new_node(r, p) for r, p in zip(ranks, procs, strict=True)]
+            procs = await restart_agents(allocation, lost, ranks, why)
+            fresh = self.bringup.nodes(ranks, procs)
             self.starting += fresh
-            loop = asyncio.get_running_loop()
-            for node in fresh:
-                node.start(loop)
-            timeout = pool.options.start_timeout
-            hellos = await pool._hellos(fresh)
-            if ranks[0] == 0:  # a new head: its port
-                pool._head_port = int(hellos[0]["port"])
-            current = list(dispatcher.nodes)
-            for node in fresh:
-                current[node.rank] = node
-            probe = shm.write_probe(pool._shm_prefix)
-            try:
-                for node in fresh:
-                    pool._configure(node, current, probe)
-                await pool._wait_all(fresh, [n.ready for n in fresh], timeout, "initialise")
-            finally:
-                if probe:
-                    unlink_shm(probe["name"])
+            await self.bringup.bring_up(fresh, dispatcher.nodes)
         except asyncio.CancelledError:
             for node in fresh:
                 node.state = NodeState.CLOSED
@@ -145,8 +131,7 @@ class Renewals:
         self.replaced += 1
         dispatcher.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
-        if pool.on_replaced is not None:
-            pool.on_replaced(ranks)
+        self.on_back(ranks)
 
 
 async def _stop(node: Node) -> None:

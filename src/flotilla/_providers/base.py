@@ -16,6 +16,11 @@ backend implements (as submitit's executors and dask's ``ProcessInterface`` do):
    the agent does not start (the SSH provider's spares).
 4. **release** (:meth:`Allocation.release`): give everything back. Idempotent.
 
+The :class:`Allocation` base class keeps the books (machine and allocation states, the
+idempotent release); a provider implements only getting and giving back its own resources
+(:meth:`Provider.acquire`, :meth:`Allocation.replacement`, :meth:`Allocation.free`) and
+starting an agent (``launch.ShellAllocation`` for machines reached through a remote shell).
+
 Everything else (bootstrap, protocol, dispatch, plugins) is provider-independent, so every
 backend shares one path (:meth:`Provider.start`) and runs the same agent entry point.
 """
@@ -23,15 +28,18 @@ backend shares one path (:meth:`Provider.start`) and runs the same agent entry p
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from .._accelerators import Accelerator
-from .._errors import ProvisionError
+from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
+
+logger = logging.getLogger("flotilla")
 
 FramesCallback = Callable[[list[tuple[int, int, bytes | bytearray]] | None], None]
 """Receives the frames an agent sent; None at end of stream (the agent is gone)."""
@@ -79,13 +87,13 @@ class Options:
 
     def __post_init__(self) -> None:
         if not isinstance(self.replace_lost_nodes, bool):
-            raise ValueError(
+            raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
             )
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"Options.{name} must be a positive number, got {value!r}")
+                raise ConfigurationError(f"Options.{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -211,48 +219,96 @@ LostCallback = Callable[[int, str], None]
 class Allocation(ABC):
     """The machines a provider acquired for one pool. All methods run on the client's loop.
 
+    The base class keeps the books: the machine at each rank, each machine's state and the
+    allocation's; a provider implements :meth:`start_agent`, and gets and gives back its own
+    resources in :meth:`replacement` and :meth:`free`.
+
     Attributes:
         spec: the pool's request.
-        machines: the current machine of each rank, in rank order.
+        machines: the current machine of each rank, in rank order (assigning the list
+            records its machines as PENDING; :meth:`put` changes one rank's).
         state: where the allocation is in its lifecycle.
+        machine_states: the state of every machine the allocation ever held, by ident.
     """
 
     def __init__(self, spec: PoolSpec, machines: Sequence[Machine]) -> None:
         self.spec = spec
-        self.machines: list[Machine] = list(machines)
         self.state = AllocationState.READY
-        self.machine_states: dict[str, MachineState] = {
-            m.ident: MachineState.PENDING for m in machines
-        }
+        self.machine_states: dict[str, MachineState] = {}
+        self._machines: list[Machine] = []
+        self.machines = list(machines)
         self._on_lost: LostCallback | None = None
 
+    @property
+    def machines(self) -> list[Machine]:
+        return self._machines
+
+    @machines.setter
+    def machines(self, machines: Sequence[Machine]) -> None:
+        self._machines = list(machines)
+        for machine in machines:
+            self.machine_states.setdefault(machine.ident, MachineState.PENDING)
+
     @abstractmethod
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
-        """Start the agent ``command`` on ``machine``; ProvisionError naming the machine."""
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Start the agent (``python -m flotilla.agent``) on ``machine``; ProvisionError
+        naming the machine. A machine reached through a remote shell: see
+        ``launch.ShellAllocation``."""
 
     async def replace(self, rank: int, reason: str) -> Machine:
-        """Put a new machine at ``rank`` (its current one is lost, for ``reason``) and
-        release the old one. ProvisionError when no machine can be had."""
+        """Put a new machine at ``rank`` (its current one is lost, for ``reason``; see
+        :meth:`replacement`), which is then PENDING and the old one RELEASED.
+        ProvisionError when no machine can be had."""
+        machine = await self.replacement(rank, reason)
+        self.put(rank, machine)
+        return machine
+
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """A new machine for ``rank``, whose current machine is lost for ``reason``, after
+        giving back what the old one held. ProvisionError when none can be had (the
+        default: this provider cannot replace machines)."""
         raise ProvisionError(
             f"{self.machines[rank].host}: {reason}; this provider cannot replace machines"
         )
 
-    async def renew(self, rank: int, reason: str, command: list[str]) -> AgentProcess:
+    def put(self, rank: int, machine: Machine) -> None:
+        """Make ``machine`` (PENDING) the machine at ``rank``, in place of the current one
+        (RELEASED)."""
+        self.mark(self.machines[rank], MachineState.RELEASED)
+        self._machines[rank] = machine
+        self.mark(machine, MachineState.PENDING)
+
+    async def renew(self, rank: int, reason: str) -> AgentProcess:
         """Replace the lost machine at ``rank`` (:meth:`replace`) and start the agent
-        ``command`` on the new one, which is then RUNNING. ProvisionError when no machine
+        on the new one, which is then RUNNING. ProvisionError when no machine
         can be had or its agent does not start.
 
         Providers with several candidates for a rank (the SSH provider's spare hosts)
         override it to set a machine whose agent does not start aside and try the next.
         """
         machine = await self.replace(rank, reason)
-        agent = await self.start_agent(machine, command)
+        agent = await self.start_agent(machine)
         self.mark(machine, MachineState.RUNNING)
         return agent
 
-    @abstractmethod
     async def release(self) -> None:
-        """Release every machine the allocation ever held. Idempotent; never raises."""
+        """Release every machine the allocation ever held (:meth:`free`). Idempotent; never
+        raises: what could not be given back is logged."""
+        if self.state in (AllocationState.RELEASING, AllocationState.RELEASED):
+            return
+        self.state = AllocationState.RELEASING
+        try:
+            await self.free()
+        except Exception as e:
+            logger.warning("pool %s: could not release everything: %s", self.spec.pool_id, e)
+        finally:
+            for ident in self.machine_states:
+                self.machine_states[ident] = MachineState.RELEASED
+            self.state = AllocationState.RELEASED
+
+    async def free(self) -> None:  # noqa: B027 - optional hook
+        """Give back everything the allocation holds (called once, by :meth:`release`):
+        nothing by default."""
 
     def watch(self, on_lost: LostCallback) -> None:
         """Report machines the provider learns are gone (a SLURM node DOWN, a spot
@@ -276,6 +332,10 @@ class Provider(ABC):
     implement :meth:`acquire` (and an :class:`Allocation`), and :meth:`validate`."""
 
     name: str = "provider"
+    settings_type: ClassVar[type[Any] | None] = None
+    """The provider's settings: a frozen dataclass whose fields, documented in its
+    docstring's ``Attributes:``, are the constructor's keyword arguments (the command line
+    derives ``flotilla launch``'s flags from them)."""
     home: str = "~/.flotilla"
     """Where nodes keep built environments between pools."""
     shares_filesystem: bool = False
@@ -284,6 +344,11 @@ class Provider(ABC):
     """The user named the nodes' interpreter (``python=``): flotilla only checks that it
     is the client's Python minor version, and never looks for another one (see
     ``_client/interpreter.py``)."""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Self:
+        """The provider made from a :attr:`settings_type` object."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.
@@ -296,38 +361,30 @@ class Provider(ABC):
         """Get ``spec.nodes`` machines. On failure release what was got and raise
         ProvisionError; on cancellation release too."""
 
-    async def start(
-        self, spec: PoolSpec, command: list[str]
-    ) -> tuple[Allocation, list[AgentProcess]]:
+    async def start(self, spec: PoolSpec) -> tuple[Allocation, list[AgentProcess]]:
         """The one path every provider shares: acquire, then start the agents on every
         machine at once. The first failure in rank order is raised (root cause first),
         after everything started was stopped and the allocation released."""
         allocation = await self.acquire(spec)
         try:
-            agents = await start_agents(allocation, allocation.machines, command)
+            agents = await start_agents(allocation, allocation.machines)
         except BaseException:
             await allocation.release()
             raise
         return allocation, agents
 
-    def agent_command(self) -> list[str]:
-        """The agent command line (``python -m flotilla.agent``) for this provider's nodes."""
-        return ["python3", "-m", "flotilla.agent"]
 
-
-async def start_agents(
-    allocation: Allocation, machines: Sequence[Machine], command: list[str]
-) -> list[AgentProcess]:
+async def start_agents(allocation: Allocation, machines: Sequence[Machine]) -> list[AgentProcess]:
     """Start an agent on each of ``machines`` at once; in their order. On a failure (or
     cancellation) every agent started is terminated and the first failure in order raised."""
-    agents = await _all_or_none([allocation.start_agent(m, command) for m in machines])
+    agents = await _all_or_none([allocation.start_agent(m) for m in machines])
     for m in machines:
         allocation.mark(m, MachineState.RUNNING)
     return agents
 
 
 async def restart_agents(
-    allocation: Allocation, lost: int, ranks: Sequence[int], reason: str, command: list[str]
+    allocation: Allocation, lost: int, ranks: Sequence[int], reason: str
 ) -> list[AgentProcess]:
     """Agents for ``ranks`` (in their order) after the machine at rank ``lost`` was lost
     (for ``reason``): a new machine for ``lost`` (:meth:`Allocation.renew`), the others on
@@ -336,9 +393,9 @@ async def restart_agents(
     others = [allocation.machines[r] for r in ranks if r != lost]
     agents = await _all_or_none(
         [
-            allocation.renew(r, reason, command)
+            allocation.renew(r, reason)
             if r == lost
-            else allocation.start_agent(allocation.machines[r], command)
+            else allocation.start_agent(allocation.machines[r])
             for r in ranks
         ]
     )

@@ -1,7 +1,7 @@
 """Bootstrap: make a remote node run exactly the client's flotilla, whatever is installed there.
 
 Provider-independent: SSH uses it, and so can any provider that reaches its nodes through a
-remote shell (cloud VMs over SSH, a container exec...). It needs only a :class:`Launcher`.
+remote shell (cloud VMs over SSH, a container exec...), through ``launch.start_remote_agent``.
 
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
 Python; an editable development install works too) into a reproducible tar.gz
@@ -50,7 +50,7 @@ from enum import Enum
 
 from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
-from .._errors import ProvisionError
+from .._errors import ProvisionCause, ProvisionError
 from .._node import untar
 from .pipe import PipeAgent
 
@@ -138,10 +138,8 @@ def _package_dirs() -> dict[str, str]:
     """Import name -> directory of the packages a node needs, as this client has them."""
     import cloudpickle
 
-    import flotilla
-
-    return {
-        "flotilla": os.path.dirname(os.path.abspath(flotilla.__file__)),
+    return {  # flotilla: the package this module is in
+        "flotilla": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         "cloudpickle": os.path.dirname(os.path.abspath(cloudpickle.__file__)),
     }
 
@@ -175,8 +173,8 @@ _CHECK_PYTHON = (
 )
 
 
-def start_command(workdir: str, python: str, bundle_hash: str, bundle_size: int) -> str:
-    """The command that checks the node, installs the bundle if needed and runs the agent
+def start_command(workdir: str, python: str, bundle_hash: str, bundle_size: int) -> list[str]:
+    """The command (an argv) that checks the node, installs the bundle if needed and runs the agent
     (see the module docstring).
 
     The interpreter check runs once per bundle and interpreter: it leaves a marker file in
@@ -213,7 +211,7 @@ S=$?
 if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
 exit "$S"
 """
-    return "exec sh -c " + shlex.quote(script)
+    return ["sh", "-c", script]
 
 
 _EXTRACT_SCRIPT = """\
@@ -296,7 +294,8 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
         if answer is Answer.UPLOAD_FAILED:
             why = err.strip().splitlines()[-1] if err.strip() else f"exit status {detail}"
             raise ProvisionError(
-                f"{agent.host}: cannot install the flotilla bundle under {workdir}/lib: {why}"
+                f"{agent.host}: cannot install the flotilla bundle under {workdir}/lib: {why}",
+                cause=ProvisionCause.NODE,
             )
         raise _python_error(agent.host, python, answer, detail, err)
 
@@ -311,7 +310,8 @@ def _unsafe_workdir(host: str, detail: str) -> ProvisionError:
     return ProvisionError(
         f"{host}: refusing to run flotilla from {path}: it {problem}, who could replace the "
         f"code the agent runs as you. {fix[0].upper()}{fix[1:]}, or pass a working directory "
-        "you own (workdir=..., default ~/.flotilla)"
+        "you own (workdir=..., default ~/.flotilla)",
+        cause=ProvisionCause.NODE,
     )
 
 
@@ -345,10 +345,12 @@ def _python_error(host: str, python: str, answer: Answer, detail: str, err: str)
     if answer is Answer.BAD_PYTHON:
         return ProvisionError(
             f"{host}: {python!r} is Python {detail}; flotilla needs Python >= {need} on the "
-            f"nodes: pass SSH(python=...) naming a newer interpreter"
+            f"nodes: pass SSH(python=...) naming a newer interpreter",
+            cause=ProvisionCause.NODE,
         )
     why = err.strip().splitlines()[-1] if err.strip() else f"exit status {detail}"
     return ProvisionError(
         f"{host}: cannot run Python {python!r} ({why}); flotilla needs Python >= {need} on "
-        f"the nodes: install it or pass SSH(python=...) with its path"
+        f"the nodes: install it or pass SSH(python=...) with its path",
+        cause=ProvisionCause.NODE,
     )

@@ -16,15 +16,14 @@ from .._node import procs
 from .base import (
     AgentProcess,
     Allocation,
-    AllocationState,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
 from .bootstrap import _package_dirs
 from .limits import check_local_capacity, out_of_files
 from .pipe import PipeAgent, spawn
+from .settings import LocalSettings
 
 
 class Local(Provider):
@@ -37,16 +36,16 @@ class Local(Provider):
     site-packages: another interpreter could not load them), so a pool starts in a
     fraction of a second.
 
-    Args:
-        python: interpreter for the agents (default: ``sys.executable``); another one
-            must be the client's Python minor version (a pool with another is refused).
-        workdir: parent folder of the nodes' working directories (default: a temp dir).
+    Args: the fields of :class:`LocalSettings` (``python``: another interpreter must be the
+    client's Python minor version, or the pool is refused).
     """
 
     name = "local"
+    settings_type = LocalSettings
     shares_filesystem = True
 
     def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
+        self.settings = LocalSettings(python, workdir)
         self.python = python or sys.executable
         self.python_pinned = python is not None
         self.workdir = workdir
@@ -82,9 +81,6 @@ class Local(Provider):
                     f"the local provider runs on this machine only: drop `accelerator=` "
                     f"or use a provider that has {acc.name} GPUs"
                 )
-
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
 
     async def acquire(self, spec: PoolSpec) -> LocalAllocation:
         """One fresh work folder per node: a local "machine" is a process tree there."""
@@ -149,11 +145,10 @@ class LocalAllocation(Allocation):
                 os.symlink(path, os.path.join(links, name))
         except OSError as e:
             raise ProvisionError(f"cannot prepare node {rank}'s work folder: {e}") from e
-        machine = Machine(rank, "localhost", "127.0.0.1", folder)
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return Machine(rank, "localhost", "127.0.0.1", folder)
 
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        command = [self.provider.python, "-m", "flotilla.agent"]
         try:
             # the agent removes its folder when it exits, even if this client was killed
             path = os.pathsep.join([os.path.join(machine.ident, _LIB), *self.user_path])
@@ -165,20 +160,15 @@ class LocalAllocation(Allocation):
             ) from e
         return PipeAgent(proc, address=machine.address, host=machine.host)
 
-    async def replace(self, rank: int, reason: str) -> Machine:
-        old = self.machines[rank]
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """A new folder; the lost machine's goes."""
         machine = self.new_machine(rank)
-        self.machines[rank] = machine
-        self.mark(old, MachineState.RELEASED)
-        shutil.rmtree(old.ident, ignore_errors=True)
+        shutil.rmtree(self.machines[rank].ident, ignore_errors=True)
         return machine
 
-    async def release(self) -> None:
-        self.state = AllocationState.RELEASED
+    async def free(self) -> None:
         for folder in self._folders:
             shutil.rmtree(folder, ignore_errors=True)
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)
 
 
 _LIB = ".flotilla-lib"

@@ -6,7 +6,7 @@ like for others). Writes are plain pipe writes from the caller's thread; reads h
 the client's event loop.
 
 Before the protocol starts, a remote start command may print answer lines (see
-``_bootstrap``): :meth:`PipeAgent.read_line` reads them, and whatever follows the answer is
+``bootstrap``): :meth:`PipeAgent.read_line` reads them, and whatever follows the answer is
 handed to the frame reader when :meth:`PipeAgent.start_reading` is called.
 """
 

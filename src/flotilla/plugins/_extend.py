@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._errors import ConfigurationError
+
 _NAME = re.compile(r"\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
 
 
@@ -85,7 +87,7 @@ def extend(
             return None
         image = cls()
     if not dataclasses.is_dataclass(image) or isinstance(image, type):
-        raise TypeError(
+        raise ConfigurationError(
             f"a plugin cannot add packages to image {image!r}: expected a flotilla.Image "
             "(a dataclass with pip, pip_indexes and env fields)"
         )

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import ConfigurationError
 from .._info import InstanceInfo
 from ._base import Plugin
 from ._env import environ
@@ -27,7 +28,7 @@ class HuggingfacePlugin(Plugin):
 
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
-            raise ValueError("huggingface token must be a non-empty string or None")
+            raise ConfigurationError("huggingface token must be a non-empty string or None")
 
     def __repr__(self) -> str:
         return f"plugins.huggingface(token={'***' if self.token else None})"

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import ConfigurationError
 from .._info import InstanceInfo
 from ._base import Plugin
 from ._env import environ
@@ -39,7 +40,7 @@ class KerasPlugin(Plugin):
 
     def __post_init__(self) -> None:
         if self.backend not in KERAS_BACKENDS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"keras backend must be one of {', '.join(KERAS_BACKENDS)}, got {self.backend!r}"
             )
 

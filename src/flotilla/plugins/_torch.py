@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import ConfigurationError
 from .._info import InstanceInfo
 from ._base import Plugin
 from ._env import environ, global_rank, unless_set, world_size
@@ -33,9 +34,9 @@ def rank_env(info: InstanceInfo, local_rank: int = 0, procs_per_node: int = 1) -
     the rendezvous is on the head node (``head_addr:head_port``).
     """
     if procs_per_node < 1:
-        raise ValueError(f"procs_per_node must be at least 1, got {procs_per_node}")
+        raise ConfigurationError(f"procs_per_node must be at least 1, got {procs_per_node}")
     if not 0 <= local_rank < procs_per_node:
-        raise ValueError(f"local_rank must be in 0..{procs_per_node - 1}, got {local_rank}")
+        raise ConfigurationError(f"local_rank must be in 0..{procs_per_node - 1}, got {local_rank}")
     return {
         "MASTER_ADDR": info.head_addr,
         "MASTER_PORT": str(info.head_port),
@@ -89,12 +90,12 @@ class TorchPlugin(Plugin):
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"torch backend must be one of {', '.join(BACKENDS)} or None (auto), "
                 f"got {self.backend!r}"
             )
         if not isinstance(self.cuda, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", self.cuda):
-            raise ValueError(
+            raise ConfigurationError(
                 f"cuda must be a wheel index suffix such as 'cu128', got {self.cuda!r}"
             )
         if self.procs_per_node is not None and (
@@ -102,7 +103,7 @@ class TorchPlugin(Plugin):
             or not isinstance(self.procs_per_node, int)
             or self.procs_per_node < 1
         ):
-            raise ValueError(
+            raise ConfigurationError(
                 f"procs_per_node must be a positive integer, got {self.procs_per_node!r}"
             )
         self.requirements()  # a bad version is an error now, not on the nodes

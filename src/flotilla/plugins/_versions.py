@@ -11,17 +11,19 @@ flotilla and pip cannot disagree on what a version means.
 
 from __future__ import annotations
 
+from .._errors import ConfigurationError
+
 
 def version_spec(version: str, what: str = "version") -> str:
     """The pip specifier for a plugin's version argument ('' for "latest")."""
     if not isinstance(version, str):
-        raise TypeError(f"{what} must be a string such as 'latest', '2.3.0' or '>=2.3'")
+        raise ConfigurationError(f"{what} must be a string such as 'latest', '2.3.0' or '>=2.3'")
     text = "".join(version.split())
     if text == "latest":
         return ""
     spec = "==" + text if text[:1].isdigit() else text
     if not text or not is_valid_specifier(spec):
-        raise ValueError(
+        raise ConfigurationError(
             f"invalid {what} {version!r}: use 'latest', a version such as '2.3.0', "
             "or a constraint such as '>=2.3', '~=2.4' or '>=2.3,<2.5'"
         )

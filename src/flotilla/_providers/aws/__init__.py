@@ -1,5 +1,15 @@
-"""The AWS provider: EC2 instances for a pool (see ``provider`` for the design)."""
+"""The AWS provider (see ``provider``); loaded on first use, so that its settings
+(``settings``) load alone."""
 
-from .provider import AWS
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["AWS"]
+if TYPE_CHECKING:
+    from .provider import AWS as AWS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AWS":
+        from .provider import AWS
+
+        return AWS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,61 +1,26 @@
-"""Agents on EC2 instances: the SSH provider's start path, pinned keys, interruption notices.
+"""Agents on EC2 instances: the wait for port 22, what is retried, interruption notices.
 
 An instance is an SSH host whose host key the client generated (``keys``): the agent
-starts as on any SSH host (the client's exact flotilla, shipped by content hash), with the
-pool's login key and known_hosts, once the instance answers on port 22.
+starts through ``ssh`` (``ssh_shell``) as on any SSH host (the client's exact flotilla,
+shipped by content hash), with the pool's login key and known_hosts, once the instance
+answers on port 22.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import shlex
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..._errors import ProvisionError
-from ..._node.cloud import ENV as CLOUD_ENV
+from ..._errors import ProvisionCause, ProvisionError
 from ..._node.cloud import NOTICE
 from ..base import AgentProcess, FramesCallback
-from ..ssh import SSH, SSHHost, _Target
 
-if TYPE_CHECKING:
-    from .provider import AWS
-
-TRANSIENT = (
-    "Connection refused",
-    "No route to host",
-    "timed out",
-    "Connection closed",
-    "Connection reset",
-    "kex_exchange_identification",
-    "ended without answering",
-)
-"""SSH failures of an instance that is still booting (sshd not up or restarting)."""
-
-
-class InstanceSSH(SSH):
-    """The SSH provider's agent start, for instances: the pool's login key, the pool's
-    known_hosts (host keys pinned), and ``FLOTILLA_CLOUD`` set for the agent."""
-
-    def __init__(self, provider: AWS, login_key: str, known_hosts: str) -> None:
-        super().__init__(
-            [SSHHost("instance")],
-            user=provider.ssh_user,
-            key=login_key,
-            known_hosts=known_hosts,
-            python=provider.python,
-            workdir=provider.workdir,
-            connect_timeout=provider.connect_timeout,
-        )
-        self.cloud_env: dict[str, str] = {}  # connect address -> FLOTILLA_CLOUD
-
-    def ssh_argv(self, target: _Target, command: str, *extra: str) -> list[str]:
-        env = self.cloud_env.get(target.host)
-        if env:
-            command = f"export {CLOUD_ENV}={shlex.quote(env)}; {command}"
-        return super().ssh_argv(target, command, *extra)
+RETRIED = frozenset({ProvisionCause.UNREACHABLE, ProvisionCause.NO_ANSWER})
+"""Why an agent did not start on an instance that may still be booting (sshd not up yet or
+restarting): the start is tried again until the start timeout."""
 
 
 class AWSAgent(AgentProcess):
@@ -125,7 +90,8 @@ async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: f
                 raise ProvisionError(
                     f"{name}: SSH (port {port}) did not answer within {timeout:g} s of the "
                     "launch (Options(start_timeout=...) sets the limit; is the security "
-                    "group's SSH rule for this machine's address, and private_ips= right?)"
+                    "group's SSH rule for this machine's address, and private_ips= right?)",
+                    cause=ProvisionCause.UNREACHABLE,
                 )
             if now >= next_try:  # at most one new attempt per 50 ms: a refused one ends
                 pending.add(asyncio.create_task(_connects(addr, port, min(1.0, left))))

@@ -14,23 +14,22 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, ProvisionError
-from ..base import AgentProcess, Allocation, AllocationState, Machine, MachineState, PoolSpec
-from ..bootstrap import Bundle, client_bundle
-from ..ssh import _Target
-from .agent import TRANSIENT, AWSAgent, InstanceSSH, wait_port
-from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, error_code, error_message, translate
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._node.cloud import ENV as CLOUD_ENV
+from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
+from ..launch import ShellAllocation, start_remote_agent
+from ..ssh_shell import SSHShell, Target
+from .agent import RETRIED, AWSAgent, wait_port
+from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
 from .guard import contact_path, guard_command
 from .keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
 from .orphans import client_id
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
-
-if TYPE_CHECKING:
-    from .provider import AWS
+from .settings import AWSSettings
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -45,7 +44,7 @@ _T = TypeVar("_T")
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flotilla-aws")
 
 
-class AWSAllocation(Allocation):
+class AWSAllocation(ShellAllocation):
     """The EC2 instances of one pool (see the module docstring).
 
     Attributes:
@@ -57,11 +56,11 @@ class AWSAllocation(Allocation):
         folder: the local folder with the pool's keys and known_hosts.
     """
 
-    def __init__(self, provider: AWS, spec: PoolSpec) -> None:
+    def __init__(self, settings: AWSSettings, api: Api, spec: PoolSpec) -> None:
         super().__init__(spec, [])
         self.state = AllocationState.ACQUIRING
-        self.provider = provider
-        self.api = provider.api
+        self.settings = settings
+        self.api = api
         self.choice: InstanceChoice | None = None
         self.market = ""
         self.zone = ""
@@ -77,9 +76,9 @@ class AWSAllocation(Allocation):
         self._created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self._client = client_id()
         self._busy: set[concurrent.futures.Future[Any]] = set()
-        self._ssh: InstanceSSH | None = None
-        self._bundle: Bundle | None = None
         self._launches = 0
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
         with open(os.path.join(self.folder, "client"), "w") as f:
             f.write(self._client)
 
@@ -97,7 +96,7 @@ class AWSAllocation(Allocation):
         """Check everything, then make the group and launch. Independent API calls run at
         once (the network, the instance choice and AMI, the keys; then the group and the
         spot price): a pool's start waits for 4 API round trips before RunInstances, not 9."""
-        provider, spec = self.provider, self.spec
+        settings, spec = self.settings, self.spec
         network, choice, login_key = await _all(
             self._in_thread(self._find_subnets),
             self._in_thread(self._choose),
@@ -113,13 +112,21 @@ class AWSAllocation(Allocation):
             )
         self.choice = choice = dataclasses.replace(choice, zones=zones)
         self.login_key = login_key
-        self._ssh = InstanceSSH(provider, login_key.path, self.known_hosts)
-        if provider.private_ips:
+        self.shell = SSHShell(
+            lambda machine: Target(
+                self._connect_addr(self.instances[machine.ident]), settings.ssh_user, 22
+            ),
+            key=login_key.path,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        if settings.private_ips:
             self._client_cidrs = cidrs
         else:
             self._client_cidrs = [await self._in_thread(_public_cidr)]
-        spot = provider.allocation != "on-demand" and choice.spot
-        fallback = spot and provider.allocation == "spot-if-available"
+        spot = settings.allocation != "on-demand" and choice.spot
+        fallback = spot and settings.allocation == "spot-if-available"
         kind, api = choice.instance_type, self.api
         _, spot_cost, on_demand_cost = await _all(
             self._in_thread(self._make_security_group),
@@ -139,24 +146,24 @@ class AWSAllocation(Allocation):
 
     def _choose(self) -> InstanceChoice:
         """The instance choice and its AMI (checked)."""
-        provider, spec = self.provider, self.spec
+        settings, spec = self.settings, self.spec
         choice = choose(
             self.api,
-            provider.instance_type,
+            settings.instance_type,
             spec.accelerator,
             spec.vcpus,
             spec.memory_gb,
-            provider.allocation == "spot",
+            settings.allocation == "spot",
             None,
         )
-        ami = provider.ami or default_ami(self.api, choice)
+        ami = settings.ami or default_ami(self.api, choice)
         self._image = check_ami(self.api, ami, choice)
         return choice
 
     def _find_subnets(self) -> tuple[dict[str, str], str, list[str]]:
         """(zone -> subnet, VPC id, the VPC's CIDRs): the given subnet, or one subnet per
         zone of the default VPC (its default subnets first)."""
-        subnet = self.provider.subnet
+        subnet = self.settings.subnet
         if subnet:
             found = self.api.call(
                 "ec2", "describe_subnets", f"look up subnet {subnet}", SubnetIds=[subnet]
@@ -202,7 +209,7 @@ class AWSAllocation(Allocation):
             TAG_OWNER: _owner(),
             TAG_CLIENT: self._client,
             TAG_CREATED: self._created,
-            **self.provider.tags,
+            **self.settings.tags,
         }
         return {"ResourceType": resource, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
 
@@ -239,7 +246,7 @@ class AWSAllocation(Allocation):
                         "ToPort": high,
                         "IpRanges": [{"CidrIp": "0.0.0.0/0", "Description": "AWS(ports=...)"}],
                     }
-                    for low, high in self.provider.ports
+                    for low, high in self.settings.port_ranges()
                 ),
             ],
         )
@@ -252,16 +259,16 @@ class AWSAllocation(Allocation):
         host_key = keygen(
             self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
         )
-        provider = self.provider
+        settings = self.settings
         guard = guard_command(
-            provider.ttl,
+            settings.ttl,
             self.spec.options.start_timeout,
-            provider.workdir,
-            provider.ssh_user,
-            provider.poweroff_command,
+            settings.workdir,
+            settings.ssh_user,
+            settings.poweroff_command,
         )
         data = user_data(host_key, self.login_key, [guard])
-        allocation = self.provider.allocation
+        allocation = self.settings.allocation
         markets = {"spot": ["spot"], "on-demand": ["on-demand"]}.get(
             allocation, ["spot", "on-demand"]
         )
@@ -288,7 +295,7 @@ class AWSAllocation(Allocation):
                 instances = sorted(reply["Instances"], key=lambda i: int(i["AmiLaunchIndex"]))
                 for inst in instances:
                     self.instances[inst["InstanceId"]] = inst
-                if not self.provider.private_ips:
+                if not self.settings.private_ips:
                     instances = self._public_addresses(instances)
                 for inst in instances:
                     pin(self.known_hosts, self._connect_addr(inst), host_key)
@@ -318,7 +325,7 @@ class AWSAllocation(Allocation):
                     "DeviceIndex": 0,
                     "SubnetId": self._subnets[zone],
                     "Groups": [self.security_group],
-                    "AssociatePublicIpAddress": not self.provider.private_ips,
+                    "AssociatePublicIpAddress": not self.settings.private_ips,
                     "DeleteOnTermination": True,
                 }
             ],
@@ -332,12 +339,12 @@ class AWSAllocation(Allocation):
                     "InstanceInterruptionBehavior": "terminate",
                 },
             }
-        if self.provider.disk_gb:
+        if self.settings.disk_gb:
             params["BlockDeviceMappings"] = [
                 {
                     "DeviceName": self._image.get("RootDeviceName", "/dev/sda1"),
                     "Ebs": {
-                        "VolumeSize": self.provider.disk_gb,
+                        "VolumeSize": self.settings.disk_gb,
                         "VolumeType": "gp3",
                         "DeleteOnTermination": True,
                     },
@@ -372,57 +379,58 @@ class AWSAllocation(Allocation):
         return [i for r in reply["Reservations"] for i in r["Instances"]]
 
     def _connect_addr(self, inst: dict[str, Any]) -> str:
-        if self.provider.private_ips:
+        if self.settings.private_ips:
             return str(inst["PrivateIpAddress"])
         return str(inst["PublicIpAddress"])
 
     def _machine(self, rank: int, inst: dict[str, Any]) -> Machine:
-        machine = Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
-        self.mark(machine, MachineState.PENDING)
-        return machine
+        return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
     # -- agents ------------------------------------------------------------------------
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
+    async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait until the instance answers on port 22, then start the agent over SSH with
-        its host key pinned (``command`` is the bootstrap's, not used)."""
-        assert self._ssh is not None
-        inst = self.instances[machine.ident]
-        addr = self._connect_addr(inst)
-        target = _Target(host=addr, user=self.provider.ssh_user, port=22, address=machine.address)
-        spot = inst.get("InstanceLifecycle") == "spot"
-        self._ssh.cloud_env[addr] = json.dumps(
-            {
-                "contact": contact_path(self.provider.workdir, machine.ident),
-                "ttl": self.provider.ttl,
-                "poweroff": list(self.provider.poweroff_command),
-                "imds": IMDS if spot else "",
-            }
-        )
-        if self._bundle is None:
-            self._bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
+        its host key pinned; a start that fails as on a booting instance (see
+        ``agent.RETRIED``) is tried again until the start timeout."""
+        addr = self._connect_addr(self.instances[machine.ident])
         timeout = self.spec.options.start_timeout
         deadline = time.monotonic() + timeout
         name = f"{machine.ident} ({addr})"
         await wait_port(addr, 22, deadline, name, timeout)
         while True:
             try:
-                agent = await self._ssh.start_one(
-                    target, self._bundle, max(1.0, deadline - time.monotonic())
+                agent = await start_remote_agent(
+                    self.shell,
+                    machine,
+                    python=self.python,
+                    workdir=self.workdir,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    env=self.agent_env(machine),
                 )
                 break
             except ProvisionError as e:
-                text = str(e)
-                if "REFUSED" in text:
+                if e.cause is ProvisionCause.IDENTITY:
                     raise ProvisionError(
                         f"{name}: REFUSED: the instance does not present the SSH host key "
                         "flotilla generated for it and handed over in its user-data (the "
                         "connection may be intercepted, or the AMI does not run cloud-init): "
-                        f"{text}"
+                        f"{e}",
+                        cause=e.cause,
                     ) from None
-                if not any(t in text for t in TRANSIENT) or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {text}") from None
+                if e.cause not in RETRIED or time.monotonic() > deadline:
+                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
                 await asyncio.sleep(0.2)
         return AWSAgent(agent, name, lambda notice: self._on_notice(machine.ident, notice))
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the instance watchdog's settings (see ``_node/cloud.py``)."""
+        spot = self.instances[machine.ident].get("InstanceLifecycle") == "spot"
+        settings = {
+            "contact": contact_path(self.settings.workdir, machine.ident),
+            "ttl": self.settings.ttl,
+            "poweroff": list(self.settings.poweroff_command),
+            "imds": IMDS if spot else "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
 
     def _on_notice(self, ident: str, notice: dict[str, Any]) -> None:
         for rank, machine in enumerate(self.machines):
@@ -433,7 +441,7 @@ class AWSAllocation(Allocation):
                 self.report_lost(rank, reason)
 
     # -- replace -----------------------------------------------------------------------
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         """Launch one new instance for ``rank`` (same type, group, tags; a new host key)
         and terminate the old one."""
         if self.state is not AllocationState.READY:
@@ -443,8 +451,6 @@ class AWSAllocation(Allocation):
         old = self.machines[rank]
         (inst,) = await self._in_thread(self._run, 1)
         machine = self._machine(rank, inst)
-        self.machines[rank] = machine
-        self.mark(old, MachineState.RELEASED)
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
         try:
             await self._in_thread(
@@ -460,10 +466,7 @@ class AWSAllocation(Allocation):
         return machine
 
     # -- release -----------------------------------------------------------------------
-    async def release(self) -> None:
-        if self.state in (AllocationState.RELEASING, AllocationState.RELEASED):
-            return
-        self.state = AllocationState.RELEASING
+    async def free(self) -> None:
         busy = list(self._busy)
         if busy:  # an API call of a cancelled launch may still be creating something
             await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
@@ -473,9 +476,6 @@ class AWSAllocation(Allocation):
             _show(f"AWS: could not release everything of pool {self.spec.pool_id}: {e}")
         finally:
             remove_folder(self.folder)
-            for machine in self.machines:
-                self.mark(machine, MachineState.RELEASED)
-            self.state = AllocationState.RELEASED
 
     def _release(self) -> None:
         from .orphans import delete_group, terminate

@@ -8,9 +8,10 @@ of them or none, so a partial launch is never kept. Spot (``allocation``) goes t
 InstanceMarketOptions; a capacity error moves to the next zone that offers the type, then,
 for ``"spot-if-available"``, to on-demand.
 
-An instance is then an SSH host: the SSH provider's path starts the agents (the client's
-exact flotilla, shipped by content hash), for all nodes at once, each first waiting for its
-instance's port 22. Peers and ``head_addr`` are the private addresses.
+An instance is then an SSH host: the launch layer starts the agents through ``ssh``
+(``ssh_shell``; the client's exact flotilla, shipped by content hash), for all nodes at
+once, each first waiting for its instance's port 22. Peers and ``head_addr`` are the
+private addresses.
 
 Nothing is left behind: :meth:`AWSAllocation.release` (end of the block, an exception,
 Ctrl-C) terminates every instance tagged with the pool (also ones a lost response did not
@@ -36,11 +37,9 @@ from collections.abc import Sequence
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
 from .api import Api
-from .guard import USER_NAME, guard_command
 from .orphans import Orphans, remove_orphans
 from .pool import AWSAllocation
-
-ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
+from .settings import AWSSettings
 
 
 class AWS(Provider):
@@ -50,140 +49,71 @@ class AWS(Provider):
     and ``ssh-keygen`` on this machine. The pool's ``accelerator``, ``vcpus`` and
     ``memory_gb`` choose the smallest instance type that has them.
 
-    Args:
-        region: AWS region (default: the configured one, e.g. AWS_DEFAULT_REGION).
-        instance_type: use this type instead of choosing one.
-        allocation: ``"on-demand"``, ``"spot"`` or ``"spot-if-available"`` (spot, falling
-            back to on-demand when no zone has spot capacity).
-        ami: AMI id (default: Ubuntu 24.04, or the Deep Learning Base AMI for GPU types,
-            from AWS's public SSM parameters). It must run cloud-init and Python >= 3.11.
-        ssh_user: the AMI's login user.
-        subnet: subnet id to launch in (default: the default VPC, any zone).
-        private_ips: connect to the instances' private addresses (a client inside the VPC
-            or on a VPN to it) instead of public ones; no public address is assigned.
-        disk_gb: root volume size in GiB (default: the AMI's).
-        ttl: seconds after the last contact from the client when an instance powers
-            itself off (and so terminates): the bound on what a dead client costs. An
-            instance whose agent never starts powers off ``max(ttl, start_timeout)`` s
-            after its boot (the boot guard, see ``guard``).
-        tags: extra tags for every resource of the pool.
-        profile: AWS profile of ~/.aws/config (default: the default credential chain).
-        ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the
-            pool's security group (a task file's ``ports``); none by default.
-        workdir: folder on the instances for flotilla's files.
-        python: interpreter on the instances (default: ``python3``, or one of the
-            client's minor version found there; see README "Python on the nodes").
-        poweroff_command: what the instance watchdog runs when ``ttl`` expires, and the
-            boot guard (as root, with ``FLOTILLA_BOOT_GUARD=1`` set) when no agent started.
-        connect_timeout: seconds for one SSH connection attempt.
+    Args: the fields of :class:`AWSSettings` (checked when the provider is made).
     """
 
     name = "aws"
+    settings_type = AWSSettings
 
     def __init__(
         self,
         region: str | None = None,
         instance_type: str | None = None,
-        allocation: str = "spot-if-available",
+        allocation: str = AWSSettings.allocation,
         ami: str | None = None,
-        ssh_user: str = "ubuntu",
+        ssh_user: str = AWSSettings.ssh_user,
         subnet: str | None = None,
         private_ips: bool = False,
         disk_gb: int | None = None,
-        ttl: float = 600,
+        ttl: float = AWSSettings.ttl,
         tags: dict[str, str] | None = None,
         profile: str | None = None,
         *,
         ports: Sequence[int | str] = (),
-        workdir: str = "~/.flotilla",
-        python: str | None = None,
-        poweroff_command: Sequence[str] = ("sudo", "-n", "poweroff"),
-        connect_timeout: float = 10.0,
+        workdir: str = AWSSettings.workdir,
+        python: str | None = AWSSettings.python,
+        poweroff_command: Sequence[str] = AWSSettings.poweroff_command,
+        connect_timeout: float = AWSSettings.connect_timeout,
     ) -> None:
-        if allocation not in ALLOCATIONS:
-            raise ConfigurationError(
-                f"AWS(allocation={allocation!r}): use one of {', '.join(map(repr, ALLOCATIONS))}"
-            )
-        for what, value, prefix in (("ami", ami, "ami-"), ("subnet", subnet, "subnet-")):
-            if value is not None and (not isinstance(value, str) or not value.startswith(prefix)):
-                raise ConfigurationError(
-                    f"AWS({what}={value!r}): expected an id like {prefix}0123456789abcdef0"
-                )
-        if instance_type is not None and (
-            not isinstance(instance_type, str) or "." not in instance_type
-        ):
-            raise ConfigurationError(
-                f"AWS(instance_type={instance_type!r}): expected a type name like 'c5.large'"
-            )
-        if disk_gb is not None and (
-            isinstance(disk_gb, bool) or not isinstance(disk_gb, int) or not 8 <= disk_gb <= 16384
-        ):
-            raise ConfigurationError(
-                f"AWS(disk_gb={disk_gb!r}): a whole number of GiB between 8 and 16384"
-            )
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
-            raise ConfigurationError(f"AWS(ttl={ttl!r}): a positive number of seconds")
-        tags = dict(tags or {})
-        for key, value in tags.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise ConfigurationError(f"AWS(tags=...): keys and values must be strings: {key!r}")
-            if key.startswith(("aws:", "flotilla:")) or not 0 < len(key) <= 128 or len(value) > 256:
-                raise ConfigurationError(
-                    f"AWS(tags=...): tag key {key!r} is not allowed (1-128 characters, not "
-                    "starting with 'aws:' or 'flotilla:'; values up to 256 characters)"
-                )
-        if not poweroff_command or not all(isinstance(w, str) for w in poweroff_command):
-            raise ConfigurationError("AWS(poweroff_command=...): a non-empty list of strings")
-        if not isinstance(ssh_user, str) or not USER_NAME.fullmatch(ssh_user):
-            raise ConfigurationError(
-                f"AWS(ssh_user={ssh_user!r}): a login name (letters, digits, '_', '.', '-')"
-            )
-        if not isinstance(workdir, str) or not workdir.strip():
-            raise ConfigurationError(f"AWS(workdir={workdir!r}): a folder on the instances")
-        try:
-            guard_command(ttl, 0, workdir, ssh_user, poweroff_command)
-        except ValueError as e:
-            raise ConfigurationError(
-                f"AWS(workdir={workdir!r}): {e}; use an absolute path or one under ~ "
-                "(the ssh_user's home)"
-            ) from None
-        self.region = region
-        self.instance_type = instance_type
-        self.allocation = allocation
-        self.ami = ami
-        self.ssh_user = ssh_user
-        self.subnet = subnet
-        self.private_ips = bool(private_ips)
-        self.disk_gb = disk_gb
-        self.ttl = float(ttl)
-        self.tags = tags
-        self.profile = profile
-        self.ports = tuple(_port_range(p) for p in ports)
-        self.workdir = workdir
+        self.settings = AWSSettings(
+            region=region,
+            instance_type=instance_type,
+            allocation=allocation,
+            ami=ami,
+            ssh_user=ssh_user,
+            subnet=subnet,
+            private_ips=private_ips,
+            disk_gb=disk_gb,
+            ttl=ttl,
+            tags=dict(tags or {}),
+            profile=profile,
+            ports=ports,
+            workdir=workdir,
+            python=python,
+            poweroff_command=poweroff_command,
+            connect_timeout=connect_timeout,
+        )
         self.home = workdir
-        self.python = python or "python3"
-        self.python_pinned = python is not None
-        self.poweroff_command = tuple(poweroff_command)
-        self.connect_timeout = float(connect_timeout)
+        self.python_pinned = python is not None  # else python3, or one found
         self._api: Api | None = None
 
     def __repr__(self) -> str:
-        return f"AWS(region={self.region!r}, allocation={self.allocation!r})"
+        return f"AWS(region={self.settings.region!r}, allocation={self.settings.allocation!r})"
 
     @property
     def api(self) -> Api:
         if self._api is None:
-            self._api = Api(self.region, self.profile)
+            self._api = Api(self.settings.region, self.settings.profile)
         return self._api
 
     def validate(self, spec: PoolSpec) -> None:
         self.api.check()
-        from ..ssh import _ssh_client
+        from ..ssh_shell import ssh_client
 
-        _ssh_client()
-        if self.ttl <= spec.options.heartbeat_timeout:
+        ssh_client()
+        if self.settings.ttl <= spec.options.heartbeat_timeout:
             raise ConfigurationError(
-                f"AWS(ttl={self.ttl:g}) must exceed Options(heartbeat_timeout="
+                f"AWS(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
                 f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
                 "the instances would power themselves off under a live pool"
             )
@@ -192,13 +122,10 @@ class AWS(Provider):
         if spec.memory_gb is not None and spec.memory_gb <= 0:
             raise ConfigurationError(f"memory_gb={spec.memory_gb!r}: a positive number")
 
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
-
     async def acquire(self, spec: PoolSpec) -> AWSAllocation:
         """Launch the pool's instances (see the module docstring); on failure or
         cancellation everything made so far is removed before the error propagates."""
-        allocation = AWSAllocation(self, spec)
+        allocation = AWSAllocation(self.settings, self.api, spec)
         try:
             await allocation.launch()
         except BaseException:
@@ -212,18 +139,3 @@ class AWS(Provider):
         clients on other machines are listed in ``Orphans.skipped``, not touched."""
         self.api.check()
         return remove_orphans(self.api, dry_run)
-
-
-def _port_range(port: int | str) -> tuple[int, int]:
-    """``8000`` or ``"8000-8010"`` as (first, last); ConfigurationError otherwise."""
-    text = str(port).strip()
-    low, sep, high = text.partition("-")
-    try:
-        first, last = int(low), int(high if sep else low)
-    except ValueError:
-        first = last = 0
-    if isinstance(port, bool) or not 0 < first <= last < 65536:
-        raise ConfigurationError(
-            f"AWS(ports=[{port!r}]): a TCP port (8000) or range ('8000-8010') within 1-65535"
-        )
-    return first, last

@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from ..._errors import ConfigurationError, ProvisionError
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._node.procs import die_with_parent
 from ..pipe import read_chunks
+from .settings import parse_time
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
 HOLDER = f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
@@ -38,36 +39,6 @@ def slurm_env() -> dict[str, str]:
     """This process's environment without the variables of a job it may run in (they
     would redirect srun/salloc into that job); SLURM_CONF is kept."""
     return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-
-
-def parse_time(value: str | int) -> int:
-    """Seconds of a SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-
-    ConfigurationError for anything else, including UNLIMITED (backfill skips such jobs).
-    """
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise ConfigurationError(f"Slurm(time=...) must be a string like '2:00:00', got {value!r}")
-    text = str(value).strip()
-    fix = "use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS, e.g. Slurm(time='2:00:00')"
-    if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
-        raise ConfigurationError(
-            f"Slurm(time={value!r}): an unlimited time makes the backfill scheduler skip the "
-            f"job; give a limit: {fix}"
-        )
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
-    if not m or not text:
-        raise ConfigurationError(f"Slurm(time={value!r}) is not a SLURM time limit: {fix}")
-    days, a, b, c = m.groups()
-    n = [int(a), int(b or 0), int(c or 0)]
-    if days is not None:  # D-HH[:MM[:SS]]
-        seconds = int(days) * 86400 + n[0] * 3600 + n[1] * 60 + n[2]
-    elif c is not None:  # HH:MM:SS
-        seconds = n[0] * 3600 + n[1] * 60 + n[2]
-    else:  # MM or MM:SS
-        seconds = n[0] * 60 + n[1]
-    if seconds <= 0:
-        raise ConfigurationError(f"Slurm(time={value!r}) must be longer than zero: {fix}")
-    return seconds
 
 
 def fields(line: str) -> dict[str, str]:
@@ -354,7 +325,8 @@ def srun_error(host: str, job_id: str, status: int | None, stderr: str) -> Provi
             f"{host}`), and slurmd's log on {host}"
         )
     return ProvisionError(
-        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}"
+        f"{host}: SLURM could not start the agent's step in job {job_id}: {cause}; {todo}{output}",
+        cause=ProvisionCause.LAUNCHER,
     )
 
 

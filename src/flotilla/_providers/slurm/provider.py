@@ -12,12 +12,12 @@ job is pending, salloc is sent SIGTERM if the client dies (``PR_SET_PDEATHSIG``)
 then revokes the pending request. ``--time`` is only the last backstop.
 
 **Agents.** ``srun --jobid=J --nodes=1 --ntasks=1 -w NODE --overlap python -m
-flotilla.agent`` per node: srun relays the step's stdin/stdout, which are the protocol
-channel (a :class:`PipeAgent`). Without ``--exact`` a step gets every CPU and the memory the
-job holds on its node, and the GPUs the job asked for. The step's command first answers
-(``bootstrap.announced``): a step srun cannot start (the job was cancelled or ended, srun
-refused it) is a ProvisionError with srun's own cause, and one that waits (a suspended job)
-is given up after ``Options.start_timeout``.
+flotilla.agent`` per node: srun is the remote shell of the launch layer (:class:`SrunShell`,
+``launch``), relaying the step's stdin/stdout, which are the protocol channel. Without
+``--exact`` a step gets every CPU and the memory the job holds on its node, and the GPUs the
+job asked for. The step's command first answers: a step srun cannot start (the job was
+cancelled or ended, srun refused it) is a ProvisionError with srun's own cause, and one that
+waits (a suspended job) is given up after ``Options.start_timeout``.
 
 **Files.** On a SLURM cluster the login and compute nodes normally share the users' home and
 project directories, so by default (``shared_filesystem=True``) the nodes run the client's
@@ -48,24 +48,15 @@ from collections.abc import Sequence
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
     AgentProcess,
-    Allocation,
     AllocationState,
     LostCallback,
     Machine,
-    MachineState,
     PoolSpec,
     Provider,
 )
-from ..bootstrap import (
-    NoAnswer,
-    announced,
-    client_bundle,
-    start_agent,
-    start_command,
-    wait_announced,
-)
+from ..bootstrap import NoAnswer
+from ..launch import RemoteShell, ShellAllocation
 from ..local import user_code_path
-from ..pipe import PipeAgent, spawn
 from .job import (
     HOLDER,
     Job,
@@ -79,27 +70,16 @@ from .job import (
     node_addresses,
     node_states,
     parse_limit,
-    parse_time,
     query,
     say,
     slurm_env,
     srun_error,
 )
+from .settings import SlurmSettings, parse_time
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
 FALLBACK_TIME = "1-00:00:00"
 """--time when neither time= nor the partition gives a limit (never UNLIMITED)."""
-_RESERVED = {
-    "--nodes": "nodes=",
-    "-N": "nodes=",
-    "--ntasks": "nodes=",
-    "-n": "nodes=",
-    "--ntasks-per-node": "nodes=",
-    "--job-name": "the pool id",
-    "-J": "the pool id",
-    "--no-shell": "flotilla's holder",
-    "--jobid": "flotilla",
-}
 WATCH_INTERVAL = 5.0
 """Seconds between two looks at SLURM's view of a pool's nodes and jobs (see watch())."""
 _LOST_STATES = {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN"}
@@ -112,28 +92,11 @@ class Slurm(Provider):
     a job: ``Compute(provider=Slurm(partition="gpu", time="2:00:00"), nodes=4,
     accelerator="A100:8")``.
 
-    Args:
-        partition: partition to submit to (default: the cluster's default partition; inside
-            a job, None means "use this job's nodes").
-        account: ``--account``.
-        qos: ``--qos``.
-        time: time limit (``--time``: minutes, HH:MM:SS, D-HH:MM:SS). Default: the
-            partition's DefaultTime, else its MaxTime, else one day; never unlimited.
-        constraint: ``--constraint`` (node features).
-        reservation: ``--reservation``.
-        gres: ``--gres`` per node, e.g. ``"gpu:a100:8"``; default: from the pool's
-            ``accelerator`` (``gpu:TYPE:COUNT``). GRES names are site-defined: this wins.
-        sbatch_args: more salloc/sbatch options, e.g. ``("--exclusive=user",)``.
-        python: interpreter on the nodes (default: this interpreter when the filesystem is
-            shared, else ``python3``).
-        workdir: working directory of the agents (default: the current directory when the
-            filesystem is shared, else ``~/.flotilla``, where the bootstrap keeps flotilla).
-        queue_timeout: seconds the job may wait in the queue before the pool gives up
-            (default: wait as long as it takes; Ctrl-C cancels the job).
-        shared_filesystem: whether the nodes see the client's files (the usual SLURM setup).
+    Args: the fields of :class:`SlurmSettings`.
     """
 
     name = "slurm"
+    settings_type = SlurmSettings
 
     def __init__(
         self,
@@ -144,75 +107,42 @@ class Slurm(Provider):
         constraint: str | None = None,
         reservation: str | None = None,
         gres: str | None = None,
-        sbatch_args: Sequence[str] = (),
+        sbatch_args: Sequence[str] = SlurmSettings.sbatch_args,
         python: str | None = None,
         workdir: str | None = None,
         queue_timeout: float | None = None,
-        shared_filesystem: bool = True,
+        shared_filesystem: bool = SlurmSettings.shared_filesystem,
     ) -> None:
-        for key, value in (
-            ("partition", partition),
-            ("account", account),
-            ("qos", qos),
-            ("constraint", constraint),
-            ("reservation", reservation),
-            ("gres", gres),
-            ("python", python),
-            ("workdir", workdir),
-        ):
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(
-                    f"Slurm({key}=...) must be a non-empty string, got {value!r}"
-                )
+        self.settings = settings = SlurmSettings(
+            partition=partition,
+            account=account,
+            qos=qos,
+            time=time,
+            constraint=constraint,
+            reservation=reservation,
+            gres=gres,
+            sbatch_args=sbatch_args,
+            python=python,
+            workdir=workdir,
+            queue_timeout=queue_timeout,
+            shared_filesystem=shared_filesystem,
+        )
         self.time_limit = parse_time(time) if time is not None else None
-        if isinstance(sbatch_args, str) or not all(isinstance(a, str) for a in sbatch_args):
-            raise ConfigurationError(
-                f"Slurm(sbatch_args=...) must be a list of strings such as ['--exclusive'], "
-                f"got {sbatch_args!r}"
-            )
-        for arg in sbatch_args:
-            option = arg.split("=", 1)[0]
-            if option in _RESERVED:
-                raise ConfigurationError(
-                    f"Slurm(sbatch_args=...): {option} is set by flotilla (from "
-                    f"{_RESERVED[option]}); remove it"
-                )
-        if queue_timeout is not None and (
-            isinstance(queue_timeout, bool)
-            or not isinstance(queue_timeout, int | float)
-            or queue_timeout <= 0
-        ):
-            raise ConfigurationError(
-                f"Slurm(queue_timeout=...) must be a positive number of seconds or None, "
-                f"got {queue_timeout!r}"
-            )
-        self.partition = partition
-        self.account = account
-        self.qos = qos
-        self.time = time
-        self.constraint = constraint
-        self.reservation = reservation
-        self.gres = gres
-        self.sbatch_args = tuple(sbatch_args)
-        self.shares_filesystem = bool(shared_filesystem)
+        self.shares_filesystem = settings.shared_filesystem
         self.python = python or (sys.executable if self.shares_filesystem else "python3")
         self.python_pinned = python is not None
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
-        self.queue_timeout = queue_timeout
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
         self._partition: Partition | None = None
 
     def __repr__(self) -> str:
-        where = f"partition={self.partition!r}" if self.partition else ""
+        where = f"partition={self.settings.partition!r}" if self.settings.partition else ""
         return f"Slurm({where})"
-
-    def agent_command(self) -> list[str]:
-        return [self.python, "-m", "flotilla.agent"]
 
     def existing_job(self) -> str | None:
         """The job this program runs in, when the pool should use its nodes."""
         job = os.environ.get("SLURM_JOB_ID")
-        return job if job and self.partition is None else None
+        return job if job and self.settings.partition is None else None
 
     # -- validation ------------------------------------------------------------------
     def validate(self, spec: PoolSpec) -> None:
@@ -243,11 +173,11 @@ class Slurm(Provider):
         limit = part.max_time
         if self.time_limit is not None and limit is not None and self.time_limit > limit:
             raise ConfigurationError(
-                f"Slurm(time={self.time!r}) exceeds partition {part.name!r}'s limit "
+                f"Slurm(time={self.settings.time!r}) exceeds partition {part.name!r}'s limit "
                 f"({format_time(limit)}): ask for at most that"
             )
         acc = spec.accelerator
-        if acc is not None and self.gres is None:
+        if acc is not None and self.settings.gres is None:
             fits = [c for kind, c in part.gpus if kind == acc.name.lower() and c >= acc.count]
             if not fits:
                 offered = ", ".join(f"gpu:{k}:{c}" if k else f"gpu:{c}" for k, c in part.gpus)
@@ -264,7 +194,7 @@ class Slurm(Provider):
             raise ProvisionError(f"cannot query SLURM's partitions: {error_of(proc)}")
         parts = [fields(line) for line in proc.stdout.splitlines() if "PartitionName=" in line]
         names = [p["PartitionName"] for p in parts]
-        if self.partition is None:
+        if self.settings.partition is None:
             found = [p for p in parts if p.get("Default") == "YES"]
             if not found:
                 raise ConfigurationError(
@@ -272,11 +202,11 @@ class Slurm(Provider):
                     f"one of {', '.join(names)}"
                 )
         else:
-            found = [p for p in parts if p["PartitionName"] == self.partition]
+            found = [p for p in parts if p["PartitionName"] == self.settings.partition]
             if not found:
                 raise ConfigurationError(
-                    f"SLURM has no partition {self.partition!r}: pass Slurm(partition=...) "
-                    f"with one of {', '.join(names) or '(none)'}"
+                    f"SLURM has no partition {self.settings.partition!r}: pass "
+                    f"Slurm(partition=...) with one of {', '.join(names) or '(none)'}"
                 )
         p = found[0]
         gpus: list[tuple[str, int]] = []
@@ -302,16 +232,16 @@ class Slurm(Provider):
             "--no-kill",
         ]
         for option, value in (
-            ("partition", self.partition),
-            ("account", self.account),
-            ("qos", self.qos),
-            ("constraint", self.constraint),
-            ("reservation", self.reservation),
+            ("partition", self.settings.partition),
+            ("account", self.settings.account),
+            ("qos", self.settings.qos),
+            ("constraint", self.settings.constraint),
+            ("reservation", self.settings.reservation),
         ):
             if value is not None:
                 argv.append(f"--{option}={value}")
         argv += self._time_args()
-        gres = self.gres
+        gres = self.settings.gres
         if gres is None and spec.accelerator is not None:
             gres = f"gpu:{spec.accelerator.name.lower()}:{spec.accelerator.count}"
         if gres is not None:
@@ -324,7 +254,7 @@ class Slurm(Provider):
             argv.append(f"--mem={max(1, math.ceil(spec.memory_gb * 1024))}M")
         if exclude:
             argv.append(f"--exclude={','.join(exclude)}")
-        return [*argv, *self.sbatch_args, "sh", "-c", HOLDER]
+        return [*argv, *self.settings.sbatch_args, "sh", "-c", HOLDER]
 
     def _time_args(self) -> list[str]:
         if self.time_limit is not None:
@@ -351,7 +281,7 @@ class Slurm(Provider):
             allocation = SlurmAllocation(self, spec, job=Job(job, None, names))
         else:
             argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
-            held = await Job.submit(argv, self.queue_timeout)
+            held = await Job.submit(argv, self.settings.queue_timeout)
             allocation = SlurmAllocation(self, spec, job=held)
         try:
             names = allocation.job.nodes[: spec.nodes]
@@ -367,7 +297,49 @@ class Slurm(Provider):
 
 
 # -- the allocation ------------------------------------------------------------------------
-class SlurmAllocation(Allocation):
+class SrunShell(RemoteShell):
+    """``srun`` as a remote shell: a command runs as a one-task step of the machine's job
+    on its node. A step srun cannot start (the job was cancelled or ended, the step asks
+    for what the job lacks) is explained with srun's own words; one that waits (a suspended
+    job) is given up after ``Options.start_timeout``."""
+
+    name = "srun"
+
+    def __init__(self, allocation: SlurmAllocation) -> None:
+        self.allocation = allocation
+        env = slurm_env()
+        if allocation.provider.shares_filesystem:
+            env["PYTHONPATH"] = os.pathsep.join(user_code_path())
+        env.pop("COMPUTE_POOL", None)
+        self.env = env
+
+    def argv(self, machine: Machine, command: list[str]) -> list[str]:
+        allocation, provider = self.allocation, self.allocation.provider
+        job = allocation.job_of[machine.ident]
+        argv = [
+            "srun",
+            f"--jobid={job.id}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={machine.host}",
+            "--overlap",
+            f"--job-name=flotilla-{allocation.spec.pool_id}-node{machine.rank}",
+            "--quiet",
+            "--unbuffered",  # else slurmstepd forwards stdout line by line (frames are binary)
+        ]
+        if provider.shares_filesystem and provider.workdir is not None:
+            argv.append(f"--chdir={provider.workdir}")
+        return [*argv, *command]
+
+    def subject(self, machine: Machine) -> str:
+        return f"the agent's step in SLURM job {self.allocation.job_of[machine.ident].id}"
+
+    async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
+        job = self.allocation.job_of[machine.ident].id
+        return srun_error(machine.host, job, failure.status, failure.stderr)
+
+
+class SlurmAllocation(ShellAllocation):
     """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
 
     def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
@@ -376,89 +348,29 @@ class SlurmAllocation(Allocation):
         self.job = job
         self.jobs: list[Job] = [job]
         self.job_of: dict[str, Job] = {}
-        self.agents: list[PipeAgent] = []
+        self.agents: list[AgentProcess] = []
         self.watch_interval = WATCH_INTERVAL
         self._watcher: asyncio.Task[None] | None = None
-        self.env = slurm_env()
-        if provider.shares_filesystem:
-            self.env["PYTHONPATH"] = os.pathsep.join(user_code_path())
-        self.env.pop("COMPUTE_POOL", None)
+        self.shell = SrunShell(self)
+        self.python = provider.python
+        self.workdir = provider.workdir or "~/.flotilla"
+        self.ship = not provider.shares_filesystem
 
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
         machine = Machine(rank, node, address, f"{job.id}:{node}")
         self.job_of[machine.ident] = job
-        self.mark(machine, MachineState.PENDING)
         return machine
 
-    def srun_argv(self, machine: Machine, command: list[str]) -> list[str]:
-        job = self.job_of[machine.ident]
-        argv = [
-            "srun",
-            f"--jobid={job.id}",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={machine.host}",
-            "--overlap",
-            f"--job-name=flotilla-{self.spec.pool_id}-node{machine.rank}",
-            "--quiet",
-            "--unbuffered",  # else slurmstepd forwards stdout line by line (frames are binary)
-        ]
-        if self.provider.shares_filesystem and self.provider.workdir is not None:
-            argv.append(f"--chdir={self.provider.workdir}")
-        return [*argv, *command]
-
-    async def start_agent(self, machine: Machine, command: list[str]) -> AgentProcess:
-        """Run the agent as a step on ``machine``'s node. The step's command first answers
-        (see ``bootstrap``), so that a step srun cannot start (the job is gone, the step
-        asks for what the job lacks) is a ProvisionError with srun's own words."""
-        provider = self.provider
-        bundle = None
-        if provider.shares_filesystem:
-            command = announced(command)
-        else:
-            workdir = provider.workdir or "~/.flotilla"
-            bundle = await asyncio.get_running_loop().run_in_executor(None, client_bundle)
-            command = [
-                "sh",
-                "-c",
-                start_command(workdir, provider.python, bundle.hash, len(bundle.data)),
-            ]
-        argv = self.srun_argv(machine, command)
-        try:
-            agent = PipeAgent(spawn(argv, env=self.env), machine.address, machine.host)
-        except OSError as e:
-            raise ProvisionError(f"{machine.host}: cannot run srun: {e}") from e
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Run the agent as a step on ``machine``'s node (see :class:`SrunShell`)."""
+        agent = await super().start_agent(machine)
         self.agents.append(agent)
-        job = self.job_of[machine.ident].id
-        timeout = self.spec.options.start_timeout
-        try:
-            started = (
-                wait_announced(agent)
-                if bundle is None
-                else start_agent(agent, workdir, provider.python, bundle)
-            )
-            await asyncio.wait_for(started, timeout)
-        except NoAnswer as e:
-            await agent.terminate()
-            raise srun_error(machine.host, job, e.status, e.stderr) from None
-        except TimeoutError:
-            await agent.terminate()
-            said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
-            raise ProvisionError(
-                f"{machine.host}: the agent's step in SLURM job {job} did not start within "
-                f"{timeout:g} s" + (f" (srun: {said[0]})" if said else "") + "; "
-                "Options(start_timeout=...) sets the limit"
-            ) from None
-        except BaseException:
-            await agent.terminate()
-            raise
         return agent
 
-    async def replace(self, rank: int, reason: str) -> Machine:
+    async def replacement(self, rank: int, reason: str) -> Machine:
         """A new one-node job for ``rank`` (SLURM cannot add a node to a running job),
         avoiding the lost node."""
         old = self.machines[rank]
-        self.mark(old, MachineState.LOST)
         if not self.job.owned:
             raise ProvisionError(
                 f"{old.host}: {reason}; the pool runs inside SLURM job {self.job.id}, whose "
@@ -466,12 +378,10 @@ class SlurmAllocation(Allocation):
             )
         loop = asyncio.get_running_loop()
         argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, [old.host])
-        job = await Job.submit(argv, self.provider.queue_timeout)
+        job = await Job.submit(argv, self.provider.settings.queue_timeout)
         self.jobs.append(job)
         addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
-        machine = self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
-        self.machines[rank] = machine
-        return machine
+        return self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
 
     def watch(self, on_lost: LostCallback) -> None:
         """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
@@ -509,19 +419,13 @@ class SlurmAllocation(Allocation):
                 reported.add(m.ident)
                 self.report_lost(m.rank, reason)
 
-    async def release(self) -> None:
+    async def free(self) -> None:
         """Stop the steps still running, then end every job the pool made (never one it
         runs inside) and wait until SLURM no longer lists them."""
-        if self.state is AllocationState.RELEASED:
-            return
-        self.state = AllocationState.RELEASING
         if self._watcher is not None:
             self._watcher.cancel()
         await asyncio.gather(
-            *(a.terminate() for a in self.agents if a.proc.poll() is None),
+            *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,
         )
         await asyncio.gather(*(job.release() for job in self.jobs), return_exceptions=True)
-        self.state = AllocationState.RELEASED
-        for machine in self.machines:
-            self.mark(machine, MachineState.RELEASED)

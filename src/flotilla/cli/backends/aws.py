@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
+from ..._providers.aws.settings import ALLOCATIONS, AWSSettings
 from .base import (
     Backend,
     Flag,
@@ -28,6 +29,7 @@ from .base import (
     ShellCommand,
     infra_detail,
     infra_name,
+    settings_flags,
     ssh_shell,
 )
 
@@ -35,8 +37,6 @@ if TYPE_CHECKING:
     from ..._providers.base import Provider
     from ..state import NodeRecord, Paths
     from ..taskfile import Task
-
-ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,6 @@ class AWSSpec(ResourceSpec):
 
     def provider_options(self) -> dict[str, Any]:
         """The AWS provider's arguments (it checks them)."""
-        from ..._providers.aws import AWS
 
         options: dict[str, Any] = {
             "region": self.region,
@@ -106,23 +105,50 @@ class AWSSpec(ResourceSpec):
         }
         if self.poweroff_command:
             options["poweroff_command"] = shlex.split(self.poweroff_command)
-        AWS(**options)  # raises a ConfigurationError for a bad value
+        options.update(self.settings)
+        AWSSettings(**options)  # raises a ConfigurationError for a bad value
         return options
 
 
 class AWSBackend(Backend[AWSSpec]):
     spec_type = AWSSpec
+    settings_type = AWSSettings
     summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
     flags = (
-        Flag("--region", "AWS region (default: the configured one)"),
-        Flag("--instance-type", "EC2 instance type (default: the smallest that fits)"),
-        Flag("--allocation", "on-demand (default), spot or spot-if-available", choices=ALLOCATIONS),
-        Flag("--aws-user", "the AMI's login user (ubuntu)"),
-        Flag("--private-ips", "connect to private addresses (client in the VPC)", switch=True),
-        Flag("--aws-workdir", "flotilla's folder on the instances (~/.flotilla)"),
-        Flag("--ttl", "seconds without the client before instances end (600)", type=float),
-        Flag("--poweroff-command", "what instances run when --ttl expires (sudo -n poweroff)"),
+        *settings_flags(
+            AWSSettings,
+            {
+                "region": "--region",
+                "instance_type": "--instance-type",
+                "allocation": "--allocation",
+                "ssh_user": "--aws-user",
+                "private_ips": "--private-ips",
+                "workdir": "--aws-workdir",
+                "ttl": "--ttl",
+            },
+            choices={"allocation": ALLOCATIONS},
+        ),
+        Flag(
+            "--poweroff-command",
+            "what instances run when --ttl expires (sudo -n poweroff)",
+            setting="poweroff_command",
+        ),
     )
+    pass_through = settings_flags(
+        AWSSettings,
+        {
+            "subnet": "--subnet",
+            "profile": "--aws-profile",
+            "python": "--aws-python",
+            "connect_timeout": "--aws-connect-timeout",
+        },
+    )
+    fixed = {
+        "ami": "a task's resources.image_id",
+        "disk_gb": "a task's resources.disk_size",
+        "tags": "a task's resources.labels",
+        "ports": "a task's resources.ports",
+    }
     honours = frozenset(
         {
             "region",
@@ -178,7 +204,7 @@ class AWSBackend(Backend[AWSSpec]):
     def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
         from ..._providers.aws import AWS
 
-        return AWS(**spec.provider_options())
+        return AWS.from_settings(AWSSettings(**spec.provider_options()))
 
     def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
         """Instances, security groups and key folders of pools whose client (a killed

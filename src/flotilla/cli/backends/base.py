@@ -10,6 +10,8 @@ backend imports its provider (``flotilla._providers...``) inside :meth:`make_pro
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 import shlex
 import sys
 from abc import ABC, abstractmethod
@@ -36,6 +38,10 @@ class ProviderSpec:
     kind: ClassVar[str] = ""
     """The backend's name: ``--provider KIND``, ``"kind"`` in the state file."""
 
+    settings: tuple[tuple[str, Any], ...] = ()
+    """The provider settings the command line gave through flags that have no field of
+    their own here (:attr:`Backend.pass_through`): (field, value) pairs."""
+
     def to_dict(self) -> dict[str, Any]:
         """The spec as JSON-ready data (tuples as lists), ``kind`` included."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -47,6 +53,9 @@ class ProviderSpec:
         flotilla version) are ignored, lists become tuples."""
         known = {f.name for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        values["settings"] = tuple(  # (field, value) pairs; a list value was a tuple
+            (str(k), tuple(v) if isinstance(v, list) else v) for k, v in data.get("settings", ())
+        )
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def describe(self) -> str:
@@ -77,6 +86,10 @@ class Flag:
     metavar: str | None = None
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] = ()
+    setting: str = ""
+    """The provider settings field it sets ("" for none); see :func:`settings_flags`."""
+    value: Any = True
+    """A switch's value when given (the field's default is the other one)."""
 
     @property
     def dest(self) -> str:
@@ -177,6 +190,13 @@ class Backend(ABC, Generic[S]):
         summary: what ``--provider KIND`` means, for ``--help``.
         flags: its ``flotilla launch`` flags. Giving one without ``--provider`` selects
             this backend; giving one with another ``--provider`` is an error.
+        settings_type: the provider's settings dataclass (None: it has none).
+        pass_through: flags for the provider's settings fields that the spec has no
+            field for (from :func:`settings_flags`): given ones are kept in
+            ``spec.settings`` and passed to the provider as they are.
+        fixed: the provider's settings fields the command line sets itself, and how
+            (``{"workdir": "the cluster's folder"}``): every other field has a flag or a
+            task-file ``resources`` field (a test checks it).
         shares_filesystem: every node runs on this machine (node paths are kept apart,
             ``~`` in a file mount is the node's folder, one node does machine-wide work).
         honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
@@ -189,6 +209,9 @@ class Backend(ABC, Generic[S]):
     spec_type: type[S]
     summary: ClassVar[str]
     flags: ClassVar[tuple[Flag, ...]] = ()
+    settings_type: ClassVar[type[Any] | None] = None
+    pass_through: ClassVar[tuple[Flag, ...]] = ()
+    fixed: ClassVar[Mapping[str, str]] = {}
     shares_filesystem: ClassVar[bool] = False
     honours: ClassVar[frozenset[str]] = frozenset()
     hint_reason: ClassVar[str] = "its nodes already exist"
@@ -199,12 +222,16 @@ class Backend(ABC, Generic[S]):
         return self.spec_type.kind
 
     # -- the command line ---------------------------------------------------------------
+    @property
+    def all_flags(self) -> tuple[Flag, ...]:
+        return (*self.flags, *self.pass_through)
+
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
-        """Add :attr:`flags` to ``parser``, in a help group named after the backend."""
-        if not self.flags:
+        """Add its flags to ``parser``, in a help group named after the backend."""
+        if not self.all_flags:
             return
         group = parser.add_argument_group(f"--provider {self.kind}")
-        for flag in self.flags:
+        for flag in self.all_flags:
             if flag.switch:
                 group.add_argument(flag.name, action="store_true", help=flag.help)
             else:
@@ -218,7 +245,14 @@ class Backend(ABC, Generic[S]):
 
     def given_flags(self, args: argparse.Namespace) -> list[str]:
         """The names of this backend's flags the command line set."""
-        return [f.name for f in self.flags if f.given(args)]
+        return [f.name for f in self.all_flags if f.given(args)]
+
+    def given_settings(self, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+        """The (field, value) of every :attr:`pass_through` flag the command line set."""
+        given = [(f, f.value if f.switch else getattr(args, f.dest)) for f in self.pass_through]
+        return tuple(
+            (f.setting, tuple(v) if isinstance(v, list) else v) for f, v in given if f.given(args)
+        )
 
     @abstractmethod
     def spec_from_args(self, args: argparse.Namespace) -> S:
@@ -319,6 +353,54 @@ class Backend(ABC, Generic[S]):
     ) -> ShellCommand:
         """How to open a shell (``command`` empty) or run ``command`` in the working
         directory of node ``node`` of a running cluster."""
+
+
+def settings_flags(
+    settings_type: type[Any],
+    names: Mapping[str, str],
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+) -> tuple[Flag, ...]:
+    """Flags for the fields of a provider's settings dataclass: ``names`` maps a field to
+    its flag. The help is the field's documentation (its ``Attributes:`` entry), the type
+    the field's (a bool is a switch that sets the value its default is not)."""
+    docs = field_docs(settings_type)
+    by_name = {f.name: f for f in fields(settings_type)}
+    out: list[Flag] = []
+    for name, flag in names.items():
+        f = by_name[name]
+        kind = str(f.type)
+        help = docs.get(name, name.replace("_", " ")).replace("``", "")
+        if kind == "bool":
+            off = f"turns off: {help}" if f.default else help
+            out.append(Flag(flag, off, switch=True, setting=name, value=not f.default))
+            continue
+        convert: Callable[[str], Any] = str
+        if "Sequence" in kind:
+            convert = shlex.split  # words, as a shell splits them
+        elif "str" not in kind:
+            convert = float if "float" in kind else int if "int" in kind else str
+        allowed = (choices or {}).get(name, ())
+        out.append(Flag(flag, help, type=convert, choices=allowed, setting=name))
+    return tuple(out)
+
+
+def field_docs(cls: type[Any]) -> dict[str, str]:
+    """Field -> its documentation, from the ``Attributes:`` section of ``cls``'s docstring
+    (on one line)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    _, _, section = doc.partition("Attributes:\n")
+    docs: dict[str, str] = {}
+    name = ""
+    for line in section.splitlines():
+        entry = re.match(r"    (\w+): (.*)", line)
+        if entry:
+            name = entry[1]
+            docs[name] = entry[2].strip()
+        elif name and line.startswith("        "):
+            docs[name] += " " + line.strip()
+        else:
+            break
+    return docs
 
 
 def infra_name(infra: str | None) -> str:

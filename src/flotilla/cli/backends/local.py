@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from ..._errors import ConfigurationError
 from ..._node import procs
-from .base import Backend, ProviderSpec, ShellCommand, task_location
+from ..._providers.settings import LocalSettings
+from .base import Backend, ProviderSpec, ShellCommand, settings_flags, task_location
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -29,9 +30,12 @@ class LocalSpec(ProviderSpec):
 
 class LocalBackend(Backend[LocalSpec]):
     spec_type = LocalSpec
+    settings_type = LocalSettings
     summary = "processes on this machine"
     shares_filesystem = True
     honours = frozenset({"cpus", "memory", "ports"})  # checked against this machine, or free
+    pass_through = settings_flags(LocalSettings, {"python": "--local-python"})
+    fixed = {"workdir": "the cluster's folder"}
 
     def spec_from_args(self, args: argparse.Namespace) -> LocalSpec:
         return LocalSpec()
@@ -82,7 +86,7 @@ class LocalBackend(Backend[LocalSpec]):
         from ..._providers.local import Local
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
-        return Local(workdir=str(nodes_dir))
+        return Local(workdir=str(nodes_dir), **dict(spec.settings))
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """Kill what the cluster may have left running: its jobs' processes (found by their

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, local, slurm, ssh
+from . import aws, local, plugin, slurm, ssh
 from .base import Backend, ProviderSpec, infra_name
 
 if TYPE_CHECKING:
@@ -53,11 +54,19 @@ def kinds() -> list[str]:
 
 
 def backend(kind: str) -> Backend[Any]:
-    """The backend named ``kind``; a ConfigurationError listing the known ones otherwise."""
+    """The backend named ``kind`` (a built-in one, else a provider another package
+    registers: see ``plugin``); a ConfigurationError listing the known ones otherwise."""
     for b in BACKENDS:
         if b.kind == kind:
             return b
-    raise ConfigurationError(f"unknown provider {kind!r}: flotilla has {', '.join(kinds())}")
+    found = plugin.plugin_backend(kind)
+    if found is None:
+        others = ", ".join(plugin.entry_points())
+        raise ConfigurationError(
+            f"unknown provider {kind!r}: flotilla has {', '.join(kinds())}"
+            + (f"; other packages add {others}" if others else "")
+        )
+    return found
 
 
 def backend_for(spec: ProviderSpec) -> Backend[Any]:
@@ -75,13 +84,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """``--provider`` and every backend's own flags."""
     parser.add_argument(
         "--provider",
-        choices=kinds(),
+        metavar="{" + ",".join(kinds()) + ",...}",
         help="where nodes run: "
         + "; ".join(f"{b.kind}: {b.summary}" for b in BACKENDS)
-        + f" (default: {DEFAULT.kind})",
+        + f" (default: {DEFAULT.kind}); or a provider another package registers (entry "
+        f"point group {plugin.GROUP})",
     )
     for b in BACKENDS:
         b.add_flags(parser)
+    o = plugin.OPTION
+    parser.add_argument(o.name, action="append", metavar=o.metavar, help=o.help)
 
 
 def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> ProviderSpec | None:
@@ -106,7 +118,13 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
                 + (f", not {chosen}" if args.provider else "")
             )
     b = backend(chosen)
+    if getattr(args, plugin.OPTION.dest, None) and not isinstance(b, plugin.PluginBackend):
+        raise ConfigurationError(
+            f"{plugin.OPTION.name} is for providers from other packages, not {chosen}: "
+            "use its own flags (flotilla launch --help)"
+        )
     spec: ProviderSpec = b.spec_from_args(args)
+    spec = replace(spec, settings=(*spec.settings, *b.given_settings(args)))
     if task is not None:
         spec = b.with_task(spec, task)
     return spec

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..._errors import ConfigurationError
+from ..._providers.slurm.settings import SlurmSettings
 from .base import (
     Backend,
-    Flag,
     ResourceSpec,
     ShellCommand,
     infra_detail,
     infra_name,
+    settings_flags,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class SlurmSpec(ResourceSpec):
 
     def __post_init__(self) -> None:
         if self.time is not None:
-            from ..._providers.slurm.job import parse_time
+            from ..._providers.slurm.settings import parse_time
 
             parse_time(self.time)  # a ConfigurationError saying the forms it takes
 
@@ -67,12 +68,25 @@ class SlurmSpec(ResourceSpec):
 
 class SlurmBackend(Backend[SlurmSpec]):
     spec_type = SlurmSpec
+    settings_type = SlurmSettings
     summary = "one SLURM job, a step per node (run on a login node)"
-    flags = (
-        Flag("--partition", "SLURM partition (default: the cluster's default)"),
-        Flag("--time", "SLURM time limit, e.g. 2:00:00 (default: the partition's)"),
-        Flag("--account", "SLURM account to charge"),
+    flags = settings_flags(
+        SlurmSettings, {"partition": "--partition", "time": "--time", "account": "--account"}
     )
+    pass_through = settings_flags(
+        SlurmSettings,
+        {
+            "qos": "--qos",
+            "constraint": "--constraint",
+            "reservation": "--reservation",
+            "gres": "--gres",
+            "sbatch_args": "--sbatch-args",
+            "python": "--slurm-python",
+            "queue_timeout": "--queue-timeout",
+            "shared_filesystem": "--no-shared-filesystem",
+        },
+    )
+    fixed = {"workdir": "the cluster's folder"}
     honours = frozenset({"cpus", "memory"})
     hint_reason = "a SLURM job gets the partition's nodes as they are"
     infra = ("slurm",)
@@ -96,6 +110,7 @@ class SlurmBackend(Backend[SlurmSpec]):
             time=spec.time,
             account=spec.account,
             workdir=str(nodes_dir),
+            **dict(spec.settings),
         )
 
     def shell(

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
 from ..._node.private import private_dir
-from .base import Backend, Flag, ProviderSpec, ShellCommand, ssh_shell
+from ..._providers.settings import SSHSettings
+from .base import Backend, Flag, ProviderSpec, ShellCommand, settings_flags, ssh_shell
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -64,15 +65,24 @@ class SSHSpec(ProviderSpec):
 
 class SSHBackend(Backend[SSHSpec]):
     spec_type = SSHSpec
+    settings_type = SSHSettings
     summary = "existing hosts reached with OpenSSH (--hosts)"
     flags = (
-        Flag("--hosts", "user@host[:port],... one per node, head first"),
-        Flag("--ssh-user", "default login user"),
-        Flag("--ssh-key", "private key file"),
-        Flag("--known-hosts", "known_hosts file to check host keys against"),
-        Flag("--accept-new-host-keys", "trust hosts seen the first time", switch=True),
-        Flag("--ssh-python", "the hosts' Python interpreter"),
-        Flag("--ssh-workdir", "flotilla's folder on the hosts (~/.flotilla)"),
+        Flag("--hosts", "user@host[:port],... one per node, head first", setting="hosts"),
+        *settings_flags(
+            SSHSettings,
+            {
+                "user": "--ssh-user",
+                "key": "--ssh-key",
+                "known_hosts": "--known-hosts",
+                "accept_new_host_keys": "--accept-new-host-keys",
+                "python": "--ssh-python",
+                "workdir": "--ssh-workdir",
+            },
+        ),
+    )
+    pass_through = settings_flags(
+        SSHSettings, {"port": "--ssh-port", "connect_timeout": "--ssh-connect-timeout"}
     )
 
     def spec_from_args(self, args: argparse.Namespace) -> SSHSpec:
@@ -101,7 +111,7 @@ class SSHBackend(Backend[SSHSpec]):
             value = getattr(spec, name)
             if value is not None:
                 options[name] = value
-        return SSH(list(spec.hosts), **options)
+        return SSH(list(spec.hosts), **options, **dict(spec.settings))
 
     def on_up(self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> None:
         private_dir(paths.ssh_config.parent)
@@ -122,7 +132,7 @@ class SSHBackend(Backend[SSHSpec]):
 def ssh_config(cluster: str, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> str:
     """ssh_config entries for an SSH cluster: ``NAME`` (the head) and ``NAME-workerK``, as
     SkyPilot writes them; include the file from ``~/.ssh/config`` to ``ssh NAME-worker1``."""
-    from ..._providers.ssh import parse_host
+    from ..._providers.settings import parse_host
 
     out = [f"# flotilla cluster {cluster}: generated, removed by `flotilla down {cluster}`\n"]
     for node in nodes:
@@ -131,8 +141,9 @@ def ssh_config(cluster: str, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> str:
         user = host.user or spec.user
         if user:
             out.append(f"  User {user}\n")
-        if host.port:
-            out.append(f"  Port {host.port}\n")
+        port = host.port or dict(spec.settings).get("port")
+        if port:
+            out.append(f"  Port {port}\n")
         if spec.key:
             out.append(f"  IdentityFile {spec.key}\n  IdentitiesOnly yes\n")
         if spec.known_hosts:

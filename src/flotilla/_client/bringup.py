@@ -1,0 +1,154 @@
+"""Bringing nodes up: from started agents to nodes that serve. One path for the pool's start
+(``compute.py``) and for the nodes that replace lost ones (``renew.py``).
+
+A node comes up in two waits: its agent says hello (the head's says its port), then it is
+sent its place in the pool (rank, peers, head, environment, plugins) and says it is ready.
+Every node being brought up at once is waited for together, root cause first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._accelerators import Accelerator
+from .._errors import ProvisionError
+from .._info import InstanceInfo, Peer
+from .._providers.base import AgentProcess, Options
+from .._wire.serialize import unlink_shm
+from . import shm
+from .console import Console
+from .interpreter import Policy, settle
+from .node import Node
+
+
+class Bringup:
+    """Brings one pool's nodes up.
+
+    Attributes:
+        console: the pool's console (a row per node being brought up).
+        procs: every agent the pool started.
+        head_port: the head node's port, from its hello.
+        env: variables set in every task process (the plain ones).
+        build_spec: the node environment to build, or None.
+        blob: the pickled plugins, sent with the configuration.
+        python: what may be done when a node's Python differs from the client's.
+    """
+
+    def __init__(
+        self,
+        pool_id: str,
+        options: Options,
+        accelerator: Accelerator | None,
+        procs_per_node: int,
+        group: bool,
+        home: str,
+        shm_prefix: str,
+        make_node: Callable[[int, AgentProcess], Node],
+    ) -> None:
+        self.pool_id = pool_id
+        self.options = options
+        self.accelerator = accelerator
+        self.procs_per_node = procs_per_node
+        self.group = group
+        self.home = home
+        self.shm_prefix = shm_prefix
+        self.make_node = make_node
+        self.console = Console()
+        self.procs: list[AgentProcess] = []
+        self.head_port = 0
+        self.env: dict[str, str] = {}
+        self.build_spec: dict[str, Any] | None = None
+        self.blob = b""
+        self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
+
+    def nodes(self, ranks: Sequence[int], procs: Sequence[AgentProcess]) -> list[Node]:
+        """The nodes of the agents ``procs`` started for ``ranks`` (in order)."""
+        self.procs += procs
+        return [self.make_node(rank, proc) for rank, proc in zip(ranks, procs, strict=True)]
+
+    async def bring_up(self, fresh: Sequence[Node], current: Sequence[Node]) -> None:
+        """Start ``fresh`` nodes and wait until they serve, configured as members of the
+        pool whose node at each rank is ``current``'s, or the fresh one at its rank.
+        ProvisionError when one fails or is late."""
+        loop = asyncio.get_running_loop()
+        for node in fresh:
+            node.start(loop)
+        timeout = self.options.start_timeout
+        await wait_all(fresh, [n.hello for n in fresh], timeout, "start")
+        # each must run the client's Python minor version before anything else is sent
+        await settle(list(fresh), self.python, self.console.say, timeout)
+        hellos = [n.hello_info for n in fresh]
+        if fresh[0].rank == 0:  # a (new) head: its port
+            self.head_port = int(hellos[0]["port"])
+        nodes = list(current)
+        for node in fresh:
+            nodes[node.rank] = node
+        probe = shm.write_probe(self.shm_prefix)  # only now: it lives as short as it can
+        try:
+            for node in fresh:
+                self.configure(node, nodes, probe)
+            await wait_all(fresh, [n.ready for n in fresh], timeout, "initialise")
+        finally:
+            if probe:
+                unlink_shm(probe["name"])
+
+    def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
+        """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
+        peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in nodes)
+        cluster = self.options.cluster
+        info = InstanceInfo(
+            node=node.rank,
+            total_nodes=len(nodes),
+            is_head=cluster and node.rank == 0,
+            head_addr=peers[0].addr if cluster else "",
+            head_port=self.head_port if cluster else 0,
+            accelerators=self.accelerator.count if self.accelerator else 0,
+            peers=peers if cluster else (),
+            pool_id=self.pool_id,
+            addr=node.proc.address,
+            cluster=cluster,
+            accelerator=self.accelerator.name if self.accelerator else None,
+            procs_per_node=self.procs_per_node,
+        )
+        config = {
+            "pool_id": self.pool_id,
+            "procs": self.procs_per_node,
+            "compute_pool": info.to_json(),
+            "env": self.env,
+            "image": self.build_spec,
+            "home": self.home,
+            "heartbeat_timeout": self.options.heartbeat_timeout,
+            "shutdown_grace": self.options.shutdown_grace,
+            "shm_probe": probe or None,
+            "group": self.group,
+        }
+        node.configure(config, self.blob)
+
+
+async def wait_all(
+    nodes: Sequence[Node],
+    futures: Sequence[asyncio.Future[dict[str, Any]] | None],
+    timeout: float,
+    what: str,
+) -> list[dict[str, Any]]:
+    """The results of ``futures`` (one per node of ``nodes``, None: nothing to wait for)
+    within ``timeout`` s: the first failure in node order, or a ProvisionError naming the
+    nodes that did not ``what`` in time."""
+    waiting = [f for f in futures if f is not None]
+    for f in waiting:  # failures after the first are reported through the first
+        f.add_done_callback(lambda f: f.cancelled() or f.exception())
+    _done, pending = await asyncio.wait(
+        waiting, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+    )
+    for fut in waiting:  # root cause first: the first node that failed
+        if fut.done() and fut.exception() is not None:
+            raise fut.exception()  # type: ignore[misc]
+    if pending:
+        late = [n.name for n, f in zip(nodes, futures, strict=True) if f in pending]
+        raise ProvisionError(
+            f"{', '.join(late)} did not {what} within {timeout:.0f} s "
+            f"(Options(start_timeout=...) sets the limit)"
+        )
+    return [f.result() for f in waiting]

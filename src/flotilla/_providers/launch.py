@@ -1,0 +1,159 @@
+"""The launch layer: start an agent on a machine reached through a remote shell.
+
+A provider whose machines are reached through a command that runs a command there with its
+stdio relayed (``ssh host``, ``srun -w node``, ``kubectl exec -i``, ``ip netns exec``)
+supplies a :class:`RemoteShell`: the argv prefix for one machine and how to explain that
+shell's own failures. :func:`start_remote_agent` does the rest, the same way for all of
+them: run the bootstrap (``bootstrap``: upload the client's flotilla or reuse it, start the
+agent) or, on a machine that sees the client's files, the agent itself behind an answer
+line; wait for the answer within the pool's start timeout; and turn every failure into a
+:class:`ProvisionError` whose ``cause`` (a :class:`ProvisionCause`) says why, here and
+nowhere else.
+
+:class:`ShellAllocation` is the allocation of such a provider: it implements
+:meth:`Allocation.start_agent` with :func:`start_remote_agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+from .._errors import ProvisionCause, ProvisionError
+from .base import AgentProcess, Allocation, Machine
+from .bootstrap import (
+    NoAnswer,
+    announced,
+    client_bundle,
+    start_agent,
+    start_command,
+    wait_announced,
+)
+from .pipe import PipeAgent, spawn
+
+
+class RemoteShell(ABC):
+    """How to run a command on one machine with its stdio relayed to this process.
+
+    Attributes:
+        name: the shell's command, named in messages (``ssh``, ``srun``).
+        env: the environment of the shell's process on this machine (None: this one's).
+    """
+
+    name: str = "shell"
+    env: Mapping[str, str] | None = None
+
+    @abstractmethod
+    def argv(self, machine: Machine, command: list[str]) -> list[str]:
+        """The local command line that runs ``command`` (an argv) on ``machine``."""
+
+    @abstractmethod
+    async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
+        """Why the shell ended without the command answering (``failure``: its exit status
+        and stderr), as a ProvisionError naming the machine, with its ``cause``."""
+
+    def subject(self, machine: Machine) -> str:
+        """What did not start, in messages ("the agent", "the agent's step in job 12")."""
+        return "the agent"
+
+    def agent(self, proc: subprocess.Popen[bytes], machine: Machine) -> PipeAgent:
+        """The agent whose stdio is ``proc``'s (a shell may filter its own messages)."""
+        return PipeAgent(proc, machine.address, machine.host)
+
+
+async def start_remote_agent(
+    shell: RemoteShell,
+    machine: Machine,
+    *,
+    python: str,
+    workdir: str,
+    timeout: float,
+    ship: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> PipeAgent:
+    """Start the agent on ``machine`` through ``shell``; the running agent.
+
+    Args:
+        python: the interpreter on the machine.
+        workdir: the machine's folder for flotilla's files (the bundles) and the agent's
+            working directory.
+        timeout: seconds until the agent must run.
+        ship: True: the client's flotilla is uploaded (once per version) and run from
+            ``workdir``; False: the machine sees the client's files and runs ``python``
+            as it is (the shell sets the working directory).
+        env: variables set for the agent.
+
+    Raises ProvisionError naming the machine, with its ``cause``; nothing is left running.
+    """
+    loop = asyncio.get_running_loop()
+    bundle = await loop.run_in_executor(None, client_bundle) if ship else None
+    if bundle is not None:
+        command = start_command(workdir, python, bundle.hash, len(bundle.data))
+    else:
+        command = announced([python, "-m", "flotilla.agent"])
+    if env:
+        command = ["env", *(f"{k}={v}" for k, v in env.items()), *command]
+    try:
+        agent = shell.agent(spawn(shell.argv(machine, command), env=shell.env), machine)
+    except OSError as e:
+        raise ProvisionError(
+            f"{machine.host}: cannot run {shell.name}: {e}", cause=ProvisionCause.SPAWN
+        ) from e
+    ok = False
+    try:
+        answered = (
+            wait_announced(agent) if bundle is None else start_agent(agent, workdir, python, bundle)
+        )
+        await asyncio.wait_for(answered, timeout)
+        ok = True
+    except NoAnswer as e:
+        raise await shell.explain(machine, e) from None
+    except TimeoutError:
+        said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
+        raise ProvisionError(
+            f"{machine.host}: {shell.subject(machine)} did not start within {timeout:g} s"
+            + (f" ({shell.name}: {said[0]})" if said else "")
+            + "; Options(start_timeout=...) sets the limit",
+            cause=ProvisionCause.TIMEOUT,
+        ) from None
+    finally:
+        if not ok:
+            await agent.terminate()
+    return agent
+
+
+class ShellAllocation(Allocation):
+    """An allocation whose agents start through a :class:`RemoteShell`
+    (:func:`start_remote_agent`). Subclasses set the attributes and implement
+    acquiring, replacing and releasing their machines.
+
+    Attributes:
+        shell: how to reach a machine.
+        python: the interpreter on the machines.
+        workdir: the machines' folder for flotilla's files (see :func:`start_remote_agent`).
+        ship: whether the client's flotilla is uploaded (False: the machines see the
+            client's files).
+    """
+
+    shell: RemoteShell
+    python: str = "python3"
+    workdir: str = "~/.flotilla"
+    ship: bool = True
+
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Start the agent on ``machine`` through :attr:`shell`."""
+        return await start_remote_agent(
+            self.shell,
+            machine,
+            python=self.python,
+            workdir=self.workdir,
+            timeout=self.spec.options.start_timeout,
+            ship=self.ship,
+            env=self.agent_env(machine),
+        )
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """Variables set for the agent on ``machine`` (none by default)."""
+        return {}

@@ -1,0 +1,308 @@
+"""The provider contract: what every provider does the same way, run against each of them
+(the in-process fake, local processes, SSH test hosts, a SLURM test cluster, the AWS lab,
+and the example provider of docs/providers.md): a pool starts and takes a broadcast, every
+node knows its place (rank, peers, head), a killed node is replaced at its rank, closing
+the pool leaves nothing behind, and a provider refuses what it cannot honour before
+anything starts. What is specific to one provider stays in its own test module."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _fake import FakeCall, FakeProvider
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _procs import assert_all_gone, wait_until
+from _slurm import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - the slurm_cluster fixture
+from test_example_provider import _example_package
+
+import flotilla as sky
+from flotilla._errors import ConfigurationError
+from flotilla._info import InstanceInfo
+from flotilla._providers.base import AllocationState, Provider
+
+PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "netns")
+
+
+@sky.function
+def where() -> dict[str, Any]:
+    """What a node knows of its place in the pool."""
+    return _place(sky.instance_info())
+
+
+def _place(info: InstanceInfo) -> dict[str, Any]:
+    return {
+        "node": info.node,
+        "total": info.total_nodes,
+        "addr": info.addr,
+        "peers": [(p.node, p.addr) for p in info.peers],
+        "head": info.head_addr,
+        "is_head": info.is_head,
+    }
+
+
+@dataclass
+class Kit:
+    """One provider under the contract.
+
+    Attributes:
+        make: a provider that can run a 2-node pool and replace one of its nodes.
+        refused: opens a pool the provider must refuse (a ConfigurationError) before
+            anything starts.
+        leftovers: what of the provider's is still there (empty once released).
+        in_process: the agents live in the test process (the fake): no pid to kill.
+        ends_later: what a killed client leaves ends by itself later (cloud instances,
+            after their watchdog's ttl), not when its agents exit.
+        fake: the fake provider, when it is the one.
+    """
+
+    make: Callable[[], Provider]
+    refused: Callable[[], None]
+    leftovers: Callable[[], list[str]]
+    in_process: bool = False
+    ends_later: bool = False
+    fake: FakeProvider | None = None
+    started: list[int] = field(default_factory=list)
+
+
+@pytest.fixture(params=PROVIDERS)
+def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    name = request.param
+    if name == "fake":
+        fake = FakeProvider()
+        fake.on("where", lambda call: _place(_info(call)))
+
+        def fake_refused() -> None:
+            sky.Compute(
+                provider=fake,
+                nodes=2,
+                options=sky.Options(cluster=False),
+                plugins=[_NeedsCluster()],
+            ).open()
+
+        def fake_left() -> list[str]:
+            alloc = fake.allocation
+            if alloc is not None and alloc.state is not AllocationState.RELEASED:
+                return ["the fake allocation is not released"]
+            return [f"fake agent {a.machine.ident}" for a in fake.agents if a.status is None]
+
+        yield Kit(lambda: fake, fake_refused, fake_left, in_process=True, fake=fake)
+    elif name == "local":
+        nodes = tmp_path / "nodes"
+
+        def local_refused() -> None:
+            sky.Compute(provider=sky.Local(workdir=str(nodes)), nodes=2, vcpus=10**6).open()
+
+        yield Kit(
+            lambda: sky.Local(workdir=str(nodes)),
+            local_refused,
+            lambda: [p.name for p in nodes.iterdir()] if nodes.exists() else [],
+        )
+    elif name == "ssh":
+        lab: Lab = request.getfixturevalue("ssh_lab")
+        hosts = lab.hosts[:3]  # two ranks and a spare
+
+        def ssh_left() -> list[str]:
+            return [
+                f"agent {pid} on {host}"
+                for host, pids in lab.wait_no_agents(hosts).items()
+                for pid in pids
+            ]
+
+        yield Kit(
+            lambda: lab.provider(hosts),
+            lambda: sky.Compute(provider=lab.provider(hosts[:1]), nodes=2).open(),
+            ssh_left,
+        )
+    elif name == "slurm":
+        cluster: SlurmCluster = request.getfixturevalue("slurm_cluster")
+        monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # this process and its clients
+        for var in [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+            monkeypatch.delenv(var)
+
+        def slurm_left() -> list[str]:
+            wait_until(lambda: not _slurm_jobs(cluster), timeout=30)
+            return _slurm_jobs(cluster)
+
+        yield Kit(
+            lambda: sky.Slurm(workdir=str(tmp_path)),
+            lambda: sky.Compute(provider=sky.Slurm(), nodes=99).open(),
+            slurm_left,
+        )
+    elif name == "aws":
+        aws: AwsLab = request.getfixturevalue("aws_lab")
+        pools: list[str] = []
+
+        def aws_make() -> Provider:
+            return aws.provider()  # type: ignore[no-any-return]
+
+        def aws_refused() -> None:
+            options = sky.Options(heartbeat_timeout=30)
+            sky.Compute(provider=aws.provider(ttl=10), nodes=2, options=options).open()
+
+        def aws_left() -> list[str]:
+            out = []
+            for inst in aws.describe():
+                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+                if tags.get("flotilla:pool") in pools and inst["State"]["Name"] != "terminated":
+                    out.append(inst["InstanceId"])
+            return out + [g for pool in pools for g in aws.pool_groups(pool)]
+
+        kit = Kit(aws_make, aws_refused, aws_left, ends_later=True)
+        kit.pools = pools  # type: ignore[attr-defined]
+        yield kit
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("the netns example provider needs root (unshare --net)")
+        package = _example_package(tmp_path / "pkg")
+        sys.path.insert(0, str(package))
+        try:
+            import flotilla_netns  # type: ignore[import-not-found]
+
+            prefix = f"fc{os.getpid()}"
+            yield Kit(
+                lambda: flotilla_netns.NetnsProvider(prefix=prefix, workdir=str(tmp_path / "w")),
+                lambda: sky.Compute(
+                    provider=flotilla_netns.NetnsProvider(prefix=prefix),
+                    nodes=2,
+                    accelerator="A100",
+                ).open(),
+                list,  # a namespace ends with its agent (checked with the agents)
+            )
+        finally:
+            sys.path.remove(str(package))
+            sys.modules.pop("flotilla_netns", None)
+
+
+class _NeedsCluster:
+    """A plugin that needs cluster mode (a pool without it must be refused)."""
+
+    name = "needs-cluster"
+    requires_cluster = True
+
+    def around_process(self, info: object) -> Iterator[None]:
+        yield
+
+
+def _info(call: FakeCall) -> InstanceInfo:
+    return call.agent.info  # type: ignore[no-any-return]
+
+
+def _slurm_jobs(cluster: SlurmCluster) -> list[str]:
+    return [j for j in cluster.jobs() if j.split()[1].startswith("flotilla-")]
+
+
+def _agent_pids(pool: sky.Compute) -> list[int]:
+    return [int(n.hello_info["pid"]) for n in pool._nodes if n.hello_info.get("pid")]
+
+
+def _remember(kit: Kit, pool: sky.Compute) -> None:
+    kit.started += _agent_pids(pool)
+    pools = getattr(kit, "pools", None)
+    if pools is not None:
+        pools.append(pool.pool_id)
+
+
+# -- the contract ------------------------------------------------------------------------------
+def test_a_pool_starts_and_every_node_knows_its_place(kit: Kit) -> None:
+    with sky.Compute(provider=kit.make(), nodes=2) as pool:
+        _remember(kit, pool)
+        places = where() @ pool
+    assert [p["node"] for p in places] == [0, 1]
+    assert {p["total"] for p in places} == {2}
+    peers = places[0]["peers"]
+    assert [rank for rank, _ in peers] == [0, 1]
+    assert all(p["peers"] == peers for p in places)  # every node sees the same pool
+    assert [p["addr"] for p in places] == [addr for _, addr in peers]
+    assert {p["head"] for p in places} == {peers[0][1]}
+    assert [p["is_head"] for p in places] == [True, False]
+
+
+def test_a_killed_node_is_replaced_at_its_rank(kit: Kit) -> None:
+    with sky.Compute(provider=kit.make(), nodes=2) as pool:
+        _remember(kit, pool)
+        lost = pool._nodes[1]
+        if kit.fake is not None:
+            kit.fake.live[1].lose()
+        else:
+            os.kill(int(lost.hello_info["pid"]), signal.SIGKILL)
+        assert wait_until(
+            lambda: pool._nodes[1] is not lost and pool._nodes[1].state.value == "ready",
+            timeout=120,
+        ), "node 1 was not replaced"
+        _remember(kit, pool)
+        places = where() @ pool
+    assert [p["node"] for p in places] == [0, 1]
+    assert pool._renewals.replaced == 1
+
+
+def test_closing_the_pool_leaves_nothing(kit: Kit) -> None:
+    with sky.Compute(provider=kit.make(), nodes=2) as pool:
+        _remember(kit, pool)
+        assert len(where() @ pool) == 2
+    assert wait_until(lambda: not kit.leftovers(), timeout=60), kit.leftovers()
+    if not kit.in_process:
+        assert_all_gone(kit.started, timeout=10, what="the pool's agents")
+
+
+def test_what_the_provider_cannot_honour_is_refused_before_anything_starts(kit: Kit) -> None:
+    with pytest.raises(ConfigurationError):
+        kit.refused()
+    assert kit.leftovers() == []
+
+
+_KILLED_CLIENT = """
+import sys, time
+sys.path[:0] = {path!r}
+import flotilla as sky
+provider = {make}
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)) as pool:
+    print(" ".join(str(n.hello_info["pid"]) for n in pool._nodes), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_client_killed_with_sigkill_leaves_no_agent(kit: Kit, tmp_path: Path) -> None:
+    """The client dies without closing its pool: its agents notice (end of stream, or
+    silence) and exit, and what the provider made goes with them."""
+    if kit.in_process:
+        pytest.skip("the fake's agents live in the client")
+    make = _source(kit, tmp_path)
+    path = [str(Path(__file__).parent), str(tmp_path / "pkg"), *sys.path]
+    code = _KILLED_CLIENT.format(path=path, make=make)
+    client = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert client.stdout is not None
+        line = client.stdout.readline()
+        assert line, client.stderr.read() if client.stderr else ""
+        pids = [int(p) for p in line.split()]
+    finally:
+        client.kill()
+        client.wait()
+    assert_all_gone(pids, timeout=30, what="the killed client's agents")
+    if kit.ends_later:
+        return  # AWS: the instances end by their watchdog, after ttl (see test_aws.py)
+    assert wait_until(lambda: not kit.leftovers(), timeout=30), kit.leftovers()
+
+
+def _source(kit: Kit, tmp_path: Path) -> str:
+    """How a separate client process makes the kit's provider: from its settings."""
+    provider = kit.make()
+    data = base64.b64encode(pickle.dumps((type(provider), provider.settings))).decode()
+    return (
+        "(lambda made: made[0].from_settings(made[1]))(__import__('pickle').loads("
+        f"__import__('base64').b64decode({data!r})))"
+    )
