@@ -114,6 +114,13 @@ def cli(tmp_path: Path) -> Iterator[CLI]:
         runner.clean_up()
 
 
+def written_pids(folder: Path) -> list[int]:
+    """The pids in ``folder``'s ``pid-*`` files that are written (the shell creates a file
+    before it writes it)."""
+    texts = [p.read_text().strip() for p in folder.glob("pid-*")]
+    return [int(t) for t in texts if t]
+
+
 def ssh_flags(
     lab: Lab, hosts: Sequence[TestHost], workdir: Path, known_hosts: Path | None = None
 ) -> list[str]:
@@ -542,8 +549,8 @@ def test_cancel_stops_a_running_job_on_every_node(cli: CLI, tmp_path: Path) -> N
         f"SHARED={shared}",
         'sleep 60 & echo $! > "$SHARED/pid-$FLOTILLA_NODE_RANK"; wait',
     )
-    assert wait_until(lambda: len(list(shared.glob("pid-*"))) == 2, 30)
-    pids = [int(p.read_text()) for p in shared.glob("pid-*")]
+    assert wait_until(lambda: len(written_pids(shared)) == 2, 30)
+    pids = written_pids(shared)
     done = cli.ok("cancel", "cx", "2")
     assert "CANCELLED" in done.stderr
     assert_all_gone(pids, timeout=10, what="the cancelled job's processes")
@@ -983,8 +990,8 @@ def test_interrupting_launch_down_stops_everything(cli: CLI, tmp_path: Path) -> 
         preexec_fn=interruptible,
     )
     try:
-        assert wait_until(lambda: len(list(shared.glob("pid-*"))) == 2, 30)
-        pids = [int(p.read_text()) for p in shared.glob("pid-*")]
+        assert wait_until(lambda: len(written_pids(shared)) == 2, 30)
+        pids = written_pids(shared)
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=30)
     finally:
