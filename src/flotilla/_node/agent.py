@@ -98,6 +98,7 @@ class Agent:
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
         }
+        self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
         self.cloud_env = os.environ.get("FLOTILLA_CLOUD")  # kept for a switch of interpreter
         if "FLOTILLA_CLOUD" in os.environ:
@@ -259,8 +260,18 @@ class Agent:
         # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
         prefix = probe.get("prefix") if probe else None
         config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
+        volumes = config.pop("volumes", None)  # credentials: for the helper alone
         self.config = config
         self.executors.configure(config, blob)
+        if volumes:
+            self._start_volumes(volumes)  # then _configured, once the volumes are there
+            return
+        self._configured()
+
+    def _configured(self) -> None:
+        """The rest of CONFIG, once the volumes are there: build the Image, or start."""
+        config = self.config
+        assert config is not None
         image = config.get("image")
         if image:
             from .build import env_dir, is_built
@@ -273,6 +284,80 @@ class Agent:
                     self._start_build(b"")
                 return
         self.executors.start_all()
+
+    # -- volumes -------------------------------------------------------------------------
+    def _start_volumes(self, spec: dict[str, Any]) -> None:
+        """Start the volumes helper (``_node/volumes.py``): its own session and no token,
+        so that it outlives the agent's sweep and writes back; it ends when its stdin (kept
+        open here) closes."""
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla._node.volumes"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        self.volumes = proc
+        self.volumes_out = b""
+        self.volumes_settled = False
+        self.volumes_timeout = float(spec.get("flush_timeout", 300.0))
+        os.set_blocking(proc.stdout.fileno(), False)
+        self.sel.register(proc.stdout.fileno(), False, self._on_volumes_output)
+        try:
+            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died early: its end says so
+
+    def _on_volumes_output(self) -> None:
+        proc = self.volumes
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        self.volumes_out += data
+        while b"\n" in self.volumes_out:
+            line, self.volumes_out = self.volumes_out.split(b"\n", 1)
+            if line == b"::ready":
+                self.volumes_settled = True
+                self._configured()
+            elif line.startswith(b"::error "):
+                self._volumes_failed(line[8:].decode(errors="replace"))
+        if not data:
+            self.sel.unregister(fd)
+            if not self.stopping and not self.volumes_settled:
+                self._volumes_failed("the volumes helper exited before the volumes were ready")
+
+    def _volumes_failed(self, why: str) -> None:
+        self.volumes_settled = True
+        error = {"error": f"the volumes could not be set up on this node: {why}"}
+        self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
+
+    def _stop_volumes(self) -> None:
+        """Close the helper's stdin and wait for it: it writes back and unmounts."""
+        proc = self.volumes
+        if proc is None:
+            return
+        import subprocess
+
+        self.volumes = None
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(self.volumes_timeout)
+        except subprocess.TimeoutExpired:
+            self._log("the volumes helper did not finish writing back: stopped")
+            proc.terminate()
+            proc.wait()
 
     # -- environment build -------------------------------------------------------------
     def _start_build(self, includes: bytes) -> None:
@@ -372,6 +457,7 @@ class Agent:
                 self.builder.wait()
         marker = f"{TOKEN_VAR}={self.token}".encode()
         kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
+        self._stop_volumes()  # nothing writes there any more: write back, unmount
         self._remove_node_dir()
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"

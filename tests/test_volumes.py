@@ -1,0 +1,198 @@
+"""Bucket volumes (``flotilla.Volume``, ``Compute(volumes=...)``) against a real S3 server
+(moto's, see ``_s3``): copied and FUSE-mounted (s3fs, installed by the fixture) on local
+pools and on the SSH lab's hosts; checked before anything is provisioned; nothing left
+behind (mounts, FUSE daemons, the secret key in a command line or a file)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _s3 import S3Server, fuse_unavailable, mounts_under, processes_with, s3_env, use
+
+import flotilla as sky
+from flotilla._errors import ConfigurationError
+
+_ = s3_env  # a fixture
+
+OBJECTS = {
+    "data/a.txt": b"alpha",
+    "data/sub/b.txt": b"beta",
+    "other/c.txt": b"not under the prefix",
+}
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = S3Server("127.0.0.1")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def local_s3(s3: S3Server, s3_env: None, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    use(s3, monkeypatch)
+    return s3
+
+
+@pytest.fixture
+def fuse() -> None:
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@sky.function
+def tree(path: str) -> dict[str, str]:
+    """Every file under ``path`` (relative name -> text), and whether it is a mount."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            with open(full) as f:
+                out[os.path.relpath(full, path)] = f.read()
+    out["<mount>"] = str(os.path.ismount(path))
+    return out
+
+
+@sky.function
+def write(path: str, text: str) -> str:
+    """Write ``text`` at ``path`` as a checkpoint is written: a temporary file, renamed."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return os.path.abspath(path)
+
+
+# -- configuration -------------------------------------------------------------------------
+def test_volume_fields_and_bad_arguments() -> None:
+    v = sky.Volume("s3://bkt/some/prefix", "data")
+    assert (v.bucket, v.prefix, v.read_only, v.mode) == ("bkt", "some/prefix", True, "mount")
+    with pytest.raises(ConfigurationError, match="mode"):
+        sky.Volume("bkt", "data", mode="rsync")
+    with pytest.raises(ConfigurationError, match="only S3"):
+        sky.Volume("gs://bkt", "data")
+    with pytest.raises(ConfigurationError, match="bucket name has no '/'"):
+        sky.Volume("bkt/x", "data")
+    with pytest.raises(ConfigurationError, match="two volumes"):
+        sky.Compute(volumes=[sky.Volume("a", "d"), sky.Volume("b", "d/")])
+    with pytest.raises(ConfigurationError, match="share one machine"):
+        sky.Compute(nodes=2, volumes=[sky.Volume("a", "/data")])
+
+
+def test_missing_bucket_fails_before_provisioning(local_s3: S3Server, tmp_path: Path) -> None:
+    pool = sky.Compute(sky.Local(workdir=str(tmp_path)), volumes=[sky.Volume("no-such", "d")])
+    with pytest.raises(ConfigurationError) as e:
+        pool.open()
+    message = str(e.value)
+    assert "'no-such'" in message and "does not exist" in message
+    assert "AKIA...0001 (from env)" in message  # the credential used, masked
+    assert local_s3.secret_key not in message
+    assert os.listdir(tmp_path) == []  # no node was started
+
+
+def test_no_credentials_fails_before_provisioning(s3_env: None, tmp_path: Path) -> None:
+    pool = sky.Compute(sky.Local(workdir=str(tmp_path)), volumes=[sky.Volume("bkt", "d")])
+    with pytest.raises(ConfigurationError, match="no AWS credentials found for s3://bkt"):
+        pool.open()
+    assert os.listdir(tmp_path) == []
+
+
+# -- copy mode -----------------------------------------------------------------------------
+def test_copy_read_only_on_every_local_node(local_s3: S3Server) -> None:
+    bucket = local_s3.bucket(OBJECTS)
+    vol = sky.Volume(bucket, "vol", prefix="data", mode="copy")
+    with sky.Compute(nodes=2, volumes=[vol]) as pool:
+        seen = tree("vol") @ pool
+    for files in seen:
+        assert files == {"a.txt": "alpha", os.path.join("sub", "b.txt"): "beta", "<mount>": "False"}
+
+
+def test_copy_writable_writes_back_and_a_second_pool_sees_it(local_s3: S3Server) -> None:
+    bucket = local_s3.bucket(OBJECTS)
+    vol = sky.Volume(bucket, "ckpt", prefix="run1", read_only=False, mode="copy")
+    with sky.Compute(nodes=2, volumes=[vol]) as pool:
+        write("ckpt/step-3/model.txt", "weights at 3") >> pool
+        assert processes_with(local_s3.secret_key.encode()) == []  # not in any argv
+    assert local_s3.get(bucket, "run1/step-3/model.txt") == b"weights at 3"
+    assert "run1/step-3/model.txt.tmp" not in local_s3.keys(bucket)
+    with sky.Compute(nodes=1, volumes=[vol]) as pool:
+        assert (tree("ckpt") >> pool)["step-3/model.txt"] == "weights at 3"
+
+
+def test_copy_writable_syncs_while_the_pool_runs(local_s3: S3Server) -> None:
+    bucket = local_s3.bucket()
+    vol = sky.Volume(bucket, "out", read_only=False, mode="copy", sync_interval=0.2)
+    with sky.Compute(nodes=1, volumes=[vol]) as pool:
+        write("out/log.txt", "first") >> pool
+        deadline = time.monotonic() + 30
+        while "log.txt" not in local_s3.keys(bucket):
+            assert time.monotonic() < deadline, "the periodic sync never wrote back"
+            time.sleep(0.1)
+        assert local_s3.get(bucket, "log.txt") == b"first"
+
+
+# -- FUSE mount mode -----------------------------------------------------------------------
+def test_mount_on_every_local_node_then_nothing_left(
+    local_s3: S3Server, fuse: None, tmp_path: Path
+) -> None:
+    bucket = local_s3.bucket(OBJECTS)
+    ro = sky.Volume(bucket, "in", prefix="data")
+    rw = sky.Volume(bucket, "out", prefix="results", read_only=False)
+    with sky.Compute(sky.Local(workdir=str(tmp_path)), nodes=2, volumes=[ro, rw]) as pool:
+        seen = tree("in") @ pool
+        assert len(mounts_under(tmp_path)) == 4
+        write("out/node0.txt", "from node 0") >> pool
+        assert processes_with(local_s3.secret_key.encode()) == []
+        daemons = processes_with(bucket.encode())
+        assert daemons
+    for files in seen:
+        assert files == {"a.txt": "alpha", os.path.join("sub", "b.txt"): "beta", "<mount>": "True"}
+    assert local_s3.get(bucket, "results/node0.txt") == b"from node 0"
+    assert mounts_under(tmp_path) == []
+    assert [p for p in daemons if os.path.exists(f"/proc/{p}")] == []
+
+
+def test_mount_falls_back_to_a_copy_without_fuse(
+    local_s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no s3fs nor rclone on the nodes
+    bucket = local_s3.bucket(OBJECTS)
+    with sky.Compute(volumes=[sky.Volume(bucket, "in", prefix="data")]) as pool:
+        files = tree("in") >> pool
+    assert files["a.txt"] == "alpha" and files["<mount>"] == "False"
+
+
+# -- SSH lab -------------------------------------------------------------------------------
+@pytest.fixture
+def lab_s3(ssh_lab: Lab, s3_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    server = S3Server(f"{ssh_lab.subnet}.1")  # the hosts reach the bridge's address
+    use(server, monkeypatch)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("mode", ["copy", "mount"])
+def test_ssh_hosts_read_and_write_back(
+    ssh_lab: Lab, lab_s3: S3Server, mode: str, request: pytest.FixtureRequest
+) -> None:
+    if mode == "mount":
+        request.getfixturevalue("fuse")
+    bucket = lab_s3.bucket(OBJECTS)
+    ro = sky.Volume(bucket, f"in-{mode}", prefix="data", mode=mode)
+    rw = sky.Volume(bucket, f"out-{mode}", prefix="results", read_only=False, mode=mode)
+    hosts = ssh_lab.hosts[:3]
+    with sky.Compute(ssh_lab.provider(hosts), nodes=3, volumes=[ro, rw]) as pool:
+        seen = tree(f"in-{mode}") @ pool
+        write(f"out-{mode}/{mode}.txt", "from the lab") >> pool
+    for files in seen:
+        assert files["a.txt"] == "alpha"
+        assert files[os.path.join("sub", "b.txt")] == "beta"
+        assert files["<mount>"] == str(mode == "mount")
+    assert lab_s3.get(bucket, f"results/{mode}.txt") == b"from the lab"
+    assert processes_with(bucket.encode()) == []  # no FUSE daemon left
