@@ -6,6 +6,7 @@ behind (mounts, FUSE daemons, the secret key in a command line or a file)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,9 +139,11 @@ def test_copy_writable_syncs_while_the_pool_runs(local_s3: S3Server) -> None:
 
 
 # -- FUSE mount mode -----------------------------------------------------------------------
+@pytest.mark.parametrize("tool", ["s3fs", "rclone"])
 def test_mount_on_every_local_node_then_nothing_left(
-    local_s3: S3Server, fuse: None, tmp_path: Path
+    local_s3: S3Server, fuse: None, tmp_path: Path, tool: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("FLOTILLA_FUSE_TOOL", tool)  # the nodes inherit it
     bucket = local_s3.bucket(OBJECTS)
     ro = sky.Volume(bucket, "in", prefix="data")
     rw = sky.Volume(bucket, "out", prefix="results", read_only=False)
@@ -196,3 +199,26 @@ def test_ssh_hosts_read_and_write_back(
         assert files["<mount>"] == str(mode == "mount")
     assert lab_s3.get(bucket, f"results/{mode}.txt") == b"from the lab"
     assert processes_with(bucket.encode()) == []  # no FUSE daemon left
+
+
+@sky.function
+def agent_pid() -> int:
+    return os.getppid()  # the executor's parent: the node's agent
+
+
+def test_a_killed_agent_leaves_no_mount_and_the_bucket_intact(
+    local_s3: S3Server, fuse: None, tmp_path: Path
+) -> None:
+    """The helper sees its agent's end (its stdin closes) and unmounts; the node's folder
+    is removed without walking into the bucket."""
+    bucket = local_s3.bucket(OBJECTS)
+    rw = sky.Volume(bucket, "vol", prefix="data", read_only=False)
+    options = sky.Options(replace_lost_nodes=False)
+    with sky.Compute(sky.Local(workdir=str(tmp_path)), volumes=[rw], options=options) as pool:
+        os.kill(agent_pid() >> pool, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while mounts_under(tmp_path) or processes_with(bucket.encode()):
+            assert time.monotonic() < deadline, "the mount outlived its agent"
+            time.sleep(0.05)
+    assert local_s3.keys(bucket) == sorted(OBJECTS)
+    assert mounts_under(tmp_path) == []

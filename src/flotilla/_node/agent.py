@@ -481,7 +481,10 @@ class Agent:
         if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
             import shutil
 
+            from .volumes import unmount_under
+
             os.chdir("/")
+            unmount_under(folder)  # never into a bucket: see volumes.py
             shutil.rmtree(folder, ignore_errors=True)
 
     def _log(self, message: str) -> None:

@@ -211,10 +211,12 @@ def resolve(path: str) -> str:
 
 
 def fuse_tool() -> str | None:
-    """The FUSE tool this node can mount buckets with, or None (no FUSE here)."""
+    """The FUSE tool this node can mount buckets with, or None (no FUSE here): s3fs, else
+    rclone (``FLOTILLA_FUSE_TOOL`` on the node picks one)."""
     if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
         return None
-    for tool in ("s3fs", "rclone"):
+    wanted = os.environ.get("FLOTILLA_FUSE_TOOL", "")
+    for tool in [wanted] if wanted else ["s3fs", "rclone"]:
         if shutil.which(tool):
             return tool
     return None
@@ -334,7 +336,9 @@ class Volumes:
         else:
             source = f":s3:{vol['bucket']}" + (f"/{prefix}" if prefix else "")
             argv = ["rclone", "mount", source, path, "--s3-provider", "Other", "--s3-env-auth"]
-            argv += ["--s3-region", region, "--vfs-cache-mode", "writes"]
+            # no VFS cache: a file is uploaded when it is closed (with a cache, rclone uploads
+            # later, and an unmount drops what was not uploaded yet)
+            argv += ["--s3-region", region, "--vfs-cache-mode", "off"]
             if endpoint:
                 argv += ["--s3-endpoint", endpoint, "--s3-force-path-style"]
             if read_only:
@@ -384,6 +388,26 @@ def _unmount(path: str, proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def unmount_under(folder: str) -> list[str]:
+    """Detach every mount at or under ``folder`` (deepest first, lazily: at once even if
+    busy); the mount points detached. Called before a node's folder is removed, so that
+    removing it can never walk into a bucket and delete its objects."""
+    try:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1] for line in f if len(line.split()) > 1]
+    except OSError:
+        return []
+    root = os.path.realpath(folder)
+    points = [
+        p.replace("\\040", " ") for p in points if p == root or p.startswith(root.rstrip("/") + "/")
+    ]
+    for point in sorted(points, key=len, reverse=True):
+        for argv in (["fusermount", "-uz", point], ["umount", "-l", point]):
+            if shutil.which(argv[0]) and not subprocess.run(argv, capture_output=True).returncode:
+                break
+    return points
 
 
 def _drain(proc: subprocess.Popen[bytes], tail: deque[str]) -> None:

@@ -114,7 +114,7 @@ class Local(Provider):
             return []
         removed = [os.path.join(parent, n) for n in procs.of_gone_owners(names, _NODE_DIR)]
         for folder in removed:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove(folder)
         return removed
 
 
@@ -170,15 +170,24 @@ class LocalAllocation(Allocation):
         machine = self.new_machine(rank)
         self.machines[rank] = machine
         self.mark(old, MachineState.RELEASED)
-        shutil.rmtree(old.ident, ignore_errors=True)
+        _remove(old.ident)
         return machine
 
     async def release(self) -> None:
         self.state = AllocationState.RELEASED
         for folder in self._folders:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove(folder)
         for machine in self.machines:
             self.mark(machine, MachineState.RELEASED)
+
+
+def _remove(folder: str) -> None:
+    """Remove a node's folder, after detaching the bucket volumes mounted in it (a node
+    lost with its mounts up: removing would delete the bucket's objects)."""
+    from .._node.volumes import unmount_under
+
+    unmount_under(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 _LIB = ".flotilla-lib"
