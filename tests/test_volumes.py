@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _s3 import S3Server, fuse_unavailable, mounts_under, processes_with, s3_env, use
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError
@@ -82,7 +84,7 @@ def test_volume_fields_and_bad_arguments() -> None:
         sky.Volume("bkt/x", "data")
     with pytest.raises(ConfigurationError, match="two volumes"):
         sky.Compute(volumes=[sky.Volume("a", "d"), sky.Volume("b", "d/")])
-    with pytest.raises(ConfigurationError, match="share one machine"):
+    with pytest.raises(ConfigurationError, match="share one filesystem"):
         sky.Compute(nodes=2, volumes=[sky.Volume("a", "/data")])
 
 
@@ -222,3 +224,49 @@ def test_a_killed_agent_leaves_no_mount_and_the_bucket_intact(
             time.sleep(0.05)
     assert local_s3.keys(bucket) == sorted(OBJECTS)
     assert mounts_under(tmp_path) == []
+
+
+# -- task files ----------------------------------------------------------------------------
+def test_task_file_mounts_from_s3_in_every_form(
+    cli: CLI, local_s3: S3Server, fuse: None, tmp_path: Path
+) -> None:
+    """``/p: s3://...`` (a read-only copy), ``{source, mode: MOUNT}`` (a writable mount)
+    and a storage entry (``name``, ``store: s3``) on a two-node local cluster."""
+    bucket = local_s3.bucket(OBJECTS)
+    other = local_s3.bucket({"note.txt": b"stored"})
+    task = cli.task(
+        "task.yaml",
+        f"""\
+        num_nodes: 2
+        file_mounts:
+          ~/data: s3://{bucket}/data
+          ~/ckpt:
+            source: s3://{bucket}/ckpt
+            mode: MOUNT
+          ~/store:
+            name: {other}
+            store: s3
+            mode: COPY
+            persistent: true
+        run: |
+          echo "seen: $(cat ~/data/a.txt) $(cat ~/data/sub/b.txt) $(cat ~/store/note.txt)"
+          echo "rank $SKYPILOT_NODE_RANK" > ~/ckpt/node-$SKYPILOT_NODE_RANK.txt
+        """,
+    )
+    env = {**local_s3.env, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+    done = cli.ok("launch", "--down", "-c", "vols", task, env=env)
+    assert node_lines(done.stdout, "seen: ") == {0: "alpha beta stored", 1: "alpha beta stored"}
+    assert local_s3.get(bucket, "ckpt/node-0.txt") == b"rank 0\n"
+    assert local_s3.get(bucket, "ckpt/node-1.txt") == b"rank 1\n"
+    assert local_s3.secret_key not in done.stdout + done.stderr
+    assert mounts_under(tmp_path) == []
+
+
+def test_task_file_with_a_missing_bucket_fails_before_provisioning(
+    cli: CLI, local_s3: S3Server
+) -> None:
+    task = cli.task("task.yaml", "file_mounts:\n  ~/d: s3://no-such-bucket/x\nrun: echo hi\n")
+    done = cli("launch", "-c", "nob", task, env=local_s3.env)
+    assert done.returncode != 0
+    assert "'no-such-bucket'" in done.stderr and "does not exist" in done.stderr
+    assert cli.record("nob") is None  # no cluster was started

@@ -119,7 +119,7 @@ def check_volumes(volumes: Sequence[object], local_nodes: int) -> tuple[Volume, 
             if os.path.isabs(os.path.expanduser(v.mount)):
                 raise ConfigurationError(
                     f"Volume(mount={v.mount!r}): {local_nodes} nodes of this pool share one "
-                    "machine and its folders: give a relative path (each node's own folder)"
+                    "filesystem: give a relative path (each node's own folder)"
                 )
     return tuple(out)
 

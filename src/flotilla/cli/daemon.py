@@ -34,6 +34,7 @@ from .._errors import FlotillaError
 from .._node import procs
 from .._node.private import socket_address
 from .._redaction import redact
+from .._volume import Volume
 from .backends import registry
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
@@ -67,6 +68,7 @@ class ClusterDaemon:
         self.spec = registry.spec_from_dict(record.provider)
         self.backend = registry.backend_for(self.spec)
         self.num_nodes = record.num_nodes
+        self.volumes = [Volume(**v) for v in record.volumes]
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
         self.runner: Runner | None = None
@@ -221,6 +223,7 @@ class ClusterDaemon:
                 accelerator=wants.accelerator,
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
+                volumes=self.volumes,
             )
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state

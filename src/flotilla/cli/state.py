@@ -179,6 +179,8 @@ class ClusterRecord:
         error: why the cluster failed, for FAILED.
         token: the prefix of FLOTILLA_RUN_TOKEN in its jobs' processes (not a secret: it
             finds them, after a daemon died).
+        volumes: the buckets every node sees (``Volume`` fields as dicts; no credentials:
+            the daemon resolves them), from the launching task's ``file_mounts``.
         generation: which launch of this name the record belongs to (1, 2, ... per name,
             counted in NAME.lock). A daemon changes or deletes the record and the
             cluster's files only while the generation is its own, so a daemon of an
@@ -200,6 +202,7 @@ class ClusterRecord:
     error: str = ""
     token: str = ""
     generation: int = 0
+    volumes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:
