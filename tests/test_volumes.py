@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _procs import agent_above, wait_until
 from _s3 import S3Server, fuse_unavailable, mounts_under, processes_with, s3_env, use
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_managed import Jobs, assert_nothing_left
+from test_managed import jobs as jobs  # the fixture
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError
@@ -270,3 +273,64 @@ def test_task_file_with_a_missing_bucket_fails_before_provisioning(
     assert done.returncode != 0
     assert "'no-such-bucket'" in done.stderr and "does not exist" in done.stderr
     assert cli.record("nob") is None  # no cluster was started
+
+
+# -- checkpoints that survive ---------------------------------------------------------------
+CHECKPOINTED = """\
+    name: checkpointed
+    num_nodes: 2
+    file_mounts:
+      ~/ckpt:
+        source: s3://{bucket}/run
+        mode: MOUNT
+    run: |
+      R=$SKYPILOT_NODE_RANK
+      mkdir -p ~/ckpt/rank-$R
+      step=0
+      [ -e ~/ckpt/rank-$R/latest ] && step=$(cat ~/ckpt/rank-$R/latest)
+      echo "rank $R resumes from step $step"
+      echo "$SKYPILOT_TASK_ID" >> $LOCAL/ids-$R
+      first=$step
+      while [ $step -lt 6 ]; do
+        step=$((step + 1))
+        echo $step > ~/ckpt/rank-$R/latest.tmp             # write, then rename
+        mv ~/ckpt/rank-$R/latest.tmp ~/ckpt/rank-$R/latest
+        if [ $step -eq 3 ] && [ $first -eq 0 ]; then
+          echo $$ > $LOCAL/pid-$R
+          exec sleep 300                                    # until its node is lost
+        fi
+      done
+      echo "rank $R done at step $step"
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_managed_job_resumes_from_its_bucket_checkpoint_after_a_node_is_killed(
+    jobs: Jobs, local_s3: S3Server, fuse: None
+) -> None:
+    bucket = local_s3.bucket()
+    jobs.env.update(local_s3.env)
+    task = jobs.task("ckpt.yaml", CHECKPOINTED.format(bucket=bucket))
+    launch = jobs.popen("launch", task, "--env", f"LOCAL={jobs.ckpt}")
+    try:
+        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        assert wait_until(
+            lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 60
+        ), "the ranks never reached step 3"
+        assert wait_until(lambda: jobs.record().state == "RUNNING", 30)
+        os.kill(agent_above(int(pid_files[1].read_text())), signal.SIGKILL)  # node 1 lost
+        out, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    rec = jobs.record()
+    assert (rec.state, rec.recoveries) == ("SUCCEEDED", 1)
+    for rank in (0, 1):
+        assert f"rank {rank} resumes from step 3" in out  # the bucket's checkpoint
+        assert f"rank {rank} done at step 6" in out
+        assert (jobs.ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
+        assert local_s3.get(bucket, f"run/rank-{rank}/latest") == b"6\n"
+    assert not [k for k in local_s3.keys(bucket) if k.endswith(".tmp")]
+    assert_nothing_left(jobs)
+    assert processes_with(bucket.encode()) == []  # no FUSE daemon left
