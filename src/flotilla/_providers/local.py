@@ -41,12 +41,20 @@ class Local(Provider):
         python: interpreter for the agents (default: ``sys.executable``); another one
             must be the client's Python minor version (a pool with another is refused).
         workdir: parent folder of the nodes' working directories (default: a temp dir).
+        keep_folders: name the nodes' folders ``node0``, ``node1``... in ``workdir`` and
+            keep them when the pool closes: a later pool with the same ``workdir`` finds
+            what the nodes left there (``flotilla stop`` / ``start``).
     """
 
     name = "local"
     shares_filesystem = True
 
-    def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
+    def __init__(
+        self, python: str | None = None, workdir: str | None = None, keep_folders: bool = False
+    ) -> None:
+        if keep_folders and workdir is None:
+            raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
+        self.keep_folders = keep_folders
         self.python = python or sys.executable
         self.python_pinned = python is not None
         self.workdir = workdir
@@ -135,13 +143,19 @@ class LocalAllocation(Allocation):
 
     def new_machine(self, rank: int) -> Machine:
         try:
-            folder = tempfile.mkdtemp(
-                prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
-                dir=self.provider.workdir,
-            )
+            if self.provider.keep_folders:  # kept: the same folder for this rank every time
+                assert self.provider.workdir is not None
+                folder = os.path.join(self.provider.workdir, f"node{rank}")
+                os.makedirs(folder, exist_ok=True)
+                shutil.rmtree(os.path.join(folder, _LIB), ignore_errors=True)
+            else:
+                folder = tempfile.mkdtemp(
+                    prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
+                    dir=self.provider.workdir,
+                )
+                self._folders.append(folder)
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
-        self._folders.append(folder)
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
         try:
             os.mkdir(links)
@@ -158,6 +172,8 @@ class LocalAllocation(Allocation):
             # the agent removes its folder when it exits, even if this client was killed
             path = os.pathsep.join([os.path.join(machine.ident, _LIB), *self.user_path])
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
+            if self.provider.keep_folders:
+                del env["FLOTILLA_NODE_DIR"]  # kept
             proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
@@ -170,13 +186,18 @@ class LocalAllocation(Allocation):
         machine = self.new_machine(rank)
         self.machines[rank] = machine
         self.mark(old, MachineState.RELEASED)
-        _remove(old.ident)
+        if old.ident in self._folders:
+            _remove(old.ident)
+        else:  # a kept folder, the new machine's too
+            _unmount_under(old.ident)
         return machine
 
     async def release(self) -> None:
         self.state = AllocationState.RELEASED
         for folder in self._folders:
             _remove(folder)
+        for machine in self.machines:  # kept folders: only what lost agents left mounted
+            _unmount_under(machine.ident)
         for machine in self.machines:
             self.mark(machine, MachineState.RELEASED)
 
@@ -184,10 +205,14 @@ class LocalAllocation(Allocation):
 def _remove(folder: str) -> None:
     """Remove a node's folder, after detaching the bucket volumes mounted in it (a node
     lost with its mounts up: removing would delete the bucket's objects)."""
-    from .._node.volumes import unmount_under
+    _unmount_under(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unmount_under(folder: str) -> None:
+    from .._node.volumes import unmount_under  # (imported only when a pool ends)
 
     unmount_under(folder)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 _LIB = ".flotilla-lib"

@@ -56,7 +56,8 @@ def running(paths: Paths) -> ClusterRecord:
         why = f" ({rec.error})" if rec.error else ""
         raise CLIError(
             f"cluster {paths.name} is {state.value}{why}: "
-            f"`flotilla launch -c {paths.name} TASK` starts it again"
+            f"`flotilla start {paths.name}` or `flotilla launch -c {paths.name} TASK` starts "
+            "it again"
         )
     return rec
 
@@ -126,6 +127,7 @@ def new_record(
     pid: int,
     generation: int,
     volumes: Sequence[Volume] = (),
+    autodown: bool = False,
 ) -> ClusterRecord:
     now = time.time()
     rec = ClusterRecord(
@@ -139,6 +141,7 @@ def new_record(
         pid_start=procs.start_time(pid) if pid else 0,
         idle_minutes=idle,
         volumes=[v.to_node() for v in volumes],
+        autodown=autodown,
     )
     if old is not None:  # a stopped cluster started again keeps its job history
         rec.jobs, rec.next_job = old.jobs, old.next_job
@@ -152,6 +155,7 @@ def start_daemon(
     nodes: int,
     idle: float | None,
     volumes: Sequence[Volume] = (),
+    autodown: bool = False,
 ) -> ClusterRecord:
     """Create the record and start the cluster's daemon; returns once it listens. When
     another command is starting the same cluster, use its daemon."""
@@ -172,7 +176,7 @@ def start_daemon(
             cwd=paths.dir,
         )
         proc = daemon.proc
-        rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation, volumes)
+        rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation, volumes, autodown)
         save(paths, rec)
     if not daemon.wait_ready():
         last = tail(paths.daemon_log, 15)

@@ -108,7 +108,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
     if args.idle_minutes is not None and args.idle_minutes <= 0:
-        raise ConfigurationError(f"--idle-minutes must be positive, got {args.idle_minutes}")
+        raise ConfigurationError(f"--autostop must be positive, got {args.idle_minutes}")
+    # --autostop M --down: torn down after M idle minutes (SkyPilot's), not after the job
+    autodown = args.down and args.idle_minutes is not None
     name = args.cluster or f"flotilla-{os.urandom(2).hex()}"
     paths = Paths(name)
     wanted = registry.spec_from_args(args, task)
@@ -137,7 +139,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     job_nodes = args.nodes if args.nodes is not None else task.job_nodes(cluster_nodes)
     for warning in registry.backend_for(spec).check_task(task, spec, cluster_nodes):
         say(f"warning: {warning}")
-    job = _job_spec(task, job_nodes, not args.no_setup, True, args.down, args.retries)
+    down_after = args.down and not autodown
+    job = _job_spec(task, job_nodes, not args.no_setup, True, down_after, args.retries)
     volumes = _node_volumes(task, spec)
     if reuse:
         assert existing is not None
@@ -147,15 +150,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
         check_volumes(volumes, cluster_nodes if shared else 1)
         node_spec(volumes)
     if not reuse:
-        if args.down and not args.detach:
+        if down_after and not args.detach:
             return launch_here(
                 paths, existing, spec, cluster_nodes, args.idle_minutes, job, volumes
             )
-        existing = start_daemon(paths, existing, spec, cluster_nodes, args.idle_minutes, volumes)
+        existing = start_daemon(
+            paths, existing, spec, cluster_nodes, args.idle_minutes, volumes, autodown
+        )
         say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
     assert existing is not None
     code = submit(paths, existing, job, args.detach)
-    if not args.down and code == 0:  # the cluster stays: say what next (a failure's
+    if not down_after and code == 0:  # the cluster stays: say what next (a failure's
         # report stays the last thing said)
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)

@@ -113,6 +113,7 @@ class AWSSpec(ResourceSpec):
 class AWSBackend(Backend[AWSSpec]):
     spec_type = AWSSpec
     summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
+    stop_note = "stopping EC2 instances (StopInstances) is not supported yet"
     flags = (
         Flag("--region", "AWS region (default: the configured one)"),
         Flag("--instance-type", "EC2 instance type (default: the smallest that fits)"),

@@ -179,6 +179,9 @@ class Backend(ABC, Generic[S]):
             this backend; giving one with another ``--provider`` is an error.
         shares_filesystem: every node runs on this machine (node paths are kept apart,
             ``~`` in a file mount is the node's folder, one node does machine-wide work).
+        stop_note: '' when ``flotilla stop`` can stop its clusters, keeping their nodes'
+            disks and environments (agents stopped; ``start`` starts them again); else why
+            it cannot (``stop`` then refuses, offering ``down``).
         honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
         hint_reason: why it cannot act on the others (shown with the warning).
         infra: the task-file ``resources.infra`` names (the part before any ``/``:
@@ -190,6 +193,7 @@ class Backend(ABC, Generic[S]):
     summary: ClassVar[str]
     flags: ClassVar[tuple[Flag, ...]] = ()
     shares_filesystem: ClassVar[bool] = False
+    stop_note: ClassVar[str] = "its nodes cannot be stopped and started again"
     honours: ClassVar[frozenset[str]] = frozenset()
     hint_reason: ClassVar[str] = "its nodes already exist"
     infra: ClassVar[tuple[str, ...]] = ()

@@ -31,6 +31,7 @@ class LocalBackend(Backend[LocalSpec]):
     spec_type = LocalSpec
     summary = "processes on this machine"
     shares_filesystem = True
+    stop_note = ""  # node folders NAME/nodes/nodeN are kept (Local(keep_folders=True))
     honours = frozenset({"cpus", "memory", "ports"})  # checked against this machine, or free
 
     def spec_from_args(self, args: argparse.Namespace) -> LocalSpec:
@@ -82,7 +83,7 @@ class LocalBackend(Backend[LocalSpec]):
         from ..._providers.local import Local
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
-        return Local(workdir=str(nodes_dir))
+        return Local(workdir=str(nodes_dir), keep_folders=True)
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """Kill what the cluster may have left running: its jobs' processes (found by their

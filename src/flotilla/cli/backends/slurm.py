@@ -68,6 +68,7 @@ class SlurmSpec(ResourceSpec):
 class SlurmBackend(Backend[SlurmSpec]):
     spec_type = SlurmSpec
     summary = "one SLURM job, a step per node (run on a login node)"
+    stop_note = "a SLURM allocation cannot be stopped and started again: it ends or runs"
     flags = (
         Flag("--partition", "SLURM partition (default: the cluster's default)"),
         Flag("--time", "SLURM time limit, e.g. 2:00:00 (default: the partition's)"),

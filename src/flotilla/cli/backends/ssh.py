@@ -65,6 +65,7 @@ class SSHSpec(ProviderSpec):
 class SSHBackend(Backend[SSHSpec]):
     spec_type = SSHSpec
     summary = "existing hosts reached with OpenSSH (--hosts)"
+    stop_note = ""  # the hosts keep their folders and environments; only agents stop
     flags = (
         Flag("--hosts", "user@host[:port],... one per node, head first"),
         Flag("--ssh-user", "default login user"),
