@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import agent_above, wait_until
 from _s3 import S3Server, fuse_unavailable, mounts_under, processes_with, s3_env, use
@@ -263,6 +264,9 @@ def test_task_file_mounts_from_s3_in_every_form(
     assert local_s3.get(bucket, "ckpt/node-1.txt") == b"rank 1\n"
     assert local_s3.secret_key not in done.stdout + done.stderr
     assert mounts_under(tmp_path) == []
+    secret = local_s3.secret_key.encode()  # not in any file flotilla wrote
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert written and [p for p in written if secret in p.read_bytes()] == []
 
 
 def test_task_file_with_a_missing_bucket_fails_before_provisioning(
@@ -334,3 +338,23 @@ def test_a_managed_job_resumes_from_its_bucket_checkpoint_after_a_node_is_killed
     assert not [k for k in local_s3.keys(bucket) if k.endswith(".tmp")]
     assert_nothing_left(jobs)
     assert processes_with(bucket.encode()) == []  # no FUSE daemon left
+
+
+def test_aws_lab_instances_mount_and_copy_a_bucket(aws_lab: AwsLab, fuse: None) -> None:
+    """EC2 instances of the moto lab (hosts on its bridge) reach its S3 at the same
+    endpoint, with the lab's credentials from the environment."""
+    s3 = aws_lab.client("s3")
+    bucket = "flotilla-aws-vol"
+    s3.create_bucket(Bucket=bucket)
+    for key, body in OBJECTS.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    ro = sky.Volume(bucket, "in-aws", prefix="data")
+    rw = sky.Volume(bucket, "out-aws", prefix="results", read_only=False, mode="copy")
+    with sky.Compute(aws_lab.provider(), nodes=2, volumes=[ro, rw]) as pool:
+        seen = tree("in-aws") @ pool
+        write("out-aws/ec2.txt", "from an instance") >> pool
+    for files in seen:
+        assert files["a.txt"] == "alpha" and files["<mount>"] == "True"
+    body = s3.get_object(Bucket=bucket, Key="results/ec2.txt")["Body"].read()
+    assert body == b"from an instance"
+    assert processes_with(bucket.encode()) == []

@@ -99,6 +99,7 @@ class Agent:
             Kind.PYTHON: self._switch_python,
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
+        self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts
         self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
         self.cloud_env = os.environ.get("FLOTILLA_CLOUD")  # kept for a switch of interpreter
         if "FLOTILLA_CLOUD" in os.environ:
@@ -260,18 +261,11 @@ class Agent:
         # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
         prefix = probe.get("prefix") if probe else None
         config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
-        volumes = config.pop("volumes", None)  # credentials: for the helper alone
+        # the volumes (credentials: for their helper alone) come after the environment,
+        # whose Image may install the FUSE tool
+        self.pending_volumes = config.pop("volumes", None)
         self.config = config
         self.executors.configure(config, blob)
-        if volumes:
-            self._start_volumes(volumes)  # then _configured, once the volumes are there
-            return
-        self._configured()
-
-    def _configured(self) -> None:
-        """The rest of CONFIG, once the volumes are there: build the Image, or start."""
-        config = self.config
-        assert config is not None
         image = config.get("image")
         if image:
             from .build import env_dir, is_built
@@ -283,6 +277,14 @@ class Agent:
                 if not need:
                     self._start_build(b"")
                 return
+        self._environment_ready()
+
+    def _environment_ready(self) -> None:
+        """The environment is there: set up the volumes (then start), or start."""
+        if self.pending_volumes:
+            spec, self.pending_volumes = self.pending_volumes, None
+            self._start_volumes(spec)  # the executors start once the volumes are there
+            return
         self.executors.start_all()
 
     # -- volumes -------------------------------------------------------------------------
@@ -326,7 +328,8 @@ class Agent:
             line, self.volumes_out = self.volumes_out.split(b"\n", 1)
             if line == b"::ready":
                 self.volumes_settled = True
-                self._configured()
+                if not self.stopping:  # (a stop asked meanwhile: nothing more starts)
+                    self.executors.start_all()
             elif line.startswith(b"::error "):
                 self._volumes_failed(line[8:].decode(errors="replace"))
         if not data:
@@ -414,7 +417,7 @@ class Agent:
         proc.stdout.close()
         self.builder = None
         if code == 0:
-            self.executors.start_all()
+            self._environment_ready()
             return
         tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
         reason = f": {self.build_error}" if self.build_error else ""
