@@ -88,6 +88,8 @@ def test_volume_fields_and_bad_arguments() -> None:
         sky.Volume("bkt/x", "data")
     with pytest.raises(ConfigurationError, match="two volumes"):
         sky.Compute(volumes=[sky.Volume("a", "d"), sky.Volume("b", "d/")])
+    with pytest.raises(ConfigurationError, match="takes a list"):
+        sky.Compute(volumes=sky.Volume("a", "d"))  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="share one filesystem"):
         sky.Compute(nodes=2, volumes=[sky.Volume("a", "/data")])
 

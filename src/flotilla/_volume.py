@@ -100,9 +100,13 @@ class Volume:
         }
 
 
-def check_volumes(volumes: Sequence[object], local_nodes: int) -> tuple[Volume, ...]:
+def check_volumes(volumes: object, local_nodes: int) -> tuple[Volume, ...]:
     """The volumes as a tuple; ConfigurationError for anything that is not one, two at one
     path, or an absolute path shared by several nodes of one machine (``local_nodes``)."""
+    if isinstance(volumes, Volume | str | bytes) or not isinstance(volumes, Sequence):
+        raise ConfigurationError(
+            f"volumes= takes a list, e.g. volumes=[flotilla.Volume(...)], got {volumes!r}"
+        )
     out: list[Volume] = []
     for v in volumes:
         if not isinstance(v, Volume):
