@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,3 +137,76 @@ def processes_with(text: bytes) -> list[int]:
         except OSError:
             continue
     return found
+
+
+class CheckingS3Server:
+    """moto's S3 in its own process with authentication on (``INITIAL_NO_AUTH_ACTION_COUNT``:
+    after the few unauthenticated calls that make an IAM user, every request must be
+    signed with a known key and the right secret). ``key`` and ``secret`` are the user's
+    (allowed s3:*); ``env`` points at the server with them."""
+
+    def __init__(self, addr: str = "127.0.0.1") -> None:
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")
+        self.proc = subprocess.Popen(
+            [exe, "-H", addr, "-p", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.endpoint = f"http://{addr}:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection((addr, port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("moto_server did not listen") from None
+                time.sleep(0.05)
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            region_name=REGION,
+            endpoint_url=self.endpoint,
+            aws_access_key_id="bootstrap",
+            aws_secret_access_key="bootstrap",
+        )
+        iam.create_user(UserName="flotilla-test")
+        policy = (
+            '{"Version":"2012-10-17",'
+            '"Statement":[{"Effect":"Allow","Action":"s3:*","Resource":"*"}]}'
+        )
+        iam.put_user_policy(UserName="flotilla-test", PolicyName="s3", PolicyDocument=policy)
+        key = iam.create_access_key(UserName="flotilla-test")["AccessKey"]
+        self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
+        self.env = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            region_name=REGION,
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+        )
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
