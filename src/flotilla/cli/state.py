@@ -407,6 +407,10 @@ def delete(paths: Paths, generation: int | None = None) -> bool:
         for path in (paths.state, paths.socket, paths.ssh_config):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if paths.nodes.is_dir():  # never into a bucket a node left mounted
+            from .._node.volumes import unmount_under
+
+            unmount_under(str(paths.nodes))
         shutil.rmtree(paths.dir, ignore_errors=True)
     # NAME.lock stays: removing it could let two commands lock different files at once
     return True
