@@ -12,8 +12,8 @@ Rows:
 * copy, N nodes: what a ``mode="copy"`` volume does on each node before anything runs
   (``flotilla._node.volumes``: the standard-library SigV4 client), timed on every node at
   once.
-* mount (s3fs), N nodes: reading every file of a ``mode="mount"`` volume, on every node
-  at once.
+* mount (s3fs, rclone), N nodes: reading every file of a ``mode="mount"`` volume, on
+  every node at once.
 
 All nodes share one machine and one S3 server, so N nodes at once share its cores and
 the server: the N-node rows measure that contention too.
@@ -147,15 +147,18 @@ def main() -> None:
                     [t for _ in range(args.reps) for t in copy_in(spec) @ pool],
                 )
             )
-        fuse = os.geteuid() == 0 and os.path.exists("/dev/fuse") and shutil.which("s3fs")
-        if fuse:
-            vol = sky.Volume(bucket, "mnt", prefix="set")
+        fuse = os.geteuid() == 0 and os.path.exists("/dev/fuse")
+        vol = sky.Volume(bucket, "mnt", prefix="set")
+        for tool in ("s3fs", "rclone") if fuse else ():
+            if not shutil.which(tool):
+                continue
+            os.environ["FLOTILLA_FUSE_TOOL"] = tool  # the local nodes inherit it
             for nodes in (1, args.nodes):
                 samples: list[float] = []
                 for _ in range(args.reps):  # a new pool each time: nothing cached
                     with sky.Compute(nodes=nodes, volumes=[vol]) as pool:
                         samples += read_all("mnt") @ pool
-                rows.append((f"mount volume (s3fs), {nodes} node(s) at once", samples))
+                rows.append((f"mount volume ({tool}), {nodes} node(s) at once", samples))
         base = statistics.median(rows[0][1])
         print(
             f"{args.mb} MB in {args.objects} objects, moto S3 server on loopback, {os.cpu_count()} CPUs\n"
@@ -166,7 +169,7 @@ def main() -> None:
             med = statistics.median(samples)
             print(f"| {what} | {med:.2f} | {args.mb / med:.0f} | {med / base:.2f} |")
         if not fuse:
-            print("\n(mount rows skipped: they need root, /dev/fuse and s3fs)")
+            print("\n(mount rows skipped: they need root and /dev/fuse)")
     finally:
         server.terminate()
         server.wait()
