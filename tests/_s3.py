@@ -171,6 +171,13 @@ class CheckingS3Server:
                     self.close()
                     raise RuntimeError("moto_server did not listen") from None
                 time.sleep(0.05)
+        try:
+            self._make_user()
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_user(self) -> None:
         import boto3
 
         iam = boto3.client(
