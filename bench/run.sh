@@ -48,6 +48,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     .venv/bin/python bench/bench_liveness.py 2>/dev/null
     echo
     .venv/bin/python bench/bench_replace.py 2>/dev/null
+    echo
+    echo "## Bucket volumes: 200 MB on 4 nodes against a boto3 download (issue 25)"
+    echo
+    .venv/bin/python bench/bench_volumes.py --reps 3 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"

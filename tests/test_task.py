@@ -149,7 +149,25 @@ def test_defaults_and_other_accepted_shapes(tmp_path: Path) -> None:
         ("run: echo\nresources:\n  accelerators: A100:x\n", 3, "resources.accelerators", []),
         ("run: echo\nworkdir: /no/such/folder\n", 2, "workdir", ["not a folder"]),
         ("run: echo\nfile_mounts:\n  /d: /no/such\n", 3, "file_mounts./d", ["does not exist"]),
-        ("run: echo\nfile_mounts:\n  /d: s3://bucket\n", 3, "file_mounts./d", ["cloud storage"]),
+        ("run: echo\nfile_mounts:\n  /d: gs://bucket\n", 3, "file_mounts./d", ["S3 buckets"]),
+        (
+            "run: echo\nfile_mounts:\n  /d:\n    source: s3://b\n    mode: RSYNC\n",
+            4,
+            "file_mounts./d",
+            ["MOUNT, COPY, MOUNT_CACHED"],
+        ),
+        (
+            "run: echo\nfile_mounts:\n  /d:\n    name: b\n    persistent: false\n",
+            4,
+            "file_mounts./d",
+            ["never deletes a bucket"],
+        ),
+        (
+            "run: echo\nfile_mounts:\n  /d:\n    name: b\n    store: gcs\n",
+            4,
+            "file_mounts./d",
+            ["store: s3"],
+        ),
         ("run: echo\nrun: again\n", 2, "run", ["twice"]),
     ],
 )
@@ -340,3 +358,35 @@ def test_workdir_and_file_mounts_round_trip(
     assert (node / "cfg" / "config.json").read_text() == "{}"
     assert (outside / "a.csv").read_text() == "1,2\n"
     assert os.listdir(tmp_path / "abs-target") == ["a.csv"]
+
+
+def test_bucket_file_mounts_become_volumes(tmp_path: Path) -> None:
+    """SkyPilot's three forms: a bucket URL (COPY: a read-only copy), ``{source, mode}``
+    and a storage entry (``name``, ``store``, ``mode``: MOUNT is writable)."""
+    from flotilla import Volume
+
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "run: echo\n"
+        "file_mounts:\n"
+        "  /data: s3://bkt/images\n"
+        "  /ckpt:\n"
+        "    source: s3://bkt/ckpt\n"
+        "    mode: MOUNT\n"
+        "  /cached:\n"
+        "    source: s3://bkt\n"
+        "    mode: MOUNT_CACHED\n"
+        "  /store:\n"
+        "    name: other\n"
+        "    store: s3\n"
+        "    mode: COPY\n"
+        "    persistent: true\n"
+    )
+    task = load_task(str(path))
+    assert task.file_mounts == {}
+    assert task.volumes == (
+        Volume("bkt", "/data", prefix="images", mode="copy", read_only=True),
+        Volume("bkt", "/ckpt", prefix="ckpt", mode="mount", read_only=False),
+        Volume("bkt", "/cached", mode="mount", read_only=False),
+        Volume("other", "/store", mode="copy", read_only=True),
+    )

@@ -59,6 +59,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.ssh import SSH as SSH
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
+    from ._volume import Volume as Volume
     from .plugins._base import Plugin as Plugin
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -90,6 +91,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),
     "_shard": ("shard",),
+    "_volume": ("Volume",),
     "plugins._base": ("Plugin",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

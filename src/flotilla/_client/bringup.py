@@ -34,6 +34,7 @@ class Bringup:
         build_spec: the node environment to build, or None.
         blob: the pickled plugins, sent with the configuration.
         python: what may be done when a node's Python differs from the client's.
+        volumes: the buckets every node mounts or copies (``_volume.node_spec``), or None.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Bringup:
         self.build_spec: dict[str, Any] | None = None
         self.blob = b""
         self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
+        self.volumes: dict[str, Any] | None = None
 
     def nodes(self, ranks: Sequence[int], procs: Sequence[AgentProcess]) -> list[Node]:
         """The nodes of the agents ``procs`` started for ``ranks`` (in order)."""
@@ -124,6 +126,8 @@ class Bringup:
             "shm_probe": probe or None,
             "group": self.group,
         }
+        if self.volumes is not None:
+            config["volumes"] = self.volumes
         node.configure(config, self.blob)
 
 

@@ -19,6 +19,7 @@ from .._image import Image, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._providers.limits import out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
+from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
 from . import loop as _loop
@@ -33,6 +34,9 @@ from .outcome import results
 from .renew import Renewals
 
 logger = logging.getLogger("flotilla")
+VOLUME_FLUSH_TIMEOUT = 300.0
+"""Seconds a node's agent waits, at the end, for its writable volumes to be written back
+(the client waits as long for the agents to exit)."""
 R = TypeVar("R")
 
 
@@ -67,6 +71,8 @@ class Compute(Pool):
             ``--cpus-per-task``, AWS picks an instance type that has them.
         memory_gb: memory wanted per node in GiB (None: the provider's default), acted on
             as ``vcpus`` is (SLURM: ``--mem``).
+        volumes: :class:`Volume` s: buckets whose objects appear at a path on every node
+            before the functions run (checked before anything is provisioned).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -83,6 +89,7 @@ class Compute(Pool):
         options: Options | None = None,
         vcpus: float | None = None,
         memory_gb: float | None = None,
+        volumes: Sequence[Volume] = (),
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigurationError(
@@ -113,6 +120,10 @@ class Compute(Pool):
         self.options = options
         self.vcpus = _resource("vcpus", vcpus, "CPUs per node, e.g. vcpus=4")
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
+        from .._providers.local import Local
+
+        self.volumes = check_volumes(volumes, nodes if isinstance(provider, Local) else 1)
+        self._volume_spec: dict[str, Any] | None = None
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
         per_accelerator = self.accelerator.count if self.accelerator is not None else 1
@@ -229,6 +240,11 @@ class Compute(Pool):
             raise ConfigurationError(f"image must be a flotilla.Image, got {type(image).__name__}")
         spec = self._spec(image)
         self.provider.validate(spec)
+        volume_secrets: list[str] = []
+        if self.volumes:  # the buckets can be read: before anything is provisioned
+            self._volume_spec, volume_secrets = node_spec(self.volumes)
+            self._volume_spec["flush_timeout"] = VOLUME_FLUSH_TIMEOUT
+            self._bringup.volumes = self._volume_spec
         for p in self.plugins:
             hook = getattr(p, "transform", None)
             if hook is not None:
@@ -251,6 +267,7 @@ class Compute(Pool):
             secret_values(image.env)
             + secret_values(self.options.env)
             + plugin_secrets(self.plugins)
+            + volume_secrets
         )
         self._dispatcher.secrets = self._secrets  # redacted from errors and restart causes
         self._state = PoolState.STARTING
@@ -361,6 +378,8 @@ class Compute(Pool):
                 node.send_control(Kind.SHUTDOWN)
             node.state = NodeState.CLOSED
         grace = self.options.shutdown_grace + 0.5
+        if any(not v.read_only for v in self.volumes):  # the agents write back, then exit
+            grace += VOLUME_FLUSH_TIMEOUT
         await asyncio.gather(*(p.wait(grace) for p in self._procs))
         await asyncio.gather(*(p.terminate() for p in self._procs), return_exceptions=True)
         if self._allocation is not None:

@@ -98,6 +98,8 @@ class Agent:
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
         }
+        self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
+        self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts
         self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
         self.cloud_env = os.environ.get("FLOTILLA_CLOUD")  # kept for a switch of interpreter
         if "FLOTILLA_CLOUD" in os.environ:
@@ -259,6 +261,9 @@ class Agent:
         # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
         prefix = probe.get("prefix") if probe else None
         config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
+        # the volumes (credentials: for their helper alone) come after the environment,
+        # whose Image may install the FUSE tool
+        self.pending_volumes = config.pop("volumes", None)
         self.config = config
         self.executors.configure(config, blob)
         image = config.get("image")
@@ -272,7 +277,90 @@ class Agent:
                 if not need:
                     self._start_build(b"")
                 return
+        self._environment_ready()
+
+    def _environment_ready(self) -> None:
+        """The environment is there: set up the volumes (then start), or start."""
+        if self.pending_volumes:
+            spec, self.pending_volumes = self.pending_volumes, None
+            self._start_volumes(spec)  # the executors start once the volumes are there
+            return
         self.executors.start_all()
+
+    # -- volumes -------------------------------------------------------------------------
+    def _start_volumes(self, spec: dict[str, Any]) -> None:
+        """Start the volumes helper (``_node/volumes.py``): its own session and no token,
+        so that it outlives the agent's sweep and writes back; it ends when its stdin (kept
+        open here) closes."""
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla._node.volumes"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        self.volumes = proc
+        self.volumes_out = b""
+        self.volumes_settled = False
+        self.volumes_timeout = float(spec.get("flush_timeout", 300.0))
+        os.set_blocking(proc.stdout.fileno(), False)
+        self.sel.register(proc.stdout.fileno(), False, self._on_volumes_output)
+        try:
+            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died early: its end says so
+
+    def _on_volumes_output(self) -> None:
+        proc = self.volumes
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        self.volumes_out += data
+        while b"\n" in self.volumes_out:
+            line, self.volumes_out = self.volumes_out.split(b"\n", 1)
+            if line == b"::ready":
+                self.volumes_settled = True
+                if not self.stopping:  # (a stop asked meanwhile: nothing more starts)
+                    self.executors.start_all()
+            elif line.startswith(b"::error "):
+                self._volumes_failed(line[8:].decode(errors="replace"))
+        if not data:
+            self.sel.unregister(fd)
+            if not self.stopping and not self.volumes_settled:
+                self._volumes_failed("the volumes helper exited before the volumes were ready")
+
+    def _volumes_failed(self, why: str) -> None:
+        self.volumes_settled = True
+        error = {"error": f"the volumes could not be set up on this node: {why}"}
+        self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
+
+    def _stop_volumes(self) -> None:
+        """Close the helper's stdin and wait for it: it writes back and unmounts."""
+        proc = self.volumes
+        if proc is None:
+            return
+        import subprocess
+
+        self.volumes = None
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(self.volumes_timeout)
+        except subprocess.TimeoutExpired:
+            self._log("the volumes helper did not finish writing back: stopped")
+            proc.terminate()
+            proc.wait()
 
     # -- environment build -------------------------------------------------------------
     def _start_build(self, includes: bytes) -> None:
@@ -329,7 +417,7 @@ class Agent:
         proc.stdout.close()
         self.builder = None
         if code == 0:
-            self.executors.start_all()
+            self._environment_ready()
             return
         tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
         reason = f": {self.build_error}" if self.build_error else ""
@@ -372,6 +460,7 @@ class Agent:
                 self.builder.wait()
         marker = f"{TOKEN_VAR}={self.token}".encode()
         kill_all(lambda pid: has_env(pid, marker))  # what left the executors' groups
+        self._stop_volumes()  # nothing writes there any more: write back, unmount
         self._remove_node_dir()
         if self.config and self.config.get("pool_id"):
             prefix = f"flotilla-{self.config['pool_id']}-"
@@ -395,7 +484,10 @@ class Agent:
         if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
             import shutil
 
+            from .volumes import unmount_under
+
             os.chdir("/")
+            unmount_under(folder)  # never into a bucket: see volumes.py
             shutil.rmtree(folder, ignore_errors=True)
 
     def _log(self, message: str) -> None:

@@ -37,15 +37,23 @@ class Local(Provider):
     fraction of a second.
 
     Args: the fields of :class:`LocalSettings` (``python``: another interpreter must be the
-    client's Python minor version, or the pool is refused).
+    client's Python minor version, or the pool is refused), and ``keep_folders``: name the
+    nodes' folders ``node0``, ``node1``... in ``workdir`` and keep them when the pool closes:
+    a later pool with the same ``workdir`` finds what the nodes left there (``flotilla
+    stop`` / ``start``).
     """
 
     name = "local"
     settings_type = LocalSettings
     shares_filesystem = True
 
-    def __init__(self, python: str | None = None, workdir: str | None = None) -> None:
+    def __init__(
+        self, python: str | None = None, workdir: str | None = None, keep_folders: bool = False
+    ) -> None:
+        if keep_folders and workdir is None:
+            raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
         self.settings = LocalSettings(python, workdir)
+        self.keep_folders = keep_folders
         self.python = python or sys.executable
         self.python_pinned = python is not None
         self.workdir = workdir
@@ -110,7 +118,7 @@ class Local(Provider):
             return []
         removed = [os.path.join(parent, n) for n in procs.of_gone_owners(names, _NODE_DIR)]
         for folder in removed:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove(folder)
         return removed
 
 
@@ -131,13 +139,19 @@ class LocalAllocation(Allocation):
 
     def new_machine(self, rank: int) -> Machine:
         try:
-            folder = tempfile.mkdtemp(
-                prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
-                dir=self.provider.workdir,
-            )
+            if self.provider.keep_folders:  # kept: the same folder for this rank every time
+                assert self.provider.workdir is not None
+                folder = os.path.join(self.provider.workdir, f"node{rank}")
+                os.makedirs(folder, exist_ok=True)
+                shutil.rmtree(os.path.join(folder, _LIB), ignore_errors=True)
+            else:
+                folder = tempfile.mkdtemp(
+                    prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
+                    dir=self.provider.workdir,
+                )
+                self._folders.append(folder)
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
-        self._folders.append(folder)
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
         try:
             os.mkdir(links)
@@ -153,6 +167,8 @@ class LocalAllocation(Allocation):
             # the agent removes its folder when it exits, even if this client was killed
             path = os.pathsep.join([os.path.join(machine.ident, _LIB), *self.user_path])
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
+            if self.provider.keep_folders:
+                del env["FLOTILLA_NODE_DIR"]  # kept
             proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
@@ -163,12 +179,31 @@ class LocalAllocation(Allocation):
     async def replacement(self, rank: int, reason: str) -> Machine:
         """A new folder; the lost machine's goes."""
         machine = self.new_machine(rank)
-        shutil.rmtree(self.machines[rank].ident, ignore_errors=True)
+        old = self.machines[rank]
+        if old.ident in self._folders:
+            _remove(old.ident)
+        else:  # a kept folder, the new machine's too
+            _unmount_under(old.ident)
         return machine
 
     async def free(self) -> None:
         for folder in self._folders:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove(folder)
+        for machine in self.machines:  # kept folders: only what lost agents left mounted
+            _unmount_under(machine.ident)
+
+
+def _remove(folder: str) -> None:
+    """Remove a node's folder, after detaching the bucket volumes mounted in it (a node
+    lost with its mounts up: removing would delete the bucket's objects)."""
+    _unmount_under(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unmount_under(folder: str) -> None:
+    from .._node.volumes import unmount_under  # (imported only when a pool ends)
+
+    unmount_under(folder)
 
 
 _LIB = ".flotilla-lib"

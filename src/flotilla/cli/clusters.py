@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from .._errors import FlotillaError
 from .._node import procs
+from .._volume import Volume
 from .console import CLIError, say, show, tail
 from .conventions import EXIT_LOST, EXIT_PROVISION
 from .jobspec import JobSpec
@@ -54,7 +56,8 @@ def running(paths: Paths) -> ClusterRecord:
         why = f" ({rec.error})" if rec.error else ""
         raise CLIError(
             f"cluster {paths.name} is {state.value}{why}: "
-            f"`flotilla launch -c {paths.name} TASK` starts it again"
+            f"`flotilla start {paths.name}` or `flotilla launch -c {paths.name} TASK` starts "
+            "it again"
         )
     return rec
 
@@ -123,6 +126,8 @@ def new_record(
     idle: float | None,
     pid: int,
     generation: int,
+    volumes: Sequence[Volume] = (),
+    autodown: bool = False,
 ) -> ClusterRecord:
     now = time.time()
     rec = ClusterRecord(
@@ -135,6 +140,8 @@ def new_record(
         pid=pid,
         pid_start=procs.start_time(pid) if pid else 0,
         idle_minutes=idle,
+        volumes=[v.to_node() for v in volumes],
+        autodown=autodown,
     )
     if old is not None:  # a stopped cluster started again keeps its job history
         rec.jobs, rec.next_job = old.jobs, old.next_job
@@ -142,7 +149,13 @@ def new_record(
 
 
 def start_daemon(
-    paths: Paths, old: ClusterRecord | None, spec: ProviderSpec, nodes: int, idle: float | None
+    paths: Paths,
+    old: ClusterRecord | None,
+    spec: ProviderSpec,
+    nodes: int,
+    idle: float | None,
+    volumes: Sequence[Volume] = (),
+    autodown: bool = False,
 ) -> ClusterRecord:
     """Create the record and start the cluster's daemon; returns once it listens. When
     another command is starting the same cluster, use its daemon."""
@@ -163,7 +176,7 @@ def start_daemon(
             cwd=paths.dir,
         )
         proc = daemon.proc
-        rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation)
+        rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation, volumes, autodown)
         save(paths, rec)
     if not daemon.wait_ready():
         last = tail(paths.daemon_log, 15)
@@ -185,6 +198,7 @@ def launch_here(
     nodes: int,
     idle: float | None,
     job: JobSpec,
+    volumes: Sequence[Volume] = (),
 ) -> int:
     """``launch --down`` of a new cluster: the daemon runs inside this process, for the
     job's duration (other commands see and reach it as usual)."""
@@ -197,7 +211,8 @@ def launch_here(
             ClusterState.STARTING,
         ):
             return submit(paths, current, job, detach=False)
-        save(paths, new_record(paths, current, spec, nodes, idle, os.getpid(), generation))
+        rec = new_record(paths, current, spec, nodes, idle, os.getpid(), generation, volumes)
+        save(paths, rec)
     daemon = ClusterDaemon(paths, generation)
 
     def interrupt(*_: object) -> NoReturn:

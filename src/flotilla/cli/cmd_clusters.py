@@ -166,3 +166,85 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     if shell.env is None:
         os.execvp(shell.argv[0], shell.argv)
     os.execvpe(shell.argv[0], shell.argv, dict(shell.env))
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop clusters: their agents end, their nodes' folders and built environments stay,
+    the record says STOPPED; ``flotilla start`` brings them back. Providers whose nodes
+    cannot be stopped are refused, with ``down`` offered."""
+    from .ipc import request
+
+    code = 0
+    for name in args.clusters:
+        paths = Paths(name)
+        rec = load(paths)
+        if rec is None:
+            say(f"there is no cluster {name!r}")
+            code = EXIT_FLOTILLA
+            continue
+        kind = str(rec.provider.get("kind", registry.DEFAULT.kind))
+        note = registry.backend(kind).stop_note
+        if note:
+            raise CLIError(
+                f"cluster {name} runs on {kind}: {note}; `flotilla down {name}` releases "
+                "its nodes instead",
+                code=2,
+            )
+        state = rec.observed_state()
+        if state is ClusterState.STOPPED:
+            say(f"cluster {name}: already stopped")
+            continue
+        if not state.needs_daemon:
+            raise CLIError(f"cluster {name} is {state.value}: `flotilla down {name}` removes it")
+        try:
+            answers = list(request(paths.socket, {"op": "stop"}))
+        except OSError:
+            answers = []
+        if not any(a["ev"] == "stopped" for a in answers) and procs.alive(rec.pid, rec.pid_start):
+            os.kill(rec.pid, signal.SIGTERM)  # an older daemon: it stops the same way
+        if not procs.wait_gone(rec.pid, rec.pid_start, 60.0):
+            raise CLIError(f"cluster {name}: its daemon (pid {rec.pid}) does not stop")
+        say(f"cluster {name}: stopped (`flotilla start {name}` starts it again)")
+    return code
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """Start stopped clusters with their record's provider, nodes, buckets and autostop;
+    returns once they are UP (or failed, saying why)."""
+    from .._volume import Volume
+    from .clusters import START_TIMEOUT, start_daemon
+
+    for name in args.clusters:
+        paths = Paths(name)
+        rec = load(paths)
+        if rec is None:
+            raise CLIError(f"there is no cluster {name!r}", code=EXIT_FLOTILLA)
+        state = rec.observed_state()
+        if state in (ClusterState.UP, ClusterState.STARTING):
+            say(f"cluster {name}: already {state.value}")
+            continue
+        if state is not ClusterState.STOPPED:
+            raise CLIError(
+                f"cluster {name} is {state.value}, not STOPPED: `flotilla down {name}` removes it"
+            )
+        spec = registry.spec_from_dict(rec.provider)
+        volumes = [Volume(**v) for v in rec.volumes]
+        if volumes:  # the buckets can still be read: before anything is provisioned
+            from .._volume import node_spec
+
+            node_spec(volumes)
+        started = start_daemon(
+            paths, rec, spec, rec.num_nodes, rec.idle_minutes, volumes, rec.autodown
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            now = load(paths)
+            current = now.observed_state() if now is not None else ClusterState.FAILED
+            if current is ClusterState.UP:
+                break
+            if current is not ClusterState.STARTING or time.monotonic() > deadline:
+                why = f": {now.error}" if now is not None and now.error else ""
+                raise CLIError(f"cluster {name} did not start ({current.value}){why}")
+            time.sleep(0.1)
+        say(f"cluster {name}: {started.num_nodes} {spec.kind} node(s) up")
+    return 0

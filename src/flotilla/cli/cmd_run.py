@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
+from .._volume import Volume, check_volumes, node_spec
 from .backends import registry
 from .clusters import launch_here, running, start_daemon, submit
 from .console import CLIError, say
@@ -16,6 +19,7 @@ from .jobspec import JobSpec
 from .state import ClusterState, Paths, load
 
 if TYPE_CHECKING:
+    from .backends.base import ProviderSpec
     from .taskfile import Task
 
 
@@ -104,7 +108,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
     if args.idle_minutes is not None and args.idle_minutes <= 0:
-        raise ConfigurationError(f"--idle-minutes must be positive, got {args.idle_minutes}")
+        raise ConfigurationError(f"--autostop must be positive, got {args.idle_minutes}")
+    # --autostop M --down: torn down after M idle minutes (SkyPilot's), not after the job
+    autodown = args.down and args.idle_minutes is not None
     name = args.cluster or f"flotilla-{os.urandom(2).hex()}"
     paths = Paths(name)
     wanted = registry.spec_from_args(args, task)
@@ -133,25 +139,62 @@ def cmd_launch(args: argparse.Namespace) -> int:
     job_nodes = args.nodes if args.nodes is not None else task.job_nodes(cluster_nodes)
     for warning in registry.backend_for(spec).check_task(task, spec, cluster_nodes):
         say(f"warning: {warning}")
-    job = _job_spec(task, job_nodes, not args.no_setup, True, args.down, args.retries)
+    down_after = args.down and not autodown
+    job = _job_spec(task, job_nodes, not args.no_setup, True, down_after, args.retries)
+    volumes = _node_volumes(task, spec)
+    if reuse:
+        assert existing is not None
+        _same_volumes(name, existing.volumes, volumes)
+    elif volumes:  # the buckets can be read: before anything is provisioned
+        shared = registry.backend_for(spec).shares_filesystem
+        check_volumes(volumes, cluster_nodes if shared else 1)
+        node_spec(volumes)
     if not reuse:
-        if args.down and not args.detach:
-            return launch_here(paths, existing, spec, cluster_nodes, args.idle_minutes, job)
-        existing = start_daemon(paths, existing, spec, cluster_nodes, args.idle_minutes)
+        if down_after and not args.detach:
+            return launch_here(
+                paths, existing, spec, cluster_nodes, args.idle_minutes, job, volumes
+            )
+        existing = start_daemon(
+            paths, existing, spec, cluster_nodes, args.idle_minutes, volumes, autodown
+        )
         say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
     assert existing is not None
     code = submit(paths, existing, job, args.detach)
-    if not args.down and code == 0:  # the cluster stays: say what next (a failure's
+    if not down_after and code == 0:  # the cluster stays: say what next (a failure's
         # report stays the last thing said)
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)
     return code
 
 
+def _node_volumes(task: Task, spec: ProviderSpec) -> tuple[Volume, ...]:
+    """The task's bucket file_mounts; on nodes of this machine ``~`` is the node's working
+    directory (as for local file_mounts), so ``~/x`` becomes the relative path ``x``."""
+    if not registry.backend_for(spec).shares_filesystem:
+        return task.volumes
+    return tuple(
+        replace(v, mount=v.mount[2:]) if v.mount.startswith("~/") else v for v in task.volumes
+    )
+
+
+def _same_volumes(name: str, launched: list[dict[str, Any]], volumes: Sequence[Volume]) -> None:
+    """A job on a running cluster cannot change its buckets (set up when it started)."""
+    if volumes and [v.to_node() for v in volumes] != launched:
+        raise CLIError(
+            f"cluster {name} is up with other bucket file_mounts: buckets are set up when a "
+            f"cluster starts; `flotilla down {name}` and launch again, or use another "
+            "cluster name",
+            code=2,
+        )
+
+
 def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
     task = _task_from(args.task, args.nodes, args)
+    _same_volumes(
+        paths.name, rec.volumes, _node_volumes(task, registry.spec_from_dict(rec.provider))
+    )
     nodes = args.nodes or task.num_nodes or rec.num_nodes
     if nodes > rec.num_nodes:
         raise CLIError(

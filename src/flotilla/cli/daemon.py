@@ -34,6 +34,7 @@ from .._errors import FlotillaError
 from .._node import procs
 from .._node.private import socket_address
 from .._redaction import redact
+from .._volume import Volume
 from .backends import registry
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
@@ -67,6 +68,8 @@ class ClusterDaemon:
         self.spec = registry.spec_from_dict(record.provider)
         self.backend = registry.backend_for(self.spec)
         self.num_nodes = record.num_nodes
+        self.volumes = [Volume(**v) for v in record.volumes]
+        self.autodown = record.autodown  # the idle limit tears down instead of stopping
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
         self.runner: Runner | None = None
@@ -138,7 +141,9 @@ class ClusterDaemon:
                 if self.idle is not None and not busy and self.up.is_set():
                     left = self.last_activity + self.idle - time.time()
                     if left <= 0:
-                        print(f"idle for {self.idle / 60:g} min: stopping", file=sys.stderr)
+                        what = "tearing down" if self.autodown else "stopping"
+                        print(f"idle for {self.idle / 60:g} min: {what}", file=sys.stderr)
+                        self.delete_on_stop = self.delete_on_stop or self.autodown
                         break
                     timeout = left
             self.wake.wait(timeout)
@@ -192,6 +197,10 @@ class ClusterDaemon:
             self.server.close()
         self._unlink_socket()
         if self.delete_on_stop:
+            if self.autodown:  # what `down` does besides removing the record
+                with contextlib.suppress(FlotillaError, OSError):
+                    rec = load_own(self.paths, self.generation)
+                    self.backend.on_down(self.paths, rec)
             delete(self.paths, self.generation)
         else:
             with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
@@ -221,6 +230,7 @@ class ClusterDaemon:
                 accelerator=wants.accelerator,
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
+                volumes=self.volumes,
             )
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
@@ -453,6 +463,10 @@ class ClusterDaemon:
             self.request_stop(delete_record=True)
             self.stopped.wait()
             conn.sendall(encode({"ev": "down"}))
+        elif op == "stop":  # agents stop; node folders and environments stay (`start`)
+            self.request_stop(delete_record=False)
+            self.stopped.wait()
+            conn.sendall(encode({"ev": "stopped", "error": self.error}))
         else:
             raise ValueError(f"unknown request {op!r}")
 

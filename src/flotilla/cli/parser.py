@@ -7,7 +7,7 @@ import argparse
 
 from .._version import __version__
 from .backends import registry
-from .cmd_clusters import cmd_down, cmd_ssh, cmd_status
+from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
 from .conventions import EXIT_CODES, count, index
@@ -66,9 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
         "a new cluster gets that many",
     )
     q.add_argument("--no-setup", action="store_true", help="skip the task's setup")
-    q.add_argument("--down", action="store_true", help="remove the cluster when the job ends")
     q.add_argument(
-        "--idle-minutes", type=float, help="stop the cluster after this long without jobs"
+        "--down",
+        action="store_true",
+        help="remove the cluster when the job ends (with --autostop: after that long idle)",
+    )
+    q.add_argument(
+        "--autostop",
+        "-i",
+        "--idle-minutes",
+        dest="idle_minutes",
+        type=float,
+        metavar="MINUTES",
+        help="stop the cluster (keeping its disks: `flotilla start` resumes it) after this "
+        "long without jobs; with --down, tear it down instead",
     )
     job_flags(q)
     registry.add_flags(q)
@@ -127,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--region", help="the region to look in (default: the configured one)")
     q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
     q.set_defaults(func=cmd_down)
+
+    q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")
+    q.add_argument("clusters", nargs="+", metavar="CLUSTER")
+    q.set_defaults(func=cmd_stop)
+
+    q = sub.add_parser("start", help="start stopped clusters again")
+    q.add_argument("clusters", nargs="+", metavar="CLUSTER")
+    q.set_defaults(func=cmd_start)
 
     q = sub.add_parser("ssh", help="a shell (or a command) on a node, in its working directory")
     q.add_argument("cluster")

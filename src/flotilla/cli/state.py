@@ -179,6 +179,10 @@ class ClusterRecord:
         error: why the cluster failed, for FAILED.
         token: the prefix of FLOTILLA_RUN_TOKEN in its jobs' processes (not a secret: it
             finds them, after a daemon died).
+        volumes: the buckets every node sees (``Volume`` fields as dicts; no credentials:
+            the daemon resolves them), from the launching task's ``file_mounts``.
+        autodown: the idle limit (``idle_minutes``) tears the cluster down instead of
+            stopping it (``launch --autostop M --down``).
         generation: which launch of this name the record belongs to (1, 2, ... per name,
             counted in NAME.lock). A daemon changes or deletes the record and the
             cluster's files only while the generation is its own, so a daemon of an
@@ -200,6 +204,8 @@ class ClusterRecord:
     error: str = ""
     token: str = ""
     generation: int = 0
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    autodown: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:
@@ -401,6 +407,10 @@ def delete(paths: Paths, generation: int | None = None) -> bool:
         for path in (paths.state, paths.socket, paths.ssh_config):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if paths.nodes.is_dir():  # never into a bucket a node left mounted
+            from .._node.volumes import unmount_under
+
+            unmount_under(str(paths.nodes))
         shutil.rmtree(paths.dir, ignore_errors=True)
     # NAME.lock stays: removing it could let two commands lock different files at once
     return True

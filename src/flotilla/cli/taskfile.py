@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
+from .._volume import Volume
 from .managed.recovery import JobRecovery, parse_job_recovery
 
 if TYPE_CHECKING:
@@ -132,6 +133,8 @@ class Task:
         file_mounts: node path -> local file or folder (absolute) copied there; on the
             local provider ``~`` and relative node paths are inside the node's working
             directory.
+        volumes: the ``file_mounts`` whose sources are buckets, as Volumes: they are
+            set up when the cluster starts (``Compute(volumes=...)``).
         envs: environment variables of ``setup`` and ``run``.
         secrets: like ``envs``, but never written to disk nor shown (redacted as ``***``).
         setup: shell commands run once on every node of the cluster, before ``run``.
@@ -145,6 +148,7 @@ class Task:
     resources: Resources = field(default_factory=Resources)
     workdir: str | None = None
     file_mounts: Mapping[str, str] = field(default_factory=dict)
+    volumes: tuple[Volume, ...] = ()
     envs: Mapping[str, str | None] = field(default_factory=dict)
     secrets: Mapping[str, str | None] = field(default_factory=dict)
     setup: str | None = None
@@ -254,6 +258,7 @@ class _Parser:
         self.yaml = yaml
         self.path = path
         self.lines: dict[str, int] = {}
+        self.volumes: list[Volume] = []  # file_mounts from buckets
         self.constructor = yaml.SafeLoader("")
 
     def error(self, message: str, node: yaml.Node | None, name: str) -> TaskError:
@@ -300,6 +305,7 @@ class _Parser:
             )
         name = values.get("name") or os.path.splitext(os.path.basename(self.path))[0]
         values["name"] = name
+        values["volumes"] = tuple(self.volumes)
         return Task(**values, path=self.path, lines=dict(self.lines))
 
     # -- field checkers (each returns the field's value) --------------------------------
@@ -366,32 +372,103 @@ class _Parser:
         return out
 
     def mounts(self, node: yaml.Node, name: str) -> dict[str, str]:
+        """Local sources (node path -> local path); bucket sources go to ``self.volumes``
+        (SkyPilot's forms: ``/p: s3://b/x`` (COPY), ``{source, mode}``, and storage
+        entries ``{name, store: s3, mode, persistent}``)."""
         if self.value(node) is None:
             return {}
         out: dict[str, str] = {}
         for target, (key_node, value_node) in self.mapping(node, name, None).items():
             full = f"{name}.{target}"
             source = self.value(value_node)
+            if not target.strip():
+                raise self.error(f"`{name}`: an empty node path", key_node, full)
             if isinstance(source, dict):
+                volume = self.storage(source, target, value_node, full)
+                if volume is not None:
+                    self.volumes.append(volume)
+                    continue
                 source = source.get("source")
             if not isinstance(source, str):
                 raise self.error(
                     f"`{full}` must be a local path, got {_kind(source)}", value_node, full
                 )
             if re.match(r"[a-z][a-z0-9+]*://", source):
-                raise self.error(
-                    f"`{full}`: {source!r} is cloud storage, which flotilla cannot mount; "
-                    "copy it in `setup` instead",
-                    value_node,
-                    full,
-                )
+                self.volumes.append(self.bucket(source, target, "COPY", value_node, full))
+                continue
             local = os.path.abspath(os.path.expanduser(source))
             if not os.path.exists(local):
                 raise self.error(f"`{full}`: {source!r} does not exist", value_node, full)
-            if not target.strip():
-                raise self.error(f"`{name}`: an empty node path", key_node, full)
             out[target] = local
         return out
+
+    def storage(
+        self, entry: dict[str, Any], target: str, node: yaml.Node, full: str
+    ) -> Volume | None:
+        """A ``{source, mode}`` entry with a bucket source, or a storage entry (``name``,
+        ``store``): its Volume; None for a local source."""
+        unknown = set(entry) - {"source", "mode", "name", "store", "persistent"}
+        if unknown:
+            raise self.error(
+                f"`{full}`: unknown field(s) {', '.join(sorted(map(str, unknown)))} (known: "
+                "source, mode, name, store, persistent)",
+                node,
+                full,
+            )
+        mode = entry.get("mode", "MOUNT")
+        if not isinstance(mode, str) or mode.upper() not in _STORAGE_MODES:
+            raise self.error(
+                f"`{full}.mode` must be one of {', '.join(_STORAGE_MODES)}, got {mode!r}",
+                node,
+                full,
+            )
+        source, bucket_name = entry.get("source"), entry.get("name")
+        if bucket_name is None:
+            if isinstance(source, str) and re.match(r"[a-z][a-z0-9+]*://", source):
+                return self.bucket(source, target, mode.upper(), node, full)
+            return None
+        store = entry.get("store", "s3")
+        if store != "s3":
+            raise self.error(
+                f"`{full}.store`: {store!r} is not supported (flotilla mounts S3 buckets: "
+                "store: s3)",
+                node,
+                full,
+            )
+        if entry.get("persistent", True) is not True:
+            raise self.error(
+                f"`{full}.persistent: false` is not supported: flotilla never deletes a "
+                "bucket; remove the field (buckets persist) and delete it yourself",
+                node,
+                full,
+            )
+        if source is not None:
+            raise self.error(
+                f"`{full}.source`: uploading a local folder into a storage bucket is not "
+                f"supported; upload it first (aws s3 sync {source} s3://{bucket_name}) and "
+                "give only `name`",
+                node,
+                full,
+            )
+        if not isinstance(bucket_name, str):
+            raise self.error(f"`{full}.name` must be a bucket name", node, full)
+        return self.bucket(f"s3://{bucket_name}", target, mode.upper(), node, full)
+
+    def bucket(self, source: str, target: str, mode: str, node: yaml.Node, full: str) -> Volume:
+        """A bucket source as a Volume: COPY is a read-only copy (SkyPilot's), MOUNT and
+        MOUNT_CACHED a writable FUSE mount."""
+        if not source.startswith("s3://"):
+            raise self.error(
+                f"`{full}`: {source!r}: flotilla mounts S3 buckets (s3://...) only",
+                node,
+                full,
+            )
+        try:
+            if mode == "COPY":
+                return Volume(source, target, mode="copy", read_only=True)
+            return Volume(source, target, mode="mount", read_only=False)
+        except ConfigurationError as e:
+            raise self.error(f"`{full}`: {e}", node, full) from None
 
     def resources(self, node: yaml.Node, name: str) -> Resources:
         if self.value(node) is None:
@@ -503,6 +580,8 @@ def _unknown(key: str, section: str, known: Mapping[str, Any]) -> str:
         return f"{message} (did you mean '{close[0]}'?)"
     return f"{message} (known fields: {', '.join(sorted(known))})"
 
+
+_STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
 
 _Check = Callable[[_Parser, "yaml.Node", str], Any]
 

@@ -114,6 +114,7 @@ class AWSBackend(Backend[AWSSpec]):
     spec_type = AWSSpec
     settings_type = AWSSettings
     summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
+    stop_note = "stopping EC2 instances (StopInstances) is not supported yet"
     flags = (
         *settings_flags(
             AWSSettings,

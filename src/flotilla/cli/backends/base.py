@@ -199,6 +199,9 @@ class Backend(ABC, Generic[S]):
             task-file ``resources`` field (a test checks it).
         shares_filesystem: every node runs on this machine (node paths are kept apart,
             ``~`` in a file mount is the node's folder, one node does machine-wide work).
+        stop_note: '' when ``flotilla stop`` can stop its clusters, keeping their nodes'
+            disks and environments (agents stopped; ``start`` starts them again); else why
+            it cannot (``stop`` then refuses, offering ``down``).
         honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
         hint_reason: why it cannot act on the others (shown with the warning).
         infra: the task-file ``resources.infra`` names (the part before any ``/``:
@@ -213,6 +216,7 @@ class Backend(ABC, Generic[S]):
     pass_through: ClassVar[tuple[Flag, ...]] = ()
     fixed: ClassVar[Mapping[str, str]] = {}
     shares_filesystem: ClassVar[bool] = False
+    stop_note: ClassVar[str] = "its nodes cannot be stopped and started again"
     honours: ClassVar[frozenset[str]] = frozenset()
     hint_reason: ClassVar[str] = "its nodes already exist"
     infra: ClassVar[tuple[str, ...]] = ()

@@ -33,6 +33,7 @@ class LocalBackend(Backend[LocalSpec]):
     settings_type = LocalSettings
     summary = "processes on this machine"
     shares_filesystem = True
+    stop_note = ""  # node folders NAME/nodes/nodeN are kept (Local(keep_folders=True))
     honours = frozenset({"cpus", "memory", "ports"})  # checked against this machine, or free
     pass_through = settings_flags(LocalSettings, {"python": "--local-python"})
     fixed = {"workdir": "the cluster's folder"}
@@ -86,7 +87,7 @@ class LocalBackend(Backend[LocalSpec]):
         from ..._providers.local import Local
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
-        return Local(workdir=str(nodes_dir), **dict(spec.settings))
+        return Local(workdir=str(nodes_dir), keep_folders=True, **dict(spec.settings))
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """Kill what the cluster may have left running: its jobs' processes (found by their

@@ -70,6 +70,7 @@ class SlurmBackend(Backend[SlurmSpec]):
     spec_type = SlurmSpec
     settings_type = SlurmSettings
     summary = "one SLURM job, a step per node (run on a login node)"
+    stop_note = "a SLURM allocation cannot be stopped and started again: it ends or runs"
     flags = settings_flags(
         SlurmSettings, {"partition": "--partition", "time": "--time", "account": "--account"}
     )

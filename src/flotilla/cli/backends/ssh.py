@@ -67,6 +67,7 @@ class SSHBackend(Backend[SSHSpec]):
     spec_type = SSHSpec
     settings_type = SSHSettings
     summary = "existing hosts reached with OpenSSH (--hosts)"
+    stop_note = ""  # the hosts keep their folders and environments; only agents stop
     flags = (
         Flag("--hosts", "user@host[:port],... one per node, head first", setting="hosts"),
         *settings_flags(

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
 
 if TYPE_CHECKING:
+    from ..._volume import Volume
     from ..backends.base import ProviderSpec
     from ..jobspec import JobSpec
 
@@ -41,8 +43,9 @@ _CANCEL_WAIT = 60.0  # seconds a controller gets to cancel its job and tear down
 # -- launch ----------------------------------------------------------------------------------
 def cmd_jobs_launch(args: argparse.Namespace) -> int:
     """Check the task, record the job, start its controller; follow it unless ``-d``."""
+    from ..._volume import check_volumes, node_spec
     from ..backends import registry
-    from ..cmd_run import _job_spec, _task_from
+    from ..cmd_run import _job_spec, _node_volumes, _task_from
 
     task = _task_from(args.task, None, args)
     if not task.run:
@@ -59,13 +62,18 @@ def cmd_jobs_launch(args: argparse.Namespace) -> int:
         if args.retries < 0:
             raise ConfigurationError(f"--retries must be 0 or more, got {args.retries}")
         recovery = replace(recovery, max_restarts_on_errors=args.retries)
+    volumes = _node_volumes(task, spec)
+    if volumes:  # the buckets can be read: before anything is provisioned
+        shared = registry.backend_for(spec).shares_filesystem
+        check_volumes(volumes, nodes if shared else 1)
+        node_spec(volumes)
     job = _job_spec(task, job_nodes, True, True, False, 0)
     if args.name:
         from ..state import check_name
 
         check_name(args.name)
         job = _renamed(job, args.name)
-    rec = start(JobsHome(), job, spec, recovery)
+    rec = start(JobsHome(), job, spec, recovery, volumes)
     say(
         f"managed job {rec.id} ({rec.name}): {job_nodes} {spec.kind} node(s), task id {rec.task_id}"
     )
@@ -83,7 +91,11 @@ def _renamed(job: JobSpec, name: str) -> JobSpec:
 
 
 def start(
-    home: JobsHome, job: JobSpec, spec: ProviderSpec, recovery: JobRecovery
+    home: JobsHome,
+    job: JobSpec,
+    spec: ProviderSpec,
+    recovery: JobRecovery,
+    volumes: Sequence[Volume] = (),
 ) -> ManagedJobRecord:
     """Record a managed job and start its controller; returns once the controller owns
     the job. The job's variables and secrets go through the controller's stdin only."""
@@ -99,6 +111,7 @@ def start(
             provider=spec.to_dict(),
             recovery=recovery.to_dict(),
             submitted=now,
+            volumes=[v.to_node() for v in volumes],
         )
     )
     with home.update(rec.id) as current:

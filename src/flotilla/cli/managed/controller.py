@@ -43,6 +43,7 @@ from ..._client.function import function
 from ..._errors import FlotillaError
 from ..._node import procs
 from ..._providers.base import Options
+from ..._volume import Volume
 from ..backends import registry
 from ..jobs import Failure, Job, Runner
 from ..jobspec import JobSpec, task_id
@@ -280,7 +281,10 @@ class Controller:
         """Start the job's cluster and its Runner."""
         started = time.monotonic()
         provider = self.backend.make_provider(self.provider, self.home.nodes(self.id))
-        pool = Compute(provider, nodes=self.record.num_nodes, options=self._options())
+        volumes = [Volume(**v) for v in self.record.volumes]
+        pool = Compute(
+            provider, nodes=self.record.num_nodes, options=self._options(), volumes=volumes
+        )
         pool.output_sink = self._on_output
         with self.lock:
             self.pool = pool

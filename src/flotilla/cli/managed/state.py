@@ -90,6 +90,8 @@ class ManagedJobRecord:
         pid: the controller's process id (0 before it started).
         pid_start: the controller's start time in clock ticks (guards against pid reuse).
         token: the prefix of FLOTILLA_RUN_TOKEN in the job's processes (finds them).
+        volumes: the buckets its nodes see (``Volume`` fields as dicts, from the task's
+            ``file_mounts``): where a job keeps the checkpoints it resumes from.
     """
 
     id: int
@@ -110,6 +112,7 @@ class ManagedJobRecord:
     pid: int = 0
     pid_start: int = 0
     token: str = ""
+    volumes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ManagedJobRecord:

@@ -1,0 +1,498 @@
+"""A node's bucket volumes: ``python -m flotilla._node.volumes``, one helper per agent.
+
+The agent starts this helper (its own session, without the agent's process token, so
+that the agent's end-of-life sweep does not kill it before it has written back), writes
+one JSON line to its stdin: ``{"volumes": [...], "credentials": {...}, "endpoint": ...,
+"region": ..., "sync_interval": ...}`` and keeps the pipe open. The helper
+
+* makes every volume appear at its path: a FUSE mount (``s3fs``, else ``rclone``) when
+  the volume's mode is ``mount`` and the node has FUSE (``/dev/fuse`` and one of the
+  tools), otherwise a copy of the objects under the prefix (``copy`` mode, and the
+  fallback, said on stderr);
+* prints ``::ready`` (or ``::error <why>`` and exits);
+* for writable copied volumes, uploads the files that are new or changed every
+  ``sync_interval`` seconds, and on a ``sync`` line (answered ``::synced``);
+* at the end of its stdin (the agent stopped, or died: the pipe closes either way), on
+  SIGTERM or SIGINT: uploads once more, unmounts the FUSE mounts, waits for the FUSE
+  daemons to exit, and exits. Nothing is left: no mount, no daemon, no file with
+  credentials.
+
+Why a subprocess with a small standard-library S3 client (SigV4) rather than boto3 or
+shipping bytes from the client: the node side imports only the standard library (a test
+enforces it), nodes then need nothing installed for copy mode; the bytes go from the
+bucket to each node directly (never through the client's link); and the agent's single
+thread stays free for heartbeats while a large copy runs. The FUSE tools are Debian
+packages run as subprocesses.
+
+Credentials reach this process on its stdin, never in argv or a file; the FUSE daemons
+get them in their environment (readable only by their user and root, as every AWS SDK
+reads them), never on their command line.
+
+What each mode guarantees to a writer (the checkpoint recipe relies on it):
+
+* ``mount`` (s3fs): a file is uploaded when it is closed (flushed); a rename is a copy of
+  the whole object then a delete, and an S3 object appears whole or not at all, so
+  "write ``ckpt.tmp``, close, rename to ``ckpt``" never leaves a partial ``ckpt``. A node
+  lost before close loses that file's data, not the previous checkpoint.
+* ``copy``: files reach the bucket at the next periodic sync or at the end (a node lost
+  abruptly loses what changed since the last sync); each file is one PUT, whole or not at
+  all; a file is uploaded only once its size and mtime have held still for one sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import xml.etree.ElementTree as ET
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+_CHUNK = 1 << 20
+
+
+class S3Error(Exception):
+    """An S3 request failed (``status``: the HTTP status, 0 when none came)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class S3:
+    """The few S3 calls volumes need, signed with SigV4, standard library only."""
+
+    def __init__(self, credentials: dict[str, str], region: str, endpoint: str | None) -> None:
+        self.key = credentials["access_key"]
+        self.secret = credentials["secret_key"]
+        self.token = credentials.get("token") or ""
+        self.region = region or "us-east-1"
+        self.endpoint = endpoint or ""
+
+    def _where(self, bucket: str, key: str) -> tuple[str, str, str]:
+        """(scheme, host, path) of an object (path-style on a custom endpoint)."""
+        quoted = urllib.parse.quote(key, safe="/~")
+        if self.endpoint:
+            u = urllib.parse.urlsplit(self.endpoint)
+            base = u.path.rstrip("/")
+            return u.scheme or "https", u.netloc, f"{base}/{bucket}/{quoted}"
+        return "https", f"{bucket}.s3.{self.region}.amazonaws.com", f"/{quoted}"
+
+    def request(
+        self,
+        method: str,
+        bucket: str,
+        key: str = "",
+        query: dict[str, str] | None = None,
+        body: BinaryIO | None = None,
+        length: int = 0,
+    ) -> http.client.HTTPResponse:
+        scheme, host, path = self._where(bucket, key)
+        query = query or {}
+        qs = "&".join(
+            f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+            for k, v in sorted(query.items())
+        )
+        now = datetime.datetime.now(datetime.UTC)
+        stamp = now.strftime("%Y%m%dT%H%M%SZ")
+        day = stamp[:8]
+        payload = "UNSIGNED-PAYLOAD" if body is not None else _EMPTY_SHA
+        headers = {"host": host, "x-amz-content-sha256": payload, "x-amz-date": stamp}
+        if self.token:
+            headers["x-amz-security-token"] = self.token
+        if body is not None:
+            headers["content-length"] = str(length)
+        names = sorted(headers)
+        canonical = "\n".join(
+            [
+                method,
+                path,
+                qs,
+                "".join(f"{n}:{headers[n].strip()}\n" for n in names),
+                ";".join(names),
+                payload,
+            ]
+        )
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(
+            ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
+        k = hmac.new(f"AWS4{self.secret}".encode(), day.encode(), hashlib.sha256).digest()
+        for part in (self.region, "s3", "aws4_request"):
+            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={self.key}/{scope}, "
+            f"SignedHeaders={';'.join(names)}, Signature={signature}"
+        )
+        conn_cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(host, timeout=60)
+        try:
+            conn.putrequest(method, path + (f"?{qs}" if qs else ""), skip_host=True)
+            for name, value in headers.items():
+                conn.putheader(name, value)
+            conn.endheaders()
+            if body is not None:
+                while chunk := body.read(_CHUNK):
+                    conn.send(chunk)
+            resp = conn.getresponse()
+        except OSError as e:
+            conn.close()
+            raise S3Error(f"cannot reach {scheme}://{host}: {e}") from e
+        if resp.status >= 300:
+            text = resp.read().decode(errors="replace")
+            conn.close()
+            code = _xml_text(text, "Code") or f"HTTP {resp.status}"
+            raise S3Error(f"{method} s3://{bucket}/{key}: {code}", resp.status)
+        return resp
+
+    def list(self, bucket: str, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size) of every object under ``prefix``."""
+        token = ""
+        while True:
+            query = {"list-type": "2", "prefix": prefix}
+            if token:
+                query["continuation-token"] = token
+            resp = self.request("GET", bucket, query=query)
+            root = ET.fromstring(resp.read())
+            resp.close()
+            for item in root.iter(f"{_NS}Contents"):
+                yield item.findtext(f"{_NS}Key") or "", int(item.findtext(f"{_NS}Size") or 0)
+            if (root.findtext(f"{_NS}IsTruncated") or "false") != "true":
+                return
+            token = root.findtext(f"{_NS}NextContinuationToken") or ""
+
+    def download(self, bucket: str, key: str, path: str) -> None:
+        """The object into ``path``: written beside it, then renamed (whole or absent)."""
+        resp = self.request("GET", bucket, key)
+        tmp = f"{path}.flotilla-part-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                while chunk := resp.read(_CHUNK):
+                    f.write(chunk)
+            os.replace(tmp, path)
+        finally:
+            resp.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def upload(self, bucket: str, key: str, path: str) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.request("PUT", bucket, key, body=f, length=size).close()
+
+
+def _xml_text(text: str, tag: str) -> str:
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError:
+        return ""
+    return root.findtext(tag) or root.findtext(f"{_NS}{tag}") or ""
+
+
+def resolve(path: str) -> str:
+    """A volume's path on this node: ``~`` expanded, relative to the node's folder."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def fuse_tool() -> str | None:
+    """The FUSE tool this node can mount buckets with, or None (no FUSE here): s3fs, else
+    rclone (``FLOTILLA_FUSE_TOOL`` on the node picks one)."""
+    if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return None
+    wanted = os.environ.get("FLOTILLA_FUSE_TOOL", "")
+    for tool in [wanted] if wanted else ["s3fs", "rclone"]:
+        if shutil.which(tool):
+            return tool
+    return None
+
+
+class Volumes:
+    """The volumes of one node (see the module docstring)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.s3 = S3(spec["credentials"], spec.get("region", ""), spec.get("endpoint"))
+        self.copied: list[tuple[dict[str, Any], str, dict[str, tuple[int, int]]]] = []
+        """(volume, local root, manifest: relative path -> (size, mtime_ns) in the bucket)"""
+        self.mounts: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.pending: dict[str, tuple[int, int]] = {}  # changed at the last look: settling
+
+    def setup(self) -> None:
+        tool = fuse_tool()
+        for vol in self.spec["volumes"]:
+            path = resolve(vol["mount"])
+            os.makedirs(path, exist_ok=True)
+            if vol.get("mode", "mount") == "mount" and tool is not None:
+                self._mount(tool, vol, path)
+                continue
+            if vol.get("mode", "mount") == "mount":
+                print(
+                    f"flotilla volumes: no FUSE on this node (/dev/fuse and s3fs or rclone): "
+                    f"s3://{vol['bucket']}/{vol.get('prefix', '')} is copied to {path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._copy_in(vol, path)
+
+    # -- copy mode -----------------------------------------------------------------------
+    def _copy_in(self, vol: dict[str, Any], root: str) -> None:
+        bucket, prefix = vol["bucket"], _dir_prefix(vol.get("prefix", ""))
+        manifest: dict[str, tuple[int, int]] = {}
+        for key, _size in self.s3.list(bucket, prefix):
+            rel = key[len(prefix) :]
+            if not rel or rel.endswith("/"):
+                continue  # the prefix itself, folder markers
+            local = os.path.join(root, *rel.split("/"))
+            if not os.path.abspath(local).startswith(root + os.sep):
+                continue  # a key with .. in it
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            self.s3.download(bucket, key, local)
+            st = os.stat(local)
+            manifest[rel] = (st.st_size, st.st_mtime_ns)
+        self.copied.append((vol, root, manifest))
+
+    def sync(self, final: bool = False) -> int:
+        """Upload the writable copied volumes' new and changed files; how many. A file is
+        uploaded once unchanged since the previous look (``final``: at once)."""
+        sent = 0
+        for vol, root, manifest in self.copied:
+            if vol.get("read_only", True):
+                continue
+            prefix = _dir_prefix(vol.get("prefix", ""))
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    if ".flotilla-part-" in name:
+                        continue
+                    local = os.path.join(dirpath, name)
+                    rel = os.path.relpath(local, root).replace(os.sep, "/")
+                    try:
+                        st = os.stat(local)
+                    except OSError:
+                        continue
+                    seen = (st.st_size, st.st_mtime_ns)
+                    if manifest.get(rel) == seen:
+                        continue
+                    marker = f"{root}\0{rel}"
+                    if not final and self.pending.get(marker) != seen:
+                        self.pending[marker] = seen  # still being written, maybe
+                        continue
+                    self.s3.upload(vol["bucket"], prefix + rel, local)
+                    manifest[rel] = seen
+                    self.pending.pop(marker, None)
+                    sent += 1
+        return sent
+
+    # -- mount mode ----------------------------------------------------------------------
+    def _mount(self, tool: str, vol: dict[str, Any], path: str) -> None:
+        creds = self.spec["credentials"]
+        endpoint = self.spec.get("endpoint") or ""
+        region = self.spec.get("region") or "us-east-1"
+        prefix = vol.get("prefix", "").strip("/")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS")}
+        env.pop("FLOTILLA_NODE_TOKEN", None)
+        env.update(
+            AWS_ACCESS_KEY_ID=creds["access_key"],
+            AWS_SECRET_ACCESS_KEY=creds["secret_key"],
+            AWSACCESSKEYID=creds["access_key"],
+            AWSSECRETACCESSKEY=creds["secret_key"],
+        )
+        if creds.get("token"):
+            env.update(AWS_SESSION_TOKEN=creds["token"], AWSSESSIONTOKEN=creds["token"])
+        if os.listdir(path):
+            raise S3Error(
+                f"cannot mount s3://{vol['bucket']}/{prefix} at {path}: the folder is not "
+                "empty (a mount would hide its files): empty it, or choose another path"
+            )
+        read_only = vol.get("read_only", True)
+        if tool == "s3fs":
+            source = vol["bucket"] + (f":/{prefix}" if prefix else "")
+            opts = [f"endpoint={region}"]
+            if _s3fs_version() >= (1, 91):  # folders that exist only as key prefixes
+                opts.append("compat_dir")
+            if os.geteuid() == 0:  # the tasks may run as another user
+                opts.append("allow_other")
+            if endpoint:
+                opts += [f"url={endpoint}", "use_path_request_style"]
+            if read_only:
+                opts.append("ro")
+            argv = ["s3fs", source, path, "-f", "-o", ",".join(opts)]
+        else:
+            source = f":s3:{vol['bucket']}" + (f"/{prefix}" if prefix else "")
+            argv = ["rclone", "mount", source, path, "--s3-provider", "Other", "--s3-env-auth"]
+            # no VFS cache: a file is uploaded when it is closed (with a cache, rclone uploads
+            # later, and an unmount drops what was not uploaded yet)
+            argv += ["--s3-region", region, "--vfs-cache-mode", "off"]
+            if endpoint:
+                argv += ["--s3-endpoint", endpoint, "--s3-force-path-style"]
+            if read_only:
+                argv.append("--read-only")
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        tail: deque[str] = deque(maxlen=10)
+        threading.Thread(target=_drain, args=(proc, tail), daemon=True).start()
+        self.mounts.append((path, proc))
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(path):
+            if proc.poll() is not None:
+                raise S3Error(
+                    f"{tool} could not mount s3://{vol['bucket']}/{prefix} at {path} "
+                    f"(exit code {proc.returncode}): {' / '.join(tail)}"
+                )
+            if time.monotonic() > deadline:
+                raise S3Error(f"{tool} did not mount s3://{vol['bucket']} at {path} in 30 s")
+            time.sleep(0.05)
+
+    def teardown(self) -> None:
+        """Write back, unmount, wait for the FUSE daemons: nothing left."""
+        try:
+            self.sync(final=True)
+        finally:
+            for path, proc in reversed(self.mounts):
+                _unmount(path, proc)
+            self.mounts.clear()
+
+
+def _unmount(path: str, proc: subprocess.Popen[bytes]) -> None:
+    """Unmount (the FUSE daemon then flushes and exits), lazily if busy; the daemon is
+    killed if it does not exit."""
+    for argv in (["fusermount", "-u", path], ["umount", path], ["umount", "-l", path]):
+        if not os.path.ismount(path):
+            break
+        if shutil.which(argv[0]):
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def unmount_under(folder: str) -> list[str]:
+    """Detach every mount at or under ``folder`` (deepest first, lazily: at once even if
+    busy); the mount points detached. Called before a node's folder is removed, so that
+    removing it can never walk into a bucket and delete its objects."""
+    try:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1] for line in f if len(line.split()) > 1]
+    except OSError:
+        return []
+    root = os.path.realpath(folder)
+    points = [
+        p.replace("\\040", " ") for p in points if p == root or p.startswith(root.rstrip("/") + "/")
+    ]
+    for point in sorted(points, key=len, reverse=True):
+        for argv in (["fusermount", "-uz", point], ["umount", "-l", point]):
+            if shutil.which(argv[0]) and not subprocess.run(argv, capture_output=True).returncode:
+                break
+    return points
+
+
+def _drain(proc: subprocess.Popen[bytes], tail: deque[str]) -> None:
+    """Keep the last lines a FUSE daemon printed (its pipe never fills)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line.decode(errors="replace").strip())
+
+
+def _s3fs_version() -> tuple[int, ...]:
+    try:
+        out = subprocess.run(["s3fs", "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return (0,)
+    found = re.search(r"V(\d+)\.(\d+)", out)
+    return (int(found[1]), int(found[2])) if found else (0,)
+
+
+def _dir_prefix(prefix: str) -> str:
+    """A key prefix as a folder: ``a/b`` -> ``a/b/``; empty stays empty."""
+    prefix = prefix.strip("/")
+    return f"{prefix}/" if prefix else ""
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(*_: object) -> None:
+    raise _Stop
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the pipe tells us
+    stdin = sys.stdin.buffer
+    line = stdin.readline()
+    if not line:
+        return
+    spec = json.loads(line)
+    volumes = Volumes(spec)
+    out = sys.stdout
+    try:
+        try:
+            volumes.setup()
+        except (S3Error, OSError) as e:
+            out.write(f"::error {e}\n")
+            out.flush()
+            return
+        out.write("::ready\n")
+        out.flush()
+        interval = float(spec.get("sync_interval") or 60.0)
+        next_sync = time.monotonic() + interval
+        fd = stdin.fileno()
+        while True:
+            ready, _, _ = select.select([fd], [], [], max(0.0, next_sync - time.monotonic()))
+            if ready:
+                data = os.read(fd, 4096)
+                if not data:
+                    return  # the agent is gone: teardown below
+                if b"sync" in data:
+                    _sync_quietly(volumes, final=True)
+                    out.write("::synced\n")
+                    out.flush()
+                continue
+            _sync_quietly(volumes, final=False)
+            next_sync = time.monotonic() + interval
+    except _Stop:
+        return
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the teardown is not interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            volumes.teardown()
+        except (S3Error, OSError) as e:
+            print(f"flotilla volumes: writing back failed: {e}", file=sys.stderr, flush=True)
+
+
+def _sync_quietly(volumes: Volumes, final: bool) -> None:
+    try:
+        volumes.sync(final=final)
+    except (S3Error, OSError) as e:  # the next sync tries again
+        print(f"flotilla volumes: sync failed: {e}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""``Volume``: a bucket's objects at a path on every node, for data that outlives the pool.
+
+The client checks every volume before anything is provisioned (the bucket exists and the
+credentials can list it, with boto3: the ``aws`` extra) and sends each node's agent the
+volumes with the credentials it resolved (the standard AWS chain: environment, shared
+files, SSO, instance role...) and the endpoint (``AWS_ENDPOINT_URL_S3``, else
+``AWS_ENDPOINT_URL``). The credentials travel in the agent's configuration over its
+protocol pipe, as secrets: they are redacted from everything the pool shows, never on a
+command line or in a file. The node side is ``flotilla._node.volumes``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ConfigurationError
+
+MODES = ("mount", "copy")
+DEFAULT_SYNC_INTERVAL = 60.0
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A bucket (S3) whose objects under ``prefix`` appear at ``mount`` on every node
+    before the pool's functions run.
+
+    Args:
+        bucket: the bucket's name, or ``s3://bucket/prefix``.
+        mount: the path on each node; ``~`` is the node's home, a relative path is inside
+            the node's working folder (on a local pool: each node's own folder).
+        prefix: the key prefix shown at ``mount`` ("" for the whole bucket).
+        read_only: False to write back what the nodes write there.
+        mode: ``"mount"``: a FUSE mount (s3fs or rclone) where the node has FUSE, else a
+            copy; ``"copy"``: copied in before the functions run and, when writable, copied
+            back every ``sync_interval`` seconds and when the pool closes.
+        sync_interval: seconds between write-backs of a writable copied volume.
+    """
+
+    bucket: str
+    mount: str
+    prefix: str = ""
+    read_only: bool = True
+    mode: str = "mount"
+    sync_interval: float = DEFAULT_SYNC_INTERVAL
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket, str) or not self.bucket.strip():
+            raise ConfigurationError(f"Volume(bucket=...) must name a bucket, got {self.bucket!r}")
+        if self.bucket.startswith("s3://"):
+            name, _, prefix = self.bucket[5:].partition("/")
+            if self.prefix and prefix:
+                raise ConfigurationError(
+                    f"Volume({self.bucket!r}, prefix={self.prefix!r}): give the prefix once"
+                )
+            object.__setattr__(self, "bucket", name)
+            object.__setattr__(self, "prefix", self.prefix or prefix)
+        elif "://" in self.bucket:
+            raise ConfigurationError(
+                f"Volume(bucket={self.bucket!r}): only S3 buckets (s3://...) are supported"
+            )
+        if not self.bucket or "/" in self.bucket:
+            raise ConfigurationError(
+                f"Volume(bucket={self.bucket!r}): a bucket name has no '/' "
+                "(put the rest in prefix=...)"
+            )
+        if not isinstance(self.mount, str) or not self.mount.strip():
+            raise ConfigurationError(f"Volume(mount=...) must be a path, got {self.mount!r}")
+        if os.path.normpath(self.mount) in ("/", "~", "."):
+            raise ConfigurationError(f"Volume(mount={self.mount!r}) cannot be a volume's path")
+        if self.mode not in MODES:
+            raise ConfigurationError(
+                f"Volume(mode={self.mode!r}): one of {', '.join(repr(m) for m in MODES)}"
+            )
+        if not isinstance(self.read_only, bool):
+            raise ConfigurationError("Volume(read_only=...) must be True or False")
+        if (
+            isinstance(self.sync_interval, bool)
+            or not isinstance(self.sync_interval, int | float)
+            or not self.sync_interval > 0
+        ):
+            raise ConfigurationError(
+                f"Volume(sync_interval=...) must be a positive number of seconds, "
+                f"got {self.sync_interval!r}"
+            )
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix.strip('/')}".rstrip("/")
+
+    def to_node(self) -> dict[str, Any]:
+        return {
+            "bucket": self.bucket,
+            "mount": self.mount,
+            "prefix": self.prefix,
+            "read_only": self.read_only,
+            "mode": self.mode,
+        }
+
+
+def check_volumes(volumes: object, local_nodes: int) -> tuple[Volume, ...]:
+    """The volumes as a tuple; ConfigurationError for anything that is not one, two at one
+    path, or an absolute path shared by several nodes of one machine (``local_nodes``)."""
+    if isinstance(volumes, Volume | str | bytes) or not isinstance(volumes, Sequence):
+        raise ConfigurationError(
+            f"volumes= takes a list, e.g. volumes=[flotilla.Volume(...)], got {volumes!r}"
+        )
+    out: list[Volume] = []
+    for v in volumes:
+        if not isinstance(v, Volume):
+            raise ConfigurationError(
+                f"volumes must be flotilla.Volume(...) objects, got {type(v).__name__}"
+            )
+        out.append(v)
+    paths = [os.path.normpath(v.mount) for v in out]
+    for p in paths:
+        if paths.count(p) > 1:
+            raise ConfigurationError(f"two volumes are mounted at {p!r}")
+    if local_nodes > 1:
+        for v in out:
+            if os.path.isabs(os.path.expanduser(v.mount)):
+                raise ConfigurationError(
+                    f"Volume(mount={v.mount!r}): {local_nodes} nodes of this pool share one "
+                    "filesystem: give a relative path (each node's own folder)"
+                )
+    return tuple(out)
+
+
+def endpoint() -> str | None:
+    """The S3 endpoint the environment names (``AWS_ENDPOINT_URL_S3``, else
+    ``AWS_ENDPOINT_URL``), or None for AWS's own."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
+    """Check that every volume's bucket can be read with the credentials this process
+    has, before anything is provisioned; the nodes' volume configuration and the secrets
+    in it (to redact). ConfigurationError naming the bucket and the credential."""
+    try:
+        import boto3
+        import botocore.exceptions
+    except ImportError:
+        raise ConfigurationError(
+            "volumes need boto3 on this machine: pip install 'flotilla[aws]'"
+        ) from None
+    session = boto3.Session()
+    creds = session.get_credentials()
+    if creds is None:
+        raise ConfigurationError(
+            f"no AWS credentials found for {volumes[0].url} (looked in the environment, "
+            "~/.aws/credentials and config, SSO, the instance's role): set AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        )
+    frozen = creds.get_frozen_credentials()
+    region = session.region_name or "us-east-1"
+    url = endpoint()
+    who = f"access key {_masked(frozen.access_key)} (from {creds.method})"
+    client = session.client("s3", region_name=region, endpoint_url=url)
+    where = f" at {url}" if url else ""
+    for v in volumes:
+        try:
+            client.list_objects_v2(Bucket=v.bucket, Prefix=v.prefix.lstrip("/"), MaxKeys=1)
+        except botocore.exceptions.ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "") or str(e)
+            why = {
+                "NoSuchBucket": "does not exist",
+                "AccessDenied": "cannot be read (access denied)",
+                "InvalidAccessKeyId": "cannot be read: the access key is not known",
+                "SignatureDoesNotMatch": "cannot be read: the secret key is wrong",
+            }.get(code, f"cannot be read ({code})")
+            raise ConfigurationError(
+                f"volume {v.url}: bucket {v.bucket!r}{where} {why}; {who}"
+            ) from None
+        except botocore.exceptions.BotoCoreError as e:
+            raise ConfigurationError(
+                f"volume {v.url}: bucket {v.bucket!r}{where} cannot be reached ({e}); {who}"
+            ) from None
+    spec: dict[str, Any] = {
+        "volumes": [v.to_node() for v in volumes],
+        "credentials": {
+            "access_key": frozen.access_key,
+            "secret_key": frozen.secret_key,
+            "token": frozen.token or "",
+        },
+        "region": region,
+        "endpoint": url,
+        "sync_interval": min(v.sync_interval for v in volumes),
+    }
+    secrets = [s for s in (frozen.secret_key, frozen.token) if s]
+    return spec, secrets
+
+
+def _masked(key: str) -> str:
+    return f"{key[:4]}...{key[-4:]}" if len(key) > 12 else "****"
