@@ -27,6 +27,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -107,9 +108,121 @@ _STATE_CHANGES = frozenset(
 _LIVE = ["pending", "running", "shutting-down", "stopping", "stopped"]
 
 
+class PlacementGroups:
+    """EC2's placement groups, which moto lacks: CreatePlacementGroup,
+    DescribePlacementGroups (by name or by ``tag-key``/``tag:K`` filter) and
+    DeletePlacementGroup, with AWS's error codes (``InvalidPlacementGroup.Duplicate``,
+    ``.Unknown``, ``.InUse`` while an instance launched into it is not terminated), and
+    RunInstances into an unknown group refused as AWS refuses it. Responses follow the EC2
+    query API's XML (``placementGroup`` / ``placementGroupSet`` items: groupName, groupId,
+    strategy, state, tagSet)."""
+
+    ACTIONS = frozenset({"CreatePlacementGroup", "DescribePlacementGroups", "DeletePlacementGroup"})
+
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[str, Any]] = {}  # name -> strategy, id, tags
+        self.members: dict[str, set[str]] = {}  # name -> instance ids not terminated
+        self.lock = threading.Lock()
+
+    def answer(self, action: str, params: dict[str, str]) -> tuple[int, bytes]:
+        with self.lock:
+            if action == "CreatePlacementGroup":
+                name = params.get("GroupName", "")
+                if name in self.groups:
+                    return _ec2_error("InvalidPlacementGroup.Duplicate", f"{name} exists")
+                tags = _tags_of(params)
+                self.groups[name] = {
+                    "strategy": params.get("Strategy", "cluster"),
+                    "id": f"pg-{len(self.groups) + 1:017x}",
+                    "tags": tags,
+                }
+                self.members[name] = set()
+                return 200, _ec2_xml(action, f"<placementGroup>{self._item(name)}</placementGroup>")
+            if action == "DescribePlacementGroups":
+                wanted = [v for k, v in params.items() if k.startswith("GroupName.")]
+                names = [n for n in self.groups if not wanted or n in wanted]
+                names = [n for n in names if _matches(self.groups[n]["tags"], params)]
+                items = "".join(f"<item>{self._item(n)}</item>" for n in names)
+                return 200, _ec2_xml(action, f"<placementGroupSet>{items}</placementGroupSet>")
+            name = params.get("GroupName", "")  # DeletePlacementGroup
+            if name not in self.groups:
+                return _ec2_error("InvalidPlacementGroup.Unknown", f"{name} is unknown")
+            if self.members[name]:
+                return _ec2_error("InvalidPlacementGroup.InUse", f"{name} is in use")
+            del self.groups[name], self.members[name]
+            return 200, _ec2_xml(action, "<return>true</return>")
+
+    def unknown(self, params: dict[str, str]) -> str:
+        """The RunInstances placement group that does not exist ('' when fine)."""
+        name = params.get("Placement.GroupName", "")
+        with self.lock:
+            return name if name and name not in self.groups else ""
+
+    def launched(self, params: dict[str, str], reply: bytes) -> None:
+        name = params.get("Placement.GroupName", "")
+        if name:
+            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", reply)
+            with self.lock:
+                self.members.setdefault(name, set()).update(i.decode() for i in ids)
+
+    def terminated(self, params: dict[str, str]) -> None:
+        ids = {v for k, v in params.items() if k.startswith("InstanceId.")}
+        with self.lock:
+            for members in self.members.values():
+                members -= ids
+
+    def _item(self, name: str) -> str:
+        g = self.groups[name]
+        tags = "".join(
+            f"<item><key>{k}</key><value>{v}</value></item>" for k, v in g["tags"].items()
+        )
+        return (
+            f"<groupName>{name}</groupName><groupId>{g['id']}</groupId>"
+            f"<strategy>{g['strategy']}</strategy><state>available</state>"
+            f"<tagSet>{tags}</tagSet>"
+        )
+
+
+def _tags_of(params: dict[str, str]) -> dict[str, str]:
+    keys = {k[: -len(".Key")]: v for k, v in params.items() if k.endswith(".Key")}
+    return {v: params.get(f"{prefix}.Value", "") for prefix, v in keys.items()}
+
+
+def _matches(tags: dict[str, str], params: dict[str, str]) -> bool:
+    """Whether ``tags`` pass the request's ``tag-key`` / ``tag:K`` filters."""
+    for key, name in params.items():
+        if not (key.startswith("Filter.") and key.endswith(".Name")):
+            continue
+        prefix = key[: -len(".Name")]
+        values = [v for k, v in params.items() if k.startswith(f"{prefix}.Value.")]
+        if name == "tag-key" and not any(v in tags for v in values):
+            return False
+        if name.startswith("tag:") and tags.get(name[4:]) not in values:
+            return False
+    return True
+
+
+def _ec2_xml(action: str, body: str) -> bytes:
+    ns = "http://ec2.amazonaws.com/doc/2016-11-15/"
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><{action}Response xmlns="{ns}">'
+        f"<requestId>lab</requestId>{body}</{action}Response>"
+    ).encode()
+
+
+def _ec2_error(code: str, message: str) -> tuple[int, bytes]:
+    xml = (
+        '<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error>'
+        f"<Code>{code}</Code><Message>{message}</Message></Error></Errors>"
+        "<RequestID>lab</RequestID></Response>"
+    ).encode()
+    return 400, xml
+
+
 class Faults:
     """WSGI middleware in front of moto: counts requests by action, answers RunInstances
-    with the errors the rules say (an AWS-shaped error response)."""
+    with the errors the rules say (an AWS-shaped error response), and serves placement
+    groups (:class:`PlacementGroups`), which moto lacks."""
 
     def __init__(self, app: Callable[..., Any], zone_of: dict[str, str]) -> None:
         self.app = app
@@ -119,6 +232,7 @@ class Faults:
         self.lock = threading.Lock()
         self.on_change: Callable[[], None] = lambda: None
         """Called after a request that changes instances' states was answered."""
+        self.placement = PlacementGroups()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -141,6 +255,21 @@ class Faults:
                 ],
             )
             return [denied]
+        if action in PlacementGroups.ACTIONS or (
+            action == "RunInstances" and self.placement.unknown(params)
+        ):
+            if action == "RunInstances":
+                group = self.placement.unknown(params)
+                code, xml = _ec2_error("InvalidPlacementGroup.Unknown", f"{group} is unknown")
+            else:
+                code, xml = self.placement.answer(action, params)
+            status = "200 OK" if code == 200 else "400 Bad Request"
+            start_response(
+                status, [("Content-Type", "text/xml"), ("Content-Length", str(len(xml)))]
+            )
+            return [xml]
+        if action == "TerminateInstances":
+            self.placement.terminated(params)
         if action == "RunInstances":
             market = (
                 "spot"
@@ -167,6 +296,10 @@ class Faults:
                         )
                         return [xml]
         result = self.app(environ, start_response)
+        if action == "RunInstances" and params.get("Placement.GroupName"):
+            body = b"".join(result)
+            self.placement.launched(params, body)
+            result = [body]
         if action in _STATE_CHANGES:
             self.on_change()
         return result

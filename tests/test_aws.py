@@ -124,6 +124,54 @@ def test_gpu_choice(aws_lab: AwsLab) -> None:
     _gone(aws_lab, spec.pool_id)
 
 
+def test_one_gpu_asked_where_only_eight_gpu_types_exist_is_said(
+    aws_lab: AwsLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from flotilla._accelerators import Accelerator
+
+    provider = aws_lab.provider(allocation="on-demand")
+    spec = PoolSpec("t" + os.urandom(3).hex(), 1, Accelerator("A100", 1), None, (), Options())
+    allocation = _acquire(provider, spec)
+    try:
+        assert allocation.choice is not None and allocation.choice.gpus == 8  # p4d: 8 A100
+    finally:
+        _release(allocation)
+    err = capfd.readouterr().err
+    assert "it has 8 x A100, more than the 1 asked: no type of us-east-1 has 1" in err
+    _gone(aws_lab, spec.pool_id)
+
+
+@sky.function
+def efa_env() -> tuple[str, str]:
+    return os.environ.get("FI_PROVIDER", ""), os.environ.get("FI_EFA_USE_DEVICE_RDMA", "")
+
+
+def test_network_tier_best_uses_efa_in_a_cluster_placement_group(aws_lab: AwsLab) -> None:
+    provider = aws_lab.provider(allocation="on-demand", network_tier="best")
+    with sky.Compute(provider=provider, nodes=2) as pool:
+        assert efa_env() @ pool == [("efa", "1")] * 2  # NCCL/libfabric told to use EFA
+        pool_id = pool.pool_id
+        (kind,) = {i["InstanceType"] for i in aws_lab.pool_instances(pool_id)}
+        ec2 = aws_lab.client()
+        info = ec2.describe_instance_types(InstanceTypes=[kind])["InstanceTypes"][0]
+        assert info["NetworkInfo"]["EfaSupported"]  # an EFA-capable type was chosen
+        (group,) = ec2.describe_placement_groups(
+            Filters=[{"Name": "tag:flotilla:pool", "Values": [pool_id]}]
+        )["PlacementGroups"]
+        assert group["Strategy"] == "cluster" and group["GroupName"] == f"flotilla-{pool_id}"
+        launched = aws_lab.faults.placement.members[group["GroupName"]]
+        assert len(launched) == 2  # both instances went into the group
+    assert ec2.describe_placement_groups()["PlacementGroups"] == []  # gone with the pool
+    _gone(aws_lab, pool_id)
+
+
+def test_network_tier_is_checked() -> None:
+    from flotilla._providers.aws import AWS
+
+    with pytest.raises(sky.ConfigurationError, match="network_tier='fastest'"):
+        AWS(network_tier="fastest")
+
+
 def test_nothing_left_after_an_exception(aws_lab: AwsLab) -> None:
     with (
         pytest.raises(ValueError, match="boom"),

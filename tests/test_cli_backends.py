@@ -222,6 +222,17 @@ def test_task_resources_complete_the_slurm_spec() -> None:
         registry.spec_from_args(launch_args("--time", "UNLIMITED"), task)
 
 
+def test_network_tier_best_is_acted_on_by_aws_and_noted_elsewhere() -> None:
+    best = Task(run="true", resources=Resources(infra="aws", network_tier="best"))
+    spec = registry.spec_from_args(launch_args(), best)
+    assert isinstance(spec, AWSSpec) and spec.network_tier == "best"
+    assert spec.provider_options()["network_tier"] == "best"  # reaches AWS(network_tier=)
+    assert registry.backend_for(spec).check_task(best, spec, 2) == []
+    on_local = Task(run="true", resources=Resources(network_tier="best"))
+    (note,) = registry.DEFAULT.check_task(on_local, registry.DEFAULT.spec_type(), 2)
+    assert note.startswith("resources.network_tier: 'best'")  # one line: not acted on here
+
+
 def test_task_resources_complete_the_aws_spec() -> None:
     res = Resources(
         infra="aws/eu-west-1",

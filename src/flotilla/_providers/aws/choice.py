@@ -94,9 +94,15 @@ def _fits(
         return False
     if spot and "spot" not in t.get("SupportedUsageClasses", ["spot"]):
         return False
+    if any(t.get(k) for k in _OTHER_ACCELERATORS):
+        return False
     if acc is not None and (gpus < acc.count or gpu_name.upper() != acc.name.upper()):
         return False
     return cpus >= vcpus and mem >= memory_gb
+
+
+def _efa(t: dict[str, Any]) -> bool:
+    return bool(t.get("NetworkInfo", {}).get("EfaSupported"))
 
 
 def _size_key(t: dict[str, Any]) -> tuple[int, int, float, str]:
@@ -112,9 +118,11 @@ def choose(
     memory_gb: float | None,
     spot: bool,
     zone: str | None,
+    efa: bool = False,
 ) -> InstanceChoice:
-    """The instance type for a pool (see the module docstring); ConfigurationError when the
-    region has none that fits, naming the request."""
+    """The instance type for a pool (see the module docstring; ``efa``: one with Elastic
+    Fabric Adapter support); ConfigurationError when the region has none that fits, naming
+    the request."""
     if instance_type is not None:
         try:
             found = api.raw("ec2", "describe_instance_types", InstanceTypes=[instance_type])
@@ -136,15 +144,22 @@ def choose(
                 f"AWS(instance_type={instance_type!r}) has {have} but the pool asks for "
                 f"accelerator {acc}: drop one of them or pick a type with that GPU"
             )
+        if efa and not _efa(chosen):
+            raise ConfigurationError(
+                f"AWS(instance_type={instance_type!r}) has no EFA but network_tier='best' "
+                "asks for it: pick an EFA-capable type (p4d, p5, c5n...) or drop one of them"
+            )
         if (vcpus and cpus < vcpus) or (memory_gb and mem < memory_gb):
             raise ConfigurationError(
                 f"AWS(instance_type={instance_type!r}) has {cpus} vCPU and {mem:g} GiB but the "
                 f"pool asks for vcpus={vcpus}, memory_gb={memory_gb}: pick a larger type"
             )
+        zones = _zones(api, instance_type, zone)
     else:
-        chosen = _smallest(api, acc, vcpus, memory_gb, spot)
+        chosen, zones = _smallest_offered(
+            api, _smallest(api, acc, vcpus, memory_gb, spot, efa), zone
+        )
     name, cpus, mem, gpus, gpu_name, arch = _fact(chosen)
-    zones = _zones(api, name, zone)
     return InstanceChoice(
         name,
         cpus,
@@ -157,13 +172,34 @@ def choose(
     )
 
 
+def _smallest_offered(
+    api: Api, candidates: list[dict[str, Any]], zone: str | None
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The first of ``candidates`` (smallest first) that a zone of the region offers, and
+    its zones (a type of the catalog may not be offered in this region: hpc7a, trn2...)."""
+    for t in candidates[:-1]:
+        try:
+            return t, _zones(api, t["InstanceType"], zone)
+        except ConfigurationError:
+            continue
+    return candidates[-1], _zones(api, candidates[-1]["InstanceType"], zone)
+
+
 def _smallest(
-    api: Api, acc: Accelerator | None, vcpus: float | None, memory_gb: float | None, spot: bool
-) -> dict[str, Any]:
+    api: Api,
+    acc: Accelerator | None,
+    vcpus: float | None,
+    memory_gb: float | None,
+    spot: bool,
+    efa: bool,
+) -> list[dict[str, Any]]:
+    """The types that fit, smallest first (from the first size batch that has any)."""
     if acc is None and vcpus is None and memory_gb is None:
         vcpus, memory_gb = DEFAULT_VCPUS, DEFAULT_MEMORY_GB
     want_cpus, want_mem = float(vcpus or 0), float(memory_gb or 0)
     base = [{"Name": "processor-info.supported-architecture", "Values": ["x86_64"]}]
+    if efa:
+        base.append({"Name": "network-info.efa-supported", "Values": ["true"]})
     if acc is not None:
         # every EC2 type with GPUs is a p* or g* type (GPU names cannot be filtered on)
         batches = [[*base, {"Name": "instance-type", "Values": ["p*", "g*"]}]]
@@ -175,10 +211,12 @@ def _smallest(
         ]
     for filters in batches:
         fitting = [
-            t for t in _describe_types(api, filters) if _fits(t, acc, want_cpus, want_mem, spot)
+            t
+            for t in _describe_types(api, filters)
+            if _fits(t, acc, want_cpus, want_mem, spot) and (_efa(t) or not efa)
         ]
         if fitting:
-            return min(fitting, key=_size_key)
+            return sorted(fitting, key=_size_key)
     what = []
     if acc is not None:
         what.append(f"accelerator {acc}")
@@ -187,6 +225,8 @@ def _smallest(
     if memory_gb:
         what.append(f"memory_gb={memory_gb:g}")
     market = "spot " if spot else ""
+    if efa:
+        market += "EFA-capable "
     raise ConfigurationError(
         f"no current-generation x86_64 {market}instance type in {api.region} has "
         f"{', '.join(what)}: lower the request, try another region (AWS(region=...)), or "
@@ -205,7 +245,13 @@ _KEPT = (
     "BareMetal",
     "CurrentGeneration",
     "SupportedUsageClasses",
+    "NetworkInfo",
+    "NeuronInfo",
+    "InferenceAcceleratorInfo",
+    "FpgaInfo",
 )
+_OTHER_ACCELERATORS = ("NeuronInfo", "InferenceAcceleratorInfo", "FpgaInfo")
+"""Trainium/Inferentia, Elastic Inference and FPGA types: never chosen unasked."""
 _catalog: dict[str, list[dict[str, Any]]] = {}
 
 
@@ -218,7 +264,9 @@ def _describe_types(api: Api, filters: list[dict[str, Any]]) -> list[dict[str, A
     """The instance types ``filters`` select; cached for a day in this process and on
     disk (the catalog changes rarely, and listing it costs seconds)."""
     endpoint = str(api.client("ec2").meta.endpoint_url)
-    key = hashlib.sha256(json.dumps([endpoint, api.region, filters]).encode()).hexdigest()[:24]
+    # the kept fields are in the key: a cache written with fewer fields is not read
+    identity = [endpoint, api.region, filters, _KEPT]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
     if key in _catalog:
         return _catalog[key]
     path = os.path.join(_cache_dir(), f"types-{api.region}-{key}.json")

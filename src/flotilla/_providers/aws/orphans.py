@@ -36,6 +36,7 @@ class Orphans:
         security_groups: their security groups.
         folders: their local key folders.
         skipped: pools whose client ran on another machine (not checked, not touched).
+        placement_groups: their cluster placement groups (``network_tier="best"``).
     """
 
     pools: tuple[str, ...]
@@ -43,6 +44,7 @@ class Orphans:
     security_groups: tuple[str, ...]
     folders: tuple[str, ...]
     skipped: tuple[str, ...]
+    placement_groups: tuple[str, ...] = ()
 
 
 def client_id() -> str:
@@ -90,8 +92,11 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
     groups = api.call(
         "ec2", "describe_security_groups", "list flotilla's security groups", Filters=tagged
     )["SecurityGroups"]
+    placements = api.call(
+        "ec2", "describe_placement_groups", "list flotilla's placement groups", Filters=tagged
+    ).get("PlacementGroups", [])
     clients: dict[str, str] = {}  # pool -> client
-    for resource in [*instances, *groups]:
+    for resource in [*instances, *groups, *placements]:
         clients[_tag(resource, "flotilla:pool")] = _tag(resource, "flotilla:client")
     folders: dict[str, list[str]] = {}
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*")):
@@ -120,6 +125,9 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
         ),
         folders=tuple(sorted(f for p in dead for f in folders.get(p, []))),
         skipped=tuple(sorted(skipped)),
+        placement_groups=tuple(
+            sorted(g["GroupName"] for g in placements if _tag(g, "flotilla:pool") in dead)
+        ),
     )
     if dry_run:
         return orphans
@@ -127,6 +135,8 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
         terminate(api, [{"Name": "instance-id", "Values": list(orphans.instances)}], set(), 600)
     for group in orphans.security_groups:
         delete_group(api, group, 600)
+    for name in orphans.placement_groups:
+        delete_placement_group(api, name)
     for folder in orphans.folders:
         shutil.rmtree(folder, ignore_errors=True)
     return orphans
@@ -186,5 +196,24 @@ def delete_group(api: Api, group: str, timeout: float) -> None:
                 return
             if code != "DependencyViolation" or time.monotonic() > deadline:
                 raise translate(e, f"delete security group {group}") from e
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)
+
+
+def delete_placement_group(api: Api, name: str, timeout: float = 600.0) -> None:
+    """Delete placement group ``name``, waiting while terminated instances still count as
+    in it; gone already is fine."""
+    deadline = time.monotonic() + timeout
+    delay = 0.5
+    while True:
+        try:
+            api.raw("ec2", "delete_placement_group", GroupName=name)
+            return
+        except Exception as e:
+            code = error_code(e)
+            if code == "InvalidPlacementGroup.Unknown":
+                return
+            if code != "InvalidPlacementGroup.InUse" or time.monotonic() > deadline:
+                raise translate(e, f"delete placement group {name}") from e
         time.sleep(delay)
         delay = min(delay * 2, 10.0)

@@ -29,7 +29,7 @@ from .keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
 from .orphans import client_id
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
-from .settings import AWSSettings
+from .settings import EFA_ENV, AWSSettings
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -53,6 +53,7 @@ class AWSAllocation(ShellAllocation):
         zone: the zone the pool launched in.
         instances: instance id -> its description at launch, for every instance launched.
         security_group: the pool's security group id ("" before it exists).
+        placement_group: the pool's cluster placement group (network_tier="best"), or "".
         folder: the local folder with the pool's keys and known_hosts.
     """
 
@@ -66,6 +67,7 @@ class AWSAllocation(ShellAllocation):
         self.zone = ""
         self.instances: dict[str, dict[str, Any]] = {}
         self.security_group = ""
+        self.placement_group = ""  # with network_tier="best": the pool's cluster group
         self.folder = pool_folder(spec.pool_id)
         self.known_hosts = os.path.join(self.folder, "known_hosts")
         self.login_key: KeyPair | None = None
@@ -128,17 +130,27 @@ class AWSAllocation(ShellAllocation):
         spot = settings.allocation != "on-demand" and choice.spot
         fallback = spot and settings.allocation == "spot-if-available"
         kind, api = choice.instance_type, self.api
-        _, spot_cost, on_demand_cost = await _all(
+        best = settings.network_tier == "best"
+        _, _, spot_cost, on_demand_cost = await _all(
             self._in_thread(self._make_security_group),
+            self._in_thread(self._make_placement_group) if best else _nothing(),
             self._in_thread(spot_price, api, kind, zones) if spot else _nothing(),
             self._in_thread(on_demand_price, api, kind) if fallback or not spot else _nothing(),
         )
         market = "spot" if spot else "on-demand"
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
+        acc = spec.accelerator
+        more = (
+            f"; it has {choice.gpus} x {choice.gpu_name}, more than the {acc.count} asked: no "
+            f"type of {self.api.region} has {acc.count}"
+            if acc is not None and choice.gpus > acc.count
+            else ""
+        )
+        tier = f", EFA in cluster placement group {self.placement_group}" if best else ""
         _show(
             f"AWS {self.api.region}: {spec.nodes} x {choice.describe()}, {market}"
             f"{' (on-demand if no spot capacity)' if fallback else ''}, "
-            f"zones {', '.join(zones)}{prices}, AMI {self._image['ImageId']}"
+            f"zones {', '.join(zones)}{prices}, AMI {self._image['ImageId']}{tier}{more}"
         )
         instances = await self._in_thread(self._run, spec.nodes)
         self.machines = [self._machine(rank, inst) for rank, inst in enumerate(instances)]
@@ -155,6 +167,7 @@ class AWSAllocation(ShellAllocation):
             spec.memory_gb,
             settings.allocation == "spot",
             None,
+            efa=settings.network_tier == "best",
         )
         ami = settings.ami or default_ami(self.api, choice)
         self._image = check_ami(self.api, ami, choice)
@@ -212,6 +225,20 @@ class AWSAllocation(ShellAllocation):
             **self.settings.tags,
         }
         return {"ResourceType": resource, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+
+    def _make_placement_group(self) -> None:
+        """A cluster placement group for the pool (network_tier="best"): its instances
+        land close together, as EFA traffic wants."""
+        name = f"flotilla-{self.spec.pool_id}"
+        self.api.call(
+            "ec2",
+            "create_placement_group",
+            "create the pool's placement group",
+            GroupName=name,
+            Strategy="cluster",
+            TagSpecifications=[self._tags("placement-group")],
+        )
+        self.placement_group = name
 
     def _make_security_group(self) -> None:
         group = self.api.call(
@@ -331,6 +358,9 @@ class AWSAllocation(ShellAllocation):
             ],
             "TagSpecifications": [self._tags("instance"), self._tags("volume")],
         }
+        if self.placement_group:  # network_tier="best": close together, on EFA
+            params["Placement"] = {"GroupName": self.placement_group}
+            params["NetworkInterfaces"][0]["InterfaceType"] = "efa"
         if market == "spot":
             params["InstanceMarketOptions"] = {
                 "MarketType": "spot",
@@ -430,7 +460,10 @@ class AWSAllocation(ShellAllocation):
             "poweroff": list(self.settings.poweroff_command),
             "imds": IMDS if spot else "",
         }
-        return {CLOUD_ENV: json.dumps(settings)}
+        env = {CLOUD_ENV: json.dumps(settings)}
+        if self.placement_group:
+            env.update(EFA_ENV)
+        return env
 
     def _on_notice(self, ident: str, notice: dict[str, Any]) -> None:
         for rank, machine in enumerate(self.machines):
@@ -478,7 +511,7 @@ class AWSAllocation(ShellAllocation):
             remove_folder(self.folder)
 
     def _release(self) -> None:
-        from .orphans import delete_group, terminate
+        from .orphans import delete_group, delete_placement_group, terminate
 
         pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.spec.pool_id]}]
         terminate(self.api, pool, set(self.instances), RELEASE_TIMEOUT)
@@ -490,6 +523,8 @@ class AWSAllocation(ShellAllocation):
             group = found[0]["GroupId"] if found else ""
         if group:
             delete_group(self.api, group, RELEASE_TIMEOUT)
+        if self.placement_group:  # its instances are terminated: it can go
+            delete_placement_group(self.api, self.placement_group)
 
 
 async def _all(*steps: Awaitable[Any]) -> list[Any]:

@@ -74,6 +74,7 @@ class AWS(Provider):
         python: str | None = AWSSettings.python,
         poweroff_command: Sequence[str] = AWSSettings.poweroff_command,
         connect_timeout: float = AWSSettings.connect_timeout,
+        network_tier: str = AWSSettings.network_tier,
     ) -> None:
         self.settings = AWSSettings(
             region=region,
@@ -92,6 +93,7 @@ class AWS(Provider):
             python=python,
             poweroff_command=poweroff_command,
             connect_timeout=connect_timeout,
+            network_tier=network_tier,
         )
         self.home = workdir
         self.python_pinned = python is not None  # else python3, or one found

@@ -10,6 +10,10 @@ from ..._errors import ConfigurationError
 from .guard import USER_NAME, guard_command
 
 ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
+NETWORK_TIERS = ("standard", "best")
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_NET_GDR_LEVEL": "PHB"}
+"""What processes on EFA instances get (unless set): libfabric's EFA provider, GPUDirect
+RDMA on p4d/p5, and NCCL's use of it (the aws-ofi-nccl plugin of the Deep Learning AMI)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class AWSSettings:
         poweroff_command: what the instance watchdog runs when ``ttl`` expires, and the
             boot guard (as root, with ``FLOTILLA_BOOT_GUARD=1`` set) when no agent started.
         connect_timeout: seconds for one SSH connection attempt.
+        network_tier: ``"standard"``, or ``"best"`` (SkyPilot's): an EFA-capable type, the
+            instances in a cluster placement group with an EFA interface each, and the
+            libfabric/NCCL variables that make NCCL use it (see ``EFA_ENV``).
     """
 
     region: str | None = None
@@ -60,8 +67,14 @@ class AWSSettings:
     python: str | None = None
     poweroff_command: Sequence[str] = ("sudo", "-n", "poweroff")
     connect_timeout: float = 10.0
+    network_tier: str = "standard"
 
     def __post_init__(self) -> None:
+        if self.network_tier not in NETWORK_TIERS:
+            raise ConfigurationError(
+                f"AWS(network_tier={self.network_tier!r}): use one of "
+                f"{', '.join(map(repr, NETWORK_TIERS))}"
+            )
         if self.allocation not in ALLOCATIONS:
             raise ConfigurationError(
                 f"AWS(allocation={self.allocation!r}): use one of "

@@ -4,8 +4,9 @@ down`` (see ``flotilla._providers.aws``).
 A task file chooses it with ``resources: infra: aws`` or ``aws/<region>``, and its
 ``resources`` are acted on: ``use_spot`` (spot only; otherwise on-demand, as SkyPilot),
 ``instance_type``, ``accelerators``/``cpus``/``memory`` (the smallest type that has them),
-``disk_size`` (GiB), ``image_id``, ``ports`` (opened in the pool's security group) and
-``labels`` (tags on every resource). Flags given on the command line win over the task.
+``disk_size`` (GiB), ``image_id``, ``ports`` (opened in the pool's security group),
+``labels`` (tags on every resource) and ``network_tier: best`` (an EFA-capable type in a
+cluster placement group, EFA interfaces). Flags given on the command line win over the task.
 
 Jobs run in ``WORKDIR/clusters/NAME/node-K`` on the instances. ``flotilla ssh`` logs in with
 the pool's own key and pinned host key, kept by the provider while the cluster runs.
@@ -58,6 +59,7 @@ class AWSSpec(ResourceSpec):
         ttl: seconds after the last contact from the client when an instance powers off.
         poweroff_command: what an instance runs when ``ttl`` expires (None: ``sudo -n
             poweroff``).
+        network_tier: "standard" or "best" (a task's ``resources.network_tier``).
     """
 
     kind = "aws"
@@ -74,6 +76,7 @@ class AWSSpec(ResourceSpec):
     workdir: str = "~/.flotilla"
     ttl: float = 600.0
     poweroff_command: str | None = None
+    network_tier: str = "standard"
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -102,6 +105,7 @@ class AWSSpec(ResourceSpec):
             "tags": dict(self.tags),
             "ports": self.ports,
             "workdir": self.workdir,
+            "network_tier": self.network_tier,
         }
         if self.poweroff_command:
             options["poweroff_command"] = shlex.split(self.poweroff_command)
@@ -149,6 +153,7 @@ class AWSBackend(Backend[AWSSpec]):
         "disk_gb": "a task's resources.disk_size",
         "tags": "a task's resources.labels",
         "ports": "a task's resources.ports",
+        "network_tier": "a task's resources.network_tier",
     }
     honours = frozenset(
         {
@@ -161,6 +166,7 @@ class AWSBackend(Backend[AWSSpec]):
             "cpus",
             "memory",
             "ports",
+            "network_tier",
         }
     )
     hint_reason = "EC2 has no such setting flotilla knows of"
@@ -200,6 +206,7 @@ class AWSBackend(Backend[AWSSpec]):
             disk_gb=spec.disk_gb or res.disk_size,
             ports=spec.ports or tuple(str(p) for p in res.ports),
             tags=spec.tags or tuple(sorted((str(k), str(v)) for k, v in res.labels.items())),
+            network_tier="best" if res.network_tier == "best" else spec.network_tier,
         )
 
     def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
@@ -222,6 +229,7 @@ class AWSBackend(Backend[AWSSpec]):
         for what, items in (
             ("instance(s)", found.instances),
             ("security group(s)", found.security_groups),
+            ("placement group(s)", found.placement_groups),
             ("key folder(s)", found.folders),
         ):
             if items:
