@@ -220,6 +220,7 @@ class FakeAgent(AgentProcess):
             self.end(0)
 
     def _run(self, call: FakeCall) -> None:
+        self._send(Kind.STARTED, call.tid, b"")  # as the agent does before a call starts
         handler = self.provider.handlers.get(call.name)
         try:
             value = handler(call) if handler else call.fn(*call.args, **call.kwargs)

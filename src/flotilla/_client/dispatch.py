@@ -374,17 +374,23 @@ class Dispatcher:
         elif fresh:
             hint = "; Options(replace_lost_nodes=True) replaces lost nodes"
             self._give_up([rank], why + (hint if self.replacer is None else ""))
-        for sub in subs:
+        started, queued = _started(node, subs)
+        for sub in queued:  # they never ran: sent again, retries or not
+            if not self.retry(sub, err, free=True):
+                self.settle(sub, exc=err)
+        for sub in started:
             if not self.retry(sub, err):
                 self.settle(sub, exc=err)
 
-    def retry(self, sub: Submission, err: BaseException) -> bool:
-        """Send ``sub`` again after ``err`` if it has retries left; whether it was."""
-        if sub.retries_left <= 0 or not self.running():
+    def retry(self, sub: Submission, err: BaseException, free: bool = False) -> bool:
+        """Send ``sub`` again after ``err`` if it has retries left (``free``: it never
+        ran, no retry is used); whether it was."""
+        if (sub.retries_left <= 0 and not free) or not self.running():
             return False
         if self.group and sub.siblings:  # alone, it would wait for the others forever
             return False
-        sub.retries_left -= 1
+        if not free:
+            sub.retries_left -= 1
         previous = sub.node
         sub.node = None
         try:
@@ -523,6 +529,21 @@ def _why(node: Node) -> str:
     if err.exitcode is not None:
         return f"its agent exited with status {err.exitcode}"
     return "its agent's stream ended"
+
+
+def _started(node: Node, subs: list[Submission]) -> tuple[list[Submission], list[Submission]]:
+    """``subs``, the calls in flight on the lost ``node``, split into those that may have
+    started and those that certainly did not.
+
+    An agent gives a call to a process only once its STARTED frame has left the agent
+    (``_node/supervisor.py``): when the agent is known to be gone (its stream ended), a
+    call without STARTED never ran. A node lost by silence or by a broken connection may
+    still be running its calls: then every call counts as started."""
+    dropped: str = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's
+    if node.silence or dropped:
+        return subs, []
+    started = [s for s in subs if s.started]
+    return started, [s for s in subs if not s.started]
 
 
 def _others_run(sub: Submission) -> bool:

@@ -106,6 +106,7 @@ class Submission:
     siblings: list[Submission] | None = None  # the calls of the same broadcast
     generation: int = 0  # of the pool's process group when the broadcast was sent
     finished: bool = False  # its node reported its end (its future may still be held)
+    started: bool = False  # its node said it may have started (STARTED) on its current node
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
@@ -211,6 +212,7 @@ class Node:
                     sub.node = self
                     sub.tid = tid
                     sub.attempts += 1
+                    sub.started = False
                     self.inflight[tid] = sub
                     if sub.fn_key not in self.defined:
                         self.defined.add(sub.fn_key)
@@ -284,6 +286,10 @@ class Node:
                     if not self.inflight:
                         self.flush_output()
                     self._on_result(self, sub, body[0], body)
+            elif kind == Kind.STARTED:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    sub.started = True
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
             elif kind == Kind.HELLO:

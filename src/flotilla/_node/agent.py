@@ -112,6 +112,8 @@ class Agent:
                 for callback in self.sel.poll(self._next_wakeup()):
                     callback()
                 self._check_deadlines()
+                if self.executors.waiting and not self.client.queue:
+                    self.executors.resume()
                 self._watch_writes()
         finally:
             self._cleanup()
