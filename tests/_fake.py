@@ -38,6 +38,7 @@ from flotilla._providers.base import (
     Allocation,
     AllocationState,
     FramesCallback,
+    GiveUp,
     Machine,
     MachineState,
     PoolSpec,
@@ -107,7 +108,7 @@ class FakeAgent(AgentProcess):
         self._ended = threading.Event()
 
     # -- the AgentProcess interface ----------------------------------------------------
-    def write(self, parts: Sequence[Buffer]) -> None:
+    def write(self, parts: Sequence[Buffer], give_up: GiveUp | None = None) -> None:
         with self._lock:
             if self.status is not None:
                 raise BrokenPipeError(32, "Broken pipe (fake agent ended)")

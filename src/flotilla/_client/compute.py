@@ -273,7 +273,9 @@ class Compute:
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
-        return Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
+        node = Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
+        node.write_limit = self.options.heartbeat_timeout
+        return node
 
     def _configure(self, node: Node, nodes: list[Node], probe: dict[str, str]) -> None:
         """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
@@ -372,12 +374,17 @@ class Compute:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         await self._renewals.cancel()  # a replacement under way stops (its agent with it)
+        loop = asyncio.get_running_loop()
         for node in self._nodes:
-            if node.state is NodeState.READY or node.state is NodeState.CONFIGURING:
-                node.send_control(Kind.SHUTDOWN)
+            live = node.state is NodeState.READY or node.state is NodeState.CONFIGURING
+            if live and not node.send_control(Kind.SHUTDOWN, wait=False):
+                # not on the loop: another thread's send to a frozen agent may hold the lock
+                loop.run_in_executor(None, node.send_control, Kind.SHUTDOWN)
             node.state = NodeState.CLOSED
         grace = self.options.shutdown_grace + 0.5
         await asyncio.gather(*(p.wait(grace) for p in self._procs))
+        for node in self._nodes:
+            node.abandoned = True  # a send still waiting for its agent ends
         await asyncio.gather(*(p.terminate() for p in self._procs), return_exceptions=True)
         if self._allocation is not None:
             await self._allocation.release()
@@ -508,7 +515,7 @@ class _PoolEvents(NodeEvents):
         self.pool._console.set_phase(node.rank, "environment")
         if info.get("need_includes"):
             with node.write_lock:
-                node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
+                node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes), node.give_up)
 
     def build_output(self, node: Node, data: bytes) -> None:
         self.pool._console.build_output(node.rank, data)

@@ -32,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from .._errors import (
@@ -353,9 +354,12 @@ class Dispatcher:
         self.generation += 1
         cause = redact(cause, self.secrets)  # logged, and sent to every node
         logger.warning("restarting every process of the pool: %s", cause)
+        loop = asyncio.get_running_loop()
         for node in self.nodes:
             if node.state is NodeState.READY:
-                node.send_control(Kind.RESTART, ident=self.generation, body=cause.encode())
+                send = partial(node.send_control, Kind.RESTART, ident=self.generation)
+                if not send(wait=False, body=cause.encode()):  # busy: not on the loop
+                    loop.run_in_executor(None, partial(send, wait=True, body=cause.encode()))
 
     def on_lost(self, node: Node, subs: list[Submission]) -> None:
         """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""

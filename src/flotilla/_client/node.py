@@ -174,6 +174,8 @@ class Node:
         self.last_heard = time.monotonic()  # when the agent last sent anything
         self.loss = "its agent exited"  # why the node was lost, once it is
         self.silence = 0.0  # seconds nothing was heard from it, when that is why
+        self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
+        self.abandoned = False  # lost or closed: writes waiting for it end
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -197,7 +199,19 @@ class Node:
         data = json.dumps(config).encode()
         self.state = NodeState.CONFIGURING
         with self.write_lock:
-            self.proc.write(frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob))
+            self.proc.write(
+                frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob), self.give_up
+            )
+
+    def give_up(self, stalled: float) -> bool:
+        """Whether a write waiting ``stalled`` seconds for the agent to read ends: when the
+        node is lost or its pool closes, or after ``write_limit`` seconds without progress
+        (a live agent always reads: it is frozen, or its connection is)."""
+        if stalled > self.write_limit and not self.abandoned and self.loop is not None:
+            self.loop.call_soon_threadsafe(
+                self.gone, f"stopped reading: a write to it made no progress for {stalled:.1f} s"
+            )
+        return self.abandoned or stalled > self.write_limit
 
     # -- sending ---------------------------------------------------------------------
     def send(self, subs: list[Submission]) -> None:
@@ -223,7 +237,7 @@ class Node:
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
             try:
-                self.proc.write(parts)
+                self.proc.write(parts, self.give_up)
             except OSError as e:
                 with self.lock:
                     for sub in subs:
@@ -235,11 +249,19 @@ class Node:
     def send_control(
         self, kind: Kind, wait: bool = True, ident: int = 0, body: bytes = b""
     ) -> bool:
-        """Send a control frame; False if the node is gone or (without wait) busy."""
-        if not self.write_lock.acquire(blocking=wait):
+        """Send a control frame; False if the node is gone or given up, or (without wait)
+        if that would wait at all (the event loop's sends: they never block)."""
+        if wait:
+            while not self.write_lock.acquire(timeout=0.1):
+                if self.abandoned:
+                    return False
+        elif not self.write_lock.acquire(blocking=False):
             return False
         try:
-            self.proc.write(frame(kind, ident, body))
+            parts = frame(kind, ident, body)
+            if not wait:
+                return self.proc.try_write(b"".join(parts))
+            self.proc.write(parts, self.give_up)
             return True
         except OSError:
             return False
@@ -344,6 +366,7 @@ class Node:
             return
         self.flush_output()
         self.state = NodeState.LOST
+        self.abandoned = True  # a write waiting for it ends
         if loss:
             self.loss = loss
         err = self.lost_error(f"lost: {self.loss}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..._errors import ProvisionError
 from ..._node.cloud import ENV as CLOUD_ENV
 from ..._node.cloud import NOTICE
-from ..base import AgentProcess, FramesCallback
+from ..base import AgentProcess, FramesCallback, GiveUp
 from ..ssh import SSH, SSHHost, _Target
 
 if TYPE_CHECKING:
@@ -70,8 +70,11 @@ class AWSAgent(AgentProcess):
         self.host = host
         self.on_notice = on_notice
 
-    def write(self, parts: Sequence[Any]) -> None:
-        self.inner.write(parts)
+    def write(self, parts: Sequence[Any], give_up: GiveUp | None = None) -> None:
+        self.inner.write(parts, give_up)
+
+    def try_write(self, data: bytes) -> bool:
+        return self.inner.try_write(data)
 
     def start_reading(
         self,
