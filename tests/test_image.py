@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,80 @@ def test_a_killed_builders_folder_is_removed_by_the_next_build(home: Path) -> No
         pass
     assert built_envs(home) == [env]
     assert (env / "marker.txt").read_text() == "built\n"
+
+
+CLIENT = """
+import flotilla as sky
+
+@sky.function
+def where() -> str:
+    import iniconfig
+
+    return iniconfig.__file__
+
+with sky.Compute(nodes=1, image=sky.Image(pip=["iniconfig"])) as pool:
+    print(where() >> pool)
+"""
+
+
+def bare_venv(folder: Path) -> Path:
+    """A virtualenv of this Python with flotilla's dependencies only, none of
+    this environment's other packages (iniconfig): its interpreter."""
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", folder],
+        check=True,
+    )
+    deps = folder / "deps"
+    deps.mkdir()
+    import importlib
+
+    for name in (
+        "cloudpickle",
+        "yaml",
+        "rich",
+        "markdown_it",
+        "mdurl",
+        "pygments",
+        "pathspec",
+        "packaging",
+    ):
+        module = importlib.import_module(name)
+        assert module.__file__ is not None
+        (deps / name).symlink_to(Path(module.__file__).parent)
+    [site] = folder.glob("lib/python*/site-packages")
+    (site / "deps.pth").write_text(f"{deps}\n")
+    return folder / "bin" / "python"
+
+
+def run_client(python: Path | str, home: Path, folder: Path) -> str:
+    """Run ``CLIENT`` with ``python`` (this checkout's flotilla): what it printed."""
+    script = folder / "client.py"
+    script.write_text(CLIENT)
+    src = str(Path(sky.__file__).parent.parent)
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = dict(os.environ, FLOTILLA_HOME=str(home), PYTHONPATH=src, PATH=path)  # uv on PATH
+    proc = subprocess.run(
+        [str(python), str(script)], cwd=folder, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_an_environment_built_for_one_interpreter_is_not_reused_by_another(
+    home: Path, tmp_path: Path
+) -> None:
+    """One FLOTILLA_HOME, two programs with one Image: the first's interpreter has
+    iniconfig (its environment is empty), the second's has not: it builds its own
+    environment, with iniconfig, and the first still finds its own."""
+    here = run_client(sys.executable, home, tmp_path)
+    assert not here.startswith(str(home))  # the interpreter's own
+    [first] = built_envs(home)
+    assert list((first / "site").iterdir()) == []
+
+    other = bare_venv(tmp_path / "bare")
+    there = run_client(other, home, tmp_path)
+    [second] = [e for e in built_envs(home) if e != first]
+    assert there.startswith(str(second / "site"))
+
+    assert run_client(sys.executable, home, tmp_path) == here
+    assert len(built_envs(home)) == 2

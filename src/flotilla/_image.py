@@ -1,8 +1,10 @@
 """``Image``: what every node's Python environment contains.
 
-An Image is frozen and has a content hash. Each node builds it once per hash (under
-``~/.flotilla/envs/<hash>`` or the provider's work directory) and later pools reuse it, so a
-second pool with the same Image runs no installer at all. The node side is
+An Image is frozen and has a content hash. Each node builds it once per hash and
+interpreter (under ``~/.flotilla/envs/<hash>-<interpreter key>`` or the provider's work
+directory: the key covers the interpreter's path, version and platform and the packages it
+already has, since the build installs only what is missing) and later pools reuse it, so a
+second pool with the same Image and interpreter runs no installer at all. The node side is
 ``flotilla._node.build``; the includes archive comes from ``flotilla._archive``.
 """
 

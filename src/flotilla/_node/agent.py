@@ -217,8 +217,10 @@ class Agent:
         self.executors.configure(config, blob)
         image = config.get("image")
         if image:
-            from .build import env_dir, is_built
+            from .build import env_dir, interpreter_key, is_built
 
+            # the Image's environment for this interpreter and what it already has
+            image["hash"] = f"{image['hash']}-{interpreter_key()}"
             config["image_dir"] = env_dir(config["home"], image["hash"])
             if not is_built(config["home"], image["hash"]):
                 need = bool(image["includes_sha256"])

@@ -5,7 +5,7 @@ Run by the agent as ``python -m flotilla._node.build HOME`` with the build spec 
 It prints ``::step NAME`` before each step; the agent turns its output into progress and,
 on failure, into an error naming the step, the exit code and the last lines.
 
-Layout: ``HOME/envs/<hash>/{site,includes}`` plus ``.complete`` once finished. The build
+Layout: ``HOME/envs/<hash>-<interpreter key>/{site,includes}`` (:func:`interpreter_key`) plus ``.complete`` once finished. The build
 happens in a temporary directory renamed into place, under a lock, so concurrent pools on
 one machine build once and a failed build leaves nothing half-made. Standard library only.
 """
@@ -25,6 +25,32 @@ import tempfile
 from typing import Any
 
 from .locks import exclusive
+
+
+def interpreter_key() -> str:
+    """What decides an environment's content besides its Image, as a short hash: this
+    interpreter (its path, version and platform) and what it already provides (every
+    distribution on its import path, with its version), since a build installs only what
+    is missing. An environment is kept under the Image's hash and this key."""
+    import hashlib
+    import importlib.metadata as md
+    import platform
+
+    dists = set()
+    for dist in md.distributions(path=[p for p in sys.path if p]):
+        name = dist.metadata["Name"]
+        if name:
+            dists.add(f"{re.sub(r'[-_.]+', '-', name).lower()}=={dist.version}")
+    facts = [
+        os.path.realpath(sys.executable),
+        sys.executable,
+        sys.version,
+        sys.platform,
+        platform.machine(),
+        sys.prefix,
+        *sorted(dists),
+    ]
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:12]
 
 
 def env_dir(home: str, spec_hash: str) -> str:
