@@ -5,9 +5,10 @@ Run by the agent as ``python -m flotilla._node.build HOME`` with the build spec 
 It prints ``::step NAME`` before each step; the agent turns its output into progress and,
 on failure, into an error naming the step, the exit code and the last lines.
 
-Layout: ``HOME/envs/<hash>-<interpreter key>/{site,includes}`` (:func:`interpreter_key`) plus ``.complete`` once finished. The build
-happens in a temporary directory renamed into place, under a lock, so concurrent pools on
-one machine build once and a failed build leaves nothing half-made. Standard library only.
+Layout: ``HOME/envs/<hash>-<interpreter key>/{site,includes}`` (:func:`interpreter_key`)
+plus ``.complete`` once finished. The build happens in a temporary directory renamed into
+place, under a lock, so concurrent pools on one machine build once and a failed build leaves
+nothing half-made. Standard library only.
 """
 
 from __future__ import annotations
