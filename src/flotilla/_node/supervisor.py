@@ -343,7 +343,11 @@ class Supervisor:
                 f"flotilla: the executor's result channel broke: {corrupt}".encode()
             )
             kill_group(ex.pid)
-            self._exited(ex, wait=True)
+            reason = (
+                "was stopped by its agent: it wrote a corrupt frame on its result channel "
+                "(the task wrote on a descriptor that is not its own?)"
+            )
+            self._exited(ex, wait=True, reason=reason)
             return
         if frames is None:
             self._exited(ex)
@@ -409,7 +413,9 @@ class Supervisor:
             while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
-    def _exited(self, ex: Executor, wait: bool = False) -> None:
+    def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
+        """``ex`` ended (``reason``: why, when the agent ended it; else its exit status
+        says)."""
         slot = ex.slot
         status = _reap(ex.pid, wait=wait)
         self._drain_output(ex)
@@ -424,6 +430,8 @@ class Supervisor:
             "pid": ex.pid,
             "local_rank": slot.rank,
         }
+        if reason:
+            death["reason"] = reason
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
                 error = "the executor process exited during start-up"
@@ -434,7 +442,7 @@ class Supervisor:
         task = slot.tasks.popleft() if slot.tasks and slot.fed else None
         slot.fed = False
         slot.restarts += 1
-        how, _ = describe_exit(exitcode)
+        how = reason or describe_exit(exitcode)[0]
         cause = f"the process {'running a call ' if task else ''}{how}"
         group = bool(self.config and self.config.get("group"))
         if group:  # the restart is asked for first: a retry of the task comes after it
