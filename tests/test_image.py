@@ -155,6 +155,12 @@ def test_bad_images_are_refused_before_anything_starts(tmp_path: Path) -> None:
         sky.Image(python="eleven")
     with pytest.raises(ValueError, match="environment variable name"):
         sky.Image(env={"1BAD": "x"})
+    for option in ("--index-url=https://evil.example/simple", "-r", "-rrequirements.txt"):
+        with pytest.raises(sky.ConfigurationError, match="installer option, not a requirement"):
+            sky.Image(pip=["numpy", option])
+    with pytest.raises(sky.ConfigurationError, match="not a requirement specifier"):
+        sky.Image(pip=["numpy >= = 2"])
+    sky.Image(pip=["numpy>=1.26", "pkg @ https://example.com/pkg.whl", "git+https://x/y.git"])
     with pytest.raises(TypeError, match=r"flotilla\.Image"):
         sky.Compute(image="python:3.11").open()  # type: ignore[arg-type]
 

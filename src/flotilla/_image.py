@@ -20,6 +20,7 @@ from typing import Any
 
 from ._archive import Source, glob_excludes
 from ._archive import build as build_archive
+from ._errors import ConfigurationError
 from ._redaction import MIN_CHARS, looks_secret, shown_env
 
 DEFAULT_EXCLUDES = (
@@ -88,6 +89,52 @@ def _tuple(value: Any, name: str) -> tuple[str, ...]:
     return items
 
 
+def check_env(env: Mapping[str, Any], where: str) -> None:
+    """Raise ConfigurationError unless ``env`` is a mapping of variable names to strings
+    (or ``Secret``) that a process environment can hold (no NUL byte)."""
+    if not isinstance(env, Mapping):
+        raise ConfigurationError(f"{where} must be a dict of name -> value, got {env!r}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ConfigurationError(f"{where}: {k!r} is not a valid environment variable name")
+        raw = v.value if isinstance(v, Secret) else v
+        if not isinstance(raw, str):
+            raise ConfigurationError(
+                f"{where}[{k!r}] must be a string (or flotilla.Secret), got {type(raw).__name__}"
+            )
+        if "\0" in raw:  # the value itself is not shown: it may be a secret
+            raise ConfigurationError(
+                f"{where}[{k!r}] contains a NUL byte, which no process environment can hold"
+            )
+
+
+_PIP_URL = ("git+", "hg+", "svn+", "bzr+", "http://", "https://", "file:")
+"""Requirements given as a URL (not a PEP 508 specifier): passed to the installer as is."""
+
+
+def check_requirement(text: str) -> None:
+    """Raise ConfigurationError unless ``text`` is one requirement: a PEP 508 specifier
+    (``numpy``, ``torch>=2.3``, ``pkg @ https://...``) or a URL. Installer options
+    (``--index-url``, ``-r file``) are refused: they would change how every requirement is
+    installed (``Image.pip_indexes`` adds an index)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if text.startswith("-"):
+        raise ConfigurationError(
+            f"Image.pip: {text!r} is an installer option, not a requirement; list requirements "
+            "only (extra indexes go in Image.pip_indexes, a requirements file's lines in pip=)"
+        )
+    if any(c in text for c in "\0\n\r"):
+        raise ConfigurationError(f"Image.pip: {text!r} must be one requirement on one line")
+    if text.startswith(_PIP_URL):
+        return
+    try:
+        Requirement(text)
+    except InvalidRequirement as e:
+        msg = f"Image.pip: {text!r} is not a requirement specifier: {e}"
+        raise ConfigurationError(msg) from None
+
+
 @dataclass(frozen=True)
 class Image:
     """A node environment.
@@ -120,11 +167,9 @@ class Image:
             object.__setattr__(self, name, _tuple(getattr(self, name), name))
         if self.python is not None and not re.fullmatch(r"3\.\d+(\.\d+)?", str(self.python)):
             raise ValueError(f"Image.python must look like '3.11', got {self.python!r}")
-        if not isinstance(self.env, Mapping):
-            raise TypeError(f"Image.env must be a dict of name -> value, got {self.env!r}")
-        for k in self.env:
-            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                raise ValueError(f"Image.env: {k!r} is not a valid environment variable name")
+        check_env(self.env, "Image.env")
+        for requirement in self.pip:
+            check_requirement(requirement)
         for pkg in self.apt:
             if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(=[\w.+:~-]+)?", pkg):
                 raise ValueError(f"Image.apt: {pkg!r} is not a Debian package name")

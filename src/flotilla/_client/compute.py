@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
 from .._errors import ConfigurationError, PoolClosedError, ProvisionError, SerializationError
-from .._image import Image, plain_env, secret_values, ship_user_modules
+from .._image import Image, check_env, plain_env, secret_values, ship_user_modules
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._providers.limits import out_of_files
@@ -82,10 +82,17 @@ class Compute:
         vcpus: float | None = None,
         memory_gb: float | None = None,
     ) -> None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(
-                f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node"
+        if isinstance(nodes, bool) or not isinstance(nodes, int):
+            hint = (
+                ": a pool has a fixed number of nodes (a range of sizes is not supported)"
+                if isinstance(nodes, tuple | list | range)
+                else ""
             )
+            raise ConfigurationError(
+                f"nodes must be a whole number of nodes (>= 1), got {nodes!r}{hint}"
+            )
+        if nodes < 1:
+            raise ConfigurationError(f"nodes={nodes}: a pool needs at least one node")
         if provider is None:
             from .._providers.local import Local
 
@@ -105,6 +112,7 @@ class Compute:
         self.image = image
         self.plugins = tuple(plugins)
         self.options = options
+        check_env(options.env, "Options.env")
         self.vcpus = _resource("vcpus", vcpus, "CPUs per node, e.g. vcpus=4")
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         self.pool_id = secrets.token_hex(4)
