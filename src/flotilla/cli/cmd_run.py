@@ -150,7 +150,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
-    task = _task_from(args.task, args.nodes, args)
+    task = _task_from(" ".join(args.task), args.nodes, args)  # unquoted: words, as SkyPilot
     nodes = args.nodes or task.num_nodes or rec.num_nodes
     if nodes > rec.num_nodes:
         raise CLIError(
