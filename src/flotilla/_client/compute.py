@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
+from types import TracebackType
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
@@ -187,8 +189,10 @@ class Compute:
         self.open()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.close()
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            _quiet_interrupt()
 
     def _spec(self, image: Image) -> PoolSpec:
         return PoolSpec(
@@ -508,6 +512,24 @@ class Compute:
         """``[fn(x) for x in iterable]``, spread over the nodes; results in input order."""
         f = fn if isinstance(fn, Function) else function(fn)
         return self.run_many([f(x) for x in iterable])
+
+
+def _quiet_interrupt() -> None:
+    """Ctrl-C left a pool's block (the pool is closed): if nothing catches it, say so in a
+    line instead of a traceback through flotilla's and the standard library's waits. The
+    program still ends as an interrupted one (killed by SIGINT: status 130 in a shell)."""
+    previous = sys.excepthook
+    if getattr(previous, "flotilla", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write("flotilla: interrupted (Ctrl-C); the pool was closed\n")
+            return
+        previous(kind, value, tb)
+
+    hook.flotilla = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 class _PoolEvents(NodeEvents):
