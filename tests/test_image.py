@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 
 import flotilla as sky
 
@@ -321,7 +322,7 @@ with sky.Compute(nodes=1, image=sky.Image(pip=["iniconfig"])) as pool:
 
 
 def bare_venv(folder: Path) -> Path:
-    """A virtualenv of this Python with flotilla's dependencies only, none of
+    """A virtualenv of this Python with flotilla's dependencies and uv only, none of
     this environment's other packages (iniconfig): its interpreter."""
     subprocess.run(
         [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", folder],
@@ -340,12 +341,14 @@ def bare_venv(folder: Path) -> Path:
         "pygments",
         "pathspec",
         "packaging",
+        "uv",
     ):
         module = importlib.import_module(name)
         assert module.__file__ is not None
         (deps / name).symlink_to(Path(module.__file__).parent)
     [site] = folder.glob("lib/python*/site-packages")
     (site / "deps.pth").write_text(f"{deps}\n")
+    (folder / "bin" / "uv").symlink_to(Path(sys.executable).parent / "uv")  # uv.find_uv_bin()
     return folder / "bin" / "python"
 
 
@@ -354,8 +357,7 @@ def run_client(python: Path | str, home: Path, folder: Path) -> str:
     script = folder / "client.py"
     script.write_text(CLIENT)
     src = str(Path(sky.__file__).parent.parent)
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = dict(os.environ, FLOTILLA_HOME=str(home), PYTHONPATH=src, PATH=path)  # uv on PATH
+    env = dict(os.environ, FLOTILLA_HOME=str(home), PYTHONPATH=src)
     proc = subprocess.run(
         [str(python), str(script)], cwd=folder, env=env, capture_output=True, text=True
     )
@@ -381,3 +383,75 @@ def test_an_environment_built_for_one_interpreter_is_not_reused_by_another(
 
     assert run_client(sys.executable, home, tmp_path) == here
     assert len(built_envs(home)) == 2
+
+
+PROBE = "flotilla-probe-pkg"
+"""A package of this test's making, served from a local index (the SSH test hosts have no
+internet)."""
+
+
+def probe_index(folder: Path) -> tuple[str, Path]:
+    """A wheel of ``PROBE`` (module ``flotilla_probe``) in a simple index under ``folder``,
+    and the same unpacked: (the index's URL, the unpacked folder)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "flotilla_probe/__init__.py": b"",
+        "flotilla_probe_pkg-1.0.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {PROBE}\nVersion: 1.0\n".encode()
+        ),
+        "flotilla_probe_pkg-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+
+    def digest(data: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{n},sha256={digest(d)},{len(d)}\n" for n, d in files.items())
+    files["flotilla_probe_pkg-1.0.dist-info/RECORD"] = (
+        record + "flotilla_probe_pkg-1.0.dist-info/RECORD,,\n"
+    ).encode()
+    wheel = folder / "flotilla_probe_pkg-1.0-py3-none-any.whl"
+    unpacked = folder / "unpacked"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+            (unpacked / name).parent.mkdir(parents=True, exist_ok=True)
+            (unpacked / name).write_bytes(data)
+    page = folder / "simple" / PROBE / "index.html"
+    page.parent.mkdir(parents=True)
+    page.write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>\n')
+    return (folder / "simple").as_uri() + "/", unpacked
+
+
+@sky.function
+def where_probe() -> str:
+    import flotilla_probe  # type: ignore[import-not-found]
+
+    return str(flotilla_probe.__file__)
+
+
+def test_over_ssh_an_environment_is_kept_per_interpreter(ssh_lab: Lab, tmp_path: Path) -> None:
+    """One host and its work folder, one Image, SSH(python=...) changed: the first
+    interpreter has the package (its environment is empty), the second has not: it gets
+    an environment of its own, with the package."""
+    index, unpacked = probe_index(tmp_path)
+    has_it, lacks_it = bare_venv(tmp_path / "has"), bare_venv(tmp_path / "lacks")
+    [site] = (tmp_path / "has").glob("lib/python*/site-packages")
+    (site / "probe.pth").write_text(f"{unpacked}\n")
+    hosts = ssh_lab.hosts[:1]
+    envs = ssh_lab.tmp / "workdir" / "envs"
+    before = set(envs.iterdir()) if envs.exists() else set()
+    image = sky.Image(pip=[PROBE], pip_indexes=[index])
+    provider = ssh_lab.provider(hosts, python=str(has_it))
+    with sky.Compute(provider=provider, nodes=1, image=image) as pool:
+        assert where_probe() >> pool == str(unpacked / "flotilla_probe" / "__init__.py")
+    provider = ssh_lab.provider(hosts, python=str(lacks_it))
+    with sky.Compute(provider=provider, nodes=1, image=image) as pool:
+        there = where_probe() >> pool
+    made = {p for p in envs.iterdir() if p.is_dir()} - before
+    assert len(made) == 2, made
+    assert any(there.startswith(str(env / "site")) for env in made), (there, made)
