@@ -393,16 +393,36 @@ internet)."""
 def probe_index(folder: Path) -> tuple[str, Path]:
     """A wheel of ``PROBE`` (module ``flotilla_probe``) in a simple index under ``folder``,
     and the same unpacked: (the index's URL, the unpacked folder)."""
+    unpacked = folder / "unpacked"
+    wheel = make_wheel(folder, PROBE, "1.0", "flotilla_probe", unpacked)
+    return simple_index(folder, [wheel]), unpacked
+
+
+def simple_index(folder: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index of ``wheels`` under ``folder``: its file:// URL."""
+    for wheel in wheels:
+        project = wheel.name.split("-")[0].replace("_", "-")
+        page = folder / "simple" / project / "index.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        with page.open("a") as f:
+            f.write(f'<a href="{wheel.as_uri()}">{wheel.name}</a>\n')
+    return (folder / "simple").as_uri() + "/"
+
+
+def make_wheel(
+    folder: Path, name: str, version: str, module: str, unpacked: Path | None = None
+) -> Path:
+    """A pure-Python wheel of ``name`` ``version`` with an empty ``module`` in ``folder``
+    (unpacked also into ``unpacked`` when given): its path."""
     import base64
     import hashlib
     import zipfile
 
+    info = f"{name.replace('-', '_')}-{version}.dist-info"
     files = {
-        "flotilla_probe/__init__.py": b"",
-        "flotilla_probe_pkg-1.0.dist-info/METADATA": (
-            f"Metadata-Version: 2.1\nName: {PROBE}\nVersion: 1.0\n".encode()
-        ),
-        "flotilla_probe_pkg-1.0.dist-info/WHEEL": (
+        f"{module}/__init__.py": b"",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": (
             b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
         ),
     }
@@ -411,20 +431,43 @@ def probe_index(folder: Path) -> tuple[str, Path]:
         return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
     record = "".join(f"{n},sha256={digest(d)},{len(d)}\n" for n, d in files.items())
-    files["flotilla_probe_pkg-1.0.dist-info/RECORD"] = (
-        record + "flotilla_probe_pkg-1.0.dist-info/RECORD,,\n"
-    ).encode()
-    wheel = folder / "flotilla_probe_pkg-1.0-py3-none-any.whl"
-    unpacked = folder / "unpacked"
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    wheel = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel, "w") as z:
-        for name, data in files.items():
-            z.writestr(name, data)
-            (unpacked / name).parent.mkdir(parents=True, exist_ok=True)
-            (unpacked / name).write_bytes(data)
-    page = folder / "simple" / PROBE / "index.html"
-    page.parent.mkdir(parents=True)
-    page.write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>\n')
-    return (folder / "simple").as_uri() + "/", unpacked
+        for path, data in files.items():
+            z.writestr(path, data)
+            if unpacked is not None:
+                (unpacked / path).parent.mkdir(parents=True, exist_ok=True)
+                (unpacked / path).write_bytes(data)
+    return wheel
+
+
+@sky.function
+def probe_versions() -> tuple[str, str]:
+    import importlib.metadata as md
+
+    return md.version("flotilla-probe-a"), md.version("flotilla-probe-b")
+
+
+def test_an_index_scoped_to_packages_serves_only_them(home: Path, tmp_path: Path) -> None:
+    """The scoped index (as PyTorch's) has both packages in a newer version, and comes
+    first: only the package it is scoped to comes from it, the other from the next index."""
+    scoped = simple_index(
+        tmp_path / "scoped",
+        [make_wheel(tmp_path / "scoped", f"flotilla-probe-{p}", "2.0", f"probe_{p}") for p in "ab"],
+    )
+    shared = simple_index(
+        tmp_path / "shared",
+        [make_wheel(tmp_path / "shared", f"flotilla-probe-{p}", "1.0", f"probe_{p}") for p in "ab"],
+    )
+    image = sky.Image(
+        pip=["flotilla-probe-a", "flotilla-probe-b"],
+        pip_indexes=[scoped, shared],
+        pip_index_packages={scoped: ["flotilla-probe-a"]},
+    )
+    with sky.Compute(nodes=1, image=image) as pool:
+        assert probe_versions() >> pool == ("2.0", "1.0")
 
 
 @sky.function

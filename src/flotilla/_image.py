@@ -151,6 +151,10 @@ class Image:
         excludes: glob patterns left out of ``includes`` (added to the defaults: .git,
             __pycache__, virtualenvs...).
         setup: shell commands run once per environment build, after the installs.
+        pip_index_packages: index URL -> the packages (names) taken from that index, and
+            only those: such an index is not searched for the image's other requirements
+            (they are installed in a separate installer call). The torch plugin scopes
+            PyTorch's wheel index to torch, torchvision and torchaudio so.
     """
 
     python: str | None = None
@@ -161,10 +165,27 @@ class Image:
     includes: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
+    pip_index_packages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
             object.__setattr__(self, name, _tuple(getattr(self, name), name))
+        if not isinstance(self.pip_index_packages, Mapping):
+            raise ConfigurationError(
+                "Image.pip_index_packages must be a dict of index URL -> package names, "
+                f"got {self.pip_index_packages!r}"
+            )
+        scoped = {}
+        for url, names in self.pip_index_packages.items():
+            if not isinstance(url, str) or not url.strip():
+                raise ConfigurationError(f"Image.pip_index_packages: {url!r} is not an index URL")
+            scoped[url] = _tuple(names, f"pip_index_packages[{url!r}]")
+            for name in scoped[url]:
+                if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", name):
+                    raise ConfigurationError(
+                        f"Image.pip_index_packages[{url!r}]: {name!r} is not a package name"
+                    )
+        object.__setattr__(self, "pip_index_packages", scoped)
         if self.python is not None and not re.fullmatch(r"3\.\d+(\.\d+)?", str(self.python)):
             raise ValueError(f"Image.python must look like '3.11', got {self.python!r}")
         check_env(self.env, "Image.env")
@@ -209,6 +230,8 @@ class Image:
             "setup": list(self.setup),
             "includes_sha256": hashlib.sha256(includes).hexdigest() if includes else "",
         }
+        if self.pip_index_packages:
+            spec["pip_index_packages"] = {u: list(n) for u, n in self.pip_index_packages.items()}
         spec["hash"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
         return spec
 

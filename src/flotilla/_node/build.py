@@ -181,22 +181,45 @@ def find_uv(home: str) -> list[str]:
     return [binary]
 
 
+def _name(requirement: str) -> str:
+    """The normalised package name of a requirement."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;@]", requirement, maxsplit=1)[0]).lower()
+
+
 def install_pip(spec: dict[str, Any], site: str, home: str) -> None:
+    """Install what the node lacks of ``spec["pip"]`` into ``site``: one installer call,
+    or one more per index scoped to some packages (``pip_index_packages``), which is
+    searched for those packages only."""
     base = [p for p in sys.path if p]
     wanted = unsatisfied(spec["pip"], base)
     if not wanted:
         print("pip: every requirement is already satisfied on this node", flush=True)
         return
+    scoped: dict[str, list[str]] = spec.get("pip_index_packages") or {}
+    own_urls = {u.rstrip("/") for u in scoped}
+    shared = [i for i in spec["pip_indexes"] if i.rstrip("/") not in own_urls]
+    rest = list(wanted)
+    for url, names in scoped.items():
+        own = {re.sub(r"[-_.]+", "-", n).lower() for n in names}
+        mine = [w for w in rest if _name(w) in own]
+        if mine:
+            rest = [w for w in rest if w not in mine]
+            _install(mine, [url, *shared], site, home, base)
+    if rest:
+        _install(rest, shared, site, home, base)
+
+
+def _install(wanted: list[str], indexes: list[str], site: str, home: str, base: list[str]) -> None:
     print(f"pip: installing {', '.join(wanted)}", flush=True)
-    requested = {re.split(r"[\s\[<>=!~;@]", w, maxsplit=1)[0].lower() for w in wanted}
-    keep_out = sorted(installed_names(base) - {re.sub(r"[-_.]+", "-", r) for r in requested})
+    requested = {_name(w) for w in wanted}
+    keep_out = sorted(installed_names([*base, site]) - requested)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("".join(f"{name} ; sys_platform == 'never'\n" for name in keep_out))
         overrides = f.name
     try:
         cmd = [*find_uv(home), "pip", "install", "--python", sys.executable, "--target", site]
         cmd += ["--overrides", overrides]  # what the node has is never installed again
-        for index in spec["pip_indexes"]:
+        for index in indexes:
             cmd += ["--extra-index-url", index]
         run([*cmd, *wanted])
     finally:
