@@ -250,7 +250,7 @@ def test_what_a_client_killed_with_its_agents_during_the_start_left_goes_at_the_
         pids = [int(pid) for mark in marks.iterdir() for pid in mark.name.split(".")]
         owner = f"-{client.proc.pid}."
         left = [n for n in os.listdir("/dev/shm") if n.startswith("flotilla-") and owner in n]
-        assert [n.rsplit("-", 1)[1] for n in left] == ["probe"]  # the start is under way
+        assert [n.rsplit("-", 2)[1] for n in left] == ["probe"]  # the start is under way
         kill_quietly([client.proc.pid, *pids])
         assert client.wait() == -signal.SIGKILL
         assert_all_gone(pids, STOP_WITHIN, "the killed client's agents and executors")
