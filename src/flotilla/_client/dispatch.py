@@ -541,10 +541,11 @@ def _started(node: Node, subs: list[Submission]) -> tuple[list[Submission], list
 
     An agent gives a call to a process only once its STARTED frame has left the agent
     (``_node/supervisor.py``): when the agent is known to be gone (its stream ended), a
-    call without STARTED never ran. A node lost by silence or by a broken connection may
-    still be running its calls: then every call counts as started."""
+    call without STARTED never ran. A node lost otherwise (silence, a broken connection,
+    a write that made no progress, an executor that failed to start) may still have an
+    agent that starts its calls: then every call counts as started."""
     dropped: str = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's
-    if node.silence or dropped:
+    if not node.ended or node.silence or dropped:
         return subs, []
     started = [s for s in subs if s.started]
     return started, [s for s in subs if not s.started]

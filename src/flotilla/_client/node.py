@@ -176,6 +176,7 @@ class Node:
         self.silence = 0.0  # seconds nothing was heard from it, when that is why
         self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
         self.abandoned = False  # lost or closed: writes waiting for it end
+        self.ended = False  # its agent's stream ended (the agent is gone, or its channel)
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -295,6 +296,7 @@ class Node:
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
         if frames is None:
+            self.ended = True
             self.gone()
             return
         self.last_heard = time.monotonic()  # also for part of a frame (an empty list)
