@@ -142,3 +142,23 @@ def test_close_ends_while_a_send_to_a_frozen_ssh_agent_waits(ssh_lab: Lab) -> No
     assert rank() @ pool == [0, 1]
     close_while_a_send_waits_for_a_frozen_agent(pool, nbytes=64_000_000)  # past ssh's buffers
     assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+
+
+@sky.function
+def size_and_node(data: bytes) -> tuple[int, int]:
+    return len(data), sky.instance_info().node
+
+
+def test_a_send_to_a_frozen_agent_is_given_up_when_the_node_is_lost() -> None:
+    """A call with a large argument waits for a frozen agent to read it; once the node is
+    declared lost (heartbeat timeout), the write is given up and the call, which never
+    reached the agent whole, runs on the other node."""
+    options = sky.Options(heartbeat_timeout=2)
+    with sky.Compute(nodes=2, options=options) as pool:
+        assert rank() @ pool == [0, 1]
+        frozen = agent_pid(pool, 0)
+        with stopped(frozen):
+            future = pool.submit(size_and_node(b"x" * 2_000_000))  # to node 0: the least busy
+            assert future.result(timeout=120) == (2_000_000, 1)
+        assert wait_until(lambda: agent_pid(pool, 0) != frozen, 60)  # node 0 was replaced
+        assert rank() @ pool == [0, 1]

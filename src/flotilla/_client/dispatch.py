@@ -342,9 +342,18 @@ class Dispatcher:
 
     def _restart_if_stuck(self, sub: Submission, cause: str) -> None:
         """Restart the group if calls of ``sub``'s broadcast still run, in the group
-        generation they were sent in."""
-        if _others_run(sub):
-            self.restart_group(cause, sub.generation)
+        generation they were sent in. While the broadcast is still being sent (a sibling
+        not sent yet, nor waiting for a replacement), the check comes again shortly: a
+        RESTART must not overtake a sibling's call, which would run alone after it."""
+        if not _others_run(sub):
+            return
+        if any(
+            s.node is None and not s.finished and not s.future.done() and not self._parked(s)
+            for s in sub.siblings or ()
+        ):
+            asyncio.get_running_loop().call_later(0.01, self._restart_if_stuck, sub, cause)
+            return
+        self.restart_group(cause, sub.generation)
 
     def restart_group(self, cause: str, generation: int) -> None:
         """Restart every process of a group pool (see ``_plugins``), once per ``generation``

@@ -157,6 +157,7 @@ class Node:
         self.lock = threading.Lock()  # guards inflight, busy, defined: held briefly
         self.write_lock = threading.Lock()  # keeps frames whole and in order on the channel
         self.inflight: dict[int, Submission] = {}
+        self.sending: list[Submission] = []  # the calls being written to the agent now
         self.busy = [0]  # calls in flight per local rank
         self.defined: set[int] = set()
         self.shm = False
@@ -237,15 +238,21 @@ class Node:
                     parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
+                self.sending = subs  # a loss meanwhile leaves them to this thread
+            failure = ""
             try:
                 self.proc.write(parts, self.give_up)
             except OSError as e:
-                with self.lock:
-                    for sub in subs:
+                failure = f"cannot take calls ({e})"
+            with self.lock:
+                self.sending = []
+                if not failure and not self.abandoned:  # abandoned: lost, or closed
+                    return
+                for sub in subs:  # not sent whole, or to a node lost meanwhile: the caller
+                    if self.inflight.pop(sub.tid, None) is not None:  # sends them again
                         sub.node = None
-                        if self.inflight.pop(sub.tid, None) is not None:
-                            self.busy[sub.worker] -= 1
-                raise self.lost_error(f"cannot take calls ({e})") from None
+                        self.busy[sub.worker] -= 1
+            raise self.lost_error(failure or "was lost while calls were sent to it")
 
     def send_control(
         self, kind: Kind, wait: bool = True, ident: int = 0, body: bytes = b""
@@ -378,10 +385,13 @@ class Node:
         self._fail_all(str(err))
 
     def _fail_all(self, message: str) -> None:
-        with self.lock:
-            subs = list(self.inflight.values())
-            self.inflight.clear()
+        with self.lock:  # the calls a thread is still writing are left to it (see send)
+            subs = [s for s in self.inflight.values() if s not in self.sending]
+            for sub in subs:
+                del self.inflight[sub.tid]
             self.busy = [0] * len(self.busy)
+            for sub in self.inflight.values():
+                self.busy[sub.worker] += 1
         self._on_lost(self, subs)  # also without calls: the pool replaces the node
 
     def lost_error(self, what: str) -> NodeLostError:
