@@ -34,14 +34,15 @@ def interpreter_key() -> str:
     distribution on its import path, with its version), since a build installs only what
     is missing. An environment is kept under the Image's hash and this key."""
     import hashlib
-    import importlib.metadata as md
     import platform
 
-    dists = set()
-    for dist in md.distributions(path=[p for p in sys.path if p]):
-        name = dist.metadata["Name"]
-        if name:
-            dists.add(f"{re.sub(r'[-_.]+', '-', name).lower()}=={dist.version}")
+    dists: set[str] = set()  # "<name>-<version>.dist-info" names say both: nothing is read
+    for folder in sys.path:
+        try:
+            names = os.listdir(folder or ".")
+        except OSError:
+            continue
+        dists.update(n.lower() for n in names if n.endswith((".dist-info", ".egg-info")))
     facts = [
         os.path.realpath(sys.executable),
         sys.executable,
