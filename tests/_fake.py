@@ -38,6 +38,7 @@ from flotilla._providers.base import (
     AgentProcess,
     Allocation,
     FramesCallback,
+    GiveUp,
     Machine,
     PoolSpec,
     Provider,
@@ -106,7 +107,7 @@ class FakeAgent(AgentProcess):
         self._ended = threading.Event()
 
     # -- the AgentProcess interface ----------------------------------------------------
-    def write(self, parts: Sequence[Buffer]) -> None:
+    def write(self, parts: Sequence[Buffer], give_up: GiveUp | None = None) -> None:
         with self._lock:
             if self.status is not None:
                 raise BrokenPipeError(32, "Broken pipe (fake agent ended)")
@@ -225,6 +226,7 @@ class FakeAgent(AgentProcess):
             self.end(0)
 
     def _run(self, call: FakeCall) -> None:
+        self._send(Kind.STARTED, call.tid, b"")  # as the agent does before a call starts
         handler = self.provider.handlers.get(call.name)
         try:
             value = handler(call) if handler else call.fn(*call.args, **call.kwargs)

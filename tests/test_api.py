@@ -366,9 +366,28 @@ def test_misuse_gets_a_one_line_hint(pool2: sky.Compute) -> None:
 
 
 def test_nodes_must_be_positive() -> None:
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="nodes must be a positive integer"):
+    for bad in (1.5, True):
+        with pytest.raises(sky.ConfigurationError, match="nodes must be a whole number"):
             sky.Compute(nodes=bad)  # type: ignore[arg-type]
+    for bad in (0, -1):
+        with pytest.raises(sky.ConfigurationError, match="a pool needs at least one node"):
+            sky.Compute(nodes=bad)
+
+
+def test_a_range_of_nodes_is_refused_clearly() -> None:
+    with pytest.raises(sky.ConfigurationError) as info:
+        sky.Compute(nodes=(1, 4))  # type: ignore[arg-type]
+    assert "got (1, 4)" in str(info.value) and "a range of sizes is not supported" in str(
+        info.value
+    )
+    assert "at least one node" not in str(info.value)
+
+
+def test_a_nul_byte_in_an_env_value_is_refused_naming_the_variable() -> None:
+    with pytest.raises(sky.ConfigurationError, match=r"Image.env\['BAD'\] contains a NUL byte"):
+        sky.Image(env={"BAD": "a\0b"})
+    with pytest.raises(sky.ConfigurationError, match=r"Options.env\['BAD'\] contains a NUL"):
+        sky.Compute(options=sky.Options(env={"BAD": sky.Secret("x\0")}))
 
 
 def test_closed_and_unstarted_pools_refuse_calls() -> None:

@@ -420,6 +420,9 @@ def test_exec_status_logs_and_down_on_a_named_cluster(cli: CLI) -> None:
     followed = cli.ok("logs", "dev", "3", "--follow", timeout=60).stdout
     assert followed.count("tick 3") == 3, followed
 
+    unquoted = cli.ok("exec", "dev", "--nodes", "1", "echo", "hi", "unquoted")  # as SkyPilot
+    assert node_lines(unquoted.stdout, "hi") == {0: "unquoted"}
+
     rec = cli.record("dev")
     assert rec is not None
     daemon, agents = rec.pid, [n.agent_pid for n in rec.nodes]

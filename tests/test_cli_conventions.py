@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _procs import wait_until
 from _tty import Terminal
 from test_cli import CLI
 from test_cli import cli as cli  # the fixture
@@ -82,6 +83,28 @@ def test_exit_codes(cli: CLI) -> None:
     missing = cli("logs", "nope", "--no-follow")
     assert missing.returncode == 100 and "no cluster 'nope'" in missing.stderr
     assert cli("exec", "ex", "true", "--bogus").returncode == 2
+
+
+def test_a_launch_whose_cluster_is_taken_down_exits_lost_not_interrupted(cli: CLI) -> None:
+    """``down`` while a foreground ``launch`` follows its job: the launch exits 102 (its
+    cluster went away), not 130, which says Ctrl-C."""
+    from flotilla.cli.conventions import EXIT_LOST
+
+    flag = cli.cwd / "running"
+    task = cli.task("long.yaml", f"run: touch {flag}; while true; do sleep 1; done\n")
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "flotilla", "launch", task, "-c", "race"],
+        cwd=cli.cwd, env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(flag.exists, timeout=60)
+        cli.ok("down", "race", timeout=90)
+        out, err = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == EXIT_LOST, (out, err)
+    assert "cluster down" in out + err
 
 
 def test_logs_follow_by_default(cli: CLI) -> None:

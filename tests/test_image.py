@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 
 import flotilla as sky
 
@@ -158,6 +159,12 @@ def test_bad_images_are_refused_before_anything_starts(tmp_path: Path) -> None:
         sky.Image(python="eleven")
     with pytest.raises(ValueError, match="environment variable name"):
         sky.Image(env={"1BAD": "x"})
+    for option in ("--index-url=https://evil.example/simple", "-r", "-rrequirements.txt"):
+        with pytest.raises(sky.ConfigurationError, match="installer option, not a requirement"):
+            sky.Image(pip=["numpy", option])
+    with pytest.raises(sky.ConfigurationError, match="not a requirement specifier"):
+        sky.Image(pip=["numpy >= = 2"])
+    sky.Image(pip=["numpy>=1.26", "pkg @ https://example.com/pkg.whl", "git+https://x/y.git"])
     with pytest.raises(TypeError, match=r"flotilla\.Image"):
         sky.Compute(image="python:3.11").open()  # type: ignore[arg-type]
 
@@ -301,3 +308,196 @@ def test_a_killed_builders_folder_is_removed_by_the_next_build(home: Path) -> No
         pass
     assert built_envs(home) == [env]
     assert (env / "marker.txt").read_text() == "built\n"
+
+
+CLIENT = """
+import flotilla as sky
+
+@sky.function
+def where() -> str:
+    import iniconfig
+
+    return iniconfig.__file__
+
+with sky.Compute(nodes=1, image=sky.Image(pip=["iniconfig"])) as pool:
+    print(where() >> pool)
+"""
+
+
+def bare_venv(folder: Path) -> Path:
+    """A virtualenv of this Python with flotilla's dependencies and uv only, none of
+    this environment's other packages (iniconfig): its interpreter."""
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", folder],
+        check=True,
+    )
+    deps = folder / "deps"
+    deps.mkdir()
+    import importlib
+
+    for name in (
+        "cloudpickle",
+        "yaml",
+        "rich",
+        "markdown_it",
+        "mdurl",
+        "pygments",
+        "pathspec",
+        "packaging",
+        "uv",
+    ):
+        module = importlib.import_module(name)
+        assert module.__file__ is not None
+        (deps / name).symlink_to(Path(module.__file__).parent)
+    [site] = folder.glob("lib/python*/site-packages")
+    (site / "deps.pth").write_text(f"{deps}\n")
+    (folder / "bin" / "uv").symlink_to(Path(sys.executable).parent / "uv")  # uv.find_uv_bin()
+    return folder / "bin" / "python"
+
+
+def run_client(python: Path | str, home: Path, folder: Path) -> str:
+    """Run ``CLIENT`` with ``python`` (this checkout's flotilla): what it printed."""
+    script = folder / "client.py"
+    script.write_text(CLIENT)
+    src = str(Path(sky.__file__).parent.parent)
+    env = dict(os.environ, FLOTILLA_HOME=str(home), PYTHONPATH=src)
+    proc = subprocess.run(
+        [str(python), str(script)], cwd=folder, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_an_environment_built_for_one_interpreter_is_not_reused_by_another(
+    home: Path, tmp_path: Path
+) -> None:
+    """One FLOTILLA_HOME, two programs with one Image: the first's interpreter has
+    iniconfig (its environment is empty), the second's has not: it builds its own
+    environment, with iniconfig, and the first still finds its own."""
+    here = run_client(sys.executable, home, tmp_path)
+    assert not here.startswith(str(home))  # the interpreter's own
+    [first] = built_envs(home)
+    assert list((first / "site").iterdir()) == []
+
+    other = bare_venv(tmp_path / "bare")
+    there = run_client(other, home, tmp_path)
+    [second] = [e for e in built_envs(home) if e != first]
+    assert there.startswith(str(second / "site"))
+
+    assert run_client(sys.executable, home, tmp_path) == here
+    assert len(built_envs(home)) == 2
+
+
+PROBE = "flotilla-probe-pkg"
+"""A package of this test's making, served from a local index (the SSH test hosts have no
+internet)."""
+
+
+def probe_index(folder: Path) -> tuple[str, Path]:
+    """A wheel of ``PROBE`` (module ``flotilla_probe``) in a simple index under ``folder``,
+    and the same unpacked: (the index's URL, the unpacked folder)."""
+    unpacked = folder / "unpacked"
+    wheel = make_wheel(folder, PROBE, "1.0", "flotilla_probe", unpacked)
+    return simple_index(folder, [wheel]), unpacked
+
+
+def simple_index(folder: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index of ``wheels`` under ``folder``: its file:// URL."""
+    for wheel in wheels:
+        project = wheel.name.split("-")[0].replace("_", "-")
+        page = folder / "simple" / project / "index.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        with page.open("a") as f:
+            f.write(f'<a href="{wheel.as_uri()}">{wheel.name}</a>\n')
+    return (folder / "simple").as_uri() + "/"
+
+
+def make_wheel(
+    folder: Path, name: str, version: str, module: str, unpacked: Path | None = None
+) -> Path:
+    """A pure-Python wheel of ``name`` ``version`` with an empty ``module`` in ``folder``
+    (unpacked also into ``unpacked`` when given): its path."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name.replace('-', '_')}-{version}.dist-info"
+    files = {
+        f"{module}/__init__.py": b"",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+
+    def digest(data: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{n},sha256={digest(d)},{len(d)}\n" for n, d in files.items())
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    wheel = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+            if unpacked is not None:
+                (unpacked / path).parent.mkdir(parents=True, exist_ok=True)
+                (unpacked / path).write_bytes(data)
+    return wheel
+
+
+@sky.function
+def probe_versions() -> tuple[str, str]:
+    import importlib.metadata as md
+
+    return md.version("flotilla-probe-a"), md.version("flotilla-probe-b")
+
+
+def test_an_index_scoped_to_packages_serves_only_them(home: Path, tmp_path: Path) -> None:
+    """The scoped index (as PyTorch's) has both packages in a newer version, and comes
+    first: only the package it is scoped to comes from it, the other from the next index."""
+    scoped = simple_index(
+        tmp_path / "scoped",
+        [make_wheel(tmp_path / "scoped", f"flotilla-probe-{p}", "2.0", f"probe_{p}") for p in "ab"],
+    )
+    shared = simple_index(
+        tmp_path / "shared",
+        [make_wheel(tmp_path / "shared", f"flotilla-probe-{p}", "1.0", f"probe_{p}") for p in "ab"],
+    )
+    image = sky.Image(
+        pip=["flotilla-probe-a", "flotilla-probe-b"],
+        pip_indexes=[scoped, shared],
+        pip_index_packages={scoped: ["flotilla-probe-a"]},
+    )
+    with sky.Compute(nodes=1, image=image) as pool:
+        assert probe_versions() >> pool == ("2.0", "1.0")
+
+
+@sky.function
+def where_probe() -> str:
+    import flotilla_probe  # type: ignore[import-not-found]
+
+    return str(flotilla_probe.__file__)
+
+
+def test_over_ssh_an_environment_is_kept_per_interpreter(ssh_lab: Lab, tmp_path: Path) -> None:
+    """One host and its work folder, one Image, SSH(python=...) changed: the first
+    interpreter has the package (its environment is empty), the second has not: it gets
+    an environment of its own, with the package."""
+    index, unpacked = probe_index(tmp_path)
+    has_it, lacks_it = bare_venv(tmp_path / "has"), bare_venv(tmp_path / "lacks")
+    [site] = (tmp_path / "has").glob("lib/python*/site-packages")
+    (site / "probe.pth").write_text(f"{unpacked}\n")
+    hosts = ssh_lab.hosts[:1]
+    envs = ssh_lab.tmp / "workdir" / "envs"
+    before = set(envs.iterdir()) if envs.exists() else set()
+    image = sky.Image(pip=[PROBE], pip_indexes=[index])
+    provider = ssh_lab.provider(hosts, python=str(has_it))
+    with sky.Compute(provider=provider, nodes=1, image=image) as pool:
+        assert where_probe() >> pool == str(unpacked / "flotilla_probe" / "__init__.py")
+    provider = ssh_lab.provider(hosts, python=str(lacks_it))
+    with sky.Compute(provider=provider, nodes=1, image=image) as pool:
+        there = where_probe() >> pool
+    made = {p for p in envs.iterdir() if p.is_dir()} - before
+    assert len(made) == 2, made
+    assert any(there.startswith(str(env / "site")) for env in made), (there, made)

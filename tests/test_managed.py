@@ -122,6 +122,15 @@ def test_recover_on_exit_codes_restart_without_counting() -> None:
     assert not policy.decide(Cause.PROGRAM_FAILED, [34]).recover
 
 
+def test_restarts_on_exit_codes_back_off_exponentially_up_to_a_cap() -> None:
+    policy = RecoveryPolicy(JobRecovery(recover_on_exit_codes=(33,)))
+    delays = [policy.decide(Cause.PROGRAM_FAILED, [33]).delay for _ in range(9)]
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert "restarting in 60 s" in policy.decide(Cause.PROGRAM_FAILED, [33]).reason
+    assert policy.decide(Cause.NODE_LOST, []).delay == 0  # another cause ends the streak
+    assert policy.decide(Cause.PROGRAM_FAILED, [33]).delay == 1
+
+
 # -- records -----------------------------------------------------------------------------------
 def test_records_live_in_a_private_folder_and_names_resolve(tmp_path: Path) -> None:
     home = JobsHome(tmp_path / "home")

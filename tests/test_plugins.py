@@ -223,6 +223,14 @@ def test_torch_transform_cuda_accelerator_uses_cuda_index() -> None:
     assert out.pip_indexes == ("https://download.pytorch.org/whl/cu124",)
 
 
+def test_torchs_wheel_index_serves_torch_packages_only() -> None:
+    image = sky.Image(pip=["requests"])
+    out = plugins.torch(vision="latest").transform(image, spec())
+    assert out.pip == ("requests", "torch", "torchvision")
+    assert out.pip_index_packages == {CPU_INDEX: ("torch", "torchvision")}
+    assert out.build_spec(b"")["pip_index_packages"] == {CPU_INDEX: ["torch", "torchvision"]}
+
+
 def test_torch_transform_non_cuda_accelerator_uses_cpu_index() -> None:
     out = plugins.torch().transform(StandInImage(), spec(accelerator=sky.accelerators.MI300X()))
     assert out.pip_indexes == (CPU_INDEX,)

@@ -168,6 +168,46 @@ def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(
         os.close(open_private_file(fifo))
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_files_planted_in_dev_shm_by_another_user_are_never_opened(
+    other_user: OtherUser, tmp_path: Path, planted: str
+) -> None:
+    """Another user plants a symlink (to a file of ours) or a FIFO at every name of the
+    pool's shared-memory probe that can be predicted: the pool starts, uses shared memory,
+    and the file the link points to is untouched."""
+    import flotilla as sky
+    from flotilla._wire.serialize import SHM_DIR
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    tmp_path.chmod(0o755)
+    pool = sky.Compute(nodes=1)
+    names = [f"{pool._shm_prefix}probe", f"{pool._shm_prefix}probe-"]
+    paths = [os.path.join(SHM_DIR, n) for n in names]
+    if planted == "symlink":
+        code = f"for p in {paths!r}: os.symlink({str(victim)!r}, p)"
+    else:
+        code = f"for p in {paths!r}: os.mkfifo(p, 0o666)"
+    done = other_user.run(code)
+    assert done.returncode == 0, done.stderr
+    try:
+        with pool:
+            assert pool._nodes[0].shm  # the probe was read: shared memory is used
+
+            @sky.function
+            def size(data: bytes) -> int:
+                return len(data)
+
+            assert size(b"x" * 4_000_000) @ pool == [4_000_000]
+        assert victim.read_bytes() == b"precious"
+        for path in paths:  # not ours: left alone
+            assert os.lstat(path).st_uid == other_user.uid
+    finally:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 @needs_root
 def test_folders_of_another_user_are_refused(other_user: OtherUser, shared_tmp: Path) -> None:
     theirs = shared_tmp / "their-home"

@@ -188,6 +188,9 @@ def test_files_that_are_not_tasks(tmp_path: Path) -> None:
     assert "must be a mapping" in str(error_of(tmp_path, "- a\n- b\n"))
     syntax = error_of(tmp_path, "run: echo\n  - x: [\n")
     assert "invalid YAML" in str(syntax) and syntax.line > 0
+    pipeline = error_of(tmp_path, "name: a\nrun: echo a\n---\nname: b\nrun: echo b\n")
+    assert "several YAML documents" in str(pipeline) and "pipeline" in str(pipeline)
+    assert "invalid YAML" not in str(pipeline) and pipeline.line == 3
     with pytest.raises(TaskError, match="cannot read"):
         load_task(str(tmp_path / "missing.yaml"))
 

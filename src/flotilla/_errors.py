@@ -148,7 +148,13 @@ class RemoteError(FlotillaError):
 
 @_public
 class TaskTimeoutError(FlotillaError, TimeoutError):
-    """A call ran longer than its ``timeout``; its process was stopped and replaced."""
+    """A call ran longer than its ``timeout``; its process was stopped and replaced.
+
+    A trap: it is a ``TimeoutError``, and on Python 3.11+ so is
+    ``concurrent.futures.TimeoutError``, which ``fut.result(timeout=...)`` raises when you
+    stop waiting (the call goes on). ``except TimeoutError`` catches both: catch this class
+    first, or check ``fut.done()``, to tell "the call timed out" from "I stopped waiting".
+    """
 
     def __init__(self, message: str, *, node: int, timeout: float) -> None:
         super().__init__(message)

@@ -1,8 +1,10 @@
 """``Image``: what every node's Python environment contains.
 
-An Image is frozen and has a content hash. Each node builds it once per hash (under
-``~/.flotilla/envs/<hash>`` or the provider's work directory) and later pools reuse it, so a
-second pool with the same Image runs no installer at all. The node side is
+An Image is frozen and has a content hash. Each node builds it once per hash and
+interpreter (under ``~/.flotilla/envs/<hash>-<interpreter key>`` or the provider's work
+directory: the key covers the interpreter's path, version and platform and the packages it
+already has, since the build installs only what is missing) and later pools reuse it, so a
+second pool with the same Image and interpreter runs no installer at all. The node side is
 ``flotilla._node.build``; the includes archive comes from ``flotilla._archive``.
 """
 
@@ -52,6 +54,52 @@ def _tuple(value: Any, name: str) -> tuple[str, ...]:
     return items
 
 
+def check_env(env: Mapping[str, Any], where: str) -> None:
+    """Raise ConfigurationError unless ``env`` is a mapping of variable names to strings
+    (or ``Secret``) that a process environment can hold (no NUL byte)."""
+    if not isinstance(env, Mapping):
+        raise ConfigurationError(f"{where} must be a dict of name -> value, got {env!r}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ConfigurationError(f"{where}: {k!r} is not a valid environment variable name")
+        raw = v.value if isinstance(v, Secret) else v
+        if not isinstance(raw, str):
+            raise ConfigurationError(
+                f"{where}[{k!r}] must be a string (or flotilla.Secret), got {type(raw).__name__}"
+            )
+        if "\0" in raw:  # the value itself is not shown: it may be a secret
+            raise ConfigurationError(
+                f"{where}[{k!r}] contains a NUL byte, which no process environment can hold"
+            )
+
+
+_PIP_URL = ("git+", "hg+", "svn+", "bzr+", "http://", "https://", "file:")
+"""Requirements given as a URL (not a PEP 508 specifier): passed to the installer as is."""
+
+
+def check_requirement(text: str) -> None:
+    """Raise ConfigurationError unless ``text`` is one requirement: a PEP 508 specifier
+    (``numpy``, ``torch>=2.3``, ``pkg @ https://...``) or a URL. Installer options
+    (``--index-url``, ``-r file``) are refused: they would change how every requirement is
+    installed (``Image.pip_indexes`` adds an index)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if text.startswith("-"):
+        raise ConfigurationError(
+            f"Image.pip: {text!r} is an installer option, not a requirement; list requirements "
+            "only (extra indexes go in Image.pip_indexes, a requirements file's lines in pip=)"
+        )
+    if any(c in text for c in "\0\n\r"):
+        raise ConfigurationError(f"Image.pip: {text!r} must be one requirement on one line")
+    if text.startswith(_PIP_URL):
+        return
+    try:
+        Requirement(text)
+    except InvalidRequirement as e:
+        msg = f"Image.pip: {text!r} is not a requirement specifier: {e}"
+        raise ConfigurationError(msg) from None
+
+
 @dataclass(frozen=True)
 class Image:
     """A node environment.
@@ -68,6 +116,10 @@ class Image:
         excludes: glob patterns left out of ``includes`` (added to the defaults: .git,
             __pycache__, virtualenvs...).
         setup: shell commands run once per environment build, after the installs.
+        pip_index_packages: index URL -> the packages (names) taken from that index, and
+            only those: such an index is not searched for the image's other requirements
+            (they are installed in a separate installer call). The torch plugin scopes
+            PyTorch's wheel index to torch, torchvision and torchaudio so.
     """
 
     python: str | None = None
@@ -78,19 +130,32 @@ class Image:
     includes: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
+    pip_index_packages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
             object.__setattr__(self, name, _tuple(getattr(self, name), name))
+        if not isinstance(self.pip_index_packages, Mapping):
+            raise ConfigurationError(
+                "Image.pip_index_packages must be a dict of index URL -> package names, "
+                f"got {self.pip_index_packages!r}"
+            )
+        scoped = {}
+        for url, names in self.pip_index_packages.items():
+            if not isinstance(url, str) or not url.strip():
+                raise ConfigurationError(f"Image.pip_index_packages: {url!r} is not an index URL")
+            scoped[url] = _tuple(names, f"pip_index_packages[{url!r}]")
+            for name in scoped[url]:
+                if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", name):
+                    raise ConfigurationError(
+                        f"Image.pip_index_packages[{url!r}]: {name!r} is not a package name"
+                    )
+        object.__setattr__(self, "pip_index_packages", scoped)
         if self.python is not None and not re.fullmatch(r"3\.\d+(\.\d+)?", str(self.python)):
             raise ConfigurationError(f"Image.python must look like '3.11', got {self.python!r}")
-        if not isinstance(self.env, Mapping):
-            raise ConfigurationError(f"Image.env must be a dict of name -> value, got {self.env!r}")
-        for k in self.env:
-            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                raise ConfigurationError(
-                    f"Image.env: {k!r} is not a valid environment variable name"
-                )
+        check_env(self.env, "Image.env")
+        for requirement in self.pip:
+            check_requirement(requirement)
         for pkg in self.apt:
             if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(=[\w.+:~-]+)?", pkg):
                 raise ConfigurationError(f"Image.apt: {pkg!r} is not a Debian package name")
@@ -130,6 +195,8 @@ class Image:
             "setup": list(self.setup),
             "includes_sha256": hashlib.sha256(includes).hexdigest() if includes else "",
         }
+        if self.pip_index_packages:
+            spec["pip_index_packages"] = {u: list(n) for u, n in self.pip_index_packages.items()}
         spec["hash"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
         return spec
 

@@ -7,15 +7,17 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
+from types import TracebackType
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
-from .._image import Image, ship_user_modules
+from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._providers.limits import out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
@@ -91,10 +93,17 @@ class Compute(Pool):
         memory_gb: float | None = None,
         volumes: Sequence[Volume] = (),
     ) -> None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ConfigurationError(
-                f"nodes must be a positive integer, got {nodes!r}: a pool needs at least one node"
+        if isinstance(nodes, bool) or not isinstance(nodes, int):
+            hint = (
+                ": a pool has a fixed number of nodes (a range of sizes is not supported)"
+                if isinstance(nodes, tuple | list | range)
+                else ""
             )
+            raise ConfigurationError(
+                f"nodes must be a whole number of nodes (>= 1), got {nodes!r}{hint}"
+            )
+        if nodes < 1:
+            raise ConfigurationError(f"nodes={nodes}: a pool needs at least one node")
         if provider is None:
             from .._providers.local import Local
 
@@ -118,6 +127,7 @@ class Compute(Pool):
         self.image = image
         self.plugins = tuple(plugins)
         self.options = options
+        check_env(options.env, "Options.env")
         self.vcpus = _resource("vcpus", vcpus, "CPUs per node, e.g. vcpus=4")
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         from .._providers.local import Local
@@ -216,8 +226,10 @@ class Compute(Pool):
         self.open()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.close()
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            _quiet_interrupt()
 
     def _spec(self, image: Image) -> PoolSpec:
         return PoolSpec(
@@ -316,7 +328,9 @@ class Compute(Pool):
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
-        return Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
+        node = Node(rank, proc, d.on_result, d.on_lost, _PoolEvents(self))
+        node.write_limit = self.options.heartbeat_timeout
+        return node
 
     def _replace(self, rank: int, why: str) -> list[int]:
         """The node at ``rank`` is lost: replace it (see ``renew.py``); the ranks down."""
@@ -373,14 +387,19 @@ class Compute(Pool):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         await self._renewals.cancel()  # a replacement under way stops (its agent with it)
+        loop = asyncio.get_running_loop()
         for node in self._nodes:
-            if node.state is NodeState.READY or node.state is NodeState.CONFIGURING:
-                node.send_control(Kind.SHUTDOWN)
+            live = node.state is NodeState.READY or node.state is NodeState.CONFIGURING
+            if live and not node.send_control(Kind.SHUTDOWN, wait=False):
+                # not on the loop: another thread's send to a frozen agent may hold the lock
+                loop.run_in_executor(None, node.send_control, Kind.SHUTDOWN)
             node.state = NodeState.CLOSED
         grace = self.options.shutdown_grace + 0.5
         if any(not v.read_only for v in self.volumes):  # the agents write back, then exit
             grace += VOLUME_FLUSH_TIMEOUT
         await asyncio.gather(*(p.wait(grace) for p in self._procs))
+        for node in self._nodes:
+            node.abandoned = True  # a send still waiting for its agent ends
         await asyncio.gather(*(p.terminate() for p in self._procs), return_exceptions=True)
         if self._allocation is not None:
             await self._allocation.release()
@@ -501,6 +520,24 @@ class Compute(Pool):
         return self.run_many([PendingCall(f, args, {}) for args in zip(*iterables, strict=False)])
 
 
+def _quiet_interrupt() -> None:
+    """Ctrl-C left a pool's block (the pool is closed): if nothing catches it, say so in a
+    line instead of a traceback through flotilla's and the standard library's waits. The
+    program still ends as an interrupted one (killed by SIGINT: status 130 in a shell)."""
+    previous = sys.excepthook
+    if getattr(previous, "flotilla", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write("flotilla: interrupted (Ctrl-C); the pool was closed\n")
+            return
+        previous(kind, value, tb)
+
+    hook.flotilla = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 class _PoolEvents(NodeEvents):
     """What a pool's nodes report: start-up progress, includes on request, output."""
 
@@ -514,7 +551,7 @@ class _PoolEvents(NodeEvents):
         self.pool._console.set_phase(node.rank, "environment")
         if info.get("need_includes"):
             with node.write_lock:
-                node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes))
+                node.proc.write(frame(Kind.INCLUDES, 0, self.pool._includes), node.give_up)
 
     def build_output(self, node: Node, data: bytes) -> None:
         self.pool._console.build_output(node.rank, data)

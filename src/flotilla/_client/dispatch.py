@@ -33,6 +33,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from .._errors import (
@@ -343,9 +344,18 @@ class Dispatcher:
 
     def _restart_if_stuck(self, sub: Submission, cause: str) -> None:
         """Restart the group if calls of ``sub``'s broadcast still run, in the group
-        generation they were sent in."""
-        if _others_run(sub):
-            self.restart_group(cause, sub.generation)
+        generation they were sent in. While the broadcast is still being sent (a sibling
+        not sent yet, nor waiting for a replacement), the check comes again shortly: a
+        RESTART must not overtake a sibling's call, which would run alone after it."""
+        if not _others_run(sub):
+            return
+        if any(
+            s.node is None and not s.finished and not s.future.done() and not self._parked(s)
+            for s in sub.siblings or ()
+        ):
+            asyncio.get_running_loop().call_later(0.01, self._restart_if_stuck, sub, cause)
+            return
+        self.restart_group(cause, sub.generation)
 
     def restart_group(self, cause: str, generation: int) -> None:
         """Restart every process of a group pool (see ``_plugins``), once per ``generation``
@@ -355,9 +365,12 @@ class Dispatcher:
         self.generation += 1
         cause = redact(cause, self.secrets)  # logged, and sent to every node
         logger.warning("restarting every process of the pool: %s", cause)
+        loop = asyncio.get_running_loop()
         for node in self.nodes:
             if node.state is NodeState.READY:
-                node.send_control(Kind.RESTART, ident=self.generation, body=cause.encode())
+                send = partial(node.send_control, Kind.RESTART, ident=self.generation)
+                if not send(wait=False, body=cause.encode()):  # busy: not on the loop
+                    loop.run_in_executor(None, partial(send, wait=True, body=cause.encode()))
 
     def on_lost(self, node: Node, subs: list[Submission]) -> None:
         """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
@@ -376,17 +389,23 @@ class Dispatcher:
         elif fresh:
             hint = "; Options(replace_lost_nodes=True) replaces lost nodes"
             self._give_up([rank], why + (hint if self.replacer is None else ""))
-        for sub in subs:
+        started, queued = _started(node, subs)
+        for sub in queued:  # they never ran: sent again, retries or not
+            if not self.retry(sub, err, free=True):
+                self.settle(sub, exc=err)
+        for sub in started:
             if not self.retry(sub, err):
                 self.settle(sub, exc=err)
 
-    def retry(self, sub: Submission, err: BaseException) -> bool:
-        """Send ``sub`` again after ``err`` if it has retries left; whether it was."""
-        if sub.retries_left <= 0 or not self.running():
+    def retry(self, sub: Submission, err: BaseException, free: bool = False) -> bool:
+        """Send ``sub`` again after ``err`` if it has retries left (``free``: it never
+        ran, no retry is used); whether it was."""
+        if (sub.retries_left <= 0 and not free) or not self.running():
             return False
         if self.group and sub.siblings:  # alone, it would wait for the others forever
             return False
-        sub.retries_left -= 1
+        if not free:
+            sub.retries_left -= 1
         previous = sub.node
         sub.node = None
         try:
@@ -525,6 +544,22 @@ def _why(node: Node) -> str:
     if err.exitcode is not None:
         return f"its agent exited with status {err.exitcode}"
     return "its agent's stream ended"
+
+
+def _started(node: Node, subs: list[Submission]) -> tuple[list[Submission], list[Submission]]:
+    """``subs``, the calls in flight on the lost ``node``, split into those that may have
+    started and those that certainly did not.
+
+    An agent gives a call to a process only once its STARTED frame has left the agent
+    (``_node/supervisor.py``): when the agent is known to be gone (its stream ended), a
+    call without STARTED never ran. A node lost otherwise (silence, a broken connection,
+    a write that made no progress, an executor that failed to start) may still have an
+    agent that starts its calls: then every call counts as started."""
+    dropped: str = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's
+    if not node.ended or node.silence or dropped:
+        return subs, []
+    started = [s for s in subs if s.started]
+    return started, [s for s in subs if not s.started]
 
 
 def _others_run(sub: Submission) -> bool:

@@ -106,6 +106,7 @@ class Submission:
     siblings: list[Submission] | None = None  # the calls of the same broadcast
     generation: int = 0  # of the pool's process group when the broadcast was sent
     finished: bool = False  # its node reported its end (its future may still be held)
+    started: bool = False  # its node said it may have started (STARTED) on its current node
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
 
@@ -156,6 +157,7 @@ class Node:
         self.lock = threading.Lock()  # guards inflight, busy, defined: held briefly
         self.write_lock = threading.Lock()  # keeps frames whole and in order on the channel
         self.inflight: dict[int, Submission] = {}
+        self.sending: list[Submission] = []  # the calls being written to the agent now
         self.busy = [0]  # calls in flight per local rank
         self.defined: set[int] = set()
         self.shm = False
@@ -173,6 +175,9 @@ class Node:
         self.last_heard = time.monotonic()  # when the agent last sent anything
         self.loss = "its agent exited"  # why the node was lost, once it is
         self.silence = 0.0  # seconds nothing was heard from it, when that is why
+        self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
+        self.abandoned = False  # lost or closed: writes waiting for it end
+        self.ended = False  # its agent's stream ended (the agent is gone, or its channel)
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -196,7 +201,19 @@ class Node:
         data = json.dumps(config).encode()
         self.state = NodeState.CONFIGURING
         with self.write_lock:
-            self.proc.write(frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob))
+            self.proc.write(
+                frame(Kind.CONFIG, 0, len(data).to_bytes(4, "little"), data, blob), self.give_up
+            )
+
+    def give_up(self, stalled: float) -> bool:
+        """Whether a write waiting ``stalled`` seconds for the agent to read ends: when the
+        node is lost or its pool closes, or after ``write_limit`` seconds without progress
+        (a live agent always reads: it is frozen, or its connection is)."""
+        if stalled > self.write_limit and not self.abandoned and self.loop is not None:
+            self.loop.call_soon_threadsafe(
+                self.gone, f"stopped reading: a write to it made no progress for {stalled:.1f} s"
+            )
+        return self.abandoned or stalled > self.write_limit
 
     # -- sending ---------------------------------------------------------------------
     def send(self, subs: list[Submission]) -> None:
@@ -211,6 +228,7 @@ class Node:
                     sub.node = self
                     sub.tid = tid
                     sub.attempts += 1
+                    sub.started = False
                     self.inflight[tid] = sub
                     if sub.fn_key not in self.defined:
                         self.defined.add(sub.fn_key)
@@ -220,24 +238,38 @@ class Node:
                     parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
+                self.sending = subs  # a loss meanwhile leaves them to this thread
+            failure = ""
             try:
-                self.proc.write(parts)
+                self.proc.write(parts, self.give_up)
             except OSError as e:
-                with self.lock:
-                    for sub in subs:
+                failure = f"cannot take calls ({e})"
+            with self.lock:
+                self.sending = []
+                if not failure and not self.abandoned:  # abandoned: lost, or closed
+                    return
+                for sub in subs:  # not sent whole, or to a node lost meanwhile: the caller
+                    if self.inflight.pop(sub.tid, None) is not None:  # sends them again
                         sub.node = None
-                        if self.inflight.pop(sub.tid, None) is not None:
-                            self.busy[sub.worker] -= 1
-                raise self.lost_error(f"cannot take calls ({e})") from None
+                        self.busy[sub.worker] -= 1
+            raise self.lost_error(failure or "was lost while calls were sent to it")
 
     def send_control(
         self, kind: Kind, wait: bool = True, ident: int = 0, body: bytes = b""
     ) -> bool:
-        """Send a control frame; False if the node is gone or (without wait) busy."""
-        if not self.write_lock.acquire(blocking=wait):
+        """Send a control frame; False if the node is gone or given up, or (without wait)
+        if that would wait at all (the event loop's sends: they never block)."""
+        if wait:
+            while not self.write_lock.acquire(timeout=0.1):
+                if self.abandoned:
+                    return False
+        elif not self.write_lock.acquire(blocking=False):
             return False
         try:
-            self.proc.write(frame(kind, ident, body))
+            parts = frame(kind, ident, body)
+            if not wait:
+                return self.proc.try_write(b"".join(parts))
+            self.proc.write(parts, self.give_up)
             return True
         except OSError:
             return False
@@ -271,6 +303,7 @@ class Node:
     # -- receiving (loop thread) -----------------------------------------------------
     def _on_frames(self, frames: list[tuple[int, int, bytes | bytearray]] | None) -> None:
         if frames is None:
+            self.ended = True
             self.gone()
             return
         self.last_heard = time.monotonic()  # also for part of a frame (an empty list)
@@ -284,6 +317,10 @@ class Node:
                     if not self.inflight:
                         self.flush_output()
                     self._on_result(self, sub, body[0], body)
+            elif kind == Kind.STARTED:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    sub.started = True
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
             elif kind == Kind.HELLO:
@@ -338,6 +375,7 @@ class Node:
             return
         self.flush_output()
         self.state = NodeState.LOST
+        self.abandoned = True  # a write waiting for it ends
         if loss:
             self.loss = loss
         err = self.lost_error(f"lost: {self.loss}")
@@ -347,10 +385,13 @@ class Node:
         self._fail_all(str(err))
 
     def _fail_all(self, message: str) -> None:
-        with self.lock:
-            subs = list(self.inflight.values())
-            self.inflight.clear()
+        with self.lock:  # the calls a thread is still writing are left to it (see send)
+            subs = [s for s in self.inflight.values() if s not in self.sending]
+            for sub in subs:
+                del self.inflight[sub.tid]
             self.busy = [0] * len(self.busy)
+            for sub in self.inflight.values():
+                self.busy[sub.worker] += 1
         self._on_lost(self, subs)  # also without calls: the pool replaces the node
 
     def lost_error(self, what: str) -> NodeLostError:

@@ -47,6 +47,7 @@ def outcome(
     if status == Status.DIED:
         death = json.loads(bytes(body[1:]))
         how, sig = describe_exit(death.get("exitcode"))
+        how = death.get("reason") or how  # the agent ended it, and says why
         tail = death.get("stderr_tail", "").rstrip()
         msg = f"{node.name}: the process running {fn_name}(...) {how}"
         if tail:

@@ -136,7 +136,7 @@ class Renewals:
 
 async def _stop(node: Node) -> None:
     """Stop a retired node's agent: politely (SHUTDOWN), then by force."""
-    node.send_control(Kind.SHUTDOWN)
+    node.send_control(Kind.SHUTDOWN, wait=False)  # the event loop never waits for a node
     with contextlib.suppress(Exception):
         if await node.proc.wait(1.0) is None:
             await node.proc.terminate()

@@ -39,25 +39,35 @@ def write_probe(prefix: str) -> dict[str, str]:
     """A probe file that nodes on this machine can read (then they use shared memory for
     large buffers, under ``prefix``): its name, token and the prefix; empty when
     ``/dev/shm`` cannot be written. Remove it with :func:`unlink_shm` once read."""
-    probe = {"name": f"{prefix}probe", "token": secrets.token_hex(16), "prefix": prefix}
+    # an unpredictable name, created new (never through a link or into a FIFO another
+    # user planted in the shared folder)
+    name = f"{prefix}probe-{secrets.token_hex(8)}"
+    probe = {"name": name, "token": secrets.token_hex(16), "prefix": prefix}
+    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_WRONLY | os.O_CLOEXEC
     try:
-        fd = os.open(os.path.join(SHM_DIR, probe["name"]), os.O_CREAT | os.O_WRONLY, 0o600)
+        fd = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
         try:
             os.write(fd, probe["token"].encode())
         finally:
             os.close(fd)
+    except FileExistsError:  # not ours: left alone
+        return {}
     except OSError:
-        unlink_shm(probe["name"])
+        unlink_shm(name)
         return {}
     return probe
 
 
 def remove_pool_files(prefix: str) -> None:
-    """Remove every file of the pool whose names start with ``prefix``."""
+    """Remove every file of the pool whose names start with ``prefix`` (and that this
+    user owns: what another user planted under such a name is left alone)."""
+    me = os.geteuid()
     with contextlib.suppress(OSError):
         for name in os.listdir(SHM_DIR):
             if name.startswith(prefix):
-                unlink_shm(name)
+                with contextlib.suppress(OSError):
+                    if os.lstat(os.path.join(SHM_DIR, name)).st_uid == me:
+                        unlink_shm(name)
 
 
 def sweep() -> list[str]:

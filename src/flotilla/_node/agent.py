@@ -119,6 +119,8 @@ class Agent:
                 for callback in self.sel.poll(self._next_wakeup()):
                     callback()
                 self._check_deadlines()
+                if self.executors.waiting and not self.client.queue:
+                    self.executors.resume()
                 self._watch_writes()
         finally:
             self._cleanup()
@@ -253,11 +255,7 @@ class Agent:
         probe = config.get("shm_probe")
         shm_ok = False
         if probe:
-            try:
-                with open(os.path.join("/dev/shm", probe["name"])) as f:
-                    shm_ok = f.read() == probe["token"]
-            except OSError:
-                shm_ok = False
+            shm_ok = _read_probe(probe["name"]) == probe["token"].encode()
         # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
         prefix = probe.get("prefix") if probe else None
         config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
@@ -268,8 +266,10 @@ class Agent:
         self.executors.configure(config, blob)
         image = config.get("image")
         if image:
-            from .build import env_dir, is_built
+            from .build import env_dir, interpreter_key, is_built
 
+            # the Image's environment for this interpreter and what it already has
+            image["hash"] = f"{image['hash']}-{interpreter_key()}"
             config["image_dir"] = env_dir(config["home"], image["hash"])
             if not is_built(config["home"], image["hash"]):
                 need = bool(image["includes_sha256"])
@@ -467,8 +467,10 @@ class Agent:
             try:
                 for name in os.listdir("/dev/shm"):
                     if name.startswith(prefix):
-                        try:
-                            os.unlink(os.path.join("/dev/shm", name))
+                        path = os.path.join("/dev/shm", name)
+                        try:  # ours only: not what another user planted
+                            if os.lstat(path).st_uid == os.geteuid():
+                                os.unlink(path)
                         except OSError:
                             pass
             except OSError:
@@ -492,6 +494,27 @@ class Agent:
 
     def _log(self, message: str) -> None:
         print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+
+
+def _read_probe(name: str) -> bytes:
+    """The content of the client's shared-memory probe ``name``, if it is a regular file
+    (b"" otherwise: a link or a FIFO planted in the shared folder is neither followed nor
+    waited on)."""
+    import stat
+
+    try:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(os.path.join("/dev/shm", name), flags)
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        return os.read(fd, 256)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def free_port_block(width: int) -> int:

@@ -5,9 +5,10 @@ Run by the agent as ``python -m flotilla._node.build HOME`` with the build spec 
 It prints ``::step NAME`` before each step; the agent turns its output into progress and,
 on failure, into an error naming the step, the exit code and the last lines.
 
-Layout: ``HOME/envs/<hash>/{site,includes}`` plus ``.complete`` once finished. The build
-happens in a temporary directory renamed into place, under a lock, so concurrent pools on
-one machine build once and a failed build leaves nothing half-made. Standard library only.
+Layout: ``HOME/envs/<hash>-<interpreter key>/{site,includes}`` (:func:`interpreter_key`)
+plus ``.complete`` once finished. The build happens in a temporary directory renamed into
+place, under a lock, so concurrent pools on one machine build once and a failed build leaves
+nothing half-made. Standard library only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,33 @@ from typing import Any
 
 from .locks import exclusive
 from .untar import UnsafeArchive, extract
+
+
+def interpreter_key() -> str:
+    """What decides an environment's content besides its Image, as a short hash: this
+    interpreter (its path, version and platform) and what it already provides (every
+    distribution on its import path, with its version), since a build installs only what
+    is missing. An environment is kept under the Image's hash and this key."""
+    import hashlib
+    import platform
+
+    dists: set[str] = set()  # "<name>-<version>.dist-info" names say both: nothing is read
+    for folder in sys.path:
+        try:
+            names = os.listdir(folder or ".")
+        except OSError:
+            continue
+        dists.update(n.lower() for n in names if n.endswith((".dist-info", ".egg-info")))
+    facts = [
+        os.path.realpath(sys.executable),
+        sys.executable,
+        sys.version,
+        sys.platform,
+        platform.machine(),
+        sys.prefix,
+        *sorted(dists),
+    ]
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:12]
 
 
 def env_dir(home: str, spec_hash: str) -> str:
@@ -155,22 +183,45 @@ def find_uv(home: str) -> list[str]:
     return [binary]
 
 
+def _name(requirement: str) -> str:
+    """The normalised package name of a requirement."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;@]", requirement, maxsplit=1)[0]).lower()
+
+
 def install_pip(spec: dict[str, Any], site: str, home: str) -> None:
+    """Install what the node lacks of ``spec["pip"]`` into ``site``: one installer call,
+    or one more per index scoped to some packages (``pip_index_packages``), which is
+    searched for those packages only."""
     base = [p for p in sys.path if p]
     wanted = unsatisfied(spec["pip"], base)
     if not wanted:
         print("pip: every requirement is already satisfied on this node", flush=True)
         return
+    scoped: dict[str, list[str]] = spec.get("pip_index_packages") or {}
+    own_urls = {u.rstrip("/") for u in scoped}
+    shared = [i for i in spec["pip_indexes"] if i.rstrip("/") not in own_urls]
+    rest = list(wanted)
+    for url, names in scoped.items():
+        own = {re.sub(r"[-_.]+", "-", n).lower() for n in names}
+        mine = [w for w in rest if _name(w) in own]
+        if mine:
+            rest = [w for w in rest if w not in mine]
+            _install(mine, [url, *shared], site, home, base)
+    if rest:
+        _install(rest, shared, site, home, base)
+
+
+def _install(wanted: list[str], indexes: list[str], site: str, home: str, base: list[str]) -> None:
     print(f"pip: installing {', '.join(wanted)}", flush=True)
-    requested = {re.split(r"[\s\[<>=!~;@]", w, maxsplit=1)[0].lower() for w in wanted}
-    keep_out = sorted(installed_names(base) - {re.sub(r"[-_.]+", "-", r) for r in requested})
+    requested = {_name(w) for w in wanted}
+    keep_out = sorted(installed_names([*base, site]) - requested)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("".join(f"{name} ; sys_platform == 'never'\n" for name in keep_out))
         overrides = f.name
     try:
         cmd = [*find_uv(home), "pip", "install", "--python", sys.executable, "--target", site]
         cmd += ["--overrides", overrides]  # what the node has is never installed again
-        for index in spec["pip_indexes"]:
+        for index in indexes:
             cmd += ["--extra-index-url", index]
         run([*cmd, *wanted])
     finally:

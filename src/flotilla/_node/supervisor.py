@@ -6,10 +6,16 @@ pipes: tasks in, results out, and its stdout and stderr, which are forwarded to 
 as OUTPUT frames (drained before results, so a task's output arrives before its result).
 It enforces per-task timeouts and, when an executor dies, times out or has its running
 task cancelled, starts a new one: the task it was running ends DIED/TIMEOUT/CANCELLED and
-the queued ones are sent again to the new process. In a pool whose processes form one
+the queued ones go to the new process. In a pool whose processes form one
 group (``config["group"]``: a plugin's collective, e.g. a torch process group) a lone new
 process could not rejoin the group, so it tells the client instead (BROKEN), which restarts
 every executor of the pool (RESTART: queued and running tasks end ABORTED).
+
+An executor is given one task at a time, and only once the client was told (STARTED, in
+the same write as the result of the task before) and that has left the agent (its outbox
+to the client is empty). So a task the client got no STARTED for has certainly not started,
+even when the agent is killed: the client sends those again elsewhere when the node is lost
+(``_client/dispatch.py``).
 
 Executor states (one executor per slot at a time)::
 
@@ -71,7 +77,7 @@ class Task:
     timeout: float
     frame: list[Buffer]
     deadline: float = 0.0
-    cancelled: bool = False
+    announced: bool = False  # STARTED was sent to the client
 
 
 @dataclass(eq=False)
@@ -95,12 +101,14 @@ class Executor:
 class Slot:
     """One local rank of the node: its executor (replaced when it dies) and its tasks.
 
-    ``tasks`` were sent to the executor in order; ``tasks[0]`` is the one running.
+    ``tasks`` are run in order; ``tasks[0]`` is the one running once ``fed`` (sent to the
+    current executor); the others stay here until it ends.
     """
 
     rank: int
     tasks: deque[Task] = field(default_factory=deque)
     executor: Executor | None = None
+    fed: bool = False
     restarts: int = 0
     ready: bool = False
 
@@ -124,6 +132,7 @@ class Supervisor:
         self.slots: list[Slot] = []
         self.stopping = False
         self.generation = 0  # of the pool's process group: RESTART frames count them
+        self.waiting: set[Slot] = set()  # slots whose next task waits for the client outbox
         self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
@@ -143,8 +152,7 @@ class Supervisor:
         task = Task(ident, timeout, [HEADER.pack(Kind.TASK, ident, len(body)), body])
         slot.tasks.append(task)
         if len(slot.tasks) == 1:
-            _arm(task)
-        self._to_executor(slot, task.frame)
+            self._feed(slot)
 
     def define(self, ident: int, body: Body) -> None:
         """A DEFINE frame: every executor, and every later one, gets it."""
@@ -156,30 +164,28 @@ class Supervisor:
     def cancel(self, ident: int) -> None:
         """Stop a task: replace the executor if it runs it, else let the executor skip it."""
         for slot in self.slots:
-            if slot.tasks and slot.tasks[0].ident == ident:
-                slot.tasks.popleft()
-                self._kill(slot)
+            for i, task in enumerate(slot.tasks):
+                if task.ident != ident:
+                    continue
+                del slot.tasks[i]
                 self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-                self._replace(slot, "a running call was cancelled")
+                if i == 0 and slot.fed:
+                    slot.fed = False
+                    self._kill(slot)
+                    self._replace(slot, "a running call was cancelled")
+                elif i == 0:
+                    self._feed(slot)
                 return
-            for task in slot.tasks:
-                if task.ident == ident:
-                    task.cancelled = True  # settled here if this executor is replaced
-                    self._to_executor(slot, frame(Kind.CANCEL, ident))
-                    return
 
     def restart(self, generation: int, cause: bytes) -> None:
         """Replace every executor; the tasks they held end ABORTED (with ``cause``)."""
         self.generation = generation
         for slot in self.slots:
             self._kill(slot)
+            slot.fed = False
             while slot.tasks:
                 task = slot.tasks.popleft()
-                if task.cancelled:
-                    self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
-                else:
-                    status = bytes((Status.ABORTED,))
-                    self.client.send(frame(Kind.RESULT, task.ident, status, cause))
+                self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.ABORTED,)), cause))
             slot.restarts += 1
             self._start(slot)
 
@@ -209,15 +215,16 @@ class Supervisor:
         """The earliest running task's deadline (monotonic time), or ``default``."""
         wake = default
         for slot in self.slots:
-            if slot.tasks and slot.tasks[0].deadline:
+            if slot.fed and slot.tasks[0].deadline:
                 wake = min(wake, slot.tasks[0].deadline)
         return wake
 
     def check_timeouts(self, now: float) -> None:
         """End the running tasks past their deadline (TIMEOUT) and replace their process."""
         for slot in self.slots:
-            if slot.tasks and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
+            if slot.fed and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
                 task = slot.tasks.popleft()
+                slot.fed = False
                 self._kill(slot)
                 body = json.dumps({"timeout": task.timeout}).encode()
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
@@ -279,15 +286,46 @@ class Supervisor:
         self.sel.register(r_res, False, partial(self._on_executor, ex))
         self.sel.register(r_out, False, partial(self._on_output, ex, 1), first=True)
         self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
+        slot.fed = False
         for parts in self.defines:
             ex.outbox.send(parts)
-        for task in [t for t in slot.tasks if t.cancelled]:
-            slot.tasks.remove(task)
-            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
-        for task in slot.tasks:
-            ex.outbox.send(task.frame)
-        if slot.tasks:
-            _arm(slot.tasks[0])
+        self._feed(slot)
+
+    def _feed(self, slot: Slot, before: list[Buffer] | None = None) -> None:
+        """Send ``before`` (frames for the client) and the slot's next task to its
+        executor: the client is told first (STARTED, in the same write), and the task is
+        given only once that has left the agent, so a task the client has no word of never
+        starts (see the module docstring)."""
+        ex = slot.executor
+        if (
+            slot.fed
+            or not slot.tasks
+            or ex is None
+            or self.stopping
+            or self.client.broken
+            or ex.state not in (ExecState.STARTING, ExecState.RUNNING)
+        ):
+            if before:
+                self.client.send(before)
+            return
+        task = slot.tasks[0]
+        if not task.announced:
+            task.announced = True
+            self.client.send([*(before or ()), *frame(Kind.STARTED, task.ident)])
+        elif before:
+            self.client.send(before)
+        if self.client.queue:
+            self.waiting.add(slot)  # see resume()
+            return
+        _arm(task)
+        slot.fed = True
+        ex.outbox.send(task.frame)
+
+    def resume(self) -> None:
+        """The client's outbox is empty: feed the slots that waited for it."""
+        slots, self.waiting = self.waiting, set()
+        for slot in slots:
+            self._feed(slot)
 
     def _to_executor(self, slot: Slot, parts: list[Buffer]) -> None:
         ex = slot.executor
@@ -305,7 +343,11 @@ class Supervisor:
                 f"flotilla: the executor's result channel broke: {corrupt}".encode()
             )
             kill_group(ex.pid)
-            self._exited(ex, wait=True)
+            reason = (
+                "was stopped by its agent: it wrote a corrupt frame on its result channel "
+                "(the task wrote on a descriptor that is not its own?)"
+            )
+            self._exited(ex, wait=True, reason=reason)
             return
         if frames is None:
             self._exited(ex)
@@ -317,12 +359,14 @@ class Supervisor:
 
     def _result(self, ex: Executor, ident: int, body: Body) -> None:
         """A task's result: its output was forwarded first (see Poller)."""
-        self.client.send([HEADER.pack(Kind.RESULT, ident, len(body)), body])
-        tasks = ex.slot.tasks
-        if tasks and tasks[0].ident == ident:
-            tasks.popleft()
-            if tasks:
-                _arm(tasks[0])
+        result: list[Buffer] = [HEADER.pack(Kind.RESULT, ident, len(body)), body]
+        slot = ex.slot
+        if slot.fed and slot.tasks and slot.tasks[0].ident == ident:
+            slot.tasks.popleft()
+            slot.fed = False
+            self._feed(slot, result)
+        else:
+            self.client.send(result)
 
     def _ready(self, ex: Executor, ident: int, body: Body) -> None:
         """The executor is set up (or failed to be); READY goes to the client once the
@@ -369,7 +413,9 @@ class Supervisor:
             while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
-    def _exited(self, ex: Executor, wait: bool = False) -> None:
+    def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
+        """``ex`` ended (``reason``: why, when the agent ended it; else its exit status
+        says)."""
         slot = ex.slot
         status = _reap(ex.pid, wait=wait)
         self._drain_output(ex)
@@ -384,6 +430,8 @@ class Supervisor:
             "pid": ex.pid,
             "local_rank": slot.rank,
         }
+        if reason:
+            death["reason"] = reason
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
                 error = "the executor process exited during start-up"
@@ -391,14 +439,19 @@ class Supervisor:
                     frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
                 )
             return
-        task = slot.tasks.popleft() if slot.tasks else None
+        task = slot.tasks.popleft() if slot.tasks and slot.fed else None
+        slot.fed = False
         slot.restarts += 1
-        how, _ = describe_exit(exitcode)
-        # in a group pool, the restart is asked for first: a retry of the task comes after it
-        self._replace(slot, f"the process {'running a call ' if task else ''}{how}")
+        how = reason or describe_exit(exitcode)[0]
+        cause = f"the process {'running a call ' if task else ''}{how}"
+        group = bool(self.config and self.config.get("group"))
+        if group:  # the restart is asked for first: a retry of the task comes after it
+            self._replace(slot, cause)
         if task is not None:
             body = json.dumps(death).encode()
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
+        if not group:  # the next task is fed once the client has the result
+            self._replace(slot, cause)
 
     def _kill(self, slot: Slot) -> None:
         ex = slot.executor

@@ -121,6 +121,10 @@ class PoolSpec:
     memory_gb: float | None = None
 
 
+GiveUp = Callable[[float], bool]
+"""Asked by a waiting write with the seconds it made no progress: True to abandon it."""
+
+
 class AgentProcess(ABC):
     """One running agent, as its provider started it.
 
@@ -133,13 +137,21 @@ class AgentProcess(ABC):
     host: str
 
     @abstractmethod
-    def write(self, parts: Sequence[Buffer]) -> None:
+    def write(self, parts: Sequence[Buffer], give_up: GiveUp | None = None) -> None:
         """Write protocol bytes to the agent's stdin (any thread but the event loop's).
 
         It may block until written, but must never wait for the event loop: callers hold
-        the node's write lock. Raises OSError (BrokenPipeError) when the agent is gone.
-        Callers serialize writes.
+        the node's write lock. While it waits it asks ``give_up(seconds without
+        progress)`` now and then: when that says True the write is abandoned (and so is
+        every later one: the stream is cut mid-frame). Raises OSError (BrokenPipeError)
+        when the agent is gone or the write was abandoned. Callers serialize writes.
         """
+
+    def try_write(self, data: bytes) -> bool:
+        """Write a small frame whole if that needs no wait; whether it was (the event
+        loop's writes, e.g. PING: they never wait). Raises OSError when the agent is gone."""
+        self.write([data])
+        return True
 
     @abstractmethod
     def start_reading(

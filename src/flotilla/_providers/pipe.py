@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import select
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from .._wire.frames import Buffer, FrameError, FrameReader, write_all
-from .base import AgentProcess, FramesCallback
+from .._wire.frames import Buffer, FrameError, FrameReader
+from .base import AgentProcess, FramesCallback, GiveUp
 
 _T = TypeVar("_T")
 _NOISE_LIMIT = 1 << 16
@@ -48,6 +50,8 @@ class PipeAgent(AgentProcess):
         self.err_tail = b""
         self.lost_reason = ""  # why the stream was dropped, when it was not its end
         self._in = proc.stdin.fileno()
+        os.set_blocking(self._in, False)  # writes wait in poll, and can be given up
+        self._abandoned = False
         self._out = proc.stdout.fileno()
         self._err = proc.stderr.fileno()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,8 +62,60 @@ class PipeAgent(AgentProcess):
         self._err_ended: asyncio.Future[None] | None = None
 
     # -- writing -----------------------------------------------------------------------
-    def write(self, parts: Sequence[Buffer]) -> None:
-        write_all(self._in, parts)
+    def write(self, parts: Sequence[Buffer], give_up: GiveUp | None = None) -> None:
+        """Write ``parts`` whole (see :meth:`AgentProcess.write`): the pipe is
+        non-blocking, a wait for room is a ``poll`` of at most a tenth of a second, after
+        which ``give_up`` is asked."""
+        if self._abandoned:
+            raise BrokenPipeError(errno.EPIPE, "an earlier write to the agent was abandoned")
+        fd = self._in
+        size = 0
+        for p in parts:
+            size += p.nbytes if isinstance(p, memoryview) else len(p)
+        if size <= 65536:  # small: one copy, one system call
+            data = b"".join(parts)
+            try:
+                n = os.write(fd, data)
+            except BlockingIOError:
+                n = 0
+            if n == size:
+                return
+            parts = [memoryview(data)[n:]]
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        stalled_since = time.monotonic()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        while views:
+            try:
+                written = os.writev(fd, views[:512])
+            except BlockingIOError:
+                written = 0
+            if written:
+                stalled_since = time.monotonic()
+            while written:
+                first = views[0]
+                if written >= first.nbytes:
+                    written -= first.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = first[written:]
+                    written = 0
+            if not views:
+                return
+            poller.poll(100)
+            if give_up is not None and give_up(time.monotonic() - stalled_since):
+                self._abandoned = True
+                raise BrokenPipeError(errno.EPIPE, "the write to the agent was abandoned")
+
+    def try_write(self, data: bytes) -> bool:
+        if self._abandoned:
+            raise BrokenPipeError(errno.EPIPE, "an earlier write to the agent was abandoned")
+        if len(data) > select.PIPE_BUF:
+            return False
+        try:  # a pipe takes a write of at most PIPE_BUF bytes whole or not at all
+            return os.write(self._in, data) == len(data)
+        except BlockingIOError:
+            return False
 
     # -- reading -----------------------------------------------------------------------
     async def read_line(self, marker: bytes) -> str | None:

@@ -43,6 +43,7 @@ class Kind(IntEnum):
     PROGRESS = 6  # text: output of the environment build
     BROKEN = 7  # ident=restart generation; text: why a process of a group pool was replaced
     BEAT = 8  # the agent is alive: sent every quarter of the heartbeat timeout once configured
+    STARTED = 9  # ident=task id: the task is given to its process (it may start from now on)
     # client -> agent
     CONFIG = 10  # JSON: environment, COMPUTE_POOL, options; then an executor blob
     DEFINE = 11  # ident=function key; body = pickled function

@@ -21,6 +21,7 @@ import mmap
 import os
 import pickle
 import secrets
+import stat
 import struct
 import sys
 from collections.abc import Callable
@@ -118,7 +119,8 @@ def write_shm(p: Pickled, prefix: str) -> str:
         return ""
     name = f"{prefix}{secrets.token_hex(8)}"
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
+        fd = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
     except OSError as e:
         _shm_unavailable(e)
         return ""
@@ -199,9 +201,12 @@ def shm_name_of(body: Buffer, offset: int = 0) -> str:
 
 def _map_private(name: str) -> memoryview:
     """Map a shared-memory file copy-on-write: writes stay private to this process."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{SHM_DIR}/{name} is not a regular file")
+        size = info.st_size
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -191,7 +191,7 @@ def _same_volumes(name: str, launched: list[dict[str, Any]], volumes: Sequence[V
 def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
-    task = _task_from(args.task, args.nodes, args)
+    task = _task_from(" ".join(args.task), args.nodes, args)  # unquoted: words, as SkyPilot
     _same_volumes(
         paths.name, rec.volumes, _node_volumes(task, registry.spec_from_dict(rec.provider))
     )

@@ -36,6 +36,7 @@ from .._node.private import socket_address
 from .._redaction import redact
 from .._volume import Volume
 from .backends import registry
+from .conventions import EXIT_LOST
 from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
 from .jobspec import JobSpec, task_id
@@ -176,10 +177,12 @@ class ClusterDaemon:
         with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
             if not self.error:
                 rec.state = ClusterState.STOPPING.value
-        for job in pending:
-            job.finish(JobStatus.CANCELLED, 130, [f"job {job.id} was cancelled: cluster down"])
+        for job in pending:  # not 130: that says Ctrl-C; the cluster went away under it
+            down = [f"job {job.id} was cancelled: cluster down"]
+            job.finish(JobStatus.CANCELLED, EXIT_LOST, down)
             self._save_job(job)
         if current is not None:
+            current.cancel_code, current.cancel_why = EXIT_LOST, ": cluster down"
             current.cancel_requested = True  # also when it still waits for provisioning
             if self.runner is not None:
                 self.runner.cancel(current)

@@ -31,6 +31,7 @@ from .._node.private import private_dirs
 from .._redaction import is_secret, redact
 from .._wire.exits import describe_exit
 from .backends.base import check_gpus
+from .conventions import EXIT_INTERRUPTED
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, slurm_allocation_env, unpack
@@ -75,6 +76,8 @@ class Job:
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.cancel_requested = False
+        self.cancel_code = EXIT_INTERRUPTED  # the exit code a cancelled job ends with...
+        self.cancel_why = ""  # ...and why it was cancelled, when not by request
         self.active: list[Future[Any]] = []
         self.ranks: dict[int, int] = {}
         self.tails: dict[int, deque[str]] = {}
@@ -319,7 +322,8 @@ class Runner:
             job.failed_node = failure.node
             self._end(job, status, failure.exit_code, self._report(job, failure))
         elif job.cancel_requested:
-            self._end(job, JobStatus.CANCELLED, 130, [f"job {job.id} ({spec.name}) was cancelled"])
+            why = f"job {job.id} ({spec.name}) was cancelled{job.cancel_why}"
+            self._end(job, JobStatus.CANCELLED, job.cancel_code, [why])
         else:
             self._end(job, JobStatus.SUCCEEDED, 0, [])
 

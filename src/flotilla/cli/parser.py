@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("exec", help="sync the workdir and run a task or command (no setup)")
     q.add_argument("cluster")
-    q.add_argument("task", help="a task file or a shell command")
+    q.add_argument(
+        "task",
+        nargs="+",
+        help="a task file or a shell command, quoted or not (`exec dev echo hi`; after `--` "
+        "when the command has words that start with '-')",
+    )
     q.add_argument(
         "--nodes",
         "--num-nodes",

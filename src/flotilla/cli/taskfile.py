@@ -236,6 +236,14 @@ def load_task(path: str) -> Task:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else 0
+        if isinstance(e, yaml.composer.ComposerError) and "another document" in str(e.problem):
+            raise TaskError(
+                "this file holds several YAML documents (`---` between them): a pipeline of "
+                "tasks, which flotilla does not run; put each task in a file of its own "
+                "and run them one after the other",
+                path=path,
+                line=line,
+            ) from None
         problem = e.problem or e.context or "syntax error"
         raise TaskError(f"invalid YAML: {problem}", path=path, line=line) from None
     except yaml.YAMLError as e:

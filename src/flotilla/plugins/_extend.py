@@ -70,13 +70,16 @@ def extend(
     pip: Iterable[str] = (),
     pip_indexes: Iterable[str] = (),
     env: Mapping[str, str] | None = None,
+    index_packages: Mapping[str, Iterable[str]] | None = None,
 ) -> Any:
     """A copy of ``image`` with ``pip``, ``pip_indexes`` and ``env`` added.
 
     ``image`` None (the provider's default environment) becomes a default ``flotilla.Image``
     with the additions, so that the nodes still get the packages; without an ``Image`` type
     in this version of flotilla, None is returned unchanged. Variables the image's ``env``
-    already sets are kept.
+    already sets are kept. ``index_packages`` scopes indexes to packages (see
+    ``Image.pip_index_packages``; where this version's Image has no such field, the
+    indexes are left unscoped).
     """
     pip, pip_indexes = tuple(pip), tuple(pip_indexes)
     if not (pip or pip_indexes or env):
@@ -98,4 +101,9 @@ def extend(
         changes["pip_indexes"] = merge_indexes(image.pip_indexes, pip_indexes)  # type: ignore[attr-defined]
     if env:
         changes["env"] = {**env, **image.env}  # type: ignore[attr-defined]
+    if index_packages and hasattr(image, "pip_index_packages"):
+        scoped = {u: tuple(n) for u, n in image.pip_index_packages.items()}
+        for url, names in index_packages.items():
+            scoped[url] = tuple(dict.fromkeys([*scoped.get(url, ()), *names]))
+        changes["pip_index_packages"] = scoped
     return dataclasses.replace(image, **changes)

@@ -124,8 +124,13 @@ class TorchPlugin(Plugin):
         return WHEEL_INDEX.format(self.cuda if cuda else "cpu")
 
     def transform(self, image: Any, cluster: Any) -> Any:
-        """Add torch (+ vision/audio) and the matching wheel index to the image."""
-        return extend(image, pip=self.requirements(), pip_indexes=[self.index_url(cluster)])
+        """Add torch (+ vision/audio) and the matching wheel index to the image: that
+        index serves these packages only, not the image's others."""
+        url = self.index_url(cluster)
+        names = [re.split(r"[\s\[<>=!~;@]", r, maxsplit=1)[0] for r in self.requirements()]
+        return extend(
+            image, pip=self.requirements(), pip_indexes=[url], index_packages={url: names}
+        )
 
     def around_process(self, info: InstanceInfo) -> AbstractContextManager[None] | None:
         """Initialise the default process group; nothing for a single process."""

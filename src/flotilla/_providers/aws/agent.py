@@ -16,7 +16,7 @@ from typing import Any
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..._node.cloud import NOTICE
-from ..base import AgentProcess, FramesCallback
+from ..base import AgentProcess, FramesCallback, GiveUp
 
 RETRIED = frozenset({ProvisionCause.UNREACHABLE, ProvisionCause.NO_ANSWER})
 """Why an agent did not start on an instance that may still be booting (sshd not up yet or
@@ -35,8 +35,11 @@ class AWSAgent(AgentProcess):
         self.host = host
         self.on_notice = on_notice
 
-    def write(self, parts: Sequence[Any]) -> None:
-        self.inner.write(parts)
+    def write(self, parts: Sequence[Any], give_up: GiveUp | None = None) -> None:
+        self.inner.write(parts, give_up)
+
+    def try_write(self, data: bytes) -> bool:
+        return self.inner.try_write(data)
 
     def start_reading(
         self,

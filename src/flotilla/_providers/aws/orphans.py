@@ -10,6 +10,7 @@ end themselves ``ttl`` s after their client stopped talking to them).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -77,6 +78,26 @@ def _tag(resource: dict[str, Any], key: str) -> str:
         if tag["Key"] == key:
             return str(tag["Value"])
     return ""
+
+
+def sweep(api: Api) -> Orphans:
+    """What every pool start does, as the local provider removes what killed clients
+    left: the orphan pools' instances are told to terminate and their key folders removed,
+    without waiting; their security groups are deleted once their instances no longer
+    hold them (by this sweep or the next). Errors are left to ``remove_orphans``."""
+    found = remove_orphans(api, dry_run=True)
+    if found.instances:
+        with contextlib.suppress(Exception):
+            api.raw("ec2", "terminate_instances", InstanceIds=list(found.instances))
+    for group in found.security_groups:
+        with contextlib.suppress(Exception):  # DependencyViolation: instances still hold it
+            api.raw("ec2", "delete_security_group", GroupId=group)
+    for name in found.placement_groups:
+        with contextlib.suppress(Exception):  # InvalidPlacementGroup.InUse: likewise
+            api.raw("ec2", "delete_placement_group", GroupName=name)
+    for folder in found.folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return found
 
 
 def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:

@@ -32,14 +32,18 @@ lost through :meth:`Allocation.watch`'s callback, two minutes before AWS reclaim
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
 from .api import Api
-from .orphans import Orphans, remove_orphans
+from .orphans import Orphans, remove_orphans, sweep
 from .pool import AWSAllocation
 from .settings import AWSSettings
+
+logger = logging.getLogger("flotilla")
 
 
 class AWS(Provider):
@@ -127,6 +131,7 @@ class AWS(Provider):
     async def acquire(self, spec: PoolSpec) -> AWSAllocation:
         """Launch the pool's instances (see the module docstring); on failure or
         cancellation everything made so far is removed before the error propagates."""
+        await asyncio.get_running_loop().run_in_executor(None, self._sweep)
         allocation = AWSAllocation(self.settings, self.api, spec)
         try:
             await allocation.launch()
@@ -134,6 +139,20 @@ class AWS(Provider):
             await allocation.release()
             raise
         return allocation
+
+    def _sweep(self) -> None:
+        """Remove what killed clients of this machine left (see ``orphans.sweep``)."""
+        try:
+            found = sweep(self.api)
+        except Exception as e:  # no permission to list, say: the pool still starts
+            logger.debug("the sweep of orphan AWS pools failed: %s", e)
+            return
+        if found.pools:
+            logger.info(
+                "removing what killed clients left: pool(s) %s (%d instance(s))",
+                ", ".join(found.pools),
+                len(found.instances),
+            )
 
     def remove_orphans(self, dry_run: bool = False) -> Orphans:
         """Remove the instances, security groups and key folders of pools whose client

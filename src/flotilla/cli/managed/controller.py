@@ -223,6 +223,8 @@ class Controller:
                 gone |= {f.node for f in (failure, *failure.also) if f.code is None}
             what = f"node(s) {', '.join(map(str, sorted(gone)))} lost; " if gone else ""
             self.note(f"recovery {self.policy.recoveries}: {what}{decision.reason}")
+            if decision.delay and self.cancelled.wait(decision.delay):
+                return ManagedJobState.CANCELLED, 130, "cancelled during a recovery"
             try:
                 self._recover(cause, lost)
             except Exception as e:

@@ -17,8 +17,9 @@ Two kinds of failure, told apart by the controller:
   fail, so this never counts against ``max_restarts_on_errors``; the cluster is recovered
   and the job runs again, without limit (as SkyPilot does);
 * **the program failed** (``setup`` or ``run`` exited non-zero on some node): restarted
-  when one of the exit codes is in ``recover_on_exit_codes`` (not counted), otherwise while
-  fewer than ``max_restarts_on_errors`` restarts were made.
+  when one of the exit codes is in ``recover_on_exit_codes`` (not counted, but backing off:
+  1 s before the first such restart in a row, doubled each time, at most 60 s), otherwise
+  while fewer than ``max_restarts_on_errors`` restarts were made.
 
 The strategies differ in where a recovered job goes. ``FAILOVER`` keeps the machines that
 survived and replaces only the lost ones when the provider can (else relaunches the whole
@@ -157,6 +158,15 @@ class Decision:
     recover: bool
     counted: bool
     reason: str
+    delay: float = 0.0
+    """Seconds to wait before the job runs again (restarts on exit codes back off)."""
+
+
+EXIT_CODE_BACKOFF = 1.0
+"""Seconds before the first restart on a code of ``recover_on_exit_codes``; doubled for
+each one in a row (a program that always exits so restarts ever more slowly)..."""
+EXIT_CODE_BACKOFF_CAP = 60.0
+"""...up to this many seconds between two restarts."""
 
 
 @dataclass
@@ -173,6 +183,7 @@ class RecoveryPolicy:
     recovery: JobRecovery
     restarts_on_errors: int = 0
     recoveries: int = 0
+    exit_code_streak: int = 0  # restarts on recover_on_exit_codes in a row
 
     def decide(self, cause: Cause, exit_codes: list[int]) -> Decision:
         """The decision after an attempt failed for ``cause`` (``exit_codes``: the failing
@@ -184,10 +195,14 @@ class RecoveryPolicy:
             codes = ", ".join(map(str, exit_codes)) or "?"
             matched = [c for c in exit_codes if c in rec.recover_on_exit_codes]
             if matched:
+                delay = min(EXIT_CODE_BACKOFF * 2.0**self.exit_code_streak, EXIT_CODE_BACKOFF_CAP)
+                self.exit_code_streak += 1
                 decision = Decision(
                     True,
                     False,
-                    f"exit code {matched[0]} is in recover_on_exit_codes: restarting (not counted)",
+                    f"exit code {matched[0]} is in recover_on_exit_codes: restarting in "
+                    f"{delay:g} s (not counted)",
+                    delay,
                 )
             elif self.restarts_on_errors < rec.max_restarts_on_errors:
                 n = self.restarts_on_errors + 1
@@ -213,6 +228,8 @@ class RecoveryPolicy:
                     f"{self.restarts_on_errors} restart(s): max_restarts_on_errors="
                     f"{rec.max_restarts_on_errors} reached",
                 )
+        if decision.delay == 0.0:
+            self.exit_code_streak = 0
         if decision.recover:
             self.recoveries += 1
             if decision.counted:
