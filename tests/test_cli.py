@@ -692,6 +692,37 @@ def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
     assert not [p for p in (tmp_path / "wd").rglob("*") if "/.flotilla/mesh-" in str(p)]
 
 
+DEEPSPEED_TASK = """\
+num_nodes: 2
+workdir: .
+run: |
+  if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
+    echo "$SKYPILOT_NODE_IPS" | awk '{print $1 " slots=1"}' > hostfile
+    "$PY" -m deepspeed.launcher.runner --hostfile hostfile --master_addr "$MASTER_ADDR" \\
+      report.py
+  fi
+"""
+
+
+def test_deepspeeds_launcher_runs_one_rank_per_node_from_the_head(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """The seed's head-only pattern: rank 0 builds a hostfile from SKYPILOT_NODE_IPS and runs
+    DeepSpeed's launcher, which starts every node's rank over pdsh and ssh."""
+    pytest.importorskip("deepspeed")
+    ensure_package("pdsh", "/usr/bin/pdsh")
+    hosts = ssh_lab.hosts[:2]
+    (cli.cwd / "report.py").write_text(
+        "import os, socket\n"
+        'print("DS", os.environ["RANK"], os.environ["WORLD_SIZE"], socket.gethostname())\n'
+    )
+    task = cli.task("ds.yaml", DEEPSPEED_TASK)
+    flags = ssh_flags(ssh_lab, hosts, tmp_path / "wd")
+    done = cli.ok("launch", task, "-c", "ds", "--env", f"PY={sys.executable}", *flags, timeout=240)
+    ranks = sorted(line.split("DS ", 1)[1] for line in done.stdout.splitlines() if "DS " in line)
+    assert ranks == [f"{r} 2 {h.hostname}" for r, h in enumerate(hosts)], done.stdout
+
+
 def test_failed_run_is_retried_with_the_same_task_id(cli: CLI, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
