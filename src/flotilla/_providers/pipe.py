@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from .._wire.frames import Buffer, FrameError, FrameReader
+from .._wire.frames import Buffer, FrameError, FrameReader, advance
 from .base import AgentProcess, FramesCallback, GiveUp
 
 _T = TypeVar("_T")
@@ -92,14 +92,7 @@ class PipeAgent(AgentProcess):
                 written = 0
             if written:
                 stalled_since = time.monotonic()
-            while written:
-                first = views[0]
-                if written >= first.nbytes:
-                    written -= first.nbytes
-                    views.pop(0)
-                else:
-                    views[0] = first[written:]
-                    written = 0
+            advance(views, written)
             if not views:
                 return
             poller.poll(100)

@@ -92,15 +92,19 @@ def write_all(fd: int, parts: Sequence[Buffer]) -> None:
         parts = [memoryview(data)[n:]]
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        written = os.writev(fd, views[:512])
-        while written:
-            first = views[0]
-            if written >= first.nbytes:
-                written -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[written:]
-                written = 0
+        advance(views, os.writev(fd, views[:512]))
+
+
+def advance(views: list[memoryview], written: int) -> None:
+    """Drop the first ``written`` bytes of ``views`` (what ``os.writev`` wrote of them)."""
+    while written:
+        first = views[0]
+        if written >= first.nbytes:
+            written -= first.nbytes
+            views.pop(0)
+        else:
+            views[0] = first[written:]
+            written = 0
 
 
 def _memory() -> int:

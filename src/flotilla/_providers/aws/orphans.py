@@ -205,36 +205,46 @@ def terminate(api: Api, filters: list[dict[str, Any]], known: set[str], timeout:
 
 def delete_group(api: Api, group: str, timeout: float) -> None:
     """Delete security group ``group``, waiting while terminated instances still hold it."""
-    deadline = time.monotonic() + timeout
-    delay = 0.5
-    while True:
-        try:
-            api.raw("ec2", "delete_security_group", GroupId=group)
-            return
-        except Exception as e:
-            code = error_code(e)
-            if code == "InvalidGroup.NotFound":
-                return
-            if code != "DependencyViolation" or time.monotonic() > deadline:
-                raise translate(e, f"delete security group {group}") from e
-        time.sleep(delay)
-        delay = min(delay * 2, 10.0)
+    _delete(
+        api,
+        ("delete_security_group", {"GroupId": group}),
+        gone="InvalidGroup.NotFound",
+        busy="DependencyViolation",
+        what=f"delete security group {group}",
+        timeout=timeout,
+    )
 
 
 def delete_placement_group(api: Api, name: str, timeout: float = 600.0) -> None:
     """Delete placement group ``name``, waiting while terminated instances still count as
-    in it; gone already is fine."""
+    in it."""
+    _delete(
+        api,
+        ("delete_placement_group", {"GroupName": name}),
+        gone="InvalidPlacementGroup.Unknown",
+        busy="InvalidPlacementGroup.InUse",
+        what=f"delete placement group {name}",
+        timeout=timeout,
+    )
+
+
+def _delete(
+    api: Api, call: tuple[str, dict[str, str]], gone: str, busy: str, what: str, timeout: float
+) -> None:
+    """Make the EC2 ``call`` that deletes something; gone already (error ``gone``) is fine,
+    and while it is still in use (error ``busy``) it is tried again, backing off, until
+    ``timeout`` s have passed."""
     deadline = time.monotonic() + timeout
     delay = 0.5
     while True:
         try:
-            api.raw("ec2", "delete_placement_group", GroupName=name)
+            api.raw("ec2", call[0], **call[1])
             return
         except Exception as e:
             code = error_code(e)
-            if code == "InvalidPlacementGroup.Unknown":
+            if code == gone:
                 return
-            if code != "InvalidPlacementGroup.InUse" or time.monotonic() > deadline:
-                raise translate(e, f"delete placement group {name}") from e
+            if code != busy or time.monotonic() > deadline:
+                raise translate(e, what) from e
         time.sleep(delay)
         delay = min(delay * 2, 10.0)
