@@ -13,6 +13,7 @@ The names below are the whole public API. They are loaded on first use, so that 
 agent (``python -m flotilla.agent``), which imports this package, starts fast.
 """
 
+import builtins as _builtins
 import importlib as _importlib
 import typing as _typing
 
@@ -29,6 +30,12 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._client.function import PendingCall as PendingCall
     from ._client.function import function as function
     from ._client.function import gather as gather
+    from ._collections import barrier as barrier
+    from ._collections import counter as counter
+    from ._collections import dict as dict
+    from ._collections import lock as lock
+    from ._collections import queue as queue
+    from ._collections import set as set
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import FlotillaError as FlotillaError
     from ._errors import NodeLostError as NodeLostError
@@ -62,11 +69,12 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._volume import Volume as Volume
     from .plugins._base import Plugin as Plugin
 
-_EXPORTS: dict[str, tuple[str, ...]] = {
+_EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     # module (relative to this package) -> the public names it defines. The one list of the
     # API: __all__ and lazy loading derive from it; tests check the TYPE_CHECKING block above.
     "_accelerators": ("Accelerator", "accelerators"),
     "_client.compute": ("Compute", "PoolState"),
+    "_collections": ("barrier", "counter", "dict", "lock", "queue", "set"),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
     "_errors": (
         "ConfigurationError",
@@ -111,4 +119,4 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*globals(), *__all__})

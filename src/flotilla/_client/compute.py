@@ -16,6 +16,18 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
+from .._collections import (
+    NOT_CLUSTER,
+    Barrier,
+    Consistency,
+    Counter,
+    Dict,
+    Lock,
+    Queue,
+    Set,
+    activate,
+    deactivate,
+)
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
@@ -34,6 +46,7 @@ from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState
 from .outcome import results
 from .renew import Renewals
+from .store import Store, encode_answer
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
@@ -174,6 +187,7 @@ class Compute(Pool):
         )
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._heartbeat: asyncio.Task[None] | None = None
+        self._store = Store()  # the distributed collections (_collections.py)
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
         self._includes = b""
         self._secrets: list[str] = []
@@ -299,6 +313,7 @@ class Compute(Pool):
             raise clean from None
         self._state = PoolState.RUNNING
         count_open_pools(+1)
+        activate(self._store if self.options.cluster else None, self.pool_id)
         try:
             for p in self.plugins:
                 hook = getattr(p, "around_pool", None)
@@ -373,6 +388,7 @@ class Compute(Pool):
             return
         if self._state is PoolState.RUNNING:
             count_open_pools(-1)
+            deactivate(self.pool_id)
             try:
                 self._pool_hooks.close()  # plugins' client side (around_pool) first
             except Exception as e:  # the pool closes all the same
@@ -408,6 +424,7 @@ class Compute(Pool):
         self._console.close()  # the lines just flushed ended their bars
         self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
         shm.remove_pool_files(self._shm_prefix)
+        self._store.close()
 
     # -- operators with something else on the left ---------------------------------------
     def __rrshift__(self, other: object) -> Any:
@@ -511,6 +528,36 @@ class Compute(Pool):
 
         return iterate()
 
+    # -- distributed collections (_collections.py): this pool's, by name -----------------
+    def _collections_store(self) -> Store:
+        if not self.options.cluster:
+            raise ConfigurationError(NOT_CLUSTER)
+        return self._store
+
+    def dict(self, name: str, *, consistency: Consistency | None = None) -> Dict:
+        """The pool's distributed dict ``name`` (``sky.dict``)."""
+        return Dict(name, self._collections_store(), consistency)
+
+    def counter(self, name: str, *, consistency: Consistency | None = None) -> Counter:
+        """The pool's distributed counter ``name`` (``sky.counter``)."""
+        return Counter(name, self._collections_store(), consistency)
+
+    def set(self, name: str, *, consistency: Consistency | None = None) -> Set:
+        """The pool's distributed set ``name`` (``sky.set``)."""
+        return Set(name, self._collections_store(), consistency)
+
+    def queue(self, name: str) -> Queue:
+        """The pool's distributed queue ``name`` (``sky.queue``)."""
+        return Queue(name, self._collections_store())
+
+    def barrier(self, name: str, n: int) -> Barrier:
+        """The pool's barrier ``name`` for ``n`` parties (``sky.barrier``)."""
+        return Barrier(name, n, self._collections_store())
+
+    def lock(self, name: str) -> Lock:
+        """The pool's distributed lock ``name`` (``sky.lock``)."""
+        return Lock(name, self._collections_store())
+
     def map(self, fn: Callable[..., R] | Function[..., R], *iterables: Iterable[Any]) -> list[R]:
         """``list(map(fn, *iterables))``, spread over the nodes; results in input order (with
         several iterables, ``fn`` takes one item of each and the shortest one ends it)."""
@@ -561,6 +608,15 @@ class _PoolEvents(NodeEvents):
 
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
+
+    def store(self, node: Node, ident: int, body: bytes | bytearray) -> None:
+        def reply(answer: tuple[Any, ...]) -> None:
+            node.send_control(Kind.STORED, ident=ident, body=encode_answer(answer))
+
+        self.pool._store.submit(node.rank, bytes(body), reply)
+
+    def lost(self, node: Node) -> None:
+        self.pool._store.forget(node.rank)
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         if self.pool._secrets:  # the one point task output passes, to console or sink

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import pickle
 import sys
 import threading
 import time
@@ -129,6 +130,14 @@ class NodeEvents:
     def redact(self, text: str) -> str:
         """``text`` with secrets removed."""
         return text
+
+    def store(self, node: Node, ident: int, body: bytes | bytearray) -> None:
+        """A task's request to the distributed collections (a STORE frame)."""
+        answer = (False, "ConfigurationError", "this node's pool has no collections")
+        node.send_control(Kind.STORED, wait=False, ident=ident, body=pickle.dumps(answer))
+
+    def lost(self, node: Node) -> None:
+        """The node is lost (its calls were failed or are sent elsewhere)."""
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         """Complete lines a node's tasks printed (stream 1: stdout, 2: stderr)."""
@@ -323,6 +332,8 @@ class Node:
                     sub.started = True
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
+            elif kind == Kind.STORE:
+                self.events.store(self, ident, body)
             elif kind == Kind.HELLO:
                 self.hello_info = json.loads(body)
                 self.events.phase(self, "starting")
@@ -383,6 +394,7 @@ class Node:
             if fut is not None and not fut.done():
                 fut.set_exception(ProvisionError(str(err)))
         self._fail_all(str(err))
+        self.events.lost(self)
 
     def _fail_all(self, message: str) -> None:
         with self.lock:  # the calls a thread is still writing are left to it (see send)

@@ -15,6 +15,7 @@ import os
 import pickle
 import select
 import sys
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -67,6 +68,11 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
+    write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
+    if info.get("cluster"):  # the distributed collections (storechannel.py)
+        from .storechannel import Channel, install
+
+        install(Channel(wfd, write_lock, inbox.answer))
     me = os.getpid()
     streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
 
@@ -80,7 +86,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
             os._exit(0)
         _flush()
         _restore_streams(streams)
-        write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+        with write_lock:
+            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
         return True
 
     def define(ident: int, body: Body) -> bool:
@@ -127,18 +134,28 @@ class _Inbox:
         self.reader = FrameReader()
         self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
+        self.answers: dict[int, Body] = {}  # STORED frames, by request id
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
         self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
 
-    def _read(self, block: bool) -> None:
+    def answer(self, ident: int) -> Body | None:
+        """Wait for the STORED frame answering request ``ident``; None at end of stream.
+        Called by a task (the loop does not read meanwhile: it is running the task)."""
+        while ident not in self.answers:
+            if self.eof:
+                return None
+            self._read(block=True, until=ident)
+        return self.answers.pop(ident)
+
+    def _read(self, block: bool, until: int = 0) -> None:
         while not self.eof:
             try:
                 got = self.reader.read(self.fd)
             except BlockingIOError:
-                if block and not self.frames:
+                if block and (not self.frames if not until else until not in self.answers):
                     select.select([self.fd], [], [])
                     continue
                 return
@@ -148,9 +165,13 @@ class _Inbox:
             for f in got:
                 if f[0] == Kind.CANCEL:
                     self.cancelled.add(f[1])
+                elif f[0] == Kind.STORED:
+                    self.answers[f[1]] = f[2]
                 else:
                     self.frames.append(f)
-            if self.frames:  # a partial frame: keep waiting for the rest
+            if until and until in self.answers:
+                return
+            if self.frames and not until:  # a partial frame: keep waiting for the rest
                 block = False
 
 

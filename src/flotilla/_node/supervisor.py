@@ -28,6 +28,7 @@ Executor states (one executor per slot at a time)::
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -136,7 +137,11 @@ class Supervisor:
         self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
+            Kind.STORE: self._store,
         }
+        # the collections' requests relayed to the client: agent id -> (executor, its id)
+        self.requests: dict[int, tuple[Executor, int]] = {}
+        self.request_ids = itertools.count(1)
 
     def configure(self, config: dict[str, Any], blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -368,6 +373,23 @@ class Supervisor:
         else:
             self.client.send(result)
 
+    def _store(self, ex: Executor, ident: int, body: Body) -> None:
+        """A task's request to the distributed collections: to the client, renumbered
+        (executors number their own requests), so that the answer finds its executor."""
+        relay = next(self.request_ids)
+        self.requests[relay] = (ex, ident)
+        self.client.send([HEADER.pack(Kind.STORE, relay, len(body)), body])
+
+    def stored(self, relay: int, body: Body) -> None:
+        """The client's answer to a STORE: to the executor that asked, if it still runs
+        (an executor replaced meanwhile asked nothing of its successor)."""
+        asked = self.requests.pop(relay, None)
+        if asked is None:
+            return
+        ex, ident = asked
+        if ex.slot.executor is ex and ex.state is ExecState.RUNNING:
+            ex.outbox.send([HEADER.pack(Kind.STORED, ident, len(body)), body])
+
     def _ready(self, ex: Executor, ident: int, body: Body) -> None:
         """The executor is set up (or failed to be); READY goes to the client once the
         whole node is up."""
@@ -469,6 +491,8 @@ class Supervisor:
             except OSError:
                 pass
         kill_group(ex.pid)  # whatever the task left behind in its process group
+        for relay in [r for r, (e, _) in self.requests.items() if e is ex]:
+            del self.requests[relay]
         if ex.slot.executor is ex:
             ex.slot.executor = None
 

@@ -54,6 +54,9 @@ class Kind(IntEnum):
     CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
     RESTART = 17  # ident=new generation; text: the cause. Replace every executor, abort tasks
     PYTHON = 18  # JSON: become a Python of the client's minor version; a new HELLO answers
+    # executor -> agent -> client, and back: the distributed collections (_collections.py)
+    STORE = 19  # ident=request id; body = pickled request (relayed, the agent renumbers it)
+    STORED = 20  # ident=the STORE's id; body = pickled (ok, value or error)
 
 
 class Status(IntEnum):
