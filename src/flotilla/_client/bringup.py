@@ -103,7 +103,7 @@ class Bringup:
         info = InstanceInfo(
             node=node.rank,
             total_nodes=len(nodes),
-            is_head=cluster and node.rank == 0,
+            is_head=node.rank == 0,  # Skyward's: node 0, also without cluster mode
             head_addr=peers[0].addr if cluster else "",
             head_port=self.head_port if cluster else 0,
             accelerators=self.accelerator.count if self.accelerator else 0,
