@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import secrets
 import sys
 import time
@@ -88,6 +90,14 @@ class Compute(Pool):
             as ``vcpus`` is (SLURM: ``--mem``).
         volumes: :class:`Volume` s: buckets whose objects appear at a path on every node
             before the functions run (checked before anything is provisioned).
+        ttl: Skyward's: the pool's budget in seconds, after which its machines end
+            themselves (None or 0: the provider's own). Given to the provider's setting of
+            that meaning: AWS ``ttl`` (an instance powers off ``ttl`` s after the client's
+            last word), SLURM ``time`` (the job's time limit). Local and SSH nodes already
+            end with their client.
+        allocation: Skyward's ``"spot"``, ``"on-demand"`` or ``"spot-if-available"``: the
+            provider's ``allocation`` setting (AWS); providers that rent nothing (local,
+            SSH, SLURM) accept any of them.
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -105,6 +115,8 @@ class Compute(Pool):
         vcpus: float | None = None,
         memory_gb: float | None = None,
         volumes: Sequence[Volume] = (),
+        ttl: float | None = None,
+        allocation: str | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             hint = (
@@ -126,6 +138,9 @@ class Compute(Pool):
                 "provider must be a flotilla provider such as flotilla.Local(), "
                 f"got {type(provider).__name__}"
             )
+        provider = apply_skyward_settings(provider, ttl, allocation)
+        self.ttl = ttl
+        self.allocation = allocation
         if options is None:
             options = Options()
         elif not isinstance(options, Options):
@@ -565,6 +580,38 @@ class Compute(Pool):
             raise TypeError("pool.map(fn, items, ...) needs at least one iterable")
         f = fn if isinstance(fn, Function) else function(fn)
         return self.run_many([PendingCall(f, args, {}) for args in zip(*iterables, strict=False)])
+
+
+ALLOCATIONS = ("spot", "on-demand", "spot-if-available")
+"""Skyward's allocation strategies."""
+
+
+def apply_skyward_settings(provider: Provider, ttl: object, allocation: object) -> Provider:
+    """``provider``, or a copy with Skyward's ``Compute(ttl=, allocation=)`` given to its
+    settings of the same meaning (see :class:`Compute`)."""
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < float("inf")
+    ):
+        raise ConfigurationError(f"ttl must be seconds >= 0 (0: none), got {ttl!r}")
+    if allocation is not None and allocation not in ALLOCATIONS:
+        raise ConfigurationError(
+            f"allocation must be one of {', '.join(map(repr, ALLOCATIONS))}, got {allocation!r}"
+        )
+    settings = getattr(provider, "settings", None)
+    if settings is None or not dataclasses.is_dataclass(settings) or provider.settings_type is None:
+        return provider
+    names = {f.name for f in dataclasses.fields(settings)}
+    changes: dict[str, Any] = {}
+    if allocation is not None and "allocation" in names:
+        changes["allocation"] = allocation
+    if ttl:
+        if "ttl" in names:
+            changes["ttl"] = float(ttl)
+        elif "time" in names:  # SLURM: the job's time limit, in whole minutes
+            changes["time"] = max(1, math.ceil(ttl / 60))
+    if not changes:
+        return provider
+    return type(provider).from_settings(dataclasses.replace(settings, **changes))  # type: ignore[type-var]
 
 
 def _quiet_interrupt() -> None:
