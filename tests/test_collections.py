@@ -218,6 +218,58 @@ def test_bad_arguments_are_refused_early(pool: sky.Compute) -> None:
         pool.queue("q").get(timeout=-1)
 
 
+@sky.function
+def newer_names(name: str) -> tuple[object, ...]:
+    """Skyward's newer guide's names, on a node."""
+    steps = sky.counter(name)
+    steps.add()
+    work = sky.queue(name)
+    work.offer("t")
+    seen = sky.set(name)
+    seen.add("a")
+    seen.remove("a")
+    seen.remove("absent")  # no error
+    models = sky.registry(name)
+    models.register(3, "model-3")
+    return steps.get(), work.poll(), work.poll(), "a" in seen, models.lookup(3)
+
+
+def test_skywards_newer_names(pool: sky.Compute) -> None:
+    assert newer_names("newer") >> pool == (1, "t", None, False, "model-3")
+    r = pool.registry("newer")
+    assert r.list() == [3] and r.lookup(4) is None
+    r.unregister(3)
+    assert r.list() == []
+    d = pool.dict("newer")
+    d.update(a=1, b=2)
+    assert sorted(d.items()) == [("a", 1), ("b", 2)]
+    d.clear()
+    assert len(d) == 0
+    s = pool.set("newer")
+    s.add(1)
+    s.clear()
+    assert len(s) == 0
+    q = pool.queue("newer")
+    q.offer(1)
+    q.clear()
+    assert q.poll() is None
+    assert meet("parties", 4) @ pool == [4, 4, 4, 4]
+    assert sky.barrier("b", parties=2).n == 2 and pool.barrier("b", parties=3).n == 3
+    with pytest.raises(sky.ConfigurationError, match="parties"):
+        pool.barrier("b")
+
+
+def test_a_locks_lease_ends_and_a_bounded_wait_gives_up(pool: sky.Compute) -> None:
+    leased = pool.lock("leased", ttl=0.2)
+    assert leased.acquire()
+    waiting = pool.lock("leased", timeout=60)
+    assert waiting.acquire()  # taken once the lease ended
+    bounded = pool.lock("leased", timeout=0.05)
+    with pytest.raises(RuntimeError, match="not acquired within"), bounded:
+        pass
+    waiting.release()
+
+
 # -- no cluster pool --------------------------------------------------------------------------
 def test_outside_a_pool_a_clear_error() -> None:
     """In a fresh interpreter (this module's pool is open here)."""

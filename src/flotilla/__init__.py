@@ -35,6 +35,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._collections import dict as dict
     from ._collections import lock as lock
     from ._collections import queue as queue
+    from ._collections import registry as registry
     from ._collections import set as set
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import FlotillaError as FlotillaError
@@ -74,7 +75,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     # API: __all__ and lazy loading derive from it; tests check the TYPE_CHECKING block above.
     "_accelerators": ("Accelerator", "accelerators"),
     "_client.compute": ("Compute", "PoolState"),
-    "_collections": ("barrier", "counter", "dict", "lock", "queue", "set"),
+    "_collections": ("barrier", "counter", "dict", "lock", "queue", "registry", "set"),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
     "_errors": (
         "ConfigurationError",

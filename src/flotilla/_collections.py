@@ -226,6 +226,9 @@ class Dict(_Proxy):
     def items(self) -> builtins.list[tuple[Any, Any]]:
         return builtins.list(self._ask("items"))
 
+    def clear(self) -> None:
+        self._ask("clear")
+
     async def get_async(self, key: Any, default: Any = None) -> Any:
         return await _in_thread(self.get, key, default)
 
@@ -268,6 +271,14 @@ class Counter(_Proxy):
     def reset(self, value: int = 0) -> None:
         self._ask("reset", value)
 
+    def add(self, delta: int = 1) -> int:
+        """Add ``delta`` (Skyward's newer name for ``increment``); the new value."""
+        return int(self._ask("add", delta))
+
+    def get(self) -> int:
+        """The value (Skyward's newer name for ``value``)."""
+        return self.value
+
     def __int__(self) -> int:
         return self.value
 
@@ -304,6 +315,13 @@ class Set(_Proxy):
     def discard(self, value: Any) -> None:
         self._ask("discard", value)
 
+    def remove(self, value: Any) -> None:
+        """Skyward's newer name for ``discard`` (no error when ``value`` is absent)."""
+        self._ask("discard", value)
+
+    def clear(self) -> None:
+        self._ask("clear")
+
     def __contains__(self, value: Any) -> bool:
         return bool(self._ask("contains", value))
 
@@ -335,6 +353,17 @@ class Queue(_Proxy):
     def get(self, timeout: float | None = None) -> Any:
         """The oldest value, waiting for one up to ``timeout`` seconds (None: no limit)."""
         return self._ask("get", _check_timeout(timeout))
+
+    def offer(self, value: Any) -> None:
+        """Skyward's newer name for ``put``."""
+        self.put(value)
+
+    def poll(self) -> Any:
+        """The oldest value, or None at once if there is none."""
+        return self.get(timeout=0)
+
+    def clear(self) -> None:
+        self._ask("clear")
 
     def empty(self) -> bool:
         return len(self) == 0
@@ -375,15 +404,31 @@ class Barrier(_Proxy):
 class Lock(_Proxy):
     """A distributed lock: ``acquire``, ``release``, ``with lock:``. Not reentrant; held by
     one process (released by any of its threads); released by the store when the node
-    holding it is lost."""
+    holding it is lost, or ``ttl`` seconds after it was taken (a lease) when given.
+    ``timeout`` bounds the wait of ``with lock:`` and ``acquire()`` (RuntimeError when
+    it passes in ``with``)."""
 
     _kind = "lock"
 
+    def __init__(
+        self,
+        name: str,
+        backend: Backend | None = None,
+        ttl: float | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(name, backend)
+        self.ttl = _check_timeout(ttl)
+        self.timeout = _check_timeout(timeout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._name, None, self.ttl, self.timeout))
+
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Take the lock; False if it was not free (``blocking=False``) or ``timeout``
-        seconds passed first."""
-        wait = _check_timeout(timeout) if blocking else 0.0
-        return bool(self._ask("acquire", _owner(), wait))
+        seconds passed first (default: the lock's ``timeout``)."""
+        wait = _check_timeout(self.timeout if timeout is None else timeout) if blocking else 0.0
+        return bool(self._ask("acquire", _owner(), wait, self.ttl))
 
     def release(self) -> None:
         self._ask("release", _owner())
@@ -392,7 +437,8 @@ class Lock(_Proxy):
         return bool(self._ask("locked"))
 
     def __enter__(self) -> Lock:
-        self.acquire()
+        if not self.acquire():
+            raise RuntimeError(f"lock {self._name!r}: not acquired within {self.timeout:g} s")
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -405,11 +451,30 @@ class Lock(_Proxy):
         await _in_thread(self.release)
 
     async def __aenter__(self) -> Lock:
-        await self.acquire_async()
+        await _in_thread(self.__enter__)
         return self
 
     async def __aexit__(self, *_: object) -> None:
         await self.release_async()
+
+
+class Registry(_Proxy):
+    """Named values: ``register(key, value)``, ``lookup(key)`` (None if absent),
+    ``unregister(key)``, ``list()`` (the keys)."""
+
+    _kind = "registry"
+
+    def register(self, key: Any, value: Any) -> None:
+        self._ask("register", key, value)
+
+    def lookup(self, key: Any) -> Any:
+        return self._ask("lookup", key)
+
+    def unregister(self, key: Any) -> None:
+        self._ask("unregister", key)
+
+    def list(self) -> builtins.list[Any]:
+        return builtins.list(self._ask("list"))
 
 
 def dict(name: str, *, consistency: Consistency | None = None) -> Dict:
@@ -432,11 +497,23 @@ def queue(name: str) -> Queue:
     return Queue(name)
 
 
-def barrier(name: str, n: int) -> Barrier:
-    """The pool's barrier ``name`` for ``n`` parties."""
-    return Barrier(name, n)
+def count_parties(n: int | None, parties: int | None) -> int:
+    """A barrier's parties, given as ``n`` or (Skyward's newer name) ``parties``."""
+    if (n is None) == (parties is None):
+        raise ConfigurationError("a barrier needs its number of parties: n or parties, once")
+    return n if n is not None else parties  # type: ignore[return-value]
 
 
-def lock(name: str) -> Lock:
-    """The pool's distributed lock ``name``."""
-    return Lock(name)
+def barrier(name: str, n: int | None = None, *, parties: int | None = None) -> Barrier:
+    """The pool's barrier ``name`` for ``n`` (or ``parties``) parties."""
+    return Barrier(name, count_parties(n, parties))
+
+
+def lock(name: str, *, ttl: float | None = None, timeout: float | None = None) -> Lock:
+    """The pool's distributed lock ``name`` (``ttl``: a lease; ``timeout``: the wait)."""
+    return Lock(name, ttl=ttl, timeout=timeout)
+
+
+def registry(name: str) -> Registry:
+    """The pool's registry ``name``."""
+    return Registry(name)

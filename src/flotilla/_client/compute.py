@@ -26,8 +26,10 @@ from .._collections import (
     Dict,
     Lock,
     Queue,
+    Registry,
     Set,
     activate,
+    count_parties,
     deactivate,
 )
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
@@ -565,13 +567,17 @@ class Compute(Pool):
         """The pool's distributed queue ``name`` (``sky.queue``)."""
         return Queue(name, self._collections_store())
 
-    def barrier(self, name: str, n: int) -> Barrier:
-        """The pool's barrier ``name`` for ``n`` parties (``sky.barrier``)."""
-        return Barrier(name, n, self._collections_store())
+    def barrier(self, name: str, n: int | None = None, *, parties: int | None = None) -> Barrier:
+        """The pool's barrier ``name`` for ``n`` (or ``parties``) parties (``sky.barrier``)."""
+        return Barrier(name, count_parties(n, parties), self._collections_store())
 
-    def lock(self, name: str) -> Lock:
+    def lock(self, name: str, *, ttl: float | None = None, timeout: float | None = None) -> Lock:
         """The pool's distributed lock ``name`` (``sky.lock``)."""
-        return Lock(name, self._collections_store())
+        return Lock(name, self._collections_store(), ttl, timeout)
+
+    def registry(self, name: str) -> Registry:
+        """The pool's registry ``name`` (``sky.registry``)."""
+        return Registry(name, self._collections_store())
 
     def map(self, fn: Callable[..., R] | Function[..., R], *iterables: Iterable[Any]) -> list[R]:
         """``list(map(fn, *iterables))``, spread over the nodes; results in input order (with

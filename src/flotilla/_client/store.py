@@ -43,6 +43,7 @@ class _Waiter:
     reply: Reply
     owner: Any = None
     timed_out: Any = None  # the answer when its deadline passes
+    lease: float | None = None  # a lock's: seconds it is held at most once taken
     done: bool = False
 
     def answer(self, value: Any) -> None:
@@ -66,6 +67,7 @@ class _Barrier:
 @dataclass
 class _Lock:
     owner: Any = None
+    holds: int = 0  # times it was taken (a lease ends only the hold it was given for)
     waiters: deque[_Waiter] = field(default_factory=deque)
 
 
@@ -83,6 +85,7 @@ class Store:
         self.queues: dict[str, _Queue] = {}
         self.barriers: dict[str, _Barrier] = {}
         self.locks: dict[str, _Lock] = {}
+        self.registries: dict[str, dict[Any, Any]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
 
@@ -145,7 +148,11 @@ class Store:
             now = time.monotonic()
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, _, w = heapq.heappop(self._deadlines)
-                if not w.done:
+                if w.timed_out is _EXPIRE:  # a lock's lease: released if still that hold
+                    lock, holds = w.owner
+                    if lock.holds == holds and lock.owner is not None:
+                        self._hand_over(lock)
+                elif not w.done:
                     w.answer(w.timed_out)
 
     def _apply(self, origin: int, request: bytes | tuple[Any, ...], reply: Reply) -> None:
@@ -220,6 +227,22 @@ class Store:
     def _dict_items(self, _o: int, _r: Reply, name: str) -> list[tuple[Any, Any]]:
         return list(self._d(name).items())
 
+    def _dict_clear(self, _o: int, _r: Reply, name: str) -> None:
+        self._d(name).clear()
+
+    # -- registry (a dict of its own namespace) -------------------------------------------
+    def _registry_register(self, _o: int, _r: Reply, name: str, key: Any, value: Any) -> None:
+        self.registries.setdefault(name, {})[key] = value
+
+    def _registry_lookup(self, _o: int, _r: Reply, name: str, key: Any) -> Any:
+        return self.registries.get(name, {}).get(key)
+
+    def _registry_unregister(self, _o: int, _r: Reply, name: str, key: Any) -> None:
+        self.registries.get(name, {}).pop(key, None)
+
+    def _registry_list(self, _o: int, _r: Reply, name: str) -> list[Any]:
+        return list(self.registries.get(name, {}))
+
     # -- counter ------------------------------------------------------------------------
     def _counter_add(self, _o: int, _r: Reply, name: str, n: int) -> int:
         value = self.counters.get(name, 0) + n
@@ -248,6 +271,9 @@ class Store:
     def _set_items(self, _o: int, _r: Reply, name: str) -> list[Any]:
         return list(self.sets.get(name, ()))
 
+    def _set_clear(self, _o: int, _r: Reply, name: str) -> None:
+        self.sets.pop(name, None)
+
     # -- queue --------------------------------------------------------------------------
     def _queue_put(self, _o: int, _r: Reply, name: str, value: Any) -> None:
         q = self.queues.setdefault(name, _Queue())
@@ -271,6 +297,9 @@ class Store:
     def _queue_len(self, _o: int, _r: Reply, name: str) -> int:
         return len(self.queues.get(name, _Queue()).items)
 
+    def _queue_clear(self, _o: int, _r: Reply, name: str) -> None:
+        self.queues.setdefault(name, _Queue()).items.clear()
+
     # -- barrier ------------------------------------------------------------------------
     def _barrier_wait(
         self, origin: int, reply: Reply, name: str, n: int, timeout: float | None
@@ -289,18 +318,35 @@ class Store:
 
     # -- lock ---------------------------------------------------------------------------
     def _lock_acquire(
-        self, origin: int, reply: Reply, name: str, owner: Any, timeout: float | None
+        self,
+        origin: int,
+        reply: Reply,
+        name: str,
+        owner: Any,
+        timeout: float | None,
+        ttl: float | None = None,
     ) -> Any:
         lock = self.locks.setdefault(name, _Lock())
         owner = (origin, owner)
         if lock.owner is None:
-            lock.owner = owner
+            self._take(lock, owner, ttl)
             return True
         if timeout is not None and timeout <= 0:
             return False
-        waiter = _Waiter(origin, reply, owner=owner, timed_out=False)
+        waiter = _Waiter(origin, reply, owner=owner, timed_out=False, lease=ttl)
         lock.waiters.append(waiter)
         return self._wait(waiter, timeout)
+
+    def _take(self, lock: _Lock, owner: Any, ttl: float | None) -> None:
+        """``owner`` holds ``lock``; with a lease of ``ttl`` s, after which it is released."""
+        lock.owner = owner
+        lock.holds += 1
+        if ttl:
+            import time
+
+            expiry = _Waiter(CLIENT, lambda _: None, owner=(lock, lock.holds))
+            expiry.timed_out = _EXPIRE
+            heapq.heappush(self._deadlines, (time.monotonic() + ttl, next(self._seq), expiry))
 
     def _lock_release(self, origin: int, _r: Reply, name: str, owner: Any) -> None:
         lock = self.locks.setdefault(name, _Lock())
@@ -317,13 +363,15 @@ class Store:
         while lock.waiters:
             w = lock.waiters.popleft()
             if not w.done:
-                lock.owner = w.owner
+                self._take(lock, w.owner, w.lease)
                 w.answer(True)
                 return
 
 
 _WAIT = object()
 """An operation's answer comes later (it waits)."""
+_EXPIRE = object()
+"""Marks a lock's lease among the deadlines."""
 
 
 def encode_answer(answer: tuple[Any, ...]) -> bytes:
