@@ -51,6 +51,7 @@ from .node import Node, NodeEvents, NodeState
 from .outcome import results
 from .renew import Renewals
 from .store import Store, encode_answer
+from .stream import Stream, yields
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
@@ -474,8 +475,21 @@ class Compute(Pool):
         return subs[0].future
 
     def run(self, call: PendingCall[R]) -> R:
-        """Run ``call`` on the least busy node and return its value (``call >> pool``)."""
+        """Run ``call`` on the least busy node and return its value (``call >> pool``);
+        for a function that yields, an iterator over its values as they come
+        (``stream.py``)."""
+        call = as_call(call, ">>")
+        if yields(call.function.fn):
+            return self._stream(call)  # type: ignore[return-value]
         return self.submit(call).result()
+
+    def _stream(self, call: PendingCall[Any]) -> Stream:
+        self._check_running()
+        subs = self._dispatcher.prepare([call])
+        sub = subs[0]
+        stream = sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
+        self._dispatcher.dispatch(subs)
+        return stream
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""

@@ -23,6 +23,7 @@ from .._wire.frames import TASK_HEAD, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
 from .lines import LineAssembler
+from .stream import on_yield
 
 if TYPE_CHECKING:
     from .function import PendingCall
@@ -110,6 +111,8 @@ class Submission:
     started: bool = False  # its node said it may have started (STARTED) on its current node
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
+    stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
+    collected: list[bytes | bytearray] = field(default_factory=list)  # else its values
 
 
 class NodeEvents:
@@ -332,6 +335,10 @@ class Node:
                     sub.started = True
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
+            elif kind == Kind.YIELD:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    on_yield(self, sub, ident, body)
             elif kind == Kind.STORE:
                 self.events.store(self, ident, body)
             elif kind == Kind.HELLO:

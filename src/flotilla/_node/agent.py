@@ -98,6 +98,7 @@ class Agent:
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
             Kind.STORED: ex.stored,
+            Kind.CREDIT: ex.credit,
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts

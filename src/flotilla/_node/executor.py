@@ -18,11 +18,23 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from functools import partial
+from types import GeneratorType
 from typing import Any, NoReturn
 
-from .._wire.frames import TASK_HEAD, Body, FrameReader, Kind, Status, frame, write_all
+from .._wire.frames import (
+    CREDIT_BODY,
+    STREAM_WINDOW,
+    TASK_HEAD,
+    Body,
+    FrameReader,
+    Kind,
+    Status,
+    frame,
+    write_all,
+)
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
@@ -81,7 +93,7 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        status, parts = _run(functions, body, shm_prefix, _serialize)
+        status, parts = _run(functions, body, shm_prefix, _serialize, partial(stream, ident))
         if os.getpid() != me:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()
@@ -89,6 +101,20 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         with write_lock:
             write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
         return True
+
+    def stream(ident: int, values: Iterator[Any]) -> None:
+        """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
+        CREDIT (a slow consumer pauses the generator here)."""
+        allowed = STREAM_WINDOW
+        for sent, value in enumerate(values):
+            while sent >= allowed:
+                more = inbox.credit(ident)
+                if more is None:  # the agent is gone
+                    os._exit(0)
+                allowed += more
+            parts = _serialize.encode(_serialize.pickle_obj(value))
+            with write_lock:
+                write_all(wfd, frame(Kind.YIELD, ident, *parts))
 
     def define(ident: int, body: Body) -> bool:
         functions[ident] = _serialize.decode(body)
@@ -135,6 +161,7 @@ class _Inbox:
         self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
         self.answers: dict[int, Body] = {}  # STORED frames, by request id
+        self.credits: dict[int, int] = {}  # CREDIT frames, by task id
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
@@ -147,41 +174,63 @@ class _Inbox:
         while ident not in self.answers:
             if self.eof:
                 return None
-            self._read(block=True, until=ident)
+            self._read(block=True, until=lambda: ident in self.answers)
         return self.answers.pop(ident)
 
-    def _read(self, block: bool, until: int = 0) -> None:
+    def credit(self, ident: int) -> int | None:
+        """Wait for CREDIT for task ``ident``: how many values more; None at end of stream."""
+        while ident not in self.credits:
+            if self.eof:
+                return None
+            self._read(block=True, until=lambda: ident in self.credits)
+        return self.credits.pop(ident)
+
+    def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
         while not self.eof:
             try:
                 got = self.reader.read(self.fd)
             except BlockingIOError:
-                if block and (not self.frames if not until else until not in self.answers):
+                if block and (not self.frames if until is None else not until()):
                     select.select([self.fd], [], [])
                     continue
                 return
             if got is None:
                 self.eof = True
                 return
-            for f in got:
-                if f[0] == Kind.CANCEL:
-                    self.cancelled.add(f[1])
-                elif f[0] == Kind.STORED:
-                    self.answers[f[1]] = f[2]
+            for kind, ident, body in got:
+                if kind == Kind.CANCEL:
+                    self.cancelled.add(ident)
+                elif kind == Kind.STORED:
+                    self.answers[ident] = body
+                elif kind == Kind.CREDIT:
+                    more = CREDIT_BODY.unpack_from(body)[0]
+                    self.credits[ident] = self.credits.get(ident, 0) + more
                 else:
-                    self.frames.append(f)
-            if until and until in self.answers:
-                return
-            if self.frames and not until:  # a partial frame: keep waiting for the rest
+                    self.frames.append((kind, ident, body))
+            if until is not None:
+                if until():
+                    return
+            elif self.frames:  # a partial frame: keep waiting for the rest
                 block = False
 
 
 def _run(
-    functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any
+    functions: dict[int, Any],
+    body: bytes | bytearray,
+    shm_prefix: str,
+    ser: Any,
+    stream: Callable[[Iterator[Any]], None],
 ) -> tuple[int, list[Any]]:
     try:
         fn_key, args, kwargs = ser.decode(body, TASK_HEAD.size)
         value = functions[fn_key](*args, **kwargs)
         del args, kwargs
+        if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames
+            try:
+                stream(value)
+            finally:
+                value.close()
+            value = None
         status = Status.OK
     except BaseException as e:  # user code: report everything, including SystemExit
         value = _describe(e)

@@ -138,6 +138,7 @@ class Supervisor:
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
             Kind.STORE: self._store,
+            Kind.YIELD: self._yield,
         }
         # the collections' requests relayed to the client: agent id -> (executor, its id)
         self.requests: dict[int, tuple[Executor, int]] = {}
@@ -379,6 +380,18 @@ class Supervisor:
         relay = next(self.request_ids)
         self.requests[relay] = (ex, ident)
         self.client.send([HEADER.pack(Kind.STORE, relay, len(body)), body])
+
+    def _yield(self, ex: Executor, ident: int, body: Body) -> None:
+        """A value of a yielding task: to the client."""
+        self.client.send([HEADER.pack(Kind.YIELD, ident, len(body)), body])
+
+    def credit(self, ident: int, body: Body) -> None:
+        """The client's leave for a yielding task to send more: to its executor."""
+        for slot in self.slots:
+            ex = slot.executor
+            if slot.fed and slot.tasks and slot.tasks[0].ident == ident and ex is not None:
+                ex.outbox.send([HEADER.pack(Kind.CREDIT, ident, len(body)), body])
+                return
 
     def stored(self, relay: int, body: Body) -> None:
         """The client's answer to a STORE: to the executor that asked, if it still runs
