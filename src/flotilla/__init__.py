@@ -68,6 +68,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from ._volume import Volume as Volume
+    from ._worker import Worker as Worker
     from .plugins._base import Plugin as Plugin
 
 _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
@@ -101,6 +102,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.ssh": ("SSH",),
     "_shard": ("shard",),
     "_volume": ("Volume",),
+    "_worker": ("Worker",),
     "plugins._base": ("Plugin",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

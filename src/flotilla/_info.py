@@ -52,6 +52,11 @@ class InstanceInfo:
         local_rank: this process's rank on its node (0 unless a plugin asks for several
             processes per node, as ``plugins.torch(procs_per_node=...)`` does).
         procs_per_node: processes per node running each broadcast call.
+        worker: Skyward's: this process's task slot on its node, 0 to
+            ``workers_per_node - 1`` (``Worker(concurrency=...)``; also the local rank of
+            a plugin's processes).
+        workers_per_node: task slots per node (``Worker(concurrency=...)``, or the
+            processes a plugin runs per node).
     """
 
     node: int
@@ -67,26 +72,18 @@ class InstanceInfo:
     accelerator: str | None = None
     local_rank: int = 0
     procs_per_node: int = 1
-
-    @property
-    def worker(self) -> int:
-        """Skyward's name: this process's worker slot on its node (``local_rank``)."""
-        return self.local_rank
-
-    @property
-    def workers_per_node(self) -> int:
-        """Skyward's name: worker slots per node (``procs_per_node``)."""
-        return self.procs_per_node
+    worker: int = 0
+    workers_per_node: int = 1
 
     @property
     def global_worker_index(self) -> int:
         """This worker's index in the pool, 0 to ``total_workers - 1``."""
-        return self.node * self.procs_per_node + self.local_rank
+        return self.node * self.workers_per_node + self.worker
 
     @property
     def total_workers(self) -> int:
-        """Worker slots in the pool."""
-        return self.total_nodes * self.procs_per_node
+        """Worker slots (task processes) in the pool."""
+        return self.total_nodes * self.workers_per_node
 
     def to_json(self) -> str:
         """The ``COMPUTE_POOL`` representation."""

@@ -52,6 +52,7 @@ class Bringup:
         self.options = options
         self.accelerator = accelerator
         self.procs_per_node = procs_per_node
+        self.workers = procs_per_node  # task slots per node (Worker(concurrency=...))
         self.group = group
         self.home = home
         self.shm_prefix = shm_prefix
@@ -113,10 +114,11 @@ class Bringup:
             cluster=cluster,
             accelerator=self.accelerator.name if self.accelerator else None,
             procs_per_node=self.procs_per_node,
+            workers_per_node=self.workers,
         )
         config = {
             "pool_id": self.pool_id,
-            "procs": self.procs_per_node,
+            "procs": self.workers,
             "compute_pool": info.to_json(),
             "env": self.env,
             "image": self.build_spec,

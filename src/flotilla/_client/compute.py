@@ -40,6 +40,7 @@ from .._redaction import plain_env, plugin_secrets, redact, redact_exception, se
 from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
+from .._worker import Worker
 from . import loop as _loop
 from . import shm
 from .bringup import Bringup
@@ -101,6 +102,8 @@ class Compute(Pool):
         allocation: Skyward's ``"spot"``, ``"on-demand"`` or ``"spot-if-available"``: the
             provider's ``allocation`` setting (AWS); providers that rent nothing (local,
             SSH, SLURM) accept any of them.
+        worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
+            one).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -120,6 +123,7 @@ class Compute(Pool):
         volumes: Sequence[Volume] = (),
         ttl: float | None = None,
         allocation: str | None = None,
+        worker: Worker | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             hint = (
@@ -177,6 +181,8 @@ class Compute(Pool):
         )
         """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
         None: one per accelerator)."""
+        self.worker = _worker_of(worker, options, self.procs_per_node)
+        """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
             options.cluster
             and nodes * self.procs_per_node > 1
@@ -203,6 +209,7 @@ class Compute(Pool):
             running=lambda: self._state is PoolState.RUNNING,
             replacer=self._replace if options.replace_lost_nodes else None,
         )
+        self._bringup.workers = max(self.procs_per_node, self.worker.concurrency)
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._heartbeat: asyncio.Task[None] | None = None
         self._store = Store()  # the distributed collections (_collections.py)
@@ -600,6 +607,22 @@ class Compute(Pool):
             raise TypeError("pool.map(fn, items, ...) needs at least one iterable")
         f = fn if isinstance(fn, Function) else function(fn)
         return self.run_many([PendingCall(f, args, {}) for args in zip(*iterables, strict=False)])
+
+
+def _worker_of(worker: object, options: Options, procs_per_node: int) -> Worker:
+    """The pool's :class:`Worker`: ``Compute(worker=)``, else ``Options.worker``, else one."""
+    if worker is not None and not isinstance(worker, Worker):
+        raise ConfigurationError(
+            f"worker must be a flotilla.Worker, e.g. Worker(concurrency=4), "
+            f"got {type(worker).__name__}"
+        )
+    chosen = worker or options.worker or Worker()
+    if chosen.concurrency > 1 and procs_per_node > 1:
+        raise ConfigurationError(
+            f"Worker(concurrency={chosen.concurrency}) cannot be combined with a plugin "
+            f"that runs {procs_per_node} processes per node: use one or the other"
+        )
+    return chosen
 
 
 ALLOCATIONS = ("spot", "on-demand", "spot-if-available")

@@ -41,7 +41,9 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     """Run the executor loop; never returns."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
-    info["local_rank"] = config.get("local_rank", 0)
+    slot = config.get("local_rank", 0)
+    info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
+    info["local_rank"] = slot if info.get("procs_per_node", 1) > 1 else 0
     os.environ["COMPUTE_POOL"] = json.dumps(info)
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     image_dir = config.get("image_dir")

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Self
 from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
+from .._worker import Worker
 
 logger = logging.getLogger("flotilla")
 
@@ -69,6 +70,8 @@ class Options:
             the node stays lost; broadcasts then fail naming it.
         provision_timeout: Skyward's name for ``start_timeout`` (when given, it is the one
             used).
+        worker: :class:`Worker`: task slots per node (default: one); ``Compute(worker=)``
+            takes precedence.
     """
 
     cluster: bool = True
@@ -78,6 +81,7 @@ class Options:
     env: dict[str, Any] = field(default_factory=dict)
     replace_lost_nodes: bool = True
     provision_timeout: float | None = None
+    worker: Worker | None = None
 
     def __repr__(self) -> str:  # env values may be secrets: never shown
         from .._redaction import shown_env
@@ -89,6 +93,10 @@ class Options:
         )
 
     def __post_init__(self) -> None:
+        if self.worker is not None and not isinstance(self.worker, Worker):
+            raise ConfigurationError(
+                f"Options.worker must be a flotilla.Worker, got {type(self.worker).__name__}"
+            )
         if self.provision_timeout is not None:
             object.__setattr__(self, "start_timeout", self.provision_timeout)
         if not isinstance(self.replace_lost_nodes, bool):
