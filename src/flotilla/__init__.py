@@ -48,6 +48,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._errors import TaskTimeoutError as TaskTimeoutError
     from ._errors import WorkerDiedError as WorkerDiedError
     from ._image import Image as Image
+    from ._image import PipIndex as PipIndex
     from ._info import InstanceInfo as InstanceInfo
     from ._info import Peer as Peer
     from ._info import instance_info as instance_info
@@ -90,7 +91,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
         "TaskTimeoutError",
         "WorkerDiedError",
     ),
-    "_image": ("Image",),
+    "_image": ("Image", "PipIndex"),
     "_redaction": ("Secret",),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
     "_output": ("silent", "stderr", "stdout"),
