@@ -97,3 +97,53 @@ def test_streaming_256_mib_keeps_the_clients_memory_bounded(pool: sky.Compute) -
     assert total == 256 << 20
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown < 64 * 1024, f"peak memory grew {grown} KiB"
+
+
+# -- streamed arguments (Iterator[T] parameters) ------------------------------------------------
+@sky.function
+def total(values: Iterator[int]) -> int:
+    assert not isinstance(values, list)  # an iterator that reads as the client sends
+    return sum(values)
+
+
+@sky.function
+def double_each(values: Iterator[int], factor: int = 2) -> Iterator[int]:
+    for v in values:
+        yield v * factor
+
+
+@sky.function
+def take_three(values: Iterator[int]) -> list[int]:
+    it = iter(values)
+    return [next(it), next(it), next(it)]
+
+
+def test_a_generator_argument_is_streamed_to_the_node(pool: sky.Compute) -> None:
+    assert total(i for i in range(1000)) >> pool == sum(range(1000))
+    assert total(values=iter(range(10))) >> pool == 45
+    assert total([]) >> pool == 0
+
+
+def test_streamed_in_and_out(pool: sky.Compute) -> None:
+    assert list(double_each(iter(range(20)), factor=3) >> pool) == [3 * i for i in range(20)]
+
+
+def test_the_client_sends_only_a_window_ahead_of_the_task(pool: sky.Compute) -> None:
+    pulled = []
+
+    def source() -> Iterator[int]:
+        for i in range(1_000_000):
+            pulled.append(i)
+            yield i
+
+    assert take_three(source()) >> pool == [0, 1, 2]
+    assert len(pulled) <= 3 + 2 * STREAM_WINDOW  # never the million
+
+
+def test_a_failing_argument_iterator_is_raised_on_the_node(pool: sky.Compute) -> None:
+    def broken() -> Iterator[int]:
+        yield 1
+        raise OSError("disk gone")
+
+    with pytest.raises(RuntimeError, match="disk gone"):
+        total(broken()) >> pool

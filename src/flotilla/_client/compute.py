@@ -41,14 +41,14 @@ from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
 from .._worker import Worker
+from . import feeds, shm
 from . import loop as _loop
-from . import shm
 from .bringup import Bringup
 from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
 from .interpreter import Policy, check_image
-from .node import Node, NodeEvents, NodeState
+from .node import Node, NodeEvents, NodeState, Submission
 from .outcome import results
 from .renew import Renewals
 from .store import Store, encode_answer
@@ -476,10 +476,22 @@ class Compute(Pool):
     def submit(self, call: PendingCall[R]) -> Future[R]:
         """Run ``call`` on the least busy node; returns a Future (``call > pool``)."""
         self._check_running()
-        call = as_call(call, ">")
-        subs = self._dispatcher.prepare([call])
+        return self._send([as_call(call, ">")])[0].future
+
+    def _send(self, calls: list[PendingCall[Any]], stream: bool = False) -> list[Submission]:
+        """Send calls to the least busy slots; their streamed arguments follow
+        (``feeds.py``); with ``stream``, ``>>``'s iterator over the values of the one call
+        (``stream.py``)."""
+        split = [feeds.split(c) for c in calls]
+        subs = self._dispatcher.prepare([c for c, _ in split])
+        if stream:
+            sub = subs[0]
+            sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
         self._dispatcher.dispatch(subs)
-        return subs[0].future
+        for sub, (_, sources) in zip(subs, split, strict=True):
+            if sources:
+                feeds.start(sub, sources)
+        return subs
 
     def run(self, call: PendingCall[R]) -> R:
         """Run ``call`` on the least busy node and return its value (``call >> pool``);
@@ -492,10 +504,7 @@ class Compute(Pool):
 
     def _stream(self, call: PendingCall[Any]) -> Stream:
         self._check_running()
-        subs = self._dispatcher.prepare([call])
-        sub = subs[0]
-        stream = sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
-        self._dispatcher.dispatch(subs)
+        stream: Stream = self._send([call], stream=True)[0].stream
         return stream
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
@@ -525,9 +534,7 @@ class Compute(Pool):
 
     def _submit_many(self, calls: Sequence[PendingCall[Any]]) -> list[Future[Any]]:
         self._check_running()
-        subs = self._dispatcher.prepare([as_call(c, "gather") for c in calls])
-        self._dispatcher.dispatch(subs)
-        return [s.future for s in subs]
+        return [s.future for s in self._send([as_call(c, "gather") for c in calls])]
 
     def submit_group(self, calls: Sequence[PendingCall[Any]]) -> Future[tuple[Any, ...]]:
         """Run calls in parallel in the background; a Future of their results' tuple."""

@@ -22,6 +22,7 @@ from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import TASK_HEAD, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
+from .feeds import on_credit
 from .lines import LineAssembler
 from .stream import on_yield
 
@@ -113,6 +114,7 @@ class Submission:
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
     stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
     collected: list[bytes | bytearray] = field(default_factory=list)  # else its values
+    pumps: list[Any] = field(default_factory=list)  # its streamed arguments (feeds.py)
 
 
 class NodeEvents:
@@ -339,6 +341,10 @@ class Node:
                 sub = self.inflight.get(ident)
                 if sub is not None:
                     on_yield(self, sub, ident, body)
+            elif kind == Kind.CREDIT:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    on_credit(sub, body)
             elif kind == Kind.STORE:
                 self.events.store(self, ident, body)
             elif kind == Kind.HELLO:

@@ -80,6 +80,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         os._exit(1)
     _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
 
+    from . import feeds
+
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
@@ -90,12 +92,23 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     me = os.getpid()
     streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
 
+    def credit_feed(ident: int, index: int, body: bytes) -> None:
+        with write_lock:
+            write_all(wfd, frame(Kind.CREDIT, ident, bytes((index,)), body))
+
     def task(ident: int, body: Body) -> bool:
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        status, parts = _run(functions, body, shm_prefix, _serialize, partial(stream, ident))
+        feeds.current = feeds.Context(
+            ident, inbox.feed, partial(credit_feed, ident), _serialize.decode
+        )
+        try:
+            status, parts = _run(functions, body, shm_prefix, _serialize, partial(stream, ident))
+        finally:
+            feeds.current = None
+            inbox.feeds.pop(ident, None)
         if os.getpid() != me:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()
@@ -164,6 +177,7 @@ class _Inbox:
         self.cancelled: set[int] = set()
         self.answers: dict[int, Body] = {}  # STORED frames, by request id
         self.credits: dict[int, int] = {}  # CREDIT frames, by task id
+        self.feeds: dict[int, deque[Body]] = {}  # FEED frames, by task id
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
@@ -187,6 +201,14 @@ class _Inbox:
             self._read(block=True, until=lambda: ident in self.credits)
         return self.credits.pop(ident)
 
+    def feed(self, ident: int) -> Body | None:
+        """Wait for the next FEED frame of task ``ident``; None at end of stream."""
+        while not self.feeds.get(ident):
+            if self.eof:
+                return None
+            self._read(block=True, until=lambda: bool(self.feeds.get(ident)))
+        return self.feeds[ident].popleft()
+
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
         while not self.eof:
             try:
@@ -204,6 +226,8 @@ class _Inbox:
                     self.cancelled.add(ident)
                 elif kind == Kind.STORED:
                     self.answers[ident] = body
+                elif kind == Kind.FEED:
+                    self.feeds.setdefault(ident, deque()).append(body)
                 elif kind == Kind.CREDIT:
                     more = CREDIT_BODY.unpack_from(body)[0]
                     self.credits[ident] = self.credits.get(ident, 0) + more

@@ -139,6 +139,8 @@ class Supervisor:
             Kind.READY: self._ready,
             Kind.STORE: self._store,
             Kind.YIELD: self._yield,
+            # leave for more of a streamed argument: to the client as well
+            Kind.CREDIT: lambda ex, ident, body: self._yield(ex, ident, body, Kind.CREDIT),
         }
         # the collections' requests relayed to the client: agent id -> (executor, its id)
         self.requests: dict[int, tuple[Executor, int]] = {}
@@ -381,16 +383,25 @@ class Supervisor:
         self.requests[relay] = (ex, ident)
         self.client.send([HEADER.pack(Kind.STORE, relay, len(body)), body])
 
-    def _yield(self, ex: Executor, ident: int, body: Body) -> None:
-        """A value of a yielding task: to the client."""
-        self.client.send([HEADER.pack(Kind.YIELD, ident, len(body)), body])
+    def _yield(self, ex: Executor, ident: int, body: Body, kind: int = Kind.YIELD) -> None:
+        """A value of a yielding task (or leave for more of a streamed argument): to the
+        client."""
+        self.client.send([HEADER.pack(kind, ident, len(body)), body])
 
-    def credit(self, ident: int, body: Body) -> None:
-        """The client's leave for a yielding task to send more: to its executor."""
+    def credit(self, ident: int, body: Body, kind: int = Kind.CREDIT) -> None:
+        """The client's leave for a yielding task to send more (or a value of a streamed
+        argument: ``kind`` FEED): to the executor of the task, or after its TASK frame
+        while it waits for its turn."""
+        parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
         for slot in self.slots:
-            ex = slot.executor
-            if slot.fed and slot.tasks and slot.tasks[0].ident == ident and ex is not None:
-                ex.outbox.send([HEADER.pack(Kind.CREDIT, ident, len(body)), body])
+            for i, task in enumerate(slot.tasks):
+                if task.ident != ident:
+                    continue
+                ex = slot.executor
+                if i == 0 and slot.fed and ex is not None:
+                    ex.outbox.send(parts)
+                else:  # not given yet: sent with the task (and to a new process again)
+                    task.frame = [*task.frame, *parts]
                 return
 
     def stored(self, relay: int, body: Body) -> None:

@@ -60,6 +60,8 @@ class Kind(IntEnum):
     # a task that yields (a generator): its values, and the client's leave to send more
     YIELD = 21  # executor -> agent -> client; ident=task id; body = one encoded value
     CREDIT = 22  # client -> agent -> executor; ident=task id; body = u32: values more
+    # (executor -> agent -> client for a streamed argument: body = its index u8 + u32)
+    FEED = 23  # client -> agent -> executor; ident=task id; a streamed argument's value
 
 
 class Status(IntEnum):
