@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -490,7 +491,7 @@ class Compute(Pool):
         self._dispatcher.dispatch(subs)
         for sub, (_, sources) in zip(subs, split, strict=True):
             if sources:
-                feeds.start(sub, sources)
+                feeds.start(sub, sources, partial(self.cancel, [sub.future]))
         return subs
 
     def run(self, call: PendingCall[R]) -> R:

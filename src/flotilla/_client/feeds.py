@@ -13,7 +13,7 @@ import collections.abc
 import inspect
 import threading
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._node import feeds as node_feeds
@@ -70,8 +70,12 @@ def split(call: PendingCall[Any]) -> tuple[PendingCall[Any], list[Iterable[Any]]
 class Pump:
     """Sends one streamed argument of a call (a thread), a window ahead of the node."""
 
-    def __init__(self, sub: Submission, index: int, source: Iterable[Any]) -> None:
+    def __init__(
+        self, sub: Submission, index: int, source: Iterable[Any], cancel: Callable[[], None]
+    ) -> None:
         self.sub = sub
+        self.cancel = cancel
+        self.target = (sub.node, sub.tid)  # where the values go: the call's first node
         self.index = index
         self.source = source
         self.allowed = STREAM_WINDOW
@@ -86,6 +90,9 @@ class Pump:
 
     def _send(self, kind: int, parts: list[Any]) -> bool:
         node, tid = self.sub.node, self.sub.tid
+        if (node, tid) != self.target:  # its node was lost and the call sent elsewhere:
+            self.cancel()  # the values sent so far are gone with the node
+            return False
         if node is None or self.sub.future.done():
             return False
         body = b"".join([bytes((self.index, kind)), *(bytes(p) for p in parts)])
@@ -107,9 +114,10 @@ class Pump:
         self._send(node_feeds.END, [])
 
 
-def start(sub: Submission, sources: list[Iterable[Any]]) -> None:
-    """Start sending ``sub``'s streamed arguments (once it was sent to its node)."""
-    sub.pumps = [Pump(sub, i, source) for i, source in enumerate(sources)]
+def start(sub: Submission, sources: list[Iterable[Any]], cancel: Callable[[], None]) -> None:
+    """Start sending ``sub``'s streamed arguments (once it was sent to its node);
+    ``cancel`` stops the call."""
+    sub.pumps = [Pump(sub, i, source, cancel) for i, source in enumerate(sources)]
 
 
 def on_credit(sub: Submission, body: bytes | bytearray) -> None:
