@@ -21,6 +21,7 @@ from ._version import __version__
 
 if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
     from . import plugins as plugins
+    from . import storage as storage
     from ._accelerators import Accelerator as Accelerator
     from ._accelerators import accelerators as accelerators
     from ._client.compute import Compute as Compute
@@ -71,6 +72,8 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._volume import Volume as Volume
     from ._worker import Worker as Worker
     from .plugins._base import Plugin as Plugin
+    from .storage import Storage as Storage
+    from .storage import StorageError as StorageError
 
 _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     # module (relative to this package) -> the public names it defines. The one list of the
@@ -104,16 +107,17 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_shard": ("shard",),
     "_volume": ("Volume",),
     "_worker": ("Worker",),
+    "storage": ("Storage", "StorageError"),
     "plugins._base": ("Plugin",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["__version__", "plugins", *_MODULE_OF]
+__all__ = ["__version__", "plugins", "storage", *_MODULE_OF]
 
 
 def __getattr__(name: str) -> _typing.Any:
-    if name == "plugins":  # the built-in plugins: flotilla.plugins.torch() ...
-        return _importlib.import_module(".plugins", __name__)
+    if name in ("plugins", "storage"):  # flotilla.plugins.torch(), flotilla.storage.S3()
+        return _importlib.import_module(f".{name}", __name__)
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'flotilla' has no attribute {name!r}")
