@@ -95,3 +95,41 @@ def test_presets_fill_in_the_endpoint() -> None:
     )
     assert sky.storage.GCS(access_key="k", secret_key="s").endpoint.startswith("https://storage")
     assert sky.storage.Wasabi(access_key="k", secret_key="s").region == "us-east-1"
+
+
+# -- Volume(storage=...) ------------------------------------------------------------------------
+@sky.function
+def read_and_write(folder: str) -> str:
+    import os
+    from pathlib import Path
+
+    text = Path(folder, "in.txt").read_text()
+    node = sky.instance_info().node
+    with open(os.path.join(folder, f"out-{node}.txt"), "w") as f:
+        f.write(text.upper())
+    return text
+
+
+def test_a_volume_of_a_storage_uses_its_endpoint_and_credentials(
+    server: S3Server,
+    s3_env: None,  # noqa: F811 - no AWS_* variables: only the Storage says where and who
+) -> None:
+    bucket = server.bucket({"data/in.txt": b"hello"})
+    storage = storage_of(server)
+    vol = sky.Volume(bucket, "vol", prefix="data", read_only=False, mode="copy", storage=storage)
+    with sky.Compute(nodes=2, volumes=[vol]) as pool:
+        assert read_and_write("vol") @ pool == ["hello", "hello"]
+    assert server.get(bucket, "data/out-0.txt") == b"HELLO"
+    assert server.get(bucket, "data/out-1.txt") == b"HELLO"
+
+
+def test_volumes_share_one_storage(server: S3Server) -> None:
+    a = sky.Volume("b", "x", storage=storage_of(server))
+    b = sky.Volume("b", "y", storage=storage_of(server))
+    with pytest.raises(sky.ConfigurationError, match="share one storage"):
+        sky.Compute(volumes=[a, b]).open()
+    with pytest.raises(sky.ConfigurationError, match=r"flotilla\.Storage"):
+        sky.Volume("b", "x", storage="s3://b")
+    missing = sky.Volume("flotilla-no-such-bucket", "x", storage=storage_of(server))
+    with pytest.raises(sky.ConfigurationError, match="cannot be read"):
+        sky.Compute(volumes=[missing]).open()
