@@ -68,3 +68,12 @@ def test_bad_workers_are_refused() -> None:
         sky.Options(worker=2)  # type: ignore[arg-type]
     assert sky.Worker().resolved_executor == "process"
     assert sky.Worker(executor="thread").resolved_executor == "thread"
+
+
+def test_joblib_fills_every_slot() -> None:
+    joblib = pytest.importorskip("joblib")
+    with sky.Compute(nodes=2, worker=sky.Worker(concurrency=2), plugins=[sky.plugins.joblib()]):
+        got = joblib.Parallel(n_jobs=-1, batch_size=1)(
+            joblib.delayed(meet_all.local)(i, 4) for i in range(4)
+        )
+    assert len({(node, worker) for node, worker, _ in got}) == 4

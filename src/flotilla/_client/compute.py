@@ -210,7 +210,7 @@ class Compute(Pool):
             running=lambda: self._state is PoolState.RUNNING,
             replacer=self._replace if options.replace_lost_nodes else None,
         )
-        self._bringup.workers = max(self.procs_per_node, self.worker.concurrency)
+        self._bringup.workers = self.workers_per_node
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._heartbeat: asyncio.Task[None] | None = None
         self._store = Store()  # the distributed collections (_collections.py)
@@ -573,6 +573,11 @@ class Compute(Pool):
                     yield f.result()
 
         return iterate()
+
+    @property
+    def workers_per_node(self) -> int:
+        """Task slots per node (``Worker(concurrency=...)``, or a plugin's processes)."""
+        return max(self.procs_per_node, self.worker.concurrency)
 
     # -- distributed collections (_collections.py): this pool's, by name -----------------
     def _collections_store(self) -> Store:

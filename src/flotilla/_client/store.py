@@ -9,8 +9,9 @@ linearizable ("strong"; "eventual" is given the same guarantee).
 When a node is lost, its collections' contents stay; what its tasks were waiting for
 (a queue's get, a barrier, a lock) is dropped, the locks its processes held are released,
 and its arrivals at barriers are withdrawn (a call sent again elsewhere arrives again).
-A value its task took from a queue just before the loss is gone with it. Nothing is kept
-once the pool closes.
+A value its task took from a queue just before the loss is gone with it. A lock held by a
+task process that dies while its node lives (a crash, a timeout) stays held until its lease
+(``sky.lock(name, ttl=...)``) ends. Nothing is kept once the pool closes.
 """
 
 from __future__ import annotations
