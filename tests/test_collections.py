@@ -320,6 +320,21 @@ def test_a_node_killed_mid_use_loses_nothing_stored_and_frees_its_lock() -> None
         assert int(p.counter("kills")) == 400
 
 
+@sky.function
+def take_the_lock_and_die() -> None:
+    import os
+
+    sky.lock("crash").acquire()
+    os._exit(3)
+
+
+def test_a_crashed_process_releases_its_locks(pool: sky.Compute) -> None:
+    with pytest.raises(sky.WorkerDiedError):
+        take_the_lock_and_die() >> pool
+    assert pool.lock("crash").acquire(timeout=60)  # released when its process ended
+    pool.lock("crash").release()
+
+
 # -- real SSH hosts -----------------------------------------------------------------------------
 def test_collections_across_ssh_hosts(ssh_lab: Lab) -> None:
     with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:3]), nodes=3) as p:

@@ -714,7 +714,8 @@ class _PoolEvents(NodeEvents):
 
     def store(self, node: Node, ident: int, body: bytes | bytearray) -> None:
         def reply(answer: tuple[Any, ...]) -> None:
-            node.send_control(Kind.STORED, ident=ident, body=encode_answer(answer))
+            if ident:  # 0: the agent's own word (a process ended), which wants no answer
+                node.send_control(Kind.STORED, ident=ident, body=encode_answer(answer))
 
         self.pool._store.submit(node.rank, bytes(body), reply)
 

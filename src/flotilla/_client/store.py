@@ -9,9 +9,9 @@ linearizable ("strong"; "eventual" is given the same guarantee).
 When a node is lost, its collections' contents stay; what its tasks were waiting for
 (a queue's get, a barrier, a lock) is dropped, the locks its processes held are released,
 and its arrivals at barriers are withdrawn (a call sent again elsewhere arrives again).
-A value its task took from a queue just before the loss is gone with it. A lock held by a
-task process that dies while its node lives (a crash, a timeout) stays held until its lease
-(``sky.lock(name, ttl=...)``) ends. Nothing is kept once the pool closes.
+A value its task took from a queue just before the loss is gone with it. A task process that
+ends while its node lives (a crash, a timeout: its agent says so) has its locks released
+too. Nothing is kept once the pool closes.
 """
 
 from __future__ import annotations
@@ -193,6 +193,18 @@ class Store:
             b.arrived = [w for w in b.arrived if w.origin != origin]
         for lock in self.locks.values():
             if lock.owner is not None and lock.owner[0] == origin:
+                self._hand_over(lock)
+
+    # -- a task process ended (its agent says so) ----------------------------------------
+    def _process_gone(self, origin: int, _r: Reply, _name: str, pid: int) -> None:
+        """The process ``pid`` of node ``origin`` ended: its locks are released and its
+        waits for locks dropped."""
+        owner = (origin, pid)
+        for lock in self.locks.values():
+            for w in lock.waiters:
+                if w.owner == owner:
+                    w.done = True
+            if lock.owner == owner:
                 self._hand_over(lock)
 
     # -- dict ---------------------------------------------------------------------------

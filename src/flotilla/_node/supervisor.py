@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -96,6 +97,7 @@ class Executor:
     state: ExecState = ExecState.STARTING
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     partial_err: bytes = b""
+    stored: bool = False  # it used the distributed collections
 
 
 @dataclass(eq=False)
@@ -381,6 +383,7 @@ class Supervisor:
         (executors number their own requests), so that the answer finds its executor."""
         relay = next(self.request_ids)
         self.requests[relay] = (ex, ident)
+        ex.stored = True
         self.client.send([HEADER.pack(Kind.STORE, relay, len(body)), body])
 
     def _yield(self, ex: Executor, ident: int, body: Body, kind: int = Kind.YIELD) -> None:
@@ -517,6 +520,10 @@ class Supervisor:
         kill_group(ex.pid)  # whatever the task left behind in its process group
         for relay in [r for r, (e, _) in self.requests.items() if e is ex]:
             del self.requests[relay]
+        if ex.stored:  # the collections release what it held (its locks); no answer
+            gone = pickle.dumps(("process", "", "gone", ex.pid))
+            self.client.send([HEADER.pack(Kind.STORE, 0, len(gone)), gone])
+            ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
 
