@@ -99,6 +99,19 @@ def test_streaming_256_mib_keeps_the_clients_memory_bounded(pool: sky.Compute) -
     assert grown < 64 * 1024, f"peak memory grew {grown} KiB"
 
 
+@sky.stream
+def squares(n: int) -> Iterator[int]:
+    for i in range(n):
+        yield i * i
+
+
+def test_skywards_stream_decorator(pool: sky.Compute) -> None:
+    assert list(squares(4) >> pool) == [0, 1, 4, 9]
+    assert list(sky.stream(timeout=30)(count)(2) >> pool) == [0, 1]
+    with pytest.raises(sky.ConfigurationError, match="generator function"):
+        sky.stream(lambda: 1)
+
+
 # -- streamed arguments (Iterator[T] parameters) ------------------------------------------------
 @sky.function
 def total(values: Iterator[int]) -> int:

@@ -31,6 +31,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._client.function import PendingCall as PendingCall
     from ._client.function import function as function
     from ._client.function import gather as gather
+    from ._client.stream import stream as stream
     from ._collections import barrier as barrier
     from ._collections import counter as counter
     from ._collections import dict as dict
@@ -82,6 +83,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_client.compute": ("Compute", "PoolState"),
     "_collections": ("barrier", "counter", "dict", "lock", "queue", "registry", "set"),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
+    "_client.stream": ("stream",),
     "_errors": (
         "ConfigurationError",
         "FlotillaError",

@@ -99,6 +99,25 @@ def on_yield(node: Node, sub: Submission, tid: int, body: bytes | bytearray) -> 
         node.loop.run_in_executor(None, node.send_control, Kind.CREDIT, True, tid, credit)
 
 
+def stream(fn: Any = None, /, **options: Any) -> Any:
+    """Skyward's ``@sky.stream``: ``@flotilla.function`` for a generator function (whose
+    ``call >> pool`` returns an iterator); anything else is refused."""
+    from .function import function
+
+    def make(f: Any) -> Any:
+        if not yields(getattr(f, "fn", f)):
+            from .._errors import ConfigurationError
+
+            name = getattr(f, "__name__", type(f).__name__)
+            raise ConfigurationError(
+                f"@flotilla.stream needs a generator function (one that yields): {name} "
+                "is not; use @flotilla.function"
+            )
+        return function(f, **options)
+
+    return make if fn is None else make(fn)
+
+
 def yields(fn: Any) -> bool:
     """Whether ``fn`` is a generator function (its calls stream their values)."""
     return inspect.isgeneratorfunction(inspect.unwrap(fn))
