@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import math
 import secrets
 import sys
 import time
@@ -19,20 +17,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
-from .._collections import (
-    NOT_CLUSTER,
-    Barrier,
-    Consistency,
-    Counter,
-    Dict,
-    Lock,
-    Queue,
-    Registry,
-    Set,
-    activate,
-    count_parties,
-    deactivate,
-)
+from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
@@ -45,6 +30,7 @@ from .._worker import Worker
 from . import feeds, shm
 from . import loop as _loop
 from .bringup import Bringup
+from .collections import PoolCollections
 from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
@@ -52,6 +38,7 @@ from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .outcome import results
 from .renew import Renewals
+from .skyward_settings import apply_skyward_settings, worker_of
 from .store import Store, encode_answer
 from .stream import Stream, yields
 
@@ -78,7 +65,7 @@ class PoolState(Enum):
     CLOSED = "closed"
 
 
-class Compute(Pool):
+class Compute(PoolCollections, Pool):
     """A pool of nodes. Use it as a context manager; leaving the block stops everything.
 
     Args:
@@ -182,7 +169,7 @@ class Compute(Pool):
         )
         """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
         None: one per accelerator)."""
-        self.worker = _worker_of(worker, options, self.procs_per_node)
+        self.worker = worker_of(worker, options, self.procs_per_node)
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
             options.cluster
@@ -579,40 +566,6 @@ class Compute(Pool):
         """Task slots per node (``Worker(concurrency=...)``, or a plugin's processes)."""
         return max(self.procs_per_node, self.worker.concurrency)
 
-    # -- distributed collections (_collections.py): this pool's, by name -----------------
-    def _collections_store(self) -> Store:
-        if not self.options.cluster:
-            raise ConfigurationError(NOT_CLUSTER)
-        return self._store
-
-    def dict(self, name: str, *, consistency: Consistency | None = None) -> Dict:
-        """The pool's distributed dict ``name`` (``sky.dict``)."""
-        return Dict(name, self._collections_store(), consistency)
-
-    def counter(self, name: str, *, consistency: Consistency | None = None) -> Counter:
-        """The pool's distributed counter ``name`` (``sky.counter``)."""
-        return Counter(name, self._collections_store(), consistency)
-
-    def set(self, name: str, *, consistency: Consistency | None = None) -> Set:
-        """The pool's distributed set ``name`` (``sky.set``)."""
-        return Set(name, self._collections_store(), consistency)
-
-    def queue(self, name: str) -> Queue:
-        """The pool's distributed queue ``name`` (``sky.queue``)."""
-        return Queue(name, self._collections_store())
-
-    def barrier(self, name: str, n: int | None = None, *, parties: int | None = None) -> Barrier:
-        """The pool's barrier ``name`` for ``n`` (or ``parties``) parties (``sky.barrier``)."""
-        return Barrier(name, count_parties(n, parties), self._collections_store())
-
-    def lock(self, name: str, *, ttl: float | None = None, timeout: float | None = None) -> Lock:
-        """The pool's distributed lock ``name`` (``sky.lock``)."""
-        return Lock(name, self._collections_store(), ttl, timeout)
-
-    def registry(self, name: str) -> Registry:
-        """The pool's registry ``name`` (``sky.registry``)."""
-        return Registry(name, self._collections_store())
-
     def map(self, fn: Callable[..., R] | Function[..., R], *iterables: Iterable[Any]) -> list[R]:
         """``list(map(fn, *iterables))``, spread over the nodes; results in input order (with
         several iterables, ``fn`` takes one item of each and the shortest one ends it)."""
@@ -620,54 +573,6 @@ class Compute(Pool):
             raise TypeError("pool.map(fn, items, ...) needs at least one iterable")
         f = fn if isinstance(fn, Function) else function(fn)
         return self.run_many([PendingCall(f, args, {}) for args in zip(*iterables, strict=False)])
-
-
-def _worker_of(worker: object, options: Options, procs_per_node: int) -> Worker:
-    """The pool's :class:`Worker`: ``Compute(worker=)``, else ``Options.worker``, else one."""
-    if worker is not None and not isinstance(worker, Worker):
-        raise ConfigurationError(
-            f"worker must be a flotilla.Worker, e.g. Worker(concurrency=4), "
-            f"got {type(worker).__name__}"
-        )
-    chosen = worker or options.worker or Worker()
-    if chosen.concurrency > 1 and procs_per_node > 1:
-        raise ConfigurationError(
-            f"Worker(concurrency={chosen.concurrency}) cannot be combined with a plugin "
-            f"that runs {procs_per_node} processes per node: use one or the other"
-        )
-    return chosen
-
-
-ALLOCATIONS = ("spot", "on-demand", "spot-if-available")
-"""Skyward's allocation strategies."""
-
-
-def apply_skyward_settings(provider: Provider, ttl: object, allocation: object) -> Provider:
-    """``provider``, or a copy with Skyward's ``Compute(ttl=, allocation=)`` given to its
-    settings of the same meaning (see :class:`Compute`)."""
-    if ttl is not None and (
-        isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < float("inf")
-    ):
-        raise ConfigurationError(f"ttl must be seconds >= 0 (0: none), got {ttl!r}")
-    if allocation is not None and allocation not in ALLOCATIONS:
-        raise ConfigurationError(
-            f"allocation must be one of {', '.join(map(repr, ALLOCATIONS))}, got {allocation!r}"
-        )
-    settings = getattr(provider, "settings", None)
-    if settings is None or not dataclasses.is_dataclass(settings) or provider.settings_type is None:
-        return provider
-    names = {f.name for f in dataclasses.fields(settings)}
-    changes: dict[str, Any] = {}
-    if allocation is not None and "allocation" in names:
-        changes["allocation"] = allocation
-    if ttl:
-        if "ttl" in names:
-            changes["ttl"] = float(ttl)
-        elif "time" in names:  # SLURM: the job's time limit, in whole minutes
-            changes["time"] = max(1, math.ceil(ttl / 60))
-    if not changes:
-        return provider
-    return type(provider).from_settings(dataclasses.replace(settings, **changes))  # type: ignore[type-var]
 
 
 def _quiet_interrupt() -> None:
