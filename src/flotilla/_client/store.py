@@ -32,6 +32,9 @@ from .._wire.serialize import dumps
 Reply = Callable[[tuple[Any, ...]], None]
 """Takes an answer: ``(True, value)`` or ``(False, exception type name, message)``."""
 
+KINDS = frozenset({"dict", "counter", "set", "queue", "barrier", "lock", "registry", "process"})
+"""The request kinds the store applies."""
+
 CLIENT = -1
 """The origin of the client's own operations (nodes are their rank)."""
 
@@ -160,6 +163,8 @@ class Store:
         try:
             req = pickle.loads(request) if isinstance(request, bytes | bytearray) else request
             kind, name, op, *args = req
+            if kind not in KINDS or not str(op).isidentifier() or op.startswith("_"):
+                raise ValueError(f"no such collection operation: {kind!r} {op!r}")
             value = getattr(self, f"_{kind}_{op}")(origin, reply, name, *args)
         except Exception as e:
             reply((False, type(e).__name__, str(e)))
