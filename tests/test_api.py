@@ -45,7 +45,8 @@ def test_all_lists_exactly_the_public_api() -> None:
     public = {
         n
         for n, v in vars(sky).items()
-        if not n.startswith("_") and (n == "plugins" or not isinstance(v, types.ModuleType))
+        if not n.startswith("_")
+        and (n in ("plugins", "storage") or not isinstance(v, types.ModuleType))
     }
     assert public == loaded - {"__version__"}
     assert sorted(dir(sky)) == sorted(set(dir(sky)))
@@ -225,11 +226,19 @@ def test_instance_info_describes_the_cluster(pool4: sky.Compute) -> None:
     assert all(i.accelerators == 0 and i.cluster for i in infos)
 
 
-def test_standalone_mode_has_no_peers_and_no_head() -> None:
+def test_standalone_mode_has_no_peers_and_node_0_is_head() -> None:
+    """As in Skyward: is_head is node 0's, with or without cluster mode."""
     with sky.Compute(nodes=2, options=sky.Options(cluster=False)) as pool:
         infos = whoami() @ pool
     assert [i.node for i in infos] == [0, 1]
-    assert all(not i.is_head and i.peers == () and not i.cluster for i in infos)
+    assert [i.is_head for i in infos] == [True, False]
+    assert all(i.peers == () and not i.cluster and i.head_addr == "" for i in infos)
+    # Skyward's worker names: one worker slot per node here
+    assert [(i.worker, i.workers_per_node, i.global_worker_index) for i in infos] == [
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+    assert all(i.total_workers == 2 for i in infos)
 
 
 def test_options_env_is_set_in_tasks() -> None:

@@ -26,6 +26,7 @@ NODE_SIDE_ALSO = (
     "flotilla._version",
     "flotilla.agent",  # python -m flotilla.agent
     "flotilla._info",  # instance_info(), for the plugins' hooks and the task processes
+    "flotilla._collections",  # sky.dict, sky.counter...: used by tasks
     "flotilla._errors",  # raised by plugins' checks
     "flotilla.plugins",  # the executor enters the plugins' hooks; their classes unpickle
 )

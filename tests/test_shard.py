@@ -45,10 +45,17 @@ def test_lengths_must_match() -> None:
         sky.shard([1, 2, 3], [1, 2, 3, 4])
 
 
-def test_drop_last_gives_every_node_the_same_count() -> None:
+def test_drop_last_gives_every_node_a_contiguous_block_of_the_same_count() -> None:
+    """Skyward's: node k gets items k*m .. (k+1)*m - 1 of m = len // N; the tail is dropped."""
     data = list(range(10))
     parts = [sky.shard(data, drop_last=True, node=k, total_nodes=3) for k in range(3)]
-    assert parts == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert parts == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    shuffled = [
+        sky.shard(data, drop_last=True, shuffle=True, seed=5, node=k, total_nodes=3)
+        for k in range(3)
+    ]
+    order = sky.shard(data, shuffle=True, seed=5, node=0, total_nodes=1)
+    assert shuffled == [order[0:3], order[3:6], order[6:9]]
 
 
 @pytest.mark.parametrize(

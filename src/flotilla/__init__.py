@@ -13,6 +13,7 @@ The names below are the whole public API. They are loaded on first use, so that 
 agent (``python -m flotilla.agent``), which imports this package, starts fast.
 """
 
+import builtins as _builtins
 import importlib as _importlib
 import typing as _typing
 
@@ -20,6 +21,7 @@ from ._version import __version__
 
 if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
     from . import plugins as plugins
+    from . import storage as storage
     from ._accelerators import Accelerator as Accelerator
     from ._accelerators import accelerators as accelerators
     from ._client.compute import Compute as Compute
@@ -29,6 +31,14 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._client.function import PendingCall as PendingCall
     from ._client.function import function as function
     from ._client.function import gather as gather
+    from ._client.stream import stream as stream
+    from ._collections import barrier as barrier
+    from ._collections import counter as counter
+    from ._collections import dict as dict
+    from ._collections import lock as lock
+    from ._collections import queue as queue
+    from ._collections import registry as registry
+    from ._collections import set as set
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import FlotillaError as FlotillaError
     from ._errors import NodeLostError as NodeLostError
@@ -40,6 +50,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._errors import TaskTimeoutError as TaskTimeoutError
     from ._errors import WorkerDiedError as WorkerDiedError
     from ._image import Image as Image
+    from ._image import PipIndex as PipIndex
     from ._info import InstanceInfo as InstanceInfo
     from ._info import Peer as Peer
     from ._info import instance_info as instance_info
@@ -60,14 +71,19 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from ._volume import Volume as Volume
+    from ._worker import Worker as Worker
     from .plugins._base import Plugin as Plugin
+    from .storage import Storage as Storage
+    from .storage import StorageError as StorageError
 
-_EXPORTS: dict[str, tuple[str, ...]] = {
+_EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     # module (relative to this package) -> the public names it defines. The one list of the
     # API: __all__ and lazy loading derive from it; tests check the TYPE_CHECKING block above.
     "_accelerators": ("Accelerator", "accelerators"),
     "_client.compute": ("Compute", "PoolState"),
+    "_collections": ("barrier", "counter", "dict", "lock", "queue", "registry", "set"),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
+    "_client.stream": ("stream",),
     "_errors": (
         "ConfigurationError",
         "FlotillaError",
@@ -80,7 +96,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "TaskTimeoutError",
         "WorkerDiedError",
     ),
-    "_image": ("Image",),
+    "_image": ("Image", "PipIndex"),
     "_redaction": ("Secret",),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
     "_output": ("silent", "stderr", "stdout"),
@@ -92,16 +108,18 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_providers.ssh": ("SSH",),
     "_shard": ("shard",),
     "_volume": ("Volume",),
+    "_worker": ("Worker",),
+    "storage": ("Storage", "StorageError"),
     "plugins._base": ("Plugin",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["__version__", "plugins", *_MODULE_OF]
+__all__ = ["__version__", "plugins", "storage", *_MODULE_OF]
 
 
 def __getattr__(name: str) -> _typing.Any:
-    if name == "plugins":  # the built-in plugins: flotilla.plugins.torch() ...
-        return _importlib.import_module(".plugins", __name__)
+    if name in ("plugins", "storage"):  # flotilla.plugins.torch(), flotilla.storage.S3()
+        return _importlib.import_module(f".{name}", __name__)
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'flotilla' has no attribute {name!r}")
@@ -111,4 +129,4 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*globals(), *__all__})

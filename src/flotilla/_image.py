@@ -101,6 +101,23 @@ def check_requirement(text: str) -> None:
 
 
 @dataclass(frozen=True)
+class PipIndex:
+    """A package index that serves only the named packages (Skyward's ``PipIndex``), in
+    ``Image(pip_indexes=[...])`` beside plain URLs: ``PipIndex(url, packages=["torch"])``
+    takes torch from ``url`` and everything else from the other indexes. Without
+    ``packages``, a plain extra index.
+    """
+
+    url: str
+    packages: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise ConfigurationError(f"PipIndex: {self.url!r} is not an index URL")
+        object.__setattr__(self, "packages", _tuple(self.packages, "PipIndex.packages"))
+
+
+@dataclass(frozen=True)
 class Image:
     """A node environment.
 
@@ -108,7 +125,8 @@ class Image:
         python: required Python version on the nodes ("3.11"); None accepts the node's.
         pip: requirements ("numpy", "torch>=2.3"); those the node already satisfies are
             not installed again.
-        pip_indexes: extra package index URLs, searched before PyPI.
+        pip_indexes: extra package index URLs, searched before PyPI; a :class:`PipIndex`
+            with packages is scoped to them (moved to ``pip_index_packages``).
         apt: Debian packages, installed only when missing.
         env: environment variables for every task process; wrap secrets in ``Secret``.
         includes: local files, folders and packages shipped to every node and importable
@@ -124,7 +142,7 @@ class Image:
 
     python: str | None = None
     pip: tuple[str, ...] = ()
-    pip_indexes: tuple[str, ...] = ()
+    pip_indexes: tuple[str | PipIndex, ...] = ()
     apt: tuple[str, ...] = ()
     env: Mapping[str, str | Secret] = field(default_factory=dict)
     includes: tuple[str, ...] = ()
@@ -133,13 +151,32 @@ class Image:
     pip_index_packages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
-            object.__setattr__(self, name, _tuple(getattr(self, name), name))
         if not isinstance(self.pip_index_packages, Mapping):
             raise ConfigurationError(
                 "Image.pip_index_packages must be a dict of index URL -> package names, "
                 f"got {self.pip_index_packages!r}"
             )
+        indexes: Any = self.pip_indexes
+        if isinstance(indexes, str | PipIndex):
+            indexes = (indexes,)
+        try:
+            indexes = tuple(indexes)
+        except TypeError:
+            raise ConfigurationError(
+                f"Image.pip_indexes must be a list of URLs or PipIndex, got {indexes!r}"
+            ) from None
+        plain: list[Any] = []
+        scoped_by_index: dict[str, tuple[str, ...]] = dict(self.pip_index_packages)
+        for index in indexes:
+            if isinstance(index, PipIndex) and index.packages:
+                have = _tuple(scoped_by_index.get(index.url, ()), "pip_index_packages")
+                scoped_by_index[index.url] = (*have, *index.packages)
+            else:
+                plain.append(index.url if isinstance(index, PipIndex) else index)
+        object.__setattr__(self, "pip_indexes", plain)
+        object.__setattr__(self, "pip_index_packages", scoped_by_index)
+        for name in ("pip", "pip_indexes", "apt", "includes", "excludes", "setup"):
+            object.__setattr__(self, name, _tuple(getattr(self, name), name))
         scoped = {}
         for url, names in self.pip_index_packages.items():
             if not isinstance(url, str) or not url.strip():

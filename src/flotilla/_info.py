@@ -38,7 +38,7 @@ class InstanceInfo:
     Attributes:
         node: this node's rank, 0 to ``total_nodes - 1`` (SLURM's rank, MPI's comm rank).
         total_nodes: number of nodes in the pool (MPI's world size).
-        is_head: True on node 0 in cluster mode.
+        is_head: True on node 0 (also in standalone mode, as in Skyward).
         head_addr: the address of node 0, reachable from every node ('' in standalone mode).
         head_port: a port free on node 0 for the frameworks' rendezvous (MASTER_PORT); the
             63 ports after it were free there too when the pool started (plugins use them).
@@ -46,11 +46,17 @@ class InstanceInfo:
         peers: every node with its address, in rank order (empty in standalone mode).
         pool_id: identifier of the pool, unique per ``Compute`` block.
         addr: this node's own address (as listed in ``peers``).
-        cluster: False in standalone mode (``Options(cluster=False)``): no peers, no head.
+        cluster: False in standalone mode (``Options(cluster=False)``): no peers, no head
+            address.
         accelerator: the accelerator type name (e.g. "A100"), or None.
         local_rank: this process's rank on its node (0 unless a plugin asks for several
             processes per node, as ``plugins.torch(procs_per_node=...)`` does).
         procs_per_node: processes per node running each broadcast call.
+        worker: Skyward's: this process's task slot on its node, 0 to
+            ``workers_per_node - 1`` (``Worker(concurrency=...)``; also the local rank of
+            a plugin's processes).
+        workers_per_node: task slots per node (``Worker(concurrency=...)``, or the
+            processes a plugin runs per node).
     """
 
     node: int
@@ -66,6 +72,18 @@ class InstanceInfo:
     accelerator: str | None = None
     local_rank: int = 0
     procs_per_node: int = 1
+    worker: int = 0
+    workers_per_node: int = 1
+
+    @property
+    def global_worker_index(self) -> int:
+        """This worker's index in the pool, 0 to ``total_workers - 1``."""
+        return self.node * self.workers_per_node + self.worker
+
+    @property
+    def total_workers(self) -> int:
+        """Worker slots (task processes) in the pool."""
+        return self.total_nodes * self.workers_per_node
 
     def to_json(self) -> str:
         """The ``COMPUTE_POOL`` representation."""

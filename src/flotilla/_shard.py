@@ -1,4 +1,4 @@
-"""``shard()``: split data across nodes by modulo striding."""
+"""``shard()``: split data across nodes (modulo striding; contiguous blocks with drop_last)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ def shard(
     node: int | None = None,
     total_nodes: int | None = None,
 ) -> Any:
-    """This node's part of ``data``: node k of N gets items k, k+N, k+2N, ...
+    """This node's part of ``data``: node k of N gets items k, k+N, k+2N, ... (with
+    ``drop_last``: the k-th contiguous block of ``len(data) // N`` items).
 
     * ``shuffle``: every node applies the same permutation (from ``seed``) first, so the
       parts stay disjoint and together cover the data.
     * Several arrays stay aligned (``x, y = shard(x, y)``); their lengths must match.
-    * ``drop_last``: every node gets exactly ``len(data) // N`` items (striding kept).
+    * ``drop_last``: every node gets exactly ``len(data) // N`` items, a contiguous block
+      (of the shuffled order, with ``shuffle``): node k gets items ``k*m .. (k+1)*m - 1``
+      of ``m = len(data) // N``; the last ``len(data) % N`` items go to no node.
     * ``node``/``total_nodes`` default to this process's global rank and the world size
       (``instance_info()``: the node's rank, or ``node * procs_per_node + local_rank``
       when a plugin runs several processes per node).
@@ -52,9 +55,11 @@ def shard(
         perm = list(range(length))
         random.Random(seed).shuffle(perm)
         order = perm
-    indices = list(order[k::n])
-    if drop_last:
-        indices = indices[: length // n]
+    if drop_last:  # Skyward's: contiguous blocks of equal size, the tail dropped
+        size = length // n
+        indices = list(order[k * size : (k + 1) * size])
+    else:
+        indices = list(order[k::n])
     parts = tuple(_take(d, indices) for d in data)
     return parts[0] if len(parts) == 1 else parts
 

@@ -37,6 +37,9 @@ class Volume:
             copy; ``"copy"``: copied in before the functions run and, when writable, copied
             back every ``sync_interval`` seconds and when the pool closes.
         sync_interval: seconds between write-backs of a writable copied volume.
+        storage: Skyward's: the :class:`~flotilla.Storage` holding the bucket (its endpoint
+            and credentials, sent to the nodes); None: the client's environment (and
+            boto3's credentials). The volumes of one pool share one storage.
     """
 
     bucket: str
@@ -45,8 +48,15 @@ class Volume:
     read_only: bool = True
     mode: str = "mount"
     sync_interval: float = DEFAULT_SYNC_INTERVAL
+    storage: Any = None
 
     def __post_init__(self) -> None:
+        from .storage import Storage
+
+        if self.storage is not None and not isinstance(self.storage, Storage):
+            raise ConfigurationError(
+                f"Volume(storage=...) must be a flotilla.Storage, got {type(self.storage).__name__}"
+            )
         if not isinstance(self.bucket, str) or not self.bucket.strip():
             raise ConfigurationError(f"Volume(bucket=...) must name a bucket, got {self.bucket!r}")
         if self.bucket.startswith("s3://"):
@@ -138,6 +148,15 @@ def node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
     """Check that every volume's bucket can be read with the credentials this process
     has, before anything is provisioned; the nodes' volume configuration and the secrets
     in it (to redact). ConfigurationError naming the bucket and the credential."""
+    storages = {id(v.storage): v.storage for v in volumes}
+    if len(storages) > 1:
+        raise ConfigurationError(
+            "the volumes of one pool share one storage: give every Volume the same "
+            "storage= (or none)"
+        )
+    storage = next(iter(storages.values()))
+    if storage is not None:
+        return _storage_spec(storage, volumes)
     try:
         import boto3
         import botocore.exceptions
@@ -190,6 +209,34 @@ def node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
     }
     secrets = [s for s in (frozen.secret_key, frozen.token) if s]
     return spec, secrets
+
+
+def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
+    """:func:`node_spec` for volumes of a ``Storage``: its endpoint and credentials."""
+    from ._node.volumes import S3Error
+
+    client = storage._client()
+    for v in volumes:
+        query = {"list-type": "2", "prefix": v.prefix.lstrip("/"), "max-keys": "1"}
+        try:
+            client.request("GET", v.bucket, query=query).close()
+        except S3Error as e:
+            raise ConfigurationError(
+                f"volume {v.url}: bucket {v.bucket!r} at {storage.endpoint or 'AWS S3'} "
+                f"cannot be read ({e}); access key {_masked(client.key)}"
+            ) from None
+    spec: dict[str, Any] = {
+        "volumes": [v.to_node() for v in volumes],
+        "credentials": {
+            "access_key": client.key,
+            "secret_key": client.secret,
+            "token": client.token,
+        },
+        "region": client.region,
+        "endpoint": storage.endpoint,
+        "sync_interval": min(v.sync_interval for v in volumes),
+    }
+    return spec, [s for s in (client.secret, client.token) if s]
 
 
 def _masked(key: str) -> str:

@@ -52,6 +52,7 @@ class Bringup:
         self.options = options
         self.accelerator = accelerator
         self.procs_per_node = procs_per_node
+        self.workers = procs_per_node  # task slots per node (Worker(concurrency=...))
         self.group = group
         self.home = home
         self.shm_prefix = shm_prefix
@@ -103,7 +104,7 @@ class Bringup:
         info = InstanceInfo(
             node=node.rank,
             total_nodes=len(nodes),
-            is_head=cluster and node.rank == 0,
+            is_head=node.rank == 0,  # Skyward's: node 0, also without cluster mode
             head_addr=peers[0].addr if cluster else "",
             head_port=self.head_port if cluster else 0,
             accelerators=self.accelerator.count if self.accelerator else 0,
@@ -113,10 +114,11 @@ class Bringup:
             cluster=cluster,
             accelerator=self.accelerator.name if self.accelerator else None,
             procs_per_node=self.procs_per_node,
+            workers_per_node=self.workers,
         )
         config = {
             "pool_id": self.pool_id,
-            "procs": self.procs_per_node,
+            "procs": self.workers,
             "compute_pool": info.to_json(),
             "env": self.env,
             "image": self.build_spec,

@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from enum import Enum
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
+from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
@@ -24,16 +26,21 @@ from .._redaction import plain_env, plugin_secrets, redact, redact_exception, se
 from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
+from .._worker import Worker
+from . import feeds, shm
 from . import loop as _loop
-from . import shm
 from .bringup import Bringup
+from .collections import PoolCollections
 from .console import Console
 from .dispatch import Dispatcher
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
 from .interpreter import Policy, check_image
-from .node import Node, NodeEvents, NodeState
+from .node import Node, NodeEvents, NodeState, Submission
 from .outcome import results
 from .renew import Renewals
+from .skyward_settings import apply_skyward_settings, worker_of
+from .store import Store, encode_answer
+from .stream import Stream, yields
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
@@ -58,7 +65,7 @@ class PoolState(Enum):
     CLOSED = "closed"
 
 
-class Compute(Pool):
+class Compute(PoolCollections, Pool):
     """A pool of nodes. Use it as a context manager; leaving the block stops everything.
 
     Args:
@@ -75,6 +82,16 @@ class Compute(Pool):
             as ``vcpus`` is (SLURM: ``--mem``).
         volumes: :class:`Volume` s: buckets whose objects appear at a path on every node
             before the functions run (checked before anything is provisioned).
+        ttl: Skyward's: the pool's budget in seconds, after which its machines end
+            themselves (None or 0: the provider's own). Given to the provider's setting of
+            that meaning: AWS ``ttl`` (an instance powers off ``ttl`` s after the client's
+            last word), SLURM ``time`` (the job's time limit). Local and SSH nodes already
+            end with their client.
+        allocation: Skyward's ``"spot"``, ``"on-demand"`` or ``"spot-if-available"``: the
+            provider's ``allocation`` setting (AWS); providers that rent nothing (local,
+            SSH, SLURM) accept any of them.
+        worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
+            one).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -92,6 +109,9 @@ class Compute(Pool):
         vcpus: float | None = None,
         memory_gb: float | None = None,
         volumes: Sequence[Volume] = (),
+        ttl: float | None = None,
+        allocation: str | None = None,
+        worker: Worker | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             hint = (
@@ -113,6 +133,9 @@ class Compute(Pool):
                 "provider must be a flotilla provider such as flotilla.Local(), "
                 f"got {type(provider).__name__}"
             )
+        provider = apply_skyward_settings(provider, ttl, allocation)
+        self.ttl = ttl
+        self.allocation = allocation
         if options is None:
             options = Options()
         elif not isinstance(options, Options):
@@ -146,6 +169,8 @@ class Compute(Pool):
         )
         """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
         None: one per accelerator)."""
+        self.worker = worker_of(worker, options, self.procs_per_node)
+        """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
             options.cluster
             and nodes * self.procs_per_node > 1
@@ -172,8 +197,10 @@ class Compute(Pool):
             running=lambda: self._state is PoolState.RUNNING,
             replacer=self._replace if options.replace_lost_nodes else None,
         )
+        self._bringup.workers = self.workers_per_node
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._heartbeat: asyncio.Task[None] | None = None
+        self._store = Store()  # the distributed collections (_collections.py)
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
         self._includes = b""
         self._secrets: list[str] = []
@@ -299,6 +326,7 @@ class Compute(Pool):
             raise clean from None
         self._state = PoolState.RUNNING
         count_open_pools(+1)
+        activate(self._store if self.options.cluster else None, self.pool_id)
         try:
             for p in self.plugins:
                 hook = getattr(p, "around_pool", None)
@@ -373,6 +401,7 @@ class Compute(Pool):
             return
         if self._state is PoolState.RUNNING:
             count_open_pools(-1)
+            deactivate(self.pool_id)
             try:
                 self._pool_hooks.close()  # plugins' client side (around_pool) first
             except Exception as e:  # the pool closes all the same
@@ -408,6 +437,7 @@ class Compute(Pool):
         self._console.close()  # the lines just flushed ended their bars
         self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
         shm.remove_pool_files(self._shm_prefix)
+        self._store.close()
 
     # -- operators with something else on the left ---------------------------------------
     def __rrshift__(self, other: object) -> Any:
@@ -434,14 +464,36 @@ class Compute(Pool):
     def submit(self, call: PendingCall[R]) -> Future[R]:
         """Run ``call`` on the least busy node; returns a Future (``call > pool``)."""
         self._check_running()
-        call = as_call(call, ">")
-        subs = self._dispatcher.prepare([call])
+        return self._send([as_call(call, ">")])[0].future
+
+    def _send(self, calls: list[PendingCall[Any]], stream: bool = False) -> list[Submission]:
+        """Send calls to the least busy slots; their streamed arguments follow
+        (``feeds.py``); with ``stream``, ``>>``'s iterator over the values of the one call
+        (``stream.py``)."""
+        split = [feeds.split(c) for c in calls]
+        subs = self._dispatcher.prepare([c for c, _ in split])
+        if stream:
+            sub = subs[0]
+            sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
         self._dispatcher.dispatch(subs)
-        return subs[0].future
+        for sub, (_, sources) in zip(subs, split, strict=True):
+            if sources:
+                feeds.start(sub, sources, partial(self.cancel, [sub.future]))
+        return subs
 
     def run(self, call: PendingCall[R]) -> R:
-        """Run ``call`` on the least busy node and return its value (``call >> pool``)."""
+        """Run ``call`` on the least busy node and return its value (``call >> pool``);
+        for a function that yields, an iterator over its values as they come
+        (``stream.py``)."""
+        call = as_call(call, ">>")
+        if yields(call.function.fn):
+            return self._stream(call)  # type: ignore[return-value]
         return self.submit(call).result()
+
+    def _stream(self, call: PendingCall[Any]) -> Stream:
+        self._check_running()
+        stream: Stream = self._send([call], stream=True)[0].stream
+        return stream
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""
@@ -470,9 +522,7 @@ class Compute(Pool):
 
     def _submit_many(self, calls: Sequence[PendingCall[Any]]) -> list[Future[Any]]:
         self._check_running()
-        subs = self._dispatcher.prepare([as_call(c, "gather") for c in calls])
-        self._dispatcher.dispatch(subs)
-        return [s.future for s in subs]
+        return [s.future for s in self._send([as_call(c, "gather") for c in calls])]
 
     def submit_group(self, calls: Sequence[PendingCall[Any]]) -> Future[tuple[Any, ...]]:
         """Run calls in parallel in the background; a Future of their results' tuple."""
@@ -510,6 +560,11 @@ class Compute(Pool):
                     yield f.result()
 
         return iterate()
+
+    @property
+    def workers_per_node(self) -> int:
+        """Task slots per node (``Worker(concurrency=...)``, or a plugin's processes)."""
+        return max(self.procs_per_node, self.worker.concurrency)
 
     def map(self, fn: Callable[..., R] | Function[..., R], *iterables: Iterable[Any]) -> list[R]:
         """``list(map(fn, *iterables))``, spread over the nodes; results in input order (with
@@ -561,6 +616,16 @@ class _PoolEvents(NodeEvents):
 
     def redact(self, text: str) -> str:
         return redact(text, self.pool._secrets)
+
+    def store(self, node: Node, ident: int, body: bytes | bytearray) -> None:
+        def reply(answer: tuple[Any, ...]) -> None:
+            if ident:  # 0: the agent's own word (a process ended), which wants no answer
+                node.send_control(Kind.STORED, ident=ident, body=encode_answer(answer))
+
+        self.pool._store.submit(node.rank, bytes(body), reply)
+
+    def lost(self, node: Node) -> None:
+        self.pool._store.forget(node.rank)
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         if self.pool._secrets:  # the one point task output passes, to console or sink

@@ -48,6 +48,7 @@ from .._wire.serialize import describe_unpicklable, encode, pickle_obj, write_sh
 from .function import Function, PendingCall
 from .node import Node, NodeState, Payload, Submission
 from .outcome import outcome
+from .stream import collected, yields
 
 logger = logging.getLogger("flotilla")
 STRAGGLER_GRACE = 1.0
@@ -322,6 +323,8 @@ class Dispatcher:
     def on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
         try:
             value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
+            if exc is None and sub.stream is None and yields(sub.call.function.fn):
+                value = collected(sub)  # a yielding call without an iterator: its values
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here
             value, exc = None, e
         if self.group and status == Status.ERROR and exc is not None and _others_run(sub):

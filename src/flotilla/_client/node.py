@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import pickle
 import sys
 import threading
 import time
@@ -21,7 +22,9 @@ from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import TASK_HEAD, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
+from .feeds import on_credit
 from .lines import LineAssembler
+from .stream import on_yield
 
 if TYPE_CHECKING:
     from .function import PendingCall
@@ -109,6 +112,9 @@ class Submission:
     started: bool = False  # its node said it may have started (STARTED) on its current node
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
+    stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
+    collected: list[bytes | bytearray] = field(default_factory=list)  # else its values
+    pumps: list[Any] = field(default_factory=list)  # its streamed arguments (feeds.py)
 
 
 class NodeEvents:
@@ -129,6 +135,14 @@ class NodeEvents:
     def redact(self, text: str) -> str:
         """``text`` with secrets removed."""
         return text
+
+    def store(self, node: Node, ident: int, body: bytes | bytearray) -> None:
+        """A task's request to the distributed collections (a STORE frame)."""
+        answer = (False, "ConfigurationError", "this node's pool has no collections")
+        node.send_control(Kind.STORED, wait=False, ident=ident, body=pickle.dumps(answer))
+
+    def lost(self, node: Node) -> None:
+        """The node is lost (its calls were failed or are sent elsewhere)."""
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         """Complete lines a node's tasks printed (stream 1: stdout, 2: stderr)."""
@@ -323,6 +337,16 @@ class Node:
                     sub.started = True
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
+            elif kind == Kind.YIELD:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    on_yield(self, sub, ident, body)
+            elif kind == Kind.CREDIT:
+                sub = self.inflight.get(ident)
+                if sub is not None:
+                    on_credit(sub, body)
+            elif kind == Kind.STORE:
+                self.events.store(self, ident, body)
             elif kind == Kind.HELLO:
                 self.hello_info = json.loads(body)
                 self.events.phase(self, "starting")
@@ -383,6 +407,7 @@ class Node:
             if fut is not None and not fut.done():
                 fut.set_exception(ProvisionError(str(err)))
         self._fail_all(str(err))
+        self.events.lost(self)
 
     def _fail_all(self, message: str) -> None:
         with self.lock:  # the calls a thread is still writing are left to it (see send)

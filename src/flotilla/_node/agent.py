@@ -97,6 +97,9 @@ class Agent:
             Kind.RESTART: lambda generation, cause: ex.restart(generation, bytes(cause)),
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
+            Kind.STORED: ex.stored,
+            Kind.CREDIT: ex.credit,
+            Kind.FEED: lambda ident, body: ex.credit(ident, body, Kind.FEED),
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts

@@ -15,20 +15,35 @@ import os
 import pickle
 import select
 import sys
+import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from functools import partial
+from types import GeneratorType
 from typing import Any, NoReturn
 
-from .._wire.frames import TASK_HEAD, Body, FrameReader, Kind, Status, frame, write_all
+from .._wire.frames import (
+    CREDIT_BODY,
+    STREAM_WINDOW,
+    TASK_HEAD,
+    Body,
+    FrameReader,
+    Kind,
+    Status,
+    frame,
+    write_all,
+)
 
 
 def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     """Run the executor loop; never returns."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
-    info["local_rank"] = config.get("local_rank", 0)
+    slot = config.get("local_rank", 0)
+    info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
+    info["local_rank"] = slot if info.get("procs_per_node", 1) > 1 else 0
     os.environ["COMPUTE_POOL"] = json.dumps(info)
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     image_dir = config.get("image_dir")
@@ -65,23 +80,56 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         os._exit(1)
     _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
 
+    from . import feeds
+
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
+    write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
+    if info.get("cluster"):  # the distributed collections (storechannel.py)
+        from .storechannel import Channel, install
+
+        install(Channel(wfd, write_lock, inbox.answer))
     me = os.getpid()
     streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
+
+    def credit_feed(ident: int, index: int, body: bytes) -> None:
+        with write_lock:
+            write_all(wfd, frame(Kind.CREDIT, ident, bytes((index,)), body))
 
     def task(ident: int, body: Body) -> bool:
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        status, parts = _run(functions, body, shm_prefix, _serialize)
+        feeds.current = feeds.Context(
+            ident, inbox.feed, partial(credit_feed, ident), _serialize.decode
+        )
+        try:
+            status, parts = _run(functions, body, shm_prefix, _serialize, partial(stream, ident))
+        finally:
+            feeds.current = None
+            inbox.feeds.pop(ident, None)
         if os.getpid() != me:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()
         _restore_streams(streams)
-        write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+        with write_lock:
+            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
         return True
+
+    def stream(ident: int, values: Iterator[Any]) -> None:
+        """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
+        CREDIT (a slow consumer pauses the generator here)."""
+        allowed = STREAM_WINDOW
+        for sent, value in enumerate(values):
+            while sent >= allowed:
+                more = inbox.credit(ident)
+                if more is None:  # the agent is gone
+                    os._exit(0)
+                allowed += more
+            parts = _serialize.encode(_serialize.pickle_obj(value))
+            with write_lock:
+                write_all(wfd, frame(Kind.YIELD, ident, *parts))
 
     def define(ident: int, body: Body) -> bool:
         functions[ident] = _serialize.decode(body)
@@ -127,40 +175,88 @@ class _Inbox:
         self.reader = FrameReader()
         self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
+        self.answers: dict[int, Body] = {}  # STORED frames, by request id
+        self.credits: dict[int, int] = {}  # CREDIT frames, by task id
+        self.feeds: dict[int, deque[Body]] = {}  # FEED frames, by task id
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
         self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
 
-    def _read(self, block: bool) -> None:
+    def answer(self, ident: int) -> Body | None:
+        """Wait for the STORED frame answering request ``ident``; None at end of stream.
+        Called by a task (the loop does not read meanwhile: it is running the task)."""
+        while ident not in self.answers:
+            if self.eof:
+                return None
+            self._read(block=True, until=lambda: ident in self.answers)
+        return self.answers.pop(ident)
+
+    def credit(self, ident: int) -> int | None:
+        """Wait for CREDIT for task ``ident``: how many values more; None at end of stream."""
+        while ident not in self.credits:
+            if self.eof:
+                return None
+            self._read(block=True, until=lambda: ident in self.credits)
+        return self.credits.pop(ident)
+
+    def feed(self, ident: int) -> Body | None:
+        """Wait for the next FEED frame of task ``ident``; None at end of stream."""
+        while not self.feeds.get(ident):
+            if self.eof:
+                return None
+            self._read(block=True, until=lambda: bool(self.feeds.get(ident)))
+        return self.feeds[ident].popleft()
+
+    def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
         while not self.eof:
             try:
                 got = self.reader.read(self.fd)
             except BlockingIOError:
-                if block and not self.frames:
+                if block and (not self.frames if until is None else not until()):
                     select.select([self.fd], [], [])
                     continue
                 return
             if got is None:
                 self.eof = True
                 return
-            for f in got:
-                if f[0] == Kind.CANCEL:
-                    self.cancelled.add(f[1])
+            for kind, ident, body in got:
+                if kind == Kind.CANCEL:
+                    self.cancelled.add(ident)
+                elif kind == Kind.STORED:
+                    self.answers[ident] = body
+                elif kind == Kind.FEED:
+                    self.feeds.setdefault(ident, deque()).append(body)
+                elif kind == Kind.CREDIT:
+                    more = CREDIT_BODY.unpack_from(body)[0]
+                    self.credits[ident] = self.credits.get(ident, 0) + more
                 else:
-                    self.frames.append(f)
-            if self.frames:  # a partial frame: keep waiting for the rest
+                    self.frames.append((kind, ident, body))
+            if until is not None:
+                if until():
+                    return
+            elif self.frames:  # a partial frame: keep waiting for the rest
                 block = False
 
 
 def _run(
-    functions: dict[int, Any], body: bytes | bytearray, shm_prefix: str, ser: Any
+    functions: dict[int, Any],
+    body: bytes | bytearray,
+    shm_prefix: str,
+    ser: Any,
+    stream: Callable[[Iterator[Any]], None],
 ) -> tuple[int, list[Any]]:
     try:
         fn_key, args, kwargs = ser.decode(body, TASK_HEAD.size)
         value = functions[fn_key](*args, **kwargs)
         del args, kwargs
+        if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames
+            try:
+                stream(value)
+            finally:
+                value.close()
+            value = None
         status = Status.OK
     except BaseException as e:  # user code: report everything, including SystemExit
         value = _describe(e)

@@ -28,8 +28,10 @@ Executor states (one executor per slot at a time)::
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -95,6 +97,7 @@ class Executor:
     state: ExecState = ExecState.STARTING
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     partial_err: bytes = b""
+    stored: bool = False  # it used the distributed collections
 
 
 @dataclass(eq=False)
@@ -136,7 +139,14 @@ class Supervisor:
         self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
+            Kind.STORE: self._store,
+            Kind.YIELD: self._yield,
+            # leave for more of a streamed argument: to the client as well
+            Kind.CREDIT: lambda ex, ident, body: self._yield(ex, ident, body, Kind.CREDIT),
         }
+        # the collections' requests relayed to the client: agent id -> (executor, its id)
+        self.requests: dict[int, tuple[Executor, int]] = {}
+        self.request_ids = itertools.count(1)
 
     def configure(self, config: dict[str, Any], blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -368,6 +378,45 @@ class Supervisor:
         else:
             self.client.send(result)
 
+    def _store(self, ex: Executor, ident: int, body: Body) -> None:
+        """A task's request to the distributed collections: to the client, renumbered
+        (executors number their own requests), so that the answer finds its executor."""
+        relay = next(self.request_ids)
+        self.requests[relay] = (ex, ident)
+        ex.stored = True
+        self.client.send([HEADER.pack(Kind.STORE, relay, len(body)), body])
+
+    def _yield(self, ex: Executor, ident: int, body: Body, kind: int = Kind.YIELD) -> None:
+        """A value of a yielding task (or leave for more of a streamed argument): to the
+        client."""
+        self.client.send([HEADER.pack(kind, ident, len(body)), body])
+
+    def credit(self, ident: int, body: Body, kind: int = Kind.CREDIT) -> None:
+        """The client's leave for a yielding task to send more (or a value of a streamed
+        argument: ``kind`` FEED): to the executor of the task, or after its TASK frame
+        while it waits for its turn."""
+        parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
+        for slot in self.slots:
+            for i, task in enumerate(slot.tasks):
+                if task.ident != ident:
+                    continue
+                ex = slot.executor
+                if i == 0 and slot.fed and ex is not None:
+                    ex.outbox.send(parts)
+                else:  # not given yet: sent with the task (and to a new process again)
+                    task.frame = [*task.frame, *parts]
+                return
+
+    def stored(self, relay: int, body: Body) -> None:
+        """The client's answer to a STORE: to the executor that asked, if it still runs
+        (an executor replaced meanwhile asked nothing of its successor)."""
+        asked = self.requests.pop(relay, None)
+        if asked is None:
+            return
+        ex, ident = asked
+        if ex.slot.executor is ex and ex.state is ExecState.RUNNING:
+            ex.outbox.send([HEADER.pack(Kind.STORED, ident, len(body)), body])
+
     def _ready(self, ex: Executor, ident: int, body: Body) -> None:
         """The executor is set up (or failed to be); READY goes to the client once the
         whole node is up."""
@@ -469,6 +518,12 @@ class Supervisor:
             except OSError:
                 pass
         kill_group(ex.pid)  # whatever the task left behind in its process group
+        for relay in [r for r, (e, _) in self.requests.items() if e is ex]:
+            del self.requests[relay]
+        if ex.stored:  # the collections release what it held (its locks); no answer
+            gone = pickle.dumps(("process", "", "gone", ex.pid))
+            self.client.send([HEADER.pack(Kind.STORE, 0, len(gone)), gone])
+            ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
 

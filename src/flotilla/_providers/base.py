@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Self
 from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
+from .._worker import Worker
 
 logger = logging.getLogger("flotilla")
 
@@ -67,6 +68,10 @@ class Options:
             process tree, a spare or reconnected host...) and the pool keeps its size; in a
             pool whose processes form one group every process is restarted with it. False:
             the node stays lost; broadcasts then fail naming it.
+        provision_timeout: Skyward's name for ``start_timeout`` (when given, it is the one
+            used).
+        worker: :class:`Worker`: task slots per node (default: one); ``Compute(worker=)``
+            takes precedence.
     """
 
     cluster: bool = True
@@ -75,6 +80,8 @@ class Options:
     shutdown_grace: float = 2.0
     env: dict[str, Any] = field(default_factory=dict)
     replace_lost_nodes: bool = True
+    provision_timeout: float | None = None
+    worker: Worker | None = None
 
     def __repr__(self) -> str:  # env values may be secrets: never shown
         from .._redaction import shown_env
@@ -86,6 +93,12 @@ class Options:
         )
 
     def __post_init__(self) -> None:
+        if self.worker is not None and not isinstance(self.worker, Worker):
+            raise ConfigurationError(
+                f"Options.worker must be a flotilla.Worker, got {type(self.worker).__name__}"
+            )
+        if self.provision_timeout is not None:
+            object.__setattr__(self, "start_timeout", self.provision_timeout)
         if not isinstance(self.replace_lost_nodes, bool):
             raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
@@ -93,6 +106,8 @@ class Options:
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
+                if name == "start_timeout" and self.provision_timeout is not None:
+                    name = "provision_timeout"
                 raise ConfigurationError(f"Options.{name} must be a positive number, got {value!r}")
 
 

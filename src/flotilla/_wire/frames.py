@@ -54,6 +54,14 @@ class Kind(IntEnum):
     CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
     RESTART = 17  # ident=new generation; text: the cause. Replace every executor, abort tasks
     PYTHON = 18  # JSON: become a Python of the client's minor version; a new HELLO answers
+    # executor -> agent -> client, and back: the distributed collections (_collections.py)
+    STORE = 19  # ident=request id; body = pickled request (relayed, the agent renumbers it)
+    STORED = 20  # ident=the STORE's id; body = pickled (ok, value or error)
+    # a task that yields (a generator): its values, and the client's leave to send more
+    YIELD = 21  # executor -> agent -> client; ident=task id; body = one encoded value
+    CREDIT = 22  # client -> agent -> executor; ident=task id; body = u32: values more
+    # (executor -> agent -> client for a streamed argument: body = its index u8 + u32)
+    FEED = 23  # client -> agent -> executor; ident=task id; a streamed argument's value
 
 
 class Status(IntEnum):
@@ -66,6 +74,12 @@ class Status(IntEnum):
     CANCELLED = 4  # no payload: the call was cancelled
     ABORTED = 5  # payload: text, the cause: the pool's process group was restarted
 
+
+STREAM_WINDOW = 8
+"""Values a yielding task sends before it waits for CREDIT (the client's leave to go on,
+given as its caller takes them): a slow consumer pauses the producer."""
+
+CREDIT_BODY = struct.Struct("<I")
 
 TASK_HEAD = struct.Struct("<dH")
 """Start of a TASK body: the timeout in seconds (0: none) and the local rank to run it on."""

@@ -115,7 +115,8 @@ def _backend_class() -> type:
         def effective_n_jobs(self, n_jobs: int | None) -> int:
             if n_jobs == 0:
                 raise ValueError("n_jobs == 0 in Parallel has no meaning")
-            slots = max(1, int(self.pool.nodes) * int(self.pool.procs_per_node))
+            per_node = getattr(self.pool, "workers_per_node", self.pool.procs_per_node)
+            slots = max(1, int(self.pool.nodes) * int(per_node))  # every worker slot
             if n_jobs is None:
                 return slots
             return max(1, slots + 1 + n_jobs) if n_jobs < 0 else n_jobs  # -1: every slot

@@ -1,0 +1,47 @@
+"""``Worker``: Skyward's task slots per node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ._errors import ConfigurationError
+
+WorkerExecutor = Literal["auto", "thread", "process"]
+EXECUTORS = ("auto", "thread", "process")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """How many tasks each node runs at once (Skyward's ``Worker``), given as
+    ``Options(worker=...)`` or ``Compute(worker=...)``.
+
+    Attributes:
+        concurrency: task slots per node: a node runs up to this many calls at once, and
+            ``pool.map``, ``gather`` and the joblib backend fill every slot of every node
+            (``nodes * concurrency`` calls in parallel). A broadcast (``@``) still runs
+            once per node. Each slot knows itself as ``instance_info().worker``, out of
+            ``instance_info().workers_per_node``.
+        executor: ``"process"``, ``"thread"`` or ``"auto"`` (``"process"``). flotilla runs
+            every slot as its own process (its own interpreter: no GIL shared between
+            slots, a crash ends only that slot's call, and the distributed collections
+            reach each one), whichever is asked: tasks of one node do not share memory.
+    """
+
+    concurrency: int = 1
+    executor: WorkerExecutor = "auto"
+
+    def __post_init__(self) -> None:
+        c = self.concurrency
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ConfigurationError(f"Worker(concurrency=...) must be an int >= 1, got {c!r}")
+        if self.executor not in EXECUTORS:
+            raise ConfigurationError(
+                f"Worker(executor=...) must be one of {', '.join(map(repr, EXECUTORS))}, "
+                f"got {self.executor!r}"
+            )
+
+    @property
+    def resolved_executor(self) -> Literal["thread", "process"]:
+        """The executor ``"auto"`` stands for: ``"process"``."""
+        return "thread" if self.executor == "thread" else "process"

@@ -1,0 +1,162 @@
+"""Streaming results: a function that yields sends each value as it is produced; `>>`
+returns an iterator, a slow consumer pauses the producer, memory stays bounded."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterator
+
+import pytest
+
+import flotilla as sky
+from flotilla._wire.frames import STREAM_WINDOW
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[sky.Compute]:
+    with sky.Compute(nodes=2) as p:
+        yield p
+
+
+@sky.function
+def count(n: int) -> Iterator[int]:
+    yield from range(n)
+
+
+@sky.function
+def first_then_wait() -> Iterator[object]:
+    yield "first"
+    yield sky.queue("go").get(timeout=60)  # put by the client once it has "first"
+
+
+@sky.function
+def endless() -> Iterator[int]:
+    produced = sky.counter("produced")
+    i = 0
+    while True:
+        produced.increment()
+        yield i
+        i += 1
+
+
+@sky.function
+def fails_after_one() -> Iterator[int]:
+    yield 1
+    raise ValueError("broke mid-stream")
+
+
+@sky.function
+def megabytes(n: int) -> Iterator[bytes]:
+    for i in range(n):
+        yield bytes([i % 256]) * (1 << 20)
+
+
+def test_rshift_returns_an_iterator_over_the_values(pool: sky.Compute) -> None:
+    it = count(5) >> pool
+    assert iter(it) is it
+    assert list(it) == [0, 1, 2, 3, 4]
+    assert list(count(0) >> pool) == []
+
+
+def test_a_value_arrives_before_the_function_ends(pool: sky.Compute) -> None:
+    it = first_then_wait() >> pool
+    assert next(it) == "first"
+    pool.queue("go").put("second")  # the function is still running: it takes this
+    assert list(it) == ["second"]
+
+
+def test_a_slow_consumer_pauses_the_producer(pool: sky.Compute) -> None:
+    it = endless() >> pool
+    taken = [next(it) for _ in range(20)]
+    assert taken == list(range(20))
+    # the producer may run a window ahead of the leave it was given, never further
+    assert int(pool.counter("produced")) <= 20 + STREAM_WINDOW + 1
+    it.close()  # the call is cancelled: its process is replaced
+    assert list(count(3) >> pool) == [0, 1, 2]  # the pool goes on
+
+
+def test_an_error_mid_stream_is_raised_after_the_values_before_it(pool: sky.Compute) -> None:
+    it = fails_after_one() >> pool
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="broke mid-stream"):
+        next(it)
+
+
+def test_other_ways_of_sending_collect_the_values(pool: sky.Compute) -> None:
+    assert count(3) @ pool == [[0, 1, 2], [0, 1, 2]]
+    assert (count(2) & count(3)) >> pool == ([0, 1], [0, 1, 2])
+    assert (count(2) > pool).result() == [0, 1]
+
+
+def test_streaming_256_mib_keeps_the_clients_memory_bounded(pool: sky.Compute) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    total = 0
+    for i, value in enumerate(megabytes(256) >> pool):
+        assert len(value) == 1 << 20 and value[0] == i % 256
+        total += len(value)
+    assert total == 256 << 20
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 64 * 1024, f"peak memory grew {grown} KiB"
+
+
+@sky.stream
+def squares(n: int) -> Iterator[int]:
+    for i in range(n):
+        yield i * i
+
+
+def test_skywards_stream_decorator(pool: sky.Compute) -> None:
+    assert list(squares(4) >> pool) == [0, 1, 4, 9]
+    assert list(sky.stream(timeout=30)(count)(2) >> pool) == [0, 1]
+    with pytest.raises(sky.ConfigurationError, match="generator function"):
+        sky.stream(lambda: 1)
+
+
+# -- streamed arguments (Iterator[T] parameters) ------------------------------------------------
+@sky.function
+def total(values: Iterator[int]) -> int:
+    assert not isinstance(values, list)  # an iterator that reads as the client sends
+    return sum(values)
+
+
+@sky.function
+def double_each(values: Iterator[int], factor: int = 2) -> Iterator[int]:
+    for v in values:
+        yield v * factor
+
+
+@sky.function
+def take_three(values: Iterator[int]) -> list[int]:
+    it = iter(values)
+    return [next(it), next(it), next(it)]
+
+
+def test_a_generator_argument_is_streamed_to_the_node(pool: sky.Compute) -> None:
+    assert total(i for i in range(1000)) >> pool == sum(range(1000))
+    assert total(values=iter(range(10))) >> pool == 45
+    assert total([]) >> pool == 0
+
+
+def test_streamed_in_and_out(pool: sky.Compute) -> None:
+    assert list(double_each(iter(range(20)), factor=3) >> pool) == [3 * i for i in range(20)]
+
+
+def test_the_client_sends_only_a_window_ahead_of_the_task(pool: sky.Compute) -> None:
+    pulled = []
+
+    def source() -> Iterator[int]:
+        for i in range(1_000_000):
+            pulled.append(i)
+            yield i
+
+    assert take_three(source()) >> pool == [0, 1, 2]
+    assert len(pulled) <= 3 + 2 * STREAM_WINDOW  # never the million
+
+
+def test_a_failing_argument_iterator_is_raised_on_the_node(pool: sky.Compute) -> None:
+    def broken() -> Iterator[int]:
+        yield 1
+        raise OSError("disk gone")
+
+    with pytest.raises(RuntimeError, match="disk gone"):
+        total(broken()) >> pool
