@@ -23,6 +23,8 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── StaleGenerationError                cli/state.py: a cluster's record belongs to a
     │                                       later launch of its name (an old daemon must
     │                                       leave it alone)
+    ├── StorageError                        storage.py: an object store request failed
+    │                                       (``status``: the HTTP status)
     └── CLIError                            cli/main.py: a command that cannot go on
                                             (``code``: the exit status)
 
