@@ -24,6 +24,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._accelerators import accelerators as accelerators
     from ._client.compute import Compute as Compute
     from ._client.compute import PoolState as PoolState
+    from ._client.elastic import Nodes as Nodes
     from ._client.function import CallGroup as CallGroup
     from ._client.function import Function as Function
     from ._client.function import PendingCall as PendingCall
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # API: __all__ and lazy loading derive from it; tests check the TYPE_CHECKING block above.
     "_accelerators": ("Accelerator", "accelerators"),
     "_client.compute": ("Compute", "PoolState"),
+    "_client.elastic": ("Nodes",),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
     "_errors": (
         "ConfigurationError",

@@ -54,6 +54,10 @@ STRAGGLER_GRACE = 1.0
 """Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
 before the group is restarted (see ``_plugins``)."""
 
+Telling = Callable[[list[Node], list[Node]], list[Node]]
+"""Tells nodes (the second list) the pool's new nodes (the first) without waiting; the
+nodes it could not tell so."""
+
 Replacer = Callable[[int, str], list[int]]
 """Starts replacing the lost node at a rank (with a reason); returns every rank it takes
 down meanwhile (the lost one, or all of them in a group pool)."""
@@ -70,6 +74,10 @@ class Dispatcher:
         replacer: starts the replacement of a lost node; None when lost nodes are not
             replaced (``Options(replace_lost_nodes=False)``).
         running: whether the pool takes calls (RUNNING).
+        hold: an elastic pool that may grow: a single call that finds every process busy
+            waits in :attr:`backlog` (which grows the pool, see ``elastic.py``) instead of
+            queueing behind another call on a node; the next process free takes it.
+        backlog: single calls waiting for a free process (with ``hold``).
     """
 
     def __init__(
@@ -96,6 +104,8 @@ class Dispatcher:
         self._unplaced: list[Submission] = []  # single calls waiting for any ready node
         self._gone: dict[int, str] = {}  # ranks lost for good: why
         self._held: set[Submission] = set()  # group failures waiting for their siblings
+        self.hold = False
+        self.backlog: list[Submission] = []
 
     # -- preparing calls -------------------------------------------------------------
     def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
@@ -188,8 +198,9 @@ class Dispatcher:
         Counting each assignment spreads a batch evenly; preferring low ranks among idle
         nodes keeps one agent warm for a stream of single calls.
         """
-        if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
-            self.place(subs[0])
+        if len(subs) == 1 or self.hold:  # `>>`: no bookkeeping beyond the choice
+            for sub in subs:
+                self.place(sub)
             return
         load = {
             (n, w): busy
@@ -248,6 +259,9 @@ class Dispatcher:
                             return
                         raise self.all_lost()
                     node, sub.worker = choice
+                    if self.hold and node.busy[sub.worker] > 0:
+                        self.backlog.append(sub)
+                        return
             try:
                 node.send([sub])
                 return
@@ -304,7 +318,7 @@ class Dispatcher:
 
     def _unpark(self, sub: Submission) -> bool:
         with self.lock:
-            for subs in (*self._waiting.values(), self._unplaced):
+            for subs in (*self._waiting.values(), self._unplaced, self.backlog):
                 if sub in subs:
                     subs.remove(sub)
                     return True
@@ -430,6 +444,96 @@ class Dispatcher:
                 sub.future.set_result(value)
         if self._held and sub.siblings:
             self._release_held(sub.siblings)
+        if self.backlog:
+            self.pump()
+
+    def pump(self) -> None:
+        """Send backlogged calls to the processes that are free (in a worker thread: a
+        send may wait for its node, the loop never does)."""
+        from .loop import get_loop
+
+        get_loop().run_in_executor(None, self._pump)
+
+    def _pump(self) -> None:
+        while True:
+            with self.lock:
+                choice = self.least_busy()
+                if not self.backlog or choice is None or choice[0].busy[choice[1]] > 0:
+                    return
+                sub = self.backlog.pop(0)
+            if sub.future.done():
+                continue
+            try:
+                self.place(sub)
+            except Exception as e:
+                self.settle(sub, exc=e)
+
+    # -- an elastic pool's size (loop thread) -------------------------------------------
+    def add(self, nodes: Sequence[Node], tell: Telling) -> list[Node]:
+        """New ``nodes`` (at the next ranks) serve: backlogged calls go to them. The nodes
+        there before are told first (``tell(every node, the old ones)`` returns those it
+        could not tell without waiting: the caller tells them at once)."""
+        with self.lock:
+            old = list(self.nodes)
+            for node in nodes:
+                assert node.rank == len(self.nodes)
+                self.nodes.append(node)
+            left = tell(list(self.nodes), old)
+        self.pump()
+        return left
+
+    def pause_if_idle(self) -> bool:
+        """If no call runs or waits, hold every later call until :meth:`resume` (a group
+        pool changes size); whether it did."""
+        with self.lock:
+            if self.backlog or self._waiting or self._unplaced:
+                return False
+            for node in self.nodes:
+                with node.lock:
+                    if node.inflight or any(node.busy):
+                        return False
+            for node in self.nodes:  # a call on its way to one is refused, and waits
+                with node.lock:
+                    node.state = NodeState.CLOSED
+            for rank in range(len(self.nodes)):
+                self._replacing.add(rank)
+                self._waiting[rank] = []
+            return True
+
+    def resume(self, nodes: Sequence[Node], failure: str = "") -> None:
+        """The pool's ``nodes`` after a change of size (:meth:`pause_if_idle`): they
+        serve, and the calls that waited are sent (to a rank no more: they fail). With
+        ``failure`` (no nodes: the new group did not start) every rank is gone."""
+        if failure:
+            self._give_up(range(len(self.nodes)), f"could not restart: {failure}")
+            return
+        with self.lock:
+            self.nodes[:] = nodes
+            self._replacing.clear()
+            waiting, self._waiting = self._waiting, {}
+            unplaced, self._unplaced = self._unplaced, []
+        for rank, subs in waiting.items():
+            for sub in subs:
+                if rank < len(nodes):
+                    self._resend(sub, rank)
+                else:
+                    self.settle(sub, exc=PoolClosedError(f"node {rank} left the pool"))
+        for sub in unplaced:
+            self._resend(sub, None)
+        self.pump()
+
+    def remove_idle(self, node: Node, tell: Telling) -> list[Node] | None:
+        """Take the last node out of service if it runs nothing (None if it does); the
+        others are told first (see :meth:`add`: those left to tell are returned)."""
+        with self.lock:
+            if self.nodes[-1] is not node or node.rank in self._waiting:
+                return None
+            with node.lock:
+                if node.inflight or any(node.busy):
+                    return None
+                node.state = NodeState.CLOSED
+            self.nodes.pop()
+            return tell(list(self.nodes), list(self.nodes))
 
     def _release_held(self, siblings: list[Submission]) -> None:
         """Settle the held failures of a broadcast whose calls have all ended."""
@@ -514,8 +618,10 @@ class Dispatcher:
         """The pool closes: every call still waiting or in flight ends with ``exc(where)``."""
         with self.lock:
             parked = [s for subs in self._waiting.values() for s in subs] + self._unplaced
+            parked += self.backlog
             self._waiting.clear()
             self._unplaced = []
+            self.backlog = []
         for sub in parked:
             self.settle(sub, exc=exc("a lost node was replaced"))
         with self.lock:

@@ -97,6 +97,7 @@ class Agent:
             Kind.RESTART: lambda generation, cause: ex.restart(generation, bytes(cause)),
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
+            Kind.MEMBERS: lambda _, body: ex.members(bytes(body)),
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts

@@ -54,6 +54,7 @@ class Kind(IntEnum):
     CANCEL = 16  # ident=task id: stop it (running: the executor is replaced; queued: skipped)
     RESTART = 17  # ident=new generation; text: the cause. Replace every executor, abort tasks
     PYTHON = 18  # JSON: become a Python of the client's minor version; a new HELLO answers
+    MEMBERS = 19  # JSON: the node's new COMPUTE_POOL (an elastic pool grew or shrank)
 
 
 class Status(IntEnum):

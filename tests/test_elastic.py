@@ -1,0 +1,153 @@
+"""Elastic pools (Skyward's ``Nodes(desired, min, max)``): open with ``min``, add the rest as
+they come up, grow under queued calls up to ``max``, shrink back when idle; every node sees
+the new size. Real local pools and real SSH test hosts (sshd stopped for "down")."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from _hosts import Lab, TestHost, lab_unavailable
+from _procs import assert_all_gone, wait_until
+
+import flotilla as sky
+from flotilla._providers.base import Allocation, Machine, PoolSpec, Provider
+
+
+@sky.function
+def place() -> tuple[int, int, int, str]:
+    """(node, total_nodes, peers, host name) as the node sees them."""
+    info = sky.instance_info()
+    return info.node, info.total_nodes, len(info.peers), socket.gethostname()
+
+
+@sky.function
+def slow(_: int) -> tuple[int, int, int]:
+    """Busy for a while: (node, total_nodes, pid of the process that ran it)."""
+    import time
+
+    time.sleep(1.0)
+    info = sky.instance_info()
+    return info.node, info.total_nodes, os.getpid()
+
+
+def test_nodes_forms() -> None:
+    assert sky.Nodes.of(3) == sky.Nodes(3)
+    assert sky.Nodes.of((1, 3)) == sky.Nodes(1, max=3)
+    assert not sky.Nodes(3).elastic
+    spec = sky.Nodes(4, min=2, max=6)
+    assert (spec.least, spec.desired, spec.most, spec.elastic) == (2, 4, 6, True)
+    for bad in ((0, 2), (2, "3"), "2"):
+        with pytest.raises(sky.ConfigurationError, match="nodes"):
+            sky.Nodes.of(bad)
+
+
+def test_a_pool_opens_with_min_and_grows_to_desired() -> None:
+    with sky.Compute(nodes=sky.Nodes(3, min=1)) as pool:
+        assert pool.nodes >= 1
+        assert wait_until(lambda: pool.nodes == 3, timeout=60)
+        seen = place() @ pool
+        assert [s[:3] for s in seen] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
+
+
+def test_a_pool_grows_under_map_and_shrinks_when_idle() -> None:
+    options = sky.Options(scale_down_after=0.5)
+    with sky.Compute(nodes=(1, 3), options=options) as pool:
+        assert pool.nodes == 1
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
+        out = pool.map(slow, range(9))
+        assert {node for node, _, _ in out} == {0, 1, 2}  # the new nodes took calls
+        assert max(total for _, total, _ in out) == 3  # and every node learnt the size
+        grown = {pid for node, _, pid in out if node > 0}
+        assert wait_until(lambda: pool.nodes == 1, timeout=30)  # idle: back to desired
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]  # broadcasts: nodes present
+        assert_all_gone(grown, timeout=10, what="processes of the released nodes")
+
+
+def test_a_torch_group_restarts_with_the_new_world_size() -> None:
+    pytest.importorskip("torch")
+
+    @sky.function
+    def world() -> tuple[int, float, int]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        if not dist.is_initialized():  # one process: the plugin forms no group
+            return 1, float(t.item()), sky.instance_info().total_nodes
+        dist.all_reduce(t)
+        return dist.get_world_size(), float(t.item()), sky.instance_info().total_nodes
+
+    options = sky.Options(scale_down_after=5.0)
+    with sky.Compute(nodes=(1, 2), plugins=[sky.plugins.torch()], options=options) as pool:
+        assert world() @ pool == [(1, 1.0, 1)]
+        pool.map(slow, range(4))  # calls wait: the pool grows, between calls
+        assert wait_until(lambda: pool.nodes == 2, timeout=120)
+        assert world() @ pool == [(2, 2.0, 2), (2, 2.0, 2)]
+        assert wait_until(lambda: pool.nodes == 1, timeout=120)  # idle: shrinks
+        assert world() @ pool == [(1, 1.0, 1)]
+
+
+class _Fixed(Provider):
+    """A provider without elastic allocations."""
+
+    async def acquire(self, spec: PoolSpec) -> Allocation:
+        raise AssertionError("never reached")
+
+
+def test_a_provider_without_elastic_pools_refuses_them_before_acquiring() -> None:
+    with pytest.raises(sky.ConfigurationError, match="fixed-size pools only"):
+        sky.Compute(provider=_Fixed(), nodes=(1, 2)).open()
+    assert Allocation.candidate is not None and Machine is not None
+
+
+# -- SSH -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Lab() as lab:
+        lab.add_hosts(4)
+        yield lab
+
+
+def _stop_sshd(lab: Lab, host: TestHost) -> None:
+    lab.kill_all(host)
+    if host.sshd is not None:
+        host.sshd.wait(10)
+    if host._log is not None:
+        host._log.close()
+
+
+def test_ssh_pool_opens_with_min_up_and_reaches_desired_when_hosts_come_back(lab: Lab) -> None:
+    down = lab.hosts[:2]  # the first hosts: the ranks go to the hosts that answer
+    for host in down:
+        _stop_sshd(lab, host)
+    with sky.Compute(provider=lab.provider(), nodes=sky.Nodes(4, min=2)) as pool:
+        assert pool.nodes == 2
+        seen = place() @ pool
+        assert [s[:3] for s in seen] == [(0, 2, 2), (1, 2, 2)]
+        assert {s[3] for s in seen} == {h.hostname for h in lab.hosts[2:]}
+        for host in down:
+            lab.start_sshd(host)
+        assert wait_until(lambda: pool.nodes == 4, timeout=90)
+        seen = place() @ pool
+        assert [s[:3] for s in seen] == [(r, 4, 4) for r in range(4)]
+        assert {s[3] for s in seen} == {h.hostname for h in lab.hosts}
+    assert lab.wait_no_agents(timeout=10) == {}
+
+
+def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:
+    options = sky.Options(scale_down_after=0.5)
+    with sky.Compute(provider=lab.provider(), nodes=(1, 3), options=options) as pool:
+        out = pool.map(slow, range(9))
+        assert {node for node, _, _ in out} == {0, 1, 2}
+        assert wait_until(lambda: pool.nodes == 1, timeout=30)
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
+        assert wait_until(lambda: len(lab.agent_pids()) == 1, timeout=15)  # released: gone
+    assert lab.wait_no_agents(timeout=10) == {}
+    subprocess.run(["true"], check=True)
