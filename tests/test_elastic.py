@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -150,4 +149,38 @@ def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:
         assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
         assert wait_until(lambda: len(lab.agent_pids()) == 1, timeout=15)  # released: gone
     assert lab.wait_no_agents(timeout=10) == {}
-    subprocess.run(["true"], check=True)
+
+
+def test_ssh_starts_retry_with_backoff_when_sshd_drops_connections(lab: Lab) -> None:
+    """An sshd that drops unauthenticated connections beyond two (``MaxStartups 2``):
+    eight nodes on it start all the same (paced, and dropped attempts are tried again)."""
+    host = lab.hosts[-1]
+    _stop_sshd(lab, host)
+    config = host.folder / "sshd_config"
+    text = config.read_text().replace("MaxStartups 64", "MaxStartups 2")
+    config.write_text(text)
+    lab.start_daemon(
+        host,
+        "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && "
+        f"exec /usr/sbin/sshd -D -e -f {config}",
+        "sshd.log",
+    )
+    assert wait_until(lambda: _listening(host.addr), timeout=10)
+    try:
+        provider = lab.provider([host] * 8)
+        with sky.Compute(provider=provider, nodes=8) as pool:
+            assert len(place() @ pool) == 8
+        log = (host.folder / "sshd.log").read_text(errors="replace")
+        assert "drop connection" in log or "MaxStartups" in log  # it did drop some
+    finally:
+        _stop_sshd(lab, host)
+        config.write_text(text.replace("MaxStartups 2", "MaxStartups 64"))
+        lab.start_sshd(host)
+
+
+def _listening(addr: str) -> bool:
+    try:
+        with socket.create_connection((addr, 22), 0.2):
+            return True
+    except OSError:
+        return False

@@ -20,7 +20,7 @@ from .._accelerators import Accelerator, parse_accelerator
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._providers.limits import out_of_files
+from .._providers.limits import ensure_open_files, out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
 from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
@@ -266,6 +266,7 @@ class Compute(Pool):
                 "only (elastic pools: Local and SSH); pass a number of nodes"
             )
         self.provider.validate(spec)
+        ensure_open_files(self.size.most)  # every provider: three pipes per node here
         volume_secrets: list[str] = []
         if self.volumes:  # the buckets can be read: before anything is provisioned
             self._volume_spec, volume_secrets = node_spec(self.volumes)
