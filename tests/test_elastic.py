@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from _hosts import Lab, TestHost, lab_unavailable
-from _procs import assert_all_gone, wait_until
+from _procs import assert_all_gone, processes_in, wait_until
 
 import flotilla as sky
 from flotilla._providers.base import Allocation, Machine, PoolSpec, Provider
@@ -88,6 +89,26 @@ def test_a_torch_group_restarts_with_the_new_world_size() -> None:
         assert world() @ pool == [(2, 2.0, 2), (2, 2.0, 2)]
         assert wait_until(lambda: pool.nodes == 1, timeout=120)  # idle: shrinks
         assert world() @ pool == [(1, 1.0, 1)]
+
+
+def test_closing_while_nodes_are_still_joining_leaves_nothing(tmp_path: Path) -> None:
+    provider = sky.Local(workdir=str(tmp_path))
+    with sky.Compute(provider=provider, nodes=sky.Nodes(6, min=1)) as pool:
+        assert len(place() @ pool) >= 1  # the others are starting or joining
+    assert wait_until(lambda: not processes_in(tmp_path), timeout=20), processes_in(tmp_path)
+    assert not list(tmp_path.iterdir())  # every node's folder removed
+
+
+def test_a_lost_node_of_an_elastic_pool_is_replaced_at_its_rank() -> None:
+    @sky.function
+    def agent_pid() -> int:
+        return os.getppid()
+
+    with sky.Compute(nodes=sky.Nodes(2, max=3)) as pool:
+        pids = agent_pid() @ pool
+        os.kill(pids[1], 9)
+        assert wait_until(lambda: (agent_pid() @ pool)[1] != pids[1], timeout=60)
+        assert [s[:3] for s in place() @ pool] == [(0, 2, 2), (1, 2, 2)]
 
 
 class _Fixed(Provider):
