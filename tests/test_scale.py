@@ -15,6 +15,7 @@ from _hosts import Lab, lab_unavailable
 from _procs import wait_until
 
 import flotilla as sky
+from flotilla._client.loop import get_loop
 
 HOSTS = 128
 
@@ -42,6 +43,7 @@ def lab() -> Iterator[Lab]:
 
 
 def test_a_pool_of_128_ssh_hosts_with_bounded_files_and_threads(lab: Lab) -> None:
+    get_loop()  # the client's event loop (its epoll and wake-up pipe) outlives pools
     base_fds, base_threads = _fds(), threading.active_count()
     provider = lab.provider(python=sys.executable, connect_timeout=30.0)
     options = sky.Options(start_timeout=600.0)
