@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,20 +70,28 @@ def test_a_pool_grows_under_map_and_shrinks_when_idle() -> None:
 
 def test_a_torch_group_restarts_with_the_new_world_size() -> None:
     pytest.importorskip("torch")
+    _torch_group_resizes(None)
 
-    @sky.function
-    def world() -> tuple[int, float, int]:
-        import torch
-        import torch.distributed as dist
 
-        t = torch.ones(1)
-        if not dist.is_initialized():  # one process: the plugin forms no group
-            return 1, float(t.item()), sky.instance_info().total_nodes
-        dist.all_reduce(t)
-        return dist.get_world_size(), float(t.item()), sky.instance_info().total_nodes
+@sky.function
+def world() -> tuple[int, float, int]:
+    """(world size, all-reduced 1.0, total_nodes) on each process of a torch group."""
+    import torch
+    import torch.distributed as dist
 
+    t = torch.ones(1)
+    if not dist.is_initialized():  # one process: the plugin forms no group
+        return 1, float(t.item()), sky.instance_info().total_nodes
+    dist.all_reduce(t)
+    return dist.get_world_size(), float(t.item()), sky.instance_info().total_nodes
+
+
+def _torch_group_resizes(provider: Provider | None) -> None:
+    """A torch group pool of (1, 2) grows under queued calls and shrinks when idle, each
+    time restarting its processes with the new world size."""
     options = sky.Options(scale_down_after=5.0)
-    with sky.Compute(nodes=(1, 2), plugins=[sky.plugins.torch()], options=options) as pool:
+    plugins = [sky.plugins.torch()]
+    with sky.Compute(provider, nodes=(1, 2), plugins=plugins, options=options) as pool:
         assert world() @ pool == [(1, 1.0, 1)]
         pool.map(slow, range(4))  # calls wait: the pool grows, between calls
         assert wait_until(lambda: pool.nodes == 2, timeout=120)
@@ -159,6 +168,30 @@ def test_ssh_pool_opens_with_min_up_and_reaches_desired_when_hosts_come_back(lab
         assert [s[:3] for s in seen] == [(r, 4, 4) for r in range(4)]
         assert {s[3] for s in seen} == {h.hostname for h in lab.hosts}
     assert lab.wait_no_agents(timeout=10) == {}
+
+
+def test_ssh_pool_that_cannot_reach_min_fails_naming_the_hosts_down(lab: Lab) -> None:
+    down = lab.hosts[:2]
+    for host in down:
+        _stop_sshd(lab, host)
+    try:
+        provider = lab.provider(lab.hosts[:3])
+        options = sky.Options(start_timeout=3.0)
+        with (
+            pytest.raises(sky.ProvisionError, match=r"1 of the 2 node\(s\)") as info,
+            sky.Compute(provider=provider, nodes=sky.Nodes(3, min=2), options=options),
+        ):
+            pass
+        assert all(f"{h.addr}: " in str(info.value) for h in down)  # each, with why
+    finally:
+        for host in down:
+            lab.start_sshd(host)
+    assert lab.wait_no_agents(timeout=10) == {}
+
+
+def test_ssh_torch_group_restarts_with_the_new_world_size(lab: Lab) -> None:
+    pytest.importorskip("torch")
+    _torch_group_resizes(lab.provider(python=sys.executable))
 
 
 def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:

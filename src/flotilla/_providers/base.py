@@ -87,7 +87,9 @@ class Options:
         return (
             f"Options(cluster={self.cluster!r}, start_timeout={self.start_timeout!r}, "
             f"heartbeat_timeout={self.heartbeat_timeout!r}, "
-            f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r})"
+            f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r}, "
+            f"replace_lost_nodes={self.replace_lost_nodes!r}, "
+            f"scale_down_after={self.scale_down_after!r})"
         )
 
     def __post_init__(self) -> None:
