@@ -68,6 +68,18 @@ def test_a_pool_grows_under_map_and_shrinks_when_idle() -> None:
         assert_all_gone(grown, timeout=10, what="processes of the released nodes")
 
 
+def test_at_max_calls_queue_on_the_nodes_again() -> None:
+    """Below max a call waits for a free process (so that the pool grows for it); at max
+    calls queue on the nodes, with no round trip to the client between two of them."""
+    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+        pool.map(slow, range(4))
+        assert wait_until(lambda: pool.nodes == 2, timeout=30)
+        futures = [pool.submit(slow(i)) for i in range(6)]
+        d = pool._dispatcher
+        assert not d.backlog and sum(len(n.inflight) for n in d.nodes) == 6
+        assert len({f.result()[0] for f in futures}) == 2
+
+
 def test_a_torch_group_restarts_with_the_new_world_size() -> None:
     pytest.importorskip("torch")
     _torch_group_resizes(None)

@@ -74,10 +74,8 @@ class Dispatcher:
         replacer: starts the replacement of a lost node; None when lost nodes are not
             replaced (``Options(replace_lost_nodes=False)``).
         running: whether the pool takes calls (RUNNING).
-        hold: an elastic pool that may grow: a single call that finds every process busy
-            waits in :attr:`backlog` (which grows the pool, see ``elastic.py``) instead of
-            queueing behind another call on a node; the next process free takes it.
-        backlog: single calls waiting for a free process (with ``hold``).
+        most: an elastic pool's ``max`` (0: a pool of fixed size); see :attr:`hold`.
+        backlog: single calls waiting for a free process (see :attr:`hold`).
     """
 
     def __init__(
@@ -104,8 +102,17 @@ class Dispatcher:
         self._unplaced: list[Submission] = []  # single calls waiting for any ready node
         self._gone: dict[int, str] = {}  # ranks lost for good: why
         self._held: set[Submission] = set()  # group failures waiting for their siblings
-        self.hold = False
+        self.most = 0
         self.backlog: list[Submission] = []
+
+    @property
+    def hold(self) -> bool:
+        """An elastic pool below its ``max``: a single call that finds every process busy
+        waits in :attr:`backlog` (which grows the pool, see ``elastic.py``) instead of
+        queueing behind another call on a node; the next process free takes it. At
+        ``max``, calls queue on the nodes again (no round trip between two calls of a
+        process)."""
+        return len(self.nodes) < self.most
 
     # -- preparing calls -------------------------------------------------------------
     def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
@@ -458,7 +465,9 @@ class Dispatcher:
         while True:
             with self.lock:
                 choice = self.least_busy()
-                if not self.backlog or choice is None or choice[0].busy[choice[1]] > 0:
+                if not self.backlog or choice is None:
+                    return
+                if self.hold and choice[0].busy[choice[1]] > 0:
                     return
                 sub = self.backlog.pop(0)
             if sub.future.done():

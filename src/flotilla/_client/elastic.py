@@ -161,7 +161,7 @@ class Elastic:
         """Start the pool's nodes; return once ``min`` serve (ProvisionError naming what
         failed when they do not within ``timeout`` s). The rest keep coming."""
         self.allocation = allocation
-        self.dispatcher.hold = self.size.most > self.size.desired
+        self.dispatcher.most = self.size.most
         self._spawn(self._run())
         deadline = time.monotonic() + timeout
         while len(self.nodes) < self.size.least:
