@@ -54,7 +54,7 @@ def test_a_pool_opens_with_min_and_grows_to_desired() -> None:
         assert [s[:3] for s in seen] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 
-def test_a_pool_grows_under_map_and_shrinks_when_idle() -> None:
+def test_a_pool_grows_under_map_and_shrinks_when_idle(capfd: pytest.CaptureFixture[str]) -> None:
     options = sky.Options(scale_down_after=0.5)
     with sky.Compute(nodes=(1, 3), options=options) as pool:
         assert pool.nodes == 1
@@ -66,6 +66,9 @@ def test_a_pool_grows_under_map_and_shrinks_when_idle() -> None:
         assert wait_until(lambda: pool.nodes == 1, timeout=30)  # idle: back to desired
         assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]  # broadcasts: nodes present
         assert_all_gone(grown, timeout=10, what="processes of the released nodes")
+    err = capfd.readouterr().err  # one line per event
+    assert "joined: the pool has 3 node(s)" in err
+    assert "node 2 released, idle for 0.5 s: the pool has 2 node(s)" in err
 
 
 def test_at_max_calls_queue_on_the_nodes_again() -> None:
@@ -164,7 +167,9 @@ def _stop_sshd(lab: Lab, host: TestHost) -> None:
         host._log.close()
 
 
-def test_ssh_pool_opens_with_min_up_and_reaches_desired_when_hosts_come_back(lab: Lab) -> None:
+def test_ssh_pool_opens_with_min_up_and_reaches_desired_when_hosts_come_back(
+    lab: Lab, capfd: pytest.CaptureFixture[str]
+) -> None:
     down = lab.hosts[:2]  # the first hosts: the ranks go to the hosts that answer
     for host in down:
         _stop_sshd(lab, host)
@@ -176,6 +181,8 @@ def test_ssh_pool_opens_with_min_up_and_reaches_desired_when_hosts_come_back(lab
         for host in down:
             lab.start_sshd(host)
         assert wait_until(lambda: pool.nodes == 4, timeout=90)
+        err = capfd.readouterr().err
+        assert all(err.count(f"{h.addr}: cannot connect") == 1 for h in down), err  # once
         seen = place() @ pool
         assert [s[:3] for s in seen] == [(r, 4, 4) for r in range(4)]
         assert {s[3] for s in seen} == {h.hostname for h in lab.hosts}

@@ -244,8 +244,10 @@ class Elastic:
                 agent = await allocation.start_agent(machine)
             except Exception as e:
                 failed = True
-                self.failures[machine.host] = str(e).strip().split("\n", 1)[0]
-                logger.info("%s: the agent did not start (%s); trying again", machine.host, e)
+                why = str(e).strip().split("\n", 1)[0]
+                if machine.host not in self.failures:  # once per host, until it is up
+                    self.bringup.console.say(f"{why}; trying it again meanwhile")
+                self.failures[machine.host] = why
                 await allocation.give_back(machine, failed=True)
                 return
             self._backoff = BACKOFF_MIN
@@ -292,7 +294,8 @@ class Elastic:
         finally:
             self.starting = [n for n in self.starting if n not in fresh]
         left = self.dispatcher.add(fresh, self._tell_now)
-        logger.info("%d node(s) joined: the pool has %d", len(fresh), len(self.nodes))
+        names = ", ".join(n.name for n in fresh)
+        self.bringup.console.say(f"{names} joined: the pool has {len(self.nodes)} node(s)")
         await self._tell(left)
         self._wake.set()
 
@@ -338,7 +341,10 @@ class Elastic:
             await self._tell(left)
             await stop_node(node)
             await allocation.give_back(allocation.remove_last(), failed=False)
-            logger.info("an idle node was released: the pool has %d", len(self.nodes))
+            self.bringup.console.say(
+                f"{node.name} released, idle for "
+                f"{self.scale_down_after:g} s: the pool has {len(self.nodes)} node(s)"
+            )
             self._wake.set()
 
     async def _regroup(self, arrived: list[tuple[Machine, AgentProcess]], drop: int) -> None:
@@ -384,4 +390,5 @@ class Elastic:
             self.starting = [n for n in self.starting if n not in fresh]
         self.regroups += 1
         d.resume(fresh)
+        self.bringup.console.say(f"the pool's group restarted with {size} node(s)")
         self._wake.set()
