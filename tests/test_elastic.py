@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,6 +212,29 @@ def test_ssh_pool_that_cannot_reach_min_fails_naming_the_hosts_down(lab: Lab) ->
 def test_ssh_torch_group_restarts_with_the_new_world_size(lab: Lab) -> None:
     pytest.importorskip("torch")
     _torch_group_resizes(lab.provider(python=sys.executable))
+
+
+def test_a_group_joins_a_node_between_back_to_back_calls(lab: Lab) -> None:
+    """A torch group called in a tight loop still takes the node that comes up: new calls
+    wait at a gate while those under way finish, then every process restarts."""
+    pytest.importorskip("torch")
+    down = lab.hosts[0]
+    _stop_sshd(lab, down)
+    provider = lab.provider(lab.hosts[:2], python=sys.executable)
+    try:
+        with sky.Compute(
+            provider, nodes=sky.Nodes(2, min=1), plugins=[sky.plugins.torch()]
+        ) as pool:
+            assert world() @ pool == [(1, 1.0, 1)]
+            lab.start_sshd(down)
+            deadline = time.monotonic() + 120
+            seen = world() @ pool
+            while len(seen) < 2 and time.monotonic() < deadline:
+                seen = world() @ pool  # back to back: no idle moment to wait for
+            assert seen == [(2, 2.0, 2), (2, 2.0, 2)]
+    finally:
+        if down.sshd is None or down.sshd.poll() is not None:
+            lab.start_sshd(down)
 
 
 def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:

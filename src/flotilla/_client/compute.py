@@ -489,8 +489,8 @@ class Compute(Pool):
         A node being replaced (its agent was lost) gets its call once it is back."""
         self._check_running()
         call = as_call(call, "@")
-        ranks = range(self.nodes) if nodes is None else [self._nodes[r].rank for r in nodes]
-        return [s.future for s in self._dispatcher.broadcast(call, list(ranks))]
+        ranks = None if nodes is None else [self._nodes[r].rank for r in nodes]
+        return [s.future for s in self._dispatcher.broadcast(call, ranks)]
 
     def cancel(self, futures: Iterable[Future[Any]]) -> None:
         """Stop calls sent to this pool: a running one has its process replaced, a queued

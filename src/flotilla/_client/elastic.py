@@ -353,7 +353,8 @@ class Elastic:
         meanwhile wait for the new group)."""
         d, allocation = self.dispatcher, self.allocation
         assert allocation is not None
-        while not d.pause_if_idle():  # only between calls
+        d.gate()  # only between calls: new ones wait, those under way finish
+        while not d.drained():
             await asyncio.sleep(0.05)
         old = list(self.nodes)
         size = len(old) - drop + len(arrived)
