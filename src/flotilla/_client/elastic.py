@@ -10,8 +10,10 @@ before the next call it runs; broadcasts go to the nodes present.
 
 A pool whose processes form one group (torch, JAX) cannot change its world size under a
 running collective: it changes only between calls, by restarting every process with the
-new size (as torchrun's elastic agent does): the new nodes join, the old ones get fresh
-agents, and the calls sent meanwhile wait for the group.
+new size (as torchrun's elastic agent does). A gate (``Dispatcher.gate``) holds the calls
+made from then on while those under way finish (so back-to-back calls leave room for it);
+then the new nodes join, the old ones get fresh agents, and the calls that waited are sent
+(a broadcast to every node, to every node of the new size).
 
 Everything runs on the client's event loop, in one task (no task or thread per node).
 """
@@ -236,7 +238,11 @@ class Elastic:
         assert allocation is not None
         failed = False
         try:
-            machine = await allocation.candidate(len(self.nodes))
+            try:
+                machine = await allocation.candidate(len(self.nodes))
+            except Exception as e:  # e.g. no room for a node's folder: tried again later
+                machine, failed = None, True
+                self.failures["(provider)"] = str(e).strip().split("\n", 1)[0]
             if machine is None:
                 failed = True
                 return
