@@ -383,13 +383,14 @@ def test_nodes_must_be_positive() -> None:
             sky.Compute(nodes=bad)
 
 
-def test_a_range_of_nodes_is_refused_clearly() -> None:
-    with pytest.raises(sky.ConfigurationError) as info:
-        sky.Compute(nodes=(1, 4))  # type: ignore[arg-type]
-    assert "got (1, 4)" in str(info.value) and "a range of sizes is not supported" in str(
-        info.value
-    )
-    assert "at least one node" not in str(info.value)
+def test_a_malformed_range_of_nodes_is_refused_clearly() -> None:
+    with pytest.raises(sky.ConfigurationError, match=r"max cannot be below desired"):
+        sky.Compute(nodes=(4, 1))
+    with pytest.raises(sky.ConfigurationError, match=r"\(desired, max\).*got \(1, 2, 3\)"):
+        sky.Compute(nodes=(1, 2, 3))  # type: ignore[arg-type]
+    with pytest.raises(sky.ConfigurationError, match=r"min cannot exceed desired"):
+        sky.Nodes(2, min=3)
+    assert sky.Compute(nodes=(1, 4)).size == sky.Nodes(1, max=4)
 
 
 def test_a_nul_byte_in_an_env_value_is_refused_naming_the_variable() -> None:

@@ -58,10 +58,11 @@ def dict_ops(name: str) -> dict[str, object]:
 @sky.function
 def set_ops(name: str) -> tuple[bool, bool, int]:
     s = sky.set(name)
-    s.add(sky.instance_info().node)
-    s.add("x")
-    s.discard("x")
-    return sky.instance_info().node in s, "x" in s, len(s)
+    node = sky.instance_info().node
+    s.add(node)
+    s.add(f"x{node}")  # this node's own: another node's add cannot race its discard
+    s.discard(f"x{node}")
+    return node in s, f"x{node}" in s, len(s)
 
 
 @sky.function
@@ -141,7 +142,7 @@ def test_set_operations_from_every_node(pool: sky.Compute) -> None:
     results = set_ops("members") @ pool
     assert all(mine and not x for mine, x, _ in results)
     s = pool.set("members")
-    assert len(s) == 4 and all(n in s for n in range(4)) and "x" not in s
+    assert len(s) == 4 and all(n in s for n in range(4)) and "x0" not in s
 
 
 def test_queue_get_with_timeout_gives_none_and_keeps_order(pool: sky.Compute) -> None:

@@ -277,3 +277,42 @@ def test_a_node_bar_piped_is_throttled_and_complete(tmp_path: Path) -> None:
     assert sorted(x for x in proc.stdout.splitlines() if "before" in x or "after" in x) == sorted(
         f"(node-{k}, rank={k}) {w} {k}" for k in range(2) for w in ("before", "after")
     )
+
+
+MANY = r"""
+import sys, termios
+sys.path.insert(0, {src!r})
+from flotilla._client.console import Console
+
+if sys.stdin.isatty():
+    mode = termios.tcgetattr(0)
+    mode[3] &= ~termios.ECHO
+    termios.tcsetattr(0, termios.TCSANOW, mode)
+console = Console()
+console.begin(range(128))
+for node in range(97):
+    console.set_phase(node, "environment (pip)")
+input()
+console.end("128 node(s) ready in 1.0 s")
+print("END", flush=True)
+"""
+
+
+def test_a_large_pool_starts_with_one_row_per_phase(
+    tmp_path: Path, terminals: list[Terminal]
+) -> None:
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    path = tmp_path / "many.py"
+    path.write_text(MANY.format(src=src))
+    term = Terminal([sys.executable, str(path)], 100, 30, tmp_path)
+    terminals.append(term)
+    screen = term.wait_for(lambda s: "environment (pip) 97/128" in s, "the summary rows")
+    rows = _rows(screen)
+    assert len(rows) == 3, screen  # a title, then one row per phase: not 128 rows
+    assert "starting 128 node(s)" in rows[0]
+    assert "provisioning 31/128 (longest: node-97" in screen
+    assert "environment (pip) 97/128 (longest: node-0" in screen
+    assert "(node-5, rank=5)" not in screen
+    term.keys("Enter")
+    screen = term.wait_for(lambda s: "END" in s, "the end")
+    assert "97/128" not in screen

@@ -26,6 +26,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._accelerators import accelerators as accelerators
     from ._client.compute import Compute as Compute
     from ._client.compute import PoolState as PoolState
+    from ._client.elastic import Nodes as Nodes
     from ._client.function import CallGroup as CallGroup
     from ._client.function import Function as Function
     from ._client.function import PendingCall as PendingCall
@@ -82,6 +83,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_accelerators": ("Accelerator", "accelerators"),
     "_client.compute": ("Compute", "PoolState"),
     "_collections": ("barrier", "counter", "dict", "lock", "queue", "registry", "set"),
+    "_client.elastic": ("Nodes",),
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
     "_client.stream": ("stream",),
     "_errors": (

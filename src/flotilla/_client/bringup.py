@@ -16,6 +16,7 @@ from .._accelerators import Accelerator
 from .._errors import ProvisionError
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Options
+from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
 from . import shm
 from .console import Console
@@ -97,11 +98,11 @@ class Bringup:
             if probe:
                 unlink_shm(probe["name"])
 
-    def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
-        """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
+    def info(self, node: Node, nodes: Sequence[Node]) -> InstanceInfo:
+        """``node``'s place in the pool whose node at each rank is ``nodes``'s."""
         peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in nodes)
         cluster = self.options.cluster
-        info = InstanceInfo(
+        return InstanceInfo(
             node=node.rank,
             total_nodes=len(nodes),
             is_head=node.rank == 0,  # Skyward's: node 0, also without cluster mode
@@ -116,6 +117,22 @@ class Bringup:
             procs_per_node=self.procs_per_node,
             workers_per_node=self.workers,
         )
+
+    def members(self, nodes: Sequence[Node], to: Sequence[Node], wait: bool) -> list[Node]:
+        """Tell the nodes ``to`` their new place in the pool whose node at each rank is
+        ``nodes``'s: it grew or shrank (MEMBERS: the calls sent after it see the new
+        size and peers). Without ``wait`` only the nodes that need no wait are told; the
+        others are returned (with ``wait``: not on the event loop)."""
+        left = []
+        for node in to:
+            body = self.info(node, nodes).to_json().encode()
+            if not node.send_control(Kind.MEMBERS, wait=wait, body=body) and not wait:
+                left.append(node)
+        return left
+
+    def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
+        """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
+        info = self.info(node, nodes)
         config = {
             "pool_id": self.pool_id,
             "procs": self.workers,

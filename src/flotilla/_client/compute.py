@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import sys
@@ -21,7 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._providers.limits import out_of_files
+from .._providers.limits import ensure_open_files, out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
 from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
@@ -33,6 +34,7 @@ from .bringup import Bringup
 from .collections import PoolCollections
 from .console import Console
 from .dispatch import Dispatcher
+from .elastic import Elastic, Nodes
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
 from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState, Submission
@@ -70,7 +72,9 @@ class Compute(PoolCollections, Pool):
 
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes).
-        nodes: number of nodes (>= 1).
+        nodes: number of nodes (>= 1), or an elastic pool: ``(desired, max)`` or
+            :class:`flotilla.Nodes` ``(desired, min=..., max=...)`` (see ``elastic.py``;
+            local and SSH providers).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -101,7 +105,7 @@ class Compute(PoolCollections, Pool):
     def __init__(
         self,
         provider: Provider | None = None,
-        nodes: int = 1,
+        nodes: int | tuple[int, int] | Nodes = 1,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
         plugins: Sequence[Any] = (),
@@ -113,17 +117,7 @@ class Compute(PoolCollections, Pool):
         allocation: str | None = None,
         worker: Worker | None = None,
     ) -> None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int):
-            hint = (
-                ": a pool has a fixed number of nodes (a range of sizes is not supported)"
-                if isinstance(nodes, tuple | list | range)
-                else ""
-            )
-            raise ConfigurationError(
-                f"nodes must be a whole number of nodes (>= 1), got {nodes!r}{hint}"
-            )
-        if nodes < 1:
-            raise ConfigurationError(f"nodes={nodes}: a pool needs at least one node")
+        size = Nodes.of(nodes)
         if provider is None:
             from .._providers.local import Local
 
@@ -143,7 +137,8 @@ class Compute(PoolCollections, Pool):
                 f"options must be a flotilla.Options, got {type(options).__name__}"
             )
         self.provider = provider
-        self.nodes = nodes
+        self.size = size
+        """The pool's size: :class:`Nodes` (``desired``, ``min``, ``max``)."""
         self.accelerator = parse_accelerator(accelerator)
         if isinstance(image, Image):
             check_image(image)  # before anything is provisioned
@@ -155,7 +150,7 @@ class Compute(PoolCollections, Pool):
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         from .._providers.local import Local
 
-        self.volumes = check_volumes(volumes, nodes if isinstance(provider, Local) else 1)
+        self.volumes = check_volumes(volumes, size.most if isinstance(provider, Local) else 1)
         self._volume_spec: dict[str, Any] | None = None
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
@@ -173,7 +168,7 @@ class Compute(PoolCollections, Pool):
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
             options.cluster
-            and nodes * self.procs_per_node > 1
+            and size.most * self.procs_per_node > 1
             and any(getattr(p, "forms_group", False) for p in self.plugins)
         )
         """The pool's processes form one group: they are restarted together (see _plugins)."""
@@ -199,6 +194,11 @@ class Compute(PoolCollections, Pool):
         )
         self._bringup.workers = self.workers_per_node
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
+        self._elastic = (
+            Elastic(size, self._dispatcher, self._bringup, options.scale_down_after)
+            if size.elastic
+            else None
+        )
         self._heartbeat: asyncio.Task[None] | None = None
         self._store = Store()  # the distributed collections (_collections.py)
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
@@ -231,6 +231,14 @@ class Compute(PoolCollections, Pool):
         return f"<flotilla.Compute {self.provider!r} nodes={self.nodes} {self._state.value}>"
 
     @property
+    def nodes(self) -> int:
+        """How many nodes the pool has (an elastic one's changes; before it starts: the
+        nodes it asks for)."""
+        if self._state is PoolState.NEW:
+            return self.size.desired
+        return len(self._dispatcher.nodes)
+
+    @property
     def state(self) -> PoolState:
         return self._state
 
@@ -261,13 +269,14 @@ class Compute(PoolCollections, Pool):
     def _spec(self, image: Image) -> PoolSpec:
         return PoolSpec(
             self.pool_id,
-            self.nodes,
+            self.size.desired,
             self.accelerator,
             image,
             self.plugins,
             self.options,
             vcpus=self.vcpus,
             memory_gb=self.memory_gb,
+            max_nodes=self.size.most if self.size.elastic else 0,
         )
 
     def open(self) -> Compute:
@@ -278,7 +287,13 @@ class Compute(PoolCollections, Pool):
         if not isinstance(image, Image):
             raise ConfigurationError(f"image must be a flotilla.Image, got {type(image).__name__}")
         spec = self._spec(image)
+        if self.size.elastic and not self.provider.elastic:
+            raise ConfigurationError(
+                f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
+                "only (elastic pools: Local and SSH); pass a number of nodes"
+            )
         self.provider.validate(spec)
+        ensure_open_files(self.size.most)  # every provider: three pipes per node here
         volume_secrets: list[str] = []
         if self.volumes:  # the buckets can be read: before anything is provisioned
             self._volume_spec, volume_secrets = node_spec(self.volumes)
@@ -342,10 +357,13 @@ class Compute(PoolCollections, Pool):
         loop = asyncio.get_running_loop()
         self._bringup.blob = blob
         await loop.run_in_executor(None, shm.sweep)  # what killed clients left
+        self._bringup.console = Console(self._secrets)
+        if self._elastic is not None:
+            await self._start_elastic(spec, self._elastic)
+            return
         self._allocation, procs = await self.provider.start(spec)
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
-        self._bringup.console = Console(self._secrets)
         self._console.begin(range(len(procs)))
         started = time.monotonic()
         nodes = self._bringup.nodes(range(len(procs)), procs)
@@ -353,6 +371,17 @@ class Compute(PoolCollections, Pool):
         self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
         await self._bringup.bring_up(nodes, nodes)
         self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
+
+    async def _start_elastic(self, spec: PoolSpec, elastic: Elastic) -> None:
+        """An elastic pool: its machines are added one by one (``elastic.py``)."""
+        self._allocation = await self.provider.acquire(dataclasses.replace(spec, nodes=0))
+        self._allocation.watch(self._renewals.provider_lost)
+        self._renewals.allocation = self._allocation
+        started = time.monotonic()
+        self._console.begin(range(self.size.least))
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        await elastic.open(self._allocation, self.options.start_timeout)
+        self._console.end(f"{self.nodes} node(s) ready in {time.monotonic() - started:.1f} s")
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
@@ -380,6 +409,8 @@ class Compute(PoolCollections, Pool):
             await asyncio.sleep(tick)
             now = time.monotonic()
             nodes = [*self._nodes, *self._renewals.starting]
+            if self._elastic is not None:
+                nodes += self._elastic.starting
             if now - last > interval:  # this process was stalled, not the nodes
                 for node in nodes:
                     node.last_heard = max(node.last_heard, now)
@@ -415,6 +446,8 @@ class Compute(PoolCollections, Pool):
     async def _close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._elastic is not None:  # it stops growing (agents being started stop)
+            await self._elastic.close()
         await self._renewals.cancel()  # a replacement under way stops (its agent with it)
         loop = asyncio.get_running_loop()
         for node in self._nodes:
@@ -508,8 +541,8 @@ class Compute(PoolCollections, Pool):
         A node being replaced (its agent was lost) gets its call once it is back."""
         self._check_running()
         call = as_call(call, "@")
-        ranks = range(self.nodes) if nodes is None else [self._nodes[r].rank for r in nodes]
-        return [s.future for s in self._dispatcher.broadcast(call, list(ranks))]
+        ranks = None if nodes is None else [self._nodes[r].rank for r in nodes]
+        return [s.future for s in self._dispatcher.broadcast(call, ranks)]
 
     def cancel(self, futures: Iterable[Future[Any]]) -> None:
         """Stop calls sent to this pool: a running one has its process replaced, a queued

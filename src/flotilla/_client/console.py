@@ -36,6 +36,8 @@ _PALETTE = ("cyan", "magenta", "green", "yellow", "blue", "red")
 _ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red": 31}
 _LIVE_AFTER = 0.5  # seconds of start-up before the rows appear (fast starts show nothing)
 _BAR_INTERVAL = 5.0  # seconds between two states of one bar written as lines (not a tty)
+ROWS_AT_MOST = 16
+"""Start-up rows drawn one per node up to this many nodes; beyond, one per phase."""
 
 
 def prefix(node: int, rank: int | None = None) -> str:
@@ -56,6 +58,23 @@ def redact(text: str, secrets: list[str]) -> str:
     from .._redaction import redact as redact_values
 
     return redact_values(text, secrets)
+
+
+def summary(rows: dict[int, list[Any]], now: float) -> list[str]:
+    """One line per phase of the start-up ``rows`` (node -> [phase, since, last line]):
+    how many nodes are in it, and the one longest in it (where to look when a phase
+    drags), phases in the order their longest node entered them."""
+    phases: dict[str, list[int]] = {}
+    for node, (phase, _since, _last) in sorted(rows.items(), key=lambda r: r[1][1]):
+        phases.setdefault(phase, []).append(node)
+    total = len(rows)
+    out = []
+    for phase, nodes in phases.items():
+        first = nodes[0]
+        out.append(
+            f"  {phase} {len(nodes)}/{total} (longest: node-{first}, {now - rows[first][1]:.1f}s)"
+        )
+    return out
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -278,6 +297,9 @@ class Console:
         if rows:
             elapsed = now - self.started
             out.append(Text(f"flotilla: {self.title} {len(rows)} node(s) {elapsed:4.1f}s"))
+        if len(rows) > ROWS_AT_MOST:  # a summary row per phase instead of a row per node
+            out += [Text(line, no_wrap=True, overflow="ellipsis") for line in summary(rows, now)]
+            rows = {}
         for node, (phase, since, last) in sorted(rows.items()):
             row = Text(no_wrap=True, overflow="ellipsis")
             row.append(prefix(node), style=node_color(node) if self.color else None)

@@ -55,6 +55,10 @@ STRAGGLER_GRACE = 1.0
 """Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
 before the group is restarted (see ``_plugins``)."""
 
+Telling = Callable[[list[Node], list[Node]], list[Node]]
+"""Tells nodes (the second list) the pool's new nodes (the first) without waiting; the
+nodes it could not tell so."""
+
 Replacer = Callable[[int, str], list[int]]
 """Starts replacing the lost node at a rank (with a reason); returns every rank it takes
 down meanwhile (the lost one, or all of them in a group pool)."""
@@ -71,6 +75,8 @@ class Dispatcher:
         replacer: starts the replacement of a lost node; None when lost nodes are not
             replaced (``Options(replace_lost_nodes=False)``).
         running: whether the pool takes calls (RUNNING).
+        most: an elastic pool's ``max`` (0: a pool of fixed size); see :attr:`hold`.
+        backlog: single calls waiting for a free process (see :attr:`hold`).
     """
 
     def __init__(
@@ -97,6 +103,22 @@ class Dispatcher:
         self._unplaced: list[Submission] = []  # single calls waiting for any ready node
         self._gone: dict[int, str] = {}  # ranks lost for good: why
         self._held: set[Submission] = set()  # group failures waiting for their siblings
+        self.most = 0
+        self._gated = False  # a group pool changes size: new calls wait (see gate())
+        self._gated_calls: list[tuple[list[Submission], list[int] | None]] = []
+        self._placing = 0  # broadcasts and batches being sent
+        self._opened = threading.Condition(self.lock)  # notified when the gate opens
+        self._closed = False
+        self.backlog: list[Submission] = []
+
+    @property
+    def hold(self) -> bool:
+        """An elastic pool below its ``max``: a single call that finds every process busy
+        waits in :attr:`backlog` (which grows the pool, see ``elastic.py``) instead of
+        queueing behind another call on a node; the next process free takes it. At
+        ``max``, calls queue on the nodes again (no round trip between two calls of a
+        process)."""
+        return len(self.nodes) < self.most
 
     # -- preparing calls -------------------------------------------------------------
     def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
@@ -189,8 +211,42 @@ class Dispatcher:
         Counting each assignment spreads a batch evenly; preferring low ranks among idle
         nodes keeps one agent warm for a stream of single calls.
         """
-        if len(subs) == 1:  # the common case (`>>`): no bookkeeping beyond the choice
-            self.place(subs[0])
+        with self.lock:
+            if self._gated:
+                self._gated_calls.append((subs, None))
+                return
+            self._placing += 1
+        try:
+            self._dispatch(subs)
+        finally:
+            with self.lock:
+                self._placing -= 1
+
+    def _send(self, subs: list[Submission], ranks: list[int] | None) -> None:
+        """Send calls that waited at the gate: a batch (``ranks`` None) or a broadcast."""
+        if ranks is not None:
+            kept = [(sub, r) for sub, r in zip(subs, ranks, strict=True) if not sub.future.done()]
+            subs, ranks = [sub for sub, _ in kept], [r for _, r in kept]
+        else:
+            subs = [sub for sub in subs if not sub.future.done()]
+        if not subs:
+            return
+        try:
+            if ranks is None:
+                self.dispatch(subs)
+            elif max(ranks) >= len(self.nodes):
+                raise PoolClosedError(f"node {max(ranks)} left the pool")
+            else:
+                self._place_all(subs, ranks)
+        except Exception as e:
+            for sub in subs:
+                if sub.node is None and not sub.future.done():
+                    self.settle(sub, exc=e)
+
+    def _dispatch(self, subs: list[Submission]) -> None:
+        if len(subs) == 1 or self.hold:  # `>>`: no bookkeeping beyond the choice
+            for sub in subs:
+                self.place(sub)
             return
         load = {
             (n, w): busy
@@ -249,6 +305,9 @@ class Dispatcher:
                             return
                         raise self.all_lost()
                     node, sub.worker = choice
+                    if self.hold and node.busy[sub.worker] > 0:
+                        self.backlog.append(sub)
+                        return
             try:
                 node.send([sub])
                 return
@@ -260,33 +319,60 @@ class Dispatcher:
                         self._waiting.setdefault(node.rank, [])
                 dead = {node} | (dead or set())
 
-    def broadcast(self, call: PendingCall[Any], ranks: Sequence[int]) -> list[Submission]:
-        """Send ``call`` to every process of the nodes at ``ranks``; a submission each."""
+    def broadcast(
+        self, call: PendingCall[Any], ranks: Sequence[int] | None = None
+    ) -> list[Submission]:
+        """Send ``call`` to every process of the nodes at ``ranks`` (None: of every node,
+        as many as there are when it is sent: a broadcast made while a group pool changes
+        size waits for the new size); a submission each."""
         with self.lock:
-            gone = [r for r in ranks if r in self._gone]
+            while ranks is None and self._gated and not self._closed:
+                self._opened.wait()
+            if self._closed:
+                raise PoolClosedError("the pool closed before the call could be sent")
+            targets = list(range(len(self.nodes)) if ranks is None else ranks)
+            gone = [r for r in targets if r in self._gone]
             if self.replacer is None:
                 gone += [
-                    r for r in ranks if self.nodes[r].state is not NodeState.READY and r not in gone
+                    r
+                    for r in targets
+                    if self.nodes[r].state is not NodeState.READY and r not in gone
                 ]
+            gated = self._gated  # (explicit ranks only) sent whole when the gate opens
+            if not gone and not gated:
+                self._placing += 1  # the gate waits for this broadcast to be sent
         if gone:
             raise self._gone_error(sorted(gone), "cannot broadcast")
-        key, define = self.function(call.function)
-        payload = self.payload(call, key, shared=True)
-        places = [(r, w) for r in ranks for w in range(self.procs)]
-        subs = [self.submission(call, payload, key, define, pinned=True) for _ in places]
-        for sub in subs:
-            sub.siblings, sub.generation = subs, self.generation
         try:
-            for (rank, worker), sub in zip(places, subs, strict=True):
-                sub.worker = worker
+            key, define = self.function(call.function)
+            payload = self.payload(call, key, shared=True)
+            places = [(r, w) for r in targets for w in range(self.procs)]
+            subs = [self.submission(call, payload, key, define, pinned=True) for _ in places]
+            for (_, worker), sub in zip(places, subs, strict=True):
+                sub.siblings, sub.generation, sub.worker = subs, self.generation, worker
+            pinned = [rank for rank, _ in places]
+            if gated:
+                with self.lock:
+                    self._gated_calls.append((subs, pinned))
+                return subs
+            self._place_all(subs, pinned)
+        finally:
+            if not gated:
+                with self.lock:
+                    self._placing -= 1
+        return subs
+
+    def _place_all(self, subs: list[Submission], ranks: list[int]) -> None:
+        """Send the calls of a broadcast, each to the node at its rank."""
+        try:
+            for sub, rank in zip(subs, ranks, strict=True):
                 self.place(sub, rank)
         except BaseException:
             for sub in subs:
                 if sub.node is None and not self._parked(sub):
-                    payload.release()
+                    sub.payload.release()
                     self._by_future.pop(id(sub.future), None)
             raise
-        return subs
 
     def _parked(self, sub: Submission) -> bool:
         with self.lock:
@@ -305,10 +391,12 @@ class Dispatcher:
 
     def _unpark(self, sub: Submission) -> bool:
         with self.lock:
-            for subs in (*self._waiting.values(), self._unplaced):
+            for subs in (*self._waiting.values(), self._unplaced, self.backlog):
                 if sub in subs:
                     subs.remove(sub)
                     return True
+            if any(sub in subs for subs, _ in self._gated_calls):
+                return True  # skipped when the gate opens: its future is settled
         return False
 
     def all_lost(self) -> PoolClosedError:
@@ -433,6 +521,117 @@ class Dispatcher:
                 sub.future.set_result(value)
         if self._held and sub.siblings:
             self._release_held(sub.siblings)
+        if self.backlog:
+            self.pump()
+
+    def pump(self) -> None:
+        """Send backlogged calls to the processes that are free (in a worker thread: a
+        send may wait for its node, the loop never does)."""
+        from .loop import get_loop
+
+        get_loop().run_in_executor(None, self._pump)
+
+    def _pump(self) -> None:
+        while True:
+            with self.lock:
+                choice = self.least_busy()
+                if not self.backlog or choice is None or self._gated:
+                    return
+                if self.hold and choice[0].busy[choice[1]] > 0:
+                    return
+                sub = self.backlog.pop(0)
+            if sub.future.done():
+                continue
+            try:
+                self.place(sub)
+            except Exception as e:
+                self.settle(sub, exc=e)
+
+    # -- an elastic pool's size (loop thread) -------------------------------------------
+    def add(self, nodes: Sequence[Node], tell: Telling) -> list[Node]:
+        """New ``nodes`` (at the next ranks) serve: backlogged calls go to them. The nodes
+        there before are told first (``tell(every node, the old ones)`` returns those it
+        could not tell without waiting: the caller tells them at once)."""
+        with self.lock:
+            old = list(self.nodes)
+            for node in nodes:
+                assert node.rank == len(self.nodes)
+                self.nodes.append(node)
+            left = tell(list(self.nodes), old)
+        self.pump()
+        return left
+
+    def gate(self) -> None:
+        """Stop sending new calls (a group pool is to change size between calls): the
+        broadcasts and single calls made from now on wait for :meth:`resume`; those
+        being sent and running go on (see :meth:`drained`)."""
+        with self.lock:
+            self._gated = True
+
+    def drained(self) -> bool:
+        """With the gate closed: whether no call runs or is being sent any more; if so
+        every node is taken out of service until :meth:`resume`."""
+        with self.lock:
+            if self._placing or self._waiting:
+                return False
+            for node in self.nodes:
+                with node.lock:
+                    if node.inflight or any(node.busy):
+                        return False
+            for node in self.nodes:  # a retry on its way to one is refused, and waits
+                with node.lock:
+                    node.state = NodeState.CLOSED
+            for rank in range(len(self.nodes)):
+                self._replacing.add(rank)
+                self._waiting[rank] = []
+            return True
+
+    def resume(self, nodes: Sequence[Node], failure: str = "") -> None:
+        """The pool's ``nodes`` after a change of size (:meth:`pause_if_idle`): they
+        serve, and the calls that waited are sent (to a rank no more: they fail). With
+        ``failure`` (no nodes: the new group did not start) every rank is gone."""
+        if failure:
+            with self.lock:
+                self._gated = False
+                self._opened.notify_all()
+                gated, self._gated_calls = self._gated_calls, []
+            self._give_up(range(len(self.nodes)), f"could not restart: {failure}")
+            for subs, _ in gated:
+                for sub in subs:
+                    self.settle(sub, exc=PoolClosedError(f"the pool could not restart: {failure}"))
+            return
+        with self.lock:
+            self.nodes[:] = nodes
+            self._replacing.clear()
+            self._gated = False
+            self._opened.notify_all()
+            waiting, self._waiting = self._waiting, {}
+            unplaced, self._unplaced = self._unplaced, []
+            gated, self._gated_calls = self._gated_calls, []
+        for rank, subs in waiting.items():
+            for sub in subs:
+                if rank < len(nodes):
+                    self._resend(sub, rank)
+                else:
+                    self.settle(sub, exc=PoolClosedError(f"node {rank} left the pool"))
+        for sub in unplaced:
+            self._resend(sub, None)
+        for subs, ranks in gated:  # whole broadcasts and batches, as they were made
+            self._send(subs, ranks)
+        self.pump()
+
+    def remove_idle(self, node: Node, tell: Telling) -> list[Node] | None:
+        """Take the last node out of service if it runs nothing (None if it does); the
+        others are told first (see :meth:`add`: those left to tell are returned)."""
+        with self.lock:
+            if self.nodes[-1] is not node or node.rank in self._waiting:
+                return None
+            with node.lock:
+                if node.inflight or any(node.busy):
+                    return None
+                node.state = NodeState.CLOSED
+            self.nodes.pop()
+            return tell(list(self.nodes), list(self.nodes))
 
     def _release_held(self, siblings: list[Submission]) -> None:
         """Settle the held failures of a broadcast whose calls have all ended."""
@@ -516,9 +715,15 @@ class Dispatcher:
     def close(self, exc: Callable[[str], BaseException]) -> None:
         """The pool closes: every call still waiting or in flight ends with ``exc(where)``."""
         with self.lock:
+            self._closed = True
+            self._opened.notify_all()
             parked = [s for subs in self._waiting.values() for s in subs] + self._unplaced
+            parked += self.backlog
+            parked += [sub for subs, _ in self._gated_calls for sub in subs]
+            self._gated_calls = []
             self._waiting.clear()
             self._unplaced = []
+            self.backlog = []
         for sub in parked:
             self.settle(sub, exc=exc("a lost node was replaced"))
         with self.lock:

@@ -102,7 +102,7 @@ class Renewals:
             for r in ranks:
                 if r != lost:
                     dispatcher.retire(old[r], cause)
-                    self._spawn(_stop(old[r]))
+                    self._spawn(stop_node(old[r]))
         await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
         allocation.mark(allocation.machines[lost], MachineState.LOST)
         fresh: list[Node] = []
@@ -134,8 +134,8 @@ class Renewals:
         self.on_back(ranks)
 
 
-async def _stop(node: Node) -> None:
-    """Stop a retired node's agent: politely (SHUTDOWN), then by force."""
+async def stop_node(node: Node) -> None:
+    """Stop a retired or released node's agent: politely (SHUTDOWN), then by force."""
     node.send_control(Kind.SHUTDOWN, wait=False)  # the event loop never waits for a node
     with contextlib.suppress(Exception):
         if await node.proc.wait(1.0) is None:

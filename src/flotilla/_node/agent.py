@@ -100,6 +100,7 @@ class Agent:
             Kind.STORED: ex.stored,
             Kind.CREDIT: ex.credit,
             Kind.FEED: lambda ident, body: ex.credit(ident, body, Kind.FEED),
+            Kind.MEMBERS: lambda _, body: ex.members(bytes(body)),
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts

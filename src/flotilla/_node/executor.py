@@ -135,10 +135,17 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         functions[ident] = _serialize.decode(body)
         return True
 
+    def members(ident: int, body: Body) -> bool:
+        new = json.loads(bytes(body))
+        new["local_rank"] = info["local_rank"]
+        os.environ["COMPUTE_POOL"] = json.dumps(new)
+        return True
+
     # kind -> handler(ident, body), False to stop (CANCEL frames are taken by the inbox)
     handlers: dict[int, Callable[[int, Body], bool]] = {
         Kind.TASK: task,
         Kind.DEFINE: define,
+        Kind.MEMBERS: members,
         Kind.SHUTDOWN: lambda ident, body: False,
     }
     while (item := inbox.next()) is not None:

@@ -171,6 +171,15 @@ class Supervisor:
         for slot in self.slots:
             self._to_executor(slot, parts)
 
+    def members(self, info: bytes) -> None:
+        """A MEMBERS frame (the pool grew or shrank): ``info`` is the node's new
+        COMPUTE_POOL, for every executor (the calls sent after it see it) and every later
+        one."""
+        if self.config is not None:
+            self.config["compute_pool"] = info.decode()
+        for slot in self.slots:
+            self._to_executor(slot, frame(Kind.MEMBERS, 0, info))
+
     def cancel(self, ident: int) -> None:
         """Stop a task: replace the executor if it runs it, else let the executor skip it."""
         for slot in self.slots:

@@ -28,6 +28,7 @@ backend shares one path (:meth:`Provider.start`) and runs the same agent entry p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
@@ -72,6 +73,9 @@ class Options:
             used).
         worker: :class:`Worker`: task slots per node (default: one); ``Compute(worker=)``
             takes precedence.
+        scale_down_after: in an elastic pool (``nodes=(desired, max)`` or
+            :class:`flotilla.Nodes`), seconds a node grown beyond ``desired`` may stay idle
+            before it is released.
     """
 
     cluster: bool = True
@@ -82,6 +86,7 @@ class Options:
     replace_lost_nodes: bool = True
     provision_timeout: float | None = None
     worker: Worker | None = None
+    scale_down_after: float = 60.0
 
     def __repr__(self) -> str:  # env values may be secrets: never shown
         from .._redaction import shown_env
@@ -89,7 +94,9 @@ class Options:
         return (
             f"Options(cluster={self.cluster!r}, start_timeout={self.start_timeout!r}, "
             f"heartbeat_timeout={self.heartbeat_timeout!r}, "
-            f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r})"
+            f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r}, "
+            f"replace_lost_nodes={self.replace_lost_nodes!r}, "
+            f"scale_down_after={self.scale_down_after!r})"
         )
 
     def __post_init__(self) -> None:
@@ -103,7 +110,7 @@ class Options:
             raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
             )
-        for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
+        for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace", "scale_down_after"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 if name == "start_timeout" and self.provision_timeout is not None:
@@ -124,6 +131,8 @@ class PoolSpec:
         options: pool options.
         vcpus: CPUs wanted per node, or None (the provider's default).
         memory_gb: memory wanted per node in GiB, or None (the provider's default).
+        max_nodes: an elastic pool's largest size (0: a pool of ``nodes`` nodes). Its
+            machines are then acquired one by one (:meth:`Allocation.candidate`).
     """
 
     pool_id: str
@@ -134,6 +143,12 @@ class PoolSpec:
     options: Options
     vcpus: float | None = None
     memory_gb: float | None = None
+    max_nodes: int = 0
+
+    @property
+    def most(self) -> int:
+        """The most nodes the pool may have at once."""
+        return max(self.nodes, self.max_nodes)
 
 
 GiveUp = Callable[[float], bool]
@@ -318,6 +333,32 @@ class Allocation(ABC):
         self.mark(machine, MachineState.RUNNING)
         return agent
 
+    # -- elastic pools: machines added and removed one by one ----------------------------
+    async def candidate(self, rank: int) -> Machine | None:
+        """A new machine for an elastic pool, to serve ``rank`` (the next one) if its
+        agent starts; not one of :attr:`machines` until :meth:`admit`. None when none can
+        be had now (the pool asks again later). Providers with ``elastic`` implement it."""
+        raise ProvisionError(f"{type(self).__name__} cannot add machines to a pool")
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:  # noqa: B027
+        """Take back a machine of :meth:`candidate`'s: one whose agent did not start
+        (``failed``: it may be offered again later) or one an elastic pool released."""
+
+    def admit(self, machine: Machine) -> Machine:
+        """Make a candidate (whose agent started) the machine at the next rank; it as
+        such (RUNNING)."""
+        machine = dataclasses.replace(machine, rank=len(self._machines))
+        self._machines.append(machine)
+        self.mark(machine, MachineState.RUNNING)
+        return machine
+
+    def remove_last(self) -> Machine:
+        """Take the machine at the last rank out of the allocation (an elastic pool
+        shrinks); give it back with :meth:`give_back`."""
+        machine = self._machines.pop()
+        self.mark(machine, MachineState.RELEASED)
+        return machine
+
     async def release(self) -> None:
         """Release every machine the allocation ever held (:meth:`free`). Idempotent; never
         raises: what could not be given back is logged."""
@@ -367,6 +408,9 @@ class Provider(ABC):
     """Where nodes keep built environments between pools."""
     shares_filesystem: bool = False
     """True when nodes see the client's files (then user modules are imported, not shipped)."""
+    elastic: bool = False
+    """Its allocations add and remove machines one by one (:meth:`Allocation.candidate`):
+    it serves elastic pools."""
     python_pinned: bool = False
     """The user named the nodes' interpreter (``python=``): flotilla only checks that it
     is the client's Python minor version, and never looks for another one (see

@@ -17,6 +17,9 @@ nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import random
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -32,6 +35,12 @@ from .bootstrap import (
     wait_announced,
 )
 from .pipe import PipeAgent, spawn
+
+logger = logging.getLogger("flotilla")
+RETRY_FIRST = 0.25
+RETRY_MAX = 4.0
+"""Seconds before starting an agent again after a transient failure of the shell (doubling,
+with jitter), while the start timeout allows."""
 
 
 class RemoteShell(ABC):
@@ -53,6 +62,16 @@ class RemoteShell(ABC):
     async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
         """Why the shell ended without the command answering (``failure``: its exit status
         and stderr), as a ProvisionError naming the machine, with its ``cause``."""
+
+    def pace(self, machine: Machine) -> contextlib.AbstractAsyncContextManager[object]:
+        """Held while an agent starts on ``machine`` (a shell may bound how many starts
+        reach one server at once); nothing by default."""
+        return contextlib.nullcontext()
+
+    def transient(self, failure: NoAnswer) -> bool:
+        """Whether the shell's ``failure`` is one to try again after a while (a server
+        dropping connections while too many are starting); never by default."""
+        return False
 
     def subject(self, machine: Machine) -> str:
         """What did not start, in messages ("the agent", "the agent's step in job 12")."""
@@ -95,33 +114,49 @@ async def start_remote_agent(
         command = announced([python, "-m", "flotilla.agent"])
     if env:
         command = ["env", *(f"{k}={v}" for k, v in env.items()), *command]
-    try:
-        agent = shell.agent(spawn(shell.argv(machine, command), env=shell.env), machine)
-    except OSError as e:
-        raise ProvisionError(
-            f"{machine.host}: cannot run {shell.name}: {e}", cause=ProvisionCause.SPAWN
-        ) from e
-    ok = False
-    try:
-        answered = (
-            wait_announced(agent) if bundle is None else start_agent(agent, workdir, python, bundle)
-        )
-        await asyncio.wait_for(answered, timeout)
-        ok = True
-    except NoAnswer as e:
-        raise await shell.explain(machine, e) from None
-    except TimeoutError:
-        said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
-        raise ProvisionError(
-            f"{machine.host}: {shell.subject(machine)} did not start within {timeout:g} s"
-            + (f" ({shell.name}: {said[0]})" if said else "")
-            + "; Options(start_timeout=...) sets the limit",
-            cause=ProvisionCause.TIMEOUT,
-        ) from None
-    finally:
-        if not ok:
-            await agent.terminate()
-    return agent
+    argv = shell.argv(machine, command)
+    deadline = loop.time() + timeout
+    delay = RETRY_FIRST
+    while True:
+        async with shell.pace(machine):
+            try:
+                agent = shell.agent(spawn(argv, env=shell.env), machine)
+            except OSError as e:
+                raise ProvisionError(
+                    f"{machine.host}: cannot run {shell.name}: {e}", cause=ProvisionCause.SPAWN
+                ) from e
+            ok = False
+            try:
+                answered = (
+                    wait_announced(agent)
+                    if bundle is None
+                    else start_agent(agent, workdir, python, bundle)
+                )
+                await asyncio.wait_for(answered, max(0.0, deadline - loop.time()))
+                ok = True
+                return agent
+            except NoAnswer as e:
+                if not shell.transient(e) or deadline - loop.time() < 2 * delay:
+                    raise await shell.explain(machine, e) from None
+                logger.info(
+                    "%s: %s dropped the connection; again in %.1f s",
+                    machine.host,
+                    shell.name,
+                    delay,
+                )
+            except TimeoutError:
+                said = agent.err_tail.decode(errors="replace").strip().splitlines()[-1:]
+                raise ProvisionError(
+                    f"{machine.host}: {shell.subject(machine)} did not start within {timeout:g} s"
+                    + (f" ({shell.name}: {said[0]})" if said else "")
+                    + "; Options(start_timeout=...) sets the limit",
+                    cause=ProvisionCause.TIMEOUT,
+                ) from None
+            finally:
+                if not ok:
+                    await agent.terminate()
+        await asyncio.sleep(delay * random.uniform(1.0, 1.5))  # others' attempts spread out
+        delay = min(RETRY_MAX, delay * 2)
 
 
 class ShellAllocation(Allocation):

@@ -14,14 +14,17 @@ The per-node costs were measured on this project's machine (Python 3.11, local p
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
 
 from .._errors import ConfigurationError, ProvisionError
 
+logger = logging.getLogger("flotilla")
+
 FDS_PER_NODE = 4
-"""Descriptors the client holds per local node (3 measured: the agent's stdin, stdout,
-stderr; one spare)."""
+"""Descriptors the client holds per node (3 measured, local and SSH: the agent's (or its
+``ssh`` process's) stdin, stdout, stderr; one spare)."""
 FDS_RESERVE = 64
 """Descriptors kept free for everything else the client opens."""
 MEMORY_PER_NODE = 32 * 1024 * 1024
@@ -53,20 +56,33 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_local_capacity(nodes: int) -> None:
-    """Refuse (ConfigurationError) a local pool of ``nodes`` that this machine cannot
-    hold: open files (the soft limit is first raised towards the hard limit when that
-    is enough), processes and memory."""
+def ensure_open_files(nodes: int) -> None:
+    """Make room for a pool of ``nodes`` (any provider: each node's agent channel is three
+    pipes held here) in this process's limit of open files: the soft limit is raised
+    towards the hard limit when it is too low (and a line logged saying so); a
+    ConfigurationError when even the hard limit is too low."""
     need_fds = _open_fds() + nodes * FDS_PER_NODE + FDS_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and need_fds > soft:
         if hard == resource.RLIM_INFINITY or need_fds <= hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (need_fds, hard))
+            logger.info(
+                "raised this process's soft limit of open files from %d to %d for %d nodes",
+                soft,
+                need_fds,
+                nodes,
+            )
         else:
             raise ConfigurationError(
-                f"{nodes} local nodes need about {need_fds} open files in this process, "
+                f"{nodes} nodes need about {need_fds} open files in this process, "
                 f"but its limit is {soft} (hard limit {hard}): " + _FD_FIX.format(want=need_fds)
             )
+
+
+def check_local_capacity(nodes: int) -> None:
+    """Refuse (ConfigurationError) a local pool of ``nodes`` that this machine cannot
+    hold: open files (see :func:`ensure_open_files`), processes and memory."""
+    ensure_open_files(nodes)
     procs_soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if procs_soft != resource.RLIM_INFINITY and 2 * nodes > procs_soft:
         raise ConfigurationError(

@@ -46,6 +46,7 @@ class Local(Provider):
     name = "local"
     settings_type = LocalSettings
     shares_filesystem = True
+    elastic = True
 
     def __init__(
         self, python: str | None = None, workdir: str | None = None, keep_folders: bool = False
@@ -65,7 +66,7 @@ class Local(Provider):
     def validate(self, spec: PoolSpec) -> None:
         """Every node runs on this machine: each one's GPUs, CPUs and memory must fit it.
         (The nodes share it; a request is what one node may use, as on any provider.)"""
-        check_local_capacity(spec.nodes)  # files, processes, memory: before anything starts
+        check_local_capacity(spec.most)  # files, processes, memory: before anything starts
         cpus = os.cpu_count() or 1
         if spec.vcpus is not None and spec.vcpus > cpus:
             raise ConfigurationError(
@@ -185,6 +186,17 @@ class LocalAllocation(Allocation):
         else:  # a kept folder, the new machine's too
             _unmount_under(old.ident)
         return machine
+
+    async def candidate(self, rank: int) -> Machine | None:
+        """A new folder."""
+        return self.new_machine(rank)
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        if machine.ident in self._folders:
+            self._folders.remove(machine.ident)
+            _remove(machine.ident)
+        else:
+            _unmount_under(machine.ident)
 
     async def free(self) -> None:
         for folder in self._folders:

@@ -51,6 +51,7 @@ class SSH(Provider):
 
     name = "ssh"
     settings_type = SSHSettings
+    elastic = True
 
     def __init__(
         self,
@@ -94,9 +95,9 @@ class SSH(Provider):
         return f"SSH([{names}{more}])"
 
     def validate(self, spec: PoolSpec) -> None:
-        if spec.nodes > len(self.hosts):
+        if spec.most > len(self.hosts):
             raise ConfigurationError(
-                f"the pool asks for {spec.nodes} nodes but SSH has {len(self.hosts)} host(s): "
+                f"the pool asks for {spec.most} nodes but SSH has {len(self.hosts)} host(s): "
                 f"add hosts to SSH(hosts=[...]) or lower nodes= to at most {len(self.hosts)}"
             )
         ssh_client()
@@ -183,6 +184,19 @@ class SSHAllocation(ShellAllocation):
         """The next spare host, else the same host again (a new connection)."""
         old = self.machines[rank]
         return self._on(rank, self.spares.pop(0) if self.spares else self.targets[old.ident])
+
+    async def candidate(self, rank: int) -> Machine | None:
+        """The next spare host (an elastic pool grows); None when every host serves."""
+        return self._on(rank, self.spares.pop(0)) if self.spares else None
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """The host is a spare again: the last one tried if it ``failed`` (down: it is
+        tried again after the others), else the first."""
+        target = self.targets[machine.ident]
+        if failed:
+            self.spares.append(target)
+        else:
+            self.spares.insert(0, target)
 
     def _on(self, rank: int, target: _Target) -> Machine:
         """A new machine on ``target`` for ``rank``."""

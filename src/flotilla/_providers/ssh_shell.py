@@ -35,6 +35,13 @@ logger = logging.getLogger("flotilla.ssh")
 
 KEEPALIVE_INTERVAL = 2
 KEEPALIVE_COUNT_MAX = 3
+STARTS_PER_SERVER = 8
+"""Agents started at once through one sshd (host and port): below the ten unauthenticated
+connections past which sshd's default ``MaxStartups`` (10:30:100) starts dropping them."""
+_DROPPED = re.compile(
+    r"kex_exchange_identification|banner exchange|Connection (reset|closed) by \S+ port \d+"
+)
+"""What ssh says when sshd drops a connection before authentication (``MaxStartups``)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,19 @@ class SSHShell(RemoteShell):
         self.accept_new_host_keys = accept_new_host_keys
         self.connect_timeout = connect_timeout
         self.unknown_key_advice = unknown_key_advice
+        self._starting: dict[tuple[str, int], asyncio.Semaphore] = {}
+
+    def pace(self, machine: Machine) -> asyncio.Semaphore:
+        """At most :data:`STARTS_PER_SERVER` agents start through one sshd at once."""
+        target = self.target(machine)
+        key = (target.host, target.port)
+        if key not in self._starting:
+            self._starting[key] = asyncio.Semaphore(STARTS_PER_SERVER)
+        return self._starting[key]
+
+    def transient(self, failure: NoAnswer) -> bool:
+        """sshd dropped the connection before authentication: too many starting."""
+        return bool(_DROPPED.search(failure.stderr))
 
     def argv(self, machine: Machine, command: list[str]) -> list[str]:
         return self.ssh_argv(self.target(machine), "exec " + shlex.join(command))

@@ -62,6 +62,7 @@ class Kind(IntEnum):
     CREDIT = 22  # client -> agent -> executor; ident=task id; body = u32: values more
     # (executor -> agent -> client for a streamed argument: body = its index u8 + u32)
     FEED = 23  # client -> agent -> executor; ident=task id; a streamed argument's value
+    MEMBERS = 24  # JSON: the node's new COMPUTE_POOL (an elastic pool grew or shrank)
 
 
 class Status(IntEnum):
