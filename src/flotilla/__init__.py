@@ -57,6 +57,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
+    from ._providers.vast import VastAI as VastAI
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from .plugins._base import Plugin as Plugin
@@ -89,6 +90,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),
+    "_providers.vast": ("VastAI",),
     "_shard": ("shard",),
     "plugins._base": ("Plugin",),
 }

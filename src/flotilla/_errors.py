@@ -115,6 +115,9 @@ class ProvisionCause(Enum):
     """The remote shell ended without answering, for no reason it stated."""
     TIMEOUT = "timeout"
     """The agent did not start within the pool's start timeout."""
+    CAPACITY = "capacity"
+    """The provider has nothing that fits the request now (no offer, no capacity, or
+    only above ``max_hourly_cost``): nothing was provisioned; another provider may have."""
 
 
 @_public

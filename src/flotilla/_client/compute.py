@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -56,7 +57,8 @@ class Compute(Pool):
     """A pool of nodes. Use it as a context manager; leaving the block stops everything.
 
     Args:
-        provider: where the nodes run; None means ``flotilla.Local()`` (local processes).
+        provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
+            a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
@@ -67,6 +69,11 @@ class Compute(Pool):
             ``--cpus-per-task``, AWS picks an instance type that has them.
         memory_gb: memory wanted per node in GiB (None: the provider's default), acted on
             as ``vcpus`` is (SLURM: ``--mem``).
+        max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
+            provider that knows its prices (Vast) refuses offers above it before renting.
+        allocation: with a list of providers (``provider=[VastAI(), AWS(...)]``, tried in
+            turn until one starts the pool): ``"ordered"`` (default) tries them in the
+            order given, ``"cheapest"`` cheapest first, by their offers.
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -75,7 +82,7 @@ class Compute(Pool):
 
     def __init__(
         self,
-        provider: Provider | None = None,
+        provider: Provider | Sequence[Provider] | None = None,
         nodes: int = 1,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
@@ -83,6 +90,9 @@ class Compute(Pool):
         options: Options | None = None,
         vcpus: float | None = None,
         memory_gb: float | None = None,
+        *,
+        max_hourly_cost: float | None = None,
+        allocation: str = "ordered",
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigurationError(
@@ -92,6 +102,9 @@ class Compute(Pool):
             from .._providers.local import Local
 
             provider = Local()
+        from .._providers.fallback import as_provider
+
+        provider = as_provider(provider, allocation)
         if not isinstance(provider, Provider):
             raise ConfigurationError(
                 "provider must be a flotilla provider such as flotilla.Local(), "
@@ -113,6 +126,9 @@ class Compute(Pool):
         self.options = options
         self.vcpus = _resource("vcpus", vcpus, "CPUs per node, e.g. vcpus=4")
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
+        self.max_hourly_cost = _resource(
+            "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
+        )
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
         per_accelerator = self.accelerator.count if self.accelerator is not None else 1
@@ -218,6 +234,7 @@ class Compute(Pool):
             self.options,
             vcpus=self.vcpus,
             memory_gb=self.memory_gb,
+            max_hourly_cost=self.max_hourly_cost,
         )
 
     def open(self) -> Compute:
@@ -286,6 +303,15 @@ class Compute(Pool):
         self._bringup.blob = blob
         await loop.run_in_executor(None, shm.sweep)  # what killed clients left
         self._allocation, procs = await self.provider.start(spec)
+        chosen = getattr(self.provider, "chosen", None)
+        if isinstance(chosen, Provider):  # a fallback's: its home and interpreter policy
+            self._bringup.home = chosen.home
+            self._bringup.python = dataclasses.replace(
+                self._bringup.python,
+                pinned=chosen.python_pinned,
+                home=str(chosen.home),
+                provider=type(chosen).__name__,
+            )
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
         self._bringup.console = Console(self._secrets)

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Self
 from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
+from .offers import Offer
 
 logger = logging.getLogger("flotilla")
 
@@ -109,6 +110,8 @@ class PoolSpec:
         options: pool options.
         vcpus: CPUs wanted per node, or None (the provider's default).
         memory_gb: memory wanted per node in GiB, or None (the provider's default).
+        max_hourly_cost: the most the whole pool may cost per hour (USD), or None: a
+            provider that knows its prices refuses offers above it before renting.
     """
 
     pool_id: str
@@ -119,6 +122,7 @@ class PoolSpec:
     options: Options
     vcpus: float | None = None
     memory_gb: float | None = None
+    max_hourly_cost: float | None = None
 
 
 class AgentProcess(ABC):
@@ -355,6 +359,12 @@ class Provider(ABC):
 
         Called before anything is provisioned.
         """
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        """What this provider offers now for one node of ``spec`` (``offers.Offer``:
+        type, count, price per node-hour, region, spot), cheapest first; None when it
+        cannot tell (the default)."""
+        return None
 
     @abstractmethod
     async def acquire(self, spec: PoolSpec) -> Allocation:
