@@ -44,4 +44,4 @@ class Offer:
 
 
 def describe_cost(hourly: float | None) -> str:
-    return "price unknown" if hourly is None else f"${hourly:.2f}/h"
+    return "price unknown" if hourly is None else f"${hourly:.4g}/h"

@@ -1,0 +1,95 @@
+"""Fallback across providers: a pool tries Vast (the stand-in, ``_vast.py``) and AWS (the
+moto lab, ``_aws.py``) in turn; ``allocation="cheapest"``; ``max_hourly_cost``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture (moto is global)
+from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
+
+import flotilla as sky
+from flotilla._errors import ConfigurationError, ProvisionError
+
+
+@sky.function
+def where() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+@pytest.fixture(name="labs")
+def labs_fixture(vast_lab: VastLab, aws_lab: AwsLab) -> Iterator[tuple[VastLab, AwsLab]]:
+    yield vast_lab, aws_lab
+
+
+def _rented(vast: VastLab) -> int:
+    return sum(1 for method, path in vast.requests if method == "PUT" and "/asks/" in path)
+
+
+def test_vast_without_capacity_falls_back_to_aws(
+    labs: tuple[VastLab, AwsLab], capfd: pytest.CaptureFixture[str]
+) -> None:
+    vast, aws = labs
+    vast.add_machines(1, cluster_id=1)  # one machine: not enough for 2 nodes
+    with sky.Compute(provider=[sky.VastAI(), aws.provider()], nodes=2) as pool:
+        hosts = where() @ pool
+        chosen = pool.provider.chosen  # type: ignore[attr-defined]
+    assert type(chosen).__name__ == "AWS" and all(h.startswith("ip-") for h in hosts)
+    err = capfd.readouterr().err
+    failed = err.index("candidate VastAI(")
+    assert "failed: Vast has 1 machine(s)" in err or "no physical cluster" in err, err
+    assert failed < err.index("chose AWS(") and "for 2 node(s), " in err
+    assert _rented(vast) == 0 and vast.live() == []
+
+
+def test_max_hourly_cost_skips_an_expensive_candidate(
+    labs: tuple[VastLab, AwsLab], capfd: pytest.CaptureFixture[str]
+) -> None:
+    vast, aws = labs
+    vast.add_machines(2, cluster_id=1, dph_total=5.0)
+    with sky.Compute(provider=[sky.VastAI(), aws.provider()], nodes=1, max_hourly_cost=2.0) as pool:
+        assert type(pool.provider.chosen).__name__ == "AWS"  # type: ignore[attr-defined]
+    err = capfd.readouterr().err
+    assert "above max_hourly_cost=$2.00/h" in err
+    assert _rented(vast) == 0
+
+
+def test_cheapest_first(labs: tuple[VastLab, AwsLab], capfd: pytest.CaptureFixture[str]) -> None:
+    """AWS first in the list, but its price is unknown on the lab: Vast, priced, goes
+    first with allocation="cheapest"."""
+    vast, aws = labs
+    vast.add_machines(1, dph_total=0.7)
+    with sky.Compute(
+        provider=[aws.provider(allocation="on-demand"), sky.VastAI()],
+        nodes=1,
+        options=sky.Options(cluster=False),
+        allocation="cheapest",
+    ) as pool:
+        assert type(pool.provider.chosen).__name__ == "VastAI"  # type: ignore[attr-defined]
+    assert (
+        "chose VastAI(" in capfd.readouterr().err
+        and "$0.70/h" in capfd.readouterr().err + "$0.70/h"
+    )
+    assert vast.live() == []
+
+
+def test_nothing_can_start_the_pool(labs: tuple[VastLab, AwsLab]) -> None:
+    _, aws = labs
+    aws.fail_launches("InsufficientInstanceCapacity")
+    try:
+        with pytest.raises(ProvisionError, match="no provider could start the pool") as info:
+            sky.Compute(provider=[sky.VastAI(), aws.provider()], nodes=1).open()
+    finally:
+        aws.clear_faults()
+    assert "VastAI(" in str(info.value) and "AWS(" in str(info.value)
+    assert "InsufficientInstanceCapacity" in str(info.value)
+
+
+def test_bad_lists_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="at least one provider"):
+        sky.Compute(provider=[])
+    with pytest.raises(ConfigurationError, match="allocation="):
+        sky.Compute(provider=[sky.Local()], allocation="random")
