@@ -188,6 +188,7 @@ class ClusterDaemon:
                     mesh.disconnect(self.pool, self.workdirs, self.runner.mesh)
         if self.pool is not None:
             self.pool.close()
+            self._record_cost("down", self.pool)
         if self.server is not None:
             self.server.close()
         self._unlink_socket()
@@ -210,6 +211,23 @@ class ClusterDaemon:
             if os.stat(address).st_ino == self.socket_inode:
                 os.unlink(address)
 
+    def _record_cost(self, event: str, pool: Compute) -> None:
+        """A line of the cost ledger (``costs``): the pool is up (its provider, nodes and
+        price per hour when known) or closed."""
+        from .costs import record
+
+        provider = getattr(pool.provider, "chosen", None) or pool.provider
+        hourly = getattr(pool._allocation, "hourly", None)
+        record(
+            event,
+            self.name,
+            self.generation,
+            self.paths.home,
+            provider=getattr(provider, "name", self.spec.kind),
+            nodes=pool.nodes,
+            hourly=hourly if isinstance(hourly, int | float) and hourly else None,
+        )
+
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
         try:
@@ -230,6 +248,7 @@ class ClusterDaemon:
                     return
             pool.open()
             self.pool = pool
+            self._record_cost("up", pool)
             shared = self.backend.shares_filesystem
             self.nodes = self._node_records()
             self.runner = Runner(

@@ -176,6 +176,13 @@ class VastAllocation(ShellAllocation):
             pin(self.known_hosts, f"[{target.host}]:{target.port}", host_key)
         return ids
 
+    def _remember(self, machine: Machine) -> None:
+        """Record where ``machine`` (by the address peers know) is reached over SSH, for
+        ``flotilla ssh`` (:func:`ssh_login`)."""
+        target = self._targets[machine.ident]
+        with open(os.path.join(self.folder, "addresses"), "a") as f:
+            f.write(f"{machine.address} {target.host} {target.port}\n")
+
     def _rent_one(self, offer: dict[str, Any], script: str) -> int:
         body: dict[str, Any] = {
             "client_id": "me",
@@ -278,6 +285,7 @@ class VastAllocation(ShellAllocation):
             for rank, m in enumerate(self.machines):
                 if m.ident == machine.ident:
                     self._machines[rank] = machine
+        self._remember(machine)
         while True:
             try:
                 return await start_remote_agent(
@@ -434,6 +442,42 @@ class VastAllocation(ShellAllocation):
                     errors.append(str(e))
         if errors:
             raise ProvisionError("; ".join(errors))
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` arguments that log in to the running pool instance whose peers' address is
+    ``address`` as its pool does: its public address and mapped port, the pool's login key
+    and pinned host key (for ``flotilla ssh``). ConfigurationError when no live pool of
+    this user has it."""
+    import glob
+
+    from ..._errors import ConfigurationError
+
+    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
+    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
+        folder = os.path.dirname(path)
+        if os.stat(folder).st_uid != os.getuid():
+            continue
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) == 3 and words[0] == address:
+                    return [
+                        "-i",
+                        os.path.join(folder, "login_key"),
+                        "-o",
+                        "IdentitiesOnly=yes",
+                        "-o",
+                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
+                        "-o",
+                        "StrictHostKeyChecking=yes",
+                        "-p",
+                        words[2],
+                        f"root@{words[1]}",
+                    ]
+    raise ConfigurationError(
+        f"no running Vast pool of this user has an instance at {address}: is the cluster up?"
+    )
 
 
 def _show(message: str) -> None:

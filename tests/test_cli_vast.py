@@ -1,0 +1,49 @@
+"""``flotilla`` with ``--provider vast`` / ``infra: vast`` on the Vast stand-in (``_vast``),
+``show-gpus``, ``check`` and ``cost-report`` (root only: the stand-in's instances are
+namespace hosts)."""
+
+from __future__ import annotations
+
+from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
+
+TASK = """\
+num_nodes: 2
+resources:
+  infra: vast
+  cpus: 4
+run: |
+  echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES"
+"""
+
+
+def test_task_file_with_infra_vast_runs_and_costs_are_reported(cli: CLI, vast_lab: VastLab) -> None:
+    vast_lab.add_machines(2, cluster_id=3, dph_total=1.25)
+    vast_lab.add_machines(2, cluster_id=4, cpu_cores_effective=2, dph_total=0.1)  # too small
+    cli.env.update(vast_lab.env)
+    task = cli.task("job.yaml", TASK)
+    done = cli.ok("launch", task, "-c", "gpus", timeout=300)
+    assert node_lines(done.stdout, "RUN") == {0: "0 2", 1: "1 2"}
+    assert len(vast_lab.live()) == 2
+    cli.ok("down", "gpus", "-y", timeout=120)
+    assert vast_lab.wait_gone(30) == []
+    report = cli.ok("cost-report").stdout
+    (line,) = [row for row in report.splitlines() if row.startswith("gpus ")]
+    words = line.split()
+    assert words[1:4] == ["vast", "2", "2.5"] and words[6] == "finished", report
+
+
+def test_show_gpus_and_check(cli: CLI, vast_lab: VastLab) -> None:
+    vast_lab.add_machines(1, gpu_name="H100 SXM", num_gpus=8, dph_total=20.0, geolocation="SE")
+    vast_lab.add_machines(1, gpu_name="A100 PCIE", dph_total=0.9)
+    cli.env.update(vast_lab.env)
+    shown = cli.ok("show-gpus", "H100:8", "--provider", "vast").stdout
+    (row,) = [line.split() for line in shown.splitlines()[1:]]
+    assert row[:6] == ["vast", "H100", "SXM", "8", "20", "SE"], shown
+    checked = cli.ok("check", "--provider", "vast").stdout
+    assert any(line.split()[:2] == ["vast", "ok"] for line in checked.splitlines()), checked
+    bad = cli.ok("check", "--provider", "vast", env={"VAST_API_KEY": "wrong-key-1234567"})
+    (line,) = [row for row in bad.stdout.splitlines() if row.startswith("vast")]
+    assert "not usable" in line and "refused the API key" in line
+    assert "wrong-key-1234567" not in bad.stdout + bad.stderr
