@@ -4,10 +4,14 @@ moto lab, ``_aws.py``) in turn; ``allocation="cheapest"``; ``max_hourly_cost``."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture (moto is global)
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
@@ -93,3 +97,60 @@ def test_bad_lists_are_refused() -> None:
         sky.Compute(provider=[])
     with pytest.raises(ConfigurationError, match="allocation="):
         sky.Compute(provider=[sky.Local()], allocation="random")
+
+
+ANY_OF = """\
+num_nodes: 2
+resources:
+  cpus: 2
+  any_of:
+    - infra: vast
+    - infra: aws/us-east-1
+run: echo "RUN $SKYPILOT_NODE_RANK $(hostname)"
+"""
+
+
+def test_task_file_any_of_falls_back_from_vast_to_aws(
+    cli: CLI, labs: tuple[VastLab, AwsLab]
+) -> None:
+    from test_cli_aws import _lab_flags
+
+    vast, aws = labs
+    vast.add_machines(1, cluster_id=1)  # not enough for 2 nodes
+    cli.env.update(vast.env)
+    cli.env.update(aws.env)
+    task = cli.task("job.yaml", ANY_OF)
+    done = cli.ok("launch", task, "-c", "anyof", *_lab_flags(aws), timeout=300)
+    lines = node_lines(done.stdout, "RUN")
+    assert sorted(lines) == [0, 1] and all(" ip-" in f" {v}" for v in lines.values()), lines
+    assert "candidate VastAI(" in done.stderr and "chose AWS(" in done.stderr, done.stderr
+    assert vast.live() == [] and _rented(vast) == 0
+    status = cli.ok("status").stdout
+    assert "anyof" in status
+    cli.ok("down", "anyof", "-y", timeout=120)
+
+
+def _parse(tmp_path: Path, text: str) -> Any:
+    from flotilla.cli.taskfile import load_task
+
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    return load_task(str(path))
+
+
+def test_task_file_candidates_parse(tmp_path: Path) -> None:
+    task = _parse(
+        tmp_path, "resources:\n  cpus: 4\n  accelerators: {A100: 8, H100: 8}\nrun: 'true'\n"
+    )
+    assert [c.accelerators for c in task.resources.candidates] == ["A100:8", "H100:8"]
+    assert task.resources.ordered is False and {c.cpus for c in task.resources.candidates} == {"4"}
+    task = _parse(
+        tmp_path,
+        "resources:\n  ordered:\n    - {infra: vast, accelerators: H100:8}\n"
+        "    - {infra: aws}\nrun: 'true'\n",
+    )
+    assert [(c.infra, c.accelerators) for c in task.resources.candidates] == [
+        ("vast", "H100:8"),
+        ("aws", None),
+    ]
+    assert task.resources.ordered is True

@@ -53,6 +53,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Options as Options
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
+    from ._providers.fallback import Candidate as Candidate
     from ._providers.local import Local as Local
     from ._providers.offers import Offer as Offer
     from ._providers.offers import offers as offers
@@ -88,6 +89,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_output": ("silent", "stderr", "stdout"),
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
+    "_providers.fallback": ("Candidate",),
     "_providers.local": ("Local",),
     "_providers.offers": ("Offer", "offers"),
     "_providers.slurm": ("Slurm",),

@@ -14,13 +14,17 @@ failed candidate got was released by that candidate before the next one is tried
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError, ProvisionCause, ProvisionError
 from .base import AgentProcess, Allocation, PoolSpec, Provider
 from .offers import Offer, describe_cost
+
+if TYPE_CHECKING:
+    from .._accelerators import Accelerator
 
 ALLOCATIONS = ("ordered", "cheapest")
 
@@ -59,6 +63,8 @@ class Fallback(Provider):
         self.chosen: Provider | None = None
         self.failures: list[tuple[Provider, str]] = []
         self._valid: list[Provider] = []
+        self.report: Callable[[str], None] = _show
+        """Where the candidates' failures and the choice are told (default: stderr)."""
 
     def __repr__(self) -> str:
         return f"Fallback({self.candidates!r}, allocation={self.allocation!r})"
@@ -73,7 +79,7 @@ class Fallback(Provider):
             except ConfigurationError as e:
                 refused.append(f"{c!r}: {e}")
                 self.failures.append((c, str(e)))
-                _show(f"candidate {c!r} refused the request: {e}")
+                self.report(f"candidate {c!r} refused the request: {e}")
                 continue
             self._valid.append(c)
         if not self._valid:
@@ -122,14 +128,14 @@ class Fallback(Provider):
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.failures.append((c, why))
                 tried.append(f"{c!r}: {why}")
-                _show(f"candidate {c!r} failed: {why}")
+                self.report(f"candidate {c!r} failed: {why}")
                 continue
             self.chosen = c
             self.home = c.home
             self.python_pinned = c.python_pinned
             hourly = getattr(allocation, "hourly", None)
             price = hourly if isinstance(hourly, int | float) and hourly else cost
-            _show(f"chose {c!r} for {spec.nodes} node(s), {describe_cost(price)}")
+            self.report(f"chose {c!r} for {spec.nodes} node(s), {describe_cost(price)}")
             return allocation, agents
         raise ProvisionError(
             "no provider could start the pool:\n  " + "\n  ".join(tried),
@@ -138,6 +144,79 @@ class Fallback(Provider):
 
     async def acquire(self, spec: PoolSpec) -> Allocation:
         raise ProvisionError("Fallback starts pools through start()")  # never called
+
+
+class Candidate(Provider):
+    """A provider with its own per-node resources, as one candidate of a fallback list
+    (Skyward's ``Spec``): ``Candidate(VastAI(), accelerator="H100:8")`` asks Vast for H100s
+    whatever the pool's ``accelerator`` says. Fields left None are the pool's.
+
+    Attributes:
+        provider: the provider.
+        accelerator: accelerators per node ("A100:8"), or None for the pool's.
+        vcpus: CPUs per node, or None for the pool's.
+        memory_gb: memory per node in GiB, or None for the pool's.
+    """
+
+    def __init__(
+        self,
+        provider: Provider,
+        accelerator: str | Accelerator | None = None,
+        vcpus: float | None = None,
+        memory_gb: float | None = None,
+    ) -> None:
+        from .._accelerators import parse_accelerator
+
+        if not isinstance(provider, Provider):
+            raise ConfigurationError(
+                "Candidate(provider=...) must be a flotilla provider, got "
+                f"{type(provider).__name__}"
+            )
+        self.provider = provider
+        self.accelerator = parse_accelerator(accelerator)
+        self.vcpus = vcpus
+        self.memory_gb = memory_gb
+        self.name = provider.name
+        self.home = provider.home
+        self.shares_filesystem = provider.shares_filesystem
+        self.python_pinned = provider.python_pinned
+
+    def __repr__(self) -> str:
+        wants = [
+            f"{k}={v}"
+            for k, v in (
+                ("accelerator", self.accelerator),
+                ("vcpus", self.vcpus),
+                ("memory_gb", self.memory_gb),
+            )
+            if v is not None
+        ]
+        return f"{self.provider!r}" + (f" [{', '.join(wants)}]" if wants else "")
+
+    def spec(self, spec: PoolSpec) -> PoolSpec:
+        """``spec`` with this candidate's resources."""
+        return dataclasses.replace(
+            spec,
+            accelerator=self.accelerator or spec.accelerator,
+            vcpus=self.vcpus if self.vcpus is not None else spec.vcpus,
+            memory_gb=self.memory_gb if self.memory_gb is not None else spec.memory_gb,
+        )
+
+    @property
+    def settings(self) -> Any:
+        return getattr(self.provider, "settings", None)
+
+    def validate(self, spec: PoolSpec) -> None:
+        self.provider.validate(self.spec(spec))
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        return self.provider.offers(self.spec(spec))
+
+    async def start(self, spec: PoolSpec) -> tuple[Allocation, list[AgentProcess]]:
+        return await self.provider.start(self.spec(spec))
+
+    async def acquire(self, spec: PoolSpec) -> Allocation:
+        return await self.provider.acquire(self.spec(spec))
 
 
 def _price(offer: Offer) -> tuple[bool, float]:

@@ -11,23 +11,18 @@ from .console import CLIError, say, table
 
 
 def _providers(names: list[str] | None) -> list[object]:
-    """The providers to ask: those named (``vast``, ``aws``), else every configured one."""
+    """The providers to ask: those named (``--provider``), else every configured one."""
     from .._providers.offers import configured
+    from .backends import registry
 
     if not names:
         return configured()
     out: list[object] = []
     for name in names:
-        if name == "vast":
-            from .._providers.vast import VastAI
-
-            out.append(VastAI())
-        elif name == "aws":
-            from .._providers.aws import AWS
-
-            out.append(AWS())
-        else:
-            raise CLIError(f"--provider {name}: show-gpus knows vast and aws", code=2)
+        provider = registry.backend(name).market_provider()
+        if provider is None:
+            raise CLIError(f"--provider {name}: its machines exist already: no offers", code=2)
+        out.append(provider)
     return out
 
 
@@ -63,47 +58,19 @@ def cmd_show_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Which providers have working credentials, and why not."""
+    """Which providers can be used from here, and why not."""
+    from .backends import registry
+
     rows = [["PROVIDER", "STATUS", "DETAIL"]]
-    ok = 0
-    checks = {"vast": _check_vast, "aws": _check_aws, "slurm": _check_slurm}
-    for name, check in checks.items():
-        if args.provider and name not in args.provider:
+    for b in registry.BACKENDS:
+        if args.provider and b.kind not in args.provider:
             continue
         try:
-            detail = check()
-            rows.append([name, "ok", detail])
-            ok += 1
+            rows.append([b.kind, "ok", b.check()])
         except (FlotillaError, OSError, ImportError) as e:
-            rows.append([name, "not usable", str(e).splitlines()[0]])
-    rows.insert(1, ["local", "ok", "processes on this machine"])
+            rows.append([b.kind, "not usable", str(e).splitlines()[0]])
     sys.stdout.write(table(rows))
     return 0
-
-
-def _check_vast() -> str:
-    from .._providers.vast import VastAI
-
-    return VastAI().check()
-
-
-def _check_aws() -> str:
-    from .._providers.aws import AWS
-
-    aws = AWS()
-    aws.api.check()
-    aws.api.call("ec2", "describe_regions", "check the credentials", RegionNames=[aws.api.region])
-    return f"credentials accepted in {aws.api.region}"
-
-
-def _check_slurm() -> str:
-    import shutil
-
-    from .._errors import ConfigurationError
-
-    if shutil.which("sbatch") is None:
-        raise ConfigurationError("sbatch is not on PATH")
-    return "sbatch found"
 
 
 def cmd_cost_report(args: argparse.Namespace) -> int:

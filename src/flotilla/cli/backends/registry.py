@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, local, plugin, slurm, ssh, vast
+from . import aws, fallback, local, plugin, slurm, ssh, vast
 from .base import Backend, ProviderSpec, infra_name
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ def backend(kind: str) -> Backend[Any]:
     for b in BACKENDS:
         if b.kind == kind:
             return b
+    if kind == fallback.BACKEND.kind:  # a task's candidates (not a --provider)
+        return fallback.BACKEND
     found = plugin.plugin_backend(kind)
     if found is None:
         others = ", ".join(plugin.entry_points())
@@ -109,6 +111,8 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
     backend is a ConfigurationError."""
     given = {b.kind: b.given_flags(args) for b in BACKENDS}
     chosen: str | None = args.provider
+    if task is not None and task.resources.candidates:
+        return fallback.fallback_spec(backend(chosen) if chosen else None, DEFAULT, args, task)
     if chosen is None:
         implied = [kind for kind, flags in given.items() if flags]
         if not implied and task is not None:

@@ -128,6 +128,16 @@ class VastBackend(Backend[VastSpec]):
             lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
         return lines
 
+    def market_provider(self) -> Provider:
+        from ..._providers.vast import VastAI
+
+        return VastAI()
+
+    def check(self) -> str:
+        from ..._providers.vast import VastAI
+
+        return VastAI().check()
+
     def shell(
         self, paths: Paths, spec: VastSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
