@@ -3,12 +3,15 @@ moto lab, ``_aws.py``) in turn; ``allocation="cheapest"``; ``max_hourly_cost``."
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture (moto is global)
+from _procs import wait_until
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
@@ -154,3 +157,60 @@ def test_task_file_candidates_parse(tmp_path: Path) -> None:
         ("aws", None),
     ]
     assert task.resources.ordered is True
+
+
+MANAGED = """\
+    name: resumable
+    num_nodes: 2
+    resources:
+      job_recovery: EAGER_NEXT_REGION
+      ordered:
+        - infra: vast
+        - infra: aws/us-east-1
+    run: |
+      echo "$(hostname)" >> $CKPT/hosts-$SKYPILOT_NODE_RANK
+      if [ ! -e $CKPT/step-$SKYPILOT_NODE_RANK ]; then
+        echo 1 > $CKPT/step-$SKYPILOT_NODE_RANK
+        echo $$ > $CKPT/pid-$SKYPILOT_NODE_RANK
+        exec sleep 300                                # works until its node is lost
+      fi
+      echo "rank $SKYPILOT_NODE_RANK resumed"
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_managed_job_recovers_on_the_next_candidate(
+    labs: tuple[VastLab, AwsLab], tmp_path: Path
+) -> None:
+    """EAGER_NEXT_REGION on a fallback cluster: the job first runs on Vast; when a node is
+    lost the cluster is relaunched on the next candidate (AWS) first."""
+    from test_cli_aws import _lab_flags
+    from test_managed import Jobs, agent_above, assert_nothing_left
+
+    vast, aws = labs
+    vast.add_machines(2, cluster_id=1)
+    jobs = Jobs(tmp_path)
+    jobs.env.update(vast.env)
+    jobs.env.update(aws.env)
+    task = jobs.task("job.yaml", MANAGED)
+    launch = jobs.popen("launch", task, "--env", f"CKPT={jobs.ckpt}", *_lab_flags(aws))
+    try:
+        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        assert wait_until(
+            lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 120
+        ), "the ranks never started"
+        assert len(vast.live()) == 2
+        os.kill(agent_above(int(pid_files[1].read_text())), signal.SIGKILL)
+        out, err = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    assert launch.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "recovering on the candidate after VastAI(" in err, err
+    for rank in (0, 1):
+        first, second = (jobs.ckpt / f"hosts-{rank}").read_text().split()
+        assert first.startswith("C.") and second.startswith("ip-"), (first, second)
+        assert f"rank {rank} resumed" in out
+    assert vast.wait_gone(30) == []
+    assert_nothing_left(jobs)

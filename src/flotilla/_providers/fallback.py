@@ -69,6 +69,24 @@ class Fallback(Provider):
     def __repr__(self) -> str:
         return f"Fallback({self.candidates!r}, allocation={self.allocation!r})"
 
+    @property
+    def chosen_index(self) -> int | None:
+        """The position in :attr:`candidates` of the one that started the pool (None
+        before)."""
+        for i, c in enumerate(self.candidates):
+            if c is self.chosen:
+                return i
+        return None
+
+    def next_after(self, index: int) -> None:
+        """Try the candidate after ``index`` first, and ``index`` last (a managed job's
+        recovery, SkyPilot's EAGER_NEXT_REGION: where the job was lost is short of
+        machines); in order from there."""
+        n = len(self.candidates)
+        start = (index + 1) % n
+        self.candidates = self.candidates[start:] + self.candidates[:start]
+        self.allocation = "ordered"
+
     def validate(self, spec: PoolSpec) -> None:
         """Keep the candidates that accept the request; a ConfigurationError listing every
         refusal when none does."""
