@@ -36,13 +36,25 @@ def _overlay_subnet(lab: VastLab) -> str:
     return overlay.subnet + "."
 
 
-def test_reference_example_four_nodes_on_one_cluster(vast_lab: VastLab) -> None:
-    """The reference document's first example, unchanged but for the import; the key and
-    URL come from the environment (VAST_API_KEY, VAST_URL)."""
+@sky.function
+def train() -> None:
+    info = sky.instance_info()
+    print(f"Node {info.node} of {info.total_nodes}")
+
+
+def test_reference_example_four_nodes_on_one_cluster(
+    vast_lab: VastLab, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference document's first example (000), unchanged but for the import; the key
+    and URL come from the environment (VAST_API_KEY, VAST_URL)."""
     vast_lab.add_machines(4, cluster_id=7, dph_total=1.5)
     vast_lab.add_machines(3, cluster_id=None, dph_total=0.4)  # cheaper, but no cluster
     assert os.environ["VAST_API_KEY"] == API_KEY and os.environ["VAST_URL"] == vast_lab.url
-    with sky.Compute(provider=sky.VastAI(), accelerator=sky.accelerators.A100(), nodes=4) as pool:
+    with sky.Compute(
+        provider=sky.VastAI(), accelerator=sky.accelerators.A100(), nodes=4
+    ) as compute:
+        train() @ compute  # runs on all 4 nodes
+        pool = compute
         places = place() @ pool
         subnet = _overlay_subnet(vast_lab)
         live = vast_lab.live()
@@ -54,6 +66,10 @@ def test_reference_example_four_nodes_on_one_cluster(vast_lab: VastLab) -> None:
     # nothing left: every instance destroyed by the client, the overlay deleted
     assert vast_lab.live() == [] and vast_lab.overlays == {}
     assert set(vast_lab.destroyed.values()) == {"account"}
+    out = capsys.readouterr().out
+    assert sorted(line for line in out.splitlines() if "Node" in line) == [
+        f"(node-{k}, rank={k}) Node {k} of 4" for k in range(4)
+    ]
 
 
 def test_standalone_pool_spans_machines_anywhere(vast_lab: VastLab) -> None:
