@@ -47,3 +47,32 @@ def test_show_gpus_and_check(cli: CLI, vast_lab: VastLab) -> None:
     (line,) = [row for row in bad.stdout.splitlines() if row.startswith("vast")]
     assert "not usable" in line and "refused the API key" in line
     assert "wrong-key-1234567" not in bad.stdout + bad.stderr
+
+
+def test_down_orphans_destroys_what_a_killed_client_left(cli: CLI, vast_lab: VastLab) -> None:
+    import socket
+    import subprocess
+
+    import flotilla as sky
+
+    vast_lab.add_machines(2)
+    cli.env.update(vast_lab.env)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    api = sky.VastAI().api
+    offers = api.call("POST", "/bundles/", "search", {})["offers"]
+    for o in offers:  # one orphan, one instance that is not flotilla's
+        label = f"flotilla:cafe01:{socket.gethostname()}:{dead.pid}:1" if o is offers[0] else "x"
+        api.call("PUT", f"/asks/{o['id']}/", "rent", {"client_id": "me", "label": label})
+    listed = cli.ok("down", "--orphans", "--provider", "vast", "--dry-run").stderr
+    assert "1 orphan pool(s): cafe01" in listed and "would destroy 1 instance(s)" in listed
+    assert len(vast_lab.live()) == 2
+    done = cli.ok("down", "--orphans", "--provider", "vast").stderr
+    assert "destroyed 1 instance(s)" in done, done
+    assert wait_gone_but(vast_lab, "x")
+
+
+def wait_gone_but(lab: VastLab, label: str) -> bool:
+    from _procs import wait_until
+
+    return wait_until(lambda: [i.label for i in lab.live()] == [label], 10)
