@@ -268,3 +268,37 @@ def test_guard_destroys_an_instance_no_agent_reaches(vast_lab: VastLab) -> None:
     ident = int(reply["new_contract"])
     assert wait_until(lambda: ident in vast_lab.destroyed, 30), vast_lab.onstart_log(ident)
     assert vast_lab.destroyed[ident] == "self"
+
+
+def test_nothing_left_after_ctrl_c(vast_lab: VastLab) -> None:
+    vast_lab.add_machines(2, cluster_id=6)
+    proc = _client(ttl=600)
+    try:
+        assert proc.stdout is not None
+        pool_id = proc.stdout.readline().strip()
+        assert pool_id, proc.stderr.read() if proc.stderr else ""
+        assert len(vast_lab.live(f"flotilla:{pool_id}:")) == 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "KeyboardInterrupt" in err
+    assert vast_lab.live() == [] and vast_lab.overlays == {}
+    assert set(vast_lab.destroyed.values()) == {"account"}
+
+
+def test_nothing_left_after_an_exception(vast_lab: VastLab) -> None:
+    vast_lab.add_machines(2, cluster_id=6)
+    with (
+        pytest.raises(ZeroDivisionError),
+        sky.Compute(provider=sky.VastAI(), accelerator="A100", nodes=2) as pool,
+    ):
+        boom() @ pool
+    assert vast_lab.live() == [] and vast_lab.overlays == {}
+
+
+@sky.function
+def boom() -> float:
+    return 1 / 0
