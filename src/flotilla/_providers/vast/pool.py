@@ -271,21 +271,37 @@ class VastAllocation(ShellAllocation):
 
     # -- agents ------------------------------------------------------------------------
     async def start_agent(self, machine: Machine) -> AgentProcess:
-        """Wait for the mapped SSH port, learn the overlay address (a cluster pool), then
-        start the agent over SSH with the pinned host key (retried as on a booting
-        instance until the start timeout)."""
+        """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
+        key (retried as on a booting instance until the start timeout) while learning the
+        instance's overlay address (a cluster pool), which becomes the agent's address."""
         target = self._targets[machine.ident]
         timeout = self.spec.options.start_timeout
         deadline = time.monotonic() + timeout
         name = f"vast-{machine.ident} ({target.host}:{target.port})"
         await wait_port(target.host, target.port, deadline, name, timeout)
-        if self.subnet:
-            addr = await self._overlay_address(machine, target, deadline)
-            machine = dataclasses.replace(machine, address=addr)
-            for rank, m in enumerate(self.machines):
-                if m.ident == machine.ident:
-                    self._machines[rank] = machine
+        if not self.subnet:
+            self._remember(machine)
+            return await self._start(machine, name, deadline)
+        probe = asyncio.create_task(self._overlay_address(machine, target, deadline))
+        start = asyncio.create_task(self._start(machine, name, deadline))
+        try:
+            addr, agent = await asyncio.gather(probe, start)
+        except BaseException:
+            for t in (probe, start):
+                t.cancel()
+            done = await asyncio.gather(probe, start, return_exceptions=True)
+            if isinstance(done[1], AgentProcess):
+                await done[1].terminate()
+            raise
+        machine = dataclasses.replace(machine, address=addr)
+        for rank, m in enumerate(self.machines):
+            if m.ident == machine.ident:
+                self._machines[rank] = machine
+        agent.address = addr
         self._remember(machine)
+        return agent
+
+    async def _start(self, machine: Machine, name: str, deadline: float) -> AgentProcess:
         while True:
             try:
                 return await start_remote_agent(
