@@ -302,3 +302,17 @@ def test_nothing_left_after_an_exception(vast_lab: VastLab) -> None:
 @sky.function
 def boom() -> float:
     return 1 / 0
+
+
+def test_offers_across_configured_providers(vast_lab: VastLab) -> None:
+    """flotilla.offers(): every configured provider's offers (Vast here: its key is in the
+    environment), cheapest first, with type, count, price, region and spot."""
+    vast_lab.add_machines(1, gpu_name="H100 SXM", num_gpus=8, dph_total=19.5, geolocation="SE")
+    vast_lab.add_machines(1, gpu_name="H100 PCIE", num_gpus=8, dph_total=16.0)
+    vast_lab.add_machines(1, gpu_name="A100 SXM4", num_gpus=8, dph_total=9.0)
+    found = [o for o in sky.offers("H100:8") if o.provider == "vast"]
+    assert [(o.accelerator, o.count, o.hourly, o.region, o.spot) for o in found] == [
+        ("H100 PCIE", 8, 16.0, "US", False),
+        ("H100 SXM", 8, 19.5, "SE", False),
+    ]
+    assert _rented(vast_lab) == 0

@@ -399,7 +399,9 @@ class VastAllocation(ShellAllocation):
                 cause=ProvisionCause.CAPACITY,
             )
         (ident,) = await self._rent(offers[:1])
-        self.hourly += float(offers[0].get("dph_total") or 0)
+        self.hourly += float(offers[0].get("dph_total") or 0) - float(
+            self.instances[int(old.ident)].get("dph_total") or 0
+        )
         machine = Machine(
             rank, f"vast-{ident}", str(self.instances[ident].get("public_ipaddr", "")), str(ident)
         )
@@ -417,7 +419,6 @@ class VastAllocation(ShellAllocation):
         except VastApiError as e:
             if e.status != 404:
                 raise
-        self.hourly = max(0.0, self.hourly)
 
     async def free(self) -> None:
         busy = list(self._busy)
