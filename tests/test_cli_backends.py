@@ -93,12 +93,6 @@ def test_every_backend_module_is_in_the_registry() -> None:
     for path in BACKENDS_DIR.glob("*.py"):
         if path.stem in ("__init__", "base", "registry", "plugin"):  # plugin: other packages
             continue
-        if path.stem == "fallback":  # a task's candidates, not a --provider: found by kind
-            assert (
-                registry.backend("fallback")
-                is importlib.import_module("flotilla.cli.backends.fallback").BACKEND
-            )
-            continue
         module = importlib.import_module(f"flotilla.cli.backends.{path.stem}")
         assert isinstance(module.BACKEND, Backend), f"{path.name} has no BACKEND"
         assert module.__name__ in listed, f"{path.name} is not in registry.BACKENDS"

@@ -55,8 +55,8 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Provider as Provider
     from ._providers.fallback import Candidate as Candidate
     from ._providers.local import Local as Local
+    from ._providers.market import offers as offers
     from ._providers.offers import Offer as Offer
-    from ._providers.offers import offers as offers
     from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
@@ -91,7 +91,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.fallback": ("Candidate",),
     "_providers.local": ("Local",),
-    "_providers.offers": ("Offer", "offers"),
+    "_providers.market": ("offers",),
+    "_providers.offers": ("Offer",),
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),

@@ -12,7 +12,7 @@ from .console import CLIError, say, table
 
 def _providers(names: list[str] | None) -> list[object]:
     """The providers to ask: those named (``--provider``), else every configured one."""
-    from .._providers.offers import configured
+    from .._providers.market import configured
     from .backends import registry
 
     if not names:
@@ -27,7 +27,7 @@ def _providers(names: list[str] | None) -> list[object]:
 
 
 def cmd_show_gpus(args: argparse.Namespace) -> int:
-    from .._providers.offers import offers
+    from .._providers.market import offers
 
     providers = _providers(args.provider)
     if not providers:
