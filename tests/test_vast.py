@@ -316,3 +316,12 @@ def test_offers_across_configured_providers(vast_lab: VastLab) -> None:
         ("H100 SXM", 8, 19.5, "SE", False),
     ]
     assert _rented(vast_lab) == 0
+
+
+def test_settings_vast_cannot_take_are_refused_before_renting(vast_lab: VastLab) -> None:
+    vast_lab.add_machines(1)
+    with pytest.raises(ConfigurationError, match=r"on-start script is \d+ characters"):
+        sky.Compute(provider=sky.VastAI(workdir="/" + "w" * 900), accelerator="A100").open()
+    with pytest.raises(ConfigurationError, match="ttl"):
+        sky.Compute(provider=sky.VastAI(ttl=5), options=sky.Options(heartbeat_timeout=10)).open()
+    assert vast_lab.requests == [] or _rented(vast_lab) == 0

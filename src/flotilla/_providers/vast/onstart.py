@@ -23,9 +23,12 @@ import math
 import re
 import shlex
 
+from ..._errors import ConfigurationError
 from ..aws.guard import WATCHDOG_FOLDER
 from ..aws.keys import KeyPair
 
+ONSTART_LIMIT = 4048
+"""The most characters Vast takes in an instance's ``onstart`` (its API reference)."""
 SAFE_URL = re.compile(r"[A-Za-z0-9:/._\-\[\]%@]+")
 
 
@@ -73,7 +76,7 @@ def onstart_script(
         'its watchdog is in charge"; else echo "flotilla guard: no agent started within '
         f'{delay} s: destroying the instance"; sh "$3/$1.destroy"; fi'
     )
-    return f"""#!/bin/sh
+    script = f"""#!/bin/sh
 # flotilla pool {pool_id}: the pinned SSH host key and the guard (see flotilla's
 # _providers/vast/onstart.py)
 umask 077
@@ -101,3 +104,9 @@ echo "flotilla guard: destroying this instance in {delay} s unless an agent star
 s=$(command -v setsid || echo nohup)
 $s sh -c {shlex.quote(guard)} flotilla-guard "$CONTAINER_ID" {watch} {vast_dir} </dev/null &
 """
+    if len(script) > ONSTART_LIMIT:
+        raise ConfigurationError(
+            f"the on-start script is {len(script)} characters, more than Vast takes "
+            f"({ONSTART_LIMIT}): use a shorter VastAI(url=..., workdir=...)"
+        )
+    return script

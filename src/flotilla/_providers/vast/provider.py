@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError
+from ..aws.keys import KeyPair
 from ..base import PoolSpec, Provider
 from ..offers import Offer
 from .api import VastApi, find_key, find_url
@@ -130,6 +131,7 @@ class VastAI(Provider):
                 f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
                 "the instances would destroy themselves under a live pool"
             )
+        _check_onstart(find_url(self.settings.url), self.settings, spec)
         if spec.vcpus is not None and spec.vcpus <= 0:
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
         if spec.memory_gb is not None and spec.memory_gb <= 0:
@@ -183,3 +185,31 @@ class VastAI(Provider):
                         "DELETE", "/overlay/", "delete an overlay", {"overlay_name": o["name"]}
                     )
         return VastOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
+
+
+class _SizedKey(KeyPair):
+    """A stand-in ed25519 key of the real one's size (the on-start script's length)."""
+
+    def private(self) -> str:
+        return "\n".join(
+            [
+                "-----BEGIN OPENSSH PRIVATE KEY-----",
+                *["x" * 70] * 5,
+                "x" * 20,
+                "-----END OPENSSH PRIVATE KEY-----",
+            ]
+        )
+
+
+def _check_onstart(url: str, settings: VastSettings, spec: PoolSpec) -> None:
+    """Refuse, before anything is rented, settings whose on-start script Vast would not
+    take (see ``onstart``)."""
+    from .onstart import onstart_script
+
+    key = _SizedKey("", "ssh-ed25519 " + "x" * 68 + " flotilla")
+    try:
+        onstart_script(
+            spec.pool_id, key, url, settings.workdir, settings.ttl, spec.options.start_timeout
+        )
+    except ValueError as e:  # a URL the script cannot quote
+        raise ConfigurationError(f"VastAI(url=...): {e}") from None
