@@ -325,3 +325,21 @@ def test_settings_vast_cannot_take_are_refused_before_renting(vast_lab: VastLab)
     with pytest.raises(ConfigurationError, match="ttl"):
         sky.Compute(provider=sky.VastAI(ttl=5), options=sky.Options(heartbeat_timeout=10)).open()
     assert vast_lab.requests == [] or _rented(vast_lab) == 0
+
+
+def test_guard_leaves_a_live_pool_to_its_watchdog(vast_lab: VastLab) -> None:
+    """The on-start guard of a pool whose agents started sees their watchdog's contact
+    file and exits; nothing is destroyed while the client is alive and in contact."""
+    vast_lab.add_machines(2, cluster_id=2)
+    options = sky.Options(heartbeat_timeout=2, start_timeout=8)
+    with sky.Compute(
+        provider=sky.VastAI(ttl=3), accelerator="A100", nodes=2, options=options
+    ) as pool:
+        ids = [i.id for i in vast_lab.live()]
+        assert wait_until(
+            lambda: all("its watchdog is in charge" in vast_lab.onstart_log(i) for i in ids),
+            60,
+        ), [vast_lab.onstart_log(i) for i in ids]
+        assert [n[0] for n in place() @ pool] == [0, 1]
+        assert vast_lab.destroyed == {}
+    assert set(vast_lab.destroyed.values()) == {"account"}
