@@ -301,11 +301,19 @@ class VastLab:
             if not key.exists():  # the image's own key
                 keygen(key, f"C.{inst.id}")
             config = host.folder / "sshd_config"
+            # the client reaches sshd only at the public address and mapped port; peers
+            # on an overlay reach the container's port 22 at their overlay address
+            overlay = "".join(
+                f"ListenAddress {o.members[inst.id]}:22\n"
+                for o in self.overlays.values()
+                if o.name in inst.plugged and inst.id in o.members
+            )
             config.write_text(
                 f"ListenAddress {inst.machine.addr}:{inst.port}\n"
-                "HostKey /etc/ssh/ssh_host_ed25519_key\n"
+                + overlay
+                + "HostKey /etc/ssh/ssh_host_ed25519_key\n"
                 f"PidFile {host.folder}/sshd.pid\n"
-                f"AuthorizedKeysFile {host.folder}/authorized_keys\n"
+                f"AuthorizedKeysFile {host.folder}/authorized_keys .ssh/authorized_keys\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
                 "MaxSessions 64\nMaxStartups 64\n"

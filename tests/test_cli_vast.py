@@ -15,6 +15,9 @@ resources:
   cpus: 4
 run: |
   echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES"
+  if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
+    for ip in $SKYPILOT_NODE_IPS; do echo "MESH $ip $(ssh "$ip" hostname)"; done
+  fi
 """
 
 
@@ -25,7 +28,14 @@ def test_task_file_with_infra_vast_runs_and_costs_are_reported(cli: CLI, vast_la
     task = cli.task("job.yaml", TASK)
     done = cli.ok("launch", task, "-c", "gpus", timeout=300)
     assert node_lines(done.stdout, "RUN") == {0: "0 2", 1: "1 2"}
-    assert len(vast_lab.live()) == 2
+    live = sorted(vast_lab.live(), key=lambda i: i.id)
+    assert len(live) == 2
+    # node 0 logs in to every node over the overlay network (flotilla's mesh)
+    (overlay,) = vast_lab.overlays.values()
+    said = [
+        line.split("MESH ", 1)[1].split() for line in done.stdout.splitlines() if "MESH " in line
+    ]
+    assert sorted(said) == sorted([overlay.members[i.id], f"C.{i.id}"] for i in live), done
     cli.ok("down", "gpus", "-y", timeout=120)
     assert vast_lab.wait_gone(30) == []
     report = cli.ok("cost-report").stdout
