@@ -143,6 +143,7 @@ class VastLab:
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         self.throttle = 0
         self.destroyed: dict[int, str] = {}  # instance id -> "account" | "self"
+        self.destroyed_at: dict[int, float] = {}  # instance id -> wall clock
         self._saved: dict[str, str | None] = {}
         self._lock = threading.RLock()
         self._ids = 1000
@@ -268,6 +269,7 @@ class VastLab:
             if self.instances.pop(inst.id, None) is None:
                 return
             self.destroyed[inst.id] = by
+            self.destroyed_at[inst.id] = time.time()
             inst.machine.instance = None
             inst.machine.ask_id = self._next_id()
             for overlay in self.overlays.values():
@@ -393,6 +395,24 @@ class VastLab:
         with contextlib.suppress(OSError):
             return (self.lab.tmp / f"h{instance_id}" / "onstart.log").read_text(errors="replace")
         return ""
+
+    def contact(self, instance_id: int) -> float:
+        """When the instance's agent last heard from the client (its watchdog's contact
+        file's mtime; 0: none)."""
+        path = self.lab.tmp / f"h{instance_id}" / "flotilla" / "watchdog" / str(instance_id)
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def watchdog_log(self, instance_id: int) -> str:
+        """What the instance's watchdog (``_node/cloud.py``) and guard said."""
+        folder = self.lab.tmp / f"h{instance_id}" / "flotilla" / "watchdog"
+        out = []
+        for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+            with contextlib.suppress(OSError):
+                out.append(f"{path.name}: {path.read_text(errors='replace')}")
+        return "\n".join(out) + "\n" + self.onstart_log(instance_id)
 
     # -- overlays --------------------------------------------------------------------
     def create_overlay(self, cluster_id: int, name: str) -> str | None:

@@ -93,7 +93,9 @@ mkdir -p {vast_dir} {watch}
 rm -f {watch}/"$CONTAINER_ID"
 cat > {vast_dir}/"$CONTAINER_ID.destroy" <<FLOTILLA_DESTROY
 #!/bin/sh
-# destroy Vast instance $CONTAINER_ID with its own key
+# destroy Vast instance $CONTAINER_ID with its own key (what it says: in \\$0.log)
+exec >>"\\$0.log" 2>&1 </dev/null
+echo "\\$(date) destroying instance $CONTAINER_ID"
 if command -v python3 >/dev/null; then
   exec python3 -c '{python}'
 fi
