@@ -36,6 +36,12 @@ def test_task_file_with_infra_vast_runs_and_costs_are_reported(cli: CLI, vast_la
         line.split("MESH ", 1)[1].split() for line in done.stdout.splitlines() if "MESH " in line
     ]
     assert sorted(said) == sorted([overlay.members[i.id], f"C.{i.id}"] for i in live), done
+    # flotilla ssh reaches node 1 at its public address and mapped port, host key pinned
+    shell = cli.ok("ssh", "gpus", "--node", "1", "--", "hostname")
+    rec = cli.record("gpus")
+    assert rec is not None
+    (node1,) = [i for i in live if overlay.members[i.id] == rec.nodes[1].ip]
+    assert shell.stdout.split() == [f"C.{node1.id}"], shell
     cli.ok("down", "gpus", "-y", timeout=120)
     assert vast_lab.wait_gone(30) == []
     report = cli.ok("cost-report").stdout
