@@ -106,7 +106,7 @@ def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
         registry.backend("k8s")
     with pytest.raises(ConfigurationError, match="unknown provider 'k8s'"):
         registry.spec_from_dict({"kind": "k8s", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws"
+    assert known == "local, ssh, slurm, aws, vast"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
@@ -281,7 +281,12 @@ def test_every_provider_setting_has_a_flag_or_is_set_by_the_command_line(b: Back
     assert not flagged & set(b.fixed)
 
 
-_SAMPLES = {"subnet": "subnet-0123456789abcdef0", "sbatch_args": "--exclusive=user --nice=5"}
+_SAMPLES = {
+    "subnet": "subnet-0123456789abcdef0",
+    "sbatch_args": "--exclusive=user --nice=5",
+    "min_reliability": "0.5",
+    "workdir": "/x1",
+}
 _REQUIRED = {"ssh": ["--hosts", "h1,h2"]}
 
 

@@ -24,6 +24,7 @@ from _fake import FakeCall, FakeProvider
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import assert_all_gone, wait_until
 from _slurm import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - the slurm_cluster fixture
+from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from test_example_provider import _example_package
 
 import flotilla as sky
@@ -31,7 +32,7 @@ from flotilla._errors import ConfigurationError
 from flotilla._info import InstanceInfo
 from flotilla._providers.base import AllocationState, Provider
 
-PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "netns")
+PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns")
 
 
 @sky.function
@@ -162,6 +163,18 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
         kit = Kit(aws_make, aws_refused, aws_left, ends_later=True)
         kit.pools = pools  # type: ignore[attr-defined]
         yield kit
+    elif name == "vast":
+        vast: VastLab = request.getfixturevalue("vast_lab")
+        vast.add_machines(3, cluster_id=1)  # two nodes and a replacement, on one cluster
+
+        def vast_refused() -> None:
+            options = sky.Options(heartbeat_timeout=30)
+            sky.Compute(provider=sky.VastAI(ttl=10), nodes=2, options=options).open()
+
+        def vast_left() -> list[str]:
+            return [f"instance {i.id}" for i in vast.live()] + list(vast.overlays)
+
+        yield Kit(sky.VastAI, vast_refused, vast_left, ends_later=True)
     else:
         if os.geteuid() != 0:
             pytest.skip("the netns example provider needs root (unshare --net)")

@@ -65,10 +65,14 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Options as Options
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
+    from ._providers.fallback import Candidate as Candidate
     from ._providers.local import Local as Local
+    from ._providers.market import offers as offers
+    from ._providers.offers import Offer as Offer
     from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
+    from ._providers.vast import VastAI as VastAI
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from ._volume import Volume as Volume
@@ -104,10 +108,14 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_output": ("silent", "stderr", "stdout"),
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
+    "_providers.fallback": ("Candidate",),
     "_providers.local": ("Local",),
+    "_providers.market": ("offers",),
+    "_providers.offers": ("Offer",),
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),
+    "_providers.vast": ("VastAI",),
     "_shard": ("shard",),
     "_volume": ("Volume",),
     "_worker": ("Worker",),

@@ -15,7 +15,9 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── SerializationError (TypeError)      a function/argument/result cannot be pickled
     ├── PoolClosedError (RuntimeError)      the pool is not running
     ├── ProvisionError                      the provider could not start or reach a node
-    │                                       (``cause``: a ProvisionCause)
+    │   │                                   (``cause``: a ProvisionCause)
+    │   └── VastApiError                    _providers/vast/api.py: a Vast API call failed
+    │                                       (``status``, Vast's ``error`` code)
     ├── RemoteError                         user exception whose type is not importable here
     ├── TaskTimeoutError (TimeoutError)     a call ran longer than its ``timeout``
     ├── WorkerDiedError                     the process running a call died under it
@@ -30,7 +32,8 @@ their original type when it can be imported locally; otherwise as :class:`Remote
 
 The classes defined here are the public ones (exported by :mod:`flotilla`): they print as
 ``flotilla.WorkerDiedError`` (their ``__module__`` is ``flotilla``) and pickle by that name.
-The command line's four live in its modules and stay internal. Two lower-level exceptions
+The command line's four and the Vast provider's API error live in their modules and
+stay internal. Two lower-level exceptions
 never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
 agent reports it, and the client raises ProvisionError) and
 ``_providers.bootstrap.NoAnswer`` (a remote start command ended without answering; the
@@ -117,6 +120,9 @@ class ProvisionCause(Enum):
     """The remote shell ended without answering, for no reason it stated."""
     TIMEOUT = "timeout"
     """The agent did not start within the pool's start timeout."""
+    CAPACITY = "capacity"
+    """The provider has nothing that fits the request now (no offer, no capacity, or
+    only above ``max_hourly_cost``): nothing was provisioned; another provider may have."""
 
 
 @_public

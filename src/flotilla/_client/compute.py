@@ -40,7 +40,7 @@ from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .outcome import results
 from .renew import Renewals
-from .skyward_settings import apply_skyward_settings, worker_of
+from .skyward_settings import with_pool_settings, worker_of
 from .store import Store, encode_answer
 from .stream import Stream, yields
 
@@ -71,7 +71,8 @@ class Compute(PoolCollections, Pool):
     """A pool of nodes. Use it as a context manager; leaving the block stops everything.
 
     Args:
-        provider: where the nodes run; None means ``flotilla.Local()`` (local processes).
+        provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
+            a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1), or an elastic pool: ``(desired, max)`` or
             :class:`flotilla.Nodes` ``(desired, min=..., max=...)`` (see ``elastic.py``;
             local and SSH providers).
@@ -92,10 +93,16 @@ class Compute(PoolCollections, Pool):
             last word), SLURM ``time`` (the job's time limit). Local and SSH nodes already
             end with their client.
         allocation: Skyward's ``"spot"``, ``"on-demand"`` or ``"spot-if-available"``: the
-            provider's ``allocation`` setting (AWS); providers that rent nothing (local,
-            SSH, SLURM) accept any of them.
+            provider's ``allocation`` setting (AWS; every candidate's with a list of
+            providers); providers that rent nothing (local, SSH, SLURM) accept any of them.
+            With a list of providers (``provider=[VastAI(), AWS(...)]``, tried in turn until
+            one starts the pool) also ``"ordered"`` (the default: in the order given) or
+            ``"cheapest"`` (cheapest first, by their offers).
         worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
             one).
+        max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
+            provider that knows its prices (Vast, AWS when priced) refuses offers above it
+            before renting.
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -104,7 +111,7 @@ class Compute(PoolCollections, Pool):
 
     def __init__(
         self,
-        provider: Provider | None = None,
+        provider: Provider | Sequence[Provider] | None = None,
         nodes: int | tuple[int, int] | Nodes = 1,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
@@ -116,18 +123,15 @@ class Compute(PoolCollections, Pool):
         ttl: float | None = None,
         allocation: str | None = None,
         worker: Worker | None = None,
+        *,
+        max_hourly_cost: float | None = None,
     ) -> None:
         size = Nodes.of(nodes)
         if provider is None:
             from .._providers.local import Local
 
             provider = Local()
-        if not isinstance(provider, Provider):
-            raise ConfigurationError(
-                "provider must be a flotilla provider such as flotilla.Local(), "
-                f"got {type(provider).__name__}"
-            )
-        provider = apply_skyward_settings(provider, ttl, allocation)
+        provider = with_pool_settings(provider, ttl, allocation)
         self.ttl = ttl
         self.allocation = allocation
         if options is None:
@@ -152,6 +156,9 @@ class Compute(PoolCollections, Pool):
 
         self.volumes = check_volumes(volumes, size.most if isinstance(provider, Local) else 1)
         self._volume_spec: dict[str, Any] | None = None
+        self.max_hourly_cost = _resource(
+            "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
+        )
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
         per_accelerator = self.accelerator.count if self.accelerator is not None else 1
@@ -277,6 +284,7 @@ class Compute(PoolCollections, Pool):
             vcpus=self.vcpus,
             memory_gb=self.memory_gb,
             max_nodes=self.size.most if self.size.elastic else 0,
+            max_hourly_cost=self.max_hourly_cost,
         )
 
     def open(self) -> Compute:
@@ -362,6 +370,15 @@ class Compute(PoolCollections, Pool):
             await self._start_elastic(spec, self._elastic)
             return
         self._allocation, procs = await self.provider.start(spec)
+        chosen = getattr(self.provider, "chosen", None)
+        if isinstance(chosen, Provider):  # a fallback's: its home and interpreter policy
+            self._bringup.home = chosen.home
+            self._bringup.python = dataclasses.replace(
+                self._bringup.python,
+                pinned=chosen.python_pinned,
+                home=str(chosen.home),
+                provider=type(chosen).__name__,
+            )
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
         self._console.begin(range(len(procs)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 from .._errors import ConfigurationError
 from .._providers.base import Options, Provider
@@ -57,3 +57,30 @@ def apply_skyward_settings(provider: Provider, ttl: object, allocation: object) 
     if not changes:
         return provider
     return type(provider).from_settings(dataclasses.replace(settings, **changes))  # type: ignore[type-var]
+
+
+def with_pool_settings(provider: Any, ttl: object, allocation: object) -> Provider:
+    """The pool's provider from ``Compute(provider=, ttl=, allocation=)``: a list of
+    providers becomes a fallback (``allocation`` ``"ordered"`` or ``"cheapest"``: the order
+    it tries them in), and Skyward's ``ttl`` and market ``allocation`` go to each one's
+    settings (:func:`apply_skyward_settings`)."""
+    from .._providers.fallback import ALLOCATIONS as ORDERS
+    from .._providers.fallback import as_provider
+
+    if allocation is not None and allocation not in (*ALLOCATIONS, *ORDERS):
+        raise ConfigurationError(
+            f"allocation={allocation!r}: use one of {', '.join(map(repr, ALLOCATIONS))} "
+            f"(the market) or, with a list of providers, {' or '.join(map(repr, ORDERS))}"
+        )
+    market = allocation if allocation in ALLOCATIONS else None
+    order = str(allocation) if allocation in ORDERS else "ordered"
+    if isinstance(provider, list | tuple):
+        provider = [apply_skyward_settings(p, ttl, market) for p in provider]
+        return cast(Provider, as_provider(provider, order))
+    provider = as_provider(provider, order)
+    if not isinstance(provider, Provider):
+        raise ConfigurationError(
+            "provider must be a flotilla provider such as flotilla.Local(), "
+            f"got {type(provider).__name__}"
+        )
+    return apply_skyward_settings(provider, ttl, market)

@@ -40,6 +40,7 @@ from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
 from .._worker import Worker
+from .offers import Offer
 
 logger = logging.getLogger("flotilla")
 
@@ -133,6 +134,8 @@ class PoolSpec:
         memory_gb: memory wanted per node in GiB, or None (the provider's default).
         max_nodes: an elastic pool's largest size (0: a pool of ``nodes`` nodes). Its
             machines are then acquired one by one (:meth:`Allocation.candidate`).
+        max_hourly_cost: the most the whole pool may cost per hour (USD), or None: a
+            provider that knows its prices refuses offers above it before renting.
     """
 
     pool_id: str
@@ -144,6 +147,7 @@ class PoolSpec:
     vcpus: float | None = None
     memory_gb: float | None = None
     max_nodes: int = 0
+    max_hourly_cost: float | None = None
 
     @property
     def most(self) -> int:
@@ -426,6 +430,12 @@ class Provider(ABC):
 
         Called before anything is provisioned.
         """
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        """What this provider offers now for one node of ``spec`` (``offers.Offer``:
+        type, count, price per node-hour, region, spot), cheapest first; None when it
+        cannot tell (the default)."""
+        return None
 
     @abstractmethod
     async def acquire(self, spec: PoolSpec) -> Allocation:

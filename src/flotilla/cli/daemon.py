@@ -79,6 +79,7 @@ class ClusterDaemon:
         self.secrets: set[str] = set()  # every job's, to redact what they print later
         self.token = secrets.token_hex(6)  # in FLOTILLA_RUN_TOKEN of every job process
         self.up = threading.Event()  # set when provisioning ended, well or not
+        self.notes: list[str] = []  # provisioning lines not told to a job yet
         self.jobs: dict[int, Job] = {}
         self.queue: deque[Job] = deque()
         self.current: Job | None = None
@@ -196,6 +197,7 @@ class ClusterDaemon:
                     mesh.disconnect(self.pool, self.workdirs, self.runner.mesh)
         if self.pool is not None:
             self.pool.close()
+            self._record_cost("down", self.pool)
         if self.server is not None:
             self.server.close()
         self._unlink_socket()
@@ -222,10 +224,36 @@ class ClusterDaemon:
             if os.stat(address).st_ino == self.socket_inode:
                 os.unlink(address)
 
+    def _provision_note(self, text: str) -> None:
+        """A line about provisioning (a fallback's candidates), for the daemon's log and
+        the console of the job that waits for the cluster."""
+        print(f"flotilla: {text}", file=sys.stderr, flush=True)
+        with self.cv:
+            self.notes.append(text)
+
+    def _record_cost(self, event: str, pool: Compute) -> None:
+        """A line of the cost ledger (``costs``): the pool is up (its provider, nodes and
+        price per hour when known) or closed."""
+        from .costs import record
+
+        provider = getattr(pool.provider, "chosen", None) or pool.provider
+        hourly = getattr(pool._allocation, "hourly", None)
+        record(
+            event,
+            self.name,
+            self.generation,
+            self.paths.home,
+            provider=getattr(provider, "name", self.spec.kind),
+            nodes=pool.nodes,
+            hourly=hourly if isinstance(hourly, int | float) and hourly else None,
+        )
+
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
+            if hasattr(provider, "report"):  # a fallback: its choices reach the first job
+                provider.report = self._provision_note
             wants = self.backend.pool_resources(self.spec)
             pool = Compute(
                 provider,
@@ -243,6 +271,7 @@ class ClusterDaemon:
                     return
             pool.open()
             self.pool = pool
+            self._record_cost("up", pool)
             shared = self.backend.shares_filesystem
             self.nodes = self._node_records()
             self.runner = Runner(
@@ -370,6 +399,10 @@ class ClusterDaemon:
                     return
                 job = self.current = self.queue.popleft()
             self.up.wait()
+            with self.cv:
+                notes, self.notes = self.notes, []
+            for note in notes:
+                job.phase(note)
             if self.runner is None:
                 why = self.error or "it is going down"
                 job.finish(

@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
 
     add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
+    from .cmd_market import add_parsers
+
+    add_parsers(sub)  # show-gpus, check, cost-report
     return p
 
 

@@ -79,6 +79,12 @@ class Resources:
         labels: labels to attach to the nodes.
         job_recovery: how a managed job (``flotilla jobs launch``) recovers; None: the
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
+        candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
+            over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
+            any of them; a list: in order): every combination, each complete. Empty:
+            these resources only. The first candidate's fields are also this object's.
+        ordered: try the candidates in order (``ordered``, an accelerator list); False:
+            cheapest first (``any_of``, an accelerator set).
     """
 
     accelerators: str | None = None
@@ -96,6 +102,8 @@ class Resources:
     disk_tier: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     job_recovery: JobRecovery | None = None
+    candidates: tuple[Resources, ...] = ()
+    ordered: bool = True
 
     @property
     def accelerator_name(self) -> str | None:
@@ -115,7 +123,9 @@ class Resources:
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name not in ("accelerators", "job_recovery") and value not in (None, (), {}):
+            if name in ("accelerators", "job_recovery", "candidates", "ordered"):
+                continue
+            if value not in (None, (), {}):
                 out[name] = value
         return out
 
@@ -481,17 +491,94 @@ class _Parser:
     def resources(self, node: yaml.Node, name: str) -> Resources:
         if self.value(node) is None:
             return Resources()
-        fields = self.mapping(node, name, _RESOURCE_FIELDS)
+        known = {**_RESOURCE_FIELDS, "any_of": _Parser.text, "ordered": _Parser.text}
+        fields = self.mapping(node, name, known)
+        if "any_of" in fields and "ordered" in fields:
+            raise self.error(
+                f"give `{name}.any_of` or `{name}.ordered`, not both", fields["ordered"][1], name
+            )
+        values = self._resource_values(fields, name)
+        base = Resources(**values)
+        sets = self._accelerator_sets(fields.get("accelerators"), f"{name}.accelerators")
+        alternatives: list[dict[str, Any]] = [{}]
+        ordered = True
+        for key in ("any_of", "ordered"):
+            if key in fields:
+                ordered = key == "ordered"
+                alternatives = self._alternatives(fields[key][1], f"{name}.{key}")
+        if sets is not None:
+            ordered = ordered and sets[1]
+        candidates: list[Resources] = []
+        for alt in alternatives:
+            one = replace(base, **alt)
+            accs = sets[0] if sets is not None and "accelerators" not in alt else ()
+            candidates.extend([replace(one, accelerators=a) for a in accs] or [one])
+        if len(candidates) == 1:
+            return candidates[0]
+        first = candidates[0]
+        return replace(first, candidates=tuple(candidates), ordered=ordered)
+
+    def _resource_values(
+        self, fields: dict[str, tuple[yaml.Node, yaml.Node]], name: str
+    ) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for key, (_key_node, value_node) in fields.items():
+            if key in ("any_of", "ordered"):
+                continue
             full = f"{name}.{key}"
+            if key == "accelerators" and self._accelerator_sets(value_node, full) is not None:
+                continue  # a set or a list: one candidate each
             checked = _RESOURCE_FIELDS[key](self, value_node, full)
             if key == "cloud":  # the old name of `infra`
                 if "infra" in fields:
                     raise self.error(f"give `{name}.infra` or `{full}`, not both", value_node, full)
                 key = "infra"
             values[key] = checked
-        return Resources(**values)
+        return values
+
+    def _accelerator_sets(self, entry: Any, name: str) -> tuple[tuple[str, ...], bool] | None:
+        """(the accelerators, ordered) of ``accelerators: {A100:8, H100:8}`` (a set: any
+        of them) or ``[A100:8, H100:8]`` (in order); None for one accelerator."""
+        node = entry[1] if isinstance(entry, tuple) else entry
+        if node is None:
+            return None
+        value = self.value(node)
+        if isinstance(value, dict) and len(value) > 1:
+            items = [f"{k}:{v}" if v is not None else str(k) for k, v in value.items()]
+            ordered = False
+        elif isinstance(value, list):
+            items = [
+                f"{next(iter(v))}:{next(iter(v.values()))}" if isinstance(v, dict) else v
+                for v in value
+            ]
+            ordered = True
+        else:
+            return None
+        out = []
+        for item in items:
+            if not isinstance(item, str):
+                raise self.error(
+                    f"`{name}`: {item!r} is not an accelerator like 'A100:8'", node, name
+                )
+            out.append(self.accelerators(self.yaml.ScalarNode("tag:yaml.org,2002:str", item), name))
+        return tuple(a for a in out if a), ordered
+
+    def _alternatives(self, node: yaml.Node, name: str) -> list[dict[str, Any]]:
+        """The mappings of ``any_of``/``ordered``: each checked as resources are."""
+        if not isinstance(node, self.yaml.SequenceNode) or not node.value:
+            raise self.error(f"`{name}` must be a list of resources mappings", node, name)
+        out = []
+        for i, item in enumerate(node.value):
+            full = f"{name}[{i}]"
+            fields = self.mapping(item, full, _RESOURCE_FIELDS)
+            if "job_recovery" in fields:
+                raise self.error(f"`{full}.job_recovery`: give it once, outside", item, full)
+            if self._accelerator_sets(fields.get("accelerators"), full) is not None:
+                raise self.error(
+                    f"`{full}.accelerators`: one accelerator per candidate", item, full
+                )
+            out.append(self._resource_values(fields, full))
+        return out
 
     def accelerators(self, node: yaml.Node, name: str) -> str | None:
         value = self.value(node)

@@ -79,6 +79,8 @@ class AWSAllocation(ShellAllocation):
         self._client = client_id()
         self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
+        self.hourly = 0.0
+        """What the pool costs per hour when its price is known (0: unknown)."""
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
         with open(os.path.join(self.folder, "client"), "w") as f:
@@ -139,6 +141,16 @@ class AWSAllocation(ShellAllocation):
         )
         market = "spot" if spot else "on-demand"
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
+        known = [p for p in (spot_cost if spot else None, on_demand_cost) if p is not None]
+        self.hourly = min(known) * spec.nodes if known else 0.0
+        limit = spec.max_hourly_cost
+        if limit is not None and known and min(known) * spec.nodes > limit:
+            raise ProvisionError(
+                f"AWS {self.api.region}: {spec.nodes} x {choice.instance_type} costs "
+                f"${min(known) * spec.nodes:.2f}/h, above max_hourly_cost=${limit:.2f}/h: "
+                "nothing was launched",
+                cause=ProvisionCause.CAPACITY,
+            )
         acc = spec.accelerator
         more = (
             f"; it has {choice.gpus} x {choice.gpu_name}, more than the {acc.count} asked: no "
@@ -333,7 +345,8 @@ class AWSAllocation(ShellAllocation):
         }[markets[-1]]
         raise ProvisionError(
             f"no capacity for {count} x {self.choice.instance_type} in {self.api.region} "
-            f"({'; '.join(failures)}): {how}, or try again later"
+            f"({'; '.join(failures)}): {how}, or try again later",
+            cause=ProvisionCause.CAPACITY,
         )
 
     def _launch_params(self, count: int, market: str, zone: str, data: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
+from ..offers import Offer
 from .api import Api
 from .orphans import Orphans, remove_orphans, sweep
 from .pool import AWSAllocation
@@ -127,6 +128,53 @@ class AWS(Provider):
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
         if spec.memory_gb is not None and spec.memory_gb <= 0:
             raise ConfigurationError(f"memory_gb={spec.memory_gb!r}: a positive number")
+
+    def offers(self, spec: PoolSpec) -> list[Offer]:
+        """The instance type the pool would run on, on-demand and (if it has spot) spot,
+        priced when the Price List API and spot price history answer."""
+        from .choice import choose
+        from .price import on_demand_price, spot_price
+
+        self.api.check()
+        try:
+            choice = choose(
+                self.api,
+                self.settings.instance_type,
+                spec.accelerator,
+                spec.vcpus,
+                spec.memory_gb,
+                self.settings.allocation == "spot",
+                None,
+            )
+        except ConfigurationError:
+            return []
+        gpu = choice.gpu_name or None
+        found = []
+        if self.settings.allocation != "spot":
+            found.append(
+                Offer(
+                    "aws",
+                    gpu,
+                    choice.gpus,
+                    on_demand_price(self.api, choice.instance_type),
+                    self.api.region,
+                    False,
+                    choice.instance_type,
+                )
+            )
+        if choice.spot and self.settings.allocation != "on-demand":
+            found.append(
+                Offer(
+                    "aws",
+                    gpu,
+                    choice.gpus,
+                    spot_price(self.api, choice.instance_type, choice.zones),
+                    self.api.region,
+                    True,
+                    choice.instance_type,
+                )
+            )
+        return found
 
     async def acquire(self, spec: PoolSpec) -> AWSAllocation:
         """Launch the pool's instances (see the module docstring); on failure or

@@ -238,6 +238,21 @@ class AWSBackend(Backend[AWSSpec]):
             lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
         return lines
 
+    def market_provider(self) -> Provider:
+        from ..._providers.aws import AWS
+
+        return AWS()
+
+    def check(self) -> str:
+        from ..._providers.aws import AWS
+
+        aws = AWS()
+        aws.api.check()
+        aws.api.call(
+            "ec2", "describe_regions", "check the credentials", RegionNames=[aws.api.region]
+        )
+        return f"credentials accepted in {aws.api.region}"
+
     def shell(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:

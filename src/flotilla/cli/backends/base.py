@@ -350,6 +350,17 @@ class Backend(ABC, Generic[S]):
         client)."""
         return [f"the {self.kind} provider leaves nothing behind when its client dies"]
 
+    # -- show-gpus, check ---------------------------------------------------------------
+    def market_provider(self) -> Provider | None:
+        """A provider with this machine's defaults whose offers ``flotilla show-gpus``
+        lists (None: this kind has no offers: its machines already exist)."""
+        return None
+
+    def check(self) -> str:
+        """``flotilla check``: whether this provider can be used from here (a line saying
+        so); a FlotillaError or OSError saying why not."""
+        return "nothing to configure"
+
     # -- flotilla ssh -------------------------------------------------------------------
     @abstractmethod
     def shell(

@@ -114,6 +114,13 @@ class SlurmBackend(Backend[SlurmSpec]):
             **dict(spec.settings),
         )
 
+    def check(self) -> str:
+        import shutil
+
+        if shutil.which("sbatch") is None:
+            raise ConfigurationError("sbatch is not on PATH (no SLURM client here)")
+        return "sbatch found"
+
     def shell(
         self, paths: Paths, spec: SlurmSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:

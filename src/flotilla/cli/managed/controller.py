@@ -112,6 +112,8 @@ class Controller:
         self.provider = registry.spec_from_dict(rec.provider)
         self.backend = registry.backend_for(self.provider)
         self.policy = RecoveryPolicy(JobRecovery.from_dict(rec.recovery))
+        self.last_candidate: int | None = None
+        """Where a fallback cluster last ran (its candidate's position, as given)."""
         self.cluster = f"{rec.name}-{job_id}"
         self.task_id = rec.task_id or task_id(self.cluster, job_id, rec.submitted)
         self.token = secrets.token_hex(6)
@@ -283,6 +285,13 @@ class Controller:
         """Start the job's cluster and its Runner."""
         started = time.monotonic()
         provider = self.backend.make_provider(self.provider, self.home.nodes(self.id))
+        from ..._providers.fallback import Fallback
+
+        last = self.last_candidate
+        if last is not None and isinstance(provider, Fallback):
+            # a fallback's relaunch (EAGER_NEXT_REGION): the next candidate first
+            provider.next_after(last)
+            self.note(f"recovering on the candidate after {provider.candidates[-1]!r} first")
         volumes = [Volume(**v) for v in self.record.volumes]
         pool = Compute(
             provider, nodes=self.record.num_nodes, options=self._options(), volumes=volumes
@@ -293,6 +302,11 @@ class Controller:
         if self.cancelled.is_set():
             raise FlotillaError("cancelled")
         pool.open()
+        chosen = provider.chosen_index if isinstance(provider, Fallback) else None
+        if isinstance(provider, Fallback) and chosen is not None:  # as given
+            self.last_candidate = (chosen + (last + 1 if last is not None else 0)) % len(
+                provider.candidates
+            )
         self._attach(pool)
         self.note(
             f"cluster {self.cluster}: {self.record.num_nodes} {self.provider.kind} node(s) up "

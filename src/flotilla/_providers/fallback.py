@@ -1,0 +1,256 @@
+"""Fallback across providers: a pool that tries several places in turn.
+
+``Compute(provider=[VastAI(), AWS(region="us-east-1"), Slurm(...)])`` makes a
+:class:`Fallback` of them. It tries the candidates in order (``allocation="ordered"``), or
+cheapest first (``allocation="cheapest"``: by each candidate's offers, see
+:meth:`Provider.offers`; candidates that cannot tell their price come last, in order).
+A candidate that refuses the request (a ConfigurationError from ``validate``) or cannot
+provide it (a ProvisionError: no offer, no capacity, above ``max_hourly_cost``, nodes that
+do not start) is skipped, and the console says which one failed and why; the first that
+starts the pool is used, and the console says which it is and its price. Everything a
+failed candidate got was released by that candidate before the next one is tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigurationError, ProvisionCause, ProvisionError
+from .base import AgentProcess, Allocation, PoolSpec, Provider
+from .offers import Offer, describe_cost
+
+if TYPE_CHECKING:
+    from .._accelerators import Accelerator
+
+ALLOCATIONS = ("ordered", "cheapest")
+
+
+class Fallback(Provider):
+    """Several providers for one pool, tried in turn (see the module docstring).
+
+    Attributes:
+        candidates: the providers, in the order given.
+        allocation: ``"ordered"`` or ``"cheapest"``.
+        chosen: the candidate that started the pool (None before).
+        failures: (candidate, why) for every candidate that failed, in order.
+    """
+
+    name = "fallback"
+
+    def __init__(self, candidates: Sequence[Provider], allocation: str = "ordered") -> None:
+        if allocation not in ALLOCATIONS:
+            raise ConfigurationError(
+                f"allocation={allocation!r}: use {' or '.join(map(repr, ALLOCATIONS))}"
+            )
+        if not candidates:
+            raise ConfigurationError("provider=[]: give at least one provider")
+        for c in candidates:
+            if not isinstance(c, Provider):
+                raise ConfigurationError(
+                    f"provider=[...]: every candidate must be a flotilla provider, got "
+                    f"{type(c).__name__}"
+                )
+        self.candidates = list(candidates)
+        self.allocation = allocation
+        first = self.candidates[0]
+        self.home = first.home
+        self.shares_filesystem = all(c.shares_filesystem for c in self.candidates)
+        self.python_pinned = first.python_pinned
+        self.chosen: Provider | None = None
+        self.failures: list[tuple[Provider, str]] = []
+        self._valid: list[Provider] = []
+        self.report: Callable[[str], None] = _show
+        """Where the candidates' failures and the choice are told (default: stderr)."""
+
+    def __repr__(self) -> str:
+        return f"Fallback({self.candidates!r}, allocation={self.allocation!r})"
+
+    @property
+    def chosen_index(self) -> int | None:
+        """The position in :attr:`candidates` of the one that started the pool (None
+        before)."""
+        for i, c in enumerate(self.candidates):
+            if c is self.chosen:
+                return i
+        return None
+
+    def next_after(self, index: int) -> None:
+        """Try the candidate after ``index`` first, and ``index`` last (a managed job's
+        recovery, SkyPilot's EAGER_NEXT_REGION: where the job was lost is short of
+        machines); in order from there."""
+        n = len(self.candidates)
+        start = (index + 1) % n
+        self.candidates = self.candidates[start:] + self.candidates[:start]
+        self.allocation = "ordered"
+
+    def validate(self, spec: PoolSpec) -> None:
+        """Keep the candidates that accept the request; a ConfigurationError listing every
+        refusal when none does."""
+        self._valid, refused = [], []
+        for c in self.candidates:
+            try:
+                c.validate(spec)
+            except ConfigurationError as e:
+                refused.append(f"{c!r}: {e}")
+                self.failures.append((c, str(e)))
+                self.report(f"candidate {c!r} refused the request: {e}")
+                continue
+            self._valid.append(c)
+        if not self._valid:
+            raise ConfigurationError("no provider accepts the request:\n  " + "\n  ".join(refused))
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        found: list[Offer] = []
+        known = False
+        for c in self.candidates:
+            try:
+                mine = c.offers(spec)
+            except Exception:
+                continue
+            if mine is not None:
+                known = True
+                found.extend(mine)
+        return sorted(found, key=_price) if known else None
+
+    def order(self, spec: PoolSpec) -> list[tuple[Provider, float | None]]:
+        """The candidates to try, in turn, each with the cheapest price it offers for the
+        pool per hour (None: unknown)."""
+        ranked = []
+        for index, c in enumerate(self._valid or self.candidates):
+            cost: float | None = None
+            if self.allocation == "cheapest" or spec.max_hourly_cost is not None:
+                try:
+                    offers = c.offers(spec)
+                except Exception:
+                    offers = None
+                prices = [o.pool_cost(spec.nodes) for o in offers or []]
+                known = [p for p in prices if p is not None]
+                cost = min(known) if known else None
+            ranked.append((index, c, cost))
+        if self.allocation == "cheapest":
+            ranked.sort(key=lambda r: (r[2] is None, r[2] or 0.0, r[0]))
+        return [(c, cost) for _, c, cost in ranked]
+
+    async def start(self, spec: PoolSpec) -> tuple[Allocation, list[AgentProcess]]:
+        loop = asyncio.get_running_loop()
+        order = await loop.run_in_executor(None, self.order, spec)
+        tried: list[str] = []
+        for c, cost in order:
+            try:
+                allocation, agents = await c.start(spec)
+            except (ProvisionError, ConfigurationError) as e:
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failures.append((c, why))
+                tried.append(f"{c!r}: {why}")
+                self.report(f"candidate {c!r} failed: {why}")
+                continue
+            self.chosen = c
+            self.home = c.home
+            self.python_pinned = c.python_pinned
+            hourly = getattr(allocation, "hourly", None)
+            price = hourly if isinstance(hourly, int | float) and hourly else cost
+            self.report(f"chose {c!r} for {spec.nodes} node(s), {describe_cost(price)}")
+            return allocation, agents
+        raise ProvisionError(
+            "no provider could start the pool:\n  " + "\n  ".join(tried),
+            cause=ProvisionCause.CAPACITY,
+        )
+
+    async def acquire(self, spec: PoolSpec) -> Allocation:
+        raise ProvisionError("Fallback starts pools through start()")  # never called
+
+
+class Candidate(Provider):
+    """A provider with its own per-node resources, as one candidate of a fallback list
+    (Skyward's ``Spec``): ``Candidate(VastAI(), accelerator="H100:8")`` asks Vast for H100s
+    whatever the pool's ``accelerator`` says. Fields left None are the pool's.
+
+    Attributes:
+        provider: the provider.
+        accelerator: accelerators per node ("A100:8"), or None for the pool's.
+        vcpus: CPUs per node, or None for the pool's.
+        memory_gb: memory per node in GiB, or None for the pool's.
+    """
+
+    def __init__(
+        self,
+        provider: Provider,
+        accelerator: str | Accelerator | None = None,
+        vcpus: float | None = None,
+        memory_gb: float | None = None,
+    ) -> None:
+        from .._accelerators import parse_accelerator
+
+        if not isinstance(provider, Provider):
+            raise ConfigurationError(
+                "Candidate(provider=...) must be a flotilla provider, got "
+                f"{type(provider).__name__}"
+            )
+        self.provider = provider
+        self.accelerator = parse_accelerator(accelerator)
+        self.vcpus = vcpus
+        self.memory_gb = memory_gb
+        self.name = provider.name
+        self.home = provider.home
+        self.shares_filesystem = provider.shares_filesystem
+        self.python_pinned = provider.python_pinned
+
+    def __repr__(self) -> str:
+        wants = [
+            f"{k}={v}"
+            for k, v in (
+                ("accelerator", self.accelerator),
+                ("vcpus", self.vcpus),
+                ("memory_gb", self.memory_gb),
+            )
+            if v is not None
+        ]
+        return f"{self.provider!r}" + (f" [{', '.join(wants)}]" if wants else "")
+
+    def spec(self, spec: PoolSpec) -> PoolSpec:
+        """``spec`` with this candidate's resources."""
+        return dataclasses.replace(
+            spec,
+            accelerator=self.accelerator or spec.accelerator,
+            vcpus=self.vcpus if self.vcpus is not None else spec.vcpus,
+            memory_gb=self.memory_gb if self.memory_gb is not None else spec.memory_gb,
+        )
+
+    @property
+    def settings(self) -> Any:
+        return getattr(self.provider, "settings", None)
+
+    def validate(self, spec: PoolSpec) -> None:
+        self.provider.validate(self.spec(spec))
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        return self.provider.offers(self.spec(spec))
+
+    async def start(self, spec: PoolSpec) -> tuple[Allocation, list[AgentProcess]]:
+        return await self.provider.start(self.spec(spec))
+
+    async def acquire(self, spec: PoolSpec) -> Allocation:
+        return await self.provider.acquire(self.spec(spec))
+
+
+def _price(offer: Offer) -> tuple[bool, float]:
+    return (offer.hourly is None, offer.hourly or 0.0)
+
+
+def _show(message: str) -> None:
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)
+
+
+def as_provider(provider: Any, allocation: str) -> Any:
+    """``provider`` as one provider: a list or tuple becomes a :class:`Fallback`."""
+    if isinstance(provider, list | tuple):
+        return Fallback(provider, allocation)
+    if allocation not in ALLOCATIONS:
+        raise ConfigurationError(
+            f"allocation={allocation!r}: use {' or '.join(map(repr, ALLOCATIONS))}"
+        )
+    return provider

@@ -1,0 +1,502 @@
+"""The Vast instances of one pool: rent, reach, replace, destroy (see ``provider``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..._errors import ProvisionCause, ProvisionError
+from ..._node.cloud import ENV as CLOUD_ENV
+from ..aws.agent import RETRIED, wait_port
+from ..aws.keys import KeyPair, keygen, pin
+from ..aws.orphans import client_id
+from ..base import AgentProcess, AllocationState, Machine, PoolSpec
+from ..launch import ShellAllocation, start_remote_agent
+from ..ssh_shell import SSHShell, Target
+from .api import VastApi, VastApiError
+from .choice import Choice, choose, describe, query
+from .onstart import contact, onstart_script, poweroff_command
+from .settings import VastSettings
+
+logger = logging.getLogger("flotilla.vast")
+
+FOLDER_PREFIX = "flotilla-vast-"
+LABEL_PREFIX = "flotilla:"
+"""Instances are labelled ``flotilla:{pool id}:{client host:pid:start}``."""
+RUNTYPE = "ssh_direc ssh_proxy"
+"""SSH launch mode, direct connections (``get_runtype``, vast.py 1456-1475)."""
+POLL = 0.2
+_T = TypeVar("_T")
+_executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="flotilla-vast")
+
+
+def label(pool_id: str, client: str) -> str:
+    return f"{LABEL_PREFIX}{pool_id}:{client}"
+
+
+def parse_label(text: str) -> tuple[str, str] | None:
+    """(pool id, client) of a flotilla label; None for another label."""
+    if not text.startswith(LABEL_PREFIX):
+        return None
+    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
+    return (pool, client) if pool else None
+
+
+class VastAllocation(ShellAllocation):
+    """The Vast instances of one pool.
+
+    Attributes:
+        choice: the offers rented (one per node) and their cluster.
+        instances: instance id -> its last description, for every instance rented.
+        overlay: the pool's overlay network's name ("" for none).
+        subnet: the overlay's internal subnet.
+        hourly: what the pool's instances cost per hour, as offered.
+    """
+
+    def __init__(self, settings: VastSettings, api: VastApi, spec: PoolSpec, url: str) -> None:
+        super().__init__(spec, [])
+        self.state = AllocationState.ACQUIRING
+        self.settings = settings
+        self.api = api
+        self.url = url
+        self.choice: Choice | None = None
+        self.instances: dict[int, dict[str, Any]] = {}
+        self.overlay = ""
+        self.subnet = ""
+        self.hourly = 0.0
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
+        self.known_hosts = os.path.join(self.folder, "known_hosts")
+        self.login_key: KeyPair | None = None
+        self.label = label(spec.pool_id, client_id())
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
+        self._busy: set[concurrent.futures.Future[Any]] = set()
+        self._launches = 0
+        self._targets: dict[str, Target] = {}
+        self.ssh = SSHShell(
+            lambda machine: self._targets[machine.ident],
+            key=None,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        self.shell = self.ssh
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        fut = _executor.submit(fn, *args)
+        self._busy.add(fut)
+        fut.add_done_callback(self._busy.discard)
+        return await asyncio.wrap_future(fut)
+
+    # -- launch ------------------------------------------------------------------------
+    async def launch(self) -> None:
+        spec = self.spec
+        offers, login_key = await asyncio.gather(
+            self._in_thread(self.search),
+            self._in_thread(keygen, self.folder, "login_key", f"flotilla-{spec.pool_id}"),
+        )
+        self.login_key = login_key
+        self.ssh.key = login_key.path
+        self.choice = choice = choose(offers, spec, self.settings, spec.max_hourly_cost)
+        self.hourly = choice.hourly
+        gpus = {str(o.get("gpu_name")) for o in choice.offers}
+        where = f"cluster {choice.cluster_id}" if choice.cluster_id is not None else "any machines"
+        _show(
+            f"Vast: {spec.nodes} x {describe(spec, self.settings)} -> {', '.join(sorted(gpus))} "
+            f"on {where}, ${choice.hourly:.2f}/h for the pool (offers "
+            f"{', '.join(str(o['id']) for o in choice.offers)})"
+        )
+        if choice.cluster_id is not None:
+            self.overlay = f"flotilla-{spec.pool_id}"
+            await self._in_thread(
+                self.api.call,
+                "POST",
+                "/overlay/",
+                "create the pool's overlay network",
+                {"cluster_id": choice.cluster_id, "name": self.overlay},
+            )
+        ids = await self._rent(list(choice.offers))
+        self.machines = [
+            Machine(rank, f"vast-{i}", str(self.instances[i].get("public_ipaddr", "")), str(i))
+            for rank, i in enumerate(ids)
+        ]
+        self.state = AllocationState.READY
+
+    def search(self) -> list[dict[str, Any]]:
+        """The offers that fit one node of the pool, cheapest first (``/bundles/``)."""
+        reply = self.api.call("POST", "/bundles/", "search offers", query(self.spec, self.settings))
+        return list(reply.get("offers", []))
+
+    async def _rent(self, offers: list[dict[str, Any]]) -> list[int]:
+        """Rent ``offers`` (one instance each, at once), attach the login key, join the
+        overlay, wait until every one runs with its SSH port mapped; their ids in order."""
+        assert self.login_key is not None
+        self._launches += 1
+        host_key = await self._in_thread(
+            keygen, self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
+        )
+        script = onstart_script(
+            self.spec.pool_id,
+            host_key,
+            self.url,
+            self.settings.workdir,
+            self.settings.ttl,
+            self.spec.options.start_timeout,
+        )
+        results = await asyncio.gather(
+            *(self._in_thread(self._rent_one, o, script) for o in offers), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        ids = [r for r in results if isinstance(r, int)]
+        if self.overlay:
+            reply = await self._in_thread(
+                self.api.call, "GET", "/overlay/", "look up the pool's overlay network"
+            )
+            for o in reply if isinstance(reply, list) else []:
+                if o.get("name") == self.overlay:
+                    self.subnet = str(o.get("internal_subnet") or "")
+        await self._in_thread(self._wait_running, ids)
+        for i in ids:
+            target = self._target(i)
+            self._targets[str(i)] = target
+            pin(self.known_hosts, f"[{target.host}]:{target.port}", host_key)
+        return ids
+
+    def _remember(self, machine: Machine) -> None:
+        """Record where ``machine`` (by the address peers know) is reached over SSH, for
+        ``flotilla ssh`` (:func:`ssh_login`)."""
+        target = self._targets[machine.ident]
+        with open(os.path.join(self.folder, "addresses"), "a") as f:
+            f.write(f"{machine.address} {target.host} {target.port}\n")
+
+    def _rent_one(self, offer: dict[str, Any], script: str) -> int:
+        body: dict[str, Any] = {
+            "client_id": "me",
+            "image": self.settings.image,
+            "env": {},
+            "price": None,
+            "disk": self.settings.disk_gb,
+            "label": self.label,
+            "extra": None,
+            "onstart": script,
+            "image_login": None,
+            "python_utf8": False,
+            "lang_utf8": False,
+            "use_jupyter_lab": False,
+            "jupyter_dir": None,
+            "force": False,
+            "cancel_unavail": True,
+            "template_hash_id": None,
+            "runtype": RUNTYPE,
+        }
+        try:
+            reply = self.api.call("PUT", f"/asks/{offer['id']}/", f"rent offer {offer['id']}", body)
+        except VastApiError as e:
+            if e.error in ("no_such_ask", "unavailable") or e.status in (400, 404, 410):
+                raise ProvisionError(
+                    f"Vast: offer {offer['id']} (machine {offer.get('machine_id')}) was taken "
+                    f"before it could be rented: {e}; try again",
+                    cause=ProvisionCause.CAPACITY,
+                ) from None
+            raise
+        ident = int(reply["new_contract"])
+        self.instances[ident] = {"id": ident, "machine_id": offer.get("machine_id")}
+        assert self.login_key is not None
+        self.api.call(
+            "POST",
+            f"/instances/{ident}/ssh/",
+            f"attach the pool's SSH key to instance {ident}",
+            {"ssh_key": self.login_key.public},
+        )
+        if self.overlay:
+            self.api.call(
+                "PUT",
+                "/overlay/",
+                f"join instance {ident} to the overlay network",
+                {"name": self.overlay, "instance_id": ident},
+            )
+        return ident
+
+    def _wait_running(self, ids: list[int]) -> None:
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        waiting = set(ids)
+        while True:
+            rows = self.api.call("GET", "/instances", "list the pool's instances", owner="me")
+            for row in rows.get("instances", []):
+                ident = int(row.get("id", 0))
+                if ident in self.instances:
+                    self.instances[ident] = row
+                if ident in waiting and row.get("actual_status") == "running" and self._port(row):
+                    waiting.discard(ident)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                states = ", ".join(
+                    f"{i}: {self.instances.get(i, {}).get('actual_status', 'unknown')}"
+                    for i in sorted(waiting)
+                )
+                raise ProvisionError(
+                    f"Vast instances not running within {self.spec.options.start_timeout:g} s "
+                    f"({states}); Options(start_timeout=...) sets the limit",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            time.sleep(POLL)
+
+    @staticmethod
+    def _port(row: dict[str, Any]) -> int:
+        """The public port mapped to the instance's port 22 (``ssh_url``, vast.py
+        3346-3352), 0 when not mapped yet."""
+        mapped = (row.get("ports") or {}).get("22/tcp") or []
+        with contextlib.suppress(KeyError, IndexError, TypeError, ValueError):
+            return int(mapped[0]["HostPort"])
+        return 0
+
+    def _target(self, ident: int) -> Target:
+        row = self.instances[ident]
+        return Target(str(row["public_ipaddr"]), "root", self._port(row))
+
+    # -- agents ------------------------------------------------------------------------
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
+        key (retried as on a booting instance until the start timeout) while learning the
+        instance's overlay address (a cluster pool), which becomes the agent's address."""
+        target = self._targets[machine.ident]
+        timeout = self.spec.options.start_timeout
+        deadline = time.monotonic() + timeout
+        name = f"vast-{machine.ident} ({target.host}:{target.port})"
+        await wait_port(target.host, target.port, deadline, name, timeout)
+        if not self.subnet:
+            self._remember(machine)
+            return await self._start(machine, name, deadline)
+        probe = asyncio.create_task(self._overlay_address(machine, target, deadline))
+        start = asyncio.create_task(self._start(machine, name, deadline))
+        try:
+            addr, agent = await asyncio.gather(probe, start)
+        except BaseException:
+            for t in (probe, start):
+                t.cancel()
+            done = await asyncio.gather(probe, start, return_exceptions=True)
+            if isinstance(done[1], AgentProcess):
+                await done[1].terminate()
+            raise
+        machine = dataclasses.replace(machine, address=addr)
+        for rank, m in enumerate(self.machines):
+            if m.ident == machine.ident:
+                self._machines[rank] = machine
+        agent.address = addr
+        self._remember(machine)
+        return agent
+
+    async def _start(self, machine: Machine, name: str, deadline: float) -> AgentProcess:
+        while True:
+            try:
+                return await start_remote_agent(
+                    self.shell,
+                    machine,
+                    python=self.python,
+                    workdir=self.workdir,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    env=self.agent_env(machine),
+                )
+            except ProvisionError as e:
+                if e.cause is ProvisionCause.IDENTITY:
+                    raise ProvisionError(
+                        f"{name}: REFUSED: the instance does not present the SSH host key "
+                        "flotilla generated for it and installed through its on-start script "
+                        f"(the connection may be intercepted): {e}",
+                        cause=e.cause,
+                    ) from None
+                if e.cause not in RETRIED or time.monotonic() > deadline:
+                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
+                await asyncio.sleep(0.2)
+
+    async def _overlay_address(self, machine: Machine, target: Target, deadline: float) -> str:
+        """The instance's address in the overlay's subnet (asked over SSH)."""
+        net = ipaddress.ip_network(self.subnet, strict=False)
+        argv = self.ssh.ssh_argv(target, "hostname -I 2>/dev/null || ip -o -4 addr show")
+        said = ""
+        while True:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await proc.communicate()
+            said = err.decode(errors="replace").strip()
+            for word in out.decode(errors="replace").replace("/", " ").split():
+                with contextlib.suppress(ValueError):
+                    if ipaddress.ip_address(word) in net:
+                        return word
+            if "REMOTE HOST IDENTIFICATION" in said or "Host key verification failed" in said:
+                raise ProvisionError(
+                    f"vast-{machine.ident}: REFUSED: the instance does not present the SSH "
+                    f"host key flotilla generated for it ({said.splitlines()[-1]})",
+                    cause=ProvisionCause.IDENTITY,
+                )
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"vast-{machine.ident}: no address in the overlay network {self.overlay} "
+                    f"({self.subnet}){': ' + said if said else ''}",
+                    cause=ProvisionCause.NODE,
+                )
+            await asyncio.sleep(0.2)
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the watchdog destroys the instance ``ttl`` s after the
+        client's last contact (see ``onstart``)."""
+        settings = {
+            "contact": contact(self.settings.workdir, machine.ident),
+            "ttl": self.settings.ttl,
+            "poweroff": poweroff_command(self.settings.workdir, machine.ident),
+            "imds": "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
+
+    # -- replace -----------------------------------------------------------------------
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """Rent one new instance for ``rank`` (in the pool's cluster, joined to its
+        overlay) and destroy the old one."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(
+                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
+            )
+        old = self.machines[rank]
+        offers = await self._in_thread(self.search)
+        taken = {self.instances[int(m.ident)].get("machine_id") for m in self.machines}
+        offers = [
+            o
+            for o in offers
+            if o.get("machine_id") not in taken
+            and (
+                self.choice is None
+                or self.choice.cluster_id is None
+                or o.get("cluster_id") == self.choice.cluster_id
+            )
+        ]
+        if not offers:
+            raise ProvisionError(
+                f"node {rank}: {reason}; Vast has no offer left to replace it with"
+                + (
+                    f" in cluster {self.choice.cluster_id}"
+                    if self.choice and self.choice.cluster_id is not None
+                    else ""
+                ),
+                cause=ProvisionCause.CAPACITY,
+            )
+        (ident,) = await self._rent(offers[:1])
+        self.hourly += float(offers[0].get("dph_total") or 0) - float(
+            self.instances[int(old.ident)].get("dph_total") or 0
+        )
+        machine = Machine(
+            rank, f"vast-{ident}", str(self.instances[ident].get("public_ipaddr", "")), str(ident)
+        )
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
+        try:
+            await self._in_thread(self._destroy, int(old.ident))
+        except ProvisionError as e:  # release() destroys it in any case
+            logger.warning("%s: %s", old.ident, e)
+        return machine
+
+    # -- release -----------------------------------------------------------------------
+    def _destroy(self, ident: int) -> None:
+        try:
+            self.api.call("DELETE", f"/instances/{ident}/", f"destroy instance {ident}")
+        except VastApiError as e:
+            if e.status != 404:
+                raise
+
+    async def free(self) -> None:
+        busy = list(self._busy)
+        if busy:  # an API call of a cancelled launch may still be renting
+            await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
+        try:
+            await asyncio.get_running_loop().run_in_executor(_executor, self._release)
+        except Exception as e:
+            _show(f"Vast: could not release everything of pool {self.spec.pool_id}: {e}")
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _release(self) -> None:
+        """Destroy every instance of the pool (the ones rented, and any the API lists with
+        the pool's label: a rent whose answer was lost), then its overlay network."""
+        ids = set(self.instances)
+        with contextlib.suppress(ProvisionError):
+            rows = self.api.call("GET", "/instances", "list the pool's instances", owner="me")
+            for row in rows.get("instances", []):
+                if str(row.get("label", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
+                    ids.add(int(row["id"]))
+        errors = []
+        for ident in sorted(ids):
+            try:
+                self._destroy(ident)
+            except ProvisionError as e:
+                errors.append(str(e))
+        if self.overlay:
+            try:
+                self.api.call(
+                    "DELETE",
+                    "/overlay/",
+                    "delete the pool's overlay network",
+                    {"overlay_name": self.overlay},
+                )
+            except VastApiError as e:
+                if e.status != 404:
+                    errors.append(str(e))
+        if errors:
+            raise ProvisionError("; ".join(errors))
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` arguments that log in to the running pool instance whose peers' address is
+    ``address`` as its pool does: its public address and mapped port, the pool's login key
+    and pinned host key (for ``flotilla ssh``). ConfigurationError when no live pool of
+    this user has it."""
+    import glob
+
+    from ..._errors import ConfigurationError
+
+    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
+    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
+        folder = os.path.dirname(path)
+        if os.stat(folder).st_uid != os.getuid():
+            continue
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) == 3 and words[0] == address:
+                    return [
+                        "-i",
+                        os.path.join(folder, "login_key"),
+                        "-o",
+                        "IdentitiesOnly=yes",
+                        "-o",
+                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
+                        "-o",
+                        "StrictHostKeyChecking=yes",
+                        "-p",
+                        words[2],
+                        f"root@{words[1]}",
+                    ]
+    raise ConfigurationError(
+        f"no running Vast pool of this user has an instance at {address}: is the cluster up?"
+    )
+
+
+def _show(message: str) -> None:
+    logger.info("%s", message)
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,215 @@
+"""The Vast.ai provider: GPU instances rented on Vast's marketplace for a pool and
+destroyed after it, reached over SSH with pinned host keys.
+
+Acquiring a pool (:meth:`VastAI.acquire`): search the offers that fit one node
+(``choice``: accelerator type and count, vCPUs, memory, disk, reliability, region, cheapest
+first), choose ``nodes`` machines (for a cluster pool of several nodes, all in one physical
+cluster), refuse before renting when nothing fits or the choice costs more than
+``max_hourly_cost``; create the pool's overlay network on that cluster; rent every offer at
+once (``PUT /asks/{id}/``, label ``flotilla:{pool}:{client}``, an on-start script that
+installs the pool's SSH host key and a guard, see ``onstart``), attach the pool's login key,
+join each instance to the overlay, and wait until all run with their SSH port mapped.
+
+An instance is then an SSH host at its public address and mapped port, whose host key is
+pinned (never trusted on first use); the launch layer starts the agents there. Peers and
+``head_addr`` are the overlay addresses (a cluster pool), so distributed frameworks talk
+over the overlay network.
+
+Nothing is left: :meth:`VastAllocation.release` (end of the block, an exception, Ctrl-C)
+destroys every instance of the pool (also ones a lost answer did not report, found by
+label) and deletes the overlay. A client killed with SIGKILL leaves instances that destroy
+themselves: the agent's watchdog ``ttl`` s after the client's last contact, the on-start
+guard ``max(ttl, start_timeout)`` s after the start when no agent started; both with the
+key Vast gives the instance for itself. ``flotilla down --orphans --provider vast``
+(:meth:`VastAI.remove_orphans`) destroys what a dead client on this machine left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..._errors import ConfigurationError
+from ..aws.keys import KeyPair
+from ..base import PoolSpec, Provider
+from ..offers import Offer
+from .api import VastApi, find_key, find_url
+from .choice import as_offer, query
+from .pool import VastAllocation, parse_label
+from .settings import VastSettings
+
+
+@dataclass(frozen=True)
+class VastOrphans:
+    """What :meth:`VastAI.remove_orphans` found (and destroyed unless a dry run).
+
+    Attributes:
+        pools: the orphan pools' ids.
+        instances: their instances.
+        skipped: pools whose client ran on another machine (not touched).
+    """
+
+    pools: tuple[str, ...]
+    instances: tuple[int, ...]
+    skipped: tuple[str, ...]
+
+
+class VastAI(Provider):
+    """Run the nodes on Vast.ai instances rented for the pool and destroyed after it.
+
+    Needs a Vast API key (``api_key=``, ``VAST_API_KEY`` or ``vastai set api-key``) and
+    OpenSSH's ``ssh`` and ``ssh-keygen`` on this machine. The pool's ``accelerator``,
+    ``vcpus`` and ``memory_gb`` select the offers; the cheapest that fit are rented.
+
+    Args: the fields of :class:`VastSettings` (checked when the provider is made).
+    """
+
+    name = "vast"
+    settings_type = VastSettings
+
+    def __init__(
+        self,
+        api_key: str | None = None,
+        url: str | None = None,
+        image: str = VastSettings.image,
+        disk_gb: float = VastSettings.disk_gb,
+        min_reliability: float = VastSettings.min_reliability,
+        regions: Sequence[str] = (),
+        ttl: float = VastSettings.ttl,
+        *,
+        workdir: str = VastSettings.workdir,
+        python: str | None = VastSettings.python,
+        connect_timeout: float = VastSettings.connect_timeout,
+    ) -> None:
+        self.settings = VastSettings(
+            api_key=api_key,
+            url=url,
+            image=image,
+            disk_gb=disk_gb,
+            min_reliability=min_reliability,
+            regions=regions,
+            ttl=ttl,
+            workdir=workdir,
+            python=python,
+            connect_timeout=connect_timeout,
+        )
+        self.home = workdir
+        self.python_pinned = python is not None
+        self._api: VastApi | None = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"VastAI(url={find_url(self.settings.url)!r})"
+
+    @property
+    def api(self) -> VastApi:
+        if self._api is None:
+            key, tried = find_key(self.settings.api_key)
+            if not key:
+                raise ConfigurationError(
+                    f"no Vast API key: looked in {tried}; pass VastAI(api_key=...), set "
+                    "VAST_API_KEY, or run `vastai set api-key KEY`"
+                )
+            self._api = VastApi(key, find_url(self.settings.url))
+        return self._api
+
+    def check(self) -> str:
+        """Whether the key works: a description of the account's access, or a
+        ConfigurationError/ProvisionError saying why not."""
+        api = self.api
+        rows = api.call("GET", "/instances", "list instances", owner="me")
+        return f"key accepted by {api.url} ({len(rows.get('instances', []))} instance(s))"
+
+    def validate(self, spec: PoolSpec) -> None:
+        _ = self.api  # a key, before anything else
+        from ..ssh_shell import ssh_client
+
+        ssh_client()
+        if self.settings.ttl <= spec.options.heartbeat_timeout:
+            raise ConfigurationError(
+                f"VastAI(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
+                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
+                "the instances would destroy themselves under a live pool"
+            )
+        _check_onstart(find_url(self.settings.url), self.settings, spec)
+        if spec.vcpus is not None and spec.vcpus <= 0:
+            raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
+        if spec.memory_gb is not None and spec.memory_gb <= 0:
+            raise ConfigurationError(f"memory_gb={spec.memory_gb!r}: a positive number")
+
+    def offers(self, spec: PoolSpec) -> list[Offer]:
+        """What Vast offers now for one node of ``spec``, cheapest first."""
+        reply = self.api.call("POST", "/bundles/", "search offers", query(spec, self.settings))
+        return [as_offer(o) for o in reply.get("offers", [])]
+
+    async def acquire(self, spec: PoolSpec) -> VastAllocation:
+        allocation = VastAllocation(self.settings, self.api, spec, self.api.url)
+        try:
+            await allocation.launch()
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation
+
+    def remove_orphans(self, dry_run: bool = False) -> VastOrphans:
+        """Destroy the instances (found by their label) of pools whose client process on
+        this machine is gone. Pools of clients on other machines are listed in
+        ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
+        from ..aws.orphans import client_alive
+
+        api = self.api
+        rows: list[dict[str, Any]] = api.call(
+            "GET", "/instances", "list instances", owner="me"
+        ).get("instances", [])
+        pools: set[str] = set()
+        skipped: set[str] = set()
+        gone: list[int] = []
+        for row in rows:
+            found = parse_label(str(row.get("label") or ""))
+            if found is None:
+                continue
+            pool, client = found
+            alive = client_alive(client)
+            if alive is None:
+                skipped.add(pool)
+            elif not alive:
+                pools.add(pool)
+                gone.append(int(row["id"]))
+        if not dry_run:
+            for ident in gone:
+                api.call("DELETE", f"/instances/{ident}/", f"destroy instance {ident}")
+            overlays = api.call("GET", "/overlay/", "list overlay networks")
+            for o in overlays if isinstance(overlays, list) else []:
+                if str(o.get("name", "")).removeprefix("flotilla-") in pools:
+                    api.call(
+                        "DELETE", "/overlay/", "delete an overlay", {"overlay_name": o["name"]}
+                    )
+        return VastOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
+
+
+class _SizedKey(KeyPair):
+    """A stand-in ed25519 key of the real one's size (the on-start script's length)."""
+
+    def private(self) -> str:
+        return "\n".join(
+            [
+                "-----BEGIN OPENSSH PRIVATE KEY-----",
+                *["x" * 70] * 5,
+                "x" * 20,
+                "-----END OPENSSH PRIVATE KEY-----",
+            ]
+        )
+
+
+def _check_onstart(url: str, settings: VastSettings, spec: PoolSpec) -> None:
+    """Refuse, before anything is rented, settings whose on-start script Vast would not
+    take (see ``onstart``)."""
+    from .onstart import onstart_script
+
+    key = _SizedKey("", "ssh-ed25519 " + "x" * 68 + " flotilla")
+    try:
+        onstart_script(
+            spec.pool_id, key, url, settings.workdir, settings.ttl, spec.options.start_timeout
+        )
+    except ValueError as e:  # a URL the script cannot quote
+        raise ConfigurationError(f"VastAI(url=...): {e}") from None

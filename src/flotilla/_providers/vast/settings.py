@@ -1,0 +1,76 @@
+"""The Vast.ai provider's settings: one frozen object, checked when made (before anything
+is rented), that the provider and its allocations read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..._errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class VastSettings:
+    """How the Vast.ai provider rents a pool's instances.
+
+    Attributes:
+        api_key: the account's API key (default: ``VAST_API_KEY``, else the official
+            CLI's key file, ``~/.config/vastai/vast_api_key``). Never shown.
+        url: the API's base URL (default: ``VAST_URL``, else ``https://console.vast.ai``).
+        image: the Docker image the instances run (it needs sshd, which Vast's ssh launch
+            mode provides, and Python >= 3.11 for the agent).
+        disk_gb: disk per instance in GB.
+        min_reliability: offers of machines less reliable than this (0-1) are ignored.
+        regions: two-letter country codes the machines must be in (Vast's
+            ``geolocation``); empty: anywhere.
+        ttl: seconds after the last contact from the client when an instance destroys
+            itself (through Vast's API, with the key Vast gives that instance only): the
+            bound on what a dead client costs. An instance whose agent never starts does
+            it ``max(ttl, start_timeout)`` s after its start (the guard of its on-start
+            script).
+        workdir: folder on the instances for flotilla's files.
+        python: interpreter on the instances (default: ``python3``, or one of the client's
+            minor version found there).
+        connect_timeout: seconds for one SSH connection attempt.
+    """
+
+    api_key: str | None = field(default=None, repr=False)
+    url: str | None = None
+    image: str = "pytorch/pytorch:latest"
+    disk_gb: float = 20.0
+    min_reliability: float = 0.9
+    regions: Sequence[str] = ()
+    ttl: float = 600.0
+    workdir: str = "/root/.flotilla"
+    python: str | None = None
+    connect_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ConfigurationError("VastAI(api_key=...): a non-empty string")
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise ConfigurationError(f"VastAI(image={self.image!r}): a Docker image name")
+        disk = self.disk_gb
+        if isinstance(disk, bool) or not isinstance(disk, int | float) or disk <= 0:
+            raise ConfigurationError(f"VastAI(disk_gb={disk!r}): a positive number of GB")
+        rel = self.min_reliability
+        if isinstance(rel, bool) or not isinstance(rel, int | float) or not 0 <= rel <= 1:
+            raise ConfigurationError(f"VastAI(min_reliability={rel!r}): a number in 0-1")
+        regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
+        for r in regions:
+            if not isinstance(r, str) or len(r) != 2 or not r.isalpha():
+                raise ConfigurationError(
+                    f"VastAI(regions=[{r!r}]): two-letter country codes such as 'US', 'SE'"
+                )
+        ttl = self.ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+            raise ConfigurationError(f"VastAI(ttl={ttl!r}): a positive number of seconds")
+        if not isinstance(self.workdir, str) or not self.workdir.startswith(("/", "~")):
+            raise ConfigurationError(
+                f"VastAI(workdir={self.workdir!r}): an absolute folder, or one under ~"
+            )
+        object.__setattr__(self, "regions", tuple(r.upper() for r in regions))
+        object.__setattr__(self, "ttl", float(ttl))
+        object.__setattr__(self, "disk_gb", float(disk))
+        object.__setattr__(self, "min_reliability", float(rel))
+        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))
