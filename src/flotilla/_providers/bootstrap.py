@@ -109,6 +109,10 @@ SIGNAL_LINE = MARKER + b"SIGNAL "
 """Prefix of the stderr line saying which signal killed the agent."""
 
 
+NO_ANSWER_WAIT = 10.0
+"""Seconds a start command that ended without answering gets to exit and finish its stderr."""
+
+
 class NoAnswer(Exception):
     """The start command ended without answering: the remote shell itself failed (e.g.
     ssh could not connect). The provider turns this into a ProvisionError.
@@ -320,8 +324,12 @@ async def _next_answer(agent: PipeAgent) -> tuple[Answer, str]:
     ended without one."""
     line = await agent.read_line(MARKER)
     if line is None:
-        await agent.stderr_ended(2.0)  # stdout may end before stderr is all read
-        raise NoAnswer(await agent.wait(2.0), agent.err_tail.decode(errors="replace"))
+        # stdout may end before stderr is all read, and the shell's own words on stderr are
+        # what explains the failure: wait for both, on an error path only (a loaded machine
+        # took more than 2 s to deliver ssh's "Connection refused")
+        status = await agent.wait(NO_ANSWER_WAIT)
+        await agent.stderr_ended(NO_ANSWER_WAIT)
+        raise NoAnswer(status, agent.err_tail.decode(errors="replace"))
     return parse_answer(agent.host, line)
 
 
