@@ -53,6 +53,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Options as Options
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
+    from ._providers.k8s import Kubernetes as Kubernetes
     from ._providers.local import Local as Local
     from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
@@ -85,6 +86,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_output": ("silent", "stderr", "stdout"),
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
+    "_providers.k8s": ("Kubernetes",),
     "_providers.local": ("Local",),
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),

@@ -36,13 +36,19 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, local, plugin, slurm, ssh
+from . import aws, k8s, local, plugin, slurm, ssh
 from .base import Backend, ProviderSpec, infra_name
 
 if TYPE_CHECKING:
     from ..taskfile import Task
 
-BACKENDS: tuple[Backend[Any], ...] = (local.BACKEND, ssh.BACKEND, slurm.BACKEND, aws.BACKEND)
+BACKENDS: tuple[Backend[Any], ...] = (
+    local.BACKEND,
+    ssh.BACKEND,
+    slurm.BACKEND,
+    aws.BACKEND,
+    k8s.BACKEND,
+)
 """Every backend, the default (used when the command line names none) first."""
 
 DEFAULT = BACKENDS[0]
