@@ -64,7 +64,8 @@ RANK_LABEL = "flotilla/rank"
 MANAGED = "app.kubernetes.io/managed-by=flotilla"
 CLIENT_ANNOTATION = "flotilla/client"
 CONTAINER = "node"
-LOCK = "/tmp/.flotilla-agent.lock"
+LOCK = "agent.lock"
+"""The pod's agent lock, in the workdir (one per pod: a container's files are its own)."""
 IDLE = 10.0
 """Seconds a pod's holder waits after its last agent ended before ending the pod."""
 POLL = 0.25
@@ -76,7 +77,9 @@ HOLDER = """\
 import fcntl, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 first, idle = float(sys.argv[1]), float(sys.argv[2])
-fd = os.open(sys.argv[3], os.O_CREAT | os.O_RDWR, 0o600)
+path = os.path.expanduser(sys.argv[3])
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 seen, free_since = False, time.monotonic()
 while True:
     try:
@@ -95,7 +98,9 @@ while True:
 
 LOCKED = """\
 import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+path = os.path.expanduser(sys.argv[1])
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 fcntl.flock(fd, fcntl.LOCK_SH)
 os.set_inheritable(fd, True)
 os.execvp(sys.argv[2], sys.argv[2:])
@@ -162,6 +167,10 @@ class Kubernetes(Provider):
                 f"{spec.accelerator.name} is not one"
             )
 
+    def lock_path(self) -> str:
+        """The agent lock's path in a pod."""
+        return f"{self.settings.workdir.rstrip('/')}/{LOCK}"
+
     def pod(self, spec: PoolSpec, rank: int, name: str) -> dict[str, Any]:
         """The Pod object of ``rank``."""
         from ..aws.orphans import client_id
@@ -183,7 +192,7 @@ class Kubernetes(Provider):
                 {
                     "name": CONTAINER,
                     "image": self.settings.image or default_image(),
-                    "command": [*python, "-c", HOLDER, f"{first:g}", f"{IDLE:g}", LOCK],
+                    "command": [*python, "-c", HOLDER, f"{first:g}", f"{IDLE:g}", self.lock_path()],
                     "resources": {"requests": requests, "limits": limits},
                 }
             ],
@@ -305,7 +314,7 @@ class ExecShell(RemoteShell):
             *python,
             "-c",
             LOCKED,
-            LOCK,
+            self.allocation.provider.lock_path(),
             *command,
         ]
 
