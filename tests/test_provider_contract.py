@@ -1,9 +1,9 @@
 """The provider contract: what every provider does the same way, run against each of them
 (the in-process fake, local processes, SSH test hosts, a SLURM test cluster, the AWS lab,
-the Kubernetes lab, and the example provider of docs/providers.md): a pool starts and takes a broadcast, every
-node knows its place (rank, peers, head), a killed node is replaced at its rank, closing
-the pool leaves nothing behind, and a provider refuses what it cannot honour before
-anything starts. What is specific to one provider stays in its own test module."""
+the Kubernetes lab, and the example provider of docs/providers.md): a pool starts and takes
+a broadcast, every node knows its place (rank, peers, head), a killed node is replaced at
+its rank, closing the pool leaves nothing behind, and a provider refuses what it cannot
+honour before anything starts. What is specific to one provider stays in its own test module."""
 
 from __future__ import annotations
 
