@@ -76,6 +76,20 @@ def binaries() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1]) / "bin"
 
 
+_build_error: str | None = None
+
+
+def prepare() -> None:
+    """Build the binaries now when they are missing (see conftest); a failure is kept for
+    the fixture to report."""
+    global _build_error
+    if lab_unavailable() is None:
+        try:
+            binaries()
+        except LabError as e:
+            _build_error = str(e)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -364,5 +378,7 @@ def k8s_lab_fixture() -> Iterator[K8sLab]:
     why = lab_unavailable()
     if why:
         pytest.skip(why)
+    if _build_error is not None:
+        raise LabError(_build_error)
     with K8sLab() as lab:
         yield lab

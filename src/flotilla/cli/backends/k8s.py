@@ -80,6 +80,7 @@ class K8sBackend(Backend[K8sSpec]):
             "pending_timeout": "--pending-timeout",
             "autoscaler": "--autoscaler",
             "kubectl": "--kubectl",
+            "gpu_label": "--gpu-label",
         },
     )
     fixed = {"workdir": "flotilla's folder in the pods"}
