@@ -44,6 +44,8 @@ from pathlib import Path
 import pytest
 from _hosts import LabError, free_subnet, remove_stale_labs, run
 
+from flotilla._node.procs import die_with_parent
+
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "k8s" / "build.sh"
 CONTEXT = "flotilla-lab"
@@ -164,7 +166,14 @@ class K8sLab:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
+        # a killed test run takes its lab along (the node agent stops its pods on SIGTERM)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM, None),
+        )
         log.close()
         self.procs.append(proc)
         return proc

@@ -383,7 +383,13 @@ class KubernetesAllocation(ShellAllocation):
                 if state is None or state.deleting:
                     raise ProvisionError(f"pod {name} was deleted while the pool started")
                 if state.ended:
-                    raise ProvisionError(f"pod {name} cannot run the node: {state.ended}")
+                    hint = ""
+                    if "exit code 127" in state.ended:
+                        hint = (
+                            f"; exit code 127 is 'command not found': the image has no "
+                            f"{self.python!r} (Kubernetes(python=..., image=...))"
+                        )
+                    raise ProvisionError(f"pod {name} cannot run the node: {state.ended}{hint}")
                 if state.unschedulable is None:
                     stuck_since.pop(name, None)
                     continue
