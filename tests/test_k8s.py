@@ -228,3 +228,18 @@ def test_pod_spec_uses_only_stable_core_fields(k8s_lab: K8sLab) -> None:
         "memory": "2Gi",
     }
     assert made["spec"]["restartPolicy"] == "Never"
+
+
+@sky.function
+def read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_a_secret_reaches_the_tasks_but_never_a_pod_spec(k8s_lab: K8sLab) -> None:
+    value = "k8s-secret-value-4242"
+    options = sky.Options(env={"API_TOKEN": sky.Secret(value)})
+    with sky.Compute(provider=provider(k8s_lab), nodes=2, options=options) as pool:
+        seen = read_env("API_TOKEN") @ pool
+        specs = k8s_lab.kubectl("get", "pods", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "json")
+    assert seen == [value, value]
+    assert pool.pool_id in specs and value not in specs
