@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401
+from _procs import wait_until
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_managed import RESUMABLE, Jobs
+from test_managed import jobs as jobs  # the fixture
 
 TASK = """\
 num_nodes: 3
@@ -57,3 +61,36 @@ def test_provider_k8s_flags_and_a_bad_namespace(cli: CLI) -> None:
     done = cli("launch", "echo hi", "-c", "bad", "--provider", "k8s", "--namespace", "Bad_NS")
     assert done.returncode != 0
     assert "namespace" in done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_managed_job_on_k8s_recovers_when_a_pod_is_deleted(jobs: Jobs, k8s_lab: K8sLab) -> None:
+    """The lab's pods see this machine's files, so the job's checkpoints ($CKPT) outlive
+    its pods, as on a shared file system."""
+    jobs.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
+    task = jobs.task("resumable.yaml", RESUMABLE)
+    launch = jobs.popen(
+        "launch",
+        task,
+        "--env",
+        f"CKPT={jobs.ckpt}",
+        "--provider",
+        "k8s",
+        "--k8s-python",
+        sys.executable,
+    )
+    try:
+        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        assert wait_until(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 90)
+        k8s_lab.kubectl("delete", "pods", "-l", "flotilla/rank=1", "--wait=false")
+        out, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    rec = jobs.record()
+    assert (rec.state, rec.recoveries) == ("SUCCEEDED", 1)
+    for rank in (0, 1):
+        assert (jobs.ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
+        assert f"rank {rank} resumed from step 1" in out
+    assert wait_until(lambda: not _live(k8s_lab), 30), _live(k8s_lab)
