@@ -50,6 +50,8 @@ HERE = Path(__file__).resolve().parent
 BUILD = HERE / "k8s" / "build.sh"
 CONTEXT = "flotilla-lab"
 TOKEN = "flotilla-lab-admin-token"
+USER_TOKEN = "flotilla-lab-dev-token"
+"""A user with no rights but those a test grants it (user ``dev``, see user_kubeconfig())."""
 
 
 def lab_unavailable() -> str | None:
@@ -226,28 +228,12 @@ class K8sLab:
         )
         # keys and tokens
         run("openssl", "genrsa", "-out", str(d / "sa.key"), "2048")
-        (d / "tokens.csv").write_text(f'{TOKEN},admin,admin,"system:masters"\n')
+        (d / "tokens.csv").write_text(
+            f'{TOKEN},admin,admin,"system:masters"\n{USER_TOKEN},dev,dev\n'
+        )
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
-        self.kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": CONTEXT,
-                            "cluster": {"server": self.server, "insecure-skip-tls-verify": True},
-                        }
-                    ],
-                    "users": [{"name": "admin", "user": {"token": TOKEN}}],
-                    "contexts": [
-                        {"name": CONTEXT, "context": {"cluster": CONTEXT, "user": "admin"}}
-                    ],
-                    "current-context": CONTEXT,
-                }
-            )
-        )
+        self.kubeconfig.write_text(self._config("admin", TOKEN))
         self._wait("etcd", lambda: _port_open(etcd_port), 30, etcd)
         apiserver = self._spawn(
             "kube-apiserver",
@@ -312,6 +298,29 @@ class K8sLab:
         )
         self._wait("flotilla-k8s-node", self._nodes_ready, 60, agent)
         self._wait("kube-scheduler", lambda: _port_open(sched_port), 60, scheduler)
+
+    def _config(self, user: str, token: str) -> str:
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": CONTEXT,
+                        "cluster": {"server": self.server, "insecure-skip-tls-verify": True},
+                    }
+                ],
+                "users": [{"name": user, "user": {"token": token}}],
+                "contexts": [{"name": CONTEXT, "context": {"cluster": CONTEXT, "user": user}}],
+                "current-context": CONTEXT,
+            }
+        )
+
+    def user_kubeconfig(self) -> Path:
+        """A kubeconfig for user ``dev``, who may do only what RBAC grants it."""
+        path = self.dir / "kubeconfig-dev"
+        path.write_text(self._config("dev", USER_TOKEN))
+        return path
 
     def _ready(self) -> bool:
         proc = subprocess.run(

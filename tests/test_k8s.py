@@ -21,7 +21,7 @@ from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
 from _procs import assert_all_gone, wait_until
 
 import flotilla as sky
-from flotilla._errors import ConfigurationError, ProvisionError
+from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
 from flotilla._providers.k8s import Kubernetes
 from flotilla._providers.k8s.provider import POOL_LABEL
 
@@ -243,3 +243,40 @@ def test_a_secret_reaches_the_tasks_but_never_a_pod_spec(k8s_lab: K8sLab) -> Non
         specs = k8s_lab.kubectl("get", "pods", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "json")
     assert seen == [value, value]
     assert pool.pool_id in specs and value not in specs
+
+
+_ROLE = """
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: {name}, namespace: default}}
+rules:
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [create, get, list, watch, delete]
+{exec_rule}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: {name}, namespace: default}}
+subjects: [{{kind: User, name: dev, apiGroup: rbac.authorization.k8s.io}}]
+roleRef: {{kind: Role, name: {name}, apiGroup: rbac.authorization.k8s.io}}
+"""
+
+
+def test_the_rbac_the_readme_names_is_enough_and_exec_is_needed(k8s_lab: K8sLab) -> None:
+    """A user with exactly README's Role (pods: create/get/list/watch/delete, pods/exec:
+    create) runs a pool; without pods/exec the start fails naming the refusal, and nothing
+    is left."""
+    kubeconfig = str(k8s_lab.user_kubeconfig())
+    exec_rule = '- apiGroups: [""]\n  resources: [pods/exec]\n  verbs: [create]'
+    k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=exec_rule))
+    try:
+        with sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2) as pool:
+            assert [i["node"] for i in where() @ pool] == [0, 1]
+        k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=""))
+        with pytest.raises(ProvisionError, match="forbidden") as raised:
+            sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2).open()
+        assert raised.value.cause is ProvisionCause.AUTH
+        assert live_pods(k8s_lab) == []
+    finally:
+        k8s_lab.kubectl("delete", "role,rolebinding", "flotilla", "--ignore-not-found")
