@@ -125,10 +125,10 @@ class K8sLab:
     _count = 0
 
     def __init__(self, nodes: tuple[NodeSpec, ...] = DEFAULT_NODES) -> None:
-        K8sLab._count += 1
         pid = os.getpid()
         self.nodes = nodes
-        self.tag = f"{pid}k"
+        self.tag = f"{pid}{'klmnopqrstuvwyz'[K8sLab._count % 15]}"  # see remove_stale_labs
+        K8sLab._count += 1
         self.bridge = f"flb{self.tag}"[:15]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.dir = Path(tempfile.mkdtemp(prefix="flotilla-k8s-"))
@@ -398,5 +398,19 @@ def k8s_lab_fixture() -> Iterator[K8sLab]:
         pytest.skip(why)
     if _build_error is not None:
         raise LabError(_build_error)
-    with K8sLab() as lab:
-        yield lab
+    global _shared, _users
+    if _shared is None:
+        _shared = K8sLab().__enter__()
+    _users += 1
+    try:
+        yield _shared
+    finally:
+        _users -= 1
+        if _users == 0:
+            _shared.close()
+            _shared = None
+
+
+_shared: K8sLab | None = None
+"""The session's lab: the modules that import the fixture get one fixture each, one lab."""
+_users = 0
