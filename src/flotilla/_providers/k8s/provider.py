@@ -68,7 +68,7 @@ LOCK = "agent.lock"
 """The pod's agent lock, in the workdir (one per pod: a container's files are its own)."""
 IDLE = 10.0
 """Seconds a pod's holder waits after its last agent ended before ending the pod."""
-POLL = 0.25
+POLL = 0.1
 """Seconds between two looks at the pool's pods while they start."""
 WATCH_INTERVAL = 5.0
 """Seconds between two looks at the pool's pods while it runs (see watch())."""
@@ -192,7 +192,15 @@ class Kubernetes(Provider):
                 {
                     "name": CONTAINER,
                     "image": self.settings.image or default_image(),
-                    "command": [*python, "-c", HOLDER, f"{first:g}", f"{IDLE:g}", self.lock_path()],
+                    "command": [
+                        *python,
+                        "-S",
+                        "-c",
+                        HOLDER,
+                        f"{first:g}",
+                        f"{IDLE:g}",
+                        self.lock_path(),
+                    ],
                     "resources": {"requests": requests, "limits": limits},
                 }
             ],
@@ -312,6 +320,7 @@ class ExecShell(RemoteShell):
             CONTAINER,
             "--",
             *python,
+            "-S",  # the wrapper needs the standard library only: no site-packages scan
             "-c",
             LOCKED,
             self.allocation.provider.lock_path(),
