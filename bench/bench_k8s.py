@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -143,7 +144,11 @@ def main() -> None:
         "stood in by the tests' node agent)"
     )
     print()
-    print(f"{platform.node()}, {args.reps} alternating repetitions, medians (min-max).")
+    load = os.getloadavg()[0]
+    print(
+        f"CPython {platform.python_version()}, {os.cpu_count()} CPUs, load average {load:.1f} "
+        f"at the end; {args.reps} alternating repetitions, medians (min-max)."
+    )
     print()
     print(
         "| pool | start to first result | floor (create, all Running, exec true "
