@@ -117,8 +117,8 @@ class Kubernetes(Provider):
     """Run each node as a Pod of a Kubernetes cluster, reached through ``kubectl exec``.
 
     ``Compute(provider=Kubernetes(namespace="ml"), nodes=4, accelerator="A100:8")``. Needs
-    ``kubectl`` on this machine and, in the namespace, the right to create, list and delete
-    pods, to exec into them, and to list events (see README "Kubernetes").
+    ``kubectl`` on this machine and, in the namespace, the right to create, get, list and
+    delete pods and to exec into them (see README "Kubernetes").
 
     Args: the fields of :class:`KubernetesSettings`.
     """
