@@ -51,6 +51,8 @@ def test_task_file_with_infra_k8s_runs_on_num_nodes_pods(cli: CLI, k8s_lab: K8sL
     }
     again = cli.ok("exec", "kube", "echo AGAIN $SKYPILOT_NODE_RANK $HOSTNAME")
     assert node_lines(again.stdout, "AGAIN") == {r: f"{r} {by_rank[r]}" for r in range(3)}
+    logs = cli.ok("logs", "kube", "1")
+    assert node_lines(logs.stdout, "RUN") == node_lines(done.stdout, "RUN")
     shell = cli.ok("ssh", "kube", "--node", "2", "--", "echo $HOSTNAME")
     assert shell.stdout.split() == [by_rank[2]]
     cli.ok("down", "kube")
