@@ -25,6 +25,8 @@ command -v etcd >/dev/null || need_pkgs+=(etcd-server)
 [ -x /usr/lib/go-1.19/bin/go ] || need_pkgs+=(golang-1.19-go)
 command -v dpkg-source >/dev/null || need_pkgs+=(dpkg-dev)
 command -v rsync >/dev/null || need_pkgs+=(rsync)
+command -v make >/dev/null || need_pkgs+=(make)
+command -v openssl >/dev/null || need_pkgs+=(openssl)
 command -v ip >/dev/null || need_pkgs+=(iproute2)
 command -v unshare >/dev/null || need_pkgs+=(util-linux)
 
