@@ -112,11 +112,15 @@ def test_a_deleted_pod_is_replaced_at_its_rank(k8s_lab: K8sLab) -> None:
             timeout=120,
         ), "node 1 was not replaced"
         second = where() @ pool
-        names = sorted(p["metadata"]["name"] for p in pool_pods(k8s_lab, pool.pool_id))
+
+        def names() -> list[str]:
+            return sorted(p["metadata"]["name"] for p in pool_pods(k8s_lab, pool.pool_id))
+
+        assert wait_until(lambda: f"flotilla-{pool.pool_id}-1" not in names(), 30), names()
+        assert names() == [f"flotilla-{pool.pool_id}-0", f"flotilla-{pool.pool_id}-1-1"]
     assert [i["node"] for i in second] == [0, 1]
     assert second[0]["pod"] == first[0]["pod"]
     assert second[1]["pod"] == f"flotilla-{pool.pool_id}-1-1"
-    assert f"flotilla-{pool.pool_id}-1" not in names
     assert pool._renewals.replaced == 1
 
 
