@@ -4,6 +4,8 @@ on PATH and ``KUBECONFIG`` names the lab's kubeconfig, as a user's shell would."
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import pytest
@@ -37,10 +39,13 @@ def test_task_file_with_infra_k8s_runs_on_num_nodes_pods(cli: CLI, k8s_lab: K8sL
     cli.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
     task = cli.task("job.yaml", TASK)
     done = cli.ok("launch", task, "-c", "kube", "--k8s-python", sys.executable, timeout=300)
+    rec = cli.record("kube")
+    assert rec is not None
+    made = _made_by(k8s_lab, rec.pid)
     pods = {
         p["metadata"]["name"]: p["status"]["podIP"]
         for p in k8s_lab.pods(selector="app.kubernetes.io/managed-by=flotilla")
-        if p["status"].get("phase") == "Running"
+        if p["metadata"]["name"] in made
     }
     assert len(pods) == 3, pods
     by_rank = sorted(pods, key=lambda name: int(name.rsplit("-", 1)[1]))
@@ -56,7 +61,7 @@ def test_task_file_with_infra_k8s_runs_on_num_nodes_pods(cli: CLI, k8s_lab: K8sL
     shell = cli.ok("ssh", "kube", "--node", "2", "--", "echo $HOSTNAME")
     assert shell.stdout.split() == [by_rank[2]]
     cli.ok("down", "kube")
-    assert _live(k8s_lab) == []
+    assert _made_by(k8s_lab, rec.pid) == []
 
 
 def test_provider_k8s_flags_and_a_bad_namespace(cli: CLI) -> None:
@@ -96,3 +101,24 @@ def test_a_managed_job_on_k8s_recovers_when_a_pod_is_deleted(jobs: Jobs, k8s_lab
         assert (jobs.ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
         assert f"rank {rank} resumed from step 1" in out
     assert wait_until(lambda: not _live(k8s_lab), 30), _live(k8s_lab)
+
+
+def test_down_after_the_daemon_was_killed_deletes_its_pods(cli: CLI, k8s_lab: K8sLab) -> None:
+    cli.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
+    cli.ok("launch", "echo hi", "-c", "gone", "--nodes", "2", "--provider", "k8s",
+           "--k8s-python", sys.executable, timeout=300)  # fmt: skip
+    rec = cli.record("gone")
+    assert rec is not None
+    assert len(_made_by(k8s_lab, rec.pid)) == 2
+    os.kill(rec.pid, signal.SIGKILL)
+    cli.ok("down", "gone")
+    assert _made_by(k8s_lab, rec.pid) == []
+
+
+def _made_by(lab: K8sLab, pid: int) -> list[str]:
+    """The pods whose client (``host:pid:start``) is the process ``pid``."""
+    return [
+        p["metadata"]["name"]
+        for p in lab.pods(selector="app.kubernetes.io/managed-by=flotilla")
+        if f":{pid}:" in p["metadata"].get("annotations", {}).get("flotilla/client", "")
+    ]

@@ -60,6 +60,20 @@ async def find_and_remove(settings: KubernetesSettings, dry_run: bool = False) -
     )
 
 
+async def remove_client_pools(settings: KubernetesSettings, client: str) -> list[str]:
+    """Delete the pods of every pool the client ``client`` (``host:pid:start``) made; their
+    names."""
+    kubectl = Kubectl(settings)
+    pods = [
+        p.get("metadata", {})
+        for p in await kubectl.get("pods", MANAGED)
+        if (p.get("metadata", {}).get("annotations") or {}).get(CLIENT_ANNOTATION) == client
+    ]
+    for pool in sorted({(m.get("labels") or {}).get(POOL_LABEL, "") for m in pods} - {""}):
+        await kubectl.delete("pods", f"{POOL_LABEL}={pool}", wait=True)
+    return sorted(m.get("name", "") for m in pods)
+
+
 def remove_orphans(settings: KubernetesSettings, dry_run: bool = False) -> Orphans:
     """Delete the pods of pools whose client ran on this machine and is gone (in the
     settings' namespace and context); what was found."""

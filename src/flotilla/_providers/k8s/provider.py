@@ -4,8 +4,9 @@
 labelled ``flotilla/pool=<id>`` and ``flotilla/rank=<k>``, annotated with the client that
 made them), each running a *holder*: a few lines of Python that keep the pod alive while an
 agent runs in it and end it (so the pod is Succeeded and holds no GPU) when no agent has run
-for a while: at most ``start_timeout`` before the first one, ``IDLE`` seconds after the last
-one (an agent holds a lock on a file of the pod while it runs). Resources:
+for a while: ``start_timeout`` + 30 s when none ever started, ``IDLE`` seconds after the last
+one ended (an agent holds a lock on a file of the pod while it runs; the file's existence
+says that one started). Resources:
 ``accelerator="A100:8"`` requests (and limits) ``nvidia.com/gpu: 8`` and selects nodes
 labelled ``<gpu_label>=a100``; ``vcpus`` and ``memory_gb`` request CPU and memory.
 
@@ -76,22 +77,26 @@ WATCH_INTERVAL = 5.0
 HOLDER = """\
 import fcntl, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-first, idle = float(sys.argv[1]), float(sys.argv[2])
-path = os.path.expanduser(sys.argv[3])
-os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-seen, free_since = False, time.monotonic()
+first, idle, path = float(sys.argv[1]), float(sys.argv[2]), os.path.expanduser(sys.argv[3])
+fd, free_since = None, time.monotonic()
 while True:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        seen, free_since = True, None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        now = time.monotonic()
-        free_since = now if free_since is None else free_since
-        if now - free_since > (idle if seen else first):
-            sys.exit(0)
+    if fd is None and os.path.exists(path):
+        fd, free_since = os.open(path, os.O_RDWR), time.monotonic()
+    held = False
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held = True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    now = time.monotonic()
+    if held:
+        free_since = None
+    elif free_since is None:
+        free_since = now
+    elif now - free_since > (idle if fd is not None else first):
+        sys.exit(0)
     time.sleep(0.5)
 """
 """The pods' command: keeps the pod while an agent holds the lock (see the module doc)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, FlotillaError
 from ..._providers.k8s.settings import KubernetesSettings
 from .base import (
     Backend,
@@ -34,7 +34,7 @@ from .base import (
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
-    from ..state import NodeRecord, Paths
+    from ..state import ClusterRecord, NodeRecord, Paths
     from ..taskfile import Task
 
 
@@ -111,6 +111,24 @@ class K8sBackend(Backend[K8sSpec]):
         from ..._providers.k8s import Kubernetes
 
         return Kubernetes.from_settings(spec.provider_settings())
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """Delete the pods the cluster's daemon made (they are found by the daemon's
+        ``host:pid:start``): nothing is left when the daemon was killed before it could
+        delete them itself."""
+        import asyncio
+        import socket
+
+        from ..._providers.k8s.orphans import remove_client_pools
+
+        if not record.pid or not record.provider:
+            return
+        settings = self.spec_from_dict(record.provider).provider_settings()
+        client = f"{socket.gethostname()}:{record.pid}:{record.pid_start or ''}"
+        try:
+            asyncio.run(remove_client_pools(settings, client))
+        except FlotillaError as e:
+            print(f"cluster {paths.name}: could not look for its pods: {e}", file=sys.stderr)
 
     def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
         """Pods of pools whose client (a killed program, or a cluster daemon) is gone, in
