@@ -111,6 +111,11 @@ def test_down_after_the_daemon_was_killed_deletes_its_pods(cli: CLI, k8s_lab: K8
     assert rec is not None
     assert len(_made_by(k8s_lab, rec.pid)) == 2
     os.kill(rec.pid, signal.SIGKILL)
+    pods = _made_by(k8s_lab, rec.pid)
+    listed = cli.ok("down", "--orphans", "--provider", "k8s", "--dry-run")
+    said = listed.stdout + listed.stderr
+    assert "would delete" in said and all(p in said for p in pods), said
+    assert _made_by(k8s_lab, rec.pid) == pods  # a dry run
     cli.ok("down", "gone")
     assert _made_by(k8s_lab, rec.pid) == []
 
