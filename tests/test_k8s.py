@@ -284,3 +284,72 @@ def test_the_rbac_the_readme_names_is_enough_and_exec_is_needed(k8s_lab: K8sLab)
         assert live_pods(k8s_lab) == []
     finally:
         k8s_lab.kubectl("delete", "role,rolebinding", "flotilla", "--ignore-not-found")
+
+
+# -- without the lab -----------------------------------------------------------------------
+def test_pod_states_name_the_shortage_and_how_a_pod_ended() -> None:
+    from flotilla._providers.k8s.provider import PodState
+
+    pending = PodState.of(
+        {
+            "metadata": {"name": "p0"},
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            },
+        }
+    )
+    assert pending.unschedulable == "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    assert pending.ended is None and pending.ip == ""
+    failed = PodState.of(
+        {
+            "metadata": {"name": "p1", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {
+                "phase": "Failed",
+                "podIP": "10.0.0.5",
+                "containerStatuses": [
+                    {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+                ],
+            },
+        }
+    )
+    assert failed.ended == "it ended (Failed, exit code 137: OOMKilled)"
+    assert failed.deleting and failed.ip == "10.0.0.5"
+    pulling = PodState.of(
+        {
+            "metadata": {"name": "p2"},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"state": {"waiting": {"reason": "ErrImagePull", "message": "no such image"}}}
+                ],
+            },
+        }
+    )
+    assert pulling.ended == "its container cannot start (ErrImagePull: no such image)"
+
+
+def test_the_default_image_is_the_clients_python_and_gpus_select_their_type() -> None:
+    from flotilla._accelerators import parse_accelerator
+    from flotilla._providers.base import Options, PoolSpec
+
+    spec = PoolSpec("abcd1234", 1, None, None, (), Options())
+    pod = Kubernetes().pod(spec, 0, "flotilla-abcd1234-0")
+    image = pod["spec"]["containers"][0]["image"]
+    assert image == f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert "nodeSelector" not in pod["spec"]
+    gpus = PoolSpec("abcd1234", 1, parse_accelerator("A100:2"), None, (), Options())
+    pod = Kubernetes().pod(gpus, 0, "flotilla-abcd1234-0")
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["spec"]["nodeSelector"] == {"skypilot.co/accelerator": "a100"}
+    pod = Kubernetes(gpu_label=None).pod(gpus, 0, "flotilla-abcd1234-0")
+    assert "nodeSelector" not in pod["spec"]
