@@ -179,7 +179,7 @@ class K8sBackend(Backend[K8sSpec]):
                 f"`flotilla down {paths.name}` and launch it again"
             )
         remote = f"cd {shlex.quote(nodes[node].workdir)} && " + (
-            command or "exec ${SHELL:-bash} -l 2>/dev/null || exec sh"
+            command or "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi"
         )
         tty = ["-t"] if not command and sys.stdin.isatty() else []
         argv = [*base, "exec", "-i", *tty, pods[0], "-c", CONTAINER, "--", "sh", "-c", remote]
