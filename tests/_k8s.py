@@ -10,7 +10,7 @@ with the tests' own node agent standing in for the kubelets.
 What is real: ``etcd`` (Debian's etcd-server), ``kube-apiserver``, ``kube-scheduler`` and
 ``kubectl``, upstream v1.20 built from Debian bookworm's ``kubernetes`` source package by
 ``tests/k8s/build.sh`` into a cache outside the checkout (``/var/cache/flotilla-k8s``, or
-``$FLOTILLA_K8S_CACHE``): the first run on a machine builds them (about 9 minutes), later
+``$FLOTILLA_K8S_CACHE``): the first run on a machine builds them (about 10 minutes), later
 runs start in seconds. What is stood in: the kubelets, by ``tests/k8s/node/main.go`` (one
 process serving every node of the lab; see its header): it registers the Node objects, runs
 each bound pod's command as a host process in its own network namespace with a pod IP on the

@@ -16,7 +16,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the Kubernetes lab's binaries into their cache (about 9 minutes, once per
+    """Build the Kubernetes lab's binaries into their cache (about 10 minutes, once per
     machine) before any test runs when a selected test uses the lab: outside every test's
     timeout."""
     if any("k8s_lab" in getattr(item, "fixturenames", ()) for item in session.items):
