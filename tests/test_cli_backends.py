@@ -102,11 +102,13 @@ def test_every_backend_module_is_in_the_registry() -> None:
 # -- the registry --------------------------------------------------------------------------------
 def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
     known = ", ".join(registry.kinds())
-    with pytest.raises(ConfigurationError, match=f"unknown provider 'k8s': flotilla has {known}$"):
-        registry.backend("k8s")
-    with pytest.raises(ConfigurationError, match="unknown provider 'k8s'"):
-        registry.spec_from_dict({"kind": "k8s", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws, vast"
+    with pytest.raises(
+        ConfigurationError, match=f"unknown provider 'nomad': flotilla has {known}$"
+    ):
+        registry.backend("nomad")
+    with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
+        registry.spec_from_dict({"kind": "nomad", "hosts": ["h1"]})
+    assert known == "local, ssh, slurm, aws, k8s, vast"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
@@ -143,8 +145,8 @@ def test_flags_choose_the_backend_and_build_its_spec() -> None:
         registry.spec_from_args(launch_args("--provider", "local", "--hosts", "a"))
     with pytest.raises(ConfigurationError, match="needs hosts: --hosts"):
         registry.spec_from_args(launch_args("--ssh-key", "key"))
-    with pytest.raises(ConfigurationError, match="unknown provider 'k8s'"):
-        registry.spec_from_args(launch_args("--provider", "k8s"))
+    with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
+        registry.spec_from_args(launch_args("--provider", "nomad"))
 
 
 def test_the_daemon_module_the_cli_starts_exists() -> None:

@@ -1,9 +1,9 @@
 """The provider contract: what every provider does the same way, run against each of them
 (the in-process fake, local processes, SSH test hosts, a SLURM test cluster, the AWS lab,
-and the example provider of docs/providers.md): a pool starts and takes a broadcast, every
-node knows its place (rank, peers, head), a killed node is replaced at its rank, closing
-the pool leaves nothing behind, and a provider refuses what it cannot honour before
-anything starts. What is specific to one provider stays in its own test module."""
+the Kubernetes lab, and the example provider of docs/providers.md): a pool starts and takes
+a broadcast, every node knows its place (rank, peers, head), a killed node is replaced at
+its rank, closing the pool leaves nothing behind, and a provider refuses what it cannot
+honour before anything starts. What is specific to one provider stays in its own test module."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _fake import FakeCall, FakeProvider
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
 from _procs import assert_all_gone, wait_until
 from _slurm import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - the slurm_cluster fixture
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
@@ -32,7 +33,7 @@ from flotilla._errors import ConfigurationError
 from flotilla._info import InstanceInfo
 from flotilla._providers.base import AllocationState, Provider
 
-PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns")
+PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns", "k8s")
 
 
 @sky.function
@@ -175,6 +176,30 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             return [f"instance {i.id}" for i in vast.live()] + list(vast.overlays)
 
         yield Kit(sky.VastAI, vast_refused, vast_left, ends_later=True)
+    elif name == "k8s":
+        k8s: K8sLab = request.getfixturevalue("k8s_lab")
+        from flotilla._providers.k8s import Kubernetes
+
+        def k8s_make() -> Provider:
+            return Kubernetes(
+                kubeconfig=str(k8s.kubeconfig), kubectl=k8s.kubectl_path, python=sys.executable
+            )
+
+        def k8s_refused() -> None:
+            provider = Kubernetes(
+                kubeconfig=str(k8s.kubeconfig), kubectl=k8s.kubectl_path, context="elsewhere"
+            )
+            sky.Compute(provider=provider, nodes=2).open()
+
+        def k8s_left() -> list[str]:  # pods not ended (a killed client's end by themselves)
+            return [
+                p["metadata"]["name"]
+                for p in k8s.pods(selector="app.kubernetes.io/managed-by=flotilla")
+                if p["status"].get("phase") in ("Pending", "Running")
+                or p["metadata"].get("deletionTimestamp")
+            ]
+
+        yield Kit(k8s_make, k8s_refused, k8s_left)
     else:
         if os.geteuid() != 0:
             pytest.skip("the netns example provider needs root (unshare --net)")

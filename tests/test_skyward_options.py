@@ -45,7 +45,7 @@ def test_providers_that_rent_nothing_accept_every_allocation() -> None:
 
 
 def test_bad_ttl_or_allocation_is_refused() -> None:
-    with pytest.raises(sky.ConfigurationError, match="allocation=.cheap.: use one of .spot."):
+    with pytest.raises(sky.ConfigurationError, match=r"allocation='cheap': use one of 'spot'"):
         sky.Compute(allocation="cheap")
     with pytest.raises(sky.ConfigurationError, match="ttl"):
         sky.Compute(ttl=-1)

@@ -140,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also remove what killed clients left with --provider (e.g. cloud instances)",
     )
     q.add_argument("--provider", choices=registry.kinds(), help="where to look for orphans")
-    q.add_argument("--region", help="the region to look in (default: the configured one)")
+    q.add_argument(
+        "--region",
+        help="the region to look in (default: the configured one); for k8s, the namespace "
+        "(default: default; the kubeconfig's current context)",
+    )
     q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
     q.set_defaults(func=cmd_down)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, local, plugin, slurm, ssh, vast
+from . import aws, k8s, local, plugin, slurm, ssh, vast
 from .base import Backend, ProviderSpec, ShellCommand, infra_name
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ BACKENDS: tuple[Backend[Any], ...] = (
     ssh.BACKEND,
     slurm.BACKEND,
     aws.BACKEND,
+    k8s.BACKEND,
     vast.BACKEND,
 )
 """Every backend, the default (used when the command line names none) first."""

@@ -1,0 +1,503 @@
+"""The Kubernetes provider: one Pod per node; each node's agent runs through an exec stream.
+
+**Pods.** A pool of N nodes is N pods created in one call (``restartPolicy: Never``,
+labelled ``flotilla/pool=<id>`` and ``flotilla/rank=<k>``, annotated with the client that
+made them), each running a *holder*: a few lines of Python that keep the pod alive while an
+agent runs in it and end it (so the pod is Succeeded and holds no GPU) when no agent has run
+for a while: ``start_timeout`` + 30 s when none ever started, ``IDLE`` seconds after the last
+one ended (an agent holds a lock on a file of the pod while it runs; the file's existence
+says that one started). Resources:
+``accelerator="A100:8"`` requests (and limits) ``nvidia.com/gpu: 8`` and selects nodes
+labelled ``<gpu_label>=a100``; ``vcpus`` and ``memory_gb`` request CPU and memory.
+
+**All or nothing.** The pool waits until every pod runs with an IP. A pod the scheduler
+cannot place (its ``PodScheduled`` condition: Unschedulable, the message of the scheduler's
+``FailedScheduling`` event, e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+for ``pending_timeout`` seconds fails the pool with a ProvisionError naming the shortage, and
+every pod made is deleted.
+
+**Agents.** ``kubectl exec -i POD -- python -c LOCK <bootstrap>`` is the remote shell of the
+launch layer (:class:`ExecShell`): the bundle is sent once per pod over the stream, and the
+stream's stdin/stdout are the protocol channel; no SSH daemon is needed in the image.
+``instance_info().peers`` are the pod IPs (node 0's is ``head_addr``).
+
+**Lost pods.** A pod that is deleted, evicted, or whose node is gone ends its exec stream (or
+is seen gone by the watcher, :meth:`KubernetesAllocation.watch`): the node is lost and
+replaced by a new pod at the same rank (the old one deleted).
+
+**Nothing left.** Closing the pool (also on exceptions and Ctrl-C) deletes its pods and waits
+until they are gone. A client killed with SIGKILL: its kubectl processes see end of input,
+the agents end, and the holders end the pods (Succeeded, holding nothing) ``IDLE`` seconds
+later; ``flotilla down --orphans`` deletes the pods that clients gone from this machine left
+(:func:`remove_orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..base import (
+    AgentProcess,
+    AllocationState,
+    LostCallback,
+    Machine,
+    PoolSpec,
+    Provider,
+)
+from ..bootstrap import NoAnswer
+from ..launch import RemoteShell, ShellAllocation
+from .kubectl import Kubectl, said
+from .settings import KubernetesSettings
+
+logger = logging.getLogger("flotilla.k8s")
+
+POOL_LABEL = "flotilla/pool"
+RANK_LABEL = "flotilla/rank"
+MANAGED = "app.kubernetes.io/managed-by=flotilla"
+CLIENT_ANNOTATION = "flotilla/client"
+CONTAINER = "node"
+LOCK = "agent.lock"
+"""The pod's agent lock, in the workdir (one per pod: a container's files are its own)."""
+IDLE = 10.0
+"""Seconds a pod's holder waits after its last agent ended before ending the pod."""
+POLL = 0.1
+"""Seconds between two looks at the pool's pods while they start."""
+WATCH_INTERVAL = 5.0
+"""Seconds between two looks at the pool's pods while it runs (see watch())."""
+
+HOLDER = """\
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+first, idle, path = float(sys.argv[1]), float(sys.argv[2]), os.path.expanduser(sys.argv[3])
+fd, free_since = None, time.monotonic()
+while True:
+    if fd is None and os.path.exists(path):
+        fd, free_since = os.open(path, os.O_RDWR), time.monotonic()
+    held = False
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held = True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    now = time.monotonic()
+    if held:
+        free_since = None
+    elif free_since is None:
+        free_since = now
+    elif now - free_since > (idle if fd is not None else first):
+        sys.exit(0)
+    time.sleep(0.5)
+"""
+"""The pods' command: keeps the pod while an agent holds the lock (see the module doc)."""
+
+LOCKED = """\
+import fcntl, os, sys
+path = os.path.expanduser(sys.argv[1])
+os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_SH)
+os.set_inheritable(fd, True)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+"""Runs a command holding the pod's agent lock (the holder ends the pod when none does)."""
+
+
+def default_image() -> str:
+    """A Python image of the client's minor version."""
+    return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+class Kubernetes(Provider):
+    """Run each node as a Pod of a Kubernetes cluster, reached through ``kubectl exec``.
+
+    ``Compute(provider=Kubernetes(namespace="ml"), nodes=4, accelerator="A100:8")``. Needs
+    ``kubectl`` on this machine and, in the namespace, the right to create, get, list and
+    delete pods and to exec into them (see README "Kubernetes").
+
+    Args: the fields of :class:`KubernetesSettings`.
+    """
+
+    name = "k8s"
+    settings_type = KubernetesSettings
+
+    def __init__(
+        self,
+        namespace: str = KubernetesSettings.namespace,
+        context: str | None = None,
+        kubeconfig: str | None = None,
+        python: str | None = None,
+        image: str | None = None,
+        workdir: str = KubernetesSettings.workdir,
+        pending_timeout: float | None = None,
+        autoscaler: bool = KubernetesSettings.autoscaler,
+        gpu_label: str | None = KubernetesSettings.gpu_label,
+        kubectl: str = KubernetesSettings.kubectl,
+    ) -> None:
+        self.settings = KubernetesSettings(
+            namespace=namespace,
+            context=context,
+            kubeconfig=kubeconfig,
+            python=python,
+            image=image,
+            workdir=workdir,
+            pending_timeout=pending_timeout,
+            autoscaler=autoscaler,
+            gpu_label=gpu_label,
+            kubectl=kubectl,
+        )
+        self.kubectl = Kubectl(self.settings)
+        self.home = self.settings.workdir
+        self.python_pinned = python is not None
+
+    def __repr__(self) -> str:
+        where = f", context={self.settings.context!r}" if self.settings.context else ""
+        return f"Kubernetes(namespace={self.settings.namespace!r}{where})"
+
+    def validate(self, spec: PoolSpec) -> None:
+        self.kubectl.check_local()
+        if spec.accelerator is not None and not spec.accelerator.cuda:
+            raise ConfigurationError(
+                f"the Kubernetes provider requests NVIDIA GPUs (nvidia.com/gpu); "
+                f"{spec.accelerator.name} is not one"
+            )
+
+    def lock_path(self) -> str:
+        """The agent lock's path in a pod."""
+        return f"{self.settings.workdir.rstrip('/')}/{LOCK}"
+
+    def pod(self, spec: PoolSpec, rank: int, name: str) -> dict[str, Any]:
+        """The Pod object of ``rank``."""
+        from ..aws.orphans import client_id
+
+        python = shlex.split(self.settings.python or "python3")
+        first = spec.options.start_timeout + 30
+        requests: dict[str, str] = {}
+        limits: dict[str, str] = {}
+        if spec.vcpus is not None:
+            requests["cpu"] = f"{max(1, math.ceil(spec.vcpus * 1000))}m"
+        if spec.memory_gb is not None:
+            requests["memory"] = f"{max(1, math.ceil(spec.memory_gb * 1024))}Mi"
+        pod_spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 5,
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "containers": [
+                {
+                    "name": CONTAINER,
+                    "image": self.settings.image or default_image(),
+                    "command": [
+                        *python,
+                        "-S",
+                        "-c",
+                        HOLDER,
+                        f"{first:g}",
+                        f"{IDLE:g}",
+                        self.lock_path(),
+                    ],
+                    "resources": {"requests": requests, "limits": limits},
+                }
+            ],
+        }
+        acc = spec.accelerator
+        if acc is not None:
+            requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(acc.count)
+            if self.settings.gpu_label is not None:
+                pod_spec["nodeSelector"] = {self.settings.gpu_label: acc.name.lower()}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    POOL_LABEL: spec.pool_id,
+                    RANK_LABEL: str(rank),
+                    "app.kubernetes.io/managed-by": "flotilla",
+                },
+                "annotations": {CLIENT_ANNOTATION: client_id()},
+            },
+            "spec": pod_spec,
+        }
+
+    async def acquire(self, spec: PoolSpec) -> KubernetesAllocation:
+        allocation = KubernetesAllocation(self, spec)
+        try:
+            names = [allocation.pod_name(rank) for rank in range(spec.nodes)]
+            await self.kubectl.create([self.pod(spec, r, n) for r, n in enumerate(names)])
+            ips = await allocation.wait_running(names)
+            allocation.machines = [
+                allocation.new_machine(rank, name, ips[name]) for rank, name in enumerate(names)
+            ]
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the pool needs of a pod's status."""
+
+    name: str
+    phase: str
+    ip: str
+    deleting: bool
+    unschedulable: str | None
+    ended: str | None
+
+    @staticmethod
+    def of(pod: dict[str, Any]) -> PodState:
+        meta, status = pod.get("metadata", {}), pod.get("status", {})
+        unschedulable = None
+        for cond in status.get("conditions", []) or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                unschedulable = cond.get("message") or "the scheduler cannot place it"
+        phase = status.get("phase", "Pending")
+        ended = None
+        if phase in ("Failed", "Succeeded"):
+            ended = f"it ended ({phase}"
+            for cs in status.get("containerStatuses", []) or []:
+                term = (cs.get("state") or {}).get("terminated")
+                if term:
+                    why = term.get("message") or term.get("reason") or ""
+                    ended += f", exit code {term.get('exitCode')}" + (f": {why}" if why else "")
+            reason = status.get("reason")
+            if reason:
+                ended += f"; {reason}: {status.get('message', '')}".rstrip(": ")
+            ended += ")"
+        else:
+            for cs in status.get("containerStatuses", []) or []:
+                waiting = (cs.get("state") or {}).get("waiting") or {}
+                if waiting.get("reason") in (
+                    "ErrImagePull",
+                    "ImagePullBackOff",
+                    "InvalidImageName",
+                    "CreateContainerConfigError",
+                    "CreateContainerError",
+                ):
+                    ended = f"its container cannot start ({waiting['reason']}: "
+                    ended += f"{waiting.get('message', '')})"
+        return PodState(
+            name=meta.get("name", ""),
+            phase=phase,
+            ip=status.get("podIP") or "",
+            deleting=bool(meta.get("deletionTimestamp")),
+            unschedulable=unschedulable,
+            ended=ended,
+        )
+
+
+class ExecShell(RemoteShell):
+    """``kubectl exec -i`` as a remote shell: the command runs in the pod's container,
+    holding the pod's agent lock (see the module doc)."""
+
+    name = "kubectl exec"
+
+    def __init__(self, allocation: KubernetesAllocation) -> None:
+        self.allocation = allocation
+
+    def argv(self, machine: Machine, command: list[str]) -> list[str]:
+        kubectl = self.allocation.provider.kubectl
+        python = shlex.split(self.allocation.python)
+        return [
+            *kubectl.base(),
+            "-n",
+            kubectl.namespace,
+            "exec",
+            "-i",
+            machine.host,
+            "-c",
+            CONTAINER,
+            "--",
+            *python,
+            "-S",  # the wrapper needs the standard library only: no site-packages scan
+            "-c",
+            LOCKED,
+            self.allocation.provider.lock_path(),
+            *command,
+        ]
+
+    def subject(self, machine: Machine) -> str:
+        return f"the agent in pod {machine.host}"
+
+    async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
+        text = failure.stderr or ""
+        cause = ProvisionCause.NO_ANSWER
+        lowered = text.lower()
+        if "forbidden" in lowered or "unauthorized" in lowered:
+            cause = ProvisionCause.AUTH
+        elif "not found" in lowered and "executable" not in lowered:
+            cause = ProvisionCause.LAUNCHER
+        elif "unable to upgrade" in lowered or "connection refused" in lowered:
+            cause = ProvisionCause.UNREACHABLE
+        elif "executable file not found" in lowered or "no such file" in lowered:
+            cause = ProvisionCause.NODE
+        return ProvisionError(
+            f"{machine.host}: kubectl exec ended without the agent starting "
+            f"(exit status {failure.status}): {said(text)}",
+            cause=cause,
+        )
+
+
+class KubernetesAllocation(ShellAllocation):
+    """The pods of a pool (and of its replacements)."""
+
+    def __init__(self, provider: Kubernetes, spec: PoolSpec) -> None:
+        super().__init__(spec, [])
+        self.provider = provider
+        self.kubectl = provider.kubectl
+        self.shell = ExecShell(self)
+        self.python = provider.settings.python or "python3"
+        self.workdir = provider.settings.workdir
+        self.selector = f"{POOL_LABEL}={spec.pool_id}"
+        self.agents: list[AgentProcess] = []
+        self.made = 0
+        self.watch_interval = WATCH_INTERVAL
+        self._watcher: asyncio.Task[None] | None = None
+
+    def pod_name(self, rank: int) -> str:
+        """A new pod name for ``rank`` (unique within the pool's history)."""
+        self.made += 1
+        suffix = "" if self.made <= self.spec.nodes else f"-{self.made - self.spec.nodes}"
+        return f"flotilla-{self.spec.pool_id}-{rank}{suffix}"
+
+    def new_machine(self, rank: int, name: str, ip: str) -> Machine:
+        return Machine(rank, name, ip, name)
+
+    async def pod_states(self) -> dict[str, PodState]:
+        return {s.name: s for s in map(PodState.of, await self.kubectl.get("pods", self.selector))}
+
+    async def wait_running(self, names: list[str]) -> dict[str, str]:
+        """Wait until every pod of ``names`` runs with an IP; their IPs. ProvisionError when
+        one cannot be placed for ``pending_timeout`` s (naming the shortage), ends, or is
+        deleted, or when they do not all run within the start timeout."""
+        settings = self.provider.settings
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        stuck_since: dict[str, float] = {}
+        while True:
+            states = await self.pod_states()
+            now = time.monotonic()
+            for name in names:
+                state = states.get(name)
+                if state is None or state.deleting:
+                    raise ProvisionError(f"pod {name} was deleted while the pool started")
+                if state.ended:
+                    hint = ""
+                    if "exit code 127" in state.ended:
+                        hint = (
+                            f"; exit code 127 is 'command not found': the image has no "
+                            f"{self.python!r} (Kubernetes(python=..., image=...))"
+                        )
+                    raise ProvisionError(f"pod {name} cannot run the node: {state.ended}{hint}")
+                if state.unschedulable is None:
+                    stuck_since.pop(name, None)
+                    continue
+                since = stuck_since.setdefault(name, now)
+                if now - since >= settings.pending_limit:
+                    wait = (
+                        "pass Kubernetes(autoscaler=True) to wait for a cluster autoscaler"
+                        if not settings.autoscaler
+                        else "the autoscaler added no node in time"
+                    )
+                    raise ProvisionError(
+                        f"the scheduler cannot place pod {name} of the pool "
+                        f"({len(names)} pod(s)) in namespace {self.kubectl.namespace}: "
+                        f"{state.unschedulable.strip()} (waited "
+                        f"{settings.pending_limit:g} s; Kubernetes(pending_timeout=...) sets "
+                        f"the wait; {wait}); nothing of the pool is left"
+                    )
+            ready = [states[n] for n in names if states[n].phase == "Running" and states[n].ip]
+            if len(ready) == len(names):
+                return {s.name: s.ip for s in ready}
+            if now > deadline:
+                pending = [n for n in names if states[n].phase != "Running"]
+                raise ProvisionError(
+                    f"pods {', '.join(pending)} did not run within "
+                    f"{self.spec.options.start_timeout:g} s (phase "
+                    f"{states[pending[0]].phase}); Options(start_timeout=...) sets the limit",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            await asyncio.sleep(POLL)
+
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        agent = await super().start_agent(machine)
+        self.agents.append(agent)
+        return agent
+
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """A new pod for ``rank``; the lost one is deleted (without waiting)."""
+        old = self.machines[rank]
+        with contextlib.suppress(ProvisionError):
+            await self.kubectl.call(
+                ["delete", "pod", old.host, "--ignore-not-found", "--wait=false"]
+            )
+        name = self.pod_name(rank)
+        try:
+            await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
+            ips = await self.wait_running([name])
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.kubectl.call(
+                    ["delete", "pod", name, "--ignore-not-found", "--wait=false"]
+                )
+            raise
+        return self.new_machine(rank, name, ips[name])
+
+    def watch(self, on_lost: LostCallback) -> None:
+        """Also look at the pool's pods every ``watch_interval`` s: a pod that is gone,
+        deleting or ended is reported lost (its exec stream usually ends first)."""
+        super().watch(on_lost)
+        with contextlib.suppress(RuntimeError):
+            if self._watcher is None:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        reported: set[str] = set()
+        while self.state is AllocationState.READY:
+            await asyncio.sleep(self.watch_interval)
+            if self.state is not AllocationState.READY:
+                break
+            try:
+                states = await self.pod_states()
+            except ProvisionError as e:
+                logger.debug("pool %s: cannot list pods: %s", self.spec.pool_id, e)
+                continue
+            if self.state is not AllocationState.READY:
+                break
+            for m in list(self.machines):
+                if m.ident in reported:
+                    continue
+                state = states.get(m.host)
+                if state is None or state.deleting:
+                    reason = f"pod {m.host} was deleted"
+                elif state.ended:
+                    reason = f"pod {m.host} {state.ended}"
+                else:
+                    continue
+                reported.add(m.ident)
+                self.report_lost(m.rank, reason)
+
+    async def free(self) -> None:
+        """Stop the agents, then delete the pool's pods and wait until they are gone."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await asyncio.gather(
+            *(a.terminate() for a in self.agents if a.exit_status() is None),
+            return_exceptions=True,
+        )
+        await self.kubectl.delete("pods", self.selector, wait=True)

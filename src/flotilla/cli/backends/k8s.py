@@ -1,0 +1,189 @@
+"""``--provider k8s``: one Pod per node on a Kubernetes cluster, reached through ``kubectl
+exec`` (see ``flotilla._providers.k8s``).
+
+A task file chooses it with ``resources: infra: k8s`` or ``k8s/<context>`` (SkyPilot's
+form; ``kubernetes`` is accepted too); ``accelerators: A100:8`` requests ``nvidia.com/gpu:
+8`` on nodes labelled for A100s, ``cpus`` and ``memory`` the pods' CPU and memory requests.
+The pods live as long as the cluster's daemon holds the pool: ``flotilla down`` deletes
+them; ``flotilla down --orphans --provider k8s`` deletes those of killed clients.
+``flotilla ssh NAME --node K`` is a ``kubectl exec -it`` shell in the node's pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..._errors import ConfigurationError, FlotillaError
+from ..._providers.k8s.settings import KubernetesSettings
+from .base import (
+    Backend,
+    ResourceSpec,
+    ShellCommand,
+    infra_detail,
+    infra_name,
+    settings_flags,
+)
+
+if TYPE_CHECKING:
+    from ..._providers.base import Provider
+    from ..state import ClusterRecord, NodeRecord, Paths
+    from ..taskfile import Task
+
+
+@dataclass(frozen=True)
+class K8sSpec(ResourceSpec):
+    """Pods on a Kubernetes cluster; the task's resources (see :class:`ResourceSpec`)
+    become the pods' requests.
+
+    Attributes:
+        namespace: the namespace of the pods.
+        context: the kubeconfig context (None: the current one).
+    """
+
+    kind = "k8s"
+
+    namespace: str = "default"
+    context: str | None = None
+
+    def __post_init__(self) -> None:
+        self.provider_settings()  # the provider's own checks, before anything starts
+
+    def describe(self) -> str:
+        where = f" {self.context}" if self.context else ""
+        return f"k8s{where} namespace {self.namespace}"
+
+    def provider_settings(self) -> KubernetesSettings:
+        options: dict[str, Any] = {"namespace": self.namespace, "context": self.context}
+        options.update(self.settings)
+        return KubernetesSettings(**options)
+
+
+class K8sBackend(Backend[K8sSpec]):
+    spec_type = K8sSpec
+    settings_type = KubernetesSettings
+    summary = "one Kubernetes pod per node (kubectl's kubeconfig and context)"
+    flags = settings_flags(KubernetesSettings, {"namespace": "--namespace", "context": "--context"})
+    pass_through = settings_flags(
+        KubernetesSettings,
+        {
+            "kubeconfig": "--kubeconfig",
+            "image": "--k8s-image",
+            "python": "--k8s-python",
+            "pending_timeout": "--pending-timeout",
+            "autoscaler": "--autoscaler",
+            "kubectl": "--kubectl",
+            "gpu_label": "--gpu-label",
+        },
+    )
+    fixed = {"workdir": "flotilla's folder in the pods"}
+    honours = frozenset({"cpus", "memory", "image_id"})
+    hint_reason = "a pod gets what it requests"
+    infra = ("k8s", "kubernetes")
+
+    def spec_from_args(self, args: argparse.Namespace) -> K8sSpec:
+        options: dict[str, Any] = {"context": args.context}
+        if args.namespace is not None:
+            options["namespace"] = args.namespace
+        return K8sSpec(**options)
+
+    def with_task(self, spec: K8sSpec, task: Task) -> K8sSpec:
+        res = task.resources
+        context = spec.context
+        if infra_name(res.infra) in self.infra:
+            context = context or infra_detail(res.infra)
+        settings = dict(spec.settings)
+        if res.image_id and "image" not in settings:
+            image = res.image_id.removeprefix("docker:")
+            settings["image"] = image
+        return spec.with_task_resources(
+            task, context=context, settings=tuple(sorted(settings.items()))
+        )
+
+    def make_provider(self, spec: K8sSpec, nodes_dir: Path) -> Provider:
+        from ..._providers.k8s import Kubernetes
+
+        return Kubernetes.from_settings(spec.provider_settings())
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """Delete the pods the cluster's daemon made (they are found by the daemon's
+        ``host:pid:start``): nothing is left when the daemon was killed before it could
+        delete them itself."""
+        import asyncio
+        import socket
+
+        from ..._providers.k8s.orphans import remove_client_pools
+
+        if not record.pid or not record.provider:
+            return
+        settings = self.spec_from_dict(record.provider).provider_settings()
+        client = f"{socket.gethostname()}:{record.pid}:{record.pid_start or ''}"
+        try:
+            asyncio.run(remove_client_pools(settings, client))
+        except FlotillaError as e:
+            print(f"cluster {paths.name}: could not look for its pods: {e}", file=sys.stderr)
+
+    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+        """Pods of pools whose client (a killed program, or a cluster daemon) is gone, in
+        the current context's ``default`` namespace (``--region`` names another
+        namespace); pools of other machines' clients are listed, not touched."""
+        from ..._providers.k8s.orphans import remove_orphans
+
+        found = remove_orphans(KubernetesSettings(namespace=region or "default"), dry_run)
+        verb = "would delete" if dry_run else "deleted"
+        lines = [
+            f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
+            + ", ".join(found.pools)
+        ]
+        if found.pods:
+            lines.append(f"{verb} {len(found.pods)} pod(s): {', '.join(found.pods)}")
+        if found.skipped:
+            lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        return lines
+
+    def shell(
+        self, paths: Paths, spec: K8sSpec, nodes: Sequence[NodeRecord], node: int, command: str
+    ) -> ShellCommand:
+        """``kubectl exec`` into the node's pod (found by its IP), in its working
+        directory."""
+        settings = spec.provider_settings()
+        from ..._providers.k8s.kubectl import Kubectl
+        from ..._providers.k8s.provider import CONTAINER, MANAGED
+
+        kubectl = Kubectl(settings)
+        base = [*kubectl.base(), "-n", settings.namespace]
+        proc = subprocess.run(
+            [*base, "get", "pods", "-l", MANAGED, "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if proc.returncode != 0:
+            raise ConfigurationError(f"kubectl get pods failed: {proc.stderr.strip()}")
+        ip = nodes[node].ip
+        pods = [
+            p["metadata"]["name"]
+            for p in json.loads(proc.stdout).get("items", [])
+            if p.get("status", {}).get("podIP") == ip and p["status"].get("phase") == "Running"
+        ]
+        if not pods:
+            raise ConfigurationError(
+                f"cluster {paths.name}'s node {node} ({ip}) has no running pod: "
+                f"`flotilla down {paths.name}` and launch it again"
+            )
+        remote = f"cd {shlex.quote(nodes[node].workdir)} && " + (
+            command or "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi"
+        )
+        tty = ["-t"] if not command and sys.stdin.isatty() else []
+        argv = [*base, "exec", "-i", *tty, pods[0], "-c", CONTAINER, "--", "sh", "-c", remote]
+        return ShellCommand(tuple(argv), note="" if command else f"pod {pods[0]}")
+
+
+BACKEND = K8sBackend()

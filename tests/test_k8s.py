@@ -1,0 +1,355 @@
+"""The Kubernetes provider against a real API server and scheduler (see ``_k8s``: etcd,
+kube-apiserver, kube-scheduler and kubectl are real; the kubelets are the tests' stand-in).
+
+Tests that need the lab need root; they skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _ddp import assert_ddp_averages
+from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
+from _procs import assert_all_gone, wait_until
+
+import flotilla as sky
+from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
+from flotilla._providers.k8s import Kubernetes
+from flotilla._providers.k8s.provider import POOL_LABEL
+
+
+def provider(lab: K8sLab, **kwargs: Any) -> Kubernetes:
+    """The provider on the lab: its kubeconfig and kubectl; pods run this interpreter (the
+    lab's nodes run host processes, so the pods' "image" is this machine)."""
+    options: dict[str, Any] = {
+        "kubeconfig": str(lab.kubeconfig),
+        "kubectl": lab.kubectl_path,
+        "python": sys.executable,
+    }
+    options.update(kwargs)
+    return Kubernetes(**options)
+
+
+@sky.function
+def where() -> dict[str, object]:
+    info = sky.instance_info()
+    return {
+        "node": info.node,
+        "addr": info.addr,
+        "head": info.head_addr,
+        "peers": [(p.node, p.addr) for p in info.peers],
+        "pod": os.environ.get("HOSTNAME"),
+    }
+
+
+def pool_pods(lab: K8sLab, pool_id: str) -> list[dict[str, Any]]:
+    return lab.pods(selector=f"{POOL_LABEL}={pool_id}")
+
+
+def live_pods(lab: K8sLab) -> list[str]:
+    """Pods of any flotilla pool that are not ended (Pending, Running, or terminating)."""
+    return [
+        p["metadata"]["name"]
+        for p in lab.pods(selector="app.kubernetes.io/managed-by=flotilla")
+        if p["status"].get("phase") not in ("Succeeded", "Failed")
+        or p["metadata"].get("deletionTimestamp")
+    ]
+
+
+# -- pools ------------------------------------------------------------------------------------
+def test_three_pod_pool_broadcast_with_peers(k8s_lab: K8sLab) -> None:
+    with sky.Compute(provider=provider(k8s_lab), nodes=3) as pool:
+        infos = where() @ pool
+        pods = pool_pods(k8s_lab, pool.pool_id)
+        ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
+        assert all(p["status"]["phase"] == "Running" for p in pods)
+    assert [i["node"] for i in infos] == [0, 1, 2]
+    assert [i["pod"] for i in infos] == [f"flotilla-{pool.pool_id}-{k}" for k in range(3)]
+    assert [i["addr"] for i in infos] == [ips[str(i["pod"])] for i in infos]
+    peers = [(k, ips[f"flotilla-{pool.pool_id}-{k}"]) for k in range(3)]
+    assert all(i["peers"] == peers for i in infos)
+    assert {i["head"] for i in infos} == {peers[0][1]}
+    assert pool_pods(k8s_lab, pool.pool_id) == []  # deleted when the block ended
+
+
+def test_unschedulable_gpu_request_names_the_shortage_and_leaves_nothing(
+    k8s_lab: K8sLab,
+) -> None:
+    before = {p["metadata"]["name"] for p in k8s_lab.pods()}
+    with pytest.raises(ProvisionError) as raised:
+        sky.Compute(
+            provider=provider(k8s_lab, pending_timeout=2), nodes=2, accelerator="A100:8"
+        ).open()
+    message = str(raised.value)
+    assert "Insufficient nvidia.com/gpu" in message, message
+    assert "0/3 nodes are available" in message, message
+    assert {p["metadata"]["name"] for p in k8s_lab.pods()} == before
+
+
+def test_a_gpu_pod_lands_on_the_gpu_node(k8s_lab: K8sLab) -> None:
+    with sky.Compute(provider=provider(k8s_lab), nodes=1, accelerator="A100:1") as pool:
+        pods = pool_pods(k8s_lab, pool.pool_id)
+    assert [p["spec"]["nodeName"] for p in pods] == ["node-3"]
+    limits = pods[0]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": "1"}
+
+
+def test_a_deleted_pod_is_replaced_at_its_rank(k8s_lab: K8sLab) -> None:
+    with sky.Compute(provider=provider(k8s_lab), nodes=2) as pool:
+        first = where() @ pool
+        lost = pool._nodes[1]
+        k8s_lab.kubectl("delete", "pod", f"flotilla-{pool.pool_id}-1", "--wait=false")
+        assert wait_until(
+            lambda: pool._nodes[1] is not lost and pool._nodes[1].state.value == "ready",
+            timeout=120,
+        ), "node 1 was not replaced"
+        second = where() @ pool
+
+        def names() -> list[str]:
+            return sorted(p["metadata"]["name"] for p in pool_pods(k8s_lab, pool.pool_id))
+
+        assert wait_until(lambda: f"flotilla-{pool.pool_id}-1" not in names(), 30), names()
+        assert names() == [f"flotilla-{pool.pool_id}-0", f"flotilla-{pool.pool_id}-1-1"]
+    assert [i["node"] for i in second] == [0, 1]
+    assert second[0]["pod"] == first[0]["pod"]
+    assert second[1]["pod"] == f"flotilla-{pool.pool_id}-1-1"
+    assert pool._renewals.replaced == 1
+
+
+def test_two_pod_gloo_ddp_through_the_torch_plugin(k8s_lab: K8sLab) -> None:
+    pytest.importorskip("torch")
+    with sky.Compute(
+        provider=provider(k8s_lab), nodes=2, plugins=[sky.plugins.torch(backend="gloo")]
+    ) as pool:
+        assert_ddp_averages(pool, 2)
+
+
+# -- nothing left --------------------------------------------------------------------------
+_CLIENT = """
+import sys, time
+sys.path[:0] = {path!r}
+import flotilla as sky
+from flotilla._providers.k8s import Kubernetes
+provider = Kubernetes(kubeconfig={kubeconfig!r}, kubectl={kubectl!r}, python={python!r})
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=3)) as pool:
+    print(pool.pool_id, " ".join(str(n.hello_info["pid"]) for n in pool._nodes), flush=True)
+    time.sleep(600)
+"""
+
+
+def _client(lab: K8sLab) -> tuple[subprocess.Popen[str], str, list[int]]:
+    code = _CLIENT.format(
+        path=[str(Path(__file__).parent), *sys.path],
+        kubeconfig=str(lab.kubeconfig),
+        kubectl=lab.kubectl_path,
+        python=sys.executable,
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdout is not None
+    line = client.stdout.readline()
+    if not line:
+        client.wait()
+        raise AssertionError(client.stderr.read() if client.stderr else "no output")
+    pool_id, *pids = line.split()
+    return client, pool_id, [int(p) for p in pids]
+
+
+def test_ctrl_c_leaves_no_pod(k8s_lab: K8sLab) -> None:
+    client, pool_id, pids = _client(k8s_lab)
+    client.send_signal(signal.SIGINT)
+    client.wait(60)
+    assert pool_pods(k8s_lab, pool_id) == []
+    assert_all_gone(pids, timeout=10, what="the agents")
+
+
+def test_a_client_killed_with_sigkill_leaves_no_running_pod(k8s_lab: K8sLab) -> None:
+    client, pool_id, pids = _client(k8s_lab)
+    client.kill()
+    client.wait()
+    assert_all_gone(pids, timeout=30, what="the killed client's agents")
+
+    def running() -> list[str]:
+        return [
+            p["metadata"]["name"]
+            for p in pool_pods(k8s_lab, pool_id)
+            if p["status"].get("phase") in ("Pending", "Running")
+        ]
+
+    assert wait_until(lambda: not running(), timeout=60), running()
+    # what is left (ended pods) goes with `flotilla down --orphans`
+    from flotilla._providers.k8s.orphans import remove_orphans
+
+    found = remove_orphans(provider(k8s_lab).settings)
+    assert pool_id in found.pools
+    assert pool_pods(k8s_lab, pool_id) == []
+
+
+# -- refused before anything starts --------------------------------------------------------
+def test_a_missing_kubeconfig_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="no such file"):
+        sky.Compute(provider=Kubernetes(kubeconfig=str(tmp_path / "none")), nodes=1).open()
+
+
+def test_an_unknown_context_is_refused(k8s_lab: K8sLab) -> None:
+    with pytest.raises(ConfigurationError, match="no such context"):
+        sky.Compute(provider=provider(k8s_lab, context="elsewhere"), nodes=1).open()
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="namespace"):
+        Kubernetes(namespace="Not A Name")
+    with pytest.raises(ConfigurationError, match="pending_timeout"):
+        Kubernetes(pending_timeout=-1)
+
+
+def test_pod_spec_uses_only_stable_core_fields(k8s_lab: K8sLab) -> None:
+    """The pod the provider makes is accepted by a v1.20 server as it is (server-side dry
+    run), and names its pool, rank and client."""
+    from flotilla._providers.base import Options, PoolSpec
+
+    spec = PoolSpec("abcd1234", 1, None, None, (), Options(), vcpus=1.5, memory_gb=2)
+    pod = provider(k8s_lab).pod(spec, 0, "flotilla-abcd1234-0")
+    out = k8s_lab.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)
+    )
+    made = json.loads(out)
+    assert made["metadata"]["labels"][POOL_LABEL] == "abcd1234"
+    assert made["spec"]["containers"][0]["resources"]["requests"] == {
+        "cpu": "1500m",
+        "memory": "2Gi",
+    }
+    assert made["spec"]["restartPolicy"] == "Never"
+
+
+@sky.function
+def read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_a_secret_reaches_the_tasks_but_never_a_pod_spec(k8s_lab: K8sLab) -> None:
+    value = "k8s-secret-value-4242"
+    options = sky.Options(env={"API_TOKEN": sky.Secret(value)})
+    with sky.Compute(provider=provider(k8s_lab), nodes=2, options=options) as pool:
+        seen = read_env("API_TOKEN") @ pool
+        specs = k8s_lab.kubectl("get", "pods", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "json")
+    assert seen == [value, value]
+    assert pool.pool_id in specs and value not in specs
+
+
+_ROLE = """
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: {name}, namespace: default}}
+rules:
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [create, get, list, watch, delete]
+{exec_rule}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: {name}, namespace: default}}
+subjects: [{{kind: User, name: dev, apiGroup: rbac.authorization.k8s.io}}]
+roleRef: {{kind: Role, name: {name}, apiGroup: rbac.authorization.k8s.io}}
+"""
+
+
+def test_the_rbac_the_readme_names_is_enough_and_exec_is_needed(k8s_lab: K8sLab) -> None:
+    """A user with exactly README's Role (pods: create/get/list/watch/delete, pods/exec:
+    create) runs a pool; without pods/exec the start fails naming the refusal, and nothing
+    is left."""
+    kubeconfig = str(k8s_lab.user_kubeconfig())
+    exec_rule = '- apiGroups: [""]\n  resources: [pods/exec]\n  verbs: [create]'
+    k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=exec_rule))
+    try:
+        with sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2) as pool:
+            assert [i["node"] for i in where() @ pool] == [0, 1]
+        k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=""))
+        with pytest.raises(ProvisionError, match="forbidden") as raised:
+            sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2).open()
+        assert raised.value.cause is ProvisionCause.AUTH
+        assert live_pods(k8s_lab) == []
+    finally:
+        k8s_lab.kubectl("delete", "role,rolebinding", "flotilla", "--ignore-not-found")
+
+
+# -- without the lab -----------------------------------------------------------------------
+def test_pod_states_name_the_shortage_and_how_a_pod_ended() -> None:
+    from flotilla._providers.k8s.provider import PodState
+
+    pending = PodState.of(
+        {
+            "metadata": {"name": "p0"},
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            },
+        }
+    )
+    assert pending.unschedulable == "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    assert pending.ended is None and pending.ip == ""
+    failed = PodState.of(
+        {
+            "metadata": {"name": "p1", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {
+                "phase": "Failed",
+                "podIP": "10.0.0.5",
+                "containerStatuses": [
+                    {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+                ],
+            },
+        }
+    )
+    assert failed.ended == "it ended (Failed, exit code 137: OOMKilled)"
+    assert failed.deleting and failed.ip == "10.0.0.5"
+    pulling = PodState.of(
+        {
+            "metadata": {"name": "p2"},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"state": {"waiting": {"reason": "ErrImagePull", "message": "no such image"}}}
+                ],
+            },
+        }
+    )
+    assert pulling.ended == "its container cannot start (ErrImagePull: no such image)"
+
+
+def test_the_default_image_is_the_clients_python_and_gpus_select_their_type() -> None:
+    from flotilla._accelerators import parse_accelerator
+    from flotilla._providers.base import Options, PoolSpec
+
+    spec = PoolSpec("abcd1234", 1, None, None, (), Options())
+    pod = Kubernetes().pod(spec, 0, "flotilla-abcd1234-0")
+    image = pod["spec"]["containers"][0]["image"]
+    assert image == f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert "nodeSelector" not in pod["spec"]
+    gpus = PoolSpec("abcd1234", 1, parse_accelerator("A100:2"), None, (), Options())
+    pod = Kubernetes().pod(gpus, 0, "flotilla-abcd1234-0")
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["spec"]["nodeSelector"] == {"skypilot.co/accelerator": "a100"}
+    pod = Kubernetes(gpu_label=None).pod(gpus, 0, "flotilla-abcd1234-0")
+    assert "nodeSelector" not in pod["spec"]
