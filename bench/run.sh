@@ -52,6 +52,14 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Bucket volumes: 200 MB on 4 nodes against a boto3 download (issue 25)"
     echo
     .venv/bin/python bench/bench_volumes.py --reps 3 2>/dev/null
+    echo
+    echo "## Distributed collections (issue 30)"
+    echo
+    "$VENV/bin/python" bench/bench_collections.py --ops 1000 2>/dev/null  # ray and dask: peers
+    echo
+    echo "## Worker slots and streaming (issue 30)"
+    echo
+    .venv/bin/python bench/bench_slots.py 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"
@@ -63,5 +71,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         .venv/bin/python bench/bench_aws.py 2>/dev/null
         echo; echo "## Kubernetes provider on the test lab (issue 23)"; echo
         .venv/bin/python bench/bench_k8s.py 2>/dev/null
+        echo; echo "## Vast.ai provider on the stand-in API (issue 24)"; echo
+        .venv/bin/python bench/bench_vast.py --reps 3 --boot-delay 2 2>/dev/null
+        echo; echo "## 128 SSH hosts (issue 27)"; echo
+        .venv/bin/python bench/bench_scale.py --hosts 128 --reps 3 2>/dev/null
+        .venv/bin/python bench/bench_fanout.py --hosts 128 --reps 1 2>/dev/null
     fi
 } >>BENCHMARKS.md

@@ -54,6 +54,27 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 """
 
 
+_labs_made = 0
+
+
+def next_lab_tag() -> str:
+    """A tag no lab of this process had (its pid and letters): labs of every kind (SSH
+    hosts, Kubernetes, Vast) name their bridges, namespaces and folders with it."""
+    global _labs_made
+    _labs_made += 1
+    return f"{os.getpid()}{_letters(_labs_made - 1)}"
+
+
+def _letters(n: int) -> str:
+    """``n`` in letters (0: "a", 25: "z", 26: "ba"...): a lab's suffix, never reused in a
+    process (a session makes more than 26 labs)."""
+    out = chr(ord("a") + n % 26)
+    while n >= 26:
+        n //= 26
+        out = chr(ord("a") + n % 26) + out
+    return out
+
+
 class LabError(RuntimeError):
     """The test hosts cannot be set up on this machine."""
 
@@ -107,7 +128,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_labs() -> None:
     """Remove the namespaces and links of labs whose process is gone (a killed test run)."""
     for line in run("ip", "netns", "list").stdout.splitlines():
-        match = re.match(r"(flotilla-(\d+)[a-z]-h\d+)\b", line)
+        match = re.match(r"(flotilla-(\d+)[a-z]+-h\d+)\b", line)
         if match and not _pid_alive(int(match.group(2))):
             netns = match.group(1)
             for pid in pids_in_netns(netns):
@@ -115,7 +136,7 @@ def remove_stale_labs() -> None:
                     os.kill(pid, signal.SIGKILL)
             run("ip", "netns", "del", netns, check=False)
     for line in run("ip", "-o", "link", "show").stdout.splitlines():
-        match = re.match(r"\d+: (fl[bv](\d+)[a-z](x\d+)?)[@:]", line)
+        match = re.match(r"\d+: (fl[bv](\d+)[a-z]+(x\d+)?)[@:]", line)
         if match and not _pid_alive(int(match.group(2))):
             run("ip", "link", "del", match.group(1), check=False)
 
@@ -194,12 +215,8 @@ class TestHost:
 class Lab:
     """A bridge with test hosts; a context manager that removes everything it made."""
 
-    _count = 0
-
     def __init__(self) -> None:
-        pid = os.getpid()
-        Lab._count += 1
-        self.tag = f"{pid}{chr(ord('a') + (Lab._count - 1) % 26)}"  # unique in this process
+        self.tag = next_lab_tag()  # unique in this process
         self.bridge = f"flb{self.tag}"[:15]
         self.tmp = Path(tempfile.mkdtemp(prefix=f"flotilla-lab-{self.tag}-"))
         self.tmp.chmod(0o755)
@@ -210,7 +227,7 @@ class Lab:
         self.known_hosts = self.tmp / "known_hosts"
         self.bashrc = self.tmp / "bashrc"
         self._next = 0
-        self._seed = pid
+        self._seed = os.getpid()
 
     # -- life cycle ------------------------------------------------------------------
     def __enter__(self) -> Lab:

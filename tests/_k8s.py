@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _hosts import LabError, free_subnet, remove_stale_labs, run
+from _hosts import LabError, free_subnet, next_lab_tag, remove_stale_labs, run
 
 from flotilla._node.procs import die_with_parent
 
@@ -122,13 +122,9 @@ class K8sLab:
     """etcd + kube-apiserver + kube-scheduler + the node stand-in; a context manager that
     removes everything it made."""
 
-    _count = 0
-
     def __init__(self, nodes: tuple[NodeSpec, ...] = DEFAULT_NODES) -> None:
-        pid = os.getpid()
         self.nodes = nodes
-        self.tag = f"{pid}{'klmnopqrstuvwyz'[K8sLab._count % 15]}"  # see remove_stale_labs
-        K8sLab._count += 1
+        self.tag = next_lab_tag()  # unique among every lab of this process
         self.bridge = f"flb{self.tag}"[:15]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.dir = Path(tempfile.mkdtemp(prefix="flotilla-k8s-"))

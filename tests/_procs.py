@@ -236,7 +236,7 @@ class Client:
 
 
 TEST_FOLDER_PREFIX = "flotilla-test-"
-_TEST_FOLDER = re.compile(r"flotilla-(?:test-[a-z]+|lab)-(\d+)[a-z]?-")
+_TEST_FOLDER = re.compile(r"flotilla-(?:test-[a-z]+|lab)-(\d+)[a-z]*-")
 """A test's own folder in the temp folder: ``flotilla-test-<kind>-<pid>-...`` (lab
 folders: ``flotilla-lab-<pid><letter>-...``, see _hosts.py), the pid being the test
 session's."""

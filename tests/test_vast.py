@@ -213,6 +213,9 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
     instance's own key) ttl s after the client's last contact; a pool left behind is
     found by its label by remove_orphans()."""
     ttl = 3.0
+    # instances an earlier test's killed client left end by their own ttl: wait for them,
+    # so that this test's count is of its own pool only
+    assert vast_lab.wait_gone(120) == []
     vast_lab.add_machines(2, cluster_id=5)
     proc = _client(ttl)
     try:

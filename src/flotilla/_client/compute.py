@@ -301,7 +301,8 @@ class Compute(PoolCollections, Pool):
                 "only (elastic pools: Local and SSH); pass a number of nodes"
             )
         self.provider.validate(spec)
-        ensure_open_files(self.size.most)  # every provider: three pipes per node here
+        # every provider: three pipes per node here
+        ensure_open_files(self.size.most, str(getattr(self.provider, "name", "")))
         volume_secrets: list[str] = []
         if self.volumes:  # the buckets can be read: before anything is provisioned
             self._volume_spec, volume_secrets = node_spec(self.volumes)

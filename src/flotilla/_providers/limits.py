@@ -56,11 +56,12 @@ def _available_memory() -> int | None:
     return None
 
 
-def ensure_open_files(nodes: int) -> None:
+def ensure_open_files(nodes: int, kind: str = "") -> None:
     """Make room for a pool of ``nodes`` (any provider: each node's agent channel is three
-    pipes held here) in this process's limit of open files: the soft limit is raised
-    towards the hard limit when it is too low (and a line logged saying so); a
-    ConfigurationError when even the hard limit is too low."""
+    pipes held here; ``kind``, the provider's name, for the message) in this process's
+    limit of open files: the soft limit is raised towards the hard limit when it is too low
+    (and a line logged saying so); a ConfigurationError when even the hard limit is too
+    low."""
     need_fds = _open_fds() + nodes * FDS_PER_NODE + FDS_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and need_fds > soft:
@@ -74,7 +75,8 @@ def ensure_open_files(nodes: int) -> None:
             )
         else:
             raise ConfigurationError(
-                f"{nodes} nodes need about {need_fds} open files in this process, "
+                f"{nodes} {kind + ' ' if kind else ''}nodes need about {need_fds} open files "
+                "in this process, "
                 f"but its limit is {soft} (hard limit {hard}): " + _FD_FIX.format(want=need_fds)
             )
 
@@ -82,7 +84,7 @@ def ensure_open_files(nodes: int) -> None:
 def check_local_capacity(nodes: int) -> None:
     """Refuse (ConfigurationError) a local pool of ``nodes`` that this machine cannot
     hold: open files (see :func:`ensure_open_files`), processes and memory."""
-    ensure_open_files(nodes)
+    ensure_open_files(nodes, "local")
     procs_soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if procs_soft != resource.RLIM_INFINITY and 2 * nodes > procs_soft:
         raise ConfigurationError(
