@@ -419,6 +419,10 @@ class AwsLab:
         vpc = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"][0]
         for subnet in ec2.describe_subnets()["Subnets"]:
             ec2.delete_subnet(SubnetId=subnet["SubnetId"])
+        # moto's state lives in this process: an earlier lab's block goes (a VPC holds 5)
+        for block in vpc.get("CidrBlockAssociationSet", []):
+            if block["CidrBlock"] != vpc["CidrBlock"]:
+                ec2.disassociate_vpc_cidr_block(AssociationId=block["AssociationId"])
         ec2.associate_vpc_cidr_block(VpcId=vpc["VpcId"], CidrBlock=f"{self.lab.subnet}.0/24")
         for zone, half in zip(ZONES, ("0/25", "128/25"), strict=True):
             subnet = ec2.create_subnet(
