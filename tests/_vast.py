@@ -412,6 +412,9 @@ class VastLab:
         for path in sorted(folder.glob("*")) if folder.is_dir() else []:
             with contextlib.suppress(OSError):
                 out.append(f"{path.name}: {path.read_text(errors='replace')}")
+        destroy = folder.parent / "vast" / f"{instance_id}.destroy.log"
+        with contextlib.suppress(OSError):
+            out.append(f"{destroy.name}: {destroy.read_text(errors='replace')}")
         return "\n".join(out) + "\n" + self.onstart_log(instance_id)
 
     # -- overlays --------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -592,6 +593,49 @@ watchdog(Config({str(contact)!r}, 1.0, ("sh", "-c", "date +%s.%N >> {fired}")))
     assert times[0] >= last_contact + 1.0  # ... and the power-off waited ttl after it
 
 
+def test_watchdog_runs_a_failed_power_off_again(tmp_path: Any) -> None:
+    """A power-off command that fails (the API throttled) is run again until it succeeds:
+    the instance still runs, and costs."""
+    contact, tries = tmp_path / "contact", tmp_path / "tries"
+    command = ("sh", "-c", f'echo x >> {tries}; [ "$(wc -l < {tries})" -ge 3 ]')
+    code = f"""
+from flotilla._node.cloud import Config, watchdog
+open({str(contact)!r}, "a").close()
+watchdog(Config({str(contact)!r}, 0.1, {command!r}, retry=0.05))
+"""
+    proc = _node_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert tries.read_text().count("x") == 3
+    log = contact.with_name("contact.log").read_text()
+    assert log.count("the power-off command failed (exit status 1)") == 2
+
+
+def test_watchdog_is_in_charge_before_the_agent_goes_on(tmp_path: Any) -> None:
+    """cloud.start() returns once the watchdog holds its lock: an agent killed right after
+    (a client killed at once) leaves an instance that still powers off ttl s later."""
+    contact, fifo = tmp_path / "watchdog" / "i-1", tmp_path / "fired"
+    os.mkfifo(fifo)
+    config = {"contact": str(contact), "ttl": 0.5, "poweroff": ["sh", "-c", f"echo on > {fifo}"]}
+    code = f"""
+import json, os
+os.environ["FLOTILLA_CLOUD"] = json.dumps({config!r})
+from flotilla._node.cloud import start
+start()
+print(os.path.exists({str(contact) + ".lock"!r}), flush=True)
+os._exit(0)  # the agent dies at once
+"""
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        proc = _node_python(code)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "True"
+        assert "did not start" not in proc.stderr
+        ready, _, _ = select.select([reader], [], [], 60)
+        assert ready and os.read(reader, 16) == b"on\n"
+    finally:
+        os.close(reader)
+
+
 def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
     import http.server
     import threading
@@ -658,25 +702,28 @@ def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
 
 
 def test_boot_guard_script_powers_off_without_contact(tmp_path: Any) -> None:
-    """No contact file, or only one left from an earlier boot (removed at boot): the
-    guard runs the power-off command (FLOTILLA_BOOT_GUARD=1 set), once."""
+    """No watchdog lock file, or only one left from an earlier boot (removed at boot,
+    with its contact file): the guard runs the power-off command (FLOTILLA_BOOT_GUARD=1
+    set), once."""
     contact = tmp_path / "work" / "watchdog" / "i-0123"
+    lock = contact.with_name("i-0123.lock")
     contact.parent.mkdir(parents=True)
     contact.write_text("")  # the last boot's
+    lock.write_text("")
     proc = _guard(tmp_path, 1)
     out, _ = proc.communicate(timeout=60)  # stdout ends when the detached guard does
     assert (tmp_path / "fired").read_text() == "1\n"
     assert "no agent started within 1 s of the boot" in out
-    assert not contact.exists()
+    assert not contact.exists() and not lock.exists()
 
 
-def test_boot_guard_script_exits_once_an_agent_started(tmp_path: Any) -> None:
-    contact = tmp_path / "work" / "watchdog" / "i-0123"
+def test_boot_guard_script_exits_once_a_watchdog_started(tmp_path: Any) -> None:
+    lock = tmp_path / "work" / "watchdog" / "i-0123.lock"
     proc = _guard(tmp_path, 1)
     assert proc.stdout is not None
     assert "powering off in 1 s unless an agent starts" in proc.stdout.readline()
-    contact.parent.mkdir(parents=True)
-    contact.write_text("")  # the agent's start
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")  # the watchdog's start
     out, _ = proc.communicate(timeout=60)
     assert "an agent started" in out and "watchdog is in charge" in out
     assert not (tmp_path / "fired").exists()

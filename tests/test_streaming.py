@@ -141,6 +141,22 @@ def test_streamed_in_and_out(pool: sky.Compute) -> None:
     assert list(double_each(iter(range(20)), factor=3) >> pool) == [3 * i for i in range(20)]
 
 
+@sky.function
+def wait_for(name: str) -> object:
+    return sky.queue(name).get(timeout=60)
+
+
+def test_a_call_that_waits_for_a_free_process_still_gets_its_streamed_argument() -> None:
+    # an elastic pool below its max parks a call while every process is busy: its
+    # streamed argument is sent once the call is on a node (it was cancelled)
+    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+        busy = wait_for("free") > pool
+        parked = total(iter(range(100))) > pool
+        assert parked.result(timeout=60) == sum(range(100))
+        pool.queue("free").put("done")
+        assert busy.result(timeout=60) == "done"
+
+
 def test_the_client_sends_only_a_window_ahead_of_the_task(pool: sky.Compute) -> None:
     pulled = []
 

@@ -526,6 +526,9 @@ class Compute(PoolCollections, Pool):
         if stream:
             sub = subs[0]
             sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
+        for sub, (_, sources) in zip(subs, split, strict=True):
+            if sources:
+                feeds.prepare(sub)
         self._dispatcher.dispatch(subs)
         for sub, (_, sources) in zip(subs, split, strict=True):
             if sources:

@@ -75,12 +75,14 @@ class Pump:
     ) -> None:
         self.sub = sub
         self.cancel = cancel
-        self.target = (sub.node, sub.tid)  # where the values go: the call's first node
+        self.target: tuple[Node, int] | None = None  # where the values go: its first node
         self.index = index
         self.source = source
         self.allowed = STREAM_WINDOW
         self.cond = threading.Condition()
         sub.future.add_done_callback(lambda _: self.credit(0))  # a waiting pump ends
+
+    def start(self) -> None:
         threading.Thread(target=self._run, name="flotilla-feed", daemon=True).start()
 
     def credit(self, more: int) -> None:
@@ -90,15 +92,22 @@ class Pump:
 
     def _send(self, kind: int, parts: list[Any]) -> bool:
         node, tid = self.sub.node, self.sub.tid
-        if (node, tid) != self.target:  # its node was lost and the call sent elsewhere:
-            self.cancel()  # the values sent so far are gone with the node
-            return False
-        if node is None or self.sub.future.done():
+        if self.sub.future.done():
             return False
         body = b"".join([bytes((self.index, kind)), *(bytes(p) for p in parts)])
-        return bool(node.send_control(Kind.FEED, ident=tid, body=body))
+        if (
+            (node, tid) != self.target
+            or node is None
+            or not node.send_control(Kind.FEED, ident=tid, body=body)
+        ):  # its node was lost (and the call perhaps sent elsewhere):
+            self.cancel()  # the values sent so far are gone with the node
+            return False
+        return True
 
     def _run(self) -> None:
+        assert self.sub.placed is not None
+        self.sub.placed.wait()  # sent to a node (Node.send), or ended
+        self.target = (self.sub.node, self.sub.tid)
         sent = 0
         try:
             for value in self.source:
@@ -114,10 +123,19 @@ class Pump:
         self._send(node_feeds.END, [])
 
 
+def prepare(sub: Submission) -> None:
+    """Before ``sub`` is dispatched: its pumps start sending once it is on a node."""
+    sub.placed = placed = threading.Event()
+    sub.future.add_done_callback(lambda _: placed.set())
+
+
 def start(sub: Submission, sources: list[Iterable[Any]], cancel: Callable[[], None]) -> None:
-    """Start sending ``sub``'s streamed arguments (once it was sent to its node);
-    ``cancel`` stops the call."""
+    """Start sending ``sub``'s streamed arguments (``prepare``d, then dispatched): each
+    waits until the call is on its node; ``cancel`` stops the call. The pumps are in place
+    before any value is sent, so the node's CREDIT frames always find them."""
     sub.pumps = [Pump(sub, i, source, cancel) for i, source in enumerate(sources)]
+    for pump in sub.pumps:
+        pump.start()
 
 
 def on_credit(sub: Submission, body: bytes | bytearray) -> None:

@@ -115,6 +115,7 @@ class Submission:
     stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
     collected: list[bytes | bytearray] = field(default_factory=list)  # else its values
     pumps: list[Any] = field(default_factory=list)  # its streamed arguments (feeds.py)
+    placed: threading.Event | None = None  # set once sent (for streamed arguments)
 
 
 class NodeEvents:
@@ -241,6 +242,8 @@ class Node:
                     tid = next(_task_ids)
                     sub.node = self
                     sub.tid = tid
+                    if sub.placed is not None:  # its streamed arguments' values follow
+                        sub.placed.set()  # (once this write is done: write_lock)
                     sub.attempts += 1
                     sub.started = False
                     self.inflight[tid] = sub

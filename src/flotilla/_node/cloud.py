@@ -22,9 +22,11 @@ Standard library only (it runs on the node).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -52,6 +54,8 @@ class Config:
         poweroff: the power-off command (argv).
         imds: base URL of the instance metadata service ("" for no interruption poller).
         poll: seconds between two metadata polls.
+        retry: seconds before a power-off command that failed (exit status not 0: the
+            API throttled, say) is run again; the instance still runs, and costs.
     """
 
     contact: str
@@ -59,6 +63,7 @@ class Config:
     poweroff: tuple[str, ...]
     imds: str = ""
     poll: float = 2.0
+    retry: float = 60.0
 
     @staticmethod
     def from_json(text: str) -> Config:
@@ -69,6 +74,7 @@ class Config:
             poweroff=tuple(raw.get("poweroff", ())),
             imds=str(raw.get("imds", "")),
             poll=float(raw.get("poll", 2.0)),
+            retry=float(raw.get("retry", 60.0)),
         )
 
 
@@ -100,28 +106,71 @@ def start() -> Contact | None:
     with open(config.contact, "a"):
         pass
     os.utime(config.contact)
+    armed, tell = os.pipe()
     try:
         subprocess.Popen(
             [sys.executable, "-m", "flotilla._node.cloud"],
-            env={**os.environ, ENV: text},
+            env={**os.environ, ENV: text, _ARMED_FD: str(tell)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
+            pass_fds=(tell,),
         )
     except OSError as e:  # the agent still serves the pool; the client releases it
         print(f"flotilla agent: cannot start the instance watchdog: {e}", file=sys.stderr)
+    finally:
+        os.close(tell)
+    if config.ttl > 0 and not _wait_armed(armed):
+        print(
+            "flotilla agent: the instance watchdog did not start: this instance will not "
+            "end by itself if the client dies (its on-start guard still ends it)",
+            file=sys.stderr,
+        )
+    os.close(armed)
     every = min(5.0, config.ttl / 10) if config.ttl > 0 else 3600.0
     return Contact(config.contact, every)
+
+
+_ARMED_FD = "FLOTILLA_CLOUD_ARMED"
+"""The helper's environment: the descriptor on which the watchdog says it holds its lock
+(so the agent never serves a client before the watchdog is in charge: a client killed
+at once still leaves an instance that ends)."""
+_ARM_TIMEOUT = 30.0
+
+
+def _wait_armed(fd: int) -> bool:
+    """Whether the watchdog said it is in charge (one byte) within ``_ARM_TIMEOUT`` s."""
+    deadline = time.monotonic() + _ARM_TIMEOUT
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                return os.read(fd, 1) == b"1"  # b"": it ended without a word
+            except InterruptedError:
+                continue
+    return False
+
+
+def _say_armed() -> None:
+    fd = os.environ.pop(_ARMED_FD, "")
+    if fd.isdigit():
+        try:
+            os.write(int(fd), b"1")
+            os.close(int(fd))
+        except OSError:
+            pass
 
 
 # -- the watchdog ----------------------------------------------------------------------------
 def watchdog(config: Config, log: Any = None) -> None:
     """Run ``config.poweroff`` ``config.ttl`` s after the contact file's last modification.
-    Returns at once when another watchdog holds the instance's lock."""
+    Returns at once when another watchdog holds the instance's lock (it is in charge)."""
     lock = open(config.contact + ".lock", "a")  # noqa: SIM115 - held until the process ends
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        _say_armed()
         return
+    _say_armed()
     while True:
         try:
             last = os.stat(config.contact).st_mtime
@@ -130,12 +179,23 @@ def watchdog(config: Config, log: Any = None) -> None:
         left = last + config.ttl - time.time()
         if left <= 0:
             _log(config, f"no contact from the client since {last:.3f}: {config.poweroff}")
-            try:
-                subprocess.run(list(config.poweroff), stdin=subprocess.DEVNULL)
-            except OSError as e:
-                _log(config, f"cannot run the power-off command: {e}")
-            return
+            if _power_off(config):
+                return
+            time.sleep(config.retry)  # the instance still runs (and costs): try again
+            continue
         time.sleep(min(left, 5.0) + 0.01)
+
+
+def _power_off(config: Config) -> bool:
+    """Run the power-off command; whether it succeeded (exit status 0)."""
+    try:
+        code = subprocess.run(list(config.poweroff), stdin=subprocess.DEVNULL).returncode
+    except OSError as e:
+        _log(config, f"cannot run the power-off command: {e}")
+        return False
+    if code != 0:
+        _log(config, f"the power-off command failed (exit status {code}): trying again")
+    return code == 0
 
 
 def _log(config: Config, message: str) -> None:
@@ -205,10 +265,14 @@ def _request(url: str, method: str, headers: dict[str, str]) -> str:
 def main() -> None:
     """Entry point of ``python -m flotilla._node.cloud`` (started by :func:`start`)."""
     config = Config.from_json(os.environ[ENV])
-    die_with_parent(exit_status=0)
-    if config.ttl > 0 and _daemonize():
+    if config.ttl > 0 and _daemonize():  # first: the agent may die meanwhile
         watchdog(config)
         os._exit(0)
+    fd = os.environ.pop(_ARMED_FD, "")  # the watchdog's to write on, not this process's
+    if fd.isdigit():
+        with contextlib.suppress(OSError):
+            os.close(int(fd))
+    die_with_parent(exit_status=0)
     if config.imds:
         poll_interruptions(config)
     else:

@@ -9,16 +9,16 @@ root early in every boot, before sshd starts, with the instance id in ``INSTANCE
 detaches (``setsid``, ``&``: the boot goes on) and waits ``max(ttl, start_timeout)`` s (as
 long as a live client tries to start the agent, or the watchdog's ``ttl`` if longer), then
 
-* if the watchdog's contact file exists (``{workdir}/watchdog/{instance id}``, made by the
-  agent when it starts), an agent started and its watchdog is in charge: the guard exits;
+* if the watchdog's lock file exists (``{workdir}/watchdog/{instance id}.lock``, made by
+  the watchdog the agent starts), its watchdog is in charge: the guard exits;
 * otherwise it runs the pool's power-off command (the watchdog's, with
   ``FLOTILLA_BOOT_GUARD=1`` in its environment, which ``sudo`` drops): with shutdown
   behaviour "terminate", the instance ends.
 
 Ownership: the guard runs as root but creates nothing in the workdir, which belongs to the
 login user (and may not exist yet; at the first boot not even the user does, so its home is
-looked up after the wait). It only removes a contact file left by an earlier boot, whose
-watchdog died with it: an instance rebooted without its agent powers off too. It tells what
+looked up after the wait). It only removes the contact and lock files left by an earlier boot,
+whose watchdog died with it: an instance rebooted without its agent powers off too. It tells what
 it decided on its standard output, cloud-init's (``/var/log/cloud-init-output.log``, the
 console). POSIX sh plus util-linux's ``setsid`` (``nohup`` without it): the AMI has no
 flotilla yet.
@@ -62,7 +62,7 @@ def guard_command(
         'if [ -z "$1" ]; then echo "flotilla boot guard: no INSTANCE_ID: not guarding"; '
         "exit 0; fi; "
         f'echo "flotilla boot guard: powering off in {delay} s unless an agent starts"; '
-        f"sleep {delay}; c={contact}; "
+        f"sleep {delay}; c={contact}.lock; "
         'if [ -e "$c" ]; then echo "flotilla boot guard: an agent started ($c): its '
         'watchdog is in charge"; '
         f'else echo "flotilla boot guard: no agent started within {delay} s of the boot '
@@ -71,7 +71,7 @@ def guard_command(
     stale = contact.replace('"$1"', '"$i"')
     return (
         'i="${INSTANCE_ID:-$(cat /var/lib/cloud/data/instance-id 2>/dev/null)}"; '
-        f'[ -z "$i" ] || rm -f {stale}; '
+        f'[ -z "$i" ] || rm -f {stale} {stale}.lock; '
         "s=$(command -v setsid || echo nohup); "
         f'$s sh -c {shlex.quote(guard)} flotilla-boot-guard "$i" </dev/null &'
     )

@@ -12,9 +12,10 @@ must not run, and cost, forever. The script writes ``{workdir}/vast/{CONTAINER_I
 (0700), which destroys the instance through Vast's API with the key Vast gives each
 instance for itself (``CONTAINER_API_KEY``: it can act on that instance only; the
 account's key never leaves the client), then detaches a guard that waits
-``max(ttl, start_timeout)`` s and runs it unless an agent started (its watchdog's contact
-file exists): the watchdog (``_node/cloud.py``) runs the same script ``ttl`` s after the
-client's last contact. POSIX sh and python3 (curl if there is no python3).
+``max(ttl, start_timeout)`` s and runs it unless an agent started its watchdog (the
+watchdog's lock file exists): the watchdog (``_node/cloud.py``) runs the same script
+``ttl`` s after the client's last contact. The destroy call is tried again for a few
+minutes (the API may throttle). POSIX sh and python3 (curl if there is no python3).
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ def onstart_script(
     vast_dir = shell_path(workdir.rstrip("/") + "/vast")
     watch = shell_path(workdir.rstrip("/") + f"/{WATCHDOG_FOLDER}")
     endpoint = f"{url}/api/v0/instances/$CONTAINER_ID/"
-    python = (
-        "import urllib.request as u; u.urlopen(u.Request("
-        f'"{endpoint}", method="DELETE", headers={{"Authorization": '
-        '"Bearer $CONTAINER_API_KEY"}), timeout=30).read(); print("destroyed")'
+    python = (  # tried 8 times over ~4 min (the API may throttle or be out of reach)
+        "import time,urllib.request as u\n"
+        "for n in range(8):\n"
+        " try:\n"
+        f'  u.urlopen(u.Request("{endpoint}",method="DELETE",headers='
+        '{"Authorization":"Bearer $CONTAINER_API_KEY"}),timeout=30).read();'
+        'print("destroyed");break\n'
+        " except Exception as x:\n"
+        '  if getattr(x,"code",0)==404:print("gone already");break\n'
+        '  print("failed:",x,flush=True);time.sleep(2**n)\n'
+        "else:raise SystemExit(1)"
     )
     guard = (
-        f'sleep {delay}; if [ -e "$2/$1" ]; then echo "flotilla guard: an agent started: '
+        f'sleep {delay}; if [ -e "$2/$1.lock" ]; then echo "flotilla guard: an agent started: '
         'its watchdog is in charge"; else echo "flotilla guard: no agent started within '
         f'{delay} s: destroying the instance"; sh "$3/$1.destroy"; fi'
     )
@@ -90,7 +98,7 @@ chmod 600 /etc/ssh/ssh_host_ed25519_key
 if [ -s /run/sshd.pid ]; then kill -HUP "$(cat /run/sshd.pid)" 2>/dev/null; fi
 [ -n "$CONTAINER_ID" ] || {{ echo "flotilla guard: no CONTAINER_ID: not guarding"; exit 0; }}
 mkdir -p {vast_dir} {watch}
-rm -f {watch}/"$CONTAINER_ID"
+rm -f {watch}/"$CONTAINER_ID" {watch}/"$CONTAINER_ID.lock"
 cat > {vast_dir}/"$CONTAINER_ID.destroy" <<FLOTILLA_DESTROY
 #!/bin/sh
 # destroy Vast instance $CONTAINER_ID with its own key (what it says: in \\$0.log)
@@ -99,7 +107,8 @@ echo "\\$(date) destroying instance $CONTAINER_ID"
 if command -v python3 >/dev/null; then
   exec python3 -c '{python}'
 fi
-exec curl -fsS -X DELETE -H "Authorization: Bearer $CONTAINER_API_KEY" "{endpoint}"
+exec curl -fsS --retry 8 --retry-all-errors -X DELETE \\
+  -H "Authorization: Bearer $CONTAINER_API_KEY" "{endpoint}"
 FLOTILLA_DESTROY
 chmod 700 {vast_dir}/"$CONTAINER_ID.destroy"
 echo "flotilla guard: destroying this instance in {delay} s unless an agent starts"
