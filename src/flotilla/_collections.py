@@ -172,15 +172,8 @@ class _Proxy:
         return f"<flotilla.{self._kind} {self._name!r}>"
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
-    return await asyncio.to_thread(fn, *args)
-
-
-class Dict(_Proxy):
-    """A distributed dict: ``d[key] = value``, ``d[key]``, ``del d[key]``, ``key in d``,
-    ``get``, ``update``, ``pop``, ``len``, ``keys``, ``items``."""
-
-    _kind = "dict"
+class _Consistent(_Proxy):
+    """A collection that takes Skyward's ``consistency`` (kept, and pickled with it)."""
 
     def __init__(
         self, name: str, backend: Backend | None = None, consistency: Consistency | None = None
@@ -190,6 +183,17 @@ class Dict(_Proxy):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._name, None, self.consistency))
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.to_thread(fn, *args)
+
+
+class Dict(_Consistent):
+    """A distributed dict: ``d[key] = value``, ``d[key]``, ``del d[key]``, ``key in d``,
+    ``get``, ``update``, ``pop``, ``len``, ``keys``, ``items``."""
+
+    _kind = "dict"
 
     def __getitem__(self, key: Any) -> Any:
         found, value = self._ask("get", key)
@@ -242,19 +246,10 @@ class Dict(_Proxy):
         return await _in_thread(self.pop, key, default)
 
 
-class Counter(_Proxy):
+class Counter(_Consistent):
     """A distributed counter: ``increment``, ``decrement``, ``reset``, ``value``, ``int()``."""
 
     _kind = "counter"
-
-    def __init__(
-        self, name: str, backend: Backend | None = None, consistency: Consistency | None = None
-    ) -> None:
-        super().__init__(name, backend)
-        self.consistency = _check_consistency(consistency)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self._name, None, self.consistency))
 
     @property
     def value(self) -> int:
@@ -295,19 +290,10 @@ class Counter(_Proxy):
         await _in_thread(self.reset, value)
 
 
-class Set(_Proxy):
+class Set(_Consistent):
     """A distributed set: ``add``, ``discard``, ``in``, ``len``."""
 
     _kind = "set"
-
-    def __init__(
-        self, name: str, backend: Backend | None = None, consistency: Consistency | None = None
-    ) -> None:
-        super().__init__(name, backend)
-        self.consistency = _check_consistency(consistency)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self._name, None, self.consistency))
 
     def add(self, value: Any) -> None:
         self._ask("add", value)
