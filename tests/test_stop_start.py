@@ -1,17 +1,21 @@
-"""``flotilla stop`` / ``flotilla start`` / ``launch --autostop`` on local and SSH-lab
-clusters: agents stopped, node folders (and what jobs left there) kept, STOPPED in
-``status``; providers whose nodes cannot stop are refused with ``down`` offered."""
+"""``flotilla stop`` / ``flotilla start`` / ``launch --autostop`` on local, SSH-lab and
+AWS-lab clusters: agents stopped, node folders (and what jobs left there) kept, STOPPED in
+``status``; on AWS the instances are stopped (StopInstances) and the same ones started again;
+providers (and spot instances) that cannot stop are refused with ``down`` offered."""
 
 from __future__ import annotations
 
 import secrets
 import time
 
+from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import processes_in, wait_until
 from test_cli import CLI, node_lines, ssh_flags
 from test_cli import cli as cli  # the fixture
+from test_cli_aws import _lab_flags
 
+from flotilla._providers.aws.kept import Keep, KeptPool
 from flotilla.cli.state import ClusterRecord, Paths, save
 
 
@@ -78,3 +82,127 @@ def test_stop_and_start_on_ssh_hosts(cli: CLI, ssh_lab: Lab) -> None:
     assert len(ssh_lab.agent_pids(hosts)) == 2  # an agent on each host again
     done = cli.ok("exec", "sst", f'echo "found: $(cat {out}/m-$SKYPILOT_NODE_RANK)"')
     assert node_lines(done.stdout, "found: ") == {0: f"{mark}-0", 1: f"{mark}-1"}
+
+
+# -- AWS (the EC2 emulator and namespace instances of _aws) ------------------------------
+def _aws_flags(lab: AwsLab, *more: str) -> list[str]:
+    return ["--provider", "aws", *_lab_flags(lab), *more]
+
+
+def _pool_of(cli: CLI, name: str) -> KeptPool:
+    kept = Keep(cli.home / "clusters" / name / "aws").load()
+    assert kept is not None, f"cluster {name} recorded no instances"
+    return kept
+
+
+def _states(lab: AwsLab, ids: list[str]) -> list[str]:
+    found = {i["InstanceId"]: i["State"]["Name"] for i in lab.describe(InstanceIds=ids)}
+    return [found[i] for i in ids]
+
+
+def _powered_off(lab: AwsLab, ids: list[str]) -> bool:
+    """The lab saw the instances stopped: nothing runs in their hosts (no sshd, agent,
+    watchdog), their hosts (folders, host keys) are still there."""
+    hosts = [lab.host_of(i) for i in ids]
+    return all(lab.power[(i, "stop")] for i in ids) and all(
+        h is not None and lab.lab.pids(h) == [] for h in hosts
+    )
+
+
+def test_aws_stop_keeps_the_instances_and_start_brings_them_back(cli: CLI, aws_lab: AwsLab) -> None:
+    cli.env.update(aws_lab.env)
+    mark = f"kept-{secrets.token_hex(4)}"
+    write = f"echo {mark}-$SKYPILOT_NODE_RANK > kept.txt; echo AT $(hostname -I)"
+    up = cli.ok("launch", "-c", "ast", "--nodes", "2", *_aws_flags(aws_lab), write, timeout=300)
+    kept = _pool_of(cli, "ast")
+    ids = [i.id for i in kept.instances]
+    assert len(ids) == 2 and not kept.stopped and kept.market == "on-demand"
+    before = cli.record("ast")
+    assert before is not None
+    addrs = [n.ip for n in before.nodes]
+    assert {r: v.split()[0] for r, v in node_lines(up.stdout, "AT").items()} == dict(
+        enumerate(addrs)
+    )
+    hosts = [aws_lab.host_of(i) for i in ids]
+
+    cli.ok("stop", "ast", timeout=120)
+    assert _states(aws_lab, ids) == ["stopped", "stopped"]  # StopInstances, not terminated
+    assert _pool_of(cli, "ast").stopped
+    assert wait_until(lambda: _powered_off(aws_lab, ids), 30), [
+        aws_lab.lab.pids(h) for h in hosts if h is not None
+    ]
+    assert "STOPPED" in cli.ok("status", "ast").stdout
+    refused = cli("exec", "ast", "true")
+    assert refused.returncode != 0 and "flotilla start ast" in refused.stderr
+    # the stopped pool is no orphan: another AWS pool's start (its sweep) leaves it alone
+    assert "kept (stopped clusters" in cli.ok("down", "--orphans", "--provider", "aws").stderr
+    assert _states(aws_lab, ids) == ["stopped", "stopped"]
+
+    cli.ok("start", "ast", timeout=300)
+    assert _states(aws_lab, ids) == ["running", "running"]  # the same instances
+    assert [aws_lab.power[(i, "start")] for i in ids] == [1, 1]
+    after = cli.record("ast")
+    assert after is not None and [n.ip for n in after.nodes] == addrs
+    done = cli.ok("exec", "ast", 'echo "found: $(cat kept.txt) on $(hostname -I)"')
+    found = node_lines(done.stdout, "found: ")
+    assert {r: v.split()[:3] for r, v in found.items()} == {
+        r: [f"{mark}-{r}", "on", addrs[r]] for r in range(2)
+    }
+    # flotilla ssh: the pool's login key, the host key recorded at launch pinned again
+    shell = cli.ok("ssh", "ast", "--node", "1", "--", "cat kept.txt")
+    assert shell.stdout.strip() == f"{mark}-1"
+    assert not _pool_of(cli, "ast").stopped
+
+    cli.ok("down", "ast", timeout=120)
+    assert _states(aws_lab, ids) == ["terminated", "terminated"]
+    assert aws_lab.pool_groups(kept.pool) == []
+    assert not (cli.home / "clusters" / "ast").exists()
+
+
+def test_aws_spot_cluster_stop_is_refused_before_anything_changes(
+    cli: CLI, aws_lab: AwsLab
+) -> None:
+    cli.env.update(aws_lab.env)
+    refused = cli(
+        "launch",
+        "-c",
+        "spa",
+        "--autostop",
+        "5",
+        *_aws_flags(aws_lab, "--allocation", "spot"),
+        "true",
+    )
+    assert refused.returncode == 2
+    assert "spot instances, which EC2 cannot stop" in refused.stderr
+    assert "--down" in refused.stderr
+    assert cli.record("spa") is None  # nothing launched
+    cli.ok("launch", "-c", "sp", *_aws_flags(aws_lab, "--allocation", "spot"), "true", timeout=300)
+    ids = [i.id for i in _pool_of(cli, "sp").instances]
+    rec = cli.record("sp")
+    assert rec is not None
+    done = cli("stop", "sp")
+    assert done.returncode == 2
+    assert "spot instances, which EC2 cannot stop" in done.stderr
+    assert "flotilla down sp" in done.stderr
+    assert _states(aws_lab, ids) == ["running"]
+    assert aws_lab.power[(ids[0], "stop")] == 0
+    now = cli.record("sp")
+    assert now is not None and now.observed_state().value == "UP" and now.pid == rec.pid
+    cli.ok("exec", "sp", "true")  # its agents still serve
+    cli.ok("down", "sp", timeout=120)
+    assert _states(aws_lab, ids) == ["terminated"]
+
+
+def test_aws_autostop_stops_an_idle_cluster_and_down_terminates_it(
+    cli: CLI, aws_lab: AwsLab
+) -> None:
+    cli.env.update(aws_lab.env)
+    cli.ok("launch", "-c", "aidle", "--autostop", "0.01", *_aws_flags(aws_lab), "true", timeout=300)
+    _wait_record(cli, "aidle", "STOPPED", 120)
+    kept = _pool_of(cli, "aidle")
+    ids = [i.id for i in kept.instances]
+    assert kept.stopped and _states(aws_lab, ids) == ["stopped"]
+    assert wait_until(lambda: _powered_off(aws_lab, ids), 30)
+    cli.ok("down", "aidle", timeout=120)  # no daemon: the CLI terminates what was kept
+    assert _states(aws_lab, ids) == ["terminated"]
+    assert aws_lab.pool_groups(kept.pool) == []
