@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
@@ -206,3 +207,66 @@ def test_aws_autostop_stops_an_idle_cluster_and_down_terminates_it(
     cli.ok("down", "aidle", timeout=120)  # no daemon: the CLI terminates what was kept
     assert _states(aws_lab, ids) == ["terminated"]
     assert aws_lab.pool_groups(kept.pool) == []
+
+
+def test_aws_started_instance_is_pinned_at_its_new_public_address(
+    aws_lab: AwsLab, tmp_path: Path
+) -> None:
+    """EC2 gives a stopped instance a new public address when it starts: the pool's
+    known_hosts pins the host key recorded at launch at the new address (and only there)."""
+    from _aws import ZONES
+
+    from flotilla._providers.aws.kept import KeptInstance
+    from flotilla._providers.aws.keys import keygen, remove_folder, user_data
+    from flotilla._providers.aws.pool import AWSAllocation
+    from flotilla._providers.base import Options, PoolSpec
+
+    host_key = keygen(str(tmp_path), "host", "t")
+    login = keygen(str(tmp_path), "login", "t")
+    ec2 = aws_lab.client()
+    (inst,) = ec2.run_instances(
+        ImageId=aws_lab.ami,
+        InstanceType="t3.micro",
+        MinCount=1,
+        MaxCount=1,
+        UserData=user_data(host_key, login),
+        NetworkInterfaces=[
+            {
+                "DeviceIndex": 0,
+                "SubnetId": aws_lab.subnets[ZONES[0]],
+                "AssociatePublicIpAddress": True,
+            }
+        ],
+    )["Instances"]
+    ident = inst["InstanceId"]
+    alloc: AWSAllocation | None = None
+    try:
+        (first,) = aws_lab.describe(InstanceIds=[ident])
+        ec2.stop_instances(InstanceIds=[ident])
+        provider = aws_lab.provider(private_ips=False)
+        keep = Keep(tmp_path / "keep")
+        kept = KeptPool(
+            pool="p" + secrets.token_hex(3),
+            region=provider.api.region,
+            stopped=True,
+            market="on-demand",
+            zone=ZONES[0],
+            instance_type="t3.micro",
+            image=aws_lab.ami,
+            security_group="",
+            instances=[KeptInstance(ident, host_key.public)],
+        )
+        spec = PoolSpec("t" + secrets.token_hex(3), 1, None, None, (), Options())
+        alloc = AWSAllocation(provider.settings, provider.api, spec, keep, kept)
+        alloc.host_keys = {ident: host_key.public}
+        (started,) = alloc._start_kept([ident])
+        assert started["State"]["Name"] == "running"
+        new = started["PublicIpAddress"]
+        assert new and new != first["PublicIpAddress"]
+        with open(alloc.known_hosts) as f:
+            pinned = f.read().split()
+        assert pinned == [new, *host_key.public.split()[:2]]
+    finally:
+        ec2.terminate_instances(InstanceIds=[ident])
+        if alloc is not None:
+            remove_folder(alloc.folder)
