@@ -100,12 +100,14 @@ server.serve_forever()
 @dataclass
 class Rule:
     """RunInstances answers ``code`` for launches in ``market`` ("spot"/"on-demand"/None:
-    any) and ``zone`` (None: any), ``times`` times (None: always)."""
+    any) and ``zone`` (None: any), ``times`` times (None: always); with ``action``
+    "StartInstances", every StartInstances does (market and zone not looked at)."""
 
     code: str
     market: str | None = None
     zone: str | None = None
     times: int | None = None
+    action: str = "RunInstances"
 
 
 _STATE_CHANGES = frozenset(
@@ -276,6 +278,18 @@ class Faults:
             return [xml]
         if action == "TerminateInstances":
             self.placement.terminated(params)
+        if action == "StartInstances":
+            with self.lock:
+                for rule in self.rules:
+                    if rule.action == action and rule.times != 0:
+                        if rule.times is not None:
+                            rule.times -= 1
+                        code, xml = _ec2_error(rule.code, "test: no capacity to start")
+                        start_response(
+                            "400 Bad Request",
+                            [("Content-Type", "text/xml"), ("Content-Length", str(len(xml)))],
+                        )
+                        return [xml]
         if action == "RunInstances":
             market = (
                 "spot"
@@ -286,7 +300,7 @@ class Faults:
             zone = self.zone_of.get(subnet, "")
             with self.lock:
                 for rule in self.rules:
-                    if rule.times == 0:
+                    if rule.times == 0 or rule.action != action:
                         continue
                     if rule.market in (None, market) and rule.zone in (None, zone):
                         if rule.times is not None:
@@ -493,6 +507,12 @@ class AwsLab:
         assert self.faults is not None
         with self.faults.lock:
             self.faults.rules.append(Rule(code, market, zone, times))
+
+    def fail_starts(self, code: str, times: int | None = None) -> None:
+        """StartInstances answers ``code`` (``times`` times; None: always)."""
+        assert self.faults is not None
+        with self.faults.lock:
+            self.faults.rules.append(Rule(code, times=times, action="StartInstances"))
 
     def clear_faults(self) -> None:
         assert self.faults is not None

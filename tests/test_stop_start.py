@@ -270,3 +270,26 @@ def test_aws_started_instance_is_pinned_at_its_new_public_address(
         ec2.terminate_instances(InstanceIds=[ident])
         if alloc is not None:
             remove_folder(alloc.folder)
+
+
+def test_aws_start_without_capacity_keeps_the_instances_stopped(cli: CLI, aws_lab: AwsLab) -> None:
+    """StartInstances refused (no capacity): `start` fails saying so, root cause first;
+    the instances stay stopped and recorded, and the next `start` brings them back."""
+    cli.env.update(aws_lab.env)
+    cli.ok("launch", "-c", "acap", *_aws_flags(aws_lab), "echo here > kept.txt", timeout=300)
+    ids = [i.id for i in _pool_of(cli, "acap").instances]
+    cli.ok("stop", "acap", timeout=120)
+    aws_lab.fail_starts("InsufficientInstanceCapacity", times=1)
+    try:
+        failed = cli("start", "acap", timeout=300)
+    finally:
+        aws_lab.clear_faults()
+    assert failed.returncode != 0
+    assert "no capacity to start 1 x" in failed.stderr
+    assert "InsufficientInstanceCapacity" in failed.stderr
+    assert _states(aws_lab, ids) == ["stopped"]
+    assert _pool_of(cli, "acap").stopped
+    cli.ok("start", "acap", timeout=300)
+    assert _states(aws_lab, ids) == ["running"]
+    done = cli.ok("exec", "acap", 'echo "found: $(cat kept.txt)"')
+    assert node_lines(done.stdout, "found: ") == {0: "here"}
