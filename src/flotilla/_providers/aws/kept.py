@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..._errors import ConfigurationError
 from ..._node.private import private_dir
 
 STATE_FILE = "pool.json"
@@ -101,14 +102,18 @@ class Keep:
         return self.folder / STATE_FILE
 
     def load(self) -> KeptPool | None:
-        """The kept pool, or None when there is none (or it cannot be read)."""
+        """The kept pool, or None when there is none; a ConfigurationError when its record
+        cannot be read."""
         try:
             data = json.loads(self.state_file.read_text())
             return KeptPool.from_json(data)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{self.state_file} cannot be read: {e}") from e
+            raise ConfigurationError(
+                f"the stopped pool's record {self.state_file} cannot be read ({e}): its "
+                "instances are tagged flotilla:stopped in the EC2 console"
+            ) from e
 
     def save(self, pool: KeptPool, login_key: str | None = None) -> None:
         """Record ``pool`` (atomically), and copy the login key file ``login_key``."""

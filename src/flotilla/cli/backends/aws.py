@@ -258,7 +258,7 @@ class AWSBackend(Backend[AWSSpec]):
         from ..._providers.aws.pool import RELEASE_TIMEOUT, TAG_POOL
 
         keep = Keep(_keep_folder(paths.dir))
-        kept = _kept(paths)
+        kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
         if kept is None:
             keep.forget()
             return
@@ -344,7 +344,7 @@ def _kept(paths: Paths) -> KeptPool | None:
 
     try:
         return Keep(_keep_folder(paths.dir)).load()
-    except ValueError:
+    except ConfigurationError:
         return None
 
 
