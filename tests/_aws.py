@@ -12,7 +12,13 @@ would (host key from ``ssh_keys``, ``ssh_authorized_keys``), starts. Before that
 the network is there, the user-data's ``bootcmd`` runs in the host as cloud-init's init
 stage runs it (one ``/bin/sh`` script, as root, ``INSTANCE_ID`` set, output to the
 instance's console log, :meth:`AwsLab.console`); what it leaves running stays in the host.
-Terminating the instance stops the host and everything in it.
+Terminating the instance stops the host and everything in it. Stopping it (StopInstances)
+kills everything running in the host (sshd, agents, watchdogs, what bootcmd left) but keeps
+the host's folder, its "disk" (its host key; the rest of the file system is shared with
+this machine anyway); starting it again (StartInstances) boots it as EC2 boots a stopped
+instance: the metadata service, the user-data's ``bootcmd`` again (cloud-init runs it at
+every boot), then sshd with the same host key, ``boot_delay`` seconds after the start.
+:attr:`AwsLab.power` counts the stops and starts seen per instance.
 
 Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInstances
 answer with an error code (capacity, quota) for a market and zone, as AWS would; the
@@ -94,12 +100,14 @@ server.serve_forever()
 @dataclass
 class Rule:
     """RunInstances answers ``code`` for launches in ``market`` ("spot"/"on-demand"/None:
-    any) and ``zone`` (None: any), ``times`` times (None: always)."""
+    any) and ``zone`` (None: any), ``times`` times (None: always); with ``action``
+    "StartInstances", every StartInstances does (market and zone not looked at)."""
 
     code: str
     market: str | None = None
     zone: str | None = None
     times: int | None = None
+    action: str = "RunInstances"
 
 
 _STATE_CHANGES = frozenset(
@@ -270,6 +278,18 @@ class Faults:
             return [xml]
         if action == "TerminateInstances":
             self.placement.terminated(params)
+        if action == "StartInstances":
+            with self.lock:
+                for rule in self.rules:
+                    if rule.action == action and rule.times != 0:
+                        if rule.times is not None:
+                            rule.times -= 1
+                        code, xml = _ec2_error(rule.code, "test: no capacity to start")
+                        start_response(
+                            "400 Bad Request",
+                            [("Content-Type", "text/xml"), ("Content-Length", str(len(xml)))],
+                        )
+                        return [xml]
         if action == "RunInstances":
             market = (
                 "spot"
@@ -280,7 +300,7 @@ class Faults:
             zone = self.zone_of.get(subnet, "")
             with self.lock:
                 for rule in self.rules:
-                    if rule.times == 0:
+                    if rule.times == 0 or rule.action != action:
                         continue
                     if rule.market in (None, market) and rule.zone in (None, zone):
                         if rule.times is not None:
@@ -317,7 +337,10 @@ class Instance:
     bootcmd_at: float = 0.0  # wall clock when cloud-init's bootcmd started (0: none)
     console: Path | None = None  # the console log (cloud-init's output)
     lock: threading.Lock = field(default_factory=threading.Lock)  # boot vs. shutdown
-    stopped: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)  # terminated
+    user_data: dict[str, Any] = field(default_factory=dict)  # the #cloud-config
+    boot: int = 0  # boots so far (a stop makes a pending boot's sshd start moot)
+    off: bool = False  # stopped (StopInstances): nothing runs in the host
 
 
 class AwsLab:
@@ -333,6 +356,7 @@ class AwsLab:
         self.ami = ""
         self.instances: dict[str, Instance] = {}
         self.booted: list[str] = []
+        self.power: Counter[tuple[str, str]] = Counter()  # (instance, "stop"/"start") seen
         self.boot_times: dict[str, tuple[float, float]] = {}  # id -> (seen, sshd started)
         self.env: dict[str, str] = {}
         self._saved_env: dict[str, str | None] = {}
@@ -484,6 +508,12 @@ class AwsLab:
         with self.faults.lock:
             self.faults.rules.append(Rule(code, market, zone, times))
 
+    def fail_starts(self, code: str, times: int | None = None) -> None:
+        """StartInstances answers ``code`` (``times`` times; None: always)."""
+        assert self.faults is not None
+        with self.faults.lock:
+            self.faults.rules.append(Rule(code, times=times, action="StartInstances"))
+
     def clear_faults(self) -> None:
         assert self.faults is not None
         with self.faults.lock:
@@ -559,10 +589,18 @@ class AwsLab:
     def _follow(self, ec2: Any, desc: dict[str, Any]) -> None:
         ident, state = desc["InstanceId"], desc["State"]["Name"]
         known = self.instances.get(ident)
-        if state in ("shutting-down", "terminated", "stopping", "stopped"):
+        if state in ("shutting-down", "terminated"):
             self._end(ident)
             return
+        if state in ("stopping", "stopped"):
+            if known is not None and not known.off:
+                self._power_off(known)
+            return
         if known is not None:
+            if known.off:  # started again
+                known.off = False
+                self.power[(ident, "start")] += 1
+                threading.Thread(target=self._restart, args=(known,), daemon=True).start()
             return
         data = ec2.describe_instance_attribute(InstanceId=ident, Attribute="userData")
         text = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
@@ -578,13 +616,53 @@ class AwsLab:
             if inst.stopped.is_set():  # terminated before it got its network
                 return
             self._network(inst, user_data)
+            boot = inst.boot
+        self._sshd_after_boot(inst, boot)
+
+    def _sshd_after_boot(self, inst: Instance, boot: int) -> None:
+        """Start the instance's sshd ``boot_delay`` s after it was seen, unless it was
+        terminated or stopped meanwhile."""
         if inst.stopped.wait(max(0.0, inst.seen + self.boot_delay - time.monotonic())):
             return
         with inst.lock:
-            if not inst.stopped.is_set() and inst.host is not None:
+            if not inst.stopped.is_set() and inst.host is not None and inst.boot == boot:
                 self.lab.start_sshd(inst.host, inst.host.folder / "authorized_keys", wait=False)
                 self.booted.append(inst.instance_id)
                 self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
+
+    def _power_off(self, inst: Instance) -> None:
+        """The instance is stopped: everything running in its host ends (a powered-off
+        machine); the host (address, folder, host key: the disk) stays."""
+        with inst.lock:
+            inst.off = True
+            inst.boot += 1
+            self.power[(inst.instance_id, "stop")] += 1
+            host = inst.host
+            if host is None:
+                return
+            self.lab.kill_all(host)
+            if host.sshd is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    host.sshd.wait(5)
+                host.sshd = None
+            if host._log is not None:
+                host._log.close()
+                host._log = None
+            if inst.imds is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    inst.imds.wait(5)
+                inst.imds = None
+
+    def _restart(self, inst: Instance) -> None:
+        """A stopped instance was started: it boots again as at its launch (metadata
+        service, bootcmd, then sshd with the host key on its disk)."""
+        with inst.lock:
+            if inst.stopped.is_set() or inst.host is None or inst.off:
+                return
+            inst.seen = time.monotonic()
+            self._boot_services(inst)
+            boot = inst.boot
+        self._sshd_after_boot(inst, boot)
 
     def _network(self, inst: Instance, user_data: str) -> None:
         with self._lock:
@@ -605,6 +683,13 @@ class AwsLab:
             host.pubkey = keys["ed25519_public"]
         authorized = host.folder / "authorized_keys"
         authorized.write_text("".join(k + "\n" for k in config.get("ssh_authorized_keys", [])))
+        inst.user_data = config
+        self._boot_services(inst)
+
+    def _boot_services(self, inst: Instance) -> None:
+        """What every boot runs before sshd: the metadata service, then bootcmd."""
+        host = inst.host
+        assert host is not None
         inst.imds = subprocess.Popen(
             [
                 *_in_netns(host.netns),
@@ -620,8 +705,8 @@ class AwsLab:
         )
         assert inst.imds.stdout is not None
         inst.imds.stdout.readline()  # "ready": the metadata service answers before sshd
-        self._poweroff_file(inst.addr).unlink(missing_ok=True)  # a former instance's
-        self._bootcmd(inst, config.get("bootcmd") or [])
+        self._poweroff_file(inst.addr).unlink(missing_ok=True)  # a former boot's
+        self._bootcmd(inst, inst.user_data.get("bootcmd") or [])
 
     def _bootcmd(self, inst: Instance, commands: list[Any]) -> None:
         """Run the user-data's ``bootcmd`` in the instance as cloud-init does: the entries

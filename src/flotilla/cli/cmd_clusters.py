@@ -183,7 +183,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
             code = EXIT_FLOTILLA
             continue
         kind = str(rec.provider.get("kind", registry.DEFAULT.kind))
-        note = registry.backend(kind).stop_note
+        backend = registry.backend(kind)
+        note = backend.stop_refusal(paths, backend.spec_from_dict(rec.provider))
         if note:
             raise CLIError(
                 f"cluster {name} runs on {kind}: {note}; `flotilla down {name}` releases "
@@ -223,11 +224,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         if state in (ClusterState.UP, ClusterState.STARTING):
             say(f"cluster {name}: already {state.value}")
             continue
-        if state is not ClusterState.STOPPED:
+        spec = registry.spec_from_dict(rec.provider)
+        kept = state is ClusterState.FAILED and registry.backend_for(spec).restartable(paths)
+        if state is not ClusterState.STOPPED and not kept:  # (a failed start keeps them)
             raise CLIError(
                 f"cluster {name} is {state.value}, not STOPPED: `flotilla down {name}` removes it"
             )
-        spec = registry.spec_from_dict(rec.provider)
         volumes = [Volume(**v) for v in rec.volumes]
         if volumes:  # the buckets can still be read: before anything is provisioned
             from .._volume import node_spec

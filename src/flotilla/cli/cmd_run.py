@@ -119,7 +119,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if existing is not None and state is ClusterState.STALE:
         running(paths)  # raises, saying so
     reuse = existing is not None and state in (ClusterState.UP, ClusterState.STARTING)
-    if existing is not None and reuse:
+    # a stopped cluster whose nodes were kept (AWS instances) starts them again: same spec
+    kept = (
+        existing is not None
+        and state in (ClusterState.STOPPED, ClusterState.FAILED)
+        and registry.backend_for(registry.spec_from_dict(existing.provider)).restartable(paths)
+    )
+    if existing is not None and (reuse or kept):
         spec = registry.spec_from_dict(existing.provider)
         if wanted is not None and wanted != spec:
             raise CLIError(
@@ -139,6 +145,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     job_nodes = args.nodes if args.nodes is not None else task.job_nodes(cluster_nodes)
     for warning in registry.backend_for(spec).check_task(task, spec, cluster_nodes):
         say(f"warning: {warning}")
+    if args.idle_minutes is not None and not autodown and not reuse:
+        refusal = registry.backend_for(spec).autostop_refusal(spec)
+        if refusal:
+            raise CLIError(
+                f"--autostop cannot stop this cluster: {refusal}; add --down to tear it "
+                "down when idle instead",
+                code=2,
+            )
     down_after = args.down and not autodown
     job = _job_spec(task, job_nodes, not args.no_setup, True, down_after, args.retries)
     volumes = _node_volumes(task, spec)

@@ -195,7 +195,8 @@ class ClusterDaemon:
             if self.runner.mesh and self.pool is not None:
                 with contextlib.suppress(Exception):  # best effort: nodes may be gone
                     mesh.disconnect(self.pool, self.workdirs, self.runner.mesh)
-        if self.pool is not None:
+        if self.pool is not None:  # stopped: the nodes' disks stay (a provider that can)
+            self.backend.before_close(self.pool.provider, keep=not self.delete_on_stop)
             self.pool.close()
             self._record_cost("down", self.pool)
         if self.server is not None:

@@ -98,7 +98,12 @@ def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()
 
 def pin(known_hosts: str, address: str, host_key: KeyPair) -> None:
     """Record ``host_key`` as the only key accepted for ``address``."""
-    key = " ".join(host_key.public.split()[:2])
+    pin_public(known_hosts, address, host_key.public)
+
+
+def pin_public(known_hosts: str, address: str, public: str) -> None:
+    """Record the public key line ``public`` as the only key accepted for ``address``."""
+    key = " ".join(public.split()[:2])
     fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(f"{address} {key}\n")

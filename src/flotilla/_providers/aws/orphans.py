@@ -22,6 +22,7 @@ from typing import Any
 
 from ..._node import procs
 from .api import Api, error_code, translate
+from .kept import TAG_STOPPED
 from .keys import FOLDER_PREFIX
 
 _LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
@@ -38,6 +39,8 @@ class Orphans:
         folders: their local key folders.
         skipped: pools whose client ran on another machine (not checked, not touched).
         placement_groups: their cluster placement groups (``network_tier="best"``).
+        stopped: pools of stopped clusters (tagged ``flotilla:stopped``): kept, not
+            touched (``flotilla down NAME`` removes them).
     """
 
     pools: tuple[str, ...]
@@ -46,6 +49,7 @@ class Orphans:
     folders: tuple[str, ...]
     skipped: tuple[str, ...]
     placement_groups: tuple[str, ...] = ()
+    stopped: tuple[str, ...] = ()
 
 
 def client_id() -> str:
@@ -116,9 +120,13 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
     placements = api.call(
         "ec2", "describe_placement_groups", "list flotilla's placement groups", Filters=tagged
     ).get("PlacementGroups", [])
-    clients: dict[str, str] = {}  # pool -> client
+    clients: dict[str, set[str]] = {}  # pool -> its resources' clients
+    stopped: set[str] = set()
     for resource in [*instances, *groups, *placements]:
-        clients[_tag(resource, "flotilla:pool")] = _tag(resource, "flotilla:client")
+        pool = _tag(resource, "flotilla:pool")
+        clients.setdefault(pool, set()).add(_tag(resource, "flotilla:client"))
+        if _tag(resource, TAG_STOPPED):
+            stopped.add(pool)
     folders: dict[str, list[str]] = {}
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*")):
         try:
@@ -127,14 +135,20 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
         except OSError:
             continue
         pool = os.path.basename(folder)[len(FOLDER_PREFIX) :].rsplit("-", 1)[0]
-        clients.setdefault(pool, client)
+        clients.setdefault(pool, set()).add(client)
         folders.setdefault(pool, []).append(folder)
     dead, skipped = set(), set()
-    for pool, client in clients.items():
-        alive = client_alive(client)
-        if alive is None:
+    for pool, owners in clients.items():
+        if pool in stopped:
+            continue
+        # a started stopped pool's resources name its new client and an old one: alive
+        # when any of them is
+        alive = [client_alive(client) for client in owners]
+        if any(alive):
+            continue
+        if None in alive:
             skipped.add(pool)
-        elif not alive:
+        else:
             dead.add(pool)
     orphans = Orphans(
         pools=tuple(sorted(dead)),
@@ -149,6 +163,7 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
         placement_groups=tuple(
             sorted(g["GroupName"] for g in placements if _tag(g, "flotilla:pool") in dead)
         ),
+        stopped=tuple(sorted(stopped)),
     )
     if dry_run:
         return orphans

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._errors import ConfigurationError, FlotillaError, ProvisionCause, ProvisionError
 from ..._node.cloud import ENV as CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..launch import ShellAllocation, start_remote_agent
@@ -25,7 +25,8 @@ from .agent import RETRIED, AWSAgent, wait_port
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
 from .guard import contact_path, guard_command
-from .keys import KeyPair, keygen, pin, pool_folder, remove_folder, user_data
+from .kept import TAG_STOPPED, Keep, KeptInstance, KeptPool
+from .keys import KeyPair, keygen, pin, pin_public, pool_folder, remove_folder, user_data
 from .orphans import client_id
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
@@ -55,10 +56,23 @@ class AWSAllocation(ShellAllocation):
         security_group: the pool's security group id ("" before it exists).
         placement_group: the pool's cluster placement group (network_tier="best"), or "".
         folder: the local folder with the pool's keys and known_hosts.
+        keep: where a stoppable pool records its instances, and whether closing it stops
+            them (see ``kept``); None: closing terminates everything.
+        tag: the ``flotilla:pool`` tag of the pool's resources: its id, or the id of the
+            first pool of the kept instances it started again.
     """
 
-    def __init__(self, settings: AWSSettings, api: Api, spec: PoolSpec) -> None:
+    def __init__(
+        self,
+        settings: AWSSettings,
+        api: Api,
+        spec: PoolSpec,
+        keep: Keep | None = None,
+        kept: KeptPool | None = None,
+    ) -> None:
         super().__init__(spec, [])
+        self.keep = keep
+        self.tag = kept.pool if kept is not None else spec.pool_id
         self.state = AllocationState.ACQUIRING
         self.settings = settings
         self.api = api
@@ -68,9 +82,11 @@ class AWSAllocation(ShellAllocation):
         self.instances: dict[str, dict[str, Any]] = {}
         self.security_group = ""
         self.placement_group = ""  # with network_tier="best": the pool's cluster group
-        self.folder = pool_folder(spec.pool_id)
+        self.folder = pool_folder(self.tag)
         self.known_hosts = os.path.join(self.folder, "known_hosts")
         self.login_key: KeyPair | None = None
+        self.host_keys: dict[str, str] = {}  # instance id -> the public host key it got
+        self._no_choice = ""  # why a started pool cannot launch replacements
         self._image: dict[str, Any] = {}
         self._subnets: dict[str, str] = {}  # zone -> subnet id
         self._vpc = ""
@@ -80,6 +96,9 @@ class AWSAllocation(ShellAllocation):
         self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
         self.hourly = 0.0
+        self.instance_type = ""
+        self.image_id = ""
+        self._kept_ids: list[str] = []  # the kept instances a start is starting
         """What the pool costs per hour when its price is known (0: unknown)."""
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
@@ -115,16 +134,8 @@ class AWSAllocation(ShellAllocation):
                 "that offers it, or another instance type"
             )
         self.choice = choice = dataclasses.replace(choice, zones=zones)
-        self.login_key = login_key
-        self.shell = SSHShell(
-            lambda machine: Target(
-                self._connect_addr(self.instances[machine.ident]), settings.ssh_user, 22
-            ),
-            key=login_key.path,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=False,
-            connect_timeout=settings.connect_timeout,
-        )
+        self.instance_type, self.image_id = choice.instance_type, self._image["ImageId"]
+        self._use_login_key(login_key)
         if settings.private_ips:
             self._client_cidrs = cidrs
         else:
@@ -167,6 +178,258 @@ class AWSAllocation(ShellAllocation):
         instances = await self._in_thread(self._run, spec.nodes)
         self.machines = [self._machine(rank, inst) for rank, inst in enumerate(instances)]
         self.state = AllocationState.READY
+        if self.keep is not None:
+            await self._in_thread(self._record, False)
+
+    def _use_login_key(self, login_key: KeyPair) -> None:
+        """Log in with ``login_key``, the instances' host keys pinned in ``known_hosts``."""
+        self.login_key = login_key
+        self.shell = SSHShell(
+            lambda machine: Target(
+                self._connect_addr(self.instances[machine.ident]), self.settings.ssh_user, 22
+            ),
+            key=login_key.path,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=self.settings.connect_timeout,
+        )
+
+    # -- stop and start (a stoppable pool, see ``kept``) ------------------------------
+    async def resume(self, kept: KeptPool) -> None:
+        """Start the kept, stopped instances of a stoppable pool instead of launching
+        new ones: the same instances (and disks) at the same ranks, their recorded host
+        keys pinned at their current addresses (a public address may change), the tag
+        that protected them while stopped removed. A failed start stops them again."""
+        assert self.keep is not None
+        self.keep.stop = True  # until the pool is up: a failure keeps the instances
+        ids = [i.id for i in kept.instances]
+        self._kept_ids = ids
+        if kept.region != self.api.region:
+            raise ConfigurationError(
+                f"the stopped instances are in {kept.region}, not {self.api.region}"
+            )
+        if len(ids) != self.spec.nodes:
+            raise ConfigurationError(
+                f"{len(ids)} stopped instance(s) cannot make a pool of {self.spec.nodes} nodes"
+            )
+        self.market, self.zone = kept.market, kept.zone
+        self.security_group, self.placement_group = kept.security_group, kept.placement_group
+        self.instance_type, self.image_id = kept.instance_type, kept.image
+        self.host_keys = {i.id: i.host_key for i in kept.instances}
+        login = os.path.join(self.folder, "login_key")
+        for suffix in ("", ".pub"):
+            with open(f"{self.keep.login_key}{suffix}", "rb") as src:
+                data = src.read()
+            fd = os.open(login + suffix, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as dst:
+                dst.write(data)
+        with open(login + ".pub") as f:
+            self._use_login_key(KeyPair(login, f.read().strip()))
+        network, _ = await _all(
+            self._in_thread(self._find_subnets), self._in_thread(self._choose_again, kept)
+        )
+        self._subnets, self._vpc, _ = network
+        if self.choice is not None:
+            zones = tuple(z for z in self.choice.zones if z in self._subnets)
+            self.choice = dataclasses.replace(self.choice, zones=zones)
+        _show(
+            f"AWS {self.api.region}: starting {len(ids)} stopped x {kept.instance_type}, "
+            f"{kept.market}, zone {kept.zone}: {', '.join(ids)}"
+        )
+        instances = await self._in_thread(self._start_kept, ids)
+        self.machines = [self._machine(rank, inst) for rank, inst in enumerate(instances)]
+        self.state = AllocationState.READY
+        await self._in_thread(self._record, False)
+        self.keep.stop = False
+
+    def _choose_again(self, kept: KeptPool) -> None:
+        """The instance choice of a started pool, for replacements (which launch): the
+        kept type and AMI. When they can no longer be had, the pool still starts, and
+        replacing a node says why it cannot."""
+        try:
+            choice = choose(
+                self.api,
+                kept.instance_type,
+                self.spec.accelerator,
+                self.spec.vcpus,
+                self.spec.memory_gb,
+                kept.market == "spot",
+                None,
+                efa=bool(kept.placement_group),
+            )
+            self._image = check_ami(self.api, kept.image, choice)
+            self.choice = choice
+        except FlotillaError as e:
+            self._no_choice = str(e)
+
+    def _start_kept(self, ids: list[str]) -> list[dict[str, Any]]:
+        """StartInstances for the kept instances ``ids`` (in rank order; those already
+        running are left so); their descriptions once they have their addresses."""
+        self._retag(ids, stopped=False)
+        found = {i["InstanceId"]: i for i in self._describe_ids(ids)}
+        gone = [
+            i
+            for i in ids
+            if i not in found or found[i]["State"]["Name"] in ("shutting-down", "terminated")
+        ]
+        if gone:
+            raise ProvisionError(
+                f"instance(s) {', '.join(gone)} of the stopped pool are terminated (their "
+                "disks with them): the pool cannot be started again; tear it down and "
+                "launch a new one"
+            )
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        delay = 0.2
+        while any(found[i]["State"]["Name"] == "stopping" for i in ids):
+            if time.monotonic() > deadline:  # StartInstances refuses a stopping instance
+                raise ProvisionError(f"instances {', '.join(ids)} are still stopping")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 3.0)
+            found = {i["InstanceId"]: i for i in self._describe_ids(ids)}
+        start = [i for i in ids if found[i]["State"]["Name"] == "stopped"]
+        if start:
+            try:
+                self.api.raw("ec2", "start_instances", InstanceIds=start)
+            except Exception as e:
+                code = error_code(e)
+                if code in CAPACITY_CODES:
+                    raise ProvisionError(
+                        f"AWS has no capacity to start {len(start)} x {self.instance_type} in "
+                        f"{self.zone} now ({code}: {error_message(e)}): the instances stay "
+                        "stopped; try again later",
+                        cause=ProvisionCause.CAPACITY,
+                    ) from e
+                raise translate(e, f"start the stopped instances {', '.join(start)}") from e
+        while True:
+            found = {i["InstanceId"]: i for i in self._describe_ids(ids)}
+            instances = [found[i] for i in ids]
+            if self.settings.private_ips or all(i.get("PublicIpAddress") for i in instances):
+                break
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"instances {', '.join(ids)} got no public address after starting: use a "
+                    "subnet that assigns them, or AWS(private_ips=True) from inside the VPC"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 3.0)
+        for inst in instances:  # a started instance may have a new public address
+            self.instances[inst["InstanceId"]] = inst
+            pin_public(
+                self.known_hosts, self._connect_addr(inst), self.host_keys[inst["InstanceId"]]
+            )
+        return instances
+
+    def _describe_ids(self, ids: list[str]) -> list[dict[str, Any]]:
+        """The instances ``ids`` (those EC2 still knows: a filter, not InstanceIds, so an
+        unknown id is left out instead of failing the call)."""
+        reply = self.api.call(
+            "ec2",
+            "describe_instances",
+            "check the pool's instances",
+            Filters=[{"Name": "instance-id", "Values": ids}],
+        )
+        return [i for r in reply["Reservations"] for i in r["Instances"]]
+
+    def _retag(self, ids: list[str], stopped: bool) -> None:
+        """Mark the pool's instances and security group as stopped (the orphan sweep
+        leaves them alone while no client runs) or as this client's again."""
+        resources = [*ids, *([self.security_group] if self.security_group else [])]
+        if stopped:
+            self.api.call(
+                "ec2",
+                "create_tags",
+                "mark the pool's instances as stopped",
+                Resources=resources,
+                Tags=[{"Key": TAG_STOPPED, "Value": self._created}],
+            )
+            return
+        self.api.call(
+            "ec2",
+            "create_tags",
+            "mark the stopped instances as this client's",
+            Resources=resources,
+            Tags=[{"Key": TAG_CLIENT, "Value": self._client}],
+        )
+        self.api.call(
+            "ec2",
+            "delete_tags",
+            "unmark the stopped instances",
+            Resources=resources,
+            Tags=[{"Key": TAG_STOPPED}],
+        )
+
+    def _node_ids(self) -> list[str]:
+        """The instances of the nodes, in rank order (those a start was starting, if it
+        failed before the pool had its machines)."""
+        return [m.ident for m in self.machines] or list(self._kept_ids)
+
+    def _record(self, stopped: bool, ids: list[str] | None = None) -> None:
+        """Write the pool's instances (``ids``, default the nodes') to the keep folder
+        (see ``kept``)."""
+        if self.keep is None:
+            return
+        ids = self._node_ids() if ids is None else ids
+        nodes = [KeptInstance(i, self.host_keys.get(i, "")) for i in ids]
+        self.keep.save(
+            KeptPool(
+                pool=self.tag,
+                region=self.api.region,
+                stopped=stopped,
+                market=self.market,
+                zone=self.zone,
+                instance_type=self.instance_type,
+                image=self.image_id,
+                security_group=self.security_group,
+                placement_group=self.placement_group,
+                instances=nodes,
+            ),
+            self.login_key.path if self.login_key is not None else None,
+        )
+
+    def _stop(self) -> None:
+        """Stop the nodes' instances (their disks stay) and record them for the next
+        pool; the pool's other instances (replaced nodes' ones, launches a lost answer
+        did not report) are terminated."""
+        from .orphans import terminate
+
+        ids = self._node_ids()
+        pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.tag]}]
+        others = [
+            i["InstanceId"]
+            for r in self.api.call(
+                "ec2", "describe_instances", "find the pool's instances", Filters=pool
+            )["Reservations"]
+            for i in r["Instances"]
+            if i["InstanceId"] not in ids and i["State"]["Name"] != "terminated"
+        ]
+        if others:
+            terminate(
+                self.api,
+                [{"Name": "instance-id", "Values": others}],
+                set(others),
+                RELEASE_TIMEOUT,
+            )
+        self._retag(ids, stopped=True)
+        self._record(True)  # before StopInstances: `down` finds them whatever happens next
+        try:
+            self.api.raw("ec2", "stop_instances", InstanceIds=ids)
+        except Exception as e:
+            raise translate(e, f"stop the pool's instances {', '.join(ids)}") from e
+        deadline = time.monotonic() + RELEASE_TIMEOUT
+        delay = 0.2
+        while True:
+            states = {i["InstanceId"]: i["State"]["Name"] for i in self._describe_ids(ids)}
+            left = [i for i in ids if states.get(i) not in ("stopped", "terminated", None)]
+            if not left:
+                break
+            if time.monotonic() > deadline:
+                raise ProvisionError(f"instances {', '.join(left)} still not stopped")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+        _show(
+            f"AWS: stopped {len(ids)} instance(s) of pool {self.tag} ({', '.join(ids)}); "
+            "their disks are kept"
+        )
 
     def _choose(self) -> InstanceChoice:
         """The instance choice and its AMI (checked)."""
@@ -229,8 +492,8 @@ class AWSAllocation(ShellAllocation):
 
     def _tags(self, resource: str) -> dict[str, Any]:
         tags = {
-            "Name": f"flotilla-{self.spec.pool_id}",
-            TAG_POOL: self.spec.pool_id,
+            "Name": f"flotilla-{self.tag}",
+            TAG_POOL: self.tag,
             TAG_OWNER: _owner(),
             TAG_CLIENT: self._client,
             TAG_CREATED: self._created,
@@ -241,7 +504,7 @@ class AWSAllocation(ShellAllocation):
     def _make_placement_group(self) -> None:
         """A cluster placement group for the pool (network_tier="best"): its instances
         land close together, as EFA traffic wants."""
-        name = f"flotilla-{self.spec.pool_id}"
+        name = f"flotilla-{self.tag}"
         self.api.call(
             "ec2",
             "create_placement_group",
@@ -257,8 +520,8 @@ class AWSAllocation(ShellAllocation):
             "ec2",
             "create_security_group",
             "create the pool's security group",
-            GroupName=f"flotilla-{self.spec.pool_id}",
-            Description=f"flotilla pool {self.spec.pool_id}: SSH from its client, members",
+            GroupName=f"flotilla-{self.tag}",
+            Description=f"flotilla pool {self.tag}: SSH from its client, members",
             VpcId=self._vpc,
             TagSpecifications=[self._tags("security-group")],
         )
@@ -334,6 +597,7 @@ class AWSAllocation(ShellAllocation):
                 instances = sorted(reply["Instances"], key=lambda i: int(i["AmiLaunchIndex"]))
                 for inst in instances:
                     self.instances[inst["InstanceId"]] = inst
+                    self.host_keys[inst["InstanceId"]] = host_key.public
                 if not self.settings.private_ips:
                     instances = self._public_addresses(instances)
                 for inst in instances:
@@ -494,6 +758,8 @@ class AWSAllocation(ShellAllocation):
             raise ProvisionError(
                 f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
             )
+        if self.choice is None:
+            raise ProvisionError(f"cannot replace node {rank}: {self._no_choice}")
         old = self.machines[rank]
         (inst,) = await self._in_thread(self._run, 1)
         machine = self._machine(rank, inst)
@@ -509,6 +775,10 @@ class AWSAllocation(ShellAllocation):
             )
         except ProvisionError as e:  # release() terminates it (by tag) in any case
             logger.warning("%s: %s", old.ident, e)
+        if self.keep is not None:  # the kept record follows (the machine is put later)
+            ids = [m.ident for m in self.machines]
+            ids[rank] = machine.ident
+            await self._in_thread(self._record, False, ids)
         return machine
 
     # -- release -----------------------------------------------------------------------
@@ -516,17 +786,27 @@ class AWSAllocation(ShellAllocation):
         busy = list(self._busy)
         if busy:  # an API call of a cancelled launch may still be creating something
             await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
+        loop = asyncio.get_running_loop()
+        keep = self.keep
         try:
-            await asyncio.get_running_loop().run_in_executor(_executor, self._release)
+            if keep is not None and keep.stop and self._node_ids():
+                if self.market != "spot":
+                    await loop.run_in_executor(_executor, self._stop)
+                    return
+                _show("AWS: spot instances cannot be stopped (EC2 only terminates them)")
+            await loop.run_in_executor(_executor, self._release)
+            if keep is not None:
+                keep.forget()
         except Exception as e:  # release never raises: report what is left
-            _show(f"AWS: could not release everything of pool {self.spec.pool_id}: {e}")
+            what = "stop" if keep is not None and keep.stop else "release"
+            _show(f"AWS: could not {what} everything of pool {self.tag}: {e}")
         finally:
             remove_folder(self.folder)
 
     def _release(self) -> None:
         from .orphans import delete_group, delete_placement_group, terminate
 
-        pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.spec.pool_id]}]
+        pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.tag]}]
         terminate(self.api, pool, set(self.instances), RELEASE_TIMEOUT)
         group = self.security_group
         if not group:

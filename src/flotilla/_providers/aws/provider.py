@@ -25,6 +25,9 @@ power-off command; so an instance that no client ever reaches (the client died r
 RunInstances, SSH is blocked, a bad AMI) ends too. :meth:`AWS.remove_orphans` removes what
 such a client left.
 
+A named cluster's pool can be stopped and started again (``flotilla stop`` / ``start``):
+see ``kept``.
+
 Spot interruption notices reach the client as a line on the agent's stderr (see
 ``_node/cloud.py``); :class:`AWSAgent` takes it out of the stream and reports the machine
 lost through :meth:`Allocation.watch`'s callback, two minutes before AWS reclaims it.
@@ -40,6 +43,7 @@ from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
 from ..offers import Offer
 from .api import Api
+from .kept import Keep
 from .orphans import Orphans, remove_orphans, sweep
 from .pool import AWSAllocation
 from .settings import AWSSettings
@@ -103,6 +107,10 @@ class AWS(Provider):
         self.home = workdir
         self.python_pinned = python is not None  # else python3, or one found
         self._api: Api | None = None
+        self.keep: Keep | None = None
+        """Set for a stoppable pool (a named cluster's, see ``kept``): its instances are
+        recorded there, closing the pool with ``keep.stop`` set stops them, and the next
+        pool starts them again instead of launching new ones."""
 
     def __repr__(self) -> str:
         return f"AWS(region={self.settings.region!r}, allocation={self.settings.allocation!r})"
@@ -180,9 +188,15 @@ class AWS(Provider):
         """Launch the pool's instances (see the module docstring); on failure or
         cancellation everything made so far is removed before the error propagates."""
         await asyncio.get_running_loop().run_in_executor(None, self._sweep)
-        allocation = AWSAllocation(self.settings, self.api, spec)
+        kept = self.keep.load() if self.keep is not None else None
+        if kept is not None and not kept.stopped:
+            kept = None  # a pool whose client died: the sweep terminated it
+        allocation = AWSAllocation(self.settings, self.api, spec, self.keep, kept)
         try:
-            await allocation.launch()
+            if kept is not None:
+                await allocation.resume(kept)
+            else:
+                await allocation.launch()
         except BaseException:
             await allocation.release()
             raise

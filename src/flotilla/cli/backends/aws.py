@@ -8,6 +8,11 @@ A task file chooses it with ``resources: infra: aws`` or ``aws/<region>``, and i
 ``labels`` (tags on every resource) and ``network_tier: best`` (an EFA-capable type in a
 cluster placement group, EFA interfaces). Flags given on the command line win over the task.
 
+``flotilla stop`` stops the instances (StopInstances: their disks stay, no compute is
+billed) and ``flotilla start`` (or the next ``launch``) starts the same ones again (see
+``flotilla._providers.aws.kept``); spot instances cannot be stopped, so ``stop`` and
+``--autostop`` without ``--down`` are refused for spot clusters.
+
 Jobs run in ``WORKDIR/clusters/NAME/node-K`` on the instances. ``flotilla ssh`` logs in with
 the pool's own key and pinned host key, kept by the provider while the cluster runs.
 """
@@ -35,8 +40,9 @@ from .base import (
 )
 
 if TYPE_CHECKING:
+    from ..._providers.aws.kept import KeptPool
     from ..._providers.base import Provider
-    from ..state import NodeRecord, Paths
+    from ..state import ClusterRecord, NodeRecord, Paths
     from ..taskfile import Task
 
 
@@ -118,7 +124,7 @@ class AWSBackend(Backend[AWSSpec]):
     spec_type = AWSSpec
     settings_type = AWSSettings
     summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
-    stop_note = "stopping EC2 instances (StopInstances) is not supported yet"
+    stop_note = ""  # StopInstances; StartInstances brings the same instances back
     flags = (
         *settings_flags(
             AWSSettings,
@@ -211,8 +217,61 @@ class AWSBackend(Backend[AWSSpec]):
 
     def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
         from ..._providers.aws import AWS
+        from ..._providers.aws.kept import Keep
 
-        return AWS.from_settings(AWSSettings(**spec.provider_options()))
+        provider = AWS.from_settings(AWSSettings(**spec.provider_options()))
+        provider.keep = Keep(_keep_folder(nodes_dir.parent))
+        return provider
+
+    def stop_refusal(self, paths: Paths, spec: AWSSpec) -> str:
+        """Spot instances cannot be stopped: a spot cluster (or a spot-if-available one
+        that got spot) is refused."""
+        if spec.allocation == "spot":
+            return SPOT_CANNOT_STOP
+        kept = _kept(paths)
+        if kept is not None and kept.market == "spot":
+            return SPOT_CANNOT_STOP
+        return ""
+
+    def autostop_refusal(self, spec: AWSSpec) -> str:
+        if spec.allocation != "on-demand":
+            return f"{SPOT_CANNOT_STOP} (--allocation {spec.allocation})"
+        return ""
+
+    def before_close(self, provider: Provider, keep: bool) -> None:
+        """Closing the pool stops the instances (``keep``) or terminates them."""
+        from ..._providers.aws import AWS
+
+        if isinstance(provider, AWS) and provider.keep is not None:
+            provider.keep.stop = keep
+
+    def restartable(self, paths: Paths) -> bool:
+        kept = _kept(paths)
+        return kept is not None and kept.stopped
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """``down`` of a stopped cluster (or one whose daemon died): terminate its kept
+        instances, delete its security and placement groups and the kept keys."""
+        from ..._providers.aws import AWS
+        from ..._providers.aws.kept import Keep
+        from ..._providers.aws.orphans import delete_group, delete_placement_group, terminate
+        from ..._providers.aws.pool import RELEASE_TIMEOUT, TAG_POOL
+
+        keep = Keep(_keep_folder(paths.dir))
+        kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
+        if kept is None:
+            keep.forget()
+            return
+        spec = self.spec_from_dict(record.provider)
+        api = AWS.from_settings(AWSSettings(**spec.provider_options())).api
+        api.check()
+        pool = [{"Name": f"tag:{TAG_POOL}", "Values": [kept.pool]}]
+        terminate(api, pool, {i.id for i in kept.instances}, RELEASE_TIMEOUT)
+        if kept.security_group:
+            delete_group(api, kept.security_group, RELEASE_TIMEOUT)
+        if kept.placement_group:
+            delete_placement_group(api, kept.placement_group)
+        keep.forget()
 
     def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
         """Instances, security groups and key folders of pools whose client (a killed
@@ -236,6 +295,11 @@ class AWSBackend(Backend[AWSSpec]):
                 lines.append(f"{verb} {len(items)} {what}: {', '.join(items)}")
         if found.skipped:
             lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        if found.stopped:
+            lines.append(
+                f"kept (stopped clusters; `flotilla down NAME` removes them): "
+                f"{', '.join(found.stopped)}"
+            )
         return lines
 
     def market_provider(self) -> Provider:
@@ -262,6 +326,26 @@ class AWSBackend(Backend[AWSSpec]):
         login = [*ssh_login(address), f"{spec.user}@{address}"]
         tty, remote = ssh_shell(nodes[node].workdir, command)
         return ShellCommand(("ssh", *login, *tty, remote))
+
+
+SPOT_CANNOT_STOP = (
+    "its instances are spot instances, which EC2 cannot stop (only terminate, losing their disks)"
+)
+
+
+def _keep_folder(cluster_dir: Path) -> Path:
+    """Where a cluster keeps its stoppable pool's instances and login key."""
+    return cluster_dir / "aws"
+
+
+def _kept(paths: Paths) -> KeptPool | None:
+    """The cluster's kept pool record (None: none, or unreadable)."""
+    from ..._providers.aws.kept import Keep
+
+    try:
+        return Keep(_keep_folder(paths.dir)).load()
+    except ConfigurationError:
+        return None
 
 
 BACKEND = AWSBackend()

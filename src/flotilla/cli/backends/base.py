@@ -339,6 +339,27 @@ class Backend(ABC, Generic[S]):
     def on_up(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord]) -> None:
         """The cluster's nodes are running (e.g. write an ssh config for them)."""
 
+    def stop_refusal(self, paths: Paths, spec: S) -> str:
+        """Why ``flotilla stop`` cannot stop this cluster ('' when it can); default:
+        :attr:`stop_note`."""
+        return self.stop_note
+
+    def autostop_refusal(self, spec: S) -> str:
+        """Why ``launch --autostop`` (without ``--down``) cannot stop such a cluster
+        ('' when it can: by default, an idle cluster's pool is closed and the record says
+        STOPPED; ``start`` provisions it again)."""
+        return ""
+
+    def before_close(self, provider: Provider, keep: bool) -> None:
+        """The cluster's daemon is about to close its pool: to stop the cluster
+        (``keep``: the nodes' disks are to stay, for ``flotilla start``) or to tear it
+        down. Default: nothing to tell the provider."""
+
+    def restartable(self, paths: Paths) -> bool:
+        """Whether a cluster whose start failed still has its stopped nodes (so
+        ``flotilla start`` may try again). Default: no."""
+        return False
+
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """``flotilla down``: the daemon is gone (or was already); clean up what it may
         have left behind on this machine before the cluster's files are removed."""
