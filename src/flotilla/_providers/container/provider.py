@@ -83,6 +83,11 @@ if network:
 """Removes a pool's containers and network once the client is gone (see the module doc)."""
 
 
+def _words(value: Any) -> Any:
+    """A list or tuple as a tuple; anything else as it is (the settings refuse it)."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
 def said(stderr: str) -> str:
     """The engine's message, on one line."""
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
@@ -192,9 +197,9 @@ class Container(Provider):
             python=python,
             workdir=workdir,
             rootfs=rootfs,
-            volumes=tuple(volumes),
-            run_args=tuple(run_args),
-            binary_args=tuple(binary_args),
+            volumes=_words(volumes),
+            run_args=_words(run_args),
+            binary_args=_words(binary_args),
         )
         self.engine = Engine(self.settings)
         self.home = self.settings.workdir
@@ -265,9 +270,14 @@ class Container(Provider):
         try:
             await allocation.make_network()
             names = [allocation.container_name(rank) for rank in range(spec.nodes)]
-            ips = await asyncio.gather(
-                *(allocation.run(rank, name) for rank, name in enumerate(names))
+            runs = await asyncio.gather(
+                *(allocation.run(rank, name) for rank, name in enumerate(names)),
+                return_exceptions=True,  # every run ends before the pool is removed
             )
+            for outcome in runs:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            ips = [str(ip) for ip in runs]
             allocation.machines = [
                 Machine(rank, name, ip, name)
                 for rank, (name, ip) in enumerate(zip(names, ips, strict=True))
