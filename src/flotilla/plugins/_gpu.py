@@ -24,6 +24,7 @@ import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ConfigurationError
@@ -58,20 +59,19 @@ def mig_devices() -> list[str]:
     return MIG_UUID.findall(out)
 
 
+@dataclass(frozen=True)
 class MigPlugin(Plugin):
     """``plugins.mig(profile)``: each worker process on its own MIG instance."""
 
     name = "mig"
+    profile: str
 
-    def __init__(self, profile: str) -> None:
+    def __post_init__(self) -> None:
+        profile = self.profile
         if not isinstance(profile, str) or not re.fullmatch(r"\d+g\.\d+gb(\+me)?", profile):
             raise ConfigurationError(
                 f"plugins.mig(profile={profile!r}): a MIG profile name, e.g. '1g.10gb' or '3g.40gb'"
             )
-        self.profile = profile
-
-    def __repr__(self) -> str:
-        return f"mig(profile={self.profile!r})"
 
     def transform(self, image: Any, cluster: Any) -> Any:
         image = _image(image)
@@ -93,15 +93,16 @@ class MigPlugin(Plugin):
         return environ({"CUDA_VISIBLE_DEVICES": devices[slot]})
 
 
+@dataclass(frozen=True)
 class MpsPlugin(Plugin):
     """``plugins.mps(...)``: the worker processes share each GPU through MPS."""
 
     name = "mps"
+    active_thread_percentage: int | None = None
+    pinned_memory_limit: str | None = None
 
-    def __init__(
-        self, active_thread_percentage: int | None = None, pinned_memory_limit: str | None = None
-    ) -> None:
-        pct = active_thread_percentage
+    def __post_init__(self) -> None:
+        pct, pinned_memory_limit = self.active_thread_percentage, self.pinned_memory_limit
         if pct is not None and (
             isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100
         ):
@@ -115,14 +116,6 @@ class MpsPlugin(Plugin):
                 f"plugins.mps(pinned_memory_limit={pinned_memory_limit!r}): DEVICE=SIZE[,...] "
                 "as CUDA_MPS_PINNED_DEVICE_MEM_LIMIT takes it, e.g. '0=2G'"
             )
-        self.active_thread_percentage = pct
-        self.pinned_memory_limit = pinned_memory_limit
-
-    def __repr__(self) -> str:
-        return (
-            f"mps(active_thread_percentage={self.active_thread_percentage!r}, "
-            f"pinned_memory_limit={self.pinned_memory_limit!r})"
-        )
 
     def env(self) -> dict[str, str]:
         """The ``CUDA_MPS_*`` variables of every worker process."""
@@ -148,18 +141,18 @@ class MpsPlugin(Plugin):
             yield
 
 
+@dataclass(frozen=True)
 class CumlPlugin(Plugin):
     """``plugins.cuml(cuda)``: RAPIDS cuML, and scikit-learn accelerated by it."""
 
     name = "cuml"
+    cuda: str = "cu12"
 
-    def __init__(self, cuda: str = "cu12") -> None:
-        if not isinstance(cuda, str) or not re.fullmatch(r"cu\d+", cuda):
-            raise ConfigurationError(f"plugins.cuml(cuda={cuda!r}): a CUDA suffix, e.g. 'cu12'")
-        self.cuda = cuda
-
-    def __repr__(self) -> str:
-        return f"cuml(cuda={self.cuda!r})"
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda, str) or not re.fullmatch(r"cu\d+", self.cuda):
+            raise ConfigurationError(
+                f"plugins.cuml(cuda={self.cuda!r}): a CUDA suffix, e.g. 'cu12'"
+            )
 
     @property
     def package(self) -> str:
