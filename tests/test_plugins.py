@@ -104,10 +104,13 @@ class TwoPerNode(sky.Plugin):
 def test_exports_and_pickling() -> None:
     assert plugins.__all__ == [
         "accelerate",
+        "cuml",
         "huggingface",
         "jax",
         "joblib",
         "keras",
+        "mig",
+        "mps",
         "sklearn",
         "tensorflow",
         "torch",
@@ -121,6 +124,9 @@ def test_exports_and_pickling() -> None:
         plugins.accelerate(config={"mixed_precision": "bf16"}),
         plugins.joblib(),
         plugins.sklearn(),
+        plugins.mig("1g.10gb"),
+        plugins.mps(50),
+        plugins.cuml(),
     ]
     for p in made:
         assert isinstance(p, sky.Plugin)
@@ -134,8 +140,11 @@ def test_exports_and_pickling() -> None:
         "accelerate",
         "joblib",
         "joblib",
+        "mig",
+        "mps",
+        "cuml",
     ]
-    requires_cluster = [True, False, False, False, True, True, False, False]
+    requires_cluster = [True, False, False, False, True, True, False, False, False, False, False]
     assert [p.requires_cluster for p in made] == requires_cluster
     assert repr(plugins.torch()).startswith("TorchPlugin(backend=None, cuda='cu128'")
 

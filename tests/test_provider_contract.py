@@ -1,9 +1,10 @@
 """The provider contract: what every provider does the same way, run against each of them
 (the in-process fake, local processes, SSH test hosts, a SLURM test cluster, the AWS lab,
-the Kubernetes lab, and the example provider of docs/providers.md): a pool starts and takes
-a broadcast, every node knows its place (rank, peers, head), a killed node is replaced at
-its rank, closing the pool leaves nothing behind, and a provider refuses what it cannot
-honour before anything starts. What is specific to one provider stays in its own test module."""
+the Kubernetes lab, podman containers, and the example provider of docs/providers.md): a
+pool starts and takes a broadcast, every node knows its place (rank, peers, head), a killed
+node is replaced at its rank, closing the pool leaves nothing behind, and a provider refuses
+what it cannot honour before anything starts. What is specific to one provider stays in its
+own test module."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _container import ContainerLab, container_lab_fixture  # noqa: F401 - its fixture
 from _fake import FakeCall, FakeProvider
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
@@ -33,7 +35,7 @@ from flotilla._errors import ConfigurationError
 from flotilla._info import InstanceInfo
 from flotilla._providers.base import AllocationState, Provider
 
-PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns", "k8s")
+PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns", "k8s", "container")
 
 
 @sky.function
@@ -200,6 +202,19 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             ]
 
         yield Kit(k8s_make, k8s_refused, k8s_left)
+    elif name == "container":
+        clab: ContainerLab = request.getfixturevalue("container_lab")
+        # the host's PID namespace: the contract kills agents and watches them by their pid
+        run_args = [*clab.run_args, "--pid=host"]
+
+        def container_left() -> list[str]:
+            return clab.containers() + clab.networks()
+
+        yield Kit(
+            lambda: clab.provider(run_args=run_args),
+            lambda: sky.Compute(provider=clab.provider(), nodes=2, accelerator="A100").open(),
+            container_left,
+        )
     else:
         if os.geteuid() != 0:
             pytest.skip("the netns example provider needs root (unshare --net)")

@@ -65,6 +65,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Options as Options
     from ._providers.base import PoolSpec as PoolSpec
     from ._providers.base import Provider as Provider
+    from ._providers.container import Container as Container
     from ._providers.fallback import Candidate as Candidate
     from ._providers.k8s import Kubernetes as Kubernetes
     from ._providers.local import Local as Local
@@ -109,6 +110,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_output": ("silent", "stderr", "stdout"),
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
+    "_providers.container": ("Container",),
     "_providers.fallback": ("Candidate",),
     "_providers.k8s": ("Kubernetes",),
     "_providers.local": ("Local",),

@@ -32,24 +32,45 @@ class Accelerator:
 
     Attributes:
         name: the type, e.g. "A100" or "MI300X".
-        count: accelerators per node.
+        count: accelerators per node: a positive integer, or (Skyward's fractional
+            accelerators) a fraction of one, ``0 < count < 1`` (``L4(count=0.5)``: half an
+            L4, a slice the provider carves out, never rounded up to a whole one).
         cuda: whether it runs CUDA (selects CUDA wheels and the nccl backend).
     """
 
     name: str
-    count: int = 1
+    count: int | float = 1
     cuda: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigurationError("an accelerator needs a name, e.g. 'A100'")
-        if not isinstance(self.count, int) or self.count < 1:
+        count = self.count
+        if isinstance(count, float) and count.is_integer() and count >= 1:
+            object.__setattr__(self, "count", int(count))
+        elif isinstance(count, bool) or not isinstance(count, int | float) or count <= 0:
             raise ConfigurationError(
-                f"accelerator count must be a positive integer, got {self.count!r}"
+                f"accelerator count must be a positive integer or a fraction of one "
+                f"(0 < count < 1), got {count!r}"
+            )
+        elif isinstance(count, float) and count > 1:
+            raise ConfigurationError(
+                f"accelerator count {count!r}: a fractional count is a part of one "
+                "accelerator (0 < count < 1, e.g. 0.5); more than one is a whole number"
             )
 
+    @property
+    def fractional(self) -> bool:
+        """A slice of one accelerator (``count < 1``)."""
+        return self.count < 1
+
+    @property
+    def whole(self) -> int:
+        """Devices a node sees: ``count``, or 1 for a slice (it appears as one device)."""
+        return max(1, int(self.count))
+
     def __str__(self) -> str:
-        return f"{self.name}:{self.count}"
+        return f"{self.name}:{self.count:g}"
 
 
 def parse_accelerator(spec: str | Accelerator | None) -> Accelerator | None:
@@ -62,17 +83,17 @@ def parse_accelerator(spec: str | Accelerator | None) -> Accelerator | None:
         )
     name, _, count = spec.partition(":")
     try:
-        n = int(count) if count else 1
+        n: int | float = (int(count) if count.strip().isdigit() else float(count)) if count else 1
     except ValueError:
         raise ConfigurationError(
-            f"accelerator {spec!r}: the count after ':' must be an integer"
+            f"accelerator {spec!r}: the count after ':' must be a number (8, or 0.5 for half)"
         ) from None
     name = name.strip()
     return Accelerator(name, n, cuda=name.upper() in _CUDA)
 
 
 def _factory(name: str, cuda: bool = True) -> type:
-    def make(count: int = 1) -> Accelerator:
+    def make(count: int | float = 1) -> Accelerator:
         return Accelerator(name, count, cuda)
 
     make.__name__ = make.__qualname__ = name

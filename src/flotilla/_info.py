@@ -42,7 +42,8 @@ class InstanceInfo:
         head_addr: the address of node 0, reachable from every node ('' in standalone mode).
         head_port: a port free on node 0 for the frameworks' rendezvous (MASTER_PORT); the
             63 ports after it were free there too when the pool started (plugins use them).
-        accelerators: number of accelerators (GPUs) on this node.
+        accelerators: number of accelerators (GPUs) on this node (a fraction, e.g. 0.5,
+            for a slice of one: Skyward's fractional accelerators).
         peers: every node with its address, in rank order (empty in standalone mode).
         pool_id: identifier of the pool, unique per ``Compute`` block.
         addr: this node's own address (as listed in ``peers``).
@@ -64,7 +65,7 @@ class InstanceInfo:
     is_head: bool
     head_addr: str
     head_port: int
-    accelerators: int
+    accelerators: int | float
     peers: tuple[Peer, ...]
     pool_id: str
     addr: str = "127.0.0.1"

@@ -161,7 +161,7 @@ class Compute(PoolCollections, Pool):
         )
         self.pool_id = secrets.token_hex(4)
         self._check_plugins()
-        per_accelerator = self.accelerator.count if self.accelerator is not None else 1
+        per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
         self.procs_per_node = max(
             [
                 per_accelerator if n is None else int(n)
@@ -299,6 +299,18 @@ class Compute(PoolCollections, Pool):
             raise ConfigurationError(
                 f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
                 "only (elastic pools: Local and SSH); pass a number of nodes"
+            )
+        acc = spec.accelerator
+        if (
+            acc is not None
+            and acc.fractional
+            and not getattr(self.provider, "fractional_accelerators", False)
+        ):
+            raise ConfigurationError(
+                f"accelerator {acc} is a fraction of one; "
+                f"{type(self.provider).__name__} has no fractional accelerators (none "
+                "of flotilla's providers has yet: Skyward's are AWS g6f and Vultr "
+                "slices); ask for a whole one, or use plugins.mig() to partition one"
             )
         self.provider.validate(spec)
         # every provider: three pipes per node here

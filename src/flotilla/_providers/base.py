@@ -415,6 +415,9 @@ class Provider(ABC):
     elastic: bool = False
     """Its allocations add and remove machines one by one (:meth:`Allocation.candidate`):
     it serves elastic pools."""
+    fractional_accelerators: bool = False
+    """It can give a node a slice of one accelerator (``accelerators.L4(count=0.5)``);
+    pools asking for one are refused before anything starts otherwise."""
     python_pinned: bool = False
     """The user named the nodes' interpreter (``python=``): flotilla only checks that it
     is the client's Python minor version, and never looks for another one (see

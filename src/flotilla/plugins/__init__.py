@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._accelerate import AcceleratePlugin
+from ._gpu import CumlPlugin, MigPlugin, MpsPlugin
 from ._huggingface import HuggingfacePlugin
 from ._jax import JaxPlugin
 from ._joblib import JoblibPlugin
@@ -74,7 +75,19 @@ from ._keras import KerasPlugin
 from ._tensorflow import TensorflowPlugin
 from ._torch import TorchPlugin
 
-__all__ = ["accelerate", "huggingface", "jax", "joblib", "keras", "sklearn", "tensorflow", "torch"]
+__all__ = [
+    "accelerate",
+    "cuml",
+    "huggingface",
+    "jax",
+    "joblib",
+    "keras",
+    "mig",
+    "mps",
+    "sklearn",
+    "tensorflow",
+    "torch",
+]
 
 
 def torch(
@@ -211,3 +224,48 @@ def sklearn(version: str = "latest") -> JoblibPlugin:
     ``n_jobs=-1`` inside the pool's ``with`` block fans out over the nodes (through the
     joblib plugin's backend). Installs scikit-learn and joblib on the nodes."""
     return JoblibPlugin(sklearn=version)
+
+
+def mig(profile: str) -> MigPlugin:
+    """NVIDIA MIG: each worker process on its own Multi-Instance GPU slice.
+
+    Args:
+        profile: the MIG profile of the slices, e.g. ``"1g.10gb"``, ``"3g.40gb"``.
+
+    The node's environment build enables MIG mode (``nvidia-smi -mig 1``) and creates one
+    GPU instance of ``profile`` per worker slot (``Worker(concurrency=N)``: N); before its
+    first task, worker process ``k`` gets ``CUDA_VISIBLE_DEVICES`` set to the ``k``-th
+    ``MIG-...`` UUID ``nvidia-smi -L`` lists. Needs a MIG-capable GPU (A100, A30, H100)
+    and root on the node.
+    """
+    return MigPlugin(profile)
+
+
+def mps(
+    active_thread_percentage: int | None = None, pinned_memory_limit: str | None = None
+) -> MpsPlugin:
+    """NVIDIA MPS: the worker processes of a node share its GPUs through the Multi-Process
+    Service.
+
+    Args:
+        active_thread_percentage: the most of the GPU's compute one process may use (1-100),
+            ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``.
+        pinned_memory_limit: per-device pinned memory limit, e.g. ``"0=2G"``,
+            ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``.
+
+    Each process gets ``CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps`` and
+    ``CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log`` (and the two above when given); the
+    control daemon (``nvidia-cuda-mps-control -d``) is started before the first task.
+    """
+    return MpsPlugin(active_thread_percentage, pinned_memory_limit)
+
+
+def cuml(cuda: str = "cu12") -> CumlPlugin:
+    """RAPIDS cuML: installs ``cuml-<cuda>`` (from ``pypi.nvidia.com``, for that package
+    only) and runs ``cuml.accel.install()`` in every process, so that scikit-learn
+    estimators run on the GPU unchanged.
+
+    Args:
+        cuda: the CUDA suffix of the wheels (``"cu12"``).
+    """
+    return CumlPlugin(cuda)

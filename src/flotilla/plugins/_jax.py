@@ -34,7 +34,7 @@ def local_device_ids(info: InstanceInfo) -> list[int] | None:
     of P equal slices (one device each when A == P). None means every local device (one
     process per node, or CPU nodes).
     """
-    procs, count = info.procs_per_node, info.accelerators
+    procs, count = info.procs_per_node, max(1, int(info.accelerators)) if info.accelerators else 0
     if procs <= 1 or count <= 0:
         return None
     per = max(count // procs, 1)
