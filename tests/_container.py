@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _hosts import LabError, ensure_package
 
 from flotilla._providers.container import Container
 
@@ -112,11 +113,14 @@ def _probe(rootfs: Path, binary_args: list[str], run_args: list[str]) -> str:
 
 
 def lab_or_reason(tmp: Path) -> tuple[ContainerLab | None, str]:
-    """A lab, or why none can run here."""
-    if shutil.which("podman") is None:
-        return None, "podman is not installed (apt-get install podman)"
+    """A lab, or why none can run here (podman and runc are installed when missing)."""
     if os.geteuid() != 0:
         return None, "the container lab runs rootful podman: run as root"
+    try:
+        ensure_package("podman", "/usr/bin/podman")
+        ensure_package("runc", "/usr/sbin/runc")  # where crun cannot run (see above)
+    except LabError as e:
+        return None, str(e)
     rootfs = build_rootfs(tmp / "rootfs")
     errors = []
     variants = [([], []), ([], _ulimits())]
