@@ -9,6 +9,7 @@ Every node being brought up at once is waited for together, root cause first.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,6 +67,8 @@ class Bringup:
         self.blob = b""
         self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
         self.volumes: dict[str, Any] | None = None
+        self.relay_key = secrets.token_hex(32)
+        """The pool's key for node-to-node relays (``_node/relay.py``): in CONFIG only."""
 
     def nodes(self, ranks: Sequence[int], procs: Sequence[AgentProcess]) -> list[Node]:
         """The nodes of the agents ``procs`` started for ``ranks`` (in order)."""
@@ -144,6 +147,7 @@ class Bringup:
             "shutdown_grace": self.options.shutdown_grace,
             "shm_probe": probe or None,
             "group": self.group,
+            "relay_key": self.relay_key,
         }
         if self.volumes is not None:
             config["volumes"] = self.volumes

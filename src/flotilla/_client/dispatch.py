@@ -45,6 +45,7 @@ from .._errors import (
 from .._redaction import redact, redact_exception
 from .._wire.frames import Buffer, Kind, Status
 from .._wire.serialize import describe_unpicklable, encode, pickle_obj, write_shm
+from . import fanout
 from .function import Function, PendingCall
 from .node import Node, NodeState, Payload, Submission
 from .outcome import outcome
@@ -346,6 +347,7 @@ class Dispatcher:
         try:
             key, define = self.function(call.function)
             payload = self.payload(call, key, shared=True)
+            root = self._fan_out(payload, targets)
             places = [(r, w) for r in targets for w in range(self.procs)]
             subs = [self.submission(call, payload, key, define, pinned=True) for _ in places]
             for (_, worker), sub in zip(places, subs, strict=True):
@@ -355,12 +357,27 @@ class Dispatcher:
                 with self.lock:
                     self._gated_calls.append((subs, pinned))
                 return subs
-            self._place_all(subs, pinned)
+            if root is not None:  # the tree's root last: see _fan_out
+                order = sorted(range(len(subs)), key=lambda i: pinned[i] == root)
+                self._place_all([subs[i] for i in order], [pinned[i] for i in order])
+            else:
+                self._place_all(subs, pinned)
         finally:
             if not gated:
                 with self.lock:
                     self._placing -= 1
         return subs
+
+    def _fan_out(self, payload: Payload, targets: list[int]) -> int | None:
+        """Relay ``payload`` from node to node when it is large and goes to many remote
+        nodes (``fanout.py``); the rank of the tree's root, to send to last (the others'
+        small frames go first, so that they are ready when the bytes flow), or None."""
+        nodes = [self.nodes[r] for r in dict.fromkeys(targets)]
+        nodes = [n for n in nodes if n.state is NodeState.READY and fanout.eligible(n)]
+        if not nodes or not fanout.worth_it(payload.size(), len(nodes)):
+            return None
+        payload.fanout = fanout.Fanout(payload.parts(False), nodes)
+        return nodes[0].rank
 
     def _place_all(self, subs: list[Submission], ranks: list[int]) -> None:
         """Send the calls of a broadcast, each to the node at its rank."""

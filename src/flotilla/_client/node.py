@@ -27,6 +27,7 @@ from .lines import LineAssembler
 from .stream import on_yield
 
 if TYPE_CHECKING:
+    from .fanout import Fanout
     from .function import PendingCall
 
 _task_ids = itertools.count(1)
@@ -59,7 +60,7 @@ class Payload:
     The shared-memory file is removed when the last call using it finishes.
     """
 
-    __slots__ = ("_inline", "_lock", "_shm", "pickled", "shm_name", "users")
+    __slots__ = ("_inline", "_lock", "_shm", "fanout", "pickled", "shm_name", "users")
 
     def __init__(self, pickled: Pickled, shm_name: str = "") -> None:
         self.pickled = pickled
@@ -68,6 +69,7 @@ class Payload:
         self._lock = threading.Lock()
         self._inline: list[Buffer] | None = None
         self._shm: list[Buffer] | None = None
+        self.fanout: Fanout | None = None  # a broadcast's, relayed from node to node
 
     def parts(self, shm: bool) -> list[Buffer]:
         if shm and self.shm_name:
@@ -77,6 +79,10 @@ class Payload:
         if self._inline is None:
             self._inline = encode(self.pickled)
         return self._inline
+
+    def size(self) -> int:
+        """Bytes of the wire form without shared memory."""
+        return sum(memoryview(p).nbytes for p in self.parts(False))
 
     def acquire(self) -> None:
         with self._lock:
@@ -88,6 +94,8 @@ class Payload:
             last = self.users == 0
         if last and self.shm_name:
             unlink_shm(self.shm_name)
+        if last and self.fanout is not None:
+            self.fanout.release()
 
 
 @dataclass(eq=False)
@@ -193,6 +201,9 @@ class Node:
         self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
         self.abandoned = False  # lost or closed: writes waiting for it end
         self.ended = False  # its agent's stream ended (the agent is gone, or its channel)
+        self.blobs: dict[bytes, Fanout] = {}  # the relayed payloads it was told of, by sha256
+        self.have: dict[str, dict[str, Any]] = {}  # its last word (HAVE) on each, by sha256
+        self.relay_failures: list[str] = []  # why payloads did not come through the tree
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -252,7 +263,14 @@ class Node:
                         parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
                     self.busy[sub.worker] += 1
                     head = TASK_HEAD.pack(sub.timeout, sub.worker)
-                    parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
+                    fan = sub.payload.fanout
+                    told = fan.announce(self) if fan is not None else None
+                    if told is None:
+                        parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
+                    else:  # its arguments come through the tree (fanout.py)
+                        assert fan is not None
+                        parts += told
+                        parts += frame(Kind.TASKREF, tid, head, fan.digest)
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
                 self.sending = subs  # a loss meanwhile leaves them to this thread
@@ -350,6 +368,8 @@ class Node:
                     on_credit(sub, body)
             elif kind == Kind.STORE:
                 self.events.store(self, ident, body)
+            elif kind == Kind.HAVE:
+                self._on_have(json.loads(body))
             elif kind == Kind.HELLO:
                 self.hello_info = json.loads(body)
                 self.events.phase(self, "starting")
@@ -363,6 +383,18 @@ class Node:
                 self.events.build_output(self, bytes(body))
             elif kind == Kind.BUILD:
                 self.events.building(self, json.loads(body))
+
+    def _on_have(self, info: dict[str, Any]) -> None:
+        """The agent holds a relayed payload, checked, or failed to get it: then the
+        client sends it itself (see ``fanout.py``)."""
+        self.have[info["sha256"]] = info
+        if info.get("ok"):
+            return
+        why = str(info.get("why", ""))
+        self.relay_failures.append(why)
+        fan = self.blobs.get(bytes.fromhex(info["sha256"]))
+        if fan is not None and self.loop is not None:
+            self.loop.run_in_executor(None, fan.send_direct, self, why)
 
     def _on_ready(self, info: dict[str, Any]) -> None:
         if "error" in info:

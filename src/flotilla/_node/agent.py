@@ -46,6 +46,7 @@ from typing import Any
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .eventloop import Outbox, Poller
 from .procs import has_env, kill_all
+from .relay import Relay
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group, signal_group
 
 PORT_BLOCK = 64
@@ -76,6 +77,8 @@ class Agent:
         self.sel = Poller()
         self.sel.register(self.proto_in, False, self._on_client)
         self.executors = Supervisor(self.sel, self.client, (self.proto_in, self.proto_out))
+        self.relay = Relay(self.sel, self.client, self.executors.submit_task)
+        self.executors.inherited = self.relay.fds
         self.config: dict[str, Any] | None = None
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
@@ -101,6 +104,10 @@ class Agent:
             Kind.CREDIT: ex.credit,
             Kind.FEED: lambda ident, body: ex.credit(ident, body, Kind.FEED),
             Kind.MEMBERS: lambda _, body: ex.members(bytes(body)),
+            Kind.FETCH: self.relay.fetch,
+            Kind.BLOB: self.relay.chunk,
+            Kind.TASKREF: self.relay.task,
+            Kind.DROP: self.relay.drop,
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts
@@ -133,6 +140,7 @@ class Agent:
         wake = self.executors.next_deadline(
             min(self.last_seen + self.heartbeat_timeout, self.next_beat)
         )
+        wake = self.relay.next_deadline(wake)
         if self.stopping:
             wake = min(wake, self.stop_deadline)
         return max(0.0, wake - time.monotonic())
@@ -155,6 +163,7 @@ class Agent:
             self.begin_stop(grace=1.0)
             return
         self.executors.check_timeouts(now)
+        self.relay.check(now)
 
     def _watch_writes(self) -> None:
         """Watch for writability exactly the outboxes that have something queued."""
@@ -263,6 +272,15 @@ class Agent:
         # the client's names for its pool's files (flotilla-<pool id>-<owner>-, _client/shm.py)
         prefix = probe.get("prefix") if probe else None
         config["shm_prefix"] = str(prefix or f"flotilla-{config['pool_id']}-") if shm_ok else ""
+        relay_key = str(config.pop("relay_key", ""))  # the relay's alone, not the tasks'
+        if relay_key and not shm_ok and self.relay.listener is None:
+            # a node apart from the client: large broadcasts may be relayed through it
+            try:
+                port = self.relay.listen(bytes.fromhex(relay_key))
+            except OSError as e:  # the client sends this node its payloads itself
+                self._log(f"cannot open a relay port ({e}); broadcasts come from the client")
+            else:
+                self.executors.ready_extra["relay_port"] = port
         # the volumes (credentials: for their helper alone) come after the environment,
         # whose Image may install the FUSE tool
         self.pending_volumes = config.pop("volumes", None)
@@ -452,6 +470,7 @@ class Agent:
         self.executors.stop()
 
     def _cleanup(self) -> None:
+        self.relay.close()
         self.executors.kill_all()
         if self.builder is not None:  # a build stops on SIGTERM, removing its folder
             signal_group(self.builder.pid, signal.SIGTERM)

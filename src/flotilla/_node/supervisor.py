@@ -147,6 +147,8 @@ class Supervisor:
         # the collections' requests relayed to the client: agent id -> (executor, its id)
         self.requests: dict[int, tuple[Executor, int]] = {}
         self.request_ids = itertools.count(1)
+        self.ready_extra: dict[str, Any] = {}  # more for the node's READY (the relay port)
+        self.inherited: Callable[[], list[int]] = list  # the agent's other descriptors
 
     def configure(self, config: dict[str, Any], blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -161,6 +163,16 @@ class Supervisor:
         slot = self.slots[local_rank]
         task = Task(ident, timeout, [HEADER.pack(Kind.TASK, ident, len(body)), body])
         slot.tasks.append(task)
+        if len(slot.tasks) == 1:
+            self._feed(slot)
+
+    def submit_task(self, ident: int, head: bytes, payload: memoryview) -> None:
+        """A call whose arguments came apart from its TASK frame (a relayed payload, see
+        :mod:`.relay`): queue it as :meth:`submit` does."""
+        timeout, local_rank = TASK_HEAD.unpack_from(head)
+        parts: list[Buffer] = [HEADER.pack(Kind.TASK, ident, len(head) + payload.nbytes), head]
+        slot = self.slots[local_rank]
+        slot.tasks.append(Task(ident, timeout, [*parts, payload]))
         if len(slot.tasks) == 1:
             self._feed(slot)
 
@@ -276,7 +288,7 @@ class Supervisor:
         if pid == 0:  # the executor
             try:
                 self.sel.close()
-                for fd in (*self.agent_fds, w_task, r_res, r_out, r_err):
+                for fd in (*self.agent_fds, *self.inherited(), w_task, r_res, r_out, r_err):
                     os.close(fd)
                 for other in self.slots:
                     if other.executor is not None:
@@ -444,6 +456,7 @@ class Supervisor:
                 "pids": [s.executor.pid for s in self.slots if s.executor],
                 "restarts": sum(s.restarts for s in self.slots),
                 "shm": bool(self.config and self.config["shm_prefix"]),
+                **self.ready_extra,
             }
             self.client.send(frame(Kind.READY, 0, json.dumps(ready).encode()))
 

@@ -63,6 +63,12 @@ class Kind(IntEnum):
     # (executor -> agent -> client for a streamed argument: body = its index u8 + u32)
     FEED = 23  # client -> agent -> executor; ident=task id; a streamed argument's value
     MEMBERS = 24  # JSON: the node's new COMPUTE_POOL (an elastic pool grew or shrank)
+    # a large broadcast's payload relayed from node to node (_node/relay.py, _client/fanout.py)
+    FETCH = 25  # client -> agent; JSON: a payload's sha256 and size, and where to get it
+    BLOB = 26  # client -> agent; body = sha256 (32 bytes) + offset u64 + the payload's bytes
+    TASKREF = 27  # client -> agent; ident=task id; body = TASK_HEAD + the payload's sha256
+    HAVE = 28  # agent -> client; JSON: the node has the payload (checked), or failed to get it
+    DROP = 29  # client -> agent; body = a payload's sha256: it is no longer needed
 
 
 class Status(IntEnum):

@@ -1,0 +1,508 @@
+"""The agent's side of a broadcast that fans out: large payloads relayed from node to node
+(standard library only; the client's side is ``_client/fanout.py``).
+
+A broadcast of a large argument to many remote nodes would cost the client one upload per
+node. Instead the client sends the payload to one node (BLOB frames over its own channel)
+and tells every other node where to fetch it (FETCH: the payload's sha256, its size, and a
+parent node's address and relay port); the nodes form a tree in which each fetches from
+its parent over TCP while the parent is still receiving (the bytes flow on as they come).
+The calls refer to the payload by its hash (TASKREF) and wait on the node until it is
+there and checked.
+
+Trust:
+
+* **Authenticated channels.** Each agent of a remote pool listens on a relay port (opened
+  when the client's CONFIG gives a per-pool key, never on the client's own machine). A
+  connection must prove it knows the key before a byte of payload flows, and the parent
+  proves it too (HMAC-SHA256 challenge-response over both sides' nonces and the hash asked
+  for); a connection that fails either proof is closed. The key travels only over the
+  client's own channels (SSH).
+* **Integrity at every hop.** Each node hashes what it receives (sha256) and uses it only
+  if it matches the hash the client sent it over its own channel: bytes from a tampered or
+  broken relay are never run.
+* **The tree is an optimisation.** A fetch that fails (the parent died or is unreachable,
+  its bytes do not match, nothing came for a while) is reported to the client (HAVE with
+  ``ok: false``), which then sends this node the payload itself; the node's own children
+  go on fetching from it meanwhile. Every node ends with the payload or is lost.
+
+Relay handshake (child connects to parent)::
+
+    child:  MAGIC(8) | child nonce(16) | sha256(32)
+    parent: parent nonce(16) | HMAC(key, "parent" | child nonce | parent nonce | sha256)
+    child:  HMAC(key, "child" | child nonce | parent nonce | sha256)
+    parent: size u64 | the payload's bytes, as the parent has them
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._wire.frames import TASK_HEAD, Body, Kind, frame
+from .eventloop import Outbox, Poller
+
+MAGIC = b"FLRELAY1"
+NONCE = 16
+DIGEST = 32
+HELLO_SIZE = len(MAGIC) + NONCE + DIGEST
+PROOF_SIZE = NONCE + DIGEST  # the parent's nonce and MAC
+BLOB_HEAD = struct.Struct("<32sQ")
+"""Start of a BLOB frame's body: the payload's sha256 and the offset of the bytes after."""
+SIZE = struct.Struct("<Q")
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a connection to the relay port gets to authenticate."""
+STALL_TIMEOUT = 30.0
+"""Seconds a relay connection may go without progress before it is given up (a fetch: the
+client is asked for the payload instead)."""
+MAX_UNAUTHENTICATED = 256
+"""Connections still proving themselves, at most; more are closed at once."""
+_SEND_MAX = 4 << 20
+
+
+def mac(key: bytes, role: bytes, child: bytes, parent: bytes, digest: bytes) -> bytes:
+    """The proof of ``role`` (b"parent" or b"child") in the handshake of a relay
+    connection."""
+    return hmac.new(key, role + child + parent + digest, hashlib.sha256).digest()
+
+
+class Blob:
+    """A payload on this node: being received (from a parent or the client), or whole."""
+
+    __slots__ = (
+        "buf",
+        "complete",
+        "digest",
+        "filled",
+        "hasher",
+        "servers",
+        "size",
+        "source",
+        "tasks",
+        "via",
+    )
+
+    def __init__(self, digest: bytes) -> None:
+        self.digest = digest
+        self.size = -1  # not known yet (a child asked before the client announced it)
+        self.buf = bytearray()
+        self.filled = 0
+        self.hasher = hashlib.sha256()
+        self.complete = False
+        self.source: Fetch | None = None
+        self.servers: list[Serve] = []
+        self.tasks: list[tuple[int, bytes]] = []  # TASKREFs waiting: (task id, TASK_HEAD)
+        self.via = ""
+
+    def restart(self, size: int, via: str) -> None:
+        """Receive the payload again from its first byte (``via``: from whom)."""
+        if self.size != size:
+            self.buf = bytearray(size)
+            self.size = size
+        self.filled = 0
+        self.hasher = hashlib.sha256()
+        self.via = via
+
+
+class _Conn:
+    """A relay connection: its socket and when it is given up."""
+
+    def __init__(self, relay: Relay, sock: socket.socket, timeout: float) -> None:
+        self.relay = relay
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.inbuf = bytearray()
+        self.deadline = time.monotonic() + timeout
+        self.closed = False
+
+    def watch(self, write: bool, callback: Callable[[], object]) -> None:
+        sel = self.relay.sel
+        sel.unregister(self.fd)
+        sel.register(self.fd, write, callback)
+
+    def unwatch(self) -> None:
+        self.relay.sel.unregister(self.fd)
+
+    def take(self, need: int) -> bytes | None:
+        """Read towards ``need`` bytes in ``inbuf``; those bytes once there (else None).
+        Raises ConnectionError at end of stream."""
+        try:
+            data = self.sock.recv(need - len(self.inbuf))
+        except BlockingIOError:
+            return None
+        if not data:
+            raise ConnectionError("the connection was closed")
+        self.inbuf += data
+        if len(self.inbuf) < need:
+            return None
+        out, self.inbuf = bytes(self.inbuf), bytearray()
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.unwatch()
+        self.relay.conns.discard(self)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Serve(_Conn):
+    """A child's connection to this node's relay port: it proves itself, then gets the
+    payload it asked for, as this node has it."""
+
+    def __init__(self, relay: Relay, sock: socket.socket) -> None:
+        super().__init__(relay, sock, HANDSHAKE_TIMEOUT)
+        self.state = "hello"
+        self.child_nonce = b""
+        self.parent_nonce = b""
+        self.digest = b""
+        self.blob: Blob | None = None
+        self.head = b""  # the size, not sent yet
+        self.sent = 0
+        self.watch(False, self.on_read)
+
+    def on_read(self) -> None:
+        try:
+            if self.state == "hello":
+                got = self.take(HELLO_SIZE)
+                if got is None:
+                    return
+                if got[: len(MAGIC)] != MAGIC:
+                    raise ConnectionError("not a relay connection")
+                self.child_nonce = got[len(MAGIC) : len(MAGIC) + NONCE]
+                digest = got[len(MAGIC) + NONCE :]
+                self.parent_nonce = os.urandom(NONCE)
+                proof = mac(self.relay.key, b"parent", self.child_nonce, self.parent_nonce, digest)
+                self.sock.sendall(self.parent_nonce + proof)  # 48 bytes into an empty buffer
+                self.digest = digest
+                self.state = "proof"
+                return
+            got = self.take(DIGEST)
+            if got is None:
+                return
+            want = mac(self.relay.key, b"child", self.child_nonce, self.parent_nonce, self.digest)
+            if not hmac.compare_digest(got, want):
+                raise ConnectionError("the child's proof is wrong")
+        except OSError:
+            self.close()  # refused: unauthenticated, tampered with, or gone
+            return
+        self.state = "serve"
+        self.deadline = time.monotonic() + self.relay.stall
+        self.unwatch()
+        blob = self.relay.blob(self.digest)
+        self.blob = blob
+        blob.servers.append(self)
+        self.wake()
+
+    def wake(self) -> None:
+        """The payload grew (or its size became known): send what there is."""
+        blob = self.blob
+        if self.closed or blob is None or blob.size < 0:
+            return
+        if self.sent == 0 and not self.head and self.state == "serve":
+            self.head = SIZE.pack(blob.size)
+            self.state = "sending"
+        if (self.head or self.sent < blob.filled) and self.fd not in self.relay.sel:
+            self.watch(True, self.on_write)
+
+    def on_write(self) -> None:
+        blob = self.blob
+        assert blob is not None
+        try:
+            while True:
+                if self.head:
+                    n = self.sock.send(self.head)
+                    self.head = self.head[n:]
+                    if self.head:
+                        return
+                    continue
+                if self.sent >= blob.filled:
+                    break
+                end = min(blob.filled, self.sent + _SEND_MAX)
+                n = self.sock.send(memoryview(blob.buf)[self.sent : end])
+                self.sent += n
+                self.deadline = time.monotonic() + self.relay.stall
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        if self.sent >= blob.size:  # all of it: the child checks it
+            if self in blob.servers:
+                blob.servers.remove(self)
+            self.close()
+            return
+        self.unwatch()  # wait until more arrives here (wake)
+
+    def close(self) -> None:
+        if self.blob is not None and self in self.blob.servers:
+            self.blob.servers.remove(self)
+        super().close()
+
+
+class Fetch(_Conn):
+    """This node's connection to its parent, fetching a payload."""
+
+    def __init__(self, relay: Relay, blob: Blob, addr: tuple[str, int]) -> None:
+        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        super().__init__(relay, sock, relay.stall)
+        self.blob = blob
+        self.addr = addr
+        self.state = "connect"
+        self.nonce = os.urandom(NONCE)
+        code = sock.connect_ex(addr)
+        if code not in (0, errno.EINPROGRESS):
+            raise OSError(code, os.strerror(code))
+        self.watch(True, self.on_connected)
+
+    def on_connected(self) -> None:
+        code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            self.fail(f"cannot connect to {self.addr[0]}:{self.addr[1]}: {os.strerror(code)}")
+            return
+        try:
+            self.sock.sendall(MAGIC + self.nonce + self.blob.digest)
+        except OSError as e:
+            self.fail(f"the parent {self.addr[0]} closed the connection ({e})")
+            return
+        self.state = "proof"
+        self.watch(False, self.on_read)
+
+    def on_read(self) -> None:
+        blob = self.blob
+        try:
+            if self.state == "proof":
+                got = self.take(PROOF_SIZE)
+                if got is None:
+                    return
+                parent_nonce, proof = got[:NONCE], got[NONCE:]
+                want = mac(self.relay.key, b"parent", self.nonce, parent_nonce, blob.digest)
+                if not hmac.compare_digest(proof, want):
+                    self.fail(f"the parent {self.addr[0]} failed to authenticate")
+                    return
+                proof = mac(self.relay.key, b"child", self.nonce, parent_nonce, blob.digest)
+                self.sock.sendall(proof)
+                self.state = "size"
+                self._progress()
+                return
+            if self.state == "size":
+                got = self.take(SIZE.size)
+                if got is None:
+                    return
+                if SIZE.unpack(got)[0] != blob.size:
+                    self.fail(f"the parent {self.addr[0]} announced another size")
+                    return
+                self.state = "data"
+                self._progress()
+                return
+            view = memoryview(blob.buf)[blob.filled : blob.size]
+            n = self.sock.recv_into(view)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.fail(f"the connection to the parent {self.addr[0]} broke ({e})")
+            return
+        if n == 0:
+            self.fail(f"the parent {self.addr[0]} closed the connection after {blob.filled} bytes")
+            return
+        self._progress()
+        self.relay.grew(blob, n)
+
+    def _progress(self) -> None:
+        self.deadline = time.monotonic() + self.relay.stall
+
+    def fail(self, why: str) -> None:
+        self.close()
+        if self.blob.source is self:
+            self.blob.source = None
+            self.relay.report(self.blob, False, why)
+
+    def expire(self) -> None:
+        self.fail(f"nothing came from the parent {self.addr[0]} for {self.relay.stall:g} s")
+
+
+class Relay:
+    """The node's payloads and relay connections (see the module docstring).
+
+    Args:
+        sel: the agent's poller.
+        client: the agent's outbox to the client (HAVE frames).
+        submit: gives a task (id, its TASK_HEAD, the payload) to the executors.
+    """
+
+    def __init__(
+        self, sel: Poller, client: Outbox, submit: Callable[[int, bytes, memoryview], None]
+    ) -> None:
+        self.sel = sel
+        self.client = client
+        self.submit = submit
+        self.key = b""
+        self.stall = STALL_TIMEOUT
+        self.listener: socket.socket | None = None
+        self.blobs: dict[bytes, Blob] = {}
+        self.conns: set[_Conn] = set()
+
+    # -- the relay port -------------------------------------------------------------------
+    def listen(self, key: bytes) -> int:
+        """Open the relay port (every address of the node); its number."""
+        self.key = key
+        if socket.has_dualstack_ipv6():
+            sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            sock = socket.create_server(("", 0))
+        sock.setblocking(False)
+        self.listener = sock
+        self.sel.register(sock.fileno(), False, self._accept)
+        return int(sock.getsockname()[1])
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of descriptors: the child falls back to the client
+                return
+            sock.setblocking(False)
+            if self._unauthenticated() >= MAX_UNAUTHENTICATED:
+                sock.close()
+                continue
+            self.conns.add(Serve(self, sock))
+
+    def _unauthenticated(self) -> int:
+        return sum(1 for c in self.conns if isinstance(c, Serve) and c.state in ("hello", "proof"))
+
+    def fds(self) -> list[int]:
+        """The relay's descriptors (closed in a forked executor)."""
+        out = [c.fd for c in self.conns if not c.closed]
+        if self.listener is not None:
+            out.append(self.listener.fileno())
+        return out
+
+    # -- what the client sends ------------------------------------------------------------
+    def blob(self, digest: bytes) -> Blob:
+        found = self.blobs.get(digest)
+        if found is None:
+            found = self.blobs[digest] = Blob(digest)
+        return found
+
+    def fetch(self, _: int, body: Body) -> None:
+        """FETCH: get a payload from a parent node, or (no parent) from the client's BLOB
+        frames that follow."""
+        info: dict[str, Any] = json.loads(bytes(body))
+        blob = self.blob(bytes.fromhex(info["sha256"]))
+        if blob.complete:
+            self.report(blob, True)
+            return
+        if blob.source is not None:
+            blob.source.close()
+            blob.source = None
+        parent = info.get("parent")
+        blob.restart(int(info["size"]), "relay" if parent else "client")
+        for srv in blob.servers:
+            srv.wake()
+        if parent:
+            try:
+                conn = Fetch(self, blob, (str(parent[0]), int(parent[1])))
+            except OSError as e:
+                self.report(blob, False, f"cannot connect to {parent[0]}:{parent[1]}: {e}")
+                return
+            blob.source = conn
+            self.conns.add(conn)
+
+    def chunk(self, _: int, body: Body) -> None:
+        """BLOB: bytes of a payload from the client (announced by a FETCH without parent)."""
+        digest, offset = BLOB_HEAD.unpack_from(body)
+        blob = self.blobs.get(digest)
+        if blob is None or blob.complete or blob.source is not None or blob.size < 0:
+            return
+        data = memoryview(body)[BLOB_HEAD.size :]
+        if offset != blob.filled or offset + data.nbytes > blob.size:
+            return  # not the continuation of the stream (cannot happen on an ordered channel)
+        blob.buf[offset : offset + data.nbytes] = data
+        self.grew(blob, data.nbytes)
+
+    def task(self, ident: int, body: Body) -> None:
+        """TASKREF: a call whose arguments are a payload, by its hash: run it once the
+        payload is here (the client sends it itself when it is not coming)."""
+        head = bytes(body[: TASK_HEAD.size])
+        digest = bytes(body[TASK_HEAD.size : TASK_HEAD.size + DIGEST])
+        blob = self.blobs.get(digest)
+        if blob is not None and blob.complete:
+            self.submit(ident, head, memoryview(blob.buf))
+            return
+        if blob is None:  # never announced, or dropped
+            blob = self.blob(digest)
+            self.report(blob, False, "this node does not have the payload")
+        blob.tasks.append((ident, head))
+
+    def drop(self, _: int, body: Body) -> None:
+        """DROP: the payload is no longer needed here (its calls ended)."""
+        blob = self.blobs.pop(bytes(body[:DIGEST]), None)
+        if blob is None:
+            return
+        for conn in [*blob.servers, *([blob.source] if blob.source else [])]:
+            conn.close()
+
+    # -- progress -------------------------------------------------------------------------
+    def grew(self, blob: Blob, n: int) -> None:
+        """``n`` more bytes of ``blob`` arrived: hash them, pass them on, check the whole."""
+        start = blob.filled
+        blob.filled += n
+        blob.hasher.update(memoryview(blob.buf)[start : blob.filled])
+        for srv in blob.servers:
+            srv.wake()
+        if blob.filled < blob.size:
+            return
+        source, blob.source = blob.source, None
+        if source is not None:
+            source.close()
+        if not hmac.compare_digest(blob.hasher.digest(), blob.digest):
+            self.report(blob, False, f"the payload's sha256 does not match (via {blob.via})")
+            return
+        blob.complete = True
+        self.report(blob, True)
+        tasks, blob.tasks = blob.tasks, []
+        for ident, head in tasks:
+            self.submit(ident, head, memoryview(blob.buf))
+
+    def report(self, blob: Blob, ok: bool, why: str = "") -> None:
+        info = {"sha256": blob.digest.hex(), "ok": ok, "via": blob.via, "why": why}
+        self.client.send(frame(Kind.HAVE, 0, json.dumps(info).encode()))
+
+    # -- time -----------------------------------------------------------------------------
+    def next_deadline(self, default: float) -> float:
+        wake = default
+        for conn in self.conns:
+            wake = min(wake, conn.deadline)
+        return wake
+
+    def check(self, now: float) -> None:
+        """Give up the connections past their deadline."""
+        for conn in [c for c in self.conns if c.deadline <= now]:
+            if isinstance(conn, Fetch):
+                conn.expire()
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        for conn in list(self.conns):
+            conn.close()
+        if self.listener is not None:
+            self.sel.unregister(self.listener.fileno())
+            self.listener.close()
+            self.listener = None
