@@ -76,17 +76,21 @@ def test_a_large_broadcast_reaches_every_node_through_the_tree(lab: Lab) -> None
         assert all(fanout.eligible(n) for n in pool._nodes)
         # in rank order, as every broadcast (the root is sent to last)
         assert where_and_digest(data) @ pool == [(r, want) for r in range(HOSTS)]
-        sha = _sha_of(pool)
+        ref = _ref_of(pool)
         # the root from the client, every other node from its parent, each one checked
-        assert [n.have[sha]["via"] for n in pool._nodes] == ["client"] + ["relay"] * (HOSTS - 1)
-        assert all(n.have[sha]["ok"] for n in pool._nodes)
+        assert [n.have[ref]["via"] for n in pool._nodes] == ["client"] + ["relay"] * (HOSTS - 1)
+        assert all(n.have[ref]["ok"] for n in pool._nodes)
         assert not any(n.relay_failures for n in pool._nodes)
         # small payloads keep the direct path
         assert digest(b"small") @ pool == [hashlib.sha256(b"small").hexdigest()] * HOSTS
         assert [len(n.have) for n in pool._nodes] == [1] * HOSTS
-        # the payload is dropped once the broadcast ended; the next one fans out again
+        # the payload is dropped once the broadcast ended; the next ones fan out again, two
+        # at once of the same bytes too (each broadcast has its own copy on the nodes)
         assert wait_until(lambda: not any(n.blobs for n in pool._nodes))
-        assert digest(data) @ pool == [want] * HOSTS
+        first, second = (pool.submit_broadcast(digest(data)) for _ in range(2))
+        assert [f.result() for f in first + second] == [want] * (2 * HOSTS)
+        assert [len(n.have) for n in pool._nodes] == [3] * HOSTS
+        assert all(info["ok"] for n in pool._nodes for info in n.have.values())
 
 
 def test_a_relay_killed_mid_broadcast_leaves_every_other_node_with_the_payload(
@@ -110,11 +114,11 @@ def test_a_relay_killed_mid_broadcast_leaves_every_other_node_with_the_payload(
         with pytest.raises(sky.NodeLostError) as lost:
             futures[1].result(timeout=120)
         assert lost.value.node == 1
-        sha = _sha_of(pool)
+        ref = _ref_of(pool)
         for rank in (3, 4):  # from the client, after the failed hop
             node = pool._nodes[rank]
             assert node.relay_failures, rank
-            assert node.have[sha] == {"sha256": sha, "ok": True, "via": "client", "why": ""}
+            assert node.have[ref] == {"ref": ref, "ok": True, "via": "client", "why": ""}
 
 
 def test_bytes_that_do_not_match_the_hash_are_never_run(
@@ -140,7 +144,7 @@ def test_bytes_that_do_not_match_the_hash_are_never_run(
             fake.close()
         assert fake.served == 1
         assert any("sha256 does not match" in why for why in victim.relay_failures)
-        assert victim.have[_sha_of(pool)]["via"] == "client"
+        assert victim.have[_ref_of(pool)]["via"] == "client"
 
 
 def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:
@@ -148,7 +152,7 @@ def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:
     with _pool(lab) as pool:
         node = pool._nodes[2]
         where = (node.proc.address, int(node.ready_info["relay_port"]))
-        sha = hashlib.sha256(b"anything").digest()
+        sha = hashlib.sha256(b"anything").digest() + bytes(8)  # a payload's reference
         # not the protocol at all: closed without a word
         with socket.create_connection(where, timeout=30) as s:
             s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(40))
@@ -176,10 +180,11 @@ def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _sha_of(pool: Compute) -> str:
-    shas = {sha for n in pool._nodes for sha in n.have}
-    assert len(shas) == 1, shas
-    return shas.pop()
+def _ref_of(pool: Compute) -> str:
+    """The reference of the one broadcast sent to ``pool`` that fanned out."""
+    refs = {ref for n in pool._nodes for ref in n.have}
+    assert len(refs) == 1, refs
+    return refs.pop()
 
 
 def _read_exactly(s: socket.socket, n: int) -> bytes:
@@ -247,4 +252,3 @@ class _FakeParent:
 
     def close(self) -> None:
         self.sock.close()
-

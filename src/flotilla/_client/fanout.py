@@ -9,9 +9,10 @@ remote nodes (nodes that do not share the client's ``/dev/shm``, each with a rel
 2. the nodes, in rank order, form a tree of :data:`DEGREE` children per node: node 0 gets
    the payload from the client (BLOB frames on its channel, in chunks, so that it relays
    the first bytes before the last have come), every other node a FETCH naming its parent
-   (address, relay port) and the hash; the calls themselves are TASKREF frames that name
-   the payload by its hash. The client writes to the other nodes first (small frames) and
-   to node 0 last: its upload is one copy whatever the size of the pool;
+   (address, relay port) and the payload's reference (its hash and the broadcast's
+   number); the calls themselves are TASKREF frames that name the payload by reference.
+   The client writes to the other nodes first (small frames) and to node 0 last: its
+   upload is one copy whatever the size of the pool;
 3. a node reports (HAVE) when it holds the payload, checked against the hash, or that its
    fetch failed: then the client sends it the payload itself (FETCH without parent, then
    BLOB frames), from a worker thread. Correctness never depends on the tree: a node whose
@@ -25,6 +26,7 @@ TASK frame, as every broadcast did before.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
@@ -49,7 +51,8 @@ CHUNK = 1 << 20
 DIRECT_TRIES = 3
 """Times the client sends a node the payload itself before the node counts as lost."""
 
-_BLOB_HEAD_SIZE = 40  # sha256 + offset u64 (_node/relay.py's BLOB_HEAD)
+_BLOB_HEAD_SIZE = 48  # reference + offset u64 (_node/relay.py's BLOB_HEAD)
+_broadcasts = itertools.count(1)
 
 
 def eligible(node: Node) -> bool:
@@ -70,7 +73,9 @@ class Fanout:
         hasher = hashlib.sha256()
         for p in self.parts:
             hasher.update(p)
-        self.digest = hasher.digest()
+        self.ref = hasher.digest() + next(_broadcasts).to_bytes(8, "little")
+        """The payload's reference: its sha256 and this broadcast's number (a node's copy
+        and its drop belong to one broadcast, even when another sends the same bytes)."""
         self.nodes = list(nodes)
         self.parent: dict[Node, Node | None] = {
             node: None if q == 0 else nodes[(q - 1) // DEGREE] for q, node in enumerate(nodes)
@@ -89,26 +94,26 @@ class Fanout:
         Called with ``node``'s write lock held."""
         if node not in self.parent:
             return None
-        if self.digest in node.blobs:
+        if self.ref in node.blobs:
             return []
-        node.blobs[self.digest] = self
+        node.blobs[self.ref] = self
         with self.lock:
             self.told.append(node)
         parent = self.parent[node]
         if parent is None:
             return self._from_client()
         where = [parent.proc.address, int(parent.ready_info["relay_port"])]
-        info = {"sha256": self.digest.hex(), "size": self.size, "parent": where}
+        info = {"ref": self.ref.hex(), "size": self.size, "parent": where}
         return frame(Kind.FETCH, 0, json.dumps(info).encode())
 
     def _from_client(self) -> list[Buffer]:
-        info = {"sha256": self.digest.hex(), "size": self.size, "parent": None}
+        info = {"ref": self.ref.hex(), "size": self.size, "parent": None}
         out = frame(Kind.FETCH, 0, json.dumps(info).encode())
         offset = 0
         for part in self.parts:
             for start in range(0, part.nbytes, CHUNK):
                 piece = part[start : start + CHUNK]
-                head = self.digest + offset.to_bytes(8, "little")
+                head = self.ref + offset.to_bytes(8, "little")
                 assert len(head) == _BLOB_HEAD_SIZE
                 out += frame(Kind.BLOB, 0, head, piece)
                 offset += piece.nbytes
@@ -139,13 +144,13 @@ class Fanout:
         with self.lock:
             told, self.told = self.told, []
         for node in told:
-            node.blobs.pop(self.digest, None)
-        left = [n for n in told if not n.send_control(Kind.DROP, wait=False, body=self.digest)]
+            node.blobs.pop(self.ref, None)
+        left = [n for n in told if not n.send_control(Kind.DROP, wait=False, body=self.ref)]
         if left:
             from .loop import get_loop
 
             def drop() -> None:
                 for node in left:
-                    node.send_control(Kind.DROP, body=self.digest)
+                    node.send_control(Kind.DROP, body=self.ref)
 
             get_loop().call_soon_threadsafe(get_loop().run_in_executor, None, drop)

@@ -201,8 +201,8 @@ class Node:
         self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
         self.abandoned = False  # lost or closed: writes waiting for it end
         self.ended = False  # its agent's stream ended (the agent is gone, or its channel)
-        self.blobs: dict[bytes, Fanout] = {}  # the relayed payloads it was told of, by sha256
-        self.have: dict[str, dict[str, Any]] = {}  # its last word (HAVE) on each, by sha256
+        self.blobs: dict[bytes, Fanout] = {}  # the relayed payloads it was told of, by ref
+        self.have: dict[str, dict[str, Any]] = {}  # its last word (HAVE) on each, by ref
         self.relay_failures: list[str] = []  # why payloads did not come through the tree
 
     def global_rank(self, local_rank: int) -> int:
@@ -270,7 +270,7 @@ class Node:
                     else:  # its arguments come through the tree (fanout.py)
                         assert fan is not None
                         parts += told
-                        parts += frame(Kind.TASKREF, tid, head, fan.digest)
+                        parts += frame(Kind.TASKREF, tid, head, fan.ref)
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
                 self.sending = subs  # a loss meanwhile leaves them to this thread
@@ -387,12 +387,12 @@ class Node:
     def _on_have(self, info: dict[str, Any]) -> None:
         """The agent holds a relayed payload, checked, or failed to get it: then the
         client sends it itself (see ``fanout.py``)."""
-        self.have[info["sha256"]] = info
+        self.have[info["ref"]] = info
         if info.get("ok"):
             return
         why = str(info.get("why", ""))
         self.relay_failures.append(why)
-        fan = self.blobs.get(bytes.fromhex(info["sha256"]))
+        fan = self.blobs.get(bytes.fromhex(info["ref"]))
         if fan is not None and self.loop is not None:
             self.loop.run_in_executor(None, fan.send_direct, self, why)
 

@@ -96,8 +96,8 @@ class Agent:
             Kind.DEFINE: ex.define,
             Kind.CONFIG: self._configure,
             Kind.INCLUDES: lambda _, body: self._start_build(bytes(body)),
-            Kind.CANCEL: lambda ident, _: ex.cancel(ident),
-            Kind.RESTART: lambda generation, cause: ex.restart(generation, bytes(cause)),
+            Kind.CANCEL: self._cancel,
+            Kind.RESTART: self._restart,
             Kind.SHUTDOWN: self._shutdown,
             Kind.PYTHON: self._switch_python,
             Kind.STORED: ex.stored,
@@ -215,6 +215,17 @@ class Agent:
             if handler is not None:
                 handler(ident, body)
 
+    def _cancel(self, ident: int, _: Body) -> None:
+        """CANCEL: stop a call, also one still waiting for its relayed payload."""
+        if not self.relay.cancel(ident):
+            self.executors.cancel(ident)
+
+    def _restart(self, generation: int, cause: Body) -> None:
+        """RESTART: every executor is replaced; the calls queued and running end ABORTED,
+        and so do those still waiting for a relayed payload."""
+        self.relay.abort(bytes(cause))
+        self.executors.restart(generation, bytes(cause))
+
     def _switch_python(self, _: int, body: Body) -> None:
         """PYTHON: become a Python of the minor version asked for (see
         :mod:`.interpreter`): this process ``exec``s it, whose agent says HELLO again; when
@@ -281,6 +292,8 @@ class Agent:
                 self._log(f"cannot open a relay port ({e}); broadcasts come from the client")
             else:
                 self.executors.ready_extra["relay_port"] = port
+                if os.access("/dev/shm", os.W_OK):  # payloads the executors map
+                    self.relay.shm_prefix = f"flotilla-{config['pool_id']}-relay-"
         # the volumes (credentials: for their helper alone) come after the environment,
         # whose Image may install the FUSE tool
         self.pending_volumes = config.pop("volumes", None)

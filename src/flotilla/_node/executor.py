@@ -96,7 +96,21 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         with write_lock:
             write_all(wfd, frame(Kind.CREDIT, ident, bytes((index,)), body))
 
-    def task(ident: int, body: Body) -> bool:
+    def task_ref(ident: int, body: Body) -> bool:
+        """A call whose arguments the agent holds in a shared-memory file (a relayed
+        payload, see relay.py): mapped copy-on-write, not copied through the pipe."""
+        name = bytes(body[TASK_HEAD.size :]).decode()
+        try:
+            payload = _serialize.map_private(name)
+        except OSError as e:
+            err = _describe(OSError(f"the relayed arguments cannot be read ({e})"))
+            parts = _serialize.encode(_serialize.pickle_obj(err))
+            with write_lock:
+                write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.ERROR,)), *parts))
+            return True
+        return task(ident, payload, 0)
+
+    def task(ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size) -> bool:
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
@@ -105,7 +119,9 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
             ident, inbox.feed, partial(credit_feed, ident), _serialize.decode
         )
         try:
-            status, parts = _run(functions, body, shm_prefix, _serialize, partial(stream, ident))
+            status, parts = _run(
+                functions, body, offset, shm_prefix, _serialize, partial(stream, ident)
+            )
         finally:
             feeds.current = None
             inbox.feeds.pop(ident, None)
@@ -144,6 +160,7 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     # kind -> handler(ident, body), False to stop (CANCEL frames are taken by the inbox)
     handlers: dict[int, Callable[[int, Body], bool]] = {
         Kind.TASK: task,
+        Kind.TASKREF: task_ref,
         Kind.DEFINE: define,
         Kind.MEMBERS: members,
         Kind.SHUTDOWN: lambda ident, body: False,
@@ -249,13 +266,14 @@ class _Inbox:
 
 def _run(
     functions: dict[int, Any],
-    body: bytes | bytearray,
+    body: Body | memoryview,
+    offset: int,
     shm_prefix: str,
     ser: Any,
     stream: Callable[[Iterator[Any]], None],
 ) -> tuple[int, list[Any]]:
     try:
-        fn_key, args, kwargs = ser.decode(body, TASK_HEAD.size)
+        fn_key, args, kwargs = ser.decode(body, offset)
         value = functions[fn_key](*args, **kwargs)
         del args, kwargs
         if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames

@@ -3,11 +3,12 @@
 
 A broadcast of a large argument to many remote nodes would cost the client one upload per
 node. Instead the client sends the payload to one node (BLOB frames over its own channel)
-and tells every other node where to fetch it (FETCH: the payload's sha256, its size, and a
-parent node's address and relay port); the nodes form a tree in which each fetches from
-its parent over TCP while the parent is still receiving (the bytes flow on as they come).
-The calls refer to the payload by its hash (TASKREF) and wait on the node until it is
-there and checked.
+and tells every other node where to fetch it (FETCH: the payload's reference, that is its
+sha256 and the broadcast's number, its size, and a parent node's address and relay port);
+the nodes form a tree in which each fetches from its parent over TCP while the parent is
+still receiving (the bytes flow on as they come). The calls refer to the payload by its
+reference (TASKREF) and wait on the node until it is there and checked; the executors map
+it from a shared-memory file of the node when there is one (no copy through their pipes).
 
 Trust:
 
@@ -27,9 +28,9 @@ Trust:
 
 Relay handshake (child connects to parent)::
 
-    child:  MAGIC(8) | child nonce(16) | sha256(32)
-    parent: parent nonce(16) | HMAC(key, "parent" | child nonce | parent nonce | sha256)
-    child:  HMAC(key, "child" | child nonce | parent nonce | sha256)
+    child:  MAGIC(8) | child nonce(16) | reference(40)
+    parent: parent nonce(16) | HMAC(key, "parent" | child nonce | parent nonce | reference)
+    child:  HMAC(key, "child" | child nonce | parent nonce | reference)
     parent: size u64 | the payload's bytes, as the parent has them
 """
 
@@ -39,6 +40,7 @@ import errno
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import socket
 import struct
@@ -46,16 +48,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.frames import TASK_HEAD, Body, Kind, frame
+from .._wire.frames import TASK_HEAD, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
 
 MAGIC = b"FLRELAY1"
 NONCE = 16
-DIGEST = 32
-HELLO_SIZE = len(MAGIC) + NONCE + DIGEST
-PROOF_SIZE = NONCE + DIGEST  # the parent's nonce and MAC
-BLOB_HEAD = struct.Struct("<32sQ")
-"""Start of a BLOB frame's body: the payload's sha256 and the offset of the bytes after."""
+REF = 40
+"""A payload's reference: its sha256 (32 bytes), then the client's number of its broadcast
+(u64: two broadcasts of the same bytes never share a node's copy, nor its drop)."""
+MAC = 32
+HELLO_SIZE = len(MAGIC) + NONCE + REF
+PROOF_SIZE = NONCE + MAC  # the parent's nonce and MAC
+BLOB_HEAD = struct.Struct("<40sQ")
+"""Start of a BLOB frame's body: the payload's reference and the offset of the bytes after."""
 SIZE = struct.Struct("<Q")
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a connection to the relay port gets to authenticate."""
@@ -65,12 +70,13 @@ client is asked for the payload instead)."""
 MAX_UNAUTHENTICATED = 256
 """Connections still proving themselves, at most; more are closed at once."""
 _SEND_MAX = 4 << 20
+SHM_DIR = "/dev/shm"
 
 
-def mac(key: bytes, role: bytes, child: bytes, parent: bytes, digest: bytes) -> bytes:
+def mac(key: bytes, role: bytes, child: bytes, parent: bytes, ref: bytes) -> bytes:
     """The proof of ``role`` (b"parent" or b"child") in the handshake of a relay
     connection."""
-    return hmac.new(key, role + child + parent + digest, hashlib.sha256).digest()
+    return hmac.new(key, role + child + parent + ref, hashlib.sha256).digest()
 
 
 class Blob:
@@ -79,9 +85,10 @@ class Blob:
     __slots__ = (
         "buf",
         "complete",
-        "digest",
         "filled",
         "hasher",
+        "name",
+        "ref",
         "servers",
         "size",
         "source",
@@ -89,10 +96,11 @@ class Blob:
         "via",
     )
 
-    def __init__(self, digest: bytes) -> None:
-        self.digest = digest
+    def __init__(self, ref: bytes) -> None:
+        self.ref = ref
         self.size = -1  # not known yet (a child asked before the client announced it)
-        self.buf = bytearray()
+        self.buf: bytearray | mmap.mmap = bytearray()
+        self.name = ""  # the shared-memory file that holds it (else it is in ``buf`` alone)
         self.filled = 0
         self.hasher = hashlib.sha256()
         self.complete = False
@@ -101,14 +109,50 @@ class Blob:
         self.tasks: list[tuple[int, bytes]] = []  # TASKREFs waiting: (task id, TASK_HEAD)
         self.via = ""
 
-    def restart(self, size: int, via: str) -> None:
-        """Receive the payload again from its first byte (``via``: from whom)."""
+    def restart(self, size: int, via: str, shm_prefix: str) -> None:
+        """Receive the payload again from its first byte (``via``: from whom), into a
+        shared-memory file named with ``shm_prefix`` when one can be made."""
         if self.size != size:
-            self.buf = bytearray(size)
+            self.unlink()
+            made = _shared(size, shm_prefix) if shm_prefix and size else bytearray(size)
+            if isinstance(made, tuple):
+                self.name, self.buf = made
+            else:
+                self.buf = made
             self.size = size
         self.filled = 0
         self.hasher = hashlib.sha256()
         self.via = via
+
+    def unlink(self) -> None:
+        """Remove its shared-memory file (the processes that mapped it keep their view)."""
+        if self.name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except OSError:
+                pass
+            self.name = ""
+
+
+def _shared(size: int, prefix: str) -> tuple[str, mmap.mmap] | bytearray:
+    """A new shared-memory file of ``size`` bytes, its space reserved, and its mapping;
+    a plain buffer when none can be made (no ``/dev/shm``, or too small)."""
+    name = f"{prefix}{os.urandom(8).hex()}"
+    path = os.path.join(SHM_DIR, name)
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return bytearray(size)
+    try:
+        os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not as a SIGBUS later
+        mapping = mmap.mmap(fd, size)
+    except OSError:
+        os.unlink(path)
+        return bytearray(size)
+    finally:
+        os.close(fd)
+    return name, mapping
 
 
 class _Conn:
@@ -166,7 +210,7 @@ class Serve(_Conn):
         self.state = "hello"
         self.child_nonce = b""
         self.parent_nonce = b""
-        self.digest = b""
+        self.ref = b""
         self.blob: Blob | None = None
         self.head = b""  # the size, not sent yet
         self.sent = 0
@@ -181,17 +225,17 @@ class Serve(_Conn):
                 if got[: len(MAGIC)] != MAGIC:
                     raise ConnectionError("not a relay connection")
                 self.child_nonce = got[len(MAGIC) : len(MAGIC) + NONCE]
-                digest = got[len(MAGIC) + NONCE :]
+                ref = got[len(MAGIC) + NONCE :]
                 self.parent_nonce = os.urandom(NONCE)
-                proof = mac(self.relay.key, b"parent", self.child_nonce, self.parent_nonce, digest)
+                proof = mac(self.relay.key, b"parent", self.child_nonce, self.parent_nonce, ref)
                 self.sock.sendall(self.parent_nonce + proof)  # 48 bytes into an empty buffer
-                self.digest = digest
+                self.ref = ref
                 self.state = "proof"
                 return
-            got = self.take(DIGEST)
+            got = self.take(MAC)
             if got is None:
                 return
-            want = mac(self.relay.key, b"child", self.child_nonce, self.parent_nonce, self.digest)
+            want = mac(self.relay.key, b"child", self.child_nonce, self.parent_nonce, self.ref)
             if not hmac.compare_digest(got, want):
                 raise ConnectionError("the child's proof is wrong")
         except OSError:
@@ -200,7 +244,7 @@ class Serve(_Conn):
         self.state = "serve"
         self.deadline = time.monotonic() + self.relay.stall
         self.unwatch()
-        blob = self.relay.blob(self.digest)
+        blob = self.relay.blob(self.ref)
         self.blob = blob
         blob.servers.append(self)
         self.wake()
@@ -274,7 +318,7 @@ class Fetch(_Conn):
             self.fail(f"cannot connect to {self.addr[0]}:{self.addr[1]}: {os.strerror(code)}")
             return
         try:
-            self.sock.sendall(MAGIC + self.nonce + self.blob.digest)
+            self.sock.sendall(MAGIC + self.nonce + self.blob.ref)
         except OSError as e:
             self.fail(f"the parent {self.addr[0]} closed the connection ({e})")
             return
@@ -289,11 +333,11 @@ class Fetch(_Conn):
                 if got is None:
                     return
                 parent_nonce, proof = got[:NONCE], got[NONCE:]
-                want = mac(self.relay.key, b"parent", self.nonce, parent_nonce, blob.digest)
+                want = mac(self.relay.key, b"parent", self.nonce, parent_nonce, blob.ref)
                 if not hmac.compare_digest(proof, want):
                     self.fail(f"the parent {self.addr[0]} failed to authenticate")
                     return
-                proof = mac(self.relay.key, b"child", self.nonce, parent_nonce, blob.digest)
+                proof = mac(self.relay.key, b"child", self.nonce, parent_nonce, blob.ref)
                 self.sock.sendall(proof)
                 self.state = "size"
                 self._progress()
@@ -340,16 +384,22 @@ class Relay:
     Args:
         sel: the agent's poller.
         client: the agent's outbox to the client (HAVE frames).
-        submit: gives a task (id, its TASK_HEAD, the payload) to the executors.
+        submit: gives a task (id, its TASK_HEAD, the frame for its executor) to the
+            executors.
+
+    Attributes:
+        shm_prefix: names of the shared-memory files that hold payloads (empty: none):
+            an executor maps the file instead of receiving the payload through its pipe.
     """
 
     def __init__(
-        self, sel: Poller, client: Outbox, submit: Callable[[int, bytes, memoryview], None]
+        self, sel: Poller, client: Outbox, submit: Callable[[int, bytes, list[Buffer]], None]
     ) -> None:
         self.sel = sel
         self.client = client
         self.submit = submit
         self.key = b""
+        self.shm_prefix = ""
         self.stall = STALL_TIMEOUT
         self.listener: socket.socket | None = None
         self.blobs: dict[bytes, Blob] = {}
@@ -394,17 +444,17 @@ class Relay:
         return out
 
     # -- what the client sends ------------------------------------------------------------
-    def blob(self, digest: bytes) -> Blob:
-        found = self.blobs.get(digest)
+    def blob(self, ref: bytes) -> Blob:
+        found = self.blobs.get(ref)
         if found is None:
-            found = self.blobs[digest] = Blob(digest)
+            found = self.blobs[ref] = Blob(ref)
         return found
 
     def fetch(self, _: int, body: Body) -> None:
         """FETCH: get a payload from a parent node, or (no parent) from the client's BLOB
         frames that follow."""
         info: dict[str, Any] = json.loads(bytes(body))
-        blob = self.blob(bytes.fromhex(info["sha256"]))
+        blob = self.blob(bytes.fromhex(info["ref"]))
         if blob.complete:
             self.report(blob, True)
             return
@@ -412,7 +462,7 @@ class Relay:
             blob.source.close()
             blob.source = None
         parent = info.get("parent")
-        blob.restart(int(info["size"]), "relay" if parent else "client")
+        blob.restart(int(info["size"]), "relay" if parent else "client", self.shm_prefix)
         for srv in blob.servers:
             srv.wake()
         if parent:
@@ -426,8 +476,8 @@ class Relay:
 
     def chunk(self, _: int, body: Body) -> None:
         """BLOB: bytes of a payload from the client (announced by a FETCH without parent)."""
-        digest, offset = BLOB_HEAD.unpack_from(body)
-        blob = self.blobs.get(digest)
+        ref, offset = BLOB_HEAD.unpack_from(body)
+        blob = self.blobs.get(ref)
         if blob is None or blob.complete or blob.source is not None or blob.size < 0:
             return
         data = memoryview(body)[BLOB_HEAD.size :]
@@ -440,21 +490,40 @@ class Relay:
         """TASKREF: a call whose arguments are a payload, by its hash: run it once the
         payload is here (the client sends it itself when it is not coming)."""
         head = bytes(body[: TASK_HEAD.size])
-        digest = bytes(body[TASK_HEAD.size : TASK_HEAD.size + DIGEST])
-        blob = self.blobs.get(digest)
+        ref = bytes(body[TASK_HEAD.size : TASK_HEAD.size + REF])
+        blob = self.blobs.get(ref)
         if blob is not None and blob.complete:
-            self.submit(ident, head, memoryview(blob.buf))
+            self._submit(ident, head, blob)
             return
         if blob is None:  # never announced, or dropped
-            blob = self.blob(digest)
+            blob = self.blob(ref)
             self.report(blob, False, "this node does not have the payload")
         blob.tasks.append((ident, head))
 
+    def cancel(self, ident: int) -> bool:
+        """CANCEL of a call still waiting for its payload: it ends CANCELLED (True)."""
+        for blob in self.blobs.values():
+            for i, (waiting, _) in enumerate(blob.tasks):
+                if waiting == ident:
+                    del blob.tasks[i]
+                    self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+                    return True
+        return False
+
+    def abort(self, cause: bytes) -> None:
+        """RESTART of the pool's processes: the calls waiting for a payload end ABORTED,
+        as the queued ones do."""
+        for blob in self.blobs.values():
+            tasks, blob.tasks = blob.tasks, []
+            for ident, _ in tasks:
+                self.client.send(frame(Kind.RESULT, ident, bytes((Status.ABORTED,)), cause))
+
     def drop(self, _: int, body: Body) -> None:
         """DROP: the payload is no longer needed here (its calls ended)."""
-        blob = self.blobs.pop(bytes(body[:DIGEST]), None)
+        blob = self.blobs.pop(bytes(body[:REF]), None)
         if blob is None:
             return
+        blob.unlink()
         for conn in [*blob.servers, *([blob.source] if blob.source else [])]:
             conn.close()
 
@@ -471,17 +540,23 @@ class Relay:
         source, blob.source = blob.source, None
         if source is not None:
             source.close()
-        if not hmac.compare_digest(blob.hasher.digest(), blob.digest):
+        if not hmac.compare_digest(blob.hasher.digest(), blob.ref[:32]):
             self.report(blob, False, f"the payload's sha256 does not match (via {blob.via})")
             return
         blob.complete = True
         self.report(blob, True)
         tasks, blob.tasks = blob.tasks, []
         for ident, head in tasks:
-            self.submit(ident, head, memoryview(blob.buf))
+            self._submit(ident, head, blob)
+
+    def _submit(self, ident: int, head: bytes, blob: Blob) -> None:
+        if blob.name:  # the executor maps the file
+            self.submit(ident, head, frame(Kind.TASKREF, ident, head, blob.name.encode()))
+        else:
+            self.submit(ident, head, frame(Kind.TASK, ident, head, memoryview(blob.buf)))
 
     def report(self, blob: Blob, ok: bool, why: str = "") -> None:
-        info = {"sha256": blob.digest.hex(), "ok": ok, "via": blob.via, "why": why}
+        info = {"ref": blob.ref.hex(), "ok": ok, "via": blob.via, "why": why}
         self.client.send(frame(Kind.HAVE, 0, json.dumps(info).encode()))
 
     # -- time -----------------------------------------------------------------------------
@@ -502,6 +577,8 @@ class Relay:
     def close(self) -> None:
         for conn in list(self.conns):
             conn.close()
+        for blob in self.blobs.values():
+            blob.unlink()
         if self.listener is not None:
             self.sel.unregister(self.listener.fileno())
             self.listener.close()

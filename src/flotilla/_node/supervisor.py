@@ -166,13 +166,13 @@ class Supervisor:
         if len(slot.tasks) == 1:
             self._feed(slot)
 
-    def submit_task(self, ident: int, head: bytes, payload: memoryview) -> None:
+    def submit_task(self, ident: int, head: bytes, parts: list[Buffer]) -> None:
         """A call whose arguments came apart from its TASK frame (a relayed payload, see
-        :mod:`.relay`): queue it as :meth:`submit` does."""
+        :mod:`.relay`): queue its frame for the executor (``parts``) as :meth:`submit`
+        does; ``head`` is its TASK_HEAD."""
         timeout, local_rank = TASK_HEAD.unpack_from(head)
-        parts: list[Buffer] = [HEADER.pack(Kind.TASK, ident, len(head) + payload.nbytes), head]
         slot = self.slots[local_rank]
-        slot.tasks.append(Task(ident, timeout, [*parts, payload]))
+        slot.tasks.append(Task(ident, timeout, parts))
         if len(slot.tasks) == 1:
             self._feed(slot)
 

@@ -180,7 +180,7 @@ def decode(body: Buffer, offset: int = 0) -> Any:
     pos += main_len
     shm: memoryview | None = None
     if name:
-        shm = _map_private(name)
+        shm = map_private(name)
     buffers: list[memoryview] = []
     for where, shm_offset, length in descriptors:
         if where == 1:
@@ -199,7 +199,7 @@ def shm_name_of(body: Buffer, offset: int = 0) -> str:
     return bytes(memoryview(body)[start : start + name_len]).decode()
 
 
-def _map_private(name: str) -> memoryview:
+def map_private(name: str) -> memoryview:
     """Map a shared-memory file copy-on-write: writes stay private to this process."""
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
