@@ -352,18 +352,33 @@ class Fetch(_Conn):
                 self.state = "data"
                 self._progress()
                 return
-            view = memoryview(blob.buf)[blob.filled : blob.size]
-            n = self.sock.recv_into(view)
         except BlockingIOError:
             return
         except OSError as e:
             self.fail(f"the connection to the parent {self.addr[0]} broke ({e})")
             return
-        if n == 0:
-            self.fail(f"the parent {self.addr[0]} closed the connection after {blob.filled} bytes")
-            return
-        self._progress()
-        self.relay.grew(blob, n)
+        # the payload's bytes: all there are now (one pass of the loop for many reads)
+        view = memoryview(blob.buf)
+        start = end = blob.filled
+        closed = ""
+        while end < blob.size:
+            try:
+                n = self.sock.recv_into(view[end : blob.size])
+            except BlockingIOError:
+                break
+            except OSError as e:
+                closed = f"the connection to the parent {self.addr[0]} broke ({e})"
+                break
+            if n == 0:
+                closed = f"the parent {self.addr[0]} closed the connection after {end} bytes"
+                break
+            end += n
+        del view
+        if end > start:
+            self._progress()
+            self.relay.grew(blob, end - start)
+        if closed and not blob.complete and blob.source is self:
+            self.fail(closed)
 
     def _progress(self) -> None:
         self.deadline = time.monotonic() + self.relay.stall
