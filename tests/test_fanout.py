@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
@@ -119,6 +120,24 @@ def test_a_relay_killed_mid_broadcast_leaves_every_other_node_with_the_payload(
             node = pool._nodes[rank]
             assert node.relay_failures, rank
             assert node.have[ref] == {"ref": ref, "ok": True, "via": "client", "why": ""}
+
+
+def test_a_call_waiting_for_its_relayed_payload_can_be_cancelled(lab: Lab) -> None:
+    data, want = _payload()
+    with _pool(lab, heartbeat_timeout=120.0) as pool:
+        pid = int(pool._nodes[1].hello_info["pid"])
+        os.kill(pid, signal.SIGSTOP)  # nodes 3 and 4 wait for their parent
+        try:
+            futures = pool.submit_broadcast(digest(data))
+            assert [futures[r].result(timeout=120) for r in (0, 2, 5, 6)] == [want] * 4
+            pool.cancel([futures[3], futures[4]])
+            for rank in (3, 4):
+                with pytest.raises(CancelledError):
+                    futures[rank].result(timeout=120)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert futures[1].result(timeout=120) == want  # the relay goes on where it was
+        assert digest(data) @ pool == [want] * HOSTS
 
 
 def test_bytes_that_do_not_match_the_hash_are_never_run(
