@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
@@ -27,7 +27,6 @@ from .lines import LineAssembler
 from .stream import on_yield
 
 if TYPE_CHECKING:
-    from .fanout import Fanout
     from .function import PendingCall
 
 _task_ids = itertools.count(1)
@@ -51,6 +50,16 @@ class NodeState(Enum):
     READY = "ready"
     LOST = "lost"
     CLOSED = "closed"
+
+
+class Fanout(Protocol):
+    """A broadcast's payload relayed from node to node (``fanout.Fanout``)."""
+
+    ref: bytes
+
+    def announce(self, node: Node) -> list[Buffer] | None: ...
+    def send_direct(self, node: Node, why: str) -> None: ...
+    def release(self) -> None: ...
 
 
 class Payload:
