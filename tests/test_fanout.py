@@ -198,6 +198,14 @@ def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:
         assert digest(data) @ pool == [want] * HOSTS
 
 
+def test_without_relay_no_port_opens_and_the_client_sends_every_copy(lab: Lab) -> None:
+    data, want = _payload()
+    with _pool(lab, relay=False) as pool:
+        assert not any("relay_port" in n.ready_info for n in pool._nodes)
+        assert digest(data) @ pool == [want] * HOSTS
+        assert not any(n.have for n in pool._nodes)
+
+
 # -- helpers ---------------------------------------------------------------------------------
 def _ref_of(pool: Compute) -> str:
     """The reference of the one broadcast sent to ``pool`` that fanned out."""

@@ -147,8 +147,9 @@ class Bringup:
             "shutdown_grace": self.options.shutdown_grace,
             "shm_probe": probe or None,
             "group": self.group,
-            "relay_key": self.relay_key,
         }
+        if self.options.relay:  # the agent opens its relay port (if apart from the client)
+            config["relay_key"] = self.relay_key
         if self.volumes is not None:
             config["volumes"] = self.volumes
         node.configure(config, self.blob)

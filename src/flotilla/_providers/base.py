@@ -77,6 +77,11 @@ class Options:
         scale_down_after: in an elastic pool (``nodes=(desired, max)`` or
             :class:`flotilla.Nodes`), seconds a node grown beyond ``desired`` may stay idle
             before it is released.
+        relay: True (default): a broadcast of a large argument to many remote nodes is
+            relayed from node to node (the client sends one copy; authenticated, checked
+            with a sha256 at every hop, but not encrypted between the nodes: see
+            ``_client/fanout.py``). False: the client sends every node its own copy over
+            its own connection (SSH), as smaller broadcasts always go.
     """
 
     cluster: bool = True
@@ -88,6 +93,7 @@ class Options:
     provision_timeout: float | None = None
     worker: Worker | None = None
     scale_down_after: float = 60.0
+    relay: bool = True
 
     def __repr__(self) -> str:  # env values may be secrets: never shown
         from .._redaction import shown_env
@@ -97,7 +103,9 @@ class Options:
             f"heartbeat_timeout={self.heartbeat_timeout!r}, "
             f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r}, "
             f"replace_lost_nodes={self.replace_lost_nodes!r}, "
-            f"scale_down_after={self.scale_down_after!r})"
+            f"scale_down_after={self.scale_down_after!r}"
+            + ("" if self.relay else ", relay=False")
+            + ")"
         )
 
     def __post_init__(self) -> None:
@@ -107,6 +115,8 @@ class Options:
             )
         if self.provision_timeout is not None:
             object.__setattr__(self, "start_timeout", self.provision_timeout)
+        if not isinstance(self.relay, bool):
+            raise ConfigurationError(f"Options.relay must be True or False, got {self.relay!r}")
         if not isinstance(self.replace_lost_nodes, bool):
             raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
