@@ -64,11 +64,13 @@ class Kind(IntEnum):
     FEED = 23  # client -> agent -> executor; ident=task id; a streamed argument's value
     MEMBERS = 24  # JSON: the node's new COMPUTE_POOL (an elastic pool grew or shrank)
     # a large broadcast's payload relayed from node to node (_node/relay.py, _client/fanout.py)
-    FETCH = 25  # client -> agent; JSON: a payload's sha256 and size, and where to get it
-    BLOB = 26  # client -> agent; body = sha256 (32 bytes) + offset u64 + the payload's bytes
-    TASKREF = 27  # client -> agent; ident=task id; body = TASK_HEAD + the payload's sha256
+    # (a payload's reference, "ref": its sha256, 32 bytes, then its broadcast's number, u64)
+    FETCH = 25  # client -> agent; JSON: a payload's ref and size, and where to get it
+    BLOB = 26  # client -> agent; body = ref + offset u64 + bytes of the payload from there
+    TASKREF = 27  # client -> agent; ident=task id; body = TASK_HEAD + the payload's ref
+    # (agent -> executor: TASK_HEAD + the name of the shared-memory file that holds it)
     HAVE = 28  # agent -> client; JSON: the node has the payload (checked), or failed to get it
-    DROP = 29  # client -> agent; body = a payload's sha256: it is no longer needed
+    DROP = 29  # client -> agent; body = a payload's ref: it is no longer needed
 
 
 class Status(IntEnum):
