@@ -11,13 +11,15 @@ it received under ``{workdir}/lib/{hash}/`` and runs the agent with ``PYTHONPATH
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
 One remote command, on the connection that then carries the agent's stdio, refuses a
-working directory another user owns or can write (made 0700 when missing), checks the
-interpreter (>= 3.11; once per bundle and interpreter), tests for the bundle and, when it is
-there, starts the agent at once: a cache hit costs a single Python start, the agent.
-Otherwise it answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: the
-node's Python checks its hash, extracts it (:mod:`flotilla._node.untar`, the node side's one
-safe extraction, also on Python 3.11.0-3.11.3) into a temporary directory and renames that into
-place (atomic: concurrent pools never see a half-extracted bundle), then the agent starts.
+working directory another user owns or can write (made 0700 when missing) and starts one
+Python process (:data:`_BOOT`), which becomes the agent: it checks the interpreter (>= 3.11),
+takes the agent lock when the provider asks for one, and, when the bundle is there, runs the
+agent at once (``runpy``, as ``-m flotilla.agent``). Otherwise it answers ``NEED_UPLOAD``
+and reads the bundle (its exact size) from stdin: it checks the hash, extracts it
+(:mod:`flotilla._node.untar`, the node side's one safe extraction, also on Python
+3.11.0-3.11.3) into a temporary directory and renames that into place (atomic: concurrent
+pools never see a half-extracted bundle), then goes on as the agent. Either way a start
+costs one shell and one Python start.
 
 The agent runs as a child of the command's shell, which reports on stderr the signal that
 killed it (``FLOTILLA_BOOT SIGNAL 9``): remote shells do not pass signals on.
@@ -39,7 +41,6 @@ Lines before the answer (a chatty shell profile) are ignored.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import os
@@ -171,22 +172,62 @@ def python_words(python: str) -> str:
     return " ".join(shlex.quote(w) for w in shlex.split(python))
 
 
-_CHECK_PYTHON = (
-    "import sys; print('%d.%d' % sys.version_info[:2]); "
-    f"sys.exit(0 if sys.version_info >= {MIN_PYTHON!r} else 3)"
-)
+_BOOT = f"""\
+import os, sys
+def say(line):
+    sys.stdout.write("FLOTILLA_BOOT " + line + "\\n")
+    sys.stdout.flush()
+if sys.version_info < {MIN_PYTHON!r}:
+    say("BAD_PYTHON %d.%d" % sys.version_info[:2])
+    sys.exit(0)
+lib, name, size, lock, code = sys.argv[1:6]
+del sys.argv[1:]
+if lock:
+    import fcntl
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.set_inheritable(fd, True)
+target = os.path.join(lib, name)
+if not os.path.isdir(target):
+    say("NEED_UPLOAD")
+    sys.argv[1:] = [lib, name, size]
+    try:
+        exec(compile(code, "<flotilla-extract>", "exec"), {{"__name__": "extract"}})
+    except BaseException as e:
+        if not isinstance(e, SystemExit):
+            import traceback
+            traceback.print_exc()
+        elif e.code is not None and not isinstance(e.code, int):
+            sys.stderr.write(str(e.code) + "\\n")
+        sys.stderr.flush()
+        say("UPLOAD_FAILED 1")
+        sys.exit(0)
+    del sys.argv[1:]
+del code
+sys.path[0] = os.getcwd()
+sys.path.insert(1, target)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [target, os.environ.get("PYTHONPATH")]))
+say("AGENT")
+import runpy
+runpy.run_module("flotilla.agent", run_name="__main__", alter_sys=True)
+"""
+"""The node side of the start command, in one Python process: it checks the interpreter
+(first, in syntax any Python parses), takes the agent lock when asked, installs the bundle
+when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last argument and
+is compiled only then) and becomes the agent (``runpy``, as ``python -m flotilla.agent``)."""
 
 
-def start_command(workdir: str, python: str, bundle_hash: str, bundle_size: int) -> list[str]:
-    """The command (an argv) that checks the node, installs the bundle if needed and runs the agent
-    (see the module docstring).
+def start_command(
+    workdir: str, python: str, bundle_hash: str, bundle_size: int, lock: str | None = None
+) -> list[str]:
+    """The command (an argv) that checks the node, installs the bundle if needed and runs
+    the agent (see the module docstring): one shell and one Python process, the agent.
 
-    The interpreter check runs once per bundle and interpreter: it leaves a marker file in
-    the bundle directory, so a cache hit starts a single Python process, the agent.
+    ``lock``: a file (relative to ``workdir``) the agent holds a shared ``flock`` on while
+    it and the processes it starts run (a pod's holder ends the pod when none does).
     """
     py = python_words(python)
-    checked = ".python-ok-" + hashlib.sha256(python.encode()).hexdigest()[:16]
-    extract = f'{py} -S -c {shlex.quote(_EXTRACT)} "$W/lib" {bundle_hash} {bundle_size}'
+    first = shlex.quote(shlex.split(python)[0])
     script = f"""\
 W={shell_path(workdir)}
 L="$W/lib/{bundle_hash}"
@@ -197,20 +238,10 @@ done
 case $(ls -ldL -- "$W" 2>/dev/null) in
   d????w*|d???????w*) echo "FLOTILLA_BOOT UNSAFE_WORKDIR writable $W"; exit 0 ;;
 esac
-if [ ! -e "$L/{checked}" ]; then
-  V=$({py} -S -c {shlex.quote(_CHECK_PYTHON)})
-  S=$?
-  if [ "$S" -eq 3 ]; then echo "FLOTILLA_BOOT BAD_PYTHON $V"; exit 0; fi
-  if [ "$S" -ne 0 ]; then echo "FLOTILLA_BOOT NO_PYTHON $S"; exit 0; fi
-  if [ ! -d "$L" ]; then
-    echo "FLOTILLA_BOOT NEED_UPLOAD"
-    {extract} || {{ echo "FLOTILLA_BOOT UPLOAD_FAILED $?"; exit 0; }}
-  fi
-  : > "$L/{checked}" 2>/dev/null
-fi
 cd "$W" || exit 1
-echo "FLOTILLA_BOOT AGENT"
-PYTHONPATH="$L${{PYTHONPATH:+:$PYTHONPATH}}" {py} -m flotilla.agent
+command -v {first} >/dev/null 2>&1 || {{ echo "FLOTILLA_BOOT NO_PYTHON 127"; exit 0; }}
+{py} -c {shlex.quote(_BOOT)} "$W/lib" {bundle_hash} {bundle_size} {shlex.quote(lock or "")} \\
+  {shlex.quote(_EXTRACT)}
 S=$?
 if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
 exit "$S"

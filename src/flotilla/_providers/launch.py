@@ -91,6 +91,7 @@ async def start_remote_agent(
     timeout: float,
     ship: bool = True,
     env: Mapping[str, str] | None = None,
+    lock: str | None = None,
 ) -> PipeAgent:
     """Start the agent on ``machine`` through ``shell``; the running agent.
 
@@ -103,13 +104,15 @@ async def start_remote_agent(
             ``workdir``; False: the machine sees the client's files and runs ``python``
             as it is (the shell sets the working directory).
         env: variables set for the agent.
+        lock: a file of ``workdir`` the agent (and what it starts) holds a shared lock on
+            while it runs (see :func:`bootstrap.start_command`; only with ``ship``).
 
     Raises ProvisionError naming the machine, with its ``cause``; nothing is left running.
     """
     loop = asyncio.get_running_loop()
     bundle = await loop.run_in_executor(None, client_bundle) if ship else None
     if bundle is not None:
-        command = start_command(workdir, python, bundle.hash, len(bundle.data))
+        command = start_command(workdir, python, bundle.hash, len(bundle.data), lock)
     else:
         command = announced([python, "-m", "flotilla.agent"])
     if env:
@@ -170,12 +173,15 @@ class ShellAllocation(Allocation):
         workdir: the machines' folder for flotilla's files (see :func:`start_remote_agent`).
         ship: whether the client's flotilla is uploaded (False: the machines see the
             client's files).
+        lock: a file of ``workdir`` each agent holds a shared lock on while it runs
+            (None: none; see :func:`start_remote_agent`).
     """
 
     shell: RemoteShell
     python: str = "python3"
     workdir: str = "~/.flotilla"
     ship: bool = True
+    lock: str | None = None
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Start the agent on ``machine`` through :attr:`shell`."""
@@ -187,6 +193,7 @@ class ShellAllocation(Allocation):
             timeout=self.spec.options.start_timeout,
             ship=self.ship,
             env=self.agent_env(machine),
+            lock=self.lock,
         )
 
     def agent_env(self, machine: Machine) -> dict[str, str]:

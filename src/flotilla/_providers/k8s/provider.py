@@ -16,9 +16,11 @@ cannot place (its ``PodScheduled`` condition: Unschedulable, the message of the 
 for ``pending_timeout`` seconds fails the pool with a ProvisionError naming the shortage, and
 every pod made is deleted.
 
-**Agents.** ``kubectl exec -i POD -- python -c LOCK <bootstrap>`` is the remote shell of the
-launch layer (:class:`ExecShell`): the bundle is sent once per pod over the stream, and the
-stream's stdin/stdout are the protocol channel; no SSH daemon is needed in the image.
+**Agents.** ``kubectl exec -i POD -- sh -c <start command>`` is the remote shell of the
+launch layer (:class:`ExecShell`): one exec per pod, all at once, whose one Python process
+checks the interpreter, takes the pod's agent lock, unpacks the bundle (sent once per pod
+over the stream) and becomes the agent (``bootstrap.start_command``); the stream's
+stdin/stdout are then the protocol channel. No SSH daemon is needed in the image.
 ``instance_info().peers`` are the pod IPs (node 0's is ``head_addr``).
 
 **Lost pods.** A pod that is deleted, evicted, or whose node is gone ends its exec stream (or
@@ -100,17 +102,6 @@ while True:
     time.sleep(0.5)
 """
 """The pods' command: keeps the pod while an agent holds the lock (see the module doc)."""
-
-LOCKED = """\
-import fcntl, os, sys
-path = os.path.expanduser(sys.argv[1])
-os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-fcntl.flock(fd, fcntl.LOCK_SH)
-os.set_inheritable(fd, True)
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-"""Runs a command holding the pod's agent lock (the holder ends the pod when none does)."""
 
 
 def default_image() -> str:
@@ -303,8 +294,8 @@ class PodState:
 
 
 class ExecShell(RemoteShell):
-    """``kubectl exec -i`` as a remote shell: the command runs in the pod's container,
-    holding the pod's agent lock (see the module doc)."""
+    """``kubectl exec -i`` as a remote shell: the command runs in the pod's container (the
+    agent holds the pod's agent lock, see the module doc)."""
 
     name = "kubectl exec"
 
@@ -313,7 +304,6 @@ class ExecShell(RemoteShell):
 
     def argv(self, machine: Machine, command: list[str]) -> list[str]:
         kubectl = self.allocation.provider.kubectl
-        python = shlex.split(self.allocation.python)
         return [
             *kubectl.base(),
             "-n",
@@ -324,11 +314,6 @@ class ExecShell(RemoteShell):
             "-c",
             CONTAINER,
             "--",
-            *python,
-            "-S",  # the wrapper needs the standard library only: no site-packages scan
-            "-c",
-            LOCKED,
-            self.allocation.provider.lock_path(),
             *command,
         ]
 
@@ -364,6 +349,7 @@ class KubernetesAllocation(ShellAllocation):
         self.shell = ExecShell(self)
         self.python = provider.settings.python or "python3"
         self.workdir = provider.settings.workdir
+        self.lock = LOCK
         self.selector = f"{POOL_LABEL}={spec.pool_id}"
         self.agents: list[AgentProcess] = []
         self.made = 0
