@@ -6,6 +6,7 @@ Tests that need the lab need root; they skip with the reason otherwise.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from _procs import assert_all_gone, wait_until
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
 from flotilla._providers.k8s import Kubernetes
-from flotilla._providers.k8s.provider import POOL_LABEL
+from flotilla._providers.k8s.provider import MANAGED, POOL_LABEL
 
 
 def provider(lab: K8sLab, **kwargs: Any) -> Kubernetes:
@@ -139,7 +140,8 @@ sys.path[:0] = {path!r}
 import flotilla as sky
 from flotilla._providers.k8s import Kubernetes
 provider = Kubernetes(kubeconfig={kubeconfig!r}, kubectl={kubectl!r}, python={python!r})
-with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=3)) as pool:
+options = sky.Options(heartbeat_timeout=3, env={{"API_TOKEN": sky.Secret("killed-secret")}})
+with sky.Compute(provider=provider, nodes=2, options=options) as pool:
     print(pool.pool_id, " ".join(str(n.hello_info["pid"]) for n in pool._nodes), flush=True)
     time.sleep(600)
 """
@@ -167,11 +169,22 @@ def _client(lab: K8sLab) -> tuple[subprocess.Popen[str], str, list[int]]:
     return client, pool_id, [int(p) for p in pids]
 
 
+def pool_objects(lab: K8sLab, pool_id: str) -> list[str]:
+    """The pool's Services and Secrets, as ``kind/name``."""
+    out = lab.kubectl("get", "services,secrets", "-l", f"{POOL_LABEL}={pool_id}", "-o", "name")
+    return sorted(out.split())
+
+
 def test_ctrl_c_leaves_no_pod(k8s_lab: K8sLab) -> None:
     client, pool_id, pids = _client(k8s_lab)
+    assert pool_objects(k8s_lab, pool_id) == [
+        f"secret/flotilla-{pool_id}",
+        f"service/flotilla-{pool_id}",
+    ]
     client.send_signal(signal.SIGINT)
     client.wait(60)
     assert pool_pods(k8s_lab, pool_id) == []
+    assert pool_objects(k8s_lab, pool_id) == []
     assert_all_gone(pids, timeout=10, what="the agents")
 
 
@@ -194,7 +207,9 @@ def test_a_client_killed_with_sigkill_leaves_no_running_pod(k8s_lab: K8sLab) -> 
 
     found = remove_orphans(provider(k8s_lab).settings)
     assert pool_id in found.pools
+    assert {f"secret/flotilla-{pool_id}", f"service/flotilla-{pool_id}"} <= set(found.others)
     assert pool_pods(k8s_lab, pool_id) == []
+    assert pool_objects(k8s_lab, pool_id) == []
 
 
 # -- refused before anything starts --------------------------------------------------------
@@ -239,14 +254,75 @@ def read_env(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def test_a_secret_reaches_the_tasks_but_never_a_pod_spec(k8s_lab: K8sLab) -> None:
+def secret_value(lab: K8sLab, name: str, key: str) -> str | None:
+    """The value of ``key`` in the Secret ``name`` (None: no such Secret or key)."""
+    out = lab.kubectl("get", "secret", name, "-o", "json", "--ignore-not-found")
+    if not out.strip():
+        return None
+    data = json.loads(out).get("data") or {}
+    return base64.b64decode(data[key]).decode() if key in data else None
+
+
+def test_a_secret_goes_into_a_kubernetes_secret_of_the_pool_never_a_pod_spec(
+    k8s_lab: K8sLab,
+) -> None:
+    """The pool's Secret holds the value while the pool runs; the pods refer to it
+    (``secretKeyRef``), the tasks see it, no pod spec holds it, and it goes with the pool."""
     value = "k8s-secret-value-4242"
-    options = sky.Options(env={"API_TOKEN": sky.Secret(value)})
+    options = sky.Options(env={"API_TOKEN": sky.Secret(value), "PLAIN": "visible"})
     with sky.Compute(provider=provider(k8s_lab), nodes=2, options=options) as pool:
         seen = read_env("API_TOKEN") @ pool
+        plain = read_env("PLAIN") @ pool
+        name = f"flotilla-{pool.pool_id}"
+        held = secret_value(k8s_lab, name, "API_TOKEN")
+        secrets = k8s_lab.kubectl(
+            "get", "secrets", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "name"
+        )
         specs = k8s_lab.kubectl("get", "pods", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "json")
-    assert seen == [value, value]
+    assert seen == [value, value] and plain == ["visible", "visible"]
+    assert held == value
+    assert secrets.split() == [f"secret/{name}"]  # labelled with the pool
     assert pool.pool_id in specs and value not in specs
+    for pod in json.loads(specs)["items"]:
+        env = pod["spec"]["containers"][0]["env"]
+        assert env == [
+            {"name": "API_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": "API_TOKEN"}}}
+        ]
+    assert secret_value(k8s_lab, name, "API_TOKEN") is None  # deleted with the pool
+
+
+def test_a_pool_without_secrets_makes_no_secret(k8s_lab: K8sLab) -> None:
+    with sky.Compute(provider=provider(k8s_lab), nodes=1) as pool:
+        secrets = k8s_lab.kubectl(
+            "get", "secrets", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "name"
+        )
+        pods = pool_pods(k8s_lab, pool.pool_id)
+    assert secrets.strip() == ""
+    assert "env" not in pods[0]["spec"]["containers"][0]
+
+
+def test_a_headless_service_names_the_pools_pods_while_it_runs(k8s_lab: K8sLab) -> None:
+    """Each pool has a headless Service selecting its pods (``<pod>.<service>.<namespace>.svc``
+    in a cluster's DNS; the lab has none, peers stay pod IPs): it exists while the pool
+    runs and goes with it."""
+    with sky.Compute(provider=provider(k8s_lab), nodes=2) as pool:
+        name = f"flotilla-{pool.pool_id}"
+        service = k8s_lab.get_json("service", name)
+        listed = k8s_lab.kubectl(
+            "get", "services", "-l", f"{POOL_LABEL}={pool.pool_id}", "-o", "name"
+        )
+        pods = pool_pods(k8s_lab, pool.pool_id)
+        infos = where() @ pool
+    spec = service["spec"]
+    assert isinstance(spec, dict)
+    assert spec["clusterIP"] == "None"
+    assert spec["selector"] == {POOL_LABEL: pool.pool_id}
+    assert listed.split() == [f"service/{name}"]
+    assert all(p["spec"]["subdomain"] == name for p in pods)  # <pod>.<service> names
+    ips = {int(p["metadata"]["labels"]["flotilla/rank"]): p["status"]["podIP"] for p in pods}
+    assert all(i["peers"] == sorted(ips.items()) for i in infos)  # peers stay pod IPs
+    gone = k8s_lab.kubectl("get", "service", name, "--ignore-not-found", "-o", "name")
+    assert gone.strip() == ""
 
 
 _ROLE = """
@@ -257,6 +333,9 @@ rules:
 - apiGroups: [""]
   resources: [pods]
   verbs: [create, get, list, watch, delete]
+- apiGroups: [""]
+  resources: [services, secrets]
+  verbs: [create, list, delete]
 {exec_rule}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
@@ -268,20 +347,25 @@ roleRef: {{kind: Role, name: {name}, apiGroup: rbac.authorization.k8s.io}}
 
 
 def test_the_rbac_the_readme_names_is_enough_and_exec_is_needed(k8s_lab: K8sLab) -> None:
-    """A user with exactly README's Role (pods: create/get/list/watch/delete, pods/exec:
-    create) runs a pool; without pods/exec the start fails naming the refusal, and nothing
-    is left."""
+    """A user with exactly README's Role (pods: create/get/list/watch/delete; services and
+    secrets: create/list/delete; pods/exec: create) runs a pool with a secret; without
+    pods/exec the start fails naming the refusal, and nothing is left."""
     kubeconfig = str(k8s_lab.user_kubeconfig())
     exec_rule = '- apiGroups: [""]\n  resources: [pods/exec]\n  verbs: [create]'
     k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=exec_rule))
     try:
-        with sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2) as pool:
+        options = sky.Options(env={"API_TOKEN": sky.Secret("rbac-secret-value")})
+        with sky.Compute(
+            provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2, options=options
+        ) as pool:
             assert [i["node"] for i in where() @ pool] == [0, 1]
+            assert read_env("API_TOKEN") @ pool == ["rbac-secret-value"] * 2
         k8s_lab.kubectl("apply", "-f", "-", input=_ROLE.format(name="flotilla", exec_rule=""))
         with pytest.raises(ProvisionError, match="forbidden") as raised:
             sky.Compute(provider=provider(k8s_lab, kubeconfig=kubeconfig), nodes=2).open()
         assert raised.value.cause is ProvisionCause.AUTH
         assert live_pods(k8s_lab) == []
+        assert k8s_lab.kubectl("get", "services,secrets", "-l", MANAGED, "-o", "name") == ""
     finally:
         k8s_lab.kubectl("delete", "role,rolebinding", "flotilla", "--ignore-not-found")
 

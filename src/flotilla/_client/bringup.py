@@ -63,6 +63,7 @@ class Bringup:
         self.procs: list[AgentProcess] = []
         self.head_port = 0
         self.env: dict[str, str] = {}
+        self.delivered: frozenset[str] = frozenset()  # see Allocation.delivered_env
         self.build_spec: dict[str, Any] | None = None
         self.blob = b""
         self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
@@ -140,7 +141,7 @@ class Bringup:
             "pool_id": self.pool_id,
             "procs": self.workers,
             "compute_pool": info.to_json(),
-            "env": self.env,
+            "env": {k: v for k, v in self.env.items() if k not in self.delivered},
             "image": self.build_spec,
             "home": self.home,
             "heartbeat_timeout": self.options.heartbeat_timeout,

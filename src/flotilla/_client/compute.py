@@ -394,6 +394,7 @@ class Compute(PoolCollections, Pool):
             )
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
+        self._bringup.delivered = self._allocation.delivered_env
         self._console.begin(range(len(procs)))
         started = time.monotonic()
         nodes = self._bringup.nodes(range(len(procs)), procs)

@@ -285,7 +285,12 @@ class Allocation(ABC):
             records its machines as PENDING; :meth:`put` changes one rank's).
         state: where the allocation is in its lifecycle.
         machine_states: the state of every machine the allocation ever held, by ident.
+        delivered_env: names of the pool's ``env`` variables its agents already have in
+            their environment, where the provider put them (a Kubernetes Secret the pods
+            refer to): the client does not send them to the nodes.
     """
+
+    delivered_env: frozenset[str] = frozenset()
 
     def __init__(self, spec: PoolSpec, machines: Sequence[Machine]) -> None:
         self.spec = spec

@@ -1,10 +1,11 @@
 """What Kubernetes pools leave when their client dies, and removing it.
 
-Every pod of a pool is labelled ``app.kubernetes.io/managed-by=flotilla`` and
-``flotilla/pool=<id>``, and annotated ``flotilla/client = host:pid:start`` (as AWS
-resources are tagged, see ``aws.orphans``). A pool whose client ran on this machine and is
-gone is an orphan: :func:`remove_orphans` deletes its pods (ended ones too: a killed
-client's pods end by themselves, see ``provider``). Pools of clients on other machines
+Every object of a pool (its pods, its headless Service, its Secret) is labelled
+``app.kubernetes.io/managed-by=flotilla`` and ``flotilla/pool=<id>``, and annotated
+``flotilla/client = host:pid:start`` (as AWS resources are tagged, see ``aws.orphans``). A
+pool whose client ran on this machine and is gone is an orphan: :func:`remove_orphans`
+deletes its objects (ended pods too: a killed client's pods end by themselves, see
+``provider``; its Service and Secret stay until then). Pools of clients on other machines
 cannot be checked from here and are left alone.
 """
 
@@ -12,11 +13,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from ..aws.orphans import client_alive
 from .kubectl import Kubectl
 from .provider import CLIENT_ANNOTATION, MANAGED, POOL_LABEL
 from .settings import KubernetesSettings
+
+KINDS = "pods,services,secrets"
+"""The kinds of a pool's objects."""
 
 
 @dataclass(frozen=True)
@@ -27,54 +32,68 @@ class Orphans:
         pools: ids of the orphan pools.
         pods: their pods.
         skipped: pools whose client ran on another machine (not checked, not touched).
+        others: their other objects, as ``kind/name`` (``service/flotilla-ab12cd34``).
     """
 
     pools: tuple[str, ...]
     pods: tuple[str, ...]
     skipped: tuple[str, ...]
+    others: tuple[str, ...] = ()
+
+
+def _pool_of(item: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(pool id, client annotation, kind, name) of one object."""
+    meta = item.get("metadata", {})
+    return (
+        (meta.get("labels") or {}).get(POOL_LABEL, ""),
+        (meta.get("annotations") or {}).get(CLIENT_ANNOTATION, ""),
+        str(item.get("kind", "")).lower(),
+        meta.get("name", ""),
+    )
+
+
+async def _delete_pools(kubectl: Kubectl, pools: list[str]) -> None:
+    """Delete every object of ``pools``, waiting until their pods are gone."""
+    for pool in pools:
+        selector = f"{POOL_LABEL}={pool}"
+        await kubectl.delete("pods", selector, wait=True)
+        await kubectl.delete("services,secrets", selector, wait=False)
 
 
 async def find_and_remove(settings: KubernetesSettings, dry_run: bool = False) -> Orphans:
     kubectl = Kubectl(settings)
-    pods = await kubectl.get("pods", MANAGED)
-    pools: dict[str, list[str]] = {}
+    pools: dict[str, list[tuple[str, str]]] = {}
     skipped: set[str] = set()
-    for pod in pods:
-        meta = pod.get("metadata", {})
-        pool = (meta.get("labels") or {}).get(POOL_LABEL, "")
-        client = (meta.get("annotations") or {}).get(CLIENT_ANNOTATION, "")
-        alive = client_alive(client) if client else None
+    for item in await kubectl.get(KINDS, MANAGED):
+        pool, client, kind, name = _pool_of(item)
         if not pool:
             continue
+        alive = client_alive(client) if client else None
         if alive is None:
             skipped.add(pool)
         elif not alive:
-            pools.setdefault(pool, []).append(meta.get("name", ""))
+            pools.setdefault(pool, []).append((kind, name))
     if not dry_run:
-        for pool in pools:
-            await kubectl.delete("pods", f"{POOL_LABEL}={pool}", wait=True)
+        await _delete_pools(kubectl, sorted(pools))
+    objects = [o for found in pools.values() for o in found]
     return Orphans(
         pools=tuple(sorted(pools)),
-        pods=tuple(sorted(n for names in pools.values() for n in names)),
+        pods=tuple(sorted(name for kind, name in objects if kind == "pod")),
         skipped=tuple(sorted(skipped - set(pools))),
+        others=tuple(sorted(f"{kind}/{name}" for kind, name in objects if kind != "pod")),
     )
 
 
 async def remove_client_pools(settings: KubernetesSettings, client: str) -> list[str]:
-    """Delete the pods of every pool the client ``client`` (``host:pid:start``) made; their
-    names."""
+    """Delete every object of every pool the client ``client`` (``host:pid:start``) made;
+    the names of their pods."""
     kubectl = Kubectl(settings)
-    pods = [
-        p.get("metadata", {})
-        for p in await kubectl.get("pods", MANAGED)
-        if (p.get("metadata", {}).get("annotations") or {}).get(CLIENT_ANNOTATION) == client
-    ]
-    for pool in sorted({(m.get("labels") or {}).get(POOL_LABEL, "") for m in pods} - {""}):
-        await kubectl.delete("pods", f"{POOL_LABEL}={pool}", wait=True)
-    return sorted(m.get("name", "") for m in pods)
+    mine = [o for o in map(_pool_of, await kubectl.get(KINDS, MANAGED)) if o[1] == client]
+    await _delete_pools(kubectl, sorted({pool for pool, *_ in mine} - {""}))
+    return sorted(name for _, _, kind, name in mine if kind == "pod")
 
 
 def remove_orphans(settings: KubernetesSettings, dry_run: bool = False) -> Orphans:
-    """Delete the pods of pools whose client ran on this machine and is gone (in the
+    """Delete the objects of pools whose client ran on this machine and is gone (in the
     settings' namespace and context); what was found."""
     return asyncio.run(find_and_remove(settings, dry_run))

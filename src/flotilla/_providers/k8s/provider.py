@@ -37,9 +37,11 @@ later; ``flotilla down --orphans`` deletes the pods that clients gone from this 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import math
+import re
 import shlex
 import sys
 import time
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._redaction import Secret, is_secret
 from ..base import (
     AgentProcess,
     AllocationState,
@@ -67,6 +70,8 @@ RANK_LABEL = "flotilla/rank"
 MANAGED = "app.kubernetes.io/managed-by=flotilla"
 CLIENT_ANNOTATION = "flotilla/client"
 CONTAINER = "node"
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+"""A variable name a pod's ``env`` accepts (and a Secret key)."""
 LOCK = "agent.lock"
 """The pod's agent lock, in the workdir (one per pod: a container's files are its own)."""
 IDLE = 10.0
@@ -107,6 +112,18 @@ while True:
 def default_image() -> str:
     """A Python image of the client's minor version."""
     return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def secret_env(spec: PoolSpec) -> dict[str, str]:
+    """The pool's secret variables (``Secret`` values, or names that look secret, of the
+    image's and the options' ``env``) that its Kubernetes Secret carries: those whose names
+    a pod's ``env`` accepts (any other still reaches the agent over its exec stream)."""
+    env = {**(getattr(spec.image, "env", None) or {}), **spec.options.env}
+    return {
+        k: v.value if isinstance(v, Secret) else str(v)
+        for k, v in env.items()
+        if is_secret(k, v) and ENV_NAME.fullmatch(k)
+    }
 
 
 class Kubernetes(Provider):
@@ -167,10 +184,57 @@ class Kubernetes(Provider):
         """The agent lock's path in a pod."""
         return f"{self.settings.workdir.rstrip('/')}/{LOCK}"
 
-    def pod(self, spec: PoolSpec, rank: int, name: str) -> dict[str, Any]:
-        """The Pod object of ``rank``."""
+    @staticmethod
+    def object_name(spec: PoolSpec) -> str:
+        """The name of the pool's Service and Secret."""
+        return f"flotilla-{spec.pool_id}"
+
+    @staticmethod
+    def metadata(spec: PoolSpec, name: str, **labels: str) -> dict[str, Any]:
+        """The metadata of one of the pool's objects: its name, the pool's labels (and
+        ``labels``), the client's annotation."""
         from ..aws.orphans import client_id
 
+        return {
+            "name": name,
+            "labels": {
+                POOL_LABEL: spec.pool_id,
+                **labels,
+                "app.kubernetes.io/managed-by": "flotilla",
+            },
+            "annotations": {CLIENT_ANNOTATION: client_id()},
+        }
+
+    def secret(self, spec: PoolSpec) -> dict[str, Any] | None:
+        """The pool's Secret: its secret variables (:func:`secret_env`), which the pods'
+        ``env`` reference; None when it has none."""
+        env = secret_env(spec)
+        if not env:
+            return None
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": self.metadata(spec, self.object_name(spec)),
+            "type": "Opaque",
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in env.items()},
+        }
+
+    def service(self, spec: PoolSpec) -> dict[str, Any]:
+        """The pool's headless Service: pod ``P`` of the pool is
+        ``P.<service>.<namespace>.svc`` in the cluster's DNS (peers still use pod IPs)."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.metadata(spec, self.object_name(spec)),
+            "spec": {
+                "clusterIP": "None",
+                "selector": {POOL_LABEL: spec.pool_id},
+                "publishNotReadyAddresses": True,
+            },
+        }
+
+    def pod(self, spec: PoolSpec, rank: int, name: str) -> dict[str, Any]:
+        """The Pod object of ``rank``."""
         python = shlex.split(self.settings.python or "python3")
         first = spec.options.start_timeout + 30
         requests: dict[str, str] = {}
@@ -179,8 +243,14 @@ class Kubernetes(Provider):
             requests["cpu"] = f"{max(1, math.ceil(spec.vcpus * 1000))}m"
         if spec.memory_gb is not None:
             requests["memory"] = f"{max(1, math.ceil(spec.memory_gb * 1024))}Mi"
+        secret = self.object_name(spec)
+        env = [
+            {"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}}
+            for k in secret_env(spec)
+        ]
         pod_spec: dict[str, Any] = {
             "restartPolicy": "Never",
+            "subdomain": self.object_name(spec),
             "terminationGracePeriodSeconds": 5,
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
@@ -198,6 +268,7 @@ class Kubernetes(Provider):
                         self.lock_path(),
                     ],
                     "resources": {"requests": requests, "limits": limits},
+                    **({"env": env} if env else {}),
                 }
             ],
         }
@@ -209,15 +280,7 @@ class Kubernetes(Provider):
         return {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "labels": {
-                    POOL_LABEL: spec.pool_id,
-                    RANK_LABEL: str(rank),
-                    "app.kubernetes.io/managed-by": "flotilla",
-                },
-                "annotations": {CLIENT_ANNOTATION: client_id()},
-            },
+            "metadata": self.metadata(spec, name, **{RANK_LABEL: str(rank)}),
             "spec": pod_spec,
         }
 
@@ -225,7 +288,14 @@ class Kubernetes(Provider):
         allocation = KubernetesAllocation(self, spec)
         try:
             names = [allocation.pod_name(rank) for rank in range(spec.nodes)]
-            await self.kubectl.create([self.pod(spec, r, n) for r, n in enumerate(names)])
+            secret = self.secret(spec)
+            await self.kubectl.create(
+                [
+                    *([secret] if secret else []),  # first: the pods' env refers to it
+                    self.service(spec),
+                    *(self.pod(spec, r, n) for r, n in enumerate(names)),
+                ]
+            )
             ips = await allocation.wait_running(names)
             allocation.machines = [
                 allocation.new_machine(rank, name, ips[name]) for rank, name in enumerate(names)
@@ -351,6 +421,8 @@ class KubernetesAllocation(ShellAllocation):
         self.workdir = provider.settings.workdir
         self.lock = LOCK
         self.selector = f"{POOL_LABEL}={spec.pool_id}"
+        self.delivered_env = frozenset(secret_env(spec))  # the pods' env, from the Secret
+        self.others = "services,secrets" if self.delivered_env else "services"
         self.agents: list[AgentProcess] = []
         self.made = 0
         self.watch_interval = WATCH_INTERVAL
@@ -479,11 +551,19 @@ class KubernetesAllocation(ShellAllocation):
                 self.report_lost(m.rank, reason)
 
     async def free(self) -> None:
-        """Stop the agents, then delete the pool's pods and wait until they are gone."""
+        """Stop the agents, then delete the pool's pods (waiting until they are gone), its
+        Service and its Secret."""
         if self._watcher is not None:
             self._watcher.cancel()
         await asyncio.gather(
             *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,
         )
-        await self.kubectl.delete("pods", self.selector, wait=True)
+        failed = await asyncio.gather(
+            self.kubectl.delete("pods", self.selector, wait=True),
+            self.kubectl.delete(self.others, self.selector, wait=False),
+            return_exceptions=True,
+        )
+        for e in failed:
+            if isinstance(e, BaseException):
+                raise e

@@ -113,7 +113,7 @@ class K8sBackend(Backend[K8sSpec]):
         return Kubernetes.from_settings(spec.provider_settings())
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
-        """Delete the pods the cluster's daemon made (they are found by the daemon's
+        """Delete the pods (Services, Secrets) the cluster's daemon made (they are found by the daemon's
         ``host:pid:start``): nothing is left when the daemon was killed before it could
         delete them itself."""
         import asyncio
@@ -131,9 +131,9 @@ class K8sBackend(Backend[K8sSpec]):
             print(f"cluster {paths.name}: could not look for its pods: {e}", file=sys.stderr)
 
     def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
-        """Pods of pools whose client (a killed program, or a cluster daemon) is gone, in
-        the current context's ``default`` namespace (``--region`` names another
-        namespace); pools of other machines' clients are listed, not touched."""
+        """Pods, Services and Secrets of pools whose client (a killed program, or a cluster
+        daemon) is gone, in the current context's ``default`` namespace (``--region`` names
+        another namespace); pools of other machines' clients are listed, not touched."""
         from ..._providers.k8s.orphans import remove_orphans
 
         found = remove_orphans(KubernetesSettings(namespace=region or "default"), dry_run)
@@ -144,6 +144,8 @@ class K8sBackend(Backend[K8sSpec]):
         ]
         if found.pods:
             lines.append(f"{verb} {len(found.pods)} pod(s): {', '.join(found.pods)}")
+        if found.others:
+            lines.append(f"{verb} {', '.join(found.others)}")
         if found.skipped:
             lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
         return lines
