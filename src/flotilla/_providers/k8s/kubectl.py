@@ -117,6 +117,10 @@ class Kubectl:
         doc = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
         await self.call(["create", "-f", "-", "-o", "name"], stdin=json.dumps(doc).encode())
 
+    def watch(self, kind: str, selector: str) -> Watch:
+        """A watch of the objects of ``kind`` matching ``selector`` (not started)."""
+        return Watch(self, kind, selector)
+
     async def delete(self, kinds: str, selector: str, *, wait: bool = True) -> None:
         """Delete the objects of ``kinds`` (``pods,secrets``) matching ``selector``; with
         ``wait``, until they are gone."""
@@ -129,6 +133,70 @@ class Kubectl:
             f"--wait={str(wait).lower()}",
         ]
         await self.call(args)
+
+
+class Watch:
+    """``kubectl get KIND -l SELECTOR --watch``: the changes of the matching objects as
+    they happen (first one ADDED per existing object), from one kubectl process."""
+
+    def __init__(self, kubectl: Kubectl, kind: str, selector: str) -> None:
+        self.argv = [
+            *kubectl.base(),
+            "-n",
+            kubectl.namespace,
+            "get",
+            kind,
+            "-l",
+            selector,
+            "-o",
+            "json",
+            "--watch",
+            "--output-watch-events",
+        ]
+        self.proc: asyncio.subprocess.Process | None = None
+        self.text = ""
+        self.decoder = json.JSONDecoder()
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+
+    def _decoded(self) -> tuple[str, dict[str, Any]] | None:
+        text = self.text.lstrip()
+        try:
+            event, end = self.decoder.raw_decode(text)
+        except json.JSONDecodeError:
+            self.text = text
+            return None  # not whole yet
+        self.text = text[end:]
+        return str(event.get("type", "")), event.get("object") or {}
+
+    async def next(self, timeout: float) -> tuple[str, dict[str, Any]] | None:
+        """The next event (type, object), or None when none came within ``timeout`` s.
+        EOFError when the watch ended (kubectl exited)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (event := self._decoded()) is None:
+            try:
+                chunk = await asyncio.wait_for(
+                    self.proc.stdout.read(1 << 16), max(0.0, deadline - loop.time())
+                )
+            except TimeoutError:
+                return None
+            if not chunk:
+                raise EOFError("the watch ended")
+            self.text += chunk.decode(errors="replace")
+        return event
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
 
 
 def said(stderr: str) -> str:

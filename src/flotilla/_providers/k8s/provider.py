@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -60,7 +61,7 @@ from ..base import (
 )
 from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
-from .kubectl import Kubectl, said
+from .kubectl import Kubectl, Watch, said
 from .settings import KubernetesSettings
 
 logger = logging.getLogger("flotilla.k8s")
@@ -296,7 +297,8 @@ class Kubernetes(Provider):
                     *(self.pod(spec, r, n) for r, n in enumerate(names)),
                 ]
             )
-            ips = await allocation.wait_running(names)
+            # each pod's agent starts as soon as that pod runs (see start_agent)
+            ips = await allocation.wait_running(names, early=True)
             allocation.machines = [
                 allocation.new_machine(rank, name, ips[name]) for rank, name in enumerate(names)
             ]
@@ -316,6 +318,11 @@ class PodState:
     deleting: bool
     unschedulable: str | None
     ended: str | None
+
+    @staticmethod
+    def gone(name: str) -> PodState:
+        """A pod no longer listed."""
+        return PodState(name, "Unknown", "", True, None, None)
 
     @staticmethod
     def of(pod: dict[str, Any]) -> PodState:
@@ -424,6 +431,7 @@ class KubernetesAllocation(ShellAllocation):
         self.delivered_env = frozenset(secret_env(spec))  # the pods' env, from the Secret
         self.others = "services,secrets" if self.delivered_env else "services"
         self.agents: list[AgentProcess] = []
+        self.early: dict[str, asyncio.Future[AgentProcess]] = {}
         self.made = 0
         self.watch_interval = WATCH_INTERVAL
         self._watcher: asyncio.Task[None] | None = None
@@ -440,62 +448,132 @@ class KubernetesAllocation(ShellAllocation):
     async def pod_states(self) -> dict[str, PodState]:
         return {s.name: s for s in map(PodState.of, await self.kubectl.get("pods", self.selector))}
 
-    async def wait_running(self, names: list[str]) -> dict[str, str]:
-        """Wait until every pod of ``names`` runs with an IP; their IPs. ProvisionError when
-        one cannot be placed for ``pending_timeout`` s (naming the shortage), ends, or is
-        deleted, or when they do not all run within the start timeout."""
-        settings = self.provider.settings
+    async def wait_running(self, names: list[str], early: bool = False) -> dict[str, str]:
+        """Wait until every pod of ``names`` (``names[k]``: rank ``k``'s) runs with an IP;
+        their IPs. With ``early``, each pod's agent starts as soon as that pod runs (see
+        :meth:`start_agent`). ProvisionError when one cannot be placed for
+        ``pending_timeout`` s (naming the shortage), ends, or is deleted, or when they do
+        not all run within the start timeout.
+
+        The pods are watched (one ``kubectl get --watch``: a change is seen when it
+        happens); should the watch end, they are listed every ``POLL`` s."""
         deadline = time.monotonic() + self.spec.options.start_timeout
         stuck_since: dict[str, float] = {}
-        while True:
-            states = await self.pod_states()
-            now = time.monotonic()
-            for name in names:
-                state = states.get(name)
-                if state is None or state.deleting:
-                    raise ProvisionError(f"pod {name} was deleted while the pool started")
-                if state.ended:
-                    hint = ""
-                    if "exit code 127" in state.ended:
-                        hint = (
-                            f"; exit code 127 is 'command not found': the image has no "
-                            f"{self.python!r} (Kubernetes(python=..., image=...))"
-                        )
-                    raise ProvisionError(f"pod {name} cannot run the node: {state.ended}{hint}")
-                if state.unschedulable is None:
-                    stuck_since.pop(name, None)
-                    continue
-                since = stuck_since.setdefault(name, now)
-                if now - since >= settings.pending_limit:
-                    wait = (
-                        "pass Kubernetes(autoscaler=True) to wait for a cluster autoscaler"
-                        if not settings.autoscaler
-                        else "the autoscaler added no node in time"
+        states: dict[str, PodState] = {}
+        watch: Watch | None = self.kubectl.watch("pods", self.selector)
+        try:
+            assert watch is not None
+            await watch.start()
+            while True:
+                now = time.monotonic()
+                ips = self._check_pods(names, states, stuck_since, now, deadline)
+                if early:
+                    for rank, name in enumerate(names):
+                        state = states.get(name)
+                        if state is not None and state.phase == "Running" and state.ip:
+                            self._start_early(self.new_machine(rank, name, state.ip))
+                if ips is not None:
+                    return ips
+                limit = self.provider.settings.pending_limit
+                wake = min([deadline, *(t + limit for t in stuck_since.values())]) - now
+                wake = min(max(wake, 0.01), 1.0)
+                if watch is not None:
+                    try:
+                        event = await watch.next(wake)
+                    except EOFError:
+                        logger.debug("pool %s: the pod watch ended", self.spec.pool_id)
+                        await watch.close()
+                        watch = None
+                        continue
+                    if event is not None:
+                        kind, pod = event
+                        state = PodState.of(pod)
+                        if kind == "DELETED":
+                            state = dataclasses.replace(state, deleting=True)
+                        states[state.name] = state
+                else:
+                    await asyncio.sleep(POLL)
+                    listed = await self.pod_states()
+                    for name in names:  # not listed: deleted
+                        states[name] = listed.get(name) or PodState.gone(name)
+        finally:
+            if watch is not None:
+                await watch.close()
+
+    def _check_pods(
+        self,
+        names: list[str],
+        states: dict[str, PodState],
+        stuck_since: dict[str, float],
+        now: float,
+        deadline: float,
+    ) -> dict[str, str] | None:
+        """The pods' IPs when all of ``names`` run, None while they start; ProvisionError
+        when one cannot run (see :meth:`wait_running`)."""
+        settings = self.provider.settings
+        for name in names:
+            state = states.get(name)
+            if state is None:
+                continue  # not seen yet
+            if state.deleting:
+                raise ProvisionError(f"pod {name} was deleted while the pool started")
+            if state.ended:
+                hint = ""
+                if "exit code 127" in state.ended:
+                    hint = (
+                        f"; exit code 127 is 'command not found': the image has no "
+                        f"{self.python!r} (Kubernetes(python=..., image=...))"
                     )
-                    raise ProvisionError(
-                        f"the scheduler cannot place pod {name} of the pool "
-                        f"({len(names)} pod(s)) in namespace {self.kubectl.namespace}: "
-                        f"{state.unschedulable.strip()} (waited "
-                        f"{settings.pending_limit:g} s; Kubernetes(pending_timeout=...) sets "
-                        f"the wait; {wait}); nothing of the pool is left"
-                    )
-            ready = [states[n] for n in names if states[n].phase == "Running" and states[n].ip]
-            if len(ready) == len(names):
-                return {s.name: s.ip for s in ready}
-            if now > deadline:
-                pending = [n for n in names if states[n].phase != "Running"]
-                raise ProvisionError(
-                    f"pods {', '.join(pending)} did not run within "
-                    f"{self.spec.options.start_timeout:g} s (phase "
-                    f"{states[pending[0]].phase}); Options(start_timeout=...) sets the limit",
-                    cause=ProvisionCause.TIMEOUT,
+                raise ProvisionError(f"pod {name} cannot run the node: {state.ended}{hint}")
+            if state.unschedulable is None:
+                stuck_since.pop(name, None)
+                continue
+            since = stuck_since.setdefault(name, now)
+            if now - since >= settings.pending_limit:
+                wait = (
+                    "pass Kubernetes(autoscaler=True) to wait for a cluster autoscaler"
+                    if not settings.autoscaler
+                    else "the autoscaler added no node in time"
                 )
-            await asyncio.sleep(POLL)
+                raise ProvisionError(
+                    f"the scheduler cannot place pod {name} of the pool "
+                    f"({len(names)} pod(s)) in namespace {self.kubectl.namespace}: "
+                    f"{state.unschedulable.strip()} (waited "
+                    f"{settings.pending_limit:g} s; Kubernetes(pending_timeout=...) sets "
+                    f"the wait; {wait}); nothing of the pool is left"
+                )
+        ready = {n: s.ip for n in names if (s := states.get(n)) and s.phase == "Running" and s.ip}
+        if len(ready) == len(names):
+            return ready
+        if now > deadline:
+            pending = [n for n in names if n not in ready]
+            state = states.get(pending[0])
+            raise ProvisionError(
+                f"pods {', '.join(pending)} did not run within "
+                f"{self.spec.options.start_timeout:g} s (phase "
+                f"{state.phase if state else 'unknown: not seen'}); "
+                "Options(start_timeout=...) sets the limit",
+                cause=ProvisionCause.TIMEOUT,
+            )
+        return None
+
+    def _start_early(self, machine: Machine) -> None:
+        """Start ``machine``'s agent now (once), for :meth:`start_agent` to take."""
+        if machine.ident not in self.early:
+            self.early[machine.ident] = asyncio.ensure_future(self._start(machine))
+
+    async def _start(self, machine: Machine) -> AgentProcess:
+        agent = await super().start_agent(machine)
+        self.agents.append(agent)  # free() stops it
+        return agent
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
-        agent = await super().start_agent(machine)
-        self.agents.append(agent)
-        return agent
+        """The agent of ``machine``: the one started when its pod began to run (see
+        :meth:`wait_running`), or a new one."""
+        started = self.early.pop(machine.ident, None)
+        if started is not None:
+            return await started
+        return await self._start(machine)
 
     async def replacement(self, rank: int, reason: str) -> Machine:
         """A new pod for ``rank``; the lost one is deleted (without waiting)."""
@@ -555,6 +633,10 @@ class KubernetesAllocation(ShellAllocation):
         Service and its Secret."""
         if self._watcher is not None:
             self._watcher.cancel()
+        early, self.early = list(self.early.values()), {}
+        for task in early:  # started early, never taken (the start failed)
+            task.cancel()
+        await asyncio.gather(*early, return_exceptions=True)
         await asyncio.gather(
             *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,

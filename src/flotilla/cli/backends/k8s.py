@@ -113,9 +113,9 @@ class K8sBackend(Backend[K8sSpec]):
         return Kubernetes.from_settings(spec.provider_settings())
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
-        """Delete the pods (Services, Secrets) the cluster's daemon made (they are found by the daemon's
-        ``host:pid:start``): nothing is left when the daemon was killed before it could
-        delete them itself."""
+        """Delete the pods (Services, Secrets) the cluster's daemon made (they are found by
+        the daemon's ``host:pid:start``): nothing is left when the daemon was killed before
+        it could delete them itself."""
         import asyncio
         import socket
 
