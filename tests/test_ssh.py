@@ -240,8 +240,12 @@ def test_python_missing_or_too_old(ssh_lab: Lab, tmp_path: Path) -> None:
         sky.Compute(provider=provider, nodes=1).open()
     msg = str(info.value)
     assert msg.startswith(host.addr) and "/nonexistent/python3" in msg
-    old = tmp_path / "python3.9"
-    old.write_text("#!/bin/sh\necho 3.9\nexit 3\n")
+    old = tmp_path / "python3.9"  # this Python, saying it is 3.9, runs the start command's
+    old.write_text(  # own check: python3.9 -c CODE ARGS...
+        f'#!/bin/sh\nshift\ncode="$1"\nshift\nexec {sys.executable} -c '
+        "'import sys; sys.version_info = (3, 9, 18, \"final\", 0); exec(sys.argv.pop(1))' "
+        '"$code" "$@"\n'
+    )
     old.chmod(0o755)
     with pytest.raises(ProvisionError, match=r"is Python 3\.9; flotilla needs Python >= 3\.11"):
         sky.Compute(provider=ssh_lab.provider([host], python=str(old)), nodes=1).open()

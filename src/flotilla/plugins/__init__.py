@@ -64,16 +64,18 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._accelerate import AcceleratePlugin
-from ._gpu import CumlPlugin, MigPlugin, MpsPlugin
-from ._huggingface import HuggingfacePlugin
-from ._jax import JaxPlugin
-from ._joblib import JoblibPlugin
-from ._keras import KerasPlugin
-from ._tensorflow import TensorflowPlugin
-from ._torch import TorchPlugin
+if TYPE_CHECKING:  # each plugin's module is imported when it is made: a node's executor
+    # imports this package (``_base``) without paying for every plugin
+    from ._accelerate import AcceleratePlugin
+    from ._gpu import CumlPlugin, MigPlugin, MpsPlugin
+    from ._huggingface import HuggingfacePlugin
+    from ._jax import JaxPlugin
+    from ._joblib import JoblibPlugin
+    from ._keras import KerasPlugin
+    from ._tensorflow import TensorflowPlugin
+    from ._torch import TorchPlugin
 
 __all__ = [
     "accelerate",
@@ -128,6 +130,8 @@ def torch(
     optimizer step import, is imported during this setup, where it is a third cheaper.
     A single rank gets no setup. Needs cluster mode.
     """
+    from ._torch import TorchPlugin
+
     return TorchPlugin(backend, cuda, version, vision, audio, procs_per_node)
 
 
@@ -143,6 +147,8 @@ def jax() -> JaxPlugin:
     ``jax.devices()`` lists every process's devices. Several nodes need cluster mode; a
     single process gets no setup.
     """
+    from ._jax import JaxPlugin
+
     return JaxPlugin()
 
 
@@ -159,6 +165,8 @@ def keras(backend: str = "jax") -> KerasPlugin:
     not in the pool; with it, either order works). Each node then feeds its own part of
     the data (``flotilla.shard``). For the torch backend, add ``plugins.torch()``.
     """
+    from ._keras import KerasPlugin
+
     return KerasPlugin(backend)
 
 
@@ -172,6 +180,8 @@ def huggingface(token: str | None = None) -> HuggingfacePlugin:
 
     For multi-node training, combine with ``plugins.torch()``.
     """
+    from ._huggingface import HuggingfacePlugin
+
     return HuggingfacePlugin(token)
 
 
@@ -184,6 +194,8 @@ def tensorflow() -> TensorflowPlugin:
     of its node), which is what ``tf.distribute.MultiWorkerMirroredStrategy()`` reads.
     Needs cluster mode.
     """
+    from ._tensorflow import TensorflowPlugin
+
     return TensorflowPlugin()
 
 
@@ -207,6 +219,8 @@ def accelerate(
     the ``ACCELERATE_*``/``FSDP_*`` variables before the first task, so ``Accelerator()``
     and ``PartialState()`` in a task see the whole pool.
     """
+    from ._accelerate import AcceleratePlugin
+
     return AcceleratePlugin(
         backend=backend, procs_per_node=procs_per_node, config=dict(config or {})
     )
@@ -216,6 +230,8 @@ def joblib(version: str = "latest") -> JoblibPlugin:
     """joblib over the pool: inside the pool's ``with`` block, ``joblib.Parallel(n_jobs=-1)``
     sends its batches to the nodes (one worker per process of the pool) instead of local
     processes. Installs joblib on the nodes (``version`` as for :func:`torch`)."""
+    from ._joblib import JoblibPlugin
+
     return JoblibPlugin(version)
 
 
@@ -223,6 +239,8 @@ def sklearn(version: str = "latest") -> JoblibPlugin:
     """scikit-learn over the pool: every estimator, search and cross-validation run with
     ``n_jobs=-1`` inside the pool's ``with`` block fans out over the nodes (through the
     joblib plugin's backend). Installs scikit-learn and joblib on the nodes."""
+    from ._joblib import JoblibPlugin
+
     return JoblibPlugin(sklearn=version)
 
 
@@ -238,6 +256,8 @@ def mig(profile: str) -> MigPlugin:
     ``MIG-...`` UUID ``nvidia-smi -L`` lists. Needs a MIG-capable GPU (A100, A30, H100)
     and root on the node.
     """
+    from ._gpu import MigPlugin
+
     return MigPlugin(profile)
 
 
@@ -257,6 +277,8 @@ def mps(
     ``CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log`` (and the two above when given); the
     control daemon (``nvidia-cuda-mps-control -d``) is started before the first task.
     """
+    from ._gpu import MpsPlugin
+
     return MpsPlugin(active_thread_percentage, pinned_memory_limit)
 
 
@@ -268,4 +290,6 @@ def cuml(cuda: str = "cu12") -> CumlPlugin:
     Args:
         cuda: the CUDA suffix of the wheels (``"cu12"``).
     """
+    from ._gpu import CumlPlugin
+
     return CumlPlugin(cuda)
