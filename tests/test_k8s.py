@@ -95,6 +95,27 @@ def test_unschedulable_gpu_request_names_the_shortage_and_leaves_nothing(
     assert {p["metadata"]["name"] for p in k8s_lab.pods()} == before
 
 
+def test_pods_are_listed_when_the_watch_ends(
+    k8s_lab: K8sLab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's start watches its pods (``kubectl get --watch``); a watch that ends
+    (a proxy cutting long requests) leaves the start to listing them."""
+    from flotilla._providers.k8s import kubectl
+
+    made: list[kubectl.Watch] = []
+
+    def ending(self: kubectl.Kubectl, kind: str, selector: str) -> kubectl.Watch:
+        watch = kubectl.Watch(self, kind, selector)
+        watch.argv = [sys.executable, "-c", ""]  # ends at once, having said nothing
+        made.append(watch)
+        return watch
+
+    monkeypatch.setattr(kubectl.Kubectl, "watch", ending)
+    with sky.Compute(provider=provider(k8s_lab), nodes=2) as pool:
+        assert [i["node"] for i in where() @ pool] == [0, 1]
+    assert made  # the start did watch
+
+
 def test_a_gpu_pod_lands_on_the_gpu_node(k8s_lab: K8sLab) -> None:
     with sky.Compute(provider=provider(k8s_lab), nodes=1, accelerator="A100:1") as pool:
         pods = pool_pods(k8s_lab, pool.pool_id)

@@ -460,10 +460,10 @@ class KubernetesAllocation(ShellAllocation):
         deadline = time.monotonic() + self.spec.options.start_timeout
         stuck_since: dict[str, float] = {}
         states: dict[str, PodState] = {}
-        watch: Watch | None = self.kubectl.watch("pods", self.selector)
+        started = self.kubectl.watch("pods", self.selector)
+        watch: Watch | None = started
         try:
-            assert watch is not None
-            await watch.start()
+            await started.start()
             while True:
                 now = time.monotonic()
                 ips = self._check_pods(names, states, stuck_since, now, deadline)
