@@ -9,7 +9,8 @@ repetitions so that both see the same load:
   the floor: creating the same pods with one ``kubectl create`` (the same spec, holder
   command included), waiting until every one runs, then ``kubectl exec POD -- true`` into
   each at once (goal: <= 1.5x the floor + 0.5 s);
-* how the start grows from 3 to 8 pods (goal: 8 pods <= 1.3x 3 pods).
+* how the start grows from 3 to 8 pods (goal: 8 pods <= 1.3x 3 pods);
+* the CPU seconds each start costs the whole lab (load changes wall time far more).
 
 Pods run the client's interpreter (``sys.executable``): the lab's pods are processes of
 this machine.
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -100,6 +102,30 @@ def first_result(lab: K8sLab, nodes: int) -> float:
     return took
 
 
+def cpu_seconds(lab: K8sLab) -> float:
+    """CPU seconds used so far by the lab (etcd, the API server, the scheduler, the node
+    stand-in and the pods it ran) and by this process and its children (kubectl)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in lab.procs:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in fields[11:15]) / tick  # own and reaped children's
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def measured(lab: K8sLab, run: Callable[[], float]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of ``run``; the CPU until its pods are gone."""
+    before = cpu_seconds(lab)
+    took = run()
+    wait_gone(lab)
+    time.sleep(0.5)  # the stand-in reaps the pods' processes
+    return took, cpu_seconds(lab) - before
+
+
 def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} s ({min(xs):.2f}-{max(xs):.2f})"
 
@@ -113,9 +139,10 @@ def main() -> None:
         print(f"(skipped: {why})")
         return
     results: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
     loads = [os.getloadavg()[0]]
     with K8sLab() as lab:
-        first_result(lab, 1)  # warm: the bundle and the interpreter check, once per pod home
+        first_result(lab, 1)  # warm: the client builds its bundle once (each pod is new)
         wait_gone(lab)
         for rep in range(args.reps):
             for nodes in (3, 8):
@@ -126,8 +153,9 @@ def main() -> None:
                 if rep % 2:
                     runs.reverse()
                 for name, run in runs:
-                    results.setdefault((name, nodes), []).append(run())
-                    wait_gone(lab)
+                    took, used = measured(lab, run)
+                    results.setdefault((name, nodes), []).append(took)
+                    cpu.setdefault((name, nodes), []).append(used)
                 loads.append(os.getloadavg()[0])
     rows = []
     for nodes in (3, 8):
@@ -165,6 +193,16 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print(
+        "CPU seconds per start (every lab process, the pods' and kubectl's included; "
+        "unlike wall time, load does not change it much): "
+        + "; ".join(
+            f"{nodes} pods: {statistics.median(cpu[('flotilla', nodes)]):.2f} "
+            f"against the floor's {statistics.median(cpu[('floor', nodes)]):.2f}"
+            for nodes in (3, 8)
+        )
+    )
     print()
     print(
         f"8 pods / 3 pods: {s8 / s3:.2f}x (goal <= 1.3x: {'met' if s8 <= 1.3 * s3 else 'MISSED'}); "
