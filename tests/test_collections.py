@@ -296,6 +296,8 @@ def test_without_a_cluster_skywards_runtime_error() -> None:
     with sky.Compute(nodes=1, options=sky.Options(cluster=False)) as p:
         with pytest.raises(RuntimeError, match="cluster"):
             sky.dict("d")["k"] = 1
+        with pytest.raises(RuntimeError, match="cluster"):
+            p.queue("q")
         with pytest.raises(sky.ClusterRequiredError, match="cluster"):  # raised on the node
             collection_in_task() >> p
 
