@@ -151,7 +151,7 @@ def test_05_data_sharding(tmp_path: Path) -> None:
 def test_06_pytorch_ddp_on_cpu(tmp_path: Path) -> None:
     """Asks for a T4; with its `accelerator=` line dropped it trains with DDP on CPU."""
     out = run_guide(
-        "06_pytorch_distributed.py", tmp_path, "sky.Local()", 180, drop_accelerator=True
+        "06_pytorch_distributed.py", tmp_path, "sky.Local()", 110, drop_accelerator=True
     )
     assert len(re.findall(r"Epoch \d/5: loss=", out)) == 5  # the head's lines only
     head = re.search(r"Node 0 \(HEAD\): loss=([\d.]+), acc=([\d.]+)%", out)
@@ -161,7 +161,7 @@ def test_06_pytorch_ddp_on_cpu(tmp_path: Path) -> None:
 
 
 def test_11_local_containers(tmp_path: Path, container_lab: ContainerLab) -> None:
-    out = run_guide("11_local_containers.py", tmp_path, container(container_lab), 240)
+    out = run_guide("11_local_containers.py", tmp_path, container(container_lab), 110)
     lines = out.splitlines()
     assert lines[0].startswith("Hello from ")
     assert lines[1] == "it works"
@@ -179,7 +179,7 @@ def _check_streaming(out: str) -> None:
 
 
 def test_13_streaming_in_a_container(tmp_path: Path, container_lab: ContainerLab) -> None:
-    _check_streaming(run_guide("13_streaming.py", tmp_path, container(container_lab), 120))
+    _check_streaming(run_guide("13_streaming.py", tmp_path, container(container_lab), 110))
 
 
 def test_13_streaming_on_the_local_provider(tmp_path: Path) -> None:
@@ -187,13 +187,14 @@ def test_13_streaming_on_the_local_provider(tmp_path: Path) -> None:
 
 
 def test_21_standalone_workers(tmp_path: Path) -> None:
-    out = run_guide("21_standalone_workers.py", tmp_path, "sky.Local()", 120)
+    out = run_guide("21_standalone_workers.py", tmp_path, "sky.Local()", 110)
     chunks = re.findall(r"Chunk (\d): node=(\d) elapsed=", out)
     assert sorted(int(c) for c, _ in chunks) == list(range(8))
     assert {int(n) for _, n in chunks} == {0, 1, 2, 3}  # spread over the 4 nodes
 
 
 @pytest.mark.skipif(not SLOW, reason="~4 min at the guide's own size: FLOTILLA_SLOW_GUIDES=1")
+@pytest.mark.timeout(900)
 def test_09_scikit_grid_search(tmp_path: Path) -> None:
     out = run_guide("09_scikit_grid_search.py", tmp_path, "sky.Local()", 900)
     assert "Total candidates: 21, fits: 105\n" in out
@@ -202,6 +203,7 @@ def test_09_scikit_grid_search(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not SLOW, reason="100 workers, 2000 tasks of 5 s: FLOTILLA_SLOW_GUIDES=1")
+@pytest.mark.timeout(900)
 def test_10_joblib_concurrency(tmp_path: Path) -> None:
     out = run_guide("10_joblib_concurrency.py", tmp_path, "sky.Local()", 900)
     assert "Tasks: 2000 | Nodes: 10 | Concurrency: 10\n" in out
@@ -209,6 +211,7 @@ def test_10_joblib_concurrency(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not SLOW, reason="2 x 20 tasks of 10 s on 6 slots: FLOTILLA_SLOW_GUIDES=1")
+@pytest.mark.timeout(900)
 def test_14_worker_executors(tmp_path: Path) -> None:
     out = run_guide("14_worker_executors.py", tmp_path, "sky.Local()", 600)
     for executor in ("thread", "process"):
