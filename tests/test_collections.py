@@ -277,7 +277,7 @@ def test_outside_a_pool_a_clear_error() -> None:
     code = "import flotilla as sky\nsky.counter('c').increment()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1
-    assert "ConfigurationError: distributed collections live in a pool" in done.stderr
+    assert "ClusterRequiredError: distributed collections live in a pool" in done.stderr
 
 
 def test_without_cluster_mode_a_clear_error() -> None:
@@ -287,6 +287,18 @@ def test_without_cluster_mode_a_clear_error() -> None:
         with pytest.raises(sky.ConfigurationError, match="cluster"):
             int(sky.counter("c"))
         with pytest.raises(sky.ConfigurationError, match="cluster"):  # raised on the node
+            collection_in_task() >> p
+
+
+def test_without_a_cluster_skywards_runtime_error() -> None:
+    """Skyward raises RuntimeError there: so does flotilla, on the client and on a node."""
+    assert issubclass(sky.ClusterRequiredError, sky.ConfigurationError)
+    with sky.Compute(nodes=1, options=sky.Options(cluster=False)) as p:
+        with pytest.raises(RuntimeError, match="cluster"):
+            sky.dict("d")["k"] = 1
+        with pytest.raises(RuntimeError, match="cluster"):
+            p.queue("q")
+        with pytest.raises(sky.ClusterRequiredError, match="cluster"):  # raised on the node
             collection_in_task() >> p
 
 

@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._collections import queue as queue
     from ._collections import registry as registry
     from ._collections import set as set
+    from ._errors import ClusterRequiredError as ClusterRequiredError
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import FlotillaError as FlotillaError
     from ._errors import NodeLostError as NodeLostError
@@ -93,6 +94,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_client.function": ("CallGroup", "Function", "PendingCall", "function", "gather"),
     "_client.stream": ("stream",),
     "_errors": (
+        "ClusterRequiredError",
         "ConfigurationError",
         "FlotillaError",
         "NodeLostError",

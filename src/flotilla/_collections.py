@@ -31,7 +31,7 @@ import pickle
 import threading
 from typing import Any, Literal, Protocol
 
-from ._errors import ConfigurationError, PoolClosedError, SerializationError
+from ._errors import ClusterRequiredError, ConfigurationError, PoolClosedError, SerializationError
 
 Consistency = Literal["strong", "eventual"]
 
@@ -86,17 +86,17 @@ def _backend() -> Backend:
 
         found = channel()
         if found is None:
-            raise ConfigurationError(NOT_CLUSTER)
+            raise ClusterRequiredError(NOT_CLUSTER)
         return _NodeBackend(found)
     with _pools_lock:
         if not _pools:
-            raise ConfigurationError(
+            raise ClusterRequiredError(
                 "distributed collections live in a pool: use them inside "
                 "`with sky.Compute(...)` (on the client or in its tasks)"
             )
         store = _pools[-1][0]
     if store is None:
-        raise ConfigurationError(NOT_CLUSTER)
+        raise ClusterRequiredError(NOT_CLUSTER)
     return store
 
 

@@ -77,6 +77,16 @@ class ConfigurationError(FlotillaError, ValueError, TypeError):
 
 
 @_public
+class ClusterRequiredError(ConfigurationError, RuntimeError):
+    """A distributed collection (``sky.dict``, ``counter``, ``lock``...) used where there is
+    no cluster pool: outside ``with sky.Compute(...)``, or in a pool with
+    ``Options(cluster=False)``.
+
+    Also a RuntimeError, which Skyward raises there: a Skyward program's
+    ``except RuntimeError`` keeps working."""
+
+
+@_public
 class SerializationError(FlotillaError, TypeError):
     """A function, argument or result cannot be pickled.
 

@@ -15,7 +15,7 @@ from .._collections import (
     Set,
     count_parties,
 )
-from .._errors import ConfigurationError
+from .._errors import ClusterRequiredError
 from .._providers.base import Options
 from .store import Store
 
@@ -28,7 +28,7 @@ class PoolCollections:
 
     def _collections_store(self) -> Store:
         if not self.options.cluster:
-            raise ConfigurationError(NOT_CLUSTER)
+            raise ClusterRequiredError(NOT_CLUSTER)
         return self._store
 
     def dict(self, name: str, *, consistency: Consistency | None = None) -> Dict:
