@@ -49,6 +49,7 @@ from urllib.parse import parse_qs
 import pytest
 import yaml
 from _hosts import Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
+from _lifecycle import Lifecycle
 
 REGION = "us-east-1"
 ZONES = ("us-east-1a", "us-east-1b")
@@ -343,7 +344,7 @@ class Instance:
     off: bool = False  # stopped (StopInstances): nothing runs in the host
 
 
-class AwsLab:
+class AwsLab(Lifecycle):
     """moto + booting instances (see the module docstring). A context manager."""
 
     def __init__(self, boot_delay: float = 0.0) -> None:
@@ -373,17 +374,6 @@ class AwsLab:
         (someone in the middle)."""
 
     # -- life cycle ------------------------------------------------------------------
-    def __enter__(self) -> AwsLab:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def start(self) -> None:
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _lifecycle import Lifecycle
 
 SSHD = "/usr/sbin/sshd"
 _SSHD_CONFIG = """\
@@ -212,7 +213,7 @@ class TestHost:
     __test__ = False  # not a test class, whatever pytest thinks of the name
 
 
-class Lab:
+class Lab(Lifecycle):
     """A bridge with test hosts; a context manager that removes everything it made."""
 
     def __init__(self) -> None:
@@ -230,17 +231,6 @@ class Lab:
         self._seed = os.getpid()
 
     # -- life cycle ------------------------------------------------------------------
-    def __enter__(self) -> Lab:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def start(self) -> None:
         """Install sshd if needed, make the client key and the bridge."""
         reason = lab_unavailable()

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import pytest
 from _hosts import LabError, free_subnet, next_lab_tag, remove_stale_labs, run
+from _lifecycle import Lifecycle
 
 from flotilla._node.procs import die_with_parent
 
@@ -118,7 +119,7 @@ DEFAULT_NODES = (
 )
 
 
-class K8sLab:
+class K8sLab(Lifecycle):
     """etcd + kube-apiserver + kube-scheduler + the node stand-in; a context manager that
     removes everything it made."""
 
@@ -191,17 +192,6 @@ class K8sLab:
         raise LabError(f"{what} not ready within {timeout:g} s: {self.log(what)}")
 
     # -- set up ------------------------------------------------------------------------
-    def __enter__(self) -> K8sLab:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def start(self) -> None:
         remove_stale_labs()
         self.bin = binaries()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from _hosts import Lab, LabError, TestHost, _in_netns, lab_unavailable
+from _lifecycle import Lifecycle
 
 NODES = 3
 CPUS = 2
@@ -127,7 +128,7 @@ class SlurmLab(Lab):
         )
 
 
-class SlurmCluster:
+class SlurmCluster(Lifecycle):
     """munged + slurmctld here, one slurmd per test host; a context manager."""
 
     def __init__(self, nodes: int = NODES) -> None:
@@ -141,17 +142,6 @@ class SlurmCluster:
         self.munged: subprocess.Popen[bytes] | None = None
         self.slurmctld: subprocess.Popen[bytes] | None = None
         self._logs: list[object] = []
-
-    def __enter__(self) -> SlurmCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def ctl_addr(self) -> str:

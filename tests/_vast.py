@@ -67,6 +67,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable, run
+from _lifecycle import Lifecycle
 
 API_KEY = "vast-test-key-0123456789abcdef"
 """The account's key the lab's tests use."""
@@ -128,7 +129,7 @@ class Overlay:
     members: dict[int, str] = field(default_factory=dict)  # instance id -> address
 
 
-class VastLab:
+class VastLab(Lifecycle):
     """The stand-in API server and its machines (see the module docstring). A context
     manager; ``url`` and ``env`` (``VAST_URL``, ``VAST_API_KEY``) are what a client needs."""
 
@@ -154,17 +155,6 @@ class VastLab:
         installed (someone in the middle)."""
 
     # -- life cycle ------------------------------------------------------------------
-    def __enter__(self) -> VastLab:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def start(self) -> None:
         self.lab.start()
         addr = f"{self.lab.subnet}.1"
