@@ -314,7 +314,8 @@ def test_a_removed_container_is_replaced_at_its_rank(container_lab: ContainerLab
             f"flotilla-{pool.pool_id}-1-1",
         ]
     assert again[1]["hostname"] == f"flotilla-{pool.pool_id}-1-1"
-    assert again[1]["peers"][1] == (1, again[1]["addr"])  # the new container's address
+    # every node, the one that went on too, knows the new container's address
+    assert [i["peers"] for i in again] == [[(0, again[0]["addr"]), (1, again[1]["addr"])]] * 2
     assert again[1]["addr"] != first[1]["addr"]
     assert first[0]["addr"] == again[0]["addr"]
     assert container_lab.containers(pool.pool_id) == []

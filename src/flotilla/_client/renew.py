@@ -129,9 +129,26 @@ class Renewals:
             console.end()
             self.starting = [n for n in self.starting if n not in fresh]
         self.replaced += 1
+        await self._tell_survivors(fresh)
         dispatcher.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
         self.on_back(ranks)
+
+
+    async def _tell_survivors(self, fresh: list[Node]) -> None:
+        """The nodes that went on learn the new peers (a replacement may have another
+        address), before the replaced rank takes calls again (MEMBERS, ``bringup.py``)."""
+        by_rank = {node.rank: node for node in fresh}
+        nodes = [by_rank.get(node.rank, node) for node in self.dispatcher.nodes]
+        survivors = [
+            node
+            for node in self.dispatcher.nodes
+            if node.rank not in by_rank and node.state is NodeState.READY
+        ]
+        left = self.bringup.members(nodes, survivors, wait=False)
+        if left:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.bringup.members, nodes, left, True)
 
 
 async def stop_node(node: Node) -> None:
