@@ -76,5 +76,7 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         echo; echo "## 128 SSH hosts (issue 27)"; echo
         .venv/bin/python bench/bench_scale.py --hosts 128 --reps 3 2>/dev/null
         .venv/bin/python bench/bench_fanout.py --hosts 128 --reps 1 2>/dev/null
+        echo; echo "## AWS lab: 64 instances against 8 (issue 27)"; echo
+        .venv/bin/python bench/bench_aws_scale.py --nodes 64 --reps 3 2>/dev/null
     fi
 } >>BENCHMARKS.md

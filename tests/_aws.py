@@ -445,6 +445,7 @@ class AwsLab(Lifecycle):
             self.subnets[zone] = subnet
             assert self.faults is not None
             self.faults.zone_of[subnet] = zone
+        self._reuse_addresses_when_free()
         images = ec2.describe_images(Owners=["amazon"])["Images"]
         self.ami = next(i["ImageId"] for i in images if i["Architecture"] == "x86_64")
         backend = ssm_backends[ACCOUNT][REGION]
@@ -463,6 +464,37 @@ class AwsLab(Lifecycle):
                     data_type="aws:ec2:image",
                 )
             )
+
+    def _reuse_addresses_when_free(self) -> None:
+        """EC2 gives a terminated instance's private address to a new instance once the old
+        one's network interface is gone; moto hands it out again at once, while the lab may
+        still be stopping the old instance's host at that address (with pools of dozens of
+        instances, closed and opened in a row, the new instance's SSH then reached the old
+        host, another host key: REFUSED). The lab's subnets skip the addresses of instances
+        whose hosts are not gone yet (they are handed out once they are)."""
+        from moto.ec2.models import ec2_backends
+
+        backend = ec2_backends[ACCOUNT][REGION]
+        for subnet_id in self.subnets.values():
+            subnet = backend.get_subnet(subnet_id)
+            original = subnet.get_available_subnet_ip
+
+            def pick(instance: Any, subnet: Any = subnet, original: Any = original) -> str:
+                with self._ended_cond:
+                    ended = set(self._ended)
+                busy = {i.addr for k, i in list(self.instances.items()) if k not in ended}
+                skipped: list[str] = []
+                try:
+                    while True:  # moto raises StopIteration when the subnet is full
+                        addr = str(original(instance))
+                        if addr not in busy:
+                            return addr
+                        subnet._subnet_ips.pop(addr, None)  # not this one: moto's books
+                        skipped.append(addr)
+                finally:
+                    subnet._unused_ips.update(skipped)  # free again for later launches
+
+            subnet.get_available_subnet_ip = pick  # type: ignore[method-assign]
 
     # -- what tests use --------------------------------------------------------------
     def provider(self, **kwargs: Any) -> Any:
@@ -555,9 +587,10 @@ class AwsLab(Lifecycle):
                     Filters=[{"Name": "instance-state-name", "Values": _LIVE}]
                 )
                 live = set()
+                seen = time.monotonic()  # every new instance of the answer was seen now
                 for inst in (i for r in reply["Reservations"] for i in r["Instances"]):
                     live.add(inst["InstanceId"])
-                    self._follow(ec2, inst)
+                    self._follow(ec2, inst, seen)
                 for ident in [i for i in self.instances if i not in live]:
                     self._end(ident)  # terminated: not listed any more
             except BaseException as e:  # shown by tests that check watcher_error
@@ -576,7 +609,7 @@ class AwsLab(Lifecycle):
             self._ended.add(ident)
             self._ended_cond.notify_all()
 
-    def _follow(self, ec2: Any, desc: dict[str, Any]) -> None:
+    def _follow(self, ec2: Any, desc: dict[str, Any], seen: float) -> None:
         ident, state = desc["InstanceId"], desc["State"]["Name"]
         known = self.instances.get(ident)
         if state in ("shutting-down", "terminated"):
@@ -592,16 +625,25 @@ class AwsLab(Lifecycle):
                 self.power[(ident, "start")] += 1
                 threading.Thread(target=self._restart, args=(known,), daemon=True).start()
             return
-        data = ec2.describe_instance_attribute(InstanceId=ident, Attribute="userData")
-        text = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
-        inst = Instance(ident, desc["PrivateIpAddress"], seen=time.monotonic())
+        inst = Instance(ident, desc["PrivateIpAddress"], seen=seen)
         self.instances[ident] = inst
-        threading.Thread(target=self._life, args=(inst, text), daemon=True).start()
+        threading.Thread(target=self._life, args=(inst, ec2), daemon=True).start()
 
-    def _life(self, inst: Instance, user_data: str) -> None:
+    def _life(self, inst: Instance, ec2: Any) -> None:
         """An instance's boot, as EC2 does it: its network interface (address, metadata
         service) is there at once, its sshd (configured from the user-data as cloud-init
-        would) answers ``boot_delay`` seconds after the launch was seen."""
+        would) answers ``boot_delay`` seconds after the launch was seen. Each instance
+        reads its own user-data (as cloud-init does at boot): the watcher, one thread for
+        every instance, does not wait for 64 of them one after the other."""
+        try:
+            data = ec2.describe_instance_attribute(
+                InstanceId=inst.instance_id, Attribute="userData"
+            )
+        except BaseException as e:
+            if not inst.stopped.is_set() and not self._stop.is_set():
+                self.watcher_error = e
+            return
+        user_data = base64.b64decode(data.get("UserData", {}).get("Value", "") or b"").decode()
         with inst.lock:
             if inst.stopped.is_set():  # terminated before it got its network
                 return

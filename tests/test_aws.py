@@ -561,6 +561,43 @@ def test_import_flotilla_does_not_import_boto3() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_waiting_for_a_booting_instance_holds_a_few_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the instance's network is not up, connection attempts hang until their own
+    timeout: at most CONNECTS_AT_ONCE of them (sockets) are in flight per instance, new
+    ones still start as old ones end, and port 22 opening is noticed."""
+    from flotilla._providers.aws import agent
+
+    in_flight, most, tries = 0, 0, 0
+    up_at = time.monotonic() + 1.5
+
+    async def hanging(addr: str, port: int, timeout: float) -> bool:
+        nonlocal in_flight, most, tries
+        in_flight += 1
+        tries += 1
+        most = max(most, in_flight)
+        try:
+            if time.monotonic() >= up_at:
+                return True
+            await asyncio.sleep(min(timeout, 0.3))  # hangs, then times out
+            return False
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(agent, "_connects", hanging)
+    t0 = time.monotonic()
+    asyncio.run(agent.wait_port("10.0.0.9", 22, t0 + 10, "i-1", 10))
+    took = time.monotonic() - t0
+    assert most == agent.CONNECTS_AT_ONCE, most
+    assert 1.5 <= took < 1.5 + 0.3 + 0.5, took  # noticed within an attempt's hang
+    assert tries >= 1.5 / 0.3 * agent.CONNECTS_AT_ONCE - 1, tries  # kept trying
+    with pytest.raises(sky.ProvisionError, match="did not answer"):
+        up_at = time.monotonic() + 60
+        asyncio.run(agent.wait_port("10.0.0.9", 22, time.monotonic() + 0.5, "i-1", 0.5))
+    assert most == agent.CONNECTS_AT_ONCE
+
+
 # -- the node side, without the lab (no root needed) ----------------------------------------
 def _node_python(code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(sky.__file__))}

@@ -76,13 +76,22 @@ class AWSAgent(AgentProcess):
         return getattr(self.inner, name)
 
 
+CONNECTS_AT_ONCE = 3
+"""Attempts to reach an instance's port 22 in flight at once: each holds a socket, and the
+client's open files per node stay within the three its agent channel holds later."""
+
+
 async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: float) -> None:
     """Wait until ``addr:port`` accepts a TCP connection (the instance's sshd is up).
 
     A new attempt starts every 50 ms without waiting for the earlier ones: before the
     instance's network is up an attempt hangs (no ARP answer) until its own timeout, and
     a sequential poll would notice sshd that much later. Once the network is up, a refused
-    attempt ends at once: the pace (not the attempts' ends) keeps this from spinning."""
+    attempt ends at once: the pace (not the attempts' ends) keeps this from spinning. At
+    most :data:`CONNECTS_AT_ONCE` attempts are in flight: while they hang (a booting
+    instance, for the boot's 20-60 s), a new one starts as an old one times out, a few
+    times a second, not 20 sockets per instance (1280 for 64 instances, past the usual
+    soft limit of 1024 open files)."""
     pending: set[asyncio.Task[bool]] = set()
     next_try = time.monotonic()
     try:
@@ -96,10 +105,13 @@ async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: f
                     "group's SSH rule for this machine's address, and private_ips= right?)",
                     cause=ProvisionCause.UNREACHABLE,
                 )
-            if now >= next_try:  # at most one new attempt per 50 ms: a refused one ends
+            full = len(pending) >= CONNECTS_AT_ONCE
+            if now >= next_try and not full:  # at most one new attempt per 50 ms: a
                 pending.add(asyncio.create_task(_connects(addr, port, min(1.0, left))))
-                next_try = now + 0.05  # at once, and must not turn this into a busy loop
-            pause = max(0.0, min(next_try, deadline) - time.monotonic())
+                next_try = now + 0.05  # refused one ends at once, and must not spin
+                full = len(pending) >= CONNECTS_AT_ONCE
+            # all in flight: until one ends (each within 1 s) or the deadline
+            pause = max(0.0, (deadline if full else min(next_try, deadline)) - time.monotonic())
             if not pending:
                 await asyncio.sleep(pause)
                 continue
