@@ -27,6 +27,7 @@ def _samples() -> list[sky.FlotillaError]:
     return [
         sky.FlotillaError("base"),
         sky.ConfigurationError("bad nodes=0"),
+        sky.ClusterRequiredError("sky.dict needs a cluster pool"),
         sky.SerializationError("cannot pickle", path="args[1]['x']", type_name="lock"),
         sky.PoolClosedError("closed"),
         sky.ProvisionError("no host", cause=sky.ProvisionCause.UNREACHABLE),

@@ -10,6 +10,8 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     │   (ValueError, TypeError)             before anything starts
     │   ├── TaskError                       cli/taskfile.py: a task file that cannot run
     │   │                                   as written (path, line, field)
+    │   ├── ClusterRequiredError            a distributed collection used where there is
+    │   │   (RuntimeError)                  no cluster pool (Skyward raises RuntimeError)
     │   └── CorruptStateError               cli/state.py: a cluster's state file is
     │                                       unreadable (only that cluster is affected)
     ├── SerializationError (TypeError)      a function/argument/result cannot be pickled

@@ -134,7 +134,6 @@ class Renewals:
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
         self.on_back(ranks)
 
-
     async def _tell_survivors(self, fresh: list[Node]) -> None:
         """The nodes that went on learn the new peers (a replacement may have another
         address), before the replaced rank takes calls again (MEMBERS, ``bringup.py``)."""
