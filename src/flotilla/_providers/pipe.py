@@ -34,6 +34,11 @@ _EXIT_WAIT = 1.0
 """Seconds to wait, at end of output, for the process's exit status and last stderr bytes."""
 
 
+_JOINED = 1 << 22
+"""Writes up to this size are joined into one buffer first (a batch of thousands of small
+frames), larger ones go out as the buffers they are (a large argument is not copied)."""
+
+
 class PipeAgent(AgentProcess):
     """An agent whose protocol channel is a child process's stdin/stdout.
 
@@ -72,7 +77,7 @@ class PipeAgent(AgentProcess):
         size = 0
         for p in parts:
             size += p.nbytes if isinstance(p, memoryview) else len(p)
-        if size <= 65536:  # small: one copy, one system call
+        if size <= _JOINED:  # one copy, then one system call (more when the pipe is full)
             data = b"".join(parts)
             try:
                 n = os.write(fd, data)
@@ -80,8 +85,9 @@ class PipeAgent(AgentProcess):
                 n = 0
             if n == size:
                 return
-            parts = [memoryview(data)[n:]]
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+            views = [memoryview(data)[n:]]
+        else:  # large buffers are written where they are
+            views = [memoryview(p).cast("B") for p in parts if len(p)]
         stalled_since = time.monotonic()
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
