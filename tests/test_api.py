@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _procs import wait_until
 
 import flotilla as sky
 from flotilla._info import SINGLE_NODE
@@ -474,6 +475,61 @@ def test_cancel_stops_a_running_call_and_skips_a_queued_one(tmp_path: Path) -> N
             queued.result(timeout=30)
         assert not skipped.exists()
         assert add(1, 1) >> pool == 2  # the node got a new process and answers
+
+
+@sky.function
+def wait_for(marker: str, go: str) -> int:
+    """Create ``marker``, then wait until ``go`` exists."""
+    import time
+
+    Path(marker).write_text("")
+    while not Path(go).exists():
+        time.sleep(0.005)
+    return 1
+
+
+def test_a_call_given_ahead_to_a_busy_process_is_skipped_when_cancelled(tmp_path: Path) -> None:
+    """After quick calls the agent gives its process a few calls ahead (they wait in its
+    pipe): one of those that is cancelled never runs, and those after it do."""
+    from concurrent.futures import CancelledError
+
+    started, go = tmp_path / "started", tmp_path / "go"
+    skipped, after = tmp_path / "skipped-ran", tmp_path / "after"
+    with sky.Compute(nodes=1) as pool:
+        for _ in range(5):  # quick calls: the next ones are given ahead
+            noop() >> pool
+        running = wait_for(str(started), str(go)) > pool
+        queued = touch(str(skipped)) > pool
+        later = touch(str(after)) > pool
+        assert wait_until(started.exists, timeout=30)
+        pool.cancel([queued])
+        go.touch()
+        assert running.result(timeout=30) == 1
+        with pytest.raises(CancelledError):
+            queued.result(timeout=30)
+        assert later.result(timeout=30) == str(after)
+        assert not skipped.exists()
+        assert add(1, 1) >> pool == 2
+
+
+def test_a_call_given_ahead_has_its_timeout_counted_from_its_own_start() -> None:
+    """A call waiting behind a longer one (given ahead to the process) gets its whole
+    timeout once it starts."""
+
+    def nap(seconds: float) -> float:
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    limited = sky.function(timeout=1.0)(nap)
+    with sky.Compute(nodes=1) as pool:
+        for _ in range(5):  # quick calls: the next ones are given ahead
+            noop() >> pool
+        first = sky.function(nap)(1.5) > pool
+        second = limited(0.2) > pool  # given ahead at once, starts 1.5 s later
+        assert first.result(timeout=30) == 1.5
+        assert second.result(timeout=30) == 0.2
 
 
 def test_broadcast_to_a_subset_of_nodes(pool4: sky.Compute) -> None:
