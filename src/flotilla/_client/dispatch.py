@@ -528,7 +528,6 @@ class Dispatcher:
     def settle(
         self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
     ) -> None:
-        sub.payload.release()
         self._by_future.pop(id(sub.future), None)
         if not sub.future.done():
             if exc is not None:
@@ -536,6 +535,7 @@ class Dispatcher:
                 sub.future.set_exception(redact_exception(exc, self.secrets))
             else:
                 sub.future.set_result(value)
+        sub.payload.release()  # after: removing a large shared-memory file takes a while
         if self._held and sub.siblings:
             self._release_held(sub.siblings)
         if self.backlog:
