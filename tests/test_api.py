@@ -554,6 +554,26 @@ def test_output_sink_receives_lines_instead_of_printing(
     assert "hello from" not in capsys.readouterr().out
 
 
+def test_a_single_calls_output_is_delivered_before_its_value_returns() -> None:
+    """``>>`` returns after the call's printed lines reached the output sink, also when
+    the caller's thread reads the node's stream itself (quick calls, one at a time), and
+    quiet calls in between return their values."""
+
+    @sky.function
+    def speak(i: int) -> int:
+        print(f"line {i}")
+        return i
+
+    got: list[str] = []
+    with sky.Compute(nodes=1) as pool:
+        pool.output_sink = lambda rank, stream, lines: got.extend(lines)
+        for i in range(100):
+            assert speak(i) >> pool == i
+            assert got[-1:] == [f"line {i}"]
+            assert noop(i) >> pool == i
+    assert got == [f"line {i}" for i in range(100)]
+
+
 class TwoPerNode(sky.Plugin):
     """A plugin asking for two processes per node, as torch(procs_per_node=2) does."""
 
