@@ -208,6 +208,8 @@ def decode(body: Buffer, offset: int = 0) -> Any:
     view = memoryview(body)
     nbuf, main_len, name_len = _HEAD.unpack_from(view, offset)
     pos = offset + _HEAD.size
+    if not nbuf:  # the pickle stream alone (no buffer, so no shared memory either)
+        return pickle.loads(view[pos + name_len : pos + name_len + main_len])
     name = bytes(view[pos : pos + name_len]).decode()
     pos += name_len
     descriptors = [_BUF.unpack_from(view, pos + i * _BUF.size) for i in range(nbuf)]
@@ -231,6 +233,8 @@ def decode(body: Buffer, offset: int = 0) -> Any:
 def shm_name_of(body: Buffer, offset: int = 0) -> str:
     """The shared-memory file a payload refers to ('' if none)."""
     _, _, name_len = _HEAD.unpack_from(body, offset)
+    if not name_len:
+        return ""
     start = offset + _HEAD.size
     return bytes(memoryview(body)[start : start + name_len]).decode()
 
