@@ -489,24 +489,24 @@ def wait_for(marker: str, go: str) -> int:
 
 
 def test_a_call_given_ahead_to_a_busy_process_is_skipped_when_cancelled(tmp_path: Path) -> None:
-    """After quick calls the agent gives its process a few calls ahead (they wait in its
-    pipe): one of those that is cancelled never runs, and those after it do."""
+    """While a queue of quick calls runs the agent gives its process a few calls ahead
+    (they wait in its pipe): one of those that is cancelled ends at once, never runs, and
+    those after it do."""
     from concurrent.futures import CancelledError
 
     started, go = tmp_path / "started", tmp_path / "go"
     skipped, after = tmp_path / "skipped-ran", tmp_path / "after"
     with sky.Compute(nodes=1) as pool:
-        for _ in range(5):  # quick calls: the next ones are given ahead
-            noop() >> pool
-        running = wait_for(str(started), str(go)) > pool
+        quick = [noop(i) for i in range(50)]  # queued quick calls: the next ones given ahead
+        running = sky.gather(*quick, wait_for(str(started), str(go))) > pool
         queued = touch(str(skipped)) > pool
         later = touch(str(after)) > pool
         assert wait_until(started.exists, timeout=30)
         pool.cancel([queued])
-        go.touch()
-        assert running.result(timeout=30) == 1
         with pytest.raises(CancelledError):
-            queued.result(timeout=30)
+            queued.result(timeout=30)  # while the call before it still runs
+        go.touch()
+        assert running.result(timeout=30)[-1] == 1
         assert later.result(timeout=30) == str(after)
         assert not skipped.exists()
         assert add(1, 1) >> pool == 2
@@ -524,11 +524,10 @@ def test_a_call_given_ahead_has_its_timeout_counted_from_its_own_start() -> None
 
     limited = sky.function(timeout=1.0)(nap)
     with sky.Compute(nodes=1) as pool:
-        for _ in range(5):  # quick calls: the next ones are given ahead
-            noop() >> pool
-        first = sky.function(nap)(1.5) > pool
+        quick = [noop(i) for i in range(50)]  # queued quick calls: the next ones given ahead
+        first = sky.gather(*quick, sky.function(nap)(1.5)) > pool
         second = limited(0.2) > pool  # given ahead at once, starts 1.5 s later
-        assert first.result(timeout=30) == 1.5
+        assert first.result(timeout=30)[-1] == 1.5
         assert second.result(timeout=30) == 0.2
 
 

@@ -17,9 +17,10 @@ empty). So a task the client got no STARTED for has certainly not started, even 
 agent is killed: the client sends those again elsewhere when the node is lost
 (``_client/dispatch.py``). An executor is given one task at a time, and a few
 (:data:`WINDOW`) while its tasks are quick (the last one took less than :data:`QUICK`
-seconds): those are announced together and wait in its pipe, so that it goes from one to
-the next without waiting for the agent, and no more calls than that count as started when
-the agent is lost. A long task never has others given behind it until it ends.
+seconds, and more were queued behind it: an idle executor starts again with one): those are
+announced together and wait in its pipe, so that it goes from one to the next without
+waiting for the agent, and no more calls than that count as started when the agent is
+lost. A long task never has others given behind it until it ends.
 
 Executor states (one executor per slot at a time)::
 
@@ -69,7 +70,8 @@ QUICK = 0.01
 """Seconds under which a task counts as quick: the next ones are given a window ahead."""
 CANCEL_GRACE = 0.5
 """Seconds a cancelled task that was given ahead gets to be skipped by its executor once
-its turn comes; past that it is running, and its process is replaced."""
+its turn comes; past that it runs (it had started when the cancel came), and its process is
+replaced."""
 
 
 class ExecState(Enum):
@@ -91,7 +93,7 @@ class Task:
     frame: list[Buffer]
     deadline: float = 0.0
     announced: bool = False  # STARTED was sent to the client
-    cancelled: bool = False  # the client cancelled it after it was given to the executor
+    cancelled: bool = False  # cancelled once given to the executor (the client was told)
 
 
 @dataclass(eq=False)
@@ -207,9 +209,10 @@ class Supervisor:
             self._to_executor(slot, frame(Kind.MEMBERS, 0, info))
 
     def cancel(self, ident: int) -> None:
-        """Stop a task: replace the executor if it runs it; one given ahead to the executor
-        is skipped there (it answers CANCELLED; see :meth:`check_timeouts`); one not given
-        yet is dropped."""
+        """Stop a task (the client is told CANCELLED at once): replace the executor if it
+        runs it; one given ahead to the executor is skipped there (what it answers for it
+        is dropped; see :meth:`check_timeouts` for one it started); one not given yet is
+        dropped."""
         for slot in self.slots:
             for i, task in enumerate(slot.tasks):
                 if task.ident != ident:
@@ -218,7 +221,8 @@ class Supervisor:
                     ex = slot.executor
                     if not task.cancelled and ex is not None:
                         task.cancelled = True
-                        ex.outbox.send(frame(Kind.CANCEL, ident))
+                        ex.outbox.send(frame(Kind.CANCEL, ident))  # before the client knows
+                        self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
                     return
                 del slot.tasks[i]
                 self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
@@ -238,7 +242,9 @@ class Supervisor:
             slot.fed = 0
             while slot.tasks:
                 task = slot.tasks.popleft()
-                self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.ABORTED,)), cause))
+                if not task.cancelled:  # (a cancelled one's client has its answer)
+                    aborted = frame(Kind.RESULT, task.ident, bytes((Status.ABORTED,)), cause)
+                    self.client.send(aborted)
             slot.restarts += 1
             self._start(slot)
 
@@ -280,8 +286,7 @@ class Supervisor:
                 task = slot.tasks.popleft()
                 slot.fed = 0
                 self._kill(slot)
-                if task.cancelled:
-                    self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
+                if task.cancelled:  # the client was told CANCELLED already
                     self._replace(slot, "a running call was cancelled")
                     continue
                 body = json.dumps({"timeout": task.timeout}).encode()
@@ -348,7 +353,6 @@ class Supervisor:
         slot.quick = False
         for task in [t for t in slot.tasks if t.cancelled]:  # given to the last process only
             slot.tasks.remove(task)
-            self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.CANCELLED,))))
         for parts in self.defines:
             ex.outbox.send(parts)
         self._feed(slot)
@@ -436,22 +440,26 @@ class Supervisor:
         slot = ex.slot
         tasks = slot.tasks
         if slot.fed and tasks and tasks[0].ident == ident:
-            tasks.popleft()
+            done = tasks.popleft()
             slot.fed -= 1
             now = time.monotonic()
-            slot.quick = now - slot.began < QUICK
+            # a window while the queue lasts: once idle, the next calls start one at a time
+            slot.quick = bool(tasks) and now - slot.began < QUICK
             slot.began = now
             if slot.fed:  # the next one was given ahead: it runs from now on
                 head = tasks[0]
                 _arm(head, now)
                 if head.cancelled:  # its executor skips it at once, or it runs
                     head.deadline = now + CANCEL_GRACE
-            self._feed(slot, result)
+            self._feed(slot, None if done.cancelled else result)  # (told CANCELLED already)
             return
         for i in range(1, slot.fed):  # a task given ahead, answered out of turn
             if tasks[i].ident == ident:
+                cancelled = tasks[i].cancelled
                 del tasks[i]
                 slot.fed -= 1
+                if cancelled:
+                    return
                 break
         self.client.send(result)
 
@@ -571,6 +579,8 @@ class Supervisor:
             return
         task = slot.tasks.popleft() if slot.tasks and slot.fed else None
         slot.fed = 0  # the tasks given after it did not start: the next process gets them
+        if task is not None and task.cancelled:  # its client was told CANCELLED
+            task = None
         slot.restarts += 1
         how = reason or describe_exit(exitcode)[0]
         cause = f"the process {'running a call ' if task else ''}{how}"
