@@ -189,7 +189,7 @@ class Supervisor:
         timeout, local_rank = TASK_HEAD.unpack_from(head)
         slot = self.slots[local_rank]
         slot.tasks.append(Task(ident, timeout, parts))
-        if len(slot.tasks) == 1:
+        if len(slot.tasks) <= (WINDOW if slot.quick else 1):
             self._feed(slot)
 
     def define(self, ident: int, body: Body) -> None:
