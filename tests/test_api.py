@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _procs import wait_until
 
 import flotilla as sky
 from flotilla._info import SINGLE_NODE
@@ -476,6 +477,60 @@ def test_cancel_stops_a_running_call_and_skips_a_queued_one(tmp_path: Path) -> N
         assert add(1, 1) >> pool == 2  # the node got a new process and answers
 
 
+@sky.function
+def wait_for(marker: str, go: str) -> int:
+    """Create ``marker``, then wait until ``go`` exists."""
+    import time
+
+    Path(marker).write_text("")
+    while not Path(go).exists():
+        time.sleep(0.005)
+    return 1
+
+
+def test_a_call_given_ahead_to_a_busy_process_is_skipped_when_cancelled(tmp_path: Path) -> None:
+    """While a queue of quick calls runs the agent gives its process a few calls ahead
+    (they wait in its pipe): one of those that is cancelled ends at once, never runs, and
+    those after it do."""
+    from concurrent.futures import CancelledError
+
+    started, go = tmp_path / "started", tmp_path / "go"
+    skipped, after = tmp_path / "skipped-ran", tmp_path / "after"
+    with sky.Compute(nodes=1) as pool:
+        quick = [noop(i) for i in range(50)]  # queued quick calls: the next ones given ahead
+        running = sky.gather(*quick, wait_for(str(started), str(go))) > pool
+        queued = touch(str(skipped)) > pool
+        later = touch(str(after)) > pool
+        assert wait_until(started.exists, timeout=30)
+        pool.cancel([queued])
+        with pytest.raises(CancelledError):
+            queued.result(timeout=30)  # while the call before it still runs
+        go.touch()
+        assert running.result(timeout=30)[-1] == 1
+        assert later.result(timeout=30) == str(after)
+        assert not skipped.exists()
+        assert add(1, 1) >> pool == 2
+
+
+def test_a_call_given_ahead_has_its_timeout_counted_from_its_own_start() -> None:
+    """A call waiting behind a longer one (given ahead to the process) gets its whole
+    timeout once it starts."""
+
+    def nap(seconds: float) -> float:
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    limited = sky.function(timeout=1.0)(nap)
+    with sky.Compute(nodes=1) as pool:
+        quick = [noop(i) for i in range(50)]  # queued quick calls: the next ones given ahead
+        first = sky.gather(*quick, sky.function(nap)(1.5)) > pool
+        second = limited(0.2) > pool  # given ahead at once, starts 1.5 s later
+        assert first.result(timeout=30)[-1] == 1.5
+        assert second.result(timeout=30) == 0.2
+
+
 def test_broadcast_to_a_subset_of_nodes(pool4: sky.Compute) -> None:
     futures = pool4.submit_broadcast(whoami(), nodes=[1, 3])
     assert [f.result(timeout=30).node for f in futures] == [1, 3]
@@ -496,6 +551,26 @@ def test_output_sink_receives_lines_instead_of_printing(
         pool2.output_sink = None
     assert sorted(got) == [(0, 1, ["hello from 0"]), (1, 1, ["hello from 1"])]
     assert "hello from" not in capsys.readouterr().out
+
+
+def test_a_single_calls_output_is_delivered_before_its_value_returns() -> None:
+    """``>>`` returns after the call's printed lines reached the output sink, also when
+    the caller's thread reads the node's stream itself (quick calls, one at a time), and
+    quiet calls in between return their values."""
+
+    @sky.function
+    def speak(i: int) -> int:
+        print(f"line {i}")
+        return i
+
+    got: list[str] = []
+    with sky.Compute(nodes=1) as pool:
+        pool.output_sink = lambda rank, stream, lines: got.extend(lines)
+        for i in range(100):
+            assert speak(i) >> pool == i
+            assert got[-1:] == [f"line {i}"]
+            assert noop(i) >> pool == i
+    assert got == [f"line {i}" for i in range(100)]
 
 
 class TwoPerNode(sky.Plugin):

@@ -101,6 +101,36 @@ def test_calls_queued_behind_a_running_call_run_on_the_replacement(tmp_path: Pat
         queued_calls_survive(pool, tmp_path, calls=5, rank=0)
 
 
+@sky.function
+def once(folder: str, i: int) -> int:
+    """Create ``folder/i``, failing if it exists (the call ran before): ``i``."""
+    os.close(os.open(os.path.join(folder, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    return i
+
+
+def test_quick_calls_given_ahead_lose_at_most_a_window_when_the_agent_is_killed(
+    tmp_path: Path,
+) -> None:
+    """Quick calls are given to the process a few at a time (announced as started): when
+    the agent is killed, at most that many count as lost; every other one runs once."""
+    from flotilla._node.supervisor import WINDOW
+
+    calls = 3000
+    with sky.Compute(nodes=2) as pool:
+        futures = [pool.submit(once(str(tmp_path), i)) for i in range(calls)]
+        assert wait_until(lambda: len(os.listdir(tmp_path)) > 300, timeout=60)
+        kill_now(pool, 1)
+        lost = []
+        for i, fut in enumerate(futures):
+            try:
+                assert fut.result(timeout=120) == i
+            except sky.NodeLostError as e:
+                assert e.node == 1
+                lost.append(i)
+        assert len(lost) <= WINDOW, lost
+        assert calls - len(lost) <= len(os.listdir(tmp_path)) <= calls
+
+
 # -- SSH test hosts --------------------------------------------------------------------------
 
 

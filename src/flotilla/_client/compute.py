@@ -555,7 +555,20 @@ class Compute(PoolCollections, Pool):
         call = as_call(call, ">>")
         if yields(call.function.fn):
             return self._stream(call)  # type: ignore[return-value]
-        return self.submit(call).result()
+        self._check_running()
+        sub = self._send([call])[0]
+        node, fut = sub.node, sub.future
+        dispatcher = self._dispatcher
+        if (
+            node is not None
+            and not fut.done()
+            and not dispatcher.group  # a group's results may restart it: the loop's work
+            and not dispatcher.most  # an elastic pool's may send backlogged calls: the same
+            and not _loop.in_loop_thread()
+        ):
+            node.wait_direct(fut)
+        value: R = fut.result()
+        return value
 
     def _stream(self, call: PendingCall[Any]) -> Stream:
         self._check_running()

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from functools import partial
 from typing import Any
 
@@ -528,14 +528,16 @@ class Dispatcher:
     def settle(
         self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
     ) -> None:
-        sub.payload.release()
         self._by_future.pop(id(sub.future), None)
-        if not sub.future.done():
+        try:  # (a future settled already, e.g. by close, stays as it is)
             if exc is not None:
                 # the one point errors reach the caller through: no secrets
                 sub.future.set_exception(redact_exception(exc, self.secrets))
             else:
                 sub.future.set_result(value)
+        except InvalidStateError:
+            pass
+        sub.payload.release()  # after: removing a large shared-memory file takes a while
         if self._held and sub.siblings:
             self._release_held(sub.siblings)
         if self.backlog:

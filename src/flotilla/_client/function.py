@@ -103,7 +103,8 @@ class Function(Generic[P, R]):
 
     @property
     def name(self) -> str:
-        return getattr(self.fn, "__qualname__", repr(self.fn))
+        name = getattr(self.fn, "__qualname__", None)
+        return name if isinstance(name, str) else repr(self.fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> PendingCall[R]:
         """Bind arguments; nothing runs until the call is sent to a pool.

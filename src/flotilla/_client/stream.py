@@ -13,8 +13,10 @@ their result is the list of them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -118,9 +120,19 @@ def stream(fn: Any = None, /, **options: Any) -> Any:
     return make if fn is None else make(fn)
 
 
+_yields: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def yields(fn: Any) -> bool:
     """Whether ``fn`` is a generator function (its calls stream their values)."""
-    return inspect.isgeneratorfunction(inspect.unwrap(fn))
+    try:
+        return _yields[fn]
+    except (KeyError, TypeError):  # TypeError: not weakly referenceable, never cached
+        pass
+    answer = inspect.isgeneratorfunction(inspect.unwrap(fn))
+    with contextlib.suppress(TypeError):
+        _yields[fn] = answer
+    return answer
 
 
 def collected(sub: Submission) -> list[Any]:

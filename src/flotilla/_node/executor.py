@@ -8,7 +8,6 @@ forwards to the client; the protocol uses two other pipes, so prints cannot corr
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import json
 import os
@@ -89,7 +88,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         from .storechannel import Channel, install
 
         install(Channel(wfd, write_lock, inbox.answer))
-    me = os.getpid()
+    forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
+    os.register_at_fork(after_in_child=lambda: forked.append(True))
     streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
 
     def credit_feed(ident: int, index: int, body: bytes) -> None:
@@ -125,12 +125,12 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         finally:
             feeds.current = None
             inbox.feeds.pop(ident, None)
-        if os.getpid() != me:  # a child the task forked returned here: it has no say
+        if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
-        _flush()
-        _restore_streams(streams)
+        _flush()  # the task's output goes before its result
         with write_lock:
             write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+        _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
     def stream(ident: int, values: Iterator[Any]) -> None:
@@ -180,13 +180,19 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 def _restore_streams(saved: list[int]) -> None:
     """Point file descriptors 1 and 2 (and sys.stdout/sys.stderr) at the output pipes
     again: a task may have closed or redirected them (``os.close(1)``)."""
-    for fd, copy in zip((1, 2), saved, strict=True):
-        with contextlib.suppress(OSError):
-            os.dup2(copy, fd)
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        stream = getattr(sys, name)
-        if stream is None or getattr(stream, "closed", False):
-            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115
+    try:
+        os.dup2(saved[0], 1)
+    except OSError:
+        pass
+    try:
+        os.dup2(saved[1], 2)
+    except OSError:
+        pass
+    out, err = sys.stdout, sys.stderr
+    if out is None or getattr(out, "closed", False):
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if err is None or getattr(err, "closed", False):
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
 class _Inbox:
@@ -196,6 +202,8 @@ class _Inbox:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         os.set_blocking(fd, False)
+        self.poller = select.poll()
+        self.poller.register(fd, select.POLLIN)
         self.reader = FrameReader()
         self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
@@ -205,7 +213,10 @@ class _Inbox:
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
-        self._read(block=not self.frames)
+        if not self.frames:
+            self._read(block=True)
+        elif self.poller.poll(0):  # what came behind the queued frames (a CANCEL)
+            self._read(block=False)
         return self.frames.popleft() if self.frames else None
 
     def answer(self, ident: int) -> Body | None:
@@ -234,12 +245,14 @@ class _Inbox:
         return self.feeds[ident].popleft()
 
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
+        """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``)."""
         while not self.eof:
+            if block and (not self.frames if until is None else not until()):
+                self.poller.poll()
             try:
                 got = self.reader.read(self.fd)
             except BlockingIOError:
-                if block and (not self.frames if until is None else not until()):
-                    select.select([self.fd], [], [])
+                if block:
                     continue
                 return
             if got is None:
@@ -257,11 +270,11 @@ class _Inbox:
                     self.credits[ident] = self.credits.get(ident, 0) + more
                 else:
                     self.frames.append((kind, ident, body))
-            if until is not None:
-                if until():
-                    return
-            elif self.frames:  # a partial frame: keep waiting for the rest
-                block = False
+            if not (self.frames if until is None else until()):
+                continue  # nothing yet, or part of a frame: on (waiting if ``block``)
+            if not self.reader.more:  # the pipe is drained
+                return
+            block = False
 
 
 def _run(

@@ -11,11 +11,16 @@ group (``config["group"]``: a plugin's collective, e.g. a torch process group) a
 process could not rejoin the group, so it tells the client instead (BROKEN), which restarts
 every executor of the pool (RESTART: queued and running tasks end ABORTED).
 
-An executor is given one task at a time, and only once the client was told (STARTED, in
-the same write as the result of the task before) and that has left the agent (its outbox
-to the client is empty). So a task the client got no STARTED for has certainly not started,
-even when the agent is killed: the client sends those again elsewhere when the node is lost
-(``_client/dispatch.py``).
+An executor is given a task only once the client was told (STARTED, in the same write as
+the result of the task before) and that has left the agent (its outbox to the client is
+empty). So a task the client got no STARTED for has certainly not started, even when the
+agent is killed: the client sends those again elsewhere when the node is lost
+(``_client/dispatch.py``). An executor is given one task at a time, and a few
+(:data:`WINDOW`) while its tasks are quick (the last one took less than :data:`QUICK`
+seconds, and more were queued behind it: an idle executor starts again with one): those are
+announced together and wait in its pipe, so that it goes from one to the next without
+waiting for the agent, and no more calls than that count as started when the agent is
+lost. A long task never has others given behind it until it ends.
 
 Executor states (one executor per slot at a time)::
 
@@ -59,6 +64,14 @@ from .procs import die_with_parent
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
+WINDOW = 4
+"""Tasks an executor is given at once while its tasks are quick (see the module docstring)."""
+QUICK = 0.01
+"""Seconds under which a task counts as quick: the next ones are given a window ahead."""
+CANCEL_GRACE = 0.5
+"""Seconds a cancelled task that was given ahead gets to be skipped by its executor once
+its turn comes; past that it runs (it had started when the cancel came), and its process is
+replaced."""
 
 
 class ExecState(Enum):
@@ -80,6 +93,7 @@ class Task:
     frame: list[Buffer]
     deadline: float = 0.0
     announced: bool = False  # STARTED was sent to the client
+    cancelled: bool = False  # cancelled once given to the executor (the client was told)
 
 
 @dataclass(eq=False)
@@ -104,16 +118,18 @@ class Executor:
 class Slot:
     """One local rank of the node: its executor (replaced when it dies) and its tasks.
 
-    ``tasks`` are run in order; ``tasks[0]`` is the one running once ``fed`` (sent to the
-    current executor); the others stay here until it ends.
+    ``tasks`` are run in order; the first ``fed`` of them were sent to the current executor
+    (``tasks[0]`` is the one running once ``fed``); the others stay here until their turn.
     """
 
     rank: int
     tasks: deque[Task] = field(default_factory=deque)
     executor: Executor | None = None
-    fed: bool = False
+    fed: int = 0
     restarts: int = 0
     ready: bool = False
+    quick: bool = False  # its last task took less than QUICK: give it a WINDOW ahead
+    began: float = 0.0  # when tasks[0] began (monotonic), once fed
 
 
 class Supervisor:
@@ -163,8 +179,8 @@ class Supervisor:
         slot = self.slots[local_rank]
         task = Task(ident, timeout, [HEADER.pack(Kind.TASK, ident, len(body)), body])
         slot.tasks.append(task)
-        if len(slot.tasks) == 1:
-            self._feed(slot)
+        if len(slot.tasks) <= (WINDOW if slot.quick else 1):
+            self.waiting.add(slot)  # fed once the frames read with it are taken: resume()
 
     def submit_task(self, ident: int, head: bytes, parts: list[Buffer]) -> None:
         """A call whose arguments came apart from its TASK frame (a relayed payload, see
@@ -173,7 +189,7 @@ class Supervisor:
         timeout, local_rank = TASK_HEAD.unpack_from(head)
         slot = self.slots[local_rank]
         slot.tasks.append(Task(ident, timeout, parts))
-        if len(slot.tasks) == 1:
+        if len(slot.tasks) <= (WINDOW if slot.quick else 1):
             self._feed(slot)
 
     def define(self, ident: int, body: Body) -> None:
@@ -193,15 +209,25 @@ class Supervisor:
             self._to_executor(slot, frame(Kind.MEMBERS, 0, info))
 
     def cancel(self, ident: int) -> None:
-        """Stop a task: replace the executor if it runs it, else let the executor skip it."""
+        """Stop a task (the client is told CANCELLED at once): replace the executor if it
+        runs it; one given ahead to the executor is skipped there (what it answers for it
+        is dropped; see :meth:`check_timeouts` for one it started); one not given yet is
+        dropped."""
         for slot in self.slots:
             for i, task in enumerate(slot.tasks):
                 if task.ident != ident:
                     continue
+                if 0 < i < slot.fed:  # in the executor's pipe, behind the running one
+                    ex = slot.executor
+                    if not task.cancelled and ex is not None:
+                        task.cancelled = True
+                        ex.outbox.send(frame(Kind.CANCEL, ident))  # before the client knows
+                        self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+                    return
                 del slot.tasks[i]
                 self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
                 if i == 0 and slot.fed:
-                    slot.fed = False
+                    slot.fed = 0
                     self._kill(slot)
                     self._replace(slot, "a running call was cancelled")
                 elif i == 0:
@@ -213,10 +239,12 @@ class Supervisor:
         self.generation = generation
         for slot in self.slots:
             self._kill(slot)
-            slot.fed = False
+            slot.fed = 0
             while slot.tasks:
                 task = slot.tasks.popleft()
-                self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.ABORTED,)), cause))
+                if not task.cancelled:  # (a cancelled one's client has its answer)
+                    aborted = frame(Kind.RESULT, task.ident, bytes((Status.ABORTED,)), cause)
+                    self.client.send(aborted)
             slot.restarts += 1
             self._start(slot)
 
@@ -251,12 +279,16 @@ class Supervisor:
         return wake
 
     def check_timeouts(self, now: float) -> None:
-        """End the running tasks past their deadline (TIMEOUT) and replace their process."""
+        """End the running tasks past their deadline (TIMEOUT; CANCELLED for a cancelled
+        one its executor did not skip: it runs) and replace their process."""
         for slot in self.slots:
             if slot.fed and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
                 task = slot.tasks.popleft()
-                slot.fed = False
+                slot.fed = 0
                 self._kill(slot)
+                if task.cancelled:  # the client was told CANCELLED already
+                    self._replace(slot, "a running call was cancelled")
+                    continue
                 body = json.dumps({"timeout": task.timeout}).encode()
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
                 self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
@@ -317,20 +349,25 @@ class Supervisor:
         self.sel.register(r_res, False, partial(self._on_executor, ex))
         self.sel.register(r_out, False, partial(self._on_output, ex, 1), first=True)
         self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
-        slot.fed = False
+        slot.fed = 0
+        slot.quick = False
+        for task in [t for t in slot.tasks if t.cancelled]:  # given to the last process only
+            slot.tasks.remove(task)
         for parts in self.defines:
             ex.outbox.send(parts)
         self._feed(slot)
 
     def _feed(self, slot: Slot, before: list[Buffer] | None = None) -> None:
-        """Send ``before`` (frames for the client) and the slot's next task to its
-        executor: the client is told first (STARTED, in the same write), and the task is
-        given only once that has left the agent, so a task the client has no word of never
-        starts (see the module docstring)."""
+        """Send ``before`` (frames for the client) and the slot's next tasks (one, or up to
+        :data:`WINDOW` while they are quick) to its executor: the client is told first
+        (STARTED, in the same write), and the tasks are given only once that has left the
+        agent, so a task the client has no word of never starts (see the module
+        docstring)."""
         ex = slot.executor
+        tasks = slot.tasks
+        upto = min(len(tasks), WINDOW if slot.quick else 1)
         if (
-            slot.fed
-            or not slot.tasks
+            slot.fed >= upto
             or ex is None
             or self.stopping
             or self.client.broken
@@ -339,21 +376,29 @@ class Supervisor:
             if before:
                 self.client.send(before)
             return
-        task = slot.tasks[0]
-        if not task.announced:
-            task.announced = True
-            self.client.send([*(before or ()), *frame(Kind.STARTED, task.ident)])
-        elif before:
-            self.client.send(before)
+        parts = list(before) if before else []
+        for i in range(slot.fed, upto):
+            task = tasks[i]
+            if not task.announced:
+                task.announced = True
+                parts += frame(Kind.STARTED, task.ident)
+        if parts:
+            self.client.send(parts)
         if self.client.queue:
             self.waiting.add(slot)  # see resume()
             return
-        _arm(task)
-        slot.fed = True
-        ex.outbox.send(task.frame)
+        given: list[Buffer] = []
+        for i in range(slot.fed, upto):
+            given += tasks[i].frame
+        if not slot.fed:  # the first one starts now
+            slot.began = time.monotonic()
+            _arm(tasks[0], slot.began)
+        slot.fed = upto
+        ex.outbox.send(given)
 
     def resume(self) -> None:
-        """The client's outbox is empty: feed the slots that waited for it."""
+        """The client's outbox is empty: feed the slots that waited for it (or for the
+        TASK frames read with their task)."""
         slots, self.waiting = self.waiting, set()
         for slot in slots:
             self._feed(slot)
@@ -389,15 +434,34 @@ class Supervisor:
                 handler(ex, ident, body)
 
     def _result(self, ex: Executor, ident: int, body: Body) -> None:
-        """A task's result: its output was forwarded first (see Poller)."""
+        """A task's result: its output was forwarded first (see Poller). The next task
+        given begins now; the window ahead is refilled while tasks are quick."""
         result: list[Buffer] = [HEADER.pack(Kind.RESULT, ident, len(body)), body]
         slot = ex.slot
-        if slot.fed and slot.tasks and slot.tasks[0].ident == ident:
-            slot.tasks.popleft()
-            slot.fed = False
-            self._feed(slot, result)
-        else:
-            self.client.send(result)
+        tasks = slot.tasks
+        if slot.fed and tasks and tasks[0].ident == ident:
+            done = tasks.popleft()
+            slot.fed -= 1
+            now = time.monotonic()
+            # a window while the queue lasts: once idle, the next calls start one at a time
+            slot.quick = bool(tasks) and now - slot.began < QUICK
+            slot.began = now
+            if slot.fed:  # the next one was given ahead: it runs from now on
+                head = tasks[0]
+                _arm(head, now)
+                if head.cancelled:  # its executor skips it at once, or it runs
+                    head.deadline = now + CANCEL_GRACE
+            self._feed(slot, None if done.cancelled else result)  # (told CANCELLED already)
+            return
+        for i in range(1, slot.fed):  # a task given ahead, answered out of turn
+            if tasks[i].ident == ident:
+                cancelled = tasks[i].cancelled
+                del tasks[i]
+                slot.fed -= 1
+                if cancelled:
+                    return
+                break
+        self.client.send(result)
 
     def _store(self, ex: Executor, ident: int, body: Body) -> None:
         """A task's request to the distributed collections: to the client, renumbered
@@ -424,8 +488,11 @@ class Supervisor:
                 ex = slot.executor
                 if i == 0 and slot.fed and ex is not None:
                     ex.outbox.send(parts)
-                else:  # not given yet: sent with the task (and to a new process again)
-                    task.frame = [*task.frame, *parts]
+                    return
+                # not running yet: sent with the task (and to a new process again)
+                task.frame = [*task.frame, *parts]
+                if i < slot.fed and ex is not None:  # given ahead: after its TASK frame
+                    ex.outbox.send(parts)
                 return
 
     def stored(self, relay: int, body: Body) -> None:
@@ -511,7 +578,9 @@ class Supervisor:
                 )
             return
         task = slot.tasks.popleft() if slot.tasks and slot.fed else None
-        slot.fed = False
+        slot.fed = 0  # the tasks given after it did not start: the next process gets them
+        if task is not None and task.cancelled:  # its client was told CANCELLED
+            task = None
         slot.restarts += 1
         how = reason or describe_exit(exitcode)[0]
         cause = f"the process {'running a call ' if task else ''}{how}"
@@ -550,8 +619,8 @@ class Supervisor:
             ex.slot.executor = None
 
 
-def _arm(task: Task) -> None:
-    task.deadline = time.monotonic() + task.timeout if task.timeout > 0 else 0.0
+def _arm(task: Task, now: float) -> None:
+    task.deadline = now + task.timeout if task.timeout > 0 else 0.0
 
 
 def _reap(pid: int, wait: bool = False) -> int | None:

@@ -31,7 +31,7 @@ import asyncio
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Self
@@ -205,6 +205,18 @@ class AgentProcess(ABC):
         on_stderr: Callable[[bytes], None],
     ) -> None:
         """Deliver the agent's stdout as frames and its stderr as bytes, on ``loop``."""
+
+    def read_direct(  # noqa: B027 - optional: the default leaves reading to the loop
+        self,
+        on_frames: FramesCallback,
+        done: Callable[[], bool],
+        budget: float,
+        kinds: Collection[int],
+    ) -> None:
+        """Optionally read the agent's stdout in the calling thread until ``done()`` or
+        for ``budget`` seconds, delivering frames of ``kinds`` there and leaving everything
+        else to the loop, in order (a shortcut for a caller waiting for one result). The
+        default does nothing: the loop reads."""
 
     @abstractmethod
     async def wait(self, timeout: float) -> int | None:

@@ -17,10 +17,13 @@ import contextlib
 import errno
 import os
 import select
+import selectors
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 from .._wire.frames import Buffer, FrameError, FrameReader, advance
@@ -32,6 +35,31 @@ _NOISE_LIMIT = 1 << 16
 _ERR_TAIL = 8192
 _EXIT_WAIT = 1.0
 """Seconds to wait, at end of output, for the process's exit status and last stderr bytes."""
+
+
+_JOINED = 1 << 22
+"""Writes up to this size are joined into one buffer first (a batch of thousands of small
+frames), larger ones go out as the buffers they are (a large argument is not copied)."""
+
+_Frames = list[tuple[int, int, bytes | bytearray]]
+_loop_epolls: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, select.epoll | None] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per event loop: its epoll set (a descriptor of our own for it), for :meth:`read_direct`;
+None when the loop does not run on epoll."""
+
+
+def _epoll_of(loop: asyncio.AbstractEventLoop) -> select.epoll | None:
+    try:
+        return _loop_epolls[loop]
+    except KeyError:
+        pass
+    selector = getattr(loop, "_selector", None)
+    epoll = None
+    if isinstance(selector, selectors.EpollSelector):
+        epoll = select.epoll.fromfd(os.dup(selector.fileno()))
+    _loop_epolls[loop] = epoll
+    return epoll
 
 
 class PipeAgent(AgentProcess):
@@ -53,6 +81,11 @@ class PipeAgent(AgentProcess):
         os.set_blocking(self._in, False)  # writes wait in poll, and can be given up
         self._abandoned = False
         self._out = proc.stdout.fileno()
+        self._reader = FrameReader()  # of stdout, once start_reading() is called
+        self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
+        self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
+        self._handed_error: str | None = None  # a corrupt stream read_direct met
+        self._handed_over: Callable[[], None] = lambda: None  # delivers those on the loop
         self._err = proc.stderr.fileno()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early_out = bytearray()  # stdout read before start_reading()
@@ -72,7 +105,7 @@ class PipeAgent(AgentProcess):
         size = 0
         for p in parts:
             size += p.nbytes if isinstance(p, memoryview) else len(p)
-        if size <= 65536:  # small: one copy, one system call
+        if size <= _JOINED:  # one copy, then one system call (more when the pipe is full)
             data = b"".join(parts)
             try:
                 n = os.write(fd, data)
@@ -80,8 +113,9 @@ class PipeAgent(AgentProcess):
                 n = 0
             if n == size:
                 return
-            parts = [memoryview(data)[n:]]
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+            views = [memoryview(data)[n:]]
+        else:  # large buffers are written where they are
+            views = [memoryview(p).cast("B") for p in parts if len(p)]
         stalled_since = time.monotonic()
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
@@ -160,7 +194,7 @@ class PipeAgent(AgentProcess):
         self._on_stderr = on_stderr
         for data in early:
             on_stderr(data)
-        reader = FrameReader()
+        reader = self._reader
         if self._early_out:
             frames = reader.feed(bytes(self._early_out))
             self._early_out.clear()
@@ -170,22 +204,114 @@ class PipeAgent(AgentProcess):
             loop.create_task(self._ended(on_frames))
             return
 
-        def readable() -> None:
-            try:
-                frames = reader.read(self._out)
-            except FrameError as e:  # the agent's stream is corrupt: the node is lost
-                self.lost_reason = str(e)
-                frames = None
-            except OSError:
-                frames = None
-            if frames is None:
-                loop.remove_reader(self._out)
-                self._out_ended = True
-                loop.create_task(self._ended(on_frames))
-            else:  # also when only part of a frame came: the agent is alive
-                on_frames(frames)
+        def ended(corrupt: str = "") -> None:
+            if self._out_ended:
+                return
+            if corrupt:  # the agent's stream is corrupt: the node is lost
+                self.lost_reason = corrupt
+            loop.remove_reader(self._out)
+            self._out_ended = True
+            loop.create_task(self._ended(on_frames))
 
+        def deliver_handed() -> bool:
+            """Deliver what read_direct left (under the lock); False if the stream ended."""
+            handed, self._handed = self._handed, []
+            for frames in handed:
+                on_frames(frames)
+            error, self._handed_error = self._handed_error, None
+            if error is not None:
+                ended(error)
+                return False
+            return True
+
+        def readable() -> None:
+            if not self._read_lock.acquire(blocking=False):
+                return  # a caller reads it (read_direct), the loop's watch taken off
+            try:
+                if not deliver_handed():
+                    return
+                try:
+                    frames = reader.read(self._out)
+                except FrameError as e:
+                    ended(str(e))
+                    return
+                except OSError:
+                    frames = None
+                if frames is None:
+                    ended()
+                else:  # also when only part of a frame came: the agent is alive
+                    on_frames(frames)
+            finally:
+                self._read_lock.release()
+
+        def handed_over() -> None:
+            with self._read_lock:
+                deliver_handed()
+
+        self._handed_over = handed_over
         loop.add_reader(self._out, readable)
+
+    def read_direct(
+        self,
+        on_frames: FramesCallback,
+        done: Callable[[], bool],
+        budget: float,
+        kinds: Collection[int],
+    ) -> None:
+        """Read stdout in this thread (not the event loop's: no hop between threads for a
+        caller waiting for one result) and deliver its frames here, until ``done()`` or
+        ``budget`` seconds have passed. The loop's watch of stdout is taken off meanwhile
+        (one reader at a time: a lock). Frames of a kind not in ``kinds`` (they are the
+        loop's to handle), an error and the end of the stream are left to the loop, in
+        order. Nothing happens when the loop is reading right now, or does not use epoll."""
+        loop = self._loop
+        if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
+            return
+        try:
+            epoll = _epoll_of(loop)
+            if epoll is None or self._out_ended:
+                return
+            try:
+                epoll.unregister(self._out)  # the loop no longer wakes for it
+            except OSError:
+                return
+            try:
+                self._read_here(on_frames, done, budget, kinds)
+            finally:
+                epoll.register(self._out, select.EPOLLIN)  # before the loop gets the rest
+                if self._handed or self._handed_error is not None:
+                    loop.call_soon_threadsafe(self._handed_over)
+        finally:
+            self._read_lock.release()
+
+    def _read_here(
+        self,
+        on_frames: FramesCallback,
+        done: Callable[[], bool],
+        budget: float,
+        kinds: Collection[int],
+    ) -> None:
+        poller = select.poll()
+        poller.register(self._out, select.POLLIN)
+        deadline = time.monotonic() + budget
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                return
+            try:
+                frames = self._reader.read(self._out)
+            except FrameError as e:
+                self._handed_error = str(e)  # the loop ends the stream, as if it had read it
+                return
+            except OSError:
+                return  # the loop reads again, and meets it
+            if frames is None:
+                return  # the end: the loop reads it too (it stays)
+            if all(kind in kinds for kind, _, _ in frames):
+                on_frames(frames)
+            else:
+                self._handed.append(frames)
+                return
 
     def _read_stderr(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read stderr on ``loop`` from now on (once), into ``err_tail`` and the callback."""
@@ -241,9 +367,10 @@ class PipeAgent(AgentProcess):
                 await self.wait(1.0)
         loop = self._loop
         if loop is not None:
-            for fd in (self._out, self._err):
-                with contextlib.suppress(Exception):
-                    loop.remove_reader(fd)
+            with self._read_lock:  # a read_direct puts the loop's watch back first
+                for fd in (self._out, self._err):
+                    with contextlib.suppress(Exception):
+                        loop.remove_reader(fd)
         for stream in (self.proc.stdout, self.proc.stderr):
             with contextlib.suppress(OSError):
                 if stream is not None:

@@ -155,9 +155,10 @@ class FrameReader:
     (instead of a MemoryError that would take the reader's process down).
     """
 
-    __slots__ = ("_big", "_big_filled", "_big_header", "_buf")
+    __slots__ = ("_big", "_big_filled", "_big_header", "_buf", "more")
 
     def __init__(self) -> None:
+        self.more = False  # the last read filled what it asked for: more may be waiting
         self._buf = bytearray()
         self._big: bytearray | None = None
         self._big_filled = 0
@@ -170,6 +171,7 @@ class FrameReader:
             n = os.readv(fd, [view])
             if n == 0:
                 return None
+            self.more = n == len(view)
             self._big_filled += n
             if self._big_filled < len(self._big):
                 return []
@@ -180,6 +182,7 @@ class FrameReader:
         data = os.read(fd, _CHUNK)
         if not data:
             return None
+        self.more = len(data) == _CHUNK
         return self.feed(data)
 
     def feed(self, data: Buffer) -> list[tuple[int, int, Body]]:

@@ -54,8 +54,44 @@ class Pickled:
         return sum(b.nbytes for b in self.buffers if b.nbytes >= SHM_MIN)
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str})
+_CONTAINERS = frozenset({tuple, list, dict})
+_PLAIN_ITEMS = 64  # containers larger than this take cloudpickle's path (no scan)
+_PLAIN_BYTES = 4096  # bytes objects up to this size are plain; larger ones may go out of band
+
+
+def _plain(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` is small builtin data (scalars, short bytes, small tuples, lists
+    and dicts of them): what the standard pickler writes exactly as cloudpickle would,
+    with nothing by reference, no buffer out of band and no code object."""
+    t = type(obj)
+    if t in _SCALARS:
+        return True
+    if t is bytes:
+        return len(obj) <= _PLAIN_BYTES
+    if t not in _CONTAINERS or depth >= 4 or len(obj) > _PLAIN_ITEMS:
+        return False
+    scalars = _SCALARS
+    if t is dict:
+        for key, value in obj.items():
+            if type(key) not in scalars and not _plain(key, depth + 1):
+                return False
+            if type(value) not in scalars and not _plain(value, depth + 1):
+                return False
+        return True
+    for item in obj:  # noqa: SIM110 - a loop: all() over a generator costs more here
+        if type(item) not in scalars and not _plain(item, depth + 1):
+            return False
+    return True
+
+
 def pickle_obj(obj: Any) -> Pickled:
-    """Pickle ``obj`` with cloudpickle, keeping large buffers out of band."""
+    """Pickle ``obj`` with cloudpickle, keeping large buffers out of band.
+
+    Small builtin data (a no-op's arguments, a number returned) is pickled by the standard
+    C pickler: the same stream, several times faster than building a cloudpickle pickler."""
+    if _plain(obj):
+        return Pickled(pickle.dumps(obj, 5), ())
     buffers: list[memoryview] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
@@ -172,6 +208,8 @@ def decode(body: Buffer, offset: int = 0) -> Any:
     view = memoryview(body)
     nbuf, main_len, name_len = _HEAD.unpack_from(view, offset)
     pos = offset + _HEAD.size
+    if not nbuf:  # the pickle stream alone (no buffer, so no shared memory either)
+        return pickle.loads(view[pos + name_len : pos + name_len + main_len])
     name = bytes(view[pos : pos + name_len]).decode()
     pos += name_len
     descriptors = [_BUF.unpack_from(view, pos + i * _BUF.size) for i in range(nbuf)]
@@ -195,6 +233,8 @@ def decode(body: Buffer, offset: int = 0) -> Any:
 def shm_name_of(body: Buffer, offset: int = 0) -> str:
     """The shared-memory file a payload refers to ('' if none)."""
     _, _, name_len = _HEAD.unpack_from(body, offset)
+    if not name_len:
+        return ""
     start = offset + _HEAD.size
     return bytes(memoryview(body)[start : start + name_len]).decode()
 
