@@ -226,7 +226,7 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
         assert len(mine) == 2
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        left = vast_lab.wait_gone(60, f"flotilla:{pool_id}:")
+        left = vast_lab.wait_gone(120, f"flotilla:{pool_id}:")
         assert left == [], [(i.id, vast_lab.watchdog_log(i.id)) for i in left]
         assert all(vast_lab.destroyed[i.id] == "self" for i in mine)
         for i in mine:  # not before ttl s after the client's last contact

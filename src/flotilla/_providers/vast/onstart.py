@@ -72,7 +72,7 @@ def onstart_script(
         "for n in range(8):\n"
         " try:\n"
         f'  u.urlopen(u.Request("{endpoint}",method="DELETE",headers='
-        '{"Authorization":"Bearer $CONTAINER_API_KEY"}),timeout=30).read();'
+        '{"Authorization":"Bearer $CONTAINER_API_KEY"}),timeout=10).read();'
         'print("destroyed");break\n'
         " except Exception as x:\n"
         '  if getattr(x,"code",0)==404:print("gone already");break\n'
@@ -107,7 +107,7 @@ echo "\\$(date) destroying instance $CONTAINER_ID"
 if command -v python3 >/dev/null; then
   exec python3 -c '{python}'
 fi
-exec curl -fsS --retry 8 --retry-all-errors -X DELETE \\
+exec curl -fsS --retry 8 --retry-all-errors -m 10 -X DELETE \\
   -H "Authorization: Bearer $CONTAINER_API_KEY" "{endpoint}"
 FLOTILLA_DESTROY
 chmod 700 {vast_dir}/"$CONTAINER_ID.destroy"
