@@ -134,6 +134,17 @@ class Bringup:
                 left.append(node)
         return left
 
+    async def tell_rest(self, nodes: Sequence[Node], left: Sequence[Node]) -> None:
+        """Tell the nodes ``members(..., wait=False)`` left, from a worker thread (their
+        sends may wait; the loop never does)."""
+        if left:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.members, nodes, left, True)
+
+    async def tell(self, nodes: Sequence[Node], to: Sequence[Node]) -> None:
+        """:meth:`members` from the loop: without a wait where it can, the rest after."""
+        await self.tell_rest(nodes, self.members(nodes, to, wait=False))
+
     def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
         """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
         info = self.info(node, nodes)

@@ -324,10 +324,7 @@ class Elastic:
 
     async def _tell(self, left: list[Node]) -> None:
         """Tell the nodes ``_tell_now`` left the new size and peers (not on the loop)."""
-        if left:
-            loop = asyncio.get_running_loop()
-            nodes = list(self.nodes)
-            await loop.run_in_executor(None, self.bringup.members, nodes, left, True)
+        await self.bringup.tell_rest(list(self.nodes), left)
 
     async def _shrink(self) -> None:
         """Release the last node if it is still idle."""

@@ -144,10 +144,7 @@ class Renewals:
             for node in self.dispatcher.nodes
             if node.rank not in by_rank and node.state is NodeState.READY
         ]
-        left = self.bringup.members(nodes, survivors, wait=False)
-        if left:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.bringup.members, nodes, left, True)
+        await self.bringup.tell(nodes, survivors)
 
 
 async def stop_node(node: Node) -> None:
