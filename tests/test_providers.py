@@ -252,3 +252,30 @@ def test_local_refuses_more_than_this_machine_has(
         pool.open()
     assert not nodes_dir.exists() or not any(nodes_dir.iterdir())
     assert pool.state is sky.PoolState.NEW
+
+
+def test_a_terminated_agents_descriptors_leave_no_watch_behind() -> None:
+    """An agent terminated while the loop still watched its stderr (a start that failed:
+    no start_reading yet), then a new agent given the same descriptor numbers: the new
+    one's stderr, ssh's own words on why it failed, is read (it was lost: the stale
+    watch kept the new pipe out of epoll, and the error said only 'exit status 255')."""
+    from flotilla._providers.pipe import spawn
+
+    async def run() -> tuple[bool, bytes]:
+        loop = asyncio.get_running_loop()
+        first = PipeAgent(spawn(["sh", "-c", "exec sleep 60"]), "a", "a")
+        first._read_stderr(loop)
+        first.proc.kill()
+        first.proc.wait()  # ended, its end of stream not yet seen by the loop
+        await first.terminate()
+        await first.terminate()  # twice (a failed start, then the cleanup): harmless
+        second = PipeAgent(spawn(["sh", "-c", "echo said >&2"]), "b", "b")
+        reused = second._err in (first._out, first._err)
+        assert await second.read_line(b"X") is None
+        await second.stderr_ended(10)
+        await second.terminate()
+        return reused, second.err_tail
+
+    reused, said = asyncio.run(run())
+    assert reused  # the scenario: the new agent got a number the first one had watched
+    assert said == b"said\n"

@@ -349,12 +349,6 @@ def test_unreachable_host_fails_within_connect_timeout(ssh_lab: Lab) -> None:
     assert ssh_lab.wait_no_agents(ssh_lab.hosts[:1], timeout=3.0) == {}  # the good one stopped
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known flake, open: in a full-suite run (since the issue-30 merge; never alone or "
-    "in any subset tried) ssh exits 255 with an empty stderr, so the refusal is reported as "
-    "'ended without answering'; see the issue 21/22 notes",
-)
 def test_refused_port_names_the_host(ssh_lab: Lab) -> None:
     host = ssh_lab.hosts[0]
     provider = ssh_lab.provider([host], port=2)

@@ -83,6 +83,7 @@ class PipeAgent(AgentProcess):
         self._out = proc.stdout.fileno()
         self._reader = FrameReader()  # of stdout, once start_reading() is called
         self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
+        self._released = False  # stdout and stderr closed (see terminate)
         self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
         self._handed_error: str | None = None  # a corrupt stream read_direct met
         self._handed_over: Callable[[], None] = lambda: None  # delivers those on the loop
@@ -365,12 +366,19 @@ class PipeAgent(AgentProcess):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 await self.wait(1.0)
-        loop = self._loop
-        if loop is not None:
-            with self._read_lock:  # a read_direct puts the loop's watch back first
-                for fd in (self._out, self._err):
-                    with contextlib.suppress(Exception):
-                        loop.remove_reader(fd)
+        if self._released:  # once only: the descriptor numbers may be another agent's now,
+            return  # and removing the loop's reader of them would make it deaf to that one
+        self._released = True
+        # the loop's readers go before the descriptors close, also those a start left
+        # (read_line, _read_stderr: no start_reading yet). A descriptor closed while still
+        # watched leaves the loop a stale entry: the next pipe given that number is then
+        # never watched (its registration finds the entry and does not reach epoll), and
+        # that agent's stderr, ssh's own words on why it failed, is lost
+        loop = self._loop or asyncio.get_running_loop()
+        with self._read_lock:  # a read_direct puts the loop's watch back first
+            for fd in (self._out, self._err):
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(fd)
         for stream in (self.proc.stdout, self.proc.stderr):
             with contextlib.suppress(OSError):
                 if stream is not None:
