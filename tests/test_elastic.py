@@ -4,6 +4,7 @@ the new size. Real local pools and real SSH test hosts (sshd stopped for "down")
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sys
@@ -70,6 +71,27 @@ def test_a_pool_grows_under_map_and_shrinks_when_idle(capfd: pytest.CaptureFixtu
     err = capfd.readouterr().err  # one line per event
     assert "joined: the pool has 3 node(s)" in err
     assert "node 2 released, idle for 0.5 s: the pool has 2 node(s)" in err
+
+
+def test_close_ends_the_pools_loop_when_it_is_cancelled_as_it_wakes() -> None:
+    """The elastic pool's own loop is cancelled (by close) in the very step its wake-up
+    event is set. On Python 3.11, ``asyncio.wait_for`` then returned normally and lost the
+    cancellation: the loop ran on and the pool's close never returned (a full-run hang)."""
+    from flotilla._client import loop
+
+    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+        elastic = pool._elastic
+        assert elastic is not None
+
+        async def cancel_as_it_wakes() -> bool:
+            (runs,) = [t for t in elastic._tasks if "_run" in repr(t.get_coro())]
+            await asyncio.sleep(0.02)  # it waits for the event again
+            elastic._wake.set()
+            runs.cancel()
+            done, _ = await asyncio.wait({runs}, timeout=5)
+            return runs in done and runs.cancelled()
+
+        assert loop.run(cancel_as_it_wakes())
 
 
 def test_at_max_calls_queue_on_the_nodes_again() -> None:

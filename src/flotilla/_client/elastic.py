@@ -177,7 +177,8 @@ class Elastic:
                 )
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(left, 0.25))
+                async with asyncio.timeout(min(left, 0.25)):
+                    await self._wake.wait()
 
     async def close(self) -> None:
         """Stop growing and shrinking; agents being started are stopped."""
@@ -206,8 +207,9 @@ class Elastic:
                 self._spawn(self._attempt())
             if self._arrived and not self._changing.locked():
                 self._spawn(self._join())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.1)
+            with contextlib.suppress(TimeoutError):  # (not wait_for: see pyproject's ruff)
+                async with asyncio.timeout(0.1):
+                    await self._wake.wait()
             self._wake.clear()
 
     def _scale(self) -> None:

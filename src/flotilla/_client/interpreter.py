@@ -112,7 +112,8 @@ async def _settle(node: Node, policy: Policy, say: Callable[[str], None], timeou
     }
     node.send_control(Kind.PYTHON, body=json.dumps(request).encode())
     try:
-        info = await asyncio.wait_for(node.hello, timeout)
+        async with asyncio.timeout(timeout):
+            info = await node.hello
     except TimeoutError:
         raise ProvisionError(
             f"{node.name}: looking for Python {client_minor()} took more than {timeout:.0f} s "

@@ -135,7 +135,8 @@ async def start_remote_agent(
                     if bundle is None
                     else start_agent(agent, workdir, python, bundle)
                 )
-                await asyncio.wait_for(answered, max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):
+                    await answered
                 ok = True
                 return agent
             except NoAnswer as e:

@@ -337,7 +337,8 @@ class PipeAgent(AgentProcess):
         holds the child's last words, even when its stdout ended first."""
         if self._err_ended is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._err_ended), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self._err_ended)
 
     # -- ending ------------------------------------------------------------------------
     async def wait(self, timeout: float) -> int | None:

@@ -204,7 +204,8 @@ class SSHShell(RemoteShell):
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
-            _, err = await asyncio.wait_for(proc.communicate(), self.connect_timeout + 2)
+            async with asyncio.timeout(self.connect_timeout + 2):
+                _, err = await proc.communicate()
         except (OSError, TimeoutError):
             return "(fingerprint unavailable)"
         found = re.search(rb"Server host key: (\S+) (\S+)", err)

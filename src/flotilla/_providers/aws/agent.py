@@ -129,7 +129,8 @@ async def wait_port(addr: str, port: int, deadline: float, name: str, timeout: f
 async def _connects(addr: str, port: int, timeout: float) -> bool:
     """Whether a TCP connection to ``addr:port`` succeeds within ``timeout`` s."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), timeout)
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(addr, port)
     except (OSError, TimeoutError):
         return False
     writer.close()

@@ -129,7 +129,8 @@ class Engine:
                 f"cannot run {self.settings.binary}: {e}", cause=ProvisionCause.SPAWN
             ) from e
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            async with asyncio.timeout(timeout):
+                out, err = await proc.communicate()
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -90,7 +90,8 @@ class Kubectl:
             stderr=asyncio.subprocess.PIPE,
         )
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin), CALL_TIMEOUT)
+            async with asyncio.timeout(CALL_TIMEOUT):
+                out, err = await proc.communicate(stdin)
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
@@ -183,9 +184,8 @@ class Watch:
         deadline = loop.time() + timeout
         while (event := self._decoded()) is None:
             try:
-                chunk = await asyncio.wait_for(
-                    self.proc.stdout.read(1 << 16), max(0.0, deadline - loop.time())
-                )
+                async with asyncio.timeout_at(deadline):
+                    chunk = await self.proc.stdout.read(1 << 16)
             except TimeoutError:
                 return None
             if not chunk:
