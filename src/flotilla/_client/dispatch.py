@@ -47,6 +47,7 @@ from .._wire.frames import Buffer, Kind, Status
 from .._wire.serialize import describe_unpicklable, encode, pickle_obj, write_shm
 from . import fanout
 from .function import Function, PendingCall
+from .futures import CallFuture
 from .node import Node, NodeState, Payload, Submission
 from .outcome import outcome
 from .stream import collected, yields
@@ -169,9 +170,10 @@ class Dispatcher:
         fn_key: int,
         define: list[Buffer],
         pinned: bool,
+        batch: threading.Condition | None = None,
     ) -> Submission:
-        fut: Future[Any] = Future()
-        fut.set_running_or_notify_cancel()
+        """A call's submission; the futures of one batch share the condition ``batch``."""
+        fut: Future[Any] = CallFuture(batch)
         payload.acquire()
         fn = call.function
         sub = Submission(call, fut, fn_key, define, payload, fn.retries, fn.timeout or 0.0, pinned)
@@ -180,10 +182,11 @@ class Dispatcher:
 
     def prepare(self, calls: Sequence[PendingCall[Any]]) -> list[Submission]:
         subs = []
+        batch = threading.Condition() if len(calls) > 1 else None
         for call in calls:
             key, define = self.function(call.function)
             payload = self.payload(call, key, shared=False)
-            subs.append(self.submission(call, payload, key, define, pinned=False))
+            subs.append(self.submission(call, payload, key, define, pinned=False, batch=batch))
         return subs
 
     # -- sending ---------------------------------------------------------------------
@@ -349,7 +352,11 @@ class Dispatcher:
             payload = self.payload(call, key, shared=True)
             root = self._fan_out(payload, targets)
             places = [(r, w) for r in targets for w in range(self.procs)]
-            subs = [self.submission(call, payload, key, define, pinned=True) for _ in places]
+            batch = threading.Condition()
+            subs = [
+                self.submission(call, payload, key, define, pinned=True, batch=batch)
+                for _ in places
+            ]
             for (_, worker), sub in zip(places, subs, strict=True):
                 sub.siblings, sub.generation, sub.worker = subs, self.generation, worker
             pinned = [rank for rank, _ in places]

@@ -12,14 +12,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
 from .._wire.exits import exit_signal, exit_summary
-from .._wire.frames import TASK_HEAD, Buffer, Kind, Status, frame
+from .._wire.frames import HEADER, TASK_HEAD, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode, unlink_shm
 from .console import prefix
 from .feeds import on_credit
@@ -34,6 +34,8 @@ _STDERR_TAIL = 40
 TIMEOUT_GRACE = 1.0
 """Seconds past a call's timeout after which the client ends the call itself, when its node
 did not report the timeout (a frozen agent or VM, a network black hole)."""
+
+_TASK_HEAD_SIZE = TASK_HEAD.size
 
 
 DIRECT_BUDGET = 0.01
@@ -134,10 +136,9 @@ class Submission:
     finished: bool = False  # its node reported its end (its future may still be held)
     started: bool = False  # its node said it may have started (STARTED) on its current node
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
-    done_callbacks: list[Callable[[Submission], None]] = field(default_factory=list)
     stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
-    collected: list[bytes | bytearray] = field(default_factory=list)  # else its values
-    pumps: list[Any] = field(default_factory=list)  # its streamed arguments (feeds.py)
+    collected: list[bytes | bytearray] | None = None  # else its values (once it yields)
+    pumps: list[Any] | None = None  # its streamed arguments (feeds.py)
     placed: threading.Event | None = None  # set once sent (for streamed arguments)
 
 
@@ -281,7 +282,12 @@ class Node:
                     fan = sub.payload.fanout
                     told = fan.announce(self) if fan is not None else None
                     if told is None:
-                        parts += frame(Kind.TASK, tid, head, *sub.payload.parts(self.shm))
+                        body = sub.payload.parts(self.shm)
+                        if len(body) == 1:  # small arguments: one part (a batch's calls)
+                            size = _TASK_HEAD_SIZE + len(body[0])
+                            parts += (HEADER.pack(Kind.TASK, tid, size), head, body[0])
+                        else:
+                            parts += frame(Kind.TASK, tid, head, *body)
                     else:  # its arguments come through the tree (fanout.py)
                         assert fan is not None
                         parts += told

@@ -94,6 +94,8 @@ def on_yield(node: Node, sub: Submission, tid: int, body: bytes | bytearray) -> 
     if isinstance(sub.stream, Stream):
         sub.stream.put(node, tid, body)
         return
+    if sub.collected is None:
+        sub.collected = []
     sub.collected.append(body)
     credit = CREDIT_BODY.pack(1)
     if not node.send_control(Kind.CREDIT, wait=False, ident=tid, body=credit):
@@ -137,4 +139,4 @@ def yields(fn: Any) -> bool:
 
 def collected(sub: Submission) -> list[Any]:
     """The values a yielding call sent without an iterator: its result."""
-    return [decode(body) for body in sub.collected]
+    return [decode(body) for body in sub.collected or ()]

@@ -66,6 +66,9 @@ STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
 WINDOW = 4
 """Tasks an executor is given at once while its tasks are quick (see the module docstring)."""
+REFILL = 2
+"""While quick tasks queue, the window is refilled this many tasks at a time (fewer writes
+to the executor and fewer STARTED frames of their own), never below one task ahead."""
 QUICK = 0.01
 """Seconds under which a task counts as quick: the next ones are given a window ahead."""
 CANCEL_GRACE = 0.5
@@ -368,6 +371,7 @@ class Supervisor:
         upto = min(len(tasks), WINDOW if slot.quick else 1)
         if (
             slot.fed >= upto
+            or (slot.fed > 0 and upto == WINDOW and upto - slot.fed < REFILL)  # see REFILL
             or ex is None
             or self.stopping
             or self.client.broken

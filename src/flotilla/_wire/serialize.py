@@ -128,7 +128,11 @@ def _pickler() -> type[pickle.Pickler]:
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
-    """Wire parts of ``p``; buffers of ``SHM_MIN`` bytes or more lie in ``shm_name``."""
+    """Wire parts of ``p``; buffers of ``SHM_MIN`` bytes or more lie in ``shm_name``.
+    A small pickle with no buffer is one part (the header joined to it)."""
+    if not p.buffers:
+        head = _HEAD.pack(0, len(p.main), 0)
+        return [head + p.main] if len(p.main) <= _PLAIN_BYTES else [head, p.main]
     descriptors: list[Buffer] = []
     inline: list[Buffer] = []
     shm_offset = 0

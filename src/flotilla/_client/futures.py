@@ -1,0 +1,83 @@
+"""The futures of a pool's calls: ``concurrent.futures.Future`` objects, made cheap enough
+for batches of thousands of calls.
+
+A :class:`CallFuture` is a real ``Future`` (``wait``, ``as_completed``, callbacks and
+``isinstance`` work as usual) that differs in three ways, none visible to its user:
+
+- it is created RUNNING (a call is under way once it is made; ``cancel()`` returns False,
+  ``pool.cancel`` stops calls);
+- the futures of one batch (``gather``) share one condition variable instead of one each
+  (a lock and a condition per call were a third of the client's time per call);
+- reads of a settled future (``done``, ``result``, ``exception``) take no lock.
+
+Sharing the condition means a waiter may be woken by a sibling's result: :meth:`result`
+and :meth:`exception` wait in a loop until their own future is settled, where the base
+class would raise ``TimeoutError`` after the first wake-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures._base import (  # the states the base class keeps in _state
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    RUNNING,
+)
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_SETTLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
+
+
+class CallFuture(Future[T]):
+    """A call's future (see the module's docstring); ``condition`` is shared by the
+    futures of a batch, or None for one of its own."""
+
+    def __init__(self, condition: threading.Condition | None = None) -> None:
+        # the base's __init__, without its condition (given) and already RUNNING
+        self._condition = condition if condition is not None else threading.Condition()
+        self._state = RUNNING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+    def done(self) -> bool:
+        return self._state in _SETTLED
+
+    def cancelled(self) -> bool:
+        return self._state == CANCELLED or self._state == CANCELLED_AND_NOTIFIED
+
+    def running(self) -> bool:
+        return self._state == RUNNING
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._state == FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]
+        self._wait(timeout)
+        return super().result(0)  # settled (or TimeoutError): raised as the base does
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state == FINISHED:
+            return self._exception
+        self._wait(timeout)
+        return super().exception(0)
+
+    def _wait(self, timeout: float | None) -> None:
+        """Until this future is settled, or ``timeout`` s have passed (a sibling's result
+        may wake the shared condition first)."""
+        with self._condition:
+            if timeout is None:
+                while self._state not in _SETTLED:
+                    self._condition.wait()
+                return
+            end = time.monotonic() + timeout
+            while self._state not in _SETTLED:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._condition.wait(left)
