@@ -434,7 +434,7 @@ class Dispatcher:
     # -- results (loop thread) -------------------------------------------------------
     def on_result(self, node: Node, sub: Submission, status: int, body: bytes | bytearray) -> None:
         try:
-            value, exc = outcome(node, sub.call.function.name, sub.timeout, status, body)
+            value, exc = outcome(node, sub.call.function, sub.timeout, status, body)
             if exc is None and sub.stream is None and yields(sub.call.function.fn):
                 value = collected(sub)  # a yielding call without an iterator: its values
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here

@@ -12,19 +12,21 @@ from .._errors import RemoteError, SerializationError, TaskTimeoutError, WorkerD
 from .._wire.exits import describe_exit
 from .._wire.frames import Status
 from .._wire.serialize import decode, shm_name_of, unlink_shm
+from .function import Function
 from .node import Node
 
 
 def outcome(
-    node: Node, fn_name: str, timeout: float, status: int, body: bytes | bytearray
+    node: Node, fn: Function[..., Any], timeout: float, status: int, body: bytes | bytearray
 ) -> tuple[Any, BaseException | None]:
-    """``(value, None)`` for a result, ``(None, exception)`` for a failure."""
+    """``(value, None)`` for a result of ``fn``, ``(None, exception)`` for a failure."""
     if status == Status.OK:
         value = decode(body, 1)
         shm = shm_name_of(body, 1)
         if shm:  # a large result came through shared memory; it is mapped now
             unlink_shm(shm)
         return value, None
+    fn_name = fn.name
     if status == Status.ERROR:
         return None, remote_exception(decode(body, 1), node.rank)
     if status == Status.CANCELLED:
