@@ -9,6 +9,7 @@ forwards to the client; the protocol uses two other pipes, so prints cannot corr
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ from .._wire.frames import (
     CREDIT_BODY,
     STREAM_WINDOW,
     TASK_HEAD,
+    UNMAPPED,
     Body,
     FrameReader,
     Kind,
@@ -89,7 +91,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
         install(Channel(wfd, write_lock, inbox.answer))
     forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
-    os.register_at_fork(after_in_child=lambda: forked.append(True))
+    forks = _Forks()  # forks made here (a task's): a child may still show its arguments
+    os.register_at_fork(before=forks.count, after_in_child=lambda: forked.append(True))
     streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
 
     def credit_feed(ident: int, index: int, body: bytes) -> None:
@@ -120,7 +123,7 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         )
         try:
             status, parts = _run(
-                functions, body, offset, shm_prefix, _serialize, partial(stream, ident)
+                functions, body, offset, shm_prefix, _serialize, partial(stream, ident), forks
             )
         finally:
             feeds.current = None
@@ -277,6 +280,18 @@ class _Inbox:
             block = False
 
 
+class _Forks:
+    """How many times this process forked (counted before each fork)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def count(self) -> None:
+        self.n += 1
+
+
 def _run(
     functions: dict[int, Any],
     body: Body | memoryview,
@@ -284,11 +299,19 @@ def _run(
     shm_prefix: str,
     ser: Any,
     stream: Callable[[Iterator[Any]], None],
+    forks: _Forks,
 ) -> tuple[int, list[Any]]:
+    """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire
+    parts of its result."""
+    maps: list[Any] = []  # the mapping of the arguments' shared-memory file, if any
+    forks_before = forks.n
+    args: Any = None
+    kwargs: Any = None
+    status: int
     try:
-        fn_key, args, kwargs = ser.decode(body, offset)
+        fn_key, args, kwargs = ser.decode(body, offset, maps)
         value = functions[fn_key](*args, **kwargs)
-        del args, kwargs
+        args = kwargs = None
         if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames
             try:
                 stream(value)
@@ -297,6 +320,7 @@ def _run(
             value = None
         status = Status.OK
     except BaseException as e:  # user code: report everything, including SystemExit
+        args = kwargs = None
         value = _describe(e)
         status = Status.ERROR
     try:
@@ -308,7 +332,30 @@ def _run(
         pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
         status = Status.ERROR
     shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
-    return status, ser.encode(pickled, shm)
+    parts = ser.encode(pickled, shm)
+    del pickled, value  # (the result's inline buffers live on in parts)
+    if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:
+        status |= UNMAPPED  # the client may write the file again (see frames.UNMAPPED)
+    return status, parts
+
+
+def _unmapped(ser: Any, maps: list[Any], parts: list[Any], failed: bool) -> bool:
+    """Unmap the task's arguments, the task done and its result encoded: whether nothing
+    shows their memory any more (a task that kept an array, e.g. in a global, keeps its
+    mapping; then False). The result's inline buffers may be views of the arguments (a
+    slice returned): those are copied first (they are small, the large ones went to a
+    file of their own). A failed task's traceback may have left the arguments in a
+    reference cycle: collected first."""
+    if ser.unmap(maps):
+        return True
+    views = [i for i, p in enumerate(parts) if isinstance(p, memoryview)]
+    if not views and not failed:
+        return False
+    for i in views:
+        parts[i] = bytes(parts[i])
+    if failed:
+        gc.collect()
+    return bool(ser.unmap(maps))
 
 
 def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:

@@ -84,6 +84,15 @@ class Status(IntEnum):
     ABORTED = 5  # payload: text, the cause: the pool's process group was restarted
 
 
+UNMAPPED = 0x80
+"""A flag on a RESULT's status byte (``Status | UNMAPPED``): the executor mapped the call's
+shared-memory file (its arguments) and, the call done, unmapped it; nothing (no array
+the task kept, no process it forked) shows that memory any more, so the client may
+write the file again for a later call (``_client/shm.py``). Only the executor sets it;
+the agent forwards the byte as it is; the client reads ``byte & ~UNMAPPED`` as the
+status."""
+
+
 STREAM_WINDOW = 8
 """Values a yielding task sends before it waits for CREDIT (the client's leave to go on,
 given as its caller takes them): a slow consumer pauses the producer."""

@@ -148,33 +148,54 @@ def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
     return [head, name, *descriptors, p.main, *inline]
 
 
+def shm_layout(p: Pickled) -> tuple[list[memoryview], int]:
+    """``p``'s buffers that go through shared memory, and the size of the file that holds
+    them (each at a 64-byte aligned offset, in order: see :func:`encode`)."""
+    big = [b for b in p.buffers if b.nbytes >= SHM_MIN]
+    if not big:
+        return [], 0
+    return big, sum(_aligned(b.nbytes) for b in big[:-1]) + big[-1].nbytes
+
+
+def write_buffers(fd: int, big: list[memoryview]) -> None:
+    """Write ``big`` (from :func:`shm_layout`) into the open file ``fd``."""
+    offset = 0
+    for view in big:
+        flat = view.cast("B")
+        done = 0
+        while done < flat.nbytes:
+            done += os.pwrite(fd, flat[done:], offset + done)
+        offset += _aligned(view.nbytes)
+
+
+def create_shm(prefix: str) -> tuple[str, int]:
+    """A new, empty shared-memory file under an unpredictable name starting with
+    ``prefix``, created new (never through a link or into a FIFO another user planted in
+    the shared folder): its name and a descriptor open for writing. Raises OSError."""
+    name = f"{prefix}{secrets.token_hex(8)}"
+    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
+    return name, os.open(os.path.join(SHM_DIR, name), flags, 0o600)
+
+
 def write_shm(p: Pickled, prefix: str) -> str:
     """Write ``p``'s large buffers to a new shared-memory file; return its name ('' if none).
 
     Shared memory is an optimisation: when ``/dev/shm`` is missing, full or not writable,
     nothing is left behind, '' is returned (the buffers then travel through the pipe) and
     one warning per process says so."""
-    big = [b for b in p.buffers if b.nbytes >= SHM_MIN]
+    big, _ = shm_layout(p)
     if not big:
         return ""
-    name = f"{prefix}{secrets.token_hex(8)}"
     try:
-        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
-        fd = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
+        name, fd = create_shm(prefix)
     except OSError as e:
-        _shm_unavailable(e)
+        shm_unavailable(e)
         return ""
     try:
-        offset = 0
-        for view in big:
-            flat = view.cast("B")
-            done = 0
-            while done < flat.nbytes:
-                done += os.pwrite(fd, flat[done:], offset + done)
-            offset += _aligned(view.nbytes)
+        write_buffers(fd, big)
     except OSError as e:  # typically ENOSPC: /dev/shm is full
         unlink_shm(name)
-        _shm_unavailable(e)
+        shm_unavailable(e)
         return ""
     except BaseException:
         unlink_shm(name)
@@ -187,7 +208,8 @@ def write_shm(p: Pickled, prefix: str) -> str:
 _warned = False
 
 
-def _shm_unavailable(e: OSError) -> None:
+def shm_unavailable(e: OSError) -> None:
+    """Say once per process that shared memory cannot be used (``e``: why)."""
     global _warned
     if not _warned:
         _warned = True
@@ -207,8 +229,9 @@ def unlink_shm(name: str) -> None:
         pass
 
 
-def decode(body: Buffer, offset: int = 0) -> Any:
-    """Unpickle a payload that starts at ``offset`` of ``body``."""
+def decode(body: Buffer, offset: int = 0, maps: list[mmap.mmap] | None = None) -> Any:
+    """Unpickle a payload that starts at ``offset`` of ``body``; the mapping of its
+    shared-memory file, if it has one, is added to ``maps`` (see :func:`unmap`)."""
     view = memoryview(body)
     nbuf, main_len, name_len = _HEAD.unpack_from(view, offset)
     pos = offset + _HEAD.size
@@ -223,6 +246,8 @@ def decode(body: Buffer, offset: int = 0) -> Any:
     shm: memoryview | None = None
     if name:
         shm = map_private(name)
+        if maps is not None:
+            maps.append(shm.obj)  # type: ignore[arg-type]  # (the mmap the view is of)
     buffers: list[memoryview] = []
     for where, shm_offset, length in descriptors:
         if where == 1:
@@ -255,6 +280,20 @@ def map_private(name: str) -> memoryview:
     finally:
         os.close(fd)
     return memoryview(mapping)
+
+
+def unmap(maps: list[mmap.mmap]) -> bool:
+    """Close the mappings ``decode`` made; whether every one is closed, i.e. nothing (an
+    array, a view of it) still shows their memory. One that is still viewed stays open
+    (for its viewers): a later write to its file would show through it, in the pages its
+    viewer did not write."""
+    closed = True
+    for mapping in maps:
+        try:
+            mapping.close()
+        except BufferError:  # exported: something still views it
+            closed = False
+    return closed
 
 
 def _aligned(n: int) -> int:
