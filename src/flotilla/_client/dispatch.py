@@ -44,8 +44,8 @@ from .._errors import (
 )
 from .._redaction import redact, redact_exception
 from .._wire.frames import Buffer, Kind, Status
-from .._wire.serialize import describe_unpicklable, encode, pickle_obj, write_shm
-from . import fanout
+from .._wire.serialize import describe_unpicklable, encode, pickle_obj
+from . import fanout, shm
 from .function import Function, PendingCall
 from .futures import CallFuture
 from .node import Node, NodeState, Payload, Submission
@@ -97,7 +97,7 @@ class Dispatcher:
         self.running = running
         self.secrets: list[str] = []  # the pool's: redacted from every error it settles
         self.lock = threading.Lock()
-        self._shm_prefix = shm_prefix
+        self.shm_files = shm.Files(shm_prefix)  # large arguments' files, kept for reuse
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self._by_future: dict[int, Submission] = {}  # cancellable calls, by id(future)
         self._waiting: dict[int, list[Submission]] = {}  # down ranks: calls waiting for them
@@ -158,10 +158,10 @@ class Dispatcher:
                 path=path,
                 type_name=type_name,
             ) from None
-        shm = ""
+        file = None
         if shared and pickled.shm_bytes and any(n.shm for n in self.nodes):
-            shm = write_shm(pickled, self._shm_prefix)
-        return Payload(pickled, shm)
+            file = self.shm_files.write(pickled)
+        return Payload(pickled, file, self.shm_files)
 
     def submission(
         self,
@@ -763,6 +763,7 @@ class Dispatcher:
                 node.inflight.clear()
             for sub in subs:
                 self.settle(sub, exc=exc(f"{node.name} finished the call"))
+        self.shm_files.close()  # the kept files go (those still in use: when released)
 
 
 def _why(node: Node) -> str:

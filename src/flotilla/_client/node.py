@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
 from .._wire.exits import exit_signal, exit_summary
-from .._wire.frames import HEADER, TASK_HEAD, Buffer, Kind, Status, frame
-from .._wire.serialize import Pickled, encode, unlink_shm
+from .._wire.frames import HEADER, TASK_HEAD, UNMAPPED, Buffer, Kind, Status, frame
+from .._wire.serialize import Pickled, encode
 from .console import prefix
 from .feeds import on_credit
 from .lines import LineAssembler
+from .shm import File, Files
 from .stream import on_yield
 
 if TYPE_CHECKING:
@@ -74,28 +75,55 @@ class Payload:
     """Encoded arguments of a call, shared by every node it is sent to.
 
     Pickled once; the wire form is built at most twice (with and without shared memory).
-    The shared-memory file is removed when the last call using it finishes.
+    When the last call using it finishes, its shared-memory file goes back to the pool's
+    :class:`shm.Files` for a later call if every call sent it said its process unmapped
+    it (``frames.UNMAPPED``); else it is removed.
     """
 
-    __slots__ = ("_inline", "_lock", "_shm", "fanout", "pickled", "shm_name", "users")
+    __slots__ = (
+        "_inline",
+        "_lock",
+        "_shm",
+        "fanout",
+        "files",
+        "mapped",
+        "pickled",
+        "shm",
+        "unmapped",
+        "users",
+    )
 
-    def __init__(self, pickled: Pickled, shm_name: str = "") -> None:
+    def __init__(
+        self, pickled: Pickled, shm: File | None = None, files: Files | None = None
+    ) -> None:
         self.pickled = pickled
-        self.shm_name = shm_name
+        self.shm = shm
+        self.files = files
         self.users = 0
+        self.mapped = 0  # calls sent the shared-memory form (each maps the file)
+        self.unmapped = 0  # of those, the ones whose process said it unmapped it since
         self._lock = threading.Lock()
         self._inline: list[Buffer] | None = None
         self._shm: list[Buffer] | None = None
         self.fanout: Fanout | None = None  # a broadcast's, relayed from node to node
 
     def parts(self, shm: bool) -> list[Buffer]:
-        if shm and self.shm_name:
+        if shm and self.shm is not None:
             if self._shm is None:
-                self._shm = encode(self.pickled, self.shm_name)
+                self._shm = encode(self.pickled, self.shm.name)
             return self._shm
         if self._inline is None:
             self._inline = encode(self.pickled)
         return self._inline
+
+    def task_parts(self, shm: bool) -> tuple[list[Buffer], bool]:
+        """The wire form for a node (``shm``: one that sees this machine's ``/dev/shm``)
+        and whether it is the shared-memory form (counted: the node maps the file)."""
+        if not shm or self.shm is None:  # (no lock: most calls)
+            return self.parts(False), False
+        with self._lock:
+            self.mapped += 1
+        return self.parts(True), True
 
     def size(self) -> int:
         """Bytes of the wire form without shared memory."""
@@ -105,12 +133,21 @@ class Payload:
         with self._lock:
             self.users += 1
 
+    def unmapping(self) -> None:
+        """A call sent the shared-memory form ended, its process no longer maps the file."""
+        with self._lock:
+            self.unmapped += 1
+
     def release(self) -> None:
         with self._lock:
             self.users -= 1
             last = self.users == 0
-        if last and self.shm_name:
-            unlink_shm(self.shm_name)
+            shm = self.shm if last else None
+            if last:
+                self.shm = None
+            reusable = self.mapped == self.unmapped
+        if shm is not None and self.files is not None:
+            self.files.give(shm, reusable)  # kept for a later call, or removed
         if last and self.fanout is not None:
             self.fanout.release()
 
@@ -135,6 +172,7 @@ class Submission:
     generation: int = 0  # of the pool's process group when the broadcast was sent
     finished: bool = False  # its node reported its end (its future may still be held)
     started: bool = False  # its node said it may have started (STARTED) on its current node
+    mapped: bool = False  # sent to its current node in the shared-memory form
     held: tuple[Any, BaseException] | None = None  # a group failure kept until siblings end
     stream: Any = None  # a yielding call's iterator (stream.py), when `>>` returned one
     collected: list[bytes | bytearray] | None = None  # else its values (once it yields)
@@ -281,8 +319,9 @@ class Node:
                     head = TASK_HEAD.pack(sub.timeout, sub.worker)
                     fan = sub.payload.fanout
                     told = fan.announce(self) if fan is not None else None
+                    sub.mapped = False
                     if told is None:
-                        body = sub.payload.parts(self.shm)
+                        body, sub.mapped = sub.payload.task_parts(self.shm)
                         if len(body) == 1:  # small arguments: one part (a batch's calls)
                             size = _TASK_HEAD_SIZE + len(body[0])
                             parts += (HEADER.pack(Kind.TASK, tid, size), head, body[0])
@@ -377,9 +416,15 @@ class Node:
                     if sub is not None:
                         self.busy[sub.worker] -= 1
                 if sub is not None:
+                    status = body[0]
+                    if status & UNMAPPED:  # (see frames.UNMAPPED)
+                        status ^= UNMAPPED
+                        if sub.mapped:
+                            sub.payload.unmapping()
+                    sub.mapped = False
                     if not self.inflight:
                         self.flush_output()
-                    self._on_result(self, sub, body[0], body)
+                    self._on_result(self, sub, status, body)
             elif kind == Kind.STARTED:
                 sub = self.inflight.get(ident)
                 if sub is not None:

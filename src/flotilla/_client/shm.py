@@ -10,6 +10,15 @@ is, ``flotilla-<pool id>-<pid>.<start>.<pid namespace>-...`` (the client's proce
 start time, which tells it from a later process with the same id, and its pid namespace,
 outside which the id means nothing), and every pool start removes those whose client is
 gone (:func:`sweep`).
+
+A large argument's file is not removed after its call when it can be written again safely:
+the pool keeps a few (:class:`Files`) and writes the next large arguments into one of them,
+which saves creating (zeroing) and removing 100 MB of pages per broadcast. Safely means:
+every process that mapped it has unmapped it again (a copy-on-write mapping still shows
+later writes to the file in the pages its process did not write). Each call's executor
+says so in its RESULT (``frames.UNMAPPED``); the file goes back to the pool only when every
+call sent it said so (see ``node.Payload``). The files keep their names (and the pool's
+prefix), so the pool's close and the sweep remove them as any other.
 """
 
 from __future__ import annotations
@@ -19,9 +28,19 @@ import logging
 import os
 import re
 import secrets
+import threading
+from dataclasses import dataclass
 
 from .._node import procs
-from .._wire.serialize import SHM_DIR, unlink_shm
+from .._wire.serialize import (
+    SHM_DIR,
+    Pickled,
+    create_shm,
+    shm_layout,
+    shm_unavailable,
+    unlink_shm,
+    write_buffers,
+)
 
 logger = logging.getLogger("flotilla")
 
@@ -86,3 +105,142 @@ def sweep() -> list[str]:
     if removed:
         logger.info("removed %d shared-memory file(s) of gone clients", len(removed))
     return removed
+
+
+KEEP_FILES = 2
+"""Files a pool keeps for the next large arguments, at most (see :class:`Files`)."""
+
+
+@dataclass(eq=False)
+class File:
+    """A shared-memory file the client wrote: its name, a descriptor open on it (it is
+    never opened by name again: what the name shows may have changed) and its size."""
+
+    name: str
+    fd: int
+    size: int
+
+
+class Files:
+    """A pool's shared-memory files for large arguments, kept for reuse.
+
+    :meth:`write` writes a call's large buffers into a kept file (the one whose size is
+    closest above theirs), or into a new one; :meth:`give` takes it back once no process
+    maps it any more (else it is removed). At most :data:`KEEP_FILES` files and a quarter
+    of ``/dev/shm`` are kept; :meth:`close` removes them. Thread-safe."""
+
+    def __init__(self, prefix: str, keep: int = KEEP_FILES, cap: int | None = None) -> None:
+        self.prefix = prefix
+        self.keep = keep
+        self.cap = _quarter_of_shm() if cap is None else cap
+        self._kept: list[File] = []  # oldest first
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def write(self, p: Pickled) -> File | None:
+        """A file holding ``p``'s large buffers (see ``serialize.encode``); None when there
+        are none, or shared memory cannot be used (then nothing is left behind and one
+        warning per process says so: the buffers travel through the pipe)."""
+        big, size = shm_layout(p)
+        if not big:
+            return None
+        f = self._take(size)
+        if f is None:
+            try:
+                name, fd = create_shm(self.prefix)
+            except OSError as e:
+                shm_unavailable(e)
+                return None
+            f = File(name, fd, 0)
+        try:
+            if f.size != size:  # (a smaller size frees the pages beyond it)
+                os.ftruncate(f.fd, size)
+                f.size = size
+            write_buffers(f.fd, big)
+        except OSError as e:  # typically ENOSPC: /dev/shm is full
+            _remove(f)
+            shm_unavailable(e)
+            return None
+        except BaseException:
+            _remove(f)
+            raise
+        return f
+
+    def give(self, f: File, reusable: bool) -> None:
+        """``f``'s call is done: keep it for the next one if ``reusable`` (no process maps
+        it any more), else remove it. The oldest kept files go beyond the limits."""
+        removed = [f]
+        with self._lock:
+            if reusable and not self._closed and f.size <= self.cap:
+                self._kept.append(f)
+                removed = []
+                while len(self._kept) > self.keep or self._bytes() > self.cap:
+                    removed.append(self._kept.pop(0))
+        for old in removed:
+            _remove(old)
+
+    def close(self) -> None:
+        """Remove the kept files; those given back later are removed too."""
+        with self._lock:
+            self._closed = True
+            kept, self._kept = self._kept, []
+        for f in kept:
+            _remove(f)
+
+    @property
+    def kept(self) -> list[str]:
+        """The names of the files kept now."""
+        with self._lock:
+            return [f.name for f in self._kept]
+
+    def _take(self, size: int) -> File | None:
+        """The kept file best for ``size`` bytes (the smallest that holds them, else the
+        largest), taken out of the pool; None if none is kept. A file whose name no longer
+        shows it (an agent of the pool removed the pool's files when it exited) is
+        dropped: its name could now be anyone's."""
+        while True:
+            with self._lock:
+                if not self._kept:
+                    return None
+                holds = [f for f in self._kept if f.size >= size]
+                f = min(holds, key=_size) if holds else max(self._kept, key=_size)
+                self._kept.remove(f)
+            if _named(f):
+                return f
+            _remove(f)
+
+    def _bytes(self) -> int:
+        return sum(f.size for f in self._kept)
+
+
+def _size(f: File) -> int:
+    return f.size
+
+
+def _named(f: File) -> bool:
+    """Whether ``f``'s name still shows ``f`` (the same file, still linked there)."""
+    try:
+        named = os.lstat(os.path.join(SHM_DIR, f.name))
+        held = os.fstat(f.fd)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink > 0
+
+
+def _remove(f: File) -> None:
+    """Remove ``f`` (its name only if that still shows it) and close its descriptor."""
+    try:
+        if _named(f):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, f.name))
+    finally:
+        os.close(f.fd)
+
+
+def _quarter_of_shm() -> int:
+    """A quarter of ``/dev/shm``'s size: the most a pool keeps there between calls."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize // 4
