@@ -4,6 +4,7 @@
                    heartbeats, shutdown) and the environment build's subprocess
     supervisor.py  the executors: one process per local rank, forked, fed, watched, replaced
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
+    batching.py    the agent's scheduling policy: SCHED_BATCH while its executors' tasks queue
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
     build.py       an Image's environment, built once per content hash (a subprocess)
     interpreter.py a Python of the client's minor version on this node: found or installed

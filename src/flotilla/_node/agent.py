@@ -132,6 +132,7 @@ class Agent:
                 self._check_deadlines()
                 if self.executors.waiting and not self.client.queue:
                     self.executors.resume()
+                self.executors.pace()
                 self._watch_writes()
         finally:
             self._cleanup()

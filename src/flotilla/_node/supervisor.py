@@ -59,6 +59,7 @@ from .._wire.frames import (
     Status,
     frame,
 )
+from .batching import Policy
 from .eventloop import Outbox, Poller
 from .procs import die_with_parent
 
@@ -155,6 +156,7 @@ class Supervisor:
         self.stopping = False
         self.generation = 0  # of the pool's process group: RESTART frames count them
         self.waiting: set[Slot] = set()  # slots whose next task waits for the client outbox
+        self.policy = Policy()  # SCHED_BATCH while tasks queue (see batching.py)
         self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
@@ -296,6 +298,11 @@ class Supervisor:
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
                 self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
 
+    def pace(self) -> None:
+        """The agent runs as SCHED_BATCH while more tasks wait on a slot than its
+        executor is given ahead (a queue: see batching.py), normally otherwise."""
+        self.policy.set(any(len(slot.tasks) > WINDOW for slot in self.slots))
+
     def outboxes(self) -> list[Outbox]:
         return [s.executor.outbox for s in self.slots if s.executor is not None]
 
@@ -331,6 +338,7 @@ class Supervisor:
                         for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd):
                             os.close(fd)
                 os.setpgid(0, 0)
+                self.policy.in_child()
                 die_with_parent()
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)
