@@ -3,6 +3,7 @@ whose batch shares one condition; a sibling's result must never end another's wa
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import (
     FIRST_COMPLETED,
@@ -12,16 +13,19 @@ from concurrent.futures import (
     as_completed,
     wait,
 )
+from pathlib import Path
 
 import pytest
 
 import flotilla as sky
-from flotilla._client.futures import CallFuture
+from flotilla._client.compute import SEND_CHUNK
+from flotilla._client.futures import Batch, CallFuture
 
 
 def test_a_siblings_result_does_not_end_the_wait_for_another() -> None:
-    shared = threading.Condition()
-    first, second = CallFuture[int](shared), CallFuture[int](shared)
+    batch = Batch(2)
+    shared = batch.condition
+    first, second = CallFuture[int](batch), CallFuture[int](batch)
     waiting = threading.Event()  # the waiter is about to wait
     got: list[object] = []
 
@@ -51,8 +55,8 @@ def test_a_siblings_result_does_not_end_the_wait_for_another() -> None:
 
 
 def test_a_timeout_still_ends_the_wait() -> None:
-    shared = threading.Condition()
-    pending, other = CallFuture[int](shared), CallFuture[int](shared)
+    batch = Batch(2)
+    pending, other = CallFuture[int](batch), CallFuture[int](batch)
     other.set_result(1)
     with pytest.raises(TimeoutError):
         pending.result(timeout=0.01)
@@ -62,8 +66,7 @@ def test_a_timeout_still_ends_the_wait() -> None:
 
 
 def test_it_behaves_as_a_future() -> None:
-    shared = threading.Condition()
-    futures = [CallFuture[int](shared) for _ in range(3)]
+    futures = [CallFuture[int](Batch(3)) for _ in range(3)]
     assert all(isinstance(f, Future) and f.running() and not f.done() for f in futures)
     assert not futures[0].cancel()  # a call under way: pool.cancel stops it
     seen: list[int] = []
@@ -91,4 +94,51 @@ def test_a_batchs_calls_share_a_condition_and_each_gets_its_own_result() -> None
     with sky.Compute(nodes=2) as pool:
         futures = pool._submit_many([square(i) for i in range(200)])
         assert len({id(f._condition) for f in futures}) == 1  # type: ignore[attr-defined]
+        assert len({id(f.batch) for f in futures}) == 1  # type: ignore[attr-defined]
         assert [f.result() for f in reversed(futures)] == [i * i for i in reversed(range(200))]
+
+
+def test_a_batch_ends_when_all_are_settled_or_one_failed() -> None:
+    batch = Batch(3)
+    futures: list[Future[int]] = [CallFuture[int](batch) for _ in range(3)]
+    assert not batch.wait(futures[:2])  # not the whole batch: not waited for
+    futures[0].set_result(0)
+    futures[1].set_result(1)
+    assert not batch.ended.is_set()
+    futures[2].set_result(2)
+    assert batch.wait(futures) and batch.ended.is_set()
+    failing = Batch(3)
+    futures = [CallFuture[int](failing) for _ in range(3)]
+    futures[1].set_exception(KeyError("first failure"))
+    assert failing.wait(futures)  # returns at the first failure, the others still run
+    assert not futures[0].done() and not futures[2].done()
+
+
+def test_gather_raises_a_calls_failure() -> None:
+    with sky.Compute(nodes=2) as pool, pytest.raises(ZeroDivisionError):
+        sky.gather(*[inverse(i) for i in range(20)]) >> pool
+
+
+@sky.function
+def inverse(x: int) -> float:
+    return 1 / x
+
+
+@sky.function
+def touch(folder: str, i: int, _: object = None) -> None:
+    with open(f"{folder}/{i}", "w"):
+        pass
+
+
+def test_a_batch_with_an_argument_that_cannot_be_sent_sends_none_of_its_calls(
+    tmp_path: Path,
+) -> None:
+    """A batch is sent a chunk at a time (the first calls run while the rest are
+    prepared), but every argument is pickled before the first is sent."""
+    calls = [touch(str(tmp_path), i) for i in range(3 * SEND_CHUNK)]
+    calls[-1] = touch(str(tmp_path), 0, threading.Lock())
+    with sky.Compute(nodes=2) as pool:
+        with pytest.raises(sky.SerializationError, match="lock"):
+            sky.gather(*calls) >> pool
+        touch(str(tmp_path), -1) @ pool  # after anything sent before it, on every node
+    assert os.listdir(tmp_path) == ["-1"]

@@ -36,6 +36,7 @@ from .console import Console
 from .dispatch import Dispatcher
 from .elastic import Elastic, Nodes
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
+from .futures import Batch
 from .interpreter import Policy, check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .outcome import results
@@ -46,6 +47,9 @@ from .stream import Stream, yields
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
+SEND_CHUNK = 256
+"""Calls of a batch (``gather``) sent at a time: the nodes start on the first ones while
+the next are prepared, and a node slow to read does not keep the others waiting."""
 """Seconds a node's agent waits, at the end, for its writable volumes to be written back
 (the client waits as long for the agents to exit)."""
 R = TypeVar("R")
@@ -535,17 +539,25 @@ class Compute(PoolCollections, Pool):
         (``feeds.py``); with ``stream``, ``>>``'s iterator over the values of the one call
         (``stream.py``)."""
         split = [feeds.split(c) for c in calls]
-        subs = self._dispatcher.prepare([c for c, _ in split])
-        if stream:
-            sub = subs[0]
-            sub.stream = Stream(sub.future, lambda: self.cancel([sub.future]))
-        for sub, (_, sources) in zip(subs, split, strict=True):
-            if sources:
-                feeds.prepare(sub)
-        self._dispatcher.dispatch(subs)
-        for sub, (_, sources) in zip(subs, split, strict=True):
-            if sources:
-                feeds.start(sub, sources, partial(self.cancel, [sub.future]))
+        d = self._dispatcher
+        bound = [c for c, _ in split]
+        encoded = d.encode(bound)  # a call that cannot be sent fails before any is sent
+        batch = Batch(len(calls)) if len(calls) > 1 else None
+        subs: list[Submission] = []
+        for start in range(0, len(calls), SEND_CHUNK):  # the first calls run meanwhile
+            end = start + SEND_CHUNK
+            chunk = d.prepare(bound[start:end], encoded[start:end], batch)
+            if stream:  # (one call)
+                first = chunk[0]
+                first.stream = Stream(first.future, partial(self.cancel, [first.future]))
+            for sub, (_, sources) in zip(chunk, split[start:end], strict=True):
+                if sources:
+                    feeds.prepare(sub)
+            d.dispatch(chunk)
+            for sub, (_, sources) in zip(chunk, split[start:end], strict=True):
+                if sources:
+                    feeds.start(sub, sources, partial(self.cancel, [sub.future]))
+            subs += chunk
         return subs
 
     def run(self, call: PendingCall[R]) -> R:

@@ -47,7 +47,7 @@ from .._wire.frames import Buffer, Kind, Status
 from .._wire.serialize import describe_unpicklable, encode, pickle_obj
 from . import fanout, shm
 from .function import Function, PendingCall
-from .futures import CallFuture
+from .futures import Batch, CallFuture
 from .node import Node, NodeState, Payload, Submission
 from .outcome import outcome
 from .stream import collected, yields
@@ -60,6 +60,10 @@ before the group is restarted (see ``_plugins``)."""
 Telling = Callable[[list[Node], list[Node]], list[Node]]
 """Tells nodes (the second list) the pool's new nodes (the first) without waiting; the
 nodes it could not tell so."""
+
+Encoded = tuple[int, list[Buffer], Payload]
+"""A call ready to be submitted: its function's key, the function's wire form, and its
+arguments."""
 
 Replacer = Callable[[int, str], list[int]]
 """Starts replacing the lost node at a rank (with a reason); returns every rank it takes
@@ -170,9 +174,9 @@ class Dispatcher:
         fn_key: int,
         define: list[Buffer],
         pinned: bool,
-        batch: threading.Condition | None = None,
+        batch: Batch | None = None,
     ) -> Submission:
-        """A call's submission; the futures of one batch share the condition ``batch``."""
+        """A call's submission; its future one of ``batch``'s."""
         fut: Future[Any] = CallFuture(batch)
         payload.acquire()
         fn = call.function
@@ -180,14 +184,27 @@ class Dispatcher:
         self._by_future[id(fut)] = sub
         return sub
 
-    def prepare(self, calls: Sequence[PendingCall[Any]]) -> list[Submission]:
-        subs = []
-        batch = threading.Condition() if len(calls) > 1 else None
+    def encode(self, calls: Sequence[PendingCall[Any]]) -> list[Encoded]:
+        """Each call's function key and wire form, and its arguments pickled: what can
+        fail (SerializationError) fails here, before any call of a batch is sent."""
+        out = []
         for call in calls:
             key, define = self.function(call.function)
-            payload = self.payload(call, key, shared=False)
-            subs.append(self.submission(call, payload, key, define, pinned=False, batch=batch))
-        return subs
+            out.append((key, define, self.payload(call, key, shared=False)))
+        return out
+
+    def prepare(
+        self,
+        calls: Sequence[PendingCall[Any]],
+        encoded: Sequence[Encoded],
+        batch: Batch | None = None,
+    ) -> list[Submission]:
+        """Submissions of ``calls`` (``encoded`` by :meth:`encode`), their futures of
+        ``batch``."""
+        return [
+            self.submission(call, payload, key, define, pinned=False, batch=batch)
+            for call, (key, define, payload) in zip(calls, encoded, strict=True)
+        ]
 
     # -- sending ---------------------------------------------------------------------
     def least_busy(
@@ -352,7 +369,7 @@ class Dispatcher:
             payload = self.payload(call, key, shared=True)
             root = self._fan_out(payload, targets)
             places = [(r, w) for r in targets for w in range(self.procs)]
-            batch = threading.Condition()
+            batch = Batch(len(places))
             subs = [
                 self.submission(call, payload, key, define, pinned=True, batch=batch)
                 for _ in places

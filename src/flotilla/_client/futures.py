@@ -6,8 +6,10 @@ A :class:`CallFuture` is a real ``Future`` (``wait``, ``as_completed``, callback
 
 - it is created RUNNING (a call is under way once it is made; ``cancel()`` returns False,
   ``pool.cancel`` stops calls);
-- the futures of one batch (``gather``) share one condition variable instead of one each
-  (a lock and a condition per call were a third of the client's time per call);
+- the futures of one batch (``gather``, a broadcast) share one condition variable
+  instead of one each (a lock and a condition per call were a third of the client's time
+  per call), and their :class:`Batch` counts them as they are settled, so that waiting
+  for all of them (or the first failure) is one event, not a waiter on each;
 - reads of a settled future (``done``, ``result``, ``exception``) take no lock.
 
 Sharing the condition means a waiter may be woken by a sibling's result: :meth:`result`
@@ -33,18 +35,60 @@ T = TypeVar("T")
 _SETTLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 
 
-class CallFuture(Future[T]):
-    """A call's future (see the module's docstring); ``condition`` is shared by the
-    futures of a batch, or None for one of its own."""
+class Batch:
+    """The futures of one batch: their shared condition, and :attr:`ended`, set once
+    every one of them is settled or one failed.
 
-    def __init__(self, condition: threading.Condition | None = None) -> None:
-        # the base's __init__, without its condition (given) and already RUNNING
-        self._condition = condition if condition is not None else threading.Condition()
+    Attributes:
+        size: how many futures the batch has.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.condition = threading.Condition()
+        self.ended = threading.Event()
+        self._left = size
+        self._lock = threading.Lock()
+
+    def settled(self, failed: bool) -> None:
+        """One of the batch's futures was settled (``failed``: with an exception)."""
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if failed or last:
+            self.ended.set()
+
+    def wait(self, futures: list[Future[Any]]) -> bool:
+        """Wait until ``futures`` are settled or one failed, if they are this whole batch;
+        False (nothing waited for) if they are not."""
+        if len(futures) != self.size or any(getattr(f, "batch", None) is not self for f in futures):
+            return False
+        self.ended.wait()
+        return True
+
+
+class CallFuture(Future[T]):
+    """A call's future (see the module's docstring), one of ``batch`` or on its own."""
+
+    def __init__(self, batch: Batch | None = None) -> None:
+        # the base's __init__, without its condition (the batch's) and already RUNNING
+        self.batch = batch
+        self._condition = batch.condition if batch is not None else threading.Condition()
         self._state = RUNNING
         self._result: Any = None
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
+
+    def set_result(self, result: T) -> None:
+        super().set_result(result)
+        if self.batch is not None:
+            self.batch.settled(False)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        super().set_exception(exception)
+        if self.batch is not None:
+            self.batch.settled(True)
 
     def done(self) -> bool:
         return self._state in _SETTLED

@@ -152,7 +152,7 @@ class Payload:
             self.fanout.release()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Submission:
     """One call on its way to (or running on) one node."""
 

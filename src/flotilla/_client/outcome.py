@@ -13,6 +13,7 @@ from .._wire.exits import describe_exit
 from .._wire.frames import Status
 from .._wire.serialize import decode, shm_name_of, unlink_shm
 from .function import Function
+from .futures import Batch
 from .node import Node
 
 
@@ -91,7 +92,9 @@ def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -
 def results(futures: list[Future[Any]]) -> list[Any]:
     """Wait for every future; raise the first failure as soon as it happens (the root
     cause rather than a call stopped by the group restart it caused, when both are in)."""
-    wait(futures, return_when=FIRST_EXCEPTION)
+    batch = getattr(futures[0], "batch", None) if futures else None
+    if not isinstance(batch, Batch) or not batch.wait(futures):
+        wait(futures, return_when=FIRST_EXCEPTION)
     failures = [e for f in futures if f.done() and (e := f.exception()) is not None]
     if failures:
         causes = [e for e in failures if not getattr(e, "restarted", False)]
