@@ -92,7 +92,34 @@ def _goals(sections: list[Section]) -> str:
                 lines.append(
                     f"| {section.title} | {row.goal} | {measured} | {_verdict(row.passed)} |"
                 )
+    lines += _peer_ratios(sections)
     return "\n".join(lines)
+
+
+PEER_GOALS = (  # issue 22: flotilla's median against a peer's, both of this run
+    ("Warm no-op round trip", "multiprocessing", "≤", 0.7),
+    ("Throughput", "multiprocessing", "≥", 3.0),
+    ("Broadcast of a 100 MB array", "Ray", "≤", 1.0),
+)
+
+
+def _peer_ratios(sections: list[Section]) -> list[str]:
+    """The goals rows of the same-run ratios (the peer's median in the same run)."""
+    lines = []
+    by_title = {s.title: s for s in sections}
+    for title, peer, sign, limit in PEER_GOALS:
+        section = by_title.get(title)
+        if section is None:
+            continue
+        mine, theirs = _median_of(section.rows, FLOTILLA), _median_of(section.rows, peer)
+        if mine is None or theirs is None:
+            continue
+        ratio = mine / theirs
+        passed = ratio <= limit if sign == "≤" else ratio >= limit
+        measured = f"{ratio:.2f}{TIMES} ({section.unit(mine)} vs {section.unit(theirs)})"
+        goal = f"{sign} {limit:g}{TIMES} {peer}'s, same run"
+        lines.append(f"| {title} | {goal} | {measured} | {_verdict(passed)} |")
+    return lines
 
 
 def _verdict(passed: bool | None) -> str:
