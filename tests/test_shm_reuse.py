@@ -152,6 +152,19 @@ def settled(pool: sky.Compute) -> list[str]:
     return files.kept
 
 
+def assert_kept_intact(
+    pool: sky.Compute, left: list[str], later: np.ndarray, kept_from: np.ndarray
+) -> None:
+    """No file was kept for reuse while a node still mapped it (``left``: the files kept
+    after that call); the broadcast of ``later`` shows its own data, and the array kept
+    from ``kept_from`` still shows its own."""
+    for *got, _ in look(later) @ pool:
+        assert tuple(got) == pytest.approx(facts(later))
+    for got in kept() @ pool:
+        assert got == pytest.approx(facts(kept_from))
+    assert left == [], "a file still mapped was kept for reuse"
+
+
 def test_broadcasts_in_a_row_write_one_file_and_each_node_sees_each_ones_data(
     pool: sky.Compute,
 ) -> None:
@@ -181,12 +194,7 @@ def test_an_array_a_task_keeps_never_shows_a_later_broadcasts_data(pool: sky.Com
     (name,) = settled(pool)
     for seen in keep(first) @ pool:
         assert [n for n, _ in seen] == [name]
-    left = settled(pool)
-    for *got, _ in look(second) @ pool:
-        assert tuple(got) == pytest.approx(facts(second))
-    for got in kept() @ pool:
-        assert got == pytest.approx(facts(first))
-    assert left == [], "a file still mapped was kept for reuse"
+    assert_kept_intact(pool, settled(pool), later=second, kept_from=first)
 
 
 def test_a_task_that_writes_into_its_array_leaves_the_next_broadcast_its_own_data(
@@ -251,12 +259,7 @@ def test_a_failed_task_never_shows_a_later_broadcasts_data(pool: sky.Compute) ->
     assert settled(pool) == [name]
     with pytest.raises(ValueError, match=f"no thanks: {float(second.sum())}"):
         fail(second, True) @ pool
-    left = settled(pool)
-    for *got, _ in look(third) @ pool:
-        assert tuple(got) == pytest.approx(facts(third))
-    for got in kept() @ pool:
-        assert got == pytest.approx(facts(second))
-    assert left == [], "a file still mapped was kept for reuse"
+    assert_kept_intact(pool, settled(pool), later=third, kept_from=second)
 
 
 def test_a_cancelled_broadcasts_file_is_not_written_again(
