@@ -368,3 +368,28 @@ def test_a_kept_file_whose_name_was_removed_is_never_written_again(files: shm.Fi
         files.give(second, reusable=False)
     finally:
         os.unlink(planted)
+
+
+def test_a_file_kept_longer_than_keep_idle_is_removed(files: shm.Files) -> None:
+    """An idle pool gives its shared memory back: the pool's heartbeat tick trims."""
+    first = files.write(pickle_obj(np.full(N, 1.0)))
+    second = files.write(pickle_obj(np.full(N, 2.0)))
+    assert first is not None and second is not None
+    files.give(first, reusable=True)
+    files.give(second, reusable=True)
+    second.kept_at = first.kept_at + shm.KEEP_IDLE  # given back a minute later
+    files.trim(first.kept_at + shm.KEEP_IDLE)  # not yet: kept exactly KEEP_IDLE s
+    assert files.kept == [first.name, second.name]
+    files.trim(first.kept_at + shm.KEEP_IDLE + 1)
+    assert files.kept == [second.name]
+    assert not os.path.exists(os.path.join(SHM_DIR, first.name))
+    assert os.path.exists(os.path.join(SHM_DIR, second.name))
+
+
+def test_an_idle_pool_removes_its_kept_files(
+    pool: sky.Compute, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    look(np.full(N, 1.0)) @ pool
+    assert settled(pool)  # kept for the next call
+    monkeypatch.setattr(shm, "KEEP_IDLE", 0.0)  # idle from now on: the next tick trims
+    assert wait_until(lambda: not pool_files(pool.pool_id) and not settled(pool))

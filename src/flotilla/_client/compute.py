@@ -458,6 +458,7 @@ class Compute(PoolCollections, Pool):
                     if ping:
                         node.send_control(Kind.PING, wait=False)
                     node.check_silence(now, limit)
+            self._dispatcher.shm_files.trim(now)  # kept argument files of an idle pool go
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""

@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 
 from .._node import procs
@@ -109,6 +110,9 @@ def sweep() -> list[str]:
 
 KEEP_FILES = 2
 """Files a pool keeps for the next large arguments, at most (see :class:`Files`)."""
+KEEP_IDLE = 60.0
+"""Seconds a kept file waits for a next call before it is removed (an idle pool gives its
+shared memory back)."""
 
 
 @dataclass(eq=False)
@@ -119,6 +123,7 @@ class File:
     name: str
     fd: int
     size: int
+    kept_at: float = 0.0  # when it was given back to be kept (monotonic)
 
 
 class Files:
@@ -127,7 +132,8 @@ class Files:
     :meth:`write` writes a call's large buffers into a kept file (the one whose size is
     closest above theirs), or into a new one; :meth:`give` takes it back once no process
     maps it any more (else it is removed). At most :data:`KEEP_FILES` files and a quarter
-    of ``/dev/shm`` are kept; :meth:`close` removes them. Thread-safe."""
+    of ``/dev/shm`` are kept, each for :data:`KEEP_IDLE` s at most (:meth:`trim`);
+    :meth:`close` removes them. Thread-safe."""
 
     def __init__(self, prefix: str, keep: int = KEEP_FILES, cap: int | None = None) -> None:
         self.prefix = prefix
@@ -172,12 +178,23 @@ class Files:
         removed = [f]
         with self._lock:
             if reusable and not self._closed and f.size <= self.cap:
+                f.kept_at = time.monotonic()
                 self._kept.append(f)
                 removed = []
                 while len(self._kept) > self.keep or self._bytes() > self.cap:
                     removed.append(self._kept.pop(0))
         for old in removed:
             _remove(old)
+
+    def trim(self, now: float) -> None:
+        """Remove the files kept for more than :data:`KEEP_IDLE` s by ``now`` (monotonic)."""
+        if not self._kept:  # (most ticks: no lock)
+            return
+        with self._lock:
+            old = [f for f in self._kept if now - f.kept_at > KEEP_IDLE]
+            self._kept = [f for f in self._kept if f not in old]
+        for f in old:
+            _remove(f)
 
     def close(self) -> None:
         """Remove the kept files; those given back later are removed too."""
