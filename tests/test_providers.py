@@ -279,3 +279,23 @@ def test_a_terminated_agents_descriptors_leave_no_watch_behind() -> None:
     reused, said = asyncio.run(run())
     assert reused  # the scenario: the new agent got a number the first one had watched
     assert said == b"said\n"
+
+
+@sky.function
+def pause(seconds: float) -> float:
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_lone_calls_waiter_sleeps_at_once_after_a_slow_answer() -> None:
+    """``>>``'s waiter polls without sleeping for SPIN s first, but only while answers
+    came that soon: after a slow call it sleeps at once (no CPU spent spinning)."""
+    from flotilla._providers import pipe
+
+    with sky.Compute(nodes=1) as pool:
+        proc = pool._nodes[0].proc
+        assert isinstance(proc, PipeAgent) and proc._spin  # a new pool spins
+        assert pause(20 * pipe.SPIN) >> pool == 20 * pipe.SPIN
+        assert not proc._spin

@@ -37,6 +37,13 @@ _EXIT_WAIT = 1.0
 """Seconds to wait, at end of output, for the process's exit status and last stderr bytes."""
 
 
+SPIN = 250e-6
+"""Seconds a caller waiting for one call's answer (``read_direct``) polls the stream
+without sleeping, before it sleeps in ``poll``: waking a sleeping thread costs this
+machine's kernel (a VM's idle CPU above all) more than a quick call's whole round trip.
+It spins only while the answers before came within this time (a slow call's waiter
+sleeps at once), and only in a lone call's wait: never on the loop thread, never in a
+batch."""
 _JOINED = 1 << 22
 """Writes up to this size are joined into one buffer first (a batch of thousands of small
 frames), larger ones go out as the buffers they are (a large argument is not copied)."""
@@ -83,6 +90,7 @@ class PipeAgent(AgentProcess):
         self._out = proc.stdout.fileno()
         self._reader = FrameReader()  # of stdout, once start_reading() is called
         self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
+        self._spin = True  # read_direct spins before it sleeps (see SPIN)
         self._released = False  # stdout and stderr closed (see terminate)
         self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
         self._handed_error: str | None = None  # a corrupt stream read_direct met
@@ -294,25 +302,33 @@ class PipeAgent(AgentProcess):
     ) -> None:
         poller = select.poll()
         poller.register(self._out, select.POLLIN)
-        deadline = time.monotonic() + budget
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
-                return
-            try:
-                frames = self._reader.read(self._out)
-            except FrameError as e:
-                self._handed_error = str(e)  # the loop ends the stream, as if it had read it
-                return
-            except OSError:
-                return  # the loop reads again, and meets it
-            if frames is None:
-                return  # the end: the loop reads it too (it stays)
-            if all(kind in kinds for kind, _, _ in frames):
-                on_frames(frames)
-            else:
-                self._handed.append(frames)
-                return
+        start = time.monotonic()
+        deadline = start + budget
+        spin = start + SPIN if self._spin else 0.0
+        try:
+            while not done():
+                ready: list[tuple[int, int]] = []
+                while not ready and time.monotonic() < spin:  # see SPIN
+                    ready = poller.poll(0)
+                left = deadline - time.monotonic()
+                if not ready and (left <= 0 or not poller.poll(left * 1000)):
+                    return
+                try:
+                    frames = self._reader.read(self._out)
+                except FrameError as e:
+                    self._handed_error = str(e)  # the loop ends the stream, as if it read it
+                    return
+                except OSError:
+                    return  # the loop reads again, and meets it
+                if frames is None:
+                    return  # the end: the loop reads it too (it stays)
+                if all(kind in kinds for kind, _, _ in frames):
+                    on_frames(frames)
+                else:
+                    self._handed.append(frames)
+                    return
+        finally:  # the next wait spins only while answers come within SPIN
+            self._spin = time.monotonic() - start <= SPIN
 
     def _read_stderr(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read stderr on ``loop`` from now on (once), into ``err_tail`` and the callback."""
