@@ -214,6 +214,7 @@ class Compute(PoolCollections, Pool):
         self._store = Store()  # the distributed collections (_collections.py)
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
         self._includes = b""
+        self._built = False  # a node built an environment (see _close)
         self._secrets: list[str] = []
         self.output_sink: Callable[[int, int, list[str]], None] | None = None
         """Receives (node rank, stream, lines) instead of printing them, when set."""
@@ -493,6 +494,10 @@ class Compute(PoolCollections, Pool):
                 loop.run_in_executor(None, node.send_control, Kind.SHUTDOWN)
             node.state = NodeState.CLOSED
         grace = self.options.shutdown_grace + 0.5
+        if self._built:  # an agent stopping a build waits for it to remove its folder
+            from .._node.agent import BUILD_STOP_GRACE
+
+            grace += BUILD_STOP_GRACE
         if any(not v.read_only for v in self.volumes):  # the agents write back, then exit
             grace += VOLUME_FLUSH_TIMEOUT
         await asyncio.gather(*(p.wait(grace) for p in self._procs))
@@ -696,6 +701,7 @@ class _PoolEvents(NodeEvents):
         self.pool._console.set_phase(node.rank, phase)
 
     def building(self, node: Node, info: dict[str, Any]) -> None:
+        self.pool._built = True
         self.pool._console.set_phase(node.rank, "environment")
         if info.get("need_includes"):
             with node.write_lock:

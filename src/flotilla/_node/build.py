@@ -261,8 +261,12 @@ def build(spec: dict[str, Any], includes: bytes, home: str) -> None:
         for stale in os.listdir(envs):
             if stale.startswith(prefix):
                 shutil.rmtree(os.path.join(envs, stale), ignore_errors=True)
+        # a stop (SIGTERM) waits until the folder is ours to remove: between its making
+        # and the try below, the handler's SystemExit would leave it behind
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         tmp = tempfile.mkdtemp(prefix=prefix, dir=envs)
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if spec.get("python"):
                 step("python")
                 check_python(spec["python"])
