@@ -47,11 +47,11 @@ from .stream import Stream, yields
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
+"""Seconds a node's agent waits, at the end, for its writable volumes to be written back
+(the client waits as long for the agents to exit)."""
 SEND_CHUNK = 256
 """Calls of a batch (``gather``) sent at a time: the nodes start on the first ones while
 the next are prepared, and a node slow to read does not keep the others waiting."""
-"""Seconds a node's agent waits, at the end, for its writable volumes to be written back
-(the client waits as long for the agents to exit)."""
 R = TypeVar("R")
 
 
