@@ -97,6 +97,7 @@ def _job_spec(
         workdir=task.workdir,
         file_mounts=dict(task.file_mounts) if mounts else {},
         gpus_per_node=task.resources.gpus_per_node,
+        candidate_gpus=[c.gpus_per_node for c in task.resources.candidates],
         do_setup=do_setup,
         down_after=down,
         retries=retries,

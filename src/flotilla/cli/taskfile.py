@@ -510,7 +510,10 @@ class _Parser:
             ordered = ordered and sets[1]
         candidates: list[Resources] = []
         for alt in alternatives:
-            one = replace(base, **alt)
+            # SkyPilot's merge: the candidate's fields over the top-level ones, its
+            # labels added to theirs
+            merged = {**alt, "labels": {**base.labels, **alt["labels"]}} if "labels" in alt else alt
+            one = replace(base, **merged)
             accs = sets[0] if sets is not None and "accelerators" not in alt else ()
             candidates.extend([replace(one, accelerators=a) for a in accs] or [one])
         if len(candidates) == 1:
