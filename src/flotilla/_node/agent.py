@@ -327,9 +327,18 @@ class Agent:
     def _start_volumes(self, spec: dict[str, Any]) -> None:
         """Start the volumes helper (``_node/volumes.py``): its own session and no token,
         so that it outlives the agent's sweep and writes back; it ends when its stdin (kept
-        open here) closes."""
+        open here) closes. With ``private`` (nodes sharing this machine), this agent first
+        moves into a mount namespace of its own, which the helper, its FUSE daemons and
+        the executors inherit."""
         import subprocess
 
+        if spec.get("private"):  # nodes of one machine: this node's own view of the paths
+            from .volumes import private_namespace
+
+            why = private_namespace()  # (this agent is single-threaded, as it must be)
+            if why is not None:
+                self._volumes_failed(f"no private mount namespace for this node: {why}")
+                return
         env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR}
         proc = subprocess.Popen(
             [sys.executable, "-m", "flotilla._node.volumes"],

@@ -162,7 +162,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _same_volumes(name, existing.volumes, volumes)
     elif volumes:  # the buckets can be read: before anything is provisioned
         shared = registry.backend_for(spec).shares_filesystem
-        check_volumes(volumes, cluster_nodes if shared else 1)
+        check_volumes(volumes, this_machine=shared)
         node_spec(volumes)
     if not reuse:
         if down_after and not args.detach:
