@@ -5,8 +5,11 @@ behind (mounts, FUSE daemons, the secret key in a command line or a file)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
-from _procs import agent_above, wait_until
+from _procs import agent_above, session_folder, wait_until
 from _s3 import (
     CheckingS3Server,
     S3Server,
@@ -24,7 +27,7 @@ from _s3 import (
     s3_env,
     use,
 )
-from test_cli import CLI, node_lines
+from test_cli import CLI, SRC, node_lines
 from test_cli import cli as cli  # the fixture
 from test_managed import Jobs, assert_nothing_left
 from test_managed import jobs as jobs  # the fixture
@@ -398,6 +401,137 @@ def test_task_file_mounts_at_absolute_paths_on_a_local_cluster(
     assert wait_until(lambda: not mounted_anywhere(data, ckpt), 30)
     assert os.listdir(data) == [] and os.listdir(ckpt) == []
     assert processes_with(bucket.encode()) == []
+
+
+def _python_for_others() -> str | None:
+    """An interpreter of this version that another user can run (this one may be in a
+    private folder, e.g. under /root), or None."""
+    import sysconfig
+
+    version = sysconfig.get_python_version()
+    for candidate in (os.path.realpath(sys.executable), f"/usr/bin/python{version}"):
+        parts = Path(candidate).parents
+        if os.path.exists(candidate) and all(os.stat(p).st_mode & 0o001 for p in parts):
+            return candidate
+    return None
+
+
+@pytest.fixture
+def plain_user(private_views: None) -> Iterator[tuple[str, Path]]:
+    """A user other than root (a unique name, removed afterwards) and a folder of its own
+    (in the temp folder: pytest's are root's alone)."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed")
+    name = f"flh3{os.getpid() % 100000}"
+    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    entry = pwd.getpwnam(name)
+    home = session_folder("user")
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    os.chmod(home, 0o755)
+    try:
+        yield name, home
+    finally:
+
+        def theirs() -> list[int]:
+            found = []
+            for entry_name in os.listdir("/proc"):
+                if entry_name.isdigit():
+                    try:
+                        if os.stat(f"/proc/{entry_name}").st_uid == entry.pw_uid:
+                            found.append(int(entry_name))
+                    except OSError:
+                        continue
+            return found
+
+        for pid in theirs():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not theirs(), 60)
+        for _ in range(20):  # userdel refuses while a process of the user still exists
+            if subprocess.run(["userdel", name], capture_output=True).returncode in (0, 6):
+                break
+            wait_until(lambda: not theirs(), 5)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_user_other_than_root_gets_its_own_view_in_a_user_namespace(
+    local_s3: S3Server, plain_user: tuple[str, Path]
+) -> None:
+    """Not root: each node's namespace is a user namespace that maps the user to itself
+    (the tasks keep its uid), and the volumes helper keeps the capability to bind its
+    copy (an exec drops it otherwise: "cannot bind ... Operation not permitted"). A path
+    this user cannot create is refused before anything starts."""
+    import pwd
+    import subprocess
+    import sysconfig
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no interpreter of this version that another user can run")
+    name, home = plain_user
+    entry = pwd.getpwnam(name)
+    bucket = local_s3.bucket(OBJECTS)
+    path = home / "abs" / "ckpt"
+    code = f"""
+import os, sys, json
+import flotilla as sky
+
+@sky.function
+def mine(path):
+    rank = sky.instance_info().node
+    with open(os.path.join(path, "same.txt"), "w") as f:
+        f.write(f"node {{rank}}")
+    with open(os.path.join(path, "same.txt")) as f:
+        return [os.getuid(), f.read(), sorted(os.listdir(path))]
+
+try:
+    sky.Compute(nodes=2, volumes=[sky.Volume({bucket!r}, "/flotilla-h3-nope/x")])
+except sky.ConfigurationError as e:
+    print("REFUSED", e)
+vol = sky.Volume({bucket!r}, {str(path)!r}, prefix="data", read_only=False, mode="copy")
+with sky.Compute(sky.Local(workdir={str(home / "nodes")!r}), nodes=2, volumes=[vol]) as pool:
+    print("SEEN", json.dumps(mine({str(path)!r}) @ pool))
+"""
+    paths = [SRC, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = {
+        **local_s3.env,
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.pathsep.join(paths),
+        "HOME": str(home),
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+    }
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(entry.pw_gid)
+        os.setuid(entry.pw_uid)
+
+    done = subprocess.run(
+        [python, "-c", code],
+        env=env,
+        cwd=home,
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    refused = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert (
+        refused and "/flotilla-h3-nope/x does not exist and this user cannot create" in (refused[0])
+    ), done.stdout
+    seen = json.loads(done.stdout.split("SEEN ", 1)[1])
+    for rank, (uid, text, files) in enumerate(seen):
+        assert uid == entry.pw_uid and text == f"node {rank}"
+        assert files == ["a.txt", "same.txt", "sub"]
+    assert local_s3.get(bucket, "data/same.txt") in (b"node 0", b"node 1")
+    assert wait_until(lambda: not mounted_anywhere(path), 30), mounted_anywhere(path)
+    assert os.listdir(path) == []
 
 
 # -- SSH lab -------------------------------------------------------------------------------

@@ -268,6 +268,41 @@ def private_namespace() -> str | None:
     return None
 
 
+_CAP_SYS_ADMIN = 21
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_RAISE = 2
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def keep_mount_capability() -> None:
+    """In a user namespace of :func:`private_namespace` (not root): let the programs this
+    process executes keep the namespace's CAP_SYS_ADMIN (an ambient capability), which an
+    exec drops for a user other than root, so that the volumes helper and its FUSE daemon
+    can mount. Called in the helper's process before its exec: the executors, started by
+    the agent, do not get it. Best effort: a mount then fails, saying so."""
+    if os.geteuid() == 0:
+        return
+    libc = _libc()
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        return
+    data[0].inheritable |= 1 << _CAP_SYS_ADMIN
+    if libc.capset(ctypes.byref(header), data) == 0:
+        libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_SYS_ADMIN, 0, 0)
+
+
 def _bind(source: str, target: str) -> None:
     if _libc().mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
         err = ctypes.get_errno()
