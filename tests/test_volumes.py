@@ -393,9 +393,12 @@ def test_task_file_mounts_at_absolute_paths_on_a_local_cluster(
         """,
     )
     env = {**local_s3.env, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
-    done = cli.ok("launch", "--down", "-c", "absvols", task, env=env)
+    done = cli.ok("launch", "-c", "absvols", task, env=env)
     assert node_lines(done.stdout, "seen: ") == {0: "alpha beta", 1: "alpha beta"}
     assert node_lines(done.stdout, "mounted: ") == {0: "1", 1: "1"}
+    shell = cli.ok("ssh", "absvols", "--node", "1", "--", f"cat {ckpt}/node-1.txt")
+    assert shell.stdout == "rank 1\n"  # `flotilla ssh` is in the node's own view
+    cli.ok("down", "absvols", "-y", env=env)
     assert local_s3.get(bucket, "ckpt/node-0.txt") == b"rank 0\n"
     assert local_s3.get(bucket, "ckpt/node-1.txt") == b"rank 1\n"
     assert wait_until(lambda: not mounted_anywhere(data, ckpt), 30)

@@ -195,6 +195,26 @@ def endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def namespace_entry(pid: int) -> tuple[str, ...]:
+    """The ``nsenter`` words that run a command in the mount namespace of process ``pid``
+    (a local node's agent, whose volumes at absolute paths are its own: see
+    ``_node.volumes``), with its user namespace when it has one of its own; () when it
+    shares this process's (or it cannot be told, or nsenter is missing)."""
+    import shutil
+
+    try:
+        theirs = os.readlink(f"/proc/{pid}/ns/mnt")
+        own_user = os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user")
+        if theirs == os.readlink("/proc/self/ns/mnt"):
+            return ()
+    except OSError:
+        return ()
+    if shutil.which("nsenter") is None:
+        return ()
+    user = ("--user", "--preserve-credentials") if own_user else ()
+    return ("nsenter", f"--target={pid}", *user, "--mount", "--")
+
+
 def node_spec(
     volumes: Sequence[Volume], this_machine: bool = False
 ) -> tuple[dict[str, Any], list[str]]:
