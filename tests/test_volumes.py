@@ -370,6 +370,25 @@ def test_an_absolute_copy_is_each_local_nodes_own(
     assert os.listdir(path) == []
 
 
+def test_a_killed_agent_leaves_no_mount_at_an_absolute_path(
+    local_s3: S3Server, fuse: None, private_views: None, tmp_path: Path
+) -> None:
+    """kill -9 of a node's agent: its helper (in the node's namespace) sees it end and
+    unmounts; nothing stays mounted in any namespace, no FUSE daemon stays."""
+    bucket = local_s3.bucket(OBJECTS)
+    path = tmp_path / "abs" / "vol"
+    rw = sky.Volume(bucket, str(path), prefix="data", read_only=False)
+    options = sky.Options(replace_lost_nodes=False)
+    nodes = sky.Local(workdir=str(tmp_path / "nodes"))
+    with sky.Compute(nodes, nodes=2, volumes=[rw], options=options) as pool:
+        assert len(mounted_anywhere(path)) >= 2  # one per node's namespace
+        os.kill(agent_pid() >> pool, signal.SIGKILL)
+        assert wait_until(lambda: len(processes_with(bucket.encode())) == 1, 30)
+    assert wait_until(lambda: not mounted_anywhere(path), 30), mounted_anywhere(path)
+    assert processes_with(bucket.encode()) == []
+    assert local_s3.keys(bucket) == sorted(OBJECTS)
+
+
 def test_task_file_mounts_at_absolute_paths_on_a_local_cluster(
     cli: CLI, local_s3: S3Server, fuse: None, private_views: None, tmp_path: Path
 ) -> None:
