@@ -138,10 +138,8 @@ def check_volumes(volumes: object, this_machine: bool = False) -> tuple[Volume, 
             raise ConfigurationError(
                 f"Volume(mount={absolute[0].mount!r}): the nodes of a local pool each see "
                 f"their own mount at an absolute path, in a mount namespace of their own, "
-                f"and this machine cannot give them one: {why}. Run as root, allow user "
-                "namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                "user.max_user_namespaces > 0), or give a relative path (each node's "
-                "own folder)"
+                f"and this machine cannot give them one: {why}; or give a relative path "
+                "(each node's own folder)"
             )
     return tuple(out)
 
@@ -158,9 +156,9 @@ def resolved(mount: str) -> str:
 
 def private_view_refusal(paths: Sequence[str]) -> str | None:
     """Why the nodes of this machine cannot each have their own mounts at ``paths`` (a
-    mount namespace each, see ``_node.volumes``), or None: a process tries to make one,
-    as the nodes' agents will, and without root each path's folder must exist or be
-    creatable by this user."""
+    mount namespace each, see ``_node.volumes``) and what to do, or None: a process tries
+    to make one, as the nodes' agents will, and without root each path's folder must
+    exist or be creatable by this user."""
     import subprocess
     import sys
 
@@ -178,14 +176,22 @@ def private_view_refusal(paths: Sequence[str]) -> str | None:
         return f"the check could not run ({e})"
     answer = done.stdout.strip()
     if answer != "::ready":
-        return answer.removeprefix("::error ") or f"the check failed: {done.stderr.strip()}"
+        why = answer.removeprefix("::error ") or f"the check failed: {done.stderr.strip()}"
+        return (
+            f"{why}. Run as root, or allow user namespaces (sysctl "
+            "user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 where it "
+            "exists; on Ubuntu, kernel.apparmor_restrict_unprivileged_userns=0)"
+        )
     if os.geteuid() != 0:
         for path in paths:
             parent = path
             while not os.path.exists(parent):
                 parent = os.path.dirname(parent)
             if not os.path.isdir(path) and not os.access(parent, os.W_OK):
-                return f"{path} does not exist and this user cannot create it in {parent}"
+                return (
+                    f"{path} does not exist and this user cannot create it in {parent}: "
+                    "create it first (empty), or run as root"
+                )
     return None
 
 
