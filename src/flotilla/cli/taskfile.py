@@ -81,8 +81,11 @@ class Resources:
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
-            any of them; a list: in order): every combination, each complete. Empty:
-            these resources only. The first candidate's fields are also this object's.
+            any of them; a list: in order): every combination, each complete (a
+            candidate's fields over the top-level ones, its labels added to theirs, as
+            SkyPilot merges them). Empty: these resources only. The first candidate's
+            fields are also this object's; a job's are those of the candidate its
+            cluster started on (``JobSpec.candidate_gpus``).
         ordered: try the candidates in order (``ordered``, an accelerator list); False:
             cheapest first (``any_of``, an accelerator set).
     """
