@@ -133,6 +133,60 @@ def test_task_file_any_of_falls_back_from_vast_to_aws(
     cli.ok("down", "anyof", "-y", timeout=120)
 
 
+def test_the_candidate_chosen_defines_the_jobs_gpus(cli: CLI, labs: tuple[VastLab, AwsLab]) -> None:
+    """Issue 43: Vast (A100:1) has no capacity, AWS (an image, no accelerators) starts the
+    instance: the job asks that node for no GPU (SkyPilot's semantics: the candidate
+    chosen defines the resources), where it used to fail for the first candidate's A100."""
+    from test_cli_aws import _lab_flags
+
+    vast, aws = labs
+    cli.env.update(vast.env)
+    cli.env.update(aws.env)
+    task = cli.task(
+        "job.yaml",
+        f"""\
+        resources:
+          any_of:
+            - {{infra: vast, accelerators: A100:1}}
+            - {{infra: aws/us-east-1, image_id: {aws.ami}}}
+        run: echo "GPUS $SKYPILOT_NUM_GPUS_PER_NODE $(hostname)"
+        """,
+    )
+    done = cli.ok("launch", "--down", task, "-c", "chosen", *_lab_flags(aws), timeout=300)
+    assert "chose AWS(" in done.stderr, done.stderr
+    gpus, host = node_lines(done.stdout, "GPUS")[0].split()
+    assert gpus == "0" and host.startswith("ip-"), done.stdout
+    assert vast.live() == [] and _rented(vast) == 0
+
+
+def test_a_later_candidate_with_other_gpus_gets_its_own_count(
+    cli: CLI, vast_lab: VastLab, tmp_path: Path
+) -> None:
+    """``ordered``: Vast (A100:1, no capacity), then this machine with T4:2 (listed by a
+    stand-in nvidia-smi): the job gets 2 GPUs per node (SKYPILOT_NUM_GPUS_PER_NODE, the
+    GPU check, the hostfile's slots), not the first candidate's 1."""
+    from test_node_gpus import TWO_T4, stand_in_nvidia_smi
+
+    cli.env.update(vast_lab.env)
+    cli.env["PATH"] = stand_in_nvidia_smi(tmp_path / "bin", TWO_T4)
+    task = cli.task(
+        "job.yaml",
+        """\
+        resources:
+          cpus: 1
+          ordered:
+            - {infra: vast, accelerators: A100:1}
+            - {accelerators: T4:2}         # no infra: the default, this machine
+        run: echo "GPUS $SKYPILOT_NUM_GPUS_PER_NODE"; cat "$FLOTILLA_HOSTFILE"
+        """,
+    )
+    done = cli.ok("launch", "--down", task, "-c", "later")
+    assert "candidate VastAI(" in done.stderr and "chose Local(" in done.stderr, done.stderr
+    assert node_lines(done.stdout, "GPUS") == {0: "2"}
+    assert " slots=2" in done.stdout, done.stdout
+    assert vast_lab.live() == [] and _rented(vast_lab) == 0
+
+
 def _parse(tmp_path: Path, text: str) -> Any:
     from flotilla.cli.taskfile import load_task
 
@@ -157,6 +211,18 @@ def test_task_file_candidates_parse(tmp_path: Path) -> None:
         ("aws", None),
     ]
     assert task.resources.ordered is True
+    task = _parse(  # SkyPilot's merge: over the top level; labels added to its labels
+        tmp_path,
+        "resources:\n  cpus: 4\n  accelerators: A100:1\n  labels: {team: ml, tier: a}\n"
+        "  any_of:\n    - {infra: vast}\n    - {infra: aws, accelerators: T4:2, labels: "
+        "{tier: b}}\nrun: 'true'\n",
+    )
+    assert [
+        (c.infra, c.cpus, c.accelerators, dict(c.labels)) for c in task.resources.candidates
+    ] == [
+        ("vast", "4", "A100:1", {"team": "ml", "tier": "a"}),
+        ("aws", "4", "T4:2", {"team": "ml", "tier": "b"}),
+    ]
 
 
 MANAGED = """\

@@ -5,8 +5,11 @@ behind (mounts, FUSE daemons, the secret key in a command line or a file)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
-from _procs import agent_above, wait_until
+from _procs import agent_above, session_folder, wait_until
 from _s3 import (
     CheckingS3Server,
     S3Server,
@@ -24,7 +27,7 @@ from _s3 import (
     s3_env,
     use,
 )
-from test_cli import CLI, node_lines
+from test_cli import CLI, SRC, node_lines
 from test_cli import cli as cli  # the fixture
 from test_managed import Jobs, assert_nothing_left
 from test_managed import jobs as jobs  # the fixture
@@ -98,8 +101,6 @@ def test_volume_fields_and_bad_arguments() -> None:
         sky.Compute(volumes=[sky.Volume("a", "d"), sky.Volume("b", "d/")])
     with pytest.raises(ConfigurationError, match="takes a list"):
         sky.Compute(volumes=sky.Volume("a", "d"))  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="share one filesystem"):
-        sky.Compute(nodes=2, volumes=[sky.Volume("a", "/data")])
 
 
 def test_missing_bucket_fails_before_provisioning(local_s3: S3Server, tmp_path: Path) -> None:
@@ -251,6 +252,308 @@ def test_mount_falls_back_to_a_copy_without_fuse(
     with sky.Compute(volumes=[sky.Volume(bucket, "in", prefix="data")]) as pool:
         files = tree("in") >> pool
     assert files["a.txt"] == "alpha" and files["<mount>"] == "False"
+
+
+# -- absolute paths on a local pool: each node's own view ------------------------------------
+@pytest.fixture
+def private_views() -> None:
+    """The nodes' mount namespaces: this machine must allow them (root here, as in CI)."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace per local node: tested as root (CI runs as root)")
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here to check that mount namespaces can be made")
+    done = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"this machine gives no process a mount namespace: {done.stderr.strip()}")
+
+
+def mounted_anywhere(*paths: str | Path) -> list[str]:
+    """``pid: mount point`` of every mount at or under ``paths`` in any process's mount
+    namespace (the machine's and the nodes' own)."""
+    wanted = [str(p) for p in paths]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/mounts") as f:
+                points = [line.split()[1] for line in f if len(line.split()) > 1]
+        except OSError:
+            continue  # gone meanwhile
+        for point in points:
+            if any(point == w or point.startswith(w.rstrip("/") + "/") for w in wanted):
+                found.append(f"{entry}: {point}")
+    return found
+
+
+@sky.function
+def view(path: str) -> dict[str, object]:
+    """What this node sees at ``path``: whether it is a mount, its device, its files, and
+    this node's mount namespace."""
+    files = {}
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            with open(full) as f:
+                files[os.path.relpath(full, path)] = f.read()
+    return {
+        "mount": os.path.ismount(path),
+        "dev": os.stat(path).st_dev,
+        "files": files,
+        "ns": os.readlink("/proc/self/ns/mnt"),
+    }
+
+
+@sky.function
+def write_mine(folder: str, name: str) -> str:
+    """Write this node's rank in ``folder/name`` (``{rank}`` in ``name`` is replaced by
+    it; a temporary file, renamed); what this node reads back."""
+    rank = sky.instance_info().node
+    path = os.path.join(folder, name.format(rank=rank))
+    with open(path + ".tmp", "w") as f:
+        f.write(f"node {rank}")
+    os.replace(path + ".tmp", path)
+    with open(path) as f:
+        return f.read()
+
+
+def test_an_absolute_mount_is_each_local_nodes_own(
+    local_s3: S3Server, fuse: None, private_views: None, tmp_path: Path
+) -> None:
+    """Issue 43: ``Volume(mount="/abs/path")`` on a 2-node local pool (it was refused:
+    "2 nodes of this pool share one filesystem"). Each node mounts the bucket there with
+    its own s3fs, in a mount namespace of its own, as on separate machines; this machine's
+    view of the path is untouched; nothing stays mounted in any namespace afterwards."""
+    bucket = local_s3.bucket(OBJECTS)
+    data, out = tmp_path / "abs" / "data", tmp_path / "abs" / "out"
+    ro = sky.Volume(bucket, str(data), prefix="data")
+    rw = sky.Volume(bucket, str(out), prefix="results", read_only=False)
+    nodes = sky.Local(workdir=str(tmp_path / "nodes"))
+    with sky.Compute(nodes, nodes=2, volumes=[ro, rw]) as pool:
+        seen = view(str(data)) @ pool
+        write_mine(str(out), "node{rank}.txt") @ pool  # every node writes its own file
+        assert mounted_anywhere(data, out) and mounts_under(tmp_path) == []  # not ours
+        daemons = processes_with(bucket.encode())
+        assert len(daemons) == 4  # an s3fs per node and volume
+    for node in seen:
+        assert node["mount"] is True
+        assert node["files"] == {"a.txt": "alpha", os.path.join("sub", "b.txt"): "beta"}
+    assert seen[0]["dev"] != seen[1]["dev"]  # two mounts, one per node
+    assert len({seen[0]["ns"], seen[1]["ns"], os.readlink("/proc/self/ns/mnt")}) == 3
+    assert local_s3.get(bucket, "results/node0.txt") == b"node 0"
+    assert local_s3.get(bucket, "results/node1.txt") == b"node 1"
+    assert wait_until(lambda: not mounted_anywhere(data, out), 30), mounted_anywhere(data, out)
+    assert [p for p in daemons if os.path.exists(f"/proc/{p}")] == []
+    assert os.listdir(data) == [] and os.listdir(out) == []  # nothing written on the machine
+
+
+def test_an_absolute_copy_is_each_local_nodes_own(
+    local_s3: S3Server, private_views: None, tmp_path: Path
+) -> None:
+    """Copy mode at an absolute path: each node's copy is its own folder (bound at the
+    path in its namespace): two nodes writing the same file each read back their own, the
+    bucket gets one whole version, and the machine's folder stays empty."""
+    bucket = local_s3.bucket(OBJECTS)
+    path = tmp_path / "abs" / "ckpt"
+    vol = sky.Volume(bucket, str(path), prefix="data", read_only=False, mode="copy")
+    with sky.Compute(sky.Local(workdir=str(tmp_path / "nodes")), nodes=2, volumes=[vol]) as pool:
+        mine = write_mine(str(path), "same.txt") @ pool
+        seen = view(str(path)) @ pool
+    assert mine == ["node 0", "node 1"]
+    for rank, node in enumerate(seen):
+        assert node["files"]["a.txt"] == "alpha" and node["files"]["same.txt"] == f"node {rank}"
+    assert local_s3.get(bucket, "data/same.txt") in (b"node 0", b"node 1")
+    assert wait_until(lambda: not mounted_anywhere(path), 30), mounted_anywhere(path)
+    assert os.listdir(path) == []
+
+
+def test_a_killed_agent_leaves_no_mount_at_an_absolute_path(
+    local_s3: S3Server, fuse: None, private_views: None, tmp_path: Path
+) -> None:
+    """kill -9 of a node's agent: its helper (in the node's namespace) sees it end and
+    unmounts; nothing stays mounted in any namespace, no FUSE daemon stays."""
+    bucket = local_s3.bucket(OBJECTS)
+    path = tmp_path / "abs" / "vol"
+    rw = sky.Volume(bucket, str(path), prefix="data", read_only=False)
+    options = sky.Options(replace_lost_nodes=False)
+    nodes = sky.Local(workdir=str(tmp_path / "nodes"))
+    with sky.Compute(nodes, nodes=2, volumes=[rw], options=options) as pool:
+        assert len(mounted_anywhere(path)) >= 2  # one per node's namespace
+        os.kill(agent_pid() >> pool, signal.SIGKILL)
+        assert wait_until(lambda: len(processes_with(bucket.encode())) == 1, 30)
+    assert wait_until(lambda: not mounted_anywhere(path), 30), mounted_anywhere(path)
+    assert processes_with(bucket.encode()) == []
+    assert local_s3.keys(bucket) == sorted(OBJECTS)
+
+
+def test_task_file_mounts_at_absolute_paths_on_a_local_cluster(
+    cli: CLI, local_s3: S3Server, fuse: None, private_views: None, tmp_path: Path
+) -> None:
+    """Issue 43: ``file_mounts: {/abs: s3://...}`` on the local provider (it was refused):
+    a read-only copy and a writable mount at absolute paths, on 2 nodes, each its own."""
+    bucket = local_s3.bucket(OBJECTS)
+    data, ckpt = tmp_path / "abs" / "data", tmp_path / "abs" / "ckpt"
+    task = cli.task(
+        "task.yaml",
+        f"""\
+        num_nodes: 2
+        file_mounts:
+          {data}: s3://{bucket}/data
+          {ckpt}:
+            source: s3://{bucket}/ckpt
+            mode: MOUNT
+        run: |
+          echo "seen: $(cat {data}/a.txt) $(cat {data}/sub/b.txt)"
+          echo "rank $SKYPILOT_NODE_RANK" > {ckpt}/node-$SKYPILOT_NODE_RANK.txt
+          echo "mounted: $(grep -c ' {ckpt} fuse' /proc/self/mounts)"
+        """,
+    )
+    env = {**local_s3.env, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+    done = cli.ok("launch", "-c", "absvols", task, env=env)
+    assert node_lines(done.stdout, "seen: ") == {0: "alpha beta", 1: "alpha beta"}
+    assert node_lines(done.stdout, "mounted: ") == {0: "1", 1: "1"}
+    shell = cli.ok("ssh", "absvols", "--node", "1", "--", f"cat {ckpt}/node-1.txt")
+    assert shell.stdout == "rank 1\n"  # `flotilla ssh` is in the node's own view
+    cli.ok("down", "absvols", "-y", env=env)
+    assert local_s3.get(bucket, "ckpt/node-0.txt") == b"rank 0\n"
+    assert local_s3.get(bucket, "ckpt/node-1.txt") == b"rank 1\n"
+    assert wait_until(lambda: not mounted_anywhere(data, ckpt), 30)
+    assert os.listdir(data) == [] and os.listdir(ckpt) == []
+    assert processes_with(bucket.encode()) == []
+
+
+def _python_for_others() -> str | None:
+    """An interpreter of this version that another user can run (this one may be in a
+    private folder, e.g. under /root), or None."""
+    import sysconfig
+
+    version = sysconfig.get_python_version()
+    for candidate in (os.path.realpath(sys.executable), f"/usr/bin/python{version}"):
+        parts = Path(candidate).parents
+        if os.path.exists(candidate) and all(os.stat(p).st_mode & 0o001 for p in parts):
+            return candidate
+    return None
+
+
+@pytest.fixture
+def plain_user(private_views: None) -> Iterator[tuple[str, Path]]:
+    """A user other than root (a unique name, removed afterwards) and a folder of its own
+    (in the temp folder: pytest's are root's alone)."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed")
+    name = f"flh3{os.getpid() % 100000}"
+    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    entry = pwd.getpwnam(name)
+    home = session_folder("user")
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    os.chmod(home, 0o755)
+    try:
+        yield name, home
+    finally:
+
+        def theirs() -> list[int]:
+            found = []
+            for entry_name in os.listdir("/proc"):
+                if entry_name.isdigit():
+                    try:
+                        if os.stat(f"/proc/{entry_name}").st_uid == entry.pw_uid:
+                            found.append(int(entry_name))
+                    except OSError:
+                        continue
+            return found
+
+        for pid in theirs():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not theirs(), 60)
+        for _ in range(20):  # userdel refuses while a process of the user still exists
+            if subprocess.run(["userdel", name], capture_output=True).returncode in (0, 6):
+                break
+            wait_until(lambda: not theirs(), 5)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_user_other_than_root_gets_its_own_view_in_a_user_namespace(
+    local_s3: S3Server, plain_user: tuple[str, Path]
+) -> None:
+    """Not root: each node's namespace is a user namespace that maps the user to itself
+    (the tasks keep its uid), and the volumes helper keeps the capability to bind its
+    copy (an exec drops it otherwise: "cannot bind ... Operation not permitted"). A path
+    this user cannot create is refused before anything starts."""
+    import pwd
+    import subprocess
+    import sysconfig
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no interpreter of this version that another user can run")
+    name, home = plain_user
+    entry = pwd.getpwnam(name)
+    bucket = local_s3.bucket(OBJECTS)
+    path = home / "abs" / "ckpt"
+    code = f"""
+import os, sys, json
+import flotilla as sky
+
+@sky.function
+def mine(path):
+    rank = sky.instance_info().node
+    with open(os.path.join(path, "same.txt"), "w") as f:
+        f.write(f"node {{rank}}")
+    with open(os.path.join(path, "same.txt")) as f:
+        return [os.getuid(), f.read(), sorted(os.listdir(path))]
+
+try:
+    sky.Compute(nodes=2, volumes=[sky.Volume({bucket!r}, "/flotilla-h3-nope/x")])
+except sky.ConfigurationError as e:
+    print("REFUSED", e)
+vol = sky.Volume({bucket!r}, {str(path)!r}, prefix="data", read_only=False, mode="copy")
+with sky.Compute(sky.Local(workdir={str(home / "nodes")!r}), nodes=2, volumes=[vol]) as pool:
+    print("SEEN", json.dumps(mine({str(path)!r}) @ pool))
+"""
+    paths = [SRC, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = {
+        **local_s3.env,
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.pathsep.join(paths),
+        "HOME": str(home),
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+    }
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(entry.pw_gid)
+        os.setuid(entry.pw_uid)
+
+    done = subprocess.run(
+        [python, "-c", code],
+        env=env,
+        cwd=home,
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    refused = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert (
+        refused and "/flotilla-h3-nope/x does not exist and this user cannot create" in (refused[0])
+    ), done.stdout
+    seen = json.loads(done.stdout.split("SEEN ", 1)[1])
+    for rank, (uid, text, files) in enumerate(seen):
+        assert uid == entry.pw_uid and text == f"node {rank}"
+        assert files == ["a.txt", "same.txt", "sub"]
+    assert local_s3.get(bucket, "data/same.txt") in (b"node 0", b"node 1")
+    assert wait_until(lambda: not mounted_anywhere(path), 30), mounted_anywhere(path)
+    assert os.listdir(path) == []
 
 
 # -- SSH lab -------------------------------------------------------------------------------

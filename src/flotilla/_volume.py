@@ -30,7 +30,9 @@ class Volume:
     Args:
         bucket: the bucket's name, or ``s3://bucket/prefix``.
         mount: the path on each node; ``~`` is the node's home, a relative path is inside
-            the node's working folder (on a local pool: each node's own folder).
+            the node's working folder (on a local pool: each node's own folder). On a
+            local pool, each node sees its own mount at an absolute path (a mount
+            namespace of its own: root, or user namespaces; see ``_node.volumes``).
         prefix: the key prefix shown at ``mount`` ("" for the whole bucket).
         read_only: False to write back what the nodes write there.
         mode: ``"mount"``: a FUSE mount (s3fs or rclone) where the node has FUSE, else a
@@ -110,9 +112,10 @@ class Volume:
         }
 
 
-def check_volumes(volumes: object, local_nodes: int) -> tuple[Volume, ...]:
+def check_volumes(volumes: object, this_machine: bool = False) -> tuple[Volume, ...]:
     """The volumes as a tuple; ConfigurationError for anything that is not one, two at one
-    path, or an absolute path shared by several nodes of one machine (``local_nodes``)."""
+    path, or, for nodes on this machine (``this_machine``), an absolute path where this
+    machine cannot give each node its own view of it (see :func:`private_view_refusal`)."""
     if isinstance(volumes, Volume | str | bytes) or not isinstance(volumes, Sequence):
         raise ConfigurationError(
             f"volumes= takes a list, e.g. volumes=[flotilla.Volume(...)], got {volumes!r}"
@@ -128,14 +131,68 @@ def check_volumes(volumes: object, local_nodes: int) -> tuple[Volume, ...]:
     for p in paths:
         if paths.count(p) > 1:
             raise ConfigurationError(f"two volumes are mounted at {p!r}")
-    if local_nodes > 1:
-        for v in out:
-            if os.path.isabs(os.path.expanduser(v.mount)):
-                raise ConfigurationError(
-                    f"Volume(mount={v.mount!r}): {local_nodes} nodes of this pool share one "
-                    "filesystem: give a relative path (each node's own folder)"
-                )
+    absolute = [v for v in out if is_absolute(v.mount)]
+    if this_machine and absolute:
+        why = private_view_refusal([resolved(v.mount) for v in absolute])
+        if why is not None:
+            raise ConfigurationError(
+                f"Volume(mount={absolute[0].mount!r}): the nodes of a local pool each see "
+                f"their own mount at an absolute path, in a mount namespace of their own, "
+                f"and this machine cannot give them one: {why}; or give a relative path "
+                "(each node's own folder)"
+            )
     return tuple(out)
+
+
+def is_absolute(mount: str) -> bool:
+    """Whether a volume's path is the machine's (absolute, or under ``~``), not inside the
+    node's working folder."""
+    return os.path.isabs(os.path.expanduser(mount))
+
+
+def resolved(mount: str) -> str:
+    return os.path.abspath(os.path.expanduser(mount))
+
+
+def private_view_refusal(paths: Sequence[str]) -> str | None:
+    """Why the nodes of this machine cannot each have their own mounts at ``paths`` (a
+    mount namespace each, see ``_node.volumes``) and what to do, or None: a process tries
+    to make one, as the nodes' agents will, and without root each path's folder must
+    exist or be creatable by this user."""
+    import subprocess
+    import sys
+
+    from ._node import volumes as node_volumes
+
+    try:
+        done = subprocess.run(
+            [sys.executable, node_volumes.__file__, "--probe"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the check could not run ({e})"
+    answer = done.stdout.strip()
+    if answer != "::ready":
+        why = answer.removeprefix("::error ") or f"the check failed: {done.stderr.strip()}"
+        return (
+            f"{why}. Run as root, or allow user namespaces (sysctl "
+            "user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 where it "
+            "exists; on Ubuntu, kernel.apparmor_restrict_unprivileged_userns=0)"
+        )
+    if os.geteuid() != 0:
+        for path in paths:
+            parent = path
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(path) and not os.access(parent, os.W_OK):
+                return (
+                    f"{path} does not exist and this user cannot create it in {parent}: "
+                    "create it first (empty), or run as root"
+                )
+    return None
 
 
 def endpoint() -> str | None:
@@ -144,10 +201,41 @@ def endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
+def namespace_entry(pid: int) -> tuple[str, ...]:
+    """The ``nsenter`` words that run a command in the mount namespace of process ``pid``
+    (a local node's agent, whose volumes at absolute paths are its own: see
+    ``_node.volumes``), with its user namespace when it has one of its own; () when it
+    shares this process's (or it cannot be told, or nsenter is missing)."""
+    import shutil
+
+    try:
+        theirs = os.readlink(f"/proc/{pid}/ns/mnt")
+        own_user = os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user")
+        if theirs == os.readlink("/proc/self/ns/mnt"):
+            return ()
+    except OSError:
+        return ()
+    if shutil.which("nsenter") is None:
+        return ()
+    user = ("--user", "--preserve-credentials") if own_user else ()
+    return ("nsenter", f"--target={pid}", *user, "--mount", "--")
+
+
+def node_spec(
+    volumes: Sequence[Volume], this_machine: bool = False
+) -> tuple[dict[str, Any], list[str]]:
     """Check that every volume's bucket can be read with the credentials this process
     has, before anything is provisioned; the nodes' volume configuration and the secrets
-    in it (to redact). ConfigurationError naming the bucket and the credential."""
+    in it (to redact). ConfigurationError naming the bucket and the credential. Nodes on
+    this machine (``this_machine``) with a volume at an absolute path are told to mount in
+    a namespace of their own (``"private"``)."""
+    spec, secrets = _node_spec(volumes)
+    if this_machine and any(is_absolute(v.mount) for v in volumes):
+        spec["private"] = True
+    return spec, secrets
+
+
+def _node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
     storages = {id(v.storage): v.storage for v in volumes}
     if len(storages) > 1:
         raise ConfigurationError(

@@ -158,7 +158,7 @@ class Compute(PoolCollections, Pool):
         self.memory_gb = _resource("memory_gb", memory_gb, "GiB per node, e.g. memory_gb=16")
         from .._providers.local import Local
 
-        self.volumes = check_volumes(volumes, size.most if isinstance(provider, Local) else 1)
+        self.volumes = check_volumes(volumes, this_machine=isinstance(provider, Local))
         self._volume_spec: dict[str, Any] | None = None
         self.max_hourly_cost = _resource(
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
@@ -322,7 +322,10 @@ class Compute(PoolCollections, Pool):
         ensure_open_files(self.size.most, str(getattr(self.provider, "name", "")))
         volume_secrets: list[str] = []
         if self.volumes:  # the buckets can be read: before anything is provisioned
-            self._volume_spec, volume_secrets = node_spec(self.volumes)
+            from .._providers.local import Local
+
+            this_machine = isinstance(self.provider, Local)
+            self._volume_spec, volume_secrets = node_spec(self.volumes, this_machine)
             self._volume_spec["flush_timeout"] = VOLUME_FLUSH_TIMEOUT
             self._bringup.volumes = self._volume_spec
         for p in self.plugins:

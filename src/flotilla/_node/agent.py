@@ -327,9 +327,20 @@ class Agent:
     def _start_volumes(self, spec: dict[str, Any]) -> None:
         """Start the volumes helper (``_node/volumes.py``): its own session and no token,
         so that it outlives the agent's sweep and writes back; it ends when its stdin (kept
-        open here) closes."""
+        open here) closes. With ``private`` (nodes sharing this machine), this agent first
+        moves into a mount namespace of its own, which the helper, its FUSE daemons and
+        the executors inherit."""
         import subprocess
 
+        keep: Any = None
+        if spec.get("private"):  # nodes of one machine: this node's own view of the paths
+            from .volumes import keep_mount_capability, private_namespace
+
+            why = private_namespace()  # (this agent is single-threaded, as it must be)
+            if why is not None:
+                self._volumes_failed(f"no private mount namespace for this node: {why}")
+                return
+            keep = keep_mount_capability  # (a user namespace: the helper mounts there)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR}
         proc = subprocess.Popen(
             [sys.executable, "-m", "flotilla._node.volumes"],
@@ -337,6 +348,7 @@ class Agent:
             stdout=subprocess.PIPE,
             env=env,
             start_new_session=True,
+            preexec_fn=keep,
         )
         assert proc.stdin is not None and proc.stdout is not None
         self.volumes = proc

@@ -24,6 +24,17 @@ bucket to each node directly (never through the client's link); and the agent's 
 thread stays free for heartbeats while a large copy runs. The FUSE tools are Debian
 packages run as subprocesses.
 
+Nodes of one machine (the local provider) that mount at the same absolute path each get
+their own view of it, as separate machines have: with ``"private": true`` in the spec, the
+agent moves itself into a mount namespace of its own (:func:`private_namespace`: as root,
+else in a user namespace mapping its user to itself) before it starts this helper and its
+executors, which inherit it. A FUSE mount there is the node's own; a copy goes to a folder
+of the node's (``.flotilla-volumes/N`` in its working folder) bind-mounted at the path, so
+the nodes never write into one folder. No other process of the machine sees these mounts,
+and they end with the namespace's last process at the latest. The path's folder is created
+when missing and left (empty) afterwards: removing it while another node's namespace has a
+mount on it would detach that mount.
+
 Credentials reach this process on its stdin, never in argv or a file; the FUSE daemons
 get them in their environment (readable only by their user and root, as every AWS SDK
 reads them), never on their command line.
@@ -41,7 +52,9 @@ What each mode guarantees to a writer (the checkpoint recipe relies on it):
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import errno
 import hashlib
 import hmac
 import http.client
@@ -210,6 +223,96 @@ def resolve(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_MNT_DETACH = 2
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def private_namespace() -> str | None:
+    """Move this process into a mount namespace of its own, where mounts are private (none
+    propagates to the machine's): as root a mount namespace; otherwise a user namespace
+    too, that maps this user and group to themselves (files keep their owners, the
+    processes their uid). The process must be single-threaded. None once done, else why
+    it cannot be."""
+    libc = _libc()
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EPERM or os.geteuid() == 0:
+            return f"unshare(CLONE_NEWNS) failed: {os.strerror(err)}"
+        uid, gid = os.geteuid(), os.getegid()
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
+            err = ctypes.get_errno()
+            return (
+                f"not root, and this user cannot make a user namespace "
+                f"(unshare(CLONE_NEWUSER): {os.strerror(err)})"
+            )
+        try:
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as e:
+            return f"the user namespace's id maps could not be written: {e}"
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return f"making the mounts private failed: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+_CAP_SYS_ADMIN = 21
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_RAISE = 2
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def keep_mount_capability() -> None:
+    """In a user namespace of :func:`private_namespace` (not root): let the programs this
+    process executes keep the namespace's CAP_SYS_ADMIN (an ambient capability), which an
+    exec drops for a user other than root, so that the volumes helper and its FUSE daemon
+    can mount. Called in the helper's process before its exec: the executors, started by
+    the agent, do not get it. Best effort: a mount then fails, saying so."""
+    if os.geteuid() == 0:
+        return
+    libc = _libc()
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        return
+    data[0].inheritable |= 1 << _CAP_SYS_ADMIN
+    if libc.capset(ctypes.byref(header), data) == 0:
+        libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_SYS_ADMIN, 0, 0)
+
+
+def _bind(source: str, target: str) -> None:
+    if _libc().mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot bind {source} at {target}: {os.strerror(err)}")
+
+
+def _detach(path: str) -> None:
+    _libc().umount2(path.encode(), _MNT_DETACH)
+
+
 def fuse_tool() -> str | None:
     """The FUSE tool this node can mount buckets with, or None (no FUSE here): s3fs, else
     rclone (``FLOTILLA_FUSE_TOOL`` on the node picks one)."""
@@ -231,11 +334,12 @@ class Volumes:
         self.copied: list[tuple[dict[str, Any], str, dict[str, tuple[int, int]]]] = []
         """(volume, local root, manifest: relative path -> (size, mtime_ns) in the bucket)"""
         self.mounts: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.binds: list[str] = []  # a private namespace's copies: bound at their paths
         self.pending: dict[str, tuple[int, int]] = {}  # changed at the last look: settling
 
     def setup(self) -> None:
         tool = fuse_tool()
-        for vol in self.spec["volumes"]:
+        for index, vol in enumerate(self.spec["volumes"]):
             path = resolve(vol["mount"])
             os.makedirs(path, exist_ok=True)
             if vol.get("mode", "mount") == "mount" and tool is not None:
@@ -248,6 +352,12 @@ class Volumes:
                     file=sys.stderr,
                     flush=True,
                 )
+            if self.spec.get("private") and os.path.isabs(os.path.expanduser(vol["mount"])):
+                # the path is the machine's: the copy goes to this node's own folder
+                own = os.path.abspath(os.path.join(".flotilla-volumes", str(index)))
+                os.makedirs(own, exist_ok=True)
+                _bind(own, path)
+                self.binds.append(path)
             self._copy_in(vol, path)
 
     # -- copy mode -----------------------------------------------------------------------
@@ -373,6 +483,9 @@ class Volumes:
             for path, proc in reversed(self.mounts):
                 _unmount(path, proc)
             self.mounts.clear()
+            for path in reversed(self.binds):
+                _detach(path)
+            self.binds.clear()
 
 
 def _unmount(path: str, proc: subprocess.Popen[bytes]) -> None:
@@ -441,6 +554,10 @@ def _on_signal(*_: object) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--probe"]:  # can this machine give a process a private namespace?
+        why = private_namespace()
+        print(f"::error {why}" if why else "::ready", flush=True)
+        return
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the pipe tells us

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import re
 import shutil
@@ -235,8 +234,10 @@ def user_code_path() -> list[str]:
 
 
 def local_gpu_count() -> int:
-    """Number of NVIDIA GPUs visible on this machine."""
-    return len(glob.glob("/dev/nvidia[0-9]*"))
+    """Number of NVIDIA GPUs of this machine (see ``_node.gpus``)."""
+    from .._node.gpus import gpu_count
+
+    return gpu_count()
 
 
 def memory_gb() -> float:

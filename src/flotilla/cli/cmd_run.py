@@ -97,6 +97,7 @@ def _job_spec(
         workdir=task.workdir,
         file_mounts=dict(task.file_mounts) if mounts else {},
         gpus_per_node=task.resources.gpus_per_node,
+        candidate_gpus=[c.gpus_per_node for c in task.resources.candidates],
         do_setup=do_setup,
         down_after=down,
         retries=retries,
@@ -161,7 +162,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _same_volumes(name, existing.volumes, volumes)
     elif volumes:  # the buckets can be read: before anything is provisioned
         shared = registry.backend_for(spec).shares_filesystem
-        check_volumes(volumes, cluster_nodes if shared else 1)
+        check_volumes(volumes, this_machine=shared)
         node_spec(volumes)
     if not reuse:
         if down_after and not args.detach:

@@ -283,6 +283,7 @@ class ClusterDaemon:
                 shared,
                 self._save_job,
                 self.token,
+                candidate=getattr(provider, "chosen_index", None),  # a fallback's choice
             )
             self._connect_nodes()
             with self._update() as rec:

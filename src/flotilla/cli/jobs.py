@@ -256,6 +256,9 @@ class Runner:
         shares_filesystem: whether every node runs on this machine.
         on_status: called after each job status change (to save the state file).
         token: marks every process the jobs start (FLOTILLA_RUN_TOKEN), to find them.
+        candidate: the position, as the task gave it, of the candidate the pool started
+            on (a task's ``any_of``/``ordered``); None for a pool without candidates.
+            It defines the accelerators per node the jobs get (``JobSpec.gpus_on``).
     """
 
     def __init__(
@@ -267,6 +270,7 @@ class Runner:
         shares_filesystem: bool,
         on_status: Callable[[Job], None],
         token: str,
+        candidate: int | None = None,
     ) -> None:
         self.pool = pool
         self.cluster = cluster
@@ -276,6 +280,7 @@ class Runner:
         self.on_status = on_status
         self.workdirs = {n.node: n.workdir for n in nodes}
         self.token = token
+        self.candidate = candidate
         self.synced: str | None = None  # digest of what every node has unpacked
         self.mesh = ""  # the tag of the nodes' SSH keys when they reach each other (mesh.py)
 
@@ -293,7 +298,7 @@ class Runner:
                 raise ValueError(
                     f"the job needs {count} nodes but cluster {self.cluster} has {len(self.nodes)}"
                 )
-            check_gpus(spec.gpus_per_node, [n.gpus for n in self.nodes])
+            check_gpus(spec.gpus_on(self.candidate), [n.gpus for n in self.nodes])
             failure = self._sync(job)
             if failure is None and spec.do_setup and spec.setup and not job.cancel_requested:
                 self._status(job, JobStatus.SETTING_UP)
@@ -381,7 +386,7 @@ class Runner:
             job_nodes=count,
             job_id=job.id,
             task=job.task_id,
-            gpus_per_node=spec.gpus_per_node,
+            gpus_per_node=spec.gpus_on(self.candidate),
             master_port=port,
             setup=phase == "setup",
         )
@@ -394,7 +399,7 @@ class Runner:
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."
-        hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_per_node)
+        hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_on(self.candidate))
         job.phase(f"job {job.id}: {phase} on {count} node(s)", {r: r for r in ranks})
         call = run_script(script, common, per_node, hosts, job.id, self.workdirs, self.mesh)
         return self._supervise(job, phase, self.pool.submit_broadcast(call, nodes=ranks), ok=0)

@@ -48,7 +48,12 @@ class JobSpec:
         secrets: secret variables: kept in memory only, redacted from output.
         workdir: absolute local folder synced to every node's working directory.
         file_mounts: node path -> absolute local path, copied to every node.
-        gpus_per_node: the task's accelerators per node.
+        gpus_per_node: the task's accelerators per node (of its first candidate, when
+            it has several: see ``candidate_gpus``).
+        candidate_gpus: a task with candidates (``any_of``, ``ordered``, accelerator sets):
+            each candidate's accelerators per node, in the task's order. The candidate
+            the cluster started on defines the job's (:meth:`gpus_on`), as SkyPilot's
+            launched resources do; empty: ``gpus_per_node`` on any cluster.
         do_setup: whether to run ``setup`` (False for ``exec`` and ``--no-setup``).
         down_after: stop and remove the cluster once this job ends (``launch --down``).
         retries: how many times a failed ``run`` is run again (on the same nodes, with
@@ -64,12 +69,20 @@ class JobSpec:
     workdir: str | None = None
     file_mounts: dict[str, str] = field(default_factory=dict)
     gpus_per_node: int = 0
+    candidate_gpus: list[int] = field(default_factory=list)
     do_setup: bool = True
     down_after: bool = False
     retries: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def gpus_on(self, candidate: int | None) -> int:
+        """Accelerators per node the job needs on a cluster started on its candidate at
+        position ``candidate`` (None: a cluster without candidates)."""
+        if candidate is not None and 0 <= candidate < len(self.candidate_gpus):
+            return self.candidate_gpus[candidate]
+        return self.gpus_per_node
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSpec:

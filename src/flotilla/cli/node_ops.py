@@ -9,7 +9,6 @@ the executor's process group, which includes the script and its children.
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
 import os
 import socket
@@ -22,6 +21,7 @@ from .._client.function import function
 from .._client.mesh import job_env as mesh_env
 from .._info import instance_info
 from .._node import locks, procs, untar
+from .._node.gpus import gpu_count
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -86,7 +86,7 @@ def node_facts(subdir: str = "") -> dict[str, Any]:
         "host": socket.gethostname(),
         "workdir": workdir,
         "agent_pid": os.getppid(),  # the executor is the agent's child
-        "gpus": len(glob.glob("/dev/nvidia[0-9]*")),
+        "gpus": gpu_count(),
         "scheduler_job": os.environ.get("SLURM_JOB_ID", ""),
         "scheduler_node": os.environ.get("SLURMD_NODENAME", ""),
     }

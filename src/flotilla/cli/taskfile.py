@@ -81,8 +81,11 @@ class Resources:
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
-            any of them; a list: in order): every combination, each complete. Empty:
-            these resources only. The first candidate's fields are also this object's.
+            any of them; a list: in order): every combination, each complete (a
+            candidate's fields over the top-level ones, its labels added to theirs, as
+            SkyPilot merges them). Empty: these resources only. The first candidate's
+            fields are also this object's; a job's are those of the candidate its
+            cluster started on (``JobSpec.candidate_gpus``).
         ordered: try the candidates in order (``ordered``, an accelerator list); False:
             cheapest first (``any_of``, an accelerator set).
     """
@@ -510,7 +513,10 @@ class _Parser:
             ordered = ordered and sets[1]
         candidates: list[Resources] = []
         for alt in alternatives:
-            one = replace(base, **alt)
+            # SkyPilot's merge: the candidate's fields over the top-level ones, its
+            # labels added to theirs
+            merged = {**alt, "labels": {**base.labels, **alt["labels"]}} if "labels" in alt else alt
+            one = replace(base, **merged)
             accs = sets[0] if sets is not None and "accelerators" not in alt else ()
             candidates.extend([replace(one, accelerators=a) for a in accs] or [one])
         if len(candidates) == 1:

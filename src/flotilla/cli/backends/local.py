@@ -113,7 +113,9 @@ class LocalBackend(Backend[LocalSpec]):
         command: str,
     ) -> ShellCommand:
         """bash in the node's folder, with the variables a job's ``run`` gets (those of one
-        job only left out)."""
+        job only left out), in the node's mount namespace when it has one (volumes at
+        absolute paths: the node's own mounts)."""
+        from ..._volume import namespace_entry
         from ..jobspec import phase_env, shared_machine_home
 
         common, per_node = phase_env(
@@ -133,6 +135,7 @@ class LocalBackend(Backend[LocalSpec]):
         env.update({k: v for k, v in {**common, **per_node[node]}.items() if k not in skip})
         env.update(shared_machine_home(nodes[node].workdir))  # ~ as in the jobs' run
         argv = ("bash", "-c", command) if command else ("bash", "-i")
+        argv = (*namespace_entry(nodes[node].agent_pid), *argv)
         return ShellCommand(argv, env=env, cwd=nodes[node].workdir)
 
 

@@ -65,7 +65,7 @@ def cmd_jobs_launch(args: argparse.Namespace) -> int:
     volumes = _node_volumes(task, spec)
     if volumes:  # the buckets can be read: before anything is provisioned
         shared = registry.backend_for(spec).shares_filesystem
-        check_volumes(volumes, nodes if shared else 1)
+        check_volumes(volumes, this_machine=shared)
         node_spec(volumes)
     job = _job_spec(task, job_nodes, True, True, False, 0)
     if args.name:

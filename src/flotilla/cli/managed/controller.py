@@ -324,7 +324,14 @@ class Controller:
         facts = pool.broadcast(node_facts("" if shares else f"managed/{self.id}"))
         nodes = [NodeRecord(**f) for f in facts]
         runner = _Runner(
-            pool, self.cluster, self.provider.kind, nodes, shares, self._on_status, self.token
+            pool,
+            self.cluster,
+            self.provider.kind,
+            nodes,
+            shares,
+            self._on_status,
+            self.token,
+            candidate=self.last_candidate,
         )
         with self.lock:
             self.runner = runner
