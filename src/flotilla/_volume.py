@@ -213,7 +213,7 @@ def node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
 
 def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
     """:func:`node_spec` for volumes of a ``Storage``: its endpoint and credentials."""
-    from ._node.volumes import S3Error
+    from ._system.s3 import S3Error
 
     client = storage._client()
     for v in volumes:

@@ -8,9 +8,7 @@
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
     build.py       an Image's environment, built once per content hash (a subprocess)
     interpreter.py a Python of the client's minor version on this node: found or installed
-    untar.py       the one safe archive extraction (bundle, includes, workdir sync)
-    locks.py       the one flock helper (node side and command line)
-    procs.py       the one process-table walk (/proc): start times, liveness, reaping
 
+Its process, lock, private-folder and extraction helpers are ``flotilla._system``'s.
 Standard library only: nodes may have nothing but Python (tests/test_layers.py checks).
 """

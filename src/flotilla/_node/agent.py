@@ -43,9 +43,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._system.procs import has_env, kill_all
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
+from .._wire.protocol import BUILD_STOP_GRACE
 from .eventloop import Outbox, Poller
-from .procs import has_env, kill_all
 from .relay import Relay
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group, signal_group
 
@@ -53,8 +54,6 @@ PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
-BUILD_STOP_GRACE = 5.0
-"""Seconds a stopped environment build gets to remove its half-built folder."""
 NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
 """Set by a provider that made a working folder for this node alone: removed at exit."""
 SWITCH_VAR = "FLOTILLA_PYTHON_SWITCH"
@@ -523,7 +522,7 @@ class Agent:
         if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
             import shutil
 
-            from .volumes import unmount_under
+            from .._system.mounts import unmount_under
 
             os.chdir("/")
             unmount_under(folder)  # never into a bucket: see volumes.py

@@ -47,6 +47,7 @@ from enum import Enum
 from functools import partial
 from typing import Any
 
+from .._system.procs import die_with_parent
 from .._wire.exits import describe_exit
 from .._wire.frames import (
     HEADER,
@@ -61,7 +62,6 @@ from .._wire.frames import (
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
-from .procs import die_with_parent
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""

@@ -12,7 +12,7 @@ import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
-from .._node import procs
+from .._system import procs
 from .base import (
     AgentProcess,
     Allocation,
@@ -213,7 +213,7 @@ def _remove(folder: str) -> None:
 
 
 def _unmount_under(folder: str) -> None:
-    from .._node.volumes import unmount_under  # (imported only when a pool ends)
+    from .._system.mounts import unmount_under  # (imported only when a pool ends)
 
     unmount_under(folder)
 

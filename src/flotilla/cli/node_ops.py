@@ -21,7 +21,7 @@ from typing import Any
 from .._client.function import function
 from .._client.mesh import job_env as mesh_env
 from .._info import instance_info
-from .._node import locks, procs, untar
+from .._system import locks, procs, untar
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
