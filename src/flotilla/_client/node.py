@@ -190,7 +190,7 @@ class NodeEvents:
         """The node builds its environment (and may need the includes archive)."""
 
     def broken(self, node: Node, generation: int, reason: str) -> None:
-        """A process of a group pool was replaced (see ``_plugins``)."""
+        """A process of a group pool was replaced (see ``plugins._base``)."""
 
     def build_output(self, node: Node, data: bytes) -> None:
         """Output of the node's environment build."""
