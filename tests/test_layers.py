@@ -29,7 +29,7 @@ NODE_SIDE_ALSO = (
     "flotilla._info",  # instance_info(), for the plugins' hooks and the task processes
     "flotilla._collections",  # sky.dict, sky.counter...: used by tasks
     "flotilla._errors",  # raised by plugins' checks
-    "flotilla.plugins",  # the executor enters the plugins' hooks; their classes unpickle
+    "flotilla.plugins",  # the plugins' classes unpickle in the executor, which enters their hooks
 )
 """Other flotilla modules the node side may load (``flotilla.plugins`` with its modules)."""
 
@@ -44,7 +44,7 @@ for package in (flotilla._node, flotilla._wire, flotilla._system, flotilla.plugi
 from flotilla._node.executor import main  # and what it imports before it says READY:
 from flotilla._info import instance_info
 from flotilla._wire import serialize
-from flotilla.plugins._base import enter_plugins
+from flotilla._node.hooks import enter_plugins
 import json
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
@@ -109,12 +109,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 TYPE_CHECKING) only from its own layer and the layers below. ``flotilla`` is the package's
 ``__init__`` alone; every other module falls under exactly one of the other names."""
 
-UPWARD = {
-    ("flotilla._node.executor", "flotilla.plugins._base"): "the executor enters the plugins' "
-    "hooks: the plugins arrive pickled (their node-side modules are checked above)",
-}
-"""The imports allowed against the layers, each with its reason."""
-
 NODE_ENTRIES = {
     "flotilla.agent": "``python -m flotilla.agent``, which every provider starts",
     "flotilla._client.feeds": "a streamed argument unpickles on the node as the node's reader",
@@ -171,14 +165,12 @@ NODE_LAYER = next(i for i, names in enumerate(LAYERS) if "flotilla._node" in nam
 
 
 def _upward(module: str, layer: int, target: str) -> bool:
-    """``module`` (of ``layer``) imports ``target`` from a layer above, not as allowed."""
+    """``module`` (of ``layer``) imports ``target`` from a layer above."""
     above = _layer(target)
     if above is None and target.startswith("flotilla."):
         above = 0  # a public name of the face: ``from .. import Pool``
     # (``flotilla`` itself, as the source of ``from .. import x``, is none: x is checked)
-    if above is None or above >= layer:
-        return False
-    return not any(module == m and (target + ".").startswith(t + ".") for m, t in UPWARD)
+    return above is not None and above < layer
 
 
 def _into_the_node_side(module: str, layer: int, target: str) -> bool:

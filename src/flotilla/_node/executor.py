@@ -63,7 +63,7 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
     try:
         from .._info import instance_info, mark_task_process
         from .._wire import serialize as _serialize
-        from ..plugins._base import enter_plugins
+        from .hooks import enter_plugins
 
         mark_task_process()  # a flotilla function called by a task runs right here
         plugins = pickle.loads(blob) if blob else []
