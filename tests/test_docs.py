@@ -1,6 +1,7 @@
 """The documentation names what exists: a module, class or function of flotilla that a
 docstring or a doc page cites in double back-quotes (````_client/node.py````,
-````flotilla._node.volumes````, ````Compute.map````, ````_switch_python````) is there; the
+````flotilla._node.volumes````, ````Compute.map````, ````_switch_python````), or a file a page
+cites in single back-quotes (`_client/shm.py`), is there; the
 README stays short and links to the pages; the internals page's diagram has the layers of
 ``tests/test_layers.py`` and the folders of the package."""
 
@@ -25,6 +26,7 @@ DOCS = ROOT / "docs"
 PAGES = ("guide", "providers", "command-line", "data-and-secrets", "internals", "development")
 
 _QUOTED = re.compile(r"``([^`\n]+)``")
+_SINGLE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -137,15 +139,21 @@ def _path_exists(cited: str) -> bool | None:
     return None  # another program's file (``setup.py``)
 
 
-def _cited(text: str) -> Iterator[str]:
+def _cited(text: str, markdown: bool = False) -> Iterator[str]:
+    """The names ``text`` cites; on a page (``markdown``) also the files it cites in single
+    back-quotes (`_client/shm.py`), outside code blocks."""
     for quoted in _QUOTED.findall(text):
         yield quoted.strip().removesuffix("()")
+    if markdown:
+        for quoted in _SINGLE.findall(re.sub(r"```.*?```", "", text, flags=re.S)):
+            if quoted.endswith(".py") and "*" not in quoted:
+                yield quoted
 
 
-def stale_in(index: Index, text: str) -> list[str]:
+def stale_in(index: Index, text: str, markdown: bool = False) -> list[str]:
     """The citations of ``text`` that name something of flotilla that is not there."""
     stale: list[str] = []
-    for cited in _cited(text):
+    for cited in _cited(text, markdown):
         ok = _path_exists(cited) if "/" in cited or cited.endswith(".py") else None
         if ok is None and _DOTTED.fullmatch(cited):
             ok = _resolves(index, cited)
@@ -177,7 +185,7 @@ def test_what_the_docs_cite_exists() -> None:
     stale = [
         f"{path.relative_to(ROOT)}: ``{cited}``"
         for path in sources
-        for cited in stale_in(_package_index(), _documentation(path))
+        for cited in stale_in(_package_index(), _documentation(path), path.suffix == ".md")
     ]
     assert stale == []
 
@@ -204,6 +212,8 @@ def test_the_citation_check_notices_a_stale_name(tmp_path: Path, cited: str) -> 
     page.write_text(f"Read ``{cited}`` first.\n")
     assert stale_in(_package_index(), _documentation(module)) == [cited, cited]
     assert stale_in(_package_index(), _documentation(page)) == [cited]
+    if cited.endswith(".py"):  # a page's file in single back-quotes too
+        assert stale_in(_package_index(), f"See `{cited}`.", markdown=True) == [cited]
 
 
 @pytest.mark.parametrize(
