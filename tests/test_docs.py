@@ -1,9 +1,9 @@
-"""The documentation names what exists: a module, class or function of flotilla that a
-docstring or a doc page cites in double back-quotes (````_client/node.py````,
-````flotilla._node.volumes````, ````Compute.map````, ````_switch_python````), or a file a page
-cites in single back-quotes (`_client/shm.py`), is there; the
-README stays short and links to the pages; the internals page's diagram has the layers of
-``tests/test_layers.py`` and the folders of the package."""
+"""The documentation names what exists: a module, class, function or file of flotilla that
+a docstring or a doc page cites in double back-quotes (``_client/node.py``,
+``flotilla._node.volumes``, ``Compute.map``, ``_switch_python``), or a file a page cites in
+single back-quotes (`_client/shm.py`), is there; the README stays short and links to the
+pages; the internals page's diagram has the layers of ``tests/test_layers.py`` and the
+folders of the package."""
 
 from __future__ import annotations
 
