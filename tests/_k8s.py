@@ -45,7 +45,7 @@ import pytest
 from _hosts import LabError, free_subnet, next_lab_tag, remove_stale_labs, run
 from _lifecycle import Lifecycle
 
-from flotilla._node.procs import die_with_parent
+from flotilla._system.procs import die_with_parent
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "k8s" / "build.sh"

@@ -284,7 +284,7 @@ class SlurmCluster(Lifecycle):
         srun: their environment names its slurm.conf); how many. A salloc outliving its
         killed client and then its cluster spins on the CPU for ever (seen after
         test_kill_9_releases_the_job_within_30_s; see the issue notes)."""
-        from flotilla._node import procs
+        from flotilla._system import procs
 
         marker = f"SLURM_CONF={self.conf}".encode()
         return procs.kill_all(lambda pid: procs.has_env(pid, marker))

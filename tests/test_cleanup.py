@@ -27,7 +27,7 @@ from _procs import (
 
 import flotilla as sky
 from flotilla._client import shm
-from flotilla._node import procs
+from flotilla._system import procs
 
 STOP_WITHIN = 5.0  # leaving the block stops everything within this many seconds
 ORPHANS_EXIT_WITHIN = 10.0  # agents notice a vanished client within this many seconds

@@ -37,7 +37,7 @@ from _procs import (
 )
 
 from flotilla._errors import ConfigurationError
-from flotilla._node import procs
+from flotilla._system import procs
 from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")

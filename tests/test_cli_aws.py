@@ -93,7 +93,7 @@ def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsL
 
     from _procs import wait_until
 
-    from flotilla._node import procs
+    from flotilla._system import procs
 
     cli.env.update(aws_lab.env)
 
@@ -130,7 +130,7 @@ def test_node_records_follow_a_replaced_instance(cli: CLI, aws_lab: AwsLab) -> N
     ssh --node K`` and the next job reach it."""
     from _procs import cmdline, wait_until
 
-    from flotilla._node import procs
+    from flotilla._system import procs
 
     cli.env.update(aws_lab.env)
     cli.ok(

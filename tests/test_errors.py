@@ -109,13 +109,13 @@ def test_the_docstring_draws_every_flotilla_error() -> None:
 
 def test_the_task_timeout_trap_is_documented_where_it_is_met() -> None:
     """TaskTimeoutError is a TimeoutError, and so is what fut.result(timeout=) raises when
-    one stops waiting: the class and the README say how to tell them apart."""
+    one stops waiting: the class and the guide (docs/guide.md) say how to tell them apart."""
     import concurrent.futures
     from pathlib import Path
 
     assert issubclass(sky.TaskTimeoutError, concurrent.futures.TimeoutError)
     doc = sky.TaskTimeoutError.__doc__ or ""
     assert "fut.result(timeout=...)" in doc and "fut.done()" in doc
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "concurrent.futures.TimeoutError" in readme
-    assert "catch\n`sky.TaskTimeoutError` first" in readme
+    guide = (Path(__file__).parent.parent / "docs" / "guide.md").read_text()
+    assert "concurrent.futures.TimeoutError" in guide
+    assert "catch\n`sky.TaskTimeoutError` first" in guide

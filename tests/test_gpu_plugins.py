@@ -6,7 +6,7 @@ plugins ask for, and the environment contract of every worker process, with stan
 ``nvidia-smi`` and ``nvidia-cuda-mps-control`` on PATH that print what real ones print (MIG
 devices) and log how they were called, and a stand-in ``cuml`` package. What needs a GPU
 (MIG partitions made, an MPS daemon serving CUDA, cuML on a GPU, a provider's slice of a
-GPU) is not tested (README "GPU sharing").
+GPU) is not tested (docs/providers.md, "GPU sharing").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from test_cli import CLI, node_lines, ssh_flags
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
-from flotilla._node import untar
+from flotilla._system import untar
 from flotilla.cli.state import Paths
 
 CLIENT = "%d.%d" % sys.version_info[:2]  # noqa: UP031
@@ -142,7 +142,7 @@ GOOD = _tar(
 )
 _PROBE = """
 import io, os, sys, tarfile
-from flotilla._node import untar
+from flotilla._system import untar
 from flotilla.cli.state import Paths
 dest = sys.argv[1]
 with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:gz") as tar:

@@ -368,7 +368,7 @@ roleRef: {{kind: Role, name: {name}, apiGroup: rbac.authorization.k8s.io}}
 
 
 def test_the_rbac_the_readme_names_is_enough_and_exec_is_needed(k8s_lab: K8sLab) -> None:
-    """A user with exactly README's Role (pods: create/get/list/watch/delete; services and
+    """A user with exactly the documented Role (pods: create/get/list/watch/delete; services and
     secrets: create/list/delete; pods/exec: create) runs a pool with a secret; without
     pods/exec the start fails naming the refusal, and nothing is left."""
     kubeconfig = str(k8s_lab.user_kubeconfig())

@@ -1,5 +1,6 @@
-"""The layers: data flows one way (command line -> client -> providers -> node side, with the
-wire format at the bottom), and the node side needs nothing but the standard library.
+"""The layers: data flows one way (command line -> client -> providers -> specs -> node side
+-> wire format -> the standard-library helpers at the bottom), and the node side needs nothing
+but the standard library. Every module of the package belongs to one layer (``LAYERS``).
 
 The agent runs on machines that have nothing but a Python: the SSH bootstrap ships only
 flotilla and cloudpickle, and an agent must start before any Image is built."""
@@ -19,7 +20,7 @@ import flotilla
 PACKAGE = Path(flotilla.__file__).parent
 SRC = PACKAGE.parent
 
-NODE_SIDE = ("flotilla._node", "flotilla._wire")
+NODE_SIDE = ("flotilla._node", "flotilla._wire", "flotilla._system")
 """The packages the agent and executor are made of."""
 NODE_SIDE_ALSO = (
     "flotilla",  # the package: its __init__ loads nothing until a name is used
@@ -28,7 +29,7 @@ NODE_SIDE_ALSO = (
     "flotilla._info",  # instance_info(), for the plugins' hooks and the task processes
     "flotilla._collections",  # sky.dict, sky.counter...: used by tasks
     "flotilla._errors",  # raised by plugins' checks
-    "flotilla.plugins",  # the executor enters the plugins' hooks; their classes unpickle
+    "flotilla.plugins",  # the plugins' classes unpickle in the executor, which enters their hooks
 )
 """Other flotilla modules the node side may load (``flotilla.plugins`` with its modules)."""
 
@@ -36,14 +37,14 @@ _PROBE = """
 import pkgutil, sys
 sys.path.insert(0, {src!r})
 before = set(sys.modules)  # the interpreter's own start-up (site, .pth files)
-import flotilla, flotilla.agent, flotilla._node, flotilla._wire, flotilla.plugins
-for package in (flotilla._node, flotilla._wire, flotilla.plugins):
+import flotilla, flotilla.agent, flotilla._node, flotilla._wire, flotilla._system, flotilla.plugins
+for package in (flotilla._node, flotilla._wire, flotilla._system, flotilla.plugins):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         __import__(info.name)
 from flotilla._node.executor import main  # and what it imports before it says READY:
 from flotilla._info import instance_info
 from flotilla._wire import serialize
-from flotilla.plugins._base import enter_plugins
+from flotilla._node.hooks import enter_plugins
 import json
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
@@ -71,6 +72,7 @@ def test_the_node_side_loads_only_the_standard_library() -> None:
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
     assert "flotilla._node.agent" in loaded and "flotilla.plugins._torch" in loaded
+    assert "flotilla._system.s3" in loaded
     assert [m for m in loaded if not _node_side_allowed(m)] == []
 
 
@@ -83,14 +85,52 @@ def test_the_probe_notices_a_foreign_module() -> None:
 
 
 # -- one-way imports ---------------------------------------------------------------------------
-RULES = {
-    "flotilla._wire": ("flotilla._node", "flotilla._client", "flotilla._providers", "flotilla.cli"),
-    "flotilla._node": ("flotilla._client", "flotilla._providers", "flotilla.cli"),
-    "flotilla._providers": ("flotilla._client", "flotilla.cli"),
-    "flotilla._client": ("flotilla.cli",),
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("flotilla", "flotilla.__main__"),  # the face: the public names, ``python -m flotilla``
+    ("flotilla.cli",),  # the command line
+    ("flotilla._client", "flotilla._output", "flotilla.plugins"),  # the client and its hooks
+    ("flotilla._providers", "flotilla.providers"),  # where nodes come from
+    (  # the specs a user builds, and what turns them into bytes (both sides of a pool)
+        "flotilla._image",
+        "flotilla._ignore",
+        "flotilla._archive",
+        "flotilla._redaction",
+        "flotilla._volume",
+        "flotilla.storage",
+        "flotilla._accelerators",
+        "flotilla._worker",
+        "flotilla._shard",
+    ),
+    ("flotilla._node", "flotilla.agent", "flotilla._collections", "flotilla._info"),  # node side
+    ("flotilla._wire",),  # the protocol: frames, serialization, constants
+    ("flotilla._system", "flotilla._errors", "flotilla._version"),  # the standard-library bottom
+)
+"""The layers, top first: a module imports (at any level: also inside functions and under
+TYPE_CHECKING) only from its own layer and the layers below. ``flotilla`` is the package's
+``__init__`` alone; every other module falls under exactly one of the other names."""
+
+NODE_ENTRIES = {
+    "flotilla.agent": "``python -m flotilla.agent``, which every provider starts",
+    "flotilla._client.feeds": "a streamed argument unpickles on the node as the node's reader",
 }
-"""Package -> the packages its modules never import (at any level: also inside functions
-and under TYPE_CHECKING)."""
+"""The modules above the node side that import ``flotilla._node``: the rest of the client,
+the providers and the command line reach the node side only through the protocol
+(``_wire``) and share its helpers through ``_system``."""
+
+
+def _layer(name: str) -> int | None:
+    """The index in LAYERS of the layer of a module (or of a name it imports: ``x.y`` in
+    ``from x import y``), None for a name of no layer."""
+    best: tuple[int, int] | None = None  # (length of the matching name, layer)
+    for index, names in enumerate(LAYERS):
+        for unit in names:
+            if unit == "flotilla":
+                continue
+            if (name == unit or name.startswith(unit + ".")) and (
+                best is None or len(unit) > best[0]
+            ):
+                best = (len(unit), index)
+    return None if best is None else best[1]
 
 
 def _module_name(path: Path) -> str:
@@ -121,17 +161,35 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+NODE_LAYER = next(i for i, names in enumerate(LAYERS) if "flotilla._node" in names)
+
+
+def _upward(module: str, layer: int, target: str) -> bool:
+    """``module`` (of ``layer``) imports ``target`` from a layer above."""
+    above = _layer(target)
+    if above is None and target.startswith("flotilla."):
+        above = 0  # a public name of the face: ``from .. import Pool``
+    # (``flotilla`` itself, as the source of ``from .. import x``, is none: x is checked)
+    return above is not None and above < layer
+
+
+def _into_the_node_side(module: str, layer: int, target: str) -> bool:
+    """``module``, above the node side and not one of its entries, imports ``_node``."""
+    into = (target + ".").startswith("flotilla._node.")
+    return into and layer < NODE_LAYER and module not in NODE_ENTRIES
+
+
 def _violations(path: Path) -> list[str]:
     module = _module_name(path)
+    layer = 0 if module == "flotilla" else _layer(module)
     found: dict[int, str] = {}  # one per import statement
-    for package, forbidden in RULES.items():
-        if module != package and not module.startswith(package + "."):
+    if layer is None:
+        return [f"{path.relative_to(SRC)}: {module} is in no layer"]  # give it one in LAYERS
+    for line, target in _imports(path):
+        if line in found:
             continue
-        for line, target in _imports(path):
-            if line in found:
-                continue
-            if any(target == f or target.startswith(f + ".") for f in forbidden):
-                found[line] = f"{path.relative_to(SRC)}:{line}: {module} imports {target}"
+        if _upward(module, layer, target) or _into_the_node_side(module, layer, target):
+            found[line] = f"{path.relative_to(SRC)}:{line}: {module} imports {target}"
     return list(found.values())
 
 
@@ -148,6 +206,18 @@ def test_layers_import_one_way() -> None:
         ("_node/x.py", "def f():\n    from ..cli.main import main\n", "flotilla.cli.main"),
         ("_providers/x.py", "from .. import _client\n", "flotilla._client"),
         ("_client/x.py", "import flotilla.cli.jobs\n", "flotilla.cli.jobs"),
+        ("_system/x.py", "from .._wire import frames\n", "flotilla._wire"),
+        ("_system/x.py", "def f():\n    from .._info import in_task\n", "flotilla._info"),
+        (
+            "_wire/x.py",
+            "from .._system import procs\nfrom .._node import agent\n",
+            "flotilla._node",
+        ),
+        ("_node/x.py", "from ..plugins import _torch\n", "flotilla.plugins"),
+        ("_image.py", "from . import Pool\n", "flotilla.Pool"),
+        # above the node side, only its entries import it (helpers come from _system)
+        ("_providers/x.py", "from .._node.procs import kill_all\n", "flotilla._node.procs"),
+        ("cli/x.py", "from .._node import agent\n", "flotilla._node"),
     ],
 )
 def test_the_layer_check_notices_a_backward_import(
@@ -159,6 +229,17 @@ def test_the_layer_check_notices_a_backward_import(
     (fake / where).write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
     assert [v.rpartition(" imports ")[2] for v in _violations(fake / where)] == [expected]
+
+
+def test_the_layer_check_notices_a_module_of_no_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new top-level module must be given a layer: until then the check above fails."""
+    fake = tmp_path / "flotilla" / "_new.py"
+    fake.parent.mkdir()
+    fake.write_text("import os\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert _violations(fake) == ["flotilla/_new.py: flotilla._new is in no layer"]
 
 
 # -- no import cycles --------------------------------------------------------------------------

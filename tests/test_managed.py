@@ -26,7 +26,7 @@ from _procs import (
 from test_cli import ssh_flags
 
 from flotilla._errors import ConfigurationError
-from flotilla._node import procs
+from flotilla._system import procs
 from flotilla.cli.managed.recovery import (
     Cause,
     JobRecovery,

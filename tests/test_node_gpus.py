@@ -1,5 +1,5 @@
 """A node's GPUs: its ``/dev/nvidia<N>`` device nodes, else the GPUs ``nvidia-smi -L``
-lists (``flotilla._node.gpus``), checked against a stand-in ``nvidia-smi`` on ``PATH``
+lists (``flotilla._system.gpus``), checked against a stand-in ``nvidia-smi`` on ``PATH``
 that prints what the real one prints; a task file's ``accelerators`` on the local
 provider then runs with that many GPUs per node."""
 
@@ -15,7 +15,7 @@ import pytest
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 
-from flotilla._node.gpus import gpu_count
+from flotilla._system.gpus import gpu_count
 
 pytestmark = pytest.mark.skipif(
     bool(glob.glob("/dev/nvidia[0-9]*")),

@@ -1,5 +1,5 @@
 """The node side's machine helpers shared with the command line: file locks
-(``_node/locks.py``) and the ``/proc`` walk (``_node/procs.py``), on real processes."""
+(``_system/locks.py``) and the ``/proc`` walk (``_system/procs.py``), on real processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from _procs import wait_until
 
 from flotilla._errors import ConfigurationError
-from flotilla._node import locks, procs
+from flotilla._system import locks, procs
 
 SRC = str(Path(locks.__file__).parents[2])
 
@@ -28,7 +28,7 @@ def _holder(path: Path) -> subprocess.Popen[str]:
     code = textwrap.dedent(
         f"""
         import sys
-        from flotilla._node import locks
+        from flotilla._system import locks
         with locks.exclusive({str(path)!r}):
             print("held", flush=True)
             sys.stdin.read()

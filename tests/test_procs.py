@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from flotilla._node import procs
+from flotilla._system import procs
 
 
 @pytest.fixture(params=["proc", "ps"])

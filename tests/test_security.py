@@ -30,8 +30,8 @@ from test_cli import CLI, SRC
 from test_cli import cli as cli  # the fixture
 
 from flotilla._errors import ConfigurationError
-from flotilla._node.locks import exclusive
-from flotilla._node.private import open_private_file, private_dir
+from flotilla._system.locks import exclusive
+from flotilla._system.private import open_private_file, private_dir
 from flotilla.cli.state import (
     ClusterRecord,
     ClusterState,

@@ -10,7 +10,7 @@ flow                       redaction point
 =========================  =============================================================
 task output lines          ``_PoolEvents.output`` (console and the CLI daemon's sink);
                            the CLI's ``Job.output`` for the job's own secrets
-exceptions, tracebacks     ``Compute._settle`` (:func:`redact_exception`), before a
+exceptions, tracebacks     ``Dispatcher.settle`` (:func:`redact_exception`), before a
                            future holds the error; node start-up errors in ``Node``
 progress and build output  ``console.redact`` (start-up rows, bars, build output)
 job reports, state files   ``Job.finish`` (the report; the state keeps its first line)

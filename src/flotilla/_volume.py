@@ -162,11 +162,9 @@ def private_view_refusal(paths: Sequence[str]) -> str | None:
     import subprocess
     import sys
 
-    from ._node import volumes as node_volumes
-
     try:
         done = subprocess.run(
-            [sys.executable, node_volumes.__file__, "--probe"],
+            [sys.executable, "-m", "flotilla._node.volumes", "--probe"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -301,7 +299,7 @@ def _node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
 
 def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
     """:func:`node_spec` for volumes of a ``Storage``: its endpoint and credentials."""
-    from ._node.volumes import S3Error
+    from ._system.s3 import S3Error
 
     client = storage._client()
     for v in volumes:

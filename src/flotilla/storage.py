@@ -8,7 +8,7 @@ upload a dataset before a pool starts, download what its nodes wrote after.
         s.exists("my-bucket", "model.pkl"); s.rm("my-bucket", "old/")      # a key or prefix
 
 Requests are signed with SigV4 by the standard-library client that volumes use on nodes
-(``_node/volumes.py``); no SDK is needed. Credentials: given (a string, or a callable
+(``_system/s3.py``); no SDK is needed. Credentials: given (a string, or a callable
 returning one, possibly async), else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 (and ``AWS_SESSION_TOKEN``), else boto3's chain when boto3 is installed. The presets
 (``S3``, ``R2``, ``GCS``, ``Wasabi``, ``Backblaze``, ``Hyperstack``) fill in the endpoint.
@@ -26,8 +26,8 @@ from types import TracebackType
 from typing import Any, TypeAlias
 
 from ._errors import ConfigurationError, FlotillaError
-from ._node.volumes import S3 as _Client
-from ._node.volumes import S3Error
+from ._system.s3 import S3 as _Client
+from ._system.s3 import S3Error
 
 Credential: TypeAlias = str | Callable[[], str | Awaitable[str]]
 

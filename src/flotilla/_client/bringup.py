@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._accelerators import Accelerator
 from .._errors import ProvisionError
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Options
+from .._wire.bodies import Config
 from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
 from . import shm
 from .console import Console
 from .interpreter import Policy, settle
 from .node import Node
+
+T = TypeVar("T")
 
 
 class Bringup:
@@ -148,7 +151,7 @@ class Bringup:
     def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
         """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
         info = self.info(node, nodes)
-        config = {
+        config: Config = {
             "pool_id": self.pool_id,
             "procs": self.workers,
             "compute_pool": info.to_json(),
@@ -169,10 +172,10 @@ class Bringup:
 
 async def wait_all(
     nodes: Sequence[Node],
-    futures: Sequence[asyncio.Future[dict[str, Any]] | None],
+    futures: Sequence[asyncio.Future[T] | None],
     timeout: float,
     what: str,
-) -> list[dict[str, Any]]:
+) -> list[T]:
     """The results of ``futures`` (one per node of ``nodes``, None: nothing to wait for)
     within ``timeout`` s: the first failure in node order, or a ProvisionError naming the
     nodes that did not ``what`` in time."""

@@ -498,7 +498,7 @@ class Compute(PoolCollections, Pool):
             node.state = NodeState.CLOSED
         grace = self.options.shutdown_grace + 0.5
         if self._built:  # an agent stopping a build waits for it to remove its folder
-            from .._node.agent import BUILD_STOP_GRACE
+            from .._wire.protocol import BUILD_STOP_GRACE
 
             grace += BUILD_STOP_GRACE
         if any(not v.read_only for v in self.volumes):  # the agents write back, then exit

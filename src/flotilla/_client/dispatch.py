@@ -11,7 +11,7 @@ node answers. The policy, in one place:
   raised one of its ``retry_on`` exception types, runs again: a broadcast's call on the same
   rank, a single call on another node when there is one.
 - **Group restarts.** In a pool whose processes form one group (``forms_group`` plugins),
-  one rank failing while its siblings still run restarts every process (see ``_plugins``),
+  one rank failing while its siblings still run restarts every process (see ``plugins._base``),
   and a broadcast's call is never retried alone (it would wait for the others forever).
   The failure is *held* until every sibling has ended (finished, or aborted by the
   restart): a failed broadcast returns only then, so the next call is sent after the
@@ -55,7 +55,7 @@ from .stream import collected, yields
 logger = logging.getLogger("flotilla")
 STRAGGLER_GRACE = 1.0
 """Seconds the other calls of a broadcast get to finish after one raised, in a group pool,
-before the group is restarted (see ``_plugins``)."""
+before the group is restarted (see ``plugins._base``)."""
 
 Telling = Callable[[list[Node], list[Node]], list[Node]]
 """Tells nodes (the second list) the pool's new nodes (the first) without waiting; the
@@ -490,7 +490,7 @@ class Dispatcher:
         self.restart_group(cause, sub.generation)
 
     def restart_group(self, cause: str, generation: int) -> None:
-        """Restart every process of a group pool (see ``_plugins``), once per ``generation``
+        """Restart every process of a group pool (see ``plugins._base``), once per ``generation``
         of the group: later reports of the same break are ignored."""
         if generation != self.generation or not self.running():
             return

@@ -29,6 +29,7 @@ from typing import Any
 from .._errors import ConfigurationError, ProvisionError
 from .._image import Image
 from .._redaction import plain_env
+from .._wire.bodies import Hello
 from .._wire.frames import Kind
 from .node import Node
 
@@ -97,7 +98,7 @@ async def settle(
 
 
 async def _settle(node: Node, policy: Policy, say: Callable[[str], None], timeout: float) -> None:
-    first = dict(node.hello_info)
+    first = node.hello_info.copy()
     if _minor(str(first.get("python_version", ""))) == client_minor():
         return
     if policy.pinned:
@@ -121,7 +122,7 @@ async def _settle(node: Node, policy: Policy, say: Callable[[str], None], timeou
         ) from None
     search = info.get("python_search")
     if search is not None or _minor(str(info.get("python_version", ""))) != client_minor():
-        looked = (search or {}).get("looked", [])
+        looked = search["looked"] if search else []
         raise _refusal(node, first, policy, "; ".join(looked) or "nothing found")
     how = "installed" if info.get("switched_from", {}).get("installed") else "found"
     say(
@@ -135,7 +136,7 @@ def _client_version() -> str:
     return "%d.%d.%d" % sys.version_info[:3]  # noqa: UP031
 
 
-def _refusal(node: Node, hello: dict[str, Any], policy: Policy, looked: str) -> ProvisionError:
+def _refusal(node: Node, hello: Hello, policy: Policy, looked: str) -> ProvisionError:
     """The error for a node without the client's Python minor version: both versions and
     the three ways out."""
     have, python, want = hello.get("python_version", "?"), hello.get("python", "?"), client_minor()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._info import instance_info
-from .._node import locks
+from .._system import locks
 from .function import function
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import NodeLostError, ProvisionError
 from .._providers.base import AgentProcess
+from .._wire.bodies import Config, Hello, Ready, dump, load_hello, load_ready
 from .._wire.exits import exit_signal, exit_summary
 from .._wire.frames import HEADER, TASK_HEAD, UNMAPPED, Buffer, Kind, Status, frame
 from .._wire.serialize import Pickled, encode
@@ -190,7 +191,7 @@ class NodeEvents:
         """The node builds its environment (and may need the includes archive)."""
 
     def broken(self, node: Node, generation: int, reason: str) -> None:
-        """A process of a group pool was replaced (see ``_plugins``)."""
+        """A process of a group pool was replaced (see ``plugins._base``)."""
 
     def build_output(self, node: Node, data: bytes) -> None:
         """Output of the node's environment build."""
@@ -238,16 +239,16 @@ class Node:
         self.busy = [0]  # calls in flight per local rank
         self.defined: set[int] = set()
         self.shm = False
-        self.hello_info: dict[str, Any] = {}
-        self.ready_info: dict[str, Any] = {}
+        self.hello_info: Hello = {}
+        self.ready_info: Ready = {}
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL)
         self._err_partial = b""
         self._out: dict[int, LineAssembler] = {}  # by OUTPUT ident (stream, local rank)
         self._on_result = on_result
         self._on_lost = on_lost
         self.events = events or NodeEvents()
-        self.hello: asyncio.Future[dict[str, Any]] | None = None
-        self.ready: asyncio.Future[dict[str, Any]] | None = None
+        self.hello: asyncio.Future[Hello] | None = None
+        self.ready: asyncio.Future[Ready] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.last_heard = time.monotonic()  # when the agent last sent anything
         self.loss = "its agent exited"  # why the node was lost, once it is
@@ -276,9 +277,9 @@ class Node:
         self.last_heard = time.monotonic()
         self.proc.start_reading(loop, self._on_frames, self._on_stderr)
 
-    def configure(self, config: dict[str, Any], blob: bytes) -> None:
+    def configure(self, config: Config, blob: bytes) -> None:
         self.busy = [0] * int(config.get("procs", 1))
-        data = json.dumps(config).encode()
+        data = dump(config)
         self.state = NodeState.CONFIGURING
         with self.write_lock:
             self.proc.write(
@@ -444,12 +445,12 @@ class Node:
             elif kind == Kind.HAVE:
                 self._on_have(json.loads(body))
             elif kind == Kind.HELLO:
-                self.hello_info = json.loads(body)
+                self.hello_info = load_hello(body)
                 self.events.phase(self, "starting")
                 if self.hello and not self.hello.done():
                     self.hello.set_result(self.hello_info)
             elif kind == Kind.READY:
-                self._on_ready(json.loads(body))
+                self._on_ready(load_ready(body))
             elif kind == Kind.BROKEN:
                 self.events.broken(self, ident, bytes(body).decode(errors="replace"))
             elif kind == Kind.PROGRESS:
@@ -469,7 +470,7 @@ class Node:
         if fan is not None and self.loop is not None:
             self.loop.run_in_executor(None, fan.send_direct, self, why)
 
-    def _on_ready(self, info: dict[str, Any]) -> None:
+    def _on_ready(self, info: Ready) -> None:
         if "error" in info:
             detail = info["error"].rstrip()
             tail = info.get("stderr_tail", "").rstrip()

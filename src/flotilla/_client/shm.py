@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .._node import procs
+from .._system import procs
 from .._wire.serialize import (
     SHM_DIR,
     Pickled,

@@ -6,11 +6,10 @@
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
     batching.py    the agent's scheduling policy: SCHED_BATCH while its executors' tasks queue
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time
+    hooks.py       the plugins' around_process hooks, entered by each executor
     build.py       an Image's environment, built once per content hash (a subprocess)
     interpreter.py a Python of the client's minor version on this node: found or installed
-    untar.py       the one safe archive extraction (bundle, includes, workdir sync)
-    locks.py       the one flock helper (node side and command line)
-    procs.py       the one process-table walk (/proc): start times, liveness, reaping
 
+Its process, lock, private-folder and extraction helpers are ``flotilla._system``'s.
 Standard library only: nodes may have nothing but Python (tests/test_layers.py checks).
 """

@@ -43,9 +43,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._system.procs import has_env, kill_all
+from .._wire.bodies import Config, Hello, PythonSearch, Ready, dump, load_config
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
+from .._wire.protocol import BUILD_STOP_GRACE
 from .eventloop import Outbox, Poller
-from .procs import has_env, kill_all
 from .relay import Relay
 from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group, signal_group
 
@@ -53,8 +55,6 @@ PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
 _DEFAULT_HEARTBEAT_TIMEOUT = 60.0
-BUILD_STOP_GRACE = 5.0
-"""Seconds a stopped environment build gets to remove its half-built folder."""
 NODE_DIR_VAR = "FLOTILLA_NODE_DIR"
 """Set by a provider that made a working folder for this node alone: removed at exit."""
 SWITCH_VAR = "FLOTILLA_PYTHON_SWITCH"
@@ -79,7 +79,7 @@ class Agent:
         self.executors = Supervisor(self.sel, self.client, (self.proto_in, self.proto_out))
         self.relay = Relay(self.sel, self.client, self.executors.submit_task)
         self.executors.inherited = self.relay.fds
-        self.config: dict[str, Any] | None = None
+        self.config: Config | None = None
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
         self.heartbeat_timeout = _DEFAULT_HEARTBEAT_TIMEOUT
@@ -175,14 +175,14 @@ class Agent:
                 self.sel.unregister(box.fd)
 
     # -- client side -------------------------------------------------------------------
-    def _hello(self, extra: dict[str, Any] | None = None) -> None:
+    def _hello(self, search: PythonSearch | None = None) -> None:
         port = free_port_block(PORT_BLOCK)
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot_id = f.read().strip()
         except OSError:
             boot_id = ""
-        hello = {
+        hello: Hello = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "boot_id": boot_id,
@@ -193,8 +193,9 @@ class Agent:
         switched = os.environ.pop(SWITCH_VAR, "")
         if switched:  # this interpreter replaced another one: the client says so
             hello["switched_from"] = json.loads(switched)
-        hello.update(extra or {})
-        self.client.send(frame(Kind.HELLO, 0, json.dumps(hello).encode()))
+        if search is not None:  # no Python of the client's minor version here
+            hello["python_search"] = search
+        self.client.send(frame(Kind.HELLO, 0, dump(hello)))
 
     def _on_client(self) -> None:
         try:
@@ -244,8 +245,7 @@ class Agent:
             looked = found.looked + installed.looked
             found = interpreter.Found(installed.path, installed.version, looked, True)
         if not found.path or self.config is not None:
-            search = {"wanted": minor, "looked": list(found.looked)}
-            self._hello({"python_search": search})
+            self._hello({"wanted": minor, "looked": list(found.looked)})
             return
         left = {"python_version": interpreter.this_python(), "python": sys.executable}
         os.environ[SWITCH_VAR] = json.dumps({**left, "installed": found.installed})
@@ -264,12 +264,12 @@ class Agent:
             if self.cloud_env is not None:
                 os.environ.pop("FLOTILLA_CLOUD", None)  # (the tasks do not inherit it)
             failed = [*found.looked, f"{found.path} (cannot be started: {e})"]
-            self._hello({"python_search": {"wanted": minor, "looked": failed}})
+            self._hello({"wanted": minor, "looked": failed})
 
     def _configure(self, _: int, body: Body) -> None:
         """CONFIG: the pool's settings; then build the Image, or start the executors."""
         n = int.from_bytes(body[:4], "little")
-        config: dict[str, Any] = json.loads(bytes(body[4 : 4 + n]))
+        config = load_config(bytes(body[4 : 4 + n]))
         blob = bytes(body[4 + n :])
         self.heartbeat_timeout = float(config.get("heartbeat_timeout", _DEFAULT_HEARTBEAT_TIMEOUT))
         self.next_beat = time.monotonic() + self.heartbeat_timeout / 4
@@ -387,8 +387,8 @@ class Agent:
 
     def _volumes_failed(self, why: str) -> None:
         self.volumes_settled = True
-        error = {"error": f"the volumes could not be set up on this node: {why}"}
-        self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
+        error: Ready = {"error": f"the volumes could not be set up on this node: {why}"}
+        self.client.send(frame(Kind.READY, 0, dump(error)))
 
     def _stop_volumes(self) -> None:
         """Close the helper's stdin and wait for it: it writes back and unmounts."""
@@ -469,14 +469,14 @@ class Agent:
             return
         tail = b"\n".join([*self.build_tail, self.build_partial]).decode(errors="replace")
         reason = f": {self.build_error}" if self.build_error else ""
-        error = {
+        error: Ready = {
             "error": f"the environment build failed in step {self.build_step!r} "
             f"with exit code {code}{reason}",
             "build_step": self.build_step,
             "exitcode": code,
             "stderr_tail": tail,
         }
-        self.client.send(frame(Kind.READY, 0, json.dumps(error).encode()))
+        self.client.send(frame(Kind.READY, 0, dump(error)))
 
     # -- shutdown ----------------------------------------------------------------------
     def _shutdown(self, _: int, __: Body) -> None:
@@ -535,7 +535,7 @@ class Agent:
         if folder and self.own_dir and os.path.isdir(folder) and not os.path.islink(folder):
             import shutil
 
-            from .volumes import unmount_under
+            from .._system.mounts import unmount_under
 
             os.chdir("/")
             unmount_under(folder)  # never into a bucket: see volumes.py

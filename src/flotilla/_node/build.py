@@ -25,8 +25,8 @@ import tarfile
 import tempfile
 from typing import Any
 
-from .locks import exclusive
-from .untar import UnsafeArchive, extract
+from .._system.locks import exclusive
+from .._system.untar import UnsafeArchive, extract
 
 
 def interpreter_key() -> str:

@@ -36,11 +36,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from .procs import die_with_parent
+from .._system.procs import die_with_parent
+from .._wire.protocol import CLOUD_ENV as ENV
+from .._wire.protocol import CLOUD_NOTICE as NOTICE
 
-ENV = "FLOTILLA_CLOUD"
-NOTICE = b"FLOTILLA_CLOUD NOTICE "
-"""Prefix of the stderr line that announces an interruption."""
 _TOKEN_TTL = 21600
 
 

@@ -24,6 +24,7 @@ from functools import partial
 from types import GeneratorType
 from typing import Any, NoReturn
 
+from .._wire.bodies import Config, dump
 from .._wire.frames import (
     CREDIT_BODY,
     STREAM_WINDOW,
@@ -38,7 +39,7 @@ from .._wire.frames import (
 )
 
 
-def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
+def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
     """Run the executor loop; never returns."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
@@ -62,7 +63,7 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     try:
         from .._info import instance_info, mark_task_process
         from .._wire import serialize as _serialize
-        from ..plugins._base import enter_plugins
+        from .hooks import enter_plugins
 
         mark_task_process()  # a flotilla function called by a task runs right here
         plugins = pickle.loads(blob) if blob else []
@@ -71,15 +72,15 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
             unreachable = preflight(info)
             if unreachable:
-                _send(wfd, Kind.READY, 0, json.dumps({"error": unreachable}).encode())
+                _send(wfd, Kind.READY, 0, dump({"error": unreachable}))
                 _flush()
                 os._exit(1)
         enter_plugins(stack, plugins, instance_info())
     except BaseException:
-        _send(wfd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
+        _send(wfd, Kind.READY, 0, dump({"error": traceback.format_exc()}))
         _flush()
         os._exit(1)
-    _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
+    _send(wfd, Kind.READY, 0, dump({"pid": os.getpid()}))
 
     from . import feeds
 

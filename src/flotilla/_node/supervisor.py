@@ -45,8 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
-from typing import Any
 
+from .._system.procs import die_with_parent
+from .._wire.bodies import Config, Ready, dump, load_ready
 from .._wire.exits import describe_exit
 from .._wire.frames import (
     HEADER,
@@ -61,7 +62,6 @@ from .._wire.frames import (
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
-from .procs import die_with_parent
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
@@ -149,7 +149,7 @@ class Supervisor:
         self.sel = sel
         self.client = client
         self.agent_fds = agent_fds
-        self.config: dict[str, Any] | None = None
+        self.config: Config | None = None
         self.blob = b""  # the pickled plugins, for each executor
         self.defines: list[list[Buffer]] = []  # every DEFINE, for each new executor
         self.slots: list[Slot] = []
@@ -168,10 +168,10 @@ class Supervisor:
         # the collections' requests relayed to the client: agent id -> (executor, its id)
         self.requests: dict[int, tuple[Executor, int]] = {}
         self.request_ids = itertools.count(1)
-        self.ready_extra: dict[str, Any] = {}  # more for the node's READY (the relay port)
+        self.ready_extra: Ready = {}  # more for the node's READY (the relay port)
         self.inherited: Callable[[], list[int]] = list  # the agent's other descriptors
 
-    def configure(self, config: dict[str, Any], blob: bytes) -> None:
+    def configure(self, config: Config, blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
         self.config = config
         self.blob = blob
@@ -348,7 +348,7 @@ class Supervisor:
                     os.close(fd)
                 from .executor import main
 
-                main(dict(self.config, local_rank=slot.rank), self.blob, r_task, w_res)
+                main({**self.config, "local_rank": slot.rank}, self.blob, r_task, w_res)
             finally:
                 os._exit(70)
         for fd in (r_task, w_res, w_out, w_err):
@@ -521,23 +521,23 @@ class Supervisor:
         """The executor is set up (or failed to be); READY goes to the client once the
         whole node is up."""
         slot = ex.slot
-        info = json.loads(body)
+        info = load_ready(body)
         if "error" in info:
             ex.state = ExecState.FAILED
             info["local_rank"] = slot.rank
-            self.client.send(frame(Kind.READY, 0, json.dumps(info).encode()))
+            self.client.send(frame(Kind.READY, 0, dump(info)))
             return
         ex.state = ExecState.RUNNING
         first = not all(s.ready for s in self.slots)
         slot.ready = True
         if first and all(s.ready for s in self.slots):  # the whole node is up
-            ready = {
+            ready: Ready = {
                 "pids": [s.executor.pid for s in self.slots if s.executor],
                 "restarts": sum(s.restarts for s in self.slots),
                 "shm": bool(self.config and self.config["shm_prefix"]),
                 **self.ready_extra,
             }
-            self.client.send(frame(Kind.READY, 0, json.dumps(ready).encode()))
+            self.client.send(frame(Kind.READY, 0, dump(ready)))
 
     def _on_output(self, ex: Executor, stream: int) -> None:
         self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
@@ -574,7 +574,7 @@ class Supervisor:
             return
         tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
         exitcode = os.waitstatus_to_exitcode(status) if status is not None else None
-        death = {
+        death: Ready = {
             "exitcode": exitcode,
             "stderr_tail": b"\n".join(tail).decode(errors="replace"),
             "pid": ex.pid,
@@ -585,9 +585,7 @@ class Supervisor:
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
                 error = "the executor process exited during start-up"
-                self.client.send(
-                    frame(Kind.READY, 0, json.dumps({"error": error, **death}).encode())
-                )
+                self.client.send(frame(Kind.READY, 0, dump({"error": error, **death})))
             return
         task = slot.tasks.popleft() if slot.tasks and slot.fed else None
         slot.fed = 0  # the tasks given after it did not start: the next process gets them

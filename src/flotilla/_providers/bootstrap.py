@@ -16,7 +16,7 @@ Python process (:data:`_BOOT`), which becomes the agent: it checks the interpret
 takes the agent lock when the provider asks for one, and, when the bundle is there, runs the
 agent at once (``runpy``, as ``-m flotilla.agent``). Otherwise it answers ``NEED_UPLOAD``
 and reads the bundle (its exact size) from stdin: it checks the hash, extracts it
-(:mod:`flotilla._node.untar`, the node side's one safe extraction, also on Python
+(:mod:`flotilla._system.untar`, the node side's one safe extraction, also on Python
 3.11.0-3.11.3) into a temporary directory and renames that into place (atomic: concurrent
 pools never see a half-extracted bundle), then goes on as the agent. Either way a start
 costs one shell and one Python start.
@@ -52,7 +52,7 @@ from enum import Enum
 from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
 from .._errors import ProvisionCause, ProvisionError
-from .._node import untar
+from .._system import untar
 from .pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")

@@ -11,7 +11,7 @@ import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
-from .._node import procs
+from .._system import procs
 from .base import (
     AgentProcess,
     Allocation,
@@ -212,7 +212,7 @@ def _remove(folder: str) -> None:
 
 
 def _unmount_under(folder: str) -> None:
-    from .._node.volumes import unmount_under  # (imported only when a pool ends)
+    from .._system.mounts import unmount_under  # (imported only when a pool ends)
 
     unmount_under(folder)
 
@@ -234,8 +234,8 @@ def user_code_path() -> list[str]:
 
 
 def local_gpu_count() -> int:
-    """Number of NVIDIA GPUs of this machine (see ``_node.gpus``)."""
-    from .._node.gpus import gpu_count
+    """Number of NVIDIA GPUs of this machine (see ``_system.gpus``)."""
+    from .._system.gpus import gpu_count
 
     return gpu_count()
 

@@ -97,7 +97,7 @@ class SSHSettings:
             ``known_hosts`` and record its key there. A changed key is always refused.
         python: interpreter on the hosts, of the client's Python minor version (default:
             ``python3``, or, when that is another minor version, one found on the host;
-            see README "Python on the nodes"). Given, it is only checked.
+            see docs/guide.md, "Python on the nodes"). Given, it is only checked.
         workdir: directory on the hosts for flotilla's files and the agents' working
             directory; ``~`` is the login user's home.
         connect_timeout: seconds to connect and authenticate to one host (whole seconds

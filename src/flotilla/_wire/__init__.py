@@ -1,4 +1,5 @@
-"""The wire format shared by client and node: frames, serialization, exit descriptions.
+"""The wire format shared by client and node: frames, the typed bodies of HELLO, CONFIG and
+READY, the protocol's constants, serialization, exit descriptions.
 
 Standard library only: the node side imports it.
 """

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from .._errors import FlotillaError
-from .._node import procs
+from .._system import procs
 from .._volume import Volume
 from .console import CLIError, say, show, tail
 from .conventions import EXIT_LOST, EXIT_PROVISION

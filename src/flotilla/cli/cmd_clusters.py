@@ -10,7 +10,7 @@ import sys
 import time
 
 from .._errors import ConfigurationError, FlotillaError
-from .._node import procs
+from .._system import procs
 from .backends import registry
 from .clusters import running
 from .console import CLIError, duration, say, table

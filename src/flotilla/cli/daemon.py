@@ -31,9 +31,9 @@ from typing import Any
 from .._client import mesh
 from .._client.compute import Compute
 from .._errors import FlotillaError
-from .._node import procs
-from .._node.private import socket_address
 from .._redaction import redact
+from .._system import procs
+from .._system.private import socket_address
 from .._volume import Volume
 from .backends import registry
 from .conventions import EXIT_LOST

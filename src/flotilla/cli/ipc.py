@@ -38,7 +38,7 @@ def encode(obj: Event) -> bytes:
 
 def connect(path: Path) -> socket.socket:
     """A connection to the daemon listening at ``path`` (OSError when there is none)."""
-    from .._node.private import socket_address
+    from .._system.private import socket_address
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -27,8 +27,8 @@ from typing import IO, Any
 
 from .._client.compute import Compute
 from .._client.lines import Throttle
-from .._node.private import private_dirs
 from .._redaction import is_secret, redact
+from .._system.private import private_dirs
 from .._wire.exits import describe_exit
 from .backends.base import check_gpus
 from .conventions import EXIT_INTERRUPTED

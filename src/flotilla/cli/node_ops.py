@@ -20,8 +20,8 @@ from typing import Any
 from .._client.function import function
 from .._client.mesh import job_env as mesh_env
 from .._info import instance_info
-from .._node import locks, procs, untar
-from .._node.gpus import gpu_count
+from .._system import locks, procs, untar
+from .._system.gpus import gpu_count
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""

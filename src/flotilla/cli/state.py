@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError, FlotillaError
-from .._node import locks, procs
-from .._node.private import flotilla_home as flotilla_home
-from .._node.private import private_dirs
+from .._system import locks, procs
+from .._system.private import flotilla_home as flotilla_home
+from .._system.private import private_dirs
 
 NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 
@@ -408,7 +408,7 @@ def delete(paths: Paths, generation: int | None = None) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         if paths.nodes.is_dir():  # never into a bucket a node left mounted
-            from .._node.volumes import unmount_under
+            from .._system.mounts import unmount_under
 
             unmount_under(str(paths.nodes))
         shutil.rmtree(paths.dir, ignore_errors=True)

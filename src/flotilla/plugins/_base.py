@@ -30,8 +30,7 @@ again.
 
 from __future__ import annotations
 
-import gc
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 from typing import Any
 
 from .._info import InstanceInfo
@@ -57,28 +56,3 @@ class Plugin:
         """Context entered on the client once the pool runs, in the thread that opened it,
         and exited when it closes (``pool`` is the running ``Compute``)."""
         return None
-
-
-def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> None:
-    """Enter each plugin's ``around_process`` context, in order, on ``stack``.
-
-    The hooks import frameworks (torch, jax...): hundreds of thousands of objects that live
-    as long as the process. The cyclic garbage collector is paused meanwhile (its passes
-    over them found nothing and cost a fifth of ``import torch``), and what exists
-    afterwards is frozen (``gc.freeze``), so that later collections in the user's tasks do
-    not walk it again either.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for plugin in plugins:
-            hook = getattr(plugin, "around_process", None)
-            if hook is None:
-                continue
-            cm = hook(info)
-            if cm is not None:
-                stack.enter_context(cm)
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()

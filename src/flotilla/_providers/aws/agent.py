@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import ProvisionCause, ProvisionError
-from ..._node.cloud import NOTICE
+from ..._wire.protocol import CLOUD_NOTICE as NOTICE
 from ..base import AgentProcess, FramesCallback, GiveUp
 
 RETRIED = frozenset({ProvisionCause.UNREACHABLE, ProvisionCause.NO_ANSWER})

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..._node.private import private_dir
+from ..._system.private import private_dir
 
 STATE_FILE = "pool.json"
 LOGIN_KEY = "login_key"

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..._node import procs
+from ..._system import procs
 from .api import Api, error_code, translate
 from .kept import TAG_STOPPED
 from .keys import FOLDER_PREFIX

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, FlotillaError, ProvisionCause, ProvisionError
-from ..._node.cloud import ENV as CLOUD_ENV
+from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target

@@ -42,7 +42,7 @@ class AWSSettings:
             pool's security group (a task file's ``ports``); none by default.
         workdir: folder on the instances for flotilla's files.
         python: interpreter on the instances (default: ``python3``, or one of the client's
-            minor version found there; see README "Python on the nodes").
+            minor version found there; see docs/guide.md, "Python on the nodes").
         poweroff_command: what the instance watchdog runs when ``ttl`` expires, and the
             boot guard (as root, with ``FLOTILLA_BOOT_GUARD=1`` set) when no agent started.
         connect_timeout: seconds for one SSH connection attempt.

@@ -5,7 +5,7 @@ through ``<binary> exec -i``.
 network of their own (``flotilla-<pool>``, made first, removed last) or on a shared one
 (``Container(network=...)``: made when missing, never removed). Every container and the
 pool's network carry the labels ``flotilla.managed=true``, ``flotilla.pool=<id>``,
-``flotilla.client=<host:pid:start>`` (and ``flotilla.rank``). A container's own process is a
+``flotilla.client=<host:pid:start>`` (and ``flotilla.rank=<rank>``). A container's own process is a
 *holder* (a few lines of Python that wait for SIGTERM): the agent starts in it with
 ``exec -i``, whose stdin/stdout are the protocol channel, and the client's flotilla is sent
 over it once per container (no SSH daemon, no image build). ``instance_info().peers`` are
@@ -169,7 +169,7 @@ class Container(Provider):
     ``Compute(provider=Container(binary="podman"), nodes=3)``: three containers on a network
     of their own, forming one cluster (peers, head, DDP across them). Needs the engine's
     command on this machine and an image with Python of the client's minor version (see
-    README "Local containers").
+    docs/providers.md, "Local containers").
 
     Args: the fields of :class:`ContainerSettings`.
     """

@@ -132,7 +132,7 @@ class Kubernetes(Provider):
 
     ``Compute(provider=Kubernetes(namespace="ml"), nodes=4, accelerator="A100:8")``. Needs
     ``kubectl`` on this machine and, in the namespace, the right to create, get, list and
-    delete pods and to exec into them (see README "Kubernetes").
+    delete pods and to exec into them (see docs/providers.md, "Kubernetes").
 
     Args: the fields of :class:`KubernetesSettings`.
     """

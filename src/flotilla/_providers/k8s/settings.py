@@ -23,7 +23,7 @@ class KubernetesSettings:
             else the pod's service account when the client itself runs in a pod).
         python: interpreter in the pods' image, of the client's Python minor version
             (default: ``python3``, or, when that is another minor version, one found there;
-            see README "Python on the nodes"). Given, it is only checked.
+            see docs/guide.md, "Python on the nodes"). Given, it is only checked.
         image: the pods' container image (default: ``python:<client's X.Y>-slim``). It
             needs a Python interpreter; no SSH daemon.
         workdir: folder in the pods for flotilla's files and the agents' working directory.

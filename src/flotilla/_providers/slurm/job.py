@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..._node.procs import die_with_parent
+from ..._system.procs import die_with_parent
 from ..pipe import read_chunks
 from .settings import parse_time
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
-from ..._node.cloud import ENV as CLOUD_ENV
+from ..._wire.protocol import CLOUD_ENV
 from ..aws.agent import RETRIED, wait_port
 from ..aws.keys import KeyPair, keygen, pin
 from ..aws.orphans import client_id

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..._errors import ConfigurationError
-from ..._node import procs
 from ..._providers.settings import LocalSettings
+from ..._system import procs
 from .base import Backend, ProviderSpec, ShellCommand, settings_flags, task_location
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from ..._node.private import private_dir
 from ..._providers.settings import SSHSettings
+from ..._system.private import private_dir
 from .base import Backend, Flag, ProviderSpec, ShellCommand, settings_flags, ssh_shell
 
 if TYPE_CHECKING:

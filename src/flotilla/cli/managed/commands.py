@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, FlotillaError
-from ..._node import procs
+from ..._system import procs
 from ..console import say
 from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState

@@ -41,8 +41,8 @@ from typing import Any
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
 from ..._errors import FlotillaError
-from ..._node import procs
 from ..._providers.base import Options
+from ..._system import procs
 from ..._volume import Volume
 from ..backends import registry
 from ..jobs import Failure, Job, Runner

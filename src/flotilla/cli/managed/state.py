@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..._node import locks, procs
+from ..._system import locks, procs
 from ..state import ClusterRecord, Paths, flotilla_home, read_json, write_json
 
 

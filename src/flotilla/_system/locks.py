@@ -22,7 +22,7 @@ from .private import locks_dir, open_private_file
 def exclusive(path: str | os.PathLike[str]) -> Iterator[int]:
     """Hold an exclusive flock on ``path`` (created, mode 0600, if missing) for the block;
     waits while another process holds it. The file is opened through
-    :func:`~flotilla._node.private.open_private_file`: in a folder verified private, never
+    :func:`~flotilla._system.private.open_private_file`: in a folder verified private, never
     through a symlink, and only when this user owns it. Yields its descriptor."""
     fd = open_private_file(path)
     try:

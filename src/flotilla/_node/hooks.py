@@ -1,0 +1,35 @@
+"""The plugins' node-side hooks, entered by each executor before its first task (the plugins
+arrive pickled: the node side imports none of them; see ``plugins._base`` for the hooks)."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import ExitStack
+from typing import Any
+
+from .._info import InstanceInfo
+
+
+def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> None:
+    """Enter each plugin's ``around_process`` context, in order, on ``stack``.
+
+    The hooks import frameworks (torch, jax...): hundreds of thousands of objects that live
+    as long as the process. The cyclic garbage collector is paused meanwhile (its passes
+    over them found nothing and cost a fifth of ``import torch``), and what exists
+    afterwards is frozen (``gc.freeze``), so that later collections in the user's tasks do
+    not walk it again either.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for plugin in plugins:
+            hook = getattr(plugin, "around_process", None)
+            if hook is None:
+                continue
+            cm = hook(info)
+            if cm is not None:
+                stack.enter_context(cm)
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
