@@ -430,6 +430,23 @@ class Dispatcher:
             elif self._unpark(sub):
                 self.settle(sub, exc=_cancelled())
 
+    def close_stream(self, sub: Submission, wait: bool) -> bool:
+        """Ask the node running ``sub`` (a yielding call whose iterator was closed) to
+        close its generator (CLOSE, see ``stream.py``); False when it is on no node yet
+        (nothing of it ran: the caller cancels it). Without ``wait`` (a dropped iterator,
+        maybe on the loop thread) a worker thread sends it if the channel is busy."""
+        node = sub.node
+        if node is None:
+            return False
+        send = partial(node.send_control, Kind.CLOSE, ident=sub.tid)
+        if wait:
+            return send()
+        if not send(wait=False):
+            from .loop import get_loop
+
+            get_loop().run_in_executor(None, send)
+        return True
+
     def _unpark(self, sub: Submission) -> bool:
         with self.lock:
             for subs in (*self._waiting.values(), self._unplaced, self.backlog):
@@ -535,6 +552,8 @@ class Dispatcher:
         if (sub.retries_left <= 0 and not free) or not self.running():
             return False
         if self.group and sub.siblings:  # alone, it would wait for the others forever
+            return False
+        if sub.stream is not None and sub.stream.closed:  # its caller wants no more
             return False
         if not free:
             sub.retries_left -= 1

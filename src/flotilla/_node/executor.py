@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
@@ -128,6 +128,8 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         finally:
             feeds.current = None
             inbox.feeds.pop(ident, None)
+            inbox.credits.pop(ident, None)
+            inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
@@ -136,19 +138,33 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
-    def stream(ident: int, values: Iterator[Any]) -> None:
+    def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
-        CREDIT (a slow consumer pauses the generator here)."""
+        CREDIT (a slow consumer pauses the generator here). It returns early, the
+        generator waiting at a yield, when its caller closed the iterator (CLOSE), the
+        executor is to stop (SHUTDOWN) or the agent is gone: the caller (``_run``) closes
+        the generator then, as Python's ``close()`` does (its ``finally`` runs here)."""
         allowed = STREAM_WINDOW
-        for sent, value in enumerate(values):
+        sent = 0
+        while not inbox.ending(ident):
+            try:
+                value = next(values)
+            except StopIteration:
+                return
             while sent >= allowed:
                 more = inbox.credit(ident)
-                if more is None:  # the agent is gone
-                    os._exit(0)
+                if more is None:  # the value is dropped: the generator waits at its yield
+                    if inbox.eof:  # the agent is gone: nobody reads a result
+                        try:
+                            values.close()
+                        finally:
+                            os._exit(0)
+                    return
                 allowed += more
             parts = _serialize.encode(_serialize.pickle_obj(value))
             with write_lock:
                 write_all(wfd, frame(Kind.YIELD, ident, *parts))
+            sent += 1
 
     def define(ident: int, body: Body) -> bool:
         functions[ident] = _serialize.decode(body)
@@ -213,6 +229,8 @@ class _Inbox:
         self.answers: dict[int, Body] = {}  # STORED frames, by request id
         self.credits: dict[int, int] = {}  # CREDIT frames, by task id
         self.feeds: dict[int, deque[Body]] = {}  # FEED frames, by task id
+        self.closing: set[int] = set()  # CLOSE frames: yielding tasks whose caller closed
+        self.shutdown = False  # a SHUTDOWN frame came (it is queued in ``frames`` too)
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
@@ -232,12 +250,28 @@ class _Inbox:
         return self.answers.pop(ident)
 
     def credit(self, ident: int) -> int | None:
-        """Wait for CREDIT for task ``ident``: how many values more; None at end of stream."""
-        while ident not in self.credits:
-            if self.eof:
-                return None
-            self._read(block=True, until=lambda: ident in self.credits)
+        """Wait for CREDIT for task ``ident``: how many values more; None when the task is
+        to end instead (see :meth:`ending`)."""
+
+        def ready() -> bool:
+            return ident in self.credits or self._ends(ident)
+
+        while not ready():
+            self._read(block=True, until=ready)
+        if self._ends(ident):
+            return None
         return self.credits.pop(ident)
+
+    def ending(self, ident: int) -> bool:
+        """Whether yielding task ``ident`` is to end at its next yield: its caller closed
+        the iterator (CLOSE), the executor is to stop (SHUTDOWN), or the agent is gone.
+        Reads what came meanwhile (without waiting)."""
+        if not self.eof and self.poller.poll(0):
+            self._read(block=False)
+        return self._ends(ident)
+
+    def _ends(self, ident: int) -> bool:
+        return self.eof or self.shutdown or ident in self.closing
 
     def feed(self, ident: int) -> Body | None:
         """Wait for the next FEED frame of task ``ident``; None at end of stream."""
@@ -271,7 +305,10 @@ class _Inbox:
                 elif kind == Kind.CREDIT:
                     more = CREDIT_BODY.unpack_from(body)[0]
                     self.credits[ident] = self.credits.get(ident, 0) + more
+                elif kind == Kind.CLOSE:
+                    self.closing.add(ident)
                 else:
+                    self.shutdown = self.shutdown or kind == Kind.SHUTDOWN
                     self.frames.append((kind, ident, body))
             if not (self.frames if until is None else until()):
                 continue  # nothing yet, or part of a frame: on (waiting if ``block``)
@@ -298,7 +335,7 @@ def _run(
     offset: int,
     shm_prefix: str,
     ser: Any,
-    stream: Callable[[Iterator[Any]], None],
+    stream: Callable[[Generator[Any, Any, Any]], None],
     forks: _Forks,
 ) -> tuple[int, list[Any]]:
     """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire

@@ -490,8 +490,8 @@ class Supervisor:
 
     def credit(self, ident: int, body: Body, kind: int = Kind.CREDIT) -> None:
         """The client's leave for a yielding task to send more (or a value of a streamed
-        argument: ``kind`` FEED): to the executor of the task, or after its TASK frame
-        while it waits for its turn."""
+        argument: ``kind`` FEED; or its caller closed the iterator: ``kind`` CLOSE): to
+        the executor of the task, or after its TASK frame while it waits for its turn."""
         parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
         for slot in self.slots:
             for i, task in enumerate(slot.tasks):
