@@ -204,6 +204,7 @@ class Compute(PoolCollections, Pool):
             replacer=self._replace if options.replace_lost_nodes else None,
         )
         self._bringup.workers = self.workers_per_node
+        self._bringup.threads = self.worker.resolved_executor == "thread"  # (one process)
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._elastic = (
             Elastic(size, self._dispatcher, self._bringup, options.scale_down_after)

@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
@@ -38,14 +38,23 @@ from .._wire.frames import (
 )
 
 
-def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
-    """Run the executor loop; never returns."""
+def main(
+    config: dict[str, Any],
+    blob: bytes,
+    rfd: int,
+    wfd: int,
+    others: Sequence[tuple[int, int, int]] = (),
+) -> NoReturn:
+    """Run the executor loop; never returns. ``others``: the (slot, task pipe, result pipe)
+    of the node's other task slots, served by threads of this process
+    (``Worker(executor="thread")``: one process, shared memory and GIL, as Skyward's)."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
     slot = config.get("local_rank", 0)
     info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
     info["local_rank"] = slot if info.get("procs_per_node", 1) > 1 else 0
     os.environ["COMPUTE_POOL"] = json.dumps(info)
+    result_fds = [wfd, *(w for _, _, w in others)]
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     image_dir = config.get("image_dir")
     if image_dir:  # the Image's environment comes first on the import path
@@ -57,11 +66,9 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     if isinstance(sys.stdout, __import__("io").TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
-    shm_prefix: str = config.get("shm_prefix", "")
     stack = ExitStack()
     try:
         from .._info import instance_info, mark_task_process
-        from .._wire import serialize as _serialize
         from ..plugins._base import enter_plugins
 
         mark_task_process()  # a flotilla function called by a task runs right here
@@ -71,29 +78,71 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
             unreachable = preflight(info)
             if unreachable:
-                _send(wfd, Kind.READY, 0, json.dumps({"error": unreachable}).encode())
+                for fd in result_fds:
+                    _send(fd, Kind.READY, 0, json.dumps({"error": unreachable}).encode())
                 _flush()
                 os._exit(1)
         enter_plugins(stack, plugins, instance_info())
     except BaseException:
-        _send(wfd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
+        for fd in result_fds:
+            _send(fd, Kind.READY, 0, json.dumps({"error": traceback.format_exc()}).encode())
         _flush()
         os._exit(1)
-    _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
+    forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
+    forks = _Forks()  # forks made here (a task's): a child may still show its arguments
+    os.register_at_fork(before=forks.count, after_in_child=lambda: forked.append(True))
+    streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
+    threads = [
+        threading.Thread(
+            target=_serve,
+            args=(config, info, other, r, w, forked, forks, streams, True),
+            name=f"flotilla-slot-{other}",
+            daemon=True,
+        )
+        for other, r, w in others
+    ]
+    for thread in threads:
+        thread.start()
+    _serve(config, info, slot, rfd, wfd, forked, forks, streams, False)
+    for thread in threads:
+        thread.join()
+    try:
+        stack.close()
+    finally:
+        _flush()
+        os._exit(0)
 
+
+def _serve(
+    config: dict[str, Any],
+    info: dict[str, Any],
+    slot: int,
+    rfd: int,
+    wfd: int,
+    forked: list[bool],
+    forks: _Forks,
+    streams: list[int],
+    threaded: bool,
+) -> None:
+    """Say READY, then run the tasks of ``slot`` sent on ``rfd`` (answers on ``wfd``) until
+    SHUTDOWN or the end of the pipe. ``threaded``: a thread slot other than the process's
+    first (its place in the pool, collections and streamed arguments are this thread's)."""
+    from .._info import set_thread_pool
+    from .._wire import serialize as _serialize
     from . import feeds
 
+    shm_prefix: str = config.get("shm_prefix", "")
+    if threaded:
+        info = {**info, "worker": slot}
+        set_thread_pool(json.dumps(info))
+    _send(wfd, Kind.READY, 0, json.dumps({"pid": os.getpid()}).encode())
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
 
-        install(Channel(wfd, write_lock, inbox.answer))
-    forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
-    forks = _Forks()  # forks made here (a task's): a child may still show its arguments
-    os.register_at_fork(before=forks.count, after_in_child=lambda: forked.append(True))
-    streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
+        install(Channel(wfd, write_lock, inbox.answer), this_thread=threaded)
 
     def credit_feed(ident: int, index: int, body: bytes) -> None:
         with write_lock:
@@ -118,15 +167,15 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        feeds.current = feeds.Context(
-            ident, inbox.feed, partial(credit_feed, ident), _serialize.decode
+        feeds.set_current(
+            feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
         )
         try:
             status, parts = _run(
                 functions, body, offset, shm_prefix, _serialize, partial(stream, ident), forks
             )
         finally:
-            feeds.current = None
+            feeds.set_current(None)
             inbox.feeds.pop(ident, None)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
@@ -173,7 +222,11 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
     def members(ident: int, body: Body) -> bool:
         new = json.loads(bytes(body))
         new["local_rank"] = info["local_rank"]
-        os.environ["COMPUTE_POOL"] = json.dumps(new)
+        if threaded:
+            new["worker"] = slot
+            set_thread_pool(json.dumps(new))
+        else:
+            os.environ["COMPUTE_POOL"] = json.dumps(new)
         return True
 
     # kind -> handler(ident, body), False to stop (CANCEL frames are taken by the inbox)
@@ -189,11 +242,6 @@ def main(config: dict[str, Any], blob: bytes, rfd: int, wfd: int) -> NoReturn:
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
-    try:
-        stack.close()
-    finally:
-        _flush()
-        os._exit(0)
 
 
 def _restore_streams(saved: list[int]) -> None:
