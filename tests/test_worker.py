@@ -162,3 +162,16 @@ def test_a_thread_slot_that_dies_takes_the_others_calls_with_it_saying_so(
         slots = p.map(in_a_thread_slot, range(2), [2, 2])  # both slots serve again...
         assert len({pid for pid, _, _, _ in slots}) == 1
         assert {pid for pid, _, _, _ in slots} != {before}  # ...in a new process
+
+
+def test_a_thread_slots_timeout_replaces_the_process_for_every_slot(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    with sky.Compute(nodes=1, worker=sky.Worker(concurrency=2, executor="thread")) as p:
+        running = waits_for(str(go)) > p  # on one slot...
+        slow = sky.function(waits_for.fn, timeout=1)  # ...and the other's call times out
+        with pytest.raises(sky.TaskTimeoutError):
+            slow(str(tmp_path / "never")) >> p
+        with pytest.raises(sky.WorkerDiedError, match="thread slots.*had to be stopped"):
+            running.result(timeout=120)
+        go.touch()
+        assert len({pid for pid, _, _, _ in p.map(in_a_thread_slot, range(2), [2, 2])}) == 1
