@@ -15,7 +15,6 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._info import InstanceInfo
-from .._redaction import Secret
 from ._base import Plugin
 from ._env import environ
 from ._extend import extend
@@ -67,6 +66,8 @@ class HuggingfacePlugin(Plugin):
         step of the environment build that fetches them (with the token, if given)."""
         if not self.models:
             return extend(image, pip=PACKAGES)
+        from .._redaction import Secret  # (client side: the node's plugin never needs it)
+
         env: dict[str, Any] = {"HF_XET_HIGH_PERFORMANCE": "1"}
         if self.token is not None:  # the build's download needs it (never shown)
             env["HF_TOKEN"] = Secret(self.token)
