@@ -1009,6 +1009,44 @@ def test_a_cluster_that_cannot_start_says_why_and_leaves_nothing(
     assert all_names(cli.home) == []
 
 
+def test_an_ssh_cluster_takes_its_host_back_after_an_sshd_restart(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """Node 1's sshd stops (its session and agent with it) and starts again: the cluster's
+    pool tries the host again until it is back, and the next job runs on both hosts."""
+    host = ssh_lab.add_host()
+    hosts = [ssh_lab.hosts[0], host]
+    try:
+        cli.ok(
+            "launch",
+            "echo up",
+            "-c",
+            "back",
+            "--nodes",
+            "2",
+            *ssh_flags(ssh_lab, hosts, tmp_path / "wd"),
+        )
+        rec = cli.record("back")
+        assert rec is not None and [n.ip for n in rec.nodes] == [h.addr for h in hosts]
+        ssh_lab.kill_all(host)  # the sshd stops: the connection is refused from now on
+        if host.sshd is not None:
+            host.sshd.wait(10)
+        log = Paths("back", cli.home).daemon_log
+        assert wait_until(  # the pool tried the host while it was down
+            lambda: "could not be replaced" in log.read_text(errors="replace"), timeout=60
+        ), log.read_text(errors="replace")
+        ssh_lab.start_sshd(host)
+        done = cli.ok("exec", "back", "echo hello from $FLOTILLA_NODE_RANK $(hostname)")
+        assert node_lines(done.stdout, "hello from") == {
+            r: f"{r} {h.hostname}" for r, h in enumerate(hosts)
+        }
+        assert "trying again until it is back" in log.read_text(errors="replace")
+        cli.ok("down", "back")
+        assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+    finally:
+        ssh_lab.remove_host(host)
+
+
 def test_interrupting_launch_down_stops_everything(cli: CLI, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -302,6 +302,43 @@ def test_without_a_cluster_skywards_runtime_error() -> None:
             collection_in_task() >> p
 
 
+def _name_every_collection() -> list[str]:
+    """Only name each kind of collection (no operation); what each raised."""
+    makers = [
+        lambda: sky.dict("d"),
+        lambda: sky.counter("c"),
+        lambda: sky.set("s"),
+        lambda: sky.queue("q"),
+        lambda: sky.barrier("b", n=2),
+        lambda: sky.lock("l"),
+        lambda: sky.registry("r"),
+    ]
+    raised = []
+    for make in makers:
+        try:
+            make()
+            raised.append("nothing")
+        except RuntimeError as e:
+            raised.append(f"{type(e).__name__}: {e}")
+    return raised
+
+
+@sky.function
+def names_every_collection() -> list[str]:
+    return _name_every_collection()
+
+
+def test_naming_a_collection_in_a_standalone_pool_raises_at_once() -> None:
+    """As Skyward's guide says: ``sky.dict()`` itself (not only a later operation) raises
+    RuntimeError in a standalone pool, on the client and inside a task."""
+    expected = "ClusterRequiredError: distributed collections need a cluster pool"
+    with sky.Compute(nodes=1, options=sky.Options(cluster=False)) as p:
+        on_client = _name_every_collection()
+        on_node = names_every_collection() >> p
+    assert len(on_client) == 7 and all(r.startswith(expected) for r in on_client), on_client
+    assert len(on_node) == 7 and all(r.startswith(expected) for r in on_node), on_node
+
+
 # -- a node lost mid-use ------------------------------------------------------------------------
 @sky.function
 def hold_the_lock() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+from _hosts import Lab, TestHost, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import alive, assert_all_gone, wait_until
 
 import flotilla as sky
@@ -196,10 +196,13 @@ def test_a_spare_whose_agent_does_not_start_is_set_aside_for_the_next(
 
 
 def test_when_no_host_can_take_the_rank_the_error_names_each_and_why(ssh_lab: Lab) -> None:
+    """Broadcasts wait for the rank up to the start timeout while it is tried again, then
+    fail naming the node and every host tried, with why."""
     lost, spare = ssh_lab.add_host(), ssh_lab.add_host()
     hosts = [ssh_lab.hosts[0], lost, spare]
+    options = sky.Options(start_timeout=20)
     try:
-        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool:
+        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2, options=options) as pool:
             ssh_lab.kill_all(spare)
             node = pool._nodes[1]
             ssh_lab.kill_all(lost)  # node 1's host: its sshd, session and agent
@@ -208,6 +211,7 @@ def test_when_no_host_can_take_the_rank_the_error_names_each_and_why(ssh_lab: La
                 where() @ pool
             message = str(info.value)
             assert "node 1" in message
+            assert "cannot take calls until it is back" in message
             assert "no host could take node 1: every spare failed, then the lost host too" in (
                 message
             )
@@ -222,3 +226,79 @@ def test_when_no_host_can_take_the_rank_the_error_names_each_and_why(ssh_lab: La
     finally:
         ssh_lab.remove_host(lost)
         ssh_lab.remove_host(spare)
+
+
+def _stop_sshd(lab: Lab, host: TestHost) -> None:
+    """Stop the host's sshd with everything it started (the node's session and agent)."""
+    lab.kill_all(host)
+    if host.sshd is not None:
+        host.sshd.wait(10)
+    if host._log is not None:
+        host._log.close()
+
+
+def _replacement_failed(caplog: pytest.LogCaptureFixture) -> bool:
+    return any("could not be replaced" in r.getMessage() for r in caplog.records)
+
+
+def test_a_host_that_comes_back_is_taken_back_and_a_broadcast_waits_for_it(
+    ssh_lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = ssh_lab.add_host()
+    hosts = [ssh_lab.hosts[0], host]
+    try:
+        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool:
+            before = where() @ pool
+            with caplog.at_level(logging.WARNING, logger="flotilla"):
+                _stop_sshd(ssh_lab, host)
+                # the replacement is tried while the host is down, and fails
+                assert wait_until(lambda: _replacement_failed(caplog), timeout=60)
+                futures = pool.submit_broadcast(where())  # waits for node 1
+                ssh_lab.start_sshd(host)
+                after = [f.result(timeout=120) for f in futures]
+            assert [i["addr"] for i in after] == [h.addr for h in hosts]
+            assert after[1]["agent"] != before[1]["agent"]  # a new agent on the same host
+            assert after[0] == before[0]
+            assert [i["node"] for i in where() @ pool] == [0, 1]  # and it goes on serving
+            messages = [r.getMessage() for r in caplog.records]
+            tried = [m for m in messages if "could not be replaced yet" in m]
+            assert len(tried) == 1, messages  # said once, not at every attempt
+            assert tried[0].startswith("node 1 could not be replaced yet (") and (
+                "Connection refused" in tried[0]
+            )
+            assert "trying again until it is back" in tried[0]
+            assert any(m.startswith("node 1 back after ") for m in messages), messages
+        assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+    finally:
+        ssh_lab.remove_host(host)
+
+
+def test_a_host_down_past_the_start_timeout_fails_broadcasts_then_serves_again(
+    ssh_lab: Lab,
+) -> None:
+    host = ssh_lab.add_host()
+    hosts = [ssh_lab.hosts[0], host]
+    options = sky.Options(start_timeout=20)
+    try:
+        with sky.Compute(provider=ssh_lab.provider(hosts), nodes=2, options=options) as pool:
+            node = pool._nodes[1]
+            _stop_sshd(ssh_lab, host)
+            assert wait_until(lambda: node.state.value != "ready")
+            with pytest.raises(sky.PoolClosedError) as info:
+                where() @ pool  # waits up to the start timeout, then fails naming node 1
+            message = str(info.value)
+            assert "node 1" in message and host.addr in message
+            assert "cannot take calls until it is back" in message
+            assert "Connection refused" in message
+            with pytest.raises(sky.PoolClosedError, match="until it is back"):
+                where() @ pool  # meanwhile: at once
+            assert (where() >> pool)["node"] == 0  # single calls go to the other node
+            ssh_lab.start_sshd(host)
+            assert wait_until(
+                lambda: pool._nodes[1] is not node and pool._nodes[1].state.value == "ready",
+                timeout=120,
+            )
+            assert [i["addr"] for i in where() @ pool] == [h.addr for h in hosts]
+        assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+    finally:
+        ssh_lab.remove_host(host)

@@ -4,8 +4,12 @@ endpoint (moto's S3 server on loopback), signed by flotilla's standard-library c
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _s3 import S3Server, s3_env  # noqa: F401 - the s3_env fixture
@@ -133,3 +137,99 @@ def test_volumes_share_one_storage(server: S3Server) -> None:
     missing = sky.Volume("flotilla-no-such-bucket", "x", storage=storage_of(server))
     with pytest.raises(sky.ConfigurationError, match="cannot be read"):
         sky.Compute(volumes=[missing]).open()
+
+
+# -- Hyperstack's short-lived keys ----------------------------------------------------------------
+class HyperstackAPI:
+    """A stand-in of Hyperstack's InfraHub API for object storage keys, after Skyward's
+    client (``POST /object-storage/access-keys`` with ``{"region": ...}`` answers the key's
+    ``id``, ``access_key`` and ``secret_key`` at the top level; ``DELETE
+    /object-storage/access-keys/{id}``; the account's key in an ``api_key`` header). Records
+    every request."""
+
+    API_KEY = "hs-api-key-never-shown"
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        self.keys: dict[int, str] = {}  # live keys: id -> access key
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api.requests.append(("POST", self.path, body))
+                if self.headers.get("api_key") != api.API_KEY:
+                    return self._send(401, {"message": "invalid api key"})
+                ident = len(api.requests)
+                api.keys[ident] = f"HSKEY{ident:04d}"
+                self._send(
+                    201,
+                    {"id": ident, "access_key": api.keys[ident], "secret_key": "hs-secret"},
+                )
+
+            def do_DELETE(self) -> None:
+                api.requests.append(("DELETE", self.path, None))
+                ident = int(self.path.rsplit("/", 1)[1])
+                if self.headers.get("api_key") != api.API_KEY or api.keys.pop(ident, None) is None:
+                    return self._send(404, {"message": "no such key"})
+                self._send(200, {"status": True})
+
+            def _send(self, status: int, value: Any) -> None:
+                data = json.dumps(value).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hyperstack() -> Iterator[HyperstackAPI]:
+    api = HyperstackAPI()
+    yield api
+    api.close()
+
+
+def test_hyperstack_without_keys_creates_a_short_lived_one_and_deletes_it(
+    server: S3Server, hyperstack: HyperstackAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPERSTACK_API_KEY", HyperstackAPI.API_KEY)
+    bucket = server.bucket()
+    (tmp_path / "a.txt").write_text("hello")
+    storage = sky.storage.Hyperstack(endpoint=server.endpoint, api_url=hyperstack.url)
+    assert hyperstack.requests == []  # nothing made before it is used
+    with storage:
+        storage.upload(bucket, tmp_path / "a.txt")
+        assert storage.ls(bucket) == ["a.txt"]
+        assert hyperstack.requests == [
+            ("POST", "/v1/object-storage/access-keys", {"region": "CANADA-1"})
+        ]
+        assert list(hyperstack.keys) == [1]
+    assert hyperstack.keys == {}  # deleted when the block ended
+    assert hyperstack.requests[-1] == ("DELETE", "/v1/object-storage/access-keys/1", None)
+    assert HyperstackAPI.API_KEY not in repr(storage)
+
+
+def test_hyperstack_without_any_key_says_what_to_give(
+    hyperstack: HyperstackAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HYPERSTACK_API_KEY", raising=False)
+    with pytest.raises(sky.ConfigurationError, match="HYPERSTACK_API_KEY"):
+        sky.storage.Hyperstack()
+    with pytest.raises(sky.ConfigurationError, match="together"):
+        sky.storage.Hyperstack(access_key="k")
+    refused = sky.storage.Hyperstack(api_key="wrong", api_url=hyperstack.url)
+    with pytest.raises(sky.StorageError, match="refused to create") as info, refused:
+        pass
+    assert info.value.status == 401

@@ -3,8 +3,13 @@ returns an iterator, a slow consumer pauses the producer, memory stays bounded."
 
 from __future__ import annotations
 
+import gc
+import itertools
+import os
 import resource
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +76,7 @@ def test_a_slow_consumer_pauses_the_producer(pool: sky.Compute) -> None:
     assert taken == list(range(20))
     # the producer may run a window ahead of the leave it was given, never further
     assert int(pool.counter("produced")) <= 20 + STREAM_WINDOW + 1
-    it.close()  # the call is cancelled: its process is replaced
+    it.close()  # the generator ends at its next yield (GeneratorExit); the process stays
     assert list(count(3) >> pool) == [0, 1, 2]  # the pool goes on
 
 
@@ -176,3 +181,75 @@ def test_a_failing_argument_iterator_is_raised_on_the_node(pool: sky.Compute) ->
 
     with pytest.raises(RuntimeError, match="disk gone"):
         total(broken()) >> pool
+
+
+@sky.function
+def guarded(marker: str) -> Iterator[int]:
+    """Endless; its finally (and only it) writes its process id to ``marker``."""
+    try:
+        yield from itertools.count()
+    finally:
+        Path(marker).write_text(str(os.getpid()))
+
+
+@sky.function
+def stubborn() -> Iterator[int]:
+    while True:
+        try:
+            yield 1
+        except GeneratorExit:
+            pass  # and yields again: Python's close() raises RuntimeError
+
+
+@sky.function
+def pid() -> int:
+    return os.getpid()
+
+
+def _wait_for(path: Path, deadline: float = 60.0) -> str:
+    end = time.monotonic() + deadline
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_closing_a_stream_runs_the_generators_finally_in_the_same_process(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "finally"
+    with sky.Compute(nodes=1) as pool:  # one process: every call runs in it
+        before = pid() >> pool
+        it = guarded(str(marker)) >> pool
+        assert [next(it), next(it)] == [0, 1]
+        it.close()  # as Python's: returns once the generator's finally ran
+        assert marker.read_text() == str(before)
+        assert pid() >> pool == before  # the executor was not replaced
+        with pytest.raises(StopIteration):
+            next(it)
+        it.close()  # again: nothing
+
+
+def test_close_raises_what_the_generator_raised_while_closing() -> None:
+    with sky.Compute(nodes=1) as pool:
+        before = pid() >> pool
+        it = stubborn() >> pool
+        assert next(it) == 1
+        with pytest.raises(RuntimeError, match="ignored GeneratorExit"):
+            it.close()
+        assert pid() >> pool == before
+
+
+def test_a_dropped_stream_and_a_closing_pool_close_their_generators(tmp_path: Path) -> None:
+    dropped, kept = tmp_path / "dropped", tmp_path / "kept"
+    with sky.Compute(nodes=1) as pool:
+        before = pid() >> pool
+        it = guarded(str(dropped)) >> pool
+        next(it)
+        del it
+        gc.collect()
+        assert _wait_for(dropped) == str(before)
+        assert pid() >> pool == before
+        still_open = guarded(str(kept)) >> pool
+        next(still_open)
+    assert kept.read_text() == str(before)  # the pool's close ran it before it returned

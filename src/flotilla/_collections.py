@@ -463,23 +463,35 @@ class Registry(_Proxy):
         return builtins.list(self._ask("list"))
 
 
+def _reachable() -> None:
+    """As Skyward's ``sky.dict()`` & co., the functions below raise at once where no pool's
+    collections can be reached: outside a pool, and in a pool with
+    ``Options(cluster=False)`` (a task's included): ClusterRequiredError, a RuntimeError.
+    (A proxy pickled into a task is checked at its first operation.)"""
+    _backend()
+
+
 def dict(name: str, *, consistency: Consistency | None = None) -> Dict:
     """The pool's distributed dict ``name`` (created on first use)."""
+    _reachable()
     return Dict(name, consistency=consistency)
 
 
 def counter(name: str, *, consistency: Consistency | None = None) -> Counter:
     """The pool's distributed counter ``name`` (starts at 0)."""
+    _reachable()
     return Counter(name, consistency=consistency)
 
 
 def set(name: str, *, consistency: Consistency | None = None) -> Set:
     """The pool's distributed set ``name``."""
+    _reachable()
     return Set(name, consistency=consistency)
 
 
 def queue(name: str) -> Queue:
     """The pool's distributed queue ``name``."""
+    _reachable()
     return Queue(name)
 
 
@@ -492,14 +504,17 @@ def count_parties(n: int | None, parties: int | None) -> int:
 
 def barrier(name: str, n: int | None = None, *, parties: int | None = None) -> Barrier:
     """The pool's barrier ``name`` for ``n`` (or ``parties``) parties."""
+    _reachable()
     return Barrier(name, count_parties(n, parties))
 
 
 def lock(name: str, *, ttl: float | None = None, timeout: float | None = None) -> Lock:
     """The pool's distributed lock ``name`` (``ttl``: a lease; ``timeout``: the wait)."""
+    _reachable()
     return Lock(name, ttl=ttl, timeout=timeout)
 
 
 def registry(name: str) -> Registry:
     """The pool's registry ``name``."""
+    _reachable()
     return Registry(name)

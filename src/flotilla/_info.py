@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -128,13 +129,23 @@ def in_task() -> bool:
     return _task_process
 
 
+_thread = threading.local()
+
+
+def set_thread_pool(raw: str) -> None:
+    """This thread's ``COMPUTE_POOL`` (a thread slot of ``Worker(executor="thread")``: its
+    own ``worker`` in a process shared with the node's other slots)."""
+    _thread.pool = raw
+
+
 def instance_info() -> InstanceInfo:
-    """This process's place in the pool, read from ``COMPUTE_POOL``.
+    """This process's place in the pool, read from ``COMPUTE_POOL`` (a thread slot's own,
+    see :func:`set_thread_pool`).
 
     Outside a pool (and in ``fn.local()``) returns :data:`SINGLE_NODE`. Never raises for a
     missing variable; a malformed one raises ValueError naming the variable.
     """
-    raw = os.environ.get(ENV_VAR)
+    raw = getattr(_thread, "pool", None) or os.environ.get(ENV_VAR)
     if not raw:
         return SINGLE_NODE
     info = _cache.get(raw)

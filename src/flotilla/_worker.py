@@ -22,10 +22,14 @@ class Worker:
             (``nodes * concurrency`` calls in parallel). A broadcast (``@``) still runs
             once per node. Each slot knows itself as ``instance_info().worker``, out of
             ``instance_info().workers_per_node``.
-        executor: ``"process"``, ``"thread"`` or ``"auto"`` (``"process"``). flotilla runs
-            every slot as its own process (its own interpreter: no GIL shared between
-            slots, a crash ends only that slot's call, and the distributed collections
-            reach each one), whichever is asked: tasks of one node do not share memory.
+        executor: ``"process"``, ``"thread"`` or ``"auto"`` (``"process"``).
+            ``"process"``: every slot is its own process (its own interpreter and GIL; a
+            crash ends only that slot's call). ``"thread"``: as Skyward's, the slots are
+            threads of one process per node: they share its memory (module globals, a
+            model loaded once) and its GIL (pure-Python CPU-bound tasks take turns), and
+            a call that dies, is cancelled or times out while running replaces that
+            process: the calls the other slots were running end with a WorkerDiedError
+            saying so. The distributed collections and streaming work in both.
     """
 
     concurrency: int = 1

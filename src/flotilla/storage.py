@@ -11,14 +11,18 @@ Requests are signed with SigV4 by the standard-library client that volumes use o
 (``_system/s3.py``); no SDK is needed. Credentials: given (a string, or a callable
 returning one, possibly async), else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 (and ``AWS_SESSION_TOKEN``), else boto3's chain when boto3 is installed. The presets
-(``S3``, ``R2``, ``GCS``, ``Wasabi``, ``Backblaze``, ``Hyperstack``) fill in the endpoint.
+(``S3``, ``R2``, ``GCS``, ``Wasabi``, ``Backblaze``, ``Hyperstack``) fill in the endpoint;
+``Hyperstack()`` without keys creates a short-lived one through Hyperstack's API, as
+Skyward's does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +65,9 @@ class Storage:
     path_style: bool = False
     region: str = "us-east-1"
     _open: list[_Client] = field(default_factory=list, init=False, repr=False, compare=False)
+    _on_close: list[Callable[[], None]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )  # run when the `with` block ends (a preset's short-lived key is deleted)
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and not (
@@ -87,6 +94,8 @@ class Storage:
         tb: TracebackType | None,
     ) -> None:
         self._open.clear()
+        for close in self._on_close:
+            close()
 
     def _client(self) -> _Client:
         if not self._open:
@@ -218,14 +227,115 @@ def Backblaze(*, region: str, key_id: Credential, app_key: Credential) -> Storag
     return Storage(url, key_id, app_key, region=region)
 
 
+HYPERSTACK_API = "https://infrahub-api.nexgencloud.com/v1"
+"""Hyperstack's InfraHub API (where Skyward's preset creates its keys)."""
+
+
 def Hyperstack(
     *,
-    access_key: Credential,
-    secret_key: Credential,
+    access_key: Credential | None = None,
+    secret_key: Credential | None = None,
+    api_key: str | None = None,
+    region: str = "CANADA-1",
     endpoint: str = "https://ca1.obj.nexgencloud.io",
+    api_url: str = HYPERSTACK_API,
 ) -> Storage:
-    """Hyperstack object storage (default: its CANADA-1 endpoint)."""
-    return Storage(endpoint, access_key, secret_key, path_style=True)
+    """Hyperstack object storage (default: its CANADA-1 endpoint).
+
+    Without ``access_key`` and ``secret_key``, as Skyward's preset: an object storage
+    access key for ``region`` is created through Hyperstack's API (``api_key``, else
+    ``HYPERSTACK_API_KEY``; ``POST {api_url}/object-storage/access-keys``) the first time
+    the storage is used (a ``with`` block, an operation, a pool's volumes), and deleted when
+    the storage's ``with`` block ends, or at the latest when this process exits. A pool's
+    volumes use it while the pool runs: close the storage after the pool."""
+    if (access_key is None) != (secret_key is None):
+        raise ConfigurationError(
+            "sky.storage.Hyperstack: give access_key and secret_key together, or neither "
+            "(then a short-lived key is created with your Hyperstack API key)"
+        )
+    if access_key is not None:
+        return Storage(endpoint, access_key, secret_key, path_style=True)
+    key = api_key or os.environ.get("HYPERSTACK_API_KEY", "")
+    if not isinstance(key, str) or not key:
+        raise ConfigurationError(
+            "sky.storage.Hyperstack() needs access_key= and secret_key=, or a Hyperstack API "
+            "key to create short-lived ones: api_key= or the HYPERSTACK_API_KEY variable"
+        )
+    if not isinstance(region, str) or not region:
+        raise ConfigurationError(f"sky.storage.Hyperstack(region=...) must name one: {region!r}")
+    keys = _HyperstackKeys(key, region, api_url)
+    storage = Storage(endpoint, keys.access_key, keys.secret_key, path_style=True)
+    storage._on_close.append(keys.delete)
+    return storage
+
+
+class _HyperstackKeys:
+    """One short-lived object storage access key, made and deleted through Hyperstack's
+    API (its ``api_key`` header); standard library only."""
+
+    def __init__(self, api_key: str, region: str, api_url: str) -> None:
+        self._api_key = api_key
+        self.region = region
+        self.url = api_url.rstrip("/")
+        self._made: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never the API key
+        return f"<Hyperstack access key for {self.region}>"
+
+    def access_key(self) -> str:
+        return str(self._key()["access_key"])
+
+    def secret_key(self) -> str:
+        return str(self._key()["secret_key"])
+
+    def _key(self) -> dict[str, Any]:
+        with self._lock:
+            if self._made is None:
+                made = self._request(
+                    "POST", "/object-storage/access-keys", {"region": self.region}, "create"
+                )
+                if not (isinstance(made, dict) and {"id", "access_key", "secret_key"} <= set(made)):
+                    raise StorageError(
+                        "Hyperstack's API answered the access key's creation without "
+                        "id, access_key and secret_key"
+                    )
+                self._made = made
+                atexit.register(self.delete)
+            return self._made
+
+    def delete(self) -> None:
+        """Delete the key, if one was made (once)."""
+        with self._lock:
+            made, self._made = self._made, None
+        if made is None:
+            return
+        atexit.unregister(self.delete)
+        self._request("DELETE", f"/object-storage/access-keys/{made['id']}", None, "delete")
+
+    def _request(self, method: str, path: str, body: Any, what: str) -> Any:
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"api_key": self._api_key, "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(self.url + path, data, headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                text = answer.read()
+        except urllib.error.HTTPError as e:
+            said = e.read()[:300].decode(errors="replace")
+            raise StorageError(
+                f"Hyperstack's API refused to {what} an object storage access key "
+                f"(HTTP {e.code}): {said}",
+                e.code,
+            ) from None
+        except OSError as e:
+            raise StorageError(f"Hyperstack's API at {self.url} cannot be reached: {e}") from None
+        return json.loads(text) if text else None
 
 
 __all__ = [

@@ -58,6 +58,7 @@ class Bringup:
         self.accelerator = accelerator
         self.procs_per_node = procs_per_node
         self.workers = procs_per_node  # task slots per node (Worker(concurrency=...))
+        self.threads = False  # the slots are threads of one process (Worker(executor="thread"))
         self.group = group
         self.home = home
         self.shm_prefix = shm_prefix
@@ -162,6 +163,7 @@ class Bringup:
             "shutdown_grace": self.options.shutdown_grace,
             "shm_probe": probe or None,
             "group": self.group,
+            "threads": self.threads,
         }
         if self.options.relay:  # the agent opens its relay port (if apart from the client)
             config["relay_key"] = self.relay_key

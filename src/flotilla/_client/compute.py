@@ -43,7 +43,7 @@ from .outcome import results
 from .renew import Renewals
 from .skyward_settings import with_pool_settings, worker_of
 from .store import Store, encode_answer
-from .stream import Stream, yields
+from .stream import Stream, Values, yields
 
 logger = logging.getLogger("flotilla")
 VOLUME_FLUSH_TIMEOUT = 300.0
@@ -204,6 +204,7 @@ class Compute(PoolCollections, Pool):
             replacer=self._replace if options.replace_lost_nodes else None,
         )
         self._bringup.workers = self.workers_per_node
+        self._bringup.threads = self.worker.resolved_executor == "thread"  # (one process)
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._elastic = (
             Elastic(size, self._dispatcher, self._bringup, options.scale_down_after)
@@ -558,7 +559,7 @@ class Compute(PoolCollections, Pool):
             chunk = d.prepare(bound[start:end], encoded[start:end], batch)
             if stream:  # (one call)
                 first = chunk[0]
-                first.stream = Stream(first.future, partial(self.cancel, [first.future]))
+                first.stream = Values(first.future)  # (the iterator: see _stream)
             for sub, (_, sources) in zip(chunk, split[start:end], strict=True):
                 if sources:
                     feeds.prepare(sub)
@@ -593,8 +594,9 @@ class Compute(PoolCollections, Pool):
 
     def _stream(self, call: PendingCall[Any]) -> Stream:
         self._check_running()
-        stream: Stream = self._send([call], stream=True)[0].stream
-        return stream
+        sub = self._send([call], stream=True)[0]
+        cancel = partial(self.cancel, [sub.future])
+        return Stream(sub.stream, cancel, partial(self._dispatcher.close_stream, sub))
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""

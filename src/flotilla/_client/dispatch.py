@@ -18,9 +18,10 @@ node answers. The policy, in one place:
   RESTART on every node and cannot pair with a stale collective.
 - **Lost nodes.** When a node's agent is gone, its rank is *down* while the pool replaces it
   (``_client/renew.py``): calls pinned to that rank (broadcasts, their retries) wait for the
-  new node; single calls go to other nodes, or wait when none is ready. A rank that cannot
-  be replaced (or with ``Options(replace_lost_nodes=False)``) is *gone*: broadcasts then fail
-  at once naming the node and why.
+  new node; single calls go to other nodes, or wait when none is ready. A rank whose
+  replacement keeps failing past the pool's start timeout (:meth:`down`; it is still tried
+  again, and serves once back), or lost with ``Options(replace_lost_nodes=False)``, is
+  *gone*: broadcasts then fail at once naming the node and why.
 
 Calls are sent from any thread; results and losses arrive on the loop thread. ``lock``
 guards the rank bookkeeping and is never held while writing to a node.
@@ -107,7 +108,7 @@ class Dispatcher:
         self._waiting: dict[int, list[Submission]] = {}  # down ranks: calls waiting for them
         self._replacing: set[int] = set()  # ranks whose replacement runs
         self._unplaced: list[Submission] = []  # single calls waiting for any ready node
-        self._gone: dict[int, str] = {}  # ranks lost for good: why
+        self._gone: dict[int, str] = {}  # ranks that fail their calls (see down()): why
         self._held: set[Submission] = set()  # group failures waiting for their siblings
         self.most = 0
         self._gated = False  # a group pool changes size: new calls wait (see gate())
@@ -430,6 +431,23 @@ class Dispatcher:
             elif self._unpark(sub):
                 self.settle(sub, exc=_cancelled())
 
+    def close_stream(self, sub: Submission, wait: bool) -> bool:
+        """Ask the node running ``sub`` (a yielding call whose iterator was closed) to
+        close its generator (CLOSE, see ``stream.py``); False when it is on no node yet
+        (nothing of it ran: the caller cancels it). Without ``wait`` (a dropped iterator,
+        maybe on the loop thread) a worker thread sends it if the channel is busy."""
+        node = sub.node
+        if node is None:
+            return False
+        send = partial(node.send_control, Kind.CLOSE, ident=sub.tid)
+        if wait:
+            return send()
+        if not send(wait=False):
+            from .loop import get_loop
+
+            get_loop().run_in_executor(None, send)
+        return True
+
     def _unpark(self, sub: Submission) -> bool:
         with self.lock:
             for subs in (*self._waiting.values(), self._unplaced, self.backlog):
@@ -446,6 +464,9 @@ class Dispatcher:
     def _gone_error(self, ranks: list[int], what: str) -> PoolClosedError:
         reasons = "; ".join(f"node {r}: {self._gone.get(r) or 'lost'}" for r in ranks)
         names = ", ".join(self.nodes[r].name for r in ranks)
+        if all(r in self._replacing for r in ranks):  # (see down())
+            back = "cannot take calls until it is back"
+            return PoolClosedError(f"{what}: {names} {back} ({reasons})")
         return PoolClosedError(f"{what}: {names} can no longer take calls ({reasons})")
 
     # -- results (loop thread) -------------------------------------------------------
@@ -535,6 +556,8 @@ class Dispatcher:
         if (sub.retries_left <= 0 and not free) or not self.running():
             return False
         if self.group and sub.siblings:  # alone, it would wait for the others forever
+            return False
+        if sub.stream is not None and sub.stream.closed:  # its caller wants no more
             return False
         if not free:
             sub.retries_left -= 1
@@ -713,6 +736,7 @@ class Dispatcher:
             for node in nodes:
                 self.nodes[node.rank] = node
                 self._replacing.discard(node.rank)
+                self._gone.pop(node.rank, None)  # (down() while it was tried again)
             waiting = [(n.rank, self._waiting.pop(n.rank, [])) for n in nodes]
             unplaced, self._unplaced = self._unplaced, []
         for rank, subs in waiting:
@@ -737,15 +761,30 @@ class Dispatcher:
             self.settle(sub, exc=e)
 
     def failed(self, ranks: Sequence[int], reason: str) -> None:
-        """The nodes at ``ranks`` could not be replaced: they are gone for good."""
+        """The nodes at ``ranks`` cannot be replaced: they are gone for good."""
         self._give_up(ranks, f"lost, and no replacement could be started: {reason}")
 
-    def _give_up(self, ranks: Sequence[int], reason: str) -> None:
+    def down(self, ranks: Sequence[int], reason: str) -> None:
+        """The nodes at ``ranks`` could not be replaced within the pool's start timeout
+        (the last attempt failed for ``reason``): the calls waiting for them fail, and so do
+        new ones pinned to them, naming them, until a replacement is back (:meth:`back`:
+        the pool keeps trying, see ``renew.py``)."""
+        with self.lock:
+            if all(self._gone.get(r) is not None for r in ranks):
+                for rank in ranks:  # the latest failure, for the next errors
+                    self._gone[rank] = _not_back(reason)
+                return
+        self._give_up(ranks, _not_back(reason), replacing=True)
+
+    def _give_up(self, ranks: Sequence[int], reason: str, replacing: bool = False) -> None:
+        """Fail the calls waiting for ``ranks`` and the later ones pinned to them; with
+        ``replacing``, the ranks are still being replaced (they serve again once back)."""
         with self.lock:
             waiting: list[tuple[int, Submission]] = []
             for rank in ranks:
                 self._gone[rank] = reason
-                self._replacing.discard(rank)
+                if not replacing:
+                    self._replacing.discard(rank)
                 waiting += [(rank, sub) for sub in self._waiting.pop(rank, [])]
             unplaced: list[Submission] = []
             if not self._waiting:
@@ -781,6 +820,10 @@ class Dispatcher:
             for sub in subs:
                 self.settle(sub, exc=exc(f"{node.name} finished the call"))
         self.shm_files.close()  # the kept files go (those still in use: when released)
+
+
+def _not_back(reason: str) -> str:
+    return f"lost, and not replaced yet: {reason}; the pool keeps trying to bring it back"
 
 
 def _why(node: Node) -> str:

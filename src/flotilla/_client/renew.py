@@ -11,9 +11,19 @@ In a pool whose processes form one group (``forms_group`` plugins) a group canno
 with one member new: every node gets a fresh agent (the survivors on the machines they
 have), as torchrun restarts all workers, and every node learns the new peers and head.
 
-The console says what happened: ``node k lost (why), replacing`` then ``node k back after
-N s`` (or why it could not be replaced: then the rank is gone and broadcasts fail naming
-it). Everything runs on the client's event loop.
+A replacement that fails (the host is still down, the provider has nothing now) is tried
+again, with a backoff from :data:`RETRY_MIN` to :data:`RETRY_MAX` seconds, until it succeeds
+or the pool closes: a host that comes back is taken back, as an elastic pool's are. The calls
+pinned to the rank (broadcasts) wait for it up to the pool's start timeout
+(``Options(start_timeout=...)``) from the loss; from then on, until it is back, they fail at
+once naming the node and the last failure (``Dispatcher.down``).
+
+A provider that says it cannot replace the machine (a ProvisionError without a cause) is
+not asked again: the rank is gone and broadcasts fail naming it.
+
+The console says what happened: ``node k lost (why), replacing``, ``node k could not be
+replaced yet (why); trying again ...`` once, then ``node k back after N s``. Everything runs
+on the client's event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from .._errors import ProvisionError
 from .._providers.base import Allocation, MachineState, restart_agents
 from .._wire.frames import Kind
 from .bringup import Bringup
@@ -32,6 +43,9 @@ from .dispatch import Dispatcher
 from .node import Node, NodeState
 
 logger = logging.getLogger("flotilla")
+RETRY_MIN = 0.5
+RETRY_MAX = 10.0
+"""Seconds between two attempts to replace a lost node (doubling from :data:`RETRY_MIN`)."""
 
 
 class Renewals:
@@ -105,6 +119,61 @@ class Renewals:
                     self._spawn(stop_node(old[r]))
         await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
         allocation.mark(allocation.machines[lost], MachineState.LOST)
+        patience = self.bringup.options.start_timeout
+        failures: list[str] = []  # the first attempt's failure and the last one's
+        expired = False  # the calls waiting for the rank waited long enough
+
+        def failed() -> str:
+            first, last = failures[0], failures[-1]
+            return first if first == last else f"{first}; last attempt: {last}"
+
+        def give_up_waiting() -> None:
+            nonlocal expired
+            expired = True
+            if failures:
+                dispatcher.down(ranks, failed())
+
+        timer = asyncio.get_running_loop().call_later(patience, give_up_waiting)
+        delay = RETRY_MIN
+        try:
+            while True:
+                try:
+                    fresh = await self._attempt(lost, ranks, why)
+                    break
+                except Exception as e:
+                    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    if not _may_pass(e):
+                        logger.error("node %d could not be replaced: %s", lost, reason)
+                        dispatcher.failed(ranks, reason)
+                        return
+                if not failures:
+                    logger.warning(
+                        "node %d could not be replaced yet (%s); trying again until it is "
+                        "back (every %g s at most); calls for it wait up to %g s",
+                        lost,
+                        reason,
+                        RETRY_MAX,
+                        max(0.0, patience - (time.monotonic() - started)),
+                    )
+                failures[1:] = [reason]
+                if expired:
+                    dispatcher.down(ranks, failed())
+                await asyncio.sleep(delay)
+                delay = min(RETRY_MAX, delay * 2)
+        finally:
+            timer.cancel()
+        self.replaced += 1
+        await self._tell_survivors(fresh)
+        dispatcher.back(fresh)
+        logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
+        self.on_back(ranks)
+
+    async def _attempt(self, lost: int, ranks: list[int], why: str) -> list[Node]:
+        """One attempt to start and bring up the nodes at ``ranks`` (``lost``'s new
+        machine, the others' new agents); their nodes, ready. On a failure nothing of it
+        is left running and the error is raised."""
+        allocation = self.allocation
+        assert allocation is not None
         fresh: list[Node] = []
         console = self.bringup.console  # one row per node being replaced, on a terminal
         console.begin(ranks, title="replacing" if len(ranks) == 1 else "restarting")
@@ -112,27 +181,20 @@ class Renewals:
             procs = await restart_agents(allocation, lost, ranks, why)
             fresh = self.bringup.nodes(ranks, procs)
             self.starting += fresh
-            await self.bringup.bring_up(fresh, dispatcher.nodes)
+            await self.bringup.bring_up(fresh, self.dispatcher.nodes)
         except asyncio.CancelledError:
             for node in fresh:
                 node.state = NodeState.CLOSED
             raise
-        except Exception as e:
+        except Exception:
             for node in fresh:
                 node.state = NodeState.CLOSED
                 self._spawn(node.proc.terminate())
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            logger.error("node %d could not be replaced: %s", lost, reason)
-            dispatcher.failed(ranks, reason)
-            return
+            raise
         finally:
             console.end()
             self.starting = [n for n in self.starting if n not in fresh]
-        self.replaced += 1
-        await self._tell_survivors(fresh)
-        dispatcher.back(fresh)
-        logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
-        self.on_back(ranks)
+        return fresh
 
     async def _tell_survivors(self, fresh: list[Node]) -> None:
         """The nodes that went on learn the new peers (a replacement may have another
@@ -145,6 +207,19 @@ class Renewals:
             if node.rank not in by_rank and node.state is NodeState.READY
         ]
         await self.bringup.tell(nodes, survivors)
+
+
+def _may_pass(error: BaseException) -> bool:
+    """Whether a failed replacement may work later: any failure but the provider's saying
+    it cannot replace the machine (a ProvisionError with no cause anywhere in its chain,
+    e.g. "this provider cannot replace machines"): a host down, a start timeout, no
+    capacity now."""
+    e: BaseException | None = error
+    while e is not None:
+        if not isinstance(e, ProvisionError) or e.cause is not None:
+            return True
+        e = e.__cause__
+    return False
 
 
 async def stop_node(node: Node) -> None:

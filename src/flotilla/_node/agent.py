@@ -103,6 +103,7 @@ class Agent:
             Kind.STORED: ex.stored,
             Kind.CREDIT: ex.credit,
             Kind.FEED: lambda ident, body: ex.credit(ident, body, Kind.FEED),
+            Kind.CLOSE: lambda ident, body: ex.credit(ident, body, Kind.CLOSE),
             Kind.MEMBERS: lambda _, body: ex.members(bytes(body)),
             Kind.FETCH: self.relay.fetch,
             Kind.BLOB: self.relay.chunk,

@@ -239,7 +239,11 @@ def unpack_includes(data: bytes, target: str) -> None:
 
 
 def run_setup(commands: list[str], build: str) -> None:
+    """Run the image's setup commands in the new environment's folder, its packages on the
+    paths; ``FLOTILLA_PYTHON`` names the interpreter the tasks run on (a plugin's step,
+    e.g. the HuggingFace models' download, runs Python code with it)."""
     env = dict(os.environ)
+    env["FLOTILLA_PYTHON"] = sys.executable
     env["PATH"] = os.path.join(build, "site", "bin") + os.pathsep + env.get("PATH", "")
     paths = [os.path.join(build, "includes"), os.path.join(build, "site")]
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])

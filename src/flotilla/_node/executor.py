@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
@@ -39,14 +39,23 @@ from .._wire.frames import (
 )
 
 
-def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
-    """Run the executor loop; never returns."""
+def main(
+    config: Config,
+    blob: bytes,
+    rfd: int,
+    wfd: int,
+    others: Sequence[tuple[int, int, int]] = (),
+) -> NoReturn:
+    """Run the executor loop; never returns. ``others``: the (slot, task pipe, result pipe)
+    of the node's other task slots, served by threads of this process
+    (``Worker(executor="thread")``: one process, shared memory and GIL, as Skyward's)."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
     slot = config.get("local_rank", 0)
     info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
     info["local_rank"] = slot if info.get("procs_per_node", 1) > 1 else 0
     os.environ["COMPUTE_POOL"] = json.dumps(info)
+    result_fds = [wfd, *(w for _, _, w in others)]
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
     image_dir = config.get("image_dir")
     if image_dir:  # the Image's environment comes first on the import path
@@ -58,11 +67,9 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     if isinstance(sys.stdout, __import__("io").TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
-    shm_prefix: str = config.get("shm_prefix", "")
     stack = ExitStack()
     try:
         from .._info import instance_info, mark_task_process
-        from .._wire import serialize as _serialize
         from .hooks import enter_plugins
 
         mark_task_process()  # a flotilla function called by a task runs right here
@@ -72,29 +79,71 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
 
             unreachable = preflight(info)
             if unreachable:
-                _send(wfd, Kind.READY, 0, dump({"error": unreachable}))
+                for fd in result_fds:
+                    _send(fd, Kind.READY, 0, dump({"error": unreachable}))
                 _flush()
                 os._exit(1)
         enter_plugins(stack, plugins, instance_info())
     except BaseException:
-        _send(wfd, Kind.READY, 0, dump({"error": traceback.format_exc()}))
+        for fd in result_fds:
+            _send(fd, Kind.READY, 0, dump({"error": traceback.format_exc()}))
         _flush()
         os._exit(1)
-    _send(wfd, Kind.READY, 0, dump({"pid": os.getpid()}))
+    forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
+    forks = _Forks()  # forks made here (a task's): a child may still show its arguments
+    os.register_at_fork(before=forks.count, after_in_child=lambda: forked.append(True))
+    streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
+    threads = [
+        threading.Thread(
+            target=_serve,
+            args=(config, info, other, r, w, forked, forks, streams, True),
+            name=f"flotilla-slot-{other}",
+            daemon=True,
+        )
+        for other, r, w in others
+    ]
+    for thread in threads:
+        thread.start()
+    _serve(config, info, slot, rfd, wfd, forked, forks, streams, False)
+    for thread in threads:
+        thread.join()
+    try:
+        stack.close()
+    finally:
+        _flush()
+        os._exit(0)
 
+
+def _serve(
+    config: Config,
+    info: dict[str, Any],
+    slot: int,
+    rfd: int,
+    wfd: int,
+    forked: list[bool],
+    forks: _Forks,
+    streams: list[int],
+    threaded: bool,
+) -> None:
+    """Say READY, then run the tasks of ``slot`` sent on ``rfd`` (answers on ``wfd``) until
+    SHUTDOWN or the end of the pipe. ``threaded``: a thread slot other than the process's
+    first (its place in the pool, collections and streamed arguments are this thread's)."""
+    from .._info import set_thread_pool
+    from .._wire import serialize as _serialize
     from . import feeds
 
+    shm_prefix: str = config.get("shm_prefix", "")
+    if threaded:
+        info = {**info, "worker": slot}
+        set_thread_pool(json.dumps(info))
+    _send(wfd, Kind.READY, 0, dump({"pid": os.getpid()}))
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
 
-        install(Channel(wfd, write_lock, inbox.answer))
-    forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
-    forks = _Forks()  # forks made here (a task's): a child may still show its arguments
-    os.register_at_fork(before=forks.count, after_in_child=lambda: forked.append(True))
-    streams = [os.dup(1), os.dup(2)]  # the output pipes, restored after every task
+        install(Channel(wfd, write_lock, inbox.answer), this_thread=threaded)
 
     def credit_feed(ident: int, index: int, body: bytes) -> None:
         with write_lock:
@@ -119,16 +168,18 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        feeds.current = feeds.Context(
-            ident, inbox.feed, partial(credit_feed, ident), _serialize.decode
+        feeds.set_current(
+            feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
         )
         try:
             status, parts = _run(
                 functions, body, offset, shm_prefix, _serialize, partial(stream, ident), forks
             )
         finally:
-            feeds.current = None
+            feeds.set_current(None)
             inbox.feeds.pop(ident, None)
+            inbox.credits.pop(ident, None)
+            inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
@@ -137,19 +188,33 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
-    def stream(ident: int, values: Iterator[Any]) -> None:
+    def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
-        CREDIT (a slow consumer pauses the generator here)."""
+        CREDIT (a slow consumer pauses the generator here). It returns early, the
+        generator waiting at a yield, when its caller closed the iterator (CLOSE), the
+        executor is to stop (SHUTDOWN) or the agent is gone: the caller (``_run``) closes
+        the generator then, as Python's ``close()`` does (its ``finally`` runs here)."""
         allowed = STREAM_WINDOW
-        for sent, value in enumerate(values):
+        sent = 0
+        while not inbox.ending(ident):
+            try:
+                value = next(values)
+            except StopIteration:
+                return
             while sent >= allowed:
                 more = inbox.credit(ident)
-                if more is None:  # the agent is gone
-                    os._exit(0)
+                if more is None:  # the value is dropped: the generator waits at its yield
+                    if inbox.eof:  # the agent is gone: nobody reads a result
+                        try:
+                            values.close()
+                        finally:
+                            os._exit(0)
+                    return
                 allowed += more
             parts = _serialize.encode(_serialize.pickle_obj(value))
             with write_lock:
                 write_all(wfd, frame(Kind.YIELD, ident, *parts))
+            sent += 1
 
     def define(ident: int, body: Body) -> bool:
         functions[ident] = _serialize.decode(body)
@@ -158,7 +223,11 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
     def members(ident: int, body: Body) -> bool:
         new = json.loads(bytes(body))
         new["local_rank"] = info["local_rank"]
-        os.environ["COMPUTE_POOL"] = json.dumps(new)
+        if threaded:
+            new["worker"] = slot
+            set_thread_pool(json.dumps(new))
+        else:
+            os.environ["COMPUTE_POOL"] = json.dumps(new)
         return True
 
     # kind -> handler(ident, body), False to stop (CANCEL frames are taken by the inbox)
@@ -174,11 +243,6 @@ def main(config: Config, blob: bytes, rfd: int, wfd: int) -> NoReturn:
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
-    try:
-        stack.close()
-    finally:
-        _flush()
-        os._exit(0)
 
 
 def _restore_streams(saved: list[int]) -> None:
@@ -214,6 +278,8 @@ class _Inbox:
         self.answers: dict[int, Body] = {}  # STORED frames, by request id
         self.credits: dict[int, int] = {}  # CREDIT frames, by task id
         self.feeds: dict[int, deque[Body]] = {}  # FEED frames, by task id
+        self.closing: set[int] = set()  # CLOSE frames: yielding tasks whose caller closed
+        self.shutdown = False  # a SHUTDOWN frame came (it is queued in ``frames`` too)
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
@@ -233,12 +299,28 @@ class _Inbox:
         return self.answers.pop(ident)
 
     def credit(self, ident: int) -> int | None:
-        """Wait for CREDIT for task ``ident``: how many values more; None at end of stream."""
-        while ident not in self.credits:
-            if self.eof:
-                return None
-            self._read(block=True, until=lambda: ident in self.credits)
+        """Wait for CREDIT for task ``ident``: how many values more; None when the task is
+        to end instead (see :meth:`ending`)."""
+
+        def ready() -> bool:
+            return ident in self.credits or self._ends(ident)
+
+        while not ready():
+            self._read(block=True, until=ready)
+        if self._ends(ident):
+            return None
         return self.credits.pop(ident)
+
+    def ending(self, ident: int) -> bool:
+        """Whether yielding task ``ident`` is to end at its next yield: its caller closed
+        the iterator (CLOSE), the executor is to stop (SHUTDOWN), or the agent is gone.
+        Reads what came meanwhile (without waiting)."""
+        if not self.eof and self.poller.poll(0):
+            self._read(block=False)
+        return self._ends(ident)
+
+    def _ends(self, ident: int) -> bool:
+        return self.eof or self.shutdown or ident in self.closing
 
     def feed(self, ident: int) -> Body | None:
         """Wait for the next FEED frame of task ``ident``; None at end of stream."""
@@ -272,7 +354,10 @@ class _Inbox:
                 elif kind == Kind.CREDIT:
                     more = CREDIT_BODY.unpack_from(body)[0]
                     self.credits[ident] = self.credits.get(ident, 0) + more
+                elif kind == Kind.CLOSE:
+                    self.closing.add(ident)
                 else:
+                    self.shutdown = self.shutdown or kind == Kind.SHUTDOWN
                     self.frames.append((kind, ident, body))
             if not (self.frames if until is None else until()):
                 continue  # nothing yet, or part of a frame: on (waiting if ``block``)
@@ -299,7 +384,7 @@ def _run(
     offset: int,
     shm_prefix: str,
     ser: Any,
-    stream: Callable[[Iterator[Any]], None],
+    stream: Callable[[Generator[Any, Any, Any]], None],
     forks: _Forks,
 ) -> tuple[int, list[Any]]:
     """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire

@@ -8,6 +8,7 @@ more (a CREDIT frame) as it takes them, so neither side holds more than a window
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +37,23 @@ class Context:
         self.pending: dict[int, list[Body]] = {}  # bodies of feeds not read yet
 
 
-current: Context | None = None
+current: Context | None = None  # the running task's (the process's first slot)
+_thread = threading.local()  # a thread slot's own (Worker(executor="thread"))
+
+
+def set_current(context: Context | None) -> None:
+    """The task now running in this thread (None: none)."""
+    global current
+    if threading.current_thread() is threading.main_thread():
+        current = context
+    else:
+        _thread.current = context
+
+
+def _current() -> Context | None:
+    if threading.current_thread() is threading.main_thread():
+        return current
+    return getattr(_thread, "current", None) or current
 
 
 class Feed(Iterator[Any]):
@@ -81,9 +98,10 @@ class Feed(Iterator[Any]):
 
 def receive(index: int) -> Feed:
     """Unpickled in place of a streamed argument (see ``_client/feeds.py``)."""
-    if current is None:
+    context = _current()
+    if context is None:
         raise RuntimeError("a streamed argument was unpickled outside of its task")
-    feed = current.feeds.get(index)
+    feed = context.feeds.get(index)
     if feed is None:
-        feed = current.feeds[index] = Feed(current, index)
+        feed = context.feeds[index] = Feed(context, index)
     return feed

@@ -47,14 +47,19 @@ class Channel:
 
 
 _channel: Channel | None = None
+_thread = threading.local()
 
 
-def install(channel: Channel | None) -> None:
-    """Set this executor's channel (None: its pool is not a cluster)."""
+def install(channel: Channel | None, this_thread: bool = False) -> None:
+    """Set this executor's channel (None: its pool is not a cluster); ``this_thread``: a
+    thread slot's own (``Worker(executor="thread")``), used by that thread."""
     global _channel
-    _channel = channel
+    if this_thread:
+        _thread.channel = channel
+    else:
+        _channel = channel
 
 
 def channel() -> Channel | None:
-    """This executor's channel, if its pool has collections."""
-    return _channel
+    """This executor's channel (this thread slot's), if its pool has collections."""
+    return getattr(_thread, "channel", None) or _channel

@@ -29,6 +29,13 @@ Executor states (one executor per slot at a time)::
     RUNNING | STARTING --RESTART--> STARTING (a new process)
     STARTING --failed start--> FAILED
     RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
+
+Thread slots (``Worker(executor="thread")``, ``config["threads"]``): one process serves
+every slot, a thread each (shared memory and GIL, as Skyward's thread executor), with a
+pair of pipes per slot, so each slot is fed and answers as above; output goes through the
+first slot's pipes. A thread cannot be stopped: a call cancelled or timed out while
+running, or a slot's death, replaces the process, and the calls the other slots were running
+end DIED saying so; the new process is started once every slot's pipes are closed.
 """
 
 from __future__ import annotations
@@ -170,12 +177,15 @@ class Supervisor:
         self.request_ids = itertools.count(1)
         self.ready_extra: Ready = {}  # more for the node's READY (the relay port)
         self.inherited: Callable[[], list[int]] = list  # the agent's other descriptors
+        self.threads = False  # one process, a thread per slot (see the module docstring)
+        self.shared_death = ""  # thread slots: why their process ended, for the others
 
     def configure(self, config: Config, blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
         self.config = config
         self.blob = blob
         self.slots = [Slot(rank) for rank in range(int(config.get("procs", 1)))]
+        self.threads = bool(config.get("threads")) and len(self.slots) > 1
 
     # -- what the client asks -----------------------------------------------------------
     def submit(self, ident: int, body: Body) -> None:
@@ -321,6 +331,9 @@ class Supervisor:
         assert self.config is not None
         if self.stopping:
             return
+        if self.threads:
+            self._start_threads()
+            return
         r_task, w_task = os.pipe()
         r_res, w_res = os.pipe()
         r_out, w_out = os.pipe()
@@ -354,12 +367,67 @@ class Supervisor:
         for fd in (r_task, w_res, w_out, w_err):
             os.close(fd)
         ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
+        self._began(slot, ex)
+
+    def _start_threads(self) -> None:
+        """Start the process of every thread slot, once none is left (see the module
+        docstring): the first slot in its main thread, the others in threads."""
+        assert self.config is not None
+        if any(s.executor is not None for s in self.slots):
+            return  # the others' ends are still to be read: the last one starts it
+        pipes = [(os.pipe(), os.pipe()) for _ in self.slots]  # (task r, w), (result r, w)
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the executor
+            try:
+                self.sel.close()
+                for fd in (*self.agent_fds, *self.inherited(), r_out, r_err):
+                    os.close(fd)
+                for (_, w_task), (r_res, _) in pipes:
+                    os.close(w_task)
+                    os.close(r_res)
+                os.setpgid(0, 0)
+                self.policy.in_child()
+                die_with_parent()
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(w_out, 1)
+                os.dup2(w_err, 2)
+                for fd in (devnull, w_out, w_err):
+                    os.close(fd)
+                from .executor import main
+
+                (r_first, _), (_, w_first) = pipes[0]
+                others = [
+                    (s.rank, p[0][0], p[1][1])
+                    for s, p in zip(self.slots[1:], pipes[1:], strict=True)
+                ]
+                config: Config = {**self.config, "local_rank": self.slots[0].rank}
+                main(config, self.blob, r_first, w_first, others)
+            finally:
+                os._exit(70)
+        os.close(w_out)
+        os.close(w_err)
+        self.shared_death = ""
+        for slot, ((r_task, w_task), (r_res, w_res)) in zip(self.slots, pipes, strict=True):
+            os.close(r_task)
+            os.close(w_res)
+            first = slot is self.slots[0]
+            out, err = (r_out, r_err) if first else (-1, -1)
+            self._began(slot, Executor(slot, pid, w_task, r_res, out, err, Outbox(w_task)))
+
+    def _began(self, slot: Slot, ex: Executor) -> None:
+        """``ex`` (just forked) serves ``slot``: its pipes are watched, and it is given the
+        functions and the slot's next tasks."""
         slot.executor = ex
-        os.set_blocking(r_out, False)
-        os.set_blocking(r_err, False)
-        self.sel.register(r_res, False, partial(self._on_executor, ex))
-        self.sel.register(r_out, False, partial(self._on_output, ex, 1), first=True)
-        self.sel.register(r_err, False, partial(self._on_output, ex, 2), first=True)
+        self.sel.register(ex.from_fd, False, partial(self._on_executor, ex))
+        if ex.out_fd >= 0:
+            os.set_blocking(ex.out_fd, False)
+            os.set_blocking(ex.err_fd, False)
+            self.sel.register(ex.out_fd, False, partial(self._on_output, ex, 1), first=True)
+            self.sel.register(ex.err_fd, False, partial(self._on_output, ex, 2), first=True)
         slot.fed = 0
         slot.quick = False
         for task in [t for t in slot.tasks if t.cancelled]:  # given to the last process only
@@ -490,8 +558,8 @@ class Supervisor:
 
     def credit(self, ident: int, body: Body, kind: int = Kind.CREDIT) -> None:
         """The client's leave for a yielding task to send more (or a value of a streamed
-        argument: ``kind`` FEED): to the executor of the task, or after its TASK frame
-        while it waits for its turn."""
+        argument: ``kind`` FEED; or its caller closed the iterator: ``kind`` CLOSE): to
+        the executor of the task, or after its TASK frame while it waits for its turn."""
         parts: list[Buffer] = [HEADER.pack(kind, ident, len(body)), body]
         for slot in self.slots:
             for i, task in enumerate(slot.tasks):
@@ -572,6 +640,15 @@ class Supervisor:
         self._close(ex)
         if self.stopping:
             return
+        if self.threads:  # one process for every slot: the first to see its end says why
+            if not self.shared_death:
+                code = os.waitstatus_to_exitcode(status) if status is not None else None
+                what = reason or describe_exit(code)[0]
+                self.shared_death = (
+                    f"ended with the node's other thread slots (they share one process, "
+                    f"which {what})"
+                )
+            reason = reason or self.shared_death
         tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
         exitcode = os.waitstatus_to_exitcode(status) if status is not None else None
         death: Ready = {
@@ -607,6 +684,11 @@ class Supervisor:
         ex = slot.executor
         if ex is None:
             return
+        if self.threads and not self.shared_death:
+            self.shared_death = (
+                "was replaced with the node's other thread slots: they share one process, "
+                f"and the call of slot {slot.rank} had to be stopped"
+            )
         kill_group(ex.pid)
         _reap(ex.pid, wait=True)
         self._close(ex)

@@ -50,6 +50,7 @@ class Config(TypedDict, total=False):
 
     pool_id: str
     procs: int  # the executors (task slots) of the node
+    threads: bool  # the slots are threads of one process (``Worker(executor="thread")``)
     compute_pool: str  # the node's InstanceInfo, JSON (``COMPUTE_POOL``)
     env: dict[str, str]
     image: dict[str, Any] | None  # the Image's build spec (``_image.py``)

@@ -71,6 +71,9 @@ class Kind(IntEnum):
     # (agent -> executor: TASK_HEAD + the name of the shared-memory file that holds it)
     HAVE = 28  # agent -> client; JSON: the node has the payload (checked), or failed to get it
     DROP = 29  # client -> agent; body = a payload's ref: it is no longer needed
+    # a yielding task's caller closed its iterator: GeneratorExit is thrown into the
+    # generator where it waits (at a yield), its finally runs, the process stays
+    CLOSE = 30  # client -> agent -> executor; ident=task id
 
 
 class Status(IntEnum):

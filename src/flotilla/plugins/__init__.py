@@ -63,7 +63,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # each plugin's module is imported when it is made: a node's executor
@@ -170,19 +170,28 @@ def keras(backend: str = "jax") -> KerasPlugin:
     return KerasPlugin(backend)
 
 
-def huggingface(token: str | None = None) -> HuggingfacePlugin:
+def huggingface(models: Sequence[str] | None = None, token: str | None = None) -> HuggingfacePlugin:
     """HuggingFace: installs transformers, datasets, tokenizers, and accelerate and torch
-    (what ``Trainer`` needs); sets ``HF_TOKEN``.
+    (what ``Trainer`` needs); sets ``HF_TOKEN``; fetches ``models`` into each node's cache
+    while its environment is built (Skyward's signature).
 
     Args:
+        models: hub repository ids (``["meta-llama/Llama-3.1-8B"]``) downloaded with
+            ``huggingface_hub.snapshot_download`` as a setup step of the node's
+            environment build, so that ``from_pretrained`` in a task reads them from disk
+            (the hub's cache: ``HF_HOME``, default ``~/.cache/huggingface``; the hub is
+            ``HF_ENDPOINT`` when set). A build that cannot fetch one fails the pool's start,
+            naming it. The environment is built again when the list changes.
         token: a HuggingFace access token, set as ``HF_TOKEN`` in each node's process
-            (the hub libraries read it from there). Never shown in the plugin's repr.
+            (the hub libraries read it from there) and, with ``models``, in the build that
+            fetches them (for gated or private repositories). Never shown in the plugin's
+            repr, the build's output or errors.
 
     For multi-node training, combine with ``plugins.torch()``.
     """
-    from ._huggingface import HuggingfacePlugin
+    from ._huggingface import make
 
-    return HuggingfacePlugin(token)
+    return make(models, token)
 
 
 def tensorflow() -> TensorflowPlugin:
