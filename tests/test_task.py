@@ -255,7 +255,7 @@ def test_ssh_provider_spec_checks() -> None:
         SSHSpec()
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad"})
-    spec = SSHSpec(hosts=("root@h1", "root@h2"))
+    spec = SSHSpec(settings=(("hosts", ("root@h1", "root@h2")),))
     assert registry.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ConfigurationError, match="3 nodes wanted but --hosts lists 2"):
         check_task(Task(run="x"), spec, 3)
