@@ -142,7 +142,7 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
     spec: ProviderSpec = b.spec_from_args(args)
     if task is not None:
         spec = b.with_task(spec, task)
-        b.check_spec(spec)  # the provider's own checks, before anything starts
+    b.check_spec(spec)  # the provider's own checks, before anything starts
     return spec
 
 

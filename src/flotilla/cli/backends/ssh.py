@@ -29,13 +29,6 @@ class SSHSpec(ProviderSpec):
 
     kind = "ssh"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.hosts:
-            raise ConfigurationError(
-                "the ssh provider needs hosts: --hosts user@host1,user@host2 (head first)"
-            )
-
     @property
     def hosts(self) -> tuple[str, ...]:
         return tuple(self.value("hosts", ()))
@@ -52,6 +45,14 @@ class SSHBackend(Backend[SSHSpec]):
     settings_type = SSHSettings
     summary = "existing hosts reached with OpenSSH (--hosts)"
     stop_note = ""  # the hosts keep their folders and environments; only agents stop
+
+    def check_spec(self, spec: SSHSpec) -> None:
+        if not spec.hosts:
+            raise ConfigurationError(
+                "the ssh provider needs hosts: --hosts user@host1,user@host2 (head first), or "
+                "a task file's config: {ssh: {hosts: [...]}}"
+            )
+        super().check_spec(spec)
 
     def check_nodes(self, spec: SSHSpec, cluster_nodes: int) -> None:
         if cluster_nodes > len(spec.hosts):
