@@ -166,6 +166,31 @@ def test_one_default_per_option_and_skypilots_use_spot_is_one_mapping_line() -> 
         assert extra == set(), f"{b.kind}'s spec repeats settings: {extra}"
 
 
+def test_a_state_file_of_the_previous_format_keeps_its_settings() -> None:
+    """A cluster recorded when the options were fields of the spec (a running cluster
+    across an upgrade): they become its settings."""
+    spec = registry.spec_from_dict(
+        {
+            "kind": "aws",
+            "settings": [["profile", "dev"]],
+            "region": "eu-west-1",
+            "allocation": "on-demand",
+            "ami": None,
+            "tags": [["team", "ml"]],
+            "poweroff_command": None,
+            "accelerator": "A100:1",
+        }
+    )
+    settings = registry.backend_for(spec).settings_of(spec)
+    assert (settings.region, settings.allocation, settings.profile) == (
+        "eu-west-1",
+        "on-demand",
+        "dev",
+    )
+    assert dict(settings.tags) == {"team": "ml"} and settings.poweroff_command[0] == "sudo"
+    assert registry.backend_for(spec).pool_resources(spec).accelerator == "A100:1"
+
+
 def test_secrets_are_never_shown_in_clear() -> None:
     from flotilla._providers.options import shown
 

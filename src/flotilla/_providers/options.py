@@ -128,8 +128,11 @@ class Option:
         doc = self.doc.replace("``", "")
         if self.switch:
             return f"turns off: {doc}" if self.default else doc
-        shown = "" if self.default in (MISSING, None, (), {}) else f" (default: {self.default})"
-        return doc + shown
+        if self.default in (MISSING, None, (), {}) or "default" in doc:
+            return doc
+        value = self.default
+        words = " ".join(map(str, value)) if isinstance(value, tuple | list) else value
+        return f"{doc} (default: {words})"
 
 
 def options(settings_type: type[Any], kind: str) -> tuple[Option, ...]:

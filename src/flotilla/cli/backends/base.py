@@ -389,7 +389,7 @@ class Backend(ABC, Generic[S]):
         if self.settings_type is not None:
             names = {f.name for f in fields(self.settings_type)}
             names -= {f.name for f in fields(self.spec_type)}
-            old = {k: v for k, v in data.items() if k in names}
+            old = {k: v for k, v in data.items() if k in names and v is not None}
             if old:
                 settings = {**old, **dict(map(tuple, data.get("settings", ())))}
                 data = {**data, "settings": list(settings.items())}

@@ -75,11 +75,19 @@ class ContainerBackend(Backend[ContainerSpec]):
         return lines
 
     def check(self) -> str:
-        from ..._providers.container.provider import Engine
+        """The default engine's command answers ``info`` (a docker client without its
+        daemon does not)."""
+        import subprocess
 
-        settings = ContainerSettings()
-        Engine(settings).check_local()
-        return f"{settings.binary} found"
+        from ..._errors import ConfigurationError
+        from ..._providers.container.provider import Engine, said
+
+        engine = Engine(ContainerSettings())
+        engine.check_local()
+        done = subprocess.run([*engine.base(), "info"], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise ConfigurationError(f"{engine.settings.binary} info: {said(done.stderr)}")
+        return f"{engine.settings.binary} answers (--container-binary podman for podman)"
 
     def shell(
         self,
