@@ -135,9 +135,19 @@ class Option:
         return f"{doc} (default: {words})"
 
 
+_READ: dict[tuple[type[Any], str], tuple[Option, ...]] = {}
+
+
 def options(settings_type: type[Any], kind: str) -> tuple[Option, ...]:
     """Every option of a settings class; a flag is ``--KIND-FIELD`` unless the field's
-    metadata names another."""
+    metadata names another. Read once per class."""
+    key = (settings_type, kind)
+    if key not in _READ:
+        _READ[key] = _options(settings_type, kind)
+    return _READ[key]
+
+
+def _options(settings_type: type[Any], kind: str) -> tuple[Option, ...]:
     docs = field_docs(settings_type)
     hints = typing.get_type_hints(settings_type)
     out = []
