@@ -198,6 +198,13 @@ def test_secrets_are_never_shown_in_clear() -> None:
     assert shown(VastSettings())["api_key"] is None
     assert "k-123" not in repr(VastSettings(api_key="k-123"))
 
+    @dataclass(frozen=True)
+    class Unmarked:  # a provider from another package that marked nothing
+        hf_token: str | None = None
+        region: str = "r1"
+
+    assert shown(Unmarked(hf_token="hf-1")) == {"hf_token": "***", "region": "r1"}
+
 
 # -- launch --dryrun ---------------------------------------------------------------------------
 TASK = """\

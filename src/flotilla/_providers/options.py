@@ -157,7 +157,8 @@ def _options(settings_type: type[Any], kind: str) -> tuple[Option, ...]:
         default: Any = f.default
         if f.default_factory is not MISSING:
             default = f.default_factory()
-        flag = None if meta.secret else meta.flag or f"--{kind}-{f.name.replace('_', '-')}"
+        secret = f.name in secrets(settings_type)  # never on a command line (ps shows it)
+        flag = None if secret else meta.flag or f"--{kind}-{f.name.replace('_', '-')}"
         out.append(
             Option(
                 name=f.name,
@@ -166,7 +167,7 @@ def _options(settings_type: type[Any], kind: str) -> tuple[Option, ...]:
                 doc=docs.get(f.name, f.name.replace("_", " ")),
                 flag=flag,
                 task=meta.task,
-                secret=meta.secret,
+                secret=secret,
                 choices=meta.choices,
                 parse=meta.parse or _parser(kind_of),
             )
@@ -251,9 +252,14 @@ def docker_image(image_id: str) -> str:
 
 
 def secrets(settings_type: type[Any]) -> frozenset[str]:
-    """The fields never shown in clear."""
+    """The fields never shown in clear: marked ``secret``, or named like a secret
+    (``api_key``, ``token``: a provider from another package that marked nothing)."""
+    from .._redaction import looks_secret
+
     return frozenset(
-        f.name for f in fields(settings_type) if getattr(f.metadata.get(META), "secret", False)
+        f.name
+        for f in fields(settings_type)
+        if getattr(f.metadata.get(META), "secret", False) or looks_secret(f.name)
     )
 
 
