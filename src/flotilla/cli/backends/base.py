@@ -103,7 +103,7 @@ class Flag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] = ()
     setting: str = ""
-    """The provider settings field it sets ("" for none); see :func:`settings_flags`."""
+    """The provider settings field it sets ("" for none); see :meth:`Backend.all_flags`."""
     value: Any = True
     """A switch's value when given (the field's default is the other one)."""
 
