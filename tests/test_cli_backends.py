@@ -108,19 +108,25 @@ def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
         registry.backend("nomad")
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws, k8s, vast"
+    assert known == "local, ssh, slurm, aws, k8s, vast, container"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
     specs: list[ProviderSpec] = [
         LocalSpec(),
-        SSHSpec(hosts=("root@h1", "h2:2222"), key="/k", accept_new_host_keys=True),
-        SlurmSpec(partition="gpu", time="2:00:00", accelerator="A100:2", vcpus=4.0),
+        SSHSpec(
+            settings=(("hosts", ("root@h1", "h2:2222")), ("key", "/k")),
+        ),
+        SlurmSpec(
+            settings=(("partition", "gpu"), ("time", "2:00:00")), accelerator="A100:2", vcpus=4.0
+        ),
         AWSSpec(
-            region="us-east-1",
-            allocation="spot",
-            ports=("8080", "9000-9001"),
-            tags=(("team", "ml"),),
+            settings=(
+                ("region", "us-east-1"),
+                ("allocation", "spot"),
+                ("ports", ("8080", "9000-9001")),
+                ("tags", {"team": "ml"}),
+            ),
             memory_gb=16.0,
         ),
     ]
@@ -140,7 +146,9 @@ def test_flags_choose_the_backend_and_build_its_spec() -> None:
         launch_args("--hosts", "a, b", "--ssh-key", "key", "--accept-new-host-keys")
     )
     key = str(Path("key").absolute())
-    assert spec == SSHSpec(hosts=("a", "b"), key=key, accept_new_host_keys=True)
+    assert spec == SSHSpec(
+        settings=(("hosts", ("a", "b")), ("key", key), ("accept_new_host_keys", True))
+    )
     with pytest.raises(ConfigurationError, match="--hosts is for --provider ssh, not local"):
         registry.spec_from_args(launch_args("--provider", "local", "--hosts", "a"))
     with pytest.raises(ConfigurationError, match="needs hosts: --hosts"):
@@ -212,14 +220,16 @@ def test_task_resources_complete_the_slurm_spec() -> None:
         resources=Resources(infra="slurm/gpu", accelerators="A100:2", cpus="4+", memory="32"),
     )
     spec = registry.spec_from_args(launch_args(), task)
-    assert spec == SlurmSpec(partition="gpu", accelerator="A100:2", vcpus=4.0, memory_gb=32.0)
+    assert spec == SlurmSpec(
+        settings=(("partition", "gpu"),), accelerator="A100:2", vcpus=4.0, memory_gb=32.0
+    )
     backend = registry.backend_for(spec)
     assert backend.check_task(task, spec, 2) == []  # every field acted on
     wants = backend.pool_resources(spec)
     assert (wants.accelerator, wants.vcpus, wants.memory_gb) == ("A100:2", 4.0, 32.0)
     # the command line wins over the task
     spec = registry.spec_from_args(launch_args("--partition", "debug"), task)
-    assert isinstance(spec, SlurmSpec) and spec.partition == "debug"
+    assert isinstance(spec, SlurmSpec) and spec.value("partition") == "debug"
     with pytest.raises(ConfigurationError, match="unlimited time"):
         registry.spec_from_args(launch_args("--time", "UNLIMITED"), task)
 
@@ -227,8 +237,9 @@ def test_task_resources_complete_the_slurm_spec() -> None:
 def test_network_tier_best_is_acted_on_by_aws_and_noted_elsewhere() -> None:
     best = Task(run="true", resources=Resources(infra="aws", network_tier="best"))
     spec = registry.spec_from_args(launch_args(), best)
-    assert isinstance(spec, AWSSpec) and spec.network_tier == "best"
-    assert spec.provider_options()["network_tier"] == "best"  # reaches AWS(network_tier=)
+    assert isinstance(spec, AWSSpec) and spec.value("network_tier") == "best"
+    settings = registry.backend_for(spec).settings_of(spec)
+    assert settings.network_tier == "best"  # reaches AWS(network_tier=)
     assert registry.backend_for(spec).check_task(best, spec, 2) == []
     on_local = Task(run="true", resources=Resources(network_tier="best"))
     (note,) = registry.DEFAULT.check_task(on_local, registry.DEFAULT.spec_type(), 2)
@@ -250,13 +261,15 @@ def test_task_resources_complete_the_aws_spec() -> None:
     task = Task(run="true", resources=res)
     spec = registry.spec_from_args(launch_args(), task)
     assert spec == AWSSpec(
-        region="eu-west-1",
-        instance_type="c5.large",
-        allocation="spot",
-        ami="ami-0123456789abcdef0",
-        disk_gb=50,
-        ports=("8080", "9000-9001"),
-        tags=(("team", "ml"),),
+        settings=(
+            ("region", "eu-west-1"),
+            ("instance_type", "c5.large"),
+            ("allocation", "spot"),
+            ("ami", "ami-0123456789abcdef0"),
+            ("disk_gb", 50),
+            ("ports", ("8080", "9000-9001")),
+            ("tags", {"team": "ml"}),
+        ),
         vcpus=2.0,
         memory_gb=4.0,
     )
@@ -275,12 +288,14 @@ def test_task_resources_complete_the_aws_spec() -> None:
 @pytest.mark.parametrize("b", registry.BACKENDS, ids=lambda b: b.kind)
 def test_every_provider_setting_has_a_flag_or_is_set_by_the_command_line(b: Backend) -> None:  # type: ignore[type-arg]
     """Each field of the provider's settings object is set by a `flotilla launch` flag
-    (derived from it), or by the command line itself / a task file (``Backend.fixed``)."""
+    (derived from it), or by the command line itself (``Backend.fixed``), or is a secret
+    (never a flag: from the environment)."""
     assert b.settings_type is not None
     fields_ = {f.name for f in dataclasses.fields(b.settings_type)}
     flagged = {flag.setting for flag in b.all_flags if flag.setting}
-    assert flagged | set(b.fixed) == fields_
-    assert not flagged & set(b.fixed)
+    secret = {o.name for o in b.options() if o.secret}
+    assert flagged | set(b.fixed) | secret == fields_
+    assert not flagged & (set(b.fixed) | secret)
 
 
 _SAMPLES = {
@@ -288,13 +303,32 @@ _SAMPLES = {
     "sbatch_args": "--exclusive=user --nice=5",
     "min_reliability": "0.5",
     "workdir": "/x1",
+    "region": "us-east-1",
+    "allocation": "spot",
+    "instance_type": "c5.large",
+    "ami": "ami-0123456789abcdef0",
+    "disk_gb": "50",
+    "tags": "team=ml,tier=a",
+    "ports": "8080 9000-9001",
+    "network_tier": "best",
+    "namespace": "ns-1",
+    "time": "2:00:00",
+    "regions": "US SE",
+    "hosts": "h1,h2",
+    "binary": "podman",
+    "image": "python:3.11-slim",
+    "rootfs": "/x1",
+    "volumes": "/a:/b",
+    "network": "net1",
+    "container_prefix": "fx",
+    "poweroff_command": "sudo -n halt",
 }
-_REQUIRED = {"ssh": ["--hosts", "h1,h2"]}
+_REQUIRED = {"ssh": ["--hosts", "h1,h2"], "container": ["--container-binary", "podman"]}
 
 
 @pytest.mark.parametrize(
     ("kind", "flag"),
-    [(b.kind, f) for b in registry.BACKENDS for f in b.pass_through],
+    [(b.kind, f) for b in registry.BACKENDS for f in b.all_flags if f.setting],
     ids=lambda v: v if isinstance(v, str) else v.name,
 )
 def test_a_settings_flag_reaches_the_provider(kind: str, flag: Flag, tmp_path: Path) -> None:
@@ -311,6 +345,8 @@ def test_a_settings_flag_reaches_the_provider(kind: str, flag: Flag, tmp_path: P
     assert kept == spec and hash(kept) == hash(spec)  # the state file keeps it as it is
     provider = b.make_provider(kept, tmp_path)
     value = getattr(provider.settings, flag.setting)  # type: ignore[attr-defined]
+    if flag.setting == "hosts":
+        value = tuple(h.host for h in value)
     if flag.switch:
         expected: object = flag.value
     elif flag.type is shlex.split:

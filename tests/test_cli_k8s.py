@@ -120,10 +120,72 @@ def test_down_after_the_daemon_was_killed_deletes_its_pods(cli: CLI, k8s_lab: K8
     assert _made_by(k8s_lab, rec.pid) == []
 
 
-def _made_by(lab: K8sLab, pid: int) -> list[str]:
+_LIST_ROLE = """\
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: orphans-dev, namespace: default}
+rules:
+- apiGroups: [""]
+  resources: [pods, services, secrets]
+  verbs: [list, delete]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: orphans-dev, namespace: default}
+subjects: [{kind: User, name: dev, apiGroup: rbac.authorization.k8s.io}]
+roleRef: {kind: Role, name: orphans-dev, apiGroup: rbac.authorization.k8s.io}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_down_orphans_looks_in_every_namespace_and_namespace_narrows_it(
+    cli: CLI, k8s_lab: K8sLab
+) -> None:
+    """A pool launched with --namespace whose daemon was killed is found by ``down
+    --orphans --provider k8s`` without naming the namespace (the same --namespace as
+    launch's narrows the search); a user who may not list every namespace is told the
+    search covered the current context's one."""
+    cli.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
+    ns = f"ho-{os.getpid()}"
+    k8s_lab.kubectl("create", "namespace", ns)
+    try:
+        cli.ok("launch", "echo hi", "-c", "away", "--nodes", "2", "--provider", "k8s",
+               "--namespace", ns, "--k8s-python", sys.executable, timeout=300)  # fmt: skip
+        rec = cli.record("away")
+        assert rec is not None
+        pods = _made_by(k8s_lab, rec.pid, ns)
+        assert len(pods) == 2
+        os.kill(rec.pid, signal.SIGKILL)
+        narrowed = cli.ok("down", "--orphans", "--provider", "k8s", "--namespace", "default",
+                          "--dry-run")  # fmt: skip
+        said = narrowed.stdout + narrowed.stderr
+        assert not any(p in said for p in pods), said
+        listed = cli.ok("down", "--orphans", "--provider", "k8s", "--dry-run")
+        said = listed.stdout + listed.stderr
+        assert all(f"{ns}/{p}" in said for p in pods), said
+        assert _made_by(k8s_lab, rec.pid, ns) == pods  # a dry run
+        cli.ok("down", "--orphans", "--provider", "k8s")
+        assert wait_until(lambda: _made_by(k8s_lab, rec.pid, ns) == [], 90)
+        managed = "app.kubernetes.io/managed-by=flotilla"
+        assert (
+            k8s_lab.kubectl("get", "services,secrets", "-n", ns, "-l", managed, "-o", "name") == ""
+        )
+
+        k8s_lab.kubectl("apply", "-f", "-", input=_LIST_ROLE)
+        dev = {"KUBECONFIG": str(k8s_lab.user_kubeconfig())}
+        limited = cli.ok("down", "--orphans", "--provider", "k8s", "--dry-run", env=dev)
+        said = limited.stdout + limited.stderr
+        assert "looked in namespace default only" in said and "forbidden" in said, said
+    finally:
+        k8s_lab.kubectl("delete", "role,rolebinding", "orphans-dev", "--ignore-not-found")
+        cli("down", "away")
+        k8s_lab.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _made_by(lab: K8sLab, pid: int, namespace: str = "default") -> list[str]:
     """The pods whose client (``host:pid:start``) is the process ``pid``."""
     return [
         p["metadata"]["name"]
-        for p in lab.pods(selector="app.kubernetes.io/managed-by=flotilla")
+        for p in lab.pods(namespace, selector="app.kubernetes.io/managed-by=flotilla")
         if f":{pid}:" in p["metadata"].get("annotations", {}).get("flotilla/client", "")
     ]

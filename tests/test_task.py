@@ -252,10 +252,10 @@ def test_local_provider_refuses_missing_gpus_and_warns_about_hints(tmp_path: Pat
 
 def test_ssh_provider_spec_checks() -> None:
     with pytest.raises(ConfigurationError, match="needs hosts"):
-        SSHSpec()
+        registry.backend("ssh").check_spec(SSHSpec())
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad"})
-    spec = SSHSpec(hosts=("root@h1", "root@h2"))
+    spec = SSHSpec(settings=(("hosts", ("root@h1", "root@h2")),))
     assert registry.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ConfigurationError, match="3 nodes wanted but --hosts lists 2"):
         check_task(Task(run="x"), spec, 3)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Coroutine, Sequence
@@ -452,8 +453,21 @@ class Provider(ABC):
 
     @classmethod
     def from_settings(cls, settings: Any) -> Self:
-        """The provider made from a :attr:`settings_type` object."""
+        """The provider made from a :attr:`settings_type` object (``cls(settings=...)`` when
+        its constructor is derived from the settings, see ``options.provider_init``)."""
+        param = inspect.signature(cls).parameters.get("settings")
+        if param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY:
+            return cls(settings=settings)  # type: ignore[call-arg]
         return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
+
+    def make_settings(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        """The settings of a constructor derived from :attr:`settings_type` (see
+        ``options.provider_init``): ``settings=`` (its fields replaced by ``options``), else
+        the settings made of ``args`` and ``options``; checked."""
+        from .options import make_settings
+
+        assert self.settings_type is not None
+        return make_settings(self.settings_type, type(self).__name__, settings, args, options)
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
@@ -21,6 +22,7 @@ from .base import (
 )
 from .bootstrap import _package_dirs
 from .limits import check_local_capacity, out_of_files
+from .options import provider_init
 from .pipe import PipeAgent, spawn
 from .settings import LocalSettings
 
@@ -47,16 +49,13 @@ class Local(Provider):
     shares_filesystem = True
     elastic = True
 
-    def __init__(
-        self, python: str | None = None, workdir: str | None = None, keep_folders: bool = False
-    ) -> None:
-        if keep_folders and workdir is None:
-            raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
-        self.settings = LocalSettings(python, workdir)
-        self.keep_folders = keep_folders
-        self.python = python or sys.executable
-        self.python_pinned = python is not None
-        self.workdir = workdir
+    @provider_init(LocalSettings)
+    def __init__(self, *args: Any, settings: LocalSettings | None = None, **options: Any) -> None:
+        self.settings: LocalSettings = self.make_settings(settings, args, options)
+        self.keep_folders = self.settings.keep_folders
+        self.python = self.settings.python or sys.executable
+        self.python_pinned = self.settings.python is not None
+        self.workdir = self.settings.workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
 
     def __repr__(self) -> str:

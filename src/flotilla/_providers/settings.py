@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import ConfigurationError
+from .options import option
+
+SSH_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
 
 @dataclass(frozen=True)
@@ -18,16 +21,22 @@ class LocalSettings:
     Attributes:
         python: interpreter for the agents (default: ``sys.executable``).
         workdir: parent folder of the nodes' working directories (default: a temp dir).
+        keep_folders: name the nodes' folders ``node0``, ``node1``... in ``workdir`` and
+            keep them when the pool closes: a later pool with the same ``workdir`` finds
+            what the nodes left there (``flotilla stop`` / ``start``).
     """
 
     python: str | None = None
     workdir: str | None = None
+    keep_folders: bool = False
 
     def __post_init__(self) -> None:
         for key in ("python", "workdir"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigurationError(f"Local({key}=...) must be a non-empty string or None")
+        if self.keep_folders and self.workdir is None:
+            raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,11 @@ def parse_host(text: str) -> SSHHost:
     return SSHHost(host, user or None, int(port) if port else None)
 
 
+def _host_list(text: str) -> tuple[str, ...]:
+    """``--hosts a,user@b:2222``: the hosts, head first."""
+    return tuple(h.strip() for h in text.split(",") if h.strip())
+
+
 def _check_port(port: object, what: str) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ConfigurationError(f"{what} must be a TCP port number (1-65535), got {port!r}")
@@ -104,12 +118,14 @@ class SSHSettings:
             for ssh; a fraction is rounded up).
     """
 
-    hosts: Sequence[str | SSHHost] | str | SSHHost = ()
+    hosts: Sequence[str | SSHHost] | str | SSHHost = option((), flag="--hosts", parse=_host_list)
     user: str | None = None
     port: int = 22
-    key: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
-    accept_new_host_keys: bool = False
+    key: str | os.PathLike[str] | None = option(None, parse=os.path.abspath)
+    known_hosts: str | os.PathLike[str] | None = option(
+        SSH_KNOWN_HOSTS, flag="--known-hosts", parse=os.path.abspath
+    )
+    accept_new_host_keys: bool = option(False, flag="--accept-new-host-keys")
     python: str | None = None
     workdir: str = "~/.flotilla"
     connect_timeout: float = 10.0
@@ -130,8 +146,19 @@ class SSHSettings:
         object.__setattr__(self, "hosts", parsed)
         if self.key is not None:
             object.__setattr__(self, "key", os.path.expanduser(os.fspath(self.key)))
-        object.__setattr__(self, "known_hosts", os.path.expanduser(os.fspath(self.known_hosts)))
+        known = SSH_KNOWN_HOSTS if self.known_hosts is None else self.known_hosts
+        object.__setattr__(self, "known_hosts", os.path.expanduser(os.fspath(known)))
         object.__setattr__(self, "connect_timeout", float(timeout))
+
+    @property
+    def key_file(self) -> str | None:
+        """``key`` as a path (``~`` expanded when the settings were made)."""
+        return None if self.key is None else os.fspath(self.key)
+
+    @property
+    def known_hosts_file(self) -> str:
+        """``known_hosts`` as a path (``~`` expanded when the settings were made)."""
+        return os.fspath(self.known_hosts or SSH_KNOWN_HOSTS)
 
 
 # -- the provider --------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .base import (
@@ -25,6 +26,7 @@ from .base import (
     Provider,
 )
 from .launch import ShellAllocation
+from .options import provider_init
 from .settings import SSHHost, SSHSettings
 from .ssh_shell import SSHShell, Target, ssh_client
 
@@ -53,34 +55,11 @@ class SSH(Provider):
     settings_type = SSHSettings
     elastic = True
 
-    def __init__(
-        self,
-        hosts: Sequence[str | SSHHost] | str | SSHHost,
-        user: str | None = None,
-        port: int = SSHSettings.port,
-        key: str | os.PathLike[str] | None = None,
-        known_hosts: str | os.PathLike[str] | None = None,
-        accept_new_host_keys: bool = SSHSettings.accept_new_host_keys,
-        python: str | None = SSHSettings.python,
-        workdir: str = SSHSettings.workdir,
-        connect_timeout: float = SSHSettings.connect_timeout,
-    ) -> None:
-        settings = SSHSettings(
-            hosts=hosts,
-            user=user,
-            port=port,
-            key=os.fspath(key) if key is not None else None,
-            known_hosts=(
-                os.fspath(known_hosts) if known_hosts is not None else SSHSettings.known_hosts
-            ),
-            accept_new_host_keys=accept_new_host_keys,
-            python=python,
-            workdir=workdir,
-            connect_timeout=connect_timeout,
-        )
-        self.settings = settings
-        self.home = settings.workdir
-        self.python_pinned = settings.python is not None  # else python3, or one found
+    @provider_init(SSHSettings)
+    def __init__(self, *args: Any, settings: SSHSettings | None = None, **options: Any) -> None:
+        self.settings: SSHSettings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self.python_pinned = self.settings.python is not None  # else python3, or one found
 
     @property
     def hosts(self) -> tuple[SSHHost, ...]:
@@ -101,10 +80,12 @@ class SSH(Provider):
                 f"add hosts to SSH(hosts=[...]) or lower nodes= to at most {len(self.hosts)}"
             )
         ssh_client()
-        if self.settings.key is not None and not os.path.isfile(self.settings.key):
-            raise ConfigurationError(f"SSH(key=...): no such private key file: {self.settings.key}")
+        if self.settings.key_file is not None and not os.path.isfile(self.settings.key_file):
+            raise ConfigurationError(
+                f"SSH(key=...): no such private key file: {self.settings.key_file}"
+            )
         if self.settings.accept_new_host_keys:
-            _check_writable(self.settings.known_hosts)
+            _check_writable(self.settings.known_hosts_file)
 
     def target(self, host: SSHHost) -> _Target:
         return _Target(
@@ -118,8 +99,8 @@ class SSH(Provider):
         """``ssh`` with this provider's key, known_hosts and timeout, to ``target``."""
         return SSHShell(
             target,
-            key=self.settings.key,
-            known_hosts=self.settings.known_hosts,
+            key=self.settings.key_file,
+            known_hosts=self.settings.known_hosts_file,
             accept_new_host_keys=self.settings.accept_new_host_keys,
             connect_timeout=self.settings.connect_timeout,
         )
@@ -129,7 +110,7 @@ class SSH(Provider):
         :meth:`SSHAllocation.replace` takes in order. Nothing is connected yet."""
         if self.settings.accept_new_host_keys:
             os.makedirs(
-                os.path.dirname(self.settings.known_hosts) or ".", mode=0o700, exist_ok=True
+                os.path.dirname(self.settings.known_hosts_file) or ".", mode=0o700, exist_ok=True
             )
         return SSHAllocation(self, spec)
 

@@ -78,7 +78,9 @@ def cmd_down(args: argparse.Namespace) -> int:
             raise CLIError(
                 f"--orphans needs --provider: one of {', '.join(registry.kinds())}", code=2
             )
-        for line in registry.backend(args.provider).remove_orphans(args.region, args.dry_run):
+        spec = registry.spec_from_args(args)  # its flags say where to look
+        assert spec is not None
+        for line in registry.backend_for(spec).remove_orphans(spec, args.dry_run):
             say(line)
         if not args.clusters and not args.all:
             return 0

@@ -156,6 +156,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
             )
     down_after = args.down and not autodown
     job = _job_spec(task, job_nodes, not args.no_setup, True, down_after, args.retries)
+    if args.dryrun:
+        plan = {
+            "cluster": name,
+            "reuse": reuse or kept,
+            "nodes": cluster_nodes,
+            "job_nodes": job_nodes,
+            **registry.backend_for(spec).describe_plan(spec),
+        }
+        _print_plan(plan, args.json)
+        return 0
     volumes = _node_volumes(task, spec)
     if reuse:
         assert existing is not None
@@ -180,6 +190,38 @@ def cmd_launch(args: argparse.Namespace) -> int:
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)
     return code
+
+
+def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    """``launch --dryrun``'s report: one JSON document, or lines for a reader."""
+    import json
+
+    if as_json:
+        print(json.dumps(plan, indent=2, sort_keys=False, default=str))
+        return
+    what = "running, reused" if plan["reuse"] else "new"
+    print(
+        f"cluster {plan['cluster']} ({what}): {plan['nodes']} node(s), the job on "
+        f"{plan['job_nodes']}"
+    )
+    _print_provider(plan, "")
+    print("--dryrun: nothing was started")
+
+
+def _print_provider(plan: dict[str, Any], indent: str) -> None:
+    print(f"{indent}provider: {plan['provider']} ({plan['where']})")
+    for i, candidate in enumerate(plan.get("candidates", ())):
+        print(f"{indent}candidate {i} ({plan['allocation']}):")
+        _print_provider(candidate, indent + "  ")
+    if "settings" in plan:
+        print(f"{indent}settings:")
+        for key, value in plan["settings"].items():
+            print(f"{indent}  {key}: {value!r}")
+        for key, how in plan["set_by_flotilla"].items():
+            print(f"{indent}  {key}: set by flotilla ({how})")
+    if "per_node" in plan:
+        wants = ", ".join(f"{k} {v}" for k, v in plan["per_node"].items() if v is not None)
+        print(f"{indent}every node asks for: {wants or 'nothing in particular'}")
 
 
 def _node_volumes(task: Task, spec: ProviderSpec) -> tuple[Volume, ...]:

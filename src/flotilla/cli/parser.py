@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop the cluster (keeping its disks: `flotilla start` resumes it) after this "
         "long without jobs; with --down, tear it down instead",
     )
+    q.add_argument(
+        "--dryrun",
+        "--dry-run",
+        dest="dryrun",
+        action="store_true",
+        help="check the task and print the provider, its settings and what every node "
+        "would get; start and rent nothing",
+    )
+    q.add_argument("--json", action="store_true", help="with --dryrun: one JSON document")
     job_flags(q)
     registry.add_flags(q)
     q.set_defaults(func=cmd_launch)
@@ -139,13 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also remove what killed clients left with --provider (e.g. cloud instances)",
     )
-    q.add_argument("--provider", choices=registry.kinds(), help="where to look for orphans")
-    q.add_argument(
-        "--region",
-        help="the region to look in (default: the configured one); for k8s, the namespace "
-        "(default: default; the kubeconfig's current context)",
-    )
     q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
+    registry.add_flags(q)  # --provider and its flags: where to look (--region, --namespace)
     q.set_defaults(func=cmd_down)
 
     q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")

@@ -152,6 +152,9 @@ class Task:
         secrets: like ``envs``, but never written to disk nor shown (redacted as ``***``).
         setup: shell commands run once on every node of the cluster, before ``run``.
         run: shell commands run on each of the ``num_nodes`` nodes.
+        config: SkyPilot's ``config:`` section: provider -> its settings (``{aws: {region:
+            eu-west-1}}``), each a field of the provider's settings class; the command
+            line's flags win over it.
         path: the task file ('' for a command given on the command line).
         lines: field name -> line number in the file, for later messages.
     """
@@ -166,6 +169,7 @@ class Task:
     secrets: Mapping[str, str | None] = field(default_factory=dict)
     setup: str | None = None
     run: str | None = None
+    config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     path: str = ""
     lines: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -337,6 +341,15 @@ class _Parser:
         if not isinstance(value, str):
             raise self.error(f"`{name}` must be a string, got {_kind(value)}", node, name)
         return value
+
+    def config(self, node: yaml.Node, name: str) -> dict[str, dict[str, Any]]:
+        """``config: {PROVIDER: {FIELD: VALUE}}``: each provider's settings (which fields
+        exist is the provider's to say, when the task runs there)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, (_, section) in self.mapping(node, name, None).items():
+            fields = self.mapping(section, f"{name}.{key}", None)
+            out[key] = {k: self.value(v) for k, (_, v) in fields.items()}
+        return out
 
     def script(self, node: yaml.Node, name: str) -> str | None:
         value = self.value(node)
@@ -696,6 +709,7 @@ _TASK_FIELDS: dict[str, _Check] = {
     "secrets": _Parser.variables,
     "setup": _Parser.script,
     "run": _Parser.script,
+    "config": _Parser.config,
 }
 
 _RESOURCE_FIELDS: dict[str, _Check] = {

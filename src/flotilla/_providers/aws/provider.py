@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
 from ..offers import Offer
+from ..options import provider_init
 from .api import Api
 from .kept import Keep
 from .orphans import Orphans, remove_orphans, sweep
@@ -64,48 +65,11 @@ class AWS(Provider):
     name = "aws"
     settings_type = AWSSettings
 
-    def __init__(
-        self,
-        region: str | None = None,
-        instance_type: str | None = None,
-        allocation: str = AWSSettings.allocation,
-        ami: str | None = None,
-        ssh_user: str = AWSSettings.ssh_user,
-        subnet: str | None = None,
-        private_ips: bool = False,
-        disk_gb: int | None = None,
-        ttl: float = AWSSettings.ttl,
-        tags: dict[str, str] | None = None,
-        profile: str | None = None,
-        *,
-        ports: Sequence[int | str] = (),
-        workdir: str = AWSSettings.workdir,
-        python: str | None = AWSSettings.python,
-        poweroff_command: Sequence[str] = AWSSettings.poweroff_command,
-        connect_timeout: float = AWSSettings.connect_timeout,
-        network_tier: str = AWSSettings.network_tier,
-    ) -> None:
-        self.settings = AWSSettings(
-            region=region,
-            instance_type=instance_type,
-            allocation=allocation,
-            ami=ami,
-            ssh_user=ssh_user,
-            subnet=subnet,
-            private_ips=private_ips,
-            disk_gb=disk_gb,
-            ttl=ttl,
-            tags=dict(tags or {}),
-            profile=profile,
-            ports=ports,
-            workdir=workdir,
-            python=python,
-            poweroff_command=poweroff_command,
-            connect_timeout=connect_timeout,
-            network_tier=network_tier,
-        )
-        self.home = workdir
-        self.python_pinned = python is not None  # else python3, or one found
+    @provider_init(AWSSettings)
+    def __init__(self, *args: Any, settings: AWSSettings | None = None, **options: Any) -> None:
+        self.settings: AWSSettings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self.python_pinned = self.settings.python is not None  # else python3, or one found
         self._api: Api | None = None
         self.keep: Keep | None = None
         """Set for a stoppable pool (a named cluster's, see ``kept``): its instances are

@@ -4,13 +4,17 @@ starts), that the provider and its allocations read."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..options import From, option
 from .guard import USER_NAME, guard_command
 
 ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 NETWORK_TIERS = ("standard", "best")
+ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
+"""A task file's ``allocation``, as SkyPilot reads ``use_spot``: no ``use_spot`` is on-demand
+(the library's default, ``spot-if-available``, is not SkyPilot's)."""
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_NET_GDR_LEVEL": "PHB"}
 """What processes on EFA instances get (unless set): libfabric's EFA provider, GPUDirect
 RDMA on p4d/p5, and NCCL's use of it (the aws-ofi-nccl plugin of the Deep Learning AMI)."""
@@ -24,7 +28,8 @@ class AWSSettings:
         region: AWS region (default: the configured one, e.g. AWS_DEFAULT_REGION).
         instance_type: use this type instead of choosing one.
         allocation: ``"on-demand"``, ``"spot"`` or ``"spot-if-available"`` (spot, falling
-            back to on-demand when no zone has spot capacity).
+            back to on-demand when no zone has spot capacity). A task file follows
+            SkyPilot: ``use_spot: true`` is ``"spot"``, no ``use_spot`` is ``"on-demand"``.
         ami: AMI id (default: Ubuntu 24.04, or the Deep Learning Base AMI for GPU types,
             from AWS's public SSM parameters). It must run cloud-init and Python >= 3.11.
         ssh_user: the AMI's login user.
@@ -51,23 +56,25 @@ class AWSSettings:
             libfabric/NCCL variables that make NCCL use it (see ``EFA_ENV``).
     """
 
-    region: str | None = None
-    instance_type: str | None = None
-    allocation: str = "spot-if-available"
-    ami: str | None = None
-    ssh_user: str = "ubuntu"
-    subnet: str | None = None
-    private_ips: bool = False
-    disk_gb: int | None = None
-    ttl: float = 600.0
-    tags: Mapping[str, str] = field(default_factory=dict)
+    region: str | None = option(None, flag="--region", task=From(("infra", "region")))
+    instance_type: str | None = option(None, flag="--instance-type", task="instance_type")
+    allocation: str = option(
+        "spot-if-available", flag="--allocation", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK
+    )
+    ami: str | None = option(None, task="image_id")
+    ssh_user: str = option("ubuntu", flag="--aws-user")
+    subnet: str | None = option(None, flag="--subnet")
+    private_ips: bool = option(False, flag="--private-ips")
+    disk_gb: int | None = option(None, task="disk_size")
+    ttl: float = option(600.0, flag="--ttl")
+    tags: Mapping[str, str] = option(default_factory=dict, task="labels")
     profile: str | None = None
-    ports: Sequence[int | str] = ()
+    ports: Sequence[int | str] = option((), task="ports")
     workdir: str = "~/.flotilla"
     python: str | None = None
-    poweroff_command: Sequence[str] = ("sudo", "-n", "poweroff")
+    poweroff_command: Sequence[str] = option(("sudo", "-n", "poweroff"), flag="--poweroff-command")
     connect_timeout: float = 10.0
-    network_tier: str = "standard"
+    network_tier: str = option("standard", choices=NETWORK_TIERS, task="network_tier")
 
     def __post_init__(self) -> None:
         if self.network_tier not in NETWORK_TIERS:

@@ -10,9 +10,11 @@ checked from here and are left alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 
+from ..._errors import ProvisionError
 from ..aws.orphans import client_alive
 from .provider import CLIENT_LABEL, MANAGED, POOL_LABEL, Engine, pool_labels
 from .settings import ContainerSettings
@@ -42,7 +44,13 @@ async def _labelled(engine: Engine, kind: list[str]) -> list[dict[str, object]]:
     names = (await engine.call([*listing, "--filter", f"label={MANAGED}"])).split()
     if not names:
         return []
-    data = json.loads(await engine.call([*kind, "inspect", *names]))
+    try:
+        data = json.loads(await engine.call([*kind, "inspect", *names]))
+    except ProvisionError:  # one was removed since the listing (its pool's end): each alone
+        data = []
+        for name in names:
+            with contextlib.suppress(ProvisionError):
+                data += json.loads(await engine.call([*kind, "inspect", name]))
     return list(data if isinstance(data, list) else [data])
 
 

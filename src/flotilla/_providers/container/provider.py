@@ -44,6 +44,7 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, Machine, PoolSpec, Provider
 from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
+from ..options import provider_init
 from .settings import ContainerSettings
 
 logger = logging.getLogger("flotilla.container")
@@ -81,11 +82,6 @@ if network:
     run(["network", "rm", network])
 """
 """Removes a pool's containers and network once the client is gone (see the module doc)."""
-
-
-def _words(value: Any) -> Any:
-    """A list or tuple as a tuple; anything else as it is (the settings refuse it)."""
-    return tuple(value) if isinstance(value, list | tuple) else value
 
 
 def said(stderr: str) -> str:
@@ -177,34 +173,14 @@ class Container(Provider):
     name = "container"
     settings_type = ContainerSettings
 
+    @provider_init(ContainerSettings)
     def __init__(
-        self,
-        image: str | None = None,
-        binary: str = ContainerSettings.binary,
-        network: str | None = None,
-        container_prefix: str | None = None,
-        python: str | None = None,
-        workdir: str = ContainerSettings.workdir,
-        rootfs: str | None = None,
-        volumes: tuple[str, ...] | list[str] = (),
-        run_args: tuple[str, ...] | list[str] = (),
-        binary_args: tuple[str, ...] | list[str] = (),
+        self, *args: Any, settings: ContainerSettings | None = None, **options: Any
     ) -> None:
-        self.settings = ContainerSettings(
-            image=image,
-            binary=binary,
-            network=network,
-            container_prefix=container_prefix,
-            python=python,
-            workdir=workdir,
-            rootfs=rootfs,
-            volumes=_words(volumes),
-            run_args=_words(run_args),
-            binary_args=_words(binary_args),
-        )
+        self.settings: ContainerSettings = self.make_settings(settings, args, options)
         self.engine = Engine(self.settings)
         self.home = self.settings.workdir
-        self.python_pinned = python is not None
+        self.python_pinned = self.settings.python is not None
 
     def __repr__(self) -> str:
         what = (

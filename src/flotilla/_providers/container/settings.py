@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..options import From, docker_image, option
 
 BINARIES = ("docker", "podman")
 """The container engines whose command lines the provider speaks."""
@@ -60,7 +61,7 @@ class ContainerSettings:
             podman's ``--runtime runc``).
     """
 
-    image: str | None = None
+    image: str | None = option(None, task=From(("image_id",), docker_image))
     binary: str = "docker"
     network: str | None = None
     container_prefix: str | None = None
@@ -74,7 +75,7 @@ class ContainerSettings:
     def __post_init__(self) -> None:
         for key in ("volumes", "run_args", "binary_args"):
             value = getattr(self, key)
-            if isinstance(value, list):
+            if isinstance(value, list):  # a list, or a flag's words
                 object.__setattr__(self, key, tuple(value))
             value = getattr(self, key)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):

@@ -61,6 +61,7 @@ from ..base import (
 )
 from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
+from ..options import provider_init
 from .kubectl import Kubectl, Watch, said
 from .settings import KubernetesSettings
 
@@ -140,34 +141,14 @@ class Kubernetes(Provider):
     name = "k8s"
     settings_type = KubernetesSettings
 
+    @provider_init(KubernetesSettings)
     def __init__(
-        self,
-        namespace: str = KubernetesSettings.namespace,
-        context: str | None = None,
-        kubeconfig: str | None = None,
-        python: str | None = None,
-        image: str | None = None,
-        workdir: str = KubernetesSettings.workdir,
-        pending_timeout: float | None = None,
-        autoscaler: bool = KubernetesSettings.autoscaler,
-        gpu_label: str | None = KubernetesSettings.gpu_label,
-        kubectl: str = KubernetesSettings.kubectl,
+        self, *args: Any, settings: KubernetesSettings | None = None, **options: Any
     ) -> None:
-        self.settings = KubernetesSettings(
-            namespace=namespace,
-            context=context,
-            kubeconfig=kubeconfig,
-            python=python,
-            image=image,
-            workdir=workdir,
-            pending_timeout=pending_timeout,
-            autoscaler=autoscaler,
-            gpu_label=gpu_label,
-            kubectl=kubectl,
-        )
+        self.settings: KubernetesSettings = self.make_settings(settings, args, options)
         self.kubectl = Kubectl(self.settings)
         self.home = self.settings.workdir
-        self.python_pinned = python is not None
+        self.python_pinned = self.settings.python is not None
 
     def __repr__(self) -> str:
         where = f", context={self.settings.context!r}" if self.settings.context else ""

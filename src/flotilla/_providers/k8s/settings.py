@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..options import From, docker_image, option
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -38,16 +39,16 @@ class KubernetesSettings:
         kubectl: the kubectl command (every API call and exec stream goes through it).
     """
 
-    namespace: str = "default"
-    context: str | None = None
-    kubeconfig: str | None = None
+    namespace: str = option("default", flag="--namespace")
+    context: str | None = option(None, flag="--context", task="infra")
+    kubeconfig: str | None = option(None, flag="--kubeconfig")
     python: str | None = None
-    image: str | None = None
+    image: str | None = option(None, task=From(("image_id",), docker_image))
     workdir: str = "~/.flotilla"
-    pending_timeout: float | None = None
-    autoscaler: bool = False
-    gpu_label: str | None = "skypilot.co/accelerator"
-    kubectl: str = "kubectl"
+    pending_timeout: float | None = option(None, flag="--pending-timeout")
+    autoscaler: bool = option(False, flag="--autoscaler")
+    gpu_label: str | None = option("skypilot.co/accelerator", flag="--gpu-label")
+    kubectl: str = option("kubectl", flag="--kubectl")
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not _NAME.fullmatch(self.namespace):

@@ -44,6 +44,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
@@ -57,6 +58,7 @@ from ..base import (
 from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
 from ..local import user_code_path
+from ..options import provider_init
 from .job import (
     HOLDER,
     Job,
@@ -98,35 +100,10 @@ class Slurm(Provider):
     name = "slurm"
     settings_type = SlurmSettings
 
-    def __init__(
-        self,
-        partition: str | None = None,
-        account: str | None = None,
-        qos: str | None = None,
-        time: str | int | None = None,
-        constraint: str | None = None,
-        reservation: str | None = None,
-        gres: str | None = None,
-        sbatch_args: Sequence[str] = SlurmSettings.sbatch_args,
-        python: str | None = None,
-        workdir: str | None = None,
-        queue_timeout: float | None = None,
-        shared_filesystem: bool = SlurmSettings.shared_filesystem,
-    ) -> None:
-        self.settings = settings = SlurmSettings(
-            partition=partition,
-            account=account,
-            qos=qos,
-            time=time,
-            constraint=constraint,
-            reservation=reservation,
-            gres=gres,
-            sbatch_args=sbatch_args,
-            python=python,
-            workdir=workdir,
-            queue_timeout=queue_timeout,
-            shared_filesystem=shared_filesystem,
-        )
+    @provider_init(SlurmSettings)
+    def __init__(self, *args: Any, settings: SlurmSettings | None = None, **options: Any) -> None:
+        self.settings = settings = self.make_settings(settings, args, options)
+        time, python, workdir = settings.time, settings.python, settings.workdir
         self.time_limit = parse_time(time) if time is not None else None
         self.shares_filesystem = settings.shared_filesystem
         self.python = python or (sys.executable if self.shares_filesystem else "python3")

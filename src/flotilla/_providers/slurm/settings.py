@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..options import option
 
 _RESERVED = {
     "--nodes": "nodes=",
@@ -47,18 +48,18 @@ class SlurmSettings:
         shared_filesystem: whether the nodes see the client's files (the usual SLURM setup).
     """
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | int | None = None
-    constraint: str | None = None
-    reservation: str | None = None
-    gres: str | None = None
-    sbatch_args: Sequence[str] = ()
+    partition: str | None = option(None, flag="--partition", task="infra")
+    account: str | None = option(None, flag="--account")
+    qos: str | None = option(None, flag="--qos")
+    time: str | int | None = option(None, flag="--time", parse=str)
+    constraint: str | None = option(None, flag="--constraint")
+    reservation: str | None = option(None, flag="--reservation")
+    gres: str | None = option(None, flag="--gres")
+    sbatch_args: Sequence[str] = option((), flag="--sbatch-args")
     python: str | None = None
     workdir: str | None = None
-    queue_timeout: float | None = None
-    shared_filesystem: bool = True
+    queue_timeout: float | None = option(None, flag="--queue-timeout")
+    shared_filesystem: bool = option(True, flag="--no-shared-filesystem")
 
     def __post_init__(self) -> None:
         for key in ("partition", "account", "qos", "constraint", "reservation", "gres"):

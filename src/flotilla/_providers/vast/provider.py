@@ -26,7 +26,6 @@ key Vast gives the instance for itself. ``flotilla down --orphans --provider vas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from ..._errors import ConfigurationError
 from ..aws.keys import KeyPair
 from ..base import PoolSpec, Provider
 from ..offers import Offer
+from ..options import provider_init
 from .api import VastApi, find_key, find_url
 from .choice import as_offer, query
 from .pool import VastAllocation, parse_label
@@ -68,34 +68,11 @@ class VastAI(Provider):
     name = "vast"
     settings_type = VastSettings
 
-    def __init__(
-        self,
-        api_key: str | None = None,
-        url: str | None = None,
-        image: str = VastSettings.image,
-        disk_gb: float = VastSettings.disk_gb,
-        min_reliability: float = VastSettings.min_reliability,
-        regions: Sequence[str] = (),
-        ttl: float = VastSettings.ttl,
-        *,
-        workdir: str = VastSettings.workdir,
-        python: str | None = VastSettings.python,
-        connect_timeout: float = VastSettings.connect_timeout,
-    ) -> None:
-        self.settings = VastSettings(
-            api_key=api_key,
-            url=url,
-            image=image,
-            disk_gb=disk_gb,
-            min_reliability=min_reliability,
-            regions=regions,
-            ttl=ttl,
-            workdir=workdir,
-            python=python,
-            connect_timeout=connect_timeout,
-        )
-        self.home = workdir
-        self.python_pinned = python is not None
+    @provider_init(VastSettings)
+    def __init__(self, *args: Any, settings: VastSettings | None = None, **options: Any) -> None:
+        self.settings: VastSettings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self.python_pinned = self.settings.python is not None
         self._api: VastApi | None = None
 
     def __repr__(self) -> str:  # never the key

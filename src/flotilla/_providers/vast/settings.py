@@ -4,9 +4,15 @@ is rented), that the provider and its allocations read."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..options import From, option
+
+
+def _countries(text: str) -> tuple[str, ...]:
+    """A task file's ``region`` (``"US,CA"``) as country codes."""
+    return tuple(r.strip().upper() for r in text.split(",") if r.strip())
 
 
 @dataclass(frozen=True)
@@ -34,12 +40,12 @@ class VastSettings:
         connect_timeout: seconds for one SSH connection attempt.
     """
 
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = option(None, secret=True)
     url: str | None = None
-    image: str = "pytorch/pytorch:latest"
-    disk_gb: float = 20.0
+    image: str = option("pytorch/pytorch:latest", task="image_id")
+    disk_gb: float = option(20.0, task="disk_size")
     min_reliability: float = 0.9
-    regions: Sequence[str] = ()
+    regions: Sequence[str] = option((), task=From(("infra", "region"), _countries))
     ttl: float = 600.0
     workdir: str = "/root/.flotilla"
     python: str | None = None

@@ -2,11 +2,12 @@
 down`` (see ``flotilla._providers.aws``).
 
 A task file chooses it with ``resources: infra: aws`` or ``aws/<region>``, and its
-``resources`` are acted on: ``use_spot`` (spot only; otherwise on-demand, as SkyPilot),
-``instance_type``, ``accelerators``/``cpus``/``memory`` (the smallest type that has them),
-``disk_size`` (GiB), ``image_id``, ``ports`` (opened in the pool's security group),
-``labels`` (tags on every resource) and ``network_tier: best`` (an EFA-capable type in a
-cluster placement group, EFA interfaces). Flags given on the command line win over the task.
+``resources`` are acted on (as ``AWSSettings``' fields say): ``use_spot`` (spot only;
+otherwise on-demand, as SkyPilot), ``instance_type``, ``accelerators``/``cpus``/``memory``
+(the smallest type that has them), ``disk_size`` (GiB), ``image_id``, ``ports`` (opened in
+the pool's security group), ``labels`` (tags on every resource) and ``network_tier: best``
+(an EFA-capable type in a cluster placement group, EFA interfaces). ``config: {aws: {...}}``
+sets any other setting; flags given on the command line win over the task.
 
 ``flotilla stop`` stops the instances (StopInstances: their disks stay, no compute is
 billed) and ``flotilla start`` (or the next ``launch``) starts the same ones again (see
@@ -19,23 +20,17 @@ the pool's own key and pinned host key, kept by the provider while the cluster r
 
 from __future__ import annotations
 
-import argparse
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..._errors import ConfigurationError
-from ..._providers.aws.settings import ALLOCATIONS, AWSSettings
+from ..._providers.aws.settings import AWSSettings
 from .base import (
     Backend,
-    Flag,
     ResourceSpec,
     ShellCommand,
-    infra_detail,
-    infra_name,
-    settings_flags,
     ssh_shell,
 )
 
@@ -43,81 +38,18 @@ if TYPE_CHECKING:
     from ..._providers.aws.kept import KeptPool
     from ..._providers.base import Provider
     from ..state import ClusterRecord, NodeRecord, Paths
-    from ..taskfile import Task
 
 
 @dataclass(frozen=True)
 class AWSSpec(ResourceSpec):
-    """EC2 instances; the task's resources (see :class:`ResourceSpec`) choose the
-    instance type when none is given.
-
-    Attributes:
-        region: AWS region (None: the configured one).
-        instance_type: the instance type (None: the smallest that fits the resources).
-        allocation: "on-demand", "spot" or "spot-if-available".
-        ami: the AMI id (None: Ubuntu, or the Deep Learning Base AMI for GPU types).
-        user: the AMI's login user.
-        private_ips: connect to the instances' private addresses (client inside the VPC).
-        disk_gb: root volume size in GiB (None: the AMI's).
-        ports: TCP ports or ranges ("8000-8010") opened to everyone.
-        tags: tags on every resource of the cluster.
-        workdir: flotilla's folder on the instances.
-        ttl: seconds after the last contact from the client when an instance powers off.
-        poweroff_command: what an instance runs when ``ttl`` expires (None: ``sudo -n
-            poweroff``).
-        network_tier: "standard" or "best" (a task's ``resources.network_tier``).
-    """
+    """EC2 instances (settings: ``AWSSettings``); the task's resources (see
+    :class:`ResourceSpec`) choose the instance type when none is given."""
 
     kind = "aws"
 
-    region: str | None = None
-    instance_type: str | None = None
-    allocation: str = "on-demand"
-    ami: str | None = None
-    user: str = "ubuntu"
-    private_ips: bool = False
-    disk_gb: int | None = None
-    ports: tuple[str, ...] = ()
-    tags: tuple[tuple[str, str], ...] = ()
-    workdir: str = "~/.flotilla"
-    ttl: float = 600.0
-    poweroff_command: str | None = None
-    network_tier: str = "standard"
-
-    def __post_init__(self) -> None:
-        if self.allocation not in ALLOCATIONS:
-            raise ConfigurationError(
-                f"--allocation {self.allocation!r}: use one of {', '.join(ALLOCATIONS)}"
-            )
-        # lists of pairs come back from the state file as lists: tuples again
-        object.__setattr__(self, "tags", tuple(tuple(t) for t in self.tags))
-        self.provider_options()  # the provider's own checks, before anything starts
-
     def describe(self) -> str:
-        return f"aws {self.region}" if self.region else "aws"
-
-    def provider_options(self) -> dict[str, Any]:
-        """The AWS provider's arguments (it checks them)."""
-
-        options: dict[str, Any] = {
-            "region": self.region,
-            "instance_type": self.instance_type,
-            "allocation": self.allocation,
-            "ami": self.ami,
-            "ssh_user": self.user,
-            "private_ips": self.private_ips,
-            "disk_gb": self.disk_gb,
-            "ttl": self.ttl,
-            "tags": dict(self.tags),
-            "ports": self.ports,
-            "workdir": self.workdir,
-            "network_tier": self.network_tier,
-        }
-        if self.poweroff_command:
-            options["poweroff_command"] = shlex.split(self.poweroff_command)
-        options.update(self.settings)
-        AWSSettings(**options)  # raises a ConfigurationError for a bad value
-        return options
+        region = self.value("region")
+        return f"aws {region}" if region else "aws"
 
 
 class AWSBackend(Backend[AWSSpec]):
@@ -125,108 +57,22 @@ class AWSBackend(Backend[AWSSpec]):
     settings_type = AWSSettings
     summary = "EC2 instances started for the cluster, terminated by `flotilla down`"
     stop_note = ""  # StopInstances; StartInstances brings the same instances back
-    flags = (
-        *settings_flags(
-            AWSSettings,
-            {
-                "region": "--region",
-                "instance_type": "--instance-type",
-                "allocation": "--allocation",
-                "ssh_user": "--aws-user",
-                "private_ips": "--private-ips",
-                "workdir": "--aws-workdir",
-                "ttl": "--ttl",
-            },
-            choices={"allocation": ALLOCATIONS},
-        ),
-        Flag(
-            "--poweroff-command",
-            "what instances run when --ttl expires (sudo -n poweroff)",
-            setting="poweroff_command",
-        ),
-    )
-    pass_through = settings_flags(
-        AWSSettings,
-        {
-            "subnet": "--subnet",
-            "profile": "--aws-profile",
-            "python": "--aws-python",
-            "connect_timeout": "--aws-connect-timeout",
-        },
-    )
-    fixed = {
-        "ami": "a task's resources.image_id",
-        "disk_gb": "a task's resources.disk_size",
-        "tags": "a task's resources.labels",
-        "ports": "a task's resources.ports",
-        "network_tier": "a task's resources.network_tier",
-    }
-    honours = frozenset(
-        {
-            "region",
-            "instance_type",
-            "image_id",
-            "use_spot",
-            "disk_size",
-            "labels",
-            "cpus",
-            "memory",
-            "ports",
-            "network_tier",
-        }
-    )
+    honours = frozenset({"cpus", "memory"})
     hint_reason = "EC2 has no such setting flotilla knows of"
     infra = ("aws",)
-
-    def spec_from_args(self, args: argparse.Namespace) -> AWSSpec:
-        options: dict[str, Any] = {
-            "region": args.region,
-            "instance_type": args.instance_type,
-            "private_ips": args.private_ips,
-            "poweroff_command": args.poweroff_command,
-        }
-        for name, value in (
-            ("allocation", args.allocation),
-            ("user", args.aws_user),
-            ("workdir", args.aws_workdir),
-            ("ttl", args.ttl),
-        ):
-            if value is not None:
-                options[name] = value
-        return AWSSpec(**options)
-
-    def with_task(self, spec: AWSSpec, task: Task) -> AWSSpec:
-        res = task.resources
-        region = spec.region or res.region
-        if infra_name(res.infra) in self.infra:
-            region = spec.region or infra_detail(res.infra) or region
-        allocation = spec.allocation
-        if res.use_spot and allocation == "on-demand":
-            allocation = "spot"
-        return spec.with_task_resources(
-            task,
-            region=region,
-            instance_type=spec.instance_type or res.instance_type,
-            allocation=allocation,
-            ami=spec.ami or res.image_id,
-            disk_gb=spec.disk_gb or res.disk_size,
-            ports=spec.ports or tuple(str(p) for p in res.ports),
-            tags=spec.tags or tuple(sorted((str(k), str(v)) for k, v in res.labels.items())),
-            network_tier="best" if res.network_tier == "best" else spec.network_tier,
-        )
 
     def make_provider(self, spec: AWSSpec, nodes_dir: Path) -> Provider:
         from ..._providers.aws import AWS
         from ..._providers.aws.kept import Keep
 
-        provider = AWS.from_settings(AWSSettings(**spec.provider_options()))
+        provider = AWS.from_settings(self.settings_of(spec))
         provider.keep = Keep(_keep_folder(nodes_dir.parent))
         return provider
 
     def stop_refusal(self, paths: Paths, spec: AWSSpec) -> str:
         """Spot instances cannot be stopped: a spot cluster (or a spot-if-available one
         that got spot) is refused."""
-        if spec.allocation == "spot":
+        if self.settings_of(spec).allocation == "spot":
             return SPOT_CANNOT_STOP
         kept = _kept(paths)
         if kept is not None and kept.market == "spot":
@@ -234,8 +80,9 @@ class AWSBackend(Backend[AWSSpec]):
         return ""
 
     def autostop_refusal(self, spec: AWSSpec) -> str:
-        if spec.allocation != "on-demand":
-            return f"{SPOT_CANNOT_STOP} (--allocation {spec.allocation})"
+        allocation = self.settings_of(spec).allocation
+        if allocation != "on-demand":
+            return f"{SPOT_CANNOT_STOP} (--allocation {allocation})"
         return ""
 
     def before_close(self, provider: Provider, keep: bool) -> None:
@@ -263,7 +110,7 @@ class AWSBackend(Backend[AWSSpec]):
             keep.forget()
             return
         spec = self.spec_from_dict(record.provider)
-        api = AWS.from_settings(AWSSettings(**spec.provider_options())).api
+        api = AWS.from_settings(self.settings_of(spec)).api
         api.check()
         pool = [{"Name": f"tag:{TAG_POOL}", "Values": [kept.pool]}]
         terminate(api, pool, {i.id for i in kept.instances}, RELEASE_TIMEOUT)
@@ -273,13 +120,13 @@ class AWSBackend(Backend[AWSSpec]):
             delete_placement_group(api, kept.placement_group)
         keep.forget()
 
-    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+    def remove_orphans(self, spec: AWSSpec, dry_run: bool) -> list[str]:
         """Instances, security groups and key folders of pools whose client (a killed
-        program, or a cluster daemon) is gone; pools of other machines' clients are
-        listed, not touched."""
+        program, or a cluster daemon) is gone, in the region of ``--region`` (else the
+        configured one); pools of other machines' clients are listed, not touched."""
         from ..._providers.aws import AWS
 
-        found = AWS(region=region).remove_orphans(dry_run=dry_run)
+        found = AWS.from_settings(self.settings_of(spec)).remove_orphans(dry_run=dry_run)
         verb = "would remove" if dry_run else "removed"
         lines = [
             f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
@@ -323,7 +170,7 @@ class AWSBackend(Backend[AWSSpec]):
         from ..._providers.aws.keys import ssh_login
 
         address = nodes[node].ip
-        login = [*ssh_login(address), f"{spec.user}@{address}"]
+        login = [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
         tty, remote = ssh_shell(nodes[node].workdir, command)
         return ShellCommand(("ssh", *login, *tty, remote))
 

@@ -10,8 +10,6 @@ backend imports its provider (``flotilla._providers...``) inside :meth:`make_pro
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
 import shlex
 import sys
 from abc import ABC, abstractmethod
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 from ..._errors import ConfigurationError
+from ..._providers.options import Option, options, shown, task_values
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -39,8 +38,17 @@ class ProviderSpec:
     """The backend's name: ``--provider KIND``, ``"kind"`` in the state file."""
 
     settings: tuple[tuple[str, Any], ...] = ()
-    """The provider settings the command line gave through flags that have no field of
-    their own here (:attr:`Backend.pass_through`): (field, value) pairs."""
+    """The provider settings the cluster was given (flags, the task file's ``config:`` and
+    ``resources``): (field, value) pairs in field-name order; every other field is the
+    settings class's default (:meth:`Backend.settings_of` makes the settings object)."""
+
+    def __post_init__(self) -> None:
+        pairs = {str(k): frozen(v) for k, v in self.settings}
+        object.__setattr__(self, "settings", tuple(sorted(pairs.items())))
+
+    def value(self, name: str, default: Any = None) -> Any:
+        """The setting ``name`` as given (``default`` when it was not)."""
+        return dict(self.settings).get(name, default)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as JSON-ready data (tuples as lists), ``kind`` included."""
@@ -53,9 +61,7 @@ class ProviderSpec:
         flotilla version) are ignored, lists become tuples."""
         known = {f.name for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        values["settings"] = tuple(  # (field, value) pairs; a list value was a tuple
-            (str(k), tuple(v) if isinstance(v, list) else v) for k, v in data.get("settings", ())
-        )
+        values["settings"] = tuple(data.get("settings", ()))  # lists again tuples: see init
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def describe(self) -> str:
@@ -65,6 +71,16 @@ class ProviderSpec:
     def max_nodes(self) -> int | None:
         """How many nodes this provider can start (None: no limit)."""
         return None
+
+
+def frozen(value: Any) -> Any:
+    """``value`` as a spec keeps it (hashable, the same after the state file's JSON):
+    lists as tuples, mappings as sorted (key, value) pairs."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(frozen(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,7 @@ class Flag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] = ()
     setting: str = ""
-    """The provider settings field it sets ("" for none); see :func:`settings_flags`."""
+    """The provider settings field it sets ("" for none); see :meth:`Backend.all_flags`."""
     value: Any = True
     """A switch's value when given (the field's default is the other one)."""
 
@@ -188,21 +204,22 @@ class Backend(ABC, Generic[S]):
     Attributes:
         spec_type: its :class:`ProviderSpec` subclass (``spec_type.kind`` is its name).
         summary: what ``--provider KIND`` means, for ``--help``.
-        flags: its ``flotilla launch`` flags. Giving one without ``--provider`` selects
-            this backend; giving one with another ``--provider`` is an error.
-        settings_type: the provider's settings dataclass (None: it has none).
-        pass_through: flags for the provider's settings fields that the spec has no
-            field for (from :func:`settings_flags`): given ones are kept in
-            ``spec.settings`` and passed to the provider as they are.
+        flags: ``flotilla launch`` flags of its own, beside the ones derived from
+            ``settings_type`` (see :attr:`all_flags`). Giving one without ``--provider``
+            selects this backend; giving one with another ``--provider`` is an error.
+        settings_type: the provider's settings dataclass (None: it has none): every field
+            not in ``fixed`` is a flag (``flotilla._providers.options``), a task file's
+            ``config: {KIND: {FIELD: VALUE}}`` key and, where its metadata says so, set by
+            the task's ``resources``.
         fixed: the provider's settings fields the command line sets itself, and how
-            (``{"workdir": "the cluster's folder"}``): every other field has a flag or a
-            task-file ``resources`` field (a test checks it).
+            (``{"workdir": "the cluster's folder"}``): no flag, no ``config:`` key.
         shares_filesystem: every node runs on this machine (node paths are kept apart,
             ``~`` in a file mount is the node's folder, one node does machine-wide work).
         stop_note: '' when ``flotilla stop`` can stop its clusters, keeping their nodes'
             disks and environments (agents stopped; ``start`` starts them again); else why
             it cannot (``stop`` then refuses, offering ``down``).
-        honours: the task ``resources`` fields (of :data:`HINTS`) it acts on.
+        honours: the task ``resources`` fields (of :data:`HINTS`) it acts on besides those
+            its settings' fields name as their source.
         hint_reason: why it cannot act on the others (shown with the warning).
         infra: the task-file ``resources.infra`` names (the part before any ``/``:
             ``aws`` of ``aws/us-east-1``) that choose this backend when the command line
@@ -213,7 +230,6 @@ class Backend(ABC, Generic[S]):
     summary: ClassVar[str]
     flags: ClassVar[tuple[Flag, ...]] = ()
     settings_type: ClassVar[type[Any] | None] = None
-    pass_through: ClassVar[tuple[Flag, ...]] = ()
     fixed: ClassVar[Mapping[str, str]] = {}
     shares_filesystem: ClassVar[bool] = False
     stop_note: ClassVar[str] = "its nodes cannot be stopped and started again"
@@ -226,9 +242,29 @@ class Backend(ABC, Generic[S]):
         return self.spec_type.kind
 
     # -- the command line ---------------------------------------------------------------
+    def options(self) -> tuple[Option, ...]:
+        """The provider's options the command line sets (not :attr:`fixed`)."""
+        if self.settings_type is None:
+            return ()
+        return tuple(o for o in options(self.settings_type, self.kind) if o.name not in self.fixed)
+
     @property
     def all_flags(self) -> tuple[Flag, ...]:
-        return (*self.flags, *self.pass_through)
+        """Its own :attr:`flags`, then one per option (a secret has none)."""
+        derived = tuple(
+            Flag(
+                o.flag,
+                o.help,
+                switch=o.switch,
+                type=o.parse,
+                choices=o.choices,
+                setting=o.name,
+                value=not o.default,
+            )
+            for o in self.options()
+            if o.flag is not None
+        )
+        return (*self.flags, *derived)
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         """Add its flags to ``parser``, in a help group named after the backend."""
@@ -252,25 +288,111 @@ class Backend(ABC, Generic[S]):
         return [f.name for f in self.all_flags if f.given(args)]
 
     def given_settings(self, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
-        """The (field, value) of every :attr:`pass_through` flag the command line set."""
-        given = [(f, f.value if f.switch else getattr(args, f.dest)) for f in self.pass_through]
-        return tuple(
-            (f.setting, tuple(v) if isinstance(v, list) else v) for f, v in given if f.given(args)
-        )
+        """The (field, value) of every settings flag the command line set."""
+        given = [
+            (f, f.value if f.switch else getattr(args, f.dest))
+            for f in self.all_flags
+            if f.setting and f.given(args)
+        ]
+        return tuple((f.setting, tuple(v) if isinstance(v, list) else v) for f, v in given)
 
-    @abstractmethod
     def spec_from_args(self, args: argparse.Namespace) -> S:
-        """The spec the command line asks for (paths made absolute: the daemon runs
-        elsewhere); a ConfigurationError when it is incomplete."""
+        """The spec the command line asks for: the settings its flags give (paths made
+        absolute: the daemon runs elsewhere). Checked with the task (:meth:`with_task`)."""
+        return self.spec_type(settings=self.given_settings(args))
 
     def with_task(self, spec: S, task: Task) -> S:
-        """``spec`` completed with what the task file's ``resources`` ask of this provider
-        (``infra: NAME/REGION``, accelerators, CPUs...); what the command line set wins.
-        Default: the spec unchanged."""
+        """``spec`` completed with what the task file asks of this provider: its
+        ``config: {KIND: {...}}`` settings, then its ``resources`` (the fields whose
+        metadata names a source, see ``options.From``; for a :class:`ResourceSpec` also
+        accelerators, CPUs and memory). The command line wins over ``config:``, which wins
+        over ``resources``."""
+        if self.settings_type is not None:
+            res = task.resources
+            detail = infra_detail(res.infra) if infra_name(res.infra) in self.infra else None
+            hints = {f.name: getattr(res, f.name) for f in fields(res)}
+            values = {
+                **{
+                    k: v
+                    for k, v in task_values(self.settings_type, detail, hints).items()
+                    if k not in self.fixed
+                },
+                **self.config_values(task),
+                **dict(spec.settings),
+            }
+            spec = replace(spec, settings=tuple(values.items()))
+        if isinstance(spec, ResourceSpec):
+            spec = spec.with_task_resources(task)
         return spec
 
+    def config_values(self, task: Task) -> dict[str, Any]:
+        """The task file's ``config: {KIND: {FIELD: VALUE}}`` settings of this provider; a
+        ConfigurationError for a field it has not, or one the command line sets itself."""
+        given: dict[str, Any] = {}
+        for key in dict.fromkeys((self.kind, *self.infra)):  # k8s, or SkyPilot's kubernetes
+            given.update(task.config.get(key) or {})
+        if not given:
+            return {}
+        known = {o.name: o for o in self.options()}
+        for name in given:
+            if name in known and not known[name].secret:
+                continue
+            line = task.lines.get(f"config.{self.kind}.{name}", 0)
+            where = f"{task.path}:{line}: " if task.path and line else ""
+            every = {f.name for f in fields(self.settings_type)} if self.settings_type else set()
+            if name in every:
+                why = self.fixed.get(name) or "a secret: never in a task file"
+                raise ConfigurationError(
+                    f"{where}config.{self.kind}.{name}: not a task-file setting ({why})"
+                )
+            raise ConfigurationError(
+                f"{where}config.{self.kind}.{name}: the {self.kind} provider has no such "
+                f"setting (it has: {', '.join(known) or 'none'})"
+            )
+        return given
+
+    def settings_of(self, spec: S, **fixed: Any) -> Any:
+        """The provider's settings object for ``spec`` (with the :attr:`fixed` values the
+        command line sets itself): checked; a ConfigurationError names the flag too."""
+        assert self.settings_type is not None
+        values = {**dict(spec.settings), **fixed}
+        for o in options(self.settings_type, self.kind):
+            if o.mapping and isinstance(values.get(o.name), tuple):
+                values[o.name] = dict(values[o.name])  # kept as pairs (see frozen)
+        try:
+            return self.settings_type(**values)
+        except ConfigurationError as e:
+            flags = [o.flag for o in self.options() if o.flag and f"{o.name}=" in str(e)]
+            if not flags:
+                raise
+            raise ConfigurationError(f"{e} (the command line's {flags[0]})") from None
+
+    def check_spec(self, spec: S) -> None:
+        """Refuse a spec whose settings the provider would refuse, before anything starts."""
+        if self.settings_type is not None:
+            self.settings_of(spec)
+
+    def describe_plan(self, spec: S) -> dict[str, Any]:
+        """What ``launch --dryrun`` shows of ``spec``: the provider, every setting (secrets
+        as ``***``) and what the pool asks of every node."""
+        plan: dict[str, Any] = {"provider": self.kind, "where": spec.describe()}
+        if self.settings_type is not None:
+            settings = shown(self.settings_of(spec))
+            plan["settings"] = {k: v for k, v in settings.items() if k not in self.fixed}
+            plan["set_by_flotilla"] = dict(self.fixed)
+        plan["per_node"] = asdict(self.pool_resources(spec))
+        return plan
+
     def spec_from_dict(self, data: Mapping[str, Any]) -> S:
-        """The spec kept in a state file."""
+        """The spec kept in a state file (one of an older flotilla, whose settings were
+        fields of the spec, too)."""
+        if self.settings_type is not None:
+            names = {f.name for f in fields(self.settings_type)}
+            names -= {f.name for f in fields(self.spec_type)}
+            old = {k: v for k, v in data.items() if k in names and v is not None}
+            if old:
+                settings = {**old, **dict(map(tuple, data.get("settings", ())))}
+                data = {**data, "settings": list(settings.items())}
         spec = self.spec_type.from_fields(data)
         assert isinstance(spec, self.spec_type)
         return spec
@@ -298,11 +420,13 @@ class Backend(ABC, Generic[S]):
             "memory": res.memory,
             "ports": ",".join(res.ports) or None,
         }
+        sources = {s for o in self.options() if o.task for s in o.task.sources} - {"infra"}
+        honours = self.honours | sources
         for name in HINTS:
             value = values[name]
             if name == "infra" and infra_name(res.infra) in self.infra:
                 continue
-            if value is not None and name not in self.honours:
+            if value is not None and name not in honours:
                 warnings.append(
                     f"{task_location(task, name)}resources.{name}: {value!r} is a hint the "
                     f"{self.kind} provider cannot act on ({self.hint_reason}); ignored"
@@ -364,11 +488,12 @@ class Backend(ABC, Generic[S]):
         """``flotilla down``: the daemon is gone (or was already); clean up what it may
         have left behind on this machine before the cluster's files are removed."""
 
-    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
-        """``flotilla down --orphans --provider KIND``: remove what pools of killed clients
-        left behind (only those: a live client's pool is never touched); one line per
-        finding. Default: nothing can be left (a provider whose nodes end with the
-        client)."""
+    def remove_orphans(self, spec: S, dry_run: bool) -> list[str]:
+        """``flotilla down --orphans --provider KIND [its flags]``: remove what pools of
+        killed clients left behind (only those: a live client's pool is never touched),
+        where ``spec``'s settings say (the same flags as ``launch``: ``--region``,
+        ``--namespace``); one line per finding. Default: nothing can be left (a provider
+        whose nodes end with the client)."""
         return [f"the {self.kind} provider leaves nothing behind when its client dies"]
 
     # -- show-gpus, check ---------------------------------------------------------------
@@ -389,54 +514,6 @@ class Backend(ABC, Generic[S]):
     ) -> ShellCommand:
         """How to open a shell (``command`` empty) or run ``command`` in the working
         directory of node ``node`` of a running cluster."""
-
-
-def settings_flags(
-    settings_type: type[Any],
-    names: Mapping[str, str],
-    choices: Mapping[str, tuple[str, ...]] | None = None,
-) -> tuple[Flag, ...]:
-    """Flags for the fields of a provider's settings dataclass: ``names`` maps a field to
-    its flag. The help is the field's documentation (its ``Attributes:`` entry), the type
-    the field's (a bool is a switch that sets the value its default is not)."""
-    docs = field_docs(settings_type)
-    by_name = {f.name: f for f in fields(settings_type)}
-    out: list[Flag] = []
-    for name, flag in names.items():
-        f = by_name[name]
-        kind = str(f.type)
-        help = docs.get(name, name.replace("_", " ")).replace("``", "")
-        if kind == "bool":
-            off = f"turns off: {help}" if f.default else help
-            out.append(Flag(flag, off, switch=True, setting=name, value=not f.default))
-            continue
-        convert: Callable[[str], Any] = str
-        if "Sequence" in kind:
-            convert = shlex.split  # words, as a shell splits them
-        elif "str" not in kind:
-            convert = float if "float" in kind else int if "int" in kind else str
-        allowed = (choices or {}).get(name, ())
-        out.append(Flag(flag, help, type=convert, choices=allowed, setting=name))
-    return tuple(out)
-
-
-def field_docs(cls: type[Any]) -> dict[str, str]:
-    """Field -> its documentation, from the ``Attributes:`` section of ``cls``'s docstring
-    (on one line)."""
-    doc = inspect.cleandoc(cls.__doc__ or "")
-    _, _, section = doc.partition("Attributes:\n")
-    docs: dict[str, str] = {}
-    name = ""
-    for line in section.splitlines():
-        entry = re.match(r"    (\w+): (.*)", line)
-        if entry:
-            name = entry[1]
-            docs[name] = entry[2].strip()
-        elif name and line.startswith("        "):
-            docs[name] += " " + line.strip()
-        else:
-            break
-    return docs
 
 
 def infra_name(infra: str | None) -> str:

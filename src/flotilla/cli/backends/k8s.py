@@ -11,7 +11,6 @@ them; ``flotilla down --orphans --provider k8s`` deletes those of killed clients
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -19,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..._errors import ConfigurationError, FlotillaError
 from ..._providers.k8s.settings import KubernetesSettings
@@ -27,90 +26,39 @@ from .base import (
     Backend,
     ResourceSpec,
     ShellCommand,
-    infra_detail,
-    infra_name,
-    settings_flags,
 )
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
     from ..state import ClusterRecord, NodeRecord, Paths
-    from ..taskfile import Task
 
 
 @dataclass(frozen=True)
 class K8sSpec(ResourceSpec):
-    """Pods on a Kubernetes cluster; the task's resources (see :class:`ResourceSpec`)
-    become the pods' requests.
-
-    Attributes:
-        namespace: the namespace of the pods.
-        context: the kubeconfig context (None: the current one).
-    """
+    """Pods on a Kubernetes cluster (settings: ``KubernetesSettings``); the task's
+    resources (see :class:`ResourceSpec`) become the pods' requests."""
 
     kind = "k8s"
 
-    namespace: str = "default"
-    context: str | None = None
-
-    def __post_init__(self) -> None:
-        self.provider_settings()  # the provider's own checks, before anything starts
-
     def describe(self) -> str:
-        where = f" {self.context}" if self.context else ""
-        return f"k8s{where} namespace {self.namespace}"
-
-    def provider_settings(self) -> KubernetesSettings:
-        options: dict[str, Any] = {"namespace": self.namespace, "context": self.context}
-        options.update(self.settings)
-        return KubernetesSettings(**options)
+        context = self.value("context")
+        where = f" {context}" if context else ""
+        return f"k8s{where} namespace {self.value('namespace', KubernetesSettings.namespace)}"
 
 
 class K8sBackend(Backend[K8sSpec]):
     spec_type = K8sSpec
     settings_type = KubernetesSettings
     summary = "one Kubernetes pod per node (kubectl's kubeconfig and context)"
-    flags = settings_flags(KubernetesSettings, {"namespace": "--namespace", "context": "--context"})
-    pass_through = settings_flags(
-        KubernetesSettings,
-        {
-            "kubeconfig": "--kubeconfig",
-            "image": "--k8s-image",
-            "python": "--k8s-python",
-            "pending_timeout": "--pending-timeout",
-            "autoscaler": "--autoscaler",
-            "kubectl": "--kubectl",
-            "gpu_label": "--gpu-label",
-        },
-    )
     fixed = {"workdir": "flotilla's folder in the pods"}
-    honours = frozenset({"cpus", "memory", "image_id"})
+    honours = frozenset({"cpus", "memory"})
     hint_reason = "a pod gets what it requests"
     infra = ("k8s", "kubernetes")
-
-    def spec_from_args(self, args: argparse.Namespace) -> K8sSpec:
-        options: dict[str, Any] = {"context": args.context}
-        if args.namespace is not None:
-            options["namespace"] = args.namespace
-        return K8sSpec(**options)
-
-    def with_task(self, spec: K8sSpec, task: Task) -> K8sSpec:
-        res = task.resources
-        context = spec.context
-        if infra_name(res.infra) in self.infra:
-            context = context or infra_detail(res.infra)
-        settings = dict(spec.settings)
-        if res.image_id and "image" not in settings:
-            image = res.image_id.removeprefix("docker:")
-            settings["image"] = image
-        return spec.with_task_resources(
-            task, context=context, settings=tuple(sorted(settings.items()))
-        )
 
     def make_provider(self, spec: K8sSpec, nodes_dir: Path) -> Provider:
         from ..._providers.k8s import Kubernetes
 
-        return Kubernetes.from_settings(spec.provider_settings())
+        return Kubernetes.from_settings(self.settings_of(spec))
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """Delete the pods (Services, Secrets) the cluster's daemon made (they are found by
@@ -123,20 +71,22 @@ class K8sBackend(Backend[K8sSpec]):
 
         if not record.pid or not record.provider:
             return
-        settings = self.spec_from_dict(record.provider).provider_settings()
+        settings = self.settings_of(self.spec_from_dict(record.provider))
         client = f"{socket.gethostname()}:{record.pid}:{record.pid_start or ''}"
         try:
             asyncio.run(remove_client_pools(settings, client))
         except FlotillaError as e:
             print(f"cluster {paths.name}: could not look for its pods: {e}", file=sys.stderr)
 
-    def remove_orphans(self, region: str | None, dry_run: bool) -> list[str]:
+    def remove_orphans(self, spec: K8sSpec, dry_run: bool) -> list[str]:
         """Pods, Services and Secrets of pools whose client (a killed program, or a cluster
-        daemon) is gone, in the current context's ``default`` namespace (``--region`` names
-        another namespace); pools of other machines' clients are listed, not touched."""
+        daemon) is gone, in every namespace the user can list (the current context's own
+        when listing all is forbidden), or in ``--namespace`` only; pools of other
+        machines' clients are listed, not touched."""
         from ..._providers.k8s.orphans import remove_orphans
 
-        found = remove_orphans(KubernetesSettings(namespace=region or "default"), dry_run)
+        every = spec.value("namespace") is None
+        found = remove_orphans(self.settings_of(spec), dry_run, every_namespace=every)
         verb = "would delete" if dry_run else "deleted"
         lines = [
             f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
@@ -148,6 +98,8 @@ class K8sBackend(Backend[K8sSpec]):
             lines.append(f"{verb} {', '.join(found.others)}")
         if found.skipped:
             lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        if found.note:
+            lines.append(found.note)
         return lines
 
     def shell(
@@ -155,7 +107,7 @@ class K8sBackend(Backend[K8sSpec]):
     ) -> ShellCommand:
         """``kubectl exec`` into the node's pod (found by its IP), in its working
         directory."""
-        settings = spec.provider_settings()
+        settings = self.settings_of(spec)
         from ..._providers.k8s.kubectl import Kubectl
         from ..._providers.k8s.provider import CONTAINER, MANAGED
 

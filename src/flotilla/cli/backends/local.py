@@ -3,7 +3,6 @@ own working directory under the cluster's folder (``NAME/nodes/``)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..._errors import ConfigurationError
 from ..._providers.settings import LocalSettings
 from ..._system import procs
-from .base import Backend, ProviderSpec, ShellCommand, settings_flags, task_location
+from .base import Backend, ProviderSpec, ShellCommand, task_location
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -35,11 +34,10 @@ class LocalBackend(Backend[LocalSpec]):
     shares_filesystem = True
     stop_note = ""  # node folders NAME/nodes/nodeN are kept (Local(keep_folders=True))
     honours = frozenset({"cpus", "memory", "ports"})  # checked against this machine, or free
-    pass_through = settings_flags(LocalSettings, {"python": "--local-python"})
-    fixed = {"workdir": "the cluster's folder"}
-
-    def spec_from_args(self, args: argparse.Namespace) -> LocalSpec:
-        return LocalSpec()
+    fixed = {
+        "workdir": "the cluster's folder",
+        "keep_folders": "kept: `flotilla stop` / `start` find them",
+    }
 
     def check_nodes(self, spec: LocalSpec, cluster_nodes: int) -> None:
         """Refuse more nodes than this machine holds (open files, processes, memory)
@@ -87,7 +85,9 @@ class LocalBackend(Backend[LocalSpec]):
         from ..._providers.local import Local
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
-        return Local(workdir=str(nodes_dir), keep_folders=True, **dict(spec.settings))
+        return Local.from_settings(
+            self.settings_of(spec, workdir=str(nodes_dir), keep_folders=True)
+        )
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
         """Kill what the cluster may have left running: its jobs' processes (found by their

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..._errors import ConfigurationError
-from .base import Backend, Flag, ProviderSpec, ShellCommand, settings_flags
+from .base import Backend, Flag, ProviderSpec, ShellCommand
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -78,34 +78,30 @@ class PluginBackend(Backend[PluginSpec]):
 
     provider: ClassVar[type[Provider]]
 
-    @functools.cached_property
-    def _by_field(self) -> dict[str, Flag]:
-        """Field -> the flag a built-in provider would have for it (its type)."""
-        assert self.settings_type is not None
-        names = {f.name: f"--{f.name}" for f in dataclasses.fields(self.settings_type)}
-        return {f.setting: f for f in settings_flags(self.settings_type, names)}
-
     def spec_from_args(self, args: argparse.Namespace) -> PluginSpec:
         return self.spec_type(settings=self.settings(getattr(args, OPTION.dest, None) or []))
 
     def settings(self, options: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-        """``FIELD=VALUE`` options as (field, value) of the provider's settings."""
+        """``FIELD=VALUE`` options as (field, value) of the provider's settings, each
+        converted as a built-in provider's flag for that field would be."""
+        known = {o.name: o for o in self.options() if o.flag is not None}
         out: list[tuple[str, Any]] = []
-        for option in options:
-            name, sep, text = option.partition("=")
-            flag = self._by_field.get(name.strip())
-            if not sep or flag is None:
+        for text in options:
+            name, sep, value = text.partition("=")
+            option = known.get(name.strip())
+            if not sep or option is None:
                 raise ConfigurationError(
-                    f"--provider-option {option!r}: use FIELD=VALUE with FIELD one of "
-                    f"{', '.join(self._by_field)}"
+                    f"--provider-option {text!r}: use FIELD=VALUE with FIELD one of "
+                    f"{', '.join(known)}"
                 )
-            value = (text.strip().lower() in ("1", "true", "yes")) if flag.switch else text
-            out.append((name.strip(), value if flag.switch else flag.type(text)))
+            if option.switch:
+                out.append((option.name, value.strip().lower() in ("1", "true", "yes")))
+            else:
+                out.append((option.name, option.parse(value)))
         return tuple(out)
 
     def make_provider(self, spec: PluginSpec, nodes_dir: Path) -> Provider:
-        assert self.settings_type is not None
-        return self.provider.from_settings(self.settings_type(**dict(spec.settings)))
+        return self.provider.from_settings(self.settings_of(spec))
 
     def shell(
         self, paths: Paths, spec: PluginSpec, nodes: Sequence[NodeRecord], node: int, command: str

@@ -3,15 +3,15 @@
 A backend is one module in this folder (see ``local.py``, ``ssh.py``) that defines:
 
 1. a :class:`~.base.ProviderSpec` subclass: a frozen dataclass with ``kind = "NAME"`` (a
-   ClassVar: ``--provider NAME``, ``"kind"`` in the state file) and one documented field
-   per provider option (kept in the state file; ``__post_init__`` checks them);
+   ClassVar: ``--provider NAME``, ``"kind"`` in the state file); the provider's options
+   are its ``settings`` (kept in the state file), never fields of its own;
 2. a :class:`~.base.Backend` subclass over that spec (``Backend[MySpec]``), whose typed
    members are
 
    - ``spec_type``: the spec class; ``summary``: one line for ``--help``;
-   - ``flags``: its ``flotilla launch`` flags (:class:`~.base.Flag`), and
-     ``spec_from_args(args) -> spec``; ``with_task(spec, task) -> spec`` adds what a task
-     file's ``resources`` ask for;
+   - ``settings_type``: the provider's settings class, from which its ``flotilla launch``
+     flags, its task-file ``config:`` keys and ``resources`` mapping are derived
+     (``flotilla._providers.options``; ``fixed``: the fields the command line sets itself);
    - ``infra``: task-file ``resources.infra`` names that choose it;
    - task-file checks: ``check_nodes(spec, n)``, ``check_resources(task, spec, n)``,
      ``honours`` / ``hint_reason`` (which ``resources`` it acts on; warnings for the rest);
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, k8s, local, plugin, slurm, ssh, vast
+from . import aws, container, k8s, local, plugin, slurm, ssh, vast
 from .base import Backend, ProviderSpec, ShellCommand, infra_name
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ BACKENDS: tuple[Backend[Any], ...] = (
     aws.BACKEND,
     k8s.BACKEND,
     vast.BACKEND,
+    container.BACKEND,
 )
 """Every backend, the default (used when the command line names none) first."""
 
@@ -139,9 +140,9 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
             "use its own flags (flotilla launch --help)"
         )
     spec: ProviderSpec = b.spec_from_args(args)
-    spec = replace(spec, settings=(*spec.settings, *b.given_settings(args)))
     if task is not None:
         spec = b.with_task(spec, task)
+    b.check_spec(spec)  # the provider's own checks, before anything starts
     return spec
 
 
@@ -189,13 +190,11 @@ def fallback_spec(
         if b is None:
             name = infra_name(res.infra)
             b = next((x for x in BACKENDS if name and name in x.infra), default)
-        if b is chosen or b.given_flags(args):
-            spec = b.spec_from_args(args)
-            spec = replace(spec, settings=(*spec.settings, *b.given_settings(args)))
-        else:
-            spec = b.spec_type()
+        spec = b.spec_from_args(args) if b is chosen or b.given_flags(args) else b.spec_type()
         one = replace(task, resources=replace(res, candidates=()))
-        specs.append(b.with_task(spec, one))
+        spec = b.with_task(spec, one)
+        b.check_spec(spec)
+        specs.append(spec)
     return FallbackSpec(
         candidates=tuple(json.dumps(s.to_dict()) for s in specs),
         allocation="ordered" if task.resources.ordered else "cheapest",
@@ -226,6 +225,15 @@ class FallbackBackend(Backend[FallbackSpec]):
             sub = replace(task, resources=replace(res, candidates=()))
             warnings += b.check_resources(sub, one, cluster_nodes)
         return warnings
+
+    def describe_plan(self, spec: FallbackSpec) -> dict[str, Any]:
+        """Each candidate's plan, in the order they are tried (``cheapest``: by price)."""
+        return {
+            "provider": self.kind,
+            "where": spec.describe(),
+            "allocation": spec.allocation,
+            "candidates": [backend_for(one).describe_plan(one) for one in spec.specs()],
+        }
 
     def make_provider(self, spec: FallbackSpec, nodes_dir: Path) -> Provider:
         from ..._providers.fallback import Candidate, Fallback

@@ -14,7 +14,6 @@ SLURM cluster the compute nodes see too (a shared home): jobs run in
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,43 +26,23 @@ from .base import (
     Backend,
     ResourceSpec,
     ShellCommand,
-    infra_detail,
-    infra_name,
-    settings_flags,
 )
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
     from ..state import NodeRecord, Paths
-    from ..taskfile import Task
 
 
 @dataclass(frozen=True)
 class SlurmSpec(ResourceSpec):
-    """A SLURM job; the task's resources (see :class:`ResourceSpec`) become ``--gres``,
-    ``--cpus-per-task`` and ``--mem``.
-
-    Attributes:
-        partition: the partition (None: the cluster's default one).
-        time: the job's time limit (``--time``: minutes, HH:MM:SS, D-HH:MM:SS; None: the
-            partition's default).
-        account: ``--account`` (None: the user's default).
-    """
+    """A SLURM job (settings: ``SlurmSettings``); the task's resources (see
+    :class:`ResourceSpec`) become ``--gres``, ``--cpus-per-task`` and ``--mem``."""
 
     kind = "slurm"
 
-    partition: str | None = None
-    time: str | None = None
-    account: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.time is not None:
-            from ..._providers.slurm.settings import parse_time
-
-            parse_time(self.time)  # a ConfigurationError saying the forms it takes
-
     def describe(self) -> str:
-        return f"slurm partition {self.partition}" if self.partition else "slurm"
+        partition = self.value("partition")
+        return f"slurm partition {partition}" if partition else "slurm"
 
 
 class SlurmBackend(Backend[SlurmSpec]):
@@ -71,48 +50,16 @@ class SlurmBackend(Backend[SlurmSpec]):
     settings_type = SlurmSettings
     summary = "one SLURM job, a step per node (run on a login node)"
     stop_note = "a SLURM allocation cannot be stopped and started again: it ends or runs"
-    flags = settings_flags(
-        SlurmSettings, {"partition": "--partition", "time": "--time", "account": "--account"}
-    )
-    pass_through = settings_flags(
-        SlurmSettings,
-        {
-            "qos": "--qos",
-            "constraint": "--constraint",
-            "reservation": "--reservation",
-            "gres": "--gres",
-            "sbatch_args": "--sbatch-args",
-            "python": "--slurm-python",
-            "queue_timeout": "--queue-timeout",
-            "shared_filesystem": "--no-shared-filesystem",
-        },
-    )
     fixed = {"workdir": "the cluster's folder"}
     honours = frozenset({"cpus", "memory"})
     hint_reason = "a SLURM job gets the partition's nodes as they are"
     infra = ("slurm",)
 
-    def spec_from_args(self, args: argparse.Namespace) -> SlurmSpec:
-        return SlurmSpec(partition=args.partition, time=args.time, account=args.account)
-
-    def with_task(self, spec: SlurmSpec, task: Task) -> SlurmSpec:
-        res = task.resources
-        partition = spec.partition
-        if infra_name(res.infra) in self.infra:
-            partition = partition or infra_detail(res.infra)
-        return spec.with_task_resources(task, partition=partition)
-
     def make_provider(self, spec: SlurmSpec, nodes_dir: Path) -> Provider:
         from ..._providers.slurm import Slurm
 
         nodes_dir.mkdir(parents=True, exist_ok=True)
-        return Slurm(
-            partition=spec.partition,
-            time=spec.time,
-            account=spec.account,
-            workdir=str(nodes_dir),
-            **dict(spec.settings),
-        )
+        return Slurm.from_settings(self.settings_of(spec, workdir=str(nodes_dir)))
 
     def check(self) -> str:
         import shutil
