@@ -61,7 +61,11 @@ class PackageIndex:
             projects.setdefault(_project(name), []).append(name)
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
+            def do_HEAD(self) -> None:  # uv asks for a file's headers first
+                self.do_GET(body=False)
+
+            def do_GET(self, body: bool = True) -> None:
+                self.body = body
                 parts = [p for p in self.path.split("?", 1)[0].split("/") if p]
                 if parts == ["simple"]:
                     links = "".join(f'<a href="/simple/{p}/">{p}</a>\n' for p in projects)
@@ -82,7 +86,8 @@ class PackageIndex:
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if self.body:
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
