@@ -2,7 +2,9 @@
 engines from a package index on the lab's bridge (the hosts have no route out: tests/_wheels
 serves them wheels downloaded on this machine once, as a company's mirror would).
 
-One Ray pool and one Dask pool serve their module's tests, in file order: the Ray pool's
+Every host has a second interface carrying its default route (as a machine with two NICs):
+the engines must bind the pool's. One Ray pool and one Dask pool serve their module's tests,
+in file order: the Ray pool's
 last tests kill a node (a spare host takes its rank and joins the cluster) and close it.
 Ray is kept small: one CPU per node, an 80 MiB object store, no dashboard.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ from flotilla.plugins._daemons import MARKER_VAR
 RAY = "2.60.0"
 DISTRIBUTED = "2026.8.0"
 OBJECT_STORE = 80 * 1024 * 1024
+STALE = Path("/tmp/ray/flotilla-00dead00-0")
 HELD_PORTS = {0: (6379, 10001, 52365), 1: (52365,)}
 """Ports another process holds on the hosts of nodes 0 and 1 before the Ray pool starts:
 Ray's defaults (GCS, client server, dashboard agent), which a plain ``ray start`` takes."""
@@ -47,11 +51,26 @@ def lab() -> Iterator[Lab]:
         try:
             bin_dir = os.path.dirname(sys.executable)  # uv for the builds, as the lab's hosts
             env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", **index.host_env()}
-            for _ in range(4):
-                lab.add_host(env=env)
+            for i in range(4):
+                host = lab.add_host(env=env)
+                second_interface(host, f"198.51.100.{i + 2}")
             yield lab
         finally:
             index.close()
+
+
+def second_interface(host: TestHost, addr: str) -> None:
+    """Give ``host`` a second interface that carries its default route, as a machine with a
+    public and a private NIC has: an engine that picks its address by the route out (Ray
+    does) would take this one, not the pool's. A dummy interface: nothing sent to it leaves
+    the host, and the address is in a documentation range (TEST-NET-2)."""
+    for cmd in (
+        ["link", "add", "second0", "type", "dummy"],
+        ["addr", "add", f"{addr}/24", "dev", "second0"],
+        ["link", "set", "second0", "up"],
+        ["route", "add", "default", "dev", "second0"],
+    ):
+        subprocess.run(["ip", "-n", host.netns, *cmd], check=True, capture_output=True)
 
 
 def provider(lab: Lab, hosts: list[TestHost] | None = None) -> Any:
@@ -129,7 +148,10 @@ def ray_view() -> dict[str, Any]:
 def ray_pool(lab: Lab) -> Iterator[sky.Compute]:
     plugin = sky.plugins.ray(version=RAY, num_cpus=1, object_store_memory=OBJECT_STORE)
     hosts = lab.hosts  # 3 nodes and a spare
+    STALE.mkdir(parents=True, exist_ok=True)  # a pool's whose client died (killed owner)
+    (STALE / ".flotilla-owner").write_text(f"999999999.1.{os.stat('/proc/self/ns/pid').st_ino}")
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, STALE, ignore_errors=True)
         for node, ports in HELD_PORTS.items():
             stack.enter_context(held_ports(hosts[node], ports))
         pool = sky.Compute(provider(lab, hosts), nodes=3, plugins=[plugin])
@@ -143,9 +165,13 @@ def test_ray_has_every_node_and_a_task_pinned_to_a_node_runs_there(
 ) -> None:
     view = ray_view() >> ray_pool
     pool_addrs = [h.addr for h in lab.hosts[:3]]
-    assert view["addrs"] == sorted(pool_addrs)  # the pool's addresses, not 127.0.0.1
+    assert view["addrs"] == sorted(pool_addrs)  # the pool's, not the route's (198.51.100.x)
     assert view["pinned"] == {addr: rank for rank, addr in enumerate(pool_addrs)}
     assert view["address"].startswith(f"{pool_addrs[0]}:")
+
+
+def test_a_temp_dir_a_dead_pool_left_is_removed_by_the_next_one(ray_pool: sky.Compute) -> None:
+    assert not STALE.exists()
 
 
 def test_ray_uses_no_port_another_process_holds(ray_pool: sky.Compute) -> None:

@@ -5,8 +5,9 @@ A :class:`Daemon` is a command started with the pool's environment and a marker 
 in its environment (``FLOTILLA_ENGINE``), which everything it starts inherits. It dies with
 its executor: the kernel kills it when the executor dies (``PR_SET_PDEATHSIG``), the agent
 kills every process carrying its token when it exits (a pool closed, Ctrl-C on the client,
-the client gone: the agents' watchdog), and :meth:`Daemon.stop` (the pool closing) asks it
-to stop, then kills whatever still carries its marker and removes its scratch folder.
+the client gone: the agents' watchdog), and :meth:`Daemon.stop` (the pool closing) kills
+whatever carries its marker and removes its scratch folder. A scratch folder whose executor
+died without removing it is removed by the next daemon started on that machine.
 Standard library only: this runs on the nodes.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,10 +25,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from .._node.procs import alive, die_with_parent, has_env, kill_all, pids
+from .._node.procs import (
+    OWNER,
+    alive,
+    die_with_parent,
+    has_env,
+    kill_all,
+    of_gone_owners,
+    owner_tag,
+    pids,
+)
 
 MARKER_VAR = "FLOTILLA_ENGINE"
 """Environment variable carried by every process of one node's engine daemons."""
+OWNER_FILE = ".flotilla-owner"
+"""In a scratch folder: the owner tag of the executor that made it (see :func:`sweep`)."""
 TAIL_LINES = 30
 """Lines of a daemon's output kept to explain a failure."""
 STOP_GRACE = 2.0
@@ -97,8 +110,11 @@ class Daemon:
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
+        sweep(os.path.dirname(self.scratch))
         shutil.rmtree(self.scratch, ignore_errors=True)  # a killed run's leftovers
         os.makedirs(self.scratch, mode=0o700, exist_ok=True)
+        with open(os.path.join(self.scratch, OWNER_FILE), "w") as f:
+            f.write(owner_tag())
         self.proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -163,6 +179,22 @@ class Daemon:
         shutil.rmtree(self.scratch, ignore_errors=True)
         with contextlib.suppress(OSError):  # /tmp/<engine> when no other pool uses it
             os.rmdir(os.path.dirname(self.scratch))
+
+
+def sweep(root: str) -> None:
+    """Remove the scratch folders under ``root`` whose executor is gone: a pool whose client
+    died, or whose node was killed, had no time to remove them (the agent killed the
+    engine's processes, which carry its token)."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("flotilla-")]
+    except OSError:
+        return
+    owners = {}
+    for name in names:
+        with contextlib.suppress(OSError), open(os.path.join(root, name, OWNER_FILE)) as f:
+            owners[f.read().strip()] = name
+    for tag in of_gone_owners(list(owners), re.compile(OWNER)):
+        shutil.rmtree(os.path.join(root, owners[tag]), ignore_errors=True)
 
 
 def wait_none_left(marker: bytes, timeout: float) -> bool:

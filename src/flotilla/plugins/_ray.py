@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .._errors import ConfigurationError
@@ -35,6 +36,10 @@ from ._versions import requirement
 
 START_TIMEOUT = 300.0
 """Seconds a node waits for its Ray node to start, and the head for every node to join."""
+START_ATTEMPTS = 3
+"""Tries of a node's ``ray start`` that failed with :data:`SLOW_START`."""
+SLOW_START = "timed out during startup"
+"""What ``ray start`` says when its raylet did not register within Ray's 30 s."""
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 """Ray refuses an object store smaller than this (bytes)."""
 REFUSED_WITH = {"torch", "accelerate"}
@@ -174,8 +179,21 @@ class RayPlugin(Plugin):
             env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
             daemon = Daemon(role, self.start_argv(info, gcs_port, scratch), env, scratch)
             try:
-                daemon.start()
-                daemon.wait_for(lambda: daemon.said("Ray runtime started"), START_TIMEOUT, "up")
+                for attempt in range(1, START_ATTEMPTS + 1):
+                    daemon.start()
+                    try:
+                        up = partial(daemon.said, "Ray runtime started")
+                        daemon.wait_for(up, START_TIMEOUT, "up")
+                        break
+                    except EngineError:
+                        # Ray gives a raylet 30 s to register (hard-coded): on a loaded
+                        # machine it may not; another try usually does
+                        if attempt == START_ATTEMPTS or not daemon.said(SLOW_START):
+                            raise
+                        daemon.stop()
+                        daemon = Daemon(
+                            role, self.start_argv(info, gcs_port, scratch), env, scratch
+                        )
                 if info.node == 0:
                     self._wait_for_nodes(daemon, address, info.total_nodes)
                     print(
