@@ -62,12 +62,14 @@ def lab() -> Iterator[Lab]:
 def second_interface(host: TestHost, addr: str) -> None:
     """Give ``host`` a second interface that carries its default route, as a machine with a
     public and a private NIC has: an engine that picks its address by the route out (Ray
-    does) would take this one, not the pool's. A dummy interface: nothing sent to it leaves
-    the host, and the address is in a documentation range (TEST-NET-2)."""
+    does) would take this one, not the pool's. A veth pair with both ends in the host:
+    nothing sent to it leaves the host, and the address is in a documentation range
+    (TEST-NET-2)."""
     for cmd in (
-        ["link", "add", "second0", "type", "dummy"],
+        ["link", "add", "second0", "type", "veth", "peer", "name", "second1"],
         ["addr", "add", f"{addr}/24", "dev", "second0"],
         ["link", "set", "second0", "up"],
+        ["link", "set", "second1", "up"],
         ["route", "add", "default", "dev", "second0"],
     ):
         subprocess.run(["ip", "-n", host.netns, *cmd], check=True, capture_output=True)
