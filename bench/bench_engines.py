@@ -82,23 +82,31 @@ def manual_start(lab: Lab, site: str, rep: int) -> float:
     """``ray up``'s way: ray start over SSH on the head, then the workers, then wait."""
     hosts = [h.addr for h in lab.hosts[:NODES]]
     env = f"env {MARK} PYTHONPATH={site} RAY_USAGE_STATS_ENABLED=0"
-    temp = f"/tmp/flotilla-bench-ray-{os.getpid()}-{rep}"  # not /tmp/ray: other Rays may run
-    ray = f"{env} {HOST_PYTHON} -m ray.scripts.scripts start {' '.join(SMALL)} --temp-dir={temp}"
+    # not /tmp/ray (other Rays may run), and one per host: the test hosts share this
+    # machine's /tmp, where separate machines have their own
+    temp = f"/tmp/flotilla-bench-ray-{os.getpid()}-{rep}"
+    ray = f"{env} {HOST_PYTHON} -m ray.scripts.scripts start {' '.join(SMALL)}"
     port = 46379 + rep
     log = f"{temp}.log"
     quiet = f"</dev/null >>{log} 2>&1"  # Ray's daemons must not hold the SSH session open
-    head = f"{ray} --head --port={port} --include-dashboard=false --node-ip-address={hosts[0]}"
+    head = f"{ray} --temp-dir={temp}-0 --head --port={port} --include-dashboard=false"
+    head += f" --node-ip-address={hosts[0]}"
     head += f" {quiet}"
     t0 = time.perf_counter()
     try:
         subprocess.run(ssh(lab, hosts[0], head), check=True, capture_output=True)
         workers = [
             subprocess.Popen(
-                ssh(lab, h, f"{ray} --address={hosts[0]}:{port} --node-ip-address={h} {quiet}"),
+                ssh(
+                    lab,
+                    h,
+                    f"{ray} --temp-dir={temp}-{i} --address={hosts[0]}:{port} "
+                    f"--node-ip-address={h} {quiet}",
+                ),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            for h in hosts[1:]
+            for i, h in enumerate(hosts[1:], 1)
         ]
         for w in workers:
             if w.wait() != 0:
@@ -109,7 +117,8 @@ def manual_start(lab: Lab, site: str, rep: int) -> float:
     finally:
         kill_all(lambda pid: has_env(pid, MARK.encode()))  # never `ray stop`: it kills all
         wait_none_left(MARK.encode(), 10.0)
-        shutil.rmtree(temp, ignore_errors=True)
+        for i in range(NODES):
+            shutil.rmtree(f"{temp}-{i}", ignore_errors=True)
         Path(log).unlink(missing_ok=True)
 
 
