@@ -294,3 +294,20 @@ def test_bad_engine_options_are_refused() -> None:
         sky.plugins.ray(version="two")
     with pytest.raises(sky.ConfigurationError, match="threads"):
         sky.plugins.dask(threads=0)
+
+
+# -- the local provider: nodes on this machine --------------------------------------------
+
+
+def test_dask_on_local_nodes_and_a_client_that_connects_directly(tmp_path: Path) -> None:
+    pytest.importorskip("distributed")
+    plugin = sky.plugins.dask(threads=1)
+    with sky.Compute(sky.Local(workdir=str(tmp_path)), nodes=2, plugins=[plugin]) as pool:
+        client = pool.dask_client()
+        port = pool._bringup.head_port + 17  # the scheduler itself: no tunnel here
+        assert client.scheduler.address == f"tcp://127.0.0.1:{port}"
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert client.submit(sum, client.map(lambda x: x + 1, range(1000))).result() == 500500
+        assert scratch_folders("dask", pool)
+    assert client.status == "closed"  # closed with the pool
+    assert scratch_folders("dask", pool) == []
