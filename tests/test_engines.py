@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from _hosts import Lab, TestHost, lab_unavailable
-from _procs import wait_until
+from _procs import Client, wait_until
 from _wheels import HOST_PYTHON, PackageIndex, wheels_for
 
 import flotilla as sky
@@ -217,6 +218,30 @@ def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -
         pass
     text = str(info.value)
     assert "ray==0.0.1" in text and "step 'pip'" in text, text
+
+
+def test_a_killed_clients_ray_processes_end_with_its_agents(lab: Lab, tmp_path: Path) -> None:
+    hosts = lab.hosts[:2]
+    script = f"""
+        import flotilla as sky
+
+        provider = sky.SSH({[h.addr for h in hosts]!r}, user="root",
+                           key={str(lab.client_key)!r}, known_hosts={str(lab.known_hosts)!r},
+                           workdir={str(lab.tmp / "workdir")!r}, python={HOST_PYTHON!r})
+        plugin = sky.plugins.ray(version={RAY!r}, num_cpus=1, object_store_memory={OBJECT_STORE})
+        with sky.Compute(provider=provider, nodes=2, plugins=[plugin]) as pool:
+            print("up", flush=True)
+            import threading; threading.Event().wait()
+    """
+    client = Client(script, tmp_path)
+    try:
+        client.expect(lambda line: line == "up", timeout=300)
+        assert engine_pids(lab)
+        client.signal(signal.SIGKILL)  # no close(): the agents' watchdog (end of stdin)
+        assert client.wait() == -signal.SIGKILL
+        assert wait_until(lambda: not engine_pids(lab), timeout=60), engine_pids(lab)
+    finally:
+        client.kill()
 
 
 # -- Dask ---------------------------------------------------------------------------------
