@@ -336,3 +336,61 @@ def test_dask_on_local_nodes_and_a_client_that_connects_directly(tmp_path: Path)
         assert scratch_folders("dask", pool)
     assert client.status == "closed"  # closed with the pool
     assert scratch_folders("dask", pool) == []
+
+
+# -- flotilla launch: a task file's engines ---------------------------------------------
+
+
+def flotilla_cli(home: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m flotilla ARGS`` with its own FLOTILLA_HOME (this checkout, this venv)."""
+    env = {k: v for k, v in os.environ.items() if k != "COMPUTE_POOL"}
+    src = str(Path(sky.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    env["FLOTILLA_HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "flotilla", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def processes_with(text: str) -> list[int]:
+    """Live processes whose environment mentions ``text``."""
+    out = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if text.encode() in f.read():
+                out.append(pid)
+    return out
+
+
+def test_a_task_files_ray_engine_gives_its_commands_the_cluster(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    task = tmp_path / "ray.yaml"
+    task.write_text(
+        "name: ray-job\n"
+        "num_nodes: 2\n"
+        "engines: [ray]\n"
+        "run: |\n"
+        "  python -c \"import os, ray; ray.init(logging_level='ERROR'); "
+        "print('NODES', sum(n['Alive'] for n in ray.nodes()), os.environ['RAY_ADDRESS'])\"\n"
+    )
+    home = tmp_path / "home"
+    done = flotilla_cli(home, tmp_path, "launch", str(task), "-c", "rayjob", "--down")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "NODES 2 127.0.0.1:" in done.stdout, done.stdout
+    assert wait_until(lambda: not processes_with(str(home)), timeout=30)
+
+
+def test_an_unknown_engine_in_a_task_file_is_refused_naming_the_line(tmp_path: Path) -> None:
+    task = tmp_path / "spark.yaml"
+    task.write_text("name: j\nengines: [ray, spark]\nrun: echo hi\n")
+    done = flotilla_cli(tmp_path / "home", tmp_path, "launch", str(task), "-c", "sparkjob")
+    assert done.returncode == 2
+    assert f"{task}:2: `engines` lists engines the cluster starts: ray and/or dask" in (
+        done.stderr
+    ), done.stderr
