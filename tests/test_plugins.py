@@ -105,12 +105,14 @@ def test_exports_and_pickling() -> None:
     assert plugins.__all__ == [
         "accelerate",
         "cuml",
+        "dask",
         "huggingface",
         "jax",
         "joblib",
         "keras",
         "mig",
         "mps",
+        "ray",
         "sklearn",
         "tensorflow",
         "torch",
@@ -127,6 +129,8 @@ def test_exports_and_pickling() -> None:
         plugins.mig("1g.10gb"),
         plugins.mps(50),
         plugins.cuml(),
+        plugins.ray(object_store_memory=100 * 1024 * 1024, resources={"disk": 1}),
+        plugins.dask(threads=2),
     ]
     for p in made:
         assert isinstance(p, sky.Plugin)
@@ -143,8 +147,11 @@ def test_exports_and_pickling() -> None:
         "mig",
         "mps",
         "cuml",
+        "ray",
+        "dask",
     ]
     requires_cluster = [True, False, False, False, True, True, False, False, False, False, False]
+    requires_cluster += [True, True]
     assert [p.requires_cluster for p in made] == requires_cluster
     assert repr(plugins.torch()).startswith("TorchPlugin(backend=None, cuda='cu128'")
 

@@ -1,5 +1,5 @@
 """Process checks where there is no /proc (a macOS laptop running the command line): the
-``ps`` path of ``_node.procs`` agrees with the /proc path on what runs and what does not."""
+``ps`` path of ``_system.procs`` agrees with the /proc path on what runs and what does not."""
 
 from __future__ import annotations
 

@@ -232,6 +232,9 @@ class Compute(PoolCollections, Pool):
                 raise ConfigurationError(
                     f"{p!r} is not a flotilla plugin (it has neither transform nor around_process)"
                 )
+            check = getattr(p, "check_plugins", None)
+            if check is not None:  # a plugin that refuses some others (ray: torch)
+                check(self.plugins)
             if not self.options.cluster and getattr(p, "requires_cluster", False):
                 name = getattr(p, "name", type(p).__name__)
                 raise ConfigurationError(
@@ -597,6 +600,16 @@ class Compute(PoolCollections, Pool):
         sub = self._send([call], stream=True)[0]
         cancel = partial(self.cancel, [sub.future])
         return Stream(sub.stream, cancel, partial(self._dispatcher.close_stream, sub))
+
+    def dask_client(self, **kwargs: Any) -> Any:
+        """A ``distributed.Client`` on this machine connected to the pool's Dask scheduler
+        (a pool with ``plugins.dask()``): through an SSH tunnel to node 0 on providers
+        reached over SSH, directly for nodes on this machine; no port is opened to others.
+        ``kwargs`` go to ``Client``. Closed (with its tunnel) when the pool closes."""
+        self._check_running()
+        from ..plugins._dask import dask_client
+
+        return dask_client(self, **kwargs)
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""

@@ -128,6 +128,7 @@ def new_record(
     generation: int,
     volumes: Sequence[Volume] = (),
     autodown: bool = False,
+    engines: Sequence[str] = (),
 ) -> ClusterRecord:
     now = time.time()
     rec = ClusterRecord(
@@ -141,6 +142,7 @@ def new_record(
         pid_start=procs.start_time(pid) if pid else 0,
         idle_minutes=idle,
         volumes=[v.to_node() for v in volumes],
+        engines=list(engines),
         autodown=autodown,
     )
     if old is not None:  # a stopped cluster started again keeps its job history
@@ -156,6 +158,7 @@ def start_daemon(
     idle: float | None,
     volumes: Sequence[Volume] = (),
     autodown: bool = False,
+    engines: Sequence[str] = (),
 ) -> ClusterRecord:
     """Create the record and start the cluster's daemon; returns once it listens. When
     another command is starting the same cluster, use its daemon."""
@@ -176,7 +179,9 @@ def start_daemon(
             cwd=paths.dir,
         )
         proc = daemon.proc
-        rec = new_record(paths, current, spec, nodes, idle, proc.pid, generation, volumes, autodown)
+        rec = new_record(
+            paths, current, spec, nodes, idle, proc.pid, generation, volumes, autodown, engines
+        )
         save(paths, rec)
     if not daemon.wait_ready():
         last = tail(paths.daemon_log, 15)
@@ -199,6 +204,7 @@ def launch_here(
     idle: float | None,
     job: JobSpec,
     volumes: Sequence[Volume] = (),
+    engines: Sequence[str] = (),
 ) -> int:
     """``launch --down`` of a new cluster: the daemon runs inside this process, for the
     job's duration (other commands see and reach it as usual)."""
@@ -211,7 +217,9 @@ def launch_here(
             ClusterState.STARTING,
         ):
             return submit(paths, current, job, detach=False)
-        rec = new_record(paths, current, spec, nodes, idle, os.getpid(), generation, volumes)
+        rec = new_record(
+            paths, current, spec, nodes, idle, os.getpid(), generation, volumes, False, engines
+        )
         save(paths, rec)
     daemon = ClusterDaemon(paths, generation)
 

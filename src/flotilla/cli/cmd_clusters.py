@@ -238,7 +238,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
             node_spec(volumes)
         started = start_daemon(
-            paths, rec, spec, rec.num_nodes, rec.idle_minutes, volumes, rec.autodown
+            paths, rec, spec, rec.num_nodes, rec.idle_minutes, volumes, rec.autodown, rec.engines
         )
         deadline = time.monotonic() + START_TIMEOUT
         while True:

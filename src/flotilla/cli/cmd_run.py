@@ -170,6 +170,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if reuse:
         assert existing is not None
         _same_volumes(name, existing.volumes, volumes)
+        if task.engines and list(task.engines) != existing.engines:
+            raise CLIError(
+                f"cluster {name} is up with engines {existing.engines or 'none'}: engines "
+                f"start with a cluster; `flotilla down {name}` and launch again, or use "
+                "another cluster name",
+                code=2,
+            )
     elif volumes:  # the buckets can be read: before anything is provisioned
         shared = registry.backend_for(spec).shares_filesystem
         check_volumes(volumes, this_machine=shared)
@@ -177,10 +184,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not reuse:
         if down_after and not args.detach:
             return launch_here(
-                paths, existing, spec, cluster_nodes, args.idle_minutes, job, volumes
+                paths, existing, spec, cluster_nodes, args.idle_minutes, job, volumes, task.engines
             )
         existing = start_daemon(
-            paths, existing, spec, cluster_nodes, args.idle_minutes, volumes, autodown
+            paths,
+            existing,
+            spec,
+            cluster_nodes,
+            args.idle_minutes,
+            volumes,
+            autodown,
+            task.engines,
         )
         say(f"cluster {name}: {cluster_nodes} {spec.kind} node(s) starting")
     assert existing is not None

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._client import mesh
@@ -70,6 +70,7 @@ class ClusterDaemon:
         self.backend = registry.backend_for(self.spec)
         self.num_nodes = record.num_nodes
         self.volumes = [Volume(**v) for v in record.volumes]
+        self.engines = list(record.engines)
         self.autodown = record.autodown  # the idle limit tears down instead of stopping
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
@@ -263,6 +264,7 @@ class ClusterDaemon:
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
                 volumes=self.volumes,
+                plugins=engine_plugins(self.engines),
             )
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
@@ -525,6 +527,14 @@ class ClusterDaemon:
                     return
         finally:
             job.unsubscribe(sub)
+
+
+def engine_plugins(engines: list[str]) -> list[Any]:
+    """The plugins that start a cluster's ``engines`` (a task file's ``engines``)."""
+    from .. import plugins
+
+    made: dict[str, Callable[[], Any]] = {"ray": plugins.ray, "dask": plugins.dask}
+    return [made[name]() for name in engines]
 
 
 def follow_local(job: Job) -> Iterator[Event]:

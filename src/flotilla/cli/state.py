@@ -181,6 +181,8 @@ class ClusterRecord:
             finds them, after a daemon died).
         volumes: the buckets every node sees (``Volume`` fields as dicts; no credentials:
             the daemon resolves them), from the launching task's ``file_mounts``.
+        engines: the engines its pool runs (``ray``, ``dask``), from the launching task's
+            ``engines``.
         autodown: the idle limit (``idle_minutes``) tears the cluster down instead of
             stopping it (``launch --autostop M --down``).
         generation: which launch of this name the record belongs to (1, 2, ... per name,
@@ -205,6 +207,7 @@ class ClusterRecord:
     token: str = ""
     generation: int = 0
     volumes: list[dict[str, Any]] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
     autodown: bool = False
 
     @classmethod

@@ -155,6 +155,10 @@ class Task:
         config: SkyPilot's ``config:`` section: provider -> its settings (``{aws: {region:
             eu-west-1}}``), each a field of the provider's settings class; the command
             line's flags win over it.
+        engines: engines the cluster runs over its nodes while it is up (flotilla's field:
+            ``engines: [ray]``, ``[dask]``): started with the cluster by ``plugins.ray()``
+            / ``plugins.dask()``, so ``setup`` and ``run`` see ``RAY_ADDRESS`` /
+            ``DASK_SCHEDULER_ADDRESS``.
         path: the task file ('' for a command given on the command line).
         lines: field name -> line number in the file, for later messages.
     """
@@ -170,6 +174,7 @@ class Task:
     setup: str | None = None
     run: str | None = None
     config: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    engines: tuple[str, ...] = ()
     path: str = ""
     lines: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -366,6 +371,19 @@ class _Parser:
         if value < 1:
             raise self.error(f"`{name}` must be at least 1, got {value}", node, name)
         return value
+
+    def engines(self, node: yaml.Node, name: str) -> tuple[str, ...]:
+        value = self.value(node)
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        for item in items:
+            if item not in ENGINES:
+                raise self.error(
+                    f"`{name}` lists engines the cluster starts: {' and/or '.join(ENGINES)}, "
+                    f"got {_kind(item)}",
+                    node,
+                    name,
+                )
+        return tuple(dict.fromkeys(items))
 
     def boolean(self, node: yaml.Node, name: str) -> bool | None:
         value = self.value(node)
@@ -695,6 +713,9 @@ def _unknown(key: str, section: str, known: Mapping[str, Any]) -> str:
     return f"{message} (known fields: {', '.join(sorted(known))})"
 
 
+ENGINES = ("ray", "dask")
+"""What a task file's ``engines`` may list (``plugins.ray()``, ``plugins.dask()``)."""
+
 _STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
 
 _Check = Callable[[_Parser, "yaml.Node", str], Any]
@@ -710,6 +731,7 @@ _TASK_FIELDS: dict[str, _Check] = {
     "setup": _Parser.script,
     "run": _Parser.script,
     "config": _Parser.config,
+    "engines": _Parser.engines,
 }
 
 _RESOURCE_FIELDS: dict[str, _Check] = {

@@ -8,8 +8,11 @@
 
 Plugins are applied in the order given. Combine them freely; ports do not collide:
 ``torch`` rendezvouses on the head node's ``head_port``, the ``jax`` coordinator on
-``head_port + 1``, TensorFlow worker ``k`` on ``head_port + 2 + k``. Only ``head_port`` is
-checked free when the pool starts.
+``head_port + 1``, TensorFlow worker ``k`` on ``head_port + 2 + k``, Ray's head on
+``head_port + 16``, Dask's scheduler on ``head_port + 17``. The head's agent found the 64
+ports from ``head_port`` free when the pool started. ``ray()`` refuses ``torch()`` and
+``accelerate()`` in the same pool (a plugin may define ``check_plugins(plugins)``, called
+with the pool's plugins before anything starts, to refuse a combination).
 
 Writing your own plugin
 -----------------------
@@ -69,23 +72,27 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # each plugin's module is imported when it is made: a node's executor
     # imports this package (``_base``) without paying for every plugin
     from ._accelerate import AcceleratePlugin
+    from ._dask import DaskPlugin
     from ._gpu import CumlPlugin, MigPlugin, MpsPlugin
     from ._huggingface import HuggingfacePlugin
     from ._jax import JaxPlugin
     from ._joblib import JoblibPlugin
     from ._keras import KerasPlugin
+    from ._ray import RayPlugin
     from ._tensorflow import TensorflowPlugin
     from ._torch import TorchPlugin
 
 __all__ = [
     "accelerate",
     "cuml",
+    "dask",
     "huggingface",
     "jax",
     "joblib",
     "keras",
     "mig",
     "mps",
+    "ray",
     "sklearn",
     "tensorflow",
     "torch",
@@ -302,3 +309,73 @@ def cuml(cuda: str = "cu12") -> CumlPlugin:
     from ._gpu import CumlPlugin
 
     return CumlPlugin(cuda)
+
+
+def ray(
+    version: str = "latest",
+    dashboard: bool = False,
+    object_store_memory: int | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    resources: Mapping[str, float] | None = None,
+) -> RayPlugin:
+    """Ray: a Ray cluster over the pool's nodes, up before the first task, gone with the pool.
+
+    Args:
+        version: Ray's version, as for :func:`torch` ("latest", "2.60.0", ">=2.50").
+            Installed with the node's own pip/uv configuration (a company mirror applies).
+        dashboard: start Ray's dashboard on the head (installs ``ray[default]``); it
+            listens on the head's pool address at a free port, printed when the pool starts.
+        object_store_memory: bytes of each node's object store (None: Ray's default, 30%
+            of memory; at least 75 MiB).
+        num_cpus, num_gpus: what each node offers Ray (None: what Ray detects).
+        resources: custom resources per node (``{"disk": 1}``).
+
+    Node 0 runs the head (``ray start --head``), every other node a worker node joining it,
+    each bound to the node's pool address (on machines with several interfaces, the pool's).
+    The head's port comes from the ports found free on the head when the pool started; Ray's
+    other ports are the kernel's picks of free ones: a port another process holds is never
+    used. The pool runs once every node is alive in the cluster; the head prints its
+    address. In tasks, ``RAY_ADDRESS`` is set, so ``ray.init()`` (no address) joins the
+    cluster (``ray.init(ignore_reinit_error=True)`` when several tasks share a process).
+
+    Ray's processes stop with the pool (the block's end, Ctrl-C, a dead client through the
+    agents' watchdog) and their temp dirs (``/tmp/ray/flotilla-<pool>-<node>``) are
+    removed. The Ray cluster is one group: a lost node replaced, or a restart of the pool's
+    processes, starts the cluster again on the pool's nodes (Ray jobs in flight end). Ray
+    owns its scheduling, objects and actors; flotilla owns the nodes. Cannot share a pool
+    with :func:`torch` or :func:`accelerate` (ConfigurationError): use Ray Train.
+    Needs cluster mode.
+    """
+    from ._ray import RayPlugin
+
+    return RayPlugin(
+        version,
+        dashboard,
+        object_store_memory,
+        num_cpus,
+        num_gpus,
+        dict(resources or {}),
+    )
+
+
+def dask(
+    version: str = "latest", threads: int | None = None, memory_limit: str = "auto"
+) -> DaskPlugin:
+    """Dask: a ``distributed`` scheduler on node 0 and one worker per node, with the pool.
+
+    Args:
+        version: the ``distributed`` version (dask follows), as for :func:`torch`.
+        threads: threads per worker (None: the node's CPUs).
+        memory_limit: each worker's memory limit, Dask's notation ("auto", "4GiB").
+
+    The scheduler listens on the head's pool address at ``head_port + 17``; each worker
+    binds its node's pool address. The pool runs once every worker has registered. In
+    tasks ``DASK_SCHEDULER_ADDRESS`` is set, so ``distributed.Client()`` (no address)
+    connects; from the client, ``pool.dask_client()`` gives a Client through an SSH tunnel
+    to node 0 (or directly, for nodes on this machine), closed with the pool. Every Dask
+    process stops with the pool. Needs cluster mode.
+    """
+    from ._dask import DaskPlugin
+
+    return DaskPlugin(version, threads, memory_limit)
