@@ -155,13 +155,19 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             options = sky.Options(heartbeat_timeout=30)
             sky.Compute(provider=aws.provider(ttl=10), nodes=2, options=options).open()
 
-        def aws_left() -> list[str]:
-            out = []
-            for inst in aws.describe():
-                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                if tags.get("flotilla:pool") in pools and inst["State"]["Name"] != "terminated":
-                    out.append(inst["InstanceId"])
-            return out + [g for pool in pools for g in aws.pool_groups(pool)]
+        def aws_left() -> list[str]:  # the pools named in `pools` ("*": every pool)
+            def ours(resource: dict[str, Any]) -> bool:
+                tags = {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
+                pool = tags.get("flotilla:pool")
+                return pool is not None and ("*" in pools or pool in pools)
+
+            out = [
+                inst["InstanceId"]
+                for inst in aws.describe()
+                if ours(inst) and inst["State"]["Name"] != "terminated"
+            ]
+            groups = aws.client().describe_security_groups()["SecurityGroups"]
+            return out + [g["GroupId"] for g in groups if ours(g)]
 
         kit = Kit(aws_make, aws_refused, aws_left, ends_later=True)
         kit.pools = pools  # type: ignore[attr-defined]
@@ -349,6 +355,82 @@ def test_a_client_killed_with_sigkill_leaves_no_agent(kit: Kit, tmp_path: Path) 
     if kit.ends_later:
         return  # AWS: the instances end by their watchdog, after ttl (see test_aws.py)
     assert wait_until(lambda: not kit.leftovers(), timeout=30), kit.leftovers()
+
+
+_INTERRUPTED_CLIENT = """
+import contextlib, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even under a nohup'd suite
+sys.path[:0] = {path!r}
+import flotilla as sky
+from flotilla._providers import base
+provider = {make}
+steps = []
+
+
+def step(where):
+    steps.append(where)
+    if len(steps) == {step}:
+        print("interrupted at", where, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # the main thread: Ctrl-C
+
+
+creating = base.Allocation.creating
+
+
+@contextlib.contextmanager
+def recorded(self, what, key):
+    with creating(self, what, key):  # recorded: the create is sent after the Ctrl-C
+        step("create " + what)
+        yield
+
+
+base.Allocation.creating = recorded
+start_agents = base.start_agents
+
+
+async def starting(allocation, machines):
+    step("start the agents")
+    return await start_agents(allocation, machines)
+
+
+base.start_agents = starting
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)):
+    print("opened after", len(steps), "steps", flush=True)
+"""
+
+
+def test_an_acquire_interrupted_at_any_step_leaves_nothing(kit: Kit, tmp_path: Path) -> None:
+    """Ctrl-C at each step of a pool's start (each create the provider records before it
+    sends it, then the agents' start): once the client has exited, nothing it created is
+    left (cloud instances at once: no watchdog's ttl)."""
+    if kit.in_process:
+        pytest.skip("the fake's agents live in the client")
+    make = _source(kit, tmp_path)
+    path = [str(Path(__file__).parent), str(tmp_path / "pkg"), *sys.path]
+    pools = getattr(kit, "pools", None)
+    if pools is not None:
+        pools.append("*")  # the clients' pools, whose ids this test does not know
+    interrupted: list[str] = []
+    for step in range(1, 20):
+        code = _INTERRUPTED_CLIENT.format(path=path, make=make, step=step)
+        client = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+        )
+        if "opened after" in client.stdout:
+            assert step > 1 and client.returncode == 0, client.stderr
+            break
+        assert "interrupted at" in client.stdout, client.stdout + client.stderr
+        assert "KeyboardInterrupt" in client.stderr, client.stderr
+        interrupted.append(client.stdout.split("interrupted at", 1)[1].strip())
+        # the clouds: right after the exit (the client gave them back before it exited)
+        left = kit.leftovers()
+        if not kit.ends_later and left:
+            assert wait_until(lambda: not kit.leftovers(), timeout=60)
+            left = kit.leftovers()
+        assert left == [], f"interrupted at {interrupted[-1]}: {left}"
+    else:
+        pytest.fail("the pool never opened")
+    assert interrupted[-1] == "start the agents", interrupted
 
 
 def _source(kit: Kit, tmp_path: Path) -> str:

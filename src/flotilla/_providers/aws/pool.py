@@ -93,7 +93,6 @@ class AWSAllocation(ShellAllocation):
         self._client_cidrs: list[str] = []
         self._created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self._client = client_id()
-        self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
         self.hourly = 0.0
         self.instance_type = ""
@@ -107,12 +106,10 @@ class AWSAllocation(ShellAllocation):
 
     # -- running blocking API calls --------------------------------------------------
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a worker thread. release() waits for calls still running
-        (a cancelled caller does not stop the thread), so nothing made escapes it."""
-        fut = _executor.submit(fn, *args)
-        self._busy.add(fut)
-        fut.add_done_callback(self._busy.discard)
-        return await asyncio.wrap_future(fut)
+        """``fn(*args)`` in a worker thread. A cancelled caller does not stop the thread:
+        what it creates is recorded before it is sent (``base.Allocation.creating``), and
+        the release waits for those calls, so nothing made escapes it."""
+        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
@@ -289,7 +286,8 @@ class AWSAllocation(ShellAllocation):
         start = [i for i in ids if found[i]["State"]["Name"] == "stopped"]
         if start:
             try:
-                self.api.raw("ec2", "start_instances", InstanceIds=start)
+                with self.creating("started instances", self.tag):
+                    self.api.raw("ec2", "start_instances", InstanceIds=start)
             except Exception as e:
                 code = error_code(e)
                 if code in CAPACITY_CODES:
@@ -505,27 +503,29 @@ class AWSAllocation(ShellAllocation):
         """A cluster placement group for the pool (network_tier="best"): its instances
         land close together, as EFA traffic wants."""
         name = f"flotilla-{self.tag}"
-        self.api.call(
-            "ec2",
-            "create_placement_group",
-            "create the pool's placement group",
-            GroupName=name,
-            Strategy="cluster",
-            TagSpecifications=[self._tags("placement-group")],
-        )
-        self.placement_group = name
+        with self.creating("placement group", self.tag):
+            self.api.call(
+                "ec2",
+                "create_placement_group",
+                "create the pool's placement group",
+                GroupName=name,
+                Strategy="cluster",
+                TagSpecifications=[self._tags("placement-group")],
+            )
+            self.placement_group = name  # before the sweep can look
 
     def _make_security_group(self) -> None:
-        group = self.api.call(
-            "ec2",
-            "create_security_group",
-            "create the pool's security group",
-            GroupName=f"flotilla-{self.tag}",
-            Description=f"flotilla pool {self.tag}: SSH from its client, members",
-            VpcId=self._vpc,
-            TagSpecifications=[self._tags("security-group")],
-        )
-        self.security_group = group["GroupId"]
+        with self.creating("security group", self.tag):
+            group = self.api.call(
+                "ec2",
+                "create_security_group",
+                "create the pool's security group",
+                GroupName=f"flotilla-{self.tag}",
+                Description=f"flotilla pool {self.tag}: SSH from its client, members",
+                VpcId=self._vpc,
+                TagSpecifications=[self._tags("security-group")],
+            )
+            self.security_group = group["GroupId"]  # before the sweep can look
         self.api.call(
             "ec2",
             "authorize_security_group_ingress",
@@ -581,7 +581,8 @@ class AWSAllocation(ShellAllocation):
             for zone in self.choice.zones:
                 params = self._launch_params(count, market, zone, data)
                 try:
-                    reply = self.api.raw("ec2", "run_instances", **params)
+                    with self.creating("instances", self.tag):
+                        reply = self.api.raw("ec2", "run_instances", **params)
                 except Exception as e:
                     code = error_code(e)
                     spot_quota = market == "spot" and code in SPOT_QUOTA_CODES
@@ -667,6 +668,8 @@ class AWSAllocation(ShellAllocation):
         while True:
             if all(i.get("PublicIpAddress") for i in instances):
                 return instances
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.tag}: released while starting")
             if time.monotonic() > deadline:
                 raise ProvisionError(
                     f"instances {', '.join(ids)} got no public address: use a subnet that "
@@ -782,19 +785,17 @@ class AWSAllocation(ShellAllocation):
         return machine
 
     # -- release -----------------------------------------------------------------------
-    async def free(self) -> None:
-        busy = list(self._busy)
-        if busy:  # an API call of a cancelled launch may still be creating something
-            await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
-        loop = asyncio.get_running_loop()
+    def sweep(self) -> None:
+        """Terminate everything of the pool, found by its tag (or stop its instances: a
+        stoppable pool closed with ``stop``); synchronous (see ``base.Allocation.sweep``)."""
         keep = self.keep
         try:
             if keep is not None and keep.stop and self._node_ids():
                 if self.market != "spot":
-                    await loop.run_in_executor(_executor, self._stop)
+                    self._stop()
                     return
                 _show("AWS: spot instances cannot be stopped (EC2 only terminates them)")
-            await loop.run_in_executor(_executor, self._release)
+            self._release()
             if keep is not None:
                 keep.forget()
         except Exception as e:  # release never raises: report what is left

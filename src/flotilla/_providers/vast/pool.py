@@ -82,7 +82,6 @@ class VastAllocation(ShellAllocation):
         self.label = label(spec.pool_id, client_id())
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
-        self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
         self._targets: dict[str, Target] = {}
         self.ssh = SSHShell(
@@ -95,10 +94,9 @@ class VastAllocation(ShellAllocation):
         self.shell = self.ssh
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        fut = _executor.submit(fn, *args)
-        self._busy.add(fut)
-        fut.add_done_callback(self._busy.discard)
-        return await asyncio.wrap_future(fut)
+        """``fn(*args)`` in a worker thread (a cancelled caller does not stop it: what it
+        creates is recorded, see ``base.Allocation.creating``)."""
+        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
@@ -120,19 +118,22 @@ class VastAllocation(ShellAllocation):
         )
         if choice.cluster_id is not None:
             self.overlay = f"flotilla-{spec.pool_id}"
-            await self._in_thread(
-                self.api.call,
-                "POST",
-                "/overlay/",
-                "create the pool's overlay network",
-                {"cluster_id": choice.cluster_id, "name": self.overlay},
-            )
+            await self._in_thread(self._create_overlay, choice.cluster_id)
         ids = await self._rent(list(choice.offers))
         self.machines = [
             Machine(rank, f"vast-{i}", str(self.instances[i].get("public_ipaddr", "")), str(i))
             for rank, i in enumerate(ids)
         ]
         self.state = AllocationState.READY
+
+    def _create_overlay(self, cluster_id: int) -> None:
+        with self.creating("overlay network", self.overlay):
+            self.api.call(
+                "POST",
+                "/overlay/",
+                "create the pool's overlay network",
+                {"cluster_id": cluster_id, "name": self.overlay},
+            )
 
     def search(self) -> list[dict[str, Any]]:
         """The offers that fit one node of the pool, cheapest first (``/bundles/``)."""
@@ -204,7 +205,10 @@ class VastAllocation(ShellAllocation):
             "runtype": RUNTYPE,
         }
         try:
-            reply = self.api.call("PUT", f"/asks/{offer['id']}/", f"rent offer {offer['id']}", body)
+            with self.creating("instance", self.label):
+                reply = self.api.call(
+                    "PUT", f"/asks/{offer['id']}/", f"rent offer {offer['id']}", body
+                )
         except VastApiError as e:
             if e.error in ("no_such_ask", "unavailable") or e.status in (400, 404, 410):
                 raise ProvisionError(
@@ -244,6 +248,8 @@ class VastAllocation(ShellAllocation):
                     waiting.discard(ident)
             if not waiting:
                 return
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
             if time.monotonic() > deadline:
                 states = ", ".join(
                     f"{i}: {self.instances.get(i, {}).get('actual_status', 'unknown')}"
@@ -369,47 +375,49 @@ class VastAllocation(ShellAllocation):
 
     # -- replace -----------------------------------------------------------------------
     async def replacement(self, rank: int, reason: str) -> Machine:
-        """Rent one new instance for ``rank`` (in the pool's cluster, joined to its
-        overlay) and destroy the old one."""
+        """Destroy the lost instance (its machine may then take the new one), then rent
+        one new instance for ``rank`` on a machine none of the other ranks uses: in the
+        pool's cluster, joined to its overlay (a cluster pool), or anywhere."""
         if self.state is not AllocationState.READY:
             raise ProvisionError(
                 f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
             )
         old = self.machines[rank]
+        try:  # release() destroys it in any case
+            await self._in_thread(self._destroy, int(old.ident))
+        except ProvisionError as e:
+            logger.warning("%s: %s", old.ident, e)
         offers = await self._in_thread(self.search)
-        taken = {self.instances[int(m.ident)].get("machine_id") for m in self.machines}
-        offers = [
-            o
-            for o in offers
-            if o.get("machine_id") not in taken
-            and (
-                self.choice is None
-                or self.choice.cluster_id is None
-                or o.get("cluster_id") == self.choice.cluster_id
-            )
-        ]
-        if not offers:
+        taken = {
+            self.instances[int(m.ident)].get("machine_id")
+            for r, m in enumerate(self.machines)
+            if r != rank
+        }
+        free = [o for o in offers if o.get("machine_id") not in taken]
+        cluster = self.choice.cluster_id if self.choice is not None else None
+        fits = [o for o in free if cluster is None or o.get("cluster_id") == cluster]
+        if not fits:
+            elsewhere = len(free)
             raise ProvisionError(
                 f"node {rank}: {reason}; Vast has no offer left to replace it with"
                 + (
-                    f" in cluster {self.choice.cluster_id}"
-                    if self.choice and self.choice.cluster_id is not None
+                    f" in cluster {cluster} ({elsewhere} offer(s) on other machines: a "
+                    "cluster pool's nodes share the cluster's overlay network, so a "
+                    "replacement cannot be on another cluster; Options(cluster=False) "
+                    "pools take any machine)"
+                    if cluster is not None
                     else ""
                 ),
                 cause=ProvisionCause.CAPACITY,
             )
-        (ident,) = await self._rent(offers[:1])
-        self.hourly += float(offers[0].get("dph_total") or 0) - float(
+        (ident,) = await self._rent(fits[:1])
+        self.hourly += float(fits[0].get("dph_total") or 0) - float(
             self.instances[int(old.ident)].get("dph_total") or 0
         )
         machine = Machine(
             rank, f"vast-{ident}", str(self.instances[ident].get("public_ipaddr", "")), str(ident)
         )
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
-        try:
-            await self._in_thread(self._destroy, int(old.ident))
-        except ProvisionError as e:  # release() destroys it in any case
-            logger.warning("%s: %s", old.ident, e)
         return machine
 
     # -- release -----------------------------------------------------------------------
@@ -420,12 +428,11 @@ class VastAllocation(ShellAllocation):
             if e.status != 404:
                 raise
 
-    async def free(self) -> None:
-        busy = list(self._busy)
-        if busy:  # an API call of a cancelled launch may still be renting
-            await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
+    def sweep(self) -> None:
+        """Destroy everything of the pool (:meth:`_release`; synchronous, see
+        ``base.Allocation.sweep``), then remove its local folder."""
         try:
-            await asyncio.get_running_loop().run_in_executor(_executor, self._release)
+            self._release()
         except Exception as e:
             _show(f"Vast: could not release everything of pool {self.spec.pool_id}: {e}")
         finally:
