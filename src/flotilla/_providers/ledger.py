@@ -25,6 +25,7 @@ that recorded it).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import contextlib
 import logging
 import os

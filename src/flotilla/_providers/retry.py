@@ -63,6 +63,7 @@ TRANSIENT_WORDS = (
     "(TooManyRequests)",
     "connection reset by peer",
     "connection refused",
+    "was refused - did you specify the right host or port",
     "i/o timeout",
     "TLS handshake timeout",
     "the server is currently unable to handle the request",
@@ -85,6 +86,8 @@ def transient(e: BaseException) -> bool:
     if isinstance(response, dict):
         code = str(response.get("Error", {}).get("Code", ""))
         http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code.startswith("Insufficient"):  # no capacity (a 500): another zone may have
+            return False
         return code in TRANSIENT_CODES or (isinstance(http, int) and http >= 500)
     module = type(e).__module__
     if module.startswith(("botocore", "urllib3")):  # no answer at all
