@@ -258,7 +258,7 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
 def test_guard_destroys_an_instance_no_agent_reaches(vast_lab: VastLab) -> None:
     """Instances rented whose agent never starts: the on-start script's guard destroys
     each max(ttl, start_timeout) s after its start, with the instance's own key."""
-    from flotilla._providers.aws.keys import keygen
+    from flotilla._providers.cloud.keys import keygen
     from flotilla._providers.vast.onstart import onstart_script
 
     vast_lab.add_machines(1)

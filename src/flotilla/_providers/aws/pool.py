@@ -19,15 +19,16 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, FlotillaError, ProvisionCause, ProvisionError
 from ..._node.cloud import ENV as CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
-from ..launch import ShellAllocation, start_remote_agent
-from ..ssh_shell import SSHShell, Target
-from .agent import RETRIED, AWSAgent, wait_port
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.guard import contact_path, guard_command
+from ..cloud.identity import client_id
+from ..cloud.keys import KeyPair, keygen, pin, pin_public
+from ..ssh_shell import Target
+from .agent import AWSAgent
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
-from .guard import contact_path, guard_command
 from .kept import TAG_STOPPED, Keep, KeptInstance, KeptPool
-from .keys import KeyPair, keygen, pin, pin_public, pool_folder, remove_folder, user_data
-from .orphans import client_id
+from .keys import pool_folder, remove_folder, user_data
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
 from .settings import EFA_ENV, AWSSettings
@@ -45,7 +46,7 @@ _T = TypeVar("_T")
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flotilla-aws")
 
 
-class AWSAllocation(ShellAllocation):
+class AWSAllocation(CloudAllocation):
     """The EC2 instances of one pool (see the module docstring).
 
     Attributes:
@@ -181,10 +182,8 @@ class AWSAllocation(ShellAllocation):
     def _use_login_key(self, login_key: KeyPair) -> None:
         """Log in with ``login_key``, the instances' host keys pinned in ``known_hosts``."""
         self.login_key = login_key
-        self.shell = SSHShell(
-            lambda machine: Target(
-                self._connect_addr(self.instances[machine.ident]), self.settings.ssh_user, 22
-            ),
+        self.shell = CloudShell(
+            self.target,
             key=login_key.path,
             known_hosts=self.known_hosts,
             accept_new_host_keys=False,
@@ -697,39 +696,19 @@ class AWSAllocation(ShellAllocation):
         return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
     # -- agents ------------------------------------------------------------------------
+    handover = "handed over in its user-data (or the AMI does not run cloud-init)"
+
+    def target(self, machine: Machine) -> Target:
+        return Target(self._connect_addr(self.instances[machine.ident]), self.settings.ssh_user, 22)
+
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait until the instance answers on port 22, then start the agent over SSH with
-        its host key pinned; a start that fails as on a booting instance (see
-        ``agent.RETRIED``) is tried again until the start timeout."""
-        addr = self._connect_addr(self.instances[machine.ident])
-        timeout = self.spec.options.start_timeout
-        deadline = time.monotonic() + timeout
-        name = f"{machine.ident} ({addr})"
-        await wait_port(addr, 22, deadline, name, timeout)
-        while True:
-            try:
-                agent = await start_remote_agent(
-                    self.shell,
-                    machine,
-                    python=self.python,
-                    workdir=self.workdir,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    env=self.agent_env(machine),
-                )
-                break
-            except ProvisionError as e:
-                if e.cause is ProvisionCause.IDENTITY:
-                    raise ProvisionError(
-                        f"{name}: REFUSED: the instance does not present the SSH host key "
-                        "flotilla generated for it and handed over in its user-data (the "
-                        "connection may be intercepted, or the AMI does not run cloud-init): "
-                        f"{e}",
-                        cause=e.cause,
-                    ) from None
-                if e.cause not in RETRIED or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
-                await asyncio.sleep(0.2)
-        return AWSAgent(agent, name, lambda notice: self._on_notice(machine.ident, notice))
+        its host key pinned, tried again while it fails as on a booting instance (see
+        ``cloud.allocation``); spot interruption notices on its stderr are reported."""
+        agent = await super().start_agent(machine)
+        return AWSAgent(
+            agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
+        )
 
     def agent_env(self, machine: Machine) -> dict[str, str]:
         """``FLOTILLA_CLOUD``: the instance watchdog's settings (see ``_node/cloud.py``)."""

@@ -13,7 +13,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from ..aws.orphans import client_alive
+from ..cloud.identity import client_alive
 from .provider import CLIENT_LABEL, MANAGED, POOL_LABEL, Engine, pool_labels
 from .settings import ContainerSettings
 

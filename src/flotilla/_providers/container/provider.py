@@ -251,7 +251,7 @@ class Container(Provider):
 
     def run_args(self, spec: PoolSpec, rank: int, name: str, network: str) -> list[str]:
         """The ``run`` arguments of the container ``name`` of ``rank``."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         settings = self.settings
         args = [
@@ -379,7 +379,7 @@ class ContainerAllocation(ShellAllocation):
 
     async def make_network(self) -> None:
         """The pool's own network, or the shared one when it is missing."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         if not self.own_network:
             try:

@@ -194,7 +194,7 @@ class Kubernetes(Provider):
     def metadata(spec: PoolSpec, name: str, **labels: str) -> dict[str, Any]:
         """The metadata of one of the pool's objects: its name, the pool's labels (and
         ``labels``), the client's annotation."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         return {
             "name": name,

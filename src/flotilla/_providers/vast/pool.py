@@ -19,12 +19,11 @@ from typing import Any, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..._node.cloud import ENV as CLOUD_ENV
-from ..aws.agent import RETRIED, wait_port
-from ..aws.keys import KeyPair, keygen, pin
-from ..aws.orphans import client_id
 from ..base import AgentProcess, AllocationState, Machine, PoolSpec
-from ..launch import ShellAllocation, start_remote_agent
-from ..ssh_shell import SSHShell, Target
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.identity import client_id
+from ..cloud.keys import KeyPair, keygen, pin
+from ..ssh_shell import Target
 from .api import VastApi, VastApiError
 from .choice import Choice, choose, describe, query
 from .onstart import contact, onstart_script, poweroff_command
@@ -54,7 +53,7 @@ def parse_label(text: str) -> tuple[str, str] | None:
     return (pool, client) if pool else None
 
 
-class VastAllocation(ShellAllocation):
+class VastAllocation(CloudAllocation):
     """The Vast instances of one pool.
 
     Attributes:
@@ -84,8 +83,8 @@ class VastAllocation(ShellAllocation):
         self.workdir = settings.workdir
         self._launches = 0
         self._targets: dict[str, Target] = {}
-        self.ssh = SSHShell(
-            lambda machine: self._targets[machine.ident],
+        self.ssh = CloudShell(
+            self.target,
             key=None,
             known_hosts=self.known_hosts,
             accept_new_host_keys=False,
@@ -276,20 +275,28 @@ class VastAllocation(ShellAllocation):
         return Target(str(row["public_ipaddr"]), "root", self._port(row))
 
     # -- agents ------------------------------------------------------------------------
+    handover = "installed through its on-start script"
+
+    def target(self, machine: Machine) -> Target:
+        return self._targets[machine.ident]
+
+    def name(self, machine: Machine) -> str:
+        target = self.target(machine)
+        return f"vast-{machine.ident} ({target.host}:{target.port})"
+
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
-        key (retried as on a booting instance until the start timeout) while learning the
-        instance's overlay address (a cluster pool), which becomes the agent's address."""
-        target = self._targets[machine.ident]
-        timeout = self.spec.options.start_timeout
-        deadline = time.monotonic() + timeout
-        name = f"vast-{machine.ident} ({target.host}:{target.port})"
-        await wait_port(target.host, target.port, deadline, name, timeout)
+        key (retried as on a booting instance until the start timeout, see
+        ``cloud.allocation``) while learning the instance's overlay address (a cluster
+        pool), which becomes the agent's address."""
+        target = self.target(machine)
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        await self.wait_ssh(machine, deadline)
         if not self.subnet:
             self._remember(machine)
-            return await self._start(machine, name, deadline)
+            return await self.start_pinned(machine, deadline)
         probe = asyncio.create_task(self._overlay_address(machine, target, deadline))
-        start = asyncio.create_task(self._start(machine, name, deadline))
+        start = asyncio.create_task(self.start_pinned(machine, deadline))
         try:
             addr, agent = await asyncio.gather(probe, start)
         except BaseException:
@@ -306,29 +313,6 @@ class VastAllocation(ShellAllocation):
         agent.address = addr
         self._remember(machine)
         return agent
-
-    async def _start(self, machine: Machine, name: str, deadline: float) -> AgentProcess:
-        while True:
-            try:
-                return await start_remote_agent(
-                    self.shell,
-                    machine,
-                    python=self.python,
-                    workdir=self.workdir,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    env=self.agent_env(machine),
-                )
-            except ProvisionError as e:
-                if e.cause is ProvisionCause.IDENTITY:
-                    raise ProvisionError(
-                        f"{name}: REFUSED: the instance does not present the SSH host key "
-                        "flotilla generated for it and installed through its on-start script "
-                        f"(the connection may be intercepted): {e}",
-                        cause=e.cause,
-                    ) from None
-                if e.cause not in RETRIED or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
-                await asyncio.sleep(0.2)
 
     async def _overlay_address(self, machine: Machine, target: Target, deadline: float) -> str:
         """The instance's address in the overlay's subnet (asked over SSH)."""
