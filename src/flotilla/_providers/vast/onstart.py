@@ -1,6 +1,6 @@
 """The on-start script of a pool's instances: the pinned SSH host key and the guard.
 
-No trust on first use (as on AWS, ``aws/keys.py``): the client generates the instances'
+No trust on first use (as on AWS, ``cloud/keys.py``): the client generates the instances'
 SSH host key (ed25519, in a pool-private folder) and hands it over in the instance's
 on-start script (``onstart`` of ``PUT /asks/{id}/``), which installs it as the only host
 key of the instance's sshd (and makes a running sshd reload); the client connects with
