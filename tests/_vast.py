@@ -31,7 +31,8 @@ clusters.py``). Every route cites the lines it follows:
   "instances"}]`` (``create__overlay``, ``join__overlay``, ``delete__overlay``,
   ``show__overlays`` of the newer CLI);
 * a 429 is what the client retries (``http_get`` 173-182): ``VastLab.throttle`` answers
-  the next requests with it.
+  the next requests with it; ``VastLab.failing`` answers the next requests of one route
+  with a 500 (a server error, transient).
 
 Inside an instance, as on Vast, ``CONTAINER_ID`` and ``CONTAINER_API_KEY`` are set for the
 on-start script: a key valid only for that instance (reading and destroying it).
@@ -143,6 +144,8 @@ class VastLab(Lifecycle):
         self.env: dict[str, str] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         self.throttle = 0
+        self.failing: dict[tuple[str, str], int] = {}
+        """(method, path under /api/v0) -> how many of the next such requests answer 500."""
         self.destroyed: dict[int, str] = {}  # instance id -> "account" | "self"
         self.destroyed_at: dict[int, float] = {}  # instance id -> wall clock
         self._saved: dict[str, str | None] = {}
@@ -588,6 +591,11 @@ class _Handler(BaseHTTPRequestHandler):
         if lab.throttle > 0:
             lab.throttle -= 1
             return self._send(429, {"success": False, "error": "too_many_requests"})
+        with lab._lock:
+            route = (method, path.removeprefix("/api/v0"))
+            if lab.failing.get(route, 0) > 0:
+                lab.failing[route] -= 1
+                return self._send(500, {"success": False, "error": "server_error"})
         if not path.startswith("/api/v0/"):
             return self._send(404, {"success": False, "error": "not_found"})
         path = path[len("/api/v0") :]

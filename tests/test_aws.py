@@ -567,7 +567,7 @@ def test_waiting_for_a_booting_instance_holds_a_few_sockets(
     """While the instance's network is not up, connection attempts hang until their own
     timeout: at most CONNECTS_AT_ONCE of them (sockets) are in flight per instance, new
     ones still start as old ones end, and port 22 opening is noticed."""
-    from flotilla._providers.aws import agent
+    from flotilla._providers.cloud import boot
 
     in_flight, most, tries = 0, 0, 0
     up_at = time.monotonic() + 1.5
@@ -585,17 +585,17 @@ def test_waiting_for_a_booting_instance_holds_a_few_sockets(
         finally:
             in_flight -= 1
 
-    monkeypatch.setattr(agent, "_connects", hanging)
+    monkeypatch.setattr(boot, "_connects", hanging)
     t0 = time.monotonic()
-    asyncio.run(agent.wait_port("10.0.0.9", 22, t0 + 10, "i-1", 10))
+    asyncio.run(boot.wait_port("10.0.0.9", 22, t0 + 10, "i-1", 10))
     took = time.monotonic() - t0
-    assert most == agent.CONNECTS_AT_ONCE, most
+    assert most == boot.CONNECTS_AT_ONCE, most
     assert 1.5 <= took < 1.5 + 0.3 + 0.5, took  # noticed within an attempt's hang
-    assert tries >= 1.5 / 0.3 * agent.CONNECTS_AT_ONCE - 1, tries  # kept trying
+    assert tries >= 1.5 / 0.3 * boot.CONNECTS_AT_ONCE - 1, tries  # kept trying
     with pytest.raises(sky.ProvisionError, match="did not answer"):
         up_at = time.monotonic() + 60
-        asyncio.run(agent.wait_port("10.0.0.9", 22, time.monotonic() + 0.5, "i-1", 0.5))
-    assert most == agent.CONNECTS_AT_ONCE
+        asyncio.run(boot.wait_port("10.0.0.9", 22, time.monotonic() + 0.5, "i-1", 0.5))
+    assert most == boot.CONNECTS_AT_ONCE
 
 
 # -- the node side, without the lab (no root needed) ----------------------------------------
@@ -726,7 +726,7 @@ poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
 def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
     """The boot guard's bootcmd line run by ``sh`` as cloud-init would (INSTANCE_ID set),
     with a power-off command that records that it ran."""
-    from flotilla._providers.aws.guard import guard_command
+    from flotilla._providers.cloud.guard import guard_command
 
     record = f"echo $FLOTILLA_BOOT_GUARD >> {tmp_path}/fired"
     line = guard_command(ttl, 1, str(tmp_path / "work"), "root", ["sh", "-c", record])
@@ -771,7 +771,7 @@ def test_boot_guard_finds_the_login_users_home() -> None:
     the shell when the guard checks (the user may not exist yet at boot)."""
     import pwd
 
-    from flotilla._providers.aws.guard import _as_root, contact_path, home_path
+    from flotilla._providers.cloud.guard import _as_root, contact_path, home_path
 
     me = pwd.getpwuid(os.getuid())
     word = _as_root(home_path("~/.flotilla dir"), me.pw_name)

@@ -199,6 +199,29 @@ def test_layers_import_one_way() -> None:
     assert [v for path in modules for v in _violations(path)] == []
 
 
+PROVIDER_PACKAGES = ("aws", "vast", "k8s", "container", "slurm")
+
+
+def test_providers_share_the_cloud_kit_not_one_another() -> None:
+    """The clouds' shared code (keys, boot guard, client identity, port waiting, the SSH
+    allocation) is ``_providers/cloud/``: no module of the provider layer imports another
+    provider's package (the market, which lists every provider's offers, aside), and the
+    kit imports none."""
+    found = []
+    for path in sorted((PACKAGE / "_providers").rglob("*.py")):
+        module = _module_name(path)
+        if module == "flotilla._providers.market":
+            continue
+        own = module.split(".")[2] if module.count(".") >= 2 else ""
+        for line, target in _imports(path):
+            parts = target.split(".")
+            if target.startswith("flotilla._providers.") and len(parts) > 2:
+                other = parts[2]
+                if other in PROVIDER_PACKAGES and other != own:
+                    found.append(f"{path.relative_to(SRC)}:{line}: {module} imports {target}")
+    assert found == []
+
+
 @pytest.mark.parametrize(
     ("where", "source", "expected"),
     [

@@ -67,6 +67,8 @@ class Kit:
         in_process: the agents live in the test process (the fake): no pid to kill.
         ends_later: what a killed client leaves ends by itself later (cloud instances,
             after their watchdog's ttl), not when its agents exit.
+        creates: its acquire creates something that outlives the client's connections
+            (instances, pods, containers, folders), recorded before each create is sent.
         fake: the fake provider, when it is the one.
     """
 
@@ -75,6 +77,7 @@ class Kit:
     leftovers: Callable[[], list[str]]
     in_process: bool = False
     ends_later: bool = False
+    creates: bool = True
     fake: FakeProvider | None = None
     started: list[int] = field(default_factory=list)
 
@@ -127,6 +130,7 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             lambda: lab.provider(hosts),
             lambda: sky.Compute(provider=lab.provider(hosts[:1]), nodes=2).open(),
             ssh_left,
+            creates=False,  # its agents end with their ssh connections
         )
     elif name == "slurm":
         cluster: SlurmCluster = request.getfixturevalue("slurm_cluster")
@@ -143,6 +147,7 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             lambda: sky.Slurm(workdir=str(tmp_path)),
             lambda: sky.Compute(provider=sky.Slurm(), nodes=99).open(),
             slurm_left,
+            creates=False,  # its salloc ends with the client (PR_SET_PDEATHSIG), the job too
         )
     elif name == "aws":
         aws: AwsLab = request.getfixturevalue("aws_lab")
@@ -155,13 +160,19 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             options = sky.Options(heartbeat_timeout=30)
             sky.Compute(provider=aws.provider(ttl=10), nodes=2, options=options).open()
 
-        def aws_left() -> list[str]:
-            out = []
-            for inst in aws.describe():
-                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                if tags.get("flotilla:pool") in pools and inst["State"]["Name"] != "terminated":
-                    out.append(inst["InstanceId"])
-            return out + [g for pool in pools for g in aws.pool_groups(pool)]
+        def aws_left() -> list[str]:  # the pools named in `pools` ("*": every pool)
+            def ours(resource: dict[str, Any]) -> bool:
+                tags = {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
+                pool = tags.get("flotilla:pool")
+                return pool is not None and ("*" in pools or pool in pools)
+
+            out = [
+                inst["InstanceId"]
+                for inst in aws.describe()
+                if ours(inst) and inst["State"]["Name"] != "terminated"
+            ]
+            groups = aws.client().describe_security_groups()["SecurityGroups"]
+            return out + [g["GroupId"] for g in groups if ours(g)]
 
         kit = Kit(aws_make, aws_refused, aws_left, ends_later=True)
         kit.pools = pools  # type: ignore[attr-defined]
@@ -232,6 +243,7 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
                     accelerator="A100",
                 ).open(),
                 list,  # a namespace ends with its agent (checked with the agents)
+                creates=False,
             )
         finally:
             sys.path.remove(str(package))
@@ -349,6 +361,85 @@ def test_a_client_killed_with_sigkill_leaves_no_agent(kit: Kit, tmp_path: Path) 
     if kit.ends_later:
         return  # AWS: the instances end by their watchdog, after ttl (see test_aws.py)
     assert wait_until(lambda: not kit.leftovers(), timeout=30), kit.leftovers()
+
+
+_INTERRUPTED_CLIENT = """
+import contextlib, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even under a nohup'd suite
+sys.path[:0] = {path!r}
+import flotilla as sky
+from flotilla._providers import base
+provider = {make}
+steps = []
+
+
+def step(where):
+    steps.append(where)
+    if len(steps) == {step}:
+        print("interrupted at", where, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # the main thread: Ctrl-C
+
+
+creating = getattr(base.Allocation, "creating", None)
+
+
+@contextlib.contextmanager
+def recorded(self, what, key):
+    with creating(self, what, key):  # recorded: the create is sent after the Ctrl-C
+        step("create " + what)
+        yield
+
+
+if creating is not None:
+    base.Allocation.creating = recorded
+start_agents = base.start_agents
+
+
+async def starting(allocation, machines):
+    step("start the agents")
+    return await start_agents(allocation, machines)
+
+
+base.start_agents = starting
+with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeout=2)):
+    print("opened after", len(steps), "steps", flush=True)
+"""
+
+
+def test_an_acquire_interrupted_at_any_step_leaves_nothing(kit: Kit, tmp_path: Path) -> None:
+    """Ctrl-C at each step of a pool's start (each create the provider records before it
+    sends it, then the agents' start): once the client has exited, nothing it created is
+    left (cloud instances at once: no watchdog's ttl)."""
+    if kit.in_process:
+        pytest.skip("the fake's agents live in the client")
+    make = _source(kit, tmp_path)
+    path = [str(Path(__file__).parent), str(tmp_path / "pkg"), *sys.path]
+    pools = getattr(kit, "pools", None)
+    if pools is not None:
+        pools.append("*")  # the clients' pools, whose ids this test does not know
+    interrupted: list[str] = []
+    for step in range(1, 20):
+        code = _INTERRUPTED_CLIENT.format(path=path, make=make, step=step)
+        client = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+        )
+        if "opened after" in client.stdout:
+            assert step > 1 and client.returncode == 0, client.stderr
+            break
+        assert "interrupted at" in client.stdout, client.stdout + client.stderr
+        assert "KeyboardInterrupt" in client.stderr, client.stderr
+        interrupted.append(client.stdout.split("interrupted at", 1)[1].strip())
+        # the clouds: right after the exit (the client gave them back before it exited)
+        left = kit.leftovers()
+        if not kit.ends_later and left:  # deleted, perhaps not yet ended (pods, jobs)
+            wait_until(lambda: not kit.leftovers(), timeout=60)
+            left = kit.leftovers()
+        assert left == [], f"interrupted at {interrupted[-1]}: {left}\n{client.stderr}"
+    else:
+        pytest.fail("the pool never opened")
+    assert interrupted[-1] == "start the agents", interrupted
+    if kit.creates:  # each create was a step
+        assert any(i.startswith("create ") for i in interrupted), interrupted
 
 
 def _source(kit: Kit, tmp_path: Path) -> str:

@@ -217,9 +217,10 @@ def test_aws_started_instance_is_pinned_at_its_new_public_address(
     from _aws import ZONES
 
     from flotilla._providers.aws.kept import KeptInstance
-    from flotilla._providers.aws.keys import keygen, remove_folder, user_data
+    from flotilla._providers.aws.keys import remove_folder, user_data
     from flotilla._providers.aws.pool import AWSAllocation
     from flotilla._providers.base import Options, PoolSpec
+    from flotilla._providers.cloud.keys import keygen
 
     host_key = keygen(str(tmp_path), "host", "t")
     login = keygen(str(tmp_path), "login", "t")

@@ -258,7 +258,7 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
 def test_guard_destroys_an_instance_no_agent_reaches(vast_lab: VastLab) -> None:
     """Instances rented whose agent never starts: the on-start script's guard destroys
     each max(ttl, start_timeout) s after its start, with the instance's own key."""
-    from flotilla._providers.aws.keys import keygen
+    from flotilla._providers.cloud.keys import keygen
     from flotilla._providers.vast.onstart import onstart_script
 
     vast_lab.add_machines(1)
@@ -291,6 +291,98 @@ def test_nothing_left_after_ctrl_c(vast_lab: VastLab) -> None:
     assert "interrupted (Ctrl-C); the pool was closed" in err  # one line, no traceback
     assert vast_lab.live() == [] and vast_lab.overlays == {}
     assert set(vast_lab.destroyed.values()) == {"account"}
+
+
+_BOOTING_CLIENT = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even under a nohup'd suite
+import flotilla as sky
+options = sky.Options(heartbeat_timeout=2, start_timeout=600)
+with sky.Compute(provider=sky.VastAI(ttl=600), accelerator="A100", nodes=2, options=options):
+    print("opened", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_signal_while_instances_boot_destroys_them_before_the_client_exits(
+    vast_lab: VastLab, signum: int
+) -> None:
+    """Ctrl-C (or SIGTERM) while both instances of a 2-node pool are still loading: the
+    client destroys them, and the overlay, before it exits (no ttl: they would have been
+    billed until their watchdog)."""
+    vast_lab.boot_delay = 3600.0  # they stay "loading"
+    vast_lab.add_machines(2, cluster_id=7)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BOOTING_CLIENT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert wait_until(
+            lambda: len(vast_lab.live()) == 2 or proc.poll() is not None, timeout=120
+        ), "the client did not rent its two instances"
+        assert proc.poll() is None, proc.communicate()
+        assert {vast_lab.instance_json(i)["actual_status"] for i in vast_lab.live()} == {"loading"}
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "opened" not in out
+    # right after the exit, not eventually: nothing is rented any more
+    assert vast_lab.live() == [], err
+    assert vast_lab.overlays == {}, err
+    assert set(vast_lab.destroyed.values()) == {"account"}
+
+
+def test_a_pool_filling_its_cluster_replaces_a_lost_node_on_the_freed_machine(
+    vast_lab: VastLab,
+) -> None:
+    """A 2-node pool fills physical cluster 7002: its node 1 is lost (the agent killed),
+    and its replacement goes on the machine the lost instance freed (the only one left
+    in the cluster), joined to the overlay; a cheaper cluster elsewhere is not used (its
+    machines cannot join the pool's overlay)."""
+    vast_lab.add_machines(2, cluster_id=7002)
+    with sky.Compute(provider=sky.VastAI(), accelerator="A100", nodes=2) as pool:
+        vast_lab.add_machines(2, cluster_id=7003, dph_total=0.2)  # after the choice
+        lost = pool._nodes[1]
+        assert pool._allocation is not None
+        ident = int(pool._allocation.machines[1].ident)
+        (before,) = [i for i in vast_lab.live() if i.id == ident]
+        os.kill(int(lost.hello_info["pid"]), signal.SIGKILL)
+        assert wait_until(
+            lambda: pool._nodes[1] is not lost and pool._nodes[1].state.value == "ready",
+            timeout=120,
+        ), "node 1 was not replaced"
+        places = place() @ pool
+        live = vast_lab.live()
+        assert {i.machine.spec.cluster_id for i in live} == {7002}
+        assert before.machine.machine_id in {i.machine.machine_id for i in live}
+        assert before.id not in {i.id for i in live}
+    subnet = _overlay_subnet_of(places)
+    assert [p[0] for p in places] == [0, 1] and all(p[1].startswith(subnet) for p in places)
+    assert vast_lab.live() == [] and vast_lab.overlays == {}
+
+
+def _overlay_subnet_of(places: list[tuple[int, str, str, list[str]]]) -> str:
+    return places[0][1].rsplit(".", 1)[0] + "."
+
+
+def test_a_server_error_while_making_the_overlay_is_tried_again(vast_lab: VastLab) -> None:
+    """One HTTP 500 from the API when the overlay network is made: the call is tried
+    again after a short wait, and the pool starts."""
+    vast_lab.add_machines(2, cluster_id=8)
+    vast_lab.failing[("POST", "/overlay/")] = 1
+    vast_lab.failing[("PUT", "/overlay/")] = 1  # and one of the joins
+    with sky.Compute(provider=sky.VastAI(), accelerator="A100", nodes=2) as pool:
+        assert [p[0] for p in place() @ pool] == [0, 1]
+    made = [r for r in vast_lab.requests if r == ("POST", "/api/v0/overlay/")]
+    assert len(made) == 2
+    assert vast_lab.failing == {("POST", "/overlay/"): 0, ("PUT", "/overlay/"): 0}
+    assert vast_lab.live() == [] and vast_lab.overlays == {}
 
 
 def test_nothing_left_after_an_exception(vast_lab: VastLab) -> None:

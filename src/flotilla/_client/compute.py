@@ -22,6 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError, SerializationError
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._providers.ledger import sigterm_exits
 from .._providers.limits import ensure_open_files, out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
 from .._volume import Volume, check_volumes, node_spec
@@ -361,7 +362,8 @@ class Compute(PoolCollections, Pool):
         loop = _loop.get_loop()
         fut = asyncio.run_coroutine_threadsafe(self._start(spec, blob), loop)
         try:
-            fut.result()
+            with sigterm_exits():  # what is being created is given back first (ledger)
+                fut.result()
         except BaseException as e:
             fut.cancel()
             self.close()

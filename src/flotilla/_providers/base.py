@@ -28,11 +28,15 @@ backend shares one path (:meth:`Provider.start`) and runs the same agent entry p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import logging
+import sys
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Self
@@ -41,6 +45,7 @@ from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError
 from .._wire.frames import Buffer
 from .._worker import Worker
+from . import ledger
 from .offers import Offer
 
 logger = logging.getLogger("flotilla")
@@ -281,6 +286,11 @@ class AllocationState(Enum):
     RELEASED = "released"
 
 
+CREATES_WAIT = 60.0
+"""Seconds a release waits for the creates already sent to answer before it looks for
+what they made (a create's answer lost past that is found by the provider's sweep all the
+same when it lists by the pool's key)."""
+
 LostCallback = Callable[[int, str], None]
 """Called with (rank, reason) when a provider learns that a machine is gone."""
 
@@ -301,6 +311,10 @@ class Allocation(ABC):
         delivered_env: names of the pool's ``env`` variables its agents already have in
             their environment, where the provider put them (a Kubernetes Secret the pods
             refer to): the client does not send them to the nodes.
+        created: (what, key) of every create call sent or about to be sent
+            (:meth:`creating`), in order.
+        ending: set once the allocation is being released (or given back as the process
+            exits): a provider's waits in worker threads stop, and no create is sent.
     """
 
     delivered_env: frozenset[str] = frozenset()
@@ -312,6 +326,12 @@ class Allocation(ABC):
         self._machines: list[Machine] = []
         self.machines = list(machines)
         self._on_lost: LostCallback | None = None
+        self.created: list[tuple[str, str]] = []
+        self.ending = threading.Event()
+        self._creates = threading.Condition()
+        self._in_flight = 0
+        self._sweep_lock = threading.Lock()
+        self._swept = False
 
     @property
     def machines(self) -> list[Machine]:
@@ -397,6 +417,7 @@ class Allocation(ABC):
         if self.state in (AllocationState.RELEASING, AllocationState.RELEASED):
             return
         self.state = AllocationState.RELEASING
+        self.ending.set()
         try:
             await self.free()
         except Exception as e:
@@ -405,10 +426,73 @@ class Allocation(ABC):
             for ident in self.machine_states:
                 self.machine_states[ident] = MachineState.RELEASED
             self.state = AllocationState.RELEASED
+            ledger.leave(self)
 
-    async def free(self) -> None:  # noqa: B027 - optional hook
+    async def free(self) -> None:
         """Give back everything the allocation holds (called once, by :meth:`release`):
-        nothing by default."""
+        by default :meth:`sweep_now` in a worker thread (what :meth:`sweep` gives back)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.sweep_now)
+
+    # -- what was created: recorded before it is sent, given back even at exit ----------
+    @contextlib.contextmanager
+    def creating(self, what: str, key: str) -> Iterator[None]:
+        """Held around every call that creates something (``what``: "instance",
+        "overlay network"...), with ``key``, what finds it again (the pool's label or tag,
+        the provider's idempotency token). It is recorded BEFORE the call is sent, and the
+        allocation is on the process's ledger (``ledger``) until its release ends: an
+        acquire cut short, even by the process's exit, gives it back (:meth:`sweep`).
+        ProvisionError, sending nothing, once the allocation is :attr:`ending`."""
+        with self._creates:
+            try:
+                if self.ending.is_set():
+                    raise RuntimeError("the pool is being released")
+                ledger.enter(self)
+            except RuntimeError as e:
+                raise ProvisionError(
+                    f"pool {self.spec.pool_id}: not creating {what}: {e}"
+                ) from None
+            self.created.append((what, key))
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._creates:
+                self._in_flight -= 1
+                self._creates.notify_all()
+
+    def sweep(self) -> None:  # noqa: B027 - optional hook
+        """Give back, synchronously (any thread, no event loop), everything the
+        allocation may have created (:attr:`created`: find it by its keys), and what it
+        holds. Idempotent: what is already gone is no error. Nothing by default (what a
+        provider starts that way ends with its agents' connections)."""
+
+    def sweep_now(self) -> None:
+        """Stop the allocation's waits (:attr:`ending`), let the creates already sent
+        answer (up to :data:`CREATES_WAIT` s), then :meth:`sweep`, once (a second call
+        waits for the first). Synchronous: the release's, and the process exit's
+        (``ledger.end_all``)."""
+        self.ending.set()
+        deadline = time.monotonic() + CREATES_WAIT
+        with self._creates:
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._creates.wait(left)
+        with self._sweep_lock:
+            if not self._swept:
+                self._swept = True
+                self.sweep()
+
+    def end_now(self) -> None:
+        """Give everything back now (:meth:`sweep_now`), the process exiting: its release
+        on the event loop may never end."""
+        if self.created:
+            print(
+                f"flotilla: pool {self.spec.pool_id}: giving back what it created "
+                f"({', '.join(sorted({what for what, _ in self.created}))})",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.sweep_now()
+        ledger.leave(self)
 
     def watch(self, on_lost: LostCallback) -> None:
         """Report machines the provider learns are gone (a SLURM node DOWN, a spot

@@ -53,6 +53,10 @@ class RemoteShell(ABC):
 
     name: str = "shell"
     env: Mapping[str, str] | None = None
+    retry_first: float = RETRY_FIRST
+    retry_max: float = RETRY_MAX
+    """Seconds before trying a :meth:`transient` failure again: the first, doubling up
+    to the most."""
 
     @abstractmethod
     def argv(self, machine: Machine, command: list[str]) -> list[str]:
@@ -119,7 +123,7 @@ async def start_remote_agent(
         command = ["env", *(f"{k}={v}" for k, v in env.items()), *command]
     argv = shell.argv(machine, command)
     deadline = loop.time() + timeout
-    delay = RETRY_FIRST
+    delay = shell.retry_first
     while True:
         async with shell.pace(machine):
             try:
@@ -143,9 +147,10 @@ async def start_remote_agent(
                 if not shell.transient(e) or deadline - loop.time() < 2 * delay:
                     raise await shell.explain(machine, e) from None
                 logger.info(
-                    "%s: %s dropped the connection; again in %.1f s",
+                    "%s: %s ended without starting the agent (%s); again in %.1f s",
                     machine.host,
                     shell.name,
+                    (e.stderr.strip().splitlines() or ["no message"])[-1],
                     delay,
                 )
             except TimeoutError:
@@ -160,7 +165,7 @@ async def start_remote_agent(
                 if not ok:
                     await agent.terminate()
         await asyncio.sleep(delay * random.uniform(1.0, 1.5))  # others' attempts spread out
-        delay = min(RETRY_MAX, delay * 2)
+        delay = min(shell.retry_max, delay * 2)
 
 
 class ShellAllocation(Allocation):

@@ -144,11 +144,10 @@ class LocalAllocation(Allocation):
                 os.makedirs(folder, exist_ok=True)
                 shutil.rmtree(os.path.join(folder, _LIB), ignore_errors=True)
             else:
-                folder = tempfile.mkdtemp(
-                    prefix=f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-",
-                    dir=self.provider.workdir,
-                )
-                self._folders.append(folder)
+                prefix = f"flotilla-{self.spec.pool_id}-{procs.owner_tag()}-node{rank}-"
+                with self.creating("work folder", prefix):
+                    folder = tempfile.mkdtemp(prefix=prefix, dir=self.provider.workdir)
+                    self._folders.append(folder)
         except OSError as e:
             raise ProvisionError(f"cannot create node {rank}'s work folder: {e}") from e
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
@@ -196,8 +195,9 @@ class LocalAllocation(Allocation):
         else:
             _unmount_under(machine.ident)
 
-    async def free(self) -> None:
-        for folder in self._folders:
+    def sweep(self) -> None:
+        """Remove the folders made (synchronous, see ``base.Allocation.sweep``)."""
+        for folder in list(self._folders):
             _remove(folder)
         for machine in self.machines:  # kept folders: only what lost agents left mounted
             _unmount_under(machine.ident)

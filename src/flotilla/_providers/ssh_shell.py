@@ -59,6 +59,17 @@ class Target:
     port: int
 
 
+REFUSALS = (
+    "REMOTE HOST IDENTIFICATION HAS CHANGED",
+    "Host key verification failed",
+    "host key is known for",
+    "Permission denied",
+    "Could not resolve hostname",
+)
+"""What ssh says when trying again cannot help: another host key, a refused login, an
+unknown name (``SSHShell.explain``'s IDENTITY, AUTH and UNKNOWN_HOST causes)."""
+
+
 class SSHShell(RemoteShell):
     """``ssh`` to a machine's :class:`Target`.
 

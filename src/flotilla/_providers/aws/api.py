@@ -3,8 +3,9 @@ call counts.
 
 boto3 is an optional extra (``pip install flotilla[aws]``): it is imported here only, when
 an AWS pool is validated or started, so ``import flotilla`` stays light. Every call goes
-through :class:`Api`, which counts calls per operation (the benchmark reports them) and
-translates botocore's errors into flotilla's, root cause first.
+through :class:`Api`, which counts calls per operation (the benchmark reports them), tries
+transient errors again (``_providers/retry.py``, as every provider) and translates
+botocore's errors into flotilla's, root cause first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionError
+from ..retry import retried
 
 CAPACITY_CODES = frozenset(
     {
@@ -161,8 +163,8 @@ class Api:
 
                 if service in INFORMATIVE:  # one quick try: nothing waits on a retry
                     config = Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=3)
-                else:
-                    config = Config(retries={"max_attempts": 4, "mode": "standard"})
+                else:  # transient errors are retried by call() and raw() (``retry``)
+                    config = Config(retries={"max_attempts": 1})
                 client = self.session.client(service, region_name=region, config=config)
                 client.meta.events.register("before-call", _count)
                 self._clients[(service, region)] = client
@@ -171,7 +173,7 @@ class Api:
     def call(self, service: str, operation: str, what: str, **params: Any) -> Any:
         """``client.operation(**params)``; errors translated (see :func:`translate`)."""
         try:
-            return getattr(self.client(service), operation)(**params)
+            return self.raw(service, operation, **params)
         except Exception as e:
             if _is_boto_error(e):
                 raise translate(e, what) from e
@@ -179,8 +181,14 @@ class Api:
 
     def raw(self, service: str, operation: str, region: str | None = None, **params: Any) -> Any:
         """``client.operation(**params)`` with botocore's errors as they are (callers that
-        branch on the error code); ``region``: another region's endpoint."""
-        return getattr(self.client(service, region), operation)(**params)
+        branch on the error code); ``region``: another region's endpoint. Transient errors
+        (throttling, 5xx, timeouts, dropped connections) are tried again with backoff
+        (``retry``), except for informative services (prices), tried once; a create
+        tried again carries the same idempotency token (``ClientToken``)."""
+        client = self.client(service, region)
+        if service in INFORMATIVE:
+            return getattr(client, operation)(**params)
+        return retried(lambda: getattr(client, operation)(**params), f"AWS {operation}")
 
 
 def _count(model: Any, **_: Any) -> None:

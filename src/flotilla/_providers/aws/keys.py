@@ -1,4 +1,5 @@
-"""SSH keys of an AWS pool: made by the client, handed over in cloud-init user-data, pinned.
+"""SSH keys of an AWS pool: made by the client (``cloud.keys``), handed over in cloud-init
+user-data, pinned.
 
 No trust on first use: the client generates the instances' SSH host key and the pool's
 login key (``ssh-keygen``, ed25519) in a pool-private folder (0700, files 0600), gives both
@@ -18,32 +19,14 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from ..._errors import ConfigurationError, ProvisionError
+from ..._errors import ConfigurationError
+from ..cloud.keys import KeyPair
 
 FOLDER_PREFIX = "flotilla-aws-"
 """Pool folders are ``{tempdir}/flotilla-aws-{pool_id}-XXXX`` (the orphan cleanup finds them)."""
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    """An ed25519 key pair on disk.
-
-    Attributes:
-        path: the private key file (0600); the public key is ``path + ".pub"``.
-        public: the public key line (``ssh-ed25519 AAAA... comment``).
-    """
-
-    path: str
-    public: str
-
-    def private(self) -> str:
-        with open(self.path) as f:
-            return f.read()
 
 
 def pool_folder(pool_id: str) -> str:
@@ -55,31 +38,10 @@ def remove_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def keygen(folder: str, name: str, comment: str) -> KeyPair:
-    """A new ed25519 key pair ``folder/name``; ProvisionError when ssh-keygen fails."""
-    exe = shutil.which("ssh-keygen")
-    if exe is None:
-        raise ConfigurationError(
-            "the AWS provider makes SSH keys with OpenSSH's `ssh-keygen`, which is not on "
-            "PATH: install it (apt-get install openssh-client, brew install openssh)"
-        )
-    path = os.path.join(folder, name)
-    proc = subprocess.run(
-        [exe, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", path],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    if proc.returncode != 0:
-        raise ProvisionError(f"ssh-keygen failed ({proc.returncode}): {proc.stderr.strip()}")
-    with open(path + ".pub") as f:
-        return KeyPair(path, f.read().strip())
-
-
 def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()) -> str:
     """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key,
     authorizes ``login_key`` for the default user and runs the ``bootcmd`` shell lines
-    early in every boot (the boot guard, see ``guard``)."""
+    early in every boot (the boot guard, see ``cloud.guard``)."""
     private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
     # a JSON string is a YAML double-quoted scalar: any shell line, safely quoted
     commands = "".join(f"  - {json.dumps(line)}\n" for line in bootcmd)
@@ -94,19 +56,6 @@ def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()
         "ssh_authorized_keys:\n"
         f"  - {login_key.public}\n" + (f"bootcmd:\n{commands}" if bootcmd else "")
     )
-
-
-def pin(known_hosts: str, address: str, host_key: KeyPair) -> None:
-    """Record ``host_key`` as the only key accepted for ``address``."""
-    pin_public(known_hosts, address, host_key.public)
-
-
-def pin_public(known_hosts: str, address: str, public: str) -> None:
-    """Record the public key line ``public`` as the only key accepted for ``address``."""
-    key = " ".join(public.split()[:2])
-    fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(f"{address} {key}\n")
 
 
 def ssh_login(address: str) -> list[str]:

@@ -14,13 +14,12 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..._system import procs
+from ..cloud.identity import client_alive
 from .api import Api, error_code, translate
 from .kept import TAG_STOPPED
 from .keys import FOLDER_PREFIX
@@ -50,31 +49,6 @@ class Orphans:
     skipped: tuple[str, ...]
     placement_groups: tuple[str, ...] = ()
     stopped: tuple[str, ...] = ()
-
-
-def client_id() -> str:
-    """``host:pid:start`` of this process."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
-
-
-def _start_ticks(pid: int) -> str:
-    """``pid``'s start time as the owner tag keeps it ("" when it is gone or a zombie)."""
-    return str(procs.start_time(pid) or "")
-
-
-def client_alive(client: str) -> bool | None:
-    """Whether the client process ``client`` still runs (None: not on this machine)."""
-    host, _, rest = client.partition(":")
-    pid, _, start = rest.partition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return not start or _start_ticks(int(pid)) == start
 
 
 def _tag(resource: dict[str, Any], key: str) -> str:

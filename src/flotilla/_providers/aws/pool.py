@@ -19,15 +19,16 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, FlotillaError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
-from ..launch import ShellAllocation, start_remote_agent
-from ..ssh_shell import SSHShell, Target
-from .agent import RETRIED, AWSAgent, wait_port
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.guard import contact_path, guard_command
+from ..cloud.identity import client_id
+from ..cloud.keys import KeyPair, keygen, pin, pin_public
+from ..ssh_shell import Target
+from .agent import AWSAgent
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, check_ami, choose, default_ami
-from .guard import contact_path, guard_command
 from .kept import TAG_STOPPED, Keep, KeptInstance, KeptPool
-from .keys import KeyPair, keygen, pin, pin_public, pool_folder, remove_folder, user_data
-from .orphans import client_id
+from .keys import pool_folder, remove_folder, user_data
 from .price import describe as describe_price
 from .price import on_demand_price, spot_price
 from .settings import EFA_ENV, AWSSettings
@@ -45,7 +46,7 @@ _T = TypeVar("_T")
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flotilla-aws")
 
 
-class AWSAllocation(ShellAllocation):
+class AWSAllocation(CloudAllocation):
     """The EC2 instances of one pool (see the module docstring).
 
     Attributes:
@@ -93,7 +94,6 @@ class AWSAllocation(ShellAllocation):
         self._client_cidrs: list[str] = []
         self._created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self._client = client_id()
-        self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
         self.hourly = 0.0
         self.instance_type = ""
@@ -107,12 +107,10 @@ class AWSAllocation(ShellAllocation):
 
     # -- running blocking API calls --------------------------------------------------
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a worker thread. release() waits for calls still running
-        (a cancelled caller does not stop the thread), so nothing made escapes it."""
-        fut = _executor.submit(fn, *args)
-        self._busy.add(fut)
-        fut.add_done_callback(self._busy.discard)
-        return await asyncio.wrap_future(fut)
+        """``fn(*args)`` in a worker thread. A cancelled caller does not stop the thread:
+        what it creates is recorded before it is sent (``base.Allocation.creating``), and
+        the release waits for those calls, so nothing made escapes it."""
+        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
@@ -184,10 +182,8 @@ class AWSAllocation(ShellAllocation):
     def _use_login_key(self, login_key: KeyPair) -> None:
         """Log in with ``login_key``, the instances' host keys pinned in ``known_hosts``."""
         self.login_key = login_key
-        self.shell = SSHShell(
-            lambda machine: Target(
-                self._connect_addr(self.instances[machine.ident]), self.settings.ssh_user, 22
-            ),
+        self.shell = CloudShell(
+            self.target,
             key=login_key.path,
             known_hosts=self.known_hosts,
             accept_new_host_keys=False,
@@ -289,7 +285,8 @@ class AWSAllocation(ShellAllocation):
         start = [i for i in ids if found[i]["State"]["Name"] == "stopped"]
         if start:
             try:
-                self.api.raw("ec2", "start_instances", InstanceIds=start)
+                with self.creating("started instances", self.tag):
+                    self.api.raw("ec2", "start_instances", InstanceIds=start)
             except Exception as e:
                 code = error_code(e)
                 if code in CAPACITY_CODES:
@@ -505,27 +502,29 @@ class AWSAllocation(ShellAllocation):
         """A cluster placement group for the pool (network_tier="best"): its instances
         land close together, as EFA traffic wants."""
         name = f"flotilla-{self.tag}"
-        self.api.call(
-            "ec2",
-            "create_placement_group",
-            "create the pool's placement group",
-            GroupName=name,
-            Strategy="cluster",
-            TagSpecifications=[self._tags("placement-group")],
-        )
-        self.placement_group = name
+        with self.creating("placement group", self.tag):
+            self.api.call(
+                "ec2",
+                "create_placement_group",
+                "create the pool's placement group",
+                GroupName=name,
+                Strategy="cluster",
+                TagSpecifications=[self._tags("placement-group")],
+            )
+            self.placement_group = name  # before the sweep can look
 
     def _make_security_group(self) -> None:
-        group = self.api.call(
-            "ec2",
-            "create_security_group",
-            "create the pool's security group",
-            GroupName=f"flotilla-{self.tag}",
-            Description=f"flotilla pool {self.tag}: SSH from its client, members",
-            VpcId=self._vpc,
-            TagSpecifications=[self._tags("security-group")],
-        )
-        self.security_group = group["GroupId"]
+        with self.creating("security group", self.tag):
+            group = self.api.call(
+                "ec2",
+                "create_security_group",
+                "create the pool's security group",
+                GroupName=f"flotilla-{self.tag}",
+                Description=f"flotilla pool {self.tag}: SSH from its client, members",
+                VpcId=self._vpc,
+                TagSpecifications=[self._tags("security-group")],
+            )
+            self.security_group = group["GroupId"]  # before the sweep can look
         self.api.call(
             "ec2",
             "authorize_security_group_ingress",
@@ -581,7 +580,8 @@ class AWSAllocation(ShellAllocation):
             for zone in self.choice.zones:
                 params = self._launch_params(count, market, zone, data)
                 try:
-                    reply = self.api.raw("ec2", "run_instances", **params)
+                    with self.creating("instances", self.tag):
+                        reply = self.api.raw("ec2", "run_instances", **params)
                 except Exception as e:
                     code = error_code(e)
                     spot_quota = market == "spot" and code in SPOT_QUOTA_CODES
@@ -667,6 +667,8 @@ class AWSAllocation(ShellAllocation):
         while True:
             if all(i.get("PublicIpAddress") for i in instances):
                 return instances
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.tag}: released while starting")
             if time.monotonic() > deadline:
                 raise ProvisionError(
                     f"instances {', '.join(ids)} got no public address: use a subnet that "
@@ -694,39 +696,19 @@ class AWSAllocation(ShellAllocation):
         return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
     # -- agents ------------------------------------------------------------------------
+    handover = "handed over in its user-data (or the AMI does not run cloud-init)"
+
+    def target(self, machine: Machine) -> Target:
+        return Target(self._connect_addr(self.instances[machine.ident]), self.settings.ssh_user, 22)
+
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait until the instance answers on port 22, then start the agent over SSH with
-        its host key pinned; a start that fails as on a booting instance (see
-        ``agent.RETRIED``) is tried again until the start timeout."""
-        addr = self._connect_addr(self.instances[machine.ident])
-        timeout = self.spec.options.start_timeout
-        deadline = time.monotonic() + timeout
-        name = f"{machine.ident} ({addr})"
-        await wait_port(addr, 22, deadline, name, timeout)
-        while True:
-            try:
-                agent = await start_remote_agent(
-                    self.shell,
-                    machine,
-                    python=self.python,
-                    workdir=self.workdir,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    env=self.agent_env(machine),
-                )
-                break
-            except ProvisionError as e:
-                if e.cause is ProvisionCause.IDENTITY:
-                    raise ProvisionError(
-                        f"{name}: REFUSED: the instance does not present the SSH host key "
-                        "flotilla generated for it and handed over in its user-data (the "
-                        "connection may be intercepted, or the AMI does not run cloud-init): "
-                        f"{e}",
-                        cause=e.cause,
-                    ) from None
-                if e.cause not in RETRIED or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
-                await asyncio.sleep(0.2)
-        return AWSAgent(agent, name, lambda notice: self._on_notice(machine.ident, notice))
+        its host key pinned, tried again while it fails as on a booting instance (see
+        ``cloud.allocation``); spot interruption notices on its stderr are reported."""
+        agent = await super().start_agent(machine)
+        return AWSAgent(
+            agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
+        )
 
     def agent_env(self, machine: Machine) -> dict[str, str]:
         """``FLOTILLA_CLOUD``: the instance watchdog's settings (see ``_node/cloud.py``)."""
@@ -782,19 +764,17 @@ class AWSAllocation(ShellAllocation):
         return machine
 
     # -- release -----------------------------------------------------------------------
-    async def free(self) -> None:
-        busy = list(self._busy)
-        if busy:  # an API call of a cancelled launch may still be creating something
-            await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
-        loop = asyncio.get_running_loop()
+    def sweep(self) -> None:
+        """Terminate everything of the pool, found by its tag (or stop its instances: a
+        stoppable pool closed with ``stop``); synchronous (see ``base.Allocation.sweep``)."""
         keep = self.keep
         try:
             if keep is not None and keep.stop and self._node_ids():
                 if self.market != "spot":
-                    await loop.run_in_executor(_executor, self._stop)
+                    self._stop()
                     return
                 _show("AWS: spot instances cannot be stopped (EC2 only terminates them)")
-            await loop.run_in_executor(_executor, self._release)
+            self._release()
             if keep is not None:
                 keep.forget()
         except Exception as e:  # release never raises: report what is left

@@ -19,7 +19,7 @@ report), checks they are terminated, deletes the security group and the local ke
 When the client dies, the instances end themselves: shutdown behaviour "terminate" plus a
 watchdog started with the agent that powers off ``ttl`` s after the last contact from the
 client (``_node/cloud.py``). Before the agent starts, a boot guard in the user-data does it
-(``guard``): cloud-init starts it at boot, and unless an agent has started (its
+(``cloud.guard``): cloud-init starts it at boot, and unless an agent has started (its
 watchdog's contact file exists) ``max(ttl, start_timeout)`` s later, it runs the same
 power-off command; so an instance that no client ever reaches (the client died right after
 RunInstances, SSH is blocked, a bad AMI) ends too. :meth:`AWS.remove_orphans` removes what

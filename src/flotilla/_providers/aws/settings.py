@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError
+from ..cloud.guard import USER_NAME, guard_command
 from ..options import From, option
-from .guard import USER_NAME, guard_command
 
 ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 NETWORK_TIERS = ("standard", "best")
@@ -40,7 +40,7 @@ class AWSSettings:
         ttl: seconds after the last contact from the client when an instance powers
             itself off (and so terminates): the bound on what a dead client costs. An
             instance whose agent never starts powers off ``max(ttl, start_timeout)`` s
-            after its boot (the boot guard, see ``guard``).
+            after its boot (the boot guard, see ``cloud.guard``).
         tags: extra tags for every resource of the pool.
         profile: AWS profile of ~/.aws/config (default: the default credential chain).
         ports: TCP ports (``8000``) or ranges (``"8000-8010"``) opened to everyone in the

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from ..._errors import ProvisionError
-from ..aws.orphans import client_alive
+from ..cloud.identity import client_alive
 from .provider import CLIENT_LABEL, MANAGED, POOL_LABEL, Engine, pool_labels
 from .settings import ContainerSettings
 

@@ -143,16 +143,36 @@ class Engine:
         """``rm -f`` of ``names`` (podman: without its 10 s stop grace)."""
         return ["rm", "-f", *(["-t", "0"] if self.podman else []), *names]
 
+    def call_now(self, args: list[str], timeout: float = CALL_TIMEOUT) -> str:
+        """:meth:`call`, synchronously (no event loop)."""
+        argv = [*self.base(), *args]
+        try:
+            proc = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ProvisionError(f"cannot run {self.settings.binary}: {e}") from e
+        if proc.returncode != 0:
+            raise ProvisionError(
+                f"{self.settings.engine} {args[0]} failed (exit status {proc.returncode}): "
+                f"{said(proc.stderr.decode(errors='replace'))}"
+            )
+        return proc.stdout.decode(errors="replace")
+
     async def remove_pool(self, pool_id: str, network: str | None) -> list[str]:
+        """:meth:`remove_pool_now` in a worker thread."""
+        return await asyncio.to_thread(self.remove_pool_now, pool_id, network)
+
+    def remove_pool_now(self, pool_id: str, network: str | None) -> list[str]:
         """Remove the containers labelled for ``pool_id`` and ``network`` (when given);
-        the containers' ids."""
-        ids = await self.call(["ps", "-a", "-q", "--filter", f"label={POOL_LABEL}={pool_id}"])
+        the containers' ids. Synchronous."""
+        ids = self.call_now(["ps", "-a", "-q", "--filter", f"label={POOL_LABEL}={pool_id}"])
         found = ids.split()
         if found:
-            await self.call(self.remove_args(found))
+            self.call_now(self.remove_args(found))
         if network is not None:
             try:
-                await self.call(["network", "rm", network])
+                self.call_now(["network", "rm", network])
             except ProvisionError as e:
                 if "no such network" not in str(e).lower() and "not found" not in str(e).lower():
                     raise
@@ -207,7 +227,7 @@ class Container(Provider):
 
     def run_args(self, spec: PoolSpec, rank: int, name: str, network: str) -> list[str]:
         """The ``run`` arguments of the container ``name`` of ``rank``."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         settings = self.settings
         args = [
@@ -335,7 +355,7 @@ class ContainerAllocation(ShellAllocation):
 
     async def make_network(self) -> None:
         """The pool's own network, or the shared one when it is missing."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         if not self.own_network:
             try:
@@ -349,7 +369,8 @@ class ContainerAllocation(ShellAllocation):
             for label in labels:
                 args += ["--label", label]
         try:
-            await self.engine.call([*args, self.network])
+            with self.creating("network", self.network):
+                await self.engine.call([*args, self.network])
         except ProvisionError as e:
             if self.own_network or "already exists" not in str(e):
                 raise ProvisionError(f"cannot make network {self.network}: {e}") from None
@@ -359,7 +380,8 @@ class ContainerAllocation(ShellAllocation):
         ProvisionError naming it when it does not run (the engine's or its own message)."""
         args = self.provider.run_args(self.spec, rank, name, self.network)
         try:
-            await self.engine.call(args)
+            with self.creating("container", f"{POOL_LABEL}={self.spec.pool_id}"):
+                await self.engine.call(args)
         except ProvisionError as e:
             raise ProvisionError(f"container {name} did not start: {e}") from None
         data = json.loads(await self.engine.call(["inspect", name]))
@@ -405,14 +427,22 @@ class ContainerAllocation(ShellAllocation):
     async def free(self) -> None:
         """Stop the agents, remove the pool's containers and its own network, then let the
         janitor go."""
-        removed = False
         try:
             await asyncio.gather(
                 *(a.terminate() for a in self.agents if a.exit_status() is None),
                 return_exceptions=True,
             )
-            network = self.network if self.own_network else None
-            await self.engine.remove_pool(self.spec.pool_id, network)
+        finally:
+            await super().free()  # sweep_now, in a worker thread
+
+    def sweep(self) -> None:
+        """Remove the pool's containers (found by its label) and its own network, then
+        let the janitor go; synchronous (see ``base.Allocation.sweep``)."""
+        removed = False
+        try:
+            if self.created:
+                network = self.network if self.own_network else None
+                self.engine.remove_pool_now(self.spec.pool_id, network)
             removed = True
         finally:
             janitor, self.janitor = self.janitor, None

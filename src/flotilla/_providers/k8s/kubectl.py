@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionError
+from ..retry import retried_async
 from .settings import KubernetesSettings
 
 CALL_TIMEOUT = 60.0
@@ -101,11 +102,25 @@ class Kubectl:
         return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
     async def call(self, args: Sequence[str], *, stdin: bytes | None = None) -> str:
-        """``kubectl args``'s output; ProvisionError with kubectl's words when it fails."""
-        status, out, err = await self.run(args, stdin=stdin)
-        if status != 0:
-            raise ProvisionError(f"kubectl {args[0]} failed: {said(err)}")
-        return out
+        """``kubectl args``'s output; ProvisionError with kubectl's words when it fails.
+        A transient failure (the API server restarting, a dropped connection: see
+        ``retry``) is tried again; a create tried again takes the objects it finds
+        already made (by the attempt whose answer was lost) as made."""
+        attempts = 0
+
+        async def once() -> str:
+            nonlocal attempts
+            attempts += 1
+            status, out, err = await self.run(args, stdin=stdin)
+            if status != 0:
+                lines = [line for line in err.splitlines() if line.strip()]
+                made = args[0] == "create" and attempts > 1
+                if made and lines and all("(AlreadyExists)" in line for line in lines):
+                    return out
+                raise ProvisionError(f"kubectl {args[0]} failed: {said(err)}")
+            return out
+
+        return await retried_async(once, f"kubectl {args[0]}")
 
     async def get(self, kind: str, selector: str) -> list[dict[str, Any]]:
         """The objects of ``kind`` matching the label ``selector``."""
@@ -134,6 +149,17 @@ class Kubectl:
             f"--wait={str(wait).lower()}",
         ]
         await self.call(args)
+
+    def delete_now(self, kinds: str, selector: str) -> None:
+        """:meth:`delete` without waiting, synchronously (no event loop)."""
+        argv = [*self.base(), "-n", self.namespace, "delete", kinds, "-l", selector]
+        argv += ["--ignore-not-found", "--wait=false"]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ProvisionError(f"kubectl delete failed: {e}") from None
+        if proc.returncode != 0:
+            raise ProvisionError(f"kubectl delete failed: {said(proc.stderr)}")
 
 
 class Watch:

@@ -2,7 +2,7 @@
 
 Every object of a pool (its pods, its headless Service, its Secret) is labelled
 ``app.kubernetes.io/managed-by=flotilla`` and ``flotilla/pool=<id>``, and annotated
-``flotilla/client = host:pid:start`` (as AWS resources are tagged, see ``aws.orphans``). A
+``flotilla/client = host:pid:start`` (as AWS resources are tagged, see ``cloud.identity``). A
 pool whose client ran on this machine and is gone is an orphan: :func:`remove_orphans`
 deletes its objects (ended pods too: a killed client's pods end by themselves, see
 ``provider``; its Service and Secret stay until then). Pools of clients on other machines
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._errors import ProvisionError
-from ..aws.orphans import client_alive
+from ..cloud.identity import client_alive
 from .kubectl import Kubectl, said
 from .provider import CLIENT_ANNOTATION, MANAGED, POOL_LABEL
 from .settings import KubernetesSettings

@@ -175,7 +175,7 @@ class Kubernetes(Provider):
     def metadata(spec: PoolSpec, name: str, **labels: str) -> dict[str, Any]:
         """The metadata of one of the pool's objects: its name, the pool's labels (and
         ``labels``), the client's annotation."""
-        from ..aws.orphans import client_id
+        from ..cloud.identity import client_id
 
         return {
             "name": name,
@@ -271,13 +271,14 @@ class Kubernetes(Provider):
         try:
             names = [allocation.pod_name(rank) for rank in range(spec.nodes)]
             secret = self.secret(spec)
-            await self.kubectl.create(
-                [
-                    *([secret] if secret else []),  # first: the pods' env refers to it
-                    self.service(spec),
-                    *(self.pod(spec, r, n) for r, n in enumerate(names)),
-                ]
-            )
+            with allocation.creating("pods", allocation.selector):
+                await self.kubectl.create(
+                    [
+                        *([secret] if secret else []),  # first: the pods' env refers to it
+                        self.service(spec),
+                        *(self.pod(spec, r, n) for r, n in enumerate(names)),
+                    ]
+                )
             # each pod's agent starts as soon as that pod runs (see start_agent)
             ips = await allocation.wait_running(names, early=True)
             allocation.machines = [
@@ -565,7 +566,8 @@ class KubernetesAllocation(ShellAllocation):
             )
         name = self.pod_name(rank)
         try:
-            await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
+            with self.creating("pod", self.selector):
+                await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
             ips = await self.wait_running([name])
         except BaseException:
             with contextlib.suppress(Exception):
@@ -630,3 +632,11 @@ class KubernetesAllocation(ShellAllocation):
         for e in failed:
             if isinstance(e, BaseException):
                 raise e
+
+    def sweep(self) -> None:
+        """Delete the pool's pods, Service and Secret, found by the pool's label, without
+        waiting for the pods to end (synchronous: the process exits, see
+        ``base.Allocation.sweep``)."""
+        if not self.created:
+            return
+        self.kubectl.delete_now(f"pods,{self.others}", self.selector)

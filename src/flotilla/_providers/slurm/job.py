@@ -24,6 +24,7 @@ from functools import partial
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._system.procs import die_with_parent
 from ..pipe import read_chunks
+from ..retry import retried, transient_words
 from .settings import parse_time
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
@@ -46,12 +47,34 @@ def fields(line: str) -> dict[str, str]:
     return {m[1]: m[2] for m in re.finditer(r"(\w+)=(\S*)", line)}
 
 
+class _Busy(Exception):
+    """A SLURM command that failed for a transient reason (see ``retry``)."""
+
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        super().__init__(proc.stderr)
+        self.proc = proc
+
+
 def query(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run a SLURM query; ProvisionError when it cannot run or times out."""
-    try:
-        return subprocess.run(
+    """Run a SLURM query (tried again while the controller is busy or restarting, see
+    ``retry``); ProvisionError when it cannot run or times out."""
+
+    def once() -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
             argv, capture_output=True, text=True, env=slurm_env(), timeout=timeout
         )
+        if proc.returncode != 0 and transient_words(proc.stderr):
+            raise _Busy(proc)
+        return proc
+
+    try:
+        return retried(
+            once,
+            f"`{argv[0]}`",
+            is_transient=lambda e: isinstance(e, _Busy),
+        )
+    except _Busy as e:
+        return e.proc
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ProvisionError(f"`{' '.join(argv)}` failed: {e}") from e
 

@@ -9,8 +9,9 @@ Followed from ``vast-ai/vast-python``'s ``vast.py`` (commit b25bd95):
   never puts it in the URL, where proxies and logs would keep it); read from
   ``VAST_API_KEY`` or the CLI's key file ``$XDG_CONFIG_HOME/vastai/vast_api_key``
   (``APIKEY_FILE``, 101), or the legacy ``~/.vast_api_key`` (102);
-* JSON bodies on GET/POST/PUT/DELETE, and a 429 retried after 0.15 s, growing by 1.5x
-  (``http_get``/``http_put``/``http_post``/``http_del``, 173-218).
+* JSON bodies on GET/POST/PUT/DELETE (``http_get``/``http_put``/``http_post``/
+  ``http_del``, 173-218); the official client retries a 429, flotilla every transient
+  error (5xx, 429, timeouts, resets: ``_providers/retry.py``, as every provider).
 
 The key is never shown: not in ``repr``, not in errors.
 """
@@ -19,17 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..retry import retried
 
 DEFAULT_URL = "https://console.vast.ai"
 KEY_ENV = "VAST_API_KEY"
 URL_ENV = "VAST_URL"
-RETRIES = 5
 TIMEOUT = 30.0
 
 
@@ -94,29 +94,25 @@ class VastApi:
         headers = {"Authorization": f"Bearer {self._key}", "Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        delay = 0.15
-        for attempt in range(RETRIES):
+
+        def once() -> Any:
             self.calls += 1
             req = urllib.request.Request(url, data=data, method=method, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-                    raw = resp.read()
-                return json.loads(raw) if raw else {}
-            except urllib.error.HTTPError as e:
-                raw = e.read()
-                if e.code == 429 and attempt + 1 < RETRIES:
-                    time.sleep(delay)
-                    delay *= 1.5
-                    continue
-                raise self._error(what, e.code, raw) from None
-            except (OSError, ValueError) as e:
-                raise VastApiError(
-                    f"Vast API ({self.url}): cannot {what}: {_plain(str(e), self._key)}",
-                    0,
-                    "",
-                    ProvisionCause.UNREACHABLE,
-                ) from None
-        raise AssertionError("unreachable")
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+                raw = resp.read()
+            return json.loads(raw) if raw else {}
+
+        try:  # 5xx, 429, timeouts and resets: tried again (``retry``)
+            return retried(once, f"Vast API ({self.url}): {what}")
+        except urllib.error.HTTPError as e:
+            raise self._error(what, e.code, e.read()) from None
+        except (OSError, ValueError) as e:
+            raise VastApiError(
+                f"Vast API ({self.url}): cannot {what}: {_plain(str(e), self._key)}",
+                0,
+                "",
+                ProvisionCause.UNREACHABLE,
+            ) from None
 
     def _error(self, what: str, status: int, raw: bytes) -> Exception:
         try:

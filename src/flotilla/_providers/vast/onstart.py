@@ -1,13 +1,13 @@
 """The on-start script of a pool's instances: the pinned SSH host key and the guard.
 
-No trust on first use (as on AWS, ``aws/keys.py``): the client generates the instances'
+No trust on first use (as on AWS, ``cloud/keys.py``): the client generates the instances'
 SSH host key (ed25519, in a pool-private folder) and hands it over in the instance's
 on-start script (``onstart`` of ``PUT /asks/{id}/``), which installs it as the only host
 key of the instance's sshd (and makes a running sshd reload); the client connects with
 exactly that key pinned for ``[public address]:port`` in the pool's own known_hosts. The
 login key is attached through the API (``POST /instances/{id}/ssh/``).
 
-The guard (as AWS's boot guard, ``aws/guard.py``): an instance that no client ever reaches
+The guard (as AWS's boot guard, ``cloud/guard.py``): an instance that no client ever reaches
 must not run, and cost, forever. The script writes ``{workdir}/vast/{CONTAINER_ID}.destroy``
 (0700), which destroys the instance through Vast's API with the key Vast gives each
 instance for itself (``CONTAINER_API_KEY``: it can act on that instance only; the
@@ -25,8 +25,8 @@ import re
 import shlex
 
 from ..._errors import ConfigurationError
-from ..aws.guard import WATCHDOG_FOLDER
-from ..aws.keys import KeyPair
+from ..cloud.guard import WATCHDOG_FOLDER
+from ..cloud.keys import KeyPair
 
 ONSTART_LIMIT = 4048
 """The most characters Vast takes in an instance's ``onstart`` (its API reference)."""

@@ -19,12 +19,11 @@ from typing import Any, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
-from ..aws.agent import RETRIED, wait_port
-from ..aws.keys import KeyPair, keygen, pin
-from ..aws.orphans import client_id
 from ..base import AgentProcess, AllocationState, Machine, PoolSpec
-from ..launch import ShellAllocation, start_remote_agent
-from ..ssh_shell import SSHShell, Target
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.identity import client_id
+from ..cloud.keys import KeyPair, keygen, pin
+from ..ssh_shell import Target
 from .api import VastApi, VastApiError
 from .choice import Choice, choose, describe, query
 from .onstart import contact, onstart_script, poweroff_command
@@ -54,7 +53,7 @@ def parse_label(text: str) -> tuple[str, str] | None:
     return (pool, client) if pool else None
 
 
-class VastAllocation(ShellAllocation):
+class VastAllocation(CloudAllocation):
     """The Vast instances of one pool.
 
     Attributes:
@@ -82,11 +81,10 @@ class VastAllocation(ShellAllocation):
         self.label = label(spec.pool_id, client_id())
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
-        self._busy: set[concurrent.futures.Future[Any]] = set()
         self._launches = 0
         self._targets: dict[str, Target] = {}
-        self.ssh = SSHShell(
-            lambda machine: self._targets[machine.ident],
+        self.ssh = CloudShell(
+            self.target,
             key=None,
             known_hosts=self.known_hosts,
             accept_new_host_keys=False,
@@ -95,10 +93,9 @@ class VastAllocation(ShellAllocation):
         self.shell = self.ssh
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        fut = _executor.submit(fn, *args)
-        self._busy.add(fut)
-        fut.add_done_callback(self._busy.discard)
-        return await asyncio.wrap_future(fut)
+        """``fn(*args)`` in a worker thread (a cancelled caller does not stop it: what it
+        creates is recorded, see ``base.Allocation.creating``)."""
+        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
@@ -120,19 +117,22 @@ class VastAllocation(ShellAllocation):
         )
         if choice.cluster_id is not None:
             self.overlay = f"flotilla-{spec.pool_id}"
-            await self._in_thread(
-                self.api.call,
-                "POST",
-                "/overlay/",
-                "create the pool's overlay network",
-                {"cluster_id": choice.cluster_id, "name": self.overlay},
-            )
+            await self._in_thread(self._create_overlay, choice.cluster_id)
         ids = await self._rent(list(choice.offers))
         self.machines = [
             Machine(rank, f"vast-{i}", str(self.instances[i].get("public_ipaddr", "")), str(i))
             for rank, i in enumerate(ids)
         ]
         self.state = AllocationState.READY
+
+    def _create_overlay(self, cluster_id: int) -> None:
+        with self.creating("overlay network", self.overlay):
+            self.api.call(
+                "POST",
+                "/overlay/",
+                "create the pool's overlay network",
+                {"cluster_id": cluster_id, "name": self.overlay},
+            )
 
     def search(self) -> list[dict[str, Any]]:
         """The offers that fit one node of the pool, cheapest first (``/bundles/``)."""
@@ -204,7 +204,10 @@ class VastAllocation(ShellAllocation):
             "runtype": RUNTYPE,
         }
         try:
-            reply = self.api.call("PUT", f"/asks/{offer['id']}/", f"rent offer {offer['id']}", body)
+            with self.creating("instance", self.label):
+                reply = self.api.call(
+                    "PUT", f"/asks/{offer['id']}/", f"rent offer {offer['id']}", body
+                )
         except VastApiError as e:
             if e.error in ("no_such_ask", "unavailable") or e.status in (400, 404, 410):
                 raise ProvisionError(
@@ -244,6 +247,8 @@ class VastAllocation(ShellAllocation):
                     waiting.discard(ident)
             if not waiting:
                 return
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
             if time.monotonic() > deadline:
                 states = ", ".join(
                     f"{i}: {self.instances.get(i, {}).get('actual_status', 'unknown')}"
@@ -270,20 +275,28 @@ class VastAllocation(ShellAllocation):
         return Target(str(row["public_ipaddr"]), "root", self._port(row))
 
     # -- agents ------------------------------------------------------------------------
+    handover = "installed through its on-start script"
+
+    def target(self, machine: Machine) -> Target:
+        return self._targets[machine.ident]
+
+    def name(self, machine: Machine) -> str:
+        target = self.target(machine)
+        return f"vast-{machine.ident} ({target.host}:{target.port})"
+
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
-        key (retried as on a booting instance until the start timeout) while learning the
-        instance's overlay address (a cluster pool), which becomes the agent's address."""
-        target = self._targets[machine.ident]
-        timeout = self.spec.options.start_timeout
-        deadline = time.monotonic() + timeout
-        name = f"vast-{machine.ident} ({target.host}:{target.port})"
-        await wait_port(target.host, target.port, deadline, name, timeout)
+        key (retried as on a booting instance until the start timeout, see
+        ``cloud.allocation``) while learning the instance's overlay address (a cluster
+        pool), which becomes the agent's address."""
+        target = self.target(machine)
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        await self.wait_ssh(machine, deadline)
         if not self.subnet:
             self._remember(machine)
-            return await self._start(machine, name, deadline)
+            return await self.start_pinned(machine, deadline)
         probe = asyncio.create_task(self._overlay_address(machine, target, deadline))
-        start = asyncio.create_task(self._start(machine, name, deadline))
+        start = asyncio.create_task(self.start_pinned(machine, deadline))
         try:
             addr, agent = await asyncio.gather(probe, start)
         except BaseException:
@@ -300,29 +313,6 @@ class VastAllocation(ShellAllocation):
         agent.address = addr
         self._remember(machine)
         return agent
-
-    async def _start(self, machine: Machine, name: str, deadline: float) -> AgentProcess:
-        while True:
-            try:
-                return await start_remote_agent(
-                    self.shell,
-                    machine,
-                    python=self.python,
-                    workdir=self.workdir,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    env=self.agent_env(machine),
-                )
-            except ProvisionError as e:
-                if e.cause is ProvisionCause.IDENTITY:
-                    raise ProvisionError(
-                        f"{name}: REFUSED: the instance does not present the SSH host key "
-                        "flotilla generated for it and installed through its on-start script "
-                        f"(the connection may be intercepted): {e}",
-                        cause=e.cause,
-                    ) from None
-                if e.cause not in RETRIED or time.monotonic() > deadline:
-                    raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
-                await asyncio.sleep(0.2)
 
     async def _overlay_address(self, machine: Machine, target: Target, deadline: float) -> str:
         """The instance's address in the overlay's subnet (asked over SSH)."""
@@ -369,47 +359,49 @@ class VastAllocation(ShellAllocation):
 
     # -- replace -----------------------------------------------------------------------
     async def replacement(self, rank: int, reason: str) -> Machine:
-        """Rent one new instance for ``rank`` (in the pool's cluster, joined to its
-        overlay) and destroy the old one."""
+        """Destroy the lost instance (its machine may then take the new one), then rent
+        one new instance for ``rank`` on a machine none of the other ranks uses: in the
+        pool's cluster, joined to its overlay (a cluster pool), or anywhere."""
         if self.state is not AllocationState.READY:
             raise ProvisionError(
                 f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
             )
         old = self.machines[rank]
+        try:  # release() destroys it in any case
+            await self._in_thread(self._destroy, int(old.ident))
+        except ProvisionError as e:
+            logger.warning("%s: %s", old.ident, e)
         offers = await self._in_thread(self.search)
-        taken = {self.instances[int(m.ident)].get("machine_id") for m in self.machines}
-        offers = [
-            o
-            for o in offers
-            if o.get("machine_id") not in taken
-            and (
-                self.choice is None
-                or self.choice.cluster_id is None
-                or o.get("cluster_id") == self.choice.cluster_id
-            )
-        ]
-        if not offers:
+        taken = {
+            self.instances[int(m.ident)].get("machine_id")
+            for r, m in enumerate(self.machines)
+            if r != rank
+        }
+        free = [o for o in offers if o.get("machine_id") not in taken]
+        cluster = self.choice.cluster_id if self.choice is not None else None
+        fits = [o for o in free if cluster is None or o.get("cluster_id") == cluster]
+        if not fits:
+            elsewhere = len(free)
             raise ProvisionError(
                 f"node {rank}: {reason}; Vast has no offer left to replace it with"
                 + (
-                    f" in cluster {self.choice.cluster_id}"
-                    if self.choice and self.choice.cluster_id is not None
+                    f" in cluster {cluster} ({elsewhere} offer(s) on other machines: a "
+                    "cluster pool's nodes share the cluster's overlay network, so a "
+                    "replacement cannot be on another cluster; Options(cluster=False) "
+                    "pools take any machine)"
+                    if cluster is not None
                     else ""
                 ),
                 cause=ProvisionCause.CAPACITY,
             )
-        (ident,) = await self._rent(offers[:1])
-        self.hourly += float(offers[0].get("dph_total") or 0) - float(
+        (ident,) = await self._rent(fits[:1])
+        self.hourly += float(fits[0].get("dph_total") or 0) - float(
             self.instances[int(old.ident)].get("dph_total") or 0
         )
         machine = Machine(
             rank, f"vast-{ident}", str(self.instances[ident].get("public_ipaddr", "")), str(ident)
         )
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
-        try:
-            await self._in_thread(self._destroy, int(old.ident))
-        except ProvisionError as e:  # release() destroys it in any case
-            logger.warning("%s: %s", old.ident, e)
         return machine
 
     # -- release -----------------------------------------------------------------------
@@ -420,12 +412,11 @@ class VastAllocation(ShellAllocation):
             if e.status != 404:
                 raise
 
-    async def free(self) -> None:
-        busy = list(self._busy)
-        if busy:  # an API call of a cancelled launch may still be renting
-            await asyncio.get_running_loop().run_in_executor(None, concurrent.futures.wait, busy)
+    def sweep(self) -> None:
+        """Destroy everything of the pool (:meth:`_release`; synchronous, see
+        ``base.Allocation.sweep``), then remove its local folder."""
         try:
-            await asyncio.get_running_loop().run_in_executor(_executor, self._release)
+            self._release()
         except Exception as e:
             _show(f"Vast: could not release everything of pool {self.spec.pool_id}: {e}")
         finally:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..aws.keys import KeyPair
 from ..base import PoolSpec, Provider
+from ..cloud.keys import KeyPair
 from ..offers import Offer
 from ..options import provider_init
 from .api import VastApi, find_key, find_url
@@ -132,7 +132,7 @@ class VastAI(Provider):
         """Destroy the instances (found by their label) of pools whose client process on
         this machine is gone. Pools of clients on other machines are listed in
         ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
-        from ..aws.orphans import client_alive
+        from ..cloud.identity import client_alive
 
         api = self.api
         rows: list[dict[str, Any]] = api.call(

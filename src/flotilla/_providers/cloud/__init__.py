@@ -1,0 +1,16 @@
+"""The cloud kit: what every provider of rented instances reached over SSH shares (AWS and
+Vast.ai; the GPU markets to come are built on it).
+
+* ``keys``: SSH keys made by the client (ssh-keygen), pinned in a pool's own known_hosts:
+  no trust on first use;
+* ``guard``: the boot guard, an instance no client reaches powers itself off;
+* ``identity``: the client's identity (``host:pid:start``) written on what a pool rents,
+  and whether that client still runs (orphans);
+* ``boot``: waiting for an instance's SSH port, and which failures of a booting instance
+  are tried again;
+* ``allocation``: :class:`~flotilla._providers.cloud.allocation.CloudAllocation`, the
+  allocation of instances reached over SSH with their host keys pinned, whose shell's
+  ``transient()`` tries a booting instance again (the launch layer's retry).
+
+Nothing here knows a particular cloud; nothing outside ``aws/`` imports ``aws/``.
+"""

@@ -1,0 +1,86 @@
+"""The allocation of a cloud pool: instances reached over SSH with the host key the pool
+made pinned (``keys``), their agents started by the launch layer once their SSH port
+answers (``boot.wait_port``), a start that fails as on a booting instance tried again
+(:class:`CloudShell`'s ``transient()``, ``boot.booting``) until the start timeout."""
+
+from __future__ import annotations
+
+import time
+
+from ..._errors import ProvisionCause, ProvisionError
+from ..base import AgentProcess, Machine
+from ..bootstrap import NoAnswer
+from ..launch import ShellAllocation, start_remote_agent
+from ..ssh_shell import SSHShell, Target
+from .boot import booting, wait_port
+
+
+class CloudShell(SSHShell):
+    """``ssh`` to a cloud instance, its host key pinned (never trusted on first use): a
+    start that ssh ends as on a booting instance is tried again every 0.2-1 s."""
+
+    retry_first = 0.2
+    retry_max = 1.0
+
+    def transient(self, failure: NoAnswer) -> bool:
+        return super().transient(failure) or booting(failure)
+
+
+class CloudAllocation(ShellAllocation):
+    """Instances reached through a :class:`CloudShell`. A subclass sets ``shell`` and
+    implements :meth:`target` (where a machine's sshd is) and acquiring, replacing and
+    releasing its instances.
+
+    Attributes:
+        handover: how the pool's host key reached the instances, in the refusal of one
+            that presents another key.
+    """
+
+    shell: CloudShell
+    handover = "installed at its start"
+
+    def target(self, machine: Machine) -> Target:
+        """Where ``machine``'s sshd answers."""
+        raise NotImplementedError
+
+    def name(self, machine: Machine) -> str:
+        """``machine`` in messages: its id and where it is reached."""
+        target = self.target(machine)
+        port = f":{target.port}" if target.port != 22 else ""
+        return f"{machine.ident} ({target.host}{port})"
+
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Wait for the instance's SSH port, then start the agent (:meth:`start_pinned`)."""
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        await self.wait_ssh(machine, deadline)
+        return await self.start_pinned(machine, deadline)
+
+    async def wait_ssh(self, machine: Machine, deadline: float) -> None:
+        """Wait until ``machine``'s SSH port accepts connections (until ``deadline``)."""
+        target = self.target(machine)
+        timeout = self.spec.options.start_timeout
+        await wait_port(target.host, target.port, deadline, self.name(machine), timeout)
+
+    async def start_pinned(self, machine: Machine, deadline: float) -> AgentProcess:
+        """Start the agent on ``machine`` over SSH with its host key pinned, tried again
+        while it fails as on a booting instance, until ``deadline``; ProvisionError naming
+        the instance (REFUSED when it presents another host key)."""
+        name = self.name(machine)
+        try:
+            return await start_remote_agent(
+                self.shell,
+                machine,
+                python=self.python,
+                workdir=self.workdir,
+                timeout=max(1.0, deadline - time.monotonic()),
+                env=self.agent_env(machine),
+            )
+        except ProvisionError as e:
+            if e.cause is ProvisionCause.IDENTITY:
+                raise ProvisionError(
+                    f"{name}: REFUSED: the instance does not present the SSH host key "
+                    f"flotilla generated for it and {self.handover} (the connection may be "
+                    f"intercepted): {e}",
+                    cause=e.cause,
+                ) from None
+            raise ProvisionError(f"{name}: {e}", cause=e.cause) from None

@@ -1,0 +1,68 @@
+"""SSH keys of a cloud pool: made by the client, handed to the instances, pinned.
+
+No trust on first use: the client generates the instances' SSH host key and the pool's
+login key (``ssh-keygen``, ed25519) in a pool-private folder (0700, files 0600), hands both
+to the instances (AWS: cloud-init user-data; Vast: the on-start script and the API) and
+connects with exactly that host key pinned in the folder's own ``known_hosts``. An
+instance that answers with another key is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from ..._errors import ConfigurationError, ProvisionError
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """An ed25519 key pair on disk.
+
+    Attributes:
+        path: the private key file (0600); the public key is ``path + ".pub"``.
+        public: the public key line (``ssh-ed25519 AAAA... comment``).
+    """
+
+    path: str
+    public: str
+
+    def private(self) -> str:
+        with open(self.path) as f:
+            return f.read()
+
+
+def keygen(folder: str, name: str, comment: str) -> KeyPair:
+    """A new ed25519 key pair ``folder/name``; ProvisionError when ssh-keygen fails."""
+    exe = shutil.which("ssh-keygen")
+    if exe is None:
+        raise ConfigurationError(
+            "the cloud providers make SSH keys with OpenSSH's `ssh-keygen`, which is not on "
+            "PATH: install it (apt-get install openssh-client, brew install openssh)"
+        )
+    path = os.path.join(folder, name)
+    proc = subprocess.run(
+        [exe, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", path],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise ProvisionError(f"ssh-keygen failed ({proc.returncode}): {proc.stderr.strip()}")
+    with open(path + ".pub") as f:
+        return KeyPair(path, f.read().strip())
+
+
+def pin(known_hosts: str, address: str, host_key: KeyPair) -> None:
+    """Record ``host_key`` as the only key accepted for ``address``."""
+    pin_public(known_hosts, address, host_key.public)
+
+
+def pin_public(known_hosts: str, address: str, public: str) -> None:
+    """Record the public key line ``public`` as the only key accepted for ``address``."""
+    key = " ".join(public.split()[:2])
+    fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(f"{address} {key}\n")
