@@ -71,6 +71,7 @@ class Kind(IntEnum):
     # (agent -> executor: TASK_HEAD + the name of the shared-memory file that holds it)
     HAVE = 28  # agent -> client; JSON: the node has the payload (checked), or failed to get it
     DROP = 29  # client -> agent; body = a payload's ref: it is no longer needed
+    METRICS = 30  # agent -> client; JSON: the node's metric samples (_node/metrics.py)
 
 
 class Status(IntEnum):
