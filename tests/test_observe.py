@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -426,3 +427,101 @@ def test_a_node_failing_its_health_check_is_replaced(tmp_path: Path) -> None:
     lost = [e for e in got if isinstance(e, events.NodeLost)]
     assert len(lost) == 1 and lost[0].node == 1
     assert "failed its health check 2 times in a row: RuntimeError: the disk is full" in lost[0].why
+
+
+# -- the console ----------------------------------------------------------------------------
+LIVE_SCRIPT = """
+import os, sys
+import flotilla as sky
+
+@sky.function
+def burn(path):
+    while not os.path.exists(path):
+        pass
+    return 1
+
+metrics = [sky.metrics.CPU(0.5), sky.metrics.Memory(0.5)]
+with sky.Compute(nodes=2, metrics=metrics) as pool:
+    futures = [burn(sys.argv[1]) > pool for _ in range(2)]
+    print("results", [f.result() for f in futures])
+"""
+
+
+def test_the_console_shows_a_row_of_metrics_per_node_while_calls_run(tmp_path: Path) -> None:
+    """On a terminal, while calls run, each node has a live row with its calls, CPU and
+    memory; the rows go when the calls end, and what the program prints stays."""
+    from _tty import Terminal
+
+    script = tmp_path / "live.py"
+    script.write_text(LIVE_SCRIPT)
+    release = tmp_path / "release"
+    src = str(Path(sky.__file__).resolve().parent.parent)
+    argv = ["env", f"PYTHONPATH={src}", sys.executable, str(script), str(release)]
+    term = Terminal(argv, 120, 15, tmp_path)
+    try:
+        screen = term.wait_for(
+            lambda s: (
+                "(node-0, rank=0) ready 1 call(s) · cpu" in s
+                and "(node-1, rank=1) ready 1 call(s) · cpu" in s
+            ),
+            "a row per node with its metrics",
+            timeout=90,
+        )
+        assert "mem " in screen
+        release.touch()
+        screen = term.wait_for(lambda s: "[exited]" in s, "the end", timeout=90)
+        assert "results [1, 1]" in screen and "call(s) · cpu" not in screen
+    finally:
+        term.close()
+
+
+def _view_of(n: int) -> events.PoolView:
+    nodes = tuple(
+        events.NodeView(
+            node=i,
+            phase="ready",
+            address=f"10.0.0.{i}",
+            host="",
+            metrics={"cpu": float(i % 100), "mem_used": 1e9, "mem_total": 8e9},
+            sampled=1.0,
+            running=1,
+            done=0,
+            failed=0,
+        )
+        for i in range(n)
+    )
+    return events.PoolView("p", "running", nodes, n, 0, 0, {}, 0.0)
+
+
+def test_many_nodes_fold_into_a_summary_row_and_top_pages() -> None:
+    """128 nodes: the console's live rows fold into one summary row (the average and the
+    busiest node); ``top``'s table shows what the terminal holds and says how many more."""
+    import io
+
+    from rich.console import Console as RichConsole
+
+    from flotilla._client.console import Console
+    from flotilla._client.observe import stat_rows
+    from flotilla.cli.observe import _table, view_dict
+
+    console = Console()
+    console.stat_rows = stat_rows(_view_of(128))
+    out = io.StringIO()
+    RichConsole(file=out, width=160).print(console._render())
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "128 node(s), 128 call(s) running · cpu avg 42% (max node-99 99%) · mem avg 12% "
+        "(max node-127 12%)"
+    ]
+    console.stat_rows = stat_rows(_view_of(6))
+    out = io.StringIO()
+    RichConsole(file=out, width=160).print(console._render())
+    assert len(out.getvalue().splitlines()) == 6  # one row per node, no summary
+
+    snap = {"cluster": "big", "state": "UP", **view_dict(_view_of(128))}
+    out = io.StringIO()
+    RichConsole(file=out, width=120).print(_table([snap], "cpu", 14))
+    text = out.getvalue()
+    rows = [line for line in text.splitlines() if " big " in line]
+    assert len(rows) == 14 and "114 more node(s)" in text
+    assert rows[0].split("│")[5].strip() == "99%"  # sorted by CPU, busiest first

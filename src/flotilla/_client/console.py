@@ -281,7 +281,8 @@ class Console:
             console=console,
             refresh_per_second=8,
             transient=True,
-            redirect_stdout=False,
+            # while rows are drawn, what the program prints goes above them
+            redirect_stdout=_is_tty(self.out) and self.out is sys.stdout,
             redirect_stderr=False,
         )
         self._live.start()
@@ -310,8 +311,10 @@ class Console:
         stat_rows = {} if rows else self.stat_rows.copy()
         now = time.monotonic()
         out: list[Text] = []
-        if len(stat_rows) > ROWS_AT_MOST:  # many nodes: the summary row(s) instead
+        if len(stat_rows) > ROWS_AT_MOST + 1:  # many nodes: the summary row instead
             stat_rows = {-1: stat_rows[-1]} if -1 in stat_rows else {}
+        else:
+            stat_rows.pop(-1, None)
         for node, text in sorted(stat_rows.items()):
             row = Text(no_wrap=True, overflow="ellipsis")
             if node >= 0:
