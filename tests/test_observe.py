@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _container import container_lab_fixture  # noqa: F401 - the fixture
 
 import flotilla as sky
 from flotilla import events
@@ -525,3 +526,20 @@ def test_many_nodes_fold_into_a_summary_row_and_top_pages() -> None:
     rows = [line for line in text.splitlines() if " big " in line]
     assert len(rows) == 14 and "114 more node(s)" in text
     assert rows[0].split("│")[5].strip() == "99%"  # sorted by CPU, busiest first
+
+
+# -- a cgroup-limited container ---------------------------------------------------------------
+def test_a_limited_container_reports_its_limits(container_lab: Any) -> None:
+    """A 0.5-CPU, 256 MB container (podman --cpus/--memory: its cgroup's limits) reports
+    those as its capacity, not the host's."""
+    metrics = [sky.metrics.CPU(0.5), sky.metrics.Memory(0.5)]
+    with sky.Compute(
+        provider=container_lab.provider(), nodes=1, vcpus=0.5, memory_gb=0.25, metrics=metrics
+    ) as pool:
+        m = wait_for(
+            lambda: (x := pool.metrics().get(0, {})) and "cpu" in x and "mem_total" in x and x,
+            "the container's metrics",
+        )
+    assert m["cpus"] == 0.5
+    assert m["mem_total"] == 256 * MB
+    assert 0 < m["mem_used"] < 256 * MB
