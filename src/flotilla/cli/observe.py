@@ -90,6 +90,18 @@ def _write(path: Path, data: Any) -> None:
         raise
 
 
+def append_event(path: Path, event: Event) -> None:
+    """Add ``event`` to the events file ``path`` (one JSON object a line; private; best
+    effort: a record of events never stops what it records)."""
+    line = json.dumps(as_dict(event), separators=(",", ":")) + "\n"
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
 class EventLog:
     """A cluster daemon's record of its pool's events and latest view (see the module
     docstring). ``sink`` is given to the pool's observer; ``job`` is called at every
@@ -114,13 +126,8 @@ class EventLog:
         self.append(event)
 
     def append(self, event: Event) -> None:
-        line = json.dumps(as_dict(event), separators=(",", ":")) + "\n"
-        with self.lock, contextlib.suppress(OSError):
-            fd = os.open(self.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+        with self.lock:
+            append_event(self.events, event)
 
     def job(self, job_id: int, state: str, name: str = "") -> None:
         if self.jobs.get(job_id) == state:
@@ -161,8 +168,10 @@ def add_parsers(sub: Any, logs: argparse.ArgumentParser) -> None:
     q.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     q.add_argument("--once", action="store_true", help="print the table once and exit")
     q.set_defaults(func=cmd_top)
-    q = sub.add_parser("events", help="a cluster's events: nodes, health, jobs, calls")
-    q.add_argument("cluster")
+    q = sub.add_parser(
+        "events", help="a cluster's events (nodes, health, jobs, calls), or a managed job's"
+    )
+    q.add_argument("cluster", help="a cluster, or a managed job's id or name")
     q.add_argument("-f", "--follow", action="store_true", help="wait for more until Ctrl-C")
     q.add_argument("--json", action="store_true", help="one JSON object per line")
     q.set_defaults(func=cmd_events)
@@ -294,9 +303,10 @@ def cmd_top(args: argparse.Namespace) -> int:
         return 0
 
 
-def _events(paths: Paths, follow: bool) -> Iterator[dict[str, Any]]:
-    """The cluster's events; with ``follow``, then those that come until Ctrl-C."""
-    path = paths.dir / EVENTS
+def _events(where: Paths | Path, follow: bool) -> Iterator[dict[str, Any]]:
+    """The events of a cluster (or in an events file); with ``follow``, then those that
+    come until Ctrl-C."""
+    path = where.dir / EVENTS if isinstance(where, Paths) else where
     offset = 0
     partial = b""
     while True:
@@ -357,11 +367,26 @@ def describe(event: Mapping[str, Any]) -> str:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    paths = Paths(args.cluster)
-    if load(paths) is None:
-        raise CLIError(f"no cluster named {paths.name!r} (see `flotilla status`)")
+    from .._errors import ConfigurationError
+    from .managed.state import JobsHome
+
     try:
-        for event in _events(paths, args.follow):
+        paths: Paths | None = Paths(args.cluster)
+    except ConfigurationError:  # not a cluster's name: a managed job's id
+        paths = None
+    where: Paths | Path | None = paths
+    if paths is None or load(paths) is None:  # a managed job's (id or name): its states
+        try:
+            rec = JobsHome().resolve(args.cluster)
+        except ConfigurationError:
+            raise CLIError(
+                f"no cluster nor managed job named {args.cluster!r} (see `flotilla status`, "
+                "`flotilla jobs queue`)"
+            ) from None
+        where = JobsHome().dir(rec.id) / EVENTS
+    assert where is not None
+    try:
+        for event in _events(where, args.follow):
             sys.stdout.write((json.dumps(event) if args.json else describe(event)) + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:
