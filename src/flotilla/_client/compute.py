@@ -848,7 +848,8 @@ class _PoolEvents(NodeEvents):
         pool = self.pool
         if "error" in body:  # a metric that cannot be sampled there: said once
             name, why = body["error"]
-            pool._console.say(f"node {node.rank}: metric {name!r} is off: {self.redact(str(why))}")
+            body["error"] = [name, self.redact(str(why))]  # (what a command printed)
+            pool._console.say(f"node {node.rank}: metric {name!r} is off: {body['error'][1]}")
         pool._observer.samples(node.rank, body, pool.pool_id)
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:

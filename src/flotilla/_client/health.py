@@ -14,6 +14,7 @@ from typing import Any
 from .._errors import FlotillaError, ProvisionError, TaskTimeoutError
 from .._health import HealthChecker
 from .._node.health import probe
+from .._redaction import redact
 from ..events import NodeHealthFailed
 from .function import function
 from .node import Node, NodeState
@@ -128,6 +129,7 @@ class HealthLoop:
 
     def _failed(self, w: _Watch, why: str) -> None:
         pool, node = self.pool, w.node
+        why = redact(why, pool._secrets)
         w.failures += 1
         limit = self.checker.consecutive_failures
         pool._observer.emit(
