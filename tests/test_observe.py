@@ -543,3 +543,27 @@ def test_a_limited_container_reports_its_limits(container_lab: Any) -> None:
     assert m["cpus"] == 0.5
     assert m["mem_total"] == 256 * MB
     assert 0 < m["mem_used"] < 256 * MB
+
+
+def test_an_elastic_pool_reports_its_size_and_new_nodes() -> None:
+    """An elastic pool that grows under a map then shrinks when idle: ``Scaling`` events
+    with its size, its new nodes ``NodeReady`` and in the view, the released ones out."""
+    got: list[events.Event] = []
+    pool = sky.Compute(nodes=(1, 3), options=sky.Options(scale_down_after=0.5), metrics=None)
+    pool.subscribe(on_event=got.append)
+
+    def sizes() -> list[int]:
+        return [e.nodes for e in list(got) if isinstance(e, events.Scaling)]
+
+    with pool:
+        pool.map(slow, range(9))
+        wait_for(lambda: 3 in sizes(), "a Scaling event at 3 nodes")
+        wait_for(lambda: sizes()[-1] == 1 and pool.nodes == 1, "back to 1 node")
+        wait_for(lambda: len(pool.view().nodes) == 1, "the released nodes out of the view")
+    assert sorted({e.node for e in got if isinstance(e, events.NodeReady)}) == [0, 1, 2]
+
+
+@sky.function
+def slow(x: int) -> int:
+    time.sleep(0.3)
+    return x

@@ -518,6 +518,18 @@ class Compute(PoolCollections, Pool):
             if self._elastic is not None and len(self._nodes) != self._size_seen:
                 self._size_seen = len(self._nodes)
                 self._observer.emit(Scaling(pool=self.pool_id, nodes=self._size_seen))
+                seen = self._observer.nodes
+                with self._observer.lock:  # released nodes leave the view
+                    for rank in [r for r in seen if r >= self._size_seen]:
+                        del seen[rank]
+                self._ready(
+                    [
+                        n
+                        for n in self._nodes
+                        if n.state is NodeState.READY
+                        and (n.rank not in seen or seen[n.rank].phase != "ready")
+                    ]
+                )
 
     def _live_stats(self, now: float) -> None:
         """On a terminal, while calls run (for a second or more): a row per node with its
