@@ -4,6 +4,7 @@ stand-in ``nvidia-smi`` on PATH and a fake NVML library built here with gcc."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -567,3 +568,39 @@ def test_an_elastic_pool_reports_its_size_and_new_nodes() -> None:
 def slow(x: int) -> int:
     time.sleep(0.3)
     return x
+
+
+def test_top_lists_the_running_python_pools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running ``Compute`` is in ``flotilla top`` (its entry under FLOTILLA_HOME/pools,
+    rewritten while it runs), and out of it once closed."""
+    monkeypatch.setenv("FLOTILLA_HOME", str(tmp_path / "home"))
+    src = str(Path(sky.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": src}
+
+    def top(*args: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "flotilla", "top", "--json", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return dict(json.loads(done.stdout))
+
+    metrics = [sky.metrics.CPU(0.5), sky.metrics.Memory(0.5)]
+    with sky.Compute(nodes=2, metrics=metrics) as pool:
+
+        def listed() -> Any:
+            found = [c for c in top()["clusters"] if c.get("pool") == pool.pool_id]
+            if found and len(found[0]["nodes"]) == 2 and "cpu" in found[0]["nodes"][1]["metrics"]:
+                return found[0]
+            return None
+
+        entry = wait_for(listed, "the pool in `flotilla top --json`")
+        assert entry["pid"] == os.getpid() and entry["cluster"] == f"pool-{pool.pool_id}"
+        assert [n["phase"] for n in entry["nodes"]] == ["ready", "ready"]
+        assert top(pool.pool_id)["clusters"][0]["pool"] == pool.pool_id
+    assert [c for c in top()["clusters"] if c.get("pool") == pool.pool_id] == []
+    assert not list((tmp_path / "home" / "pools").glob("*.json"))

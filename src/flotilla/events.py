@@ -269,4 +269,42 @@ class PoolView:
     time: float
 
 
-__all__ += ["FunctionStats", "NodeView", "PoolView"]
+def view_dict(view: PoolView) -> dict[str, Any]:
+    """A :class:`PoolView` as JSON (the form of ``flotilla top --json``)."""
+    return {
+        "pool": view.pool,
+        "phase": view.phase,
+        "time": view.time,
+        "running": view.running,
+        "done": view.done,
+        "failed": view.failed,
+        "nodes": [
+            {
+                "node": n.node,
+                "phase": n.phase,
+                "address": n.address,
+                "host": n.host,
+                "metrics": dict(n.metrics),
+                "sampled": n.sampled,
+                "running": n.running,
+                "done": n.done,
+                "failed": n.failed,
+                "healthy": n.healthy,
+            }
+            for n in view.nodes
+        ],
+        "functions": {
+            name: {
+                "done": f.done,
+                "failed": f.failed,
+                "mean": f.mean,
+                "min": f.min,
+                "max": f.max,
+                "per_second": f.per_second,
+            }
+            for name, f in view.functions.items()
+        },
+    }
+
+
+__all__ += ["FunctionStats", "NodeView", "PoolView", "view_dict"]

@@ -28,7 +28,17 @@ from .._volume import Volume, check_volumes, node_spec
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
 from .._worker import Worker
-from ..events import Event, LogLine, NodeLost, NodeReady, NodeReplaced, PoolPhase, PoolView, Scaling
+from ..events import (
+    Event,
+    LogLine,
+    NodeLost,
+    NodeReady,
+    NodeReplaced,
+    PoolPhase,
+    PoolView,
+    Scaling,
+    view_dict,
+)
 from ..metrics import DEFAULT, Metric, resolve, specs
 from . import feeds, shm
 from . import loop as _loop
@@ -41,6 +51,7 @@ from .function import Function, PendingCall, Pool, as_call, count_open_pools, fu
 from .futures import Batch
 from .health import HealthLoop
 from .interpreter import Policy, check_image
+from .listing import Listing
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observer, stat_rows
 from .outcome import results
@@ -228,6 +239,10 @@ class Compute(PoolCollections, Pool):
         self._heartbeat: asyncio.Task[None] | None = None
         self._health: HealthLoop | None = None  # Options.health_checker's checks
         self._lost_at: dict[int, float] = {}  # rank -> when its node was lost (monotonic)
+        self._listing: Listing | None = None  # its entry for `flotilla top` (listing.py)
+        self.listed = True
+        """Whether ``flotilla top`` lists this pool (a CLI cluster's is listed as the
+        cluster)."""
         self._busy_since = self._stats_due = 0.0  # the live rows of metrics (_live_stats)
         self._size_seen = 0  # an elastic pool's size, as last reported (Scaling)
         self._store = Store()  # the distributed collections (_collections.py)
@@ -515,6 +530,7 @@ class Compute(PoolCollections, Pool):
                     node.check_silence(now, limit)
             self._dispatcher.shm_files.trim(now)  # kept argument files of an idle pool go
             self._live_stats(now)
+            self._list(now)
             if self._elastic is not None and len(self._nodes) != self._size_seen:
                 self._size_seen = len(self._nodes)
                 self._observer.emit(Scaling(pool=self.pool_id, nodes=self._size_seen))
@@ -530,6 +546,14 @@ class Compute(PoolCollections, Pool):
                         and (n.rank not in seen or seen[n.rank].phase != "ready")
                     ]
                 )
+
+    def _list(self, now: float) -> None:
+        """Keep this pool's entry for ``flotilla top`` (``listing.py``): with metrics on."""
+        if self.metrics_config and self.listed and self._state is PoolState.RUNNING:
+            if self._listing is None:
+                self._listing = Listing(self.pool_id)
+            if now >= self._listing.due:
+                self._listing.write(now, view_dict(self._observer.view()))
 
     def _live_stats(self, now: float) -> None:
         """On a terminal, while calls run (for a second or more): a row per node with its
@@ -566,6 +590,8 @@ class Compute(PoolCollections, Pool):
                 logger.warning("a plugin's around_pool failed to exit: %s", e)
         self._state = PoolState.CLOSING
         self._phase("closing")
+        if self._listing is not None:
+            self._listing.remove()
         try:
             _loop.run(self._close())
         finally:

@@ -270,6 +270,7 @@ class ClusterDaemon:
             )
             self.event_log = EventLog(self.paths)
             pool._observer.add_sink(self.event_log.sink)  # its events: `flotilla events`
+            pool.listed = False  # `flotilla top` shows it as the cluster
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
             pool.on_replaced = self._on_replaced

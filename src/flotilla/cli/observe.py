@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..events import Event, JobState, LogLine, MetricSample, PoolView, as_dict
+from ..events import Event, JobState, LogLine, MetricSample, as_dict, view_dict
 from .console import CLIError
 from .state import ClusterState, Paths, all_names, load
 
@@ -39,44 +39,6 @@ _SORTS = ("node", "cpu", "mem", "gpu", "running", "done")
 
 
 # -- the daemon's side ---------------------------------------------------------------------
-def view_dict(view: PoolView) -> dict[str, Any]:
-    """``pool.view()`` as JSON (the form of ``top.json`` and ``top --json``)."""
-    return {
-        "pool": view.pool,
-        "phase": view.phase,
-        "time": view.time,
-        "running": view.running,
-        "done": view.done,
-        "failed": view.failed,
-        "nodes": [
-            {
-                "node": n.node,
-                "phase": n.phase,
-                "address": n.address,
-                "host": n.host,
-                "metrics": dict(n.metrics),
-                "sampled": n.sampled,
-                "running": n.running,
-                "done": n.done,
-                "failed": n.failed,
-                "healthy": n.healthy,
-            }
-            for n in view.nodes
-        ],
-        "functions": {
-            name: {
-                "done": f.done,
-                "failed": f.failed,
-                "mean": f.mean,
-                "min": f.min,
-                "max": f.max,
-                "per_second": f.per_second,
-            }
-            for name, f in view.functions.items()
-        },
-    }
-
-
 def _write(path: Path, data: Any) -> None:
     """``data`` as JSON in ``path``, atomically (no fsync: a snapshot, rewritten soon)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
@@ -163,7 +125,11 @@ class EventLog:
 # -- the commands ----------------------------------------------------------------------------
 def add_parsers(sub: Any, logs: argparse.ArgumentParser) -> None:
     q = sub.add_parser("top", help="a live table of the clusters' nodes: CPU, memory, GPUs")
-    q.add_argument("cluster", nargs="?", help="one cluster (default: every running one)")
+    q.add_argument(
+        "cluster",
+        nargs="?",
+        help="one cluster, or a Python pool's id (default: every running cluster and pool)",
+    )
     q.add_argument("--sort", choices=_SORTS, default="node", help="order of the rows")
     q.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     q.add_argument("--once", action="store_true", help="print the table once and exit")
@@ -184,15 +150,41 @@ def add_parsers(sub: Any, logs: argparse.ArgumentParser) -> None:
     )
 
 
+def _pools(wanted: str | None) -> list[dict[str, Any]]:
+    """The running Python pools of this user (``_client/listing.py``), as snapshots; only
+    the one whose pool id (or process id) is ``wanted`` when given."""
+    from .._client.listing import running
+
+    out = []
+    for entry in running():
+        if wanted and wanted not in (entry.get("pool"), str(entry.get("pid"))):
+            continue
+        out.append({**entry, "cluster": f"pool-{entry.get('pool')}", "state": "UP"})
+    return out
+
+
 def _snapshots(cluster: str | None) -> list[dict[str, Any]]:
+    """The clusters' (or ``cluster``'s: a cluster, or a Python pool's id) latest views."""
+    from .._errors import ConfigurationError
+
+    if cluster:
+        try:
+            known = load(Paths(cluster)) is not None
+        except ConfigurationError:
+            known = False
+        if not known:
+            pools = _pools(cluster)
+            if not pools:
+                raise CLIError(
+                    f"no cluster nor running pool named {cluster!r} (see `flotilla status`)"
+                )
+            return pools
     names = [cluster] if cluster else all_names()
     out = []
     for name in names:
         paths = Paths(name)
         rec = load(paths)
         if rec is None:
-            if cluster:
-                raise CLIError(f"no cluster named {name!r} (see `flotilla status`)")
             continue
         state = rec.observed_state()
         snap: dict[str, Any] = {"cluster": name, "state": state.value, "nodes": []}
@@ -205,7 +197,7 @@ def _snapshots(cluster: str | None) -> list[dict[str, Any]]:
             snap.update(view)
             snap["cluster"], snap["state"] = name, state.value
         out.append(snap)
-    return out
+    return out if cluster else out + _pools(None)
 
 
 def _gpu(metrics: Mapping[str, float]) -> str:
