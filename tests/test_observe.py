@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from _container import container_lab_fixture  # noqa: F401 - the fixture
+from _hosts import ssh_lab_fixture  # noqa: F401 - the fixture
 
 import flotilla as sky
 from flotilla import events
@@ -604,3 +605,39 @@ def test_top_lists_the_running_python_pools(
         assert top(pool.pool_id)["clusters"][0]["pool"] == pool.pool_id
     assert [c for c in top()["clusters"] if c.get("pool") == pool.pool_id] == []
     assert not list((tmp_path / "home" / "pools").glob("*.json"))
+
+
+# -- SSH hosts (network namespaces) -------------------------------------------------------------
+def test_ssh_hosts_report_their_own_machine_and_network(ssh_lab: Any) -> None:
+    """Nodes on SSH hosts (each in its own network namespace) sample the machine (host
+    scope) and their own network's counters; a bad command is reported per node there
+    too."""
+    hosts = ssh_lab.hosts[:2]
+    metrics = [
+        sky.metrics.CPU(0.5),
+        sky.metrics.Memory(0.5),
+        sky.metrics.Network(0.5),
+        sky.metrics.Metric("broken", "exit 7", interval=0.5),
+    ]
+    got: list[events.Event] = []
+    pool = sky.Compute(provider=ssh_lab.provider(hosts), nodes=2, metrics=metrics)
+    pool.subscribe(on_event=got.append)
+    with pool:
+        m = wait_for(
+            lambda: (x := pool.metrics()) and all("cpu" in x.get(r, {}) for r in (0, 1)) and x,
+            "both hosts' metrics",
+        )
+        wait_for(
+            lambda: len([e for e in list(got) if isinstance(e, events.MetricFailed)]) == 2,
+            "the broken metric on both hosts",
+        )
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024
+    for rank in (0, 1):
+        assert m[rank]["mem_total"] <= total and m[rank]["mem_used"] > 0
+        assert m[rank]["net_rx"] >= 0 and "net_tx" in m[rank]
+    failed = sorted((e.node, e.why) for e in got if isinstance(e, events.MetricFailed))
+    assert failed == [
+        (0, "its command exited with status 7"),
+        (1, "its command exited with status 7"),
+    ]
