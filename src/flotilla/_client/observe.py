@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .node import Submission
 
 logger = logging.getLogger("flotilla")
+_monotonic = time.monotonic
 
 _ERRORS: dict[int, str] = {
     Status.DIED: "WorkerDiedError",
@@ -200,39 +201,39 @@ class Observer:
         n = self.nodes.get(rank)
         if n is not None:
             n.running += 1
+        if self.listening:
+            fn = self._fn(sub, time.monotonic())
+            self.emit(TaskStarted(pool=self.pool_id, node=rank, function=fn.name, task=sub.tid))
+
+    def _fn(self, sub: Submission, first: float) -> _Fn:
         fn = self.functions.get(sub.fn_key)
         if fn is None:
-            fn = self.functions[sub.fn_key] = _Fn(sub.call.function.name, first=time.monotonic())
-        if self.listening:
-            self.emit(TaskStarted(pool=self.pool_id, node=rank, function=fn.name, task=sub.tid))
+            fn = self.functions[sub.fn_key] = _Fn(sub.call.function.name, first=first)
+        return fn
 
     def finished(self, rank: int, sub: Submission, status: int, body: bytes | bytearray) -> None:
         """A call ended (its RESULT came): counted, with its duration from its start on
-        the node (0 when it never started there)."""
-        now = time.monotonic()
+        the node (0 when it never started there). Per call: a few counters only."""
         started = sub.started_at
-        duration = now - started if started else 0.0
+        duration = _monotonic() - started if started else 0.0
+        fn = self.functions.get(sub.fn_key) or self._fn(sub, started or _monotonic())
+        ok = status == 0  # Status.OK (an int compare: per call)
         n = self.nodes.get(rank)
-        fn = self.functions.get(sub.fn_key)
-        if fn is None:
-            fn = self.functions[sub.fn_key] = _Fn(sub.call.function.name, first=started or now)
-        ok = status == Status.OK
-        if n is not None:
-            if started and n.running > 0:
-                n.running -= 1
-            if ok:
-                n.done += 1
-            else:
-                n.failed += 1
         if ok:
             fn.done += 1
+            if n is not None:
+                n.done += 1
         else:
             fn.failed += 1
+            if n is not None:
+                n.failed += 1
+        if n is not None and started and n.running > 0:
+            n.running -= 1
         fn.total += duration
-        if duration < fn.low:
-            fn.low = duration
         if duration > fn.high:
             fn.high = duration
+        if duration < fn.low:
+            fn.low = duration
         if self.listening:
             self.emit(
                 TaskFinished(
