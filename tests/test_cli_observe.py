@@ -60,6 +60,10 @@ def test_top_events_and_export_of_a_cluster(cli: CLI, tmp_path: Path) -> None:
         assert "sorted by cpu" in screen
         rows = [line for line in screen.splitlines() if " obs " in line]
         assert len(rows) == 2
+        term.keys("m")  # sorted by memory now
+        term.wait_for(lambda s: "sorted by mem" in s, "the rows sorted by memory")
+        term.keys("q")
+        term.wait_for(lambda s: "[exited]" in s, "top ended by q")
     finally:
         term.close()
 

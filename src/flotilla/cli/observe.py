@@ -271,6 +271,10 @@ def _table(snaps: list[dict[str, Any]], sort: str, height: int) -> Any:
     return table
 
 
+_KEYS = {"n": "node", "c": "cpu", "m": "mem", "g": "gpu", "r": "running", "d": "done"}
+"""``top``'s keys: the order of the rows (q quits)."""
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"clusters": _snapshots(args.cluster)}, indent=1))
@@ -283,16 +287,57 @@ def cmd_top(args: argparse.Namespace) -> int:
         return 0
     from rich.live import Live
 
+    sort = [args.sort]
+
     def render() -> Any:
-        return _table(_snapshots(args.cluster), args.sort, console.size.height - 6)
+        table = _table(_snapshots(args.cluster), sort[0], console.size.height - 7)
+        table.caption = (table.caption + "; " if table.caption else "") + (
+            "keys: n c m g r d sort by node, cpu, mem, gpu, running, done; q quits"
+        )
+        return table
 
     try:
-        with Live(render(), console=console, auto_refresh=False, screen=False) as live:
+        with _keys() as key, Live(render(), console=console, auto_refresh=False) as live:
             while True:
-                time.sleep(1.0)
+                pressed = key(1.0)
+                if pressed == "q":
+                    return 0
+                if pressed in _KEYS:
+                    sort[0] = _KEYS[pressed]
                 live.update(render(), refresh=True)
     except KeyboardInterrupt:
         return 0
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Any]:
+    """``key(timeout)``: the key pressed within ``timeout`` seconds (or "") on a terminal
+    in cbreak mode, restored at the end."""
+    import select
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    try:
+        saved = termios.tcgetattr(fd)
+    except (termios.error, OSError):  # stdin is not a terminal: no keys, only the timer
+
+        def wait(timeout: float) -> str:
+            time.sleep(timeout)
+            return ""
+
+        yield wait
+        return
+
+    def key(timeout: float) -> str:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return os.read(fd, 1).decode(errors="replace").lower() if ready else ""
+
+    tty.setcbreak(fd)
+    try:
+        yield key
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def _events(where: Paths | Path, follow: bool) -> Iterator[dict[str, Any]]:
