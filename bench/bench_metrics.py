@@ -1,6 +1,8 @@
 """What the per-node metrics cost (issue 38): an idle agent's CPU and memory with metrics on
 (``metrics.Default()``, sampled every 2-5 s) and off (``metrics=None``), and the hot path's
-round trip and throughput, in the same run, rounds alternating on/off.
+round trip and throughput, in the same run, rounds alternating on/off; and the CPU time
+the client and the agents spend per call of the throughput run (less sensitive than wall
+time to a busy machine).
 
 Run: ``.venv/bin/python bench/bench_metrics.py [--rounds 3] [--idle 20] [--nodes 4]``.
 Prints a markdown table (medians over the rounds; the CPU of an agent is its own user +
@@ -60,15 +62,19 @@ def one_round(metrics_on: bool, nodes: int, idle: float, calls: int) -> dict[str
             t = time.perf_counter()
             noop() >> pool
             trips.append(time.perf_counter() - t)
+        spent = [cpu_seconds(p) for p in pids] + [cpu_seconds(os.getpid())]
         t = time.perf_counter()
         pool.map(noop, range(calls * 5))
         throughput = calls * 5 / (time.perf_counter() - t)
+        after = [cpu_seconds(p) for p in pids] + [cpu_seconds(os.getpid())]
+        per_call = (sum(after) - sum(spent)) / (calls * 5)  # agents' and client's CPU
     return {
         "cpu": statistics.mean(cpu),
         "cpu_max": max(cpu),
         "rss": statistics.mean(rss),
         "trip_us": statistics.median(trips) * 1e6,
         "per_s": throughput,
+        "cpu_us": per_call * 1e6,
     }
 
 
@@ -88,14 +94,17 @@ def main() -> None:
         return statistics.median(r[key] for r in results[on])
 
     print(f"{args.nodes} idle local agents for {args.idle:g} s, {args.rounds} round(s), medians\n")
-    print("| metrics | agent CPU (mean / max) | agent RSS | round trip | throughput |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| metrics | agent CPU (mean / max) | agent RSS | round trip | throughput "
+        "| CPU per call (client + agents) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for on in (False, True):
         print(
             f"| {'on (Default)' if on else 'off (None)'} "
             f"| {med(on, 'cpu'):.2f}% / {med(on, 'cpu_max'):.2f}% "
             f"| {med(on, 'rss'):.1f} MB | {med(on, 'trip_us'):.0f} µs "
-            f"| {med(on, 'per_s'):.0f} calls/s |"
+            f"| {med(on, 'per_s'):.0f} calls/s | {med(on, 'cpu_us'):.0f} µs |"
         )
     ratios = [
         on["trip_us"] / off["trip_us"]

@@ -183,7 +183,6 @@ class Compute(PoolCollections, Pool):
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
         )
         self.pool_id = secrets.token_hex(4)
-        self._metrics_arg = metrics
         self.metrics_config = resolve(
             metrics, image.metrics if isinstance(image, Image) else DEFAULT
         )
@@ -590,8 +589,6 @@ class Compute(PoolCollections, Pool):
                 logger.warning("a plugin's around_pool failed to exit: %s", e)
         self._state = PoolState.CLOSING
         self._phase("closing")
-        if self._listing is not None:
-            self._listing.remove()
         try:
             _loop.run(self._close())
         finally:
@@ -601,6 +598,8 @@ class Compute(PoolCollections, Pool):
     async def _close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._listing is not None:  # (after the heartbeat, which writes it, stopped)
+            self._listing.remove()
         if self._elastic is not None:  # it stops growing (agents being started stop)
             await self._elastic.close()
         await self._renewals.cancel()  # a replacement under way stops (its agent with it)
