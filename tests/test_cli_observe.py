@@ -86,3 +86,73 @@ def test_top_events_and_export_of_a_cluster(cli: CLI, tmp_path: Path) -> None:
     assert text.startswith("# Cluster obs, job 2") and "done on 0" in text and "| time |" in text
     refused = cli("logs", "obs", "--export", "html", str(md))
     assert refused.returncode == 2 and "jsonl and md" in refused.stderr
+
+
+def _fake_pool(home: Path, pool_id: str, nodes: int) -> None:
+    """A running pool's entry (``_client/listing.py``) for ``nodes`` nodes, owned by this
+    process (alive: ``top`` keeps it)."""
+    import os
+
+    from flotilla._client.listing import folder
+    from flotilla._node import procs
+
+    view = {
+        "pool": pool_id,
+        "phase": "running",
+        "time": time.time(),
+        "running": nodes,
+        "done": 0,
+        "failed": 0,
+        "functions": {},
+        "nodes": [
+            {
+                "node": i,
+                "phase": "ready",
+                "address": f"10.0.{i // 250}.{i % 250}",
+                "host": f"h{i}",
+                "metrics": {"cpu": float(i % 97), "mem_used": 2e9, "mem_total": 8e9},
+                "sampled": time.time(),
+                "running": 1,
+                "done": i,
+                "failed": 0,
+                "healthy": None,
+            }
+            for i in range(nodes)
+        ],
+    }
+    entry = {"pid": os.getpid(), "pid_start": procs.start_time(os.getpid()), **view}
+    old = os.environ.get("FLOTILLA_HOME")
+    os.environ["FLOTILLA_HOME"] = str(home)
+    try:
+        target = folder()
+    finally:
+        if old is None:
+            del os.environ["FLOTILLA_HOME"]
+        else:
+            os.environ["FLOTILLA_HOME"] = old
+    target.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (target / f"{os.getpid()}-{pool_id}.json").write_text(json.dumps(entry))
+
+
+def test_top_in_a_terminal_at_6_and_128_nodes(tmp_path: Path) -> None:
+    """``top`` in a real terminal (tmux, 100x30): 6 nodes all shown; 128 nodes shown as
+    many as fit, busiest first with ``--sort cpu``, and how many more."""
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    for nodes, pool_id in ((6, "six"), (128, "big")):
+        home = tmp_path / f"home-{nodes}"
+        _fake_pool(home, pool_id, nodes)
+        argv = ["env", f"FLOTILLA_HOME={home}", f"PYTHONPATH={src}", sys.executable]
+        argv += ["-m", "flotilla", "top", "--sort", "cpu"]
+        term = Terminal(argv, 100, 30, tmp_path)
+        try:
+            screen = term.wait_for(lambda s: f"pool-{pool_id}" in s, f"the {nodes} nodes")
+        finally:
+            term.close()
+        rows = [line for line in screen.splitlines() if f"pool-{pool_id}" in line]
+        cpus = [int(line.split("│")[5].strip().rstrip("%")) for line in rows]
+        assert cpus == sorted(cpus, reverse=True)
+        if nodes == 6:
+            assert len(rows) == 6 and "more node(s)" not in screen
+        else:
+            assert 10 <= len(rows) < 30 and cpus[0] == 96
+            assert f"{128 - len(rows)} more node(s)" in screen.replace("\n", " ")

@@ -242,7 +242,7 @@ def _table(snaps: list[dict[str, Any]], sort: str, height: int) -> Any:
         f"flotilla top: {len(snaps)} cluster(s), {len(rows)} node(s), {running} call(s) "
         f"running, sorted by {sort}"
     )
-    table = Table(title=title, title_justify="left", expand=False)
+    table = Table(title=title, title_justify="left", expand=True)
     for column in ("CLUSTER", "NODE", "PHASE", "HOST", "CPU", "MEM", "GPU", "RUN", "DONE"):
         table.add_column(
             column, justify="right" if column in ("NODE", "CPU", "RUN", "DONE") else "left"
@@ -264,7 +264,7 @@ def _table(snaps: list[dict[str, Any]], sort: str, height: int) -> Any:
             str(row["done"]),
         )
     if len(rows) > len(shown):
-        table.caption = f"{len(rows) - len(shown)} more node(s): a taller terminal, or --json"
+        table.caption = f"{len(rows) - len(shown)} more node(s) (--json: all)"
     for s in snaps:
         if not s.get("nodes"):
             table.add_row(s["cluster"], "-", s["state"].lower(), "-", "-", "-", "-", "-", "-")
@@ -290,9 +290,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     sort = [args.sort]
 
     def render() -> Any:
-        table = _table(_snapshots(args.cluster), sort[0], console.size.height - 7)
-        table.caption = (table.caption + "; " if table.caption else "") + (
-            "keys: n c m g r d sort by node, cpu, mem, gpu, running, done; q quits"
+        # the rows that fit: the title, the header (3 lines), the bottom, the caption
+        table = _table(_snapshots(args.cluster), sort[0], console.size.height - 8)
+        table.caption = (table.caption + " · " if table.caption else "") + (
+            "keys n c m g r d: sort by node, cpu, mem, gpu, running, done · q: quit"
         )
         return table
 
