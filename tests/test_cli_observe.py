@@ -145,7 +145,8 @@ def test_top_in_a_terminal_at_6_and_128_nodes(tmp_path: Path) -> None:
         argv += ["-m", "flotilla", "top", "--sort", "cpu"]
         term = Terminal(argv, 100, 30, tmp_path)
         try:
-            screen = term.wait_for(lambda s: f"pool-{pool_id}" in s, f"the {nodes} nodes")
+            label = f"pool-{pool_id}"
+            screen = term.wait_for(lambda s, label=label: label in s, f"the {nodes} nodes")
         finally:
             term.close()
         rows = [line for line in screen.splitlines() if f"pool-{pool_id}" in line]
