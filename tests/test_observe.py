@@ -641,3 +641,54 @@ def test_ssh_hosts_report_their_own_machine_and_network(ssh_lab: Any) -> None:
         (0, "its command exited with status 7"),
         (1, "its command exited with status 7"),
     ]
+
+
+@sky.function
+def passed_here(folder: str) -> bool:
+    return Path(folder, f"passed-{os.getpid()}").exists()
+
+
+def test_a_replacement_serves_only_once_its_health_check_passed(tmp_path: Path) -> None:
+    """The node replacing a failed one gets no call before its check passes: a broadcast
+    sent meanwhile waits for it, and runs after the check passed there."""
+    sick, warm, known = tmp_path / "sick", tmp_path / "warm", tmp_path / "known"
+
+    def check(info: Any) -> bool | str:
+        me = str(os.getpid())
+        if sick.exists() and sick.read_text() == me:
+            raise RuntimeError("the disk is full")
+        if known.exists() and me not in known.read_text().split() and not warm.exists():
+            return "warming up"
+        Path(tmp_path, f"passed-{me}").touch()
+        return True
+
+    got: list[events.Event] = []
+    lock = threading.Lock()
+
+    def on_event(e: events.Event) -> None:
+        with lock:
+            got.append(e)
+
+    def warming() -> int:
+        with lock:
+            return sum(
+                1 for e in got if isinstance(e, events.NodeHealthFailed) and e.why == "warming up"
+            )
+
+    options = sky.Options(
+        health_checker=sky.HealthChecker(check, interval=0.1, consecutive_failures=5)
+    )
+    with sky.Compute(nodes=2, options=options, metrics=None) as pool:
+        pool.subscribe(on_event=on_event)
+        before = pid() @ pool
+        known.write_text(" ".join(map(str, before)))
+        sick.write_text(str(before[1]))
+        wait_for(lambda: warming() >= 1, "the replacement's first check failing")
+        fut = pool.submit_broadcast(passed_here(str(tmp_path)), nodes=[1])[0]
+        wait_for(lambda: warming() >= 2, "its second check failing")
+        assert not fut.done()  # node 1 does not serve yet
+        warm.touch()
+        assert fut.result(120) is True  # it ran once the check had passed there
+        assert (pid() @ pool)[1] != before[1]
+    kinds = [type(e).__name__ for e in got if getattr(e, "node", None) == 1]
+    assert kinds.index("NodeReplaced") > kinds.index("NodeLost")

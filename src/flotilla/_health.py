@@ -3,7 +3,8 @@
 The predicate runs on every node every ``interval`` seconds (at most ``timeout`` each):
 ``True`` is healthy; ``False`` or a non-empty string (the reason) is a failure, and so is
 an exception (its text is the reason) or a timeout. A node serves calls only once its
-check passed a first time (the pool's start waits for every node's); after
+check passed a first time (the pool's start waits for every node's, a replacement is
+checked before it takes its rank's calls); after
 ``consecutive_failures`` failures in a row it is replaced (``Options.replace_lost_nodes``),
 and the console and an event (``events.NodeHealthFailed``, then ``events.NodeLost``) say
 why. The checks run as calls on the node's task slots (a node busy with a long call is

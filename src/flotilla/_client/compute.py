@@ -404,6 +404,7 @@ class Compute(PoolCollections, Pool):
         checker = self.options.health_checker
         if checker is not None:  # every node passes its check before the first call
             self._health = HealthLoop(self, checker)
+            self._renewals.gate = self._health.gate  # and every replacement's nodes
             self._health.start()
             try:
                 self._health.wait_healthy(self.options.start_timeout)

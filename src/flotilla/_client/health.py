@@ -4,6 +4,7 @@ has a node replaced at ``consecutive_failures`` (see ``flotilla/_health.py``).""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -120,6 +121,43 @@ class HealthLoop:
                 continue
             self._failed(w, str(why))
 
+    async def gate(self, fresh: list[Node]) -> None:
+        """A replacement's nodes pass their check before they serve (``Renewals.gate``):
+        checked every ``interval`` until it passes; ``consecutive_failures`` failures in a
+        row raise ProvisionError (the rank is then not replaced)."""
+        for node in fresh:
+            failures = 0
+            await asyncio.sleep(self.checker.initial_delay)
+            while True:
+                why = await self._check_alone(node)
+                if why is None:
+                    break
+                failures += 1
+                self._report(node, why, failures)
+                if failures >= self.checker.consecutive_failures:
+                    raise ProvisionError(
+                        f"node {node.rank}'s replacement failed its health check "
+                        f"{failures} times in a row: {why}"
+                    )
+                await asyncio.sleep(self.checker.interval)
+
+    async def _check_alone(self, node: Node) -> str | None:
+        """Run the check on ``node``, not in service yet (sent to it alone): None when it
+        passes, else why not."""
+        d = self.pool._dispatcher
+        call = self.check(self.checker.fn, self.checker.timeout)
+        sub = d.prepare([call], d.encode([call]))[0]
+        sub.pinned = True
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, node.send, [sub])
+            verdict, why = await asyncio.wrap_future(sub.future)
+        except TaskTimeoutError:
+            return f"timeout after {self.checker.timeout:g} s"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}".splitlines()[0]
+        return None if verdict == "ok" else str(why)
+
     def _send(self, w: _Watch) -> None:
         call = self.check(self.checker.fn, self.checker.timeout)
         try:
@@ -127,16 +165,22 @@ class HealthLoop:
         except FlotillaError:
             w.due = time.monotonic() + self.checker.interval
 
-    def _failed(self, w: _Watch, why: str) -> None:
-        pool, node = self.pool, w.node
+    def _report(self, node: Node, why: str, failures: int) -> str:
+        """Say a failed check (console and event); ``why`` redacted."""
+        pool = self.pool
         why = redact(why, pool._secrets)
-        w.failures += 1
         limit = self.checker.consecutive_failures
         pool._observer.emit(
-            NodeHealthFailed(pool=pool.pool_id, node=node.rank, why=why, failures=w.failures)
+            NodeHealthFailed(pool=pool.pool_id, node=node.rank, why=why, failures=failures)
         )
-        pool._console.say(f"node {node.rank} failed its health check ({w.failures}/{limit}): {why}")
-        if w.failures < limit or node.loop is None:
+        pool._console.say(f"node {node.rank} failed its health check ({failures}/{limit}): {why}")
+        return why
+
+    def _failed(self, w: _Watch, why: str) -> None:
+        node = w.node
+        w.failures += 1
+        why = self._report(node, why, w.failures)
+        if w.failures < self.checker.consecutive_failures or node.loop is None:
             return
         loss = f"failed its health check {w.failures} times in a row: {why}"
         node.loop.call_soon_threadsafe(node.gone, loss)
