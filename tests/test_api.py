@@ -46,8 +46,7 @@ def test_all_lists_exactly_the_public_api() -> None:
     public = {
         n
         for n, v in vars(sky).items()
-        if not n.startswith("_")
-        and (n in ("plugins", "storage") or not isinstance(v, types.ModuleType))
+        if not n.startswith("_") and (n in sky._SUBMODULES or not isinstance(v, types.ModuleType))
     }
     assert public == loaded - {"__version__"}
     assert sorted(dir(sky)) == sorted(set(dir(sky)))

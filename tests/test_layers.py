@@ -100,6 +100,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "flotilla._accelerators",
         "flotilla._worker",
         "flotilla._shard",
+        "flotilla.metrics",
+        "flotilla.events",
+        "flotilla._health",
     ),
     ("flotilla._node", "flotilla.agent", "flotilla._collections", "flotilla._info"),  # node side
     ("flotilla._wire",),  # the protocol: frames, serialization, constants
@@ -112,6 +115,7 @@ TYPE_CHECKING) only from its own layer and the layers below. ``flotilla`` is the
 NODE_ENTRIES = {
     "flotilla.agent": "``python -m flotilla.agent``, which every provider starts",
     "flotilla._client.feeds": "a streamed argument unpickles on the node as the node's reader",
+    "flotilla._client.health": "a health check runs on the node as the node's probe",
 }
 """The modules above the node side that import ``flotilla._node``: the rest of the client,
 the providers and the command line reach the node side only through the protocol

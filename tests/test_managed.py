@@ -3,6 +3,7 @@ controllers running real local clusters whose agents are killed under them."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -321,6 +322,16 @@ def test_a_program_that_fails_twice_succeeds_with_two_restarts(jobs: Jobs) -> No
     rec = jobs.record()
     assert (rec.state, rec.recoveries, rec.restarts_on_errors) == ("SUCCEEDED", 2, 2)
     assert "restart 2 of max_restarts_on_errors=2" in done.stderr
+    events = subprocess.run(  # its state changes are events (`flotilla events ID`)
+        [sys.executable, "-m", "flotilla", "events", "1", "--json"],
+        env=jobs.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    states = [json.loads(line)["state"] for line in events.splitlines()]
+    assert states[0] == "STARTING" and states[-1] == "SUCCEEDED"
+    assert states.count("RECOVERING") == 2 and "RUNNING" in states
     assert_nothing_left(jobs)
 
 

@@ -20,6 +20,8 @@ import typing as _typing
 from ._version import __version__
 
 if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
+    from . import events as events
+    from . import metrics as metrics
     from . import plugins as plugins
     from . import storage as storage
     from ._accelerators import Accelerator as Accelerator
@@ -51,6 +53,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._errors import SerializationError as SerializationError
     from ._errors import TaskTimeoutError as TaskTimeoutError
     from ._errors import WorkerDiedError as WorkerDiedError
+    from ._health import HealthChecker as HealthChecker
     from ._image import Image as Image
     from ._image import PipIndex as PipIndex
     from ._info import InstanceInfo as InstanceInfo
@@ -106,6 +109,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
         "TaskTimeoutError",
         "WorkerDiedError",
     ),
+    "_health": ("HealthChecker",),
     "_image": ("Image", "PipIndex"),
     "_redaction": ("Secret",),
     "_info": ("InstanceInfo", "Peer", "instance_info"),
@@ -130,11 +134,14 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["__version__", "plugins", "storage", *_MODULE_OF]
+_SUBMODULES = ("events", "metrics", "plugins", "storage")
+"""Public modules: ``flotilla.plugins.torch()``, ``flotilla.metrics.CPU()``..."""
+
+__all__ = ["__version__", *_SUBMODULES, *_MODULE_OF]
 
 
 def __getattr__(name: str) -> _typing.Any:
-    if name in ("plugins", "storage"):  # flotilla.plugins.torch(), flotilla.storage.S3()
+    if name in _SUBMODULES:  # flotilla.plugins.torch(), flotilla.storage.S3()
         return _importlib.import_module(f".{name}", __name__)
     module = _MODULE_OF.get(name)
     if module is None:

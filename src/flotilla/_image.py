@@ -22,6 +22,7 @@ from ._archive import Source, glob_excludes
 from ._archive import build as build_archive
 from ._errors import ConfigurationError
 from ._redaction import Secret, shown_env
+from .metrics import DEFAULT, resolve
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -138,6 +139,9 @@ class Image:
             only those: such an index is not searched for the image's other requirements
             (they are installed in a separate installer call). The torch plugin scopes
             PyTorch's wheel index to torch, torchvision and torchaudio so.
+        metrics: Skyward's: the metrics every node samples (``flotilla.metrics``); not
+            given: ``metrics.Default()`` (unless ``Compute(metrics=...)`` says); None:
+            none.
     """
 
     python: str | None = None
@@ -149,8 +153,11 @@ class Image:
     excludes: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
     pip_index_packages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    metrics: Any = field(default=DEFAULT, compare=False)
 
     def __post_init__(self) -> None:
+        if self.metrics is not DEFAULT:
+            object.__setattr__(self, "metrics", resolve(self.metrics))
         if not isinstance(self.pip_index_packages, Mapping):
             raise ConfigurationError(
                 "Image.pip_index_packages must be a dict of index URL -> package names, "

@@ -72,6 +72,7 @@ class Bringup:
         self.blob = b""
         self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
         self.volumes: dict[str, Any] | None = None
+        self.observe: Config = {}  # the metrics' part of CONFIG (compute.py)
         self.relay_key = secrets.token_hex(32)
         """The pool's key for node-to-node relays (``_node/relay.py``): in CONFIG only."""
 
@@ -169,6 +170,7 @@ class Bringup:
             config["relay_key"] = self.relay_key
         if self.volumes is not None:
             config["volumes"] = self.volumes
+        config.update(self.observe)
         node.configure(config, self.blob)
 
 

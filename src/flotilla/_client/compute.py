@@ -26,9 +26,22 @@ from .._providers.ledger import sigterm_exits
 from .._providers.limits import ensure_open_files, out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
 from .._volume import Volume, check_volumes, node_spec
+from .._wire.bodies import Config
 from .._wire.frames import Kind, frame
 from .._wire.serialize import pickle_obj
 from .._worker import Worker
+from ..events import (
+    Event,
+    LogLine,
+    NodeLost,
+    NodeReady,
+    NodeReplaced,
+    PoolPhase,
+    PoolView,
+    Scaling,
+    view_dict,
+)
+from ..metrics import DEFAULT, Metric, resolve, specs
 from . import feeds, shm
 from . import loop as _loop
 from .bringup import Bringup
@@ -38,8 +51,11 @@ from .dispatch import Dispatcher
 from .elastic import Elastic, Nodes
 from .function import Function, PendingCall, Pool, as_call, count_open_pools, function
 from .futures import Batch
+from .health import HealthLoop
 from .interpreter import Policy, check_image
+from .listing import Listing
 from .node import Node, NodeEvents, NodeState, Submission
+from .observe import Observer, stat_rows
 from .outcome import results
 from .renew import Renewals
 from .skyward_settings import with_pool_settings, worker_of
@@ -108,6 +124,9 @@ class Compute(PoolCollections, Pool):
         max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
             provider that knows its prices (Vast, AWS when priced) refuses offers above it
             before renting.
+        metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
+            of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
+            none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -130,6 +149,7 @@ class Compute(PoolCollections, Pool):
         worker: Worker | None = None,
         *,
         max_hourly_cost: float | None = None,
+        metrics: Any = DEFAULT,
     ) -> None:
         size = Nodes.of(nodes)
         if provider is None:
@@ -165,6 +185,11 @@ class Compute(PoolCollections, Pool):
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
         )
         self.pool_id = secrets.token_hex(4)
+        self.metrics_config = resolve(
+            metrics, image.metrics if isinstance(image, Image) else DEFAULT
+        )
+        """The metrics the nodes sample (``flotilla.metrics``)."""
+        self._observer = Observer(self.pool_id)
         self._check_plugins()
         per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
         self.procs_per_node = max(
@@ -207,12 +232,21 @@ class Compute(PoolCollections, Pool):
         self._bringup.workers = self.workers_per_node
         self._bringup.threads = self.worker.resolved_executor == "thread"  # (one process)
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
+        self._bringup.observe = _observe_config(self.metrics_config, provider)
         self._elastic = (
             Elastic(size, self._dispatcher, self._bringup, options.scale_down_after)
             if size.elastic
             else None
         )
         self._heartbeat: asyncio.Task[None] | None = None
+        self._health: HealthLoop | None = None  # Options.health_checker's checks
+        self._lost_at: dict[int, float] = {}  # rank -> when its node was lost (monotonic)
+        self._listing: Listing | None = None  # its entry for `flotilla top` (listing.py)
+        self.listed = True
+        """Whether ``flotilla top`` lists this pool (a CLI cluster's is listed as the
+        cluster)."""
+        self._busy_since = self._stats_due = 0.0  # the live rows of metrics (_live_stats)
+        self._size_seen = 0  # an elastic pool's size, as last reported (Scaling)
         self._store = Store()  # the distributed collections (_collections.py)
         self._pool_hooks = contextlib.ExitStack()  # the plugins' around_pool contexts
         self._includes = b""
@@ -304,6 +338,7 @@ class Compute(PoolCollections, Pool):
         image = self.image if self.image is not None else Image()
         if not isinstance(image, Image):
             raise ConfigurationError(f"image must be a flotilla.Image, got {type(image).__name__}")
+        self._phase("starting")
         spec = self._spec(image)
         if self.size.elastic and not self.provider.elastic:
             raise ConfigurationError(
@@ -376,6 +411,17 @@ class Compute(PoolCollections, Pool):
             raise clean from None
         self._state = PoolState.RUNNING
         count_open_pools(+1)
+        checker = self.options.health_checker
+        if checker is not None:  # every node passes its check before the first call
+            self._health = HealthLoop(self, checker)
+            self._renewals.gate = self._health.gate  # and every replacement's nodes
+            self._health.start()
+            try:
+                self._health.wait_healthy(self.options.start_timeout)
+            except BaseException:
+                self.close()
+                raise
+        self._phase("running")
         activate(self._store if self.options.cluster else None, self.pool_id)
         try:
             for p in self.plugins:
@@ -416,6 +462,7 @@ class Compute(PoolCollections, Pool):
         self._heartbeat = loop.create_task(self._heartbeats())  # builds may take a while
         await self._bringup.bring_up(nodes, nodes)
         self._console.end(f"{len(nodes)} node(s) ready in {time.monotonic() - started:.1f} s")
+        self._ready(nodes)
 
     async def _start_elastic(self, spec: PoolSpec, elastic: Elastic) -> None:
         """An elastic pool: its machines are added one by one (``elastic.py``)."""
@@ -427,6 +474,7 @@ class Compute(PoolCollections, Pool):
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
         await elastic.open(self._allocation, self.options.start_timeout)
         self._console.end(f"{self.nodes} node(s) ready in {time.monotonic() - started:.1f} s")
+        self._ready(self._nodes)
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
@@ -438,7 +486,29 @@ class Compute(PoolCollections, Pool):
         """The node at ``rank`` is lost: replace it (see ``renew.py``); the ranks down."""
         return self._renewals.begin(rank, why)
 
+    def _ready(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            self._observer.emit(
+                NodeReady(
+                    pool=self.pool_id,
+                    node=node.rank,
+                    address=node.proc.address,
+                    host=node.proc.host,
+                )
+            )
+
+    def _phase(self, phase: str) -> None:
+        self._observer.emit(PoolPhase(pool=self.pool_id, phase=phase))
+
     def _replaced(self, ranks: list[int]) -> None:
+        nodes = self._nodes
+        self._ready([nodes[r] for r in ranks if r < len(nodes)])
+        for r in ranks:
+            lost = self._lost_at.pop(r, None)
+            if lost is not None:
+                self._observer.emit(
+                    NodeReplaced(pool=self.pool_id, node=r, seconds=time.monotonic() - lost)
+                )
         if self.on_replaced is not None:
             self.on_replaced(ranks)
 
@@ -469,10 +539,55 @@ class Compute(PoolCollections, Pool):
                         node.send_control(Kind.PING, wait=False)
                     node.check_silence(now, limit)
             self._dispatcher.shm_files.trim(now)  # kept argument files of an idle pool go
+            self._live_stats(now)
+            self._list(now)
+            if self._elastic is not None and len(self._nodes) != self._size_seen:
+                self._size_seen = len(self._nodes)
+                self._observer.emit(Scaling(pool=self.pool_id, nodes=self._size_seen))
+                seen = self._observer.nodes
+                with self._observer.lock:  # released nodes leave the view
+                    for rank in [r for r in seen if r >= self._size_seen]:
+                        del seen[rank]
+                self._ready(
+                    [
+                        n
+                        for n in self._nodes
+                        if n.state is NodeState.READY
+                        and (n.rank not in seen or seen[n.rank].phase != "ready")
+                    ]
+                )
+
+    def _list(self, now: float) -> None:
+        """Keep this pool's entry for ``flotilla top`` (``listing.py``): with metrics on."""
+        if self.metrics_config and self.listed and self._state is PoolState.RUNNING:
+            if self._listing is None:
+                self._listing = Listing(self.pool_id)
+            if now >= self._listing.due:
+                self._listing.write(now, view_dict(self._observer.view()))
+
+    def _live_stats(self, now: float) -> None:
+        """On a terminal, while calls run (for a second or more): a row per node with its
+        metrics, redrawn every second (``observe.stat_rows``)."""
+        console = self._console
+        if not self.metrics_config or not console.live:
+            return
+        running = any(n.running for n in self._observer.nodes.values())
+        if not running:
+            self._busy_since = 0.0
+            if console.stat_rows:
+                console.stats({})
+            return
+        if not self._busy_since:
+            self._busy_since = now
+        if now - self._busy_since >= 1.0 and now >= self._stats_due:
+            self._stats_due = now + 1.0
+            console.stats(stat_rows(self._observer.view()))
 
     def close(self) -> None:
         """Stop every node and release everything the pool started. Idempotent."""
         self._console.close()
+        if self._health is not None:
+            self._health.stop()
         if self._state in (PoolState.CLOSED, PoolState.NEW):
             self._state = PoolState.CLOSED
             return
@@ -484,14 +599,18 @@ class Compute(PoolCollections, Pool):
             except Exception as e:  # the pool closes all the same
                 logger.warning("a plugin's around_pool failed to exit: %s", e)
         self._state = PoolState.CLOSING
+        self._phase("closing")
         try:
             _loop.run(self._close())
         finally:
             self._state = PoolState.CLOSED
+            self._phase("closed")
 
     async def _close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._listing is not None:  # (after the heartbeat, which writes it, stopped)
+            self._listing.remove()
         if self._elastic is not None:  # it stops growing (agents being started stop)
             await self._elastic.close()
         await self._renewals.cancel()  # a replacement under way stops (its agent with it)
@@ -521,6 +640,32 @@ class Compute(PoolCollections, Pool):
         self._dispatcher.close(lambda where: PoolClosedError(f"the pool closed before {where}"))
         shm.remove_pool_files(self._shm_prefix)
         self._store.close()
+
+    # -- what the pool shows of itself (observe.py) -----------------------------------
+    def metrics(self) -> dict[int, dict[str, float]]:
+        """The latest sample of every node, by rank: metric name -> value (``cpu`` in
+        percent, ``mem_used``/``mem_total`` in bytes..., see ``flotilla.metrics``), and
+        ``time``, when it was sampled (``time.time()``). Nodes not sampled yet are
+        missing; ``{}`` with ``metrics=None``."""
+        return self._observer.metrics()
+
+    def view(self) -> PoolView:
+        """A frozen snapshot: the pool's phase, each node's (phase, address, latest
+        metrics, calls running/done/failed) and each function's durations and
+        throughput."""
+        return self._observer.view()
+
+    def subscribe(
+        self,
+        on_event: Callable[[Event], Any] | None = None,
+        on_log: Callable[[LogLine], Any] | None = None,
+        on_change: Callable[[PoolView, PoolView], Any] | None = None,
+    ) -> Callable[[], None]:
+        """Call ``on_event`` with every event of the pool (``flotilla.events``),
+        ``on_log`` with every line its tasks print, ``on_change`` with the views
+        (old, new) around each change; returns the function that unsubscribes them. A
+        callback that raises is reported once and unsubscribed."""
+        return self._observer.subscribe(on_event, on_log, on_change)
 
     # -- operators with something else on the left ---------------------------------------
     def __rrshift__(self, other: object) -> Any:
@@ -745,10 +890,32 @@ class _PoolEvents(NodeEvents):
 
     def lost(self, node: Node) -> None:
         self.pool._store.forget(node.rank)
+        if self.pool._state is PoolState.RUNNING or self.pool._state is PoolState.STARTING:
+            self.pool._lost_at[node.rank] = time.monotonic()
+            why = self.redact(node.loss)
+            self.pool._observer.emit(NodeLost(pool=self.pool.pool_id, node=node.rank, why=why))
+
+    def task_started(self, node: Node, sub: Submission) -> None:
+        self.pool._observer.started(node.rank, sub)
+
+    def task_finished(
+        self, node: Node, sub: Submission, status: int, body: bytes | bytearray
+    ) -> None:
+        self.pool._observer.finished(node.rank, sub, status, body)
+
+    def metrics(self, node: Node, body: dict[str, Any]) -> None:
+        pool = self.pool
+        if "error" in body:  # a metric that cannot be sampled there: said once
+            name, why = body["error"]
+            body["error"] = [name, self.redact(str(why))]  # (what a command printed)
+            pool._console.say(f"node {node.rank}: metric {name!r} is off: {body['error'][1]}")
+        pool._observer.samples(node.rank, body, pool.pool_id)
 
     def output(self, node: Node, stream: int, lines: list[str], local_rank: int = 0) -> None:
         if self.pool._secrets:  # the one point task output passes, to console or sink
             lines = [redact(line, self.pool._secrets) for line in lines]
+        if self.pool._observer.logging:
+            self.pool._observer.lines(node.rank, node.global_rank(local_rank), stream, lines)
         sink = self.pool.output_sink
         if sink is None:
             self.pool._console.lines(node.rank, node.global_rank(local_rank), stream, lines)
@@ -784,3 +951,16 @@ def _resource(name: str, value: object, example: str) -> float | None:
     if value == float("inf"):
         raise ConfigurationError(f"{name} must be a finite number ({example}), got {value!r}")
     return float(value)
+
+
+def _observe_config(metrics: tuple[Metric, ...], provider: Any) -> Config:
+    """What CONFIG tells the agents of the metrics (``_node/metrics.py``): their specs and
+    where usage is measured: the node's own process tree where the provider's nodes share
+    one machine (local processes, containers, pods), else the machine (or its cgroup)."""
+    if not metrics:
+        return {}
+    names = {
+        type(p).__name__ for p in (provider if isinstance(provider, list | tuple) else [provider])
+    }
+    shared = bool(names & {"Local", "Container", "Kubernetes"})
+    return {"metrics": specs(metrics), "metrics_scope": "tree" if shared else "host"}

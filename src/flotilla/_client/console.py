@@ -114,6 +114,8 @@ class Console:
         self.bars: dict[tuple[int, int, int], str] = {}
         self.throttles: dict[tuple[int, int, int], Throttle] = {}
         self._live: Live | None = None
+        # while calls run: a row per node with its metrics (node -> its text), see stats()
+        self.stat_rows: dict[int, str] = {}
 
     # -- where things go -----------------------------------------------------------------
     @property
@@ -218,6 +220,19 @@ class Console:
             if throttle.due():
                 self._emit(stream, prefix(node, rank), node, [text])
 
+    def stats(self, rows: dict[int, str]) -> None:
+        """While calls run (on a terminal): a row per node with its phase and latest
+        metrics (``rows``: node -> text, ``observe.stat_row``); ``{}`` removes them."""
+        with self.lock:
+            if not self.live:
+                return
+            had = bool(self.stat_rows)
+            self.stat_rows = rows
+            if rows:
+                self._ensure_live()
+            elif had:
+                self._refresh()
+
     def say(self, text: str) -> None:
         """A message of flotilla's own: ``flotilla: text`` on stderr."""
         with self.lock:
@@ -229,7 +244,7 @@ class Console:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            self.rows, self.bars = {}, {}
+            self.rows, self.bars, self.stat_rows = {}, {}, {}
             self._stop_live()
 
     # -- drawing ---------------------------------------------------------------------------
@@ -266,7 +281,8 @@ class Console:
             console=console,
             refresh_per_second=8,
             transient=True,
-            redirect_stdout=False,
+            # while rows are drawn, what the program prints goes above them
+            redirect_stdout=_is_tty(self.out) and self.out is sys.stdout,
             redirect_stderr=False,
         )
         self._live.start()
@@ -280,7 +296,7 @@ class Console:
         """Redraw now, or stop drawing when there is nothing left to show."""
         if self._live is None:
             return
-        if not self.rows and not self.bars:
+        if not self.rows and not self.bars and not self.stat_rows:
             self._stop_live()
         else:
             self._live.refresh()
@@ -292,8 +308,19 @@ class Console:
         # no lock here: Live calls this from its thread while another may hold the lock
         # and wait for that thread to stop; copies of the dicts are consistent enough
         rows, bars = self.rows.copy(), self.bars.copy()
+        stat_rows = {} if rows else self.stat_rows.copy()
         now = time.monotonic()
         out: list[Text] = []
+        if len(stat_rows) > ROWS_AT_MOST + 1:  # many nodes: the summary row instead
+            stat_rows = {-1: stat_rows[-1]} if -1 in stat_rows else {}
+        else:
+            stat_rows.pop(-1, None)
+        for node, text in sorted(stat_rows.items()):
+            row = Text(no_wrap=True, overflow="ellipsis")
+            if node >= 0:
+                row.append(prefix(node), style=node_color(node) if self.color else None)
+            row.append(text, style="dim")
+            out.append(row)
         if rows:
             elapsed = now - self.started
             out.append(Text(f"flotilla: {self.title} {len(rows)} node(s) {elapsed:4.1f}s"))

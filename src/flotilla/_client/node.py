@@ -179,6 +179,7 @@ class Submission:
     collected: list[bytes | bytearray] | None = None  # else its values (once it yields)
     pumps: list[Any] | None = None  # its streamed arguments (feeds.py)
     placed: threading.Event | None = None  # set once sent (for streamed arguments)
+    started_at: float = 0.0  # when its node said it started (STARTED), monotonic
 
 
 class NodeEvents:
@@ -216,6 +217,17 @@ class NodeEvents:
     def state(self, node: Node, stream: int, text: str, local_rank: int = 0) -> None:
         """A task redrew its unfinished line with ``\\r`` (a progress bar): ``text`` is
         what the line shows now."""
+
+    def task_started(self, node: Node, sub: Submission) -> None:
+        """The node gave ``sub`` to a process (STARTED)."""
+
+    def task_finished(
+        self, node: Node, sub: Submission, status: int, body: bytes | bytearray
+    ) -> None:
+        """``sub`` ended on the node (its RESULT, before the call is settled)."""
+
+    def metrics(self, node: Node, body: dict[str, Any]) -> None:
+        """The node's metric samples (a METRICS frame, ``_node/metrics.py``)."""
 
 
 class Node:
@@ -425,11 +437,14 @@ class Node:
                     sub.mapped = False
                     if not self.inflight:
                         self.flush_output()
+                    self.events.task_finished(self, sub, status, body)
                     self._on_result(self, sub, status, body)
             elif kind == Kind.STARTED:
                 sub = self.inflight.get(ident)
                 if sub is not None:
                     sub.started = True
+                    sub.started_at = time.monotonic()
+                    self.events.task_started(self, sub)
             elif kind == Kind.OUTPUT:
                 self._output(ident, bytes(body))
             elif kind == Kind.YIELD:
@@ -457,6 +472,8 @@ class Node:
                 self.events.build_output(self, bytes(body))
             elif kind == Kind.BUILD:
                 self.events.building(self, json.loads(body))
+            elif kind == Kind.METRICS:
+                self.events.metrics(self, json.loads(body))
 
     def _on_have(self, info: dict[str, Any]) -> None:
         """The agent holds a relayed payload, checked, or failed to get it: then the

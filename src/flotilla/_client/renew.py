@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from .._errors import ProvisionError
@@ -73,6 +73,8 @@ class Renewals:
         self.allocation: Allocation | None = None
         self.replaced = 0
         self.starting: list[Node] = []
+        self.gate: Callable[[list[Node]], Awaitable[None]] | None = None
+        """Awaited with the new nodes before they serve (raises: not replaced)."""
         self._reported: dict[int, str] = {}  # rank -> what the provider said of its loss
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -182,6 +184,8 @@ class Renewals:
             fresh = self.bringup.nodes(ranks, procs)
             self.starting += fresh
             await self.bringup.bring_up(fresh, self.dispatcher.nodes)
+            if self.gate is not None:  # e.g. a health check the new nodes pass first
+                await self.gate(fresh)
         except asyncio.CancelledError:
             for node in fresh:
                 node.state = NodeState.CLOSED

@@ -112,6 +112,7 @@ class Agent:
         }
         self.volumes: Any = None  # the volumes helper (_node/volumes.py), while it runs
         self.pending_volumes: dict[str, Any] | None = None  # CONFIG's, until it starts
+        self.sampler: Any = None  # the node's metrics (_node/metrics.py), once configured
         self.cloud: Any = None  # on a cloud instance: its watchdog's contact (see cloud.py)
         self.cloud_env = os.environ.get("FLOTILLA_CLOUD")  # kept for a switch of interpreter
         if "FLOTILLA_CLOUD" in os.environ:
@@ -143,6 +144,8 @@ class Agent:
             min(self.last_seen + self.heartbeat_timeout, self.next_beat)
         )
         wake = self.relay.next_deadline(wake)
+        if self.sampler is not None:
+            wake = min(wake, self.sampler.due)
         if self.stopping:
             wake = min(wake, self.stop_deadline)
         return max(0.0, wake - time.monotonic())
@@ -166,6 +169,13 @@ class Agent:
             return
         self.executors.check_timeouts(now)
         self.relay.check(now)
+        if self.sampler is not None and now >= self.sampler.due:
+            try:
+                self.sampler.tick(now)
+            except Exception as e:  # metrics never take the node down
+                self._log(f"metrics are off on this node: {type(e).__name__}: {e}")
+                self.sampler.close()
+                self.sampler = None
 
     def _watch_writes(self) -> None:
         """Watch for writability exactly the outboxes that have something queued."""
@@ -300,6 +310,7 @@ class Agent:
         # whose Image may install the FUSE tool
         self.pending_volumes = config.pop("volumes", None)
         self.config = config
+        self._start_metrics(config)
         self.executors.configure(config, blob)
         image = config.get("image")
         if image:
@@ -315,6 +326,29 @@ class Agent:
                     self._start_build(b"")
                 return
         self._environment_ready()
+
+    def _start_metrics(self, config: Config) -> None:
+        """Sample the metrics CONFIG asks for (none: no sampler, no cost)."""
+        specs = config.get("metrics")
+        if not specs or self.sampler is not None:
+            return
+        from .metrics import Sampler, encode
+
+        def watch(fd: int, callback: Callable[[], None] | None) -> None:
+            if callback is None:
+                self.sel.unregister(fd)
+            else:
+                self.sel.register(fd, False, callback)
+
+        def send(body: dict[str, Any]) -> None:
+            self.client.send(frame(Kind.METRICS, 0, encode(body)))
+
+        try:
+            self.sampler = Sampler(
+                specs, str(config.get("metrics_scope", "host")), send, watch, os.getpid()
+            )
+        except Exception as e:  # metrics never keep a node from serving
+            self._log(f"metrics are off on this node: {type(e).__name__}: {e}")
 
     def _environment_ready(self) -> None:
         """The environment is there: set up the volumes (then start), or start."""
@@ -497,6 +531,8 @@ class Agent:
         self.executors.stop()
 
     def _cleanup(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         self.relay.close()
         self.executors.kill_all()
         if self.builder is not None:  # a build stops on SIGTERM, removing its folder

@@ -88,6 +88,9 @@ class Options:
             with a sha256 at every hop, but not encrypted between the nodes: see
             ``_client/fanout.py``). False: the client sends every node its own copy over
             its own connection (SSH), as smaller broadcasts always go.
+        health_checker: Skyward's :class:`flotilla.HealthChecker`: a check every node
+            passes before its first call, and that replaces a node after its failures in
+            a row (see ``flotilla/_health.py``); None (default): none.
     """
 
     cluster: bool = True
@@ -100,6 +103,7 @@ class Options:
     worker: Worker | None = None
     scale_down_after: float = 60.0
     relay: bool = True
+    health_checker: Any = None
 
     def __repr__(self) -> str:  # env values may be secrets: never shown
         from .._redaction import shown_env
@@ -111,6 +115,7 @@ class Options:
             f"replace_lost_nodes={self.replace_lost_nodes!r}, "
             f"scale_down_after={self.scale_down_after!r}"
             + ("" if self.relay else ", relay=False")
+            + ("" if self.health_checker is None else f", health_checker={self.health_checker!r}")
             + ")"
         )
 
@@ -123,6 +128,14 @@ class Options:
             object.__setattr__(self, "start_timeout", self.provision_timeout)
         if not isinstance(self.relay, bool):
             raise ConfigurationError(f"Options.relay must be True or False, got {self.relay!r}")
+        if self.health_checker is not None:
+            from .._health import HealthChecker
+
+            if not isinstance(self.health_checker, HealthChecker):
+                raise ConfigurationError(
+                    "Options.health_checker must be a flotilla.HealthChecker(fn, interval=...), "
+                    f"got {type(self.health_checker).__name__}"
+                )
         if not isinstance(self.replace_lost_nodes, bool):
             raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"

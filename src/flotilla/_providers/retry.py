@@ -54,7 +54,7 @@ TRANSIENT_CODES = frozenset(
         "IDPCommunicationError",
     }
 )
-"""Error codes of an API's answer (AWS's ``Error.Code``) worth another try."""
+"""Error codes of an API's answer (AWS's `Error.Code`) worth another try."""
 TRANSIENT_WORDS = (
     # kubectl, from the API server or the connection to it
     "(InternalError)",

@@ -66,6 +66,8 @@ class Config(TypedDict, total=False):
     shm_prefix: str  # set by the agent: "" when the node does not share the client's
     image_dir: str  # set by the agent: the Image's environment on this node
     local_rank: int  # set per executor
+    metrics: list[dict[str, Any]]  # the metrics the agent samples (``_node/metrics.py``)
+    metrics_scope: str  # "tree": the node's own processes (nodes share a machine); "host"
 
 
 class Ready(TypedDict, total=False):

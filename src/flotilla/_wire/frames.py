@@ -74,6 +74,7 @@ class Kind(IntEnum):
     # a yielding task's caller closed its iterator: GeneratorExit is thrown into the
     # generator where it waits (at a yield), its finally runs, the process stays
     CLOSE = 30  # client -> agent -> executor; ident=task id
+    METRICS = 31  # agent -> client; JSON: the node's metric samples (_node/metrics.py)
 
 
 class Status(IntEnum):

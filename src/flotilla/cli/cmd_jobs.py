@@ -45,6 +45,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise CLIError(f"cluster {paths.name} has no job {job_id} (see `flotilla queue`)")
     if args.node is not None and not 0 <= args.node < rec.num_nodes:
         raise CLIError(f"cluster {paths.name} has nodes 0 to {rec.num_nodes - 1}", code=2)
+    if getattr(args, "export", None):  # --export jsonl|md FILE
+        fmt, target = args.export
+        if fmt not in ("jsonl", "md"):
+            raise CLIError(f"--export {fmt}: the formats are jsonl and md (--export md FILE)", 2)
+        from .observe import export
+
+        return export(paths, job_id, fmt, target)
     live = not JobStatus(job.status).finished and rec.observed_state() in (
         ClusterState.UP,
         ClusterState.STARTING,

@@ -41,6 +41,7 @@ from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner
 from .jobspec import JobSpec, task_id
 from .node_ops import node_facts
+from .observe import EventLog
 from .state import (
     ClusterRecord,
     ClusterState,
@@ -74,6 +75,7 @@ class ClusterDaemon:
         self.autodown = record.autodown  # the idle limit tears down instead of stopping
         self.idle = record.idle_minutes * 60 if record.idle_minutes is not None else None
         self.pool: Compute | None = None
+        self.event_log: EventLog | None = None  # events.jsonl and top.json (observe.py)
         self.runner: Runner | None = None
         self.nodes: list[NodeRecord] = []
         self.error = ""  # why provisioning failed
@@ -199,6 +201,8 @@ class ClusterDaemon:
         if self.pool is not None:  # stopped: the nodes' disks stay (a provider that can)
             self.backend.before_close(self.pool.provider, keep=not self.delete_on_stop)
             self.pool.close()
+            if self.event_log is not None:
+                self.event_log.stop()
             self._record_cost("down", self.pool)
         if self.server is not None:
             self.server.close()
@@ -266,6 +270,9 @@ class ClusterDaemon:
                 volumes=self.volumes,
                 plugins=engine_plugins(self.engines),
             )
+            self.event_log = EventLog(self.paths)
+            pool._observer.add_sink(self.event_log.sink)  # its events: `flotilla events`
+            pool.listed = False  # `flotilla top` shows it as the cluster
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
             pool.on_replaced = self._on_replaced
@@ -274,6 +281,7 @@ class ClusterDaemon:
                     return
             pool.open()
             self.pool = pool
+            self.event_log.start(pool.view)  # `flotilla top`
             self._record_cost("up", pool)
             shared = self.backend.shares_filesystem
             self.nodes = self._node_records()
@@ -390,6 +398,8 @@ class ClusterDaemon:
         return job
 
     def _save_job(self, job: Job) -> None:
+        if self.event_log is not None:
+            self.event_log.job(job.id, job.status.value, job.spec.name or "")
         with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
             rec.jobs = [job.record() if j.id == job.id else j for j in rec.jobs]
             rec.last_activity = time.time()

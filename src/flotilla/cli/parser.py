@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--node", type=index("--node"), help="only this node's output")
     q.set_defaults(func=cmd_logs)
+    logs = q
 
     q = sub.add_parser("cancel", help="stop jobs on every node")
     q.add_argument("cluster")
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cmd_market import add_parsers
 
     add_parsers(sub)  # show-gpus, check, cost-report
+    from .observe import add_parsers as add_observe
+
+    add_observe(sub, logs)  # top, events, logs --export
     return p
 
 

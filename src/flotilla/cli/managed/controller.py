@@ -44,10 +44,12 @@ from ..._errors import FlotillaError
 from ..._providers.base import Options
 from ..._system import procs
 from ..._volume import Volume
+from ...events import JobState
 from ..backends import registry
 from ..jobs import Failure, Job, Runner
 from ..jobspec import JobSpec, task_id
 from ..node_ops import node_facts
+from ..observe import EVENTS, append_event
 from ..state import JobStatus, NodeRecord
 from .recovery import Cause, JobRecovery, RecoveryPolicy
 from .state import JobsHome, ManagedJobState
@@ -125,10 +127,15 @@ class Controller:
 
     # -- the record and the job's log -------------------------------------------------------
     def _set(self, **changes: Any) -> None:
+        was = self.record.state
         with contextlib.suppress(FlotillaError, OSError), self.home.update(self.id) as rec:
             for name, value in changes.items():
                 setattr(rec, name, value)
             self.record = rec
+        if "state" in changes and changes["state"] != was:  # `flotilla events ID`
+            why = str(changes.get("error") or "")
+            event = JobState(job=str(self.id), state=str(changes["state"]), detail=why)
+            append_event(self.home.dir(self.id) / EVENTS, event)
 
     def note(self, text: str) -> None:
         """A controller message in the job's log (``flotilla: ...``) and its own log."""
