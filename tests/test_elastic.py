@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _hosts import Lab, TestHost, lab_unavailable
@@ -145,6 +146,37 @@ def test_a_shrink_during_map_loses_no_call() -> None:
             if shrunk_during_map:
                 break
         assert shrunk_during_map
+
+
+@sky.function
+def hold_until(name: str) -> str:
+    """Busy until the client puts something in the queue ``name``."""
+    return str(sky.queue(name).get(timeout=120))
+
+
+def test_a_call_placed_on_a_node_released_meanwhile_goes_to_another() -> None:
+    """The interleaving a shrink during ``map`` can meet: the dispatcher chose the last
+    node for a call, and the shrink released that node (it was idle) before the call was
+    written. The call is placed again (it waited for a free slot here), not lost: it used
+    to fail with an IndexError (the released rank was looked up among the nodes left)."""
+    with sky.Compute(
+        nodes=sky.Nodes(2, max=3), options=sky.Options(autoscale_idle_timeout=600)
+    ) as pool:
+        d = pool._dispatcher
+        busy = hold_until("go") > pool  # node 0 busy: the next call goes to node 1
+        assert wait_until(lambda: any(d.nodes[0].busy), timeout=30)
+        last = d.nodes[-1]
+        send = last.send
+
+        def released_first(subs: list[Any]) -> None:
+            assert d.remove_idle(last, lambda nodes, to: []) is not None  # the shrink won
+            send(subs)
+
+        last.send = released_first  # type: ignore[method-assign]
+        moved = where(1) > pool
+        pool.queue("go").put("now")
+        assert busy.result(timeout=60) == "now"
+        assert moved.result(timeout=60)[:2] == (1, 0)
 
 
 def _down(decision: str) -> bool:
