@@ -19,6 +19,7 @@ from _procs import assert_all_gone, processes_in, wait_until
 
 import flotilla as sky
 from flotilla._providers.base import Allocation, Machine, PoolSpec, Provider
+from flotilla._providers.offers import Offer
 
 
 @sky.function
@@ -177,6 +178,39 @@ def test_a_call_placed_on_a_node_released_meanwhile_goes_to_another() -> None:
         pool.queue("go").put("now")
         assert busy.result(timeout=60) == "now"
         assert moved.result(timeout=60)[:2] == (1, 0)
+
+
+class _Priced(sky.Local):
+    """The local provider, with a price per node-hour (as a cloud's offers have)."""
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        return [Offer("local", None, 0, 1.0, "here", False, "a process")]
+
+
+def test_growth_stops_at_what_max_hourly_cost_buys(capfd: pytest.CaptureFixture[str]) -> None:
+    options = sky.Options(autoscale_idle_timeout=600)
+    with sky.Compute(
+        _Priced(), nodes=sky.Nodes(1, max=4), options=options, max_hourly_cost=2.5
+    ) as pool:
+        assert len(pool.map(slow, range(8))) == 8  # 7 queued: 4 wanted, 2 bought
+        elastic = pool._elastic
+        assert elastic is not None and elastic.cap == 2
+        assert elastic.decisions and all(int(d.split()[3]) <= 2 for d in elastic.decisions)
+        with pytest.raises(sky.ConfigurationError, match=r"max \(2\) \(max_hourly_cost buys 2\)"):
+            pool.resize(3)
+    assert "autoscaler: 1 -> 2 node(s): 7 call(s) queued" in capfd.readouterr().err
+
+
+def test_a_torch_group_scales_to_zero_and_starts_a_new_group() -> None:
+    """A group pool with ``min=0``: idle, its group ends with its last node; the next
+    broadcast starts a new group of one."""
+    pytest.importorskip("torch")
+    options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
+    plugins = [sky.plugins.torch()]
+    with sky.Compute(nodes=sky.Nodes(1, max=2, min=0), plugins=plugins, options=options) as pool:
+        assert world() @ pool == [(1, 1.0, 1)]
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=120)
+        assert world() @ pool == [(1, 1.0, 1)]
 
 
 def _down(decision: str) -> bool:
