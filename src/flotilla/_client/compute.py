@@ -311,7 +311,7 @@ class Compute(PoolCollections, Pool):
         if self.size.elastic and not self.provider.elastic:
             raise ConfigurationError(
                 f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
-                "only (elastic pools: Local, SSH and Container); pass a number of nodes"
+                "only (elastic pools: Local, SSH, Container and Kubernetes); pass a number of nodes"
             )
         acc = spec.accelerator
         if (
