@@ -79,8 +79,8 @@ class Compute(PoolCollections, Pool):
             a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
             max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; local and SSH
-            providers).
+            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
+            Container and Kubernetes providers).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -311,7 +311,8 @@ class Compute(PoolCollections, Pool):
         if self.size.elastic and not self.provider.elastic:
             raise ConfigurationError(
                 f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
-                "only (elastic pools: Local, SSH, Container and Kubernetes); pass a number of nodes"
+                "only (elastic pools: Local, SSH, Container and Kubernetes); "
+                "pass a number of nodes"
             )
         acc = spec.accelerator
         if (
