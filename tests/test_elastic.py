@@ -443,6 +443,22 @@ def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:
     assert lab.wait_no_agents(timeout=10) == {}
 
 
+def test_ssh_pool_born_empty_scales_to_zero_and_wakes(lab: Lab) -> None:
+    """``Nodes(0, max=2, min=0)`` on SSH hosts: no agent before the first call, a burst on
+    up to 2 hosts, no agent once idle, and the next broadcast starts one again."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0)
+    nodes = sky.Nodes(0, max=2, min=0)
+    with sky.Compute(provider=lab.provider(), nodes=nodes, options=options) as pool:
+        assert pool.current_nodes() == 0 and lab.agent_pids() == {}
+        out = pool.map(where, range(40))
+        assert [i for i, _, _ in out] == list(range(40))
+        assert {node for _, node, _ in out} <= {0, 1}
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=60)
+        assert lab.wait_no_agents(timeout=30) == {}
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
+    assert lab.wait_no_agents(timeout=10) == {}
+
+
 def test_ssh_starts_retry_with_backoff_when_sshd_drops_connections(lab: Lab) -> None:
     """An sshd that drops unauthenticated connections beyond two (``MaxStartups 2``):
     eight nodes on it start all the same (paced, and dropped attempts are tried again)."""
