@@ -227,6 +227,25 @@ def test_a_pool_opens_with_min_and_grows_to_desired() -> None:
         assert [s[:3] for s in seen] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 
+def test_a_pool_that_opens_early_without_a_max_keeps_its_size() -> None:
+    """``Nodes(3, min=1)`` is Skyward's "fixed, start early": ``min`` is when it opens,
+    not a floor to shrink to (no max: no autoscaling), however long it is idle."""
+    from flotilla._client import loop
+
+    options = sky.Options(autoscale_idle_timeout=0, autoscale_cooldown=0)
+    with sky.Compute(nodes=sky.Nodes(3, min=1), options=options) as pool:
+        assert wait_until(lambda: pool.current_nodes() == 3, timeout=60)
+        elastic = pool._elastic
+        assert elastic is not None
+
+        async def decide() -> None:
+            for _ in range(3):  # idle from the first look on: a shrink would be decided
+                elastic._scale()
+
+        loop.run(decide())
+        assert (elastic.target, elastic.decisions, pool.current_nodes()) == (3, [], 3)
+
+
 def test_a_pool_grows_under_map_and_shrinks_when_idle(capfd: pytest.CaptureFixture[str]) -> None:
     options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
     with sky.Compute(nodes=(1, 3), options=options) as pool:

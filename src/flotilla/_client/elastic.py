@@ -324,6 +324,8 @@ class Elastic:
             if wanted > self.target:
                 self._decide(wanted, f"{queued} call(s) queued, {self.slots} slot(s) a node")
             return
+        if not self.size.auto_scaling:  # Nodes(8, min=4): a fixed pool that opens early
+            return
         pending = self._attempts or self._arrived or self._joining or self.starting
         if pending or self._changing.locked() or n <= self.floor or self.target > n:
             self._low_since = 0.0
