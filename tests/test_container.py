@@ -272,6 +272,37 @@ def test_two_containers_form_a_cluster_on_their_network(container_lab: Container
     assert network not in container_lab.networks()
 
 
+@sky.function
+def node_of(i: int) -> tuple[int, int, str]:
+    import socket
+
+    return i, sky.instance_info().node, socket.gethostname()
+
+
+def test_an_elastic_pool_of_containers_starts_empty_and_scales_to_zero(
+    container_lab: ContainerLab,
+) -> None:
+    """``Nodes(0, max=2, min=0)``: no container before the first call; a burst runs on up
+    to 2 containers (run as the pool grows); idle, every container is removed (the
+    network stays until the pool closes), and the next call runs one again."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0, start_timeout=300)
+    provider = container_lab.provider()
+    with sky.Compute(provider, nodes=sky.Nodes(0, max=2, min=0), options=options) as pool:
+        pool_id = pool.pool_id
+        assert pool.current_nodes() == 0 and container_lab.containers(pool_id) == []
+        out = pool.map(node_of, range(20))
+        assert [i for i, _, _ in out] == list(range(20))
+        assert {node for _, node, _ in out} <= {0, 1}
+        assert 1 <= len({host for _, _, host in out}) <= 2
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=120)
+        assert wait_until(lambda: container_lab.containers(pool_id) == [], timeout=60)
+        assert f"flotilla-{pool_id}" in container_lab.networks()
+        assert (node_of(1) >> pool)[:2] == (1, 0)
+        assert len(container_lab.containers(pool_id)) == 1
+    assert container_lab.containers(pool_id) == []
+    assert f"flotilla-{pool_id}" not in container_lab.networks()
+
+
 def test_ddp_across_containers(container_lab: ContainerLab) -> None:
     pytest.importorskip("torch")
     provider = container_lab.provider()

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _hosts import Lab, TestHost, lab_unavailable
@@ -18,6 +19,7 @@ from _procs import assert_all_gone, processes_in, wait_until
 
 import flotilla as sky
 from flotilla._providers.base import Allocation, Machine, PoolSpec, Provider
+from flotilla._providers.offers import Offer
 
 
 @sky.function
@@ -43,9 +45,178 @@ def test_nodes_forms() -> None:
     assert not sky.Nodes(3).elastic
     spec = sky.Nodes(4, min=2, max=6)
     assert (spec.least, spec.desired, spec.most, spec.elastic) == (2, 4, 6, True)
-    for bad in ((0, 2), (2, "3"), "2"):
+    for bad in ((-1, 2), (2, "3"), "2", (1, 2, 3)):
         with pytest.raises(sky.ConfigurationError, match="nodes"):
             sky.Nodes.of(bad)
+
+
+def test_nodes_take_skywards_order_meaning_and_messages() -> None:
+    """``Nodes(desired, max, min)`` as skyward/api/spec.py has it: ``Nodes(2, 8)`` is a pool
+    of 2 that grows up to 8 (it was ``min=8`` here, an error); ``(lo, hi)`` is
+    ``(desired, max)``; 0 is lazy start and scale to zero; Skyward's checks, in its words."""
+    assert sky.Nodes(2, 8) == sky.Nodes(desired=2, max=8) == sky.Nodes.of((2, 8))
+    assert (sky.Nodes(2, 8).least, sky.Nodes(2, 8).most, sky.Nodes(2, 8).auto_scaling) == (
+        2,
+        8,
+        True,
+    )
+    empty = sky.Nodes(0, 4, 0)
+    assert (empty.desired, empty.max, empty.min, empty.least, empty.start) == (0, 4, 0, 0, 0)
+    assert sky.Nodes(0, max=4).least == 0  # min defaults to desired: it scales to zero too
+    assert sky.Nodes(2, max=8, min=4).start == 4  # more may be needed than desired
+    assert not sky.Nodes(3).auto_scaling and not sky.Nodes(3).elastic
+    for bad, message in (
+        (lambda: sky.Nodes(-1), r"Nodes\(-1\): desired must be >= 0, got -1"),
+        (lambda: sky.Nodes(4, 1), r"max \(1\) must be >= desired \(4\)"),
+        (lambda: sky.Nodes(2, min=3), r"min \(3\) must be <= desired \(2\)"),
+        (lambda: sky.Nodes(2, 4, 5), r"min \(5\) must be <= max \(4\)"),
+        (lambda: sky.Nodes(2, 4, -1), r"min must be >= 0, got -1"),
+        (lambda: sky.Nodes.of("2"), r"nodes must be int, tuple\[int, int\], or Nodes"),
+        (lambda: sky.Compute(nodes=(4, 1)), r"max \(1\) must be >= desired \(4\)"),
+    ):
+        with pytest.raises(sky.ConfigurationError, match=message):
+            bad()
+
+
+def test_nodes_2_8_on_local_is_elastic_up_to_8() -> None:
+    options = sky.Options(autoscale_idle_timeout=600)
+    with sky.Compute(nodes=sky.Nodes(2, 8), options=options) as pool:
+        assert pool.current_nodes() == 2
+        assert len(pool.map(slow, range(16))) == 16  # 14 queued: up by ceil(14 / 1), to 8
+        assert pool._elastic is not None and pool._elastic.target == 8
+        assert wait_until(lambda: pool.current_nodes() == 8, timeout=120)
+        assert [s[:3] for s in place() @ pool] == [(r, 8, 8) for r in range(8)]
+        with pytest.raises(sky.ConfigurationError, match=r"within its min \(2\) and max \(8\)"):
+            pool.resize(9)
+        pool.resize(3)  # manual, within the bounds: idle nodes go, the last first
+        assert wait_until(lambda: pool.current_nodes() == 3, timeout=60)
+        assert [s[:3] for s in place() @ pool] == [(r, 3, 3) for r in range(3)]
+
+
+@sky.function
+def where(i: int) -> tuple[int, int, int]:
+    """(i, node, pid)."""
+    return i, sky.instance_info().node, os.getpid()
+
+
+def test_a_pool_born_empty_runs_a_burst_and_scales_to_zero(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``Nodes(0, max=4, min=0)``: no node before the first call; a burst of 200 calls runs
+    on up to 4; idle, every node goes (the head too), and the next broadcast or call starts
+    one again. The collections live in the client: they answer while the pool is empty."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0)
+    provider = sky.Local(workdir=str(tmp_path))
+    with sky.Compute(provider, nodes=sky.Nodes(0, max=4, min=0), options=options) as pool:
+        assert pool.current_nodes() == 0 and not processes_in(tmp_path)
+        pool.dict("kept")["a"] = 1  # the collections answer with no node
+        with pytest.raises(sky.ConfigurationError, match=r"has 0 node.*starts nodes on its next"):
+            pool.submit_broadcast(place(), nodes=[0])
+        out = pool.map(where, range(200))
+        assert [i for i, _, _ in out] == list(range(200))
+        assert {node for _, node, _ in out} <= {0, 1, 2, 3}
+        elastic = pool._elastic
+        assert elastic is not None and max(int(d.split()[3]) for d in elastic.decisions) <= 4
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=60)  # scaled to zero
+        assert wait_until(lambda: not processes_in(tmp_path), timeout=30), processes_in(tmp_path)
+        assert pool.dict("kept")["a"] == 1
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]  # a broadcast wakes it
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=60)
+        assert (where(7) >> pool)[:2] == (7, 0)  # and so does a single call
+    err = capfd.readouterr().err
+    assert "the pool is empty: its first call starts nodes (up to 4)" in err
+    assert "autoscaler: 0 -> 4 node(s): 200 call(s) queued" in err
+    assert "the pool is empty: its next call starts a node" in err
+
+
+def test_a_shrink_during_map_loses_no_call() -> None:
+    """Decisions to shrink come while calls are being placed (the pool is under a third
+    busy at every moment between short calls: no idle timeout, no cooldown): every call
+    still runs exactly once, and only idle nodes go."""
+    options = sky.Options(autoscale_idle_timeout=0, autoscale_cooldown=0)
+    with sky.Compute(nodes=sky.Nodes(1, max=4), options=options) as pool:
+        elastic = pool._elastic
+        assert elastic is not None
+        shrunk_during_map = False
+        for _ in range(20):
+            before = len(elastic.decisions)
+            out = pool.map(where, range(300))
+            assert [i for i, _, _ in out] == list(range(300))
+            during = elastic.decisions[before:]
+            shrunk_during_map = any(_down(d) for d in during)
+            if shrunk_during_map:
+                break
+        assert shrunk_during_map
+
+
+@sky.function
+def hold_until(name: str) -> str:
+    """Busy until the client puts something in the queue ``name``."""
+    return str(sky.queue(name).get(timeout=120))
+
+
+def test_a_call_placed_on_a_node_released_meanwhile_goes_to_another() -> None:
+    """The interleaving a shrink during ``map`` can meet: the dispatcher chose the last
+    node for a call, and the shrink released that node (it was idle) before the call was
+    written. The call is placed again (it waited for a free slot here), not lost: it used
+    to fail with an IndexError (the released rank was looked up among the nodes left)."""
+    with sky.Compute(
+        nodes=sky.Nodes(2, max=3), options=sky.Options(autoscale_idle_timeout=600)
+    ) as pool:
+        d = pool._dispatcher
+        busy = hold_until("go") > pool  # node 0 busy: the next call goes to node 1
+        assert wait_until(lambda: any(d.nodes[0].busy), timeout=30)
+        last = d.nodes[-1]
+        send = last.send
+
+        def released_first(subs: list[Any]) -> None:
+            assert d.remove_idle(last, lambda nodes, to: []) is not None  # the shrink won
+            send(subs)
+
+        last.send = released_first  # type: ignore[method-assign]
+        moved = where(1) > pool
+        pool.queue("go").put("now")
+        assert busy.result(timeout=60) == "now"
+        assert moved.result(timeout=60)[:2] == (1, 0)
+
+
+class _Priced(sky.Local):
+    """The local provider, with a price per node-hour (as a cloud's offers have)."""
+
+    def offers(self, spec: PoolSpec) -> list[Offer] | None:
+        return [Offer("local", None, 0, 1.0, "here", False, "a process")]
+
+
+def test_growth_stops_at_what_max_hourly_cost_buys(capfd: pytest.CaptureFixture[str]) -> None:
+    options = sky.Options(autoscale_idle_timeout=600)
+    with sky.Compute(
+        _Priced(), nodes=sky.Nodes(1, max=4), options=options, max_hourly_cost=2.5
+    ) as pool:
+        assert len(pool.map(slow, range(8))) == 8  # 7 queued: 4 wanted, 2 bought
+        elastic = pool._elastic
+        assert elastic is not None and elastic.cap == 2
+        assert elastic.decisions and all(int(d.split()[3]) <= 2 for d in elastic.decisions)
+        with pytest.raises(sky.ConfigurationError, match=r"max \(2\) \(max_hourly_cost buys 2\)"):
+            pool.resize(3)
+    assert "autoscaler: 1 -> 2 node(s): 7 call(s) queued" in capfd.readouterr().err
+
+
+def test_a_torch_group_scales_to_zero_and_starts_a_new_group() -> None:
+    """A group pool with ``min=0``: idle, its group ends with its last node; the next
+    broadcast starts a new group of one."""
+    pytest.importorskip("torch")
+    options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
+    plugins = [sky.plugins.torch()]
+    with sky.Compute(nodes=sky.Nodes(1, max=2, min=0), plugins=plugins, options=options) as pool:
+        assert world() @ pool == [(1, 1.0, 1)]
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=120)
+        assert world() @ pool == [(1, 1.0, 1)]
+
+
+def _down(decision: str) -> bool:
+    """Whether an autoscaler line ("autoscaler: 4 -> 2 node(s): ...") is a shrink."""
+    words = decision.split()
+    return int(words[3]) < int(words[1])
 
 
 def test_a_pool_opens_with_min_and_grows_to_desired() -> None:
@@ -56,8 +227,27 @@ def test_a_pool_opens_with_min_and_grows_to_desired() -> None:
         assert [s[:3] for s in seen] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 
+def test_a_pool_that_opens_early_without_a_max_keeps_its_size() -> None:
+    """``Nodes(3, min=1)`` is Skyward's "fixed, start early": ``min`` is when it opens,
+    not a floor to shrink to (no max: no autoscaling), however long it is idle."""
+    from flotilla._client import loop
+
+    options = sky.Options(autoscale_idle_timeout=0, autoscale_cooldown=0)
+    with sky.Compute(nodes=sky.Nodes(3, min=1), options=options) as pool:
+        assert wait_until(lambda: pool.current_nodes() == 3, timeout=60)
+        elastic = pool._elastic
+        assert elastic is not None
+
+        async def decide() -> None:
+            for _ in range(3):  # idle from the first look on: a shrink would be decided
+                elastic._scale()
+
+        loop.run(decide())
+        assert (elastic.target, elastic.decisions, pool.current_nodes()) == (3, [], 3)
+
+
 def test_a_pool_grows_under_map_and_shrinks_when_idle(capfd: pytest.CaptureFixture[str]) -> None:
-    options = sky.Options(scale_down_after=0.5)
+    options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
     with sky.Compute(nodes=(1, 3), options=options) as pool:
         assert pool.nodes == 1
         assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
@@ -70,7 +260,9 @@ def test_a_pool_grows_under_map_and_shrinks_when_idle(capfd: pytest.CaptureFixtu
         assert_all_gone(grown, timeout=10, what="processes of the released nodes")
     err = capfd.readouterr().err  # one line per event
     assert "joined: the pool has 3 node(s)" in err
-    assert "node 2 released, idle for 0.5 s: the pool has 2 node(s)" in err
+    assert "autoscaler: 1 -> 3 node(s): " in err  # one line per decision
+    assert "autoscaler: 3 -> 1 node(s): idle for 0.5 s" in err
+    assert "node 2 released: the pool has 2 node(s)" in err
 
 
 def test_close_ends_the_pools_loop_when_it_is_cancelled_as_it_wakes() -> None:
@@ -79,7 +271,7 @@ def test_close_ends_the_pools_loop_when_it_is_cancelled_as_it_wakes() -> None:
     cancellation: the loop ran on and the pool's close never returned (a full-run hang)."""
     from flotilla._client import loop
 
-    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+    with sky.Compute(nodes=(1, 2), options=sky.Options(autoscale_idle_timeout=600)) as pool:
         elastic = pool._elastic
         assert elastic is not None
 
@@ -97,7 +289,7 @@ def test_close_ends_the_pools_loop_when_it_is_cancelled_as_it_wakes() -> None:
 def test_at_max_calls_queue_on_the_nodes_again() -> None:
     """Below max a call waits for a free process (so that the pool grows for it); at max
     calls queue on the nodes, with no round trip to the client between two of them."""
-    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+    with sky.Compute(nodes=(1, 2), options=sky.Options(autoscale_idle_timeout=600)) as pool:
         pool.map(slow, range(4))
         assert wait_until(lambda: pool.nodes == 2, timeout=30)
         futures = [pool.submit(slow(i)) for i in range(6)]
@@ -127,7 +319,7 @@ def world() -> tuple[int, float, int]:
 def _torch_group_resizes(provider: Provider | None) -> None:
     """A torch group pool of (1, 2) grows under queued calls and shrinks when idle, each
     time restarting its processes with the new world size."""
-    options = sky.Options(scale_down_after=5.0)
+    options = sky.Options(autoscale_idle_timeout=5.0, autoscale_cooldown=0)
     plugins = [sky.plugins.torch()]
     with sky.Compute(provider, nodes=(1, 2), plugins=plugins, options=options) as pool:
         assert world() @ pool == [(1, 1.0, 1)]
@@ -260,13 +452,29 @@ def test_a_group_joins_a_node_between_back_to_back_calls(lab: Lab) -> None:
 
 
 def test_ssh_pool_grows_under_map_and_shrinks_when_idle(lab: Lab) -> None:
-    options = sky.Options(scale_down_after=0.5)
+    options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
     with sky.Compute(provider=lab.provider(), nodes=(1, 3), options=options) as pool:
         out = pool.map(slow, range(9))
         assert {node for node, _, _ in out} == {0, 1, 2}
         assert wait_until(lambda: pool.nodes == 1, timeout=30)
         assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
         assert wait_until(lambda: len(lab.agent_pids()) == 1, timeout=15)  # released: gone
+    assert lab.wait_no_agents(timeout=10) == {}
+
+
+def test_ssh_pool_born_empty_scales_to_zero_and_wakes(lab: Lab) -> None:
+    """``Nodes(0, max=2, min=0)`` on SSH hosts: no agent before the first call, a burst on
+    up to 2 hosts, no agent once idle, and the next broadcast starts one again."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0)
+    nodes = sky.Nodes(0, max=2, min=0)
+    with sky.Compute(provider=lab.provider(), nodes=nodes, options=options) as pool:
+        assert pool.current_nodes() == 0 and lab.agent_pids() == {}
+        out = pool.map(where, range(40))
+        assert [i for i, _, _ in out] == list(range(40))
+        assert {node for _, node, _ in out} <= {0, 1}
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=60)
+        assert lab.wait_no_agents(timeout=30) == {}
+        assert [s[:3] for s in place() @ pool] == [(0, 1, 1)]
     assert lab.wait_no_agents(timeout=10) == {}
 
 

@@ -146,6 +146,32 @@ def test_a_deleted_pod_is_replaced_at_its_rank(k8s_lab: K8sLab) -> None:
     assert pool._renewals.replaced == 1
 
 
+@sky.function
+def pod_of(i: int) -> tuple[int, int, str]:
+    return i, sky.instance_info().node, os.environ.get("HOSTNAME", "")
+
+
+def test_an_elastic_pool_of_pods_starts_empty_and_scales_to_zero(k8s_lab: K8sLab) -> None:
+    """``Nodes(0, max=2, min=0)``: no pod before the first call; a burst runs on up to 2
+    pods (created as the pool grows); idle, every pod is deleted, and the next call
+    creates one again."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0, start_timeout=300)
+    nodes = sky.Nodes(0, max=2, min=0)
+    with sky.Compute(provider=provider(k8s_lab), nodes=nodes, options=options) as pool:
+        pool_id = pool.pool_id
+        assert pool.current_nodes() == 0 and pool_pods(k8s_lab, pool_id) == []
+        out = pool.map(pod_of, range(20))
+        assert [i for i, _, _ in out] == list(range(20))
+        assert {node for _, node, _ in out} <= {0, 1}
+        pods = {pod for _, _, pod in out}
+        assert 1 <= len(pods) <= 2 and all(p.startswith(f"flotilla-{pool_id}-") for p in pods)
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=120)
+        assert wait_until(lambda: live_pods(k8s_lab) == [], timeout=60), live_pods(k8s_lab)
+        assert (pod_of(1) >> pool)[:2] == (1, 0)
+        assert len(live_pods(k8s_lab)) == 1
+    assert wait_until(lambda: pool_pods(k8s_lab, pool_id) == [], timeout=60)
+
+
 def test_two_pod_gloo_ddp_through_the_torch_plugin(k8s_lab: K8sLab) -> None:
     pytest.importorskip("torch")
     with sky.Compute(

@@ -154,7 +154,7 @@ def wait_for(name: str) -> object:
 def test_a_call_that_waits_for_a_free_process_still_gets_its_streamed_argument() -> None:
     # an elastic pool below its max parks a call while every process is busy: its
     # streamed argument is sent once the call is on a node (it was cancelled)
-    with sky.Compute(nodes=(1, 2), options=sky.Options(scale_down_after=600)) as pool:
+    with sky.Compute(nodes=(1, 2), options=sky.Options(autoscale_idle_timeout=600)) as pool:
         busy = wait_for("free") > pool
         parked = total(iter(range(100))) > pool
         assert parked.result(timeout=60) == sum(range(100))

@@ -94,9 +94,10 @@ class Compute(PoolCollections, Pool):
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
             a list of providers: fallback, see ``allocation``.
-        nodes: number of nodes (>= 1), or an elastic pool: ``(desired, max)`` or
-            :class:`flotilla.Nodes` ``(desired, min=..., max=...)`` (see ``elastic.py``;
-            local and SSH providers).
+        nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
+            max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
+            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
+            Container and Kubernetes providers).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -234,7 +235,14 @@ class Compute(PoolCollections, Pool):
         self._renewals = Renewals(self._dispatcher, self._bringup, self._replaced)
         self._bringup.observe = _observe_config(self.metrics_config, provider)
         self._elastic = (
-            Elastic(size, self._dispatcher, self._bringup, options.scale_down_after)
+            Elastic(
+                size,
+                self._dispatcher,
+                self._bringup,
+                options.autoscale_idle_timeout,
+                options.autoscale_cooldown,
+                self.workers_per_node,
+            )
             if size.elastic
             else None
         )
@@ -343,7 +351,8 @@ class Compute(PoolCollections, Pool):
         if self.size.elastic and not self.provider.elastic:
             raise ConfigurationError(
                 f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
-                "only (elastic pools: Local and SSH); pass a number of nodes"
+                "only (elastic pools: Local, SSH, Container and Kubernetes); "
+                "pass a number of nodes"
             )
         acc = spec.accelerator
         if (
@@ -469,9 +478,21 @@ class Compute(PoolCollections, Pool):
         self._allocation = await self.provider.acquire(dataclasses.replace(spec, nodes=0))
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
+        if self.max_hourly_cost is not None:  # the autoscaler grows no further than it buys
+            offers = await asyncio.get_running_loop().run_in_executor(
+                None, self.provider.offers, spec
+            )
+            elastic.price_cap(offers[0].hourly if offers else None, self.max_hourly_cost)
         started = time.monotonic()
-        self._console.begin(range(self.size.least))
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        if not self.size.least:  # lazy start (desired=0), or scale to zero: nothing to wait for
+            await elastic.open(self._allocation, self.options.start_timeout)
+            if not self.size.start:
+                self._console.say(
+                    f"the pool is empty: its first call starts nodes (up to {elastic.cap})"
+                )
+            return
+        self._console.begin(range(self.size.least))
         await elastic.open(self._allocation, self.options.start_timeout)
         self._console.end(f"{self.nodes} node(s) ready in {time.monotonic() - started:.1f} s")
         self._ready(self._nodes)
@@ -771,8 +792,54 @@ class Compute(PoolCollections, Pool):
         A node being replaced (its agent was lost) gets its call once it is back."""
         self._check_running()
         call = as_call(call, "@")
+        elastic = self._elastic
+        while nodes is None and elastic is not None and not self._nodes:  # scaled to zero
+            _loop.run(elastic.wake(self.options.start_timeout))
+        present = len(self._nodes)
+        missing = [r for r in nodes or () if not 0 <= r < present]
+        if missing:
+            raise ConfigurationError(
+                f"nodes={list(nodes or ())}: the pool has {present} node(s) now "
+                f"(ranks 0..{present - 1}), no node {missing[0]}"
+                + (
+                    "; an elastic pool that scaled to zero starts nodes on its next call "
+                    "or broadcast to every node"
+                    if elastic is not None
+                    else ""
+                )
+            )
         ranks = None if nodes is None else [self._nodes[r].rank for r in nodes]
         return [s.future for s in self._dispatcher.broadcast(call, ranks)]
+
+    def current_nodes(self) -> int:
+        """The nodes serving now (Skyward's ``current_nodes()``): an elastic pool's
+        changes as it grows and shrinks (0 when it scaled to zero, or before it starts)."""
+        if self._state is not PoolState.RUNNING:
+            return 0
+        return len(self._dispatcher.nodes)
+
+    def resize(self, n: int) -> None:
+        """Head for ``n`` nodes now (an elastic pool; within its ``min`` and ``max``):
+        nodes are started or released (idle ones only, the last first) in the background;
+        :meth:`current_nodes` says how far it got. The autoscaler goes on from there
+        (an idle pool shrinks to ``min`` again after ``Options(autoscale_idle_timeout=...)``).
+        """
+        self._check_running()
+        elastic = self._elastic
+        if elastic is None or not self.size.auto_scaling:
+            raise ConfigurationError(
+                f"resize({n!r}): this pool has a fixed size ({self.size}); "
+                "an elastic pool has a max: nodes=(desired, max) or Nodes(desired, max=...)"
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or not elastic.floor <= n <= elastic.cap:
+            capped = (
+                f" (max_hourly_cost buys {elastic.cap})" if elastic.cap < self.size.most else ""
+            )
+            raise ConfigurationError(
+                f"resize({n!r}): the pool's size stays within its min ({elastic.floor}) and "
+                f"max ({elastic.cap}){capped}: {self.size}"
+            )
+        _loop.get_loop().call_soon_threadsafe(elastic.resize, n)
 
     def cancel(self, futures: Iterable[Future[Any]]) -> None:
         """Stop calls sent to this pool: a running one has its process replaced, a queued

@@ -289,7 +289,7 @@ class Dispatcher:
             try:
                 node.send(batch)
             except NodeLostError:
-                if self.replacer is None:
+                if self.replacer is None and node in self.nodes:  # (not: released by a shrink)
                     raise
                 for sub in batch:
                     self.place(sub, dead={node})
@@ -322,6 +322,9 @@ class Dispatcher:
                 else:
                     choice = self.least_busy(exclude, dead or ())
                     if choice is None:
+                        if self.most and not self.nodes:  # an elastic pool at zero: it wakes
+                            self.backlog.append(sub)
+                            return
                         if self._waiting:
                             self._unplaced.append(sub)
                             return
@@ -334,10 +337,12 @@ class Dispatcher:
                 node.send([sub])
                 return
             except NodeLostError:
-                if self.replacer is None or not self.running():
+                with self.lock:  # not current: an elastic pool released it (choose again)
+                    current = node.rank < len(self.nodes) and self.nodes[node.rank] is node
+                if current and (self.replacer is None or not self.running()):
                     raise
                 with self.lock:  # its loss is on its way: wait for the replacement
-                    if self.nodes[node.rank] is node and node.rank not in self._gone:
+                    if current and node.rank not in self._gone:
                         self._waiting.setdefault(node.rank, [])
                 dead = {node} | (dead or set())
 

@@ -80,9 +80,11 @@ class Options:
             used).
         worker: :class:`Worker`: task slots per node (default: one); ``Compute(worker=)``
             takes precedence.
-        scale_down_after: in an elastic pool (``nodes=(desired, max)`` or
-            :class:`flotilla.Nodes`), seconds a node grown beyond ``desired`` may stay idle
-            before it is released.
+        autoscale_idle_timeout: Skyward's: in an elastic pool (``nodes=(desired, max)``
+            or :class:`flotilla.Nodes`), seconds its nodes may stay idle (or under a third
+            busy) before it shrinks towards ``min`` (to none with ``min=0``).
+        autoscale_cooldown: Skyward's: the fewest seconds between two of an elastic
+            pool's decisions to shrink (growing for queued calls is never held back).
         relay: True (default): a broadcast of a large argument to many remote nodes is
             relayed from node to node (the client sends one copy; authenticated, checked
             with a sha256 at every hop, but not encrypted between the nodes: see
@@ -101,7 +103,8 @@ class Options:
     replace_lost_nodes: bool = True
     provision_timeout: float | None = None
     worker: Worker | None = None
-    scale_down_after: float = 60.0
+    autoscale_idle_timeout: float = 60.0
+    autoscale_cooldown: float = 30.0
     relay: bool = True
     health_checker: Any = None
 
@@ -113,7 +116,8 @@ class Options:
             f"heartbeat_timeout={self.heartbeat_timeout!r}, "
             f"shutdown_grace={self.shutdown_grace!r}, env={shown_env(self.env)!r}, "
             f"replace_lost_nodes={self.replace_lost_nodes!r}, "
-            f"scale_down_after={self.scale_down_after!r}"
+            f"autoscale_idle_timeout={self.autoscale_idle_timeout!r}, "
+            f"autoscale_cooldown={self.autoscale_cooldown!r}"
             + ("" if self.relay else ", relay=False")
             + ("" if self.health_checker is None else f", health_checker={self.health_checker!r}")
             + ")"
@@ -140,7 +144,13 @@ class Options:
             raise ConfigurationError(
                 f"Options.replace_lost_nodes must be True or False, got {self.replace_lost_nodes!r}"
             )
-        for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace", "scale_down_after"):
+        for name in ("autoscale_idle_timeout", "autoscale_cooldown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ConfigurationError(
+                    f"Options.{name} must be a number of seconds (>= 0), got {value!r}"
+                )
+        for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 if name == "start_timeout" and self.provision_timeout is not None:

@@ -192,6 +192,8 @@ class Container(Provider):
 
     name = "container"
     settings_type = ContainerSettings
+    elastic = True
+    """Elastic pools: a container is run per node added and removed per node released."""
 
     @provider_init(ContainerSettings)
     def __init__(
@@ -423,6 +425,24 @@ class ContainerAllocation(ShellAllocation):
                 await self.engine.call(self.engine.remove_args([name]))
             raise
         return Machine(rank, name, ip, name)
+
+    async def candidate(self, rank: int) -> Machine | None:
+        """A new container for ``rank`` (an elastic pool grows); ProvisionError naming it
+        when it does not run (it is removed then)."""
+        name = self.container_name(rank)
+        try:
+            ip = await self.run(rank, name)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.engine.call(self.engine.remove_args([name]))
+            raise
+        return Machine(rank, name, ip, name)
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """Remove the container of a node an elastic pool released (or whose agent did not
+        start): it costs nothing from then on."""
+        with contextlib.suppress(ProvisionError):
+            await self.engine.call(self.engine.remove_args([machine.host]))
 
     async def free(self) -> None:
         """Stop the agents, remove the pool's containers and its own network, then let the

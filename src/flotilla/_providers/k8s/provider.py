@@ -140,6 +140,8 @@ class Kubernetes(Provider):
 
     name = "k8s"
     settings_type = KubernetesSettings
+    elastic = True
+    """Elastic pools: a pod is created per node added and deleted per node released."""
 
     @provider_init(KubernetesSettings)
     def __init__(
@@ -576,6 +578,30 @@ class KubernetesAllocation(ShellAllocation):
                 )
             raise
         return self.new_machine(rank, name, ips[name])
+
+    async def candidate(self, rank: int) -> Machine | None:
+        """A new pod for ``rank`` (an elastic pool grows), once it runs; ProvisionError
+        (it is deleted then) when it cannot be placed or run: the pool keeps its size and
+        tries again later."""
+        name = self.pod_name(rank)
+        try:
+            await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
+            ips = await self.wait_running([name])
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.kubectl.call(
+                    ["delete", "pod", name, "--ignore-not-found", "--wait=false"]
+                )
+            raise
+        return self.new_machine(rank, name, ips[name])
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """Delete the pod of a node an elastic pool released (or whose agent did not
+        start), without waiting for it to end."""
+        with contextlib.suppress(ProvisionError):
+            await self.kubectl.call(
+                ["delete", "pod", machine.host, "--ignore-not-found", "--wait=false"]
+            )
 
     def watch(self, on_lost: LostCallback) -> None:
         """Also look at the pool's pods every ``watch_interval`` s: a pod that is gone,
