@@ -1,4 +1,4 @@
-"""Elastic pools (Skyward's ``Nodes(desired, min, max)``): open with ``min``, add the rest as
+"""Elastic pools (Skyward's ``Nodes(desired, max, min)``): open with ``min``, add the rest as
 they come up, grow under queued calls up to ``max``, shrink back when idle; every node sees
 the new size. Real local pools and real SSH test hosts (sshd stopped for "down")."""
 

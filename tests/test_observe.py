@@ -551,7 +551,11 @@ def test_an_elastic_pool_reports_its_size_and_new_nodes() -> None:
     """An elastic pool that grows under a map then shrinks when idle: ``Scaling`` events
     with its size, its new nodes ``NodeReady`` and in the view, the released ones out."""
     got: list[events.Event] = []
-    pool = sky.Compute(nodes=(1, 3), options=sky.Options(scale_down_after=0.5), metrics=None)
+    pool = sky.Compute(
+        nodes=(1, 3),
+        options=sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0.5),
+        metrics=None,
+    )
     pool.subscribe(on_event=got.append)
 
     def sizes() -> list[int]:
