@@ -261,7 +261,7 @@ def test_a_build_stopped_midway_leaves_no_half_built_folder(home: Path, tmp_path
     import sys
     import textwrap
 
-    from _procs import wait_until
+    from _procs import interruptible, wait_until
 
     started = tmp_path / "building"
     script = tmp_path / "client.py"
@@ -281,6 +281,7 @@ def test_a_build_stopped_midway_leaves_no_half_built_folder(home: Path, tmp_path
         env={**os.environ, "PYTHONPATH": src},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=interruptible,  # it is sent Ctrl-C (SIGINT)
     )
     try:
         assert wait_until(started.exists, 60.0), "the build did not start"
