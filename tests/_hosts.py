@@ -238,6 +238,9 @@ class Lab(Lifecycle):
         self.authorized_keys = self.tmp / "authorized_keys"
         self.known_hosts = self.tmp / "known_hosts"
         self.bashrc = self.tmp / "bashrc"
+        self.shared = self.tmp / "shared"
+        """A folder every SSH host sees at the same path (as a cluster's shared network file
+        system): for tests whose nodes and client coordinate through files."""
         self._next = 0
         self._seed = os.getpid()
 
@@ -252,6 +255,7 @@ class Lab(Lifecycle):
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         self.authorized_keys.write_text(keygen(self.client_key, "flotilla-lab-client") + "\n")
         self.known_hosts.write_text("")
+        self.shared.mkdir()
         self._write_bashrc()
         self.subnet = free_subnet(self._seed)
         run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -326,7 +330,11 @@ class Lab(Lifecycle):
         return host
 
     def start_sshd(
-        self, host: TestHost, authorized_keys: Path | None = None, wait: bool = True
+        self,
+        host: TestHost,
+        authorized_keys: Path | None = None,
+        wait: bool = True,
+        own_files: bool = True,
     ) -> None:
         """Start the host's sshd (host key ``{folder}/hostkey``; ``authorized_keys``: the
         lab's by default) and, with ``wait``, wait until it listens.
@@ -334,6 +342,8 @@ class Lab(Lifecycle):
         The host gets its own hostname, /etc/hosts, /root, /tmp and /dev/shm, as a separate
         machine has (see ``start_daemon``'s ``own_files``): what its sessions write there is
         its own, and code that assumes the client's paths exist on the node fails here.
+        Only ``Lab.shared`` is seen by all. ``own_files=False``: the rest of this machine's
+        file system is shared (but for its ~/.ssh and ~/.bashrc).
         """
         config = host.folder / "sshd_config"
         config.write_text(
@@ -344,7 +354,7 @@ class Lab(Lifecycle):
                 authorized_keys=authorized_keys or self.authorized_keys,
             )
         )
-        keep = [authorized_keys or self.authorized_keys]
+        keep = [authorized_keys or self.authorized_keys, self.shared] if own_files else None
         self.start_daemon(host, f"exec {SSHD} -D -e -f {config}", "sshd.log", own_files=keep)
         if wait:
             self._wait_listening(host)
