@@ -701,6 +701,9 @@ def test_queue_on_a_killed_daemon_shows_its_jobs_lost(cli: CLI) -> None:
     assert out.stdout.splitlines()[1].split()[2] == JobStatus.LOST.value
 
 
+# 30 CLI commands: ~1 minute on an idle machine, past the default 120 s deadline with two
+# busy loops per core; each command keeps its own 90 s deadline (a hang still fails fast)
+@pytest.mark.timeout(900)
 def test_launch_right_after_down_of_the_same_name_always_succeeds(cli: CLI) -> None:
     for i in range(15):
         out = cli.ok("launch", "-c", "again", f"echo round {i}", timeout=90)
