@@ -8,8 +8,11 @@
 
 Each lab has unique names (from the pid) and its own /24 in 10.x that no interface or
 route of this machine uses; tests talk only to addresses the lab created. Every host has
-its own address, sshd (host key made per lab), hostname, /etc/hosts and ~/.ssh; the client key,
-authorized_keys and a known_hosts pinning every host key are made per lab too.
+its own address, sshd (host key made per lab), hostname, /etc/hosts, ~/.ssh, and (SSH hosts)
+its own /root, /tmp and /dev/shm in a mount namespace of its own, as a separate machine has
+(``TestHost.path`` reaches its files from here; ``Lab.shared`` is a folder they all see);
+the client key, authorized_keys and a known_hosts pinning every host key are made per lab
+too.
 
 The pytest fixture ``ssh_lab`` (session scope, 3 hosts) wraps it; test modules import it:
 ``from _hosts import ssh_lab_fixture  # noqa: F401``.
