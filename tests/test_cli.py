@@ -711,6 +711,12 @@ run: |
 """
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a product bug the hosts' own /tmp shows (issue 43, item 4's follow-up): each "
+    "node's working folder is clusters/<name>/node-K, so DeepSpeed's pdsh runner, which "
+    "runs `cd <the head's folder>` on every node, fails on the others",
+)
 def test_deepspeeds_launcher_runs_one_rank_per_node_from_the_head(
     cli: CLI, ssh_lab: Lab, tmp_path: Path
 ) -> None:
