@@ -658,7 +658,14 @@ class AwsLab(Lifecycle):
             return
         with inst.lock:
             if not inst.stopped.is_set() and inst.host is not None and inst.boot == boot:
-                self.lab.start_sshd(inst.host, inst.host.folder / "authorized_keys", wait=False)
+                self.lab.start_sshd(
+                    # the instance's bootcmd (boot guard, watchdog) runs in this machine's
+                    # mount namespace (_bootcmd): its sshd shares that file system view
+                    inst.host,
+                    inst.host.folder / "authorized_keys",
+                    wait=False,
+                    own_files=False,
+                )
                 self.booted.append(inst.instance_id)
                 self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
 

@@ -8,8 +8,11 @@
 
 Each lab has unique names (from the pid) and its own /24 in 10.x that no interface or
 route of this machine uses; tests talk only to addresses the lab created. Every host has
-its own address, sshd (host key made per lab), hostname, /etc/hosts and ~/.ssh; the client key,
-authorized_keys and a known_hosts pinning every host key are made per lab too.
+its own address, sshd (host key made per lab), hostname, /etc/hosts, ~/.ssh, and (SSH hosts)
+its own /root, /tmp and /dev/shm in a mount namespace of its own, as a separate machine has
+(``TestHost.path`` reaches its files from here; ``Lab.shared`` is a folder they all see);
+the client key, authorized_keys and a known_hosts pinning every host key are made per lab
+too.
 
 The pytest fixture ``ssh_lab`` (session scope, 3 hosts) wraps it; test modules import it:
 ``from _hosts import ssh_lab_fixture  # noqa: F401``.
@@ -212,6 +215,17 @@ class TestHost:
 
     __test__ = False  # not a test class, whatever pytest thinks of the name
 
+    @property
+    def home(self) -> Path:
+        """The host's own /root, as this machine sees it (SSH hosts: see Lab.start_sshd)."""
+        return self.folder / "home"
+
+    def path(self, path: str | Path) -> Path:
+        """``path`` as the host sees it, reached from this machine (through its daemon's
+        root: /proc/PID/root), e.g. a file its sessions wrote in their own /tmp."""
+        assert self.sshd is not None, "the host runs no daemon"
+        return Path(f"/proc/{self.sshd.pid}/root") / Path(path).relative_to("/")
+
 
 class Lab(Lifecycle):
     """A bridge with test hosts; a context manager that removes everything it made."""
@@ -227,6 +241,9 @@ class Lab(Lifecycle):
         self.authorized_keys = self.tmp / "authorized_keys"
         self.known_hosts = self.tmp / "known_hosts"
         self.bashrc = self.tmp / "bashrc"
+        self.shared = self.tmp / "shared"
+        """A folder every SSH host sees at the same path (as a cluster's shared network file
+        system): for tests whose nodes and client coordinate through files."""
         self._next = 0
         self._seed = os.getpid()
 
@@ -241,6 +258,7 @@ class Lab(Lifecycle):
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         self.authorized_keys.write_text(keygen(self.client_key, "flotilla-lab-client") + "\n")
         self.known_hosts.write_text("")
+        self.shared.mkdir()
         self._write_bashrc()
         self.subnet = free_subnet(self._seed)
         run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -315,13 +333,20 @@ class Lab(Lifecycle):
         return host
 
     def start_sshd(
-        self, host: TestHost, authorized_keys: Path | None = None, wait: bool = True
+        self,
+        host: TestHost,
+        authorized_keys: Path | None = None,
+        wait: bool = True,
+        own_files: bool = True,
     ) -> None:
         """Start the host's sshd (host key ``{folder}/hostkey``; ``authorized_keys``: the
         lab's by default) and, with ``wait``, wait until it listens.
 
-        The host gets its own hostname, /etc/hosts and /dev/shm (as a separate machine has:
-        no shared-memory shortcut with the client); the rest of the file system is shared.
+        The host gets its own hostname, /etc/hosts, /root, /tmp and /dev/shm, as a separate
+        machine has (see ``start_daemon``'s ``own_files``): what its sessions write there is
+        its own, and code that assumes the client's paths exist on the node fails here.
+        Only ``Lab.shared`` is seen by all. ``own_files=False``: the rest of this machine's
+        file system is shared (but for its ~/.ssh and ~/.bashrc).
         """
         config = host.folder / "sshd_config"
         config.write_text(
@@ -332,12 +357,8 @@ class Lab(Lifecycle):
                 authorized_keys=authorized_keys or self.authorized_keys,
             )
         )
-        self.start_daemon(
-            host,
-            "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && "
-            f"exec {SSHD} -D -e -f {config}",
-            "sshd.log",
-        )
+        keep = [authorized_keys or self.authorized_keys, self.shared] if own_files else None
+        self.start_daemon(host, f"exec {SSHD} -D -e -f {config}", "sshd.log", own_files=keep)
         if wait:
             self._wait_listening(host)
 
@@ -348,31 +369,46 @@ class Lab(Lifecycle):
         log: str,
         hosts_text: str = "",
         env: dict[str, str] | None = None,
+        own_files: list[Path] | None = None,
     ) -> None:
         """Run the shell ``command`` (which ``exec``s the host's daemon) in the host: its
-        own hostname, /etc/hosts (``hosts_text``, default: localhost and the host) and
-        ~/.bashrc (see ``_write_bashrc``), output to ``{folder}/{log}``. ``host.sshd`` is
-        the process."""
+        own hostname, /etc/hosts (``hosts_text``, default: localhost and the host), ~/.ssh
+        and ~/.bashrc (see ``_write_bashrc``), output to ``{folder}/{log}``. ``host.sshd`` is
+        the process.
+
+        With ``own_files`` (a list: the lab's files the daemon itself reads, besides the
+        host's folder), the host also gets a file system view of its own, as a separate
+        machine has: its own /root (``host.home``: a fresh folder with that ~/.bashrc and
+        ~/.ssh, plus this machine's ~/.pyenv and pip configuration read-only, as a machine
+        image would have its interpreters), /tmp (empty but for the host's folder and
+        ``own_files``, at their paths) and /dev/shm (no shared-memory shortcut with the
+        client). Without it the rest of the file system is this machine's.
+        """
         hosts_file = host.folder / "hosts"
         hosts_file.write_text(hosts_text or f"127.0.0.1 localhost\n{host.addr} {host.hostname}\n")
         inner = f"hostname {host.hostname} && mount --bind {hosts_file} /etc/hosts && "
-        home_rc = Path.home() / ".bashrc"
         rc = self.bashrc
         if host.env:
             rc = host.folder / "bashrc"
             rc.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in host.env.items()))
-        if home_rc.is_file() and rc.is_file():
-            inner += f"mount --bind {rc} {home_rc} && "
+        # ~/.ssh of its own, as a separate machine has (empty: nothing trusted, no config)
+        own_ssh = host.folder / "dot-ssh"
+        own_ssh.mkdir(mode=0o700, exist_ok=True)
+        if own_files is None:
+            home_rc = Path.home() / ".bashrc"
+            if home_rc.is_file() and rc.is_file():
+                inner += f"mount --bind {rc} {home_rc} && "
+            dot_ssh = Path.home() / ".ssh"
+            dot_ssh.mkdir(mode=0o700, exist_ok=True)
+            inner += f"mount --bind {own_ssh} {dot_ssh} && "
+        else:
+            inner += self._own_home(host, rc, own_ssh)
         for hidden in host.hidden:
             empty = "-t tmpfs tmpfs" if os.path.isdir(hidden) else "--bind /dev/null"
             inner += f"mount {empty} {hidden} && "
-        # ~/.ssh of its own, as a separate machine has (empty: nothing trusted, no config)
-        dot_ssh = Path.home() / ".ssh"
-        dot_ssh.mkdir(mode=0o700, exist_ok=True)
-        own_ssh = host.folder / "dot-ssh"
-        own_ssh.mkdir(mode=0o700, exist_ok=True)
-        inner += f"mount --bind {own_ssh} {dot_ssh} && "
-        inner += command
+        if own_files is not None:
+            inner += self._own_tmp(host, own_files)
+        inner += "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && " + command
         host._log = open(host.folder / log, "ab")  # noqa: SIM115 - closed in remove_host
         host.sshd = subprocess.Popen(
             [*_in_netns(host.netns), "unshare", "--uts", "--mount", "sh", "-c", inner],
@@ -381,6 +417,40 @@ class Lab(Lifecycle):
             stderr=host._log,
             env=env,
         )
+
+    def _own_home(self, host: TestHost, rc: Path, own_ssh: Path) -> str:
+        """Shell lines (run in the host's mount namespace) that put ``host.home`` at /root:
+        ``rc`` as its ~/.bashrc, ``own_ssh`` as its ~/.ssh, and this machine's interpreters
+        (~/.pyenv) and pip configuration read-only."""
+        home = host.home
+        home.mkdir(mode=0o700, exist_ok=True)
+        if rc.is_file():
+            shutil.copyfile(rc, home / ".bashrc")
+        (home / ".ssh").mkdir(mode=0o700, exist_ok=True)
+        lines = f"mount --bind {own_ssh} {home / '.ssh'} && "
+        real = Path.home()
+        for part in (".pyenv", ".config/pip"):
+            if (real / part).is_dir():
+                (home / part).mkdir(parents=True, exist_ok=True)
+                lines += (
+                    f"mount --bind {real / part} {home / part} && "
+                    f"mount -o remount,bind,ro {home / part} && "
+                )
+        return lines + f"mount --rbind {home} {real} && "
+
+    def _own_tmp(self, host: TestHost, keep: list[Path]) -> str:
+        """Shell lines (run in the host's mount namespace) that give it an empty /tmp of
+        its own, where only the host's folder and ``keep`` are, at their paths (the old
+        /tmp is reached through the working directory once the new one hides it)."""
+        root = Path(tempfile.gettempdir())
+        lines = f"cd {root} && mount -t tmpfs -o mode=1777 tmpfs {root} && "
+        for path in [host.folder, *keep]:
+            if path.is_relative_to(host.folder) and path != host.folder:
+                continue  # inside the host's folder: already there
+            relative = path.relative_to(root)  # the lab's files all lie under /tmp
+            make = f"mkdir -p {path}" if path.is_dir() else f"mkdir -p {path.parent} && : >{path}"
+            lines += f"{make} && mount --no-canonicalize --bind ./{relative} {path} && "
+        return lines + f"chmod 755 {self.tmp} && cd / && "
 
     def _wait_listening(self, host: TestHost, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

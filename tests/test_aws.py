@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
+from _procs import interruptible
 
 import flotilla as sky
 from flotilla._providers.aws.pool import AWSAllocation
@@ -216,6 +217,7 @@ def _client(aws_lab: AwsLab, start_timeout: float = 120.0, **kwargs: Any) -> sub
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=interruptible,  # a test sends it Ctrl-C (SIGINT)
     )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from _hosts import Lab, TestHost, ensure_package
+from _hosts import Lab, LabError, TestHost, ensure_package
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import (
     alive,
@@ -657,8 +657,8 @@ run: |
   if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
     for ip in $SKYPILOT_NODE_IPS; do echo "MESH $ip $(ssh "$ip" hostname)"; done
     echo "$SKYPILOT_NODE_IPS" | awk '{print $1 " slots=1"}' > hostfile
-    mpirun --allow-run-as-root --hostfile hostfile -np 3 --map-by node \\
-      sh -c 'echo "MPI $OMPI_COMM_WORLD_RANK $(hostname)"'
+    timeout 90 mpirun --allow-run-as-root --hostfile hostfile -np 3 --map-by node \\
+      sh -c 'echo "MPI $OMPI_COMM_WORLD_RANK $(hostname)"' || echo "MPIRUN FAILED $?"
     pdsh -w "$(echo $SKYPILOT_NODE_IPS | tr ' ' ,)" 'echo PDSH $(hostname)' | sort
   fi
 """
@@ -667,29 +667,36 @@ run: |
 def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
     cli: CLI, ssh_lab: Lab, tmp_path: Path
 ) -> None:
-    ensure_package("openmpi-bin", "/usr/bin/mpirun")
-    ensure_package("pdsh", "/usr/bin/pdsh")  # DeepSpeed's multi-node runner
+    try:
+        ensure_package("openmpi-bin", "/usr/bin/mpirun")
+        ensure_package("pdsh", "/usr/bin/pdsh")  # DeepSpeed's multi-node runner
+    except LabError as e:
+        pytest.skip(f"needs OpenMPI and pdsh from apt: {e}")
     hosts = ssh_lab.hosts[:3]
     task = cli.task("mesh.yaml", MESH_TASK)
     done = cli.ok("launch", task, "-c", "mesh", *ssh_flags(ssh_lab, hosts, tmp_path / "wd"))
     said = [line.split("MESH ", 1)[1] for line in done.stdout.splitlines() if "MESH " in line]
     assert said == [f"{h.addr} {h.hostname}" for h in hosts]  # no prompt, no TOFU, each host
     ranks = sorted(line.split("MPI ", 1)[1] for line in done.stdout.splitlines() if "MPI " in line)
-    assert ranks == [f"{r} {h.hostname}" for r, h in enumerate(hosts)]
+    assert ranks == [f"{r} {h.hostname}" for r, h in enumerate(hosts)], done.stdout + done.stderr
     pdsh = sorted(line.split("PDSH ", 1)[1] for line in done.stdout.splitlines() if "PDSH " in line)
     assert pdsh == sorted(h.hostname for h in hosts)
     for h in hosts:  # authorized for the cluster's nodes only, tagged with the cluster
         (line,) = [x for x in (h.folder / "dot-ssh" / "authorized_keys").read_text().splitlines()]
         assert line.startswith(f'from="{",".join(x.addr for x in hosts)}" ssh-ed25519 ')
         assert " flotilla-mesh-" in line
-    known = [p for p in (tmp_path / "wd").rglob("known_hosts") if "/.flotilla/mesh-" in str(p)]
-    assert len(known) == 3  # one per node, each pinning every node's host key
-    assert all(h.pubkey.split()[1] in k.read_text() for h in hosts for k in known)
+
+    def mesh_files(h: TestHost, name: str) -> list[Path]:  # in the host's own /tmp
+        return [p for p in h.path(tmp_path / "wd").rglob(name) if "/.flotilla/mesh-" in str(p)]
+
+    for h in hosts:  # each node's own, pinning every node's host key
+        (known,) = mesh_files(h, "known_hosts")
+        assert all(x.pubkey.split()[1] in known.read_text() for x in hosts)
 
     cli.ok("down", "mesh")
     for h in hosts:  # the keys and the authorization are gone with the cluster
         assert (h.folder / "dot-ssh" / "authorized_keys").read_text() == ""
-    assert not [p for p in (tmp_path / "wd").rglob("*") if "/.flotilla/mesh-" in str(p)]
+        assert mesh_files(h, "*") == []
 
 
 DEEPSPEED_TASK = """\
@@ -704,6 +711,12 @@ run: |
 """
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a product bug the hosts' own /tmp shows (issue 43, item 4's follow-up): each "
+    "node's working folder is clusters/<name>/node-K, so DeepSpeed's pdsh runner, which "
+    "runs `cd <the head's folder>` on every node, fails on the others",
+)
 def test_deepspeeds_launcher_runs_one_rank_per_node_from_the_head(
     cli: CLI, ssh_lab: Lab, tmp_path: Path
 ) -> None:

@@ -261,7 +261,7 @@ def test_a_build_stopped_midway_leaves_no_half_built_folder(home: Path, tmp_path
     import sys
     import textwrap
 
-    from _procs import wait_until
+    from _procs import interruptible, wait_until
 
     started = tmp_path / "building"
     script = tmp_path / "client.py"
@@ -281,6 +281,7 @@ def test_a_build_stopped_midway_leaves_no_half_built_folder(home: Path, tmp_path
         env={**os.environ, "PYTHONPATH": src},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=interruptible,  # it is sent Ctrl-C (SIGINT)
     )
     try:
         assert wait_until(started.exists, 60.0), "the build did not start"
@@ -484,13 +485,16 @@ def test_over_ssh_an_environment_is_kept_per_interpreter(ssh_lab: Lab, tmp_path:
     """One host and its work folder, one Image, SSH(python=...) changed: the first
     interpreter has the package (its environment is empty), the second has not: it gets
     an environment of its own, with the package."""
-    index, unpacked = probe_index(tmp_path)
-    has_it, lacks_it = bare_venv(tmp_path / "has"), bare_venv(tmp_path / "lacks")
-    [site] = (tmp_path / "has").glob("lib/python*/site-packages")
+    base = ssh_lab.shared / tmp_path.name  # the index and interpreters: the host sees them
+    base.mkdir()
+    index, unpacked = probe_index(base)
+    has_it, lacks_it = bare_venv(base / "has"), bare_venv(base / "lacks")
+    [site] = (base / "has").glob("lib/python*/site-packages")
     (site / "probe.pth").write_text(f"{unpacked}\n")
     hosts = ssh_lab.hosts[:1]
-    envs = ssh_lab.tmp / "workdir" / "envs"
-    before = set(envs.iterdir()) if envs.exists() else set()
+    envs = ssh_lab.tmp / "workdir" / "envs"  # on the host
+    seen = hosts[0].path(envs)  # (its /tmp is its own)
+    before = {p.name for p in seen.iterdir()} if seen.exists() else set()
     image = sky.Image(pip=[PROBE], pip_indexes=[index])
     provider = ssh_lab.provider(hosts, python=str(has_it))
     with sky.Compute(provider=provider, nodes=1, image=image) as pool:
@@ -498,6 +502,6 @@ def test_over_ssh_an_environment_is_kept_per_interpreter(ssh_lab: Lab, tmp_path:
     provider = ssh_lab.provider(hosts, python=str(lacks_it))
     with sky.Compute(provider=provider, nodes=1, image=image) as pool:
         there = where_probe() >> pool
-    made = {p for p in envs.iterdir() if p.is_dir()} - before
+    made = {p.name for p in seen.iterdir() if p.is_dir()} - before
     assert len(made) == 2, made
-    assert any(there.startswith(str(env / "site")) for env in made), (there, made)
+    assert any(there.startswith(str(envs / name / "site")) for name in made), (there, made)

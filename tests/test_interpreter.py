@@ -256,6 +256,10 @@ def host_with(ssh_lab: Lab, tmp_path: Path) -> Iterator[MakeHost]:
         env["PATH"] = f"{bin_dir}:/usr/local/bin:/usr/bin:/bin"
         host = ssh_lab.add_host(env=env, hidden=hidden)
         made.append(host)
+        seen = host.path(bin_dir)  # the same folder on the host (its /tmp is its own)
+        seen.mkdir(parents=True)
+        for link in bin_dir.iterdir():
+            (seen / link.name).symlink_to(os.readlink(link))
         return host
 
     yield make
@@ -311,7 +315,7 @@ def test_ssh_another_minor_without_a_match_is_refused_before_any_task(
     assert msg.startswith(f"node 0 ({host.addr}): the node runs Python {version_of(node_python)}")
     assert f"client runs Python {CLIENT}." in msg and "none was found on the node" in msg
     assert "SSH(python=" in msg and f"Image(python='{CLIENT}')" in msg
-    assert not marker.exists()
+    assert not host.path(marker).exists()
 
 
 def _mirror(root: Path) -> tuple[str, str]:
@@ -381,6 +385,7 @@ def test_ssh_image_python_installs_one_with_uv_from_the_mirror(
         UV_PYTHON_INSTALL_DIR=str(installs),
         UV_PYTHON_DOWNLOADS_JSON_URL=listing,
     )
+    shutil.copytree(tmp_path / "mirror", host.path(tmp_path / "mirror"))  # the host's own /tmp
     image = sky.Image(python=CLIENT, env={"UV_PYTHON_INSTALL_MIRROR": mirror})
 
     @sky.function
@@ -447,8 +452,10 @@ def test_cli_launch_finds_a_python_or_refuses_before_the_run(
         cli.ok("launch", task, "-c", "found", *ssh_flags(ssh_lab, [host], tmp_path / "w"))
         log = Paths("found", cli.home).daemon_log.read_text()
         assert f"runs on Python {CLIENT}." in log
-        assert marker.exists()
-        marker.unlink()
+        assert host.path(marker).exists()  # in the host's own /tmp
+        other = ssh_lab.hosts[0]
+        other.path(tmp_path).mkdir(parents=True, exist_ok=True)
+        marker = other.path(marker)  # where the refused task would have made it
         flags = ssh_flags(ssh_lab, ssh_lab.hosts[:1], tmp_path / "w")
         refused = cli("launch", task, "-c", "pinned", *flags, "--ssh-python", node_python)
         assert refused.returncode != 0

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from _ddp import assert_ddp_averages
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
-from _procs import assert_all_gone, wait_until
+from _procs import assert_all_gone, interruptible, wait_until
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
@@ -206,6 +206,7 @@ def _client(lab: K8sLab) -> tuple[subprocess.Popen[str], str, list[int]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,  # a test sends it Ctrl-C (SIGINT)
     )
     assert client.stdout is not None
     line = client.stdout.readline()

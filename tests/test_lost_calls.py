@@ -140,5 +140,7 @@ def test_calls_right_after_an_ssh_kill_are_not_lost(ssh_lab: Lab, tmp_path: Path
         who() @ pool
         broadcast_right_after_kills(pool, rounds=2)
         single_calls_right_after_kills(pool, rounds=2)
-        queued_calls_survive(pool, tmp_path, calls=1000, rank=1)
+        folder = ssh_lab.shared / f"marks-{tmp_path.name}"  # the hosts' and this machine's
+        folder.mkdir()
+        queued_calls_survive(pool, folder, calls=1000, rank=1)
     assert ssh_lab.wait_no_agents(hosts, timeout=5.0) == {}

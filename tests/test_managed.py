@@ -432,16 +432,18 @@ def test_a_managed_job_on_ssh_hosts_recovers_when_a_hosts_agent_is_killed(
     jobs: Jobs, ssh_lab: Lab
 ) -> None:
     hosts = ssh_lab.hosts[:2]
+    ckpt = ssh_lab.shared / f"ckpt-{jobs.cwd.name}"  # checkpoints on a shared file system
+    ckpt.mkdir()
     task = jobs.task("resumable.yaml", RESUMABLE)
     launch = jobs.popen(
         "launch",
         task,
         "--env",
-        f"CKPT={jobs.ckpt}",
+        f"CKPT={ckpt}",
         *ssh_flags(ssh_lab, hosts, jobs.cwd / "remote-workdir"),
     )
     try:
-        pid_files = [jobs.ckpt / "pid-0", jobs.ckpt / "pid-1"]
+        pid_files = [ckpt / "pid-0", ckpt / "pid-1"]
         assert wait_until(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 60)
         agent = agent_above(int(pid_files[1].read_text()))
         assert agent in ssh_lab.agent_pids([hosts[1]])[hosts[1].addr]  # node 1's host
@@ -454,7 +456,7 @@ def test_a_managed_job_on_ssh_hosts_recovers_when_a_hosts_agent_is_killed(
     rec = jobs.record()
     assert (rec.state, rec.recoveries) == ("SUCCEEDED", 1)
     for rank in (0, 1):
-        assert (jobs.ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
+        assert (ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
         assert f"rank {rank} resumed from step 1" in out
     assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
     assert_nothing_left(jobs)

@@ -1012,6 +1012,7 @@ def executor_pid() -> int:
     return os.getpid()
 
 
+@pytest.mark.timeout(600)  # it first builds the nodes' environment: minutes when loaded
 def test_joblib_parallel_inside_the_pool_runs_on_its_nodes() -> None:
     joblib = pytest.importorskip("joblib")
     with sky.Compute(nodes=2, plugins=[plugins.joblib()]) as pool:
@@ -1036,6 +1037,7 @@ class PidScorer:
         return float(os.getpid())
 
 
+@pytest.mark.timeout(600)  # it first builds the nodes' environment: minutes when loaded
 def test_sklearn_grid_search_with_n_jobs_minus_one_spreads_over_the_pool() -> None:
     pytest.importorskip("sklearn")
     from sklearn.datasets import make_classification

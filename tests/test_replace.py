@@ -152,7 +152,7 @@ def test_a_spare_ssh_host_takes_the_rank_of_a_killed_agent(ssh_lab: Lab, tmp_pat
 
 def test_without_a_spare_the_same_ssh_host_is_reconnected(ssh_lab: Lab, tmp_path: Path) -> None:
     hosts = ssh_lab.hosts[:3]
-    folder = tmp_path / "marks"
+    folder = ssh_lab.shared / f"marks-{tmp_path.name}"  # the hosts' and this machine's
     folder.mkdir()
     with sky.Compute(provider=ssh_lab.provider(hosts), nodes=3) as pool:
         before = where() @ pool

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from _ddp import assert_ddp_averages
-from _procs import Client, wait_until
+from _procs import Client, alive, all_pids, assert_all_gone, kill_quietly, wait_until
 from _slurm import PARTITION, SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
 import flotilla as sky
@@ -161,6 +161,67 @@ def test_kill_9_releases_the_job_within_30_s(slurm_cluster: SlurmCluster, tmp_pa
         )
     finally:
         client.kill()
+
+
+def _children_named(pid: int, name: str) -> list[int]:
+    """The live child processes of ``pid`` whose program is ``name``."""
+    found = []
+    for child in all_pids():
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == pid and comm == name and alive(child):
+            found.append(child)
+    return found
+
+
+def test_kill_9_ends_the_pools_salloc(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The salloc holding a killed client's job does not outlive the client (issue 43: it
+    stayed with parent PID 1 and spun once the controller was gone)."""
+    client = _client(slurm_cluster, tmp_path, "threading.Event().wait()\n")
+    try:
+        client.expect(lambda line: line == "ready", timeout=60)
+        sallocs = _children_named(client.proc.pid, "salloc")
+        assert len(sallocs) == 1, f"the client runs no salloc: {sallocs}"
+        client.signal(signal.SIGKILL)
+        assert client.wait() == -signal.SIGKILL
+        assert_all_gone(sallocs, timeout=60.0, what="the killed client's salloc")
+        assert wait_until(lambda: _pool_jobs(slurm_cluster) == [], timeout=60.0), (
+            f"the killed client's job is still queued: {_pool_jobs(slurm_cluster)}"
+        )
+    finally:
+        client.kill()
+
+
+@pytest.mark.timeout(300)  # a pool's start and up to 90 s for salloc, on a loaded machine
+def test_kill_9_ends_a_salloc_that_would_not_end_by_itself(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """A salloc that does not relinquish and exit once its holder ended (here: stopped when
+    the client is killed; in issue 43 one in a few killed clients left a salloc spinning
+    with parent PID 1) is ended by the holder's watchdog: its job cancelled, salloc killed."""
+    client = _client(slurm_cluster, tmp_path, "threading.Event().wait()\n")
+    sallocs: list[int] = []
+    try:
+        client.expect(lambda line: line == "ready", timeout=60)
+        sallocs = _children_named(client.proc.pid, "salloc")
+        assert len(sallocs) == 1, f"the client runs no salloc: {sallocs}"
+        os.kill(sallocs[0], signal.SIGSTOP)
+        client.signal(signal.SIGKILL)
+        assert client.wait() == -signal.SIGKILL
+        assert_all_gone(sallocs, timeout=90.0, what="the killed client's stuck salloc")
+        assert wait_until(lambda: _pool_jobs(slurm_cluster) == [], timeout=60.0), (
+            f"the killed client's job is still queued: {_pool_jobs(slurm_cluster)}"
+        )
+    finally:
+        client.kill()
+        kill_quietly(sallocs)
+        for job in _pool_jobs(slurm_cluster):
+            slurm_cluster.slurm("scancel", job.split()[0], check=False)
 
 
 def test_ctrl_c_while_pending_cancels_the_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

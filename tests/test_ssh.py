@@ -222,10 +222,11 @@ def test_bootstrap_from_scratch_then_cache_hit(ssh_lab: Lab, tmp_path: Path) -> 
     with sky.Compute(provider=ssh_lab.provider(hosts, workdir=str(workdir)), nodes=3) as pool:
         assert add(1, 1) >> pool == 2
     first = _bootstrap.stats.uploads - uploads
-    assert 1 <= first <= 3  # the hosts share this machine's disk: one upload may serve all
+    assert first == 3  # each host has a disk of its own
     bundle = _bootstrap.client_bundle()
-    assert (workdir / "lib" / bundle.hash / "flotilla" / "agent.py").is_file()
-    assert not [p for p in (workdir / "lib").iterdir() if p.name.startswith(".tmp")]
+    for h in hosts:  # in each host's own folder
+        assert h.path(workdir / "lib" / bundle.hash / "flotilla" / "agent.py").is_file()
+        assert not [p for p in h.path(workdir / "lib").iterdir() if p.name.startswith(".tmp")]
     hits = _bootstrap.stats.hits
     with sky.Compute(provider=ssh_lab.provider(hosts, workdir=str(workdir)), nodes=3) as pool:
         assert add(2, 2) >> pool == 4
@@ -241,12 +242,13 @@ def test_python_missing_or_too_old(ssh_lab: Lab, tmp_path: Path) -> None:
     msg = str(info.value)
     assert msg.startswith(host.addr) and "/nonexistent/python3" in msg
     old = tmp_path / "python3.9"  # this Python, saying it is 3.9, runs the start command's
-    old.write_text(  # own check: python3.9 -c CODE ARGS...
+    host.path(tmp_path).mkdir(parents=True)  # (on the host: its /tmp is its own)
+    host.path(old).write_text(  # own check: python3.9 -c CODE ARGS...
         f'#!/bin/sh\nshift\ncode="$1"\nshift\nexec {sys.executable} -c '
         "'import sys; sys.version_info = (3, 9, 18, \"final\", 0); exec(sys.argv.pop(1))' "
         '"$code" "$@"\n'
     )
-    old.chmod(0o755)
+    host.path(old).chmod(0o755)
     with pytest.raises(ProvisionError, match=r"is Python 3\.9; flotilla needs Python >= 3\.11"):
         sky.Compute(provider=ssh_lab.provider([host], python=str(old)), nodes=1).open()
 
@@ -260,11 +262,12 @@ def test_a_workdir_another_user_could_write_is_refused(
     and the error says which directory and how to fix it."""
     host = ssh_lab.hosts[0]
     workdir = tmp_path / "shared"
-    workdir.mkdir()
+    seen = host.path(workdir)  # the folder on the host (its /tmp is its own)
+    seen.mkdir(parents=True)
     if how == "owner":
-        os.chown(workdir, 65534, 65534)  # nobody's
+        os.chown(seen, 65534, 65534)  # nobody's
     else:
-        workdir.chmod(0o777)
+        seen.chmod(0o777)
     provider = ssh_lab.provider([host], workdir=str(workdir))
     problem = {"owner": "belongs to another user", "writable": "can be written by other users"}
     with pytest.raises(ProvisionError) as info:
@@ -272,7 +275,7 @@ def test_a_workdir_another_user_could_write_is_refused(
     msg = str(info.value)
     assert msg.startswith(f"{host.addr}: refusing to run flotilla from {workdir}: ")
     assert problem[how] in msg and "workdir=" in msg
-    assert list(workdir.iterdir()) == []  # nothing was written there
+    assert list(seen.iterdir()) == []  # nothing was written there
     assert ssh_lab.wait_no_agents([host]) == {}
 
 
@@ -281,7 +284,7 @@ def test_a_new_workdir_is_private(ssh_lab: Lab, tmp_path: Path) -> None:
     workdir = tmp_path / "new" / "flotilla"
     with sky.Compute(provider=ssh_lab.provider([host], workdir=str(workdir)), nodes=1) as pool:
         assert add(1, 1) >> pool == 2
-    assert workdir.stat().st_mode & 0o777 == 0o700
+    assert host.path(workdir).stat().st_mode & 0o777 == 0o700
 
 
 def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
@@ -359,10 +362,17 @@ def test_refused_port_names_the_host(ssh_lab: Lab) -> None:
     assert info.value.cause is ProvisionCause.UNREACHABLE
 
 
+def _started(marker: str, hosts: list[TestHost]) -> bool:
+    """Whether node K wrote ``{marker}.K`` on its host (hosts[K], in its own /tmp), for all."""
+    return all(h.path(f"{marker}.{n}").exists() for n, h in enumerate(hosts))
+
+
 def test_host_dying_mid_task_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:
     doomed = ssh_lab.add_host()
     hosts = [*ssh_lab.hosts[:2], doomed]
     marker = str(tmp_path / "started")
+    for h in hosts:  # the folder on each host (its /tmp is its own)
+        h.path(tmp_path).mkdir(parents=True, exist_ok=True)
     try:
         options = sky.Options(shutdown_grace=1.0)
         provider = ssh_lab.provider(hosts)
@@ -371,7 +381,7 @@ def test_host_dying_mid_task_names_the_node(ssh_lab: Lab, tmp_path: Path) -> Non
             sky.Compute(provider=provider, nodes=3, options=options) as pool,
         ):
             fut = ex.submit(lambda: block_after(marker, 120) @ pool)
-            _wait_for(lambda: all(os.path.exists(f"{marker}.{n}") for n in range(3)))
+            _wait_for(lambda: _started(marker, hosts))
             cut = time.monotonic()
             ssh_lab.link_down(doomed)
             with pytest.raises(NodeLostError) as info:
@@ -390,13 +400,15 @@ def test_killed_agent_host_names_the_node(ssh_lab: Lab, tmp_path: Path) -> None:
     doomed = ssh_lab.add_host()
     hosts = [ssh_lab.hosts[0], doomed]
     marker = str(tmp_path / "started")
+    for h in hosts:  # the folder on each host (its /tmp is its own)
+        h.path(tmp_path).mkdir(parents=True, exist_ok=True)
     try:
         with (
             concurrent.futures.ThreadPoolExecutor(1) as ex,
             sky.Compute(provider=ssh_lab.provider(hosts), nodes=2) as pool,
         ):
             fut = ex.submit(lambda: block_after(marker, 120) @ pool)
-            _wait_for(lambda: all(os.path.exists(f"{marker}.{n}") for n in range(2)))
+            _wait_for(lambda: _started(marker, hosts))
             ssh_lab.kill_all(doomed)  # sshd, session, agent, executor: the host is gone
             with pytest.raises(NodeLostError, match=rf"node 1 \({doomed.addr}\)"):
                 fut.result(timeout=30)

@@ -71,9 +71,7 @@ def test_stop_and_start_on_ssh_hosts(cli: CLI, ssh_lab: Lab) -> None:
     hosts = ssh_lab.hosts[:2]
     mark = f"kept-{secrets.token_hex(4)}"
     flags = ssh_flags(ssh_lab, hosts, cli.cwd / "ssh-work")
-    out = cli.cwd / "out"  # (the lab's hosts share this machine's disk)
-    out.mkdir()
-    run = f"echo {mark}-$SKYPILOT_NODE_RANK > {out}/m-$SKYPILOT_NODE_RANK"
+    run = f"echo {mark}-$SKYPILOT_NODE_RANK > m-$SKYPILOT_NODE_RANK"  # in the node's own folder
     cli.ok("launch", "-c", "sst", "--nodes", "2", *flags, run)
     cli.ok("stop", "sst")
     _wait_record(cli, "sst", "STOPPED", 1)
@@ -81,7 +79,7 @@ def test_stop_and_start_on_ssh_hosts(cli: CLI, ssh_lab: Lab) -> None:
     assert "STOPPED" in cli.ok("status", "sst").stdout
     cli.ok("start", "sst")
     assert len(ssh_lab.agent_pids(hosts)) == 2  # an agent on each host again
-    done = cli.ok("exec", "sst", f'echo "found: $(cat {out}/m-$SKYPILOT_NODE_RANK)"')
+    done = cli.ok("exec", "sst", 'echo "found: $(cat m-$SKYPILOT_NODE_RANK)"')
     assert node_lines(done.stdout, "found: ") == {0: f"{mark}-0", 1: f"{mark}-1"}
 
 

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 import pytest
-from _procs import wait_until
+from _procs import interruptible, wait_until
 from _vast import API_KEY, VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 
 import flotilla as sky
@@ -205,6 +205,7 @@ def _client(ttl: float, start_timeout: float = 60.0) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=interruptible,  # a test sends it Ctrl-C (SIGINT)
     )
 
 

@@ -71,6 +71,9 @@ def test_bad_workers_are_refused() -> None:
     assert sky.Worker(executor="thread").resolved_executor == "thread"
 
 
+# the pool builds an environment with joblib for its nodes first: ~15 s here, minutes on a
+# machine as loaded as a shared CI runner (it timed out at the default 120 s under load 12-50)
+@pytest.mark.timeout(600)
 def test_joblib_fills_every_slot() -> None:
     joblib = pytest.importorskip("joblib")
     with sky.Compute(nodes=2, worker=sky.Worker(concurrency=2), plugins=[sky.plugins.joblib()]):

@@ -12,7 +12,8 @@ separate machines gets that at start-up, with no prompt and no trust on first us
 3. each node authorizes the public key for its login user (``~/.ssh/authorized_keys``), in a
    line restricted to the nodes' addresses (``from=...``) and tagged with the cluster;
 4. jobs get ``ssh`` and ``scp`` wrappers first on their ``PATH`` that use that config, and
-   the variables OpenMPI and pdsh read (``OMPI_MCA_plm_rsh_agent``, ``PDSH_RCMD_TYPE``).
+   the variables OpenMPI and pdsh read (``OMPI_MCA_plm_rsh_agent``, ``PDSH_RCMD_TYPE``),
+   which name ``ssh`` rather than the wrapper's path: each node's folder is its own.
 
 The key files live in a 0700 folder in the node's working directory (``.flotilla/mesh-<tag>``,
 beside the job's hostfile); ``flotilla down``
@@ -58,7 +59,12 @@ def job_env(tag: str, workdir: str) -> dict[str, str]:
         return {}
     return {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OMPI_MCA_plm_rsh_agent": str(bin_dir / "ssh"),
+        # by name, found first on PATH (the wrapper) here; never the wrapper's path: mpirun
+        # passes every OMPI_MCA_ variable on to the orted it starts on each other node
+        # (``orted ... -mca plm_rsh_agent VALUE``), where this node's folder does not exist;
+        # orted then dies at start ("plm_rsh_agent ... a path that could not be found")
+        # and mpirun waits for it for ever. ``ssh`` is found on every node.
+        "OMPI_MCA_plm_rsh_agent": "ssh",
         "OMPI_MCA_plm_rsh_no_tree_spawn": "1",  # every orted from the head, with our ssh
         "PDSH_RCMD_TYPE": "ssh",
     }

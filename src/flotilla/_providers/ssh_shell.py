@@ -22,6 +22,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -261,6 +262,11 @@ _LOST = re.compile(
 )
 
 
+SIGNAL_LINE_WAIT = 10.0
+"""Seconds an agent's exit status waits, once its ssh exited, for the end of its stderr
+(which brings the signal line of an agent killed by a signal)."""
+
+
 class SSHAgent(PipeAgent):
     """An agent on a host, reached through the stdio of its ``ssh`` process.
 
@@ -272,6 +278,7 @@ class SSHAgent(PipeAgent):
         super().__init__(proc, address, host)
         self._signal = 0
         self._partial = b""
+        self._exited_at: float | None = None  # when exit_status first saw ssh exited
 
     def start_reading(
         self,
@@ -306,7 +313,17 @@ class SSHAgent(PipeAgent):
         return line
 
     def exit_status(self) -> int | None:
+        """The agent's exit status, negative for the signal that killed it (the start
+        command's signal line on stderr); None while it runs, and while its ssh has exited
+        but the stderr that may still bring that line has not ended (at most
+        ``SIGNAL_LINE_WAIT`` more: a loaded machine reads it late)."""
         status = self.proc.poll()
-        if status is not None and self._signal:
-            return -self._signal
-        return status
+        if status is None:
+            return None
+        if not self._signal and self._err_ended is not None and not self._err_ended.done():
+            now = time.monotonic()
+            if self._exited_at is None:
+                self._exited_at = now
+            if now - self._exited_at < SIGNAL_LINE_WAIT:
+                return None
+        return -self._signal if self._signal else status

@@ -28,8 +28,24 @@ from ..retry import retried, transient_words
 from .settings import parse_time
 
 READY_MARKER = "FLOTILLA_SLURM_JOB"
-HOLDER = f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
-"""salloc's command: says the job runs, then holds it until the client closes stdin."""
+SALLOC_EXIT_GRACE = 15
+"""Seconds salloc gets to end by itself once its holder has ended (it relinquishes the job
+within a second or two), before the holder's watchdog cancels the job and kills it."""
+HOLDER = (
+    f'echo "{READY_MARKER} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; cat >/dev/null; '
+    # the client closed stdin (release) or died: salloc should now relinquish the job and
+    # exit. It may not: killed -9 at the wrong moment, a salloc whose client died was seen
+    # to stay (parent PID 1) and spin once its controller was gone. A watchdog outlives
+    # this shell by at most the grace: if the same salloc still runs then, it cancels
+    # the job and kills salloc.
+    "p=$PPID; t=$(cut -d' ' -f22 /proc/$p/stat 2>/dev/null); "
+    "(trap '' HUP INT TERM; "
+    f"timeout -s KILL {SALLOC_EXIT_GRACE} tail -s 0.2 --pid=$p -f /dev/null; "
+    'if [ -n "$t" ] && [ "$(cut -d\' \' -f22 /proc/$p/stat 2>/dev/null)" = "$t" ]; then '
+    'scancel "$SLURM_JOB_ID"; kill -KILL $p; fi) </dev/null >/dev/null 2>&1 &'
+)
+"""salloc's command: says the job runs, then holds it until the client closes stdin (the
+client's end, even by kill -9, ends it); then makes sure salloc ends too (see above)."""
 _PENDING_REPORT_EVERY = 30.0
 """Seconds between two console lines about a job that stays pending for the same reason."""
 _GONE_TIMEOUT = 10.0

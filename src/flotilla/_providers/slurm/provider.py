@@ -4,7 +4,9 @@
 node): ``salloc --nodes=N ... sh -c 'echo FLOTILLA_SLURM_JOB $SLURM_JOB_ID ...; exec cat'``.
 The holder prints the job id and node list once the nodes are ready and then waits for end
 of stdin, which is a pipe from the client: when the client closes it (release) or dies
-(even by kill -9) the holder exits and salloc relinquishes the job at once. salloc was
+(even by kill -9) the holder exits and salloc relinquishes the job at once; should salloc
+not exit then (one killed client in a few left a salloc spinning, parent PID 1), the
+holder's watchdog cancels the job and kills salloc after ``SALLOC_EXIT_GRACE``. salloc was
 measured against ``sbatch`` of a holder script on the test cluster: ~10 ms to a running
 job against ~2.9 s (an sbatch job waits for the scheduler's next pass, salloc's request is
 scheduled when it arrives), and salloc needs no polling to learn the job runs. While the
