@@ -30,6 +30,15 @@ def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
         task = load_task(arg)
     else:
         task = command_task(arg, nodes)
+    envs, secrets = _variables(args)
+    return task.with_overrides(envs, secrets)
+
+
+def _variables(
+    args: argparse.Namespace,
+) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """``--env`` and ``--secret``/``--secret-file`` as given (a value of None: taken from
+    this process's environment by ``Task.with_overrides``)."""
     secrets: dict[str, str | None] = {}
     for path in args.secret_file:
         secrets.update(_secret_file(path))
@@ -42,7 +51,7 @@ def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
             "it from the environment, or --secret-file FILE"
         )
     secrets.update(given)
-    return task.with_overrides(_pairs(args.env, "--env"), secrets)
+    return _pairs(args.env, "--env"), secrets
 
 
 def _secret_file(path: str) -> dict[str, str | None]:

@@ -233,9 +233,109 @@ def load_task(path: str) -> Task:
     """Read and validate the task file at ``path``; TaskError names the field and line.
     The file is read through the bounded loader (``yamlsafe``): hostile files are refused
     before anything is built from them."""
+    root = _compose(path, many=False)[0]
+    return _Parser(path).task(root)
+
+
+EXECUTIONS = ("serial", "parallel")
+_HEADER_FIELDS = ("name", "execution")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A managed pipeline (SkyPilot's multi-document task file): a header document with
+    ``name`` and optional ``execution``, then one task per document.
+
+    Attributes:
+        name: the pipeline's name (the header's, else the file's stem).
+        execution: "serial" (each task after the one before it succeeded) or "parallel"
+            (a job group: every task at once, each on its own cluster).
+        tasks: the tasks, in the file's order; their names are unique.
+        path: the file.
+    """
+
+    name: str
+    execution: str
+    tasks: tuple[Task, ...]
+    path: str = ""
+
+
+def load_tasks(path: str) -> Task | Pipeline:
+    """A task file of one document (a Task) or of several (a Pipeline): every document
+    checked, each mistake naming the file and its line, before anything starts."""
     import yaml
 
-    from .yamlsafe import MAX_BYTES, YamlRefused, compose
+    roots = _compose(path, many=True)
+    head = roots[0]
+    lone_header = isinstance(head, yaml.MappingNode) and any(
+        isinstance(k, yaml.ScalarNode) and k.value == "execution" for k, _ in head.value
+    )
+    if len(roots) == 1 and not lone_header:
+        return _Parser(path).task(head)
+    return _pipeline(path, roots)
+
+
+def _pipeline(path: str, roots: list[yaml.Node]) -> Pipeline:
+    import yaml
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    parser = _Parser(path)
+    head = roots[0]
+    name, execution = stem, "serial"
+    header = isinstance(head, yaml.MappingNode) and all(
+        isinstance(k, yaml.ScalarNode) and k.value in _HEADER_FIELDS for k, _ in head.value
+    )
+    if header:
+        fields = parser.mapping(head, "", dict.fromkeys(_HEADER_FIELDS))
+        if "name" in fields:
+            name = parser.text(fields["name"][1], "name") or stem
+        if "execution" in fields:
+            node = fields["execution"][1]
+            value = parser.value(node)
+            if value not in EXECUTIONS:
+                raise parser.error(
+                    f"`execution` must be serial or parallel, got {_kind(value)}",
+                    node,
+                    "execution",
+                )
+            execution = value
+        roots = roots[1:]
+    if not roots:
+        raise TaskError(
+            "the pipeline has a header but no task: add a document (after `---`) per task",
+            path=path,
+            line=_line(head),
+        )
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for i, root in enumerate(roots):
+        where = _line(root)
+        if not isinstance(root, yaml.MappingNode):
+            raise TaskError(
+                f"document {i + 1 + header} of the pipeline is not a task (a mapping with "
+                f"`run:`), it is {_kind(parser.value(root))}",
+                path=path,
+                line=where,
+            )
+        task = _Parser(path).task(root, f"{stem}-{i + 1}", where)
+        task_name = task.name or ""
+        if task_name in seen:
+            raise TaskError(
+                f"two tasks of the pipeline are named {task_name!r} (lines {seen[task_name]} "
+                f"and {where}): give each task a name of its own",
+                path=path,
+                line=where,
+            )
+        seen[task_name] = where
+        tasks.append(task)
+    return Pipeline(name=name, execution=execution, tasks=tuple(tasks), path=path)
+
+
+def _compose(path: str, many: bool) -> list[yaml.Node]:
+    """The file's checked YAML documents (exactly one unless ``many``)."""
+    import yaml
+
+    from .yamlsafe import MAX_BYTES, YamlRefused, compose, compose_all
 
     try:
         with open(path, "rb") as f:
@@ -243,7 +343,7 @@ def load_task(path: str) -> Task:
     except OSError as e:
         raise TaskError(f"cannot read the task file: {e.strerror or e}", path=path) from None
     try:
-        root = compose(data)
+        roots = compose_all(data) if many else [r for r in [compose(data)] if r is not None]
     except YamlRefused as e:
         raise TaskError(e.message, path=path, line=e.line) from None
     except yaml.MarkedYAMLError as e:
@@ -252,8 +352,8 @@ def load_task(path: str) -> Task:
         if isinstance(e, yaml.composer.ComposerError) and "another document" in str(e.problem):
             raise TaskError(
                 "this file holds several YAML documents (`---` between them): a pipeline of "
-                "tasks, which flotilla does not run; put each task in a file of its own "
-                "and run them one after the other",
+                "tasks, which runs as a managed job: `flotilla jobs launch FILE` (see "
+                "docs/jobs.md)",
                 path=path,
                 line=line,
             ) from None
@@ -261,9 +361,9 @@ def load_task(path: str) -> Task:
         raise TaskError(f"invalid YAML: {problem}", path=path, line=line) from None
     except yaml.YAMLError as e:
         raise TaskError(f"invalid YAML: {e}", path=path) from None
-    if root is None:
+    if not roots:
         raise TaskError("the task file is empty: it needs at least `run:`", path=path)
-    return _Parser(path).task(root)
+    return roots
 
 
 def _line(node: yaml.Node) -> int:
@@ -314,7 +414,9 @@ class _Parser:
             out[key] = (key_node, value_node)
         return out
 
-    def task(self, root: yaml.Node) -> Task:
+    def task(self, root: yaml.Node, default_name: str = "", line: int = 0) -> Task:
+        """The task of document ``root`` (``default_name``: its name when it gives none;
+        ``line``: where the document starts, for errors about the whole task)."""
         fields = self.mapping(root, "", _TASK_FIELDS)
         values: dict[str, Any] = {}
         for key, (_key_node, node) in fields.items():
@@ -323,8 +425,11 @@ class _Parser:
             raise TaskError(
                 "the task has nothing to run: add `run:` (and optionally `setup:`)",
                 path=self.path,
+                line=line,
             )
-        name = values.get("name") or os.path.splitext(os.path.basename(self.path))[0]
+        name = (
+            values.get("name") or default_name or os.path.splitext(os.path.basename(self.path))[0]
+        )
         values["name"] = name
         values["volumes"] = tuple(self.volumes)
         return Task(**values, path=self.path, lines=dict(self.lines))

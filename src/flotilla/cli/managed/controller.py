@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, wait
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
@@ -51,6 +52,9 @@ from ..node_ops import node_facts
 from ..state import JobStatus, NodeRecord
 from .recovery import Cause, JobRecovery, RecoveryPolicy
 from .state import JobsHome, ManagedJobState
+
+if TYPE_CHECKING:
+    from .pipeline import GroupBarrier
 
 PROBE_TIMEOUT = 10.0
 """Seconds a node has to answer the controller's probe after a failed attempt."""
@@ -101,7 +105,13 @@ class Controller:
         request: what ``jobs launch`` sent: {"job": JobSpec as a dict}.
     """
 
-    def __init__(self, home: JobsHome, job_id: int, request: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        home: JobsHome,
+        job_id: int,
+        request: dict[str, Any],
+        group: GroupBarrier | None = None,
+    ) -> None:
         rec = home.load(job_id)
         if rec is None:
             raise FlotillaError(f"there is no managed job {job_id}")
@@ -122,6 +132,9 @@ class Controller:
         self.job: Job | None = None
         self.lock = threading.Lock()  # guards pool/runner/job against the canceller
         self.cancelled = threading.Event()
+        self.group = group
+        """A job group's barrier (``pipeline``): every task's cluster is up before any
+        runs, and each learns the others' addresses."""
 
     # -- the record and the job's log -------------------------------------------------------
     def _set(self, **changes: Any) -> None:
@@ -180,7 +193,16 @@ class Controller:
         """Provision, run, recover until the job ends: (final state, exit code, why)."""
         try:
             self._provision()
+            if self.group is not None:
+                runner = self.runner
+                assert runner is not None
+                found = self.group.arrive(
+                    self.record.name, [n.ip for n in runner.nodes], self.cancelled
+                )
+                self.spec = replace(self.spec, envs={**found, **self.spec.envs})
         except Exception as e:
+            if self.group is not None:
+                self.group.fail(self.record.name)
             if self.cancelled.is_set():
                 return ManagedJobState.CANCELLED, 130, "cancelled while the cluster started"
             return ManagedJobState.FAILED, 1, f"the cluster could not start: {_why(e)}"
