@@ -110,7 +110,51 @@ def _job_spec(
         do_setup=do_setup,
         down_after=down,
         retries=retries,
+        gpu_share=_share(task.resources.accelerators),
+        cpus=_amount(task.resources.cpus),
+        memory=_amount(task.resources.memory),
+        accelerator=task.resources.accelerator_name or "",
     )
+
+
+def _share(accelerators: str | None) -> float:
+    """``A100:0.5`` -> 0.5, ``A100`` -> 1 (None -> 0)."""
+    if not accelerators:
+        return 0.0
+    _, _, count = accelerators.partition(":")
+    return float(count) if count else 1.0
+
+
+def _amount(value: str | None) -> float:
+    """``4`` or ``4+`` (at least 4) -> 4.0 (None -> 0)."""
+    return float(value.rstrip("+")) if value else 0.0
+
+
+def _resource_flags(task: Task, args: argparse.Namespace) -> Task:
+    """``--gpus``/``--cpus``/``--memory`` (SkyPilot's flags) over the task's resources."""
+    import re
+
+    changes: dict[str, Any] = {}
+    if args.gpus is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+(:\d+(\.\d+)?)?", args.gpus) or args.gpus.endswith(
+            ":0"
+        ):
+            raise ConfigurationError(
+                f"--gpus {args.gpus!r}: give an accelerator and a count per node, like "
+                "A100, A100:2 or A100:0.5 (a fraction shares one device)"
+            )
+        changes["accelerators"] = args.gpus
+    for flag in ("cpus", "memory"):
+        value = getattr(args, flag)
+        if value is not None:
+            if not re.fullmatch(r"\d+(\.\d+)?\+?", value) or _amount(value) <= 0:
+                raise ConfigurationError(
+                    f"--{flag} {value!r}: give a positive number per node, like 4 or 4+"
+                )
+            changes[flag] = value
+    if not changes:
+        return task
+    return replace(task, resources=replace(task.resources, **changes))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -216,6 +260,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
     task = _task_from(" ".join(args.task), args.nodes, args)  # unquoted: words, as SkyPilot
+    task = _resource_flags(task, args)
     _same_volumes(
         paths.name, rec.volumes, _node_volumes(task, registry.spec_from_dict(rec.provider))
     )
@@ -230,4 +275,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
         for warning in registry.backend_for(spec).check_task(task, spec, rec.num_nodes):
             say(f"warning: {warning}")
     job = _job_spec(task, nodes, False, False, False, args.retries)
+    if rec.nodes:  # a job that could never fit the cluster: refused before it is queued
+        from .jobs import Ledger, demand_of
+
+        why = Ledger(rec.nodes).refusal(demand_of(job), nodes, paths.name, job.accelerator)
+        if why:
+            raise CLIError(f"cluster {paths.name}: {why}", code=2)
     return submit(paths, rec, job, args.detach)

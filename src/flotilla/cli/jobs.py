@@ -15,7 +15,9 @@ status and its last lines first: the root cause first, the consequences after.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -41,6 +43,189 @@ from .sync import build as build_archive
 TAIL_LINES = 20
 """Lines of a failing node shown in the job's report."""
 _MIN_REDACTED = 4  # shorter secret values would blank out ordinary text
+
+
+# -- the resource-aware queue ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Demand:
+    """What a job holds on each of its nodes while it runs (its task's ``resources``).
+
+    Attributes:
+        gpus: accelerators per node; a fraction below 1 shares one device (``A100:0.5``).
+        cpus: vCPUs per node (``cpus: 4`` or ``4+``: 4).
+        memory: memory per node in GB.
+
+    A job that declares none of them holds its nodes whole: it runs alone on them, as
+    every job did before the queue knew resources.
+    """
+
+    gpus: float = 0.0
+    cpus: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def whole(self) -> bool:
+        return not (self.gpus or self.cpus or self.memory)
+
+    def describe(self, accelerator: str = "") -> str:
+        """``A100:0.5 cpus=2 mem=4GB`` (``whole`` when nothing is declared)."""
+        if self.whole:
+            return "whole"
+        parts = []
+        if self.gpus:
+            parts.append(f"{accelerator or 'gpus'}:{self.gpus:g}")
+        if self.cpus:
+            parts.append(f"cpus={self.cpus:g}")
+        if self.memory:
+            parts.append(f"mem={self.memory:g}GB")
+        return " ".join(parts)
+
+
+JOBS_PER_NODE = 4
+"""Jobs a node runs at once at most, whatever room they leave (each takes one of the
+node's task slots; one more slot serves syncs, ports and reaping)."""
+
+
+def demand_of(spec: JobSpec) -> Demand:
+    """What a job asks of each of its nodes."""
+    return Demand(spec.gpu_share or float(spec.gpus_per_node), spec.cpus, spec.memory)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where a job runs: its nodes in rank order, and the devices each lends it."""
+
+    nodes: list[int]
+    devices: dict[int, list[int]]
+    demand: Demand
+
+
+class _NodeRoom:
+    """One node's size (0 vCPUs or memory: unknown, not counted) and what jobs hold."""
+
+    def __init__(self, node: NodeRecord) -> None:
+        self.size = node
+        self.cpus = 0.0  # held by running jobs
+        self.memory = 0.0
+        self.devices = [1.0] * node.gpus  # what is free of each device
+        self.jobs = 0
+        self.whole = False
+
+    def devices_for(self, gpus: float) -> list[int] | None:
+        """The devices a job needing ``gpus`` of them would get here (None: no room).
+        A fraction goes where it fits most tightly; whole devices must be wholly free."""
+        if gpus <= 0:
+            return []
+        if gpus < 1:
+            fits = [(free, i) for i, free in enumerate(self.devices) if free >= gpus - 1e-9]
+            return [min(fits)[1]] if fits else None
+        free = [i for i, f in enumerate(self.devices) if f >= 1 - 1e-9]
+        want = math.ceil(gpus - 1e-9)
+        return free[:want] if len(free) >= want else None
+
+    def fits(self, d: Demand) -> list[int] | None:
+        if self.whole or (d.whole and self.jobs):
+            return None
+        if self.size.cpus and self.cpus + d.cpus > self.size.cpus + 1e-9:
+            return None
+        if self.size.memory_gb and self.memory + d.memory > self.size.memory_gb + 1e-9:
+            return None
+        return self.devices_for(d.gpus)
+
+
+class Ledger:
+    """What each node of a cluster has (GPUs, vCPUs, memory) and what the running jobs
+    hold: a job starts when ``take`` finds it room, and ``give_back`` frees it."""
+
+    def __init__(self, nodes: list[NodeRecord], jobs_per_node: int = JOBS_PER_NODE) -> None:
+        self.sizes = list(nodes)
+        self.rooms = [_NodeRoom(n) for n in nodes]
+        self.jobs_per_node = jobs_per_node
+
+    def refusal(self, d: Demand, count: int, cluster: str, accelerator: str = "") -> str:
+        """Why a job of ``count`` nodes needing ``d`` on each can never run on this
+        cluster, even alone ('' when it can)."""
+        if count > len(self.sizes):
+            return f"the job needs {count} nodes but cluster {cluster} has {len(self.sizes)}"
+        empty = [_NodeRoom(n) for n in self.sizes]
+        fit = [i for i, room in enumerate(empty) if room.fits(d) is not None]
+        if len(fit) >= count:
+            return ""
+        best = max(self.sizes, key=lambda n: n.gpus)
+        if d.gpus and not best.gpus:
+            return (
+                f"the job asks for {accelerator or 'GPU'}:{d.gpus:g} per node but cluster "
+                f"{cluster}'s nodes have no GPU: drop --gpus/accelerators, or launch a "
+                "cluster with GPUs"
+            )
+        if d.gpus and max(n.gpus for n in self.sizes) < d.gpus:
+            return (
+                f"the job asks for {d.gpus:g} GPU(s) per node but cluster {cluster}'s nodes "
+                f"have at most {best.gpus}"
+            )
+        most_cpus = max(n.cpus for n in self.sizes)
+        if d.cpus and most_cpus and d.cpus > most_cpus:
+            return (
+                f"the job asks for {d.cpus:g} vCPUs per node; cluster {cluster}'s nodes have "
+                f"{most_cpus}"
+            )
+        most_memory = max(n.memory_gb for n in self.sizes)
+        if d.memory and most_memory and d.memory > most_memory:
+            return (
+                f"the job asks for {d.memory:g} GB of memory per node; cluster {cluster}'s "
+                f"nodes have {most_memory:g} GB"
+            )
+        return (
+            f"the job needs {count} node(s) with {d.describe(accelerator)} but only "
+            f"{len(fit)} of cluster {cluster}'s nodes have that much"
+        )
+
+    def take(self, d: Demand, count: int) -> Allocation | None:
+        """Room for the job on ``count`` nodes (the first ones that have it), held until
+        ``give_back``; None when the running jobs leave too little."""
+        chosen: dict[int, list[int]] = {}
+        for i, room in enumerate(self.rooms):
+            devices = room.fits(d) if room.jobs < self.jobs_per_node else None
+            if devices is not None:
+                chosen[i] = devices
+                if len(chosen) == count:
+                    break
+        if len(chosen) < count:
+            return None
+        share = d.gpus if d.gpus < 1 else 1.0
+        for i, devices in chosen.items():
+            room = self.rooms[i]
+            room.jobs += 1
+            room.whole = d.whole
+            room.cpus += d.cpus
+            room.memory += d.memory
+            for dev in devices:
+                room.devices[dev] -= share
+        return Allocation(list(chosen), chosen, d)
+
+    def give_back(self, a: Allocation) -> None:
+        d = a.demand
+        share = d.gpus if d.gpus < 1 else 1.0
+        for i, devices in a.devices.items():
+            room = self.rooms[i]
+            room.jobs -= 1
+            room.whole = False
+            room.cpus -= d.cpus
+            room.memory -= d.memory
+            for dev in devices:
+                room.devices[dev] = min(1.0, room.devices[dev] + share)
+
+
+_TAG = re.compile("\x1e(\\d+)\x1f")
+
+
+def untag(line: str) -> tuple[int | None, str]:
+    """The job a tagged line came from (``node_ops.JOB_TAG``; None: untagged) and the line
+    without its tags."""
+    found = _TAG.search(line)
+    if found is None:
+        return None, line
+    return int(found.group(1)), _TAG.sub("", line)
 
 
 class Subscriber:
@@ -99,7 +284,13 @@ class Job:
             exit_code=self.exit_code,
             failed_node=self.failed_node,
             error=self.report[0] if self.report else "",
+            resources=self.demand.describe(self.spec.accelerator),
         )
+
+    @property
+    def demand(self) -> Demand:
+        """What the job holds on each of its nodes (see :class:`Demand`)."""
+        return demand_of(self.spec)
 
     # -- logs and followers -------------------------------------------------------------
     def _file(self, name: str) -> IO[str]:
@@ -115,6 +306,7 @@ class Job:
 
     def output(self, node: int, stream: int, lines: list[str]) -> None:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
+        lines = [untag(line)[1] for line in lines]
         with self.lock:
             throttle = self.throttles.get((node, stream))
             if throttle is not None:
@@ -125,6 +317,7 @@ class Job:
         """A node redrew its unfinished line with ``\\r`` (a progress bar): followers get
         every state (a terminal redraws the bar in place); the logs get a line now and
         then (the first state, then one per few seconds; the final line comes as output)."""
+        text = untag(text)[1]
         with self.lock:
             rank = self.ranks.get(node, node)
             clean = redact(text, self.secrets)
@@ -282,14 +475,20 @@ class Runner:
         self.token = token
         self.candidate = candidate
         self.synced: str | None = None  # digest of what every node has unpacked
+        self.sync_lock = threading.Lock()  # jobs that run at once sync one at a time
         self.mesh = ""  # the tag of the nodes' SSH keys when they reach each other (mesh.py)
+        self.tag_output = False
+        """Tag each line the jobs print with the job (``node_ops.JOB_TAG``): set by a
+        cluster that runs several jobs at once, whose output sink tells them apart."""
 
     def _status(self, job: Job, status: JobStatus) -> None:
         job.status = status
         self.on_status(job)
 
-    def run(self, job: Job) -> None:
-        """Run every phase of ``job``; never raises (failures end the job)."""
+    def run(self, job: Job, where: Allocation | None = None) -> None:
+        """Run every phase of ``job`` (``run`` on ``where``'s nodes, with its devices; None:
+        the first ``num_nodes`` nodes, all their devices); never raises (failures end the
+        job)."""
         spec = job.spec
         job.started = time.time()
         try:
@@ -298,14 +497,19 @@ class Runner:
                 raise ValueError(
                     f"the job needs {count} nodes but cluster {self.cluster} has {len(self.nodes)}"
                 )
-            check_gpus(spec.gpus_on(self.candidate), [n.gpus for n in self.nodes])
-            failure = self._sync(job)
+            if where is None:
+                check_gpus(spec.gpus_on(self.candidate), [n.gpus for n in self.nodes])
+            nodes = where.nodes if where is not None else list(range(count))
+            devices = where.devices if where is not None and not where.demand.whole else None
+            everyone = list(range(len(self.nodes)))
+            with self.sync_lock:
+                failure = self._sync(job)
             if failure is None and spec.do_setup and spec.setup and not job.cancel_requested:
                 self._status(job, JobStatus.SETTING_UP)
-                failure = self._script(job, "setup", spec.setup, len(self.nodes))
+                failure = self._script(job, "setup", spec.setup, everyone)
             if failure is None and spec.run and not job.cancel_requested:
                 self._status(job, JobStatus.RUNNING)
-                failure = self._script(job, "run", spec.run, count)
+                failure = self._script(job, "run", spec.run, nodes, devices)
                 for attempt in range(1, spec.retries + 1):
                     if failure is None or job.cancel_requested:
                         break
@@ -315,7 +519,7 @@ class Runner:
                         f"job {job.id}: {who} {failure.reason}; running it again "
                         f"(retry {attempt} of {spec.retries}, same task id)"
                     )
-                    failure = self._script(job, "run", spec.run, count)
+                    failure = self._script(job, "run", spec.run, nodes, devices)
         except Exception as e:  # the pool is gone, a workdir vanished...
             self._reap(job)
             self._end(job, JobStatus.FAILED, 1, [f"job {job.id} ({spec.name}) failed: {e}"])
@@ -342,7 +546,7 @@ class Runner:
         prefix = f"{self.token}." + (f"{job.id}." if job is not None else "")
         ranks = [0] if self.shares_filesystem else list(range(len(self.nodes)))
         with contextlib.suppress(Exception):  # best effort: the pool may be going away
-            wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks), timeout)
+            wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks, any_slot=True), timeout)
 
     def reap_all(self) -> None:
         """Kill every process any job of this pool started (the cluster goes down)."""
@@ -370,15 +574,26 @@ class Runner:
             {n.node: n.node for n in self.nodes},
         )
         call = unpack(archive.data, archive.targets, self.shares_filesystem, self.workdirs)
-        failure = self._supervise(job, "sync", self.pool.submit_broadcast(call), ok=None)
+        failure = self._supervise(
+            job, "sync", self.pool.submit_broadcast(call, any_slot=True), ok=None
+        )
         if failure is None:
             self.synced = archive.digest
         return failure
 
-    def _script(self, job: Job, phase: str, script: str, count: int) -> Failure | None:
+    def _script(
+        self,
+        job: Job,
+        phase: str,
+        script: str,
+        nodes: list[int],
+        devices: dict[int, list[int]] | None = None,
+    ) -> Failure | None:
+        """Run ``script`` on ``nodes`` (node indices, in rank order); ``devices``: the
+        accelerators each node lends the job (CUDA_VISIBLE_DEVICES), None: all of them."""
         spec = job.spec
-        ranks = list(range(count))
-        port = self.pool.submit_broadcast(free_port(), nodes=[0])[0].result()
+        count = len(nodes)
+        port = self.pool.submit_broadcast(free_port(), nodes=[nodes[0]], any_slot=True)[0].result()
         common, per_node = phase_env(
             cluster=self.cluster,
             provider=self.provider,
@@ -389,7 +604,11 @@ class Runner:
             gpus_per_node=spec.gpus_on(self.candidate),
             master_port=port,
             setup=phase == "setup",
+            nodes=nodes,
         )
+        if devices is not None:
+            for node, given in devices.items():
+                per_node.setdefault(node, {})["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, given))
         if self.shares_filesystem and "HOME" not in spec.envs:  # ~: as for file mounts
             for rank, env in per_node.items():
                 env.update(shared_machine_home(self.workdirs[rank]))
@@ -399,16 +618,30 @@ class Runner:
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."
-        hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_on(self.candidate))
-        job.phase(f"job {job.id}: {phase} on {count} node(s)", {r: r for r in ranks})
-        call = run_script(script, common, per_node, hosts, job.id, self.workdirs, self.mesh)
-        return self._supervise(job, phase, self.pool.submit_broadcast(call, nodes=ranks), ok=0)
+        hosts = hostfile([self.nodes[i].ip for i in nodes], spec.gpus_on(self.candidate))
+        where = "" if nodes == list(range(count)) else f" ({', '.join(map(str, nodes))})"
+        job.phase(
+            f"job {job.id}: {phase} on {count} node(s){where}",
+            {node: rank for rank, node in enumerate(nodes)},
+        )
+        call = run_script(
+            script, common, per_node, hosts, job.id, self.workdirs, self.mesh, self.tag_output
+        )
+        futures = self.pool.submit_broadcast(call, nodes=nodes, any_slot=True)
+        return self._supervise(job, phase, futures, ok=0, nodes=nodes)
 
     def _supervise(
-        self, job: Job, phase: str, futures: list[Future[Any]], ok: int | None
+        self,
+        job: Job,
+        phase: str,
+        futures: list[Future[Any]],
+        ok: int | None,
+        nodes: list[int] | None = None,
     ) -> Failure | None:
-        """Wait for a phase's calls (one per node, in rank order); on the first failure,
-        stop the others. ``ok``: the value a script returns on success (None: any)."""
+        """Wait for a phase's calls (one per node, in rank order; ``nodes``: their node
+        indices, default 0, 1...); on the first failure, stop the others. ``ok``: the
+        value a script returns on success (None: any)."""
+        where = nodes or list(range(len(futures)))
         job.active = futures
         if job.cancel_requested:
             self.pool.cancel(futures)
@@ -422,16 +655,16 @@ class Runner:
                     value = fut.result()
                 except CancelledError:
                     if failure is not None:
-                        failure.stopped.append(rank)
+                        failure.stopped.append(where[rank])
                     continue
                 except Exception as e:
                     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    found = Failure(rank, rank, phase, None, reason)
+                    found = Failure(where[rank], rank, phase, None, reason)
                 else:
                     if ok is None or value == ok:
                         continue
                     how, _ = describe_exit(int(value))
-                    found = Failure(rank, rank, phase, int(value), how)
+                    found = Failure(where[rank], rank, phase, int(value), how)
                 if failure is None:
                     failure = found
                     self.pool.cancel(list(pending))

@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=count("--nodes"),
         help="nodes to run on (default: the task's, or all)",
     )
+    for flag, example in (("gpus", "A100:0.5"), ("cpus", "4+"), ("memory", "16")):
+        q.add_argument(  # what the job holds on each node while it runs (the queue's)
+            f"--{flag}",
+            metavar=example.upper() if flag == "gpus" else "N",
+            help=f"{flag} per node the job holds while it runs (e.g. {example}); jobs "
+            "share the cluster's nodes while they have room, queue otherwise",
+        )
     job_flags(q)
     q.set_defaults(func=cmd_exec)
 

@@ -77,9 +77,14 @@ class _Runner(Runner):
     failure: Failure | None = None
 
     def _supervise(
-        self, job: Job, phase: str, futures: list[Future[Any]], ok: int | None
+        self,
+        job: Job,
+        phase: str,
+        futures: list[Future[Any]],
+        ok: int | None,
+        nodes: list[int] | None = None,
     ) -> Failure | None:
-        failure = super()._supervise(job, phase, futures, ok)
+        failure = super()._supervise(job, phase, futures, ok, nodes)
         if failure is not None and self.failure is None:
             self.failure = failure
         return failure
