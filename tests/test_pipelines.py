@@ -65,6 +65,11 @@ def test_a_multi_document_file_is_a_pipeline_with_skypilots_header(tmp_path: Pat
         ("name: p\n---\nrun: echo a\n---\nname: x\nenvs: {A: b}\n---\n", 5, "nothing to run"),
         ("name: p\n---\nname: a\nrun: x\n---\nname: a\nrun: y\n", 6, "two tasks of the"),
         ("name: p\nexecution: serial\n---\n", 1, "has a header but no task"),
+        (
+            "name: p\nexecution: parallel\nprimary_tasks: [a]\n---\nname: a\nrun: x\n",
+            3,
+            "unknown field 'primary_tasks' (known fields: execution, name)",
+        ),
     ],
 )
 def test_a_bad_pipeline_names_the_file_and_line(

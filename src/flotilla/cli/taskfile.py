@@ -282,8 +282,13 @@ def _pipeline(path: str, roots: list[yaml.Node]) -> Pipeline:
     parser = _Parser(path)
     head = roots[0]
     name, execution = stem, "serial"
-    header = isinstance(head, yaml.MappingNode) and all(
-        isinstance(k, yaml.ScalarNode) and k.value in _HEADER_FIELDS for k, _ in head.value
+    keys = (
+        {str(k.value) for k, _ in head.value if isinstance(k, yaml.ScalarNode)}
+        if isinstance(head, yaml.MappingNode)
+        else set()
+    )  # a header: name and execution only, or execution and nothing to run
+    header = isinstance(head, yaml.MappingNode) and (
+        keys <= set(_HEADER_FIELDS) or ("execution" in keys and not keys & {"run", "setup"})
     )
     if header:
         fields = parser.mapping(head, "", dict.fromkeys(_HEADER_FIELDS))
