@@ -72,17 +72,26 @@ def test_cpus_and_memory_are_shared_out_and_undeclared_jobs_hold_nodes_whole() -
     ("demand", "count", "message"),
     [
         (Demand(gpus=0.5), 1, "cluster c's nodes have no GPU"),
-        (Demand(cpus=16), 1, "asks for 16 vCPUs per node; cluster c's nodes have 8"),
-        (Demand(memory=64), 1, "64 GB of memory per node; cluster c's nodes have 32 GB"),
+        (Demand(gpus=2), 2, "needs 2 node(s) with A100:2 but only 1 of cluster c's nodes"),
         (Demand(), 3, "the job needs 3 nodes but cluster c has 2"),
     ],
 )
 def test_a_job_that_can_never_fit_is_refused_saying_why(
     demand: Demand, count: int, message: str
 ) -> None:
-    ledger = Ledger([node(0, 0), node(1, 0)])
+    ledger = Ledger([node(0, 2), node(1, 0)] if demand.gpus > 1 else [node(0, 0), node(1, 0)])
     assert message in ledger.refusal(demand, count, "c", "A100")
     assert ledger.refusal(Demand(cpus=8), 2, "c") == ""
+
+
+def test_more_vcpus_or_memory_than_a_node_has_is_a_hint_the_job_holds_the_node() -> None:
+    ledger = Ledger([node(0, 0, cpus=8, memory=32)])
+    assert ledger.refusal(Demand(cpus=100_000, memory=640), 1, "c") == ""  # as launch warns
+    big = ledger.take(Demand(cpus=100_000), 1)
+    assert big is not None
+    assert ledger.take(Demand(cpus=0.5), 1) is None  # it holds every vCPU
+    ledger.give_back(big)
+    assert ledger.take(Demand(cpus=8), 1) is not None
 
 
 # -- a real cluster ----------------------------------------------------------------------------

@@ -123,19 +123,32 @@ class _NodeRoom:
         want = math.ceil(gpus - 1e-9)
         return free[:want] if len(free) >= want else None
 
+    def held(self, d: Demand) -> tuple[float, float]:
+        """The vCPUs and memory ``d`` holds here: what it asks, at most the node's size (a
+        larger ask is a hint the provider could not honour and warned about: the job
+        runs anyway, holding all of it)."""
+        cpus = min(d.cpus, self.size.cpus) if self.size.cpus else d.cpus
+        memory = min(d.memory, self.size.memory_gb) if self.size.memory_gb else d.memory
+        return cpus, memory
+
     def fits(self, d: Demand) -> list[int] | None:
         if self.whole or (d.whole and self.jobs):
             return None
-        if self.size.cpus and self.cpus + d.cpus > self.size.cpus + 1e-9:
+        cpus, memory = self.held(d)
+        if self.size.cpus and self.cpus + cpus > self.size.cpus + 1e-9:
             return None
-        if self.size.memory_gb and self.memory + d.memory > self.size.memory_gb + 1e-9:
+        if self.size.memory_gb and self.memory + memory > self.size.memory_gb + 1e-9:
             return None
         return self.devices_for(d.gpus)
 
 
 class Ledger:
     """What each node of a cluster has (GPUs, vCPUs, memory) and what the running jobs
-    hold: a job starts when ``take`` finds it room, and ``give_back`` frees it."""
+    hold: a job starts when ``take`` finds it room, and ``give_back`` frees it.
+
+    Accelerators are a requirement: a job asking more per node than a node has is refused
+    (``refusal``). vCPUs and memory are, as on ``launch``, hints: a job asking more than a
+    node has holds all of it (and runs alone there), it is not refused."""
 
     def __init__(self, nodes: list[NodeRecord], jobs_per_node: int = JOBS_PER_NODE) -> None:
         self.sizes = list(nodes)
@@ -163,18 +176,6 @@ class Ledger:
                 f"the job asks for {d.gpus:g} GPU(s) per node but cluster {cluster}'s nodes "
                 f"have at most {best.gpus}"
             )
-        most_cpus = max(n.cpus for n in self.sizes)
-        if d.cpus and most_cpus and d.cpus > most_cpus:
-            return (
-                f"the job asks for {d.cpus:g} vCPUs per node; cluster {cluster}'s nodes have "
-                f"{most_cpus}"
-            )
-        most_memory = max(n.memory_gb for n in self.sizes)
-        if d.memory and most_memory and d.memory > most_memory:
-            return (
-                f"the job asks for {d.memory:g} GB of memory per node; cluster {cluster}'s "
-                f"nodes have {most_memory:g} GB"
-            )
         return (
             f"the job needs {count} node(s) with {d.describe(accelerator)} but only "
             f"{len(fit)} of cluster {cluster}'s nodes have that much"
@@ -197,8 +198,9 @@ class Ledger:
             room = self.rooms[i]
             room.jobs += 1
             room.whole = d.whole
-            room.cpus += d.cpus
-            room.memory += d.memory
+            cpus, memory = room.held(d)
+            room.cpus += cpus
+            room.memory += memory
             for dev in devices:
                 room.devices[dev] -= share
         return Allocation(list(chosen), chosen, d)
@@ -210,8 +212,9 @@ class Ledger:
             room = self.rooms[i]
             room.jobs -= 1
             room.whole = False
-            room.cpus -= d.cpus
-            room.memory -= d.memory
+            cpus, memory = room.held(d)
+            room.cpus -= cpus
+            room.memory -= memory
             for dev in devices:
                 room.devices[dev] = min(1.0, room.devices[dev] + share)
 
