@@ -159,6 +159,9 @@ def _resource_flags(task: Task, args: argparse.Namespace) -> Task:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     task = _task_from(args.task, None, args)
+    if args.idle_minutes is None and task.resources.autostop is not None:  # the task's own
+        args.idle_minutes = task.resources.autostop.idle_minutes
+        args.down = args.down or task.resources.autostop.down
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
     if args.idle_minutes is not None and args.idle_minutes <= 0:

@@ -155,6 +155,19 @@ class ClusterDaemon:
             self.wake.clear()
         self.shutdown()
 
+    def set_autostop(self, minutes: float | None, down: bool) -> None:
+        """Stop (``down``: tear down) the cluster after ``minutes`` without jobs, counted
+        from now; None: never (``flotilla autostop --cancel``)."""
+        with self.cv:
+            self.idle = minutes * 60 if minutes is not None else None
+            self.autodown = down and minutes is not None
+            self.last_activity = time.time()
+        with self._update() as rec:
+            rec.idle_minutes = minutes
+            rec.autodown = self.autodown
+            rec.last_activity = self.last_activity
+        self.wake.set()
+
     def request_stop(self, delete_record: bool) -> None:
         with self.cv:
             self.stopping = True
@@ -565,6 +578,10 @@ class ClusterDaemon:
             if not job_opt.done.is_set():
                 self.cancel(job_opt)
             conn.sendall(encode({"ev": "cancelled", "was": was.value, **job_opt.end_event()}))
+        elif op == "autostop":  # `flotilla autostop`: a new idle limit, or none
+            minutes = request.get("minutes")
+            self.set_autostop(None if minutes is None else float(minutes), bool(request["down"]))
+            conn.sendall(encode({"ev": "autostop", "minutes": minutes, "down": self.autodown}))
         elif op == "down":
             self.request_stop(delete_record=True)
             self.stopped.wait()

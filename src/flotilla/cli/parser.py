@@ -7,6 +7,7 @@ import argparse
 
 from .._version import __version__
 from .backends import registry
+from .cmd_autostop import add_autostop_parser
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
     q.set_defaults(func=cmd_down)
+
+    add_autostop_parser(sub)
 
     q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")
     q.add_argument("clusters", nargs="+", metavar="CLUSTER")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from .._volume import Volume
+from .conventions import DEFAULT_AUTOSTOP_MINUTES
 from .managed.recovery import JobRecovery, parse_job_recovery
 
 if TYPE_CHECKING:
@@ -58,6 +59,23 @@ class TaskError(ConfigurationError):
 
 
 @dataclass(frozen=True)
+class Autostop:
+    """``resources.autostop`` (SkyPilot's forms: ``true`` (5 minutes), ``10`` or ``10m``,
+    ``2h``, ``1d``, or ``{idle_minutes: 10, down: true}``).
+
+    Attributes:
+        idle_minutes: minutes without jobs before the cluster stops.
+        down: tear the cluster down instead of stopping it.
+    """
+
+    idle_minutes: float
+    down: bool = False
+
+
+_AUTOSTOP_UNITS = {"m": 1.0, "h": 60.0, "d": 1440.0}
+
+
+@dataclass(frozen=True)
 class Resources:
     """What every node of the task needs (``resources:``). Only ``accelerators`` is a hard
     requirement on the local and SSH providers; the other fields are hints they report.
@@ -79,6 +97,8 @@ class Resources:
         labels: labels to attach to the nodes.
         job_recovery: how a managed job (``flotilla jobs launch``) recovers; None: the
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
+        autostop: stop (or tear down) the cluster after this long without jobs, as
+            ``launch --autostop M [--down]`` (SkyPilot's field); None: never.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
             any of them; a list: in order): every combination, each complete (a
@@ -105,6 +125,7 @@ class Resources:
     disk_tier: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     job_recovery: JobRecovery | None = None
+    autostop: Autostop | None = None
     candidates: tuple[Resources, ...] = ()
     ordered: bool = True
 
@@ -126,7 +147,7 @@ class Resources:
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name in ("accelerators", "job_recovery", "candidates", "ordered"):
+            if name in ("accelerators", "job_recovery", "autostop", "candidates", "ordered"):
                 continue
             if value not in (None, (), {}):
                 out[name] = value
@@ -687,8 +708,9 @@ class _Parser:
         for i, item in enumerate(node.value):
             full = f"{name}[{i}]"
             fields = self.mapping(item, full, _RESOURCE_FIELDS)
-            if "job_recovery" in fields:
-                raise self.error(f"`{full}.job_recovery`: give it once, outside", item, full)
+            for once in ("job_recovery", "autostop"):
+                if once in fields:
+                    raise self.error(f"`{full}.{once}`: give it once, outside", item, full)
             if self._accelerator_sets(fields.get("accelerators"), full) is not None:
                 raise self.error(
                     f"`{full}.accelerators`: one accelerator per candidate", item, full
@@ -715,6 +737,47 @@ class _Parser:
         if count and float(count) <= 0:
             raise self.error(f"`{name}`: the count must be positive, got {count}", node, name)
         return f"{acc.strip()}:{count.strip()}" if count else acc.strip()
+
+    def autostop(self, node: yaml.Node, name: str) -> Autostop | None:
+        value = self.value(node)
+        forms = "true, false, minutes (10, '10m', '2h', '1d') or {idle_minutes: 10, down: true}"
+        down = False
+        if isinstance(value, dict):
+            fields = self.mapping(node, name, {"idle_minutes": 0, "down": 0, "wait_for": 0})
+            wait = self.value(fields["wait_for"][1]) if "wait_for" in fields else "jobs"
+            if wait != "jobs":
+                raise self.error(
+                    f"`{name}.wait_for`: flotilla counts jobs only: give `jobs` (or leave it "
+                    f"out), got {_kind(wait)}",
+                    fields["wait_for"][1],
+                    f"{name}.wait_for",
+                )
+            if "down" in fields:
+                flag = self.value(fields["down"][1])
+                if not isinstance(flag, bool):
+                    raise self.error(
+                        f"`{name}.down` must be true or false, got {_kind(flag)}",
+                        fields["down"][1],
+                        f"{name}.down",
+                    )
+                down = flag
+            value = self.value(fields["idle_minutes"][1]) if "idle_minutes" in fields else True
+        if value is False or value is None:
+            return None
+        if value is True:
+            return Autostop(DEFAULT_AUTOSTOP_MINUTES, down)
+        minutes: float | None = None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            minutes = float(value)
+        elif isinstance(value, str):
+            text = value.strip().lower()
+            unit = _AUTOSTOP_UNITS.get(text[-1:], 0.0)
+            number = text[:-1] if unit else text
+            if re.fullmatch(r"\d+(\.\d+)?", number):
+                minutes = float(number) * (unit or 1.0)
+        if minutes is None or minutes <= 0:
+            raise self.error(f"`{name}` must be {forms}; got {_kind(value)}", node, name)
+        return Autostop(minutes, down)
 
     def job_recovery(self, node: yaml.Node, name: str) -> JobRecovery:
         try:
@@ -811,6 +874,7 @@ _TASK_FIELDS: dict[str, _Check] = {
 _RESOURCE_FIELDS: dict[str, _Check] = {
     "accelerators": _Parser.accelerators,
     "job_recovery": _Parser.job_recovery,
+    "autostop": _Parser.autostop,
     "cpus": _Parser.amount,
     "memory": _Parser.amount,
     "infra": _Parser.text,
