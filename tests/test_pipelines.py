@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -301,3 +304,49 @@ def test_a_job_groups_tasks_run_at_once_and_find_each_other(jobs: Jobs) -> None:
     assert [r.state for r in tasks_of(jobs, pipeline)] == ["SUCCEEDED", "SUCCEEDED"]
     assert_pipeline_left_nothing(jobs)
     assert all(not alive(r.pid) for r in jobs.records() if r.pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_whose_controller_died_between_tasks_resumes_with_the_next(
+    jobs: Jobs,
+) -> None:
+    """The state a controller killed right after a task succeeded leaves (that task
+    SUCCEEDED, the next PENDING, the controller gone), written as the records are."""
+    from flotilla.cli.backends import registry
+    from flotilla.cli.jobspec import JobSpec
+    from flotilla.cli.managed.recovery import JobRecovery
+    from flotilla.cli.managed.state import JobsHome
+    from flotilla.cli.state import write_json
+
+    home = JobsHome(jobs.home)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    now = time.time()
+    head = ManagedJobRecord(
+        id=0, name="pipe", execution="serial", state="RUNNING", pid=gone.pid, submitted=now
+    )
+    common = {
+        "provider": registry.DEFAULT.spec_type().to_dict(),
+        "recovery": JobRecovery().to_dict(),
+        "submitted": now,
+    }
+    first = ManagedJobRecord(id=0, name="first", state="SUCCEEDED", exit_code=0, **common)
+    second = ManagedJobRecord(id=0, name="second", index=1, **common)
+    home.create_many([head, first, second])
+    with home.locked():
+        for task in (first, second):
+            task.pipeline, task.task_id = head.id, f"task-{task.id}"
+            home.save(task)
+        head.tasks = [first.id, second.id]
+        home.save(head)
+    log = jobs.ckpt / "log"
+    specs = [
+        JobSpec(name=n, run=f"echo {n} $SKYPILOT_TASK_ID >> {log}") for n in ("first", "second")
+    ]
+    write_json(home.request(head.id), {"tasks": [{"job": s.to_dict()} for s in specs]})
+    queue = jobs("queue")
+    assert f"managed pipeline 1: its controller (pid {gone.pid}) is gone" in queue.stderr
+    assert wait_until(lambda: jobs.record(1).state == "SUCCEEDED", 90), jobs.record(1)
+    assert log.read_text().splitlines() == ["second task-3"]  # the first never ran again
+    assert [r.state for r in tasks_of(jobs, jobs.record(1))] == ["SUCCEEDED", "SUCCEEDED"]
+    assert_pipeline_left_nothing(jobs)
