@@ -19,7 +19,7 @@ from _procs import alive, assert_all_gone, processes_in, wait_until
 from test_managed import Jobs, token_processes
 from test_managed import jobs as jobs  # the fixture
 
-from flotilla.cli.managed.pipeline import group_env
+from flotilla.cli.managed.group import group_env
 from flotilla.cli.managed.state import ManagedJobRecord
 from flotilla.cli.taskfile import Pipeline, Task, TaskError, load_task, load_tasks
 

@@ -454,6 +454,7 @@ class ClusterDaemon:
                         self.queue.popleft()
                         job.finish(JobStatus.FAILED, 2, [f"job {job.id} refused: {why}"])
                         self._save_job(job)
+                        self.wake.set()
                         continue
                     where = self.ledger.take(job.demand, count)
                     if where is not None:
@@ -480,6 +481,9 @@ class ClusterDaemon:
                     [f"job {job.id} failed: cluster {self.name} could not start: {why}"],
                 )
                 self._save_job(job)
+                with self.cv:
+                    self.last_activity = time.time()
+                self.wake.set()  # nothing may be left to do: serve_forever decides
                 continue
             self._thread(lambda j=job, w=where: self._run(j, w), f"job-{job.id}")
 

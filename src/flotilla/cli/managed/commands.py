@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..._errors import ConfigurationError, FlotillaError
 from ..._node import procs
 from ..console import say
+from .cleanup import reap_leftovers
 from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
 
@@ -107,7 +108,7 @@ def _launch_pipeline(args: argparse.Namespace, pipeline: Pipeline) -> int:
     from ..cmd_run import _job_spec, _node_volumes, _variables
     from ..jobspec import task_id
     from ..state import write_json
-    from .pipeline import env_name
+    from .group import env_name
 
     if args.nodes is not None:
         raise ConfigurationError(
@@ -509,16 +510,6 @@ def cancel(home: JobsHome, rec: ManagedJobRecord) -> int:
         final = home.load(rec.id) or final
     say(f"managed job {rec.id}: {final.state}")
     return 0
-
-
-def reap_leftovers(home: JobsHome, rec: ManagedJobRecord) -> None:
-    """Clean up after a job whose controller died, as ``flotilla down`` does after a
-    daemon: its backend kills what the job left on this machine."""
-    from ..backends import registry
-
-    spec = registry.spec_from_dict(rec.provider)
-    paths, record = home.cluster(rec)
-    registry.backend_for(spec).on_down(paths, record)
 
 
 # -- the parser --------------------------------------------------------------------------------

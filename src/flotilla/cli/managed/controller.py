@@ -54,7 +54,7 @@ from .recovery import Cause, JobRecovery, RecoveryPolicy
 from .state import JobsHome, ManagedJobState
 
 if TYPE_CHECKING:
-    from .pipeline import GroupBarrier
+    from .group import GroupBarrier
 
 PROBE_TIMEOUT = 10.0
 """Seconds a node has to answer the controller's probe after a failed attempt."""
