@@ -278,7 +278,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         for warning in registry.backend_for(spec).check_task(task, spec, rec.num_nodes):
             say(f"warning: {warning}")
     job = _job_spec(task, nodes, False, False, False, args.retries)
-    if rec.nodes:  # a job that could never fit the cluster: refused before it is queued
+    if rec.nodes and not job.candidate_gpus:  # never fits: refused before it is queued
         from .jobs import Ledger, demand_of
 
         why = Ledger(rec.nodes).refusal(demand_of(job), nodes, paths.name, job.accelerator)

@@ -432,7 +432,8 @@ class ClusterDaemon:
 
     def _check_fits(self, ledger: Ledger, spec: JobSpec) -> None:
         count = spec.num_nodes or len(ledger.sizes)
-        why = ledger.refusal(demand_of(spec), count, self.name, spec.accelerator)
+        candidate = self.runner.candidate if self.runner is not None else None
+        why = ledger.refusal(demand_of(spec, candidate), count, self.name, spec.accelerator)
         if why:
             raise FlotillaError(why)
 
@@ -449,6 +450,7 @@ class ClusterDaemon:
                     if self.ledger is None:  # the cluster did not start
                         return self.queue.popleft(), None
                     count = job.spec.num_nodes or len(self.nodes)
+                    job.candidate = self.runner.candidate if self.runner is not None else None
                     why = self.ledger.refusal(job.demand, count, self.name, job.spec.accelerator)
                     if why:  # queued while the cluster started; it never fits
                         self.queue.popleft()

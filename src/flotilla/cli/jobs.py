@@ -86,9 +86,15 @@ JOBS_PER_NODE = 4
 node's task slots; one more slot serves syncs, ports and reaping)."""
 
 
-def demand_of(spec: JobSpec) -> Demand:
-    """What a job asks of each of its nodes."""
-    return Demand(spec.gpu_share or float(spec.gpus_per_node), spec.cpus, spec.memory)
+def demand_of(spec: JobSpec, candidate: int | None = None) -> Demand:
+    """What a job asks of each of its nodes on a cluster started on its candidate at
+    position ``candidate`` (a task with ``any_of``/``ordered``: that candidate's
+    accelerators, as ``JobSpec.gpus_on``; None: the task's own)."""
+    if spec.candidate_gpus and candidate is not None:
+        gpus = float(spec.gpus_on(candidate))
+    else:
+        gpus = spec.gpu_share or float(spec.gpus_per_node)
+    return Demand(gpus, spec.cpus, spec.memory)
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,7 @@ class Job:
         self.tails: dict[int, deque[str]] = {}
         self.subscribers: list[Subscriber] = []
         self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
+        self.candidate: int | None = None  # where its cluster started (see demand_of)
         self._files: dict[str, IO[str]] = {}
         private_dirs(folder.parent, folder)
 
@@ -287,13 +294,15 @@ class Job:
             exit_code=self.exit_code,
             failed_node=self.failed_node,
             error=self.report[0] if self.report else "",
-            resources=self.demand.describe(self.spec.accelerator),
+            resources=self.demand.describe(
+                "" if self.spec.candidate_gpus else self.spec.accelerator
+            ),
         )
 
     @property
     def demand(self) -> Demand:
         """What the job holds on each of its nodes (see :class:`Demand`)."""
-        return demand_of(self.spec)
+        return demand_of(self.spec, self.candidate)
 
     # -- logs and followers -------------------------------------------------------------
     def _file(self, name: str) -> IO[str]:
