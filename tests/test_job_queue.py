@@ -15,7 +15,7 @@ from test_cli import CLI
 from test_cli import cli as cli  # the fixture
 from test_node_gpus import stand_in_nvidia_smi
 
-from flotilla.cli.jobs import Demand, Ledger
+from flotilla.cli.ledger import Demand, Ledger
 from flotilla.cli.state import NodeRecord
 
 A100 = "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5b3e5c-0000-1111-2222-333344445555)\n"

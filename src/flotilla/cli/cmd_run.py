@@ -279,7 +279,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             say(f"warning: {warning}")
     job = _job_spec(task, nodes, False, False, False, args.retries)
     if rec.nodes and not job.candidate_gpus:  # never fits: refused before it is queued
-        from .jobs import Ledger, demand_of
+        from .ledger import Ledger, demand_of
 
         why = Ledger(rec.nodes).refusal(demand_of(job), nodes, paths.name, job.accelerator)
         if why:

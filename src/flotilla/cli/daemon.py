@@ -3,7 +3,7 @@
 ``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
 ``NAME.sock`` (see ``ipc``): jobs are queued and run as their nodes have room for them
-(``jobs.Ledger``: FIFO, several at once when their resources allow), their output
+(``ledger.Ledger``: FIFO, several at once when their resources allow), their output
 streamed to whoever follows them and kept per node. It stops on ``flotilla down`` (and
 removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
 (the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
@@ -40,8 +40,9 @@ from .._worker import Worker
 from .backends import registry
 from .conventions import EXIT_LOST
 from .ipc import Event, encode, peer_uid, prefix
-from .jobs import JOBS_PER_NODE, Allocation, Job, Ledger, Runner, demand_of, untag
+from .jobs import Job, Runner, untag
 from .jobspec import JobSpec, task_id
+from .ledger import JOBS_PER_NODE, Allocation, Ledger, demand_of
 from .node_ops import node_facts
 from .state import (
     ClusterRecord,

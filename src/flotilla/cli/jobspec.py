@@ -23,7 +23,7 @@ Variables of ``setup`` and ``run`` (FLOTILLA_* and their SkyPilot names, same me
                                 lands (XDG_CACHE_HOME keeps the real ~/.cache: shared caches)
 
 In ``run`` they describe the job's nodes only (those the cluster's queue gave it: see
-``jobs.Ledger``); in ``setup`` every node of the cluster. CUDA_VISIBLE_DEVICES names the
+``ledger.Ledger``); in ``setup`` every node of the cluster. CUDA_VISIBLE_DEVICES names the
 devices of a job that declared accelerators (it is empty for a job that declared only
 vCPUs or memory; unset for a job that declared nothing and holds its nodes whole). The
 task's ``envs`` and ``secrets`` come last and win.
