@@ -6,6 +6,10 @@
     flotilla jobs logs NAME|ID [--follow]    a job's output, every attempt's
     flotilla jobs cancel NAME|ID... | -a     stop jobs (their clusters are torn down)
 
+A task file of several documents is a pipeline (serial) or a job group (parallel): see
+``pipeline``; ``queue``, ``logs`` and a following ``launch`` restart the controller of an
+unfinished pipeline found gone (:func:`revive`), which resumes it.
+
 ``jobs launch`` starts the job's controller (see ``controller``), which runs the task on a
 cluster of its own and recovers it when a node is lost or the program fails with
 restarts left (the task file's ``resources.job_recovery``). Without ``-d`` the command
