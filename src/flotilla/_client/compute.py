@@ -784,10 +784,13 @@ class Compute(PoolCollections, Pool):
         return results(self.submit_broadcast(call))
 
     def submit_broadcast(
-        self, call: PendingCall[R], nodes: Sequence[int] | None = None
+        self, call: PendingCall[R], nodes: Sequence[int] | None = None, any_slot: bool = False
     ) -> list[Future[R]]:
         """Run ``call`` on every node (or the ranks in ``nodes``); a Future per process, in
         global rank order (one per node unless a plugin runs several processes per node).
+        ``any_slot``: on a node with several task slots (``Worker(concurrency=...)``), the
+        call runs in the least busy one, beside what the others run (the command line's
+        job queue runs several jobs at once so); otherwise always in the first.
 
         A node being replaced (its agent was lost) gets its call once it is back."""
         self._check_running()
@@ -809,7 +812,7 @@ class Compute(PoolCollections, Pool):
                 )
             )
         ranks = None if nodes is None else [self._nodes[r].rank for r in nodes]
-        return [s.future for s in self._dispatcher.broadcast(call, ranks)]
+        return [s.future for s in self._dispatcher.broadcast(call, ranks, any_slot)]
 
     def current_nodes(self) -> int:
         """The nodes serving now (Skyward's ``current_nodes()``): an elastic pool's

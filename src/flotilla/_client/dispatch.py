@@ -347,11 +347,12 @@ class Dispatcher:
                 dead = {node} | (dead or set())
 
     def broadcast(
-        self, call: PendingCall[Any], ranks: Sequence[int] | None = None
+        self, call: PendingCall[Any], ranks: Sequence[int] | None = None, any_slot: bool = False
     ) -> list[Submission]:
         """Send ``call`` to every process of the nodes at ``ranks`` (None: of every node,
         as many as there are when it is sent: a broadcast made while a group pool changes
-        size waits for the new size); a submission each."""
+        size waits for the new size); a submission each. ``any_slot`` (one process per
+        node): each runs in its node's least busy task slot, not always the first."""
         with self.lock:
             while ranks is None and self._gated and not self._closed:
                 self._opened.wait()
@@ -382,6 +383,7 @@ class Dispatcher:
             ]
             for (_, worker), sub in zip(places, subs, strict=True):
                 sub.siblings, sub.generation, sub.worker = subs, self.generation, worker
+                sub.any_slot = any_slot and self.procs == 1
             pinned = [rank for rank, _ in places]
             if gated:
                 with self.lock:

@@ -168,6 +168,7 @@ class Submission:
     node: Node | None = None
     tid: int = 0  # the task id on its current node
     worker: int = 0  # the local rank it runs on
+    any_slot: bool = False  # pinned to its node but not to a slot: the least busy one
     attempts: int = 0
     siblings: list[Submission] | None = None  # the calls of the same broadcast
     generation: int = 0  # of the pool's process group when the broadcast was sent
@@ -328,6 +329,8 @@ class Node:
                     if sub.fn_key not in self.defined:
                         self.defined.add(sub.fn_key)
                         parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
+                    if sub.any_slot:
+                        sub.worker = min(range(len(self.busy)), key=self.busy.__getitem__)
                     self.busy[sub.worker] += 1
                     head = TASK_HEAD.pack(sub.timeout, sub.worker)
                     fan = sub.payload.fanout

@@ -15,7 +15,7 @@ from .state import ClusterState, JobStatus, Paths
 
 def cmd_queue(args: argparse.Namespace) -> int:
     rec = record(Paths(args.cluster))
-    rows = [["ID", "NAME", "STATUS", "NODES", "SUBMITTED", "DURATION", "EXIT"]]
+    rows = [["ID", "NAME", "STATUS", "NODES", "SUBMITTED", "DURATION", "EXIT", "RESOURCES"]]
     now = time.time()
     for j in rec.observed_jobs():  # LOST when the daemon is gone
         end = j.ended or now
@@ -28,6 +28,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.submitted)),
                 duration(end - j.started) if j.started else "-",
                 "" if j.exit_code is None else str(j.exit_code),
+                j.resources or "-",
             ]
         )
     sys.stdout.write(table(rows))

@@ -30,6 +30,15 @@ def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
         task = load_task(arg)
     else:
         task = command_task(arg, nodes)
+    envs, secrets = _variables(args)
+    return task.with_overrides(envs, secrets)
+
+
+def _variables(
+    args: argparse.Namespace,
+) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """``--env`` and ``--secret``/``--secret-file`` as given (a value of None: taken from
+    this process's environment by ``Task.with_overrides``)."""
     secrets: dict[str, str | None] = {}
     for path in args.secret_file:
         secrets.update(_secret_file(path))
@@ -42,7 +51,7 @@ def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
             "it from the environment, or --secret-file FILE"
         )
     secrets.update(given)
-    return task.with_overrides(_pairs(args.env, "--env"), secrets)
+    return _pairs(args.env, "--env"), secrets
 
 
 def _secret_file(path: str) -> dict[str, str | None]:
@@ -101,11 +110,58 @@ def _job_spec(
         do_setup=do_setup,
         down_after=down,
         retries=retries,
+        gpu_share=_share(task.resources.accelerators),
+        cpus=_amount(task.resources.cpus),
+        memory=_amount(task.resources.memory),
+        accelerator=task.resources.accelerator_name or "",
     )
+
+
+def _share(accelerators: str | None) -> float:
+    """``A100:0.5`` -> 0.5, ``A100`` -> 1 (None -> 0)."""
+    if not accelerators:
+        return 0.0
+    _, _, count = accelerators.partition(":")
+    return float(count) if count else 1.0
+
+
+def _amount(value: str | None) -> float:
+    """``4`` or ``4+`` (at least 4) -> 4.0 (None -> 0)."""
+    return float(value.rstrip("+")) if value else 0.0
+
+
+def _resource_flags(task: Task, args: argparse.Namespace) -> Task:
+    """``--gpus``/``--cpus``/``--memory`` (SkyPilot's flags) over the task's resources."""
+    import re
+
+    changes: dict[str, Any] = {}
+    if args.gpus is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+(:\d+(\.\d+)?)?", args.gpus) or args.gpus.endswith(
+            ":0"
+        ):
+            raise ConfigurationError(
+                f"--gpus {args.gpus!r}: give an accelerator and a count per node, like "
+                "A100, A100:2 or A100:0.5 (a fraction shares one device)"
+            )
+        changes["accelerators"] = args.gpus
+    for flag in ("cpus", "memory"):
+        value = getattr(args, flag)
+        if value is not None:
+            if not re.fullmatch(r"\d+(\.\d+)?\+?", value) or _amount(value) <= 0:
+                raise ConfigurationError(
+                    f"--{flag} {value!r}: give a positive number per node, like 4 or 4+"
+                )
+            changes[flag] = value
+    if not changes:
+        return task
+    return replace(task, resources=replace(task.resources, **changes))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     task = _task_from(args.task, None, args)
+    if args.idle_minutes is None and task.resources.autostop is not None:  # the task's own
+        args.idle_minutes = task.resources.autostop.idle_minutes
+        args.down = args.down or task.resources.autostop.down
     if args.nodes is not None and args.nodes < 1:
         raise ConfigurationError(f"--nodes must be at least 1, got {args.nodes}")
     if args.idle_minutes is not None and args.idle_minutes <= 0:
@@ -263,6 +319,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     paths = Paths(args.cluster)
     rec = running(paths)
     task = _task_from(" ".join(args.task), args.nodes, args)  # unquoted: words, as SkyPilot
+    task = _resource_flags(task, args)
     _same_volumes(
         paths.name, rec.volumes, _node_volumes(task, registry.spec_from_dict(rec.provider))
     )
@@ -277,4 +334,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
         for warning in registry.backend_for(spec).check_task(task, spec, rec.num_nodes):
             say(f"warning: {warning}")
     job = _job_spec(task, nodes, False, False, False, args.retries)
+    if rec.nodes and not job.candidate_gpus:  # never fits: refused before it is queued
+        from .ledger import Ledger, demand_of
+
+        why = Ledger(rec.nodes).refusal(demand_of(job), nodes, paths.name, job.accelerator)
+        if why:
+            raise CLIError(f"cluster {paths.name}: {why}", code=2)
     return submit(paths, rec, job, args.detach)

@@ -153,3 +153,8 @@ def next_steps(cluster: str, job: int | None, idle_minutes: float | None) -> lis
     ]
     width = max(len(c) for c, _ in steps)
     return [f"cluster {cluster} is up; {idle}"] + [f"  {c.ljust(width)}  {w}" for c, w in steps]
+
+
+DEFAULT_AUTOSTOP_MINUTES = 5.0
+"""SkyPilot's default idle time: ``resources.autostop: true``, ``flotilla autostop`` without
+``-i``."""

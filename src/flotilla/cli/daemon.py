@@ -2,9 +2,10 @@
 
 ``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
-``NAME.sock`` (see ``ipc``): jobs are queued and run one at a time (see ``jobs``), their
-output streamed to whoever follows them and kept per node. It stops on ``flotilla down``
-(and removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
+``NAME.sock`` (see ``ipc``): jobs are queued and run as their nodes have room for them
+(``ledger.Ledger``: FIFO, several at once when their resources allow), their output
+streamed to whoever follows them and kept per node. It stops on ``flotilla down`` (and
+removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
 (the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
 shows STALE until ``flotilla down NAME``.
 
@@ -35,11 +36,13 @@ from .._redaction import redact
 from .._system import procs
 from .._system.private import socket_address
 from .._volume import Volume
+from .._worker import Worker
 from .backends import registry
 from .conventions import EXIT_LOST
 from .ipc import Event, encode, peer_uid, prefix
-from .jobs import Job, Runner
+from .jobs import Job, Runner, untag
 from .jobspec import JobSpec, task_id
+from .ledger import JOBS_PER_NODE, Allocation, Ledger, demand_of
 from .node_ops import node_facts
 from .observe import EventLog
 from .state import (
@@ -85,7 +88,8 @@ class ClusterDaemon:
         self.notes: list[str] = []  # provisioning lines not told to a job yet
         self.jobs: dict[int, Job] = {}
         self.queue: deque[Job] = deque()
-        self.current: Job | None = None
+        self.running: dict[int, tuple[Job, Allocation | None]] = {}
+        self.ledger: Ledger | None = None  # the nodes' room, once they are up
         self.cv = threading.Condition()
         self.stopping = False
         self.delete_on_stop = False
@@ -138,7 +142,7 @@ class ClusterDaemon:
         while True:
             timeout = None
             with self.cv:
-                busy = self.current is not None or bool(self.queue)
+                busy = bool(self.running) or bool(self.queue)
                 if self.stopping:
                     break
                 if self.up.is_set() and self.error and not busy:
@@ -154,6 +158,19 @@ class ClusterDaemon:
             self.wake.wait(timeout)
             self.wake.clear()
         self.shutdown()
+
+    def set_autostop(self, minutes: float | None, down: bool) -> None:
+        """Stop (``down``: tear down) the cluster after ``minutes`` without jobs, counted
+        from now; None: never (``flotilla autostop --cancel``)."""
+        with self.cv:
+            self.idle = minutes * 60 if minutes is not None else None
+            self.autodown = down and minutes is not None
+            self.last_activity = time.time()
+        with self._update() as rec:
+            rec.idle_minutes = minutes
+            rec.autodown = self.autodown
+            rec.last_activity = self.last_activity
+        self.wake.set()
 
     def request_stop(self, delete_record: bool) -> None:
         with self.cv:
@@ -176,7 +193,7 @@ class ClusterDaemon:
             self.stopping = True
             pending = list(self.queue)
             self.queue.clear()
-            current = self.current
+            current = [job for job, _ in self.running.values()]
             self.cv.notify_all()
         with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
             if not self.error:
@@ -185,12 +202,13 @@ class ClusterDaemon:
             down = [f"job {job.id} was cancelled: cluster down"]
             job.finish(JobStatus.CANCELLED, EXIT_LOST, down)
             self._save_job(job)
-        if current is not None:
-            current.cancel_code, current.cancel_why = EXIT_LOST, ": cluster down"
-            current.cancel_requested = True  # also when it still waits for provisioning
+        for job in current:
+            job.cancel_code, job.cancel_why = EXIT_LOST, ": cluster down"
+            job.cancel_requested = True  # also when it still waits for provisioning
             if self.runner is not None:
-                self.runner.cancel(current)
-            current.done.wait(_CANCEL_WAIT)
+                self.runner.cancel(job)
+        for job in current:
+            job.done.wait(_CANCEL_WAIT)
         if self.provisioner is not None:
             self.provisioner.join()
         if self.runner is not None:
@@ -269,6 +287,7 @@ class ClusterDaemon:
                 memory_gb=wants.memory_gb,
                 volumes=self.volumes,
                 plugins=engine_plugins(self.engines),
+                worker=Worker(concurrency=JOBS_PER_NODE + 1),  # +1: syncs, ports, reaping
             )
             self.event_log = EventLog(self.paths)
             pool._observer.add_sink(self.event_log.sink)  # its events: `flotilla events`
@@ -295,6 +314,9 @@ class ClusterDaemon:
                 self.token,
                 candidate=getattr(provider, "chosen_index", None),  # a fallback's choice
             )
+            self.runner.tag_output = True  # several jobs at once: their lines tell them apart
+            with self.cv:
+                self.ledger = Ledger(self.nodes, JOBS_PER_NODE)
             self._connect_nodes()
             with self._update() as rec:
                 rec.state = ClusterState.UP.value
@@ -362,26 +384,43 @@ class ClusterDaemon:
             self.backend.on_up(self.paths, self.spec, self.nodes)
             self._connect_nodes()  # the new machine's host key and authorization
 
+    def _job_of(self, line: str) -> tuple[Job | None, str]:
+        """The running job a node's line belongs to (by its tag), and the line untagged."""
+        job_id, clean = untag(line)
+        entry = self.running.get(job_id) if job_id is not None else None
+        return (entry[0] if entry is not None else None), clean
+
     def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
-        job = self.current
-        if job is not None:
-            job.output(node, stream, lines)
-        else:  # a background process of an earlier job: keep it in the daemon's log
+        by_job: dict[int, tuple[Job, list[str]]] = {}
+        stray: list[str] = []
+        for line in lines:
+            job, clean = self._job_of(line)
+            if job is None:
+                stray.append(clean)
+            else:
+                by_job.setdefault(job.id, (job, []))[1].append(clean)
+        for job, mine in by_job.values():
+            job.output(node, stream, mine)
+        if stray:  # a background process of an earlier job: keep it in the daemon's log
             head = prefix(node, node)
-            clean = [redact(line, self.secrets) for line in lines]
-            sys.stderr.write("".join(f"{head}{line}\n" for line in clean))
+            shown = [redact(line, self.secrets) for line in stray]
+            sys.stderr.write("".join(f"{head}{line}\n" for line in shown))
 
     def _on_state(self, node: int, stream: int, text: str) -> None:
-        job = self.current
+        job, clean = self._job_of(text)
         if job is not None:  # between jobs, a bar's final line still comes as output
-            job.state(node, stream, text)
+            job.state(node, stream, clean)
 
     # -- jobs --------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> Job:
-        """Queue a job; it runs after the jobs before it."""
+        """Queue a job; it runs after the jobs before it, once its nodes have room for it.
+        A job that could never fit the cluster is refused here."""
         with self.cv:
             if self.stopping:
                 raise FlotillaError(f"cluster {self.name} is going down")
+            ledger = self.ledger
+        if ledger is not None:
+            self._check_fits(ledger, spec)
         now = time.time()
         with self._update() as rec:
             job_id = rec.next_job
@@ -404,20 +443,52 @@ class ClusterDaemon:
             rec.jobs = [job.record() if j.id == job.id else j for j in rec.jobs]
             rec.last_activity = time.time()
 
+    def _check_fits(self, ledger: Ledger, spec: JobSpec) -> None:
+        count = spec.num_nodes or len(ledger.sizes)
+        candidate = self.runner.candidate if self.runner is not None else None
+        why = ledger.refusal(demand_of(spec, candidate), count, self.name, spec.accelerator)
+        if why:
+            raise FlotillaError(why)
+
+    def _next(self) -> tuple[Job, Allocation | None] | None:
+        """The first queued job once its nodes have room (FIFO: a job waits for the ones
+        before it), taken off the queue with its allocation; None when stopping."""
+        self.up.wait()
+        with self.cv:
+            while True:
+                if self.stopping:
+                    return None
+                if self.queue:
+                    job = self.queue[0]
+                    if self.ledger is None:  # the cluster did not start
+                        return self.queue.popleft(), None
+                    count = job.spec.num_nodes or len(self.nodes)
+                    job.candidate = self.runner.candidate if self.runner is not None else None
+                    why = self.ledger.refusal(job.demand, count, self.name, job.spec.accelerator)
+                    if why:  # queued while the cluster started; it never fits
+                        self.queue.popleft()
+                        job.finish(JobStatus.FAILED, 2, [f"job {job.id} refused: {why}"])
+                        self._save_job(job)
+                        self.wake.set()
+                        continue
+                    where = self.ledger.take(job.demand, count)
+                    if where is not None:
+                        self.queue.popleft()
+                        self.running[job.id] = (job, where)
+                        return job, where
+                self.cv.wait()
+
     def _job_loop(self) -> None:
         while True:
-            with self.cv:
-                while not self.queue and not self.stopping:
-                    self.cv.wait()
-                if self.stopping:
-                    return
-                job = self.current = self.queue.popleft()
-            self.up.wait()
+            taken = self._next()
+            if taken is None:
+                return
+            job, where = taken
             with self.cv:
                 notes, self.notes = self.notes, []
             for note in notes:
                 job.phase(note)
-            if self.runner is None:
+            if self.runner is None or where is None:
                 why = self.error or "it is going down"
                 job.finish(
                     JobStatus.FAILED,
@@ -425,11 +496,24 @@ class ClusterDaemon:
                     [f"job {job.id} failed: cluster {self.name} could not start: {why}"],
                 )
                 self._save_job(job)
-            else:
-                self.runner.run(job)
+                with self.cv:
+                    self.last_activity = time.time()
+                self.wake.set()  # nothing may be left to do: serve_forever decides
+                continue
+            self._thread(lambda j=job, w=where: self._run(j, w), f"job-{job.id}")
+
+    def _run(self, job: Job, where: Allocation) -> None:
+        """Run one job on its allocation, then free it for the next ones."""
+        assert self.runner is not None
+        try:
+            self.runner.run(job, where)
+        finally:
             with self.cv:
-                self.current = None
+                self.running.pop(job.id, None)
+                if self.ledger is not None:
+                    self.ledger.give_back(where)
                 self.last_activity = time.time()
+                self.cv.notify_all()
             if job.spec.down_after:
                 self.request_stop(delete_record=True)
             self.wake.set()
@@ -446,6 +530,8 @@ class ClusterDaemon:
         elif not job.done.is_set() and self.runner is not None:
             self.runner.cancel(job)
         job.done.wait(_CANCEL_WAIT)
+        with self.cv:  # its nodes' room is free when `cancel` answers
+            self.cv.wait_for(lambda: job.id not in self.running, _CANCEL_WAIT)
 
     # -- the socket --------------------------------------------------------------------
     def _accept(self) -> None:
@@ -487,7 +573,9 @@ class ClusterDaemon:
             conn.sendall(encode({"ev": "pong", "pid": os.getpid(), "error": self.error}))
         elif op == "submit":
             job = self.submit(JobSpec.from_dict(request["job"]))
-            ahead = len(self.queue) - 1 + (self.current is not None)
+            with self.cv:
+                queued = list(self.queue)
+                ahead = queued.index(job) + len(self.running) if job in queued else 0
             conn.sendall(
                 encode({"ev": "accepted", "job": job.id, "task_id": job.task_id, "ahead": ahead})
             )
@@ -509,6 +597,10 @@ class ClusterDaemon:
             if not job_opt.done.is_set():
                 self.cancel(job_opt)
             conn.sendall(encode({"ev": "cancelled", "was": was.value, **job_opt.end_event()}))
+        elif op == "autostop":  # `flotilla autostop`: a new idle limit, or none
+            minutes = request.get("minutes")
+            self.set_autostop(None if minutes is None else float(minutes), bool(request["down"]))
+            conn.sendall(encode({"ev": "autostop", "minutes": minutes, "down": self.autodown}))
         elif op == "down":
             self.request_stop(delete_record=True)
             self.stopped.wait()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from .backends.base import check_gpus
 from .conventions import EXIT_INTERRUPTED
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
+from .ledger import Allocation, Demand, demand_of
 from .node_ops import TOKEN_VAR, free_port, reap, run_script, slurm_allocation_env, unpack
 from .state import JobRecord, JobStatus, NodeRecord
 from .sync import build as build_archive
@@ -41,6 +43,18 @@ from .sync import build as build_archive
 TAIL_LINES = 20
 """Lines of a failing node shown in the job's report."""
 _MIN_REDACTED = 4  # shorter secret values would blank out ordinary text
+
+
+_TAG = re.compile("\x1e(\\d+)\x1f")
+
+
+def untag(line: str) -> tuple[int | None, str]:
+    """The job a tagged line came from (``node_ops.JOB_TAG``; None: untagged) and the line
+    without its tags."""
+    found = _TAG.search(line)
+    if found is None:
+        return None, line
+    return int(found.group(1)), _TAG.sub("", line)
 
 
 class Subscriber:
@@ -83,6 +97,7 @@ class Job:
         self.tails: dict[int, deque[str]] = {}
         self.subscribers: list[Subscriber] = []
         self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
+        self.candidate: int | None = None  # where its cluster started (see demand_of)
         self._files: dict[str, IO[str]] = {}
         private_dirs(folder.parent, folder)
 
@@ -99,7 +114,15 @@ class Job:
             exit_code=self.exit_code,
             failed_node=self.failed_node,
             error=self.report[0] if self.report else "",
+            resources=self.demand.describe(
+                "" if self.spec.candidate_gpus else self.spec.accelerator
+            ),
         )
+
+    @property
+    def demand(self) -> Demand:
+        """What the job holds on each of its nodes (see :class:`Demand`)."""
+        return demand_of(self.spec, self.candidate)
 
     # -- logs and followers -------------------------------------------------------------
     def _file(self, name: str) -> IO[str]:
@@ -115,6 +138,7 @@ class Job:
 
     def output(self, node: int, stream: int, lines: list[str]) -> None:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
+        lines = [untag(line)[1] for line in lines]
         with self.lock:
             throttle = self.throttles.get((node, stream))
             if throttle is not None:
@@ -125,6 +149,7 @@ class Job:
         """A node redrew its unfinished line with ``\\r`` (a progress bar): followers get
         every state (a terminal redraws the bar in place); the logs get a line now and
         then (the first state, then one per few seconds; the final line comes as output)."""
+        text = untag(text)[1]
         with self.lock:
             rank = self.ranks.get(node, node)
             clean = redact(text, self.secrets)
@@ -282,14 +307,20 @@ class Runner:
         self.token = token
         self.candidate = candidate
         self.synced: str | None = None  # digest of what every node has unpacked
+        self.sync_lock = threading.Lock()  # jobs that run at once sync one at a time
         self.mesh = ""  # the tag of the nodes' SSH keys when they reach each other (mesh.py)
+        self.tag_output = False
+        """Tag each line the jobs print with the job (``node_ops.JOB_TAG``): set by a
+        cluster that runs several jobs at once, whose output sink tells them apart."""
 
     def _status(self, job: Job, status: JobStatus) -> None:
         job.status = status
         self.on_status(job)
 
-    def run(self, job: Job) -> None:
-        """Run every phase of ``job``; never raises (failures end the job)."""
+    def run(self, job: Job, where: Allocation | None = None) -> None:
+        """Run every phase of ``job`` (``run`` on ``where``'s nodes, with its devices; None:
+        the first ``num_nodes`` nodes, all their devices); never raises (failures end the
+        job)."""
         spec = job.spec
         job.started = time.time()
         try:
@@ -298,14 +329,19 @@ class Runner:
                 raise ValueError(
                     f"the job needs {count} nodes but cluster {self.cluster} has {len(self.nodes)}"
                 )
-            check_gpus(spec.gpus_on(self.candidate), [n.gpus for n in self.nodes])
-            failure = self._sync(job)
+            if where is None:
+                check_gpus(spec.gpus_on(self.candidate), [n.gpus for n in self.nodes])
+            nodes = where.nodes if where is not None else list(range(count))
+            devices = where.devices if where is not None and not where.demand.whole else None
+            everyone = list(range(len(self.nodes)))
+            with self.sync_lock:
+                failure = self._sync(job)
             if failure is None and spec.do_setup and spec.setup and not job.cancel_requested:
                 self._status(job, JobStatus.SETTING_UP)
-                failure = self._script(job, "setup", spec.setup, len(self.nodes))
+                failure = self._script(job, "setup", spec.setup, everyone)
             if failure is None and spec.run and not job.cancel_requested:
                 self._status(job, JobStatus.RUNNING)
-                failure = self._script(job, "run", spec.run, count)
+                failure = self._script(job, "run", spec.run, nodes, devices)
                 for attempt in range(1, spec.retries + 1):
                     if failure is None or job.cancel_requested:
                         break
@@ -315,7 +351,7 @@ class Runner:
                         f"job {job.id}: {who} {failure.reason}; running it again "
                         f"(retry {attempt} of {spec.retries}, same task id)"
                     )
-                    failure = self._script(job, "run", spec.run, count)
+                    failure = self._script(job, "run", spec.run, nodes, devices)
         except Exception as e:  # the pool is gone, a workdir vanished...
             self._reap(job)
             self._end(job, JobStatus.FAILED, 1, [f"job {job.id} ({spec.name}) failed: {e}"])
@@ -342,7 +378,7 @@ class Runner:
         prefix = f"{self.token}." + (f"{job.id}." if job is not None else "")
         ranks = [0] if self.shares_filesystem else list(range(len(self.nodes)))
         with contextlib.suppress(Exception):  # best effort: the pool may be going away
-            wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks), timeout)
+            wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks, any_slot=True), timeout)
 
     def reap_all(self) -> None:
         """Kill every process any job of this pool started (the cluster goes down)."""
@@ -370,15 +406,26 @@ class Runner:
             {n.node: n.node for n in self.nodes},
         )
         call = unpack(archive.data, archive.targets, self.shares_filesystem, self.workdirs)
-        failure = self._supervise(job, "sync", self.pool.submit_broadcast(call), ok=None)
+        failure = self._supervise(
+            job, "sync", self.pool.submit_broadcast(call, any_slot=True), ok=None
+        )
         if failure is None:
             self.synced = archive.digest
         return failure
 
-    def _script(self, job: Job, phase: str, script: str, count: int) -> Failure | None:
+    def _script(
+        self,
+        job: Job,
+        phase: str,
+        script: str,
+        nodes: list[int],
+        devices: dict[int, list[int]] | None = None,
+    ) -> Failure | None:
+        """Run ``script`` on ``nodes`` (node indices, in rank order); ``devices``: the
+        accelerators each node lends the job (CUDA_VISIBLE_DEVICES), None: all of them."""
         spec = job.spec
-        ranks = list(range(count))
-        port = self.pool.submit_broadcast(free_port(), nodes=[0])[0].result()
+        count = len(nodes)
+        port = self.pool.submit_broadcast(free_port(), nodes=[nodes[0]], any_slot=True)[0].result()
         common, per_node = phase_env(
             cluster=self.cluster,
             provider=self.provider,
@@ -389,7 +436,11 @@ class Runner:
             gpus_per_node=spec.gpus_on(self.candidate),
             master_port=port,
             setup=phase == "setup",
+            nodes=nodes,
         )
+        if devices is not None:
+            for node, given in devices.items():
+                per_node.setdefault(node, {})["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, given))
         if self.shares_filesystem and "HOME" not in spec.envs:  # ~: as for file mounts
             for rank, env in per_node.items():
                 env.update(shared_machine_home(self.workdirs[rank]))
@@ -399,16 +450,30 @@ class Runner:
         common.update(spec.envs)
         common.update(spec.secrets)
         common[TOKEN_VAR] = f"{self.token}.{job.id}."
-        hosts = hostfile([n.ip for n in self.nodes[:count]], spec.gpus_on(self.candidate))
-        job.phase(f"job {job.id}: {phase} on {count} node(s)", {r: r for r in ranks})
-        call = run_script(script, common, per_node, hosts, job.id, self.workdirs, self.mesh)
-        return self._supervise(job, phase, self.pool.submit_broadcast(call, nodes=ranks), ok=0)
+        hosts = hostfile([self.nodes[i].ip for i in nodes], spec.gpus_on(self.candidate))
+        where = "" if nodes == list(range(count)) else f" ({', '.join(map(str, nodes))})"
+        job.phase(
+            f"job {job.id}: {phase} on {count} node(s){where}",
+            {node: rank for rank, node in enumerate(nodes)},
+        )
+        call = run_script(
+            script, common, per_node, hosts, job.id, self.workdirs, self.mesh, self.tag_output
+        )
+        futures = self.pool.submit_broadcast(call, nodes=nodes, any_slot=True)
+        return self._supervise(job, phase, futures, ok=0, nodes=nodes)
 
     def _supervise(
-        self, job: Job, phase: str, futures: list[Future[Any]], ok: int | None
+        self,
+        job: Job,
+        phase: str,
+        futures: list[Future[Any]],
+        ok: int | None,
+        nodes: list[int] | None = None,
     ) -> Failure | None:
-        """Wait for a phase's calls (one per node, in rank order); on the first failure,
-        stop the others. ``ok``: the value a script returns on success (None: any)."""
+        """Wait for a phase's calls (one per node, in rank order; ``nodes``: their node
+        indices, default 0, 1...); on the first failure, stop the others. ``ok``: the
+        value a script returns on success (None: any)."""
+        where = nodes or list(range(len(futures)))
         job.active = futures
         if job.cancel_requested:
             self.pool.cancel(futures)
@@ -422,16 +487,16 @@ class Runner:
                     value = fut.result()
                 except CancelledError:
                     if failure is not None:
-                        failure.stopped.append(rank)
+                        failure.stopped.append(where[rank])
                     continue
                 except Exception as e:
                     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    found = Failure(rank, rank, phase, None, reason)
+                    found = Failure(where[rank], rank, phase, None, reason)
                 else:
                     if ok is None or value == ok:
                         continue
                     how, _ = describe_exit(int(value))
-                    found = Failure(rank, rank, phase, int(value), how)
+                    found = Failure(where[rank], rank, phase, int(value), how)
                 if failure is None:
                     failure = found
                     self.pool.cancel(list(pending))

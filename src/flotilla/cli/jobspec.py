@@ -22,8 +22,11 @@ Variables of ``setup`` and ``run`` (FLOTILLA_* and their SkyPilot names, same me
     HOME (nodes on this machine) the node's working directory, where ``~`` in file_mounts
                                 lands (XDG_CACHE_HOME keeps the real ~/.cache: shared caches)
 
-In ``run`` they describe the job's nodes only (the first ``num_nodes`` of the cluster); in
-``setup`` every node of the cluster. The task's ``envs`` and ``secrets`` come last and win.
+In ``run`` they describe the job's nodes only (those the cluster's queue gave it: see
+``ledger.Ledger``); in ``setup`` every node of the cluster. CUDA_VISIBLE_DEVICES names the
+devices of a job that declared accelerators (it is empty for a job that declared only
+vCPUs or memory; unset for a job that declared nothing and holds its nodes whole). The
+task's ``envs`` and ``secrets`` come last and win.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class JobSpec:
         down_after: stop and remove the cluster once this job ends (``launch --down``).
         retries: how many times a failed ``run`` is run again (on the same nodes, with
             the same task id) before the job fails.
+        gpu_share: accelerators per node as the task declares them, a fraction kept
+            (``A100:0.5``: 0.5): what the cluster's job queue holds for the job.
+        cpus: vCPUs per node the task declares (``4+``: 4; 0: none).
+        memory: memory per node in GB the task declares (0: none).
+        accelerator: the accelerator's name (``A100``), for ``flotilla queue``.
     """
 
     name: str
@@ -73,6 +81,10 @@ class JobSpec:
     do_setup: bool = True
     down_after: bool = False
     retries: int = 0
+    gpu_share: float = 0.0
+    cpus: float = 0.0
+    memory: float = 0.0
+    accelerator: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,12 +144,15 @@ def phase_env(
     gpus_per_node: int,
     master_port: int,
     setup: bool,
+    nodes: list[int] | None = None,
 ) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
     """The variables of a phase: (the same on every node, node index -> its own).
 
-    ``setup`` covers every node of the cluster; ``run`` the first ``job_nodes`` nodes.
+    ``setup`` covers every node of the cluster; ``run`` the job's nodes: ``nodes`` (node
+    indices, in rank order), else the first ``job_nodes`` nodes.
     """
-    ips = cluster_ips if setup else cluster_ips[:job_nodes]
+    chosen = list(range(len(cluster_ips))) if setup else (nodes or list(range(job_nodes)))
+    ips = [cluster_ips[i] for i in chosen]
     both = ("FLOTILLA", "SKYPILOT")
     common: dict[str, str] = {}
     for p in both:
@@ -156,13 +171,13 @@ def phase_env(
     common["WORLD_SIZE"] = str(len(ips))
     common["PYTHONUNBUFFERED"] = "1"
     per_node: dict[int, dict[str, str]] = {}
-    for rank in range(len(ips)):
+    for rank, node in enumerate(chosen):
         mine = {"NODE_RANK": str(rank), "RANK": str(rank)}
         for p in both:
             mine[f"{p}_NODE_RANK"] = str(rank)
             if setup:
                 mine[f"{p}_SETUP_NODE_RANK"] = str(rank)
-        per_node[rank] = mine  # node index == rank: jobs use the first nodes of the cluster
+        per_node[node] = mine
     return common, per_node
 
 

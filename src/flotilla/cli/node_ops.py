@@ -89,7 +89,44 @@ def node_facts(subdir: str = "") -> dict[str, Any]:
         "gpus": gpu_count(),
         "scheduler_job": os.environ.get("SLURM_JOB_ID", ""),
         "scheduler_node": os.environ.get("SLURMD_NODENAME", ""),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
+        "memory_gb": _memory_gb(),
     }
+
+
+def _memory_gb() -> float:
+    """This machine's memory in GB (MemTotal of /proc/meminfo; 0 when unknown)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1e6, 1)
+    return 0.0
+
+
+JOB_TAG = "\x1e{job}\x1f"
+"""What run_script puts before each line (and each ``\\r`` redraw) of a tagged job's
+output, so that a cluster running several jobs at once on a node tells their lines apart
+(``jobs.untag`` removes it)."""
+
+
+def _tagged_copy(fd: int, out: int, tag: bytes) -> None:
+    """Copy ``fd`` to ``out`` until end of file, ``tag`` before each line and redraw."""
+    start = True
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            os.close(fd)
+            return
+        body = chunk.replace(b"\r", b"\r" + tag).replace(b"\n", b"\n" + tag)
+        if body.endswith(b"\n" + tag):
+            body = body[: -len(tag)]
+        text = (tag if start else b"") + body
+        start = chunk.endswith(b"\n")
+        with contextlib.suppress(OSError):
+            os.write(out, text)
 
 
 @function
@@ -110,6 +147,7 @@ def run_script(
     job: int = 0,
     workdirs: dict[int, str] | None = None,
     mesh: str = "",
+    tag: bool = False,
 ) -> int:
     """Run ``bash -c script`` here with ``env`` and this node's ``per_node`` entry, in its
     ``workdirs`` entry (default: the current directory); its exit status (negative: killed
@@ -132,13 +170,41 @@ def run_script(
         with open(path, "w") as f:
             f.write(hostfile)
         full["FLOTILLA_HOSTFILE"] = path
-    proc = subprocess.Popen(["bash", "-c", script], env=full, cwd=cwd, stdin=subprocess.DEVNULL)
+    if not tag:
+        proc = subprocess.Popen(["bash", "-c", script], env=full, cwd=cwd, stdin=subprocess.DEVNULL)
+    else:  # its lines tagged with the job: the node may run other jobs' at the same time
+        import threading
+
+        mark = JOB_TAG.format(job=job).encode()
+        pipes = [os.pipe(), os.pipe()]
+        try:
+            proc = subprocess.Popen(
+                ["bash", "-c", script],
+                env=full,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=pipes[0][1],
+                stderr=pipes[1][1],
+            )
+        finally:
+            os.close(pipes[0][1])
+            os.close(pipes[1][1])
+        copies = [
+            threading.Thread(target=_tagged_copy, args=(r, out, mark), daemon=True)
+            for (r, _), out in zip(pipes, (1, 2), strict=True)
+        ]
+        for t in copies:
+            t.start()
     try:
-        return proc.wait()
+        code = proc.wait()
     except BaseException:
         proc.kill()
         proc.wait()
         raise
+    if tag:  # what it printed last; processes it left behind keep their pipe (and copy)
+        for t in copies:
+            t.join(2.0)
+    return code
 
 
 @function

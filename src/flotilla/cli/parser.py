@@ -7,6 +7,7 @@ import argparse
 
 from .._version import __version__
 from .backends import registry
+from .cmd_autostop import add_autostop_parser
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=count("--nodes"),
         help="nodes to run on (default: the task's, or all)",
     )
+    for flag, example in (("gpus", "A100:0.5"), ("cpus", "4+"), ("memory", "16")):
+        q.add_argument(  # what the job holds on each node while it runs (the queue's)
+            f"--{flag}",
+            metavar=example.upper() if flag == "gpus" else "N",
+            help=f"{flag} per node the job holds while it runs (e.g. {example}); jobs "
+            "share the cluster's nodes while they have room, queue otherwise",
+        )
     job_flags(q)
     q.set_defaults(func=cmd_exec)
 
@@ -152,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dry-run", action="store_true", help="with --orphans: list, remove nothing")
     registry.add_flags(q)  # --provider and its flags: where to look (--region, --namespace)
     q.set_defaults(func=cmd_down)
+
+    add_autostop_parser(sub)
 
     q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")
     q.add_argument("clusters", nargs="+", metavar="CLUSTER")

@@ -118,6 +118,8 @@ class NodeRecord:
         scheduler_job: the batch scheduler's job the node's agent runs in
             (``SLURM_JOB_ID``; '' when none).
         scheduler_node: the scheduler's name for the node (``SLURMD_NODENAME``; '').
+        cpus: its vCPUs (0: unknown); with ``memory_gb`` (GB, 0: unknown) and ``gpus``,
+            the room the cluster's job queue shares out.
     """
 
     node: int
@@ -128,6 +130,8 @@ class NodeRecord:
     gpus: int = 0
     scheduler_job: str = ""
     scheduler_node: str = ""
+    cpus: int = 0
+    memory_gb: float = 0.0
 
 
 @dataclass
@@ -144,6 +148,8 @@ class JobRecord:
         exit_code: the job's exit status (None while it runs; the failing node's status).
         failed_node: the node that failed first, or None.
         error: the first line of the failure report ('' when it succeeded).
+        resources: what it holds on each of its nodes (``A100:0.5 cpus=2``; ``whole``:
+            its nodes, alone).
     """
 
     id: int
@@ -157,6 +163,7 @@ class JobRecord:
     exit_code: int | None = None
     failed_node: int | None = None
     error: str = ""
+    resources: str = ""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from .._volume import Volume
+from .conventions import DEFAULT_AUTOSTOP_MINUTES
 from .managed.recovery import JobRecovery, parse_job_recovery
 
 if TYPE_CHECKING:
@@ -58,6 +59,23 @@ class TaskError(ConfigurationError):
 
 
 @dataclass(frozen=True)
+class Autostop:
+    """``resources.autostop`` (SkyPilot's forms: ``true`` (5 minutes), ``10`` or ``10m``,
+    ``2h``, ``1d``, or ``{idle_minutes: 10, down: true}``).
+
+    Attributes:
+        idle_minutes: minutes without jobs before the cluster stops.
+        down: tear the cluster down instead of stopping it.
+    """
+
+    idle_minutes: float
+    down: bool = False
+
+
+_AUTOSTOP_UNITS = {"m": 1.0, "h": 60.0, "d": 1440.0}
+
+
+@dataclass(frozen=True)
 class Resources:
     """What every node of the task needs (``resources:``). Only ``accelerators`` is a hard
     requirement on the local and SSH providers; the other fields are hints they report.
@@ -79,6 +97,8 @@ class Resources:
         labels: labels to attach to the nodes.
         job_recovery: how a managed job (``flotilla jobs launch``) recovers; None: the
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
+        autostop: stop (or tear down) the cluster after this long without jobs, as
+            ``launch --autostop M [--down]`` (SkyPilot's field); None: never.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
             any of them; a list: in order): every combination, each complete (a
@@ -105,6 +125,7 @@ class Resources:
     disk_tier: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     job_recovery: JobRecovery | None = None
+    autostop: Autostop | None = None
     candidates: tuple[Resources, ...] = ()
     ordered: bool = True
 
@@ -126,7 +147,7 @@ class Resources:
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name in ("accelerators", "job_recovery", "candidates", "ordered"):
+            if name in ("accelerators", "job_recovery", "autostop", "candidates", "ordered"):
                 continue
             if value not in (None, (), {}):
                 out[name] = value
@@ -242,9 +263,114 @@ def load_task(path: str) -> Task:
     """Read and validate the task file at ``path``; TaskError names the field and line.
     The file is read through the bounded loader (``yamlsafe``): hostile files are refused
     before anything is built from them."""
+    root = _compose(path, many=False)[0]
+    return _Parser(path).task(root)
+
+
+EXECUTIONS = ("serial", "parallel")
+_HEADER_FIELDS = ("name", "execution")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A managed pipeline (SkyPilot's multi-document task file): a header document with
+    ``name`` and optional ``execution``, then one task per document.
+
+    Attributes:
+        name: the pipeline's name (the header's, else the file's stem).
+        execution: "serial" (each task after the one before it succeeded) or "parallel"
+            (a job group: every task at once, each on its own cluster).
+        tasks: the tasks, in the file's order; their names are unique.
+        path: the file.
+    """
+
+    name: str
+    execution: str
+    tasks: tuple[Task, ...]
+    path: str = ""
+
+
+def load_tasks(path: str) -> Task | Pipeline:
+    """A task file of one document (a Task) or of several (a Pipeline): every document
+    checked, each mistake naming the file and its line, before anything starts."""
     import yaml
 
-    from .yamlsafe import MAX_BYTES, YamlRefused, compose
+    roots = _compose(path, many=True)
+    head = roots[0]
+    lone_header = isinstance(head, yaml.MappingNode) and any(
+        isinstance(k, yaml.ScalarNode) and k.value == "execution" for k, _ in head.value
+    )
+    if len(roots) == 1 and not lone_header:
+        return _Parser(path).task(head)
+    return _pipeline(path, roots)
+
+
+def _pipeline(path: str, roots: list[yaml.Node]) -> Pipeline:
+    import yaml
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    parser = _Parser(path)
+    head = roots[0]
+    name, execution = stem, "serial"
+    keys = (
+        {str(k.value) for k, _ in head.value if isinstance(k, yaml.ScalarNode)}
+        if isinstance(head, yaml.MappingNode)
+        else set()
+    )  # a header: name and execution only, or execution and nothing to run
+    header = isinstance(head, yaml.MappingNode) and (
+        keys <= set(_HEADER_FIELDS) or ("execution" in keys and not keys & {"run", "setup"})
+    )
+    if header:
+        fields = parser.mapping(head, "", dict.fromkeys(_HEADER_FIELDS))
+        if "name" in fields:
+            name = parser.text(fields["name"][1], "name") or stem
+        if "execution" in fields:
+            node = fields["execution"][1]
+            value = parser.value(node)
+            if value not in EXECUTIONS:
+                raise parser.error(
+                    f"`execution` must be serial or parallel, got {_kind(value)}",
+                    node,
+                    "execution",
+                )
+            execution = value
+        roots = roots[1:]
+    if not roots:
+        raise TaskError(
+            "the pipeline has a header but no task: add a document (after `---`) per task",
+            path=path,
+            line=_line(head),
+        )
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for i, root in enumerate(roots):
+        where = _line(root)
+        if not isinstance(root, yaml.MappingNode):
+            raise TaskError(
+                f"document {i + 1 + header} of the pipeline is not a task (a mapping with "
+                f"`run:`), it is {_kind(parser.value(root))}",
+                path=path,
+                line=where,
+            )
+        task = _Parser(path).task(root, f"{stem}-{i + 1}", where)
+        task_name = task.name or ""
+        if task_name in seen:
+            raise TaskError(
+                f"two tasks of the pipeline are named {task_name!r} (lines {seen[task_name]} "
+                f"and {where}): give each task a name of its own",
+                path=path,
+                line=where,
+            )
+        seen[task_name] = where
+        tasks.append(task)
+    return Pipeline(name=name, execution=execution, tasks=tuple(tasks), path=path)
+
+
+def _compose(path: str, many: bool) -> list[yaml.Node]:
+    """The file's checked YAML documents (exactly one unless ``many``)."""
+    import yaml
+
+    from .yamlsafe import MAX_BYTES, YamlRefused, compose, compose_all
 
     try:
         with open(path, "rb") as f:
@@ -252,7 +378,7 @@ def load_task(path: str) -> Task:
     except OSError as e:
         raise TaskError(f"cannot read the task file: {e.strerror or e}", path=path) from None
     try:
-        root = compose(data)
+        roots = compose_all(data) if many else [r for r in [compose(data)] if r is not None]
     except YamlRefused as e:
         raise TaskError(e.message, path=path, line=e.line) from None
     except yaml.MarkedYAMLError as e:
@@ -261,8 +387,8 @@ def load_task(path: str) -> Task:
         if isinstance(e, yaml.composer.ComposerError) and "another document" in str(e.problem):
             raise TaskError(
                 "this file holds several YAML documents (`---` between them): a pipeline of "
-                "tasks, which flotilla does not run; put each task in a file of its own "
-                "and run them one after the other",
+                "tasks, which runs as a managed job: `flotilla jobs launch FILE` (see "
+                "docs/jobs.md)",
                 path=path,
                 line=line,
             ) from None
@@ -270,9 +396,9 @@ def load_task(path: str) -> Task:
         raise TaskError(f"invalid YAML: {problem}", path=path, line=line) from None
     except yaml.YAMLError as e:
         raise TaskError(f"invalid YAML: {e}", path=path) from None
-    if root is None:
+    if not roots:
         raise TaskError("the task file is empty: it needs at least `run:`", path=path)
-    return _Parser(path).task(root)
+    return roots
 
 
 def _line(node: yaml.Node) -> int:
@@ -323,7 +449,9 @@ class _Parser:
             out[key] = (key_node, value_node)
         return out
 
-    def task(self, root: yaml.Node) -> Task:
+    def task(self, root: yaml.Node, default_name: str = "", line: int = 0) -> Task:
+        """The task of document ``root`` (``default_name``: its name when it gives none;
+        ``line``: where the document starts, for errors about the whole task)."""
         fields = self.mapping(root, "", _TASK_FIELDS)
         values: dict[str, Any] = {}
         for key, (_key_node, node) in fields.items():
@@ -332,8 +460,11 @@ class _Parser:
             raise TaskError(
                 "the task has nothing to run: add `run:` (and optionally `setup:`)",
                 path=self.path,
+                line=line,
             )
-        name = values.get("name") or os.path.splitext(os.path.basename(self.path))[0]
+        name = (
+            values.get("name") or default_name or os.path.splitext(os.path.basename(self.path))[0]
+        )
         values["name"] = name
         values["volumes"] = tuple(self.volumes)
         return Task(**values, path=self.path, lines=dict(self.lines))
@@ -608,8 +739,9 @@ class _Parser:
         for i, item in enumerate(node.value):
             full = f"{name}[{i}]"
             fields = self.mapping(item, full, _RESOURCE_FIELDS)
-            if "job_recovery" in fields:
-                raise self.error(f"`{full}.job_recovery`: give it once, outside", item, full)
+            for once in ("job_recovery", "autostop"):
+                if once in fields:
+                    raise self.error(f"`{full}.{once}`: give it once, outside", item, full)
             if self._accelerator_sets(fields.get("accelerators"), full) is not None:
                 raise self.error(
                     f"`{full}.accelerators`: one accelerator per candidate", item, full
@@ -636,6 +768,47 @@ class _Parser:
         if count and float(count) <= 0:
             raise self.error(f"`{name}`: the count must be positive, got {count}", node, name)
         return f"{acc.strip()}:{count.strip()}" if count else acc.strip()
+
+    def autostop(self, node: yaml.Node, name: str) -> Autostop | None:
+        value = self.value(node)
+        forms = "true, false, minutes (10, '10m', '2h', '1d') or {idle_minutes: 10, down: true}"
+        down = False
+        if isinstance(value, dict):
+            fields = self.mapping(node, name, {"idle_minutes": 0, "down": 0, "wait_for": 0})
+            wait = self.value(fields["wait_for"][1]) if "wait_for" in fields else "jobs"
+            if wait != "jobs":
+                raise self.error(
+                    f"`{name}.wait_for`: flotilla counts jobs only: give `jobs` (or leave it "
+                    f"out), got {_kind(wait)}",
+                    fields["wait_for"][1],
+                    f"{name}.wait_for",
+                )
+            if "down" in fields:
+                flag = self.value(fields["down"][1])
+                if not isinstance(flag, bool):
+                    raise self.error(
+                        f"`{name}.down` must be true or false, got {_kind(flag)}",
+                        fields["down"][1],
+                        f"{name}.down",
+                    )
+                down = flag
+            value = self.value(fields["idle_minutes"][1]) if "idle_minutes" in fields else True
+        if value is False or value is None:
+            return None
+        if value is True:
+            return Autostop(DEFAULT_AUTOSTOP_MINUTES, down)
+        minutes: float | None = None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            minutes = float(value)
+        elif isinstance(value, str):
+            text = value.strip().lower()
+            unit = _AUTOSTOP_UNITS.get(text[-1:], 0.0)
+            number = text[:-1] if unit else text
+            if re.fullmatch(r"\d+(\.\d+)?", number):
+                minutes = float(number) * (unit or 1.0)
+        if minutes is None or minutes <= 0:
+            raise self.error(f"`{name}` must be {forms}; got {_kind(value)}", node, name)
+        return Autostop(minutes, down)
 
     def job_recovery(self, node: yaml.Node, name: str) -> JobRecovery:
         try:
@@ -737,6 +910,7 @@ _TASK_FIELDS: dict[str, _Check] = {
 _RESOURCE_FIELDS: dict[str, _Check] = {
     "accelerators": _Parser.accelerators,
     "job_recovery": _Parser.job_recovery,
+    "autostop": _Parser.autostop,
     "cpus": _Parser.amount,
     "memory": _Parser.amount,
     "infra": _Parser.text,

@@ -88,6 +88,33 @@ def compose(data: bytes) -> yaml.Node | None:
     return root
 
 
+def compose_all(data: bytes) -> list[yaml.Node]:
+    """The checked node graphs of every YAML document in ``data`` (``---`` between them),
+    as :func:`compose` checks one; empty documents are skipped. Lines stay the file's."""
+    if len(data) > MAX_BYTES:
+        compose(data)  # raises the size refusal
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        compose(data)  # raises the encoding refusal with its line
+        raise
+    import yaml
+
+    loader = _loader_class()(text)
+    roots: list[yaml.Node] = []
+    try:
+        while loader.check_node():
+            loader.aliases = []  # type: ignore[attr-defined]
+            root = loader.get_node()
+            empty = isinstance(root, yaml.ScalarNode) and root.tag == _CORE + "null"
+            if root is not None and not (empty and not root.value):  # `---` with nothing
+                _check(root, loader.aliases)  # type: ignore[attr-defined]
+                roots.append(root)
+    finally:
+        loader.dispose()
+    return roots
+
+
 def _line(node: yaml.Node) -> int:
     return int(node.start_mark.line) + 1
 

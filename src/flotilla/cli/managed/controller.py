@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, wait
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
@@ -53,6 +54,9 @@ from ..observe import EVENTS, append_event
 from ..state import JobStatus, NodeRecord
 from .recovery import Cause, JobRecovery, RecoveryPolicy
 from .state import JobsHome, ManagedJobState
+
+if TYPE_CHECKING:
+    from .group import GroupBarrier
 
 PROBE_TIMEOUT = 10.0
 """Seconds a node has to answer the controller's probe after a failed attempt."""
@@ -75,9 +79,14 @@ class _Runner(Runner):
     failure: Failure | None = None
 
     def _supervise(
-        self, job: Job, phase: str, futures: list[Future[Any]], ok: int | None
+        self,
+        job: Job,
+        phase: str,
+        futures: list[Future[Any]],
+        ok: int | None,
+        nodes: list[int] | None = None,
     ) -> Failure | None:
-        failure = super()._supervise(job, phase, futures, ok)
+        failure = super()._supervise(job, phase, futures, ok, nodes)
         if failure is not None and self.failure is None:
             self.failure = failure
         return failure
@@ -103,7 +112,13 @@ class Controller:
         request: what ``jobs launch`` sent: {"job": JobSpec as a dict}.
     """
 
-    def __init__(self, home: JobsHome, job_id: int, request: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        home: JobsHome,
+        job_id: int,
+        request: dict[str, Any],
+        group: GroupBarrier | None = None,
+    ) -> None:
         rec = home.load(job_id)
         if rec is None:
             raise FlotillaError(f"there is no managed job {job_id}")
@@ -124,6 +139,9 @@ class Controller:
         self.job: Job | None = None
         self.lock = threading.Lock()  # guards pool/runner/job against the canceller
         self.cancelled = threading.Event()
+        self.group = group
+        """A job group's barrier (``pipeline``): every task's cluster is up before any
+        runs, and each learns the others' addresses."""
 
     # -- the record and the job's log -------------------------------------------------------
     def _set(self, **changes: Any) -> None:
@@ -187,7 +205,16 @@ class Controller:
         """Provision, run, recover until the job ends: (final state, exit code, why)."""
         try:
             self._provision()
+            if self.group is not None:
+                runner = self.runner
+                assert runner is not None
+                found = self.group.arrive(
+                    self.record.name, [n.ip for n in runner.nodes], self.cancelled
+                )
+                self.spec = replace(self.spec, envs={**found, **self.spec.envs})
         except Exception as e:
+            if self.group is not None:
+                self.group.fail(self.record.name)
             if self.cancelled.is_set():
                 return ManagedJobState.CANCELLED, 130, "cancelled while the cluster started"
             return ManagedJobState.FAILED, 1, f"the cluster could not start: {_why(e)}"

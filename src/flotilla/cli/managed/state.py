@@ -92,6 +92,11 @@ class ManagedJobRecord:
         token: the prefix of FLOTILLA_RUN_TOKEN in the job's processes (finds them).
         volumes: the buckets its nodes see (``Volume`` fields as dicts, from the task's
             ``file_mounts``): where a job keeps the checkpoints it resumes from.
+        execution: for a pipeline's record, "serial" or "parallel" ('' for a task or a
+            single job). A pipeline runs no cluster itself: its tasks do.
+        tasks: a pipeline's tasks' ids, in order (each a record of its own).
+        pipeline: for a pipeline's task, the pipeline's id (0 otherwise).
+        index: a pipeline task's position in it (0-based).
     """
 
     id: int
@@ -113,6 +118,14 @@ class ManagedJobRecord:
     pid_start: int = 0
     token: str = ""
     volumes: list[dict[str, Any]] = field(default_factory=list)
+    execution: str = ""
+    tasks: list[int] = field(default_factory=list)
+    pipeline: int = 0
+    index: int = 0
+
+    @property
+    def is_pipeline(self) -> bool:
+        return bool(self.execution)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ManagedJobRecord:
@@ -155,6 +168,12 @@ class JobsHome:
 
     def nodes(self, job_id: int) -> Path:
         return self.dir(job_id) / "nodes"
+
+    def request(self, job_id: int) -> Path:
+        """A pipeline's tasks (JobSpecs, with their variables and secrets), mode 0600 in
+        the private folder, so that a restarted controller can resume it; removed when
+        the pipeline ends."""
+        return self.dir(job_id) / "request.json"
 
     def ensure(self) -> None:
         """Create the folders, private to this user."""
@@ -222,12 +241,18 @@ class JobsHome:
 
     def create(self, record: ManagedJobRecord) -> ManagedJobRecord:
         """Give ``record`` the next free id, make its folder and save it."""
+        return self.create_many([record])[0]
+
+    def create_many(self, records: list[ManagedJobRecord]) -> list[ManagedJobRecord]:
+        """Give each record the next free id (consecutive), make their folders, save them."""
         with self.locked():
             ids = self.ids()
-            record.id = (ids[-1] + 1) if ids else 1
-            self.dir(record.id).mkdir(mode=0o700)
-            self.save(record)
-        return record
+            first = (ids[-1] + 1) if ids else 1
+            for i, record in enumerate(records):
+                record.id = first + i
+                self.dir(record.id).mkdir(mode=0o700)
+                self.save(record)
+        return records
 
     @contextlib.contextmanager
     def update(self, job_id: int) -> Iterator[ManagedJobRecord]:
