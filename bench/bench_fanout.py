@@ -1,7 +1,7 @@
 """Broadcast of a large argument to many SSH hosts: 32 MB to 128 hosts against 8 hosts.
 
 Run as root: ``.venv/bin/python bench/bench_fanout.py [--hosts 128] [--mb 32] [--reps 3]
-[--direct]``. Prints a markdown table (medians over the repetitions, min-max, same run):
+[--direct] [--payload numpy]``. Prints a markdown table (medians over the repetitions, min-max, same run):
 the time of ``checksum(array) @ pool`` on ``--hosts`` hosts and on 8, and their ratio
 (issue 27's goal for a broadcast that fans out in a tree: <= 4x). Every node returns the
 array's checksum, checked against the client's.
@@ -57,35 +57,67 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def _proc(pid: int) -> tuple[str, int, bytes]:
+    """A process's name (comm), parent and command line; ("", 0, b"") if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            head, tail = f.read().rsplit(")", 1)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return head.split("(", 1)[1], int(tail.split()[1]), f.read()
+    except (OSError, IndexError, ValueError):
+        return "", 0, b""
+
+
+def _role(pid: int) -> str:
+    """What a host's process is: sshd, the start command's shell, the agent (the first
+    Python process of the start command) or an executor (forked from the agent)."""
+    name, ppid, cmd = _proc(pid)
+    if b"flotilla.agent" not in cmd:
+        return "sshd" if "sshd" in name else "other"
+    if not name.startswith("python"):
+        return "shell"
+    parent, _, parent_cmd = _proc(ppid)
+    return (
+        "executor" if parent.startswith("python") and b"flotilla.agent" in parent_cmd else "agent"
+    )
+
+
 class Sample:
-    """One broadcast: its time, the CPU seconds it cost, the copies the client sent."""
+    """One broadcast: its time, the CPU seconds it cost, the copies the client sent, and
+    the CPU seconds per host (its processes by role, see :func:`_role`)."""
 
-    def __init__(self, took: float, cpu: float, copies: int) -> None:
-        self.took, self.cpu, self.copies = took, cpu, copies
+    def __init__(self, took: float, cpu: float, copies: int, per_host: dict[str, float]) -> None:
+        self.took, self.cpu, self.copies, self.per_host = took, cpu, copies, per_host
 
 
-def _pids(lab: Lab, pool: sky.Compute) -> list[int]:
+def _host_pids(lab: Lab, pool: sky.Compute) -> list[int]:
     hosts = {n.proc.address for n in pool._nodes}
-    pids = [pid for h in lab.hosts if h.addr in hosts for pid in lab.pids(h)]
-    return pids + [p.proc.pid for p in pool._procs if hasattr(p, "proc")]  # the ssh clients
+    return [pid for h in lab.hosts if h.addr in hosts for pid in lab.pids(h)]
 
 
 def broadcast(lab: Lab, pool: sky.Compute, data: Any, want: str) -> Sample:
-    pids = _pids(lab, pool)
+    host_pids = _host_pids(lab, pool)
+    roles = {pid: _role(pid) for pid in host_pids}
+    pids = host_pids + [p.proc.pid for p in pool._procs if hasattr(p, "proc")]  # + ssh clients
     known = {ref for n in pool._nodes for ref in n.have}
-    before = sum(_cpu(p) for p in pids)
+    before = {p: _cpu(p) for p in pids}
     mine = time.process_time()
     t0 = time.perf_counter()
     got = checksum(data) @ pool
     took = time.perf_counter() - t0
-    cpu = sum(_cpu(p) for p in pids) - before + time.process_time() - mine
+    after = {p: _cpu(p) for p in pids}
+    cpu = sum(after.values()) - sum(before.values()) + time.process_time() - mine
+    per_host: dict[str, float] = {}
+    for pid, role in roles.items():
+        per_host[role] = per_host.get(role, 0.0) + (after[pid] - before[pid]) / len(pool._nodes)
     if set(got) != {want}:
         raise SystemExit("bench_fanout: a node got other bytes")
     new = {ref for n in pool._nodes for ref in n.have} - known
     if not new:  # the direct path: a copy to every node
-        return Sample(took, cpu, len(pool._nodes))
+        return Sample(took, cpu, len(pool._nodes), per_host)
     (ref,) = new
-    return Sample(took, cpu, sum(1 for n in pool._nodes if n.have[ref]["via"] == "client"))
+    copies = sum(1 for n in pool._nodes if n.have[ref]["via"] == "client")
+    return Sample(took, cpu, copies, per_host)
 
 
 @contextmanager
@@ -101,9 +133,16 @@ def direct_path() -> Iterator[None]:
 def _row(name: str, samples: list[Sample], cpus: int) -> str:
     took = [s.took for s in samples]
     cpu = statistics.median(s.cpu for s in samples)
+    host = [sum(s.per_host.values()) for s in samples]
+    roles = sorted({r for s in samples for r in s.per_host})
+    split = ", ".join(
+        f"{r} {statistics.median(s.per_host.get(r, 0.0) for s in samples) * 1e3:.0f}" for r in roles
+    )
     return (
         f"| {name} | {statistics.median(took):.2f} s ({min(took):.2f}-{max(took):.2f}) "
-        f"| {cpu:.1f} s ({cpu / cpus:.2f} s) | {statistics.median(s.copies for s in samples):g} |"
+        f"| {cpu:.1f} s ({cpu / cpus:.2f} s) | {statistics.median(host) * 1e3:.0f} ms "
+        f"({min(host) * 1e3:.0f}-{max(host) * 1e3:.0f}; {split}) "
+        f"| {statistics.median(s.copies for s in samples):g} |"
     )
 
 
@@ -113,13 +152,25 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--direct", action="store_true", help="also today's direct path")
+    parser.add_argument(
+        "--payload",
+        choices=["bytearray", "numpy"],
+        default="bytearray",
+        help="what is broadcast: a bytearray (unpickled as a copy, its type owns its "
+        "memory) or a numpy array of the same bytes (unpickled in place: a view of the "
+        "received memory)",
+    )
     args = parser.parse_args()
     reason = lab_unavailable()
     if reason:
         sys.exit(f"bench_fanout: {reason}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    data = bytearray(os.urandom(args.mb * 2**20))
+    data: Any = bytearray(os.urandom(args.mb * 2**20))
     want = hashlib.sha256(data).hexdigest()
+    if args.payload == "numpy":
+        import numpy as np
+
+        data = np.frombuffer(data, dtype=np.uint8).copy()
     cpus = os.cpu_count() or 1
     runs: dict[str, list[Sample]] = {}
     load_start = os.getloadavg()[0]
@@ -146,16 +197,18 @@ def main() -> None:
     ratio = statistics.median(s.took for s in runs["many"]) / statistics.median(
         s.took for s in runs["few"]
     )
-    print(f"### Broadcast of {args.mb} MB to {args.hosts} SSH hosts against 8\n")
+    print(f"### Broadcast of {args.mb} MB ({args.payload}) to {args.hosts} SSH hosts against 8\n")
     print(
         f"{platform.python_implementation()} {platform.python_version()}, {cpus} CPUs, "
         f"load average {load_start:.1f} at the start and {load_end:.1f} at the end (other "
         f"work shares the machine); {args.reps} repetitions, medians (min-max). CPU: the "
         "seconds every process of the hosts and the client spent on one broadcast (divided "
-        "by the CPUs: the least it can take here). Copies: payloads the client sent.\n"
+        "by the CPUs: the least it can take here). CPU per host: the seconds of a host's "
+        "processes (sshd, agent, executor: the benchmark's function hashes the array "
+        "again there), per broadcast. Copies: payloads the client sent.\n"
     )
-    print("| measurement | time | CPU (÷ CPUs) | copies |")
-    print("| --- | --- | --- | --- |")
+    print("| measurement | time | CPU (÷ CPUs) | CPU per host (ms, by role) | copies |")
+    print("| --- | --- | --- | --- | --- |")
     names = {
         "many": f"{args.mb} MB broadcast, {args.hosts} hosts, fan-out",
         "few": f"{args.mb} MB broadcast, 8 hosts, fan-out",
@@ -166,12 +219,12 @@ def main() -> None:
         if key in runs:
             print(_row(name, runs[key], cpus))
     verdict = "met" if ratio <= 4 else "NOT met"
-    print(f"| {args.hosts} hosts / 8 hosts, fan-out | {ratio:.1f}x | | <= 4x: {verdict} |")
+    print(f"| {args.hosts} hosts / 8 hosts, fan-out | {ratio:.1f}x | | | <= 4x: {verdict} |")
     if args.direct:
         before = statistics.median(s.took for s in runs["many direct"]) / statistics.median(
             s.took for s in runs["few direct"]
         )
-        print(f"| {args.hosts} hosts / 8 hosts, direct (before) | {before:.1f}x | | |")
+        print(f"| {args.hosts} hosts / 8 hosts, direct (before) | {before:.1f}x | | | |")
 
 
 if __name__ == "__main__":

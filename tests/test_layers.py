@@ -76,6 +76,38 @@ def test_the_node_side_loads_only_the_standard_library() -> None:
     assert [m for m in loaded if not _node_side_allowed(m)] == []
 
 
+_START_PROBE = """
+import sys
+sys.path.insert(0, {src!r})
+before = set(sys.modules)  # the interpreter's own start-up (site, .pth files)
+import flotilla.agent  # what ``python -m flotilla.agent`` loads before main() runs
+import json
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+NOT_AT_START = ("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess")
+"""Modules a node's start does without (issue 42): the pickler and the plugins come with
+the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
+with the first environment build or process-table walk."""
+
+
+def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
+    """The agent's start (every node's, every provider's) imports neither cloudpickle, rich
+    nor a plugin's module, nor hashlib, hmac or subprocess: each costs CPU at every node
+    start, and a plain pool never uses them in the agent."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _START_PROBE.format(src=str(SRC))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout)
+    assert "flotilla._node.agent" in loaded and "flotilla._node.relay" in loaded
+    assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
+    assert [m for m in loaded if m.startswith("flotilla.plugins")] == []
+
+
 def test_the_probe_notices_a_foreign_module() -> None:
     """The check above can fail: a third-party or client-side module is reported."""
     assert not _node_side_allowed("cloudpickle")

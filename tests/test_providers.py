@@ -290,12 +290,73 @@ def pause(seconds: float) -> float:
 
 
 def test_a_lone_calls_waiter_sleeps_at_once_after_a_slow_answer() -> None:
-    """``>>``'s waiter polls without sleeping for SPIN s first, but only while answers
-    came that soon: after a slow call it sleeps at once (no CPU spent spinning)."""
+    """``>>``'s waiter polls without sleeping for a while first (at most SPIN s), but only
+    while answers came that soon: after a slow call it sleeps at once (no CPU spent
+    spinning)."""
     from flotilla._providers import pipe
 
     with sky.Compute(nodes=1) as pool:
         proc = pool._nodes[0].proc
-        assert isinstance(proc, PipeAgent) and proc._spin  # a new pool spins
+        assert isinstance(proc, PipeAgent) and proc._answered <= pipe.SPIN  # a new pool spins
         assert pause(20 * pipe.SPIN) >> pool == 20 * pipe.SPIN
-        assert not proc._spin
+        assert proc._answered > pipe.SPIN
+        assert proc._spin_window() == 0.0
+
+
+def _runnable() -> int:
+    """Threads the kernel counts runnable right now, machine-wide (/proc/loadavg)."""
+    return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+
+
+def test_a_lone_calls_waiter_does_not_spin_on_a_busy_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With two busy-loop processes per core no core is idle: a lone call's waiter sleeps
+    in ``poll`` at once (never a ``poll(0)`` spin), leaving the CPU to the node that has to
+    answer; even a new pool's first call, whose waiter would spin on an idle machine."""
+    import select
+    import subprocess
+    import sys
+    import threading
+
+    from _procs import wait_until
+
+    from flotilla._providers import pipe
+
+    cores = os.cpu_count() or 1
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(2 * cores)
+    ]
+    try:
+        assert wait_until(lambda: _runnable() > 2 * cores, 60)  # the loops run
+        with sky.Compute(nodes=1) as pool:
+            waiter = threading.get_ident()
+            spins: list[float] = []
+            sleeps: list[float] = []
+            real_poll = select.poll
+
+            class Watched:  # the real poll, noting this thread's waits
+                def __init__(self) -> None:
+                    self._poll = real_poll()
+
+                def register(self, fd: int, events: int) -> None:
+                    self._poll.register(fd, events)
+
+                def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+                    if threading.get_ident() == waiter and timeout is not None:
+                        (spins if timeout == 0 else sleeps).append(timeout)
+                    return self._poll.poll(timeout)
+
+            monkeypatch.setattr(pipe.select, "poll", Watched)
+            for _ in range(5):  # until the waiter read the answer itself (not the loop)
+                assert pause(0.1) >> pool == 0.1
+                if sleeps:
+                    break
+            monkeypatch.undo()
+            assert sleeps, "the waiter never read the stream itself"
+            assert not spins
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()

@@ -37,8 +37,6 @@ Relay handshake (child connects to parent)::
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import json
 import mmap
 import os
@@ -76,7 +74,24 @@ SHM_DIR = "/dev/shm"
 def mac(key: bytes, role: bytes, child: bytes, parent: bytes, ref: bytes) -> bytes:
     """The proof of ``role`` (b"parent" or b"child") in the handshake of a relay
     connection."""
+    import hashlib
+    import hmac
+
     return hmac.new(key, role + child + parent + ref, hashlib.sha256).digest()
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    """``a == b`` in constant time. hashlib and hmac (OpenSSL's start) are imported on the
+    first broadcast, not when the agent starts: most pools never relay a payload."""
+    import hmac
+
+    return hmac.compare_digest(a, b)
+
+
+def _sha256() -> Any:
+    import hashlib
+
+    return hashlib.sha256()
 
 
 class Blob:
@@ -102,7 +117,7 @@ class Blob:
         self.buf: bytearray | mmap.mmap = bytearray()
         self.name = ""  # the shared-memory file that holds it (else it is in ``buf`` alone)
         self.filled = 0
-        self.hasher = hashlib.sha256()
+        self.hasher = _sha256()
         self.complete = False
         self.source: Fetch | None = None
         self.servers: list[Serve] = []
@@ -121,7 +136,7 @@ class Blob:
                 self.buf = made
             self.size = size
         self.filled = 0
-        self.hasher = hashlib.sha256()
+        self.hasher = _sha256()
         self.via = via
 
     def unlink(self) -> None:
@@ -236,7 +251,7 @@ class Serve(_Conn):
             if got is None:
                 return
             want = mac(self.relay.key, b"child", self.child_nonce, self.parent_nonce, self.ref)
-            if not hmac.compare_digest(got, want):
+            if not _same(got, want):
                 raise ConnectionError("the child's proof is wrong")
         except OSError:
             self.close()  # refused: unauthenticated, tampered with, or gone
@@ -334,7 +349,7 @@ class Fetch(_Conn):
                     return
                 parent_nonce, proof = got[:NONCE], got[NONCE:]
                 want = mac(self.relay.key, b"parent", self.nonce, parent_nonce, blob.ref)
-                if not hmac.compare_digest(proof, want):
+                if not _same(proof, want):
                     self.fail(f"the parent {self.addr[0]} failed to authenticate")
                     return
                 proof = mac(self.relay.key, b"child", self.nonce, parent_nonce, blob.ref)
@@ -555,7 +570,7 @@ class Relay:
         source, blob.source = blob.source, None
         if source is not None:
             source.close()
-        if not hmac.compare_digest(blob.hasher.digest(), blob.ref[:32]):
+        if not _same(blob.hasher.digest(), blob.ref[:32]):
             self.report(blob, False, f"the payload's sha256 does not match (via {blob.via})")
             return
         blob.complete = True

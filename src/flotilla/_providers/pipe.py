@@ -38,12 +38,15 @@ _EXIT_WAIT = 1.0
 
 
 SPIN = 250e-6
-"""Seconds a caller waiting for one call's answer (``read_direct``) polls the stream
-without sleeping, before it sleeps in ``poll``: waking a sleeping thread costs this
+"""Seconds, at most, a caller waiting for one call's answer (``read_direct``) polls the
+stream without sleeping, before it sleeps in ``poll``: waking a sleeping thread costs this
 machine's kernel (a VM's idle CPU above all) more than a quick call's whole round trip.
-It spins only while the answers before came within this time (a slow call's waiter
-sleeps at once), and only in a lone call's wait: never on the loop thread, never in a
-batch."""
+The spin is adaptive (:meth:`PipeAgent._spin_window`): it lasts about twice as long as
+the recent answers took, none at all after an answer slower than this, and none while
+the machine has no idle core (the spin would take the CPU the node needs to answer). It
+happens only in a lone call's wait: never on the loop thread, never in a batch."""
+_SPIN_FIRST = SPIN / 2
+"""The answer time a new agent's waiter assumes before it has seen one."""
 _JOINED = 1 << 22
 """Writes up to this size are joined into one buffer first (a batch of thousands of small
 frames), larger ones go out as the buffers they are (a large argument is not copied)."""
@@ -69,6 +72,33 @@ def _epoll_of(loop: asyncio.AbstractEventLoop) -> select.epoll | None:
     return epoll
 
 
+_CORES = os.cpu_count() or 1
+_loadavg: list[int] = []  # a descriptor of /proc/loadavg, once opened; empty until then
+
+
+def idle_core() -> bool:
+    """Whether a core of this machine is idle for the calling thread: fewer other
+    runnable threads than cores, as the kernel counts them right now (the fourth field of
+    ``/proc/loadavg``, which counts the caller too). Where that count cannot be read, the
+    one-minute load average stands in for it."""
+    if not _loadavg:
+        try:
+            _loadavg.append(os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            _loadavg.append(-1)
+    fd = _loadavg[0]
+    if fd >= 0:
+        try:  # read afresh at offset 0 each time: "1.20 0.90 0.80 3/412 9876"
+            runnable = int(os.pread(fd, 128, 0).split(b" ", 4)[3].split(b"/")[0])
+            return runnable - 1 < _CORES
+        except (OSError, ValueError, IndexError):
+            pass
+    try:
+        return os.getloadavg()[0] < _CORES
+    except OSError:
+        return True
+
+
 class PipeAgent(AgentProcess):
     """An agent whose protocol channel is a child process's stdin/stdout.
 
@@ -90,7 +120,7 @@ class PipeAgent(AgentProcess):
         self._out = proc.stdout.fileno()
         self._reader = FrameReader()  # of stdout, once start_reading() is called
         self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
-        self._spin = True  # read_direct spins before it sleeps (see SPIN)
+        self._answered = _SPIN_FIRST  # how long recent answers took (see _spin_window)
         self._released = False  # stdout and stderr closed (see terminate)
         self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
         self._handed_error: str | None = None  # a corrupt stream read_direct met
@@ -304,7 +334,7 @@ class PipeAgent(AgentProcess):
         poller.register(self._out, select.POLLIN)
         start = time.monotonic()
         deadline = start + budget
-        spin = start + SPIN if self._spin else 0.0
+        spin = start + self._spin_window()
         try:
             while not done():
                 ready: list[tuple[int, int]] = []
@@ -327,8 +357,16 @@ class PipeAgent(AgentProcess):
                 else:
                     self._handed.append(frames)
                     return
-        finally:  # the next wait spins only while answers come within SPIN
-            self._spin = time.monotonic() - start <= SPIN
+        finally:
+            took = time.monotonic() - start
+            self._answered = took if took > SPIN else (self._answered + took) / 2
+
+    def _spin_window(self) -> float:
+        """Seconds the next wait polls without sleeping (see SPIN): twice the recent
+        answers' time, at most SPIN; none after a slow answer or with no core idle."""
+        if self._answered > SPIN or not idle_core():
+            return 0.0
+        return min(SPIN, 2 * self._answered)
 
     def _read_stderr(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read stderr on ``loop`` from now on (once), into ``err_tail`` and the callback."""

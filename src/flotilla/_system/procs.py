@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -167,6 +166,8 @@ def die_with_parent(sig: int = signal.SIGKILL, exit_status: int | None = 1) -> N
 
 
 def _ps(*args: str) -> str:
+    import subprocess  # here: the agent's start does not need it
+
     try:
         done = subprocess.run(
             ["ps", *args], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}

@@ -20,7 +20,6 @@ import io
 import mmap
 import os
 import pickle
-import secrets
 import stat
 import struct
 import sys
@@ -172,7 +171,7 @@ def create_shm(prefix: str) -> tuple[str, int]:
     """A new, empty shared-memory file under an unpredictable name starting with
     ``prefix``, created new (never through a link or into a FIFO another user planted in
     the shared folder): its name and a descriptor open for writing. Raises OSError."""
-    name = f"{prefix}{secrets.token_hex(8)}"
+    name = f"{prefix}{os.urandom(8).hex()}"  # (as secrets.token_hex, without its imports)
     flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
     return name, os.open(os.path.join(SHM_DIR, name), flags, 0o600)
 
