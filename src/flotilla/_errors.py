@@ -213,3 +213,31 @@ class WorkerDiedError(FlotillaError):
 @_public
 class NodeLostError(WorkerDiedError):
     """A node's agent or its connection is gone; the node takes no more calls."""
+
+
+def check_number(
+    value: object,
+    message: str,
+    *,
+    whole: bool = False,
+    above: float | None = None,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    below: float | None = None,
+    or_none: bool = False,
+) -> None:
+    """The check of a numeric option: raise ``ConfigurationError(message)`` unless ``value``
+    is a number (an int when ``whole``; never a bool) with ``value > above``,
+    ``value >= at_least``, ``value <= at_most`` and ``value < below`` where given (so no NaN
+    where a bound is). With ``or_none``, None passes too."""
+    if value is None and or_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int if whole else int | float)
+        or (above is not None and not value > above)
+        or (at_least is not None and not value >= at_least)
+        or (at_most is not None and not value <= at_most)
+        or (below is not None and not value < below)
+    ):
+        raise ConfigurationError(message)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 MODES = ("mount", "copy")
 DEFAULT_SYNC_INTERVAL = 60.0
@@ -88,15 +88,12 @@ class Volume:
             )
         if not isinstance(self.read_only, bool):
             raise ConfigurationError("Volume(read_only=...) must be True or False")
-        if (
-            isinstance(self.sync_interval, bool)
-            or not isinstance(self.sync_interval, int | float)
-            or not self.sync_interval > 0
-        ):
-            raise ConfigurationError(
-                f"Volume(sync_interval=...) must be a positive number of seconds, "
-                f"got {self.sync_interval!r}"
-            )
+        check_number(
+            self.sync_interval,
+            f"Volume(sync_interval=...) must be a positive number of seconds, "
+            f"got {self.sync_interval!r}",
+            above=0,
+        )
 
     @property
     def url(self) -> str:

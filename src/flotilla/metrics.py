@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 __all__ = [
     "CPU",
@@ -87,12 +87,12 @@ class Metric:
                 f"Metric {self.name!r}: command must be a shell command printing a number, "
                 f"got {self.command!r}"
             )
-        interval = self.interval
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-            raise ConfigurationError(
-                f"Metric {self.name!r}: interval must be a positive number of seconds, "
-                f"got {interval!r}"
-            )
+        check_number(
+            self.interval,
+            f"Metric {self.name!r}: interval must be a positive number of seconds, "
+            f"got {self.interval!r}",
+            above=0,
+        )
 
 
 MetricsConfig: TypeAlias = "tuple[Metric, ...] | list[Metric] | None"
@@ -144,8 +144,13 @@ def MemoryTotal() -> Metric:
 
 
 def _gpu(name: str, query: str, index: int | None, interval: float) -> Metric:
-    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
-        raise ConfigurationError(f"a GPU index is a number from 0, got {index!r}")
+    check_number(
+        index,
+        f"a GPU index is a number from 0, got {index!r}",
+        whole=True,
+        at_least=0,
+        or_none=True,
+    )
     command = (
         f"nvidia-smi {f'-i {index} ' if index is not None else ''}"
         f"--query-gpu={query} --format=csv,noheader,nounits 2>&1 | tr -d ' ' "

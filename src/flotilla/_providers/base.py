@@ -42,7 +42,7 @@ from enum import Enum
 from typing import Any, ClassVar, Self
 
 from .._accelerators import Accelerator
-from .._errors import ConfigurationError, ProvisionError
+from .._errors import ConfigurationError, ProvisionError, check_number
 from .._wire.frames import Buffer
 from .._worker import Worker
 from . import ledger
@@ -142,10 +142,9 @@ class Options:
             )
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace", "scale_down_after"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
-                if name == "start_timeout" and self.provision_timeout is not None:
-                    name = "provision_timeout"
-                raise ConfigurationError(f"Options.{name} must be a positive number, got {value!r}")
+            if name == "start_timeout" and self.provision_timeout is not None:
+                name = "provision_timeout"
+            check_number(value, f"Options.{name} must be a positive number, got {value!r}", above=0)
 
 
 @dataclass(frozen=True)

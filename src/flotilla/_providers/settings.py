@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .options import option
 
 SSH_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -91,8 +91,8 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 
 def _check_port(port: object, what: str) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ConfigurationError(f"{what} must be a TCP port number (1-65535), got {port!r}")
+    message = f"{what} must be a TCP port number (1-65535), got {port!r}"
+    check_number(port, message, whole=True, above=0, below=65536)
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,8 @@ class SSHSettings:
             raise ConfigurationError("SSH(hosts=...) needs at least one host")
         _check_port(self.port, "SSH(port=...)")
         timeout = self.connect_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise ConfigurationError(f"connect_timeout must be a number, got {timeout!r}")
-        if timeout <= 0:
-            raise ConfigurationError(f"connect_timeout must be positive, got {timeout!r}")
+        check_number(timeout, f"connect_timeout must be a number, got {timeout!r}")
+        check_number(timeout, f"connect_timeout must be positive, got {timeout!r}", above=0)
         if (self.python is not None and not self.python.strip()) or not self.workdir.strip():
             raise ConfigurationError("SSH(python=..., workdir=...) must not be empty")
         object.__setattr__(self, "hosts", parsed)

@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, check_number
 from ..options import From, docker_image, option
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -68,14 +68,13 @@ class KubernetesSettings:
                 raise ConfigurationError(
                     f"Kubernetes({key}=...) must be a non-empty string, got {value!r}"
                 )
-        wait = self.pending_timeout
-        if wait is not None and (
-            isinstance(wait, bool) or not isinstance(wait, int | float) or wait <= 0
-        ):
-            raise ConfigurationError(
-                f"Kubernetes(pending_timeout=...) must be a positive number of seconds or "
-                f"None, got {wait!r}"
-            )
+        check_number(
+            self.pending_timeout,
+            f"Kubernetes(pending_timeout=...) must be a positive number of seconds or "
+            f"None, got {self.pending_timeout!r}",
+            above=0,
+            or_none=True,
+        )
         if not isinstance(self.autoscaler, bool):
             raise ConfigurationError(
                 f"Kubernetes(autoscaler=...) must be True or False, got {self.autoscaler!r}"
