@@ -559,11 +559,14 @@ class Provider(ABC):
     def make_settings(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
         """The settings of a constructor derived from :attr:`settings_type` (see
         ``options.provider_init``): ``settings=`` (its fields replaced by ``options``), else
-        the settings made of ``args`` and ``options``; checked."""
+        the settings made of ``args`` and ``options``; checked. Sets :attr:`python_pinned`
+        from their ``python``."""
         from .options import make_settings
 
         assert self.settings_type is not None
-        return make_settings(self.settings_type, type(self).__name__, settings, args, options)
+        made = make_settings(self.settings_type, type(self).__name__, settings, args, options)
+        self.python_pinned = getattr(made, "python", None) is not None
+        return made
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.
