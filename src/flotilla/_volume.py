@@ -279,19 +279,7 @@ def _node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
             raise ConfigurationError(
                 f"volume {v.url}: bucket {v.bucket!r}{where} cannot be reached ({e}); {who}"
             ) from None
-    spec: dict[str, Any] = {
-        "volumes": [v.to_node() for v in volumes],
-        "credentials": {
-            "access_key": frozen.access_key,
-            "secret_key": frozen.secret_key,
-            "token": frozen.token or "",
-        },
-        "region": region,
-        "endpoint": url,
-        "sync_interval": min(v.sync_interval for v in volumes),
-    }
-    secrets = [s for s in (frozen.secret_key, frozen.token) if s]
-    return spec, secrets
+    return _spec(volumes, frozen.access_key, frozen.secret_key, frozen.token, region, url)
 
 
 def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
@@ -308,18 +296,26 @@ def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, An
                 f"volume {v.url}: bucket {v.bucket!r} at {storage.endpoint or 'AWS S3'} "
                 f"cannot be read ({e}); access key {_masked(client.key)}"
             ) from None
+    return _spec(volumes, client.key, client.secret, client.token, client.region, storage.endpoint)
+
+
+def _spec(
+    volumes: Sequence[Volume],
+    key: str,
+    secret: str,
+    token: str | None,
+    region: str | None,
+    endpoint: str | None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The spec of :func:`node_spec` (the helper's stdin) and its secrets."""
     spec: dict[str, Any] = {
         "volumes": [v.to_node() for v in volumes],
-        "credentials": {
-            "access_key": client.key,
-            "secret_key": client.secret,
-            "token": client.token,
-        },
-        "region": client.region,
-        "endpoint": storage.endpoint,
+        "credentials": {"access_key": key, "secret_key": secret, "token": token or ""},
+        "region": region,
+        "endpoint": endpoint,
         "sync_interval": min(v.sync_interval for v in volumes),
     }
-    return spec, [s for s in (client.secret, client.token) if s]
+    return spec, [s for s in (secret, token) if s]
 
 
 def _masked(key: str) -> str:

@@ -197,23 +197,21 @@ def Network(interval: float = 3) -> Metric:
 
 def NetworkRx(interface: str = "eth0", interval: float = 3) -> Metric:
     """Bytes received on ``interface`` (``net_rx_<interface>``; ``net_tx_`` with it)."""
-    return _builtin(
-        Metric(
-            f"net_rx_{interface}",
-            f"cat /sys/class/net/{interface}/statistics/rx_bytes 2>/dev/null",
-            interval,
-        ),
-        "net",
-        interface=interface,
-    )
+    return _interface_bytes("rx", interface, interval)
 
 
 def NetworkTx(interface: str = "eth0", interval: float = 3) -> Metric:
     """Bytes sent on ``interface`` (``net_tx_<interface>``; ``net_rx_`` with it)."""
+    return _interface_bytes("tx", interface, interval)
+
+
+def _interface_bytes(way: str, interface: str, interval: float) -> Metric:
+    """``net_rx_<interface>`` or ``net_tx_<interface>`` (``way``): the bytes of the
+    interface's counter."""
     return _builtin(
         Metric(
-            f"net_tx_{interface}",
-            f"cat /sys/class/net/{interface}/statistics/tx_bytes 2>/dev/null",
+            f"net_{way}_{interface}",
+            f"cat /sys/class/net/{interface}/statistics/{way}_bytes 2>/dev/null",
             interval,
         ),
         "net",
