@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._errors import ConfigurationError, check_number
+from .._errors import ConfigurationError, check_number, check_text
 from .options import option
 
 SSH_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -33,8 +33,7 @@ class LocalSettings:
     def __post_init__(self) -> None:
         for key in ("python", "workdir"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(f"Local({key}=...) must be a non-empty string or None")
+            check_text(value, f"Local({key}=...) must be a non-empty string or None", or_none=True)
         if self.keep_folders and self.workdir is None:
             raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
 
@@ -65,8 +64,7 @@ class SSHHost:
 
 def parse_host(text: str) -> SSHHost:
     """``SSHHost`` of ``"host"``, ``"user@host"``, ``"host:port"``, ``"user@[v6addr]:port"``."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigurationError(f"an SSH host must be a non-empty string, got {text!r}")
+    check_text(text, f"an SSH host must be a non-empty string, got {text!r}")
     user, _, rest = text.strip().rpartition("@")
     port: str | None = None
     if rest.startswith("["):

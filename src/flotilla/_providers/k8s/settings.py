@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError, check_number
+from ..._errors import ConfigurationError, check_number, check_text
 from ..options import From, docker_image, option
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -58,16 +58,11 @@ class KubernetesSettings:
             )
         for key in ("context", "kubeconfig", "python", "image", "gpu_label"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(
-                    f"Kubernetes({key}=...) must be a non-empty string or None, got {value!r}"
-                )
+            message = f"Kubernetes({key}=...) must be a non-empty string or None, got {value!r}"
+            check_text(value, message, or_none=True)
         for key in ("workdir", "kubectl"):
             value = getattr(self, key)
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigurationError(
-                    f"Kubernetes({key}=...) must be a non-empty string, got {value!r}"
-                )
+            check_text(value, f"Kubernetes({key}=...) must be a non-empty string, got {value!r}")
         check_number(
             self.pending_timeout,
             f"Kubernetes(pending_timeout=...) must be a positive number of seconds or "
