@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 _CUDA = {
     "A100",
@@ -46,13 +46,14 @@ class Accelerator:
         if not self.name:
             raise ConfigurationError("an accelerator needs a name, e.g. 'A100'")
         count = self.count
+        check_number(
+            count,
+            f"accelerator count must be a positive integer or a fraction of one "
+            f"(0 < count < 1), got {count!r}",
+            above=0,
+        )
         if isinstance(count, float) and count.is_integer() and count >= 1:
             object.__setattr__(self, "count", int(count))
-        elif isinstance(count, bool) or not isinstance(count, int | float) or count <= 0:
-            raise ConfigurationError(
-                f"accelerator count must be a positive integer or a fraction of one "
-                f"(0 < count < 1), got {count!r}"
-            )
         elif isinstance(count, float) and count > 1:
             raise ConfigurationError(
                 f"accelerator count {count!r}: a fractional count is a part of one "

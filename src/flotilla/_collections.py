@@ -31,7 +31,13 @@ import pickle
 import threading
 from typing import Any, Literal, Protocol
 
-from ._errors import ClusterRequiredError, ConfigurationError, PoolClosedError, SerializationError
+from ._errors import (
+    ClusterRequiredError,
+    ConfigurationError,
+    PoolClosedError,
+    SerializationError,
+    check_number,
+)
 
 Consistency = Literal["strong", "eventual"]
 
@@ -115,8 +121,8 @@ def _check_consistency(consistency: object) -> Consistency | None:
 def _check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-        raise ConfigurationError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+    check_number(timeout, f"timeout must be None or seconds >= 0, got {timeout!r}", at_least=0)
+    assert isinstance(timeout, int | float)
     return float(timeout)
 
 
@@ -372,8 +378,7 @@ class Barrier(_Proxy):
 
     def __init__(self, name: str, n: int, backend: Backend | None = None) -> None:
         super().__init__(name, backend)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigurationError(f"sky.barrier needs n >= 1 parties, got {n!r}")
+        check_number(n, f"sky.barrier needs n >= 1 parties, got {n!r}", whole=True, at_least=1)
         self.n = n
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -45,6 +45,7 @@ remote shell explains it as a ProvisionError, in ``_providers.launch``).
 from __future__ import annotations
 
 import copyreg
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -213,3 +214,37 @@ class WorkerDiedError(FlotillaError):
 @_public
 class NodeLostError(WorkerDiedError):
     """A node's agent or its connection is gone; the node takes no more calls."""
+
+
+def check_number(
+    value: object, message: str, *, whole: bool = False, or_none: bool = False, **bounds: float
+) -> None:
+    """The check of a numeric option: raise ``ConfigurationError(message)`` unless ``value``
+    is a number (an int when ``whole``; never a bool) within the ``bounds`` given:
+    ``above`` (value > it), ``at_least`` (>=), ``at_most`` (<=), ``below`` (<); so no NaN
+    where a bound is. With ``or_none``, None passes too."""
+    if value is None and or_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+        raise ConfigurationError(message)
+    for name, bound in bounds.items():
+        if not _WITHIN[name](value, bound):
+            raise ConfigurationError(message)
+
+
+_WITHIN: dict[str, Callable[[float, float], bool]] = {
+    "above": lambda value, bound: value > bound,
+    "at_least": lambda value, bound: value >= bound,
+    "at_most": lambda value, bound: value <= bound,
+    "below": lambda value, bound: value < bound,
+}
+"""The bounds of :func:`check_number`."""
+
+
+def check_text(value: object, message: str, *, or_none: bool = False) -> None:
+    """The check of a text option: raise ``ConfigurationError(message)`` unless ``value`` is
+    a string with more than white space in it (or None, with ``or_none``)."""
+    if value is None and or_none:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(message)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 HealthCheckResult: TypeAlias = "bool | str"
 HealthCheckFn: TypeAlias = "Callable[[Any], bool | str]"
@@ -50,11 +50,10 @@ class HealthChecker:
             )
         for name in ("interval", "timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigurationError(f"HealthChecker.{name} must be > 0, got {value!r}")
+            check_number(value, f"HealthChecker.{name} must be > 0, got {value!r}", above=0)
         n = self.consecutive_failures
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigurationError(f"HealthChecker.consecutive_failures must be >= 1, got {n!r}")
+        check_number(
+            n, f"HealthChecker.consecutive_failures must be >= 1, got {n!r}", whole=True, at_least=1
+        )
         d = self.initial_delay
-        if isinstance(d, bool) or not isinstance(d, int | float) or d < 0:
-            raise ConfigurationError(f"HealthChecker.initial_delay must be >= 0, got {d!r}")
+        check_number(d, f"HealthChecker.initial_delay must be >= 0, got {d!r}", at_least=0)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 MODES = ("mount", "copy")
 DEFAULT_SYNC_INTERVAL = 60.0
@@ -88,15 +88,12 @@ class Volume:
             )
         if not isinstance(self.read_only, bool):
             raise ConfigurationError("Volume(read_only=...) must be True or False")
-        if (
-            isinstance(self.sync_interval, bool)
-            or not isinstance(self.sync_interval, int | float)
-            or not self.sync_interval > 0
-        ):
-            raise ConfigurationError(
-                f"Volume(sync_interval=...) must be a positive number of seconds, "
-                f"got {self.sync_interval!r}"
-            )
+        check_number(
+            self.sync_interval,
+            f"Volume(sync_interval=...) must be a positive number of seconds, "
+            f"got {self.sync_interval!r}",
+            above=0,
+        )
 
     @property
     def url(self) -> str:
@@ -282,19 +279,7 @@ def _node_spec(volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
             raise ConfigurationError(
                 f"volume {v.url}: bucket {v.bucket!r}{where} cannot be reached ({e}); {who}"
             ) from None
-    spec: dict[str, Any] = {
-        "volumes": [v.to_node() for v in volumes],
-        "credentials": {
-            "access_key": frozen.access_key,
-            "secret_key": frozen.secret_key,
-            "token": frozen.token or "",
-        },
-        "region": region,
-        "endpoint": url,
-        "sync_interval": min(v.sync_interval for v in volumes),
-    }
-    secrets = [s for s in (frozen.secret_key, frozen.token) if s]
-    return spec, secrets
+    return _spec(volumes, frozen.access_key, frozen.secret_key, frozen.token, region, url)
 
 
 def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, Any], list[str]]:
@@ -311,18 +296,26 @@ def _storage_spec(storage: Any, volumes: Sequence[Volume]) -> tuple[dict[str, An
                 f"volume {v.url}: bucket {v.bucket!r} at {storage.endpoint or 'AWS S3'} "
                 f"cannot be read ({e}); access key {_masked(client.key)}"
             ) from None
+    return _spec(volumes, client.key, client.secret, client.token, client.region, storage.endpoint)
+
+
+def _spec(
+    volumes: Sequence[Volume],
+    key: str,
+    secret: str,
+    token: str | None,
+    region: str | None,
+    endpoint: str | None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The spec of :func:`node_spec` (the helper's stdin) and its secrets."""
     spec: dict[str, Any] = {
         "volumes": [v.to_node() for v in volumes],
-        "credentials": {
-            "access_key": client.key,
-            "secret_key": client.secret,
-            "token": client.token,
-        },
-        "region": client.region,
-        "endpoint": storage.endpoint,
+        "credentials": {"access_key": key, "secret_key": secret, "token": token or ""},
+        "region": region,
+        "endpoint": endpoint,
         "sync_interval": min(v.sync_interval for v in volumes),
     }
-    return spec, [s for s in (client.secret, client.token) if s]
+    return spec, [s for s in (secret, token) if s]
 
 
 def _masked(key: str) -> str:

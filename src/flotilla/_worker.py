@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 WorkerExecutor = Literal["auto", "thread", "process"]
 EXECUTORS = ("auto", "thread", "process")
@@ -37,8 +37,9 @@ class Worker:
 
     def __post_init__(self) -> None:
         c = self.concurrency
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ConfigurationError(f"Worker(concurrency=...) must be an int >= 1, got {c!r}")
+        check_number(
+            c, f"Worker(concurrency=...) must be an int >= 1, got {c!r}", whole=True, at_least=1
+        )
         if self.executor not in EXECUTORS:
             raise ConfigurationError(
                 f"Worker(executor=...) must be one of {', '.join(map(repr, EXECUTORS))}, "

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, check_number
 
 __all__ = [
     "CPU",
@@ -87,12 +87,12 @@ class Metric:
                 f"Metric {self.name!r}: command must be a shell command printing a number, "
                 f"got {self.command!r}"
             )
-        interval = self.interval
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-            raise ConfigurationError(
-                f"Metric {self.name!r}: interval must be a positive number of seconds, "
-                f"got {interval!r}"
-            )
+        check_number(
+            self.interval,
+            f"Metric {self.name!r}: interval must be a positive number of seconds, "
+            f"got {self.interval!r}",
+            above=0,
+        )
 
 
 MetricsConfig: TypeAlias = "tuple[Metric, ...] | list[Metric] | None"
@@ -144,8 +144,13 @@ def MemoryTotal() -> Metric:
 
 
 def _gpu(name: str, query: str, index: int | None, interval: float) -> Metric:
-    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
-        raise ConfigurationError(f"a GPU index is a number from 0, got {index!r}")
+    check_number(
+        index,
+        f"a GPU index is a number from 0, got {index!r}",
+        whole=True,
+        at_least=0,
+        or_none=True,
+    )
     command = (
         f"nvidia-smi {f'-i {index} ' if index is not None else ''}"
         f"--query-gpu={query} --format=csv,noheader,nounits 2>&1 | tr -d ' ' "
@@ -192,23 +197,21 @@ def Network(interval: float = 3) -> Metric:
 
 def NetworkRx(interface: str = "eth0", interval: float = 3) -> Metric:
     """Bytes received on ``interface`` (``net_rx_<interface>``; ``net_tx_`` with it)."""
-    return _builtin(
-        Metric(
-            f"net_rx_{interface}",
-            f"cat /sys/class/net/{interface}/statistics/rx_bytes 2>/dev/null",
-            interval,
-        ),
-        "net",
-        interface=interface,
-    )
+    return _interface_bytes("rx", interface, interval)
 
 
 def NetworkTx(interface: str = "eth0", interval: float = 3) -> Metric:
     """Bytes sent on ``interface`` (``net_tx_<interface>``; ``net_rx_`` with it)."""
+    return _interface_bytes("tx", interface, interval)
+
+
+def _interface_bytes(way: str, interface: str, interval: float) -> Metric:
+    """``net_rx_<interface>`` or ``net_tx_<interface>`` (``way``): the bytes of the
+    interface's counter."""
     return _builtin(
         Metric(
-            f"net_tx_{interface}",
-            f"cat /sys/class/net/{interface}/statistics/tx_bytes 2>/dev/null",
+            f"net_{way}_{interface}",
+            f"cat /sys/class/net/{interface}/statistics/{way}_bytes 2>/dev/null",
             interval,
         ),
         "net",

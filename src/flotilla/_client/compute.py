@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .._accelerators import Accelerator, parse_accelerator
 from .._collections import activate, deactivate
-from .._errors import ConfigurationError, PoolClosedError, SerializationError
+from .._errors import ConfigurationError, PoolClosedError, SerializationError, check_number
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
 from .._providers.ledger import sigterm_exits
@@ -1016,10 +1016,11 @@ def _resource(name: str, value: object, example: str) -> float | None:
     """A per-node resource request: None or a positive number (as a float)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigurationError(f"{name} must be a positive number ({example}), got {value!r}")
-    if value == float("inf"):
-        raise ConfigurationError(f"{name} must be a finite number ({example}), got {value!r}")
+    check_number(value, f"{name} must be a positive number ({example}), got {value!r}", above=0)
+    check_number(
+        value, f"{name} must be a finite number ({example}), got {value!r}", below=float("inf")
+    )
+    assert isinstance(value, int | float)
     return float(value)
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .._info import in_task
 
 P = ParamSpec("P")
@@ -93,8 +93,12 @@ class Function(Generic[P, R]):
             raise ConfigurationError(
                 f"timeout must be a positive number of seconds, got {timeout!r}"
             )
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigurationError(f"retries must be a non-negative integer, got {retries!r}")
+        check_number(
+            retries,
+            f"retries must be a non-negative integer, got {retries!r}",
+            whole=True,
+            at_least=0,
+        )
         self.fn = fn
         self.timeout = timeout
         self.retries = retries

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, cast
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .._providers.base import Options, Provider
 from .._worker import Worker
 
@@ -34,10 +34,13 @@ ALLOCATIONS = ("spot", "on-demand", "spot-if-available")
 def apply_skyward_settings(provider: Provider, ttl: object, allocation: object) -> Provider:
     """``provider``, or a copy with Skyward's ``Compute(ttl=, allocation=)`` given to its
     settings of the same meaning (see :class:`Compute`)."""
-    if ttl is not None and (
-        isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < float("inf")
-    ):
-        raise ConfigurationError(f"ttl must be seconds >= 0 (0: none), got {ttl!r}")
+    check_number(
+        ttl,
+        f"ttl must be seconds >= 0 (0: none), got {ttl!r}",
+        at_least=0,
+        below=float("inf"),
+        or_none=True,
+    )
     if allocation is not None and allocation not in ALLOCATIONS:
         raise ConfigurationError(
             f"allocation must be one of {', '.join(map(repr, ALLOCATIONS))}, got {allocation!r}"
@@ -50,6 +53,7 @@ def apply_skyward_settings(provider: Provider, ttl: object, allocation: object) 
     if allocation is not None and "allocation" in names:
         changes["allocation"] = allocation
     if ttl:
+        assert isinstance(ttl, int | float)  # checked above
         if "ttl" in names:
             changes["ttl"] = float(ttl)
         elif "time" in names:  # SLURM: the job's time limit, in whole minutes

@@ -400,11 +400,8 @@ class Agent:
 
     def _on_volumes_output(self) -> None:
         proc = self.volumes
-        assert proc is not None and proc.stdout is not None
-        fd = proc.stdout.fileno()
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
+        data = _available(proc)
+        if data is None:
             return
         self.volumes_out += data
         while b"\n" in self.volumes_out:
@@ -416,7 +413,7 @@ class Agent:
             elif line.startswith(b"::error "):
                 self._volumes_failed(line[8:].decode(errors="replace"))
         if not data:
-            self.sel.unregister(fd)
+            self.sel.unregister(proc.stdout.fileno())
             if not self.stopping and not self.volumes_settled:
                 self._volumes_failed("the volumes helper exited before the volumes were ready")
 
@@ -477,11 +474,8 @@ class Agent:
 
     def _on_build_output(self) -> None:
         proc = self.builder
-        assert proc is not None and proc.stdout is not None
-        fd = proc.stdout.fileno()
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
+        data = _available(proc)
+        if data is None:
             return
         if data:
             lines = (self.build_partial + data).split(b"\n")
@@ -495,7 +489,7 @@ class Agent:
                     self.build_tail.append(line)
             self.client.send(frame(Kind.PROGRESS, 0, data))
             return
-        self.sel.unregister(fd)
+        self.sel.unregister(proc.stdout.fileno())
         code = proc.wait()
         proc.stdout.close()
         self.builder = None
@@ -630,3 +624,13 @@ def main() -> None:
     """Entry point of ``python -m flotilla.agent``."""
     Agent().run()
     os._exit(0)
+
+
+def _available(proc: Any) -> bytes | None:
+    """What a helper process's stdout (non-blocking) holds now: b"" at its end, None when
+    nothing has come yet."""
+    assert proc is not None and proc.stdout is not None
+    try:
+        return os.read(proc.stdout.fileno(), 65536)
+    except BlockingIOError:
+        return None

@@ -336,38 +336,51 @@ class Supervisor:
             return
         r_task, w_task = os.pipe()
         r_res, w_res = os.pipe()
-        r_out, w_out = os.pipe()
-        r_err, w_err = os.pipe()
-        sys.stderr.flush()
-        pid = os.fork()
+        others = [o.executor for o in self.slots if o.executor is not None]
+        theirs = [fd for ex in others for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd)]
+        pid, r_out, r_err = self._fork([w_task, r_res, *theirs])
         if pid == 0:  # the executor
             try:
-                self.sel.close()
-                for fd in (*self.agent_fds, *self.inherited(), w_task, r_res, r_out, r_err):
-                    os.close(fd)
-                for other in self.slots:
-                    if other.executor is not None:
-                        ex = other.executor
-                        for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd):
-                            os.close(fd)
-                os.setpgid(0, 0)
-                self.policy.in_child()
-                die_with_parent()
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                os.dup2(w_out, 1)
-                os.dup2(w_err, 2)
-                for fd in (devnull, w_out, w_err):
-                    os.close(fd)
                 from .executor import main
 
                 main({**self.config, "local_rank": slot.rank}, self.blob, r_task, w_res)
             finally:
                 os._exit(70)
-        for fd in (r_task, w_res, w_out, w_err):
+        for fd in (r_task, w_res):
             os.close(fd)
         ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
         self._began(slot, ex)
+
+    def _fork(self, close: list[int]) -> tuple[int, int, int]:
+        """Fork an executor, its stdout and stderr into pipes the agent reads. In the agent:
+        (its pid, the read ends of those pipes). In the executor: (0, -1, -1), once it closed
+        the agent's descriptors and ``close``, took a process group of its own, the
+        child's policy and death with the agent, and stdin from /dev/null (it exits 70 if
+        any of that fails)."""
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid != 0:
+            os.close(w_out)
+            os.close(w_err)
+            return pid, r_out, r_err
+        try:
+            self.sel.close()
+            for fd in (*self.agent_fds, *self.inherited(), *close, r_out, r_err):
+                os.close(fd)
+            os.setpgid(0, 0)
+            self.policy.in_child()
+            die_with_parent()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(w_out, 1)
+            os.dup2(w_err, 2)
+            for fd in (devnull, w_out, w_err):
+                os.close(fd)
+        except BaseException:
+            os._exit(70)
+        return 0, -1, -1
 
     def _start_threads(self) -> None:
         """Start the process of every thread slot, once none is left (see the module
@@ -376,27 +389,9 @@ class Supervisor:
         if any(s.executor is not None for s in self.slots):
             return  # the others' ends are still to be read: the last one starts it
         pipes = [(os.pipe(), os.pipe()) for _ in self.slots]  # (task r, w), (result r, w)
-        r_out, w_out = os.pipe()
-        r_err, w_err = os.pipe()
-        sys.stderr.flush()
-        pid = os.fork()
+        pid, r_out, r_err = self._fork([fd for (_, w), (r, _) in pipes for fd in (w, r)])
         if pid == 0:  # the executor
             try:
-                self.sel.close()
-                for fd in (*self.agent_fds, *self.inherited(), r_out, r_err):
-                    os.close(fd)
-                for (_, w_task), (r_res, _) in pipes:
-                    os.close(w_task)
-                    os.close(r_res)
-                os.setpgid(0, 0)
-                self.policy.in_child()
-                die_with_parent()
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                os.dup2(w_out, 1)
-                os.dup2(w_err, 2)
-                for fd in (devnull, w_out, w_err):
-                    os.close(fd)
                 from .executor import main
 
                 (r_first, _), (_, w_first) = pipes[0]
@@ -408,8 +403,6 @@ class Supervisor:
                 main(config, self.blob, r_first, w_first, others)
             finally:
                 os._exit(70)
-        os.close(w_out)
-        os.close(w_err)
         self.shared_death = ""
         for slot, ((r_task, w_task), (r_res, w_res)) in zip(self.slots, pipes, strict=True):
             os.close(r_task)

@@ -42,7 +42,7 @@ from enum import Enum
 from typing import Any, ClassVar, Self
 
 from .._accelerators import Accelerator
-from .._errors import ConfigurationError, ProvisionError
+from .._errors import ConfigurationError, ProvisionError, check_number
 from .._wire.frames import Buffer
 from .._worker import Worker
 from . import ledger
@@ -152,10 +152,9 @@ class Options:
                 )
         for name in ("start_timeout", "heartbeat_timeout", "shutdown_grace"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
-                if name == "start_timeout" and self.provision_timeout is not None:
-                    name = "provision_timeout"
-                raise ConfigurationError(f"Options.{name} must be a positive number, got {value!r}")
+            if name == "start_timeout" and self.provision_timeout is not None:
+                name = "provision_timeout"
+            check_number(value, f"Options.{name} must be a positive number, got {value!r}", above=0)
 
 
 @dataclass(frozen=True)
@@ -570,11 +569,14 @@ class Provider(ABC):
     def make_settings(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
         """The settings of a constructor derived from :attr:`settings_type` (see
         ``options.provider_init``): ``settings=`` (its fields replaced by ``options``), else
-        the settings made of ``args`` and ``options``; checked."""
+        the settings made of ``args`` and ``options``; checked. Sets :attr:`python_pinned`
+        from their ``python``."""
         from .options import make_settings
 
         assert self.settings_type is not None
-        return make_settings(self.settings_type, type(self).__name__, settings, args, options)
+        made = make_settings(self.settings_type, type(self).__name__, settings, args, options)
+        self.python_pinned = getattr(made, "python", None) is not None
+        return made
 
     def validate(self, spec: PoolSpec) -> None:  # noqa: B027 - optional hook
         """Refuse, with a ConfigurationError, what this provider cannot honour.

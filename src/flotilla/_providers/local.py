@@ -54,7 +54,6 @@ class Local(Provider):
         self.settings: LocalSettings = self.make_settings(settings, args, options)
         self.keep_folders = self.settings.keep_folders
         self.python = self.settings.python or sys.executable
-        self.python_pinned = self.settings.python is not None
         self.workdir = self.settings.workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number, check_text
 from .options import option
 
 SSH_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -33,8 +33,7 @@ class LocalSettings:
     def __post_init__(self) -> None:
         for key in ("python", "workdir"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(f"Local({key}=...) must be a non-empty string or None")
+            check_text(value, f"Local({key}=...) must be a non-empty string or None", or_none=True)
         if self.keep_folders and self.workdir is None:
             raise ConfigurationError("Local(keep_folders=True) needs workdir=...: where they stay")
 
@@ -65,8 +64,7 @@ class SSHHost:
 
 def parse_host(text: str) -> SSHHost:
     """``SSHHost`` of ``"host"``, ``"user@host"``, ``"host:port"``, ``"user@[v6addr]:port"``."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigurationError(f"an SSH host must be a non-empty string, got {text!r}")
+    check_text(text, f"an SSH host must be a non-empty string, got {text!r}")
     user, _, rest = text.strip().rpartition("@")
     port: str | None = None
     if rest.startswith("["):
@@ -91,8 +89,8 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 
 def _check_port(port: object, what: str) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ConfigurationError(f"{what} must be a TCP port number (1-65535), got {port!r}")
+    message = f"{what} must be a TCP port number (1-65535), got {port!r}"
+    check_number(port, message, whole=True, above=0, below=65536)
 
 
 @dataclass(frozen=True)
@@ -137,10 +135,8 @@ class SSHSettings:
             raise ConfigurationError("SSH(hosts=...) needs at least one host")
         _check_port(self.port, "SSH(port=...)")
         timeout = self.connect_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise ConfigurationError(f"connect_timeout must be a number, got {timeout!r}")
-        if timeout <= 0:
-            raise ConfigurationError(f"connect_timeout must be positive, got {timeout!r}")
+        check_number(timeout, f"connect_timeout must be a number, got {timeout!r}")
+        check_number(timeout, f"connect_timeout must be positive, got {timeout!r}", above=0)
         if (self.python is not None and not self.python.strip()) or not self.workdir.strip():
             raise ConfigurationError("SSH(python=..., workdir=...) must not be empty")
         object.__setattr__(self, "hosts", parsed)

@@ -59,7 +59,6 @@ class SSH(Provider):
     def __init__(self, *args: Any, settings: SSHSettings | None = None, **options: Any) -> None:
         self.settings: SSHSettings = self.make_settings(settings, args, options)
         self.home = self.settings.workdir
-        self.python_pinned = self.settings.python is not None  # else python3, or one found
 
     @property
     def hosts(self) -> tuple[SSHHost, ...]:

@@ -24,12 +24,11 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .._info import InstanceInfo
-from ._base import Plugin
 from ._daemons import Daemon, EngineError, check_free, head_engine_port, scratch_dir
+from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._extend import extend
 from ._net import wait_listening
 from ._versions import requirement
 
@@ -48,7 +47,7 @@ with Client(address, timeout=timeout) as client:
 
 
 @dataclass(frozen=True)
-class DaskPlugin(Plugin):
+class DaskPlugin(EnginePlugin):
     """See :func:`flotilla.plugins.dask`."""
 
     version: str = "latest"
@@ -56,17 +55,16 @@ class DaskPlugin(Plugin):
     memory_limit: str = "auto"
 
     name = "dask"
-    requires_cluster = True
-    forms_group = True
 
     def __post_init__(self) -> None:
-        if self.threads is not None and (
-            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
-        ):
-            raise ConfigurationError(
-                "plugins.dask(threads=...) must be a positive whole number of threads per "
-                f"worker (or None: the node's CPUs), got {self.threads!r}"
-            )
+        check_number(
+            self.threads,
+            "plugins.dask(threads=...) must be a positive whole number of threads per "
+            f"worker (or None: the node's CPUs), got {self.threads!r}",
+            whole=True,
+            at_least=1,
+            or_none=True,
+        )
         if not isinstance(self.memory_limit, str) or not self.memory_limit.strip():
             raise ConfigurationError(
                 "plugins.dask(memory_limit=...) must be Dask's memory limit as a string "
@@ -76,15 +74,6 @@ class DaskPlugin(Plugin):
 
     def requirement(self) -> str:
         return requirement("distributed", self.version, "version")
-
-    def transform(self, image: Any, cluster: Any) -> Any:
-        """Add distributed (and so dask) to the image."""
-        return extend(image, pip=[self.requirement()])
-
-    def around_process(self, info: InstanceInfo) -> AbstractContextManager[None] | None:
-        if not info.cluster:
-            return None
-        return self._node(info)
 
     def around_pool(self, pool: Any) -> AbstractContextManager[None]:
         """Close the clients and tunnels ``pool.dask_client()`` made when the pool closes."""

@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .._info import InstanceInfo
 from ._base import Plugin
 from ._env import environ
@@ -103,12 +103,14 @@ class MpsPlugin(Plugin):
 
     def __post_init__(self) -> None:
         pct, pinned_memory_limit = self.active_thread_percentage, self.pinned_memory_limit
-        if pct is not None and (
-            isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100
-        ):
-            raise ConfigurationError(
-                f"plugins.mps(active_thread_percentage={pct!r}): an integer from 1 to 100"
-            )
+        check_number(
+            pct,
+            f"plugins.mps(active_thread_percentage={pct!r}): an integer from 1 to 100",
+            whole=True,
+            at_least=1,
+            at_most=100,
+            or_none=True,
+        )
         if pinned_memory_limit is not None and not re.fullmatch(
             r"\d+=\d+[KMG]?(,\d+=\d+[KMG]?)*", str(pinned_memory_limit)
         ):

@@ -20,17 +20,16 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 from .._info import InstanceInfo
-from ._base import Plugin
 from ._daemons import Daemon, EngineError, check_free, free_port, head_engine_port, scratch_dir
+from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._extend import extend
 from ._net import wait_listening
 from ._versions import requirement
 
@@ -63,7 +62,7 @@ ray.shutdown()
 
 
 @dataclass(frozen=True)
-class RayPlugin(Plugin):
+class RayPlugin(EnginePlugin):
     """See :func:`flotilla.plugins.ray`."""
 
     version: str = "latest"
@@ -74,27 +73,27 @@ class RayPlugin(Plugin):
     resources: Mapping[str, float] = field(default_factory=dict)
 
     name = "ray"
-    requires_cluster = True
-    forms_group = True
 
     def __post_init__(self) -> None:
         for what in ("num_cpus", "num_gpus"):
             value = getattr(self, what)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise ConfigurationError(
-                    f"plugins.ray({what}=...) must be a whole number of at least 0 "
-                    f"(or None: what Ray detects on each node), got {value!r}"
-                )
-        memory = self.object_store_memory
-        if memory is not None and (
-            isinstance(memory, bool) or not isinstance(memory, int) or memory < MIN_OBJECT_STORE
-        ):
-            raise ConfigurationError(
-                "plugins.ray(object_store_memory=...) is in bytes and Ray needs at least "
-                f"{MIN_OBJECT_STORE} (75 MiB), got {memory!r}"
+            check_number(
+                value,
+                f"plugins.ray({what}=...) must be a whole number of at least 0 "
+                f"(or None: what Ray detects on each node), got {value!r}",
+                whole=True,
+                at_least=0,
+                or_none=True,
             )
+        memory = self.object_store_memory
+        check_number(
+            memory,
+            "plugins.ray(object_store_memory=...) is in bytes and Ray needs at least "
+            f"{MIN_OBJECT_STORE} (75 MiB), got {memory!r}",
+            whole=True,
+            at_least=MIN_OBJECT_STORE,
+            or_none=True,
+        )
         if not isinstance(self.resources, Mapping) or not all(
             isinstance(k, str) and k and isinstance(v, int | float) and not isinstance(v, bool)
             for k, v in self.resources.items()
@@ -122,15 +121,6 @@ class RayPlugin(Plugin):
                 "(ray.train.torch.TorchTrainer) in a pool with plugins.ray() alone; for "
                 f"torch.distributed without Ray, plugins.{others[0]}() alone"
             )
-
-    def transform(self, image: Any, cluster: Any) -> Any:
-        """Add Ray to the image (installed with the node's own pip/uv configuration)."""
-        return extend(image, pip=[self.requirement()])
-
-    def around_process(self, info: InstanceInfo) -> AbstractContextManager[None] | None:
-        if not info.cluster:
-            return None
-        return self._node(info)
 
     def start_argv(self, info: InstanceInfo, gcs_port: int, scratch: str) -> list[str]:
         """The ``ray start`` command of this node (head on node 0)."""

@@ -1,15 +1,11 @@
 """The AWS provider (see ``provider``); loaded on first use, so that its settings
 (``settings``) load alone."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import provider_loader
 
 if TYPE_CHECKING:
     from .provider import AWS as AWS
 
-
-def __getattr__(name: str) -> Any:
-    if name == "AWS":
-        from .provider import AWS
-
-        return AWS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = provider_loader(__name__, "AWS")

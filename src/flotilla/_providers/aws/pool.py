@@ -12,9 +12,9 @@ import socket
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from ..._errors import ConfigurationError, FlotillaError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
@@ -42,8 +42,6 @@ TAG_CLIENT = "flotilla:client"
 TAG_CREATED = "flotilla:created"
 RELEASE_TIMEOUT = 600.0
 """Seconds release() keeps checking that instances terminated and the group can go."""
-_T = TypeVar("_T")
-_executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flotilla-aws")
 
 
 class AWSAllocation(CloudAllocation):
@@ -62,6 +60,10 @@ class AWSAllocation(CloudAllocation):
         tag: the ``flotilla:pool`` tag of the pool's resources: its id, or the id of the
             first pool of the kept instances it started again.
     """
+
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=4, thread_name_prefix="flotilla-aws"
+    )
 
     def __init__(
         self,
@@ -104,13 +106,6 @@ class AWSAllocation(CloudAllocation):
         self.workdir = settings.workdir
         with open(os.path.join(self.folder, "client"), "w") as f:
             f.write(self._client)
-
-    # -- running blocking API calls --------------------------------------------------
-    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a worker thread. A cancelled caller does not stop the thread:
-        what it creates is recorded before it is sent (``base.Allocation.creating``), and
-        the release waits for those calls, so nothing made escapes it."""
-        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:

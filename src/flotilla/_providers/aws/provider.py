@@ -69,7 +69,6 @@ class AWS(Provider):
     def __init__(self, *args: Any, settings: AWSSettings | None = None, **options: Any) -> None:
         self.settings: AWSSettings = self.make_settings(settings, args, options)
         self.home = self.settings.workdir
-        self.python_pinned = self.settings.python is not None  # else python3, or one found
         self._api: Api | None = None
         self.keep: Keep | None = None
         """Set for a stoppable pool (a named cluster's, see ``kept``): its instances are

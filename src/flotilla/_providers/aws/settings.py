@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, check_number
 from ..cloud.guard import USER_NAME, guard_command
 from ..options import From, option
 
@@ -98,15 +98,16 @@ class AWSSettings:
                 f"AWS(instance_type={kind!r}): expected a type name like 'c5.large'"
             )
         disk = self.disk_gb
-        if disk is not None and (
-            isinstance(disk, bool) or not isinstance(disk, int) or not 8 <= disk <= 16384
-        ):
-            raise ConfigurationError(
-                f"AWS(disk_gb={disk!r}): a whole number of GiB between 8 and 16384"
-            )
+        check_number(
+            disk,
+            f"AWS(disk_gb={disk!r}): a whole number of GiB between 8 and 16384",
+            whole=True,
+            at_least=8,
+            at_most=16384,
+            or_none=True,
+        )
         ttl = self.ttl
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
-            raise ConfigurationError(f"AWS(ttl={ttl!r}): a positive number of seconds")
+        check_number(ttl, f"AWS(ttl={ttl!r}): a positive number of seconds", above=0)
         tags = dict(self.tags or {})
         for key, value in tags.items():
             if not isinstance(key, str) or not isinstance(value, str):

@@ -5,7 +5,11 @@ answers (``boot.wait_port``), a start that fails as on a booting instance tried 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..base import AgentProcess, Machine
@@ -13,6 +17,8 @@ from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
 from .boot import booting, wait_port
+
+_T = TypeVar("_T")
 
 
 class CloudShell(SSHShell):
@@ -34,10 +40,20 @@ class CloudAllocation(ShellAllocation):
     Attributes:
         handover: how the pool's host key reached the instances, in the refusal of one
             that presents another key.
+        executor: the threads of the cloud's blocking API calls (one pool of them per
+            cloud, shared by its allocations).
     """
 
     shell: CloudShell
     handover = "installed at its start"
+    executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in one of :attr:`executor`'s threads. A cancelled caller does not
+        stop the thread: what it creates is recorded before it is sent
+        (``base.Allocation.creating``), and the release waits for those calls, so nothing
+        made escapes it."""
+        return await asyncio.wrap_future(self.executor.submit(fn, *args))
 
     def target(self, machine: Machine) -> Target:
         """Where ``machine``'s sshd answers."""

@@ -34,3 +34,13 @@ def client_alive(client: str) -> bool | None:
     except PermissionError:
         pass
     return not start or _start_ticks(int(pid)) == start
+
+
+def orphaned(pool: str, client: str, skipped: set[str]) -> bool:
+    """Whether ``pool``, rented by the client ``client`` ("" when no one is named), is an
+    orphan: that client no longer runs. A pool whose client is not of this machine (or not
+    named) cannot be told: it is added to ``skipped``."""
+    alive = client_alive(client) if client else None
+    if alive is None:
+        skipped.add(pool)
+    return alive is False

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from ..._errors import ProvisionError
-from ..cloud.identity import client_alive
+from ..cloud.identity import orphaned
 from .provider import CLIENT_LABEL, MANAGED, POOL_LABEL, Engine, pool_labels
 from .settings import ContainerSettings
 
@@ -64,10 +64,7 @@ async def find_and_remove(settings: ContainerSettings, dry_run: bool = False) ->
             pool, client = labels.get(POOL_LABEL, ""), labels.get(CLIENT_LABEL, "")
             if not pool:
                 continue
-            alive = client_alive(client) if client else None
-            if alive is None:
-                skipped.add(pool)
-            elif not alive:
+            if orphaned(pool, client, skipped):
                 name = str(info.get("Name") or info.get("name") or "").lstrip("/")
                 pools.setdefault(pool, ([], []))[1 if kind else 0].append(name)
     if not dry_run:

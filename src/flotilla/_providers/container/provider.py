@@ -202,7 +202,6 @@ class Container(Provider):
         self.settings: ContainerSettings = self.make_settings(settings, args, options)
         self.engine = Engine(self.settings)
         self.home = self.settings.workdir
-        self.python_pinned = self.settings.python is not None
 
     def __repr__(self) -> str:
         what = (

@@ -7,7 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, check_text
 from ..options import From, docker_image, option
 
 BINARIES = ("docker", "podman")
@@ -93,10 +93,8 @@ class ContainerSettings:
             )
         for key in ("python", "workdir"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(
-                    f"Container({key}=...) must be a non-empty string, got {value!r}"
-                )
+            message = f"Container({key}=...) must be a non-empty string, got {value!r}"
+            check_text(value, message, or_none=True)
         if self.image is not None and (
             not isinstance(self.image, str) or not IMAGE_REFERENCE.fullmatch(self.image_name)
         ):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._errors import ProvisionError
-from ..cloud.identity import client_alive
+from ..cloud.identity import orphaned
 from .kubectl import Kubectl, said
 from .provider import CLIENT_ANNOTATION, MANAGED, POOL_LABEL
 from .settings import KubernetesSettings
@@ -114,10 +114,7 @@ async def find_and_remove(
         pool, client, kind, name = _pool_of(item)
         if not pool:
             continue
-        alive = client_alive(client) if client else None
-        if alive is None:
-            skipped.add(pool)
-        elif not alive:
+        if orphaned(pool, client, skipped):
             where = str(item["metadata"]["namespace"])
             pools.setdefault((where, pool), []).append((kind, name))
     if not dry_run:

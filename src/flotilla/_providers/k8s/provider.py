@@ -150,7 +150,6 @@ class Kubernetes(Provider):
         self.settings: KubernetesSettings = self.make_settings(settings, args, options)
         self.kubectl = Kubectl(self.settings)
         self.home = self.settings.workdir
-        self.python_pinned = self.settings.python is not None
 
     def __repr__(self) -> str:
         where = f", context={self.settings.context!r}" if self.settings.context else ""

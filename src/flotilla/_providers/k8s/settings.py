@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, check_number, check_text
 from ..options import From, docker_image, option
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -58,24 +58,18 @@ class KubernetesSettings:
             )
         for key in ("context", "kubeconfig", "python", "image", "gpu_label"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigurationError(
-                    f"Kubernetes({key}=...) must be a non-empty string or None, got {value!r}"
-                )
+            message = f"Kubernetes({key}=...) must be a non-empty string or None, got {value!r}"
+            check_text(value, message, or_none=True)
         for key in ("workdir", "kubectl"):
             value = getattr(self, key)
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigurationError(
-                    f"Kubernetes({key}=...) must be a non-empty string, got {value!r}"
-                )
-        wait = self.pending_timeout
-        if wait is not None and (
-            isinstance(wait, bool) or not isinstance(wait, int | float) or wait <= 0
-        ):
-            raise ConfigurationError(
-                f"Kubernetes(pending_timeout=...) must be a positive number of seconds or "
-                f"None, got {wait!r}"
-            )
+            check_text(value, f"Kubernetes({key}=...) must be a non-empty string, got {value!r}")
+        check_number(
+            self.pending_timeout,
+            f"Kubernetes(pending_timeout=...) must be a positive number of seconds or "
+            f"None, got {self.pending_timeout!r}",
+            above=0,
+            or_none=True,
+        )
         if not isinstance(self.autoscaler, bool):
             raise ConfigurationError(
                 f"Kubernetes(autoscaler=...) must be True or False, got {self.autoscaler!r}"

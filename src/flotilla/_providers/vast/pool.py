@@ -14,8 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
@@ -37,8 +36,6 @@ LABEL_PREFIX = "flotilla:"
 RUNTYPE = "ssh_direc ssh_proxy"
 """SSH launch mode, direct connections (``get_runtype``, vast.py 1456-1475)."""
 POLL = 0.2
-_T = TypeVar("_T")
-_executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="flotilla-vast")
 
 
 def label(pool_id: str, client: str) -> str:
@@ -63,6 +60,10 @@ class VastAllocation(CloudAllocation):
         subnet: the overlay's internal subnet.
         hourly: what the pool's instances cost per hour, as offered.
     """
+
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=8, thread_name_prefix="flotilla-vast"
+    )
 
     def __init__(self, settings: VastSettings, api: VastApi, spec: PoolSpec, url: str) -> None:
         super().__init__(spec, [])
@@ -91,11 +92,6 @@ class VastAllocation(CloudAllocation):
             connect_timeout=settings.connect_timeout,
         )
         self.shell = self.ssh
-
-    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a worker thread (a cancelled caller does not stop it: what it
-        creates is recorded, see ``base.Allocation.creating``)."""
-        return await asyncio.wrap_future(_executor.submit(fn, *args))
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:

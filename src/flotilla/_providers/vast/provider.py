@@ -72,7 +72,6 @@ class VastAI(Provider):
     def __init__(self, *args: Any, settings: VastSettings | None = None, **options: Any) -> None:
         self.settings: VastSettings = self.make_settings(settings, args, options)
         self.home = self.settings.workdir
-        self.python_pinned = self.settings.python is not None
         self._api: VastApi | None = None
 
     def __repr__(self) -> str:  # never the key
@@ -132,7 +131,7 @@ class VastAI(Provider):
         """Destroy the instances (found by their label) of pools whose client process on
         this machine is gone. Pools of clients on other machines are listed in
         ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
-        from ..cloud.identity import client_alive
+        from ..cloud.identity import orphaned
 
         api = self.api
         rows: list[dict[str, Any]] = api.call(
@@ -146,10 +145,7 @@ class VastAI(Provider):
             if found is None:
                 continue
             pool, client = found
-            alive = client_alive(client)
-            if alive is None:
-                skipped.add(pool)
-            elif not alive:
+            if orphaned(pool, client, skipped):
                 pools.add(pool)
                 gone.append(int(row["id"]))
         if not dry_run:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, check_number
 from ..options import From, option
 
 
@@ -56,12 +56,11 @@ class VastSettings:
             raise ConfigurationError("VastAI(api_key=...): a non-empty string")
         if not isinstance(self.image, str) or not self.image.strip():
             raise ConfigurationError(f"VastAI(image={self.image!r}): a Docker image name")
-        disk = self.disk_gb
-        if isinstance(disk, bool) or not isinstance(disk, int | float) or disk <= 0:
-            raise ConfigurationError(f"VastAI(disk_gb={disk!r}): a positive number of GB")
-        rel = self.min_reliability
-        if isinstance(rel, bool) or not isinstance(rel, int | float) or not 0 <= rel <= 1:
-            raise ConfigurationError(f"VastAI(min_reliability={rel!r}): a number in 0-1")
+        disk, rel = self.disk_gb, self.min_reliability
+        check_number(disk, f"VastAI(disk_gb={disk!r}): a positive number of GB", above=0)
+        check_number(
+            rel, f"VastAI(min_reliability={rel!r}): a number in 0-1", at_least=0, at_most=1
+        )
         regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
         for r in regions:
             if not isinstance(r, str) or len(r) != 2 or not r.isalpha():
@@ -69,8 +68,7 @@ class VastSettings:
                     f"VastAI(regions=[{r!r}]): two-letter country codes such as 'US', 'SE'"
                 )
         ttl = self.ttl
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
-            raise ConfigurationError(f"VastAI(ttl={ttl!r}): a positive number of seconds")
+        check_number(ttl, f"VastAI(ttl={ttl!r}): a positive number of seconds", above=0)
         if not isinstance(self.workdir, str) or not self.workdir.startswith(("/", "~")):
             raise ConfigurationError(
                 f"VastAI(workdir={self.workdir!r}): an absolute folder, or one under ~"
