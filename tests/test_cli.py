@@ -707,7 +707,7 @@ def test_an_ssh_clusters_nodes_work_in_one_path_and_a_local_clusters_apart(
     nodes that share a file system (the local provider, two nodes on one host) apart."""
     h0, h1 = ssh_lab.hosts[:2]
     wd = tmp_path / "wd"
-    cli.ok("launch", "echo up", "-c", "one", *ssh_flags(ssh_lab, [h0, h1], wd))
+    cli.ok("launch", "echo up", "-c", "one", "--nodes", "2", *ssh_flags(ssh_lab, [h0, h1], wd))
     rec = cli.record("one")
     assert rec is not None
     folder = rec.nodes[0].workdir
@@ -718,7 +718,7 @@ def test_an_ssh_clusters_nodes_work_in_one_path_and_a_local_clusters_apart(
     cwd = cli.ok("exec", "one", 'echo "PWD $PWD"').stdout
     assert node_lines(cwd, "PWD") == {0: folder, 1: folder}, cwd
 
-    cli.ok("launch", "echo up", "-c", "two", *ssh_flags(ssh_lab, [h0, h1, h1], wd))
+    cli.ok("launch", "echo up", "-c", "two", "--nodes", "3", *ssh_flags(ssh_lab, [h0, h1, h1], wd))
     rec = cli.record("two")
     assert rec is not None
     folder = rec.nodes[0].workdir
