@@ -699,6 +699,40 @@ def test_nodes_reach_each_other_over_ssh_and_mpirun_runs_one_rank_per_node(
         assert mesh_files(h, "*") == []
 
 
+def test_an_ssh_clusters_nodes_work_in_one_path_and_a_local_clusters_apart(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """Launchers that ``cd`` into the head's folder on every node (DeepSpeed's pdsh runner,
+    mpirun's default wdir) need that path on each: separate machines work in the same one;
+    nodes that share a file system (the local provider, two nodes on one host) apart."""
+    h0, h1 = ssh_lab.hosts[:2]
+    wd = tmp_path / "wd"
+    cli.ok("launch", "echo up", "-c", "one", "--nodes", "2", *ssh_flags(ssh_lab, [h0, h1], wd))
+    rec = cli.record("one")
+    assert rec is not None
+    folder = rec.nodes[0].workdir
+    assert folder.endswith("/clusters/one") and [n.workdir for n in rec.nodes] == [folder] * 2
+    for h in (h0, h1):  # each host's own folder; no probe left beside it
+        assert h.path(folder).is_dir()
+        assert sorted(p.name for p in h.path(folder).parent.iterdir()) == ["one"]
+    cwd = cli.ok("exec", "one", 'echo "PWD $PWD"').stdout
+    assert node_lines(cwd, "PWD") == {0: folder, 1: folder}, cwd
+
+    cli.ok("launch", "echo up", "-c", "two", "--nodes", "3", *ssh_flags(ssh_lab, [h0, h1, h1], wd))
+    rec = cli.record("two")
+    assert rec is not None
+    folder = rec.nodes[0].workdir
+    assert [n.workdir for n in rec.nodes] == [folder, f"{folder}/node-1", f"{folder}/node-2"]
+    assert sorted(p.name for p in h1.path(folder).iterdir()) == ["node-1", "node-2"]
+
+    cli.ok("launch", "echo up", "-c", "here", "--nodes", "2")
+    rec = cli.record("here")
+    assert rec is not None
+    assert len({n.workdir for n in rec.nodes}) == 2
+    for name in ("one", "two", "here"):
+        cli.ok("down", name)
+
+
 DEEPSPEED_TASK = """\
 num_nodes: 2
 workdir: .
@@ -711,12 +745,6 @@ run: |
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a product bug the hosts' own /tmp shows (issue 43, item 4's follow-up): each "
-    "node's working folder is clusters/<name>/node-K, so DeepSpeed's pdsh runner, which "
-    "runs `cd <the head's folder>` on every node, fails on the others",
-)
 def test_deepspeeds_launcher_runs_one_rank_per_node_from_the_head(
     cli: CLI, ssh_lab: Lab, tmp_path: Path
 ) -> None:

@@ -43,7 +43,7 @@ from .ipc import Event, encode, peer_uid, prefix
 from .jobs import Job, Runner, untag
 from .jobspec import JobSpec, task_id
 from .ledger import JOBS_PER_NODE, Allocation, Ledger, demand_of
-from .node_ops import node_facts
+from .node_ops import describe_nodes
 from .observe import EventLog
 from .state import (
     ClusterRecord,
@@ -358,7 +358,7 @@ class ClusterDaemon:
         """What each node says of itself (address, host, working directory, agent pid)."""
         assert self.pool is not None
         subdir = "" if self.backend.shares_filesystem else f"clusters/{self.name}"
-        return [NodeRecord(**f) for f in self.pool.broadcast(node_facts(subdir))]
+        return [NodeRecord(**f) for f in describe_nodes(self.pool, subdir)]
 
     def _on_replaced(self, ranks: list[int]) -> None:
         self._thread(self._refresh_nodes, "nodes")  # not on the pool's loop: it broadcasts

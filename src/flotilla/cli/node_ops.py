@@ -11,17 +11,21 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import secrets
 import socket
 import subprocess
 import tarfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._client.function import function
 from .._client.mesh import job_env as mesh_env
 from .._info import instance_info
 from .._system import locks, procs, untar
 from .._system.gpus import gpu_count
+
+if TYPE_CHECKING:
+    from .._client.compute import Compute
 
 WORKDIR_MEMBER = "workdir"
 """Archive members under this name go to the node's working directory."""
@@ -69,17 +73,75 @@ def slurm_allocation_env(nodes: list[str]) -> dict[str, str]:
     }
 
 
+def describe_nodes(pool: Compute, subdir: str) -> list[dict[str, Any]]:
+    """Every node's :func:`node_facts`, by rank. ``subdir`` (under each agent's folder;
+    ``""``: the agent's own folder, for nodes on this machine, which the provider keeps
+    apart) is where jobs run: the same path on every node, as launchers that ``cd`` into the
+    head's folder on each node expect (DeepSpeed's pdsh runner, mpirun's default wdir), or
+    ``subdir/node-K`` on the nodes that share a file system with another node, which each
+    node finds out from the probe files all of them write first (:func:`mark_folder`)."""
+    if not subdir:
+        return pool.broadcast(node_facts())
+    token = secrets.token_hex(16)
+    try:
+        pool.broadcast(mark_folder(subdir, token))
+        return pool.broadcast(node_facts(subdir, token))
+    finally:
+        with contextlib.suppress(Exception):  # best effort: a node may be gone
+            pool.broadcast(unmark_folder(subdir))
+
+
+def _probe(folder: str, node: int) -> str:
+    """Node ``node``'s probe file for ``folder``: beside it, not in it (jobs never see it)."""
+    return f"{folder}.probe-{node}"
+
+
 @function
-def node_facts(subdir: str = "") -> dict[str, Any]:
+def mark_folder(subdir: str, token: str) -> None:
+    """Create ``subdir`` under the agent's folder and write this node's probe beside it,
+    holding ``token`` (this probe's, so an old file left by a crash does not count)."""
+    folder = os.path.join(os.getcwd(), subdir)
+    os.makedirs(folder, exist_ok=True)
+    with open(_probe(folder, instance_info().node), "w") as f:
+        f.write(token)
+
+
+@function
+def unmark_folder(subdir: str) -> None:
+    """Remove this node's probe (:func:`mark_folder`)."""
+    folder = os.path.join(os.getcwd(), subdir)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_probe(folder, instance_info().node))
+
+
+def _shares_folder(folder: str, token: str, node: int) -> bool:
+    """Whether another node's probe for ``token`` is in this node's view of ``folder``'s
+    parent: that node writes to the same file system."""
+    parent, name = os.path.split(folder)
+    prefix = f"{name}.probe-"
+    for entry in os.listdir(parent):
+        if not entry.startswith(prefix) or entry == os.path.basename(_probe(folder, node)):
+            continue
+        with contextlib.suppress(OSError), open(os.path.join(parent, entry)) as f:
+            if f.read() == token:
+                return True
+    return False
+
+
+@function
+def node_facts(subdir: str = "", token: str = "") -> dict[str, Any]:
     """This node's index, address, host name, working directory for jobs, agent pid,
     GPUs, and its batch-scheduler job and node name (under SLURM). The jobs' directory is
-    the agent's own, or ``subdir/node-K`` below it (created) when nodes may share a file
-    system."""
+    the agent's own, or ``subdir`` below it (created), or ``subdir/node-K`` when another
+    node's probe for ``token`` is there (they share the file system; no token: assumed)."""
     info = instance_info()
     workdir = os.getcwd()
     if subdir:
-        workdir = os.path.join(workdir, subdir, f"node-{info.node}")
+        workdir = os.path.join(workdir, subdir)
         os.makedirs(workdir, exist_ok=True)
+        if not token or _shares_folder(workdir, token, info.node):
+            workdir = os.path.join(workdir, f"node-{info.node}")
+            os.makedirs(workdir, exist_ok=True)
     return {
         "node": info.node,
         "ip": info.addr,

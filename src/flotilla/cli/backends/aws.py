@@ -14,7 +14,8 @@ billed) and ``flotilla start`` (or the next ``launch``) starts the same ones aga
 ``flotilla._providers.aws.kept``); spot instances cannot be stopped, so ``stop`` and
 ``--autostop`` without ``--down`` are refused for spot clusters.
 
-Jobs run in ``WORKDIR/clusters/NAME/node-K`` on the instances. ``flotilla ssh`` logs in with
+Jobs run in ``WORKDIR/clusters/NAME`` on the instances (``.../node-K`` where instances
+share a file system: ``node_ops.describe_nodes``). ``flotilla ssh`` logs in with
 the pool's own key and pinned host key, kept by the provider while the cluster runs.
 """
 

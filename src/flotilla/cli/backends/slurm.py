@@ -9,7 +9,8 @@ daemon holds the pool: ``flotilla down`` ends it. ``flotilla ssh NAME --node K``
 
 The cluster's files live under ``~/.flotilla/clusters/NAME`` on this machine, which on a
 SLURM cluster the compute nodes see too (a shared home): jobs run in
-``.../nodes/clusters/NAME/node-K``, one folder per node.
+``.../nodes/clusters/NAME/node-K``, one folder per node (``.../nodes/clusters/NAME`` on each
+node where they do not share it: ``node_ops.describe_nodes``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """``--provider ssh``: nodes on existing hosts reached with OpenSSH (``--hosts``, head first).
 
-Jobs run in ``WORKDIR/clusters/NAME/node-K`` on the hosts (several clusters, or nodes, may
-share a host). When the cluster is up, an ssh_config for its hosts is written as SkyPilot
-writes one (``NAME`` is the head, ``NAME-workerK`` the others): ``flotilla ssh`` uses it, and
-so can the user's own ``ssh`` once the file is included from ``~/.ssh/config``.
+Jobs run in ``WORKDIR/clusters/NAME`` on the hosts, the same path on each, as launchers that
+``cd`` into the head's folder on every node expect (DeepSpeed's pdsh runner, mpirun); in
+``.../node-K`` on hosts whose nodes share a file system (several nodes on one host, a shared
+home), which the nodes find out when the cluster starts (``node_ops.describe_nodes``).
+When the cluster is up, an ssh_config for its hosts is written as SkyPilot writes one
+(``NAME`` is the head, ``NAME-workerK`` the others): ``flotilla ssh`` uses it, and so can
+the user's own ``ssh`` once the file is included from ``~/.ssh/config``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from ...events import JobState
 from ..backends import registry
 from ..jobs import Failure, Job, Runner
 from ..jobspec import JobSpec, task_id
-from ..node_ops import node_facts
+from ..node_ops import describe_nodes
 from ..observe import EVENTS, append_event
 from ..state import JobStatus, NodeRecord
 from .recovery import Cause, JobRecovery, RecoveryPolicy
@@ -355,7 +355,7 @@ class Controller:
     def _attach(self, pool: Compute) -> None:
         """A Runner for ``pool``'s current nodes (new ones sync and set up again)."""
         shares = self.backend.shares_filesystem
-        facts = pool.broadcast(node_facts("" if shares else f"managed/{self.id}"))
+        facts = describe_nodes(pool, "" if shares else f"managed/{self.id}")
         nodes = [NodeRecord(**f) for f in facts]
         runner = _Runner(
             pool,
