@@ -138,7 +138,8 @@ def test_a_shrink_during_map_loses_no_call() -> None:
         elastic = pool._elastic
         assert elastic is not None
         shrunk_during_map = False
-        for _ in range(20):
+        deadline = time.monotonic() + 300  # a loaded machine may need many maps to meet it
+        while time.monotonic() < deadline:
             before = len(elastic.decisions)
             out = pool.map(where, range(300))
             assert [i for i, _, _ in out] == list(range(300))
