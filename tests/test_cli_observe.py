@@ -94,7 +94,7 @@ def _fake_pool(home: Path, pool_id: str, nodes: int) -> None:
     import os
 
     from flotilla._client.listing import folder
-    from flotilla._node import procs
+    from flotilla._system import procs
 
     view = {
         "pool": pool_id,
