@@ -195,6 +195,7 @@ def test_ray_uses_no_port_another_process_holds(ray_pool: sky.Compute) -> None:
     assert gcs not in held and not held & set(view["ports"])
 
 
+@pytest.mark.timeout(600)  # its own deadline (300 s for the replacement) must be the one
 def test_a_killed_ray_node_is_replaced_and_its_replacement_joins(
     ray_pool: sky.Compute, lab: Lab
 ) -> None:
@@ -231,6 +232,7 @@ def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -
     assert "ray==0.0.1" in text and "step 'pip'" in text, text
 
 
+@pytest.mark.timeout(600)  # its own deadlines (300 s up, 60 s down) must be the ones
 def test_a_killed_clients_ray_processes_end_with_its_agents(lab: Lab, tmp_path: Path) -> None:
     hosts = lab.hosts[:2]
     script = f"""
