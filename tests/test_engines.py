@@ -28,12 +28,14 @@ from _procs import Client, wait_until
 from _wheels import HOST_PYTHON, PackageIndex, wheels_for
 
 import flotilla as sky
-from flotilla.plugins._daemons import MARKER_VAR
+from flotilla.plugins._daemons import MARKER_VAR, Daemon, EngineError
 
 RAY = "2.60.0"
 DISTRIBUTED = "2026.8.0"
 OBJECT_STORE = 80 * 1024 * 1024
-STALE = Path("/tmp/ray/flotilla-00dead00-0")
+STALE = "/tmp/ray/flotilla-00dead00-0"
+"""A scratch folder a dead pool left on node 0's host (each host has its own /tmp: the test
+puts and reads it there, through ``TestHost.path``)."""
 HELD_PORTS = {0: (6379, 10001, 52365), 1: (52365,)}
 """Ports another process holds on the hosts of nodes 0 and 1 before the Ray pool starts:
 Ray's defaults (GCS, client server, dashboard agent), which a plain ``ray start`` takes."""
@@ -116,9 +118,14 @@ def engine_pids(lab: Lab) -> list[int]:
     return out
 
 
-def scratch_folders(engine: str, pool: sky.Compute) -> list[str]:
-    root = Path("/tmp", engine)
-    return [p.name for p in root.glob(f"flotilla-{pool.pool_id[:8]}-*")] if root.exists() else []
+def scratch_folders(
+    engine: str, pool: sky.Compute, hosts: list[TestHost] | None = None
+) -> list[str]:
+    """The pool's scratch folders under /tmp/<engine>: on each of ``hosts`` as that host
+    sees its own /tmp, or on this machine (the local provider's nodes) when None."""
+    roots = [Path("/tmp", engine)] if hosts is None else [h.path(f"/tmp/{engine}") for h in hosts]
+    pattern = f"flotilla-{pool.pool_id[:8]}-*"
+    return [p.name for root in roots if root.exists() for p in root.glob(pattern)]
 
 
 # -- Ray ----------------------------------------------------------------------------------
@@ -151,10 +158,11 @@ def ray_view() -> dict[str, Any]:
 def ray_pool(lab: Lab) -> Iterator[sky.Compute]:
     plugin = sky.plugins.ray(version=RAY, num_cpus=1, object_store_memory=OBJECT_STORE)
     hosts = lab.hosts  # 3 nodes and a spare
-    STALE.mkdir(parents=True, exist_ok=True)  # a pool's whose client died (killed owner)
-    (STALE / ".flotilla-owner").write_text(f"999999999.1.{os.stat('/proc/self/ns/pid').st_ino}")
+    stale = hosts[0].path(STALE)  # a pool's whose client died (killed owner)
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / ".flotilla-owner").write_text(f"999999999.1.{os.stat('/proc/self/ns/pid').st_ino}")
     with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, STALE, ignore_errors=True)
+        stack.callback(shutil.rmtree, stale, ignore_errors=True)
         for node, ports in HELD_PORTS.items():
             stack.enter_context(held_ports(hosts[node], ports))
         pool = sky.Compute(provider(lab, hosts), nodes=3, plugins=[plugin])
@@ -173,8 +181,11 @@ def test_ray_has_every_node_and_a_task_pinned_to_a_node_runs_there(
     assert view["address"].startswith(f"{pool_addrs[0]}:")
 
 
-def test_a_temp_dir_a_dead_pool_left_is_removed_by_the_next_one(ray_pool: sky.Compute) -> None:
-    assert not STALE.exists()
+def test_a_temp_dir_a_dead_pool_left_is_removed_by_the_next_one(
+    ray_pool: sky.Compute, lab: Lab
+) -> None:
+    assert lab.hosts[0].path("/tmp/ray").is_dir()  # the host's own /tmp/ray, where it was
+    assert not lab.hosts[0].path(STALE).exists()
 
 
 def test_ray_uses_no_port_another_process_holds(ray_pool: sky.Compute) -> None:
@@ -184,6 +195,7 @@ def test_ray_uses_no_port_another_process_holds(ray_pool: sky.Compute) -> None:
     assert gcs not in held and not held & set(view["ports"])
 
 
+@pytest.mark.timeout(600)  # its own deadline (300 s for the replacement) must be the one
 def test_a_killed_ray_node_is_replaced_and_its_replacement_joins(
     ray_pool: sky.Compute, lab: Lab
 ) -> None:
@@ -205,10 +217,10 @@ def test_a_killed_ray_node_is_replaced_and_its_replacement_joins(
 def test_closing_the_ray_pool_leaves_no_ray_process_nor_temp_dir(
     ray_pool: sky.Compute, lab: Lab
 ) -> None:
-    assert engine_pids(lab) and scratch_folders("ray", ray_pool)  # while it runs
+    assert engine_pids(lab) and scratch_folders("ray", ray_pool, lab.hosts)  # while it runs
     ray_pool.close()
     assert wait_until(lambda: not engine_pids(lab), timeout=30), engine_pids(lab)
-    assert scratch_folders("ray", ray_pool) == []
+    assert scratch_folders("ray", ray_pool, lab.hosts) == []
 
 
 def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -> None:
@@ -220,6 +232,7 @@ def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -
     assert "ray==0.0.1" in text and "step 'pip'" in text, text
 
 
+@pytest.mark.timeout(600)  # its own deadlines (300 s up, 60 s down) must be the ones
 def test_a_killed_clients_ray_processes_end_with_its_agents(lab: Lab, tmp_path: Path) -> None:
     hosts = lab.hosts[:2]
     script = f"""
@@ -291,10 +304,10 @@ def test_dask_client_from_this_machine_goes_through_an_ssh_tunnel(
 def test_closing_the_dask_pool_leaves_no_dask_process_nor_folder(
     dask_pool: sky.Compute, lab: Lab
 ) -> None:
-    assert engine_pids(lab)
+    assert engine_pids(lab) and scratch_folders("dask", dask_pool, lab.hosts)  # while it runs
     dask_pool.close()
     assert wait_until(lambda: not engine_pids(lab), timeout=30), engine_pids(lab)
-    assert scratch_folders("dask", dask_pool) == []
+    assert scratch_folders("dask", dask_pool, lab.hosts) == []
 
 
 # -- bad input, before anything starts ---------------------------------------------------
@@ -319,6 +332,31 @@ def test_bad_engine_options_are_refused() -> None:
         sky.plugins.ray(version="two")
     with pytest.raises(sky.ConfigurationError, match="threads"):
         sky.plugins.dask(threads=0)
+
+
+def test_a_daemon_that_fails_shows_the_root_cause_its_long_traceback_starts_with(
+    tmp_path: Path,
+) -> None:
+    """A chained Python traceback prints the root cause first ("Scheduler failed to start"
+    is its last line): a daemon's failure must show its first lines, not only its last."""
+    code = (
+        "import sys\n"
+        "print('OSError: [Errno 98] the root cause', flush=True)\n"
+        "for i in range(100): print(f'frame {i}', flush=True)\n"
+        "print('RuntimeError: Scheduler failed to start.', flush=True)\n"
+        "sys.exit(1)\n"
+    )
+    daemon = Daemon("dask scheduler", [sys.executable, "-c", code], {}, str(tmp_path / "s"))
+    daemon.start()
+    try:
+        with pytest.raises(EngineError) as info:
+            daemon.wait_for(lambda: False, 120, "listening")
+    finally:
+        daemon.stop()
+    text = str(info.value)
+    assert "exited (status 1) before listening" in text
+    assert "the root cause" in text and "Scheduler failed to start." in text, text
+    assert "frame 0" in text and "frame 99" in text and "lines left out" in text, text
 
 
 # -- the local provider: nodes on this machine --------------------------------------------

@@ -41,7 +41,8 @@ MARKER_VAR = "FLOTILLA_ENGINE"
 OWNER_FILE = ".flotilla-owner"
 """In a scratch folder: the owner tag of the executor that made it (see :func:`sweep`)."""
 TAIL_LINES = 30
-"""Lines of a daemon's output kept to explain a failure."""
+"""Lines of a daemon's output kept to explain a failure: its first ones (a Python traceback
+prints a chained exception's root cause first) and its last ones."""
 STOP_GRACE = 2.0
 """Seconds :meth:`Daemon.stop` waits for the killed processes to be gone."""
 ENGINE_PORT_OFFSET = {"ray": 16, "dask": 17}
@@ -105,7 +106,9 @@ class Daemon:
         self.env = {**env, MARKER_VAR: self.marker}
         self.scratch = scratch
         self.proc: subprocess.Popen[bytes] | None = None
+        self.head: list[str] = []
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.lines = 0
         self.seen = threading.Condition()
         self._reader: threading.Thread | None = None
 
@@ -132,7 +135,10 @@ class Daemon:
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             with self.seen:
+                if len(self.head) < TAIL_LINES:
+                    self.head.append(line)
                 self.tail.append(line)
+                self.lines += 1
                 self.seen.notify_all()
         with self.seen:
             self.seen.notify_all()
@@ -141,9 +147,19 @@ class Daemon:
         return self.proc is not None and self.proc.poll() is None
 
     def failure(self, why: str) -> EngineError:
-        """An error naming the daemon, ``why``, and its last lines of output."""
-        tail = "\n".join(f"    {line}" for line in self.tail)
-        return EngineError(f"{self.name}: {why}" + (f"; its last output:\n{tail}" if tail else ""))
+        """An error naming the daemon, ``why``, and its output: all of it when short, else
+        its first and last lines (the root cause of a chained traceback comes first)."""
+        if self._reader is not None and not self.running():
+            self._reader.join(1.0)  # the output it printed before it exited
+        with self.seen:
+            shown, lines = list(self.tail), self.lines
+            if lines > 2 * TAIL_LINES:
+                skipped = f"... ({lines - 2 * TAIL_LINES} lines left out) ..."
+                shown = [*self.head, skipped, *shown]
+            elif lines > TAIL_LINES:
+                shown = self.head[: lines - TAIL_LINES] + shown
+        text = "\n".join(f"    {line}" for line in shown)
+        return EngineError(f"{self.name}: {why}" + (f"; its output:\n{text}" if text else ""))
 
     def wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         """Wait until ``ready()`` (checked after every line of output and every 50 ms);
