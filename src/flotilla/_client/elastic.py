@@ -320,7 +320,10 @@ class Elastic:
         queued = len(d.backlog)
         if queued:
             self._low_since = 0.0
-            wanted = min(self.cap, n + math.ceil(queued / self.slots))
+            # calls a free slot is about to take (a node that just joined) need no new node
+            free = sum(1 for node in self.nodes for b in node.busy if not b)
+            waiting = queued - free
+            wanted = min(self.cap, n + math.ceil(max(0, waiting) / self.slots))
             if wanted > self.target:
                 self._decide(wanted, f"{queued} call(s) queued, {self.slots} slot(s) a node")
             return

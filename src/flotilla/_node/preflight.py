@@ -26,7 +26,8 @@ _FATAL = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
 def preflight(info: dict[str, Any], timeout: float = PREFLIGHT_TIMEOUT) -> str:
     """Run this process's part of the check (``info``: its COMPUTE_POOL); '' when fine,
     else the error to report."""
-    if info.get("local_rank", 0) != 0 or info.get("total_nodes", 1) < 2:
+    first = info.get("local_rank", 0) == 0 and info.get("worker", 0) == 0  # its first slot
+    if not first or info.get("total_nodes", 1) < 2:
         return ""
     if info.get("is_head"):
         _listen(int(info["head_port"]), int(info["total_nodes"]) - 1, timeout)

@@ -92,7 +92,7 @@ class DaskPlugin(EnginePlugin):
         port = head_engine_port("dask", info.head_port)
         scheduler = host_port(info.head_addr, port)
         with environ({"DASK_SCHEDULER_ADDRESS": f"tcp://{scheduler}"}), contextlib.ExitStack() as s:
-            if info.local_rank != 0:  # one worker per node: the first process runs it
+            if info.local_rank != 0 or info.worker != 0:  # one worker a node: its first process
                 yield
                 return
             scratch = scratch_dir("dask", info.pool_id, info.node)

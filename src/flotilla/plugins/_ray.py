@@ -155,7 +155,7 @@ class RayPlugin(EnginePlugin):
         gcs_port = head_engine_port("ray", info.head_port)
         address = host_port(info.head_addr, gcs_port)
         with environ({"RAY_ADDRESS": address}):
-            if info.local_rank != 0:  # one Ray node per machine: the first process runs it
+            if info.local_rank != 0 or info.worker != 0:  # one Ray node a node: its first process
                 yield
                 return
             scratch = scratch_dir("ray", info.pool_id, info.node)
