@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..._system.procs import die_with_parent
+from ..._system.procs import die_with_parent, kill_all
 from ..pipe import read_chunks
 from ..retry import retried, transient_words
 from .settings import parse_time
@@ -307,6 +307,8 @@ class Job:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await _wait_exit(proc, 1.0)
+        if proc.poll() is not None:  # salloc ended: its holder's watchdog has no more to do
+            kill_all(partial(_in_session, proc.pid))
         for stream in (proc.stdout, proc.stderr):
             with contextlib.suppress(OSError):
                 if stream is not None:
@@ -319,6 +321,15 @@ class Job:
                     say(f"SLURM job {self.id} is still listed after release; cancelled it")
                     break
                 await asyncio.sleep(0.02)
+
+
+def _in_session(session: int, pid: int) -> bool:
+    """Whether ``pid`` belongs to the session ``session`` (salloc's: it leads its own)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3]) == session
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def job_state(job_id: str) -> tuple[str, str] | None:
