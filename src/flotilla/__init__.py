@@ -71,6 +71,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Provider as Provider
     from ._providers.container import Container as Container
     from ._providers.fallback import Candidate as Candidate
+    from ._providers.gcp import GCP as GCP
     from ._providers.k8s import Kubernetes as Kubernetes
     from ._providers.local import Local as Local
     from ._providers.market import offers as offers
@@ -118,6 +119,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.container": ("Container",),
     "_providers.fallback": ("Candidate",),
+    "_providers.gcp": ("GCP",),
     "_providers.k8s": ("Kubernetes",),
     "_providers.local": ("Local",),
     "_providers.market": ("offers",),

@@ -10,10 +10,11 @@ flotilla._node.cloud``, which
   client: the modification time of the contact file, which the agent touches. One
   watchdog per instance (a lock file): a second agent on the instance shares it. With the
   instance's shutdown behaviour "terminate", power-off ends the instance and its billing;
-* then polls the instance metadata service (IMDSv2: a token, then
-  ``spot/instance-action``) until the agent ends (it dies with it), and on an interruption
-  notice writes one line to its stderr, which is the agent's, so it reaches the client on
-  the agent's stderr stream::
+* then polls the instance metadata service (EC2's IMDSv2: a token, then
+  ``spot/instance-action``; Compute Engine's, whose URL ends in ``/computeMetadata/v1``:
+  ``instance/preempted`` until it says ``TRUE``) until the agent ends (it dies with it),
+  and on an interruption notice writes one line to its stderr, which is the agent's, so it
+  reaches the client on the agent's stderr stream::
 
       FLOTILLA_CLOUD NOTICE {"action": "terminate", "time": "2026-11-23T19:00:00Z"}
 
@@ -223,6 +224,8 @@ def _daemonize() -> bool:
 # -- the interruption poller -----------------------------------------------------------------
 def poll_interruptions(config: Config) -> None:
     """Poll IMDSv2 until an interruption notice comes; announce it on stderr, once."""
+    if config.imds.rstrip("/").endswith(GCE_METADATA):
+        return poll_preemption(config)
     token = ""
     expires = 0.0
     while True:
@@ -250,6 +253,28 @@ def poll_interruptions(config: Config) -> None:
                 notice = json.loads(body)
             except ValueError:
                 notice = {"action": body.strip()}
+            os.write(2, NOTICE + json.dumps(notice).encode() + b"\n")
+            return
+        time.sleep(config.poll)
+
+
+GCE_METADATA = "/computeMetadata/v1"
+
+
+def poll_preemption(config: Config) -> None:
+    """Poll Compute Engine's metadata server until ``instance/preempted`` is ``TRUE`` (a
+    SPOT instance being taken back); announce it on stderr, once."""
+    url = f"{config.imds.rstrip('/')}/instance/preempted"
+    while True:
+        try:
+            said = _request(url, "GET", {"Metadata-Flavor": "Google"})
+        except (OSError, ValueError):
+            said = ""  # metadata server unreachable: keep trying
+        if said.strip().upper() == "TRUE":
+            notice = {
+                "action": "preempt",
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
             os.write(2, NOTICE + json.dumps(notice).encode() + b"\n")
             return
         time.sleep(config.poll)

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def configured() -> list[Any]:
     """The cloud providers this machine has credentials for, with their defaults: Vast.ai
-    (an API key: ``VAST_API_KEY`` or the official CLI's key file) and AWS (boto3, a region
-    and credentials)."""
+    (an API key: ``VAST_API_KEY`` or the official CLI's key file), GCP (Google's client and
+    Application Default Credentials in a file) and AWS (boto3, a region and credentials)."""
     found: list[Any] = []
     from .vast.api import find_key
 
@@ -24,6 +24,12 @@ def configured() -> list[Any]:
         from .vast import VastAI
 
         found.append(VastAI())
+    from .gcp.api import configured as gcp_configured
+
+    if gcp_configured():
+        from .gcp import GCP
+
+        found.append(GCP())
     try:
         from .aws import AWS
 

@@ -32,8 +32,9 @@ def cmd_show_gpus(args: argparse.Namespace) -> int:
     providers = _providers(args.provider)
     if not providers:
         say(
-            "no provider is configured: set VAST_API_KEY (or `vastai set api-key`), or "
-            "AWS credentials and a region; `flotilla check` says what is missing"
+            "no provider is configured: set VAST_API_KEY (or `vastai set api-key`), "
+            "GOOGLE_APPLICATION_CREDENTIALS, or AWS credentials and a region; `flotilla "
+            "check` says what is missing"
         )
         return 1
     found = offers(args.accelerator, providers=providers, nodes=args.nodes)
@@ -89,7 +90,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "show-gpus", help="what the configured providers offer: type, count, $/hour, region"
     )
     q.add_argument("accelerator", nargs="?", help="e.g. A100 or A100:8 (default: any)")
-    q.add_argument("--provider", action="append", help="ask only this one (vast, aws)")
+    q.add_argument("--provider", action="append", help="ask only this one (vast, gcp, aws)")
     q.add_argument("--nodes", type=int, default=1, help="for a pool of this many nodes")
     q.add_argument("--limit", type=int, default=50, help="show at most this many offers")
     q.set_defaults(func=cmd_show_gpus)

@@ -1,0 +1,200 @@
+"""Which Compute Engine machine a pool's node is, and what it costs.
+
+An accelerator is a machine family (Google's table "GPU machine types"): A100 40GB are
+``a2-highgpu-{1,2,4,8}g`` (``a2-megagpu-16g``), A100 80GB ``a2-ultragpu-*``, H100
+``a3-highgpu-*``, H200 ``a3-ultragpu-8g``, B200 ``a4-highgpu-8g``, L4 ``g2-standard-*``; the
+older T4, V100, P100 and P4 are attached to an N1 machine (``guestAccelerators``), as
+Skyward does (``n1-standard-{8,16,32,96}`` for 1, 2, 4, 8). No accelerator: the smallest
+``n2-standard`` with the vCPUs and memory asked.
+
+Prices are Google's list prices in us-central1 (USD per hour, on-demand; SPOT about a third
+of it, it varies): informative, to order offers and hold ``max_hourly_cost``; the Compute API
+has none (the Cloud Billing Catalog does, per SKU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..._accelerators import Accelerator
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..base import PoolSpec
+from ..offers import Offer
+
+BUILT_IN: dict[str, tuple[str, dict[int, str]]] = {
+    "A100": (
+        "nvidia-tesla-a100",
+        {
+            1: "a2-highgpu-1g",
+            2: "a2-highgpu-2g",
+            4: "a2-highgpu-4g",
+            8: "a2-highgpu-8g",
+            16: "a2-megagpu-16g",
+        },
+    ),
+    "A10080GB": (
+        "nvidia-a100-80gb",
+        {1: "a2-ultragpu-1g", 2: "a2-ultragpu-2g", 4: "a2-ultragpu-4g", 8: "a2-ultragpu-8g"},
+    ),
+    "H100": (
+        "nvidia-h100-80gb",
+        {1: "a3-highgpu-1g", 2: "a3-highgpu-2g", 4: "a3-highgpu-4g", 8: "a3-highgpu-8g"},
+    ),
+    "H200": ("nvidia-h200-141gb", {8: "a3-ultragpu-8g"}),
+    "B200": ("nvidia-b200", {8: "a4-highgpu-8g"}),
+    "L4": (
+        "nvidia-l4",
+        {1: "g2-standard-4", 2: "g2-standard-24", 4: "g2-standard-48", 8: "g2-standard-96"},
+    ),
+}
+"""flotilla's accelerator names -> (GCP accelerator type, GPUs -> machine type)."""
+ATTACHED: dict[str, str] = {
+    "T4": "nvidia-tesla-t4",
+    "V100": "nvidia-tesla-v100",
+    "P100": "nvidia-tesla-p100",
+    "P4": "nvidia-tesla-p4",
+}
+"""Accelerators attached to an N1 machine -> their GCP accelerator type."""
+N1_FOR: dict[int, str] = {1: "n1-standard-8", 2: "n1-standard-16", 4: "n1-standard-32"}
+N1_FOR[8] = "n1-standard-96"
+PRICES: dict[str, float] = {
+    "a2-highgpu-1g": 3.67,
+    "a2-highgpu-2g": 7.35,
+    "a2-highgpu-4g": 14.69,
+    "a2-highgpu-8g": 29.39,
+    "a2-megagpu-16g": 55.74,
+    "a2-ultragpu-1g": 5.07,
+    "a2-ultragpu-2g": 10.14,
+    "a2-ultragpu-4g": 20.28,
+    "a2-ultragpu-8g": 40.55,
+    "a3-highgpu-1g": 11.06,
+    "a3-highgpu-2g": 22.12,
+    "a3-highgpu-4g": 44.24,
+    "a3-highgpu-8g": 88.49,
+    "g2-standard-4": 0.71,
+    "g2-standard-24": 2.0,
+    "g2-standard-48": 4.0,
+    "g2-standard-96": 8.0,
+    "n1-standard-8": 0.38,
+    "n1-standard-16": 0.76,
+    "n1-standard-32": 1.52,
+    "n1-standard-96": 4.56,
+    "n2-standard-2": 0.097,
+    "n2-standard-4": 0.194,
+    "n2-standard-8": 0.388,
+    "n2-standard-16": 0.777,
+    "n2-standard-32": 1.554,
+    "n2-standard-64": 3.108,
+}
+"""On-demand list prices in us-central1 (USD/h) of machine types."""
+ATTACHED_PRICES = {"T4": 0.35, "V100": 2.48, "P100": 1.46, "P4": 0.6}
+"""On-demand list prices of an attached GPU (USD/h each)."""
+SPOT_FACTOR = 0.35
+N2_SIZES = (2, 4, 8, 16, 32, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class MachineChoice:
+    """One node's machine.
+
+    Attributes:
+        machine_type: the machine type's name.
+        accelerator: the GCP accelerator type ("" for none).
+        gpus: GPUs per node.
+        attached: the GPUs are attached (``guestAccelerators``), not built in.
+        name: flotilla's name of the accelerator ("" for none).
+    """
+
+    machine_type: str
+    accelerator: str = ""
+    gpus: int = 0
+    attached: bool = False
+    name: str = ""
+
+    def hourly(self, spot: bool) -> float | None:
+        """Per node, from the list prices (None: not known)."""
+        price = PRICES.get(self.machine_type)
+        if price is None:
+            return None
+        if self.attached:
+            price += ATTACHED_PRICES.get(self.name, 0.0) * self.gpus
+        return round(price * (SPOT_FACTOR if spot else 1.0), 4)
+
+
+def _key(name: str) -> str:
+    return name.upper().replace(" ", "").replace("_", "").replace("-", "")
+
+
+def machine_for(spec: PoolSpec, machine_type: str | None) -> MachineChoice:
+    """The machine of one node of ``spec`` (``machine_type`` given: that one, with the
+    pool's accelerators attached when they are of the N1 kind). ConfigurationError for an
+    accelerator or count GCP does not have, naming those it has."""
+    acc = spec.accelerator
+    if acc is None:
+        if machine_type:
+            return MachineChoice(machine_type)
+        cpus = spec.vcpus or 2
+        memory = spec.memory_gb or 0
+        for n in N2_SIZES:
+            if n >= cpus and 4 * n >= memory:
+                return MachineChoice(f"n2-standard-{n}")
+        raise ConfigurationError(
+            f"no n2-standard machine has {cpus:g} vCPUs and {memory:g} GiB: give "
+            "GCP(machine_type=...)"
+        )
+    key, count = _key(acc.name), int(acc.count)
+    if key in ("A10040GB",):
+        key = "A100"
+    if key in BUILT_IN:
+        gpu_type, sizes = BUILT_IN[key]
+        chosen = machine_type or sizes.get(count)
+        if chosen is None:
+            raise ConfigurationError(
+                f"GCP has no machine with {count} x {acc.name}: its {acc.name} machines have "
+                f"{', '.join(map(str, sizes))} GPUs ({', '.join(sizes.values())})"
+            )
+        return MachineChoice(chosen, gpu_type, count, False, acc.name)
+    if key in ATTACHED:
+        if count not in N1_FOR:
+            raise ConfigurationError(
+                f"GCP attaches 1, 2, 4 or 8 x {acc.name} to an N1 machine, not {count}"
+            )
+        return MachineChoice(machine_type or N1_FOR[count], ATTACHED[key], count, True, acc.name)
+    known = sorted([*BUILT_IN, *ATTACHED])
+    raise ConfigurationError(
+        f"GCP has no accelerator {acc.name!r}: it offers {', '.join(known)} (A10080GB: A100 80GB)"
+    )
+
+
+def as_offer(choice: MachineChoice, zone: str, spot: bool) -> Offer:
+    return Offer(
+        provider="gcp",
+        accelerator=choice.name or None,
+        count=choice.gpus,
+        hourly=choice.hourly(spot),
+        region=zone,
+        spot=spot,
+        detail=choice.machine_type
+        + (f" + {choice.gpus} x {choice.accelerator}" if choice.attached else ""),
+        available=1,
+    )
+
+
+def within_cost(choice: MachineChoice, spec: PoolSpec, spot: bool) -> None:
+    """ProvisionError (before renting) when the pool's known price is above
+    ``spec.max_hourly_cost``."""
+    cap = spec.max_hourly_cost
+    price = choice.hourly(spot)
+    if cap is None or price is None:
+        return
+    if price * spec.nodes > cap:
+        raise ProvisionError(
+            f"{spec.nodes} x GCP {choice.machine_type} cost ${price * spec.nodes:.2f}/h (list "
+            f"price), above max_hourly_cost=${cap:.2f}/h: nothing was rented",
+            cause=ProvisionCause.CAPACITY,
+        )
+
+
+def describe(accelerator: Accelerator | None, choice: MachineChoice) -> str:
+    what = f"{accelerator.count} x {accelerator.name} on " if accelerator else ""
+    return what + choice.machine_type

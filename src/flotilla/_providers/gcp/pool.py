@@ -1,0 +1,484 @@
+"""The Compute Engine instances of one pool: create, reach, replace, delete (see
+``provider``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from functools import partial
+from typing import Any
+
+from ..._errors import ProvisionCause, ProvisionError
+from ..._wire.protocol import CLOUD_ENV
+from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.guard import contact_path
+from ..cloud.identity import client_id
+from ..cloud.keys import KeyPair, keygen, pin_public
+from ..cloud.notice import NoticeAgent
+from ..ssh_shell import Target
+from .api import SCOPE, GcpApi, GcpApiError, base_url
+from .choice import MachineChoice, describe, machine_for, within_cost
+from .settings import GCPSettings
+from .startup import METADATA, SELF_DELETE, startup_script
+
+logger = logging.getLogger("flotilla.gcp")
+
+FOLDER_PREFIX = "flotilla-gcp-"
+POOL_LABEL = "flotilla-pool"
+"""Every instance of a pool has the label ``flotilla-pool={pool id}``."""
+CLIENT_KEY = "flotilla-client"
+"""... and the metadata item ``flotilla-client={host:pid:start}`` (a label cannot hold it)."""
+POLL = 0.2
+RELEASE_TIMEOUT = 300.0
+GPU_IMAGE = (
+    "projects/deeplearning-platform-release/global/images/family/"
+    "common-cu128-ubuntu-2204-nvidia-570"
+)
+CPU_IMAGE = "projects/ubuntu-os-cloud/global/images/family/ubuntu-2404-lts-amd64"
+
+
+def instance_name(pool_id: str, rank: int, launch: int) -> str:
+    """``flotilla-{pool}-{rank}`` (``-{launch}`` for a replacement): a valid GCE name."""
+    return f"flotilla-{pool_id}-{rank}" + (f"-{launch}" if launch > 1 else "")
+
+
+class GCPAllocation(CloudAllocation):
+    """The instances of one pool, all in one zone of one VPC network.
+
+    Attributes:
+        choice: the machine of every node.
+        zone: the zone the pool is in ("" until chosen).
+        instances: instance name -> its last description (a dict), for every instance made.
+        hourly: what the pool's instances cost per hour (list prices; None: unknown).
+    """
+
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=16, thread_name_prefix="flotilla-gcp"
+    )
+
+    def __init__(self, settings: GCPSettings, api: GcpApi, spec: PoolSpec) -> None:
+        super().__init__(spec, [])
+        self.state = AllocationState.ACQUIRING
+        self.settings = settings
+        self.api = api
+        self.choice: MachineChoice = machine_for(spec, settings.machine_type)
+        self.zone = ""
+        self.zones_tried: list[str] = []
+        self.instances: dict[str, dict[str, Any]] = {}
+        self.hourly: float | None = None
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
+        self.known_hosts = os.path.join(self.folder, "known_hosts")
+        self.login_key: KeyPair | None = None
+        self.client = client_id()
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
+        self._launches = 0
+        self.ssh = CloudShell(
+            self.target,
+            key=None,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        self.shell = self.ssh
+
+    # -- launch ------------------------------------------------------------------------
+    async def launch(self, zones: list[str]) -> None:
+        """Create the pool's instances in the first of ``zones`` that has room for all of
+        them (a zone out of capacity: its instances are deleted, the next is tried)."""
+        spec, settings = self.spec, self.settings
+        within_cost(self.choice, spec, settings.spot)
+        price = self.choice.hourly(settings.spot)
+        self.hourly = None if price is None else price * spec.nodes
+        self.login_key = await self._in_thread(
+            keygen, self.folder, "login_key", f"flotilla-{spec.pool_id}"
+        )
+        self.ssh.key = self.login_key.path
+        cost = f", ${self.hourly:.2f}/h for the pool (list price)" if self.hourly else ""
+        _show(
+            f"GCP: {spec.nodes} x {describe(spec.accelerator, self.choice)}"
+            f"{' (SPOT)' if settings.spot else ''} in {settings.zone or settings.region}{cost}"
+        )
+        full: list[str] = []
+        for zone in zones:
+            self.zones_tried.append(zone)
+            names = [instance_name(spec.pool_id, r, 1) for r in range(spec.nodes)]
+            try:
+                await self._create(zone, names)
+            except GcpApiError as e:
+                if e.cause is not ProvisionCause.CAPACITY or "QUOTA" in " ".join(e.codes):
+                    raise
+                full.append(f"{zone} ({', '.join(sorted(set(e.codes)))})")
+                _show(f"GCP: {zone} has no room for the pool: {e}; trying the next zone")
+                await self._in_thread(self._delete_all, [zone])
+                continue
+            self.zone = zone
+            break
+        else:
+            raise ProvisionError(
+                f"GCP: no zone had room for {spec.nodes} x {self.choice.machine_type}: "
+                f"{', '.join(full) or 'no zone offers it'}",
+                cause=ProvisionCause.CAPACITY,
+            )
+        self.machines = [
+            self._machine(r, self.instances[instance_name(spec.pool_id, r, 1)])
+            for r in range(spec.nodes)
+        ]
+        self.state = AllocationState.READY
+
+    async def _create(self, zone: str, names: list[str]) -> None:
+        """Insert ``names`` in ``zone`` at once, wait for their operations, then until each
+        runs with its external address and host keys (which are pinned)."""
+        assert self.login_key is not None
+        settings = self.settings
+        script = startup_script(
+            base_url(settings),
+            settings.ttl,
+            self.spec.options.start_timeout,
+            settings.workdir,
+            settings.ssh_user,
+        )
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        results = await asyncio.gather(
+            *(self._in_thread(self._insert, zone, n, script, deadline) for n in names),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # a capacity error first: the zone is full
+            failed.sort(key=lambda e: getattr(e, "cause", None) is not ProvisionCause.CAPACITY)
+            raise failed[0]
+        await asyncio.gather(*(self._in_thread(self._wait_ready, zone, n, deadline) for n in names))
+
+    def _body(self, zone: str, name: str, script: str) -> Any:
+        from google.cloud import compute_v1 as c
+
+        settings, choice = self.settings, self.choice
+        assert self.login_key is not None
+        image = settings.image or (GPU_IMAGE if choice.gpus else CPU_IMAGE)
+        nic = c.NetworkInterface(
+            network=f"global/networks/{settings.network}",
+            access_configs=[c.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")],
+        )
+        if settings.subnet:
+            nic.subnetwork = f"regions/{zone.rsplit('-', 1)[0]}/subnetworks/{settings.subnet}"
+        items = {
+            "ssh-keys": f"{settings.ssh_user}:{self.login_key.public}",
+            "block-project-ssh-keys": "TRUE",
+            "enable-guest-attributes": "TRUE",
+            "startup-script": script,
+            CLIENT_KEY: self.client,
+        }
+        if settings.spot:
+            scheduling = c.Scheduling(
+                provisioning_model="SPOT",
+                instance_termination_action="DELETE",
+                automatic_restart=False,
+                on_host_maintenance="TERMINATE",
+            )
+        else:
+            scheduling = c.Scheduling(on_host_maintenance="TERMINATE" if choice.gpus else "MIGRATE")
+        body = c.Instance(
+            name=name,
+            machine_type=f"zones/{zone}/machineTypes/{choice.machine_type}",
+            labels={POOL_LABEL: self.spec.pool_id},
+            disks=[
+                c.AttachedDisk(
+                    boot=True,
+                    auto_delete=True,
+                    initialize_params=c.AttachedDiskInitializeParams(
+                        source_image=image,
+                        disk_size_gb=int(settings.disk_size_gb),
+                        disk_type=f"zones/{zone}/diskTypes/{settings.disk_type}",
+                    ),
+                )
+            ],
+            network_interfaces=[nic],
+            metadata=c.Metadata(items=[c.Items(key=k, value=v) for k, v in items.items()]),
+            service_accounts=[
+                c.ServiceAccount(email=settings.service_account or "default", scopes=[SCOPE])
+            ],
+            scheduling=scheduling,
+        )
+        if choice.attached:
+            body.guest_accelerators = [
+                c.AcceleratorConfig(
+                    accelerator_type=f"zones/{zone}/acceleratorTypes/{choice.accelerator}",
+                    accelerator_count=choice.gpus,
+                )
+            ]
+        return body
+
+    def _insert(self, zone: str, name: str, script: str, deadline: float) -> None:
+        from google.cloud import compute_v1 as c
+
+        api = self.api
+        instances = api.client("InstancesClient")
+        request = c.InsertInstanceRequest(
+            project=api.project,
+            zone=zone,
+            instance_resource=self._body(zone, name, script),
+            request_id=str(uuid.uuid4()),  # the same on a retry: one instance, not two
+        )
+        with self.creating("instance", name):
+            self.instances[name] = {"name": name, "zone": zone}
+            op = api.call(
+                f"create instance {name}", lambda: instances.insert_unary(request=request)
+            )
+        api.wait(zone, op, f"create instance {name}", deadline)
+
+    def _wait_ready(self, zone: str, name: str, deadline: float) -> None:
+        """Until ``name`` is RUNNING with an external address and has published its host
+        keys (guest attributes); they are pinned for that address."""
+        api = self.api
+        instances = api.client("InstancesClient")
+        while True:
+            inst = api.call(
+                f"look up instance {name}",
+                lambda: instances.get(project=api.project, zone=zone, instance=name),
+            )
+            row = type(inst).to_dict(inst)
+            self.instances[name] = row
+            if row.get("status") == "RUNNING" and _nat_ip(row):
+                keys = self._host_keys(zone, name)
+                if keys:
+                    for key in keys:
+                        pin_public(self.known_hosts, _nat_ip(row), key)
+                    return
+            if row.get("status") in ("STOPPING", "TERMINATED", "SUSPENDED"):
+                raise ProvisionError(
+                    f"GCP: instance {name} is {row.get('status')} while starting",
+                    cause=ProvisionCause.NODE,
+                )
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"GCP: instance {name} not running with its host keys published within "
+                    f"{self.spec.options.start_timeout:g} s (status {row.get('status')}; does "
+                    "the image run the guest agent?); Options(start_timeout=...) sets the "
+                    "limit",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            time.sleep(POLL)
+
+    def _host_keys(self, zone: str, name: str) -> list[str]:
+        """The SSH host keys the instance's guest agent published (``hostkeys/`` guest
+        attributes), as ``type key`` lines; [] while there are none."""
+        from google.cloud import compute_v1 as c
+
+        instances = self.api.client("InstancesClient")
+        request = c.GetGuestAttributesInstanceRequest(
+            project=self.api.project, zone=zone, instance=name, query_path="hostkeys/"
+        )
+        try:
+            found = self.api.call(
+                f"read the host keys of {name}",
+                lambda: instances.get_guest_attributes(request=request),
+            )
+        except GcpApiError as e:
+            if e.status == 404:  # none published yet
+                return []
+            raise
+        items = found.query_value.items if found.query_value else []
+        keys = []
+        for item in items:
+            if item.namespace != "hostkeys":
+                continue
+            value = item.value.strip()
+            keys.append(value if " " in value else f"{item.key} {value}")
+        return keys
+
+    def _machine(self, rank: int, row: dict[str, Any]) -> Machine:
+        nic = (row.get("network_interfaces") or [{}])[0]
+        return Machine(rank, str(row["name"]), str(nic.get("network_i_p", "")), str(row["name"]))
+
+    # -- agents ------------------------------------------------------------------------
+    handover = "published by its guest agent as guest attributes"
+
+    def target(self, machine: Machine) -> Target:
+        return Target(_nat_ip(self.instances[machine.ident]), self.settings.ssh_user, 22)
+
+    async def start_agent(self, machine: Machine) -> AgentProcess:
+        """Wait for port 22, start the agent over SSH with the pinned host keys (see
+        ``cloud.allocation``); a SPOT instance's preemption notice is reported."""
+        agent = await super().start_agent(machine)
+        target = self.target(machine)
+        with open(os.path.join(self.folder, "addresses"), "a") as f:  # for flotilla ssh
+            f.write(f"{machine.address} {target.host} {target.user}\n")
+        return NoticeAgent(
+            agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
+        )
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the watchdog deletes the instance ``ttl`` s after the
+        client's last contact (``startup``); a SPOT instance's agent polls for preemption."""
+        settings = {
+            "contact": contact_path(self.settings.workdir, machine.ident),
+            "ttl": self.settings.ttl,
+            "poweroff": [SELF_DELETE],
+            "imds": METADATA if self.settings.spot else "",
+            "poll": 1.0,
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
+
+    def _on_notice(self, ident: str, notice: dict[str, Any]) -> None:
+        for rank, machine in enumerate(self.machines):
+            if machine.ident == ident and self.machine_states.get(ident) is not MachineState.LOST:
+                reason = f"GCP preempted SPOT instance {ident} ({notice.get('time', 'now')})"
+                logger.warning("%s", reason)
+                self.report_lost(rank, reason)
+
+    # -- replace -----------------------------------------------------------------------
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """Create one new instance for ``rank`` in the pool's zone and network, then
+        delete the lost one."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(
+                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
+            )
+        old = self.machines[rank]
+        self._launches += 1
+        name = instance_name(self.spec.pool_id, rank, self._launches + 1)
+        await self._create(self.zone, [name])
+        machine = self._machine(rank, self.instances[name])
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, name, reason)
+        try:
+            await self._in_thread(self._delete, self.zone, old.ident, time.monotonic() + 60)
+        except ProvisionError as e:  # release() deletes it (by label) in any case
+            logger.warning("%s: %s", old.ident, e)
+        return machine
+
+    # -- release -----------------------------------------------------------------------
+    def _delete(self, zone: str, name: str, deadline: float) -> None:
+        delete_instance(self.api, zone, name, deadline)
+
+    def _delete_all(self, zones: list[str]) -> None:
+        """Delete every instance of the pool in ``zones``: those made, and those found by
+        the pool's label (a create whose answer was lost)."""
+        from google.cloud import compute_v1 as c
+
+        api = self.api
+        instances = api.client("InstancesClient")
+        deadline = time.monotonic() + RELEASE_TIMEOUT
+        errors = []
+        for zone in zones:
+            names = {n for n, row in self.instances.items() if _zone(row) == zone}
+            request = c.ListInstancesRequest(
+                project=api.project,
+                zone=zone,
+                filter=f'labels.{POOL_LABEL} = "{self.spec.pool_id}"',
+            )
+            try:
+                found = api.call("list the pool's instances", partial(_listed, instances, request))
+                names |= {i.name for i in found}
+            except ProvisionError as e:
+                errors.append(str(e))
+            results = list(
+                concurrent.futures.ThreadPoolExecutor(max_workers=16).map(
+                    lambda n, z=zone: _error_of(self._delete, z, n, deadline), sorted(names)
+                )
+            )
+            errors.extend(r for r in results if r)
+            for name in names:
+                self.instances.pop(name, None)
+        if errors:
+            raise ProvisionError("; ".join(errors))
+
+    def sweep(self) -> None:
+        """Delete everything of the pool (synchronous, see ``base.Allocation.sweep``),
+        then remove its local folder."""
+        try:
+            self._delete_all(self.zones_tried)
+        except Exception as e:
+            _show(f"GCP: could not delete everything of pool {self.spec.pool_id}: {e}")
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def delete_instance(api: GcpApi, zone: str, name: str, deadline: float) -> None:
+    """Delete instance ``name`` and wait for it (until ``deadline``); one already gone
+    is no error."""
+    instances = api.client("InstancesClient")
+    try:
+        op = api.call(
+            f"delete instance {name}",
+            lambda: instances.delete_unary(project=api.project, zone=zone, instance=name),
+        )
+    except GcpApiError as e:
+        if e.status == 404:
+            return
+        raise
+    api.wait(zone, op, f"delete instance {name}", deadline)
+
+
+def _listed(instances: Any, request: Any) -> list[Any]:
+    return list(instances.list(request=request))
+
+
+def _error_of(fn: Any, *args: Any) -> str:
+    try:
+        fn(*args)
+    except Exception as e:
+        return str(e)
+    return ""
+
+
+def _zone(row: dict[str, Any]) -> str:
+    return str(row.get("zone", "")).rsplit("/", 1)[-1]
+
+
+def _nat_ip(row: dict[str, Any]) -> str:
+    """The instance's external address (its first access config's ``natIP``)."""
+    for nic in row.get("network_interfaces") or []:
+        for access in nic.get("access_configs") or []:
+            if access.get("nat_i_p"):
+                return str(access["nat_i_p"])
+    return ""
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` arguments that log in to the running pool instance whose internal address is
+    ``address`` as its pool does: its external address, the pool's login key and pinned
+    host keys (for ``flotilla ssh``). ConfigurationError when no live pool of this user
+    has it."""
+    import glob
+
+    from ..._errors import ConfigurationError
+
+    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
+    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
+        folder = os.path.dirname(path)
+        if os.stat(folder).st_uid != os.getuid():
+            continue
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) == 3 and words[0] == address:
+                    return [
+                        "-i",
+                        os.path.join(folder, "login_key"),
+                        "-o",
+                        "IdentitiesOnly=yes",
+                        "-o",
+                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
+                        "-o",
+                        "StrictHostKeyChecking=yes",
+                        f"{words[2]}@{words[1]}",
+                    ]
+    raise ConfigurationError(
+        f"no running GCP pool of this user has an instance at {address}: is the cluster up?"
+    )
+
+
+def _show(message: str) -> None:
+    logger.info("%s", message)
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)

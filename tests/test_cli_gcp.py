@@ -1,0 +1,111 @@
+"""``flotilla`` with ``--provider gcp`` / ``infra: gcp/<region>/<zone>`` on the Compute
+Engine stand-in (``_gcp``): a task on 2 nodes, ``flotilla ssh``, ``cost-report``,
+``show-gpus``, ``check`` and ``down --orphans`` (root only: the instances are namespace
+hosts)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+from _gcp import PROJECT, GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fixture
+from _procs import wait_until
+from test_cli import CLI, node_lines
+from test_cli import cli as cli  # the fixture
+
+TASK = """\
+num_nodes: 2
+resources:
+  infra: gcp/us-central1/us-central1-b
+  cpus: 4
+config:
+  gcp:
+    ssh_user: root
+run: |
+  echo "RUN $SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES"
+  if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
+    for ip in $SKYPILOT_NODE_IPS; do echo "MESH $ip $(ssh "$ip" hostname)"; done
+  fi
+"""
+
+
+def test_task_file_with_infra_gcp_runs_on_two_nodes_and_costs_are_reported(
+    cli: CLI, gcp_lab: GcpLab
+) -> None:
+    cli.env.update(gcp_lab.env)
+    task = cli.task("job.yaml", TASK)
+    done = cli.ok("launch", task, "-c", "g", timeout=300)
+    assert node_lines(done.stdout, "RUN") == {0: "0 2", 1: "1 2"}
+    live = sorted(gcp_lab.live(), key=lambda i: i.name)
+    assert len(live) == 2 and {i.zone for i in live} == {"us-central1-b"}
+    assert {i.body["machineType"].rsplit("/", 1)[1] for i in live} == {"n2-standard-4"}
+    # node 0 logs in to every node at its internal address (the VPC network)
+    said = [
+        line.split("MESH ", 1)[1].split() for line in done.stdout.splitlines() if "MESH " in line
+    ]
+    assert sorted(said) == sorted([i.network_ip, i.name] for i in live), done
+    # flotilla ssh reaches node 1 at its external address, host key pinned
+    rec = cli.record("g")
+    assert rec is not None
+    (node1,) = [i for i in live if i.network_ip == rec.nodes[1].ip]
+    shell = cli.ok("ssh", "g", "--node", "1", "--", "hostname")
+    assert shell.stdout.split() == [node1.name], shell
+    cli.ok("down", "g", "-y", timeout=120)
+    assert gcp_lab.wait_gone(30) == []
+    report = cli.ok("cost-report").stdout
+    (line,) = [row for row in report.splitlines() if row.startswith("g ")]
+    words = line.split()
+    assert words[1:4] == ["gcp", "2", "0.388"] and words[6] == "finished", report
+
+
+def test_show_gpus_and_check(cli: CLI, gcp_lab: GcpLab) -> None:
+    cli.env.update(gcp_lab.env)
+    shown = cli.ok("show-gpus", "A100", "--provider", "gcp").stdout
+    rows = [line.split() for line in shown.splitlines()[1:]]
+    assert [r[:6] for r in rows] == [
+        ["gcp", "A100", "1", "3.67", z, "no"]
+        for z in ("us-central1-a", "us-central1-b", "us-central1-c")
+    ], shown
+    checked = cli.ok("check", "--provider", "gcp").stdout
+    assert any(line.split()[:2] == ["gcp", "ok"] for line in checked.splitlines()), checked
+    other = gcp_lab.write_key_file(gcp_lab.lab.tmp / "other.json")
+    bad = cli.ok("check", "--provider", "gcp", env={"GOOGLE_APPLICATION_CREDENTIALS": str(other)})
+    (line,) = [row for row in bad.stdout.splitlines() if row.startswith("gcp")]
+    assert "not usable" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line, line
+    assert "PRIVATE KEY" not in bad.stdout + bad.stderr
+
+
+def test_down_orphans_deletes_what_a_killed_client_left(cli: CLI, gcp_lab: GcpLab) -> None:
+    from google.cloud import compute_v1 as c
+
+    import flotilla as sky
+
+    cli.env.update(gcp_lab.env)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    api = sky.GCP().api
+    for name, labels, client in [
+        (
+            "flotilla-cafe0001-0",
+            {"flotilla-pool": "cafe0001"},
+            f"{socket.gethostname()}:{dead.pid}:1",
+        ),
+        ("not-flotillas", {}, ""),
+    ]:
+        body = c.Instance(
+            name=name,
+            machine_type="zones/us-central1-a/machineTypes/n2-standard-2",
+            labels=labels,
+            metadata=c.Metadata(items=[c.Items(key="flotilla-client", value=client)]),
+        )
+        op = api.client("InstancesClient").insert_unary(
+            project=PROJECT, zone="us-central1-a", instance_resource=body
+        )
+        api.wait("us-central1-a", op, "insert", time.monotonic() + 30)
+    listed = cli.ok("down", "--orphans", "--provider", "gcp", "--dry-run").stderr
+    assert "1 orphan pool(s): cafe0001" in listed and "would delete 1 instance(s)" in listed
+    assert len(gcp_lab.live()) == 2
+    done = cli.ok("down", "--orphans", "--provider", "gcp").stderr
+    assert "deleted 1 instance(s): us-central1-a/flotilla-cafe0001-0" in done, done
+    assert wait_until(lambda: [i.name for i in gcp_lab.live()] == ["x"], 10)
