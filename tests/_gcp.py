@@ -73,6 +73,7 @@ MACHINE_TYPES = {
     "n2-standard-2": (2, 8192),
     "n2-standard-4": (4, 16384),
     "n1-standard-8": (8, 30720),
+    "n1-standard-16": (16, 61440),
     "a2-highgpu-1g": (12, 87040),
     "a2-highgpu-2g": (24, 174080),
     "g2-standard-4": (4, 16384),
@@ -128,6 +129,7 @@ class GcpLab(Lifecycle):
         self.url = ""
         self.env: dict[str, str] = {}
         self.instances: dict[tuple[str, str], LabInstance] = {}
+        self.made: list[LabInstance] = []  # every instance ever inserted
         self.operations: dict[str, Operation] = {}
         self.requests: list[tuple[str, str]] = []
         self.capacity: dict[str, int] = {}
@@ -214,7 +216,7 @@ class GcpLab(Lifecycle):
         return path
 
     def close(self) -> None:
-        for inst in list(self.instances.values()):
+        for inst in list(self.made):  # deleted ones too: their stop may still run
             self._stop(inst)
         self.instances.clear()
         for server in self._servers:
@@ -362,6 +364,7 @@ class GcpLab(Lifecycle):
                 index=self._index,
             )
             self.instances[(zone, name)] = inst
+            self.made.append(inst)
         threading.Thread(target=self._life, args=(inst,), daemon=True).start()
         op.done.set()
         return op
@@ -384,9 +387,13 @@ class GcpLab(Lifecycle):
         threading.Thread(target=stop, daemon=True).start()
         return op
 
-    def preempt(self, inst: LabInstance, grace: float = 1.0) -> None:
-        """Compute Engine takes the SPOT instance back: ``preempted`` TRUE, then deleted."""
+    def preempt(self, inst: LabInstance, grace: float | None = 1.0) -> None:
+        """Compute Engine takes the SPOT instance back: ``preempted`` TRUE, then deleted
+        ``grace`` s later (Google gives 30 s; None: not before its pool deletes it, so that
+        only the notice can tell the pool)."""
         inst.preempted = True
+        if grace is None:
+            return
 
         def later() -> None:
             time.sleep(grace)
@@ -446,7 +453,7 @@ class GcpLab(Lifecycle):
                 f"ListenAddress {inst.nat_ip}:22\nListenAddress {inst.network_ip}:22\n"
                 "HostKey /etc/ssh/ssh_host_ed25519_key\n"
                 f"PidFile {host.folder}/sshd.pid\n"
-                f"AuthorizedKeysFile {host.folder}/authorized_keys\n"
+                f"AuthorizedKeysFile {host.folder}/authorized_keys .ssh/authorized_keys\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
                 "MaxSessions 64\nMaxStartups 64\n"

@@ -91,7 +91,7 @@ def test_down_orphans_deletes_what_a_killed_client_left(cli: CLI, gcp_lab: GcpLa
             {"flotilla-pool": "cafe0001"},
             f"{socket.gethostname()}:{dead.pid}:1",
         ),
-        ("not-flotillas", {}, ""),
+        ("x", {}, ""),
     ]:
         body = c.Instance(
             name=name,
@@ -108,4 +108,4 @@ def test_down_orphans_deletes_what_a_killed_client_left(cli: CLI, gcp_lab: GcpLa
     assert len(gcp_lab.live()) == 2
     done = cli.ok("down", "--orphans", "--provider", "gcp").stderr
     assert "deleted 1 instance(s): us-central1-a/flotilla-cafe0001-0" in done, done
-    assert wait_until(lambda: [i.name for i in gcp_lab.live()] == ["x"], 10)
+    assert wait_until(lambda: [i.name for i in gcp_lab.live()] == ["x"], 10), gcp_lab.live()

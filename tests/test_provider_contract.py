@@ -23,6 +23,7 @@ import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _container import ContainerLab, container_lab_fixture  # noqa: F401 - its fixture
 from _fake import FakeCall, FakeProvider
+from _gcp import GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
 from _procs import assert_all_gone, wait_until
@@ -35,7 +36,7 @@ from flotilla._errors import ConfigurationError
 from flotilla._info import InstanceInfo
 from flotilla._providers.base import AllocationState, Provider
 
-PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "netns", "k8s", "container")
+PROVIDERS = ("fake", "local", "ssh", "slurm", "aws", "vast", "gcp", "netns", "k8s", "container")
 
 
 @sky.function
@@ -189,6 +190,20 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             return [f"instance {i.id}" for i in vast.live()] + list(vast.overlays)
 
         yield Kit(sky.VastAI, vast_refused, vast_left, ends_later=True)
+    elif name == "gcp":
+        gcp: GcpLab = request.getfixturevalue("gcp_lab")
+
+        def gcp_make() -> Provider:
+            return sky.GCP(ssh_user="root", python=sys.executable)
+
+        def gcp_refused() -> None:
+            options = sky.Options(heartbeat_timeout=30)
+            sky.Compute(provider=sky.GCP(ttl=10), nodes=2, options=options).open()
+
+        def gcp_left() -> list[str]:
+            return [f"instance {i.zone}/{i.name}" for i in gcp.live()]
+
+        yield Kit(gcp_make, gcp_refused, gcp_left, ends_later=True)
     elif name == "k8s":
         k8s: K8sLab = request.getfixturevalue("k8s_lab")
         from flotilla._providers.k8s import Kubernetes
