@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..retry import retried
+from ..retry import TRANSIENT_STATUS, retried
 
 TIMEOUT = 30.0
 
@@ -47,6 +47,14 @@ def find_key(
         if key:
             return key, path
     return "", ", ".join([argument, *variables, *files])
+
+
+class _Final(Exception):
+    """An error answer not worth another try, carrying its exception past ``retried``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class ApiError(ProvisionError):
@@ -118,14 +126,25 @@ class RestApi:
         def once() -> Any:
             self.calls += 1
             req = urllib.request.Request(target, data=data, method=method, headers=headers)
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-                raw = resp.read()
+            try:
+                with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as e:
+                error = self.error(what, e.code, e.read())
+                if getattr(error, "cause", None) is ProvisionCause.CAPACITY:
+                    raise _Final(error) from None  # "no capacity" (even as a 5xx): at once
+                if e.code not in TRANSIENT_STATUS:
+                    raise _Final(error) from None
+                e.flotilla_error = error  # type: ignore[attr-defined]  # if it never works
+                raise
             return json.loads(raw) if raw else {}
 
         try:  # 5xx, 429, timeouts and resets: tried again (``retry``)
             return retried(once, f"{self.name} ({self.url}): {what}")
-        except urllib.error.HTTPError as e:
-            raise self.error(what, e.code, e.read()) from None
+        except _Final as e:
+            raise e.error from None
+        except urllib.error.HTTPError as e:  # a transient error, every time
+            raise getattr(e, "flotilla_error", None) or self.error(what, e.code, b"") from None
         except (OSError, ValueError) as e:
             raise ApiError(
                 f"{self.name} ({self.url}): cannot {what}: {self.plain(str(e))}",
