@@ -52,6 +52,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import threading
 import time
 from collections.abc import Iterator
@@ -140,6 +141,7 @@ class RunPodLab(Lifecycle):
         self._server: ThreadingHTTPServer | None = None
         self.bridge = ""
         self.private_subnet = ""
+        self.closing = False
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +167,7 @@ class RunPodLab(Lifecycle):
         os.environ.update(self.env)
 
     def close(self) -> None:
+        self.closing = True
         for pod in list(self.pods.values()):
             self._stop(pod)
         if self.bridge:
@@ -296,7 +299,7 @@ class RunPodLab(Lifecycle):
         if pod.stopped.wait(max(0.0, pod.created_at + self.boot_delay - time.monotonic())):
             return
         with pod.lock:
-            if pod.stopped.is_set():
+            if pod.stopped.is_set() or self.closing:
                 return
             self._boot(pod, host)
             pod.booted_at = time.monotonic()
@@ -329,7 +332,19 @@ class RunPodLab(Lifecycle):
     def _boot(self, pod: Pod, host: TestHost) -> None:
         """The pod's start command in its container; the image's sshd configuration."""
         etc = host.folder / "etc-ssh"
+        bin_dir = host.folder / "bin"  # the GPU driver's nvidia-smi, listing the pod's GPUs
+        bin_dir.mkdir()
+        listing = "".join(
+            f"GPU {i}: {pod.gpu.display_name} (UUID: GPU-{pod.id}-{i})\n" for i in range(pod.count)
+        )
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(
+            f"#!/bin/sh\n[ \"$1\" = -L ] || exit 2\nprintf '%s' {shlex.quote(listing)}\n"
+        )
+        smi.chmod(0o755)
+        path = f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         (etc / "sshd_config").write_text(
+            f"SetEnv PATH={path}\n"
             f"ListenAddress {pod.addr}:{pod.port}\n"
             "HostKey /etc/ssh/ssh_host_ed25519_key\n"
             "PidFile /run/sshd.pid\n"
@@ -352,7 +367,7 @@ class RunPodLab(Lifecycle):
         script = host.folder / "start.json"
         script.write_text(json.dumps(argv))
         env = {
-            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": path,
             "HOME": "/root",
             **pod.env,
             "RUNPOD_POD_ID": pod.id,
