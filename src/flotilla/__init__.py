@@ -73,6 +73,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.fallback import Candidate as Candidate
     from ._providers.fallback import Spec as Spec
     from ._providers.k8s import Kubernetes as Kubernetes
+    from ._providers.lambda_cloud import LambdaCloud as LambdaCloud
     from ._providers.local import Local as Local
     from ._providers.market import offers as offers
     from ._providers.offers import Offer as Offer
@@ -127,6 +128,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),
+    "_providers.lambda_cloud": ("LambdaCloud",),
     "_providers.runpod": ("RunPod",),
     "_providers.vast": ("VastAI",),
     "_shard": ("shard",),
