@@ -19,6 +19,7 @@ from ..._accelerators import offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
+from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.guard import contact_path, guard_command
 from ..cloud.identity import client_id
@@ -339,6 +340,11 @@ class LambdaAllocation(CloudAllocation):
     def target(self, machine: Machine) -> Target:
         return Target(str(self.instances[machine.ident]["ip"]), self.settings.ssh_user, 22)
 
+    async def start_agent(self, machine: Machine) -> Any:
+        agent = await super().start_agent(machine)
+        login.remember(self.folder, machine.address, self.target(machine))
+        return agent
+
     def agent_env(self, machine: Machine) -> dict[str, str]:
         """``FLOTILLA_CLOUD``: the watchdog terminates the instance ``ttl`` s after the
         client's last contact (its terminate script, see :func:`terminate_script`)."""
@@ -426,8 +432,8 @@ def delete_keys(api: RestApi, names: set[str], known: str = "") -> None:
 
 def ssh_login(address: str) -> list[str]:
     """``ssh`` arguments that log in to the running instance whose peers' address is
-    ``address`` (``flotilla ssh``)."""
-    raise ConfigurationError(f"flotilla ssh to Lambda instance {address}: not supported yet")
+    ``address`` as its pool does (``flotilla ssh``)."""
+    return login.ssh_login(FOLDER_PREFIX, address, "Lambda Cloud")
 
 
 def _show(message: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
+from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.identity import client_id
 from ..cloud.keys import KeyPair, keygen, pin
@@ -268,9 +269,7 @@ class RunPodAllocation(CloudAllocation):
 
     def _remember(self, machine: Machine) -> None:
         """Where ``machine`` is reached over SSH, for ``flotilla ssh`` (:func:`ssh_login`)."""
-        target = self._targets[machine.ident]
-        with open(os.path.join(self.folder, "addresses"), "a") as f:
-            f.write(f"{machine.address} {target.host} {target.port}\n")
+        login.remember(self.folder, machine.address, self._targets[machine.ident])
 
     def agent_env(self, machine: Machine) -> dict[str, str]:
         """``FLOTILLA_CLOUD``: the watchdog terminates the pod ``ttl`` s after the client's
@@ -339,37 +338,8 @@ class RunPodAllocation(CloudAllocation):
 
 def ssh_login(address: str) -> list[str]:
     """``ssh`` arguments that log in to the running pod whose peers' address is
-    ``address`` as its pool does (for ``flotilla ssh``). ConfigurationError when no live
-    pool of this user has it."""
-    import glob
-
-    from ..._errors import ConfigurationError
-
-    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
-    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
-        folder = os.path.dirname(path)
-        if os.stat(folder).st_uid != os.getuid():
-            continue
-        with open(path) as f:
-            for line in f:
-                words = line.split()
-                if len(words) == 3 and words[0] == address:
-                    return [
-                        "-i",
-                        os.path.join(folder, "login_key"),
-                        "-o",
-                        "IdentitiesOnly=yes",
-                        "-o",
-                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
-                        "-o",
-                        "StrictHostKeyChecking=yes",
-                        "-p",
-                        words[2],
-                        f"root@{words[1]}",
-                    ]
-    raise ConfigurationError(
-        f"no running RunPod pool of this user has a pod at {address}: is the cluster up?"
-    )
+    ``address`` as its pool does (``flotilla ssh``)."""
+    return login.ssh_login(FOLDER_PREFIX, address, "RunPod")
 
 
 def _show(message: str) -> None:
