@@ -4,11 +4,14 @@ stand-in (``_lambda``): a task file on 2 instances, ``flotilla ssh``, ``show-gpu
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 
 from _lambda import LambdaLab, lambda_lab_fixture  # noqa: F401 - the lambda_lab fixture
 from _procs import wait_until
+from _runpod import RunPodLab, runpod_lab_fixture  # noqa: F401 - the runpod_lab fixture
+from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 
@@ -85,3 +88,23 @@ def test_show_gpus_check_and_orphans(cli: CLI, lambda_lab: LambdaLab) -> None:
     assert "1 orphan pool(s): cafe01" in listed and "would terminate 1 instance(s)" in listed
     cli.ok("down", "--orphans", "--provider", "lambda")
     assert wait_until(lambda: [i.name for i in lambda_lab.live()] == ["x"], 10)
+
+
+def test_show_gpus_lists_every_markets_offers(
+    cli: CLI, lambda_lab: LambdaLab, runpod_lab: RunPodLab, vast_lab: VastLab
+) -> None:
+    """``flotilla show-gpus A100`` with Vast, RunPod and Lambda configured (their keys in
+    the environment): every market's A100 offers, each with its price, cheapest first."""
+    lambda_lab.add_type("gpu_1x_a100_sxm4", "A100 (40 GB SXM4)", 1, 129)
+    runpod_lab.add_gpu("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, secure_price=1.64)
+    vast_lab.add_machines(1, gpu_name="A100 SXM4", dph_total=0.95)
+    vast_lab.add_machines(1, gpu_name="RTX 4090", dph_total=0.3)  # not an A100
+    for lab in (lambda_lab, runpod_lab, vast_lab):
+        cli.env.update(lab.env)
+    shown = cli.ok("show-gpus", "A100").stdout
+    rows = [re.split(r"\s{2,}", line) for line in shown.splitlines()[1:]]
+    assert [(r[0], r[3]) for r in rows] == [
+        ("vast", "0.95"),
+        ("lambda", "1.29"),
+        ("runpod", "1.64"),
+    ], shown
