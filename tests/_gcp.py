@@ -134,6 +134,8 @@ class GcpLab(Lifecycle):
         self.requests: list[tuple[str, str]] = []
         self.capacity: dict[str, int] = {}
         """zone -> how many more instances it can hold (absent: any number)."""
+        self.spot_capacity: dict[str, int] = {}
+        """zone -> how many more SPOT instances it can hold (absent: any number)."""
         self.anonymous = False
         self.impostor = False
         """Instances publish a host key their sshd does not use (someone in the middle)."""
@@ -340,7 +342,9 @@ class GcpLab(Lifecycle):
                 op.error = [{"code": "RESOURCE_ALREADY_EXISTS", "message": f"{name} exists"}]
                 op.done.set()
                 return op
-            left = self.capacity.get(zone)
+            spot = (body.get("scheduling") or {}).get("provisioningModel") == "SPOT"
+            pool = self.spot_capacity if spot else self.capacity
+            left = pool.get(zone)
             if left is not None and left <= 0:
                 op.error = [
                     {
@@ -353,7 +357,7 @@ class GcpLab(Lifecycle):
                 op.done.set()
                 return op
             if left is not None:
-                self.capacity[zone] = left - 1
+                pool[zone] = left - 1
             self._index += 1
             inst = LabInstance(
                 name,

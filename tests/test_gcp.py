@@ -155,6 +155,19 @@ def test_every_zone_full_falls_back_to_the_next_provider(gcp_lab: GcpLab) -> Non
     assert gcp_lab.live() == []
 
 
+def test_spot_if_available_takes_on_demand_when_no_zone_has_spot_capacity(
+    gcp_lab: GcpLab,
+) -> None:
+    for zone in ("us-central1-a", "us-central1-b", "us-central1-c"):
+        gcp_lab.spot_capacity[zone] = 0
+    with sky.Compute(provider=lab_gcp(allocation="spot-if-available"), nodes=2) as pool:
+        live = gcp_lab.live(pool.pool_id)
+        assert {i.zone for i in live} == {"us-central1-a"}
+        assert all("provisioningModel" not in i.body["scheduling"] for i in live)
+        assert [p[0] for p in place() @ pool] == [0, 1]
+    assert gcp_lab.live() == []
+
+
 def test_no_zone_with_room_is_a_capacity_error(gcp_lab: GcpLab) -> None:
     for zone in ("us-central1-a", "us-central1-b", "us-central1-c"):
         gcp_lab.capacity[zone] = 0
@@ -183,8 +196,11 @@ def test_refused_credentials_are_named_before_anything_is_created(
 
 
 def test_bad_requests_are_refused_before_anything_is_created(gcp_lab: GcpLab) -> None:
-    with pytest.raises(ConfigurationError, match="GCP has no accelerator 'RTX4090'"):
+    with pytest.raises(ConfigurationError, match="no GCP offer is accelerator 'RTX4090'") as info:
         sky.Compute(provider=lab_gcp(), accelerator="RTX4090").open()
+    assert "gcp offers nvidia-a100-80gb" in str(info.value)
+    with pytest.raises(ConfigurationError, match="nearest: "):
+        sky.Compute(provider=lab_gcp(), accelerator="A1000000").open()
     with pytest.raises(ConfigurationError, match="no machine with 3 x A100"):
         sky.Compute(provider=lab_gcp(), accelerator="A100:3").open()
     with pytest.raises(ProvisionError, match=r"above max_hourly_cost=\$5\.00/h"):
@@ -199,7 +215,7 @@ def test_offers_list_each_zone_with_its_list_price(gcp_lab: GcpLab) -> None:
     assert [(o.region, o.hourly, o.detail) for o in found] == [
         (z, 3.67, "a2-highgpu-1g") for z in ("us-central1-a", "us-central1-b", "us-central1-c")
     ]
-    spot = sky.offers("T4:2", providers=[lab_gcp(spot=True, region="us-west1")])
+    spot = sky.offers("T4:2", providers=[lab_gcp(allocation="spot", region="us-west1")])
     assert [(o.region, o.spot, o.detail) for o in spot] == [
         ("us-west1-b", True, "n1-standard-16 + 2 x nvidia-tesla-t4")
     ]
@@ -229,7 +245,7 @@ def test_a_preempted_spot_node_is_noticed_and_replaced(gcp_lab: GcpLab) -> None:
     instance is left running here, so that only the notice can tell the pool): the node's
     poller tells the client, which replaces the node with a new SPOT instance in the pool's
     zone and deletes the old one; the next broadcast answers on 2 nodes."""
-    with sky.Compute(provider=lab_gcp(spot=True), nodes=2) as pool:
+    with sky.Compute(provider=lab_gcp(allocation="spot"), nodes=2) as pool:
         allocation = pool._allocation
         assert allocation is not None
         old = allocation.machines[1]
@@ -390,7 +406,26 @@ def test_settings_from_a_task_file_infra() -> None:
     from flotilla._providers.options import task_values
 
     got = task_values(GCPSettings, "us-west1/us-west1-b", {"use_spot": True})
-    assert got["region"] == "us-west1" and got["zone"] == "us-west1-b" and got["spot"] is True
+    assert (
+        got["region"] == "us-west1" and got["zone"] == "us-west1-b" and got["allocation"] == "spot"
+    )
     got = task_values(GCPSettings, "europe-west4", {})
-    assert got["region"] == "europe-west4" and got["zone"] is None and "spot" not in got
+    assert (
+        got["region"] == "europe-west4" and got["zone"] is None and got["allocation"] == "on-demand"
+    )
     assert GCPSettings(**got).zone is None
+
+
+def test_skywards_spec_places_a_gcp_pool(gcp_lab: GcpLab) -> None:
+    """Skyward's spelling: a Spec's region, disk_gb and allocation go to GCP's settings of
+    that meaning (region, disk_size_gb, allocation)."""
+    spec = sky.Spec(
+        provider=lab_gcp(), accelerator="A100", region="us-west1", disk_gb=50, allocation="spot"
+    )
+    with sky.Compute(spec, nodes=1) as pool:
+        (inst,) = gcp_lab.live(pool.pool_id)
+        assert [n[0] for n in place() @ pool] == [0]
+    assert inst.zone == "us-west1-b"
+    assert inst.body["disks"][0]["initializeParams"]["diskSizeGb"] == "50"
+    assert inst.body["scheduling"]["provisioningModel"] == "SPOT"
+    assert gcp_lab.live() == []

@@ -22,6 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError, SerializationError, check_number
 from .._image import Image, check_env, ship_user_modules
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._providers.fallback import Spec
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import ensure_open_files, out_of_files
 from .._redaction import plain_env, plugin_secrets, redact, redact_exception, secret_values
@@ -58,7 +59,7 @@ from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observer, stat_rows
 from .outcome import results
 from .renew import Renewals
-from .skyward_settings import with_pool_settings, worker_of
+from .skyward_settings import apply_placement, pool_provider, with_pool_settings, worker_of
 from .store import Store, encode_answer
 from .stream import Stream, Values, yields
 
@@ -93,11 +94,16 @@ class Compute(PoolCollections, Pool):
 
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
-            a list of providers: fallback, see ``allocation``.
-        nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
-            max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
-            Container and Kubernetes providers).
+            a list of providers: fallback, see ``allocation``. Or Skyward's spelling, one
+            or more :class:`Spec` s given in order (``Compute(Spec(VastAI(), "A100"),
+            Spec(RunPod(), "A100"), selection="cheapest")``): each a candidate with its
+            own resources and settings, tried as ``selection`` says.
+        specs: the further :class:`Spec` s, after the first.
+        nodes: number of nodes (>= 1; default: the specs' ``nodes``, else 1), or an
+            elastic pool, as in Skyward: ``(desired, max)`` or :class:`flotilla.Nodes`
+            ``(desired, max=..., min=...)`` (``min=0``: scale to zero; ``desired=0``:
+            lazy start; see ``elastic.py``; Local, SSH, Container and Kubernetes
+            providers).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -122,9 +128,19 @@ class Compute(PoolCollections, Pool):
             ``"cheapest"`` (cheapest first, by their offers).
         worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
             one).
-        max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
+        max_hourly_cost: the most the POOL may cost per hour, in USD (all its nodes): a
             provider that knows its prices (Vast, AWS when priced) refuses offers above it
             before renting.
+        max_node_hourly_cost: the most ONE NODE may cost per hour, in USD: offers above it
+            are not taken (Skyward's ``Spec(max_hourly_cost=)`` is this, per spec).
+        selection: Skyward's ``SelectionStrategy`` over several specs or providers:
+            ``"cheapest"`` (the default with specs: cheapest first, by their offers) or
+            ``"first"`` (in the order given).
+        region: the provider's region (its setting a task file's ``region`` gives: AWS
+            ``region``, Vast ``regions``, RunPod ``data_centers``, Lambda ``region``); a
+            ConfigurationError for a provider without one.
+        disk_gb: disk per node in GB (the provider's ``disk_gb``).
+        architecture: ``"x86_64"`` or ``"arm64"``, for a provider with that choice.
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
@@ -136,8 +152,9 @@ class Compute(PoolCollections, Pool):
 
     def __init__(
         self,
-        provider: Provider | Sequence[Provider] | None = None,
-        nodes: int | tuple[int, int] | Nodes = 1,
+        provider: Provider | Sequence[Provider] | Spec | None = None,
+        *specs: Spec,
+        nodes: int | tuple[int, int] | Nodes | None = None,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
         plugins: Sequence[Any] = (),
@@ -148,16 +165,22 @@ class Compute(PoolCollections, Pool):
         ttl: float | None = None,
         allocation: str | None = None,
         worker: Worker | None = None,
-        *,
         max_hourly_cost: float | None = None,
+        max_node_hourly_cost: float | None = None,
+        selection: str | None = None,
+        region: str | None = None,
+        disk_gb: float | None = None,
+        architecture: str | None = None,
         metrics: Any = DEFAULT,
     ) -> None:
-        size = Nodes.of(nodes)
+        provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection)
+        size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)
         if provider is None:
             from .._providers.local import Local
 
             provider = Local()
         provider = with_pool_settings(provider, ttl, allocation)
+        provider = apply_placement(provider, region, disk_gb, architecture)
         self.ttl = ttl
         self.allocation = allocation
         if options is None:
@@ -184,6 +207,9 @@ class Compute(PoolCollections, Pool):
         self._volume_spec: dict[str, Any] | None = None
         self.max_hourly_cost = _resource(
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
+        )
+        self.max_node_hourly_cost = _resource(
+            "max_node_hourly_cost", max_node_hourly_cost, "USD per hour for one node, e.g. 2"
         )
         self.pool_id = secrets.token_hex(4)
         self.metrics_config = resolve(
@@ -337,6 +363,7 @@ class Compute(PoolCollections, Pool):
             memory_gb=self.memory_gb,
             max_nodes=self.size.most if self.size.elastic else 0,
             max_hourly_cost=self.max_hourly_cost,
+            max_node_hourly_cost=self.max_node_hourly_cost,
         )
 
     def open(self) -> Compute:

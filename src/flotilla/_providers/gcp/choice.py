@@ -1,6 +1,7 @@
 """Which Compute Engine machine a pool's node is, and what it costs.
 
-An accelerator is a machine family (Google's table "GPU machine types"): A100 40GB are
+An accelerator is a machine family (Google's table "GPU machine types", read through the
+catalog, ``_accelerators``): A100 40GB are
 ``a2-highgpu-{1,2,4,8}g`` (``a2-megagpu-16g``), A100 80GB ``a2-ultragpu-*``, H100
 ``a3-highgpu-*``, H200 ``a3-ultragpu-8g``, B200 ``a4-highgpu-8g``, L4 ``g2-standard-*``; the
 older T4, V100, P100 and P4 are attached to an N1 machine (``guestAccelerators``), as
@@ -16,13 +17,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._accelerators import Accelerator
+from ..._accelerators import Accelerator, offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import PoolSpec
 from ..offers import Offer
 
-BUILT_IN: dict[str, tuple[str, dict[int, str]]] = {
-    "A100": (
+N1_FOR: dict[int, str] = {1: "n1-standard-8", 2: "n1-standard-16", 4: "n1-standard-32"}
+N1_FOR[8] = "n1-standard-96"
+GPU_TYPES: tuple[tuple[str, dict[int, str], bool], ...] = (
+    ("nvidia-tesla-t4", N1_FOR, True),
+    ("nvidia-tesla-p4", N1_FOR, True),
+    (
+        "nvidia-l4",
+        {1: "g2-standard-4", 2: "g2-standard-24", 4: "g2-standard-48", 8: "g2-standard-96"},
+        False,
+    ),
+    ("nvidia-tesla-p100", N1_FOR, True),
+    ("nvidia-tesla-v100", N1_FOR, True),
+    (
         "nvidia-tesla-a100",
         {
             1: "a2-highgpu-1g",
@@ -31,32 +43,24 @@ BUILT_IN: dict[str, tuple[str, dict[int, str]]] = {
             8: "a2-highgpu-8g",
             16: "a2-megagpu-16g",
         },
+        False,
     ),
-    "A10080GB": (
+    (
         "nvidia-a100-80gb",
         {1: "a2-ultragpu-1g", 2: "a2-ultragpu-2g", 4: "a2-ultragpu-4g", 8: "a2-ultragpu-8g"},
+        False,
     ),
-    "H100": (
+    (
         "nvidia-h100-80gb",
         {1: "a3-highgpu-1g", 2: "a3-highgpu-2g", 4: "a3-highgpu-4g", 8: "a3-highgpu-8g"},
+        False,
     ),
-    "H200": ("nvidia-h200-141gb", {8: "a3-ultragpu-8g"}),
-    "B200": ("nvidia-b200", {8: "a4-highgpu-8g"}),
-    "L4": (
-        "nvidia-l4",
-        {1: "g2-standard-4", 2: "g2-standard-24", 4: "g2-standard-48", 8: "g2-standard-96"},
-    ),
-}
-"""flotilla's accelerator names -> (GCP accelerator type, GPUs -> machine type)."""
-ATTACHED: dict[str, str] = {
-    "T4": "nvidia-tesla-t4",
-    "V100": "nvidia-tesla-v100",
-    "P100": "nvidia-tesla-p100",
-    "P4": "nvidia-tesla-p4",
-}
-"""Accelerators attached to an N1 machine -> their GCP accelerator type."""
-N1_FOR: dict[int, str] = {1: "n1-standard-8", 2: "n1-standard-16", 4: "n1-standard-32"}
-N1_FOR[8] = "n1-standard-96"
+    ("nvidia-h200-141gb", {8: "a3-ultragpu-8g"}, False),
+    ("nvidia-b200", {8: "a4-highgpu-8g"}, False),
+)
+"""GCP's accelerator types, cheapest first: (type, GPUs -> machine type, attached to an N1
+machine rather than built into the machine type). The catalog (``identify``) reads each
+type as a model, memory and form factor."""
 PRICES: dict[str, float] = {
     "a2-highgpu-1g": 3.67,
     "a2-highgpu-2g": 7.35,
@@ -87,7 +91,12 @@ PRICES: dict[str, float] = {
     "n2-standard-64": 3.108,
 }
 """On-demand list prices in us-central1 (USD/h) of machine types."""
-ATTACHED_PRICES = {"T4": 0.35, "V100": 2.48, "P100": 1.46, "P4": 0.6}
+ATTACHED_PRICES = {
+    "nvidia-tesla-t4": 0.35,
+    "nvidia-tesla-v100": 2.48,
+    "nvidia-tesla-p100": 1.46,
+    "nvidia-tesla-p4": 0.6,
+}
 """On-demand list prices of an attached GPU (USD/h each)."""
 SPOT_FACTOR = 0.35
 N2_SIZES = (2, 4, 8, 16, 32, 64, 96, 128)
@@ -117,18 +126,16 @@ class MachineChoice:
         if price is None:
             return None
         if self.attached:
-            price += ATTACHED_PRICES.get(self.name, 0.0) * self.gpus
+            price += ATTACHED_PRICES.get(self.accelerator, 0.0) * self.gpus
         return round(price * (SPOT_FACTOR if spot else 1.0), 4)
 
 
-def _key(name: str) -> str:
-    return name.upper().replace(" ", "").replace("_", "").replace("-", "")
-
-
 def machine_for(spec: PoolSpec, machine_type: str | None) -> MachineChoice:
-    """The machine of one node of ``spec`` (``machine_type`` given: that one, with the
-    pool's accelerators attached when they are of the N1 kind). ConfigurationError for an
-    accelerator or count GCP does not have, naming those it has."""
+    """The machine of one node of ``spec``: the cheapest GCP accelerator type that is the
+    accelerator asked for (its model, and memory and form factor when it names them: the
+    catalog, ``offered_as``), in the machine type with that many GPUs (``machine_type``
+    given: that one). ConfigurationError for an accelerator or count GCP does not have,
+    naming what it has."""
     acc = spec.accelerator
     if acc is None:
         if machine_type:
@@ -142,27 +149,18 @@ def machine_for(spec: PoolSpec, machine_type: str | None) -> MachineChoice:
             f"no n2-standard machine has {cpus:g} vCPUs and {memory:g} GiB: give "
             "GCP(machine_type=...)"
         )
-    key, count = _key(acc.name), int(acc.count)
-    if key in ("A10040GB",):
-        key = "A100"
-    if key in BUILT_IN:
-        gpu_type, sizes = BUILT_IN[key]
+    count = acc.whole
+    matching = [t for t in GPU_TYPES if offered_as(acc, t[0], "gcp")]
+    if not matching:
+        raise ConfigurationError(unknown_name(acc.name, "GCP", {"gcp": [t[0] for t in GPU_TYPES]}))
+    for gpu_type, sizes, attached in matching:
         chosen = machine_type or sizes.get(count)
-        if chosen is None:
-            raise ConfigurationError(
-                f"GCP has no machine with {count} x {acc.name}: its {acc.name} machines have "
-                f"{', '.join(map(str, sizes))} GPUs ({', '.join(sizes.values())})"
-            )
-        return MachineChoice(chosen, gpu_type, count, False, acc.name)
-    if key in ATTACHED:
-        if count not in N1_FOR:
-            raise ConfigurationError(
-                f"GCP attaches 1, 2, 4 or 8 x {acc.name} to an N1 machine, not {count}"
-            )
-        return MachineChoice(machine_type or N1_FOR[count], ATTACHED[key], count, True, acc.name)
-    known = sorted([*BUILT_IN, *ATTACHED])
+        if chosen is not None:
+            return MachineChoice(chosen, gpu_type, count, attached, acc.name)
+    counts = sorted({n for _, sizes, _ in matching for n in sizes})
     raise ConfigurationError(
-        f"GCP has no accelerator {acc.name!r}: it offers {', '.join(known)} (A10080GB: A100 80GB)"
+        f"GCP has no machine with {count} x {acc.name}: its {', '.join(t[0] for t in matching)} "
+        f"machines have {', '.join(map(str, counts))} GPUs"
     )
 
 

@@ -57,6 +57,7 @@ class GCPAllocation(CloudAllocation):
     Attributes:
         choice: the machine of every node.
         zone: the zone the pool is in ("" until chosen).
+        spot: its instances are SPOT ones.
         instances: instance name -> its last description (a dict), for every instance made.
         hourly: what the pool's instances cost per hour (list prices; None: unknown).
     """
@@ -72,6 +73,7 @@ class GCPAllocation(CloudAllocation):
         self.api = api
         self.choice: MachineChoice = machine_for(spec, settings.machine_type)
         self.zone = ""
+        self.spot = settings.allocation == "spot"
         self.zones_tried: list[str] = []
         self.instances: dict[str, dict[str, Any]] = {}
         self.hourly: float | None = None
@@ -96,28 +98,31 @@ class GCPAllocation(CloudAllocation):
         """Create the pool's instances in the first of ``zones`` that has room for all of
         them (a zone out of capacity: its instances are deleted, the next is tried)."""
         spec, settings = self.spec, self.settings
-        within_cost(self.choice, spec, settings.spot)
-        price = self.choice.hourly(settings.spot)
-        self.hourly = None if price is None else price * spec.nodes
+        markets = {"spot": [True], "on-demand": [False]}.get(settings.allocation, [True, False])
+        within_cost(self.choice, spec, markets[-1])
         self.login_key = await self._in_thread(
             keygen, self.folder, "login_key", f"flotilla-{spec.pool_id}"
         )
         self.ssh.key = self.login_key.path
-        cost = f", ${self.hourly:.2f}/h for the pool (list price)" if self.hourly else ""
-        _show(
-            f"GCP: {spec.nodes} x {describe(spec.accelerator, self.choice)}"
-            f"{' (SPOT)' if settings.spot else ''} in {settings.zone or settings.region}{cost}"
-        )
         full: list[str] = []
-        for zone in zones:
-            self.zones_tried.append(zone)
+        for spot, zone in [(s, z) for s in markets for z in zones]:
+            self.spot = spot
+            price = self.choice.hourly(spot)
+            self.hourly = None if price is None else price * spec.nodes
+            cost = f", ${self.hourly:.2f}/h for the pool (list price)" if self.hourly else ""
+            _show(
+                f"GCP: {spec.nodes} x {describe(spec.accelerator, self.choice)}"
+                f"{' (SPOT)' if spot else ''} in {zone}{cost}"
+            )
+            if zone not in self.zones_tried:
+                self.zones_tried.append(zone)
             names = [instance_name(spec.pool_id, r, 1) for r in range(spec.nodes)]
             try:
                 await self._create(zone, names)
             except GcpApiError as e:
                 if e.cause is not ProvisionCause.CAPACITY or "QUOTA" in " ".join(e.codes):
                     raise
-                full.append(f"{zone} ({', '.join(sorted(set(e.codes)))})")
+                full.append(f"{zone}{' SPOT' if spot else ''} ({', '.join(sorted(set(e.codes)))})")
                 _show(f"GCP: {zone} has no room for the pool: {e}; trying the next zone")
                 await self._in_thread(self._delete_all, [zone])
                 continue
@@ -177,7 +182,7 @@ class GCPAllocation(CloudAllocation):
             "startup-script": script,
             CLIENT_KEY: self.client,
         }
-        if settings.spot:
+        if self.spot:
             scheduling = c.Scheduling(
                 provisioning_model="SPOT",
                 instance_termination_action="DELETE",
@@ -325,7 +330,7 @@ class GCPAllocation(CloudAllocation):
             "contact": contact_path(self.settings.workdir, machine.ident),
             "ttl": self.settings.ttl,
             "poweroff": [SELF_DELETE],
-            "imds": METADATA if self.settings.spot else "",
+            "imds": METADATA if self.spot else "",
             "poll": 1.0,
         }
         return {CLOUD_ENV: json.dumps(settings)}

@@ -23,7 +23,7 @@ killed with SIGKILL leaves instances that delete themselves with their own servi
 account: the agent's watchdog ``ttl`` s after the client's last contact, the startup
 script's guard ``max(ttl, start_timeout)`` s after the boot when no agent started. ``flotilla
 down --orphans --provider gcp`` (:meth:`GCP.remove_orphans`) deletes what a dead client on
-this machine left. SPOT instances (``spot=True``) are deleted when preempted; the
+this machine left. SPOT instances (``allocation="spot"``) are deleted when preempted; the
 preemption is noticed on the node (the metadata server's ``instance/preempted``) and the
 node replaced.
 """
@@ -38,6 +38,7 @@ from ..base import PoolSpec, Provider
 from ..offers import Offer
 from ..options import provider_init
 from .api import GcpApi, base_url
+from .api import configured as configured
 from .choice import as_offer, machine_for
 from .pool import CLIENT_KEY, POOL_LABEL, GCPAllocation, delete_instance
 from .settings import GCPSettings
@@ -144,7 +145,11 @@ class GCP(Provider):
         """What GCP offers for one node of ``spec``: its machine in each zone that has it
         (list prices)."""
         choice = machine_for(spec, self.settings.machine_type)
-        return [as_offer(choice, z, self.settings.spot) for z in self.zones(spec)]
+        zones = self.zones(spec)
+        markets = {"spot": [True], "on-demand": [False]}.get(
+            self.settings.allocation, [True, False]
+        )
+        return [as_offer(choice, z, spot) for spot in markets for z in zones]
 
     async def acquire(self, spec: PoolSpec) -> GCPAllocation:
         allocation = GCPAllocation(self.settings, self.api, spec)

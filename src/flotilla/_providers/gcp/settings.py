@@ -28,8 +28,9 @@ def _infra_zone(text: Any) -> str | None:
     return parts[0] if ZONE.fullmatch(parts[0]) else None
 
 
-def _spot(value: Any) -> bool:
-    return bool(value)
+ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
+ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
+"""A task file's ``allocation``, as SkyPilot reads ``use_spot`` (none: on-demand)."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ class GCPSettings:
         machine_type: the machine type (default: the one that carries the pool's
             accelerators: a2/a3/g2 families, n1 with attached T4/V100/P100/P4; for no
             accelerator the smallest n2-standard that fits vcpus and memory).
-        spot: SPOT instances (preemptible, cheaper): one preempted is noticed and replaced
-            (Options(replace_lost=...)); they are deleted, never stopped, when preempted.
+        allocation: ``"on-demand"``, ``"spot"`` (SPOT instances: cheaper, deleted when
+            preempted, which the node notices and the pool replaces) or
+            ``"spot-if-available"`` (SPOT in every zone first, then on-demand).
         disk_size_gb: boot disk size in GB.
         disk_type: boot disk type (``pd-balanced``, ``pd-ssd``, ``pd-standard``).
         image: the boot image (default: a Deep Learning VM image with CUDA for a GPU pool,
@@ -80,7 +82,7 @@ class GCPSettings:
     network: str = "default"
     subnet: str | None = None
     machine_type: str | None = option(None, task="instance_type")
-    spot: bool = option(False, task=From(("use_spot",), _spot))
+    allocation: str = option("on-demand", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK)
     disk_size_gb: float = option(200.0, task="disk_size")
     disk_type: str = "pd-balanced"
     image: str | None = option(None, task="image_id")
@@ -104,6 +106,10 @@ class GCPSettings:
             )
         if self.zone is not None and not str(self.zone).startswith(self.region + "-"):
             object.__setattr__(self, "region", str(self.zone).rsplit("-", 1)[0])
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigurationError(
+                f"GCP(allocation={self.allocation!r}): one of {', '.join(ALLOCATIONS)}"
+            )
         disk, ttl = self.disk_size_gb, self.ttl
         check_number(disk, f"GCP(disk_size_gb={disk!r}): a positive number of GB", above=0)
         check_number(ttl, f"GCP(ttl={ttl!r}): a positive number of seconds", above=0)

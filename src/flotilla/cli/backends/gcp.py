@@ -33,7 +33,8 @@ class GCPSpec(ResourceSpec):
 
     def describe(self) -> str:
         where = self.value("zone") or self.value("region", "us-central1")
-        return f"gcp ({where}{', SPOT' if self.value('spot') else ''})"
+        market = self.value("allocation", "on-demand")
+        return f"gcp ({where}{'' if market == 'on-demand' else ', ' + market})"
 
 
 class GCPBackend(Backend[GCPSpec]):
