@@ -19,6 +19,7 @@ from typing import Any
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
+from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id
@@ -316,9 +317,7 @@ class GCPAllocation(CloudAllocation):
         """Wait for port 22, start the agent over SSH with the pinned host keys (see
         ``cloud.allocation``); a SPOT instance's preemption notice is reported."""
         agent = await super().start_agent(machine)
-        target = self.target(machine)
-        with open(os.path.join(self.folder, "addresses"), "a") as f:  # for flotilla ssh
-            f.write(f"{machine.address} {target.host} {target.user}\n")
+        login.remember(self.folder, machine.address, self.target(machine))  # flotilla ssh
         return NoticeAgent(
             agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
         )
@@ -452,36 +451,9 @@ def _nat_ip(row: dict[str, Any]) -> str:
 
 def ssh_login(address: str) -> list[str]:
     """``ssh`` arguments that log in to the running pool instance whose internal address is
-    ``address`` as its pool does: its external address, the pool's login key and pinned
-    host keys (for ``flotilla ssh``). ConfigurationError when no live pool of this user
-    has it."""
-    import glob
-
-    from ..._errors import ConfigurationError
-
-    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
-    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
-        folder = os.path.dirname(path)
-        if os.stat(folder).st_uid != os.getuid():
-            continue
-        with open(path) as f:
-            for line in f:
-                words = line.split()
-                if len(words) == 3 and words[0] == address:
-                    return [
-                        "-i",
-                        os.path.join(folder, "login_key"),
-                        "-o",
-                        "IdentitiesOnly=yes",
-                        "-o",
-                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
-                        "-o",
-                        "StrictHostKeyChecking=yes",
-                        f"{words[2]}@{words[1]}",
-                    ]
-    raise ConfigurationError(
-        f"no running GCP pool of this user has an instance at {address}: is the cluster up?"
-    )
+    ``address`` as its pool does (``flotilla ssh``: its external address, the pool's login
+    key and pinned host keys)."""
+    return login.ssh_login(FOLDER_PREFIX, address, "GCP")
 
 
 def _show(message: str) -> None:
