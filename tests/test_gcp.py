@@ -205,6 +205,8 @@ def test_bad_requests_are_refused_before_anything_is_created(gcp_lab: GcpLab) ->
         sky.Compute(provider=lab_gcp(), accelerator="A100:3").open()
     with pytest.raises(ProvisionError, match=r"above max_hourly_cost=\$5\.00/h"):
         sky.Compute(provider=lab_gcp(), accelerator="A100", nodes=2, max_hourly_cost=5.0).open()
+    with pytest.raises(ProvisionError, match=r"above max_node_hourly_cost=\$3\.00/h"):
+        sky.Compute(sky.Spec(provider=lab_gcp(), accelerator="A100", max_hourly_cost=3.0)).open()
     with pytest.raises(ConfigurationError, match="zone"):
         sky.GCP(zone="nowhere")
     assert gcp_lab.inserts() == 0

@@ -179,10 +179,17 @@ def as_offer(choice: MachineChoice, zone: str, spot: bool) -> Offer:
 
 
 def within_cost(choice: MachineChoice, spec: PoolSpec, spot: bool) -> None:
-    """ProvisionError (before renting) when the pool's known price is above
-    ``spec.max_hourly_cost``."""
-    cap = spec.max_hourly_cost
+    """ProvisionError (before renting) when the known price is above
+    ``spec.max_node_hourly_cost`` (a node's) or ``spec.max_hourly_cost`` (the pool's)."""
     price = choice.hourly(spot)
+    node_cap = spec.max_node_hourly_cost
+    if price is not None and node_cap is not None and price > node_cap:
+        raise ProvisionError(
+            f"GCP {choice.machine_type} costs ${price:.2f}/h a node (list price), above "
+            f"max_node_hourly_cost=${node_cap:.2f}/h: nothing was rented",
+            cause=ProvisionCause.CAPACITY,
+        )
+    cap = spec.max_hourly_cost
     if cap is None or price is None:
         return
     if price * spec.nodes > cap:
