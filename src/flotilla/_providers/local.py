@@ -13,6 +13,7 @@ from typing import Any
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
 from .._system import procs
+from . import bytecode
 from .base import (
     AgentProcess,
     Allocation,
@@ -152,7 +153,7 @@ class LocalAllocation(Allocation):
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
         try:
             os.mkdir(links)
-            for name, path in _package_dirs().items():
+            for name, path in bytecode.compiled(_package_dirs()).items():
                 os.symlink(path, os.path.join(links, name))
         except OSError as e:
             raise ProvisionError(f"cannot prepare node {rank}'s work folder: {e}") from e
@@ -216,7 +217,8 @@ def _unmount_under(folder: str) -> None:
 
 
 _LIB = ".flotilla-lib"
-"""In a node's folder: links to the client's flotilla and cloudpickle packages."""
+"""In a node's folder: links to the client's flotilla and cloudpickle packages (their
+compiled copy, see ``bytecode``: an agent compiles none of it)."""
 
 
 def user_code_path() -> list[str]:
