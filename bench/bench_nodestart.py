@@ -12,7 +12,8 @@ over the nodes, and the client's own CPU for the pool's start) per repetition an
 medians as a markdown table, with the load (``/proc/loadavg``) of each repetition.
 
 ``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
-(e.g. ``git archive`` of main, extracted): same run, order rotating. SSH starts are *first* starts: the
+(e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
+(and the byte code the first start wrote) on the hosts. SSH starts are *first* starts: the
 hosts' bundle folder is removed before each, as on a new host. The compiled node code
 (``_providers.bytecode``) is built before the first repetition (the one-time build's CPU
 is printed once).
@@ -104,6 +105,7 @@ def child(args: argparse.Namespace) -> None:
         client = time.process_time() - mine
         kids = children_map()
         per_node: list[float] = []
+        roles: dict[str, float] = {}
         if args.ssh_spec:
             for netns, daemon in spec["netns"]:
                 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -111,11 +113,31 @@ def child(args: argparse.Namespace) -> None:
 
                 session = [p for p in pids_in_netns(netns) if p != daemon]
                 per_node.append(sum(cpu_of(p) for p in session))
+                for p in session:
+                    roles[role(p)] = roles.get(role(p), 0.0) + cpu_of(p) / args.nodes
         else:
             for agent in kids.get(os.getpid(), []):
                 per_node.append(sum(cpu_of(p) for p in tree(agent, kids)))
+                for p in tree(agent, kids):
+                    name = "agent" if p == agent else "executor"
+                    roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         assert len(set(pids)) == args.nodes, pids
-    print(json.dumps({"per_node": per_node, "client": client, "took": took}))
+    print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+
+
+def role(pid: int) -> str:
+    """An SSH host's process: sshd, the start shell, the agent or an executor."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+        parent = int(_stat(pid)[1])
+        with open(f"/proc/{parent}/comm") as f:
+            parent_name = f.read().strip()
+    except (OSError, IndexError, ValueError):
+        return "gone"
+    if name.startswith("python"):
+        return "executor" if parent_name.startswith("python") else "agent"
+    return "sshd" if "sshd" in name else name
 
 
 def run_child(src: Path, args: argparse.Namespace, ssh_spec: str) -> dict[str, Any]:
@@ -133,8 +155,8 @@ def build_once() -> float:
     """Build the compiled node code (if missing): its CPU seconds in a fresh process."""
     code = (
         "import time; t = time.process_time()\n"
-        "from flotilla._providers import bootstrap\n"
-        "bootstrap.node_packages(); print(time.process_time() - t)"
+        "from flotilla._providers import bootstrap, bytecode\n"
+        "bytecode.compiled(bootstrap._package_dirs()); print(time.process_time() - t)"
     )
     env = dict(os.environ, PYTHONPATH=str(SRC))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -153,6 +175,8 @@ def main() -> None:
         help="also flotilla from this src folder (repeatable)",
     )
     parser.add_argument("--ssh", action="store_true", help="SSH test hosts (root) too")
+    parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
+    parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ssh-spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -164,7 +188,7 @@ def main() -> None:
     for before in args.before:
         name, _, src = before.rpartition("=")
         variants.append((name or "before", Path(src)))
-    providers = ["local"] + (["ssh"] if args.ssh else [])
+    providers = ([] if args.no_local else ["local"]) + (["ssh"] if args.ssh else [])
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
     lab = None
     try:
@@ -193,7 +217,7 @@ def main() -> None:
             order = variants[shift:] + variants[:shift]
             for provider in providers:
                 for name, src in order:
-                    if provider == "ssh" and lab is not None:  # a first start on every host
+                    if provider == "ssh" and lab is not None and not args.warm:  # first starts
                         for h in lab.hosts:
                             shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
                         shutil.rmtree(lab.tmp / "workdir" / "lib", ignore_errors=True)
@@ -203,7 +227,8 @@ def main() -> None:
                     print(
                         f"rep {rep} {provider} {name}: {node * 1e3:.0f} ms CPU per node "
                         f"({', '.join(f'{c * 1e3:.0f}' for c in got['per_node'])}), client "
-                        f"{got['client'] * 1e3:.0f} ms, {got['took']:.2f} s; load {load()}",
+                        f"{got['client'] * 1e3:.0f} ms, {got['took']:.2f} s; load {load()}"
+                        + "".join(f"; {k} {v * 1e3:.0f}" for k, v in sorted(got["roles"].items())),
                         flush=True,
                     )
     finally:
