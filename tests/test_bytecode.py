@@ -1,10 +1,11 @@
 """Nodes run flotilla's code from byte code the client compiled once (issue 42, item 1).
 
-A Local agent used to compile the node modules from source at every start wherever it found
-no byte code it could use (``PYTHONDONTWRITEBYTECODE`` set, as on this machine, or an
-installation it cannot write). ``_providers/bytecode`` builds a compiled copy once per
-flotilla version and interpreter, and Local agents import from it. The test looks, from
-inside a node's executor (forked from the agent: it has every module the agent
+A node start used to compile the node modules from source wherever it found no byte code it
+could use: with ``PYTHONDONTWRITEBYTECODE`` set (as on this machine) or an installation it
+cannot write, every Local agent; and on each SSH host, the first start. ``_providers/
+bytecode`` builds a compiled copy once per flotilla version and interpreter: Local agents
+import from it, and the SSH bundle ships the byte code of the modules a start imports. The
+node tests look, from inside a node's executor (forked from the agent: it has every module the agent
 loaded), at the byte code of every flotilla and cloudpickle module loaded: it must be
 checked-hash byte code (which the interpreter verifies against the source) matching the
 source. A node that compiles for itself writes timestamp byte code, or none at all.
@@ -12,14 +13,17 @@ source. A node that compiles for itself writes timestamp byte code, or none at a
 
 from __future__ import annotations
 
+import io
 import os
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 
 import flotilla as sky
-from flotilla._providers import bytecode
+from flotilla._providers import bootstrap, bytecode
 from flotilla._providers.local import Local
 
 CHECKED_HASH = 0b11
@@ -78,6 +82,27 @@ def test_a_local_node_imports_only_checked_byte_code(
         seen, wrong = loaded_byte_code() >> pool
     assert_all_compiled(seen, wrong)
     assert len(os.listdir(cache)) == 1  # one entry, for this flotilla and interpreter
+
+
+def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> None:
+    bundle = bootstrap.build_bundle(bootstrap.node_packages())
+    with tarfile.open(fileobj=io.BytesIO(bundle.data)) as tar:
+        names = tar.getnames()
+    tag = sys.implementation.cache_tag
+    assert f"flotilla/_node/__pycache__/agent.{tag}.pyc" in names
+    assert f"cloudpickle/__pycache__/cloudpickle.{tag}.pyc" in names
+    assert not [n for n in names if n.startswith("flotilla/_client/__pycache__")]  # not a node's
+    assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
+
+
+def test_an_ssh_hosts_first_start_compiles_nothing(
+    ssh_lab: Lab, cache: Path, tmp_path: Path
+) -> None:
+    workdir = str(tmp_path / "first-start")  # no bundle there yet: a first start
+    provider = ssh_lab.provider(ssh_lab.hosts[:1], workdir=workdir)
+    with sky.Compute(provider=provider, nodes=1) as pool:
+        seen, wrong = loaded_byte_code() >> pool
+    assert_all_compiled(seen, wrong)
 
 
 def _package(root: Path, text: str) -> dict[str, str]:

@@ -17,12 +17,13 @@ interpreter ignores them (their file names carry the cache tag). The cache folde
 code every node runs, is a private one (``_system.private``: ours, nobody else can write
 it), as is every entry before it is used.
 
-Local agents import from this copy (``local``). Where the cache cannot be written the
-packages are used as they are (byte code compiled by each agent, as before). The SSH
-bundle (``bootstrap``) does not ship it: on a host's first start, creating a file costs
-more than compiling one (the bundle's extraction, ~200 files, is half of that start's
-CPU; byte code would double the files), and later starts find the byte code that start
-wrote.
+Local agents import from this copy (``local``). The SSH bundle (``bootstrap``) ships it
+with the byte code of :data:`NODE_START` only, the modules a node's start imports: on a
+host's first start creating a file costs about as much CPU as compiling a small module
+(the bundle's extraction is a third of that start), so byte code for every module would
+cost more than it saves; a module outside the list is compiled by the node when first
+used, as before. Where the cache cannot be written the packages are used as they are
+(byte code compiled by each node).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ logger = logging.getLogger("flotilla.bytecode")
 
 SKIP = ("__pycache__", "*.pyc", "*.pyo")
 """Never copied from the sources: the byte code the client's own imports wrote."""
+NODE_START = (
+    "flotilla/__init__",
+    "flotilla/agent",
+    "flotilla/_info",
+    "flotilla/_version",
+    "flotilla/_node/",
+    "flotilla/_wire/",
+    "flotilla/_system/",
+    "cloudpickle/",
+)
+"""The modules (a name without ``.py``) and packages (ending with ``/``) an agent and its
+first executor import as they start: the byte code the SSH bundle ships
+(``tests/test_bytecode.py`` checks that a first start compiles nothing)."""
 KEEP_DAYS = 14
 """An entry unused for this long is removed when another one is built."""
 
@@ -142,3 +156,21 @@ def _prune(cache: str, keep: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue
+
+
+def node_start(name: str, relpath: str) -> bool:
+    """Whether ``relpath`` (a path under the package ``name``) is in :data:`NODE_START`:
+    a byte code file is by its module, a ``__pycache__`` folder by its package."""
+    folder, _, file = f"{name}/{relpath}".rpartition("/")
+    if file == "__pycache__":
+        return any(p == folder + "/" for p in NODE_START if p.endswith("/")) or any(
+            p.rpartition("/")[0] == folder for p in NODE_START if not p.endswith("/")
+        )
+    package = folder.removesuffix("/__pycache__")
+    module = f"{package}/{file.split('.', 1)[0]}"
+    return module in NODE_START or package + "/" in NODE_START
+
+
+def is_compiled(path: str) -> bool:
+    """Whether ``path`` is a compiled copy's (its byte code is ours to ship)."""
+    return os.path.realpath(path).startswith(os.path.realpath(cache_root()) + os.sep)
