@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--ssh", action="store_true", help="SSH test hosts (root) too")
     parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
     parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
+    parser.add_argument("--ssh-python", default="", help="SSH: the hosts' interpreter")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ssh-spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,6 +208,8 @@ def main() -> None:
                 "workdir": str(lab.tmp / "workdir"),
                 "connect_timeout": 10.0,
             }
+            if args.ssh_python:
+                options["python"] = args.ssh_python
             assert all(h.sshd is not None for h in hosts)
             netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
             spec = json.dumps(
