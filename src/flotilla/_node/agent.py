@@ -48,8 +48,9 @@ from .._wire.bodies import Config, Hello, PythonSearch, Ready, dump, load_config
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .._wire.protocol import BUILD_STOP_GRACE
 from .eventloop import Outbox, Poller
+from .processes import STDERR_TAIL_LINES, kill_group, signal_group
 from .relay import Relay
-from .supervisor import STDERR_TAIL_LINES, Supervisor, kill_group, signal_group
+from .supervisor import Supervisor
 
 PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
