@@ -1,7 +1,8 @@
 """The node side: the agent every provider starts, its executors and environment builder.
 
     agent.py       the agent: the client-facing side (HELLO, CONFIG, the client's frames,
-                   heartbeats, shutdown) and the environment build's subprocess
+                   heartbeats, shutdown)
+    environment.py the agent's environment side: the Image's build subprocess, the volumes
     supervisor.py  the executors: one process per local rank, forked, fed, watched, replaced
     processes.py   the executors' processes: fork, pipes, output forwarded, kill and close
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
