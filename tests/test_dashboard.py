@@ -1,0 +1,144 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven by selenium (issue 39).
+
+A 2-node local cluster runs a job that prints a line every half second and keeps node 0
+busy; the page must show both node rows, a CPU figure that changes, the job's lines as
+they come (before the job ends), its events, and its cancel and down buttons must work
+(each after a confirmation). Screenshots are kept in ``test-artifacts/`` (``ARTIFACTS``).
+
+Chromium and its driver come from Debian (``chromium``, ``chromium-driver``: installed
+here when missing, as root; no browser is downloaded); selenium is a test dependency.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _hosts import LabError, ensure_package
+from _procs import wait_until
+from test_cli import CLI
+from test_server import DEADLINE, Server, start_server
+
+ARTIFACTS = Path(
+    os.environ.get("FLOTILLA_TEST_ARTIFACTS") or Path(__file__).parent.parent / "test-artifacts"
+)
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            pytest.skip("needs Debian's chromium and chromium-driver (apt-get install, as root)")
+        try:
+            ensure_package("chromium", CHROMIUM)
+            ensure_package("chromium-driver", DRIVER)
+        except LabError as e:
+            pytest.skip(str(e))
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.add_argument("--window-size=1400,1100")
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    cli = CLI(tmp_path / "home", tmp_path)
+    running = None
+    try:
+        running = start_server(cli)
+        yield running
+    finally:
+        cli.clean_up()
+        cli("server", "stop", timeout=60)
+
+
+JOB = """\
+name: ticker
+num_nodes: 2
+run: |
+  if [ "$FLOTILLA_NODE_RANK" = 0 ]; then
+    python3 -c "import time; end = time.time() + 600
+  while time.time() < end: pass" &
+  fi
+  for i in $(seq 1 600); do echo "tick $i on rank $FLOTILLA_NODE_RANK"; sleep 0.5; done
+"""
+
+
+def shot(driver: object, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))  # type: ignore[attr-defined]
+
+
+def test_the_dashboard_shows_nodes_metrics_and_live_output(server: Server, browser: object) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    with server.client() as c:
+        answer = c.post("/api/v1/clusters", params={"cluster": "dash", "nodes": "2"}, content=JOB)
+        assert answer.status_code == 201, answer.text
+
+    def find(css: str) -> list:  # type: ignore[type-arg]
+        return driver.find_elements(By.CSS_SELECTOR, css)  # type: ignore[attr-defined]
+
+    def text(css: str) -> str:
+        found = find(css)
+        return str(found[0].text) if found else ""
+
+    # the printed URL: the token becomes a cookie, the address loses it
+    driver.get(f"{server.url}/?token={server.token}")  # type: ignore[attr-defined]
+    assert wait_until(lambda: bool(find('#clusters tr[data-cluster="dash"]')), timeout=60)
+    assert "token" not in driver.current_url  # type: ignore[attr-defined]
+    cookie = driver.get_cookie("flotilla_token")  # type: ignore[attr-defined]
+    assert cookie is not None and cookie["httpOnly"] is True
+    assert driver.execute_script("return document.cookie") == ""  # type: ignore[attr-defined]
+    shot(driver, "dashboard-overview")
+
+    find('#clusters tr[data-cluster="dash"] a')[0].click()
+    assert wait_until(lambda: len(find("#nodes tbody tr[data-node]")) == 2, timeout=DEADLINE)
+
+    # a metric changes: node 0's CPU figure, as the views come
+    assert wait_until(lambda: text('#nodes tr[data-node="0"] td.cpu').endswith("%"), DEADLINE)
+    first = text('#nodes tr[data-node="0"] td.cpu')
+    assert wait_until(lambda: text('#nodes tr[data-node="0"] td.cpu') != first, DEADLINE)
+
+    # output lines arrive live: more come while the job still runs
+    assert wait_until(lambda: "tick 2 on rank 1" in text("#output"), timeout=DEADLINE)
+    seen = text("#output").count("tick")
+    assert wait_until(lambda: text("#output").count("tick") >= seen + 4, timeout=DEADLINE)
+    with server.client() as c:
+        assert c.get("/api/v1/clusters/dash/jobs/1").json()["status"] == "RUNNING"
+    assert wait_until(lambda: "job 1 running" in text("#events"), timeout=DEADLINE)
+    assert wait_until(lambda: len(find('#nodes tr[data-node="0"] svg.spark polyline')) == 1, 60)
+    shot(driver, "dashboard-cluster")
+
+    # cancel, after a confirmation
+    find('#jobs tr[data-job="1"] button.cancel')[0].click()
+    alert = driver.switch_to.alert  # type: ignore[attr-defined]
+    assert "cancel job 1 on dash?" in alert.text
+    alert.accept()
+    assert wait_until(lambda: "ended: CANCELLED" in text("#output"), timeout=DEADLINE)
+    assert wait_until(lambda: "CANCELLED" in text('#jobs tr[data-job="1"]'), timeout=60)
+
+    # down, after a confirmation: the cluster is gone
+    find("#down")[0].click()
+    alert = driver.switch_to.alert  # type: ignore[attr-defined]
+    assert "tear down cluster dash?" in alert.text
+    alert.accept()
+    with server.client() as c:
+        assert wait_until(
+            lambda: c.get("/api/v1/clusters").json() == {"clusters": []}, timeout=DEADLINE
+        )
+    assert wait_until(lambda: not find('#clusters tr[data-cluster="dash"]'), timeout=60)
