@@ -93,9 +93,9 @@ def test_the_dashboard_shows_nodes_metrics_and_live_output(server: Server, brows
     def find(css: str) -> list:  # type: ignore[type-arg]
         return driver.find_elements(By.CSS_SELECTOR, css)  # type: ignore[attr-defined]
 
-    def text(css: str) -> str:
-        found = find(css)
-        return str(found[0].text) if found else ""
+    def text(css: str) -> str:  # read in the page at once: rows are redrawn meanwhile
+        script = "const e = document.querySelector(arguments[0]); return e ? e.textContent : ''"
+        return str(driver.execute_script(script, css))  # type: ignore[attr-defined]
 
     # the printed URL: the token becomes a cookie, the address loses it
     driver.get(f"{server.url}/?token={server.token}")  # type: ignore[attr-defined]
@@ -121,7 +121,9 @@ def test_the_dashboard_shows_nodes_metrics_and_live_output(server: Server, brows
     with server.client() as c:
         assert c.get("/api/v1/clusters/dash/jobs/1").json()["status"] == "RUNNING"
     assert wait_until(lambda: "job 1 running" in text("#events"), timeout=DEADLINE)
-    assert wait_until(lambda: len(find('#nodes tr[data-node="0"] svg.spark polyline')) == 1, 60)
+    assert wait_until(
+        lambda: len(find('#nodes tr[data-node="0"] td.cpu svg.spark polyline')) == 1, 60
+    )
     shot(driver, "dashboard-cluster")
 
     # cancel, after a confirmation

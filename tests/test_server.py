@@ -381,3 +381,38 @@ def test_server_status_and_stop(tmp_path: Path) -> None:
     finally:
         cli("server", "stop")
         assert wait_until(lambda: not procs.alive(running.pid), timeout=60)
+
+
+def test_a_foreground_server_answers_and_ends_with_ctrl_c(tmp_path: Path) -> None:
+    """``--foreground``: the command itself serves (the URL printed once it listens) and
+    Ctrl-C (SIGINT) ends it, its record removed."""
+    import signal
+    import subprocess
+    import sys
+
+    cli = CLI(tmp_path / "home", tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flotilla", "server", "start", "--foreground", "--port", "0"],
+        env=cli.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"running at (http://127\.0\.0\.1:\d+)", line)
+        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
+        token = (cli.home / "server" / "token").read_text().strip()
+        answer = httpx.get(
+            found[1] + "/api/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+        assert answer.json()["pid"] == proc.pid
+        assert cli.ok("server", "status").stdout.count(found[1]) >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert not (cli.home / "server" / "server.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

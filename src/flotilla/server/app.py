@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -649,8 +650,15 @@ def serve(host: str, port: int, announce: Callable[[str], None] | None = None) -
     control.write_info(host, actual)
     if announce is not None:
         announce(control.url(host, actual))
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)  # uvicorn, done, raises the signal it caught again: end here
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C in the foreground: uvicorn has shut down
+        pass
     finally:
         control.clear_info()
         sock.close()
@@ -660,8 +668,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m flotilla.server.app")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=control.DEFAULT_PORT)
+    p.add_argument("--announce", action="store_true", help="print the URLs once it listens")
     args = p.parse_args(argv)
-    serve(args.host, args.port)
+    secret = control.token()
+    serve(
+        args.host,
+        args.port,
+        (lambda where: control.announce(where, secret)) if args.announce else None,
+    )
 
 
 if __name__ == "__main__":

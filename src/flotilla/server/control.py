@@ -189,11 +189,10 @@ def _start(host: str, port: int, foreground: bool) -> int:
             "`flotilla server stop` stops it"
         )
     secret = token()
-    if foreground:
-        from .app import serve
-
-        serve(host, port, announce=lambda where: _announce(where, secret))
-        return 0
+    if foreground:  # this process becomes the server (Ctrl-C stops it)
+        sys.stdout.flush()
+        command = [sys.executable, "-m", APP_MODULE, "--host", host, "--port", str(port)]
+        os.execv(sys.executable, [*command, "--announce"])
     log = open_private_file(folder() / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         child = subprocess.Popen(
@@ -212,7 +211,7 @@ def _start(host: str, port: int, foreground: bool) -> int:
             raise CLIError(f"the server exited with {child.returncode}: {_log_tail()}")
         running = info()
         if running is not None and running.get("pid") == child.pid and _answers(running):
-            _announce(running["url"], secret)
+            announce(running["url"], secret)
             return 0
         time.sleep(0.05)
     child.kill()
@@ -241,7 +240,8 @@ def _log_tail() -> str:
     return " | ".join(lines) or "(nothing in its log)"
 
 
-def _announce(where: str, secret: str) -> None:
+def announce(where: str, secret: str) -> None:
+    """Print where the server runs and the dashboard's URL (with the token, once)."""
     print(f"flotilla server running at {where}")
     print(
         f"dashboard (opens once with the token, then keeps it as a cookie): {where}/?token={secret}"

@@ -211,7 +211,7 @@ async function clusterPage(name) {
         .map((k) => `${m[k].toFixed(0)}%`).join(" ") || "-";
       return h("tr", { "data-node": n.node },
         h("td", { class: "num" }, n.node), h("td", { class: `phase-${n.phase}` }, n.phase),
-        h("td", {}, n.host || n.address || n.ip || "-"),
+        h("td", { class: "address" }, [n.address || n.ip, n.host].filter(Boolean).join(" · ") || "-"),
         h("td", { class: "cpu num" }, m.cpu !== undefined ? `${m.cpu.toFixed(1)}%` : "-",
           spark(hist.cpu, 100)),
         h("td", { class: "mem num" }, m.mem_total ? `${size(m.mem_used)}/${size(m.mem_total)}` : "-",
