@@ -144,3 +144,99 @@ def test_the_dashboard_shows_nodes_metrics_and_live_output(server: Server, brows
             lambda: c.get("/api/v1/clusters").json() == {"clusters": []}, timeout=DEADLINE
         )
     assert wait_until(lambda: not find('#clusters tr[data-cluster="dash"]'), timeout=60)
+
+
+def test_a_128_node_cluster_is_one_paged_table(tmp_path: Path, browser: object) -> None:
+    """128 nodes stay usable: one table of 50 rows a page, the pager saying how many, the
+    next pages showing the next nodes, every node in the API and in /metrics. The cluster
+    is a stand-in written as a daemon writes one (its record, and the pool's view in
+    top.json, with a live process as its daemon): starting 128 nodes here would measure
+    only this 2-core machine."""
+    import subprocess
+
+    from flotilla._system import procs
+    from flotilla.cli.state import ClusterRecord, NodeRecord, Paths, delete, save, write_json
+    from flotilla.events import NodeView, PoolView, view_dict
+
+    cli = CLI(tmp_path / "home", tmp_path)
+    daemon = subprocess.Popen(["sleep", "3600"])
+    paths = Paths("big", cli.home)
+    running = None
+    try:
+        nodes = [
+            NodeRecord(
+                node=i, ip=f"10.0.{i // 256}.{i % 256}", host=f"n{i}", workdir="/w", agent_pid=1
+            )
+            for i in range(128)
+        ]
+        rec = ClusterRecord(
+            name="big",
+            provider={"kind": "ssh"},
+            num_nodes=128,
+            state="UP",
+            created=1.0,
+            pid=daemon.pid,
+            pid_start=procs.start_time(daemon.pid),
+            nodes=nodes,
+        )
+        paths.ensure()
+        save(paths, rec)
+        view = PoolView(
+            pool="big",
+            phase="running",
+            nodes=tuple(
+                NodeView(
+                    node=i,
+                    phase="ready",
+                    address=n.ip,
+                    host=n.host,
+                    metrics={"cpu": float(i % 100), "mem_used": 1e9, "mem_total": 8e9},
+                    sampled=2.0,
+                    running=0,
+                    done=i,
+                    failed=0,
+                )
+                for i, n in enumerate(nodes)
+            ),
+            running=0,
+            done=0,
+            failed=0,
+            functions={},
+            time=2.0,
+        )
+        write_json(paths.dir / "top.json", view_dict(view))
+        running = start_server(cli)
+        with running.client() as c:
+            assert len(c.get("/api/v1/clusters/big").json()["nodes"]) == 128
+            assert c.get("/metrics").text.count('flotilla_node_cpu_percent{cluster="big"') == 128
+
+        driver = browser
+
+        def rows() -> list[str]:  # read in the page at once: the table is redrawn meanwhile
+            script = (
+                "return Array.from(document.querySelectorAll('#nodes tbody tr'))"
+                ".map((r) => r.dataset.node)"
+            )
+            return [str(n) for n in driver.execute_script(script)]  # type: ignore[attr-defined]
+
+        def pager() -> str:
+            script = "const e = document.querySelector('#page'); return e ? e.textContent : ''"
+            return str(driver.execute_script(script))  # type: ignore[attr-defined]
+
+        driver.get(f"{running.url}/?token={running.token}")  # type: ignore[attr-defined]
+        driver.get(f"{running.url}/#/cluster/big")  # type: ignore[attr-defined]
+        assert wait_until(lambda: pager() == "page 1 of 3 (128 nodes)", timeout=60), pager()
+        assert rows() == [str(i) for i in range(50)]
+        for page, first, last in ((2, 50, 100), (3, 100, 128)):
+            driver.execute_script(  # type: ignore[attr-defined]
+                "Array.from(document.querySelectorAll('.pager button'))"
+                ".find((b) => b.textContent === 'next').click()"
+            )
+            assert wait_until(lambda p=page: pager().startswith(f"page {p} of 3"), timeout=60)
+            assert rows() == [str(i) for i in range(first, last)]
+        shot(driver, "dashboard-128-nodes")
+    finally:
+        delete(paths)  # the stand-in's files: no `down` (its daemon is `sleep`)
+        daemon.kill()
+        daemon.wait()
+        cli("server", "stop", timeout=60)
