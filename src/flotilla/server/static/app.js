@@ -134,7 +134,7 @@ async function act(question, method, path, body) {
 function spark(points, max) {
   const w = 90, hgt = 18;
   if (points.length < 2) return h("svg", { class: "spark", width: w, height: hgt });
-  const top = max || Math.max(...points, 1);
+  const top = max || Math.max(...points, 5);   // no max: scaled to what was seen
   const step = w / (Math.min(HISTORY, Math.max(points.length, 60)) - 1);
   const x0 = w - step * (points.length - 1);
   const coords = points.map((v, i) =>
@@ -160,6 +160,11 @@ function describe(e) {
     case "NodeHealthFailed": return `${t} ${node} failed its health check: ${e.why}`;
     case "JobState": return `${t} job ${e.job} ${String(e.state).toLowerCase()} ${e.detail || ""}`;
     case "Scaling": return `${t} pool now has ${e.nodes} node(s)`;
+    case "TaskStarted": return `${t} ${node} started ${e.function} (task ${e.task})`;
+    case "TaskFinished":
+      return `${t} ${node} finished ${e.function} in ${Number(e.duration).toFixed(2)} s` +
+        (e.ok ? "" : `: ${e.error}`);
+    case "MetricFailed": return `${t} ${node} metric ${e.name} off: ${e.why}`;
     default: return `${t} ${e.type}`;
   }
 }
@@ -213,7 +218,7 @@ async function clusterPage(name) {
         h("td", { class: "num" }, n.node), h("td", { class: `phase-${n.phase}` }, n.phase),
         h("td", { class: "address" }, [n.address || n.ip, n.host].filter(Boolean).join(" · ") || "-"),
         h("td", { class: "cpu num" }, m.cpu !== undefined ? `${m.cpu.toFixed(1)}%` : "-",
-          spark(hist.cpu, 100)),
+          spark(hist.cpu)),
         h("td", { class: "mem num" }, m.mem_total ? `${size(m.mem_used)}/${size(m.mem_total)}` : "-",
           spark(hist.mem, 100)),
         h("td", { class: "gpu" }, gpus), h("td", { class: "num" }, `${n.running}/${n.done}`));
