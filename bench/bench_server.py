@@ -76,10 +76,10 @@ def follow(
                 event = line[7:]
             elif line.startswith("data: ") and event == "event":
                 data = json.loads(line[6:])
-                if data.get("type") == "JobState" and data.get("job") == job:
-                    if data.get("state") == "RUNNING":
-                        arrivals.append(time.time() - float(data["time"]))
-                        return
+                ours = data.get("type") == "JobState" and data.get("job") == job
+                if ours and data.get("state") == "RUNNING":
+                    arrivals.append(time.time() - float(data["time"]))
+                    return
 
 
 def main() -> None:
