@@ -416,3 +416,40 @@ def test_a_foreground_server_answers_and_ends_with_ctrl_c(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_no_secret_value_is_served(server: Server) -> None:
+    """A job given a secret (``--secret``) that prints it: the cluster, its jobs, the
+    job's output (streamed and as text), its events and /metrics never carry the value."""
+    secret = "s3cr3t-Value-" + os.urandom(6).hex()
+    server.cli.ok(
+        "launch",
+        "-c",
+        "sec",
+        "--secret",
+        "MY_TOKEN",
+        "echo got $MY_TOKEN",
+        env={"MY_TOKEN": secret},
+    )
+    with server.client() as c:
+        lines: list[str] = []
+
+        def ended(event: str, data: Any) -> bool:
+            lines.extend(data.get("lines", []))
+            return event == "end"
+
+        sse(c, "/api/v1/clusters/sec/jobs/1/output", ended)
+        assert any("got ***" in line for line in lines), lines
+        served = [
+            c.get(path).text
+            for path in (
+                "/api/v1/clusters",
+                "/api/v1/clusters/sec",
+                "/api/v1/clusters/sec/jobs",
+                "/api/v1/clusters/sec/jobs/1/output?follow=0",
+                "/metrics",
+            )
+        ]
+        events = sse(c, "/api/v1/clusters/sec/events", lambda e, d: e == "view")
+    assert all(secret not in text for text in served)
+    assert secret not in json.dumps(events) and secret not in json.dumps(lines)
