@@ -80,7 +80,7 @@ def url(host: str, port: int) -> str:
 
 
 def info() -> dict[str, Any] | None:
-    """The running server's ``server.json`` (pid, host, port, url), or None when no server
+    """The running server's `server.json` (pid, host, port, url), or None when no server
     of this home runs (a file left by a killed one is removed)."""
     path = folder() / "server.json"
     try:
@@ -116,7 +116,7 @@ def write_info(host: str, port: int) -> None:
 
 
 def clear_info() -> None:
-    """Remove ``server.json`` if it is this process's."""
+    """Remove `server.json` if it is this process's."""
     path = folder() / "server.json"
     with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
         if json.load(f).get("pid") == os.getpid():
