@@ -453,3 +453,26 @@ def test_no_secret_value_is_served(server: Server) -> None:
         events = sse(c, "/api/v1/clusters/sec/events", lambda e, d: e == "view")
     assert all(secret not in text for text in served)
     assert secret not in json.dumps(events) and secret not in json.dumps(lines)
+
+
+def test_a_managed_job_is_listed_followed_and_its_output_streamed(server: Server) -> None:
+    """``flotilla jobs launch -d``: the API lists the managed job, streams its output to
+    the end, and reports it SUCCEEDED."""
+    task = server.cli.task("managed.yaml", "name: managed\nrun: echo managed says hi\n")
+    done = server.cli.ok("jobs", "launch", task, "-d", timeout=180)
+    assert done.returncode == 0
+    with server.client() as c:
+        listed = c.get("/api/v1/managed-jobs").json()["jobs"]
+        assert [(j["id"], j["name"]) for j in listed] == [(1, "managed")]
+        lines: list[str] = []
+
+        def ended(event: str, data: Any) -> bool:
+            lines.extend(data.get("lines", []))
+            return event == "end"
+
+        events = sse(c, "/api/v1/managed-jobs/1/output", ended)
+        assert events[-1] == ("end", {"status": "SUCCEEDED", "exit_code": 0}), events[-3:]
+        assert any("managed says hi" in line for line in lines), lines
+        assert c.get("/api/v1/managed-jobs/1").json()["state"] == "SUCCEEDED"
+        missing = c.get("/api/v1/managed-jobs/7")
+        assert missing.status_code == 404 and "no managed job 7" in missing.json()["error"]

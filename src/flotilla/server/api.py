@@ -253,7 +253,9 @@ def managed_finished(job_id: int) -> dict[str, Any] | None:
     from ..cli.managed.state import ManagedJobState
 
     found = managed_job(job_id)
-    return found if ManagedJobState(found["state"]).finished else None
+    if not ManagedJobState(found["state"]).finished:
+        return None
+    return {"status": found["state"], "exit_code": found["exit_code"]}
 
 
 def pools() -> list[dict[str, Any]]:

@@ -123,18 +123,6 @@ def clear_info() -> None:
             os.unlink(path)
 
 
-def get(path: str, timeout: float = 5.0) -> Any:
-    """GET ``path`` from the running server with the token; its JSON answer."""
-    running = info()
-    if running is None:
-        raise CLIError("no flotilla server is running (`flotilla server start` starts one)")
-    request = urllib.request.Request(
-        running["url"] + path, headers={"Authorization": f"Bearer {token(create=False)}"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.load(answer)
-
-
 def _missing_extra() -> str | None:
     import importlib.util
 
