@@ -161,6 +161,29 @@ def test_the_api_launches_follows_streams_measures_and_downs_a_cluster(server: S
             == 2
         )
 
+        ran = c.post(
+            "/api/v1/clusters/two/exec", json={"command": "echo exec says $FLOTILLA_NODE_RANK"}
+        )
+        assert ran.status_code == 201 and ran.json()["job"] == 2, ran.text
+        sse(c, "/api/v1/clusters/two/jobs/2/output", lambda event, data: event == "end")
+        text = c.get("/api/v1/clusters/two/jobs/2/output", params={"follow": "0"}).text
+        assert "exec says 0" in text and "exec says 1" in text, text
+        every = sse(
+            c,
+            "/api/v1/events",
+            lambda e, d: e == "event" and d["cluster"] == "two" and d["type"] == "NodeReady",
+        )
+        assert ("state", {"cluster": "two", "state": "UP"}) in every
+
+        stopped = c.post("/api/v1/clusters/two/stop")
+        assert stopped.status_code == 200, stopped.text
+        assert c.get("/api/v1/clusters/two").json()["state"] == "STOPPED"
+        again = c.post("/api/v1/clusters/two/exec", json={"command": "true"})
+        assert again.status_code == 409 and "is STOPPED" in again.json()["error"], again.text
+        started = c.post("/api/v1/clusters/two/start")
+        assert started.status_code == 200, started.text
+        assert c.get("/api/v1/clusters/two").json()["state"] in ("STARTING", "UP")
+
         down = c.delete("/api/v1/clusters/two")
         assert down.status_code == 200, down.text
         gone = c.get("/api/v1/clusters/two")
