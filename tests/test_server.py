@@ -499,3 +499,43 @@ def test_a_managed_job_is_listed_followed_and_its_output_streamed(server: Server
         assert c.get("/api/v1/managed-jobs/1").json()["state"] == "SUCCEEDED"
         missing = c.get("/api/v1/managed-jobs/7")
         assert missing.status_code == 404 and "no managed job 7" in missing.json()["error"]
+
+
+def test_the_command_line_works_without_the_server_extra(tmp_path: Path) -> None:
+    """Without Starlette and uvicorn (hidden from the interpreter), every other command
+    runs as before and loads neither; ``server start`` says which extra to install and
+    starts nothing."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('starlette', 'uvicorn'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+    )
+    cli = CLI(tmp_path / "home", tmp_path)
+    cli.env["PYTHONPATH"] = str(hide) + os.pathsep + cli.env["PYTHONPATH"]
+    assert "no clusters" in cli.ok("status").stdout
+    assert "server" in cli.ok("--help").stdout
+    refused = cli("server", "start", "--port", "0")
+    assert refused.returncode == 2, refused.stderr
+    assert "pip install 'flotilla[server]'" in refused.stderr
+    assert not (cli.home / "server" / "server.json").exists()
+    import subprocess
+    import sys
+
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from flotilla.cli.parser import build_parser; build_parser(); "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('starlette', 'uvicorn')))",
+        ],
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert loaded.stdout.strip() == "[]", loaded.stderr

@@ -124,9 +124,13 @@ def clear_info() -> None:
 
 
 def _missing_extra() -> str | None:
-    import importlib.util
-
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    """What the server needs and this environment lacks (the ``server`` extra), or None."""
+    missing = []
+    for module in ("starlette", "uvicorn"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
     if missing:
         return (
             f"flotilla server needs {' and '.join(missing)}: pip install 'flotilla[server]' "
