@@ -321,6 +321,8 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(server: Server) -> N
             "/api/v1/clusters", content=b"[1]", headers={"Content-Type": "application/json"}
         )
         assert listed.status_code == 400 and "JSON object" in listed.json()["error"]
+        named = c.post("/api/v1/clusters", params={"cluster": "-x"}, content=TASK)
+        assert named.status_code == 400 and "not a valid cluster name" in named.json()["error"]
         nodes = c.post("/api/v1/clusters", params={"nodes": "two"}, content=TASK)
         assert nodes.status_code == 400 and "nodes must be a whole number" in nodes.json()["error"]
 

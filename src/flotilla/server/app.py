@@ -38,9 +38,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._errors import ConfigurationError
 from .._version import __version__
 from ..cli.observe import TOP
-from ..cli.state import Paths, all_names, load
+from ..cli.state import Paths, all_names, check_name, load
 from . import api, control
 
 MAX_BODY = 1 << 20
@@ -344,8 +345,11 @@ async def all_events(request: Request) -> Response:
 async def launch(request: Request) -> Response:
     name = request.query_params.get("cluster") or f"flotilla-{os.urandom(2).hex()}"
     nodes = _int(request.query_params.get("nodes"), "nodes")
+    try:
+        check_name(name)
+    except ConfigurationError as e:
+        raise api.ApiError(400, str(e)) from None
     text, is_command = await _task_body(request)
-    api.paths_of(name)
     return JSONResponse(await _sync(api.launch, text, is_command, name, nodes), status_code=201)
 
 
