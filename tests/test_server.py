@@ -403,9 +403,17 @@ def test_server_status_and_stop(tmp_path: Path) -> None:
         assert cli("server", "status").returncode == 1
         again = start_server(cli)
         assert again.token == running.token and again.pid != running.pid
+        port = again.url.rsplit(":", 1)[1]
+        other = CLI(tmp_path / "other", tmp_path)  # another home, the same port: refused
+        taken = other("server", "start", "--port", port)
+        assert taken.returncode != 0 and "Address already in use" in taken.stderr, taken.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+        assert other("server", "status").returncode == 1
     finally:
         cli("server", "stop")
+        info = cli.home / "server" / "server.json"
         assert wait_until(lambda: not procs.alive(running.pid), timeout=60)
+        assert not info.exists()  # the second server, stopped too
 
 
 def test_a_foreground_server_answers_and_ends_with_ctrl_c(tmp_path: Path) -> None:
