@@ -183,9 +183,9 @@ async function clusterPage(name) {
   const outTitle = h("h2", {}, "Output");
   main.replaceChildren(
     h("section", {}, head),
-    h("section", {}, h("h2", {}, "Nodes"), h("table", { id: "nodes" }, h("thead", {}, h("tr", {},
+    h("section", {}, h("h2", {}, "Nodes"), pager, h("table", { id: "nodes" }, h("thead", {}, h("tr", {},
       ["node", "phase", "address", "cpu", "memory", "gpu", "calls"].map((t) => h("th", {}, t)))),
-    nodesBody), pager),
+    nodesBody)),
     h("section", {}, h("h2", {}, "Jobs"), h("table", { id: "jobs" }, h("thead", {}, h("tr", {},
       ["id", "name", "status", "nodes", "duration", "exit", ""].map((t) => h("th", {}, t)))),
     jobsBody)),
