@@ -190,7 +190,13 @@ def test_a_128_node_cluster_is_one_paged_table(tmp_path: Path, browser: object) 
                     phase="ready",
                     address=n.ip,
                     host=n.host,
-                    metrics={"cpu": float(i % 100), "mem_used": 1e9, "mem_total": 8e9},
+                    metrics={
+                        "cpu": float(i % 100),
+                        "mem_used": 1e9,
+                        "mem_total": 8e9,
+                        "gpu_util_0": 50.0,
+                        "gpu_util_1": float(i % 7),
+                    },
                     sampled=2.0,
                     running=0,
                     done=i,
@@ -227,6 +233,8 @@ def test_a_128_node_cluster_is_one_paged_table(tmp_path: Path, browser: object) 
         driver.get(f"{running.url}/#/cluster/big")  # type: ignore[attr-defined]
         assert wait_until(lambda: pager() == "page 1 of 3 (128 nodes)", timeout=60), pager()
         assert rows() == [str(i) for i in range(50)]
+        gpu = "return document.querySelector('#nodes tr[data-node=\"3\"] td.gpu').textContent"
+        assert driver.execute_script(gpu) == "50% 3%"  # type: ignore[attr-defined]
         for page, first, last in ((2, 50, 100), (3, 100, 128)):
             driver.execute_script(  # type: ignore[attr-defined]
                 "Array.from(document.querySelectorAll('.pager button'))"

@@ -195,13 +195,15 @@ async function clusterPage(name) {
   const record = (v) => {
     for (const n of v.nodes || []) {
       const m = n.metrics || {};
-      if (!history.has(n.node)) history.set(n.node, { cpu: [], mem: [], t: 0 });
+      if (!history.has(n.node)) history.set(n.node, { cpu: [], mem: [], gpu: [], t: 0 });
       const hist = history.get(n.node);
       if (n.sampled && n.sampled === hist.t) continue;
       hist.t = n.sampled;
       if (m.cpu !== undefined) hist.cpu.push(m.cpu);
       if (m.mem_total) hist.mem.push(100 * m.mem_used / m.mem_total);
-      for (const k of ["cpu", "mem"]) if (hist[k].length > HISTORY) hist[k].shift();
+      const gpus = Object.keys(m).filter((k) => k.startsWith("gpu_util_")).map((k) => m[k]);
+      if (gpus.length) hist.gpu.push(Math.max(...gpus));
+      for (const k of ["cpu", "mem", "gpu"]) if (hist[k].length > HISTORY) hist[k].shift();
     }
   };
 
@@ -211,7 +213,7 @@ async function clusterPage(name) {
     page = Math.min(page, pages - 1);
     nodesBody.replaceChildren(...nodes.slice(page * PAGE, (page + 1) * PAGE).map((n) => {
       const m = n.metrics || {};
-      const hist = history.get(n.node) || { cpu: [], mem: [] };
+      const hist = history.get(n.node) || { cpu: [], mem: [], gpu: [] };
       const gpus = Object.keys(m).filter((k) => k.startsWith("gpu_util_")).sort()
         .map((k) => `${m[k].toFixed(0)}%`).join(" ") || "-";
       return h("tr", { "data-node": n.node },
@@ -221,7 +223,7 @@ async function clusterPage(name) {
           spark(hist.cpu)),
         h("td", { class: "mem num" }, m.mem_total ? `${size(m.mem_used)}/${size(m.mem_total)}` : "-",
           spark(hist.mem, 100)),
-        h("td", { class: "gpu" }, gpus), h("td", { class: "num" }, `${n.running}/${n.done}`));
+        h("td", { class: "gpu" }, gpus, hist.gpu.length ? spark(hist.gpu, 100) : null), h("td", { class: "num" }, `${n.running}/${n.done}`));
     }));
     pager.replaceChildren(
       h("button", { onclick: () => { page--; drawNodes(); }, disabled: page === 0 }, "previous"),
