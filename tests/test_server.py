@@ -67,20 +67,33 @@ def server(tmp_path: Path) -> Iterator[Server]:
             assert wait_until(lambda: not alive(running.pid), timeout=60), "server left running"
 
 
-def sse(client: httpx.Client, path: str, until: Any, timeout: float = DEADLINE) -> list[Any]:
-    """The (event, data) pairs of an event stream, read until ``until(event, data)``."""
+def sse(
+    client: httpx.Client,
+    path: str,
+    until: Any,
+    timeout: float = DEADLINE,
+    headers: dict[str, str] | None = None,
+    ids: list[tuple[str, str]] | None = None,
+) -> list[Any]:
+    """The (event, data) pairs of an event stream, read until ``until(event, data)``;
+    ``ids`` gets the (event, id) of those that carry an id."""
     seen: list[Any] = []
     deadline = time.monotonic() + timeout
-    with client.stream("GET", path, timeout=httpx.Timeout(timeout)) as answer:
+    with client.stream("GET", path, timeout=httpx.Timeout(timeout), headers=headers) as answer:
         assert answer.status_code == 200, answer.read()
         assert answer.headers["content-type"].startswith("text/event-stream")
-        event = ""
+        event, ident = "", ""
         for line in answer.iter_lines():
-            if line.startswith("event: "):
+            if line.startswith("id: "):
+                ident = line[4:]
+            elif line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: "):
                 data = json.loads(line[6:])
                 seen.append((event, data))
+                if ids is not None and ident:
+                    ids.append((event, ident))
+                ident = ""
                 if until(event, data):
                     return seen
             assert time.monotonic() < deadline, f"no end in {path}: {seen[-5:]}"
@@ -128,10 +141,36 @@ def test_the_api_launches_follows_streams_measures_and_downs_a_cluster(server: S
                 end.update(data)
             return event == "end"
 
-        sse(c, "/api/v1/clusters/two/jobs/1/output", ended)
+        ids: list[tuple[str, str]] = []
+        frames = sse(c, "/api/v1/clusters/two/jobs/1/output", ended, ids=ids)
         assert end["status"] == "SUCCEEDED", (end, lines)
         for rank in (0, 1):
             assert sum(f"line 5 of rank {rank}" in line for line in lines) == 1, lines
+
+        # a client that reconnects (Last-Event-ID) goes on where it stopped, no line twice
+        first = frames[0][1]["lines"]
+        assert ids[0][0] == "output" and ids[0][1].isdigit()
+        after: list[str] = []
+
+        def rest(event: str, data: Any) -> bool:
+            after.extend(data.get("lines", []))
+            return event == "end"
+
+        resumed = {"Last-Event-ID": ids[0][1]}
+        sse(c, "/api/v1/clusters/two/jobs/1/output", rest, headers=resumed)
+        assert first + after == lines, (first, after, lines)
+        events: list[tuple[str, str]] = []
+        sse(c, "/api/v1/clusters/two/events", lambda e, d: e == "view", ids=events)
+        marks = [ident for event, ident in events if event == "event"]
+        later: list[tuple[str, str]] = []
+        sse(
+            c,
+            "/api/v1/clusters/two/events",
+            lambda e, d: e == "view",
+            headers={"Last-Event-ID": marks[-1]},
+            ids=later,
+        )  # only what came after the last event seen (none, or a few newer)
+        assert all(int(i) > int(marks[-1]) for e, i in later if e == "event"), (marks, later)
 
         detail = c.get("/api/v1/clusters/two").json()
         assert detail["state"] == "UP" and len(detail["nodes"]) == 2

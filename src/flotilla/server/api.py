@@ -430,14 +430,22 @@ def cancel_managed(job_id: int) -> dict[str, Any]:
 
 # -- following a file ------------------------------------------------------------------------
 class Tail:
-    """The complete lines added to a file since the last :meth:`read` (from its start)."""
+    """The complete lines added to a file since the last :meth:`read` (from ``offset``,
+    a byte offset: where an earlier reader stopped, or the file's start)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, offset: int = 0) -> None:
         self.path = path
-        self.offset = 0
+        self.offset = offset
         self.partial = b""
 
-    def read(self, limit: int = 1 << 20) -> list[str]:
+    @property
+    def position(self) -> int:
+        """The byte offset just past the last complete line read: where to resume."""
+        return self.offset - len(self.partial)
+
+    def entries(self, limit: int = 1 << 20) -> list[tuple[str, int]]:
+        """The new complete lines, each with the byte offset just past it."""
+        start = self.position
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -445,9 +453,16 @@ class Tail:
         except FileNotFoundError:
             return []
         self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        return [line.decode("utf-8", "replace") for line in lines]
+        raw = (self.partial + data).split(b"\n")
+        self.partial = raw.pop()
+        out = []
+        for line in raw:
+            start += len(line) + 1
+            out.append((line.decode("utf-8", "replace"), start))
+        return out
+
+    def read(self, limit: int = 1 << 20) -> list[str]:
+        return [line for line, _ in self.entries(limit)]
 
     def rest(self) -> list[str]:
         """What is left once the writer is done: the last line even without its newline."""

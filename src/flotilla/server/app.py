@@ -183,8 +183,18 @@ async def openapi(request: Request) -> Response:
 
 
 # -- streams ---------------------------------------------------------------------------------
-def _frame(event: str, data: Any) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+def _frame(event: str, data: Any, ident: int | None = None) -> bytes:
+    """One Server-Sent Event; ``ident`` (a byte offset in the file followed) is what the
+    client sends back as ``Last-Event-ID`` when it reconnects, to go on from there."""
+    head = f"id: {ident}\n" if ident is not None else ""
+    text = json.dumps(data, separators=(",", ":"))
+    return f"{head}event: {event}\ndata: {text}\n\n".encode()
+
+
+def _resume(request: Request) -> int:
+    """Where a reconnecting client stopped (its ``Last-Event-ID``), or 0: the start."""
+    given = request.headers.get("last-event-id", "").strip()
+    return int(given) if given.isdigit() else 0
 
 
 def _stream(source: AsyncIterator[bytes]) -> StreamingResponse:
@@ -202,22 +212,22 @@ def _stream(source: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 async def _output(
-    path: Path, finished: Callable[[], dict[str, Any] | None]
+    path: Path, finished: Callable[[], dict[str, Any] | None], start: int = 0
 ) -> AsyncIterator[bytes]:
-    """A log file's lines (``output`` events, a batch each), then ``end`` once ``finished``
-    says the job ended."""
-    tail = api.Tail(path)
+    """A log file's lines from byte ``start`` (``output`` events, a batch each, its id the
+    offset past it), then ``end`` once ``finished`` says the job ended."""
+    tail = api.Tail(path, start)
     idle = 0.0
     while True:
         lines = await _sync(tail.read)
         if lines:
             idle = 0.0
-            yield _frame("output", {"lines": lines})
+            yield _frame("output", {"lines": lines}, tail.position)
         end = await _sync(finished)
         if end is not None:
             rest = await _sync(tail.rest)
             if rest:
-                yield _frame("output", {"lines": rest})
+                yield _frame("output", {"lines": rest}, tail.offset)
             yield _frame("end", {"status": end.get("status"), "exit_code": end.get("exit_code")})
             return
         idle += POLL
@@ -234,13 +244,13 @@ async def job_output(request: Request) -> Response:
     if request.query_params.get("follow") in ("0", "false", "no"):
         lines = await _sync(api.Tail(path).rest)
         return PlainTextResponse("".join(line + "\n" for line in lines))
-    return _stream(_output(path, lambda: api.job_finished(name, job_id)))
+    return _stream(_output(path, lambda: api.job_finished(name, job_id), _resume(request)))
 
 
 async def managed_output(request: Request) -> Response:
     job_id = request.path_params["job"]
     path = await _sync(api.managed_log, job_id)
-    return _stream(_output(path, lambda: api.managed_finished(job_id)))
+    return _stream(_output(path, lambda: api.managed_finished(job_id), _resume(request)))
 
 
 def _top_stamp(paths: Paths) -> int:
@@ -251,20 +261,22 @@ def _top_stamp(paths: Paths) -> int:
 
 
 async def cluster_events(request: Request) -> Response:
-    """The cluster's events (``event``: from its start), its state when it changes
+    """The cluster's events (``event``: from its start, or from where ``Last-Event-ID``
+    says a reconnecting client stopped), its state when it changes
     (``state``) and its view when its metrics or nodes change (``view``: as
     ``GET /api/v1/clusters/NAME``)."""
     name = request.path_params["name"]
     paths, _ = await _sync(api.record_of, name)
+    start = _resume(request)
 
     async def source() -> AsyncIterator[bytes]:
-        tail = api.Tail(paths.dir / "events.jsonl")
+        tail = api.Tail(paths.dir / "events.jsonl", start)
         state, stamp, idle = "", -1, 0.0
         while True:
             sent = False
-            for line in await _sync(tail.read):
+            for line, end in await _sync(tail.entries):
                 try:
-                    yield _frame("event", json.loads(line))
+                    yield _frame("event", json.loads(line), end)
                     sent = True
                 except ValueError:
                     continue
