@@ -656,6 +656,7 @@ def serve(host: str, port: int, announce: Callable[[str], None] | None = None) -
         sock.close()
         raise SystemExit(f"flotilla server: cannot listen on {host}:{port}: {e.strerror}") from None
     sock.set_inheritable(False)
+    sock.listen(512)  # connections wait in the backlog from now on, until uvicorn serves
     actual = int(sock.getsockname()[1])
     config = uvicorn.Config(
         create_app(control.token()),
