@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _hosts import LabError, ensure_package
-from _procs import wait_until
+from _procs import alive, wait_until
 from test_cli import CLI
 from test_server import DEADLINE, Server, start_server
 
@@ -63,6 +63,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
     finally:
         cli.clean_up()
         cli("server", "stop", timeout=60)
+        if running is not None:
+            assert wait_until(lambda: not alive(running.pid), timeout=60), "server left running"
 
 
 JOB = """\
@@ -248,3 +250,5 @@ def test_a_128_node_cluster_is_one_paged_table(tmp_path: Path, browser: object) 
         daemon.kill()
         daemon.wait()
         cli("server", "stop", timeout=60)
+        if running is not None:
+            assert wait_until(lambda: not alive(running.pid), timeout=60), "server left running"
