@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._errors import ConfigurationError
 from .._version import __version__
-from ..cli.observe import TOP
+from ..cli.observe import EVENTS, TOP
 from ..cli.state import Paths, all_names, check_name, load
 from . import api, control
 
@@ -64,7 +64,6 @@ class Endpoint:
     query: tuple[tuple[str, str, str], ...] = ()  # (name, type, what)
     body: str = ""  # the request body's media type ('' for none)
     answer: str = "application/json"
-    tags: tuple[str, ...] = field(default=())
 
 
 class Streams:
@@ -270,7 +269,7 @@ async def cluster_events(request: Request) -> Response:
     start = _resume(request)
 
     async def source() -> AsyncIterator[bytes]:
-        tail = api.Tail(paths.dir / "events.jsonl", start)
+        tail = api.Tail(paths.dir / EVENTS, start)
         state, stamp, idle = "", -1, 0.0
         while True:
             sent = False
@@ -332,7 +331,7 @@ async def all_events(request: Request) -> Response:
                 if states.get(name) != state:
                     yield _frame("state", {"cluster": name, "state": state})
                     sent = True
-                tail = tails.setdefault(name, api.Tail(Paths(name).dir / "events.jsonl"))
+                tail = tails.setdefault(name, api.Tail(Paths(name).dir / EVENTS))
                 for line in await _sync(tail.read):
                     try:
                         yield _frame("event", {**json.loads(line), "cluster": name})
