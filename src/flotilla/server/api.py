@@ -18,14 +18,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError
 from .._redaction import MASK, looks_secret
-from ..cli.observe import EVENTS, TOP
+from ..cli.observe import TOP
 from ..cli.state import (
     ClusterRecord,
     ClusterState,
@@ -209,10 +208,6 @@ def job_finished(name: str, job_id: int) -> dict[str, Any] | None:
     except ApiError:
         return {"status": "GONE", "exit_code": None}
     return found if JobStatus(found["status"]).finished else None
-
-
-def events_file(name: str) -> Path:
-    return record_of(name)[0].dir / EVENTS
 
 
 # -- managed jobs and pools ------------------------------------------------------------------
@@ -476,7 +471,3 @@ class Tail:
             lines.append(self.partial.decode("utf-8", "replace"))
             self.partial = b""
         return lines
-
-
-def now() -> float:
-    return time.time()
