@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,7 @@ def main() -> None:
         subprocess.run(
             [sys.executable, "-m", "flotilla", "server", "stop"], env=env, capture_output=True
         )
+        shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
