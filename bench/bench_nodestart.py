@@ -8,8 +8,9 @@ the measuring process; SSH, as root: every process of the host's network namespa
 sshd daemon: the session's sshd, the start shell, the agent, the executors), the CPU it
 spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
 of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
-over the nodes, and the client's own CPU for the pool's start) per repetition and the
-medians as a markdown table, with the load (``/proc/loadavg``) of each repetition.
+over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
+repetition on stderr, and the medians as a markdown table with the load
+(``/proc/loadavg``) on stdout.
 
 ``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
 (e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
@@ -184,7 +185,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    print(f"compiled node code: built in {build_once():.3f} CPU-s (0 if it was there)")
+    print(
+        f"The compiled node code took {build_once():.3f} CPU-s to find or build (a client"
+        " process's import and source hash alone: ~0.08 s)."
+    )
     variants = [("after", SRC)]
     for before in args.before:
         name, _, src = before.rpartition("=")
@@ -232,6 +236,7 @@ def main() -> None:
                         f"({', '.join(f'{c * 1e3:.0f}' for c in got['per_node'])}), client "
                         f"{got['client'] * 1e3:.0f} ms, {got['took']:.2f} s; load {load()}"
                         + "".join(f"; {k} {v * 1e3:.0f}" for k, v in sorted(got["roles"].items())),
+                        file=sys.stderr,
                         flush=True,
                     )
     finally:

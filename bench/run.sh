@@ -67,6 +67,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## The server: the API and 100 event streams (issue 39)"
     echo
     .venv/bin/python bench/bench_server.py 2>/dev/null
+    echo
+    echo "## Node start CPU, every process of a start from /proc (issue 42)"
+    echo
+    .venv/bin/python bench/bench_nodestart.py --reps 5 $([ "$(id -u)" = 0 ] && echo --ssh) 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"
