@@ -123,13 +123,14 @@ class RunPod(Provider):
             )
         self._types(spec)
 
-    def _types(self, spec: PoolSpec) -> list[Any]:
+    def _types(self, spec: PoolSpec, listing: bool = False) -> list[Any]:
         types = self.api.query(GPU_TYPES, "list GPU types").get("gpuTypes") or []
-        return candidates(list(types), spec, self.settings)
+        return candidates(list(types), spec, self.settings, listing)
 
     def offers(self, spec: PoolSpec) -> list[Offer]:
-        """What RunPod offers now for one node of ``spec``, cheapest first."""
-        return [as_offer(c) for c in self._types(spec)]
+        """What RunPod offers now for one node of ``spec`` (every GPU type when it names
+        no accelerator), cheapest first."""
+        return [as_offer(c) for c in self._types(spec, listing=True)]
 
     async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
         allocation = RunPodAllocation(self.settings, self.api, spec)
