@@ -144,8 +144,12 @@ class RunPod(Provider):
     def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
         """Terminate the pods (found by their name) of pools whose client process on this
         machine is gone. Pools of clients on other machines are listed in ``skipped``, not
-        touched (their pods terminate themselves after ``ttl``)."""
-        from ..cloud.identity import orphaned
+        touched (their pods terminate themselves after ``ttl``). The local key folders of
+        pools whose client is gone are removed too."""
+        import shutil
+
+        from ..cloud.identity import dead_folders, orphaned
+        from .pool import FOLDER_PREFIX
 
         rows = self.api.call("GET", "/pods", "list pods") or []
         pools: set[str] = set()
@@ -162,4 +166,6 @@ class RunPod(Provider):
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
+                shutil.rmtree(folder, ignore_errors=True)
         return RunPodOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
