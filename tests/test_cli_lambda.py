@@ -108,3 +108,36 @@ def test_show_gpus_lists_every_markets_offers(
         ("lambda", "1.29"),
         ("runpod", "1.64"),
     ], shown
+
+
+def test_a_task_file_falls_back_from_runpod_to_lambda(
+    cli: CLI, lambda_lab: LambdaLab, runpod_lab: RunPodLab
+) -> None:
+    """``resources.ordered`` across the new markets: RunPod has no room for the A100s, the
+    cluster starts on Lambda (what RunPod created is given back)."""
+    runpod_lab.add_gpu("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, stock={"EU-RO-1": 1})
+    lambda_lab.add_type("gpu_1x_a100_sxm4", "A100 (40 GB SXM4)", 1, 129)
+    for lab in (lambda_lab, runpod_lab):
+        cli.env.update(lab.env)
+    task = cli.task(
+        "job.yaml",
+        """\
+        num_nodes: 2
+        resources:
+          accelerators: A100:1
+          ordered:
+            - infra: runpod
+            - infra: lambda
+        run: echo "ON $SKYPILOT_NODE_RANK $(hostname)"
+        """,
+    )
+    done = cli.ok(
+        "launch", "--down", task, "-c", "ordered", "--lambda-ssh-user", "root", timeout=300
+    )
+    on = node_lines(done.stdout, "ON")
+    assert sorted(on) == [0, 1] and all(h.split()[-1].startswith("lambda-") for h in on.values()), (
+        done
+    )
+    assert "candidate RunPod(" in done.stderr and "chose LambdaCloud(" in done.stderr
+    assert runpod_lab.live() == [] and len(runpod_lab.destroyed) == 1
+    assert lambda_lab.wait_gone(60) == []

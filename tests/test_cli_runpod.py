@@ -57,6 +57,8 @@ def test_show_gpus_and_check(cli: CLI, runpod_lab: RunPodLab) -> None:
     assert row[:6] == ["runpod", "A100", "SXM", "8", "15.12", "secure"], shown
     everywhere = cli.ok("show-gpus", "A100").stdout  # every configured market
     assert any(line.startswith("runpod ") for line in everywhere.splitlines()), everywhere
+    every_type = cli.ok("show-gpus", "--provider", "runpod").stdout  # no accelerator: all
+    assert [line.split()[1] for line in every_type.splitlines()[1:]] == ["RTX", "A100"], every_type
     checked = cli.ok("check", "--provider", "runpod").stdout
     assert any(line.split()[:2] == ["runpod", "ok"] for line in checked.splitlines()), checked
     bad = cli.ok("check", "--provider", "runpod", env={"RUNPOD_API_KEY": "wrong-key-1234567"})

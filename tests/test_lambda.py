@@ -6,12 +6,15 @@ network per region."""
 from __future__ import annotations
 
 import base64
+import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 
 import pytest
@@ -268,8 +271,11 @@ def test_kill9_instances_terminate_themselves_and_orphans_are_found(lambda_lab: 
         )
     found = sky.LambdaCloud().remove_orphans(dry_run=True)
     assert found.pools == ("deadbeef",) and len(lambda_lab.live()) == 2
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-lambda-{pool_id}-*"))
     found = sky.LambdaCloud().remove_orphans()
     assert found.pools == ("deadbeef",) and [i.name for i in lambda_lab.live()] == ["other"]
+    # the killed client's local key folder went too
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-lambda-{pool_id}-*")) == []
 
 
 def test_the_guard_terminates_an_instance_no_agent_reaches(lambda_lab: LambdaLab) -> None:
@@ -292,7 +298,10 @@ def test_the_guard_terminates_an_instance_no_agent_reaches(lambda_lab: LambdaLab
     (ident,) = provider.api.call("POST", "/instance-operations/launch", "launch", body)["data"][
         "instance_ids"
     ]
-    assert wait_until(lambda: ident in lambda_lab.terminated, 60), lambda_lab.console()
+    try:
+        assert wait_until(lambda: ident in lambda_lab.terminated, 60), lambda_lab.console()
+    finally:
+        shutil.rmtree(allocation.folder)
 
 
 def test_errors_are_provision_errors(lambda_lab: LambdaLab) -> None:

@@ -51,7 +51,7 @@ from .interpreter import check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
-from .skyward_settings import apply_placement, pool_provider, with_pool_settings, worker_of
+from .skyward_settings import pool_provider, worker_of
 from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
 from .store import Store, encode_answer
 
@@ -80,10 +80,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
-            a list of providers: fallback, see ``allocation``. Or Skyward's spelling, one
-            or more :class:`Spec` s given in order (``Compute(Spec(VastAI(), "A100"),
-            Spec(RunPod(), "A100"), selection="cheapest")``): each a candidate with its
-            own resources and settings, tried as ``selection`` says.
+            a list of providers: fallback, see ``allocation``; or :class:`Spec` s, each a
+            candidate with its own resources (``Compute(Spec(...), Spec(...))``).
         specs: the further :class:`Spec` s, after the first.
         nodes: number of nodes (>= 1; default: the specs' ``nodes``, else 1), or an
             elastic pool, as in Skyward: ``(desired, max)`` or :class:`flotilla.Nodes`
@@ -117,16 +115,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
         max_hourly_cost: the most the POOL may cost per hour, in USD (all its nodes): a
             provider that knows its prices (Vast, AWS when priced) refuses offers above it
             before renting.
-        max_node_hourly_cost: the most ONE NODE may cost per hour, in USD: offers above it
-            are not taken (Skyward's ``Spec(max_hourly_cost=)`` is this, per spec).
-        selection: Skyward's ``SelectionStrategy`` over several specs or providers:
-            ``"cheapest"`` (the default with specs: cheapest first, by their offers) or
-            ``"first"`` (in the order given).
-        region: the provider's region (its setting a task file's ``region`` gives: AWS
-            ``region``, Vast ``regions``, RunPod ``data_centers``, Lambda ``region``); a
-            ConfigurationError for a provider without one.
-        disk_gb: disk per node in GB (the provider's ``disk_gb``).
-        architecture: ``"x86_64"`` or ``"arm64"``, for a provider with that choice.
+        max_node_hourly_cost: the most ONE NODE may cost per hour, in USD (Skyward's
+            ``Spec(max_hourly_cost=)``). selection, region, disk_gb, architecture:
+            Skyward's, see ``docs/providers.md`` ("Skyward's spelling") and :class:`Spec`.
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
@@ -159,14 +150,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
         architecture: str | None = None,
         metrics: Any = DEFAULT,
     ) -> None:
-        provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection)
+        placement = (region, disk_gb, architecture)
+        provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection, placement)
         size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)
-        if provider is None:
-            from .._providers.local import Local
-
-            provider = Local()
-        provider = with_pool_settings(provider, ttl, allocation)
-        provider = apply_placement(provider, region, disk_gb, architecture)
         self.ttl = ttl
         self.allocation = allocation
         if options is None:

@@ -194,24 +194,36 @@ def _market(allocation: object) -> object:
 
 
 def pool_provider(
-    provider: Any, specs: tuple[Any, ...], ttl: object, allocation: object, selection: object
-) -> tuple[Any, int | None]:
-    """``Compute``'s provider from its first argument and further :class:`Spec` s (one spec:
-    its candidate; several: a fallback in ``selection``'s order), and the pool size the
-    specs set; without specs, ``provider`` as it is (a list ordered by ``selection`` when
-    given)."""
+    provider: Any,
+    specs: tuple[Any, ...],
+    ttl: object,
+    allocation: object,
+    selection: object,
+    placement: tuple[Any, Any, Any] = (None, None, None),
+) -> tuple[Provider, int | None]:
+    """``Compute``'s provider and the pool size its specs set (None: none does): from its
+    first argument (None: ``Local()``) and further :class:`Spec` s (one spec: its
+    candidate; several: a fallback in ``selection``'s order; a list of providers ordered
+    by ``selection`` when given), with Skyward's ``ttl`` and ``allocation``
+    (:func:`with_pool_settings`) and ``placement``, ``(region, disk_gb, architecture)``
+    (:func:`apply_placement`)."""
     from .._providers.fallback import SELECTIONS, Fallback, Spec
 
     if selection is not None and selection not in SELECTIONS:
         raise ConfigurationError(
             f"selection={selection!r}: use {' or '.join(map(repr, SELECTIONS))}"
         )
-    if not specs and not isinstance(provider, Spec):
-        if selection is not None and isinstance(provider, list | tuple):
-            return Fallback(list(provider), SELECTIONS[str(selection)]), None
-        return provider, None
-    given = (provider, *specs) if provider is not None else specs
-    candidates, nodes = candidates_of(tuple(given), ttl, allocation)
-    if len(candidates) == 1:
-        return candidates[0], nodes
-    return Fallback(candidates, SELECTIONS[str(selection or "cheapest")]), nodes
+    nodes = None
+    if specs or isinstance(provider, Spec):
+        given = (provider, *specs) if provider is not None else specs
+        candidates, nodes = candidates_of(tuple(given), ttl, allocation)
+        order = SELECTIONS[str(selection or "cheapest")]
+        provider = candidates[0] if len(candidates) == 1 else Fallback(candidates, order)
+    elif selection is not None and isinstance(provider, list | tuple):
+        provider = Fallback(list(provider), SELECTIONS[str(selection)])
+    elif provider is None:
+        from .._providers.local import Local
+
+        provider = Local()
+    provider = with_pool_settings(provider, ttl, allocation)
+    return apply_placement(provider, *placement), nodes

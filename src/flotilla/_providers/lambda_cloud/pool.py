@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.guard import contact_path, guard_command
-from ..cloud.identity import client_id
+from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin, user_data
 from ..cloud.rest import ApiError, RestApi
 from ..offers import Offer
@@ -175,7 +174,7 @@ class LambdaAllocation(CloudAllocation):
         self.instances: dict[str, dict[str, Any]] = {}
         self.hourly = 0.0
         self.ssh_key_id = ""
-        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
+        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
         self.known_hosts = os.path.join(self.folder, "known_hosts")
         self.login_key: KeyPair | None = None
         self.label = label(spec.pool_id, client_id())

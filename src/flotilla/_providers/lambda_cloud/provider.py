@@ -130,8 +130,11 @@ class LambdaCloud(Provider):
 
     def remove_orphans(self, dry_run: bool = False) -> LambdaOrphans:
         """Terminate the instances (found by their name) of pools whose client process on
-        this machine is gone, and delete those pools' SSH keys."""
-        from ..cloud.identity import orphaned
+        this machine is gone, and delete those pools' SSH keys and local key folders."""
+        import shutil
+
+        from ..cloud.identity import dead_folders, orphaned
+        from .pool import FOLDER_PREFIX
 
         api = self.api
         rows = data(api.call("GET", "/instances", "list instances")) or []
@@ -154,4 +157,7 @@ class LambdaCloud(Provider):
                 {"instance_ids": gone},
             )
             delete_keys(api, {f"flotilla-{p}" for p in pools})
+        if not dry_run:
+            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
+                shutil.rmtree(folder, ignore_errors=True)
         return LambdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

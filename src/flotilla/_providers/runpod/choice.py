@@ -59,29 +59,29 @@ class Candidate:
 
 
 def candidates(
-    types: list[dict[str, Any]], spec: PoolSpec, settings: RunPodSettings
+    types: list[dict[str, Any]], spec: PoolSpec, settings: RunPodSettings, listing: bool = False
 ) -> list[Candidate]:
     """Every candidate for one node of ``spec``, cheapest first (see the module
     docstring); ConfigurationError when the accelerator is none RunPod has, naming the
-    nearest."""
+    nearest. ``listing`` (the offers): without an accelerator, one GPU of every type."""
     acc = spec.accelerator
-    if acc is None:
+    if acc is None and not listing:
         raise ConfigurationError(
             "RunPod rents GPU pods: give the pool an accelerator (accelerator='A100', "
             "'RTX 4090:2'); `flotilla show-gpus --provider runpod` lists them"
         )
-    if acc.fractional:
+    if acc is not None and acc.fractional:
         raise ConfigurationError(
             f"RunPod has no fractions of a GPU: accelerator {acc} (use a whole count)"
         )
-    fits = [t for t in types if offered_as(acc, str(t.get("id") or ""), "runpod")]
-    if not fits:
+    fits = [t for t in types if acc is None or offered_as(acc, str(t.get("id") or ""), "runpod")]
+    if not fits and acc is not None:
         offered = [str(t.get("displayName") or t.get("id")) for t in types]
         raise ConfigurationError(unknown_name(acc.name, "RunPod", {"runpod": offered}))
     clouds = {"secure": ("SECURE",), "community": ("COMMUNITY",), "all": ("SECURE", "COMMUNITY")}
     markets = {"on-demand": (False,), "spot": (True,), "spot-if-available": (True, False)}
     out = []
-    count = int(acc.count)
+    count = int(acc.count) if acc is not None else 1
     for t in fits:
         if int(t.get("maxGpuCount") or 8) < count:
             continue

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
-from ..cloud.identity import client_id
+from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
@@ -81,7 +80,7 @@ class RunPodAllocation(CloudAllocation):
         self.pods: dict[str, dict[str, Any]] = {}
         self.hourly = 0.0
         self.chosen: dict[str, Candidate] = {}
-        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
+        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
         self.known_hosts = os.path.join(self.folder, "known_hosts")
         self.login_key: KeyPair | None = None
         self.label = label(spec.pool_id, client_id())

@@ -123,13 +123,14 @@ class RunPod(Provider):
             )
         self._types(spec)
 
-    def _types(self, spec: PoolSpec) -> list[Any]:
+    def _types(self, spec: PoolSpec, listing: bool = False) -> list[Any]:
         types = self.api.query(GPU_TYPES, "list GPU types").get("gpuTypes") or []
-        return candidates(list(types), spec, self.settings)
+        return candidates(list(types), spec, self.settings, listing)
 
     def offers(self, spec: PoolSpec) -> list[Offer]:
-        """What RunPod offers now for one node of ``spec``, cheapest first."""
-        return [as_offer(c) for c in self._types(spec)]
+        """What RunPod offers now for one node of ``spec`` (every GPU type when it names
+        no accelerator), cheapest first."""
+        return [as_offer(c) for c in self._types(spec, listing=True)]
 
     async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
         allocation = RunPodAllocation(self.settings, self.api, spec)
@@ -143,8 +144,12 @@ class RunPod(Provider):
     def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
         """Terminate the pods (found by their name) of pools whose client process on this
         machine is gone. Pools of clients on other machines are listed in ``skipped``, not
-        touched (their pods terminate themselves after ``ttl``)."""
-        from ..cloud.identity import orphaned
+        touched (their pods terminate themselves after ``ttl``). The local key folders of
+        pools whose client is gone are removed too."""
+        import shutil
+
+        from ..cloud.identity import dead_folders, orphaned
+        from .pool import FOLDER_PREFIX
 
         rows = self.api.call("GET", "/pods", "list pods") or []
         pools: set[str] = set()
@@ -161,4 +166,6 @@ class RunPod(Provider):
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
+                shutil.rmtree(folder, ignore_errors=True)
         return RunPodOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
