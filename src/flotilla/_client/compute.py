@@ -96,8 +96,8 @@ class Compute(PoolCollections, Pool):
             a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
             max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
-            Container and Kubernetes providers).
+            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; every
+            built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -242,6 +242,7 @@ class Compute(PoolCollections, Pool):
                 options.autoscale_idle_timeout,
                 options.autoscale_cooldown,
                 self.workers_per_node,
+                self._observer,
             )
             if size.elastic
             else None
@@ -351,7 +352,7 @@ class Compute(PoolCollections, Pool):
         if self.size.elastic and not self.provider.elastic:
             raise ConfigurationError(
                 f"nodes={self.size}: the {self.provider.name} provider has fixed-size pools "
-                "only (elastic pools: Local, SSH, Container and Kubernetes); "
+                "only (every built-in provider has elastic pools); "
                 "pass a number of nodes"
             )
         acc = spec.accelerator
