@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -83,7 +84,7 @@ class AWSAllocation(CloudAllocation):
         self.host_keys: dict[str, str] = {}  # instance id -> the public host key it got
         self.no_choice = ""
         self.ami: dict[str, Any] = {}
-        self._launches = 0
+        self._launches = itertools.count(1)  # (next() is atomic: launches run in threads)
         self.stopping = StopStart(self)
         self.hourly = 0.0
         self.instance_type = ""
@@ -207,10 +208,8 @@ class AWSAllocation(CloudAllocation):
         """Launch ``count`` instances with one RunInstances (all or none), trying the zones
         and markets in order; the instances in launch-index order, host key pinned."""
         assert self.choice is not None and self.login_key is not None
-        self._launches += 1
-        host_key = keygen(
-            self.folder, f"host_key_{self._launches}", f"flotilla-{self.spec.pool_id}"
-        )
+        launch = next(self._launches)  # an elastic pool's grow steps run at once
+        host_key = keygen(self.folder, f"host_key_{launch}", f"flotilla-{self.spec.pool_id}")
         settings = self.settings
         guard = guard_command(
             settings.ttl,
@@ -229,7 +228,7 @@ class AWSAllocation(CloudAllocation):
         failures: list[str] = []
         for market in markets:
             for zone in self.choice.zones:
-                params = self._launch_params(count, market, zone, data)
+                params = self._launch_params(count, market, zone, data, launch)
                 try:
                     with self.creating("instances", self.tag):
                         reply = self.api.raw("ec2", "run_instances", **params)
@@ -264,7 +263,11 @@ class AWSAllocation(CloudAllocation):
             cause=ProvisionCause.CAPACITY,
         )
 
-    def _launch_params(self, count: int, market: str, zone: str, data: str) -> dict[str, Any]:
+    def _launch_params(
+        self, count: int, market: str, zone: str, data: str, launch: int
+    ) -> dict[str, Any]:
+        """RunInstances' arguments (``launch``: the pool's launch number, in its
+        idempotency token)."""
         assert self.choice is not None
         params: dict[str, Any] = {
             "ImageId": self.ami["ImageId"],
@@ -272,7 +275,7 @@ class AWSAllocation(CloudAllocation):
             "MinCount": count,
             "MaxCount": count,
             "UserData": data,
-            "ClientToken": f"flotilla-{self.spec.pool_id}-{self._launches}-{market}-{zone}",
+            "ClientToken": f"flotilla-{self.spec.pool_id}-{launch}-{market}-{zone}",
             "InstanceInitiatedShutdownBehavior": "terminate",
             "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
             "NetworkInterfaces": [
