@@ -52,11 +52,12 @@ def test_a_slurm_pool_born_empty_submits_a_job_per_node_and_scales_to_zero(
         assert pool.current_nodes() == 0 and _jobs(slurm_cluster, pool_id) == []
         out = pool.map(slow_host, range(100))
         assert [i for i, _ in out] == list(range(100))
-        jobs = _jobs(slurm_cluster, pool_id)
-        assert 1 <= len(jobs) <= 3 and all(j.split()[2] == "RUNNING" for j in jobs)
+        jobs = _jobs(slurm_cluster, pool_id)  # (idle for 1 s, one may be ending)
+        assert 1 <= len(jobs) <= 3
+        assert all(j.split()[2] in ("RUNNING", "COMPLETING") for j in jobs), jobs
         assert {h for _, h in out} <= {"n1", "n2", "n3"}
         hosts = [h for _, h in slow_host(0) @ pool]
-        assert len(hosts) == len(set(hosts)) == pool.current_nodes()  # a node per job
+        assert len(hosts) == len(set(hosts))  # a node per job
         assert wait_until(lambda: pool.current_nodes() == 0, timeout=120)
         assert _until(lambda: _jobs(slurm_cluster, pool_id) == [], timeout=60)
         assert (slow_host(1) >> pool)[0] == 1
