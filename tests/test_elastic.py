@@ -160,6 +160,16 @@ def test_every_autoscaler_decision_is_a_scaling_decision_event(
         assert events.from_dict(events.as_dict(d)) == d
 
 
+def test_flotilla_events_shows_a_scaling_decision_as_its_console_line() -> None:
+    from flotilla import events
+    from flotilla.cli.observe import describe
+
+    why = "200 call(s) queued, 1 slot(s) a node"
+    decision = events.ScalingDecision(pool="p", from_nodes=0, to_nodes=4, reason=why)
+    line = describe(events.as_dict(decision))
+    assert line.split(" ", 1)[1] == f"autoscaler: 0 -> 4 node(s): {why}"
+
+
 def test_a_shrink_during_map_loses_no_call() -> None:
     """Decisions to shrink come while calls are being placed (the pool is under a third
     busy at every moment between short calls: no idle timeout, no cooldown): every call
