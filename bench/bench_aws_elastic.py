@@ -12,7 +12,9 @@ turn:
   4-node pool's start to its first broadcast result;
 * shrink: the same pool's ``resize(1)`` until EC2 bills 3 instances fewer (terminated);
 * to zero: a ``Nodes(1, max=4, min=0)`` pool with ``autoscale_idle_timeout=1``: from its
-  last result until no instance is billed, minus the idle timeout.
+  last result until no instance is billed, minus the idle timeout;
+* burst: 200 calls of 50 ms (``map``) from ``open`` to the last result on a fixed pool of 4,
+  against the same on ``Nodes(0, max=4, min=0)`` (launching its instances included).
 
 Prints a markdown table of medians (min-max) and each one less D where it launches.
 """
@@ -41,6 +43,12 @@ BILLED = ("pending", "running", "stopping", "stopped")
 @sky.function
 def node() -> int:
     return sky.instance_info().node
+
+
+@sky.function
+def work(i: int) -> int:
+    time.sleep(0.05)
+    return i
 
 
 def billed(lab: AwsLab, pool_id: str) -> int:
@@ -88,6 +96,11 @@ def one_round(lab: AwsLab) -> dict[str, float]:
         t0 = time.monotonic()
         pid = pool.pool_id
         out["zero"] = until(lambda: billed(lab, pid) == 0) - t0 - 1.0
+    for key, size in (("fixed", 4), ("burst", sky.Nodes(0, max=4, min=0))):
+        t0 = time.monotonic()
+        with sky.Compute(provider=provider, nodes=size) as pool:
+            assert pool.map(work, range(200)) == list(range(200))
+            out[key] = time.monotonic() - t0
     return out
 
 
@@ -127,15 +140,19 @@ def report(runs: list[dict[str, float]], reps: int, d: float) -> None:
         ("grow 1 -> 4: resize(4) to 4 nodes serving", "grow", True),
         ("shrink 4 -> 1: resize(1) to 3 instances terminated", "shrink", False),
         ("scale to zero: idle timeout over to no instance billed", "zero", False),
+        ("200 x 50 ms, fixed pool of 4: open to last result", "fixed", True),
+        ("200 x 50 ms, Nodes(0, max=4, min=0): open to last result", "burst", True),
     ]
     for what, key, launches in rows:
         print(f"| {what} | {spread(key)} | {spread(key, d) if launches else ''} |")
     wake = [r["wake"] / r["plain"] for r in runs]
     grow = [r["grow"] / r["plain4"] for r in runs]
+    burst = [r["burst"] / r["fixed"] for r in runs]
     print(
         f"\nWake / plain start: {statistics.median(wake):.2f}x "
         f"({min(wake):.2f}-{max(wake):.2f}); grow 1 -> 4 / plain 4-node start: "
-        f"{statistics.median(grow):.2f}x ({min(grow):.2f}-{max(grow):.2f})."
+        f"{statistics.median(grow):.2f}x ({min(grow):.2f}-{max(grow):.2f}); burst from zero "
+        f"/ fixed 4: {statistics.median(burst):.2f}x ({min(burst):.2f}-{max(burst):.2f})."
     )
 
 
