@@ -153,6 +153,13 @@ class AWSAllocation(CloudAllocation):
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
         known = [p for p in (spot_cost if spot else None, on_demand_cost) if p is not None]
         self.hourly = min(known) * spec.nodes if known else 0.0
+        node_limit = spec.max_node_hourly_cost
+        if node_limit is not None and known and min(known) > node_limit:
+            raise ProvisionError(
+                f"AWS {self.api.region}: one {choice.instance_type} costs ${min(known):.4g}/h, "
+                f"above max_node_hourly_cost=${node_limit:.4g}/h: nothing was launched",
+                cause=ProvisionCause.CAPACITY,
+            )
         limit = spec.max_hourly_cost
         least = max(spec.nodes, 1 if spec.max_nodes else 0)  # an elastic pool: its first node
         if limit is not None and known and min(known) * least > limit:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, container, k8s, local, plugin, slurm, ssh, vast
+from . import aws, container, k8s, lambda_cloud, local, plugin, runpod, slurm, ssh, vast
 from .base import Backend, ProviderSpec, ShellCommand, infra_name
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ BACKENDS: tuple[Backend[Any], ...] = (
     aws.BACKEND,
     k8s.BACKEND,
     vast.BACKEND,
+    runpod.BACKEND,
+    lambda_cloud.BACKEND,
     container.BACKEND,
 )
 """Every backend, the default (used when the command line names none) first."""
