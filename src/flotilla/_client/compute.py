@@ -1,5 +1,7 @@
-"""``Compute``: a pool of nodes and its lifecycle; the calls' dispatch and retry policy is
-in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
+"""``Compute``: a pool of nodes and its lifecycle. What its nodes start with is built by
+``startup.py`` (one frozen ``Startup``), its periodic work is ``heartbeat.py``'s, the call
+operators are ``calls.py``'s; the calls' dispatch and retry policy is in ``dispatch.py``,
+the replacement of lost nodes in ``renew.py``."""
 
 from __future__ import annotations
 
