@@ -2,8 +2,9 @@
 
 :class:`DaemonSocket` binds ``NAME.sock`` in the cluster's private folder, serves each
 connection of its own user on a thread (peer credentials checked), turns the requests into
-calls on its :class:`~flotilla.cli.daemon.ClusterDaemon` and streams a job's events back.
-It removes only the socket it bound itself, never a newer daemon's at the same path.
+calls on its daemon (a ``ClusterDaemon``, as far as :class:`Served` says) and streams a
+job's events back. It removes only the socket it bound itself, never a newer daemon's at
+the same path.
 """
 
 from __future__ import annotations
@@ -14,22 +15,40 @@ import os
 import socket
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import Any, Protocol
 
 from .._errors import FlotillaError
 from .._system.private import socket_address
 from .ipc import encode, peer_uid
 from .jobs import Job
 from .jobspec import JobSpec
+from .ledger import Allocation
+from .state import Paths
 
-if TYPE_CHECKING:
-    from .daemon import ClusterDaemon
+
+class Served(Protocol):
+    """What the socket asks of the daemon it serves (``daemon.ClusterDaemon``)."""
+
+    paths: Paths
+    error: str
+    autodown: bool
+    cv: threading.Condition
+    queue: deque[Job]
+    running: dict[int, tuple[Job, Allocation | None]]
+    jobs: dict[int, Job]
+    stopped: threading.Event
+
+    def submit(self, spec: JobSpec) -> Job: ...
+    def cancel(self, job: Job) -> None: ...
+    def set_autostop(self, minutes: float | None, down: bool) -> None: ...
+    def request_stop(self, delete_record: bool) -> None: ...
 
 
 class DaemonSocket:
     """A cluster daemon's UNIX socket server: bind, accept, serve requests, close."""
 
-    def __init__(self, daemon: ClusterDaemon) -> None:
+    def __init__(self, daemon: Served) -> None:
         self.daemon = daemon
         self.server: socket.socket | None = None
         self.inode = 0  # of the socket bound here, to remove only this one
