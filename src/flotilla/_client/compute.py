@@ -82,8 +82,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
             a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
             max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
-            Container and Kubernetes providers).
+            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; every
+            built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -215,6 +215,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
                 options.autoscale_idle_timeout,
                 options.autoscale_cooldown,
                 self.workers_per_node,
+                self._observer,
             )
             if size.elastic
             else None
