@@ -11,6 +11,7 @@ from .cmd_autostop import add_autostop_parser
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
+from .console import json_flag
 from .conventions import EXIT_CODES, count, index
 from .managed.commands import add_jobs_parser
 
@@ -122,10 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("status", help="the clusters: provider, nodes, state, age, idle time")
     q.add_argument("clusters", nargs="*")
+    json_flag(q)
     q.set_defaults(func=cmd_status)
 
     q = sub.add_parser("queue", help="a cluster's jobs")
     q.add_argument("cluster")
+    json_flag(q)
     q.set_defaults(func=cmd_queue)
 
     q = sub.add_parser("logs", help="a job's output (default: the latest job)")
