@@ -9,6 +9,7 @@ from typing import Any
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 
 TASK = f"""\
 num_nodes: 3
@@ -78,6 +79,7 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
     assert rec is not None
     shell = cli.ok("ssh", "cloud", "--node", "2", "--", "hostname -I; pwd")
     assert addrs[2] in shell.stdout.split() and rec.nodes[2].workdir in shell.stdout.split()
+    copy_check(cli, "cloud", 2, cli.cwd / "copies")  # cp over the same pinned ssh
     cli.ok("down", "cloud", timeout=120)
     states = {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)}
     assert states == {"terminated"}

@@ -58,7 +58,7 @@ from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observer, stat_rows
 from .outcome import results
 from .renew import Renewals
-from .skyward_settings import with_pool_settings, worker_of
+from .skyward_settings import named_pool, with_pool_settings, worker_of
 from .store import Store, encode_answer
 from .stream import Stream, Values, yields
 
@@ -128,6 +128,10 @@ class Compute(PoolCollections, Pool):
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
+        name: Skyward's named pool: a pool of the configuration files (``pools:`` in
+            ``~/.flotilla/config.yaml`` or the project's ``.flotilla.yaml``, see
+            docs/providers.md) gives the provider and the arguments above not given here
+            (``nodes=1``, the default, takes the pool's).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -151,7 +155,12 @@ class Compute(PoolCollections, Pool):
         *,
         max_hourly_cost: float | None = None,
         metrics: Any = DEFAULT,
+        name: str | None = None,
     ) -> None:
+        if name is not None:  # Skyward's named pool, from the configuration files
+            given = named_pool(name, dict(locals()))
+            provider, nodes, accelerator, image, vcpus, memory_gb, ttl = given[:7]
+            allocation, max_hourly_cost = given[7:]
         size = Nodes.of(nodes)
         if provider is None:
             from .._providers.local import Local

@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    if after:
+    if after and getattr(args, "takes_options", False):  # `rsync SRC DST -- RSYNC FLAGS`
+        args.options = after
+    elif after:
         if not getattr(args, "takes_rest", False):
-            parser.error("`--` is only for `flotilla ssh NAME -- CMD`")
+            parser.error("`--` is only for `flotilla ssh NAME -- CMD` and `rsync SRC DST -- ...`")
         args.remote = [*args.remote, *after]
     try:
         return int(args.func(args))

@@ -198,6 +198,7 @@ def fallback_spec(
     return FallbackSpec(
         candidates=tuple(json.dumps(s.to_dict()) for s in specs),
         allocation="ordered" if task.resources.ordered else "cheapest",
+        max_hourly_cost=task.resources.max_hourly_cost,
     )
 
 
