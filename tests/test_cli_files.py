@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -141,20 +142,60 @@ def test_a_crafted_archive_from_a_node_is_refused_writing_nothing(cli: CLI, tmp_
     assert not (tmp_path / "escaped").exists() and list(dest.iterdir()) == []
 
 
-def test_cp_and_rsync_on_an_ssh_cluster(cli: CLI, ssh_lab: Lab, tmp_path: Path) -> None:
-    """Over ssh with the cluster's key and pinned host keys (the lab's known_hosts)."""
+def test_cp_and_rsync_on_an_ssh_cluster_and_ssh_name_through_the_include(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """Over ssh with the cluster's key and pinned host keys (the lab's known_hosts); with
+    ``--yes`` launch adds the Include line to ~/.ssh/config, through which plain ``ssh
+    far-worker1`` reaches node 1."""
     hosts = ssh_lab.hosts[:2]
-    cli.ok(
-        "launch",
-        "echo up",
-        "-c",
-        "far",
-        "--nodes",
-        "2",
-        *ssh_flags(ssh_lab, hosts, tmp_path / "wd"),
+    home = tmp_path / "user"
+    home.mkdir()
+    cli.env["HOME"] = str(home)
+    flags = ssh_flags(ssh_lab, hosts, tmp_path / "wd")
+    cli.ok("launch", "echo up", "-c", "far", "--nodes", "2", "--yes", *flags)
+    config = home / ".ssh" / "config"
+    assert config.read_text().splitlines()[1] == f"Include {cli.home / 'ssh'}/*.config"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    plain = subprocess.run(
+        ["ssh", "-F", str(config), "-o", "BatchMode=yes", "far-worker1", "hostname"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
+    assert plain.stdout.split() == [hosts[1].hostname], plain.stderr
     round_trip(cli, "far", 1, tmp_path / "t")
     data = tmp_path / "t" / "data"
     cli.ok("rsync", f"{data}/", "far/1:mirror")
     listed = cli.ok("ssh", "far", "--node", "1", "--", "cat mirror/sub/b.txt; hostname")
     assert listed.stdout.split() == ["beta", hosts[1].hostname]
+
+
+def test_the_include_line_is_added_once_at_the_top_when_asked(cli: CLI, tmp_path: Path) -> None:
+    home = tmp_path / "user"
+    (home / ".ssh").mkdir(parents=True)
+    config = home / ".ssh" / "config"
+    config.write_text("Host old\n  HostName 10.0.0.1\n")
+    config.chmod(0o640)
+    env = {"HOME": str(home)}
+    done = cli("ssh-config", env=env)  # nobody to ask: refused, untouched
+    assert done.returncode == 2 and "add -y/--yes" in done.stderr
+    assert config.read_text() == "Host old\n  HostName 10.0.0.1\n"
+    cli.ok("ssh-config", "-y", env=env)
+    lines = config.read_text().splitlines()
+    assert lines[1] == f"Include {cli.home / 'ssh'}/*.config"  # before any Host block
+    assert lines[-2:] == ["Host old", "  HostName 10.0.0.1"]
+    assert stat.S_IMODE(config.stat().st_mode) == 0o640
+    again = cli.ok("ssh-config", "-y", env=env)
+    assert "includes the clusters' hosts" in again.stdout
+    assert config.read_text().count("Include ") == 1
+
+
+def test_an_ssh_block_is_the_login_of_flotilla_ssh() -> None:
+    from flotilla.cli.backends.base import ssh_block
+
+    login = ["-i", "/k", "-o", "UserKnownHostsFile=/kh", "-p", "2222", "root@1.2.3.4"]
+    assert ssh_block("c-worker1", login, "/w") == (
+        "Host c-worker1\n  HostName 1.2.3.4\n  User root\n  IdentityFile /k\n"
+        "  UserKnownHostsFile /kh\n  Port 2222\n  # working directory: /w\n"
+    )

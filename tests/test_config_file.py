@@ -16,7 +16,7 @@ from test_cli import cli as cli  # the fixture
 
 from flotilla import Compute, Image, Local, function, instance_info
 from flotilla._errors import ConfigurationError
-from flotilla._providers import config as configuration
+from flotilla._providers import config_files as configuration
 from flotilla.cli.backends import registry
 from flotilla.cli.parser import build_parser
 from flotilla.cli.state import all_names

@@ -96,11 +96,11 @@ NAMED = "provider nodes accelerator image vcpus memory_gb ttl allocation max_hou
 
 def named_pool(name: str, given: dict[str, Any]) -> tuple[Any, ...]:
     """``Compute(name=...)``'s arguments (:data:`NAMED`, in order): Skyward's named pool
-    (``Compute.Named``), from the configuration files (``_providers.config``: ``pools:
-    {NAME: ...}``), under the ones ``given``: an argument given wins; one not given (None,
-    or ``nodes=1``, the default) takes the pool's. The pool's provider is made only when
-    none is given."""
-    from .._providers.config import load
+    (its `Compute.Named`), from the configuration files (``_providers.config_files``:
+    ``pools: {NAME: ...}``), under the ones ``given``: an argument given wins; one not given
+    (None, or ``nodes=1``, the default) takes the pool's. The pool's provider is made only
+    when none is given."""
+    from .._providers.config_files import load
 
     if not isinstance(name, str) or not name.strip():
         raise ConfigurationError(f"Compute(name=...) names a pool: a string, got {name!r}")

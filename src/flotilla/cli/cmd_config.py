@@ -1,4 +1,4 @@
-"""``flotilla config show|validate``: the configuration files (``_providers.config``).
+"""``flotilla config show|validate``: the configuration files (``_providers.config_files``).
 
 ``show`` prints the merged configuration (the user's ``$FLOTILLA_HOME/config.yaml``, the
 project's ``.flotilla.yaml`` over it) as YAML, each value with the ``file:line`` it comes
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._providers import config as configuration
+from .._providers import config_files as configuration
 from .backends import registry
 from .console import say
 

@@ -288,6 +288,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # report stays the last thing said)
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)
+        from .sshconfig import offer
+
+        offer(paths.ssh_config, args.yes)  # `ssh NAME`: ~/.ssh/config's Include line
     return code
 
 

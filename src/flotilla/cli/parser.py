@@ -58,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="the local folder synced to the nodes, instead of the task's workdir",
         )
         q.add_argument(
-            "-y", "--yes", action="store_true", help="do not ask for confirmation (SkyPilot's)"
+            "-y",
+            "--yes",
+            action="store_true",
+            help="do not ask for confirmation; launch: add the Include line that lets `ssh "
+            "NAME` reach the cluster to ~/.ssh/config (see `flotilla ssh-config`)",
         )
         q.add_argument(
             "-d", "--detach", action="store_true", help="submit and return; do not follow"
@@ -215,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cmd_files import add_file_parsers
 
     add_file_parsers(sub)  # cp, download, rsync
+    from .sshconfig import add_parser as add_ssh_config
+
+    add_ssh_config(sub)  # ssh-config
     add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
     from .cmd_market import add_parsers
 

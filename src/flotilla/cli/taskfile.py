@@ -492,7 +492,7 @@ class _Parser:
     def config(self, node: yaml.Node, name: str) -> dict[str, dict[str, Any]]:
         """``config: {PROVIDER: {FIELD: VALUE}}``: each provider's settings (which fields
         exist is the provider's to say, when the task runs there)."""
-        from .._providers.config import ALIASES, KINDS
+        from .._providers.config_files import ALIASES, KINDS
 
         out: dict[str, dict[str, Any]] = {}
         for key, (key_node, section) in self.mapping(node, name, None).items():
@@ -901,7 +901,7 @@ class _Parser:
 
 def _plugin_kind(name: str) -> bool:
     """Whether another package registers a provider named ``name``."""
-    from .._providers.config import entry_points
+    from .._providers.config_files import entry_points
 
     return name in entry_points()
 

@@ -336,10 +336,10 @@ class Backend(ABC, Generic[S]):
         return replace(spec, max_hourly_cost=task.resources.max_hourly_cost)
 
     def file_values(self) -> dict[str, Any]:
-        """The configuration files' defaults of this provider (``_providers.config``: the
+        """The configuration files' defaults of this provider (``_providers.config_files``: the
         user's ``config.yaml``, the project's ``.flotilla.yaml`` over it), checked there;
         the fields the command line sets itself (:attr:`fixed`) are ``Compute``'s only."""
-        from ..._providers import config
+        from ..._providers import config_files as config
 
         if self.kind not in config.KINDS:
             return {}
@@ -483,7 +483,30 @@ class Backend(ABC, Generic[S]):
         here)."""
 
     def on_up(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord]) -> None:
-        """The cluster's nodes are running (e.g. write an ssh config for them)."""
+        """The cluster's nodes are running. Default: for a provider reached over ssh
+        (:meth:`ssh_login`), the cluster's ssh_config entries (``NAME``, ``NAME-workerK``,
+        the pool's key and pinned host keys), which ``~/.ssh/config`` includes (see
+        ``sshconfig``); a node whose login is unknown (yet) is left out."""
+        blocks = []
+        for node in nodes:
+            try:
+                login = self.ssh_login(paths, spec, nodes, node.node)
+            except (ConfigurationError, OSError):
+                continue
+            if login:
+                blocks.append(ssh_block(ssh_alias(paths.name, node.node), login, node.workdir))
+        if blocks:
+            from ..._system.private import private_dir
+
+            private_dir(paths.ssh_config.parent)
+            header = f"# flotilla cluster {paths.name}: generated, removed by `flotilla down`\n"
+            paths.ssh_config.write_text(header + "".join(blocks))
+
+    def ssh_login(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord], node: int) -> list[str]:
+        """The ``ssh`` arguments (options, then ``USER@HOST``) that log in to node ``node``
+        as its pool does, for a provider reached over ssh; empty for the others (their
+        channel is ``kubectl exec``, ``podman exec``, ``srun``, a local shell)."""
+        return []
 
     def stop_refusal(self, paths: Paths, spec: S) -> str:
         """Why ``flotilla stop`` cannot stop this cluster ('' when it can); default:
@@ -536,6 +559,32 @@ class Backend(ABC, Generic[S]):
     ) -> ShellCommand:
         """How to open a shell (``command`` empty) or run ``command`` in the working
         directory of node ``node`` of a running cluster."""
+
+
+def ssh_alias(cluster: str, node: int) -> str:
+    """A node's ``Host`` name in the cluster's ssh_config: ``NAME`` (the head) and
+    ``NAME-workerK``, as SkyPilot names them."""
+    return cluster if node == 0 else f"{cluster}-worker{node}"
+
+
+def ssh_block(alias: str, login: Sequence[str], workdir: str) -> str:
+    """The ssh_config ``Host`` block of ``ssh LOGIN`` (``-i KEY``, ``-p PORT``,
+    ``-o Key=Value``, then ``USER@HOST``)."""
+    user, _, host = login[-1].rpartition("@")
+    lines = [f"Host {alias}", f"  HostName {host}"] + ([f"  User {user}"] if user else [])
+    words = list(login[:-1])
+    while words:
+        flag = words.pop(0)
+        value = words.pop(0) if words else ""
+        if flag == "-i":
+            lines.append(f"  IdentityFile {value}")
+        elif flag == "-p":
+            lines.append(f"  Port {value}")
+        elif flag == "-o":
+            key, _, setting = value.partition("=")
+            lines.append(f"  {key} {setting}")
+    lines.append(f"  # working directory: {workdir}")
+    return "\n".join(lines) + "\n"
 
 
 def infra_name(infra: str | None) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..._errors import ConfigurationError
-from ..._providers.config import GROUP as GROUP
-from ..._providers.config import entry_points as entry_points
+from ..._providers.config_files import GROUP as GROUP
+from ..._providers.config_files import entry_points as entry_points
 from .base import Backend, Flag, ProviderSpec, ShellCommand
 
 if TYPE_CHECKING:
