@@ -74,7 +74,17 @@ def test_cp_and_download_on_a_local_cluster(cli: CLI, tmp_path: Path) -> None:
     assert rec is not None  # node 1's own folder got them, node 0's nothing
     assert (Path(rec.nodes[1].workdir) / "up" / "sub" / "b.txt").read_text() == "beta\n"
     assert not (Path(rec.nodes[0].workdir) / "up").exists()
-    cli.ok("cp", str(tmp_path / "t" / "data" / "a.txt"), "files:~/in-home.txt")
+    data = tmp_path / "t" / "data"
+    inside = CLI(cli.home, data)  # the same home, run from inside the folder
+    inside.env = cli.env
+    inside.ok("cp", ".", "files/1:code")  # `.`: the folder, under its own name
+    assert tree(Path(rec.nodes[1].workdir) / "code") == tree(data)
+    cli.ok("cp", "files/1:code/.", str(tmp_path / "whole"))  # a folder's content
+    assert tree(tmp_path / "whole") == tree(data)
+    done = cli("cp", "files/1:", str(tmp_path / "wd"))  # flotilla's link out of the folder
+    assert done.returncode != 0 and "links to" in done.stderr and "flotilla rsync" in done.stderr
+    assert not (tmp_path / "wd").exists()
+    cli.ok("cp", str(data / "a.txt"), "files:~/in-home.txt")
     home = cli.ok("ssh", "files", "--", "cat ~/in-home.txt").stdout
     assert home == "alpha\n"
 

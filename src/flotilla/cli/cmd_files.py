@@ -138,7 +138,7 @@ def upload(local: str, target: Remote) -> None:
     else as that name (its folder created)."""
     if not os.path.lexists(local):
         raise ConfigurationError(f"{local}: no such file or folder")
-    name = os.path.basename(os.path.normpath(local))
+    name = os.path.basename(os.path.abspath(local))  # `cp . dev:code`: the folder's name
     dest = target.shell_path
     script = (
         f"set -e; d={dest}; n={shlex.quote(name)}; "
@@ -181,12 +181,17 @@ def download(source: Remote, local: str) -> None:
             with tarfile.open(archive) as tar:
                 extract(tar, unpacked)
         except (UnsafeArchive, tarfile.TarError) as e:
-            raise CLIError(f"refused what the node sent: {e}") from None
-        got = os.path.join(unpacked, name if name not in (".", "") else "")
-        final = os.path.join(local, os.path.basename(path)) if into else local
-        if name in (".", ""):  # a whole folder's content
-            got, final = unpacked, local if not into else final
-        os.replace(got, final) if not os.path.isdir(final) else _merge(got, final)
+            raise CLIError(
+                f"refused what the node sent: {e} (nothing was written; `flotilla rsync` "
+                "copies links as links)"
+            ) from None
+        whole = name in (".", "")  # a folder's content (the working directory's)
+        got = unpacked if whole else os.path.join(unpacked, name)
+        final = local if whole or not into else os.path.join(local, name)
+        if os.path.isdir(final) and os.path.isdir(got):
+            _merge(got, final)
+        else:
+            os.replace(got, final)
 
 
 def _merge(src: str, dst: str) -> None:
