@@ -48,25 +48,27 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _lines(
-    data: dict[str, Any], prefix: str, indent: str, loaded: configuration.Config
+    data: dict[str, Any], prefix: str, indent: str, loaded: configuration.Config, above: str = ""
 ) -> list[str]:
     """``data`` as YAML, one key a line, each value followed by ``# file:line`` of the layer
-    that set it (a pool's settings from the provider's defaults: that default's)."""
+    that set it (a pool's settings from the provider's defaults: that default's; inside a
+    mapping value, the mapping's: ``above``)."""
     import yaml
 
     out = []
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict) and value:
-            out.append(f"{indent}{key}:")
-            out += _lines(value, full, indent + "  ", loaded)
-            continue
-        text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip()
-        text = text.removesuffix("...").strip()
         where = loaded.origin.get(full)
         parts = full.split(".")
         if where is None and len(parts) == 4 and parts[0] == "pools" and parts[2] == "settings":
             where = loaded.origin.get(f"{loaded.pools[parts[1]].provider}.{parts[3]}")
+        if isinstance(value, dict) and value:
+            out.append(f"{indent}{key}:")
+            out += _lines(value, full, indent + "  ", loaded, where or above)
+            continue
+        text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip()
+        text = text.removesuffix("...").strip()
+        where = where or above
         out.append(f"{indent}{key}: {text}" + (f"  # {where}" if where else ""))
     return out
 
