@@ -416,8 +416,9 @@ def _line(node: yaml.Node) -> int:
     return int(node.start_mark.line) + 1
 
 
-class _Parser:
-    """Turns the composed YAML tree into a Task, checking each field against its node."""
+class _TaskParser:
+    """Turns the composed YAML tree into a Task, checking each field against its node: the
+    task's fields here, ``resources`` and its fields in :class:`_Parser`."""
 
     def __init__(self, path: str) -> None:
         import yaml
@@ -678,6 +679,10 @@ class _Parser:
         except ConfigurationError as e:
             raise self.error(f"`{full}`: {e}", node, full) from None
 
+
+class _Parser(_TaskParser):
+    """The task parser with the checkers of ``resources`` and its fields."""
+
     def resources(self, node: yaml.Node, name: str) -> Resources:
         if self.value(node) is None:
             return Resources()
@@ -936,7 +941,7 @@ ENGINES = ("ray", "dask")
 
 _STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
 
-_Check = Callable[[_Parser, "yaml.Node", str], Any]
+_Check = Callable[[Any, "yaml.Node", str], Any]  # a _Parser's checker (self, node, name)
 
 _TASK_FIELDS: dict[str, _Check] = {
     "name": _Parser.text,
