@@ -77,5 +77,7 @@ def test_exec_dryrun_submits_nothing(cli: CLI, tmp_path: Path) -> None:
     assert "run: echo hello" in out and "--dryrun: nothing was submitted" in out
     rec = cli.record("dry")
     assert rec is not None and [j.id for j in rec.jobs] == [1]  # only launch's job
+    dashed = cli.ok("exec", "dry", "--dryrun", "--", "ls", "-la")  # words after `--`
+    assert "run: ls -la" in dashed.stdout
     done = cli("exec", "dry", "--dryrun", "--gpus", "A100:9", "echo", "x")
     assert done.returncode == 2  # refused as a real exec is: the check runs first

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if valued is not None:  # `flotilla ssh NAME --node 1 CMD ARGS`: CMD is not parsed
         parsed, after = split_command(argv[1:], valued)
         argv = [argv[0], *parsed]
-    elif "--" in argv:
+    elif "--" in argv and argv[0] != "exec":  # exec: argparse's `--`, words of the command
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
