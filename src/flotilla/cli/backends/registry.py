@@ -264,6 +264,19 @@ class FallbackBackend(Backend[FallbackSpec]):
                 errors.append(str(e))
         raise ConfigurationError("; ".join(errors) or "no candidate")
 
+    def ssh_login(
+        self, paths: Paths, spec: FallbackSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The login of the candidate whose nodes these are (the first that knows them)."""
+        for one in spec.specs():
+            try:
+                login = backend_for(one).ssh_login(paths, one, nodes, node)
+            except ConfigurationError:
+                continue
+            if login:
+                return login
+        return []
+
 
 FALLBACK = FallbackBackend()
 """A task's candidates (not a ``--provider``: found by its kind, see :func:`backend`)."""
