@@ -92,6 +92,20 @@ def test_the_layers_user_then_project_then_task_config_then_flags(here: Path) ->
     assert spec is not None and aws.settings_of(spec).region == "ap-south-1"
 
 
+def test_down_orphans_looks_where_the_configured_defaults_put_clusters(here: Path) -> None:
+    """``down --orphans --provider aws`` (no task) takes the files' region; a flag wins."""
+    user_file(here, "aws:\n  region: eu-west-1\n")
+
+    def region(*flags: str) -> str:
+        args = build_parser().parse_args(["down", "--orphans", "--provider", "aws", *flags])
+        spec = registry.spec_from_args(args)
+        assert spec is not None
+        return str(registry.backend("aws").settings_of(spec).region)
+
+    assert region() == "eu-west-1"
+    assert region("--region", "us-east-2") == "us-east-2"
+
+
 def test_defaults_of_the_default_provider_apply_without_provider_flag(here: Path) -> None:
     """``local:`` defaults reach a launch that names no provider (the default one); the
     fields command-line clusters set themselves stay Compute's."""

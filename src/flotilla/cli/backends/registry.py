@@ -142,6 +142,9 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
     spec: ProviderSpec = b.spec_from_args(args)
     if task is not None:
         spec = b.with_task(spec, task)
+    else:  # `down --orphans --provider aws`: where the configured defaults put clusters
+        settings = {**b.file_values(), **dict(spec.settings)}
+        spec = replace(spec, settings=tuple(settings.items()))
     b.check_spec(spec)  # the provider's own checks, before anything starts
     return spec
 
