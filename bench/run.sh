@@ -60,6 +60,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Worker slots and streaming (issue 30)"
     echo
     .venv/bin/python bench/bench_slots.py 2>/dev/null
+    echo
+    echo "## The server: the API and 100 event streams (issue 39)"
+    echo
+    .venv/bin/python bench/bench_server.py 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"

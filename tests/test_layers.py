@@ -119,7 +119,7 @@ def test_the_probe_notices_a_foreign_module() -> None:
 # -- one-way imports ---------------------------------------------------------------------------
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("flotilla", "flotilla.__main__"),  # the face: the public names, ``python -m flotilla``
-    ("flotilla.cli",),  # the command line
+    ("flotilla.cli", "flotilla.server"),  # the command line, and its HTTP server
     ("flotilla._client", "flotilla._output", "flotilla.plugins"),  # the client and its hooks
     ("flotilla._providers", "flotilla.providers"),  # where nodes come from
     (  # the specs a user builds, and what turns them into bytes (both sides of a pool)

@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .observe import add_parsers as add_observe
 
     add_observe(sub, logs)  # top, events, logs --export
+    from ..server.control import add_parser as add_server
+
+    add_server(sub)  # server start|stop|status: the HTTP API and dashboard
     return p
 
 

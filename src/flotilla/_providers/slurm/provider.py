@@ -40,7 +40,6 @@ released with the pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import shutil
@@ -51,8 +50,6 @@ from typing import Any
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
     AgentProcess,
-    AllocationState,
-    LostCallback,
     Machine,
     PoolSpec,
     Provider,
@@ -61,6 +58,7 @@ from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
 from ..local import user_code_path
 from ..options import provider_init
+from ..polling import PolledAllocation
 from .job import (
     HOLDER,
     Job,
@@ -318,7 +316,7 @@ class SrunShell(RemoteShell):
         return srun_error(machine.host, job, failure.status, failure.stderr)
 
 
-class SlurmAllocation(ShellAllocation):
+class SlurmAllocation(PolledAllocation, ShellAllocation):
     """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
 
     def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
@@ -329,7 +327,6 @@ class SlurmAllocation(ShellAllocation):
         self.job_of: dict[str, Job] = {}
         self.agents: list[AgentProcess] = []
         self.watch_interval = WATCH_INTERVAL
-        self._watcher: asyncio.Task[None] | None = None
         self.shell = SrunShell(self)
         self.python = provider.python
         self.workdir = provider.workdir or "~/.flotilla"
@@ -362,47 +359,30 @@ class SlurmAllocation(ShellAllocation):
         addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
         return self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
 
-    def watch(self, on_lost: LostCallback) -> None:
-        """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
-        FAIL or NOT_RESPONDING, or a job that ended under the pool (cancelled by an admin,
-        out of time), is reported lost. A dead step is noticed by the client anyway."""
-        super().watch(on_lost)
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to poll from
-            if self._watcher is None:
-                self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
+    async def lost_machines(self, machines: list[Machine]) -> dict[str, str]:
+        """A node SLURM marks DOWN, FAIL or NOT_RESPONDING, or a job that ended under the
+        pool (cancelled by an admin, out of time). A dead step is noticed by the client
+        anyway."""
         loop = asyncio.get_running_loop()
-        reported: set[str] = set()
-        while self.state is AllocationState.READY:
-            await asyncio.sleep(self.watch_interval)
-            machines = [m for m in self.machines if m.ident not in reported]
-            if not machines or self.state is not AllocationState.READY:
-                continue
-            nodes = await loop.run_in_executor(None, node_states, [m.host for m in machines])
-            ended = {}
-            for job in {self.job_of[m.ident] for m in machines}:
-                if await loop.run_in_executor(None, job_state, job.id) is None:
-                    ended[job.id] = job
-            if self.state is not AllocationState.READY:
-                break
-            for m in machines:
-                state, why = nodes.get(m.host, ("", ""))
-                job = self.job_of[m.ident]
-                if _LOST_STATES & set(state.split("+")):
-                    reason = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
-                elif job.id in ended:
-                    reason = f"SLURM job {job.id} ended (cancelled, or out of time)"
-                else:
-                    continue
-                reported.add(m.ident)
-                self.report_lost(m.rank, reason)
+        nodes = await loop.run_in_executor(None, node_states, [m.host for m in machines])
+        ended = {}
+        for job in {self.job_of[m.ident] for m in machines}:
+            if await loop.run_in_executor(None, job_state, job.id) is None:
+                ended[job.id] = job
+        lost = {}
+        for m in machines:
+            state, why = nodes.get(m.host, ("", ""))
+            job = self.job_of[m.ident]
+            if _LOST_STATES & set(state.split("+")):
+                lost[m.ident] = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
+            elif job.id in ended:
+                lost[m.ident] = f"SLURM job {job.id} ended (cancelled, or out of time)"
+        return lost
 
     async def free(self) -> None:
         """Stop the steps still running, then end every job the pool made (never one it
         runs inside) and wait until SLURM no longer lists them."""
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self.stop_watching()
         await asyncio.gather(
             *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,

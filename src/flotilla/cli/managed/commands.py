@@ -169,16 +169,7 @@ def _launch_pipeline(args: argparse.Namespace, pipeline: Pipeline) -> int:
         execution=pipeline.execution,
     )
     children = [
-        ManagedJobRecord(
-            id=0,
-            name=job.name,
-            num_nodes=job.num_nodes or 1,
-            provider=spec.to_dict(),
-            recovery=recovery.to_dict(),
-            submitted=now,
-            volumes=[v.to_node() for v in volumes],
-            index=i,
-        )
+        _record(job, spec, recovery, volumes, now, index=i)
         for i, (job, spec, recovery, volumes) in enumerate(planned)
     ]
     home.create_many([head, *children])
@@ -202,6 +193,27 @@ def _launch_pipeline(args: argparse.Namespace, pipeline: Pipeline) -> int:
         )
         return 0
     return follow(home, head.id, interrupt_hint=True)
+
+
+def _record(
+    job: JobSpec,
+    spec: ProviderSpec,
+    recovery: JobRecovery,
+    volumes: Sequence[Volume],
+    now: float,
+    index: int = 0,
+) -> ManagedJobRecord:
+    """A managed job's record, to create (``index``: its place in a pipeline)."""
+    return ManagedJobRecord(
+        id=0,
+        name=job.name,
+        num_nodes=job.num_nodes or 1,
+        provider=spec.to_dict(),
+        recovery=recovery.to_dict(),
+        submitted=now,
+        volumes=[v.to_node() for v in volumes],
+        index=index,
+    )
 
 
 def _start_pipeline(home: JobsHome, pipeline_id: int) -> None:
@@ -264,17 +276,7 @@ def start(
     from ..jobspec import task_id
 
     now = time.time()
-    rec = home.create(
-        ManagedJobRecord(
-            id=0,
-            name=job.name,
-            num_nodes=job.num_nodes or 1,
-            provider=spec.to_dict(),
-            recovery=recovery.to_dict(),
-            submitted=now,
-            volumes=[v.to_node() for v in volumes],
-        )
-    )
+    rec = home.create(_record(job, spec, recovery, volumes, now))
     with home.update(rec.id) as current:
         current.task_id = task_id(f"{rec.name}-{rec.id}", rec.id, now)
         rec = current
