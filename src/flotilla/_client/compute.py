@@ -1,5 +1,7 @@
-"""``Compute``: a pool of nodes and its lifecycle; the calls' dispatch and retry policy is
-in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
+"""``Compute``: a pool of nodes and its lifecycle. What its nodes start with is built by
+``startup.py`` (one frozen ``Startup``), its periodic work is ``heartbeat.py``'s, the call
+operators are ``calls.py``'s; the calls' dispatch and retry policy is in ``dispatch.py``,
+the replacement of lost nodes in ``renew.py``."""
 
 from __future__ import annotations
 
@@ -80,8 +82,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
             a list of providers: fallback, see ``allocation``.
         nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
             max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
-            Container and Kubernetes providers).
+            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; every
+            built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -222,6 +224,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
                 options.autoscale_idle_timeout,
                 options.autoscale_cooldown,
                 self.workers_per_node,
+                self._observer,
             )
             if size.elastic
             else None

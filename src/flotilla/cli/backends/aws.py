@@ -102,8 +102,9 @@ class AWSBackend(Backend[AWSSpec]):
         instances, delete its security and placement groups and the kept keys."""
         from ..._providers.aws import AWS
         from ..._providers.aws.kept import Keep
+        from ..._providers.aws.network import TAG_POOL
         from ..._providers.aws.orphans import delete_group, delete_placement_group, terminate
-        from ..._providers.aws.pool import RELEASE_TIMEOUT, TAG_POOL
+        from ..._providers.aws.steps import RELEASE_TIMEOUT
 
         keep = Keep(_keep_folder(paths.dir))
         kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
