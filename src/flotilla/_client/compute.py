@@ -51,7 +51,7 @@ from .interpreter import check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
-from .skyward_settings import pool_provider, worker_of
+from .skyward_settings import named_pool, pool_provider, worker_of
 from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
 from .store import Store, encode_answer
 
@@ -120,6 +120,10 @@ class Compute(PoolCollections, PoolCalls, Observed):
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
+        name: Skyward's named pool: a pool of the configuration files (``pools:`` in
+            ``~/.flotilla/config.yaml`` or the project's ``.flotilla.yaml``, see
+            docs/providers.md) gives the provider and the arguments above not given here
+            (``nodes`` not given takes the pool's).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -148,7 +152,12 @@ class Compute(PoolCollections, PoolCalls, Observed):
         disk_gb: float | None = None,
         architecture: str | None = None,
         metrics: Any = DEFAULT,
+        name: str | None = None,
     ) -> None:
+        if name is not None:  # Skyward's named pool, from the configuration files
+            given = named_pool(name, dict(locals()))
+            provider, nodes, accelerator, image, vcpus, memory_gb, ttl = given[:7]
+            allocation, max_hourly_cost = given[7:]
         placement = (region, disk_gb, architecture)
         provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection, placement)
         size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)

@@ -166,12 +166,9 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     )
     if shell.note:
         say(shell.note)
-    if shell.cwd is not None:
-        os.chdir(shell.cwd)
-    sys.stdout.flush()
-    if shell.env is None:
-        os.execvp(shell.argv[0], shell.argv)
-    os.execvpe(shell.argv[0], shell.argv, dict(shell.env))
+    from .cmd_files import exec_shell
+
+    exec_shell(shell)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
