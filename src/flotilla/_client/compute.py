@@ -51,8 +51,15 @@ from .interpreter import check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
-from .skyward_settings import pool_provider, worker_of
-from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
+from .skyward_settings import named_pool, pool_provider, worker_of
+from .startup import (
+    VOLUME_FLUSH_TIMEOUT,
+    Startup,
+    check_plugins,
+    prepare,
+    procs_per_node,
+    resource,
+)
 from .store import Store, encode_answer
 
 logger = logging.getLogger("flotilla")
@@ -86,8 +93,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
         nodes: number of nodes (>= 1; default: the specs' ``nodes``, else 1), or an
             elastic pool, as in Skyward: ``(desired, max)`` or :class:`flotilla.Nodes`
             ``(desired, max=..., min=...)`` (``min=0``: scale to zero; ``desired=0``:
-            lazy start; see ``elastic.py``; Local, SSH, Container and Kubernetes
-            providers).
+            lazy start; see ``elastic.py``; every built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -121,6 +127,10 @@ class Compute(PoolCollections, PoolCalls, Observed):
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
+        name: Skyward's named pool: a pool of the configuration files (``pools:`` in
+            ``~/.flotilla/config.yaml`` or the project's ``.flotilla.yaml``, see
+            docs/providers.md) gives the provider and the arguments above not given here
+            (``nodes`` not given takes the pool's).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -149,7 +159,12 @@ class Compute(PoolCollections, PoolCalls, Observed):
         disk_gb: float | None = None,
         architecture: str | None = None,
         metrics: Any = DEFAULT,
+        name: str | None = None,
     ) -> None:
+        if name is not None:  # Skyward's named pool, from the configuration files
+            given = named_pool(name, dict(locals()))
+            provider, nodes, accelerator, image, vcpus, memory_gb, ttl = given[:7]
+            allocation, max_hourly_cost = given[7:]
         placement = (region, disk_gb, architecture)
         provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection, placement)
         size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)
@@ -189,16 +204,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """The metrics the nodes sample (``flotilla.metrics``)."""
         self._observer = Observer(self.pool_id)
         check_plugins(self.plugins, options)
-        per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
-        self.procs_per_node = max(
-            [
-                per_accelerator if n is None else int(n)
-                for n in (getattr(p, "procs_per_node", 1) for p in self.plugins)
-            ]
-            + [1]
-        )
-        """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
-        None: one per accelerator)."""
+        self.procs_per_node = procs_per_node(self.plugins, self.accelerator)
+        """Processes per node (:func:`procs_per_node`)."""
         self.worker = worker_of(worker, options, self.procs_per_node)
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
@@ -227,6 +234,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
                 options.autoscale_idle_timeout,
                 options.autoscale_cooldown,
                 self.workers_per_node,
+                self._observer,
             )
             if size.elastic
             else None

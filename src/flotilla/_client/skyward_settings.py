@@ -227,3 +227,31 @@ def pool_provider(
         provider = Local()
     provider = with_pool_settings(provider, ttl, allocation)
     return apply_placement(provider, *placement), nodes
+
+
+NAMED = "provider nodes accelerator image vcpus memory_gb ttl allocation max_hourly_cost"
+"""``Compute``'s arguments a named pool may give, in :func:`named_pool`'s order."""
+
+
+def named_pool(name: str, given: dict[str, Any]) -> tuple[Any, ...]:
+    """``Compute(name=...)``'s arguments (:data:`NAMED`, in order): Skyward's named pool
+    (its `Compute.Named`), from the configuration files (``_providers.config_files``:
+    ``pools: {NAME: ...}``), under the ones ``given``: an argument given wins; one not given
+    (None) takes the pool's. The pool's provider is made only
+    when none is given."""
+    from .._providers.config_files import load
+
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigurationError(f"Compute(name=...) names a pool: a string, got {name!r}")
+    pool = load().pool(name)
+    out = dict(given)
+    for key, value in pool.arguments.items():
+        if key == "image":
+            value = pool.image()
+        elif key == "nodes" and isinstance(value, tuple | list):
+            value = tuple(value)
+        if out.get(key) is None:
+            out[key] = value
+    if out.get("provider") is None:
+        out["provider"] = pool.make_provider()
+    return tuple(out.get(key) for key in NAMED.split())

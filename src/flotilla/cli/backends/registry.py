@@ -145,6 +145,9 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
     spec: ProviderSpec = b.spec_from_args(args)
     if task is not None:
         spec = b.with_task(spec, task)
+    else:  # `down --orphans --provider aws`: where the configured defaults put clusters
+        settings = {**b.file_values(), **dict(spec.settings)}
+        spec = replace(spec, settings=tuple(settings.items()))
     b.check_spec(spec)  # the provider's own checks, before anything starts
     return spec
 
@@ -201,6 +204,7 @@ def fallback_spec(
     return FallbackSpec(
         candidates=tuple(json.dumps(s.to_dict()) for s in specs),
         allocation="ordered" if task.resources.ordered else "cheapest",
+        max_hourly_cost=task.resources.max_hourly_cost,
     )
 
 
@@ -265,6 +269,19 @@ class FallbackBackend(Backend[FallbackSpec]):
             except ConfigurationError as e:
                 errors.append(str(e))
         raise ConfigurationError("; ".join(errors) or "no candidate")
+
+    def ssh_login(
+        self, paths: Paths, spec: FallbackSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The login of the candidate whose nodes these are (the first that knows them)."""
+        for one in spec.specs():
+            try:
+                login = backend_for(one).ssh_login(paths, one, nodes, node)
+            except ConfigurationError:
+                continue
+            if login:
+                return login
+        return []
 
 
 FALLBACK = FallbackBackend()
