@@ -57,6 +57,7 @@ KINDS: Mapping[str, tuple[str, str, str, str]] = {
     "vast": ("vast.settings", "VastSettings", "vast", "VastAI"),
     "runpod": ("runpod.settings", "RunPodSettings", "runpod", "RunPod"),
     "lambda": ("lambda_cloud.settings", "LambdaSettings", "lambda_cloud", "LambdaCloud"),
+    "gcp": ("gcp.settings", "GCPSettings", "gcp", "GCP"),
     "container": ("container.settings", "ContainerSettings", "container", "Container"),
 }
 """Provider kind -> (settings module, settings class, provider module, provider class),
