@@ -13,6 +13,7 @@ from _gcp import PROJECT, GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fi
 from _procs import wait_until
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 
 TASK = """\
 num_nodes: 2
@@ -51,6 +52,7 @@ def test_task_file_with_infra_gcp_runs_on_two_nodes_and_costs_are_reported(
     (node1,) = [i for i in live if i.network_ip == rec.nodes[1].ip]
     shell = cli.ok("ssh", "g", "--node", "1", "--", "hostname")
     assert shell.stdout.split() == [node1.name], shell
+    copy_check(cli, "g", 1, cli.cwd / "copies")  # cp and download through ssh_login
     cli.ok("down", "g", "-y", timeout=120)
     assert gcp_lab.wait_gone(30) == []
     report = cli.ok("cost-report").stdout

@@ -80,11 +80,17 @@ class GCPBackend(Backend[GCPSpec]):
     def shell(
         self, paths: Paths, spec: GCPSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
-        from ..._providers.gcp.pool import ssh_login
-
-        login = ssh_login(nodes[node].ip)
+        login = self.ssh_login(paths, spec, nodes, node)
         tty, remote = remote_shell(nodes[node].workdir, command)
         return ShellCommand(("ssh", *login, *tty, remote))
+
+    def ssh_login(
+        self, paths: Paths, spec: GCPSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The instance's external address, the pool's key, its pinned host keys."""
+        from ..._providers.gcp.pool import ssh_login
+
+        return ssh_login(nodes[node].ip)
 
 
 BACKEND = GCPBackend()
