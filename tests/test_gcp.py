@@ -289,6 +289,7 @@ def _client(ttl: float, start_timeout: float = 60.0) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.timeout(480)  # a client process of its own: its start, under load
 def test_kill9_instances_delete_themselves_and_orphans_are_found(gcp_lab: GcpLab) -> None:
     """A client killed with SIGKILL: each instance's watchdog deletes it through the API
     with the instance's own service-account token, ttl s after the client's last contact;
@@ -376,6 +377,7 @@ with sky.Compute(provider=provider, nodes=2, options=options):
 """
 
 
+@pytest.mark.timeout(480)  # a client process of its own: its start, under load
 def test_ctrl_c_while_instances_boot_deletes_them_before_the_client_exits(
     gcp_lab: GcpLab,
 ) -> None:
@@ -388,9 +390,10 @@ def test_ctrl_c_while_instances_boot_deletes_them_before_the_client_exits(
         start_new_session=True,
     )
     try:
-        assert wait_until(
-            lambda: len(gcp_lab.live()) == 2 or proc.poll() is not None, timeout=120
-        ), "the client did not create its two instances"
+        if not wait_until(lambda: len(gcp_lab.live()) == 2 or proc.poll() is not None, timeout=240):
+            proc.kill()
+            said = proc.communicate()[1][-3000:]
+            pytest.fail(f"the client did not create its two instances: {said}")
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
