@@ -22,6 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError
 from .._image import Image, check_env
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._providers.fallback import Candidate
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import out_of_files
 from .._redaction import redact, redact_exception
@@ -350,14 +351,18 @@ class Compute(PoolCollections, PoolCalls, Observed):
             return
         self._allocation, procs = await self.provider.start(spec)
         chosen = getattr(self.provider, "chosen", None)
-        if isinstance(chosen, Provider):  # a fallback's: its home and interpreter policy
+        if isinstance(chosen, Provider):  # a fallback's: its home, interpreter, accelerator
             python = dataclasses.replace(
                 startup.python,
                 pinned=chosen.python_pinned,
                 home=str(chosen.home),
                 provider=type(chosen).__name__,
             )
-            startup = dataclasses.replace(startup, home=chosen.home, python=python)
+            # a Candidate's own accelerator is what its nodes have (instance_info)
+            own = chosen.accelerator if isinstance(chosen, Candidate) else None
+            startup = dataclasses.replace(
+                startup, home=chosen.home, python=python, accelerator=own or startup.accelerator
+            )
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
         self._bringup.begin(dataclasses.replace(startup, delivered=self._allocation.delivered_env))
