@@ -733,6 +733,32 @@ def test_an_ssh_clusters_nodes_work_in_one_path_and_a_local_clusters_apart(
         cli.ok("down", name)
 
 
+def test_down_removes_an_ssh_clusters_folders_on_its_hosts_and_only_its_own(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """``down`` (of a running cluster, and of a stopped one) removes
+    ``WORKDIR/clusters/NAME`` on each host, with what its jobs wrote there; another
+    cluster's folder (whose name starts with this one's) and the shared bundles stay."""
+    h0, h1 = ssh_lab.hosts[:2]
+    flags = ssh_flags(ssh_lab, [h0, h1], tmp_path / "wd")
+    cli.ok("launch", "echo made > made.txt", "-c", "one", "--nodes", "2", *flags)
+    cli.ok("launch", "echo up", "-c", "one-more", "--nodes", "2", *flags)
+    one, more = (cli.record(n) for n in ("one", "one-more"))
+    assert one is not None and more is not None
+    folder, other = one.nodes[0].workdir, more.nodes[0].workdir
+    for h in (h0, h1):
+        assert (h.path(folder) / "made.txt").is_file() and h.path(other).is_dir()
+    cli.ok("down", "one")
+    for h in (h0, h1):
+        assert not h.path(folder).exists(), h
+        assert h.path(other).is_dir() and (h.path(tmp_path / "wd") / "lib").is_dir()
+    cli.ok("stop", "one-more")
+    assert h0.path(other).is_dir()  # stop keeps the folders (for start)
+    cli.ok("down", "one-more")
+    for h in (h0, h1):
+        assert sorted(p.name for p in h.path(folder).parent.iterdir()) == []
+
+
 DEEPSPEED_TASK = """\
 num_nodes: 2
 workdir: .
