@@ -80,6 +80,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         .venv/bin/python bench/bench_slurm.py 2>/dev/null | sed 's/^## /### /'
         echo; echo "## AWS provider on moto and booting test hosts (issue 16)"; echo
         .venv/bin/python bench/bench_aws.py 2>/dev/null
+        echo; echo "## Elastic AWS pools on moto and booting test hosts (issue 37)"; echo
+        .venv/bin/python bench/bench_aws_elastic.py --reps 3 2>/dev/null
+        echo
+        .venv/bin/python bench/bench_elastic_labs.py --reps 3 2>/dev/null
         echo; echo "## Kubernetes provider on the test lab (issue 23)"; echo
         .venv/bin/python bench/bench_k8s.py 2>/dev/null
         echo; echo "## Vast.ai provider on the stand-in API (issue 24)"; echo

@@ -116,7 +116,7 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
     if pool.size.elastic and not provider.elastic:
         raise ConfigurationError(
             f"nodes={pool.size}: the {provider.name} provider has fixed-size pools "
-            "only (elastic pools: Local, SSH, Container and Kubernetes); "
+            "only (every built-in provider has elastic pools); "
             "pass a number of nodes"
         )
     acc = spec.accelerator

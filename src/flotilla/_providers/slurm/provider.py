@@ -35,6 +35,15 @@ steps and never cancels the job.
 **Replacing a node.** The pool's job is submitted with ``--no-kill`` so that it survives the
 failure of one of its nodes; a replacement is a new one-node job (excluding the lost node),
 released with the pool.
+
+**Elastic pools** (``nodes=(2, 8)``, ``Nodes(0, max=4, min=0)``): every node is a one-node
+job of its own (salloc, excluding the nodes the pool has), submitted as the pool grows and
+ended (the holder's stdin closed, the job gone from the queue) as it releases that node.
+``scontrol update JobId=... NumNodes=...`` is not used: SLURM can only shrink a running
+job that way (growing one was removed in 19.05), and a pool grows as often as it shrinks.
+A grow step whose job waits in the queue leaves the pool working at its size meanwhile.
+Inside an existing allocation the pool grows over that job's nodes (as the SSH provider
+over its spare hosts) and never ends the job.
 """
 
 from __future__ import annotations
@@ -99,6 +108,9 @@ class Slurm(Provider):
 
     name = "slurm"
     settings_type = SlurmSettings
+    elastic = True
+    """Elastic pools: a one-node job per node added, ended per node released (see the
+    module docstring)."""
 
     @provider_init(SlurmSettings)
     def __init__(self, *args: Any, settings: SlurmSettings | None = None, **options: Any) -> None:
@@ -134,17 +146,17 @@ class Slurm(Provider):
         if job is not None:
             nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
             have = len(hostnames(nodelist)) if nodelist else 0
-            if spec.nodes > have:
+            if spec.most > have:
                 raise ConfigurationError(
-                    f"the pool asks for {spec.nodes} nodes but runs inside SLURM job {job}, "
+                    f"the pool asks for {spec.most} nodes but runs inside SLURM job {job}, "
                     f"which has {have}: lower nodes= to at most {have}, submit the job with "
-                    f"--nodes={spec.nodes}, or pass Slurm(partition=...) for a new allocation"
+                    f"--nodes={spec.most}, or pass Slurm(partition=...) for a new allocation"
                 )
             return
         part = self._partition = self.partition_info()
-        if spec.nodes > part.nodes:
+        if spec.most > part.nodes:
             raise ConfigurationError(
-                f"the pool asks for {spec.nodes} nodes but partition {part.name!r} has "
+                f"the pool asks for {spec.most} nodes but partition {part.name!r} has "
                 f"{part.nodes}: lower nodes= or pick a larger partition (`sinfo -s` lists them)"
             )
         limit = part.max_time
@@ -256,15 +268,19 @@ class Slurm(Provider):
         if job is not None:
             names = await loop.run_in_executor(None, hostnames, os.environ["SLURM_JOB_NODELIST"])
             allocation = SlurmAllocation(self, spec, job=Job(job, None, names))
+        elif not spec.nodes:  # an elastic pool: a one-node job per node (``candidate``)
+            return SlurmAllocation(self, spec, job=None)
         else:
             argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
             held = await Job.submit(argv, self.settings.queue_timeout)
             allocation = SlurmAllocation(self, spec, job=held)
+        pool_job = allocation.job
+        assert pool_job is not None
         try:
-            names = allocation.job.nodes[: spec.nodes]
+            names = pool_job.nodes[: spec.nodes]
             addrs = await loop.run_in_executor(None, node_addresses, names)
             allocation.machines = [
-                allocation.new_machine(rank, name, addrs.get(name, name), allocation.job)
+                allocation.new_machine(rank, name, addrs.get(name, name), pool_job)
                 for rank, name in enumerate(names)
             ]
         except BaseException:
@@ -317,15 +333,22 @@ class SrunShell(RemoteShell):
 
 
 class SlurmAllocation(PolledAllocation, ShellAllocation):
-    """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
+    """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step.
 
-    def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
+    Attributes:
+        job: the pool's job, or the job it runs inside; None for an elastic pool of its
+            own, whose every node is a one-node job.
+        jobs: every job the pool made (and the one it runs inside).
+    """
+
+    def __init__(self, provider: Slurm, spec: PoolSpec, job: Job | None) -> None:
         super().__init__(spec, [])
         self.provider = provider
         self.job = job
-        self.jobs: list[Job] = [job]
+        self.jobs: list[Job] = [job] if job is not None else []
         self.job_of: dict[str, Job] = {}
         self.agents: list[AgentProcess] = []
+        self._adding: set[str] = set()  # nodes of candidates not admitted yet
         self.watch_interval = WATCH_INTERVAL
         self.shell = SrunShell(self)
         self.python = provider.python
@@ -333,7 +356,10 @@ class SlurmAllocation(PolledAllocation, ShellAllocation):
         self.ship = not provider.shares_filesystem
 
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
-        machine = Machine(rank, node, address, f"{job.id}:{node}")
+        ident = f"{job.id}:{node}"
+        if ident in self.machine_states:  # a node an elastic pool released, added again
+            ident += f"#{sum(1 for i in self.machine_states if i.startswith(ident + '#')) + 1}"
+        machine = Machine(rank, node, address, ident)
         self.job_of[machine.ident] = job
         return machine
 
@@ -347,17 +373,63 @@ class SlurmAllocation(PolledAllocation, ShellAllocation):
         """A new one-node job for ``rank`` (SLURM cannot add a node to a running job),
         avoiding the lost node."""
         old = self.machines[rank]
-        if not self.job.owned:
+        if self.job is not None and not self.job.owned:
             raise ProvisionError(
                 f"{old.host}: {reason}; the pool runs inside SLURM job {self.job.id}, whose "
                 "nodes it cannot replace"
             )
+        return await self._one_node_job(rank, [old.host])
+
+    async def _one_node_job(self, rank: int, exclude: Sequence[str]) -> Machine:
+        """A new one-node job (not on the nodes ``exclude``), its node as the machine for
+        ``rank``; once it runs (ProvisionError after the provider's ``queue_timeout``)."""
         loop = asyncio.get_running_loop()
-        argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, [old.host])
+        argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, exclude)
         job = await Job.submit(argv, self.provider.settings.queue_timeout)
         self.jobs.append(job)
-        addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
+        try:
+            addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
+        except BaseException:
+            self.jobs.remove(job)
+            await job.release()
+            raise
         return self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
+
+    # -- elastic pools: a node more, a node fewer -------------------------------------
+    async def candidate(self, rank: int) -> Machine | None:
+        """A node for ``rank`` (an elastic pool grows): a new one-node job on a node the
+        pool does not have; inside an existing allocation, the next of its nodes the pool
+        does not use (None when it uses them all)."""
+        using = {m.host for m in self.machines} | self._adding
+        if self.job is not None and not self.job.owned:
+            free = [n for n in self.job.nodes if n not in using]
+            if not free:
+                return None
+            self._adding.add(free[0])
+            loop = asyncio.get_running_loop()
+            try:
+                addrs = await loop.run_in_executor(None, node_addresses, free[:1])
+            except BaseException:
+                self._adding.discard(free[0])
+                raise
+            return self.new_machine(rank, free[0], addrs.get(free[0], free[0]), self.job)
+        machine = await self._one_node_job(rank, sorted(using))
+        self._adding.add(machine.host)
+        return machine
+
+    def admit(self, machine: Machine) -> Machine:
+        self._adding.discard(machine.host)
+        return super().admit(machine)
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """End the one-node job of a node the pool released (its steps drained first, see
+        ``_client/elastic.py``) or whose agent did not start; a node of the job the pool
+        runs inside is only free again."""
+        self._adding.discard(machine.host)
+        job = self.job_of.get(machine.ident)
+        if job is not None and job is not self.job and job in self.jobs:
+            self.jobs.remove(job)
+            await job.release()
 
     async def lost_machines(self, machines: list[Machine]) -> dict[str, str]:
         """A node SLURM marks DOWN, FAIL or NOT_RESPONDING, or a job that ended under the
