@@ -22,7 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError
 from .._image import Image, check_env
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._providers.fallback import Candidate, Spec
+from .._providers.fallback import Spec
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import out_of_files
 from .._redaction import redact, redact_exception
@@ -52,7 +52,14 @@ from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
 from .skyward_settings import named_pool, pool_provider, worker_of
-from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
+from .startup import (
+    VOLUME_FLUSH_TIMEOUT,
+    Startup,
+    check_plugins,
+    for_chosen,
+    prepare,
+    resource,
+)
 from .store import Store, encode_answer
 
 logger = logging.getLogger("flotilla")
@@ -371,19 +378,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
             await self._start_elastic(spec, startup, self._elastic)
             return
         self._allocation, procs = await self.provider.start(spec)
-        chosen = getattr(self.provider, "chosen", None)
-        if isinstance(chosen, Provider):  # a fallback's: its home, interpreter, accelerator
-            python = dataclasses.replace(
-                startup.python,
-                pinned=chosen.python_pinned,
-                home=str(chosen.home),
-                provider=type(chosen).__name__,
-            )
-            # a Candidate's own accelerator is what its nodes have (instance_info)
-            own = chosen.accelerator if isinstance(chosen, Candidate) else None
-            startup = dataclasses.replace(
-                startup, home=chosen.home, python=python, accelerator=own or startup.accelerator
-            )
+        startup = for_chosen(startup, getattr(self.provider, "chosen", None))
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
         self._bringup.begin(dataclasses.replace(startup, delivered=self._allocation.delivered_env))
