@@ -1114,6 +1114,33 @@ def test_an_ssh_cluster_takes_its_host_back_after_an_sshd_restart(
         ssh_lab.remove_host(host)
 
 
+def test_a_replaced_node_on_another_host_gets_the_clusters_ssh_keys(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """Node 1's agent is killed: the pool replaces it on the spare host, and the nodes
+    reach each other over SSH again (the new host has the cluster's keys, every node its
+    host key), as they did before."""
+    h0, h1, spare = ssh_lab.hosts[:3]
+    flags = ssh_flags(ssh_lab, [h0, h1, spare], tmp_path / "wd")
+    cli.ok("launch", "echo up", "-c", "moved", "--nodes", "2", *flags)
+    for pid in ssh_lab.agent_pids([h1])[h1.addr]:  # node 1's agent (and its shell)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def moved() -> bool:
+        rec = cli.record("moved")
+        return rec is not None and [n.ip for n in rec.nodes] == [h0.addr, spare.addr]
+
+    assert wait_until(moved, timeout=120)
+    other = f"$([ $SKYPILOT_NODE_RANK = 0 ] && echo {spare.addr} || echo {h0.addr})"
+    done = cli.ok("exec", "moved", f'echo "MESH $(ssh {other} hostname)"')
+    assert node_lines(done.stdout, "MESH") == {0: spare.hostname, 1: h0.hostname}, (
+        done.stdout + done.stderr
+    )
+    cli.ok("down", "moved")
+    assert ssh_lab.wait_no_agents([h0, h1, spare], timeout=10.0) == {}
+
+
 def test_interrupting_launch_down_stops_everything(cli: CLI, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
