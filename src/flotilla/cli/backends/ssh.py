@@ -83,24 +83,28 @@ class SSHBackend(Backend[SSHSpec]):
         paths.ssh_config.write_text(ssh_config(paths.name, spec, nodes))
 
     def on_down(self, paths: Paths, record: ClusterRecord) -> None:
-        """Remove the cluster's folder, ``WORKDIR/clusters/NAME`` (and the probe files a
-        crash may have left beside it), on each of its hosts, once its agents are gone:
-        what the cluster created there and nothing else (the bundles under ``WORKDIR/lib``
-        are shared by every pool). A host that cannot be reached is named, not waited for
-        past its connect timeout."""
-        from ..._providers.bootstrap import shell_path
-        from ..._providers.ssh import SSH
-
+        """Remove the cluster's folder, ``WORKDIR/clusters/NAME``, on each of its hosts
+        (:meth:`remove_folder`)."""
         try:
-            provider = self.make_provider(self.spec_from_dict(record.provider), paths.nodes)
+            spec = self.spec_from_dict(record.provider)
         except ConfigurationError as e:
             print(f"cluster {paths.name}: its hosts' folders are left: {e}", file=sys.stderr)
             return
-        assert isinstance(provider, SSH)
-        folder = shlex.quote(f"clusters/{paths.name}")
+        self.remove_folder(spec, f"clusters/{paths.name}")
+
+    def remove_folder(self, spec: SSHSpec, folder: str) -> None:
+        """Remove ``WORKDIR/folder`` (and the probe files a crash may have left beside it)
+        on each host, once the agents are gone: what a cluster created there and nothing
+        else (the bundles under ``WORKDIR/lib`` are shared by every pool). A host that
+        cannot be reached is named, not waited for past its connect timeout."""
+        from ..._providers.bootstrap import shell_path
+        from ..._providers.ssh import SSH
+
+        provider = SSH.from_settings(self.settings_of(spec))
+        quoted = shlex.quote(folder)
         command = (
             f"cd {shell_path(provider.settings.workdir)} 2>/dev/null || exit 0; "
-            f"rm -rf -- {folder} {folder}.probe-*"
+            f"rm -rf -- {quoted} {quoted}.probe-*"
         )
         ssh = provider.shell(lambda machine: provider.target(provider.hosts[0]))
         running = [
@@ -125,8 +129,7 @@ class SSHBackend(Backend[SSHSpec]):
             if proc.returncode != 0:
                 why = err.decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
                 print(
-                    f"cluster {paths.name}: {host.host}: its folder clusters/{paths.name} "
-                    f"could not be removed: {why[0]}",
+                    f"{host.host}: {folder} could not be removed: {why[0]}",
                     file=sys.stderr,
                 )
 

@@ -188,6 +188,8 @@ class Controller:
         finally:
             self._teardown()
             shutil.rmtree(self.home.nodes(self.id), ignore_errors=True)
+            with contextlib.suppress(Exception):  # its folder on the machines (SSH hosts)
+                self.backend.remove_folder(self.provider, f"managed/{self.id}")
         if state is ManagedJobState.SUCCEEDED:
             self.note(f"managed job {self.id} succeeded (recoveries: {self.policy.recoveries})")
         else:
