@@ -58,6 +58,7 @@ from .startup import (
     check_plugins,
     for_chosen,
     prepare,
+    procs_per_node,
     resource,
 )
 from .store import Store, encode_answer
@@ -204,16 +205,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """The metrics the nodes sample (``flotilla.metrics``)."""
         self._observer = Observer(self.pool_id)
         check_plugins(self.plugins, options)
-        per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
-        self.procs_per_node = max(
-            [
-                per_accelerator if n is None else int(n)
-                for n in (getattr(p, "procs_per_node", 1) for p in self.plugins)
-            ]
-            + [1]
-        )
-        """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
-        None: one per accelerator)."""
+        self.procs_per_node = procs_per_node(self.plugins, self.accelerator)
+        """Processes per node (:func:`procs_per_node`)."""
         self.worker = worker_of(worker, options, self.procs_per_node)
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (

@@ -55,13 +55,20 @@ KINDS: Mapping[str, tuple[str, str, str, str]] = {
     "aws": ("aws.settings", "AWSSettings", "aws", "AWS"),
     "k8s": ("k8s.settings", "KubernetesSettings", "k8s", "Kubernetes"),
     "vast": ("vast.settings", "VastSettings", "vast", "VastAI"),
+    "runpod": ("runpod.settings", "RunPodSettings", "runpod", "RunPod"),
+    "lambda": ("lambda_cloud.settings", "LambdaSettings", "lambda_cloud", "LambdaCloud"),
     "container": ("container.settings", "ContainerSettings", "container", "Container"),
 }
 """Provider kind -> (settings module, settings class, provider module, provider class),
 modules relative to ``flotilla._providers``: the kinds a configuration file configures
 (the command line's ``--provider`` names; a test checks they are the same)."""
 
-ALIASES: Mapping[str, str] = {"kubernetes": "k8s", "vastai": "vast"}
+ALIASES: Mapping[str, str] = {
+    "kubernetes": "k8s",
+    "vastai": "vast",
+    "lambda_cloud": "lambda",
+    "lambdacloud": "lambda",
+}
 """SkyPilot's and Skyward's names of a kind."""
 
 POOL_FIELDS: Mapping[str, str] = {
