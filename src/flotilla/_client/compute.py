@@ -56,6 +56,7 @@ from .startup import (
     VOLUME_FLUSH_TIMEOUT,
     Startup,
     check_plugins,
+    for_chosen,
     prepare,
     procs_per_node,
     resource,
@@ -355,15 +356,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
             await self._start_elastic(spec, startup, self._elastic)
             return
         self._allocation, procs = await self.provider.start(spec)
-        chosen = getattr(self.provider, "chosen", None)
-        if isinstance(chosen, Provider):  # a fallback's: its home and interpreter policy
-            python = dataclasses.replace(
-                startup.python,
-                pinned=chosen.python_pinned,
-                home=str(chosen.home),
-                provider=type(chosen).__name__,
-            )
-            startup = dataclasses.replace(startup, home=chosen.home, python=python)
+        startup = for_chosen(startup, getattr(self.provider, "chosen", None))
         self._allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = self._allocation
         self._bringup.begin(dataclasses.replace(startup, delivered=self._allocation.delivered_env))
