@@ -24,8 +24,8 @@ from .choice import InstanceChoice, choose_for
 from .kept import Keep, KeptPool
 from .keys import pool_folder, remove_folder, user_data
 from .network import TAG_POOL, PoolNetwork, public_cidr
+from .price import Bill, on_demand_price, spot_price
 from .price import describe as describe_price
-from .price import on_demand_price, spot_price
 from .settings import AWSSettings
 from .steps import RELEASE_TIMEOUT, nothing, run_all, show
 from .stopstart import StopStart
@@ -47,7 +47,8 @@ class AWSAllocation(CloudAllocation):
         stopping: the stop and start of a stoppable pool (``stopstart``).
         ami: the AMI's description (checked against the choice).
         no_choice: why a started pool cannot launch instances ("" when it can).
-        hourly: what the pool costs per hour when its price is known (0: unknown).
+        hourly: what the pool's instances cost per hour, by the prices found at its
+            launch (``price.Bill``; 0: none, or no price known).
         folder: the local folder with the pool's keys and known_hosts.
         keep: where a stoppable pool records its instances, and whether closing it stops
             them (see ``kept``); None: closing terminates everything.
@@ -86,7 +87,7 @@ class AWSAllocation(CloudAllocation):
         self.ami: dict[str, Any] = {}
         self._launches = itertools.count(1)  # (next() is atomic: launches run in threads)
         self.stopping = StopStart(self)
-        self.hourly = 0.0
+        self.bill = Bill()
         self.instance_type = ""
         self.image_id = ""
         self.python = settings.python or "python3"
@@ -152,7 +153,7 @@ class AWSAllocation(CloudAllocation):
         market = "spot" if spot else "on-demand"
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
         known = [p for p in (spot_cost if spot else None, on_demand_cost) if p is not None]
-        self.hourly = min(known) * spec.nodes if known else 0.0
+        self.bill.prices = {"spot": spot_cost if spot else None, "on-demand": on_demand_cost}
         limit = spec.max_hourly_cost
         least = max(spec.nodes, 1 if spec.max_nodes else 0)  # an elastic pool: its first node
         if limit is not None and known and min(known) * least > limit:
@@ -179,6 +180,8 @@ class AWSAllocation(CloudAllocation):
         # an elastic pool's instances are launched one by one as it grows (``candidate``)
         instances = await self._in_thread(self._run, spec.nodes) if spec.nodes else []
         self.machines = [self.machine_of(rank, inst) for rank, inst in enumerate(instances)]
+        for inst in instances:
+            self.bill.add(inst)
         self.state = AllocationState.READY
         if self.keep is not None:
             await self._in_thread(self.stopping.record, False)
@@ -349,6 +352,10 @@ class AWSAllocation(CloudAllocation):
     def machine_of(self, rank: int, inst: dict[str, Any]) -> Machine:
         return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
+    @property
+    def hourly(self) -> float:
+        return self.bill.hourly
+
     # -- agents ------------------------------------------------------------------------
     handover = "handed over in its user-data (or the AMI does not run cloud-init)"
 
@@ -417,6 +424,7 @@ class AWSAllocation(CloudAllocation):
             why = self.no_choice or f"the pool's allocation is {self.state.value}"
             raise ProvisionError(f"cannot add an instance to pool {self.tag}: {why}")
         (inst,) = await self._in_thread(self._run, 1)
+        self.bill.add(inst)
         return self.machine_of(rank, inst)
 
     async def give_back(self, machine: Machine, failed: bool) -> None:
@@ -435,6 +443,7 @@ class AWSAllocation(CloudAllocation):
         except ProvisionError as e:
             logger.warning("%s: %s", machine.ident, e)
             return
+        self.bill.remove(machine.ident)
         logger.info("%s terminated (%s)", machine.ident, "did not start" if failed else "released")
 
     # -- release -----------------------------------------------------------------------
@@ -462,6 +471,7 @@ class AWSAllocation(CloudAllocation):
 
         pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.tag]}]
         terminate(self.api, pool, set(self.instances), RELEASE_TIMEOUT)
+        self.bill.clear()
         group = self.security_group
         if not group:
             found = self.api.call(
