@@ -22,7 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError
 from .._image import Image, check_env
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._providers.fallback import Fallback
+from .._providers.fallback import Fallback, Spec
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import out_of_files
 from .._redaction import redact, redact_exception
@@ -51,8 +51,15 @@ from .interpreter import check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
-from .skyward_settings import with_pool_settings, worker_of
-from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
+from .skyward_settings import named_pool, pool_provider, worker_of
+from .startup import (
+    VOLUME_FLUSH_TIMEOUT,
+    Startup,
+    check_plugins,
+    prepare,
+    procs_per_node,
+    resource,
+)
 from .store import Store, encode_answer
 
 logger = logging.getLogger("flotilla")
@@ -80,11 +87,13 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
-            a list of providers: fallback, see ``allocation``.
-        nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
-            max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; every
-            built-in provider).
+            a list of providers: fallback, see ``allocation``; or :class:`Spec` s, each a
+            candidate with its own resources (``Compute(Spec(...), Spec(...))``).
+        specs: the further :class:`Spec` s, after the first.
+        nodes: number of nodes (>= 1; default: the specs' ``nodes``, else 1), or an
+            elastic pool, as in Skyward: ``(desired, max)`` or :class:`flotilla.Nodes`
+            ``(desired, max=..., min=...)`` (``min=0``: scale to zero; ``desired=0``:
+            lazy start; see ``elastic.py``; every built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -109,12 +118,19 @@ class Compute(PoolCollections, PoolCalls, Observed):
             ``"cheapest"`` (cheapest first, by their offers).
         worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
             one).
-        max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
+        max_hourly_cost: the most the POOL may cost per hour, in USD (all its nodes): a
             provider that knows its prices (Vast, AWS when priced) refuses offers above it
             before renting.
+        max_node_hourly_cost: the most ONE NODE may cost per hour, in USD (Skyward's
+            ``Spec(max_hourly_cost=)``). selection, region, disk_gb, architecture:
+            Skyward's, see ``docs/providers.md`` ("Skyward's spelling") and :class:`Spec`.
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
+        name: Skyward's named pool: a pool of the configuration files (``pools:`` in
+            ``~/.flotilla/config.yaml`` or the project's ``.flotilla.yaml``, see
+            docs/providers.md) gives the provider and the arguments above not given here
+            (``nodes`` not given takes the pool's).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -123,8 +139,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     def __init__(
         self,
-        provider: Provider | Sequence[Provider] | None = None,
-        nodes: int | tuple[int, int] | Nodes = 1,
+        provider: Provider | Sequence[Provider] | Spec | None = None,
+        *specs: Spec,
+        nodes: int | tuple[int, int] | Nodes | None = None,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
         plugins: Sequence[Any] = (),
@@ -135,16 +152,22 @@ class Compute(PoolCollections, PoolCalls, Observed):
         ttl: float | None = None,
         allocation: str | None = None,
         worker: Worker | None = None,
-        *,
         max_hourly_cost: float | None = None,
+        max_node_hourly_cost: float | None = None,
+        selection: str | None = None,
+        region: str | None = None,
+        disk_gb: float | None = None,
+        architecture: str | None = None,
         metrics: Any = DEFAULT,
+        name: str | None = None,
     ) -> None:
-        size = Nodes.of(nodes)
-        if provider is None:
-            from .._providers.local import Local
-
-            provider = Local()
-        provider = with_pool_settings(provider, ttl, allocation)
+        if name is not None:  # Skyward's named pool, from the configuration files
+            given = named_pool(name, dict(locals()))
+            provider, nodes, accelerator, image, vcpus, memory_gb, ttl = given[:7]
+            allocation, max_hourly_cost = given[7:]
+        placement = (region, disk_gb, architecture)
+        provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection, placement)
+        size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)
         self.ttl = ttl
         self.allocation = allocation
         if options is None:
@@ -171,6 +194,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
         self.max_hourly_cost = resource(
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
         )
+        self.max_node_hourly_cost = resource(
+            "max_node_hourly_cost", max_node_hourly_cost, "USD per hour for one node, e.g. 2"
+        )
         self.pool_id = secrets.token_hex(4)
         self.metrics_config = resolve(
             metrics, image.metrics if isinstance(image, Image) else DEFAULT
@@ -178,16 +204,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """The metrics the nodes sample (``flotilla.metrics``)."""
         self._observer = Observer(self.pool_id)
         check_plugins(self.plugins, options)
-        per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
-        self.procs_per_node = max(
-            [
-                per_accelerator if n is None else int(n)
-                for n in (getattr(p, "procs_per_node", 1) for p in self.plugins)
-            ]
-            + [1]
-        )
-        """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
-        None: one per accelerator)."""
+        self.procs_per_node = procs_per_node(self.plugins, self.accelerator)
+        """Processes per node (:func:`procs_per_node`)."""
         self.worker = worker_of(worker, options, self.procs_per_node)
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
@@ -288,6 +306,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
             memory_gb=self.memory_gb,
             max_nodes=self.size.most if self.size.elastic else 0,
             max_hourly_cost=self.max_hourly_cost,
+            max_node_hourly_cost=self.max_node_hourly_cost,
         )
 
     def open(self) -> Compute:
@@ -369,7 +388,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
         self._use(allocation)
         self._bringup.begin(_chosen(self.provider, startup))
         if isinstance(self.provider, Fallback):  # grows on one candidate of the list
-            elastic.move = lambda old: self._move(old, dataclasses.replace(spec, nodes=0), startup)
+            elastic.move = lambda old: _move(self, old, dataclasses.replace(spec, nodes=0), startup)
         if self.max_hourly_cost is not None:  # the autoscaler grows no further than it buys
             offers = await asyncio.get_running_loop().run_in_executor(
                 None, self.provider.offers, spec
@@ -393,17 +412,6 @@ class Compute(PoolCollections, PoolCalls, Observed):
         self._allocation = allocation
         allocation.watch(self._renewals.provider_lost)
         self._renewals.allocation = allocation
-
-    async def _move(self, old: Allocation, spec: PoolSpec, startup: Startup) -> Allocation | None:
-        """An empty elastic pool over a provider list whose candidate has no node: the next
-        candidate's allocation (``Fallback.acquire_next``), the old one released."""
-        assert isinstance(self.provider, Fallback)
-        new = await self.provider.acquire_next(spec)
-        if new is not None:
-            self._use(new)
-            self._bringup.begin(_chosen(self.provider, startup))
-            await old.release()
-        return new
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
@@ -539,6 +547,20 @@ def _quiet_interrupt() -> None:
 
     hook.flotilla = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+async def _move(
+    pool: Compute, old: Allocation, spec: PoolSpec, start: Startup
+) -> Allocation | None:
+    """An empty elastic pool over a provider list whose candidate has no node: the next
+    candidate's allocation (``Fallback.acquire_next``), the old one released."""
+    assert isinstance(pool.provider, Fallback)
+    new = await pool.provider.acquire_next(spec)
+    if new is not None:
+        pool._use(new)
+        pool._bringup.begin(_chosen(pool.provider, start))
+        await old.release()
+    return new
 
 
 def _chosen(provider: Provider, startup: Startup) -> Startup:

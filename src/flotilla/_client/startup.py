@@ -182,6 +182,14 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
     )
 
 
+def procs_per_node(plugins: Sequence[Any], accelerator: Accelerator | None) -> int:
+    """Processes per node: the most any plugin asks (``plugins.torch(procs_per_node=2)``;
+    its None: one per accelerator), at least 1."""
+    per_accelerator = accelerator.whole if accelerator is not None else 1
+    asked = (getattr(p, "procs_per_node", 1) for p in plugins)
+    return max([per_accelerator if n is None else int(n) for n in asked] + [1])
+
+
 def check_plugins(plugins: Sequence[Any], options: Options) -> None:
     """ConfigurationError for an object that is no plugin, a plugin that refuses another
     one, or one that needs cluster mode in a pool without it."""

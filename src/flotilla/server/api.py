@@ -96,7 +96,9 @@ def _view(paths: Paths) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _job(job: Any) -> dict[str, Any]:
+def job_data(job: Any) -> dict[str, Any]:
+    """One job of a cluster (a ``JobRecord``'s fields), as the API and ``queue --json``
+    show it."""
     return asdict(job)
 
 
@@ -123,9 +125,11 @@ def summary_of(name: str) -> dict[str, Any]:
     return summary(name, record_of(name)[1])
 
 
-def clusters() -> list[dict[str, Any]]:
-    out = []
-    for name in all_names():
+def clusters(names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every cluster's summary (``names``: those only; one that does not exist is listed
+    with state MISSING), as the API and ``flotilla status --json`` show them."""
+    out: list[dict[str, Any]] = []
+    for name in names or all_names():
         try:
             rec = load(Paths(name))
         except CorruptStateError as e:  # this cluster only: the others are listed
@@ -133,6 +137,8 @@ def clusters() -> list[dict[str, Any]]:
             continue
         if rec is not None:
             out.append(summary(name, rec))
+        elif names:
+            out.append({"name": name, "state": "MISSING", "error": "no such cluster"})
     return out
 
 
@@ -175,20 +181,20 @@ def cluster(name: str) -> dict[str, Any]:
         nodes=nodes,
         addresses=[n["address"] or n["ip"] for n in nodes],
         engines=rec.engines,
-        jobs=[_job(j) for j in rec.observed_jobs()],
+        jobs=[job_data(j) for j in rec.observed_jobs()],
     )
     return out
 
 
 def jobs(name: str) -> list[dict[str, Any]]:
-    return [_job(j) for j in record_of(name)[1].observed_jobs()]
+    return [job_data(j) for j in record_of(name)[1].observed_jobs()]
 
 
 def job(name: str, job_id: int) -> dict[str, Any]:
     paths, rec = record_of(name)
     for j in rec.observed_jobs():
         if j.id == job_id:
-            return _job(j)
+            return job_data(j)
     raise ApiError(404, f"cluster {paths.name} has no job {job_id} (see `flotilla queue`)")
 
 

@@ -47,8 +47,6 @@ class AWSAllocation(CloudAllocation):
         stopping: the stop and start of a stoppable pool (``stopstart``).
         ami: the AMI's description (checked against the choice).
         no_choice: why a started pool cannot launch instances ("" when it can).
-        hourly: what the pool's instances cost per hour, by the prices found at its
-            launch (``price.Bill``; 0: none, or no price known).
         folder: the local folder with the pool's keys and known_hosts.
         keep: where a stoppable pool records its instances, and whether closing it stops
             them (see ``kept``); None: closing terminates everything.
@@ -154,6 +152,13 @@ class AWSAllocation(CloudAllocation):
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
         known = [p for p in (spot_cost if spot else None, on_demand_cost) if p is not None]
         self.bill.prices = {"spot": spot_cost if spot else None, "on-demand": on_demand_cost}
+        node_limit = spec.max_node_hourly_cost
+        if node_limit is not None and known and min(known) > node_limit:
+            raise ProvisionError(
+                f"AWS {self.api.region}: one {choice.instance_type} costs ${min(known):.4g}/h, "
+                f"above max_node_hourly_cost=${node_limit:.4g}/h: nothing was launched",
+                cause=ProvisionCause.CAPACITY,
+            )
         limit = spec.max_hourly_cost
         least = max(spec.nodes, 1 if spec.max_nodes else 0)  # an elastic pool: its first node
         if limit is not None and known and min(known) * least > limit:
@@ -180,8 +185,7 @@ class AWSAllocation(CloudAllocation):
         # an elastic pool's instances are launched one by one as it grows (``candidate``)
         instances = await self._in_thread(self._run, spec.nodes) if spec.nodes else []
         self.machines = [self.machine_of(rank, inst) for rank, inst in enumerate(instances)]
-        for inst in instances:
-            self.bill.add(inst)
+        self.bill.add(*instances)
         self.state = AllocationState.READY
         if self.keep is not None:
             await self._in_thread(self.stopping.record, False)
@@ -352,11 +356,8 @@ class AWSAllocation(CloudAllocation):
     def machine_of(self, rank: int, inst: dict[str, Any]) -> Machine:
         return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
-    @property
-    def hourly(self) -> float:
-        return self.bill.hourly
-
     # -- agents ------------------------------------------------------------------------
+    hourly = property(lambda self: self.bill.hourly)  # its instances' $/h (``price.Bill``)
     handover = "handed over in its user-data (or the AMI does not run cloud-init)"
 
     def target(self, machine: Machine) -> Target:

@@ -98,11 +98,12 @@ class Bill:
         """The instances' total $/h (0: none, or no price known)."""
         return sum(self._billed.values())
 
-    def add(self, inst: dict[str, Any]) -> None:
-        """``inst`` (a DescribeInstances/RunInstances item) was launched."""
-        market = "spot" if inst.get("InstanceLifecycle") == "spot" else "on-demand"
-        known = [p for p in (self.prices.get(market), *self.prices.values()) if p]
-        self._billed[inst["InstanceId"]] = known[0] if known else 0.0
+    def add(self, *instances: dict[str, Any]) -> None:
+        """``instances`` (DescribeInstances/RunInstances items) were launched."""
+        for inst in instances:
+            market = "spot" if inst.get("InstanceLifecycle") == "spot" else "on-demand"
+            known = [p for p in (self.prices.get(market), *self.prices.values()) if p]
+            self._billed[inst["InstanceId"]] = known[0] if known else 0.0
 
     def remove(self, instance_id: str) -> None:
         """``instance_id`` was terminated."""

@@ -40,6 +40,11 @@ from .pool import VastAllocation, parse_label
 from .settings import VastSettings
 
 
+def configured() -> bool:
+    """Whether this machine has a Vast key (``market.configured``)."""
+    return bool(find_key(None)[0])
+
+
 @dataclass(frozen=True)
 class VastOrphans:
     """What :meth:`VastAI.remove_orphans` found (and destroyed unless a dry run).

@@ -169,12 +169,18 @@ class AWSBackend(Backend[AWSSpec]):
     def shell(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
+        login = self.ssh_login(paths, spec, nodes, node)
+        tty, remote = ssh_shell(nodes[node].workdir, command)
+        return ShellCommand(("ssh", *login, *tty, remote))
+
+    def ssh_login(
+        self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The pool's login key and pinned host key, as its ssh user at the node's address."""
         from ..._providers.aws.keys import ssh_login
 
         address = nodes[node].ip
-        login = [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
-        tty, remote = ssh_shell(nodes[node].workdir, command)
-        return ShellCommand(("ssh", *login, *tty, remote))
+        return [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
 
 
 SPOT_CANNOT_STOP = (

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, FlotillaError
 from ..._system import procs
-from ..console import say
+from ..console import json_flag, print_json, say
 from .cleanup import reap_leftovers
 from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
@@ -392,6 +392,10 @@ def cmd_jobs_queue(args: argparse.Namespace) -> int:
 
     home = JobsHome()
     revive(home)
+    if args.json:
+        from ...server.api import managed_jobs
+
+        return print_json({"jobs": managed_jobs()})
     records = home.all()
     if not records:
         print("no managed jobs (`flotilla jobs launch TASK` starts one)")
@@ -536,6 +540,7 @@ def add_jobs_parser(sub: Any, job_flags: Any, provider_flags: Any) -> argparse.A
     q.set_defaults(func=cmd_jobs_launch)
 
     q = jobs.add_parser("queue", help="every managed job: state, recoveries, durations")
+    json_flag(q)
     q.set_defaults(func=cmd_jobs_queue)
 
     q = jobs.add_parser("logs", help="a managed job's output (every attempt's)")
