@@ -733,6 +733,32 @@ def test_an_ssh_clusters_nodes_work_in_one_path_and_a_local_clusters_apart(
         cli.ok("down", name)
 
 
+def test_down_removes_an_ssh_clusters_folders_on_its_hosts_and_only_its_own(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """``down`` (of a running cluster, and of a stopped one) removes
+    ``WORKDIR/clusters/NAME`` on each host, with what its jobs wrote there; another
+    cluster's folder (whose name starts with this one's) and the shared bundles stay."""
+    h0, h1 = ssh_lab.hosts[:2]
+    flags = ssh_flags(ssh_lab, [h0, h1], tmp_path / "wd")
+    cli.ok("launch", "echo made > made.txt", "-c", "one", "--nodes", "2", *flags)
+    cli.ok("launch", "echo up", "-c", "one-more", "--nodes", "2", *flags)
+    one, more = (cli.record(n) for n in ("one", "one-more"))
+    assert one is not None and more is not None
+    folder, other = one.nodes[0].workdir, more.nodes[0].workdir
+    for h in (h0, h1):
+        assert (h.path(folder) / "made.txt").is_file() and h.path(other).is_dir()
+    cli.ok("down", "one")
+    for h in (h0, h1):
+        assert not h.path(folder).exists(), h
+        assert h.path(other).is_dir() and (h.path(tmp_path / "wd") / "lib").is_dir()
+    cli.ok("stop", "one-more")
+    assert h0.path(other).is_dir()  # stop keeps the folders (for start)
+    cli.ok("down", "one-more")
+    for h in (h0, h1):
+        assert sorted(p.name for p in h.path(folder).parent.iterdir()) == []
+
+
 DEEPSPEED_TASK = """\
 num_nodes: 2
 workdir: .
@@ -1086,6 +1112,33 @@ def test_an_ssh_cluster_takes_its_host_back_after_an_sshd_restart(
         assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
     finally:
         ssh_lab.remove_host(host)
+
+
+def test_a_replaced_node_on_another_host_gets_the_clusters_ssh_keys(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """Node 1's agent is killed: the pool replaces it on the spare host, and the nodes
+    reach each other over SSH again (the new host has the cluster's keys, every node its
+    host key), as they did before."""
+    h0, h1, spare = ssh_lab.hosts[:3]
+    flags = ssh_flags(ssh_lab, [h0, h1, spare], tmp_path / "wd")
+    cli.ok("launch", "echo up", "-c", "moved", "--nodes", "2", *flags)
+    for pid in ssh_lab.agent_pids([h1])[h1.addr]:  # node 1's agent (and its shell)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def moved() -> bool:
+        rec = cli.record("moved")
+        return rec is not None and [n.ip for n in rec.nodes] == [h0.addr, spare.addr]
+
+    assert wait_until(moved, timeout=120)
+    other = f"$([ $SKYPILOT_NODE_RANK = 0 ] && echo {spare.addr} || echo {h0.addr})"
+    done = cli.ok("exec", "moved", f'echo "MESH $(ssh {other} hostname)"')
+    assert node_lines(done.stdout, "MESH") == {0: spare.hostname, 1: h0.hostname}, (
+        done.stdout + done.stderr
+    )
+    cli.ok("down", "moved")
+    assert ssh_lab.wait_no_agents([h0, h1, spare], timeout=10.0) == {}
 
 
 def test_interrupting_launch_down_stops_everything(cli: CLI, tmp_path: Path) -> None:

@@ -197,6 +197,31 @@ def test_a_later_candidate_with_other_gpus_gets_its_own_count(
     assert vast_lab.live() == [] and _rented(vast_lab) == 0
 
 
+@sky.function
+def accelerators() -> tuple[float, str | None]:
+    info = sky.instance_info()
+    return info.accelerators, info.accelerator
+
+
+def test_a_python_candidates_accelerator_is_what_instance_info_reports(
+    vast_lab: VastLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Candidate(..., accelerator="T4:2")`` chosen after Vast (no capacity): the node's
+    ``instance_info()`` reports the candidate's 2 T4s, not the pool's A100."""
+    from test_node_gpus import TWO_T4, stand_in_nvidia_smi
+
+    monkeypatch.setenv("PATH", stand_in_nvidia_smi(tmp_path / "bin", TWO_T4))
+    with sky.Compute(
+        provider=[sky.Candidate(sky.VastAI()), sky.Candidate(sky.Local(), accelerator="T4:2")],
+        accelerator="A100:1",
+        nodes=1,
+    ) as pool:
+        assert type(pool.provider.chosen.provider).__name__ == "Local"  # type: ignore[attr-defined]
+        got = accelerators() @ pool
+    assert got == [(2, "T4")]
+    assert vast_lab.live() == [] and _rented(vast_lab) == 0
+
+
 def _parse(tmp_path: Path, text: str) -> Any:
     from flotilla.cli.taskfile import load_task
 

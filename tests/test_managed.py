@@ -459,4 +459,6 @@ def test_a_managed_job_on_ssh_hosts_recovers_when_a_hosts_agent_is_killed(
         assert (ckpt / f"ids-{rank}").read_text().splitlines() == [rec.task_id] * 2
         assert f"rank {rank} resumed from step 1" in out
     assert ssh_lab.wait_no_agents(hosts, timeout=10.0) == {}
+    for h in hosts:  # the job's folder on each host went with it
+        assert not h.path(jobs.cwd / "remote-workdir" / "managed" / str(rec.id)).exists()
     assert_nothing_left(jobs)

@@ -85,6 +85,35 @@ def test_a_bad_pipeline_names_the_file_and_line(
     assert message in str(info.value)
 
 
+def test_a_recovered_group_task_gets_its_new_addresses_and_the_others_latest() -> None:
+    """A job-group task recovered on new nodes runs again with its new addresses (the
+    controller's ``_regroup`` before every attempt), and a task that runs again after it
+    moved is told that task's new address, not the one from the barrier."""
+    import threading
+
+    from flotilla.cli.managed.group import GroupBarrier
+
+    group = GroupBarrier("rl", ["server", "trainer"])
+    never = threading.Event()
+    arrived: dict[str, dict[str, str]] = {}
+    waiter = threading.Thread(
+        target=lambda: arrived.update(server=group.arrive("server", ["10.0.0.1"], never))
+    )
+    waiter.start()
+    arrived["trainer"] = group.arrive("trainer", ["10.0.0.2", "10.0.0.3"], never)
+    waiter.join(60)
+    assert arrived["server"]["FLOTILLA_JOBGROUP_TRAINER_HEAD_IP"] == "10.0.0.2"
+    again = group.moved("trainer", ["10.0.0.7", "10.0.0.3"])  # its head node was replaced
+    assert again["FLOTILLA_JOBGROUP_TRAINER_HEAD_IP"] == "10.0.0.7"
+    assert again["FLOTILLA_JOBGROUP_TRAINER_IPS"] == "10.0.0.7\n10.0.0.3"
+    assert again["FLOTILLA_JOBGROUP_SERVER_HEAD_IP"] == "10.0.0.1"
+    server = group.moved("server", ["10.0.0.1"])  # the server's next attempt
+    assert server["FLOTILLA_JOBGROUP_TRAINER_HEAD_IP"] == "10.0.0.7"
+    assert server["FLOTILLA_JOBGROUP_HOSTS"] == (
+        '{"server": ["10.0.0.1"], "trainer": ["10.0.0.7", "10.0.0.3"]}'
+    )
+
+
 def test_launch_of_a_pipeline_points_at_jobs_launch(tmp_path: Path) -> None:
     path = write(tmp_path, "name: p\n---\nrun: echo a\n---\nrun: echo b\n")
     with pytest.raises(TaskError, match="flotilla jobs launch FILE"):

@@ -56,6 +56,7 @@ from .startup import (
     VOLUME_FLUSH_TIMEOUT,
     Startup,
     check_plugins,
+    for_chosen,
     prepare,
     procs_per_node,
     resource,
@@ -371,7 +372,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
             return
         allocation, procs = await self.provider.start(spec)
         self._use(allocation)
-        startup = _chosen(self.provider, startup)
+        startup = for_chosen(startup, getattr(self.provider, "chosen", None))
         self._bringup.begin(dataclasses.replace(startup, delivered=allocation.delivered_env))
         self._console.begin(range(len(procs)))
         started = time.monotonic()
@@ -386,7 +387,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """An elastic pool: its machines are added one by one (``elastic.py``)."""
         allocation = await self.provider.acquire(dataclasses.replace(spec, nodes=0))
         self._use(allocation)
-        self._bringup.begin(_chosen(self.provider, startup))
+        self._bringup.begin(for_chosen(startup, getattr(self.provider, "chosen", None)))
         if isinstance(self.provider, Fallback):  # grows on one candidate of the list
             elastic.move = lambda old: _move(self, old, dataclasses.replace(spec, nodes=0), startup)
         if self.max_hourly_cost is not None:  # the autoscaler grows no further than it buys
@@ -558,23 +559,9 @@ async def _move(
     new = await pool.provider.acquire_next(spec)
     if new is not None:
         pool._use(new)
-        pool._bringup.begin(_chosen(pool.provider, start))
+        pool._bringup.begin(for_chosen(start, pool.provider.chosen))
         await old.release()
     return new
-
-
-def _chosen(provider: Provider, startup: Startup) -> Startup:
-    """``startup`` with a fallback's chosen candidate's home and interpreter policy."""
-    chosen = getattr(provider, "chosen", None)
-    if not isinstance(chosen, Provider):
-        return startup
-    python = dataclasses.replace(
-        startup.python,
-        pinned=chosen.python_pinned,
-        home=str(chosen.home),
-        provider=type(chosen).__name__,
-    )
-    return dataclasses.replace(startup, home=chosen.home, python=python)
 
 
 class _PoolEvents(NodeEvents):

@@ -6,13 +6,14 @@ arguments that ``Compute`` makes when it is created."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .._accelerators import Accelerator
 from .._errors import ConfigurationError, SerializationError, check_number
 from .._image import Image, ship_user_modules
 from .._providers.base import Options, PoolSpec, Provider
+from .._providers.fallback import Candidate
 from .._providers.limits import ensure_open_files
 from .._redaction import plain_env, plugin_secrets, secret_values
 from .._volume import Volume, node_spec
@@ -180,6 +181,22 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
         volumes=volumes,
         secrets=tuple(secrets),
     )
+
+
+def for_chosen(startup: Startup, chosen: object) -> Startup:
+    """``startup`` for the provider a fallback chose (``chosen``; anything else: as it
+    is): that provider's home and interpreter policy, and a :class:`Candidate`'s own
+    accelerator, which is what its nodes have (``instance_info()``), over the pool's."""
+    if not isinstance(chosen, Provider):
+        return startup
+    python = replace(
+        startup.python,
+        pinned=chosen.python_pinned,
+        home=str(chosen.home),
+        provider=type(chosen).__name__,
+    )
+    own = chosen.accelerator if isinstance(chosen, Candidate) else None
+    return replace(startup, home=chosen.home, python=python, accelerator=own or startup.accelerator)
 
 
 def procs_per_node(plugins: Sequence[Any], accelerator: Accelerator | None) -> int:

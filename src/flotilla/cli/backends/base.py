@@ -533,6 +533,11 @@ class Backend(ABC, Generic[S]):
         """``flotilla down``: the daemon is gone (or was already); clean up what it may
         have left behind on this machine before the cluster's files are removed."""
 
+    def remove_folder(self, spec: S, folder: str) -> None:
+        """Remove ``folder`` (relative to the nodes' working folder: a managed job's
+        ``managed/ID``) that a cluster made on its machines, once its agents are gone.
+        Default: nothing (the machines went with the pool, or the agents removed it)."""
+
     def remove_orphans(self, spec: S, dry_run: bool) -> list[str]:
         """``flotilla down --orphans --provider KIND [its flags]``: remove what pools of
         killed clients left behind (only those: a live client's pool is never touched),

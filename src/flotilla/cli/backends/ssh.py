@@ -7,10 +7,15 @@ home), which the nodes find out when the cluster starts (``node_ops.describe_nod
 When the cluster is up, an ssh_config for its hosts is written as SkyPilot writes one
 (``NAME`` is the head, ``NAME-workerK`` the others): ``flotilla ssh`` uses it, and so can
 the user's own ``ssh`` once the file is included from ``~/.ssh/config``.
+``flotilla down`` removes ``WORKDIR/clusters/NAME`` on every host (:meth:`SSHBackend.on_down`):
+that folder only, never another cluster's or flotilla's own files.
 """
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,11 @@ from .base import Backend, ProviderSpec, ShellCommand, ssh_alias, ssh_shell
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
-    from ..state import NodeRecord, Paths
+    from ..state import ClusterRecord, NodeRecord, Paths
+
+REMOVE_TIMEOUT = 60.0
+"""Seconds ``down`` waits for a host to remove the cluster's folder (beyond the connect
+timeout)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,57 @@ class SSHBackend(Backend[SSHSpec]):
     def on_up(self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> None:
         private_dir(paths.ssh_config.parent)
         paths.ssh_config.write_text(ssh_config(paths.name, spec, nodes))
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """Remove the cluster's folder, ``WORKDIR/clusters/NAME``, on each of its hosts
+        (:meth:`remove_folder`)."""
+        try:
+            spec = self.spec_from_dict(record.provider)
+        except ConfigurationError as e:
+            print(f"cluster {paths.name}: its hosts' folders are left: {e}", file=sys.stderr)
+            return
+        self.remove_folder(spec, f"clusters/{paths.name}")
+
+    def remove_folder(self, spec: SSHSpec, folder: str) -> None:
+        """Remove ``WORKDIR/folder`` (and the probe files a crash may have left beside it)
+        on each host, once the agents are gone: what a cluster created there and nothing
+        else (the bundles under ``WORKDIR/lib`` are shared by every pool). A host that
+        cannot be reached is named, not waited for past its connect timeout."""
+        from ..._providers.bootstrap import shell_path
+        from ..._providers.ssh import SSH
+
+        provider = SSH.from_settings(self.settings_of(spec))
+        quoted = shlex.quote(folder)
+        command = (
+            f"cd {shell_path(provider.settings.workdir)} 2>/dev/null || exit 0; "
+            f"rm -rf -- {quoted} {quoted}.probe-*"
+        )
+        ssh = provider.shell(lambda machine: provider.target(provider.hosts[0]))
+        running = [
+            (
+                host,
+                subprocess.Popen(
+                    ssh.ssh_argv(provider.target(host), command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                ),
+            )
+            for host in dict.fromkeys(provider.hosts)
+        ]
+        timeout = provider.settings.connect_timeout + REMOVE_TIMEOUT
+        for host, proc in running:
+            try:
+                _, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode != 0:
+                why = err.decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
+                print(
+                    f"{host.host}: {folder} could not be removed: {why[0]}",
+                    file=sys.stderr,
+                )
 
     def shell(
         self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord], node: int, command: str

@@ -118,6 +118,8 @@ class Controller:
         self.id = job_id
         self.record = rec
         self.spec = JobSpec.from_dict(request["job"])
+        self.own_envs = dict(self.spec.envs)
+        """The task's own variables (over a job group's, :meth:`_regroup`)."""
         self.provider = registry.spec_from_dict(rec.provider)
         self.backend = registry.backend_for(self.provider)
         self.policy = RecoveryPolicy(JobRecovery.from_dict(rec.recovery))
@@ -186,6 +188,8 @@ class Controller:
         finally:
             self._teardown()
             shutil.rmtree(self.home.nodes(self.id), ignore_errors=True)
+            with contextlib.suppress(Exception):  # its folder on the machines (SSH hosts)
+                self.backend.remove_folder(self.provider, f"managed/{self.id}")
         if state is ManagedJobState.SUCCEEDED:
             self.note(f"managed job {self.id} succeeded (recoveries: {self.policy.recoveries})")
         else:
@@ -200,10 +204,7 @@ class Controller:
             if self.group is not None:
                 runner = self.runner
                 assert runner is not None
-                found = self.group.arrive(
-                    self.record.name, [n.ip for n in runner.nodes], self.cancelled
-                )
-                self.spec = replace(self.spec, envs={**found, **self.spec.envs})
+                self.group.arrive(self.record.name, [n.ip for n in runner.nodes], self.cancelled)
         except Exception as e:
             if self.group is not None:
                 self.group.fail(self.record.name)
@@ -213,6 +214,8 @@ class Controller:
         while True:
             if self.cancelled.is_set():
                 return ManagedJobState.CANCELLED, 130, "cancelled"
+            if self.group is not None:  # every attempt: the addresses as they are now
+                self._regroup()
             job = Job(self.id, self.spec, self.task_id, self.home.dir(self.id))
             with self.lock:
                 self.job = job
@@ -259,6 +262,16 @@ class Controller:
                 if self.cancelled.is_set():
                     return ManagedJobState.CANCELLED, 130, "cancelled during a recovery"
                 return ManagedJobState.FAILED, 1, f"the cluster could not be recovered: {_why(e)}"
+
+    def _regroup(self) -> None:
+        """A job group's task: its variables for the next attempt, with this task's
+        current nodes (new ones after a recovery) and the others' latest addresses. The
+        other tasks' running programs keep the variables they started with; each gets
+        the new addresses when it runs again (its own next attempt)."""
+        runner, group = self.runner, self.group
+        assert runner is not None and group is not None
+        found = group.moved(self.record.name, [n.ip for n in runner.nodes])
+        self.spec = replace(self.spec, envs={**found, **self.own_envs})
 
     def _probe(self, timeout: float = PROBE_TIMEOUT) -> list[int]:
         """Ranks whose nodes do not answer within ``timeout`` s (every rank when the pool

@@ -70,6 +70,15 @@ class GroupBarrier:
             ordered = {n: self.hosts[n] for n in self.names}
         return group_env(self.group, ordered)
 
+    def moved(self, name: str, ips: list[str]) -> dict[str, str]:
+        """Task ``name`` (which arrived) runs again, on nodes at ``ips`` (a recovery may
+        have replaced them): record them; the group's variables as they are now, with the
+        latest addresses of every task (those that moved since this one arrived too)."""
+        with self.cond:
+            self.hosts[name] = ips
+            ordered = {n: self.hosts.get(n, []) for n in self.names}
+        return group_env(self.group, ordered)
+
     def fail(self, name: str) -> None:
         """Task ``name`` will not arrive: the others stop waiting."""
         with self.cond:
