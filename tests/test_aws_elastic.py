@@ -161,3 +161,45 @@ def test_an_elastic_pool_cannot_be_a_stoppable_one(aws_lab: AwsLab, tmp_path: An
     provider.keep = Keep(tmp_path)
     with pytest.raises(sky.ConfigurationError, match="cannot be a stoppable one"):
         sky.Compute(provider=provider, nodes=(1, 2)).open()
+
+
+def test_an_aws_pool_scaled_to_zero_costs_nothing_by_its_price_table(
+    aws_lab: AwsLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``Nodes(0, max=2, min=0)`` on spot: the pool's running cost (``hourly``, by the spot
+    price its launch line shows, from the emulator's spot price history) is 0 before the
+    first call, one or two instances' price while its calls run, and 0 again once the idle
+    timeout scaled it to zero (no instance billed)."""
+    import re
+
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0, start_timeout=300)
+    provider = aws_lab.provider(allocation="spot")
+    with sky.Compute(provider=provider, nodes=sky.Nodes(0, max=2, min=0), options=options) as pool:
+        line = next(ln for ln in capfd.readouterr().err.splitlines() if "flotilla: AWS " in ln)
+        found = re.search(r", spot \$([0-9.e-]+)/h", line)
+        assert found is not None, line
+        price = float(found.group(1))
+        allocation: Any = pool._allocation
+        assert price > 0 and allocation.hourly == 0
+        costs: list[float] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                costs.append(allocation.hourly)
+                done.wait(0.1)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            out = pool.map(slow_addr, range(40))
+        finally:
+            done.set()
+            sampler.join()
+        assert [i for i, _ in out] == list(range(40))
+        peak = max(costs, default=0.0)
+        assert any(peak == pytest.approx(k * price, rel=1e-3) for k in (1, 2)), (peak, price)
+        assert _until(lambda: pool.current_nodes() == 0, timeout=120)
+        assert _until(lambda: _billed(aws_lab, pool.pool_id) == [], timeout=120)
+        assert allocation.hourly == 0
+    _gone(aws_lab, pool.pool_id)

@@ -93,6 +93,44 @@ def test_nodes_2_8_on_local_is_elastic_up_to_8() -> None:
         assert [s[:3] for s in place() @ pool] == [(r, 3, 3) for r in range(3)]
 
 
+def test_resize_with_nodes_changes_the_bounds_at_run_time() -> None:
+    """Skyward's ``pool.resize(Nodes(...))`` / ``resize(desired, max)``: the pool's bounds
+    change while it runs (within the max it opened with): it heads for the new desired, the
+    autoscaler keeps to the new min and max, and ``resize(n)`` checks the new ones."""
+    options = sky.Options(autoscale_idle_timeout=1.0, autoscale_cooldown=0)
+    with sky.Compute(nodes=sky.Nodes(1, max=5), options=options) as pool:
+        assert pool.current_nodes() == 1
+        pool.resize(sky.Nodes(3, max=4, min=2))
+        assert pool.size == sky.Nodes(3, max=4, min=2)
+        elastic = pool._elastic
+        assert elastic is not None
+        # it grows to the new desired 3, then, idle, shrinks to the new min 2 (not 1)
+        shrunk = "autoscaler: 3 -> 2 node(s): idle"
+        assert wait_until(lambda: any(d.startswith(shrunk) for d in elastic.decisions), 120)
+        assert "autoscaler: 1 -> 3 node(s): pool.resize()" in elastic.decisions
+        assert wait_until(lambda: pool.current_nodes() == 2, timeout=120)
+        assert [s[:3] for s in place() @ pool] == [(r, 2, 2) for r in range(2)]
+        with pytest.raises(sky.ConfigurationError, match=r"within its min \(2\) and max \(4\)"):
+            pool.resize(5)
+        assert len(pool.map(slow, range(12))) == 12  # queued: up to the new max, 4
+        assert max(int(d.split()[3]) for d in elastic.decisions) == 4
+        pool.resize(1, 2)  # Nodes(1, max=2): min 1
+        assert wait_until(lambda: pool.current_nodes() == 1, timeout=120)
+        assert pool.size == sky.Nodes(1, max=2)
+        with pytest.raises(sky.ConfigurationError, match="at most 5 node"):
+            pool.resize(sky.Nodes(2, max=6))
+        for bad in ((), (1, 2, 3), ("2",), (True,)):
+            with pytest.raises(sky.ConfigurationError, match=r"give resize\(n\)"):
+                pool.resize(*bad)  # type: ignore[arg-type]
+        with pytest.raises(sky.ConfigurationError, match=r"max \(1\) must be >= desired"):
+            pool.resize(3, 1)
+    with (
+        sky.Compute(nodes=2) as fixed,
+        pytest.raises(sky.ConfigurationError, match="fixed size"),
+    ):
+        fixed.resize(sky.Nodes(1, max=3))
+
+
 @sky.function
 def where(i: int) -> tuple[int, int, int]:
     """(i, node, pid)."""

@@ -79,3 +79,56 @@ def test_a_vast_pool_grows_and_shrinks_one_instance_at_a_time(vast_lab: VastLab)
         assert pool.current_nodes() == 1
         assert len(vast_lab.destroyed) == 2
         assert slow_place(2) >> pool == (2, places[0][1], [places[0][1]])
+
+
+def test_an_empty_elastic_pool_over_a_provider_list_moves_to_the_next_candidate(
+    vast_lab: VastLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``provider=[Candidate(VastAI(), accelerator="A100"), Local()]``,
+    ``Nodes(0, max=2, min=0)``: the pool opens on Vast (its overlay made, nothing rented);
+    the market empties before the first call, whose grow step meets no offer: the pool,
+    empty, moves to Local (Vast's overlay deleted) and the call runs on a local node."""
+    vast_lab.add_machines(2, cluster_id=3, dph_total=1.0)
+    options = sky.Options(autoscale_idle_timeout=600, autoscale_cooldown=0, start_timeout=120)
+    with sky.Compute(
+        provider=[sky.Candidate(sky.VastAI(), accelerator="A100"), sky.Local()],
+        nodes=sky.Nodes(0, max=2, min=0),
+        options=options,
+    ) as pool:
+        assert type(pool.provider.chosen.provider).__name__ == "VastAI"  # type: ignore[attr-defined]
+        (overlay,) = vast_lab.overlays.values()
+        vast_lab.remove_offers()
+        i, addr, _ = slow_place(1) >> pool
+        assert i == 1 and not addr.startswith(overlay.subnet + ".")
+        assert type(pool.provider.chosen).__name__ == "Local"  # type: ignore[attr-defined]
+        assert pool.current_nodes() == 1
+        assert vast_lab.overlays == {} and _rented(vast_lab) == 0
+    err = capfd.readouterr().err
+    assert "could not grow" in err and "the pool moved to the next provider of its list" in err
+    assert "chose Local(" in err
+
+
+def test_an_elastic_pool_over_a_provider_list_with_nodes_stays_on_its_candidate(
+    vast_lab: VastLab, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``provider=[Candidate(VastAI(), ...), Local()]``, ``Nodes(1, max=2)``: the pool opens
+    with one Vast instance; its grow step for a burst meets no offer: the pool keeps
+    working at 1 node on Vast (its nodes share one overlay) and does not move to Local."""
+    vast_lab.add_machines(2, cluster_id=5, dph_total=1.0)
+    options = sky.Options(autoscale_idle_timeout=600, autoscale_cooldown=0, start_timeout=120)
+    with sky.Compute(
+        provider=[sky.Candidate(sky.VastAI(), accelerator="A100"), sky.Local()],
+        nodes=sky.Nodes(1, max=2),
+        options=options,
+    ) as pool:
+        (overlay,) = vast_lab.overlays.values()
+        vast_lab.remove_offers()
+        out = pool.map(slow_place, range(20))
+        assert [i for i, _, _ in out] == list(range(20))
+        assert {addr for _, addr, _ in out} == {out[0][1]}
+        assert out[0][1].startswith(overlay.subnet + ".")
+        assert pool.current_nodes() == 1 and len(vast_lab.live()) == 1
+        assert type(pool.provider.chosen.provider).__name__ == "VastAI"  # type: ignore[attr-defined]
+    err = capfd.readouterr().err
+    assert "the pool could not grow" in err and "moved to the next provider" not in err
+    assert vast_lab.wait_gone(60) == []

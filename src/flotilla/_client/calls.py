@@ -149,20 +149,53 @@ class PoolCalls(Pool):
         ranks = None if nodes is None else [self._nodes[r].rank for r in nodes]
         return [s.future for s in self._dispatcher.placement.broadcast(call, ranks, any_slot)]
 
-    def resize(self, n: int) -> None:
-        """Head for ``n`` nodes now (an elastic pool; within its ``min`` and ``max``):
-        nodes are started or released (idle ones only, the last first) in the background;
-        :meth:`current_nodes` says how far it got. The autoscaler goes on from there
-        (an idle pool shrinks to ``min`` again after ``Options(autoscale_idle_timeout=...)``).
+    def resize(self, *spec: int | Nodes) -> None:
+        """``resize(n)``: head for ``n`` nodes now, within the pool's ``min`` and ``max``
+        (an elastic pool): nodes are started or released (idle ones only, the last first)
+        in the background; :meth:`current_nodes` says how far it got. The autoscaler goes
+        on from there (an idle pool shrinks to ``min`` again after
+        ``Options(autoscale_idle_timeout=...)``).
+
+        ``resize(desired, max)`` or ``resize(Nodes(desired, max=..., min=...))``, as in
+        Skyward: the pool's bounds change to those (a pool opened elastic only) and it
+        heads for ``desired``; ``resize(Nodes(n))`` keeps it at ``n`` (no autoscaling).
+        The new ``max`` is at most the one the pool opened with.
         """
         self._check_running()
         elastic = self._elastic
+        match spec:
+            case (int() as n,) if not isinstance(n, bool):
+                bounds = None
+            case (Nodes() as bounds,):
+                pass
+            case (int() as lo, int() as hi) if not {type(lo), type(hi)} & {bool}:
+                bounds = Nodes(lo, max=hi)
+            case _:
+                raise ConfigurationError(
+                    f"resize{spec!r}: give resize(n), resize(desired, max) or "
+                    "resize(Nodes(desired, max=..., min=...))"
+                )
+        if bounds is not None:
+            if elastic is None:
+                raise ConfigurationError(
+                    f"resize({bounds!r}): this pool has a fixed size ({self.size}); open it "
+                    "with a range (nodes=(desired, max) or Nodes(...)) to change its bounds"
+                )
+            if bounds.most > elastic.limit:
+                raise ConfigurationError(
+                    f"resize({bounds!r}): at most {elastic.limit} node(s), the max the pool "
+                    "opened with (its provider was checked, and placed it, for that many); "
+                    "open it with a larger max"
+                )
+            self.size = bounds
+            _loop.get_loop().call_soon_threadsafe(elastic.bound, bounds)
+            return
         if elastic is None or not self.size.auto_scaling:
             raise ConfigurationError(
                 f"resize({n!r}): this pool has a fixed size ({self.size}); "
                 "an elastic pool has a max: nodes=(desired, max) or Nodes(desired, max=...)"
             )
-        if isinstance(n, bool) or not isinstance(n, int) or not elastic.floor <= n <= elastic.cap:
+        if not elastic.floor <= n <= elastic.cap:
             capped = (
                 f" (max_hourly_cost buys {elastic.cap})" if elastic.cap < self.size.most else ""
             )

@@ -22,7 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError
 from .._image import Image, check_env
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
-from .._providers.fallback import Spec
+from .._providers.fallback import Fallback, Spec
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import out_of_files
 from .._redaction import redact, redact_exception
@@ -355,11 +355,10 @@ class Compute(PoolCollections, PoolCalls, Observed):
         if self._elastic is not None:
             await self._start_elastic(spec, startup, self._elastic)
             return
-        self._allocation, procs = await self.provider.start(spec)
+        allocation, procs = await self.provider.start(spec)
+        self._use(allocation)
         startup = for_chosen(startup, getattr(self.provider, "chosen", None))
-        self._allocation.watch(self._renewals.provider_lost)
-        self._renewals.allocation = self._allocation
-        self._bringup.begin(dataclasses.replace(startup, delivered=self._allocation.delivered_env))
+        self._bringup.begin(dataclasses.replace(startup, delivered=allocation.delivered_env))
         self._console.begin(range(len(procs)))
         started = time.monotonic()
         nodes = self._bringup.nodes(range(len(procs)), procs)
@@ -371,10 +370,11 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     async def _start_elastic(self, spec: PoolSpec, startup: Startup, elastic: Elastic) -> None:
         """An elastic pool: its machines are added one by one (``elastic.py``)."""
-        self._bringup.begin(startup)
-        self._allocation = await self.provider.acquire(dataclasses.replace(spec, nodes=0))
-        self._allocation.watch(self._renewals.provider_lost)
-        self._renewals.allocation = self._allocation
+        allocation = await self.provider.acquire(dataclasses.replace(spec, nodes=0))
+        self._use(allocation)
+        self._bringup.begin(for_chosen(startup, getattr(self.provider, "chosen", None)))
+        if isinstance(self.provider, Fallback):  # grows on one candidate of the list
+            elastic.move = lambda old: _move(self, old, dataclasses.replace(spec, nodes=0), startup)
         if self.max_hourly_cost is not None:  # the autoscaler grows no further than it buys
             offers = await asyncio.get_running_loop().run_in_executor(
                 None, self.provider.offers, spec
@@ -383,16 +383,21 @@ class Compute(PoolCollections, PoolCalls, Observed):
         started = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat.run())
         if not self.size.least:  # lazy start (desired=0), or scale to zero: nothing to wait for
-            await elastic.open(self._allocation, self.options.start_timeout)
+            await elastic.open(allocation, self.options.start_timeout)
             if not self.size.start:
                 self._console.say(
                     f"the pool is empty: its first call starts nodes (up to {elastic.cap})"
                 )
             return
         self._console.begin(range(self.size.least))
-        await elastic.open(self._allocation, self.options.start_timeout)
+        await elastic.open(allocation, self.options.start_timeout)
         self._console.end(f"{self.nodes} node(s) ready in {time.monotonic() - started:.1f} s")
         self._ready(self._nodes)
+
+    def _use(self, allocation: Allocation) -> None:
+        self._allocation = allocation
+        allocation.watch(self._renewals.provider_lost)
+        self._renewals.allocation = allocation
 
     def _new_node(self, rank: int, proc: AgentProcess) -> Node:
         d = self._dispatcher
@@ -528,6 +533,20 @@ def _quiet_interrupt() -> None:
 
     hook.flotilla = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+async def _move(
+    pool: Compute, old: Allocation, spec: PoolSpec, start: Startup
+) -> Allocation | None:
+    """An empty elastic pool over a provider list whose candidate has no node: the next
+    candidate's allocation (``Fallback.acquire_next``), the old one released."""
+    assert isinstance(pool.provider, Fallback)
+    new = await pool.provider.acquire_next(spec)
+    if new is not None:
+        pool._use(new)
+        pool._bringup.begin(for_chosen(start, pool.provider.chosen))
+        await old.release()
+    return new
 
 
 class _PoolEvents(NodeEvents):

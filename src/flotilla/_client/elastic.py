@@ -33,7 +33,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +171,8 @@ class Elastic:
             decision).
         cap: the most nodes the autoscaler grows to: ``max``, or fewer when
             ``max_hourly_cost`` buys fewer at the provider's price.
+        limit: the most nodes the pool's bounds may ever allow: the ``max`` it opened with
+            (``pool.resize(Nodes(...))`` changes the bounds within it).
         starting: nodes whose agents are being started or brought up (heartbeats reach them).
         failures: the last reason each machine's agent did not start (by host), for the
             error when the pool cannot open.
@@ -197,6 +199,8 @@ class Elastic:
         self.allocation: Allocation | None = None
         self.target = size.start
         self.cap = size.most
+        self.limit = size.most  # the most the provider was checked for (see ``bound``)
+        self._price: tuple[float | None, float | None] = (None, None)  # see price_cap
         self.starting: list[Node] = []
         self.failures: dict[str, str] = {}
         self.decisions: list[str] = []
@@ -210,6 +214,10 @@ class Elastic:
         self._low_since = 0.0  # since when the pool has been idle (or under LOW_USE busy)
         self._decided = time.monotonic()  # the last decision (the cooldown runs from it)
         self._changing = asyncio.Lock()
+        self.move: Callable[[Allocation], Awaitable[Allocation | None]] | None = None
+        """A pool over a provider list: given its allocation, the next candidate's (the
+        old one released), or None (see :meth:`_next_candidate`)."""
+        self._moving = False
 
     @property
     def nodes(self) -> list[Node]:
@@ -228,6 +236,8 @@ class Elastic:
     def price_cap(self, hourly: float | None, max_hourly_cost: float | None) -> None:
         """Grow to no more nodes than ``max_hourly_cost`` buys at ``hourly`` per node (each
         None: no such cap; never below ``min``)."""
+        self._price = (hourly, max_hourly_cost)
+        self.cap = self.size.most
         if hourly and max_hourly_cost is not None:
             self.cap = max(self.floor, min(self.size.most, int(max_hourly_cost // hourly)))
 
@@ -274,6 +284,15 @@ class Elastic:
         if n < len(self.nodes):
             self._spawn(self._shrink())
         self._wake.set()
+
+    def bound(self, size: Nodes) -> None:
+        """``pool.resize(Nodes(...))``: the pool's bounds are ``size`` from now on (the
+        price cap too); it heads for ``desired`` (or ``min``, or fewer when the cap buys
+        fewer) as :meth:`resize` does. On the loop; ``size`` was checked."""
+        self.size = size  # (size.most <= limit)
+        self.dispatcher.most = size.most
+        self.price_cap(*self._price)
+        self.resize(min(size.start, self.cap))
 
     async def close(self) -> None:
         """Stop growing and shrinking; agents being started are stopped."""
@@ -386,9 +405,13 @@ class Elastic:
                 self.failures["(provider)"] = why
             if machine is None:
                 failed = True
+                await self._next_candidate(allocation)
                 return
             try:
                 agent = await allocation.start_agent(machine)
+                if allocation is not self.allocation:  # the pool moved meanwhile
+                    await agent.terminate()
+                    raise ProvisionError("the pool moved to the next provider of its list")
             except Exception as e:
                 failed = True
                 why = str(e).strip().split("\n", 1)[0]
@@ -407,6 +430,24 @@ class Elastic:
                 self._backoff = min(BACKOFF_MAX, self._backoff * 2)
             self._attempts -= 1
             self._wake.set()
+
+    async def _next_candidate(self, allocation: Allocation) -> None:
+        """``allocation`` had no node to give: a pool over a provider list that has no node
+        moves to the list's next candidate (``Fallback.acquire_next``); one with nodes
+        stays at its size on its candidate and asks again (its nodes share one network)."""
+        pending = self.nodes or self.starting or self._arrived or self._joining
+        if self.move is None or pending or self._moving or allocation is not self.allocation:
+            return
+        self._moving = True
+        try:
+            moved = await self.move(allocation)
+        finally:
+            self._moving = False
+        if moved is not None:
+            self.allocation = moved
+            self._backoff = BACKOFF_MIN
+            self.failures.pop("(provider)", None)
+            self.bringup.console.say("the pool moved to the next provider of its list")
 
     async def _join(self) -> None:
         """Bring the agents started up as nodes at the next ranks, all at once."""

@@ -9,6 +9,14 @@ provide it (a ProvisionError: no offer, no capacity, above ``max_hourly_cost``, 
 do not start) is skipped, and the console says which one failed and why; the first that
 starts the pool is used, and the console says which it is and its price. Everything a
 failed candidate got was released by that candidate before the next one is tried.
+
+An elastic pool (``nodes=(desired, max)``) over a list is on one candidate at a time: it
+opens on the first that acquires (:meth:`Fallback.acquire`, nothing billed yet), and its
+nodes all come from that candidate (one network, one home for the nodes' files, one bill).
+When the candidate has no node to give while the pool has none (born empty, scaled to zero,
+or at open), the pool moves to the next candidate of the list (:meth:`Fallback.acquire_next`,
+after the last back to the first) and releases the one it left; a pool that has nodes stays
+where it is at its size and asks its candidate again with backoff.
 """
 
 from __future__ import annotations
@@ -123,7 +131,9 @@ class Fallback(Provider):
         self.home = first.home
         self.shares_filesystem = all(c.shares_filesystem for c in self.candidates)
         self.python_pinned = first.python_pinned
+        self.elastic = all(c.elastic for c in self.candidates)
         self.chosen: Provider | None = None
+        self._order: list[Provider] = []  # an elastic pool's candidates, in turn
         self.failures: list[tuple[Provider, str]] = []
         self._valid: list[Provider] = []
         self.report: Callable[[str], None] = _show
@@ -230,7 +240,45 @@ class Fallback(Provider):
         )
 
     async def acquire(self, spec: PoolSpec) -> Allocation:
-        raise ProvisionError("Fallback starts pools through start()")  # never called
+        """An elastic pool's allocation (``spec.nodes`` is 0: no node yet) from the first
+        candidate that acquires one, in :meth:`order`; ProvisionError when none does."""
+        loop = asyncio.get_running_loop()
+        self._order = [c for c, _ in await loop.run_in_executor(None, self.order, spec)]
+        return await self._acquire(self._order, spec)
+
+    async def acquire_next(self, spec: PoolSpec) -> Allocation | None:
+        """An elastic pool's allocation from the candidates after the chosen one, in turn
+        (after the last back to the first; see the module docstring); None when no other
+        acquires one (the pool stays on its candidate)."""
+        at = next((i for i, c in enumerate(self._order) if c is self.chosen), 0)
+        rest = self._order[at + 1 :] + self._order[:at]
+        if not rest:
+            return None
+        try:
+            return await self._acquire(rest, spec)
+        except ProvisionError:
+            return None
+
+    async def _acquire(self, order: list[Provider], spec: PoolSpec) -> Allocation:
+        tried: list[str] = []
+        for c in order:
+            try:
+                allocation = await c.acquire(spec)
+            except (ProvisionError, ConfigurationError) as e:
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failures.append((c, why))
+                tried.append(f"{c!r}: {why}")
+                self.report(f"candidate {c!r} failed: {why}")
+                continue
+            self.chosen = c
+            self.home = c.home
+            self.python_pinned = c.python_pinned
+            self.report(f"chose {c!r} for an elastic pool of up to {spec.max_nodes} node(s)")
+            return allocation
+        raise ProvisionError(
+            "no provider could start the pool:\n  " + "\n  ".join(tried),
+            cause=ProvisionCause.CAPACITY,
+        )
 
 
 class Candidate(Provider):
@@ -271,6 +319,7 @@ class Candidate(Provider):
         self.home = provider.home
         self.shares_filesystem = provider.shares_filesystem
         self.python_pinned = provider.python_pinned
+        self.elastic = provider.elastic
 
     def __repr__(self) -> str:
         wants = [

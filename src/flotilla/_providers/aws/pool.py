@@ -24,8 +24,8 @@ from .choice import InstanceChoice, choose_for
 from .kept import Keep, KeptPool
 from .keys import pool_folder, remove_folder, user_data
 from .network import TAG_POOL, PoolNetwork, public_cidr
+from .price import Bill, on_demand_price, spot_price
 from .price import describe as describe_price
-from .price import on_demand_price, spot_price
 from .settings import AWSSettings
 from .steps import RELEASE_TIMEOUT, nothing, run_all, show
 from .stopstart import StopStart
@@ -47,7 +47,6 @@ class AWSAllocation(CloudAllocation):
         stopping: the stop and start of a stoppable pool (``stopstart``).
         ami: the AMI's description (checked against the choice).
         no_choice: why a started pool cannot launch instances ("" when it can).
-        hourly: what the pool costs per hour when its price is known (0: unknown).
         folder: the local folder with the pool's keys and known_hosts.
         keep: where a stoppable pool records its instances, and whether closing it stops
             them (see ``kept``); None: closing terminates everything.
@@ -86,7 +85,7 @@ class AWSAllocation(CloudAllocation):
         self.ami: dict[str, Any] = {}
         self._launches = itertools.count(1)  # (next() is atomic: launches run in threads)
         self.stopping = StopStart(self)
-        self.hourly = 0.0
+        self.bill = Bill()
         self.instance_type = ""
         self.image_id = ""
         self.python = settings.python or "python3"
@@ -152,7 +151,7 @@ class AWSAllocation(CloudAllocation):
         market = "spot" if spot else "on-demand"
         prices = describe_price("spot", spot_cost) + describe_price("on-demand", on_demand_cost)
         known = [p for p in (spot_cost if spot else None, on_demand_cost) if p is not None]
-        self.hourly = min(known) * spec.nodes if known else 0.0
+        self.bill.prices = {"spot": spot_cost if spot else None, "on-demand": on_demand_cost}
         node_limit = spec.max_node_hourly_cost
         if node_limit is not None and known and min(known) > node_limit:
             raise ProvisionError(
@@ -186,6 +185,7 @@ class AWSAllocation(CloudAllocation):
         # an elastic pool's instances are launched one by one as it grows (``candidate``)
         instances = await self._in_thread(self._run, spec.nodes) if spec.nodes else []
         self.machines = [self.machine_of(rank, inst) for rank, inst in enumerate(instances)]
+        self.bill.add(*instances)
         self.state = AllocationState.READY
         if self.keep is not None:
             await self._in_thread(self.stopping.record, False)
@@ -357,6 +357,7 @@ class AWSAllocation(CloudAllocation):
         return Machine(rank, inst["InstanceId"], inst["PrivateIpAddress"], inst["InstanceId"])
 
     # -- agents ------------------------------------------------------------------------
+    hourly = property(lambda self: self.bill.hourly)  # its instances' $/h (``price.Bill``)
     handover = "handed over in its user-data (or the AMI does not run cloud-init)"
 
     def target(self, machine: Machine) -> Target:
@@ -424,6 +425,7 @@ class AWSAllocation(CloudAllocation):
             why = self.no_choice or f"the pool's allocation is {self.state.value}"
             raise ProvisionError(f"cannot add an instance to pool {self.tag}: {why}")
         (inst,) = await self._in_thread(self._run, 1)
+        self.bill.add(inst)
         return self.machine_of(rank, inst)
 
     async def give_back(self, machine: Machine, failed: bool) -> None:
@@ -442,6 +444,7 @@ class AWSAllocation(CloudAllocation):
         except ProvisionError as e:
             logger.warning("%s: %s", machine.ident, e)
             return
+        self.bill.remove(machine.ident)
         logger.info("%s terminated (%s)", machine.ident, "did not start" if failed else "released")
 
     # -- release -----------------------------------------------------------------------
@@ -469,6 +472,7 @@ class AWSAllocation(CloudAllocation):
 
         pool = [{"Name": f"tag:{TAG_POOL}", "Values": [self.tag]}]
         terminate(self.api, pool, set(self.instances), RELEASE_TIMEOUT)
+        self.bill.clear()
         group = self.security_group
         if not group:
             found = self.api.call(

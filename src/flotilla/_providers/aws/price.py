@@ -78,3 +78,37 @@ def price_from_products(price_list: Iterable[Any]) -> float | None:
 def describe(market: str, price: float | None) -> str:
     """``", spot $0.0312/h"`` for the launch line ("" when the price is not known)."""
     return f", {market} ${price:.4g}/h" if price is not None else ""
+
+
+class Bill:
+    """What a pool's instances cost per hour, by the prices found at its launch: each
+    instance launched counts at its market's price (the other market's when that one is
+    not known) until it is terminated. A pool scaled to zero bills 0.
+
+    Attributes:
+        prices: one instance's $/h by market (``"spot"``, ``"on-demand"``; None: unknown).
+    """
+
+    def __init__(self) -> None:
+        self.prices: dict[str, float | None] = {}
+        self._billed: dict[str, float] = {}  # instance id -> its $/h
+
+    @property
+    def hourly(self) -> float:
+        """The instances' total $/h (0: none, or no price known)."""
+        return sum(self._billed.values())
+
+    def add(self, *instances: dict[str, Any]) -> None:
+        """``instances`` (DescribeInstances/RunInstances items) were launched."""
+        for inst in instances:
+            market = "spot" if inst.get("InstanceLifecycle") == "spot" else "on-demand"
+            known = [p for p in (self.prices.get(market), *self.prices.values()) if p]
+            self._billed[inst["InstanceId"]] = known[0] if known else 0.0
+
+    def remove(self, instance_id: str) -> None:
+        """``instance_id`` was terminated."""
+        self._billed.pop(instance_id, None)
+
+    def clear(self) -> None:
+        """Every instance of the pool was terminated."""
+        self._billed.clear()
