@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_un
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     folders = [wheels_for([f"ray=={RAY}", f"distributed=={DISTRIBUTED}"])]
+    folders.append(wheels_for([f"ray[default]=={RAY}"]))  # the dashboard's extras
     with Lab() as lab:
         index = PackageIndex(folders, f"{lab.subnet}.1")
         try:
@@ -223,6 +225,34 @@ def test_closing_the_ray_pool_leaves_no_ray_process_nor_temp_dir(
     assert scratch_folders("ray", ray_pool, lab.hosts) == []
 
 
+def dashboard_version(url: str) -> str | None:
+    """The Ray version the dashboard at ``url`` says it runs (None: it does not answer)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy: ours
+    try:
+        with direct.open(f"{url}/api/version", timeout=30) as answer:
+            return str(json.load(answer)["ray_version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@pytest.mark.timeout(600)  # its own deadlines (the build of ray[default], the start) decide
+def test_the_ray_dashboard_answers_on_the_head_through_the_pools_channel(lab: Lab) -> None:
+    """The head's dashboard listens on its pool address at a port of its block, which
+    nothing opens to others; ``pool.ray_dashboard()`` forwards it to this machine through
+    the pool's own SSH channel (a relay per connection), as ``ssh -L`` would by hand."""
+    plugin = sky.plugins.ray(
+        version=RAY, dashboard=True, num_cpus=1, object_store_memory=OBJECT_STORE
+    )
+    with sky.Compute(provider(lab, lab.hosts[:1]), nodes=1, plugins=[plugin]) as pool:
+        url = pool.ray_dashboard()
+        assert url.startswith("http://127.0.0.1:"), url
+        assert wait_until(lambda: dashboard_version(url) == RAY, timeout=120), url
+        head = f"http://{lab.hosts[0].addr}:{pool._bringup.head_port + 18}"
+        assert wait_until(lambda: dashboard_version(head) == RAY, timeout=30), head
+    assert dashboard_version(url) is None  # the forward closed with the pool
+    assert wait_until(lambda: not engine_pids(lab), timeout=30), engine_pids(lab)
+
+
 def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -> None:
     plugin = sky.plugins.ray(version="0.0.1", num_cpus=1, object_store_memory=OBJECT_STORE)
     pool = sky.Compute(provider(lab, lab.hosts[:1]), nodes=1, plugins=[plugin])
@@ -291,7 +321,7 @@ def test_dask_has_a_worker_per_node_and_maps_in_tasks(dask_pool: sky.Compute, la
     assert view["sum"] == sum(x * x for x in range(1000))
 
 
-def test_dask_client_from_this_machine_goes_through_an_ssh_tunnel(
+def test_dask_client_from_this_machine_goes_through_the_pools_ssh_channel(
     dask_pool: sky.Compute,
 ) -> None:
     pytest.importorskip("distributed")
