@@ -73,10 +73,10 @@ def plugins() -> list[Any]:
     return [ray, sky.plugins.dask(version=DISTRIBUTED, threads=1)]
 
 
-def leftovers(pool_id: str) -> list[str]:
+def leftovers(pool_id: str, relays: bool = True) -> list[str]:
     """Processes of this machine (every lab's nodes share its process table) that belong to
-    the pool's engines (a daemon's marker and the pool's id in their environment), or that
-    relay a forward (on a node or here)."""
+    the pool's engines (a daemon's marker and the pool's id in their environment), or (with
+    ``relays``) that relay a forward (on a node or here)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
@@ -85,7 +85,7 @@ def leftovers(pool_id: str) -> list[str]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
             if (f"{MARKER_VAR}=".encode() in env and pool_id.encode() in env) or (
-                RELAY.encode() in cmd
+                relays and RELAY.encode() in cmd
             ):
                 shown = cmd.replace(b"\0", b" ")[:120].decode(errors="replace")
                 out.append(f"{pid} {shown}")
@@ -120,6 +120,7 @@ def exercise(pool: sky.Compute, tunnel: str) -> None:
         view = engines_view() >> pool
         assert view["ray"] == sorted(addrs) and view["dask"] == sorted(addrs), (view, addrs)
         assert view["pinned"] == {a: rank for rank, a in enumerate(addrs)}
+        assert leftovers(pool_id, relays=False)  # what the check below looks for, while it runs
     assert client.status == "closed"  # closed with the pool, its forward too
     assert wait_until(lambda: not leftovers(pool_id), timeout=60), leftovers(pool_id)
 
