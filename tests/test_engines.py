@@ -326,7 +326,7 @@ def test_dask_client_from_this_machine_goes_through_the_pools_ssh_channel(
 ) -> None:
     pytest.importorskip("distributed")
     client = dask_pool.dask_client()
-    assert client.scheduler.address.startswith("tcp://127.0.0.1:")  # the tunnel's end
+    assert client.scheduler.address.startswith("tcp://127.0.0.1:")  # the forward's end: ssh relays
     assert len(client.scheduler_info()["workers"]) == 3
     assert client.submit(sum, client.map(lambda x: x + 1, range(1000))).result() == 500500
 
