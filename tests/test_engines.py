@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -29,6 +30,7 @@ from _procs import Client, wait_until
 from _wheels import HOST_PYTHON, PackageIndex, wheels_for
 
 import flotilla as sky
+from flotilla._client.forward import RELAY, PortForward
 from flotilla.plugins._daemons import MARKER_VAR, Daemon, EngineError
 
 RAY = "2.60.0"
@@ -387,6 +389,69 @@ def test_a_daemon_that_fails_shows_the_root_cause_its_long_traceback_starts_with
     assert "exited (status 1) before listening" in text
     assert "the root cause" in text and "Scheduler failed to start." in text, text
     assert "frame 0" in text and "frame 99" in text and "lines left out" in text, text
+
+
+# -- the client's forward (pool.dask_client(), pool.ray_dashboard()) ----------------------
+
+
+def test_a_forward_relays_both_ways_and_ends_its_relays_when_closed() -> None:
+    """A forward whose "shell" runs the relay on this machine (as ``srun`` or ``kubectl
+    exec`` run it on a node): 2 MB each way intact, a half-read answer included, and no
+    relay left once it is closed."""
+    code = (
+        "import socket\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True)\n"
+        "c, _ = s.accept(); data = b''\n"
+        "while len(data) < 2 << 20: data += c.recv(65536)\n"
+        "c.sendall(data[::-1]); c.close()\n"
+    )
+    echo = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert echo.stdout is not None
+        port = int(echo.stdout.readline())
+        forward = PortForward(lambda command: command, None, sys.executable, "127.0.0.1", port)
+        try:
+            payload = os.urandom(2 << 20)
+            with socket.create_connection(("127.0.0.1", forward.local_port), timeout=60) as c:
+                c.sendall(payload)
+                got = b""
+                while len(got) < len(payload) and (chunk := c.recv(65536)):
+                    got += chunk
+            assert got == payload[::-1]
+            assert echo.wait(30) == 0
+        finally:
+            forward.close()
+        assert wait_until(lambda: not relay_pids(), timeout=30), relay_pids()
+    finally:
+        echo.kill()
+        echo.wait()
+
+
+def test_a_forward_to_a_closed_port_says_why() -> None:
+    with socket.socket() as held:  # a port nothing listens on (bound, never listening)
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        forward = PortForward(lambda command: command, None, sys.executable, "127.0.0.1", port)
+        try:
+            with socket.create_connection(("127.0.0.1", forward.local_port), timeout=60) as c:
+                c.settimeout(60)
+                assert c.recv(1) == b""  # the relay could not connect: the connection ends
+            assert wait_until(lambda: "cannot connect to 127.0.0.1" in forward.said(), 30)
+            assert "Connection refused" in forward.said(), forward.said()
+        finally:
+            forward.close()
+
+
+def relay_pids() -> list[int]:
+    """Processes of this machine running a forward's relay."""
+    return [pid for pid in processes_with("") if RELAY in cmdline(pid)]
+
+
+def cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+    return ""
 
 
 # -- the local provider: nodes on this machine --------------------------------------------
