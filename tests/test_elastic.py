@@ -171,7 +171,8 @@ def test_a_call_placed_on_a_node_released_meanwhile_goes_to_another() -> None:
         send = last.send
 
         def released_first(subs: list[Any]) -> None:
-            assert d.remove_idle(last, lambda nodes, to: []) is not None  # the shrink won
+            shrunk = d.membership.remove_idle(last, lambda nodes, to: [])
+            assert shrunk is not None  # the shrink won
             send(subs)
 
         last.send = released_first  # type: ignore[method-assign]

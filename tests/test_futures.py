@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import flotilla as sky
-from flotilla._client.compute import SEND_CHUNK
+from flotilla._client.calls import SEND_CHUNK
 from flotilla._client.futures import Batch, CallFuture
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from .._accelerators import Accelerator
 from .._errors import ProvisionError
 from .._info import InstanceInfo, Peer
 from .._providers.base import AgentProcess, Options
@@ -22,8 +21,9 @@ from .._wire.frames import Kind
 from .._wire.serialize import unlink_shm
 from . import shm
 from .console import Console
-from .interpreter import Policy, settle
+from .interpreter import settle
 from .node import Node
+from .startup import Startup
 
 T = TypeVar("T")
 
@@ -35,46 +35,35 @@ class Bringup:
         console: the pool's console (a row per node being brought up).
         procs: every agent the pool started.
         head_port: the head node's port, from its hello.
-        env: variables set in every task process (the plain ones).
-        build_spec: the node environment to build, or None.
-        blob: the pickled plugins, sent with the configuration.
-        python: what may be done when a node's Python differs from the client's.
-        volumes: the buckets every node mounts or copies (``_volume.node_spec``), or None.
+        startup: what every node is configured with (``startup.py``), from :meth:`begin`.
     """
 
     def __init__(
         self,
-        pool_id: str,
         options: Options,
-        accelerator: Accelerator | None,
-        procs_per_node: int,
         group: bool,
-        home: str,
-        shm_prefix: str,
         make_node: Callable[[int, AgentProcess], Node],
     ) -> None:
-        self.pool_id = pool_id
         self.options = options
-        self.accelerator = accelerator
-        self.procs_per_node = procs_per_node
-        self.workers = procs_per_node  # task slots per node (Worker(concurrency=...))
-        self.threads = False  # the slots are threads of one process (Worker(executor="thread"))
         self.group = group
-        self.home = home
-        self.shm_prefix = shm_prefix
         self.make_node = make_node
         self.console = Console()
         self.procs: list[AgentProcess] = []
         self.head_port = 0
-        self.env: dict[str, str] = {}
-        self.delivered: frozenset[str] = frozenset()  # see Allocation.delivered_env
-        self.build_spec: dict[str, Any] | None = None
-        self.blob = b""
-        self.python = Policy(pinned=False, install=False, mirror="", home="", provider="")
-        self.volumes: dict[str, Any] | None = None
-        self.observe: Config = {}  # the metrics' part of CONFIG (compute.py)
+        self.startup: Startup | None = None
         self.relay_key = secrets.token_hex(32)
         """The pool's key for node-to-node relays (``_node/relay.py``): in CONFIG only."""
+
+    def begin(self, startup: Startup) -> None:
+        """The pool starts: every node brought up from now on (the first ones, new ones,
+        replacements) is configured from ``startup``."""
+        self.startup = startup
+
+    @property
+    def started(self) -> Startup:
+        """:attr:`startup`; :meth:`begin` comes before any node is brought up."""
+        assert self.startup is not None, "Bringup.begin comes first"
+        return self.startup
 
     def nodes(self, ranks: Sequence[int], procs: Sequence[AgentProcess]) -> list[Node]:
         """The nodes of the agents ``procs`` started for ``ranks`` (in order)."""
@@ -91,14 +80,14 @@ class Bringup:
         timeout = self.options.start_timeout
         await wait_all(fresh, [n.hello for n in fresh], timeout, "start")
         # each must run the client's Python minor version before anything else is sent
-        await settle(list(fresh), self.python, self.console.say, timeout)
+        await settle(list(fresh), self.started.python, self.console.say, timeout)
         hellos = [n.hello_info for n in fresh]
         if fresh[0].rank == 0:  # a (new) head: its port
             self.head_port = int(hellos[0]["port"])
         nodes = list(current)
         for node in fresh:
             nodes[node.rank] = node
-        probe = shm.write_probe(self.shm_prefix)  # only now: it lives as short as it can
+        probe = shm.write_probe(self.started.shm_prefix)  # only now: it lives as short as it can
         try:
             for node in fresh:
                 self.configure(node, nodes, probe)
@@ -111,20 +100,21 @@ class Bringup:
         """``node``'s place in the pool whose node at each rank is ``nodes``'s."""
         peers = tuple(Peer(n.rank, n.proc.address, n.proc.host) for n in nodes)
         cluster = self.options.cluster
+        start = self.started
         return InstanceInfo(
             node=node.rank,
             total_nodes=len(nodes),
             is_head=node.rank == 0,  # Skyward's: node 0, also without cluster mode
             head_addr=peers[0].addr if cluster else "",
             head_port=self.head_port if cluster else 0,
-            accelerators=self.accelerator.count if self.accelerator else 0,
+            accelerators=start.accelerator.count if start.accelerator else 0,
             peers=peers if cluster else (),
-            pool_id=self.pool_id,
+            pool_id=start.pool_id,
             addr=node.proc.address,
             cluster=cluster,
-            accelerator=self.accelerator.name if self.accelerator else None,
-            procs_per_node=self.procs_per_node,
-            workers_per_node=self.workers,
+            accelerator=start.accelerator.name if start.accelerator else None,
+            procs_per_node=start.procs_per_node,
+            workers_per_node=start.workers,
         )
 
     def members(self, nodes: Sequence[Node], to: Sequence[Node], wait: bool) -> list[Node]:
@@ -153,25 +143,26 @@ class Bringup:
     def configure(self, node: Node, nodes: Sequence[Node], probe: dict[str, str]) -> None:
         """Send ``node`` its place in the pool (``nodes``: the node at each rank)."""
         info = self.info(node, nodes)
+        start = self.started
         config: Config = {
-            "pool_id": self.pool_id,
-            "procs": self.workers,
+            "pool_id": start.pool_id,
+            "procs": start.workers,
             "compute_pool": info.to_json(),
-            "env": {k: v for k, v in self.env.items() if k not in self.delivered},
-            "image": self.build_spec,
-            "home": self.home,
+            "env": {k: v for k, v in start.env.items() if k not in start.delivered},
+            "image": start.build_spec,
+            "home": start.home,
             "heartbeat_timeout": self.options.heartbeat_timeout,
             "shutdown_grace": self.options.shutdown_grace,
             "shm_probe": probe or None,
             "group": self.group,
-            "threads": self.threads,
+            "threads": start.threads,
         }
         if self.options.relay:  # the agent opens its relay port (if apart from the client)
             config["relay_key"] = self.relay_key
-        if self.volumes is not None:
-            config["volumes"] = self.volumes
-        config.update(self.observe)
-        node.configure(config, self.blob)
+        if start.volumes is not None:
+            config["volumes"] = start.volumes
+        config.update(start.observe)
+        node.configure(config, start.blob)
 
 
 async def wait_all(

@@ -17,7 +17,7 @@ before the next call it runs; broadcasts go to the nodes present.
 
 A pool whose processes form one group (torch, JAX) cannot change its world size under a
 running collective: it changes only between calls, by restarting every process with the
-new size (as torchrun's elastic agent does). A gate (``Dispatcher.gate``) holds the calls
+new size (as torchrun's elastic agent does). A gate (``Membership.gate``) holds the calls
 made from then on while those under way finish (so back-to-back calls leave room for it);
 then the new nodes join, the old ones get fresh agents, and the calls that waited are sent
 (a broadcast to every node, to every node of the new size).
@@ -422,7 +422,7 @@ class Elastic:
             return
         finally:
             self.starting = [n for n in self.starting if n not in fresh]
-        left = self.dispatcher.add(fresh, self._tell_now)
+        left = self.dispatcher.membership.add(fresh, self._tell_now)
         names = ", ".join(n.name for n in fresh)
         self.bringup.console.say(f"{names} joined: the pool has {len(self.nodes)} node(s)")
         await self._tell(left)
@@ -463,7 +463,7 @@ class Elastic:
                 return
             while len(self.nodes) > self.target:
                 node = self.nodes[-1]
-                left = self.dispatcher.remove_idle(node, self._tell_now)
+                left = self.dispatcher.membership.remove_idle(node, self._tell_now)
                 if left is None:
                     n = len(self.nodes)
                     logger.info("%s runs a call: the pool keeps %d node(s)", node.name, n)
@@ -485,8 +485,8 @@ class Elastic:
         meanwhile wait for the new group)."""
         d, allocation = self.dispatcher, self.allocation
         assert allocation is not None
-        d.gate()  # only between calls: new ones wait, those under way finish
-        while not d.drained():
+        d.membership.gate()  # only between calls: new ones wait, those under way finish
+        while not d.membership.drained():
             await asyncio.sleep(0.05)
         old = list(self.nodes)
         size = len(old) - drop + len(arrived)
@@ -494,13 +494,13 @@ class Elastic:
         logger.warning("restarting every process of the pool: %s", cause)
         d.generation += 1
         for node in old:
-            d.retire(node, cause)
+            d.recovery.retire(node, cause)
         await asyncio.gather(*(stop_node(n) for n in old))
         for _ in range(drop):
             await allocation.give_back(allocation.remove_last(), failed=False)
         if size == 0:  # scaled to zero: the next call starts a new group (see _join_now)
             self.regroups += 1
-            d.resume([])
+            d.membership.resume([])
             self.bringup.console.say("the pool's group ended: the pool is empty")
             self._wake.set()
             return
@@ -523,11 +523,11 @@ class Elastic:
             for node in fresh:
                 node.state = NodeState.CLOSED
                 await node.proc.terminate()
-            d.resume([], reason)
+            d.membership.resume([], reason)
             return
         finally:
             self.starting = [n for n in self.starting if n not in fresh]
         self.regroups += 1
-        d.resume(fresh)
+        d.membership.resume(fresh)
         self.bringup.console.say(f"the pool's group restarted with {size} node(s)")
         self._wake.set()

@@ -146,7 +146,7 @@ class HealthLoop:
         passes, else why not."""
         d = self.pool._dispatcher
         call = self.check(self.checker.fn, self.checker.timeout)
-        sub = d.prepare([call], d.encode([call]))[0]
+        sub = d.encoder.prepare([call], d.encoder.encode([call]))[0]
         sub.pinned = True
         loop = asyncio.get_running_loop()
         try:

@@ -80,6 +80,14 @@ class _Sub:
     on_change: Callable[[PoolView, PoolView], Any] | None
 
 
+OnEvent = Callable[[Event], Any] | None
+"""A subscriber's callback for every event of a pool (``flotilla.events``)."""
+OnLog = Callable[[LogLine], Any] | None
+"""A subscriber's callback for every line a pool's tasks print."""
+OnChange = Callable[[PoolView, PoolView], Any] | None
+"""A subscriber's callback with the views (old, new) around each change."""
+
+
 class Observer:
     """What one pool shows of itself (see the module docstring)."""
 
@@ -96,11 +104,9 @@ class Observer:
 
     # -- subscribers -----------------------------------------------------------------
     def subscribe(
-        self,
-        on_event: Callable[[Event], Any] | None = None,
-        on_log: Callable[[LogLine], Any] | None = None,
-        on_change: Callable[[PoolView, PoolView], Any] | None = None,
+        self, on_event: OnEvent, on_log: OnLog, on_change: OnChange
     ) -> Callable[[], None]:
+        """What ``Compute.subscribe`` does (see :class:`Observed`)."""
         for name, cb in (("on_event", on_event), ("on_log", on_log), ("on_change", on_change)):
             if cb is not None and not callable(cb):
                 from .._errors import ConfigurationError
@@ -380,3 +386,35 @@ def stat_rows(view: PoolView) -> dict[int, str]:
             parts.append(f"{name} avg {mean:.0f}% (max node-{node} {top:.0f}%)")
     rows[-1] = " · ".join(parts)
     return rows
+
+
+class Observed:
+    """What a pool whose ``_observer`` watches it shows of itself (the methods
+    :class:`~flotilla.Compute` takes from it)."""
+
+    _observer: Observer
+
+    def metrics(self) -> dict[int, dict[str, float]]:
+        """The latest sample of every node, by rank: metric name -> value (``cpu`` in
+        percent, ``mem_used``/``mem_total`` in bytes..., see ``flotilla.metrics``), and
+        ``time``, when it was sampled (``time.time()``). Nodes not sampled yet are
+        missing; ``{}`` with ``metrics=None``."""
+        return self._observer.metrics()
+
+    def view(self) -> PoolView:
+        """A frozen snapshot: the pool's phase, each node's (phase, address, latest
+        metrics, calls running/done/failed) and each function's durations and
+        throughput."""
+        return self._observer.view()
+
+    def subscribe(
+        self,
+        on_event: OnEvent = None,
+        on_log: OnLog = None,
+        on_change: OnChange = None,
+    ) -> Callable[[], None]:
+        """Call ``on_event`` with every event of the pool (``flotilla.events``),
+        ``on_log`` with every line its tasks print, ``on_change`` with the views
+        (old, new) around each change; returns the function that unsubscribes them. A
+        callback that raises is reported once and unsubscribed."""
+        return self._observer.subscribe(on_event, on_log, on_change)

@@ -16,7 +16,7 @@ again, with a backoff from :data:`RETRY_MIN` to :data:`RETRY_MAX` seconds, until
 or the pool closes: a host that comes back is taken back, as an elastic pool's are. The calls
 pinned to the rank (broadcasts) wait for it up to the pool's start timeout
 (``Options(start_timeout=...)``) from the loss; from then on, until it is back, they fail at
-once naming the node and the last failure (``Dispatcher.down``).
+once naming the node and the last failure (``Recovery.down``).
 
 A provider that says it cannot replace the machine (a ProvisionError without a cause) is
 not asked again: the rank is gone and broadcasts fail naming it.
@@ -117,7 +117,7 @@ class Renewals:
             cause = f"node {lost} was lost ({why})"
             for r in ranks:
                 if r != lost:
-                    dispatcher.retire(old[r], cause)
+                    dispatcher.recovery.retire(old[r], cause)
                     self._spawn(stop_node(old[r]))
         await old[lost].proc.terminate()  # it may linger (an executor that cannot start)
         allocation.mark(allocation.machines[lost], MachineState.LOST)
@@ -133,7 +133,7 @@ class Renewals:
             nonlocal expired
             expired = True
             if failures:
-                dispatcher.down(ranks, failed())
+                dispatcher.recovery.down(ranks, failed())
 
         timer = asyncio.get_running_loop().call_later(patience, give_up_waiting)
         delay = RETRY_MIN
@@ -146,7 +146,7 @@ class Renewals:
                     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                     if not _may_pass(e):
                         logger.error("node %d could not be replaced: %s", lost, reason)
-                        dispatcher.failed(ranks, reason)
+                        dispatcher.recovery.failed(ranks, reason)
                         return
                 if not failures:
                     logger.warning(
@@ -159,14 +159,14 @@ class Renewals:
                     )
                 failures[1:] = [reason]
                 if expired:
-                    dispatcher.down(ranks, failed())
+                    dispatcher.recovery.down(ranks, failed())
                 await asyncio.sleep(delay)
                 delay = min(RETRY_MAX, delay * 2)
         finally:
             timer.cancel()
         self.replaced += 1
         await self._tell_survivors(fresh)
-        dispatcher.back(fresh)
+        dispatcher.recovery.back(fresh)
         logger.warning("node %d back after %.1f s", lost, time.monotonic() - started)
         self.on_back(ranks)
 

@@ -1,0 +1,219 @@
+"""Lost nodes and group restarts: what a pool's :class:`Dispatcher` does when a node's agent
+is gone or a group of processes must start again (see ``dispatch.py`` for the policy).
+
+:class:`Recovery` works on the dispatcher's rank bookkeeping (``waiting``, ``replacing``,
+``gone``, ``unplaced``), under its ``lock``; it runs on the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from functools import partial
+
+from .._errors import WorkerDiedError
+from .._redaction import redact
+from .._wire.frames import Kind
+from .node import Node, NodeState, Submission
+from .placement import Placement
+from .ranks import Ranks
+
+logger = logging.getLogger("flotilla")
+
+
+class Recovery:
+    """A pool's lost nodes, their replacements and its group restarts (loop thread).
+
+    Attributes:
+        d: the pool's nodes and bookkeeping (the dispatcher, see ``ranks.py``).
+    """
+
+    def __init__(self, d: Ranks, placement: Placement) -> None:
+        self.d = d
+        self.placement = placement
+
+    def restart_if_stuck(self, sub: Submission, cause: str) -> None:
+        """Restart the group if calls of ``sub``'s broadcast still run, in the group
+        generation they were sent in. While the broadcast is still being sent (a sibling
+        not sent yet, nor waiting for a replacement), the check comes again shortly: a
+        RESTART must not overtake a sibling's call, which would run alone after it."""
+        if not others_run(sub):
+            return
+        if any(
+            s.node is None
+            and not s.finished
+            and not s.future.done()
+            and not self.placement.parked(s)
+            for s in sub.siblings or ()
+        ):
+            asyncio.get_running_loop().call_later(0.01, self.restart_if_stuck, sub, cause)
+            return
+        self.restart_group(cause, sub.generation)
+
+    def restart_group(self, cause: str, generation: int) -> None:
+        """Restart every process of a group pool (see ``plugins._base``), once per ``generation``
+        of the group: later reports of the same break are ignored."""
+        if generation != self.d.generation or not self.d.running():
+            return
+        self.d.generation += 1
+        cause = redact(cause, self.d.secrets)  # logged, and sent to every node
+        logger.warning("restarting every process of the pool: %s", cause)
+        loop = asyncio.get_running_loop()
+        for node in self.d.nodes:
+            if node.state is NodeState.READY:
+                send = partial(node.send_control, Kind.RESTART, ident=self.d.generation)
+                if not send(wait=False, body=cause.encode()):  # busy: not on the loop
+                    loop.run_in_executor(None, partial(send, wait=True, body=cause.encode()))
+
+    def on_lost(self, node: Node, subs: list[Submission]) -> None:
+        """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
+        err = node.lost_error(f"was lost while running a call: {node.loss}")
+        why = _why(node)
+        rank = node.rank
+        with self.d.lock:
+            current = rank < len(self.d.nodes) and self.d.nodes[rank] is node
+            fresh = current and rank not in self.d.replacing and rank not in self.d.gone
+        if fresh and self.d.replacer is not None and self.d.running():
+            down = self.d.replacer(rank, why)
+            with self.d.lock:
+                self.d.replacing.update(down)
+                for r in down:
+                    self.d.waiting.setdefault(r, [])
+        elif fresh:
+            hint = "; Options(replace_lost_nodes=True) replaces lost nodes"
+            self.give_up([rank], why + (hint if self.d.replacer is None else ""))
+        started, queued = _started(node, subs)
+        for sub in queued:  # they never ran: sent again, retries or not
+            if not self.d.retry(sub, err, free=True):
+                self.d.settle(sub, exc=err)
+        for sub in started:
+            if not self.d.retry(sub, err):
+                self.d.settle(sub, exc=err)
+
+    def retire(self, node: Node, cause: str) -> None:
+        """Take a live node of a group pool out of service (its group is restarted): its
+        calls end as ABORTED ones do, or are retried."""
+        node.state = NodeState.CLOSED
+        with node.lock:
+            subs = list(node.inflight.values())
+            node.inflight.clear()
+        for sub in subs:
+            err = WorkerDiedError(
+                f"{node.name}: {sub.call.function.name}(...) was stopped because {cause}; "
+                "the pool's processes form one group, so all of them were restarted",
+                node=node.rank,
+                restarted=True,
+            )
+            if not self.d.retry(sub, err):
+                self.d.settle(sub, exc=err)
+
+    def back(self, nodes: Sequence[Node]) -> None:
+        """Replacement ``nodes`` are ready: put them in service and send what waited."""
+        with self.d.lock:
+            for node in nodes:
+                self.d.nodes[node.rank] = node
+                self.d.replacing.discard(node.rank)
+                self.d.gone.pop(node.rank, None)  # (down() while it was tried again)
+            waiting = [(n.rank, self.d.waiting.pop(n.rank, [])) for n in nodes]
+            unplaced, self.d.unplaced = self.d.unplaced, []
+        for rank, subs in waiting:
+            for sub in subs:
+                self.resend(sub, rank)
+        for sub in unplaced:
+            self.resend(sub, None)
+
+    def resend(self, sub: Submission, rank: int | None) -> None:
+        if sub.future.done():
+            return
+        if self.d.group and sub.siblings:
+            failed = next((s for s in sub.siblings if _failed(s)), None)
+            if failed is not None:  # it would wait in a collective for a sibling that ended
+                err = failed.held[1] if failed.held else failed.future.exception()
+                self.d.settle(sub, exc=WorkerDiedError(f"not run: {err}", node=rank or 0))
+                return
+            sub.generation = self.d.generation
+        try:
+            self.placement.place(sub, rank)
+        except Exception as e:
+            self.d.settle(sub, exc=e)
+
+    def failed(self, ranks: Sequence[int], reason: str) -> None:
+        """The nodes at ``ranks`` cannot be replaced: they are gone for good."""
+        self.give_up(ranks, f"lost, and no replacement could be started: {reason}")
+
+    def down(self, ranks: Sequence[int], reason: str) -> None:
+        """The nodes at ``ranks`` could not be replaced within the pool's start timeout
+        (the last attempt failed for ``reason``): the calls waiting for them fail, and so do
+        new ones pinned to them, naming them, until a replacement is back (:meth:`back`:
+        the pool keeps trying, see ``renew.py``)."""
+        with self.d.lock:
+            if all(self.d.gone.get(r) is not None for r in ranks):
+                for rank in ranks:  # the latest failure, for the next errors
+                    self.d.gone[rank] = _not_back(reason)
+                return
+        self.give_up(ranks, _not_back(reason), replacing=True)
+
+    def give_up(self, ranks: Sequence[int], reason: str, replacing: bool = False) -> None:
+        """Fail the calls waiting for ``ranks`` and the later ones pinned to them; with
+        ``replacing``, the ranks are still being replaced (they serve again once back)."""
+        with self.d.lock:
+            waiting: list[tuple[int, Submission]] = []
+            for rank in ranks:
+                self.d.gone[rank] = reason
+                if not replacing:
+                    self.d.replacing.discard(rank)
+                waiting += [(rank, sub) for sub in self.d.waiting.pop(rank, [])]
+            unplaced: list[Submission] = []
+            if not self.d.waiting:
+                unplaced, self.d.unplaced = self.d.unplaced, []
+        for rank, sub in waiting:
+            self.d.settle(sub, exc=self.placement.gone_error([rank], "cannot run the call"))
+        for sub in unplaced:
+            self.resend(sub, None)
+
+
+def _not_back(reason: str) -> str:
+    return f"lost, and not replaced yet: {reason}; the pool keeps trying to bring it back"
+
+
+def _why(node: Node) -> str:
+    """Why ``node`` was lost, in a few words for the console."""
+    if node.silence:
+        return f"it stopped answering for {node.silence:.1f} s"
+    lost = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's last words
+    if lost:
+        return f"the connection was lost: {lost}"
+    err = node.lost_error("")
+    if err.signal:
+        return f"its agent was killed by {err.signal}"
+    if err.exitcode is not None:
+        return f"its agent exited with status {err.exitcode}"
+    return "its agent's stream ended"
+
+
+def _started(node: Node, subs: list[Submission]) -> tuple[list[Submission], list[Submission]]:
+    """``subs``, the calls in flight on the lost ``node``, split into those that may have
+    started and those that certainly did not.
+
+    An agent gives a call to a process only once its STARTED frame has left the agent
+    (``_node/supervisor.py``): when the agent is known to be gone (its stream ended), a
+    call without STARTED never ran. A node lost otherwise (silence, a broken connection,
+    a write that made no progress, an executor that failed to start) may still have an
+    agent that starts its calls: then every call counts as started."""
+    dropped: str = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's
+    if not node.ended or node.silence or dropped:
+        return subs, []
+    started = [s for s in subs if s.started]
+    return started, [s for s in subs if not s.started]
+
+
+def others_run(sub: Submission) -> bool:
+    """True when another call of ``sub``'s broadcast has not finished."""
+    return any(s is not sub and not s.finished and not s.future.done() for s in sub.siblings or ())
+
+
+def _failed(sub: Submission) -> bool:
+    if sub.held is not None:
+        return True
+    return sub.future.done() and not sub.future.cancelled() and sub.future.exception() is not None
