@@ -12,6 +12,7 @@ Ray is kept small: one CPU per node, an 80 MiB object store, no dashboard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from _wheels import HOST_PYTHON, PackageIndex, wheels_for
 
 import flotilla as sky
 from flotilla._client.forward import RELAY, PortForward
+from flotilla._info import SINGLE_NODE
 from flotilla.plugins._daemons import MARKER_VAR, Daemon, EngineError
 
 RAY = "2.60.0"
@@ -389,6 +391,18 @@ def test_a_daemon_that_fails_shows_the_root_cause_its_long_traceback_starts_with
     assert "exited (status 1) before listening" in text
     assert "the root cause" in text and "Scheduler failed to start." in text, text
     assert "frame 0" in text and "frame 99" in text and "lines left out" in text, text
+
+
+def test_a_pool_address_given_as_a_name_is_bound_as_its_ip() -> None:
+    """A node whose pool address is a host name (an SSH host given by name): the engines
+    bind the IP it resolves to, as the torch plugin's interface rule resolves it (Ray's
+    ``--node-ip-address`` takes an IP: with a name its ``node:`` resource and its drivers'
+    own address would not match)."""
+    info = dataclasses.replace(SINGLE_NODE, addr="localhost", head_addr="localhost")
+    ray = sky.plugins.ray(dashboard=True).start_argv(info, 6379, "/tmp/x")
+    assert "--node-ip-address=127.0.0.1" in ray and "--dashboard-host=127.0.0.1" in ray, ray
+    dask = sky.plugins.dask().worker_argv(info, "localhost:8786", "/tmp/x")
+    assert dask[dask.index("--host") + 1] == "127.0.0.1", dask
 
 
 # -- the client's forward (pool.dask_client(), pool.ray_dashboard()) ----------------------

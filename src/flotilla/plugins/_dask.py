@@ -27,7 +27,7 @@ from .._info import InstanceInfo
 from ._daemons import Daemon, EngineError, check_free, head_engine_port, scratch_dir
 from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._net import wait_listening
+from ._net import node_ip, wait_listening
 from ._versions import requirement
 
 START_TIMEOUT = 300.0
@@ -83,7 +83,7 @@ class DaskPlugin(EnginePlugin):
     def worker_argv(self, info: InstanceInfo, scheduler: str, scratch: str) -> list[str]:
         threads = self.threads or len(os.sched_getaffinity(0))
         argv = [sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://{scheduler}"]
-        argv += ["--host", info.addr, "--nthreads", str(threads), "--nworkers", "1"]
+        argv += ["--host", node_ip(info.addr), "--nthreads", str(threads), "--nworkers", "1"]
         argv += ["--no-dashboard", "--local-directory", scratch]
         argv += ["--memory-limit", self.memory_limit, "--name", f"node-{info.node}"]
         return argv
@@ -101,7 +101,7 @@ class DaskPlugin(EnginePlugin):
             if info.node == 0:
                 check_free(info.addr, port, "dask scheduler")
                 argv = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
-                argv += ["--host", info.addr, "--port", str(port), "--no-dashboard"]
+                argv += ["--host", node_ip(info.addr), "--port", str(port), "--no-dashboard"]
                 head = Daemon("dask scheduler", argv, env, scratch + "-scheduler")
                 s.callback(head.stop)
                 head.start()

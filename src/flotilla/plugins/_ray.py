@@ -32,7 +32,7 @@ from .._info import InstanceInfo
 from ._daemons import Daemon, EngineError, check_free, free_port, head_engine_port, scratch_dir
 from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._net import wait_listening
+from ._net import node_ip, wait_listening
 from ._versions import requirement
 
 START_TIMEOUT = 300.0
@@ -133,7 +133,8 @@ class RayPlugin(EnginePlugin):
     def start_argv(self, info: InstanceInfo, gcs_port: int, scratch: str) -> list[str]:
         """The ``ray start`` command of this node (head on node 0)."""
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
-        argv += [f"--node-ip-address={info.addr}", f"--temp-dir={scratch}"]
+        ip = node_ip(info.addr)  # the pool's address: the interface that carries it
+        argv += [f"--node-ip-address={ip}", f"--temp-dir={scratch}"]
         argv += ["--disable-usage-stats", "--min-worker-port=0", "--max-worker-port=0"]
         argv += [f"--dashboard-agent-listen-port={free_port(info.addr)}"]
         if info.node == 0:
@@ -143,7 +144,7 @@ class RayPlugin(EnginePlugin):
                 argv += [f"--ray-client-server-port={free_port(info.addr)}"]
             if self.dashboard:  # on the pool's address, at a port of the head's block
                 port = head_engine_port("ray-dashboard", info.head_port)
-                argv += ["--include-dashboard=true", f"--dashboard-host={info.addr}"]
+                argv += ["--include-dashboard=true", f"--dashboard-host={ip}"]
                 argv += [f"--dashboard-port={port}"]
             else:
                 argv += ["--include-dashboard=false"]
