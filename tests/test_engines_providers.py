@@ -120,8 +120,10 @@ def exercise(pool: sky.Compute, tunnel: str) -> None:
         view = engines_view() >> pool
         assert view["ray"] == sorted(addrs) and view["dask"] == sorted(addrs), (view, addrs)
         assert view["pinned"] == {a: rank for rank, a in enumerate(addrs)}
+        again = pool.dask_client()  # the clusters formed again: a client of the new one
+        assert len(again.scheduler_info()["workers"]) == 2
         assert leftovers(pool_id, relays=False)  # what the check below looks for, while it runs
-    assert client.status == "closed"  # closed with the pool, its forward too
+    assert client.status == again.status == "closed"  # closed with the pool, forwards too
     assert wait_until(lambda: not leftovers(pool_id), timeout=60), leftovers(pool_id)
 
 
