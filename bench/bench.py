@@ -2,7 +2,8 @@
 
 Run it as ``./dev bench`` (bench/run.sh installs the peers into .venv-bench first). Every
 trial runs in a fresh child process (``bench/trial.py``); this script orders the trials,
-keeps the raw results as JSON and writes BENCHMARKS.md.
+keeps the raw results as JSON and rewrites its sections of BENCHMARKS.md (``sections``:
+the others stay).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import report
+import sections
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -59,8 +61,8 @@ def main() -> None:
     meta["other_cpu"] = _other_cpu_share(cpu_before, _cpu_seconds(), meta["duration"])
     _save(results, args.results)
     text = report.render(results)
-    if args.markdown is not None:
-        args.markdown.write_text(text)
+    if args.markdown is not None:  # its sections, and the ones this run does not produce
+        sections.merge_file(args.markdown, text)
         _log(f"wrote {args.markdown}")
     else:
         print(text)

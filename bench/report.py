@@ -361,8 +361,9 @@ flotilla's. The goals are the project's, for flotilla; the peers are there for o
 The raw JSON of the run is in `bench/results/` (not committed).
 
 How to rerun: `./dev bench` (it installs the peers once into `.venv-bench`, runs
-`bench/bench.py` and rewrites this file); `./dev bench --quick` for a fast smoke run
-(its report goes to `bench/results/BENCHMARKS-quick.md`).
+`bench/bench.py` and the other benchmarks, and rewrites the sections they produce: a
+section written by hand for an issue stays, see `bench/sections.py`); `./dev bench --quick`
+for a fast smoke run (its report goes to `bench/results/BENCHMARKS-quick.md`).
 """
 
 

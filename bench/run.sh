@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Benchmarks flotilla against its peers and rewrites BENCHMARKS.md (run it as `./dev bench`).
+# Benchmarks flotilla against its peers and rewrites the sections of BENCHMARKS.md it produces
+# (run it as `./dev bench`); every other section (an issue's figures) stays (bench/sections.py).
 # The peers (ray, dask[distributed], numpy) live in their own venv, .venv-bench, never in
 # flotilla's dependencies. A stamp file skips the install when nothing changed.
 # Extra arguments go to bench/bench.py (try `./dev bench --help`).
@@ -23,11 +24,13 @@ ensure_venv() {
 
 ensure_venv
 mkdir -p bench/results
+OTHERS=$(mktemp bench/results/others.XXXXXX.md)
+trap 'rm -f "$OTHERS"' EXIT
 "$VENV/bin/python" bench/bench.py --markdown BENCHMARKS.md --results bench/results "$@"
 case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0 ;; esac
 
-# The other issues' benchmarks run with the project's venv (torch) and are
-# appended to the report: DDP and Image start-up, the command line, and SSH (root only:
+# The other issues' benchmarks run with the project's venv (torch) and their sections are
+# merged into the report: DDP and Image start-up, the command line, and SSH (root only:
 # it makes test hosts in network namespaces).
 {
     echo
@@ -60,6 +63,14 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## Worker slots and streaming (issue 30)"
     echo
     .venv/bin/python bench/bench_slots.py 2>/dev/null
+    echo
+    echo "## The server: the API and 100 event streams (issue 39)"
+    echo
+    .venv/bin/python bench/bench_server.py 2>/dev/null
+    echo
+    echo "## Node start CPU, every process of a start from /proc (issue 42)"
+    echo
+    .venv/bin/python bench/bench_nodestart.py --reps 5 $([ "$(id -u)" = 0 ] && echo --ssh) 2>/dev/null
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"
@@ -69,6 +80,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         .venv/bin/python bench/bench_slurm.py 2>/dev/null | sed 's/^## /### /'
         echo; echo "## AWS provider on moto and booting test hosts (issue 16)"; echo
         .venv/bin/python bench/bench_aws.py 2>/dev/null
+        echo; echo "## Elastic AWS pools on moto and booting test hosts (issue 37)"; echo
+        .venv/bin/python bench/bench_aws_elastic.py --reps 3 2>/dev/null
+        echo
+        .venv/bin/python bench/bench_elastic_labs.py --reps 3 2>/dev/null
         echo; echo "## Kubernetes provider on the test lab (issue 23)"; echo
         .venv/bin/python bench/bench_k8s.py 2>/dev/null
         echo; echo "## Vast.ai provider on the stand-in API (issue 24)"; echo
@@ -79,4 +94,5 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
         echo; echo "## AWS lab: 64 instances against 8 (issue 27)"; echo
         .venv/bin/python bench/bench_aws_scale.py --nodes 64 --reps 3 2>/dev/null
     fi
-} >>BENCHMARKS.md
+} >"$OTHERS"
+"$VENV/bin/python" bench/sections.py BENCHMARKS.md "$OTHERS"

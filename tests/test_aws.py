@@ -789,6 +789,17 @@ def test_boot_guard_finds_the_login_users_home() -> None:
         sky.AWS(ssh_user="ubuntu; rm -rf /")
 
 
+def test_a_node_above_max_node_hourly_cost_is_refused_before_launching(aws_lab: AwsLab) -> None:
+    """Skyward's per-node cap (``Spec(max_hourly_cost=)``, ``max_node_hourly_cost``): the
+    spot price of the type chosen is above it, so nothing is launched; the pool's cap
+    (``max_hourly_cost``) is another, for all the nodes together."""
+    provider = aws_lab.provider(allocation="spot")
+    spec = _spec(2, vcpus=2, max_node_hourly_cost=0.000001)
+    with pytest.raises(sky.ProvisionError, match=r"above max_node_hourly_cost=\$1e-06/h"):
+        _acquire(provider, spec)
+    assert aws_lab.pool_instances(spec.pool_id) == []
+
+
 def test_launch_line_shows_the_choice_and_the_spot_price(
     aws_lab: AwsLab, capfd: pytest.CaptureFixture[str]
 ) -> None:

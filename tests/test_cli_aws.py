@@ -4,11 +4,13 @@ subprocesses pointed at the emulator through the standard AWS_* variables."""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 
 TASK = f"""\
 num_nodes: 3
@@ -78,6 +80,16 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
     assert rec is not None
     shell = cli.ok("ssh", "cloud", "--node", "2", "--", "hostname -I; pwd")
     assert addrs[2] in shell.stdout.split() and rec.nodes[2].workdir in shell.stdout.split()
+    copy_check(cli, "cloud", 2, cli.cwd / "copies")  # cp over the same pinned ssh
+    # the cluster's ssh_config entries (what ~/.ssh/config includes): plain ssh reaches it
+    config = cli.home / "ssh" / "cloud.config"
+    plain = subprocess.run(
+        ["ssh", "-F", str(config), "-o", "BatchMode=yes", "cloud-worker2", "hostname -I"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert addrs[2] in plain.stdout.split(), plain.stderr
     cli.ok("down", "cloud", timeout=120)
     states = {i["State"]["Name"] for i in aws_lab.pool_instances(pool_id)}
     assert states == {"terminated"}

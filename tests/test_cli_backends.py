@@ -108,7 +108,7 @@ def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
         registry.backend("nomad")
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws, k8s, vast, container"
+    assert known == "local, ssh, slurm, aws, k8s, vast, runpod, lambda, container"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
@@ -314,6 +314,8 @@ _SAMPLES = {
     "namespace": "ns-1",
     "time": "2:00:00",
     "regions": "US SE",
+    "cloud_type": "community",
+    "data_centers": "EU-RO-1 US-TX-3",
     "hosts": "h1,h2",
     "binary": "podman",
     "image": "python:3.11-slim",

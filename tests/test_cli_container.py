@@ -9,6 +9,7 @@ import pytest
 from _container import ContainerLab, container_lab_fixture  # noqa: F401 - the fixture
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 from test_container import _killed_client
 
 
@@ -43,6 +44,7 @@ def test_a_container_cluster_from_the_command_line(cli: CLI, container_lab: Cont
     assert set(names.values()) <= set(lab.containers())  # each node is a container of the lab
     shell = cli.ok("ssh", "box", "--node", "1", "--", "echo $HOSTNAME")
     assert shell.stdout.split() == [names[1]]
+    copy_check(cli, "box", 1, cli.cwd / "copies")  # cp through podman/docker exec
     cli.ok("down", "box")
     assert not set(names.values()) & set(lab.containers())
 

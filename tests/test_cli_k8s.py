@@ -13,6 +13,7 @@ from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401
 from _procs import wait_until
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 from test_managed import RESUMABLE, Jobs
 from test_managed import jobs as jobs  # the fixture
 
@@ -60,6 +61,7 @@ def test_task_file_with_infra_k8s_runs_on_num_nodes_pods(cli: CLI, k8s_lab: K8sL
     assert node_lines(logs.stdout, "RUN") == node_lines(done.stdout, "RUN")
     shell = cli.ok("ssh", "kube", "--node", "2", "--", "echo $HOSTNAME")
     assert shell.stdout.split() == [by_rank[2]]
+    copy_check(cli, "kube", 2, cli.cwd / "copies")  # cp through kubectl exec -i
     cli.ok("down", "kube")
     assert _made_by(k8s_lab, rec.pid) == []
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from _slurm import SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
+from test_cli_files import copy_check
 
 TASK = """\
 num_nodes: 3
@@ -55,6 +56,7 @@ def test_task_file_with_provider_slurm_runs_setup_then_run_on_3_nodes(
     assert rec is not None
     shell = cli.ok("ssh", "hpc", "--node", "2", "--", "echo $(hostname) $SLURM_JOB_ID $PWD")
     assert shell.stdout.split() == ["n3", job_id, rec.nodes[2].workdir]
+    copy_check(cli, "hpc", 2, cli.cwd / "copies")  # cp through srun into the job
     cli.ok("down", "hpc")
     assert _flotilla_jobs(slurm_cluster) == []
 

@@ -50,6 +50,20 @@ def test_task_file_with_infra_vast_runs_and_costs_are_reported(cli: CLI, vast_la
     assert words[1:4] == ["vast", "2", "2.5"] and words[6] == "finished", report
 
 
+def test_a_tasks_max_hourly_cost_refuses_offers_above_it_before_renting(
+    cli: CLI, vast_lab: VastLab
+) -> None:
+    """``resources.max_hourly_cost`` reaches the pool: 2 nodes at $1.25/h are above $2/h,
+    refused before anything is rented."""
+    vast_lab.add_machines(2, cluster_id=3, dph_total=1.25)
+    cli.env.update(vast_lab.env)
+    task = cli.task("job.yaml", TASK.replace("  cpus: 4\n", "  cpus: 4\n  max_hourly_cost: 2\n"))
+    done = cli("launch", task, "-c", "dear", timeout=300)
+    assert done.returncode != 0, done.stderr
+    assert "costs $2.50/h, above max_hourly_cost=$2.00/h: nothing was rented" in done.stderr
+    assert vast_lab.live() == []
+
+
 def test_show_gpus_and_check(cli: CLI, vast_lab: VastLab) -> None:
     vast_lab.add_machines(1, gpu_name="H100 SXM", num_gpus=8, dph_total=20.0, geolocation="SE")
     vast_lab.add_machines(1, gpu_name="A100 PCIE", dph_total=0.9)

@@ -129,6 +129,47 @@ def test_a_pool_born_empty_runs_a_burst_and_scales_to_zero(
     assert "the pool is empty: its next call starts a node" in err
 
 
+def test_every_autoscaler_decision_is_a_scaling_decision_event(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Each decision (grow for queued calls, ``pool.resize``, shrink when idle) is one
+    ``events.ScalingDecision`` with the counts it heads from and to and the reason the
+    console line gives; it survives ``as_dict``/``from_dict`` (``flotilla events --json``)."""
+    from flotilla import events
+
+    got: list[events.ScalingDecision] = []
+    options = sky.Options(autoscale_idle_timeout=0.5, autoscale_cooldown=0)
+    pool = sky.Compute(nodes=sky.Nodes(0, max=3, min=0), options=options, metrics=None)
+    pool.subscribe(
+        on_event=lambda e: got.append(e) if isinstance(e, events.ScalingDecision) else None
+    )
+    with pool:
+        assert [i for i, _, _ in pool.map(where, range(30))] == list(range(30))
+        assert wait_until(lambda: pool.current_nodes() == 0, timeout=60)
+        pool.resize(2)
+        assert wait_until(lambda: len(got) >= 3 and got[2].reason == "pool.resize()", 30), got
+    first, idle, manual = got[:3]
+    assert (first.from_nodes, first.pool) == (0, pool.pool_id)
+    assert 1 <= first.to_nodes <= 3 and "call(s) queued" in first.reason
+    assert (idle.from_nodes, idle.to_nodes) == (first.to_nodes, 0)
+    assert idle.reason == "idle for 0.5 s"
+    assert (manual.from_nodes, manual.to_nodes) == (0, 2)
+    err = capfd.readouterr().err
+    for d in got[:3]:
+        assert f"autoscaler: {d.from_nodes} -> {d.to_nodes} node(s): {d.reason}" in err
+        assert events.from_dict(events.as_dict(d)) == d
+
+
+def test_flotilla_events_shows_a_scaling_decision_as_its_console_line() -> None:
+    from flotilla import events
+    from flotilla.cli.observe import describe
+
+    why = "200 call(s) queued, 1 slot(s) a node"
+    decision = events.ScalingDecision(pool="p", from_nodes=0, to_nodes=4, reason=why)
+    line = describe(events.as_dict(decision))
+    assert line.split(" ", 1)[1] == f"autoscaler: 0 -> 4 node(s): {why}"
+
+
 def test_a_shrink_during_map_loses_no_call() -> None:
     """Decisions to shrink come while calls are being placed (the pool is under a third
     busy at every moment between short calls: no idle timeout, no cooldown): every call

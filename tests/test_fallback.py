@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,15 @@ def test_task_file_any_of_falls_back_from_vast_to_aws(
     assert vast.live() == [] and _rented(vast) == 0
     status = cli.ok("status").stdout
     assert "anyof" in status
+    # the chosen candidate's ssh_config entries (AWS's pinned login): plain ssh reaches node 1
+    config = cli.home / "ssh" / "anyof.config"
+    plain = subprocess.run(
+        ["ssh", "-F", str(config), "-o", "BatchMode=yes", "anyof-worker1", "hostname"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plain.stdout.strip() == lines[1].split()[1], plain.stderr
     cli.ok("down", "anyof", "-y", timeout=120)
 
 

@@ -81,6 +81,7 @@ import sys
 sys.path.insert(0, {src!r})
 before = set(sys.modules)  # the interpreter's own start-up (site, .pth files)
 import flotilla.agent  # what ``python -m flotilla.agent`` loads before main() runs
+import flotilla._node.metrics  # and at CONFIG (metrics are on by default)
 import json
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
@@ -88,13 +89,14 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 NOT_AT_START = ("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess")
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
-with the first environment build or process-table walk."""
+with the first environment build, process-table walk or command metric."""
 
 
 def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
-    """The agent's start (every node's, every provider's) imports neither cloudpickle, rich
-    nor a plugin's module, nor hashlib, hmac or subprocess: each costs CPU at every node
-    start, and a plain pool never uses them in the agent."""
+    """The agent's start (every node's, every provider's; its metrics' sampler included)
+    imports neither cloudpickle, rich nor a plugin's module, nor hashlib, hmac or
+    subprocess: each costs CPU at every node start, and a plain pool never uses them in
+    the agent."""
     done = subprocess.run(
         [sys.executable, "-I", "-c", _START_PROBE.format(src=str(SRC))],
         capture_output=True,
@@ -119,7 +121,7 @@ def test_the_probe_notices_a_foreign_module() -> None:
 # -- one-way imports ---------------------------------------------------------------------------
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("flotilla", "flotilla.__main__"),  # the face: the public names, ``python -m flotilla``
-    ("flotilla.cli",),  # the command line
+    ("flotilla.cli", "flotilla.server"),  # the command line, and its HTTP server
     ("flotilla._client", "flotilla._output", "flotilla.plugins"),  # the client and its hooks
     ("flotilla._providers", "flotilla.providers"),  # where nodes come from
     (  # the specs a user builds, and what turns them into bytes (both sides of a pool)

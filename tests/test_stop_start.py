@@ -258,7 +258,7 @@ def test_aws_started_instance_is_pinned_at_its_new_public_address(
         spec = PoolSpec("t" + secrets.token_hex(3), 1, None, None, (), Options())
         alloc = AWSAllocation(provider.settings, provider.api, spec, keep, kept)
         alloc.host_keys = {ident: host_key.public}
-        (started,) = alloc._start_kept([ident])
+        (started,) = alloc.stopping.start_kept([ident])
         assert started["State"]["Name"] == "running"
         new = started["PublicIpAddress"]
         assert new and new != first["PublicIpAddress"]

@@ -71,10 +71,13 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.base import Provider as Provider
     from ._providers.container import Container as Container
     from ._providers.fallback import Candidate as Candidate
+    from ._providers.fallback import Spec as Spec
     from ._providers.k8s import Kubernetes as Kubernetes
+    from ._providers.lambda_cloud import LambdaCloud as LambdaCloud
     from ._providers.local import Local as Local
     from ._providers.market import offers as offers
     from ._providers.offers import Offer as Offer
+    from ._providers.runpod import RunPod as RunPod
     from ._providers.settings import SSHHost as SSHHost
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
@@ -117,7 +120,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.aws": ("AWS",),
     "_providers.base": ("AgentProcess", "Allocation", "Machine", "Options", "PoolSpec", "Provider"),
     "_providers.container": ("Container",),
-    "_providers.fallback": ("Candidate",),
+    "_providers.fallback": ("Candidate", "Spec"),
     "_providers.k8s": ("Kubernetes",),
     "_providers.local": ("Local",),
     "_providers.market": ("offers",),
@@ -125,6 +128,8 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.slurm": ("Slurm",),
     "_providers.settings": ("SSHHost",),
     "_providers.ssh": ("SSH",),
+    "_providers.lambda_cloud": ("LambdaCloud",),
+    "_providers.runpod": ("RunPod",),
     "_providers.vast": ("VastAI",),
     "_shard": ("shard",),
     "_volume": ("Volume",),

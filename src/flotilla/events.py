@@ -45,6 +45,7 @@ __all__ = [
     "NodeReplaced",
     "PoolPhase",
     "Scaling",
+    "ScalingDecision",
     "TaskFinished",
     "TaskStarted",
     "as_dict",
@@ -167,6 +168,19 @@ class Scaling(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ScalingDecision(Event):
+    """An elastic pool's autoscaler (or ``pool.resize``) decided to head from
+    ``from_nodes`` to ``to_nodes`` nodes, for ``reason`` (calls queued, idle for the
+    timeout, low use, ``pool.resize()``, a broadcast on the empty pool): the console line
+    ``autoscaler: 0 -> 4 node(s): ...`` as an event. :class:`Scaling` follows as nodes join
+    or leave."""
+
+    from_nodes: int
+    to_nodes: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Event):
     """Something went wrong that no call raises (a callback failed, a replacement was
     impossible...)."""
@@ -198,6 +212,7 @@ _TYPES: dict[str, type[Event]] = {
         MetricFailed,
         LogLine,
         Scaling,
+        ScalingDecision,
         Error,
         JobState,
     )

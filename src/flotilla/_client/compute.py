@@ -1,5 +1,7 @@
-"""``Compute``: a pool of nodes and its lifecycle; the calls' dispatch and retry policy is
-in ``dispatch.py``, the replacement of lost nodes in ``renew.py``."""
+"""``Compute``: a pool of nodes and its lifecycle. What its nodes start with is built by
+``startup.py`` (one frozen ``Startup``), its periodic work is ``heartbeat.py``'s, the call
+operators are ``calls.py``'s; the calls' dispatch and retry policy is in ``dispatch.py``,
+the replacement of lost nodes in ``renew.py``."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from .._collections import activate, deactivate
 from .._errors import ConfigurationError, PoolClosedError
 from .._image import Image, check_env
 from .._providers.base import AgentProcess, Allocation, Options, PoolSpec, Provider
+from .._providers.fallback import Spec
 from .._providers.ledger import sigterm_exits
 from .._providers.limits import out_of_files
 from .._redaction import redact, redact_exception
@@ -48,8 +51,15 @@ from .interpreter import check_image
 from .node import Node, NodeEvents, NodeState, Submission
 from .observe import Observed, Observer
 from .renew import Renewals
-from .skyward_settings import with_pool_settings, worker_of
-from .startup import VOLUME_FLUSH_TIMEOUT, Startup, check_plugins, prepare, resource
+from .skyward_settings import named_pool, pool_provider, worker_of
+from .startup import (
+    VOLUME_FLUSH_TIMEOUT,
+    Startup,
+    check_plugins,
+    prepare,
+    procs_per_node,
+    resource,
+)
 from .store import Store, encode_answer
 
 logger = logging.getLogger("flotilla")
@@ -77,11 +87,13 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     Args:
         provider: where the nodes run; None means ``flotilla.Local()`` (local processes);
-            a list of providers: fallback, see ``allocation``.
-        nodes: number of nodes (>= 1), or an elastic pool, as in Skyward: ``(desired,
-            max)`` or :class:`flotilla.Nodes` ``(desired, max=..., min=...)`` (``min=0``:
-            scale to zero; ``desired=0``: lazy start; see ``elastic.py``; Local, SSH,
-            Container and Kubernetes providers).
+            a list of providers: fallback, see ``allocation``; or :class:`Spec` s, each a
+            candidate with its own resources (``Compute(Spec(...), Spec(...))``).
+        specs: the further :class:`Spec` s, after the first.
+        nodes: number of nodes (>= 1; default: the specs' ``nodes``, else 1), or an
+            elastic pool, as in Skyward: ``(desired, max)`` or :class:`flotilla.Nodes`
+            ``(desired, max=..., min=...)`` (``min=0``: scale to zero; ``desired=0``:
+            lazy start; see ``elastic.py``; every built-in provider).
         accelerator: accelerators per node: "A100", "A100:8" or ``accelerators.A100(8)``.
         image: the node environment (an ``Image``); None for the provider's default.
         plugins: framework plugins (``plugins.torch()``...), applied in order.
@@ -106,12 +118,19 @@ class Compute(PoolCollections, PoolCalls, Observed):
             ``"cheapest"`` (cheapest first, by their offers).
         worker: :class:`Worker`: task slots per node (default: ``Options.worker``, else
             one).
-        max_hourly_cost: the most the pool may cost per hour, in USD (all its nodes): a
+        max_hourly_cost: the most the POOL may cost per hour, in USD (all its nodes): a
             provider that knows its prices (Vast, AWS when priced) refuses offers above it
             before renting.
+        max_node_hourly_cost: the most ONE NODE may cost per hour, in USD (Skyward's
+            ``Spec(max_hourly_cost=)``). selection, region, disk_gb, architecture:
+            Skyward's, see ``docs/providers.md`` ("Skyward's spelling") and :class:`Spec`.
         metrics: Skyward's: the metrics every node samples (``flotilla.metrics``: a list
             of ``Metric``); not given: the Image's, else ``metrics.Default()``; None:
             none. Read them with :meth:`metrics`, :meth:`view`, :meth:`subscribe`.
+        name: Skyward's named pool: a pool of the configuration files (``pools:`` in
+            ``~/.flotilla/config.yaml`` or the project's ``.flotilla.yaml``, see
+            docs/providers.md) gives the provider and the arguments above not given here
+            (``nodes`` not given takes the pool's).
 
     Send calls with the operators ``call >> pool`` (one node), ``call @ pool`` (every node),
     ``call > pool`` (a Future), ``(a & b) >> pool`` / ``gather(...) >> pool`` (in parallel),
@@ -120,8 +139,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
 
     def __init__(
         self,
-        provider: Provider | Sequence[Provider] | None = None,
-        nodes: int | tuple[int, int] | Nodes = 1,
+        provider: Provider | Sequence[Provider] | Spec | None = None,
+        *specs: Spec,
+        nodes: int | tuple[int, int] | Nodes | None = None,
         accelerator: str | Accelerator | None = None,
         image: Any = None,
         plugins: Sequence[Any] = (),
@@ -132,16 +152,22 @@ class Compute(PoolCollections, PoolCalls, Observed):
         ttl: float | None = None,
         allocation: str | None = None,
         worker: Worker | None = None,
-        *,
         max_hourly_cost: float | None = None,
+        max_node_hourly_cost: float | None = None,
+        selection: str | None = None,
+        region: str | None = None,
+        disk_gb: float | None = None,
+        architecture: str | None = None,
         metrics: Any = DEFAULT,
+        name: str | None = None,
     ) -> None:
-        size = Nodes.of(nodes)
-        if provider is None:
-            from .._providers.local import Local
-
-            provider = Local()
-        provider = with_pool_settings(provider, ttl, allocation)
+        if name is not None:  # Skyward's named pool, from the configuration files
+            given = named_pool(name, dict(locals()))
+            provider, nodes, accelerator, image, vcpus, memory_gb, ttl = given[:7]
+            allocation, max_hourly_cost = given[7:]
+        placement = (region, disk_gb, architecture)
+        provider, spec_nodes = pool_provider(provider, specs, ttl, allocation, selection, placement)
+        size = Nodes.of(nodes if nodes is not None else spec_nodes or 1)
         self.ttl = ttl
         self.allocation = allocation
         if options is None:
@@ -168,6 +194,9 @@ class Compute(PoolCollections, PoolCalls, Observed):
         self.max_hourly_cost = resource(
             "max_hourly_cost", max_hourly_cost, "USD per hour for the pool, e.g. 10"
         )
+        self.max_node_hourly_cost = resource(
+            "max_node_hourly_cost", max_node_hourly_cost, "USD per hour for one node, e.g. 2"
+        )
         self.pool_id = secrets.token_hex(4)
         self.metrics_config = resolve(
             metrics, image.metrics if isinstance(image, Image) else DEFAULT
@@ -175,16 +204,8 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """The metrics the nodes sample (``flotilla.metrics``)."""
         self._observer = Observer(self.pool_id)
         check_plugins(self.plugins, options)
-        per_accelerator = self.accelerator.whole if self.accelerator is not None else 1
-        self.procs_per_node = max(
-            [
-                per_accelerator if n is None else int(n)
-                for n in (getattr(p, "procs_per_node", 1) for p in self.plugins)
-            ]
-            + [1]
-        )
-        """Processes per node: what a plugin asks (``plugins.torch(procs_per_node=2)``;
-        None: one per accelerator)."""
+        self.procs_per_node = procs_per_node(self.plugins, self.accelerator)
+        """Processes per node (:func:`procs_per_node`)."""
         self.worker = worker_of(worker, options, self.procs_per_node)
         """Task slots per node: a broadcast runs on ``procs_per_node`` of them."""
         self._group = (
@@ -213,6 +234,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
                 options.autoscale_idle_timeout,
                 options.autoscale_cooldown,
                 self.workers_per_node,
+                self._observer,
             )
             if size.elastic
             else None
@@ -284,6 +306,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
             memory_gb=self.memory_gb,
             max_nodes=self.size.most if self.size.elastic else 0,
             max_hourly_cost=self.max_hourly_cost,
+            max_node_hourly_cost=self.max_node_hourly_cost,
         )
 
     def open(self) -> Compute:

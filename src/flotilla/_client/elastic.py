@@ -13,7 +13,8 @@ node goes, the head included, and the next call (a single one, ``map``, a broadc
 one again; ``desired=0`` is a pool born that way (lazy start). The distributed collections
 live in the client (``store.py``): they keep their contents while the pool is empty. Every
 decision is one console line. Every node learns the new size and peers (``instance_info()``)
-before the next call it runs; broadcasts go to the nodes present.
+before the next call it runs; broadcasts go to the nodes present. Every decision is
+also an ``events.ScalingDecision`` (from and to counts, the reason) for ``pool.subscribe``.
 
 A pool whose processes form one group (torch, JAX) cannot change its world size under a
 running collective: it changes only between calls, by restarting every process with the
@@ -38,9 +39,11 @@ from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .._providers.base import AgentProcess, Allocation, Machine, start_agents
+from ..events import ScalingDecision
 from .bringup import Bringup
 from .dispatch import Dispatcher
 from .node import Node, NodeState
+from .observe import Observer
 from .renew import stop_node
 
 logger = logging.getLogger("flotilla")
@@ -182,8 +185,10 @@ class Elastic:
         idle_timeout: float,
         cooldown: float,
         slots: int,
+        observer: Observer | None = None,
     ) -> None:
         self.size = size
+        self.observer = observer
         self.dispatcher = dispatcher
         self.bringup = bringup
         self.idle_timeout = idle_timeout
@@ -303,12 +308,19 @@ class Elastic:
             self._wake.clear()
 
     def _decide(self, size: int, why: str) -> None:
-        """Head for ``size`` nodes: one console line (and :attr:`decisions`)."""
+        """Head for ``size`` nodes: one console line (and :attr:`decisions`) and one
+        ``events.ScalingDecision``."""
         line = f"autoscaler: {self.target} -> {size} node(s): {why}"
-        self.target = size
+        before, self.target = self.target, size
         self._decided = time.monotonic()
         self.decisions.append(line)
         self.bringup.console.say(line)
+        if self.observer is not None:
+            self.observer.emit(
+                ScalingDecision(
+                    pool=self.observer.pool_id, from_nodes=before, to_nodes=size, reason=why
+                )
+            )
 
     def _scale(self) -> None:
         """The policy (Skyward's autoscaler): up at once by ceil(queued calls / slots per
@@ -363,9 +375,15 @@ class Elastic:
         try:
             try:
                 machine = await allocation.candidate(len(self.nodes))
-            except Exception as e:  # e.g. no room for a node's folder: tried again later
+            except Exception as e:  # no capacity, no room for a node's folder: tried again
                 machine, failed = None, True
-                self.failures["(provider)"] = str(e).strip().split("\n", 1)[0]
+                why = str(e).strip().split("\n", 1)[0]
+                if self.failures.get("(provider)") != why:  # once per reason
+                    self.bringup.console.say(
+                        f"the pool could not grow ({why}); it goes on with "
+                        f"{len(self.nodes)} node(s) and tries again"
+                    )
+                self.failures["(provider)"] = why
             if machine is None:
                 failed = True
                 return
@@ -381,6 +399,7 @@ class Elastic:
                 return
             self._backoff = BACKOFF_MIN
             self.failures.pop(machine.host, None)
+            self.failures.pop("(provider)", None)
             self._arrived.append((machine, agent))
         finally:
             if failed:  # the next attempt waits (the count stays up meanwhile)

@@ -116,7 +116,7 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
     if pool.size.elastic and not provider.elastic:
         raise ConfigurationError(
             f"nodes={pool.size}: the {provider.name} provider has fixed-size pools "
-            "only (elastic pools: Local, SSH, Container and Kubernetes); "
+            "only (every built-in provider has elastic pools); "
             "pass a number of nodes"
         )
     acc = spec.accelerator
@@ -180,6 +180,14 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
         volumes=volumes,
         secrets=tuple(secrets),
     )
+
+
+def procs_per_node(plugins: Sequence[Any], accelerator: Accelerator | None) -> int:
+    """Processes per node: the most any plugin asks (``plugins.torch(procs_per_node=2)``;
+    its None: one per accelerator), at least 1."""
+    per_accelerator = accelerator.whole if accelerator is not None else 1
+    asked = (getattr(p, "procs_per_node", 1) for p in plugins)
+    return max([per_accelerator if n is None else int(n) for n in asked] + [1])
 
 
 def check_plugins(plugins: Sequence[Any], options: Options) -> None:

@@ -1,8 +1,10 @@
 """The node side: the agent every provider starts, its executors and environment builder.
 
     agent.py       the agent: the client-facing side (HELLO, CONFIG, the client's frames,
-                   heartbeats, shutdown) and the environment build's subprocess
+                   heartbeats, shutdown)
+    environment.py the agent's environment side: the Image's build subprocess, the volumes
     supervisor.py  the executors: one process per local rank, forked, fed, watched, replaced
+    processes.py   the executors' processes: fork, pipes, output forwarded, kill and close
     eventloop.py   epoll with callbacks and non-blocking writers, which the agent runs on
     batching.py    the agent's scheduling policy: SCHED_BATCH while its executors' tasks queue
     executor.py    the executor process: plugins' hooks once, then the tasks, one at a time

@@ -39,9 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -264,6 +262,8 @@ class _Command:
     """A shell command run in the background for one metric (or the GPUs' nvidia-smi)."""
 
     def __init__(self, command: str, now: float, timeout: float) -> None:
+        import subprocess  # (only for a command's metric: not at every agent's start)
+
         self.proc = subprocess.Popen(
             ["/bin/sh", "-c", command],
             stdin=subprocess.DEVNULL,
@@ -305,6 +305,8 @@ class _Command:
     def close(self) -> None:
         """Close its output and reap it; one still running after closing its output (a
         moment's grace) is killed, and its status taken as success (it said its value)."""
+        import subprocess
+
         assert self.proc.stdout is not None
         self.proc.stdout.close()
         try:
@@ -477,6 +479,8 @@ class Sampler:
     def _gpus(self, s: dict[str, Any], now: float, values: dict[str, float]) -> None:
         if self._nvml is False:
             self._nvml = NVML.load()
+            import shutil
+
             if self._nvml is None and shutil.which("nvidia-smi") is None:
                 self._nvml = True  # no GPU here: no GPU values, nothing to report
         if self._nvml is True:

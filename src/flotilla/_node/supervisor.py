@@ -1,9 +1,10 @@
 """The agent's executors: one process per local rank, forked, fed, watched and replaced
 (standard library only).
 
-The :class:`Supervisor` forks each executor (:mod:`flotilla._node.executor`) with four
-pipes: tasks in, results out, and its stdout and stderr, which are forwarded to the client
-as OUTPUT frames (drained before results, so a task's output arrives before its result).
+The :class:`Supervisor` forks each executor (:mod:`flotilla._node.executor`; the
+processes' side is :mod:`flotilla._node.processes`) with four pipes: tasks in, results out,
+and its stdout and stderr, which are forwarded to the client as OUTPUT frames (drained
+before results, so a task's output arrives before its result).
 It enforces per-task timeouts and, when an executor dies, times out or has its running
 task cancelled, starts a new one: the task it was running ends DIED/TIMEOUT/CANCELLED and
 the queued ones go to the new process. In a pool whose processes form one
@@ -43,17 +44,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import pickle
-import signal
-import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 
-from .._system.procs import die_with_parent
 from .._wire.bodies import Config, Ready, dump, load_ready
 from .._wire.exits import describe_exit
 from .._wire.frames import (
@@ -62,16 +56,14 @@ from .._wire.frames import (
     Body,
     Buffer,
     FrameError,
-    FrameReader,
     Kind,
     Status,
     frame,
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
+from .processes import ExecState, Executor, ExecutorProcesses, Slot, Task, kill_group, reap
 
-STDERR_TAIL_LINES = 40
-"""Lines of an executor's (or the build's) stderr kept to explain its death."""
 WINDOW = 4
 """Tasks an executor is given at once while its tasks are quick (see the module docstring)."""
 REFILL = 2
@@ -85,65 +77,7 @@ its turn comes; past that it runs (it had started when the cancel came), and its
 replaced."""
 
 
-class ExecState(Enum):
-    """Lifecycle of an executor process (transitions in the module docstring)."""
-
-    STARTING = "starting"
-    RUNNING = "running"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-@dataclass
-class Task:
-    """A call sent to a slot: its TASK frame, kept to send again to a new executor."""
-
-    ident: int
-    timeout: float
-    frame: list[Buffer]
-    deadline: float = 0.0
-    announced: bool = False  # STARTED was sent to the client
-    cancelled: bool = False  # cancelled once given to the executor (the client was told)
-
-
-@dataclass(eq=False)
-class Executor:
-    """One executor process and the pipes the agent holds to it."""
-
-    slot: Slot
-    pid: int
-    to_fd: int
-    from_fd: int
-    out_fd: int
-    err_fd: int
-    outbox: Outbox
-    reader: FrameReader = field(default_factory=FrameReader)
-    state: ExecState = ExecState.STARTING
-    stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
-    partial_err: bytes = b""
-    stored: bool = False  # it used the distributed collections
-
-
-@dataclass(eq=False)
-class Slot:
-    """One local rank of the node: its executor (replaced when it dies) and its tasks.
-
-    ``tasks`` are run in order; the first ``fed`` of them were sent to the current executor
-    (``tasks[0]`` is the one running once ``fed``); the others stay here until their turn.
-    """
-
-    rank: int
-    tasks: deque[Task] = field(default_factory=deque)
-    executor: Executor | None = None
-    fed: int = 0
-    restarts: int = 0
-    ready: bool = False
-    quick: bool = False  # its last task took less than QUICK: give it a WINDOW ahead
-    began: float = 0.0  # when tasks[0] began (monotonic), once fed
-
-
-class Supervisor:
+class Supervisor(ExecutorProcesses):
     """The node's executors (see the module docstring).
 
     Args:
@@ -326,90 +260,6 @@ class Supervisor:
         elif not self.stopping:
             where = f"local rank {slot.rank}: " if len(self.slots) > 1 else ""
             self.client.send(frame(Kind.BROKEN, self.generation, (where + reason).encode()))
-
-    def _start(self, slot: Slot) -> None:
-        assert self.config is not None
-        if self.stopping:
-            return
-        if self.threads:
-            self._start_threads()
-            return
-        r_task, w_task = os.pipe()
-        r_res, w_res = os.pipe()
-        others = [o.executor for o in self.slots if o.executor is not None]
-        theirs = [fd for ex in others for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd)]
-        pid, r_out, r_err = self._fork([w_task, r_res, *theirs])
-        if pid == 0:  # the executor
-            try:
-                from .executor import main
-
-                main({**self.config, "local_rank": slot.rank}, self.blob, r_task, w_res)
-            finally:
-                os._exit(70)
-        for fd in (r_task, w_res):
-            os.close(fd)
-        ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
-        self._began(slot, ex)
-
-    def _fork(self, close: list[int]) -> tuple[int, int, int]:
-        """Fork an executor, its stdout and stderr into pipes the agent reads. In the agent:
-        (its pid, the read ends of those pipes). In the executor: (0, -1, -1), once it closed
-        the agent's descriptors and ``close``, took a process group of its own, the
-        child's policy and death with the agent, and stdin from /dev/null (it exits 70 if
-        any of that fails)."""
-        r_out, w_out = os.pipe()
-        r_err, w_err = os.pipe()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid != 0:
-            os.close(w_out)
-            os.close(w_err)
-            return pid, r_out, r_err
-        try:
-            self.sel.close()
-            for fd in (*self.agent_fds, *self.inherited(), *close, r_out, r_err):
-                os.close(fd)
-            os.setpgid(0, 0)
-            self.policy.in_child()
-            die_with_parent()
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.dup2(w_out, 1)
-            os.dup2(w_err, 2)
-            for fd in (devnull, w_out, w_err):
-                os.close(fd)
-        except BaseException:
-            os._exit(70)
-        return 0, -1, -1
-
-    def _start_threads(self) -> None:
-        """Start the process of every thread slot, once none is left (see the module
-        docstring): the first slot in its main thread, the others in threads."""
-        assert self.config is not None
-        if any(s.executor is not None for s in self.slots):
-            return  # the others' ends are still to be read: the last one starts it
-        pipes = [(os.pipe(), os.pipe()) for _ in self.slots]  # (task r, w), (result r, w)
-        pid, r_out, r_err = self._fork([fd for (_, w), (r, _) in pipes for fd in (w, r)])
-        if pid == 0:  # the executor
-            try:
-                from .executor import main
-
-                (r_first, _), (_, w_first) = pipes[0]
-                others = [
-                    (s.rank, p[0][0], p[1][1])
-                    for s, p in zip(self.slots[1:], pipes[1:], strict=True)
-                ]
-                config: Config = {**self.config, "local_rank": self.slots[0].rank}
-                main(config, self.blob, r_first, w_first, others)
-            finally:
-                os._exit(70)
-        self.shared_death = ""
-        for slot, ((r_task, w_task), (r_res, w_res)) in zip(self.slots, pipes, strict=True):
-            os.close(r_task)
-            os.close(w_res)
-            first = slot is self.slots[0]
-            out, err = (r_out, r_err) if first else (-1, -1)
-            self._began(slot, Executor(slot, pid, w_task, r_res, out, err, Outbox(w_task)))
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         """``ex`` (just forked) serves ``slot``: its pipes are watched, and it is given the
@@ -600,35 +450,11 @@ class Supervisor:
             }
             self.client.send(frame(Kind.READY, 0, dump(ready)))
 
-    def _on_output(self, ex: Executor, stream: int) -> None:
-        self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
-
-    def _forward_output(self, ex: Executor, fd: int, stream: int) -> bool:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return False
-        if not data:
-            self.sel.unregister(fd)
-            return False
-        if stream == 2:
-            lines = (ex.partial_err + data).split(b"\n")
-            ex.partial_err = lines.pop()[-4096:]
-            ex.stderr_tail.extend(line[-1000:] for line in lines)
-        self.client.send(frame(Kind.OUTPUT, stream | ex.slot.rank << 8, data))
-        return True
-
-    def _drain_output(self, ex: Executor) -> None:
-        """Forward what the executor wrote before it exited."""
-        for fd, stream in ((ex.out_fd, 1), (ex.err_fd, 2)):
-            while fd in self.sel and self._forward_output(ex, fd, stream):
-                pass
-
     def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
         """``ex`` ended (``reason``: why, when the agent ended it; else its exit status
         says)."""
         slot = ex.slot
-        status = _reap(ex.pid, wait=wait)
+        status = reap(ex.pid, wait=wait)
         self._drain_output(ex)
         self._close(ex)
         if self.stopping:
@@ -673,66 +499,6 @@ class Supervisor:
         if not group:  # the next task is fed once the client has the result
             self._replace(slot, cause)
 
-    def _kill(self, slot: Slot) -> None:
-        ex = slot.executor
-        if ex is None:
-            return
-        if self.threads and not self.shared_death:
-            self.shared_death = (
-                "was replaced with the node's other thread slots: they share one process, "
-                f"and the call of slot {slot.rank} had to be stopped"
-            )
-        kill_group(ex.pid)
-        _reap(ex.pid, wait=True)
-        self._close(ex)
-
-    def _close(self, ex: Executor) -> None:
-        for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
-            self.sel.unregister(fd)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        kill_group(ex.pid)  # whatever the task left behind in its process group
-        for relay in [r for r, (e, _) in self.requests.items() if e is ex]:
-            del self.requests[relay]
-        if ex.stored:  # the collections release what it held (its locks); no answer
-            gone = pickle.dumps(("process", "", "gone", ex.pid))
-            self.client.send([HEADER.pack(Kind.STORE, 0, len(gone)), gone])
-            ex.stored = False
-        if ex.slot.executor is ex:
-            ex.slot.executor = None
-
 
 def _arm(task: Task, now: float) -> None:
     task.deadline = now + task.timeout if task.timeout > 0 else 0.0
-
-
-def _reap(pid: int, wait: bool = False) -> int | None:
-    """Wait for ``pid``; give it up to 2 s to exit by itself unless ``wait``."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        try:
-            done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
-        except ChildProcessError:
-            return None
-        if done:
-            return status
-        if time.monotonic() > deadline:
-            kill_group(pid)
-            wait = True
-        else:
-            time.sleep(0.005)
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL a process group, if it is still there."""
-    signal_group(pgid, signal.SIGKILL)
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    """Send ``sig`` to a process group, if it is still there."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -174,6 +174,8 @@ class PoolSpec:
             machines are then acquired one by one (:meth:`Allocation.candidate`).
         max_hourly_cost: the most the whole pool may cost per hour (USD), or None: a
             provider that knows its prices refuses offers above it before renting.
+        max_node_hourly_cost: the most one node may cost per hour (USD; Skyward's
+            ``Spec(max_hourly_cost=)``), or None: offers above it are not taken.
     """
 
     pool_id: str
@@ -186,6 +188,7 @@ class PoolSpec:
     memory_gb: float | None = None
     max_nodes: int = 0
     max_hourly_cost: float | None = None
+    max_node_hourly_cost: float | None = None
 
     @property
     def most(self) -> int:

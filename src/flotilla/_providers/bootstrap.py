@@ -4,9 +4,11 @@ Provider-independent: SSH uses it, and so can any provider that reaches its node
 remote shell (cloud VMs over SSH, a container exec...), through ``launch.start_remote_agent``.
 
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
-Python; an editable development install works too) into a reproducible tar.gz
-(:mod:`flotilla._archive`) named by the sha256 of its content. A node keeps every bundle
-it received under ``{workdir}/lib/{hash}/`` and runs the agent with ``PYTHONPATH`` pointing there::
+Python; an editable development install works too), with the byte code of the modules a
+node's start imports (compiled once, see :mod:`flotilla._providers.bytecode`), into a
+reproducible tar.gz (:mod:`flotilla._archive`) named by the sha256 of its content. A node
+keeps every bundle it received under ``{workdir}/lib/{hash}/`` and runs the agent with
+``PYTHONPATH`` pointing there::
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
@@ -53,6 +55,7 @@ from .._archive import Source, glob_excludes
 from .._archive import build as build_archive
 from .._errors import ProvisionCause, ProvisionError
 from .._system import untar
+from . import bytecode
 from .pipe import PipeAgent
 
 logger = logging.getLogger("flotilla.bootstrap")
@@ -60,8 +63,9 @@ logger = logging.getLogger("flotilla.bootstrap")
 MIN_PYTHON = (3, 11)
 MARKER = b"FLOTILLA_BOOT "
 """Prefix of the answer line of the start command."""
-_EXCLUDED = ("__pycache__", "*.pyc", "*.pyo")
-"""Left out of the bundle: byte code (each node compiles its own)."""
+_EXCLUDED = bytecode.SKIP
+"""Left out of the bundle: byte code, but for a compiled copy's of the modules a node's start
+imports (:func:`node_packages`)."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,14 @@ def client_bundle() -> Bundle:
     global _bundle
     with _bundle_lock:
         if _bundle is None:
-            _bundle = build_bundle(_package_dirs())
+            _bundle = build_bundle(node_packages())
         return _bundle
+
+
+def node_packages() -> dict[str, str]:
+    """Import name -> directory of the packages a node runs: this client's flotilla and
+    cloudpickle, as their compiled copy (:func:`bytecode.compiled`)."""
+    return bytecode.compiled(_package_dirs())
 
 
 def _package_dirs() -> dict[str, str]:
@@ -151,9 +161,19 @@ def _package_dirs() -> dict[str, str]:
 
 def build_bundle(packages: dict[str, str]) -> Bundle:
     """A reproducible tar.gz (see :mod:`flotilla._archive`) of ``packages`` (name ->
-    directory), without byte code."""
-    exclude = glob_excludes(_EXCLUDED)
-    archive = build_archive(Source(packages[name], name, exclude) for name in sorted(packages))
+    directory), without byte code but a compiled copy's of :data:`bytecode.NODE_START`."""
+    skip = glob_excludes(_EXCLUDED)
+
+    def source(name: str, path: str) -> Source:
+        if not bytecode.is_compiled(path):
+            return Source(path, name, skip)
+
+        def exclude(relpath: str, is_dir: bool) -> bool:
+            return skip(relpath, is_dir) and not bytecode.node_start(name, relpath)
+
+        return Source(path, name, exclude)
+
+    archive = build_archive(source(name, packages[name]) for name in sorted(packages))
     return Bundle(archive.sha256, archive.data)
 
 

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError, ProvisionCause, ProvisionError
@@ -27,6 +28,68 @@ if TYPE_CHECKING:
     from .._accelerators import Accelerator
 
 ALLOCATIONS = ("ordered", "cheapest")
+SELECTIONS = {"first": "ordered", "cheapest": "cheapest"}
+"""Skyward's ``SelectionStrategy`` (``Compute(*specs, selection=)``) -> the order of a
+:class:`Fallback`: ``"first"``, the first spec that starts the pool; ``"cheapest"``,
+cheapest first by each spec's offers."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Skyward's ``Spec``: one provider and what to ask it for, one candidate of a pool
+    (``Compute(Spec(VastAI(), "A100"), Spec(RunPod(), "A100"), selection="cheapest")``).
+    Fields left None are the pool's (``Compute``'s).
+
+    Attributes:
+        provider: the provider.
+        accelerator: accelerators per node ("A100:8", ``accelerators.A100(8)``).
+        nodes: the pool's size with this spec (specs that set it must agree).
+        vcpus: CPUs per node.
+        memory_gb: memory per node in GiB.
+        disk_gb: disk per node in GB: the provider's disk setting (Vast, RunPod,
+            Lambda... ``disk_gb``; AWS's root volume), through the task-file mapping of
+            ``disk_size``.
+        architecture: ``"x86_64"`` or ``"arm64"``: the provider's ``architecture``
+            setting (a ConfigurationError for a provider without one).
+        allocation: ``"spot"``, ``"on-demand"`` or ``"spot-if-available"``: the
+            provider's market setting, as ``Compute(allocation=)``.
+        region: the provider's region (its setting a task file's ``region`` gives:
+            AWS ``region``, Vast ``regions``, RunPod ``data_centers``, Lambda ``region``).
+        max_hourly_cost: the most ONE NODE may cost per hour, in USD, as Skyward's Spec
+            documents it (``Compute(max_hourly_cost=)`` caps the whole pool:
+            ``Compute(max_node_hourly_cost=)`` is this for every candidate).
+        ttl: Skyward's ``ttl`` for this provider (as ``Compute(ttl=)``).
+    """
+
+    provider: Provider
+    accelerator: str | Accelerator | None = None
+    nodes: int | None = None
+    vcpus: float | None = None
+    memory_gb: float | None = None
+    disk_gb: float | None = None
+    architecture: str | None = None
+    allocation: str | None = None
+    region: str | None = None
+    max_hourly_cost: float | None = None
+    ttl: float | None = None
+
+    def __post_init__(self) -> None:
+        from .._errors import check_number
+
+        if not isinstance(self.provider, Provider):
+            raise ConfigurationError(
+                f"Spec(provider=...) must be a flotilla provider such as VastAI(), got "
+                f"{type(self.provider).__name__}"
+            )
+        for name in ("vcpus", "memory_gb", "disk_gb", "max_hourly_cost"):
+            value = getattr(self, name)
+            check_number(value, f"Spec({name}={value!r}): a positive number", above=0, or_none=True)
+        if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
+            raise ConfigurationError(f"Spec(nodes={self.nodes!r}): a whole number >= 1")
+        if self.architecture not in (None, "x86_64", "arm64"):
+            raise ConfigurationError(
+                f"Spec(architecture={self.architecture!r}): 'x86_64' or 'arm64'"
+            )
 
 
 class Fallback(Provider):
@@ -122,12 +185,18 @@ class Fallback(Provider):
         ranked = []
         for index, c in enumerate(self._valid or self.candidates):
             cost: float | None = None
+            mine = c.spec(spec) if isinstance(c, Candidate) else spec
             if self.allocation == "cheapest" or spec.max_hourly_cost is not None:
                 try:
                     offers = c.offers(spec)
                 except Exception:
                     offers = None
-                prices = [o.pool_cost(spec.nodes) for o in offers or []]
+                cap = mine.max_node_hourly_cost
+                prices = [
+                    o.pool_cost(spec.nodes)
+                    for o in offers or []
+                    if cap is None or o.hourly is None or o.hourly <= cap
+                ]
                 known = [p for p in prices if p is not None]
                 cost = min(known) if known else None
             ranked.append((index, c, cost))
@@ -174,6 +243,8 @@ class Candidate(Provider):
         accelerator: accelerators per node ("A100:8"), or None for the pool's.
         vcpus: CPUs per node, or None for the pool's.
         memory_gb: memory per node in GiB, or None for the pool's.
+        max_node_hourly_cost: the most one node may cost per hour (USD), or None for the
+            pool's.
     """
 
     def __init__(
@@ -182,6 +253,7 @@ class Candidate(Provider):
         accelerator: str | Accelerator | None = None,
         vcpus: float | None = None,
         memory_gb: float | None = None,
+        max_node_hourly_cost: float | None = None,
     ) -> None:
         from .._accelerators import parse_accelerator
 
@@ -194,6 +266,7 @@ class Candidate(Provider):
         self.accelerator = parse_accelerator(accelerator)
         self.vcpus = vcpus
         self.memory_gb = memory_gb
+        self.max_node_hourly_cost = max_node_hourly_cost
         self.name = provider.name
         self.home = provider.home
         self.shares_filesystem = provider.shares_filesystem
@@ -206,6 +279,7 @@ class Candidate(Provider):
                 ("accelerator", self.accelerator),
                 ("vcpus", self.vcpus),
                 ("memory_gb", self.memory_gb),
+                ("max_node_hourly_cost", self.max_node_hourly_cost),
             )
             if v is not None
         ]
@@ -218,6 +292,9 @@ class Candidate(Provider):
             accelerator=self.accelerator or spec.accelerator,
             vcpus=self.vcpus if self.vcpus is not None else spec.vcpus,
             memory_gb=self.memory_gb if self.memory_gb is not None else spec.memory_gb,
+            max_node_hourly_cost=self.max_node_hourly_cost
+            if self.max_node_hourly_cost is not None
+            else spec.max_node_hourly_cost,
         )
 
     @property

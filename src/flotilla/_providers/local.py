@@ -20,7 +20,7 @@ from .base import (
     PoolSpec,
     Provider,
 )
-from .bootstrap import _package_dirs
+from .bootstrap import node_packages
 from .limits import check_local_capacity, out_of_files
 from .options import provider_init
 from .pipe import PipeAgent, spawn
@@ -152,7 +152,7 @@ class LocalAllocation(Allocation):
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
         try:
             os.mkdir(links)
-            for name, path in _package_dirs().items():
+            for name, path in node_packages().items():
                 os.symlink(path, os.path.join(links, name))
         except OSError as e:
             raise ProvisionError(f"cannot prepare node {rank}'s work folder: {e}") from e
@@ -216,7 +216,8 @@ def _unmount_under(folder: str) -> None:
 
 
 _LIB = ".flotilla-lib"
-"""In a node's folder: links to the client's flotilla and cloudpickle packages."""
+"""In a node's folder: links to the client's flotilla and cloudpickle packages (their
+compiled copy, see ``bootstrap.node_packages``: an agent compiles none of it)."""
 
 
 def user_code_path() -> list[str]:

@@ -13,17 +13,35 @@ if TYPE_CHECKING:
     from .._accelerators import Accelerator
 
 
+MARKETS: tuple[tuple[str, str], ...] = (
+    ("vast", "VastAI"),
+    ("runpod", "RunPod"),
+    ("lambda_cloud", "LambdaCloud"),
+    ("gcp", "GCP"),
+    ("verda", "Verda"),
+)
+"""The GPU markets (package under ``_providers``, provider class) asked when no provider
+is named: each package's ``provider`` module has ``configured() -> bool``, whether this
+machine has its credentials (a key in its variable or its CLI's file; it must not call
+the API nor need an SDK installed)."""
+
+
 def configured() -> list[Any]:
-    """The cloud providers this machine has credentials for, with their defaults: Vast.ai
-    (an API key: ``VAST_API_KEY`` or the official CLI's key file) and AWS (boto3, a region
-    and credentials)."""
+    """The cloud providers this machine has credentials for, with their defaults: those of
+    :data:`MARKETS` whose ``configured()`` says so (Vast.ai: ``VAST_API_KEY`` or the
+    official CLI's key file; RunPod: ``RUNPOD_API_KEY``...) and AWS (boto3, a region and
+    credentials)."""
+    import importlib
+    import importlib.util
+
     found: list[Any] = []
-    from .vast.api import find_key
-
-    if find_key(None)[0]:
-        from .vast import VastAI
-
-        found.append(VastAI())
+    for package, name in MARKETS:
+        module_name = f"{__package__}.{package}.provider"
+        if importlib.util.find_spec(f"{__package__}.{package}") is None:
+            continue  # a market this version of flotilla does not have
+        module = importlib.import_module(module_name)
+        if module.configured():
+            found.append(getattr(module, name)())
     try:
         from .aws import AWS
 

@@ -128,7 +128,7 @@ def has_env(pid: int, prefix: bytes) -> bool:
             env = f.read()
     except OSError:
         return False
-    return any(item.startswith(prefix) for item in env.split(b"\0"))
+    return env.startswith(prefix) or b"\0" + prefix in env  # (no split: every process is read)
 
 
 def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:

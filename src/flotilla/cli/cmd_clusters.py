@@ -13,7 +13,7 @@ from .._errors import ConfigurationError, FlotillaError
 from .._system import procs
 from .backends import registry
 from .clusters import running
-from .console import CLIError, duration, say, table
+from .console import CLIError, duration, print_json, say, table
 from .conventions import EXIT_FLOTILLA, confirm
 from .state import (
     ClusterRecord,
@@ -27,6 +27,10 @@ from .state import (
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.json:
+        from ..server.api import clusters
+
+        return print_json({"clusters": clusters(args.clusters)})
     names = args.clusters or all_names()
     rows = [["NAME", "PROVIDER", "NODES", "STATE", "AGE", "IDLE"]]
     notes: list[str] = []
@@ -162,12 +166,9 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     )
     if shell.note:
         say(shell.note)
-    if shell.cwd is not None:
-        os.chdir(shell.cwd)
-    sys.stdout.flush()
-    if shell.env is None:
-        os.execvp(shell.argv[0], shell.argv)
-    os.execvpe(shell.argv[0], shell.argv, dict(shell.env))
+    from .cmd_files import exec_shell
+
+    exec_shell(shell)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -8,13 +8,18 @@ import time
 
 from .._errors import ConfigurationError
 from .clusters import connect, record, running
-from .console import CLIError, duration, say, show, table
+from .console import CLIError, duration, print_json, say, show, table
 from .conventions import EXIT_FLOTILLA, confirm
 from .state import ClusterState, JobStatus, Paths
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
     rec = record(Paths(args.cluster))
+    if args.json:
+        from ..server.api import job_data
+
+        jobs = [job_data(j) for j in rec.observed_jobs()]
+        return print_json({"cluster": args.cluster, "jobs": jobs})
     rows = [["ID", "NAME", "STATUS", "NODES", "SUBMITTED", "DURATION", "EXIT", "RESOURCES"]]
     now = time.time()
     for j in rec.observed_jobs():  # LOST when the daemon is gone

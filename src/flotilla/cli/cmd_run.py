@@ -30,6 +30,11 @@ def _task_from(arg: str, nodes: int | None, args: argparse.Namespace) -> Task:
         task = load_task(arg)
     else:
         task = command_task(arg, nodes)
+    if getattr(args, "workdir", None) is not None:  # --workdir over the task's
+        folder = os.path.abspath(os.path.expanduser(args.workdir))
+        if not os.path.isdir(folder):
+            raise ConfigurationError(f"--workdir {args.workdir}: not a folder")
+        task = replace(task, workdir=folder)
     envs, secrets = _variables(args)
     return task.with_overrides(envs, secrets)
 
@@ -51,12 +56,18 @@ def _variables(
             "it from the environment, or --secret-file FILE"
         )
     secrets.update(given)
-    return _pairs(args.env, "--env"), secrets
+    envs: dict[str, str | None] = {}
+    for path in getattr(args, "env_file", ()):
+        envs.update(_secret_file(path, "--env-file"))
+    envs.update(_pairs(args.env, "--env"))
+    return envs, secrets
 
 
-def _secret_file(path: str) -> dict[str, str | None]:
+def _secret_file(path: str, flag: str = "--secret-file") -> dict[str, str | None]:
     """The ``KEY=VALUE`` lines of a ``--secret-file`` (blank lines and ``#`` comments are
-    skipped; the value is taken as it is, quotes included)."""
+    skipped; the value is taken as it is, quotes included) or, ``flag`` ``--env-file``, of
+    a dotenv file (also ``export KEY=VALUE``; one pair of quotes around a value removed,
+    as python-dotenv does)."""
     import stat
 
     try:
@@ -64,19 +75,24 @@ def _secret_file(path: str) -> dict[str, str | None]:
             mode = os.fstat(f.fileno()).st_mode
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigurationError(f"--secret-file {path}: cannot read it ({e})") from None
-    if stat.S_IMODE(mode) & 0o077:
-        say(f"warning: --secret-file {path} can be read by other users: chmod 600 {path}")
+        raise ConfigurationError(f"{flag} {path}: cannot read it ({e})") from None
+    dotenv = flag == "--env-file"
+    if stat.S_IMODE(mode) & 0o077 and not dotenv:
+        say(f"warning: {flag} {path} can be read by other users: chmod 600 {path}")
     out: dict[str, str | None] = {}
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
+        if dotenv and text.startswith("export "):
+            text = text[len("export ") :].lstrip()
         key, eq, value = text.partition("=")
         if not eq or not key.strip():
             raise ConfigurationError(
-                f"{path}:{number}: expected KEY=VALUE (a secret file has one per line)"
+                f"{path}:{number}: expected KEY=VALUE (a {flag[2:]} has one per line)"
             )
+        if dotenv and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
         out[key.strip()] = value
     return out
 
@@ -131,10 +147,21 @@ def _amount(value: str | None) -> float:
 
 
 def _resource_flags(task: Task, args: argparse.Namespace) -> Task:
-    """``--gpus``/``--cpus``/``--memory`` (SkyPilot's flags) over the task's resources."""
+    """``--gpus``/``--cpus``/``--memory`` and ``launch``'s ``--infra``/``--use-spot``
+    (SkyPilot's flags) over the task's resources."""
     import re
 
     changes: dict[str, Any] = {}
+    infra = getattr(args, "infra", None)
+    if infra is not None:
+        if not infra.strip() or infra.startswith("/"):
+            raise ConfigurationError(
+                f"--infra {infra!r}: give a provider and optionally where, like aws, "
+                "aws/us-east-1 or k8s"
+            )
+        changes["infra"] = infra
+    if getattr(args, "use_spot", None) is not None:
+        changes["use_spot"] = args.use_spot
     if args.gpus is not None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+(:\d+(\.\d+)?)?", args.gpus) or args.gpus.endswith(
             ":0"
@@ -154,11 +181,13 @@ def _resource_flags(task: Task, args: argparse.Namespace) -> Task:
             changes[flag] = value
     if not changes:
         return task
-    return replace(task, resources=replace(task.resources, **changes))
+    res = task.resources  # the flags over every candidate's fields too
+    candidates = tuple(replace(c, **changes) for c in res.candidates)
+    return replace(task, resources=replace(res, **changes, candidates=candidates))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    task = _task_from(args.task, None, args)
+    task = _resource_flags(_task_from(args.task, None, args), args)
     if args.idle_minutes is None and task.resources.autostop is not None:  # the task's own
         args.idle_minutes = task.resources.autostop.idle_minutes
         args.down = args.down or task.resources.autostop.down
@@ -196,7 +225,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             )
         cluster_nodes = existing.num_nodes
     else:
-        spec = wanted or registry.DEFAULT.spec_type()
+        spec = wanted or registry.DEFAULT.with_task(registry.DEFAULT.spec_type(), task)
         cluster_nodes = args.nodes or task.num_nodes or 1
     # --nodes/--num-nodes overrides the task's num_nodes, as SkyPilot's --num-nodes does
     job_nodes = args.nodes if args.nodes is not None else task.job_nodes(cluster_nodes)
@@ -259,6 +288,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # report stays the last thing said)
         for line in next_steps(name, None, existing.idle_minutes):
             say(line)
+        from .sshconfig import offer
+
+        offer(paths.ssh_config, args.yes)  # `ssh NAME`: ~/.ssh/config's Include line
     return code
 
 
@@ -292,6 +324,8 @@ def _print_provider(plan: dict[str, Any], indent: str) -> None:
     if "per_node" in plan:
         wants = ", ".join(f"{k} {v}" for k, v in plan["per_node"].items() if v is not None)
         print(f"{indent}every node asks for: {wants or 'nothing in particular'}")
+    if plan.get("max_hourly_cost") is not None:
+        print(f"{indent}at most ${plan['max_hourly_cost']:g}/h for the cluster")
 
 
 def _node_volumes(task: Task, spec: ProviderSpec) -> tuple[Volume, ...]:
@@ -340,4 +374,27 @@ def cmd_exec(args: argparse.Namespace) -> int:
         why = Ledger(rec.nodes).refusal(demand_of(job), nodes, paths.name, job.accelerator)
         if why:
             raise CLIError(f"cluster {paths.name}: {why}", code=2)
+    if args.dryrun:
+        _print_job(paths.name, rec.num_nodes, job)
+        return 0
     return submit(paths, rec, job, args.detach)
+
+
+def _print_job(cluster: str, cluster_nodes: int, job: JobSpec) -> None:
+    """``exec --dryrun``'s report: the job as it would be submitted (variables by name)."""
+    holds = [
+        f"{job.accelerator or 'GPU'}:{job.gpu_share:g}" if job.gpu_share else "",
+        f"cpus={job.cpus:g}" if job.cpus else "",
+        f"memory={job.memory:g}GB" if job.memory else "",
+    ]
+    print(
+        f"job {job.name} on {job.num_nodes} of cluster {cluster}'s {cluster_nodes} node(s), "
+        f"holding {' '.join(h for h in holds if h) or 'whole nodes'} while it runs"
+    )
+    if job.workdir:
+        print(f"workdir: {job.workdir} (synced to every node)")
+    for kind, names in (("envs", job.envs), ("secrets", job.secrets)):
+        if names:
+            print(f"{kind}: {', '.join(sorted(names))}")
+    print(f"run: {job.run}" if job.run and "\n" not in job.run else "run: (a script)")
+    print("--dryrun: nothing was submitted")

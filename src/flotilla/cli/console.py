@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterable
@@ -89,6 +90,20 @@ def report(ev: Event, quiet: bool) -> None:
     else:
         sys.stderr.write(f"flotilla: job {ev['job']} {ev['status']}\n")
     sys.stderr.flush()
+
+
+def json_flag(parser: Any) -> None:
+    """A reporting command's ``--json`` (see :func:`print_json`)."""
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON document on stdout (docs/command-line.md)"
+    )
+
+
+def print_json(document: object) -> int:
+    """``--json`` of a reporting command: one JSON document on stdout (the fields are
+    documented in docs/command-line.md); exit status 0."""
+    sys.stdout.write(json.dumps(document, indent=1) + "\n")
+    return 0
 
 
 def table(rows: list[list[str]]) -> str:

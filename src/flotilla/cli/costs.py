@@ -39,10 +39,12 @@ def record(
         pass
 
 
-def report(home: Path | None = None, now: float | None = None) -> list[list[str]]:
-    """The report's rows (a header first): cluster, provider, nodes, $/h, hours, cost."""
+def runs(home: Path | None = None, now: float | None = None) -> list[dict[str, Any]]:
+    """Each pool that ran, oldest first: ``cluster``, ``provider``, ``nodes``, ``hourly``
+    ($/hour of the whole pool; None: unknown), ``hours``, ``cost`` (None: unknown) and
+    ``finished`` (False: still running, or its daemon was killed)."""
     now = time.time() if now is None else now
-    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    found: dict[tuple[str, int], dict[str, Any]] = {}
     try:
         lines = ledger(home).read_text().splitlines()
     except OSError:
@@ -54,26 +56,46 @@ def report(home: Path | None = None, now: float | None = None) -> list[list[str]
         except (ValueError, KeyError, TypeError):
             continue
         if line.get("event") == "up":
-            runs[key] = dict(line)
-        elif line.get("event") == "down" and key in runs:
-            runs[key]["end"] = float(line["time"])
-    rows = [["CLUSTER", "PROVIDER", "NODES", "$/HOUR", "HOURS", "COST", "STATE"]]
-    total = 0.0
-    for (cluster, _), run in sorted(runs.items(), key=lambda kv: kv[1]["time"]):
+            found[key] = dict(line)
+        elif line.get("event") == "down" and key in found:
+            found[key]["end"] = float(line["time"])
+    out = []
+    for (cluster, _), run in sorted(found.items(), key=lambda kv: kv[1]["time"]):
         end = run.get("end")
         hours = ((end if end is not None else now) - float(run["time"])) / 3600
         hourly = run.get("hourly")
-        cost = hourly * hours if isinstance(hourly, int | float) and hourly else None
+        if not (isinstance(hourly, int | float) and hourly):
+            hourly = None
+        out.append(
+            {
+                "cluster": cluster,
+                "provider": str(run.get("provider", "")),
+                "nodes": run.get("nodes"),
+                "hourly": hourly,
+                "hours": hours,
+                "cost": hourly * hours if hourly is not None else None,
+                "finished": end is not None,
+            }
+        )
+    return out
+
+
+def report(home: Path | None = None, now: float | None = None) -> list[list[str]]:
+    """The report's rows (a header first): cluster, provider, nodes, $/h, hours, cost."""
+    rows = [["CLUSTER", "PROVIDER", "NODES", "$/HOUR", "HOURS", "COST", "STATE"]]
+    total = 0.0
+    for run in runs(home, now):
+        hourly, cost = run["hourly"], run["cost"]
         total += cost or 0.0
         rows.append(
             [
-                cluster,
-                str(run.get("provider", "")),
-                str(run.get("nodes", "")),
-                f"{hourly:.4g}" if isinstance(hourly, int | float) and hourly else "unknown",
-                f"{hours:.3f}",
+                run["cluster"],
+                run["provider"],
+                "" if run["nodes"] is None else str(run["nodes"]),
+                f"{hourly:.4g}" if hourly is not None else "unknown",
+                f"{run['hours']:.3f}",
                 f"${cost:.2f}" if cost is not None else "unknown",
-                "finished" if end is not None else "running (or its daemon was killed)",
+                "finished" if run["finished"] else "running (or its daemon was killed)",
             ]
         )
     rows.append(["total", "", "", "", "", f"${total:.2f}", ""])

@@ -2,12 +2,12 @@
 
 ``flotilla launch -c NAME`` starts it as ``python -m flotilla.cli.daemon NAME`` (its own
 session, output to ``NAME/daemon.log``). It provisions the pool, then serves the CLI over
-``NAME.sock`` (see ``ipc``): jobs are queued and run as their nodes have room for them
-(``ledger.Ledger``: FIFO, several at once when their resources allow), their output
-streamed to whoever follows them and kept per node. It stops on ``flotilla down`` (and
-removes the cluster), on SIGTERM, and by itself after ``--idle-minutes`` without jobs
-(the record stays, STOPPED). If it is killed, its agents notice and exit, and its record
-shows STALE until ``flotilla down NAME``.
+``NAME.sock`` (see ``ipc``; the socket's side is ``daemon_socket.DaemonSocket``): jobs are
+queued and run as their nodes have room for them (``ledger.Ledger``: FIFO, several at once
+when their resources allow), their output streamed to whoever follows them and kept per
+node. It stops on ``flotilla down`` (and removes the cluster), on SIGTERM, and by itself
+after ``--idle-minutes`` without jobs (the record stays, STOPPED). If it is killed, its
+agents notice and exit, and its record shows STALE until ``flotilla down NAME``.
 
 ``launch --down`` of a new cluster runs the same :class:`ClusterDaemon` inside the CLI
 process instead (no second process to start).
@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,12 +32,12 @@ from .._client.compute import Compute
 from .._errors import FlotillaError
 from .._redaction import redact
 from .._system import procs
-from .._system.private import socket_address
 from .._volume import Volume
 from .._worker import Worker
 from .backends import registry
 from .conventions import EXIT_LOST
-from .ipc import Event, encode, peer_uid, prefix
+from .daemon_socket import DaemonSocket
+from .ipc import Event, prefix
 from .jobs import Job, Runner, untag
 from .jobspec import JobSpec, task_id
 from .ledger import JOBS_PER_NODE, Allocation, Ledger, demand_of
@@ -61,13 +59,12 @@ _CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown
 
 
 class ClusterDaemon:
-    """A named cluster's pool, job queue and socket server."""
+    """A named cluster's pool and job queue; its socket is a :class:`DaemonSocket`."""
 
     def __init__(self, paths: Paths, generation: int | None = None) -> None:
         with locked(paths):  # the launching command writes the record under this lock
             record = load_own(paths, generation)
         self.generation = record.generation  # every change of the record checks it
-        self.socket_inode = 0  # of the socket this daemon bound, to remove only its own
         self.paths = paths
         self.name = paths.name
         self.spec = registry.spec_from_dict(record.provider)
@@ -96,8 +93,7 @@ class ClusterDaemon:
         self.wake = threading.Event()
         self.stopped = threading.Event()
         self.last_activity = time.time()
-        self.server: socket.socket | None = None
-        self.handlers: list[threading.Thread] = []
+        self.socket = DaemonSocket(self)  # NAME.sock: how the CLI reaches this daemon
         self.provisioner: threading.Thread | None = None
         self.shutdown_lock = threading.Lock()
         self.refresh_lock = threading.Lock()
@@ -116,20 +112,9 @@ class ClusterDaemon:
                 if not JobStatus(job.status).finished:
                     job.status = JobStatus.FAILED.value
                     job.error = "the cluster daemon running it exited"
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with socket_address(self.paths.socket) as address:  # in the verified private folder
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address)
-            old = os.umask(0o177)
-            try:
-                server.bind(address)
-            finally:
-                os.umask(old)
-            self.socket_inode = os.stat(address).st_ino
-        server.listen(64)
-        self.server = server
+        self.socket.bind()
         self.provisioner = self._thread(self._provision, "provision")
-        self._thread(self._accept, "accept")
+        self._thread(self.socket.accept_forever, "accept")
         self._thread(self._job_loop, "jobs")
 
     def _thread(self, target: Any, name: str) -> threading.Thread:
@@ -184,9 +169,7 @@ class ClusterDaemon:
         with self.shutdown_lock:
             if not self.stopped.is_set():
                 self._shutdown()
-        for t in list(self.handlers):  # let `down` and followers get their last answer
-            if t is not threading.current_thread():
-                t.join(2.0)
+        self.socket.join_handlers(2.0)  # let `down` and followers get their last answer
 
     def _shutdown(self) -> None:
         with self.cv:
@@ -222,9 +205,7 @@ class ClusterDaemon:
             if self.event_log is not None:
                 self.event_log.stop()
             self._record_cost("down", self.pool)
-        if self.server is not None:
-            self.server.close()
-        self._unlink_socket()
+        self.socket.close()
         if self.delete_on_stop:
             if self.autodown:  # what `down` does besides removing the record
                 with contextlib.suppress(FlotillaError, OSError):
@@ -241,12 +222,6 @@ class ClusterDaemon:
     def _update(self) -> contextlib.AbstractContextManager[ClusterRecord]:
         """The record, to change it, while it is still this daemon's generation."""
         return update(self.paths, self.generation)
-
-    def _unlink_socket(self) -> None:
-        """Remove this daemon's socket, never a newer daemon's at the same path."""
-        with contextlib.suppress(OSError), socket_address(self.paths.socket) as address:
-            if os.stat(address).st_ino == self.socket_inode:
-                os.unlink(address)
 
     def _provision_note(self, text: str) -> None:
         """A line about provisioning (a fallback's candidates), for the daemon's log and
@@ -285,6 +260,7 @@ class ClusterDaemon:
                 accelerator=wants.accelerator,
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
+                max_hourly_cost=wants.max_hourly_cost,
                 volumes=self.volumes,
                 plugins=engine_plugins(self.engines),
                 worker=Worker(concurrency=JOBS_PER_NODE + 1),  # +1: syncs, ports, reaping
@@ -532,103 +508,6 @@ class ClusterDaemon:
         job.done.wait(_CANCEL_WAIT)
         with self.cv:  # its nodes' room is free when `cancel` answers
             self.cv.wait_for(lambda: job.id not in self.running, _CANCEL_WAIT)
-
-    # -- the socket --------------------------------------------------------------------
-    def _accept(self) -> None:
-        assert self.server is not None
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return  # closed: shutting down
-            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            self.handlers = [h for h in self.handlers if h.is_alive()] + [t]
-            t.start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            uid = peer_uid(conn)
-            if uid != os.geteuid():  # the socket is private; this holds even if it is not
-                print(f"refused a connection from uid {uid}", file=sys.stderr)
-                refusal = (
-                    f"refused: this cluster belongs to uid {os.geteuid()}, and only its "
-                    "owner may use it"
-                )
-                with contextlib.suppress(OSError):
-                    conn.sendall(encode({"ev": "error", "message": refusal}))
-                return
-            try:
-                with conn.makefile("rb") as f:
-                    request = json.loads(f.readline() or b"{}")
-                self._serve(conn, request)
-            except (FlotillaError, ValueError, KeyError, TypeError) as e:
-                with contextlib.suppress(OSError):
-                    conn.sendall(encode({"ev": "error", "message": str(e)}))
-            except OSError:
-                pass  # the client went away
-
-    def _serve(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        op = request.get("op")
-        if op == "ping":
-            conn.sendall(encode({"ev": "pong", "pid": os.getpid(), "error": self.error}))
-        elif op == "submit":
-            job = self.submit(JobSpec.from_dict(request["job"]))
-            with self.cv:
-                queued = list(self.queue)
-                ahead = queued.index(job) + len(self.running) if job in queued else 0
-            conn.sendall(
-                encode({"ev": "accepted", "job": job.id, "task_id": job.task_id, "ahead": ahead})
-            )
-            if request.get("attach"):
-                self._stream(conn, job, None, replay=False)
-        elif op == "follow":
-            job_opt = self.jobs.get(int(request["job"]))
-            if job_opt is None:
-                conn.sendall(encode({"ev": "gone"}))
-            else:
-                node = request.get("node")
-                self._stream(conn, job_opt, None if node is None else int(node), replay=True)
-        elif op == "cancel":
-            job_opt = self.jobs.get(int(request["job"]))
-            if job_opt is None:
-                conn.sendall(encode({"ev": "gone"}))
-                return
-            was = job_opt.status
-            if not job_opt.done.is_set():
-                self.cancel(job_opt)
-            conn.sendall(encode({"ev": "cancelled", "was": was.value, **job_opt.end_event()}))
-        elif op == "autostop":  # `flotilla autostop`: a new idle limit, or none
-            minutes = request.get("minutes")
-            self.set_autostop(None if minutes is None else float(minutes), bool(request["down"]))
-            conn.sendall(encode({"ev": "autostop", "minutes": minutes, "down": self.autodown}))
-        elif op == "down":
-            self.request_stop(delete_record=True)
-            self.stopped.wait()
-            conn.sendall(encode({"ev": "down"}))
-        elif op == "stop":  # agents stop; node folders and environments stay (`start`)
-            self.request_stop(delete_record=False)
-            self.stopped.wait()
-            conn.sendall(encode({"ev": "stopped", "error": self.error}))
-        else:
-            raise ValueError(f"unknown request {op!r}")
-
-    def _stream(self, conn: socket.socket, job: Job, node: int | None, replay: bool) -> None:
-        backlog, sub = job.subscribe(node, replay)
-        if backlog:
-            conn.sendall(b"".join(encode({"ev": "log", "line": line}) for line in backlog))
-        if sub is None:
-            conn.sendall(encode(job.end_event()))
-            return
-        try:
-            while True:
-                batch = [sub.events.get()]
-                while not sub.events.empty() and len(batch) < 1000:
-                    batch.append(sub.events.get_nowait())
-                conn.sendall(b"".join(encode(ev) for ev in batch))
-                if any(ev["ev"] == "end" for ev in batch):
-                    return
-        finally:
-            job.unsubscribe(sub)
 
 
 def engine_plugins(engines: list[str]) -> list[Any]:

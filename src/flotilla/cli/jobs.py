@@ -503,7 +503,13 @@ class Runner:
                 else:
                     failure.also.append(found)
         job.active = []
+        if failure is not None:
+            self._failed(failure)
         return failure
+
+    def _failed(self, failure: Failure) -> None:
+        """A phase failed (``failure``: its first failure, the others in it): nothing
+        here; a subclass may keep it."""
 
     def _report(self, job: Job, failure: Failure) -> list[str]:
         """Root cause first: the failing node, how it failed, its last lines; then the

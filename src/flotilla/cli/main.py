@@ -50,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     if valued is not None:  # `flotilla ssh NAME --node 1 CMD ARGS`: CMD is not parsed
         parsed, after = split_command(argv[1:], valued)
         argv = [argv[0], *parsed]
-    elif "--" in argv:
+    elif "--" in argv and argv[0] != "exec":  # exec: argparse's `--`, words of the command
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    if after:
+    if after and getattr(args, "takes_options", False):  # `rsync SRC DST -- RSYNC FLAGS`
+        args.options = after
+    elif after:
         if not getattr(args, "takes_rest", False):
-            parser.error("`--` is only for `flotilla ssh NAME -- CMD`")
+            parser.error("`--` is only for `flotilla ssh NAME -- CMD` and `rsync SRC DST -- ...`")
         args.remote = [*args.remote, *after]
     try:
         return int(args.func(args))

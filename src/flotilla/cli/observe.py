@@ -398,6 +398,9 @@ def describe(event: Mapping[str, Any]) -> str:
         )
     elif kind == "Scaling":
         text = f"pool now has {event['nodes']} node(s)"
+    elif kind == "ScalingDecision":
+        change = f"{event['from_nodes']} -> {event['to_nodes']}"
+        text = f"autoscaler: {change} node(s): {event['reason']}"
     else:
         text = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "time", "pool"))
         text = f"{kind}: {text}"

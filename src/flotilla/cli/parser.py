@@ -11,6 +11,7 @@ from .cmd_autostop import add_autostop_parser
 from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
 from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
 from .cmd_run import cmd_exec, cmd_launch
+from .console import json_flag
 from .conventions import EXIT_CODES, count, index
 from .managed.commands import add_jobs_parser
 
@@ -44,6 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
             default=[],
             metavar="FILE",
             help="secret variables from a file of KEY=VALUE lines",
+        )
+        q.add_argument(
+            "--env-file",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="variables from a dotenv file (KEY=VALUE lines; --env wins over it)",
+        )
+        q.add_argument(
+            "--workdir",
+            metavar="DIR",
+            help="the local folder synced to the nodes, instead of the task's workdir",
+        )
+        q.add_argument(
+            "-y",
+            "--yes",
+            action="store_true",
+            help="do not ask for confirmation; launch: add the Include line that lets `ssh "
+            "NAME` reach the cluster to ~/.ssh/config (see `flotilla ssh-config`)",
         )
         q.add_argument(
             "-d", "--detach", action="store_true", help="submit and return; do not follow"
@@ -91,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         "would get; start and rent nothing",
     )
     q.add_argument("--json", action="store_true", help="with --dryrun: one JSON document")
+    resource_flags(q)
+    q.add_argument(
+        "--infra",
+        metavar="INFRA",
+        help="where to run, as a task's resources.infra: aws/us-east-1, k8s, slurm...",
+    )
+    q.add_argument(
+        "--use-spot",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="spot instances (or not: --no-use-spot), as a task's resources.use_spot",
+    )
     job_flags(q)
     registry.add_flags(q)
     q.set_defaults(func=cmd_launch)
@@ -110,22 +142,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=count("--nodes"),
         help="nodes to run on (default: the task's, or all)",
     )
-    for flag, example in (("gpus", "A100:0.5"), ("cpus", "4+"), ("memory", "16")):
-        q.add_argument(  # what the job holds on each node while it runs (the queue's)
-            f"--{flag}",
-            metavar=example.upper() if flag == "gpus" else "N",
-            help=f"{flag} per node the job holds while it runs (e.g. {example}); jobs "
-            "share the cluster's nodes while they have room, queue otherwise",
-        )
+    resource_flags(
+        q,
+        "the job holds while it runs",
+        "; jobs share the cluster's nodes while they have room, queue otherwise",
+    )
+    q.add_argument(
+        "--dryrun",
+        "--dry-run",
+        dest="dryrun",
+        action="store_true",
+        help="check the task against the cluster and print what would run; submit nothing",
+    )
     job_flags(q)
     q.set_defaults(func=cmd_exec)
 
     q = sub.add_parser("status", help="the clusters: provider, nodes, state, age, idle time")
     q.add_argument("clusters", nargs="*")
+    json_flag(q)
     q.set_defaults(func=cmd_status)
 
     q = sub.add_parser("queue", help="a cluster's jobs")
     q.add_argument("cluster")
+    json_flag(q)
     q.set_defaults(func=cmd_queue)
 
     q = sub.add_parser("logs", help="a job's output (default: the latest job)")
@@ -162,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_down)
 
     add_autostop_parser(sub)
+    from .cmd_config import add_config_parser
+
+    add_config_parser(sub)  # config show|validate
 
     q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")
     q.add_argument("clusters", nargs="+", metavar="CLUSTER")
@@ -177,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
     q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
 
+    from .cmd_files import add_file_parsers
+
+    add_file_parsers(sub)  # cp, download, rsync
+    from .sshconfig import add_parser as add_ssh_config
+
+    add_ssh_config(sub)  # ssh-config
     add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
     from .cmd_market import add_parsers
 
@@ -184,7 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .observe import add_parsers as add_observe
 
     add_observe(sub, logs)  # top, events, logs --export
+    from ..server.control import add_parser as add_server
+
+    add_server(sub)  # server start|stop|status: the HTTP API and dashboard
     return p
+
+
+def resource_flags(
+    q: argparse.ArgumentParser, what: str = "every node gets", more: str = ""
+) -> None:
+    """SkyPilot's ``--gpus``/``--cpus``/``--memory``: a task's ``resources`` fields, per node."""
+    for flag, example in (("gpus", "A100:0.5"), ("cpus", "4+"), ("memory", "16")):
+        q.add_argument(
+            f"--{flag}",
+            metavar=example.upper() if flag == "gpus" else "N",
+            help=f"{flag} per node {what} (e.g. {example}; over the task's){more}",
+        )
 
 
 def command_options(parser: argparse.ArgumentParser, name: str) -> set[str] | None:

@@ -99,6 +99,9 @@ class Resources:
             defaults (see ``managed.recovery``). Plain ``launch`` ignores it.
         autostop: stop (or tear down) the cluster after this long without jobs, as
             ``launch --autostop M [--down]`` (SkyPilot's field); None: never.
+        max_hourly_cost: the most the cluster may cost per hour, in USD, all its nodes
+            (``Compute(max_hourly_cost=)``): a provider that knows its prices (Vast, AWS
+            when priced) refuses offers above it before renting; None: no limit.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
             any of them; a list: in order): every combination, each complete (a
@@ -126,6 +129,7 @@ class Resources:
     labels: Mapping[str, str] = field(default_factory=dict)
     job_recovery: JobRecovery | None = None
     autostop: Autostop | None = None
+    max_hourly_cost: float | None = None
     candidates: tuple[Resources, ...] = ()
     ordered: bool = True
 
@@ -147,7 +151,14 @@ class Resources:
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name in ("accelerators", "job_recovery", "autostop", "candidates", "ordered"):
+            if name in (
+                "accelerators",
+                "job_recovery",
+                "autostop",
+                "max_hourly_cost",
+                "candidates",
+                "ordered",
+            ):
                 continue
             if value not in (None, (), {}):
                 out[name] = value
@@ -370,7 +381,7 @@ def _compose(path: str, many: bool) -> list[yaml.Node]:
     """The file's checked YAML documents (exactly one unless ``many``)."""
     import yaml
 
-    from .yamlsafe import MAX_BYTES, YamlRefused, compose, compose_all
+    from .._providers.yamlsafe import MAX_BYTES, YamlRefused, compose, compose_all
 
     try:
         with open(path, "rb") as f:
@@ -405,8 +416,9 @@ def _line(node: yaml.Node) -> int:
     return int(node.start_mark.line) + 1
 
 
-class _Parser:
-    """Turns the composed YAML tree into a Task, checking each field against its node."""
+class _TaskParser:
+    """Turns the composed YAML tree into a Task, checking each field against its node: the
+    task's fields here, ``resources`` and its fields in :class:`_Parser`."""
 
     def __init__(self, path: str) -> None:
         import yaml
@@ -481,8 +493,22 @@ class _Parser:
     def config(self, node: yaml.Node, name: str) -> dict[str, dict[str, Any]]:
         """``config: {PROVIDER: {FIELD: VALUE}}``: each provider's settings (which fields
         exist is the provider's to say, when the task runs there)."""
+        from .._providers.config_files import ALIASES, KINDS
+
         out: dict[str, dict[str, Any]] = {}
-        for key, (_, section) in self.mapping(node, name, None).items():
+        for key, (key_node, section) in self.mapping(node, name, None).items():
+            if key not in KINDS and key not in ALIASES and not _plugin_kind(key):
+                known = ", ".join([*KINDS, *ALIASES])
+                raise self.error(
+                    f"`{name}.{key}`: not a provider (a task's config: sets providers' "
+                    f"settings: {known}; named pools belong in a configuration file, see "
+                    "`flotilla config show`)"
+                    if key == "pools"
+                    else f"`{name}.{key}`: no such provider (config: takes {known}, or a "
+                    "provider another package registers)",
+                    key_node,
+                    f"{name}.{key}",
+                )
             fields = self.mapping(section, f"{name}.{key}", None)
             out[key] = {k: self.value(v) for k, (_, v) in fields.items()}
         return out
@@ -652,6 +678,10 @@ class _Parser:
             return Volume(source, target, mode="mount", read_only=False)
         except ConfigurationError as e:
             raise self.error(f"`{full}`: {e}", node, full) from None
+
+
+class _Parser(_TaskParser):
+    """The task parser with the checkers of ``resources`` and its fields."""
 
     def resources(self, node: yaml.Node, name: str) -> Resources:
         if self.value(node) is None:
@@ -833,6 +863,19 @@ class _Parser:
             raise self.error(f"`{name}` must be positive, got {value}", node, name)
         return str(value)
 
+    def price(self, node: yaml.Node, name: str) -> float | None:
+        value = self.value(node)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise self.error(
+                f"`{name}` must be a positive number of USD per hour (e.g. 12.5), got "
+                f"{_kind(value)}",
+                node,
+                name,
+            )
+        return float(value)
+
     def tier(self, node: yaml.Node, name: str) -> str | None:
         value = self.text(node, name)
         if value is not None and value not in ("standard", "best"):
@@ -859,6 +902,13 @@ class _Parser:
     def labels(self, node: yaml.Node, name: str) -> dict[str, str]:
         values = self.variables(node, name) if self.value(node) is not None else {}
         return {k: v or "" for k, v in values.items()}
+
+
+def _plugin_kind(name: str) -> bool:
+    """Whether another package registers a provider named ``name``."""
+    from .._providers.config_files import entry_points
+
+    return name in entry_points()
 
 
 def _kind(value: object) -> str:
@@ -891,7 +941,7 @@ ENGINES = ("ray", "dask")
 
 _STORAGE_MODES = ("MOUNT", "COPY", "MOUNT_CACHED")
 
-_Check = Callable[[_Parser, "yaml.Node", str], Any]
+_Check = Callable[[Any, "yaml.Node", str], Any]  # a _Parser's checker (self, node, name)
 
 _TASK_FIELDS: dict[str, _Check] = {
     "name": _Parser.text,
@@ -911,6 +961,7 @@ _RESOURCE_FIELDS: dict[str, _Check] = {
     "accelerators": _Parser.accelerators,
     "job_recovery": _Parser.job_recovery,
     "autostop": _Parser.autostop,
+    "max_hourly_cost": _Parser.price,
     "cpus": _Parser.amount,
     "memory": _Parser.amount,
     "infra": _Parser.text,

@@ -1,4 +1,4 @@
-"""Agents on EC2 instances: interruption notices.
+"""Agents on EC2 instances: their watchdog's settings, interruption notices.
 
 An instance is an SSH host whose host key the client generated (``cloud.keys``): the
 agent starts through ``ssh`` as on any cloud instance (``cloud.allocation``, the client's
@@ -13,8 +13,32 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..._wire.protocol import CLOUD_ENV
 from ..._wire.protocol import CLOUD_NOTICE as NOTICE
 from ..base import AgentProcess, FramesCallback, GiveUp
+from ..cloud.guard import contact_path
+from .settings import EFA_ENV, AWSSettings
+
+IMDS = "http://169.254.169.254"
+
+
+def cloud_env(
+    settings: AWSSettings, ident: str, instance: dict[str, Any], efa: bool
+) -> dict[str, str]:
+    """``FLOTILLA_CLOUD`` for the agent on instance ``ident`` (described by ``instance``):
+    its watchdog's settings (see ``_node/cloud.py``; a spot instance's polls the metadata
+    service for interruption notices); with ``efa``, the EFA variables."""
+    spot = instance.get("InstanceLifecycle") == "spot"
+    watchdog = {
+        "contact": contact_path(settings.workdir, ident),
+        "ttl": settings.ttl,
+        "poweroff": list(settings.poweroff_command),
+        "imds": IMDS if spot else "",
+    }
+    env = {CLOUD_ENV: json.dumps(watchdog)}
+    if efa:
+        env.update(EFA_ENV)
+    return env
 
 
 class AWSAgent(AgentProcess):

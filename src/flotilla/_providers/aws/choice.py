@@ -22,7 +22,9 @@ from typing import Any
 
 from ..._accelerators import Accelerator
 from ..._errors import ConfigurationError
+from ..base import PoolSpec
 from .api import Api, error_code
+from .settings import AWSSettings
 
 logger = logging.getLogger("flotilla.aws")
 
@@ -371,3 +373,22 @@ def check_ami(api: Api, ami: str, choice: InstanceChoice) -> dict[str, Any]:
             f"{choice.arch} AMI or another instance type"
         )
     return image
+
+
+def choose_for(
+    api: Api, settings: AWSSettings, spec: PoolSpec
+) -> tuple[InstanceChoice, dict[str, Any]]:
+    """The instance choice for a pool of ``spec`` with ``settings`` (see :func:`choose`) and
+    its AMI's description (``settings.ami``, or the default for the choice; checked)."""
+    choice = choose(
+        api,
+        settings.instance_type,
+        spec.accelerator,
+        spec.vcpus,
+        spec.memory_gb,
+        settings.allocation == "spot",
+        None,
+        efa=settings.network_tier == "best",
+    )
+    ami = settings.ami or default_ami(api, choice)
+    return choice, check_ami(api, ami, choice)

@@ -16,14 +16,12 @@ instances of one launch share their host key; a replacement launch gets a key of
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
 
 from ..._errors import ConfigurationError
-from ..cloud.keys import KeyPair
+from ..cloud.keys import user_data as user_data  # the cloud kit's #cloud-config
 
 FOLDER_PREFIX = "flotilla-aws-"
 """Pool folders are ``{tempdir}/flotilla-aws-{pool_id}-XXXX`` (the orphan cleanup finds them)."""
@@ -36,26 +34,6 @@ def pool_folder(pool_id: str) -> str:
 
 def remove_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()) -> str:
-    """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key,
-    authorizes ``login_key`` for the default user and runs the ``bootcmd`` shell lines
-    early in every boot (the boot guard, see ``cloud.guard``)."""
-    private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
-    # a JSON string is a YAML double-quoted scalar: any shell line, safely quoted
-    commands = "".join(f"  - {json.dumps(line)}\n" for line in bootcmd)
-    return (
-        "#cloud-config\n"
-        "ssh_deletekeys: true\n"
-        "ssh_genkeytypes: []\n"
-        "ssh_keys:\n"
-        "  ed25519_private: |\n"
-        f"{private}\n"
-        f"  ed25519_public: {host_key.public}\n"
-        "ssh_authorized_keys:\n"
-        f"  - {login_key.public}\n" + (f"bootcmd:\n{commands}" if bootcmd else "")
-    )
 
 
 def ssh_login(address: str) -> list[str]:

@@ -64,6 +64,10 @@ class AWS(Provider):
 
     name = "aws"
     settings_type = AWSSettings
+    elastic = True
+    """Elastic pools: an instance is launched per node added and terminated per node
+    released (``AWSAllocation.candidate``, ``give_back``); a pool born empty launches none
+    until its first call."""
 
     @provider_init(AWSSettings)
     def __init__(self, *args: Any, settings: AWSSettings | None = None, **options: Any) -> None:
@@ -94,6 +98,11 @@ class AWS(Provider):
                 f"AWS(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
                 f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
                 "the instances would power themselves off under a live pool"
+            )
+        if spec.max_nodes and self.keep is not None:
+            raise ConfigurationError(
+                f"an elastic pool (up to {spec.most} nodes) cannot be a stoppable one: its "
+                "instances come and go; pass a number of nodes"
             )
         if spec.vcpus is not None and spec.vcpus <= 0:
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")

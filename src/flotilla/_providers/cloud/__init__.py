@@ -1,5 +1,5 @@
-"""The cloud kit: what every provider of rented instances reached over SSH shares (AWS and
-Vast.ai; the GPU markets to come are built on it).
+"""The cloud kit: what every provider of rented instances reached over SSH shares (AWS,
+Vast.ai, RunPod, Lambda Cloud and the GPU markets to come).
 
 * ``keys``: SSH keys made by the client (ssh-keygen), pinned in a pool's own known_hosts:
   no trust on first use;
@@ -8,6 +8,8 @@ Vast.ai; the GPU markets to come are built on it).
   and whether that client still runs (orphans);
 * ``boot``: waiting for an instance's SSH port, and which failures of a booting instance
   are tried again;
+* ``rest``: a cloud's JSON API over HTTP (standard library only): retries, the key never
+  shown, a refused key a ConfigurationError naming where it came from;
 * ``allocation``: :class:`~flotilla._providers.cloud.allocation.CloudAllocation`, the
   allocation of instances reached over SSH with their host keys pinned, whose shell's
   ``transient()`` tries a booting instance again (the launch layer's retry).

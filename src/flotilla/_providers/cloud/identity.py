@@ -44,3 +44,35 @@ def orphaned(pool: str, client: str, skipped: set[str]) -> bool:
     if alive is None:
         skipped.add(pool)
     return alive is False
+
+
+def pool_folder(prefix: str, pool_id: str) -> str:
+    """A new private folder (0700) for a pool's keys and known_hosts,
+    ``{tempdir}/{prefix}{pool}-XXXX``, with the client's identity in its ``client`` file
+    (:func:`dead_folders` finds the folders of clients that are gone)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=f"{prefix}{pool_id}-")
+    with open(os.path.join(folder, "client"), "w") as f:
+        f.write(client_id())
+    return folder
+
+
+def dead_folders(prefix: str) -> list[str]:
+    """This user's pool folders (:func:`pool_folder`) whose client process is gone (a
+    killed client's: ``flotilla down --orphans`` removes them)."""
+    import glob
+    import tempfile
+
+    out = []
+    for folder in sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}*"))):
+        try:
+            if os.stat(folder).st_uid != os.getuid():
+                continue
+            with open(os.path.join(folder, "client")) as f:
+                client = f.read().strip()
+        except OSError:
+            continue
+        if client_alive(client) is False:
+            out.append(folder)
+    return out

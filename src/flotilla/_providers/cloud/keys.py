@@ -9,9 +9,11 @@ instance that answers with another key is refused.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError, ProvisionError
@@ -66,3 +68,23 @@ def pin_public(known_hosts: str, address: str, public: str) -> None:
     fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(f"{address} {key}\n")
+
+
+def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()) -> str:
+    """The ``#cloud-config`` that installs ``host_key`` as the instance's only SSH host key,
+    authorizes ``login_key`` for the default user and runs the ``bootcmd`` shell lines
+    early in every boot (the boot guard, see ``cloud.guard``)."""
+    private = "\n".join(f"    {line}" for line in host_key.private().strip().splitlines())
+    # a JSON string is a YAML double-quoted scalar: any shell line, safely quoted
+    commands = "".join(f"  - {json.dumps(line)}\n" for line in bootcmd)
+    return (
+        "#cloud-config\n"
+        "ssh_deletekeys: true\n"
+        "ssh_genkeytypes: []\n"
+        "ssh_keys:\n"
+        "  ed25519_private: |\n"
+        f"{private}\n"
+        f"  ed25519_public: {host_key.public}\n"
+        "ssh_authorized_keys:\n"
+        f"  - {login_key.public}\n" + (f"bootcmd:\n{commands}" if bootcmd else "")
+    )

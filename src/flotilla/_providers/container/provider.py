@@ -416,18 +416,15 @@ class ContainerAllocation(ShellAllocation):
         old = self.machines[rank]
         with contextlib.suppress(ProvisionError):
             await self.engine.call(self.engine.remove_args([old.host]))
-        name = self.container_name(rank)
-        try:
-            ip = await self.run(rank, name)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.engine.call(self.engine.remove_args([name]))
-            raise
-        return Machine(rank, name, ip, name)
+        return await self.new_container(rank)
 
     async def candidate(self, rank: int) -> Machine | None:
         """A new container for ``rank`` (an elastic pool grows); ProvisionError naming it
         when it does not run (it is removed then)."""
+        return await self.new_container(rank)
+
+    async def new_container(self, rank: int) -> Machine:
+        """A new container for ``rank``, running; removed again when it does not run."""
         name = self.container_name(rank)
         try:
             ip = await self.run(rank, name)

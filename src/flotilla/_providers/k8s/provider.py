@@ -53,8 +53,6 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._redaction import Secret, is_secret
 from ..base import (
     AgentProcess,
-    AllocationState,
-    LostCallback,
     Machine,
     PoolSpec,
     Provider,
@@ -62,6 +60,7 @@ from ..base import (
 from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
 from ..options import provider_init
+from ..polling import PolledAllocation
 from .kubectl import Kubectl, Watch, said
 from .settings import KubernetesSettings
 
@@ -399,7 +398,7 @@ class ExecShell(RemoteShell):
         )
 
 
-class KubernetesAllocation(ShellAllocation):
+class KubernetesAllocation(PolledAllocation, ShellAllocation):
     """The pods of a pool (and of its replacements)."""
 
     def __init__(self, provider: Kubernetes, spec: PoolSpec) -> None:
@@ -417,7 +416,6 @@ class KubernetesAllocation(ShellAllocation):
         self.early: dict[str, asyncio.Future[AgentProcess]] = {}
         self.made = 0
         self.watch_interval = WATCH_INTERVAL
-        self._watcher: asyncio.Task[None] | None = None
 
     def pod_name(self, rank: int) -> str:
         """A new pod name for ``rank`` (unique within the pool's history)."""
@@ -562,85 +560,55 @@ class KubernetesAllocation(ShellAllocation):
         """A new pod for ``rank``; the lost one is deleted (without waiting)."""
         old = self.machines[rank]
         with contextlib.suppress(ProvisionError):
-            await self.kubectl.call(
-                ["delete", "pod", old.host, "--ignore-not-found", "--wait=false"]
-            )
-        name = self.pod_name(rank)
-        try:
-            with self.creating("pod", self.selector):
-                await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
-            ips = await self.wait_running([name])
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.kubectl.call(
-                    ["delete", "pod", name, "--ignore-not-found", "--wait=false"]
-                )
-            raise
-        return self.new_machine(rank, name, ips[name])
+            await self.delete_pod(old.host)
+        return await self.new_pod(rank, recorded=True)
 
     async def candidate(self, rank: int) -> Machine | None:
         """A new pod for ``rank`` (an elastic pool grows), once it runs; ProvisionError
         (it is deleted then) when it cannot be placed or run: the pool keeps its size and
         tries again later."""
+        return await self.new_pod(rank, recorded=False)
+
+    async def new_pod(self, rank: int, recorded: bool) -> Machine:
+        """A new pod for ``rank``, once it runs (its creation ``recorded`` in the ledger);
+        deleted again when it cannot be placed or run."""
         name = self.pod_name(rank)
         try:
-            await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
+            with self.creating("pod", self.selector) if recorded else contextlib.nullcontext():
+                await self.kubectl.create([self.provider.pod(self.spec, rank, name)])
             ips = await self.wait_running([name])
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.kubectl.call(
-                    ["delete", "pod", name, "--ignore-not-found", "--wait=false"]
-                )
+                await self.delete_pod(name)
             raise
         return self.new_machine(rank, name, ips[name])
+
+    async def delete_pod(self, name: str) -> None:
+        """Delete the pod ``name`` if it is there, without waiting for it to end."""
+        await self.kubectl.call(["delete", "pod", name, "--ignore-not-found", "--wait=false"])
 
     async def give_back(self, machine: Machine, failed: bool) -> None:
         """Delete the pod of a node an elastic pool released (or whose agent did not
         start), without waiting for it to end."""
         with contextlib.suppress(ProvisionError):
-            await self.kubectl.call(
-                ["delete", "pod", machine.host, "--ignore-not-found", "--wait=false"]
-            )
+            await self.delete_pod(machine.host)
 
-    def watch(self, on_lost: LostCallback) -> None:
-        """Also look at the pool's pods every ``watch_interval`` s: a pod that is gone,
-        deleting or ended is reported lost (its exec stream usually ends first)."""
-        super().watch(on_lost)
-        with contextlib.suppress(RuntimeError):
-            if self._watcher is None:
-                self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        reported: set[str] = set()
-        while self.state is AllocationState.READY:
-            await asyncio.sleep(self.watch_interval)
-            if self.state is not AllocationState.READY:
-                break
-            try:
-                states = await self.pod_states()
-            except ProvisionError as e:
-                logger.debug("pool %s: cannot list pods: %s", self.spec.pool_id, e)
-                continue
-            if self.state is not AllocationState.READY:
-                break
-            for m in list(self.machines):
-                if m.ident in reported:
-                    continue
-                state = states.get(m.host)
-                if state is None or state.deleting:
-                    reason = f"pod {m.host} was deleted"
-                elif state.ended:
-                    reason = f"pod {m.host} {state.ended}"
-                else:
-                    continue
-                reported.add(m.ident)
-                self.report_lost(m.rank, reason)
+    async def lost_machines(self, machines: list[Machine]) -> dict[str, str]:
+        """A pod that is gone, deleting or ended (its exec stream usually ends first)."""
+        states = await self.pod_states()
+        lost = {}
+        for m in machines:
+            state = states.get(m.host)
+            if state is None or state.deleting:
+                lost[m.ident] = f"pod {m.host} was deleted"
+            elif state.ended:
+                lost[m.ident] = f"pod {m.host} {state.ended}"
+        return lost
 
     async def free(self) -> None:
         """Stop the agents, then delete the pool's pods (waiting until they are gone), its
         Service and its Secret."""
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self.stop_watching()
         early, self.early = list(self.early.values()), {}
         for task in early:  # started early, never taken (the start failed)
             task.cancel()

@@ -35,12 +35,20 @@ steps and never cancels the job.
 **Replacing a node.** The pool's job is submitted with ``--no-kill`` so that it survives the
 failure of one of its nodes; a replacement is a new one-node job (excluding the lost node),
 released with the pool.
+
+**Elastic pools** (``nodes=(2, 8)``, ``Nodes(0, max=4, min=0)``): every node is a one-node
+job of its own (salloc, excluding the nodes the pool has), submitted as the pool grows and
+ended (the holder's stdin closed, the job gone from the queue) as it releases that node.
+``scontrol update JobId=... NumNodes=...`` is not used: SLURM can only shrink a running
+job that way (growing one was removed in 19.05), and a pool grows as often as it shrinks.
+A grow step whose job waits in the queue leaves the pool working at its size meanwhile.
+Inside an existing allocation the pool grows over that job's nodes (as the SSH provider
+over its spare hosts) and never ends the job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import shutil
@@ -51,8 +59,6 @@ from typing import Any
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
     AgentProcess,
-    AllocationState,
-    LostCallback,
     Machine,
     PoolSpec,
     Provider,
@@ -61,6 +67,7 @@ from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
 from ..local import user_code_path
 from ..options import provider_init
+from ..polling import PolledAllocation
 from .job import (
     HOLDER,
     Job,
@@ -101,6 +108,9 @@ class Slurm(Provider):
 
     name = "slurm"
     settings_type = SlurmSettings
+    elastic = True
+    """Elastic pools: a one-node job per node added, ended per node released (see the
+    module docstring)."""
 
     @provider_init(SlurmSettings)
     def __init__(self, *args: Any, settings: SlurmSettings | None = None, **options: Any) -> None:
@@ -136,17 +146,17 @@ class Slurm(Provider):
         if job is not None:
             nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
             have = len(hostnames(nodelist)) if nodelist else 0
-            if spec.nodes > have:
+            if spec.most > have:
                 raise ConfigurationError(
-                    f"the pool asks for {spec.nodes} nodes but runs inside SLURM job {job}, "
+                    f"the pool asks for {spec.most} nodes but runs inside SLURM job {job}, "
                     f"which has {have}: lower nodes= to at most {have}, submit the job with "
-                    f"--nodes={spec.nodes}, or pass Slurm(partition=...) for a new allocation"
+                    f"--nodes={spec.most}, or pass Slurm(partition=...) for a new allocation"
                 )
             return
         part = self._partition = self.partition_info()
-        if spec.nodes > part.nodes:
+        if spec.most > part.nodes:
             raise ConfigurationError(
-                f"the pool asks for {spec.nodes} nodes but partition {part.name!r} has "
+                f"the pool asks for {spec.most} nodes but partition {part.name!r} has "
                 f"{part.nodes}: lower nodes= or pick a larger partition (`sinfo -s` lists them)"
             )
         limit = part.max_time
@@ -258,15 +268,19 @@ class Slurm(Provider):
         if job is not None:
             names = await loop.run_in_executor(None, hostnames, os.environ["SLURM_JOB_NODELIST"])
             allocation = SlurmAllocation(self, spec, job=Job(job, None, names))
+        elif not spec.nodes:  # an elastic pool: a one-node job per node (``candidate``)
+            return SlurmAllocation(self, spec, job=None)
         else:
             argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
             held = await Job.submit(argv, self.settings.queue_timeout)
             allocation = SlurmAllocation(self, spec, job=held)
+        pool_job = allocation.job
+        assert pool_job is not None
         try:
-            names = allocation.job.nodes[: spec.nodes]
+            names = pool_job.nodes[: spec.nodes]
             addrs = await loop.run_in_executor(None, node_addresses, names)
             allocation.machines = [
-                allocation.new_machine(rank, name, addrs.get(name, name), allocation.job)
+                allocation.new_machine(rank, name, addrs.get(name, name), pool_job)
                 for rank, name in enumerate(names)
             ]
         except BaseException:
@@ -318,25 +332,34 @@ class SrunShell(RemoteShell):
         return srun_error(machine.host, job, failure.status, failure.stderr)
 
 
-class SlurmAllocation(ShellAllocation):
-    """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step."""
+class SlurmAllocation(PolledAllocation, ShellAllocation):
+    """The pool's SLURM job (and the one-node jobs of replacements); an agent is a step.
 
-    def __init__(self, provider: Slurm, spec: PoolSpec, job: Job) -> None:
+    Attributes:
+        job: the pool's job, or the job it runs inside; None for an elastic pool of its
+            own, whose every node is a one-node job.
+        jobs: every job the pool made (and the one it runs inside).
+    """
+
+    def __init__(self, provider: Slurm, spec: PoolSpec, job: Job | None) -> None:
         super().__init__(spec, [])
         self.provider = provider
         self.job = job
-        self.jobs: list[Job] = [job]
+        self.jobs: list[Job] = [job] if job is not None else []
         self.job_of: dict[str, Job] = {}
         self.agents: list[AgentProcess] = []
+        self._adding: set[str] = set()  # nodes of candidates not admitted yet
         self.watch_interval = WATCH_INTERVAL
-        self._watcher: asyncio.Task[None] | None = None
         self.shell = SrunShell(self)
         self.python = provider.python
         self.workdir = provider.workdir or "~/.flotilla"
         self.ship = not provider.shares_filesystem
 
     def new_machine(self, rank: int, node: str, address: str, job: Job) -> Machine:
-        machine = Machine(rank, node, address, f"{job.id}:{node}")
+        ident = f"{job.id}:{node}"
+        if ident in self.machine_states:  # a node an elastic pool released, added again
+            ident += f"#{sum(1 for i in self.machine_states if i.startswith(ident + '#')) + 1}"
+        machine = Machine(rank, node, address, ident)
         self.job_of[machine.ident] = job
         return machine
 
@@ -350,59 +373,88 @@ class SlurmAllocation(ShellAllocation):
         """A new one-node job for ``rank`` (SLURM cannot add a node to a running job),
         avoiding the lost node."""
         old = self.machines[rank]
-        if not self.job.owned:
+        if self.job is not None and not self.job.owned:
             raise ProvisionError(
                 f"{old.host}: {reason}; the pool runs inside SLURM job {self.job.id}, whose "
                 "nodes it cannot replace"
             )
+        return await self._one_node_job(rank, [old.host])
+
+    async def _one_node_job(self, rank: int, exclude: Sequence[str]) -> Machine:
+        """A new one-node job (not on the nodes ``exclude``), its node as the machine for
+        ``rank``; once it runs (ProvisionError after the provider's ``queue_timeout``)."""
         loop = asyncio.get_running_loop()
-        argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, [old.host])
+        argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, exclude)
         job = await Job.submit(argv, self.provider.settings.queue_timeout)
         self.jobs.append(job)
-        addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
+        try:
+            addrs = await loop.run_in_executor(None, node_addresses, job.nodes)
+        except BaseException:
+            self.jobs.remove(job)
+            await job.release()
+            raise
         return self.new_machine(rank, job.nodes[0], addrs.get(job.nodes[0], job.nodes[0]), job)
 
-    def watch(self, on_lost: LostCallback) -> None:
-        """Also look at SLURM's view every ``watch_interval`` s: a node SLURM marks DOWN,
-        FAIL or NOT_RESPONDING, or a job that ended under the pool (cancelled by an admin,
-        out of time), is reported lost. A dead step is noticed by the client anyway."""
-        super().watch(on_lost)
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to poll from
-            if self._watcher is None:
-                self._watcher = asyncio.get_running_loop().create_task(self._watch())
+    # -- elastic pools: a node more, a node fewer -------------------------------------
+    async def candidate(self, rank: int) -> Machine | None:
+        """A node for ``rank`` (an elastic pool grows): a new one-node job on a node the
+        pool does not have; inside an existing allocation, the next of its nodes the pool
+        does not use (None when it uses them all)."""
+        using = {m.host for m in self.machines} | self._adding
+        if self.job is not None and not self.job.owned:
+            free = [n for n in self.job.nodes if n not in using]
+            if not free:
+                return None
+            self._adding.add(free[0])
+            loop = asyncio.get_running_loop()
+            try:
+                addrs = await loop.run_in_executor(None, node_addresses, free[:1])
+            except BaseException:
+                self._adding.discard(free[0])
+                raise
+            return self.new_machine(rank, free[0], addrs.get(free[0], free[0]), self.job)
+        machine = await self._one_node_job(rank, sorted(using))
+        self._adding.add(machine.host)
+        return machine
 
-    async def _watch(self) -> None:
+    def admit(self, machine: Machine) -> Machine:
+        self._adding.discard(machine.host)
+        return super().admit(machine)
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """End the one-node job of a node the pool released (its steps drained first, see
+        ``_client/elastic.py``) or whose agent did not start; a node of the job the pool
+        runs inside is only free again."""
+        self._adding.discard(machine.host)
+        job = self.job_of.get(machine.ident)
+        if job is not None and job is not self.job and job in self.jobs:
+            self.jobs.remove(job)
+            await job.release()
+
+    async def lost_machines(self, machines: list[Machine]) -> dict[str, str]:
+        """A node SLURM marks DOWN, FAIL or NOT_RESPONDING, or a job that ended under the
+        pool (cancelled by an admin, out of time). A dead step is noticed by the client
+        anyway."""
         loop = asyncio.get_running_loop()
-        reported: set[str] = set()
-        while self.state is AllocationState.READY:
-            await asyncio.sleep(self.watch_interval)
-            machines = [m for m in self.machines if m.ident not in reported]
-            if not machines or self.state is not AllocationState.READY:
-                continue
-            nodes = await loop.run_in_executor(None, node_states, [m.host for m in machines])
-            ended = {}
-            for job in {self.job_of[m.ident] for m in machines}:
-                if await loop.run_in_executor(None, job_state, job.id) is None:
-                    ended[job.id] = job
-            if self.state is not AllocationState.READY:
-                break
-            for m in machines:
-                state, why = nodes.get(m.host, ("", ""))
-                job = self.job_of[m.ident]
-                if _LOST_STATES & set(state.split("+")):
-                    reason = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
-                elif job.id in ended:
-                    reason = f"SLURM job {job.id} ended (cancelled, or out of time)"
-                else:
-                    continue
-                reported.add(m.ident)
-                self.report_lost(m.rank, reason)
+        nodes = await loop.run_in_executor(None, node_states, [m.host for m in machines])
+        ended = {}
+        for job in {self.job_of[m.ident] for m in machines}:
+            if await loop.run_in_executor(None, job_state, job.id) is None:
+                ended[job.id] = job
+        lost = {}
+        for m in machines:
+            state, why = nodes.get(m.host, ("", ""))
+            job = self.job_of[m.ident]
+            if _LOST_STATES & set(state.split("+")):
+                lost[m.ident] = f"SLURM marks node {m.host} {state}" + (f" ({why})" if why else "")
+            elif job.id in ended:
+                lost[m.ident] = f"SLURM job {job.id} ended (cancelled, or out of time)"
+        return lost
 
     async def free(self) -> None:
         """Stop the steps still running, then end every job the pool made (never one it
         runs inside) and wait until SLURM no longer lists them."""
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self.stop_watching()
         await asyncio.gather(
             *(a.terminate() for a in self.agents if a.exit_status() is None),
             return_exceptions=True,

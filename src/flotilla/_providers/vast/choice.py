@@ -140,6 +140,17 @@ def choose(
             "VastAI(min_reliability=..., regions=...), or try later)",
             cause=ProvisionCause.CAPACITY,
         )
+    cap = spec.max_node_hourly_cost
+    if cap is not None:
+        cheap = [o for o in offers if float(o.get("dph_total") or 0) <= cap]
+        if not cheap:
+            low = min(float(o.get("dph_total") or 0) for o in offers)
+            raise ProvisionError(
+                f"every Vast offer for {want} costs more than max_node_hourly_cost="
+                f"${cap:.2f}/h a node (the cheapest: ${low:.2f}/h): nothing was rented",
+                cause=ProvisionCause.CAPACITY,
+            )
+        offers = cheap
     together = spec.options.cluster and nodes > 1
     groups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for o in sorted(offers, key=lambda o: float(o.get("dph_total") or 0)):

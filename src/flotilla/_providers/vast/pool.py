@@ -50,6 +50,15 @@ def parse_label(text: str) -> tuple[str, str] | None:
     return (pool, client) if pool else None
 
 
+def ssh_port(row: dict[str, Any]) -> int:
+    """The public port mapped to an instance's port 22 (``ssh_url``, vast.py 3346-3352),
+    0 when not mapped yet (``row``: the instance as the API lists it)."""
+    mapped = (row.get("ports") or {}).get("22/tcp") or []
+    with contextlib.suppress(KeyError, IndexError, TypeError, ValueError):
+        return int(mapped[0]["HostPort"])
+    return 0
+
+
 class VastAllocation(CloudAllocation):
     """The Vast instances of one pool.
 
@@ -84,6 +93,8 @@ class VastAllocation(CloudAllocation):
         self.workdir = settings.workdir
         self._launches = 0
         self._targets: dict[str, Target] = {}
+        self._gone: set[int] = set()  # instances destroyed while the pool runs
+        self._renting: set[Any] = set()  # machines an instance is being rented on
         self.ssh = CloudShell(
             self.target,
             key=None,
@@ -102,19 +113,40 @@ class VastAllocation(CloudAllocation):
         )
         self.login_key = login_key
         self.ssh.key = login_key.path
-        self.choice = choice = choose(offers, spec, self.settings, spec.max_hourly_cost)
-        self.hourly = choice.hourly
+        cheapest = 0.0
+        if spec.max_nodes:  # elastic: rents one by one (``candidate``), where max could fit
+            most = dataclasses.replace(spec, nodes=spec.most)
+            self.choice = choice = choose(offers, most, self.settings)
+            cheapest = min(float(o.get("dph_total") or 0) for o in choice.offers)
+            if spec.max_hourly_cost is not None and cheapest > spec.max_hourly_cost:
+                raise ProvisionError(
+                    f"the cheapest Vast offer for a node of {describe(spec, self.settings)} costs "
+                    f"${cheapest:.2f}/h, above max_hourly_cost=${spec.max_hourly_cost:.2f}/h: "
+                    "nothing was rented",
+                    cause=ProvisionCause.CAPACITY,
+                )
+            rented: list[dict[str, Any]] = []
+        else:
+            self.choice = choice = choose(offers, spec, self.settings, spec.max_hourly_cost)
+            rented = list(choice.offers)
+            self.hourly = choice.hourly
         gpus = {str(o.get("gpu_name")) for o in choice.offers}
         where = f"cluster {choice.cluster_id}" if choice.cluster_id is not None else "any machines"
+        count = f"up to {spec.most}" if spec.max_nodes else str(spec.nodes)
+        price = (
+            f"from ${cheapest:.2f}/h a node"
+            if spec.max_nodes
+            else f"${choice.hourly:.2f}/h for the pool"
+        )
         _show(
-            f"Vast: {spec.nodes} x {describe(spec, self.settings)} -> {', '.join(sorted(gpus))} "
-            f"on {where}, ${choice.hourly:.2f}/h for the pool (offers "
+            f"Vast: {count} x {describe(spec, self.settings)} -> {', '.join(sorted(gpus))} "
+            f"on {where}, {price} (offers "
             f"{', '.join(str(o['id']) for o in choice.offers)})"
         )
         if choice.cluster_id is not None:
             self.overlay = f"flotilla-{spec.pool_id}"
             await self._in_thread(self._create_overlay, choice.cluster_id)
-        ids = await self._rent(list(choice.offers))
+        ids = await self._rent(rented) if rented else []
         self.machines = [
             Machine(rank, f"vast-{i}", str(self.instances[i].get("public_ipaddr", "")), str(i))
             for rank, i in enumerate(ids)
@@ -239,7 +271,7 @@ class VastAllocation(CloudAllocation):
                 ident = int(row.get("id", 0))
                 if ident in self.instances:
                     self.instances[ident] = row
-                if ident in waiting and row.get("actual_status") == "running" and self._port(row):
+                if ident in waiting and row.get("actual_status") == "running" and ssh_port(row):
                     waiting.discard(ident)
             if not waiting:
                 return
@@ -257,18 +289,9 @@ class VastAllocation(CloudAllocation):
                 )
             time.sleep(POLL)
 
-    @staticmethod
-    def _port(row: dict[str, Any]) -> int:
-        """The public port mapped to the instance's port 22 (``ssh_url``, vast.py
-        3346-3352), 0 when not mapped yet."""
-        mapped = (row.get("ports") or {}).get("22/tcp") or []
-        with contextlib.suppress(KeyError, IndexError, TypeError, ValueError):
-            return int(mapped[0]["HostPort"])
-        return 0
-
     def _target(self, ident: int) -> Target:
         row = self.instances[ident]
-        return Target(str(row["public_ipaddr"]), "root", self._port(row))
+        return Target(str(row["public_ipaddr"]), "root", ssh_port(row))
 
     # -- agents ------------------------------------------------------------------------
     handover = "installed through its on-start script"
@@ -367,11 +390,20 @@ class VastAllocation(CloudAllocation):
             await self._in_thread(self._destroy, int(old.ident))
         except ProvisionError as e:
             logger.warning("%s: %s", old.ident, e)
+        self._gone.add(int(old.ident))
+        machine = await self._rent_another(rank, f"node {rank}: {reason}", "to replace it with")
+        self.hourly -= float(self.instances[int(old.ident)].get("dph_total") or 0)
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
+        return machine
+
+    async def _rent_another(self, rank: int, why: str, what: str) -> Machine:
+        """Rent one instance for ``rank``: the cheapest offer on a machine no other
+        instance of the pool is on (or being rented on), in the pool's cluster (a cluster
+        pool, joined to its overlay) or anywhere. ProvisionError (CAPACITY, ``why`` first,
+        "no offer left ``what``") when there is none."""
         offers = await self._in_thread(self.search)
-        taken = {
-            self.instances[int(m.ident)].get("machine_id")
-            for r, m in enumerate(self.machines)
-            if r != rank
+        taken = set(self._renting) | {
+            row.get("machine_id") for i, row in self.instances.items() if i not in self._gone
         }
         free = [o for o in offers if o.get("machine_id") not in taken]
         cluster = self.choice.cluster_id if self.choice is not None else None
@@ -379,26 +411,57 @@ class VastAllocation(CloudAllocation):
         if not fits:
             elsewhere = len(free)
             raise ProvisionError(
-                f"node {rank}: {reason}; Vast has no offer left to replace it with"
+                f"{why}; Vast has no offer left {what}"
                 + (
                     f" in cluster {cluster} ({elsewhere} offer(s) on other machines: a "
                     "cluster pool's nodes share the cluster's overlay network, so a "
-                    "replacement cannot be on another cluster; Options(cluster=False) "
+                    "node cannot be on another cluster; Options(cluster=False) "
                     "pools take any machine)"
                     if cluster is not None
                     else ""
                 ),
                 cause=ProvisionCause.CAPACITY,
             )
-        (ident,) = await self._rent(fits[:1])
-        self.hourly += float(fits[0].get("dph_total") or 0) - float(
-            self.instances[int(old.ident)].get("dph_total") or 0
-        )
-        machine = Machine(
+        offer = fits[0]
+        on = offer.get("machine_id")
+        self._renting.add(on)  # (on the loop: no other pick meanwhile)
+        before = set(self.instances)
+        try:
+            (ident,) = await self._rent([offer])
+        except BaseException:  # rented but not running: destroyed now, not at the release
+            for i, row in list(self.instances.items()):
+                if i not in before and row.get("machine_id") == on:
+                    self._gone.add(i)
+                    with contextlib.suppress(Exception):
+                        await self._in_thread(self._destroy, i)
+            raise
+        finally:
+            self._renting.discard(on)
+        self.hourly += float(offer.get("dph_total") or 0)
+        return Machine(
             rank, f"vast-{ident}", str(self.instances[ident].get("public_ipaddr", "")), str(ident)
         )
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
-        return machine
+
+    # -- elastic pools: one instance more, one fewer -------------------------------------
+    async def candidate(self, rank: int) -> Machine | None:
+        """Rent one instance (an elastic pool grows; see :meth:`_rent_another`); a
+        ProvisionError leaves the pool at its size, and it asks again later."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(f"cannot add a node: the pool's allocation is {self.state.value}")
+        return await self._rent_another(rank, "the pool cannot grow", "to add a node on")
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """Destroy the instance of a node the pool released (drained first, see
+        ``_client/elastic.py``) or whose agent did not start: its bill stops there. A
+        failure is logged: the release destroys it (by the pool's label) in any case."""
+        ident = int(machine.ident)
+        try:
+            await self._in_thread(self._destroy, ident)
+        except ProvisionError as e:
+            logger.warning("vast-%s: %s", ident, e)
+            return
+        self._gone.add(ident)
+        self.hourly -= float(self.instances.get(ident, {}).get("dph_total") or 0)
 
     # -- release -----------------------------------------------------------------------
     def _destroy(self, ident: int) -> None:

@@ -40,6 +40,11 @@ from .pool import VastAllocation, parse_label
 from .settings import VastSettings
 
 
+def configured() -> bool:
+    """Whether this machine has a Vast key (``market.configured``)."""
+    return bool(find_key(None)[0])
+
+
 @dataclass(frozen=True)
 class VastOrphans:
     """What :meth:`VastAI.remove_orphans` found (and destroyed unless a dry run).
@@ -67,6 +72,10 @@ class VastAI(Provider):
 
     name = "vast"
     settings_type = VastSettings
+    elastic = True
+    """Elastic pools: an instance is rented per node added (on another machine of the
+    pool's cluster: the one chosen where ``max`` nodes fit) and destroyed per node
+    released; a pool born empty rents none until its first call."""
 
     @provider_init(VastSettings)
     def __init__(self, *args: Any, settings: VastSettings | None = None, **options: Any) -> None:

@@ -102,8 +102,9 @@ class AWSBackend(Backend[AWSSpec]):
         instances, delete its security and placement groups and the kept keys."""
         from ..._providers.aws import AWS
         from ..._providers.aws.kept import Keep
+        from ..._providers.aws.network import TAG_POOL
         from ..._providers.aws.orphans import delete_group, delete_placement_group, terminate
-        from ..._providers.aws.pool import RELEASE_TIMEOUT, TAG_POOL
+        from ..._providers.aws.steps import RELEASE_TIMEOUT
 
         keep = Keep(_keep_folder(paths.dir))
         kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
@@ -168,12 +169,18 @@ class AWSBackend(Backend[AWSSpec]):
     def shell(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
+        login = self.ssh_login(paths, spec, nodes, node)
+        tty, remote = ssh_shell(nodes[node].workdir, command)
+        return ShellCommand(("ssh", *login, *tty, remote))
+
+    def ssh_login(
+        self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The pool's login key and pinned host key, as its ssh user at the node's address."""
         from ..._providers.aws.keys import ssh_login
 
         address = nodes[node].ip
-        login = [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
-        tty, remote = ssh_shell(nodes[node].workdir, command)
-        return ShellCommand(("ssh", *login, *tty, remote))
+        return [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
 
 
 SPOT_CANNOT_STOP = (

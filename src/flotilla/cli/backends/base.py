@@ -42,6 +42,10 @@ class ProviderSpec:
     ``resources``): (field, value) pairs in field-name order; every other field is the
     settings class's default (:meth:`Backend.settings_of` makes the settings object)."""
 
+    max_hourly_cost: float | None = None
+    """The most the cluster may cost per hour in USD (the task's
+    ``resources.max_hourly_cost``), for a provider that knows its prices; None: no limit."""
+
     def __post_init__(self) -> None:
         pairs = {str(k): frozen(v) for k, v in self.settings}
         object.__setattr__(self, "settings", tuple(sorted(pairs.items())))
@@ -60,7 +64,9 @@ class ProviderSpec:
         """The spec from :meth:`to_dict`'s data; unknown keys (``kind``, fields of another
         flotilla version) are ignored, lists become tuples."""
         known = {f.name for f in fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
         values["settings"] = tuple(data.get("settings", ()))  # lists again tuples: see init
         return cls(**{k: v for k, v in values.items() if k in known})
 
@@ -125,11 +131,13 @@ class PoolResources:
         accelerator: accelerators per node, e.g. ``"A100:8"`` (None: none asked for).
         vcpus: CPUs per node (None: the provider's default).
         memory_gb: memory per node in GiB (None: the provider's default).
+        max_hourly_cost: the most the whole pool may cost per hour, USD (None: no limit).
     """
 
     accelerator: str | None = None
     vcpus: float | None = None
     memory_gb: float | None = None
+    max_hourly_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -306,12 +314,14 @@ class Backend(ABC, Generic[S]):
         ``config: {KIND: {...}}`` settings, then its ``resources`` (the fields whose
         metadata names a source, see ``options.From``; for a :class:`ResourceSpec` also
         accelerators, CPUs and memory). The command line wins over ``config:``, which wins
-        over ``resources``."""
+        over ``resources``, which win over the configuration files' defaults
+        (:meth:`file_values`)."""
         if self.settings_type is not None:
             res = task.resources
             detail = infra_detail(res.infra) if infra_name(res.infra) in self.infra else None
             hints = {f.name: getattr(res, f.name) for f in fields(res)}
             values = {
+                **self.file_values(),
                 **{
                     k: v
                     for k, v in task_values(self.settings_type, detail, hints).items()
@@ -323,7 +333,18 @@ class Backend(ABC, Generic[S]):
             spec = replace(spec, settings=tuple(values.items()))
         if isinstance(spec, ResourceSpec):
             spec = spec.with_task_resources(task)
-        return spec
+        return replace(spec, max_hourly_cost=task.resources.max_hourly_cost)
+
+    def file_values(self) -> dict[str, Any]:
+        """The configuration files' defaults of this provider (``_providers.config_files``: the
+        user's ``config.yaml``, the project's ``.flotilla.yaml`` over it), checked there;
+        the fields the command line sets itself (:attr:`fixed`) are ``Compute``'s only."""
+        from ..._providers import config_files as config
+
+        if self.kind not in config.KINDS:
+            return {}
+        given = config.load().defaults(self.kind)
+        return {k: v for k, v in given.items() if k not in self.fixed}
 
     def config_values(self, task: Task) -> dict[str, Any]:
         """The task file's ``config: {KIND: {FIELD: VALUE}}`` settings of this provider; a
@@ -381,6 +402,7 @@ class Backend(ABC, Generic[S]):
             plan["settings"] = {k: v for k, v in settings.items() if k not in self.fixed}
             plan["set_by_flotilla"] = dict(self.fixed)
         plan["per_node"] = asdict(self.pool_resources(spec))
+        plan["max_hourly_cost"] = plan["per_node"].pop("max_hourly_cost")
         return plan
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> S:
@@ -449,10 +471,10 @@ class Backend(ABC, Generic[S]):
     # -- the cluster daemon -------------------------------------------------------------
     def pool_resources(self, spec: S) -> PoolResources:
         """What the cluster's pool asks of every node: a :class:`ResourceSpec`'s resources,
-        else nothing in particular."""
+        else nothing in particular; and the task's price limit."""
         if isinstance(spec, ResourceSpec):
-            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb)
-        return PoolResources()
+            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb, spec.max_hourly_cost)
+        return PoolResources(max_hourly_cost=spec.max_hourly_cost)
 
     @abstractmethod
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
@@ -461,7 +483,30 @@ class Backend(ABC, Generic[S]):
         here)."""
 
     def on_up(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord]) -> None:
-        """The cluster's nodes are running (e.g. write an ssh config for them)."""
+        """The cluster's nodes are running. Default: for a provider reached over ssh
+        (:meth:`ssh_login`), the cluster's ssh_config entries (``NAME``, ``NAME-workerK``,
+        the pool's key and pinned host keys), which ``~/.ssh/config`` includes (see
+        ``sshconfig``); a node whose login is unknown (yet) is left out."""
+        blocks = []
+        for node in nodes:
+            try:
+                login = self.ssh_login(paths, spec, nodes, node.node)
+            except (ConfigurationError, OSError):
+                continue
+            if login:
+                blocks.append(ssh_block(ssh_alias(paths.name, node.node), login, node.workdir))
+        if blocks:
+            from ..._system.private import private_dir
+
+            private_dir(paths.ssh_config.parent)
+            header = f"# flotilla cluster {paths.name}: generated, removed by `flotilla down`\n"
+            paths.ssh_config.write_text(header + "".join(blocks))
+
+    def ssh_login(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord], node: int) -> list[str]:
+        """The ``ssh`` arguments (options, then ``USER@HOST``) that log in to node ``node``
+        as its pool does, for a provider reached over ssh; empty for the others (their
+        channel is ``kubectl exec``, ``podman exec``, ``srun``, a local shell)."""
+        return []
 
     def stop_refusal(self, paths: Paths, spec: S) -> str:
         """Why ``flotilla stop`` cannot stop this cluster ('' when it can); default:
@@ -514,6 +559,32 @@ class Backend(ABC, Generic[S]):
     ) -> ShellCommand:
         """How to open a shell (``command`` empty) or run ``command`` in the working
         directory of node ``node`` of a running cluster."""
+
+
+def ssh_alias(cluster: str, node: int) -> str:
+    """A node's ``Host`` name in the cluster's ssh_config: ``NAME`` (the head) and
+    ``NAME-workerK``, as SkyPilot names them."""
+    return cluster if node == 0 else f"{cluster}-worker{node}"
+
+
+def ssh_block(alias: str, login: Sequence[str], workdir: str) -> str:
+    """The ssh_config ``Host`` block of ``ssh LOGIN`` (``-i KEY``, ``-p PORT``,
+    ``-o Key=Value``, then ``USER@HOST``)."""
+    user, _, host = login[-1].rpartition("@")
+    lines = [f"Host {alias}", f"  HostName {host}"] + ([f"  User {user}"] if user else [])
+    words = list(login[:-1])
+    while words:
+        flag = words.pop(0)
+        value = words.pop(0) if words else ""
+        if flag == "-i":
+            lines.append(f"  IdentityFile {value}")
+        elif flag == "-p":
+            lines.append(f"  Port {value}")
+        elif flag == "-o":
+            key, _, setting = value.partition("=")
+            lines.append(f"  {key} {setting}")
+    lines.append(f"  # working directory: {workdir}")
+    return "\n".join(lines) + "\n"
 
 
 def infra_name(infra: str | None) -> str:

@@ -19,26 +19,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..._errors import ConfigurationError
+from ..._providers.config_files import GROUP as GROUP
+from ..._providers.config_files import entry_points as entry_points
 from .base import Backend, Flag, ProviderSpec, ShellCommand
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
     from ..state import NodeRecord, Paths
 
-GROUP = "flotilla.providers"
 OPTION = Flag(
     "--provider-option",
     "FIELD=VALUE: a setting of a provider from another package (repeat for more)",
     metavar="FIELD=VALUE",
 )
-
-
-@functools.cache
-def entry_points() -> dict[str, Any]:
-    """Name -> entry point of every provider other packages register."""
-    from importlib.metadata import entry_points as found
-
-    return {ep.name: ep for ep in found(group=GROUP)}
 
 
 @functools.cache

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, container, k8s, local, plugin, slurm, ssh, vast
+from . import aws, container, k8s, lambda_cloud, local, plugin, runpod, slurm, ssh, vast
 from .base import Backend, ProviderSpec, ShellCommand, infra_name
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ BACKENDS: tuple[Backend[Any], ...] = (
     aws.BACKEND,
     k8s.BACKEND,
     vast.BACKEND,
+    runpod.BACKEND,
+    lambda_cloud.BACKEND,
     container.BACKEND,
 )
 """Every backend, the default (used when the command line names none) first."""
@@ -142,6 +144,9 @@ def spec_from_args(args: argparse.Namespace, task: Task | None = None) -> Provid
     spec: ProviderSpec = b.spec_from_args(args)
     if task is not None:
         spec = b.with_task(spec, task)
+    else:  # `down --orphans --provider aws`: where the configured defaults put clusters
+        settings = {**b.file_values(), **dict(spec.settings)}
+        spec = replace(spec, settings=tuple(settings.items()))
     b.check_spec(spec)  # the provider's own checks, before anything starts
     return spec
 
@@ -198,6 +203,7 @@ def fallback_spec(
     return FallbackSpec(
         candidates=tuple(json.dumps(s.to_dict()) for s in specs),
         allocation="ordered" if task.resources.ordered else "cheapest",
+        max_hourly_cost=task.resources.max_hourly_cost,
     )
 
 
@@ -262,6 +268,19 @@ class FallbackBackend(Backend[FallbackSpec]):
             except ConfigurationError as e:
                 errors.append(str(e))
         raise ConfigurationError("; ".join(errors) or "no candidate")
+
+    def ssh_login(
+        self, paths: Paths, spec: FallbackSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The login of the candidate whose nodes these are (the first that knows them)."""
+        for one in spec.specs():
+            try:
+                login = backend_for(one).ssh_login(paths, one, nodes, node)
+            except ConfigurationError:
+                continue
+            if login:
+                return login
+        return []
 
 
 FALLBACK = FallbackBackend()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..._errors import ConfigurationError
 from ..._providers.settings import SSHSettings
 from ..._system.private import private_dir
-from .base import Backend, ProviderSpec, ShellCommand, ssh_shell
+from .base import Backend, ProviderSpec, ShellCommand, ssh_alias, ssh_shell
 
 if TYPE_CHECKING:
     from ..._providers.base import Provider
@@ -76,12 +76,12 @@ class SSHBackend(Backend[SSHSpec]):
     def shell(
         self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
-        alias = _alias(paths.name, node)
+        alias = ssh_alias(paths.name, node)
         tty, remote = ssh_shell(nodes[node].workdir, command)
         return ShellCommand(
             ("ssh", "-F", str(paths.ssh_config), *tty, alias, remote),
-            note=f"ssh config: {paths.ssh_config} "
-            f"(add `Include {paths.ssh_config}` to ~/.ssh/config)",
+            note=f"ssh config: {paths.ssh_config} (`flotilla ssh-config` includes it from "
+            "~/.ssh/config)",
         )
 
 
@@ -93,7 +93,7 @@ def ssh_config(cluster: str, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> str:
     out = [f"# flotilla cluster {cluster}: generated, removed by `flotilla down {cluster}`\n"]
     for node in nodes:
         host = parse_host(spec.hosts[node.node])
-        out.append(f"Host {_alias(cluster, node.node)}\n  HostName {host.host}\n")
+        out.append(f"Host {ssh_alias(cluster, node.node)}\n  HostName {host.host}\n")
         user = host.user or spec.value("user")
         if user:
             out.append(f"  User {user}\n")
@@ -107,10 +107,6 @@ def ssh_config(cluster: str, spec: SSHSpec, nodes: Sequence[NodeRecord]) -> str:
         out.append("  StrictHostKeyChecking yes\n")
         out.append(f"  # working directory: {node.workdir}\n")
     return "".join(out)
-
-
-def _alias(cluster: str, node: int) -> str:
-    return cluster if node == 0 else f"{cluster}-worker{node}"
 
 
 BACKEND = SSHBackend()

@@ -81,11 +81,17 @@ class VastBackend(Backend[VastSpec]):
     def shell(
         self, paths: Paths, spec: VastSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
-        from ..._providers.vast.pool import ssh_login
-
-        login = ssh_login(nodes[node].ip)
+        login = self.ssh_login(paths, spec, nodes, node)
         tty, remote = remote_shell(nodes[node].workdir, command)
         return ShellCommand(("ssh", *login, *tty, remote))
+
+    def ssh_login(
+        self, paths: Paths, spec: VastSpec, nodes: Sequence[NodeRecord], node: int
+    ) -> list[str]:
+        """The instance's public address and mapped port, the pool's key, its host key."""
+        from ..._providers.vast.pool import ssh_login
+
+        return ssh_login(nodes[node].ip)
 
 
 BACKEND = VastBackend()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, FlotillaError
 from ..._system import procs
-from ..console import say
+from ..console import json_flag, print_json, say
 from .cleanup import reap_leftovers
 from .recovery import JobRecovery
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
@@ -169,16 +169,7 @@ def _launch_pipeline(args: argparse.Namespace, pipeline: Pipeline) -> int:
         execution=pipeline.execution,
     )
     children = [
-        ManagedJobRecord(
-            id=0,
-            name=job.name,
-            num_nodes=job.num_nodes or 1,
-            provider=spec.to_dict(),
-            recovery=recovery.to_dict(),
-            submitted=now,
-            volumes=[v.to_node() for v in volumes],
-            index=i,
-        )
+        _record(job, spec, recovery, volumes, now, index=i)
         for i, (job, spec, recovery, volumes) in enumerate(planned)
     ]
     home.create_many([head, *children])
@@ -202,6 +193,27 @@ def _launch_pipeline(args: argparse.Namespace, pipeline: Pipeline) -> int:
         )
         return 0
     return follow(home, head.id, interrupt_hint=True)
+
+
+def _record(
+    job: JobSpec,
+    spec: ProviderSpec,
+    recovery: JobRecovery,
+    volumes: Sequence[Volume],
+    now: float,
+    index: int = 0,
+) -> ManagedJobRecord:
+    """A managed job's record, to create (``index``: its place in a pipeline)."""
+    return ManagedJobRecord(
+        id=0,
+        name=job.name,
+        num_nodes=job.num_nodes or 1,
+        provider=spec.to_dict(),
+        recovery=recovery.to_dict(),
+        submitted=now,
+        volumes=[v.to_node() for v in volumes],
+        index=index,
+    )
 
 
 def _start_pipeline(home: JobsHome, pipeline_id: int) -> None:
@@ -264,17 +276,7 @@ def start(
     from ..jobspec import task_id
 
     now = time.time()
-    rec = home.create(
-        ManagedJobRecord(
-            id=0,
-            name=job.name,
-            num_nodes=job.num_nodes or 1,
-            provider=spec.to_dict(),
-            recovery=recovery.to_dict(),
-            submitted=now,
-            volumes=[v.to_node() for v in volumes],
-        )
-    )
+    rec = home.create(_record(job, spec, recovery, volumes, now))
     with home.update(rec.id) as current:
         current.task_id = task_id(f"{rec.name}-{rec.id}", rec.id, now)
         rec = current
@@ -390,6 +392,10 @@ def cmd_jobs_queue(args: argparse.Namespace) -> int:
 
     home = JobsHome()
     revive(home)
+    if args.json:
+        from ...server.api import managed_jobs
+
+        return print_json({"jobs": managed_jobs()})
     records = home.all()
     if not records:
         print("no managed jobs (`flotilla jobs launch TASK` starts one)")
@@ -534,6 +540,7 @@ def add_jobs_parser(sub: Any, job_flags: Any, provider_flags: Any) -> argparse.A
     q.set_defaults(func=cmd_jobs_launch)
 
     q = jobs.add_parser("queue", help="every managed job: state, recoveries, durations")
+    json_flag(q)
     q.set_defaults(func=cmd_jobs_queue)
 
     q = jobs.add_parser("logs", help="a managed job's output (every attempt's)")

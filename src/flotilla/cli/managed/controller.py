@@ -35,9 +35,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from ..._client.compute import Compute, PoolState
 from ..._client.function import function
@@ -78,18 +79,9 @@ class _Runner(Runner):
 
     failure: Failure | None = None
 
-    def _supervise(
-        self,
-        job: Job,
-        phase: str,
-        futures: list[Future[Any]],
-        ok: int | None,
-        nodes: list[int] | None = None,
-    ) -> Failure | None:
-        failure = super()._supervise(job, phase, futures, ok, nodes)
-        if failure is not None and self.failure is None:
+    def _failed(self, failure: Failure) -> None:
+        if self.failure is None:
             self.failure = failure
-        return failure
 
 
 def _infra_failure(failure: Failure) -> bool:
@@ -405,7 +397,7 @@ class _ToJobLog(logging.Handler):
     """The pool's own messages (node k lost, replacing, back after N s) into the job's
     log, where ``jobs logs`` shows them, and the controller's."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Served) -> None:
         super().__init__(logging.INFO)
         self.controller = controller
 
@@ -435,15 +427,34 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     controller = Controller(JobsHome(), args.job, request)
+    serve(controller, args.ready_fd, lambda *_: controller.cancel())
+
+
+class Served(Protocol):
+    """A controller :func:`serve` runs: a managed job's (:class:`Controller`) or a
+    pipeline's (``pipeline.PipelineController``)."""
+
+    def _set(self, **changes: Any) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def run(self) -> int: ...
+
+
+def serve(controller: Served, ready_fd: int, cancel: Callable[..., None]) -> NoReturn:
+    """Run ``controller`` as this process: the pool's messages go to its log, SIGTERM and
+    SIGINT call ``cancel`` (a signal handler), SIGHUP is ignored; it records this process
+    as its controller, says it is ready on ``ready_fd`` (-1: none), runs, and the process
+    exits with its status."""
     logging.getLogger("flotilla").addHandler(_ToJobLog(controller))
-    signal.signal(signal.SIGTERM, lambda *_: controller.cancel())
-    signal.signal(signal.SIGINT, lambda *_: controller.cancel())
+    signal.signal(signal.SIGTERM, cancel)
+    signal.signal(signal.SIGINT, cancel)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     controller._set(pid=os.getpid(), pid_start=procs.start_time(os.getpid()))
-    if args.ready_fd >= 0:
+    if ready_fd >= 0:
         with contextlib.suppress(OSError):
-            os.write(args.ready_fd, b"1")
-            os.close(args.ready_fd)
+            os.write(ready_fd, b"1")
+            os.close(ready_fd)
     code = controller.run()
     sys.stderr.flush()
     os._exit(code)

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -39,7 +37,7 @@ from ..._errors import FlotillaError
 from ..._system import procs
 from ..state import read_json
 from .cleanup import reap_leftovers
-from .controller import Controller
+from .controller import Controller, serve
 from .group import GroupBarrier
 from .state import JobsHome, ManagedJobRecord, ManagedJobState
 
@@ -224,16 +222,6 @@ class PipelineController:
             controller.cancel()
 
 
-class _ToLog(logging.Handler):
-    def __init__(self, controller: PipelineController) -> None:
-        super().__init__(logging.INFO)
-        self.controller = controller
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
-            self.controller.note(self.format(record))
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m flotilla.cli.managed.pipeline ID [--ready-fd FD]``."""
     parser = argparse.ArgumentParser(prog="python -m flotilla.cli.managed.pipeline")
@@ -242,22 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     controller = PipelineController(JobsHome(), args.pipeline)
-    logging.getLogger("flotilla").addHandler(_ToLog(controller))
 
     def cancel(*_: Any) -> None:  # not in the handler: it takes locks the main thread holds
         threading.Thread(target=controller.cancel, daemon=True).start()
 
-    signal.signal(signal.SIGTERM, cancel)
-    signal.signal(signal.SIGINT, cancel)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    controller._set(pid=os.getpid(), pid_start=procs.start_time(os.getpid()))
-    if args.ready_fd >= 0:
-        with contextlib.suppress(OSError):
-            os.write(args.ready_fd, b"1")
-            os.close(args.ready_fd)
-    code = controller.run()
-    sys.stderr.flush()
-    os._exit(code)
+    serve(controller, args.ready_fd, cancel)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,265 @@
+"""The CPU a node start costs: every process a start makes, from /proc (issue 42, item 1).
+
+    .venv/bin/python bench/bench_nodestart.py [--reps 5] [--nodes 2] [--before SRC] [--ssh]
+
+Each repetition starts a pool in a fresh process, answers one no-op on every node, and then
+reads, for every process of each node (Local: the agent and its executors, children of
+the measuring process; SSH, as root: every process of the host's network namespace but its
+sshd daemon: the session's sshd, the start shell, the agent, the executors), the CPU it
+spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
+of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
+over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
+repetition on stderr, and the medians as a markdown table with the load
+(``/proc/loadavg``) on stdout.
+
+``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
+(e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
+(and the byte code the first start wrote) on the hosts. SSH starts are *first* starts: the
+hosts' bundle folder is removed before each, as on a new host. The compiled node code
+(``_providers.bytecode``) is built before the first repetition (the one-time build's CPU
+is printed once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds of a live process (all its threads) and of the children it reaped."""
+    total = 0.0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        fields = _stat(pid)
+    except (OSError, IndexError, ValueError):
+        return total
+    return total + (int(fields[13]) + int(fields[14])) / _TICK
+
+
+def children_map() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out.setdefault(int(_stat(int(entry))[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def tree(pid: int, kids: dict[int, list[int]]) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        one, _, _, running, _ = f.read().split()
+    return f"{one} ({running.split('/')[0]} runnable)"
+
+
+# -- the child: one pool start --------------------------------------------------------------
+def child(args: argparse.Namespace) -> None:
+    import flotilla as sky
+
+    @sky.function
+    def noop() -> int:
+        return os.getpid()
+
+    mine = time.process_time()
+    if args.ssh_spec:
+        from flotilla._providers.ssh import SSH
+
+        spec = json.loads(args.ssh_spec)
+        provider: Any = SSH(spec["hosts"], **spec["options"])
+    else:
+        provider = sky.Local()
+    t0 = time.perf_counter()
+    with sky.Compute(provider=provider, nodes=args.nodes) as pool:
+        pids = noop() @ pool
+        took = time.perf_counter() - t0
+        client = time.process_time() - mine
+        kids = children_map()
+        per_node: list[float] = []
+        roles: dict[str, float] = {}
+        if args.ssh_spec:
+            for netns, daemon in spec["netns"]:
+                sys.path.insert(0, str(HERE.parent / "tests"))
+                from _hosts import pids_in_netns
+
+                session = [p for p in pids_in_netns(netns) if p != daemon]
+                per_node.append(sum(cpu_of(p) for p in session))
+                for p in session:
+                    roles[role(p)] = roles.get(role(p), 0.0) + cpu_of(p) / args.nodes
+        else:
+            for agent in kids.get(os.getpid(), []):
+                per_node.append(sum(cpu_of(p) for p in tree(agent, kids)))
+                for p in tree(agent, kids):
+                    name = "agent" if p == agent else "executor"
+                    roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
+        assert len(set(pids)) == args.nodes, pids
+    print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+
+
+def role(pid: int) -> str:
+    """An SSH host's process: sshd, the start shell, the agent or an executor."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+        parent = int(_stat(pid)[1])
+        with open(f"/proc/{parent}/comm") as f:
+            parent_name = f.read().strip()
+    except (OSError, IndexError, ValueError):
+        return "gone"
+    if name.startswith("python"):
+        return "executor" if parent_name.startswith("python") else "agent"
+    return "sshd" if "sshd" in name else name
+
+
+def run_child(src: Path, args: argparse.Namespace, ssh_spec: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    cmd = [sys.executable, __file__, "--child", "--nodes", str(args.nodes)]
+    if ssh_spec:
+        cmd += ["--ssh-spec", ssh_spec]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"bench_nodestart: a start failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def build_once() -> float:
+    """Build the compiled node code (if missing): its CPU seconds in a fresh process."""
+    code = (
+        "import time; t = time.process_time()\n"
+        "from flotilla._providers import bootstrap, bytecode\n"
+        "bytecode.compiled(bootstrap._package_dirs()); print(time.process_time() - t)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return float(out.stdout.strip() or "nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument(
+        "--before",
+        action="append",
+        default=[],
+        metavar="[NAME=]SRC",
+        help="also flotilla from this src folder (repeatable)",
+    )
+    parser.add_argument("--ssh", action="store_true", help="SSH test hosts (root) too")
+    parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
+    parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
+    parser.add_argument("--ssh-python", default="", help="SSH: the hosts' interpreter")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ssh-spec", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    print(
+        f"The compiled node code took {build_once():.3f} CPU-s to find or build (a client"
+        " process's import and source hash alone: ~0.08 s)."
+    )
+    variants = [("after", SRC)]
+    for before in args.before:
+        name, _, src = before.rpartition("=")
+        variants.append((name or "before", Path(src)))
+    providers = ([] if args.no_local else ["local"]) + (["ssh"] if args.ssh else [])
+    rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
+    lab = None
+    try:
+        spec = ""
+        if args.ssh:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from _hosts import Lab
+
+            lab = Lab()
+            lab.start()
+            hosts = lab.add_hosts(args.nodes)
+            options = {
+                "user": "root",
+                "key": str(lab.client_key),
+                "known_hosts": str(lab.known_hosts),
+                "workdir": str(lab.tmp / "workdir"),
+                "connect_timeout": 10.0,
+            }
+            if args.ssh_python:
+                options["python"] = args.ssh_python
+            assert all(h.sshd is not None for h in hosts)
+            netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
+            spec = json.dumps(
+                {"hosts": [h.addr for h in hosts], "options": options, "netns": netns}
+            )
+        for rep in range(args.reps):
+            shift = rep % len(variants)
+            order = variants[shift:] + variants[:shift]
+            for provider in providers:
+                for name, src in order:
+                    if provider == "ssh" and lab is not None and not args.warm:  # first starts
+                        for h in lab.hosts:
+                            shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
+                        shutil.rmtree(lab.tmp / "workdir" / "lib", ignore_errors=True)
+                    got = run_child(src, args, spec if provider == "ssh" else "")
+                    rows.append((provider, name, rep, load(), got))
+                    node = statistics.median(got["per_node"])
+                    print(
+                        f"rep {rep} {provider} {name}: {node * 1e3:.0f} ms CPU per node "
+                        f"({', '.join(f'{c * 1e3:.0f}' for c in got['per_node'])}), client "
+                        f"{got['client'] * 1e3:.0f} ms, {got['took']:.2f} s; load {load()}"
+                        + "".join(f"; {k} {v * 1e3:.0f}" for k, v in sorted(got["roles"].items())),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        if lab is not None:
+            lab.close()
+    print()
+    print(
+        f"| provider | flotilla | CPU per node start, median (min-max), {args.reps} reps | "
+        "client CPU | load (1 min) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for provider in providers:
+        for name, _ in variants:
+            mine = [r for r in rows if r[0] == provider and r[1] == name]
+            nodes = [statistics.median(r[4]["per_node"]) for r in mine]
+            client = [r[4]["client"] for r in mine]
+            loads = [float(r[3].split()[0]) for r in mine]
+            print(
+                f"| {provider} | {name} | {statistics.median(nodes) * 1e3:.0f} ms "
+                f"({min(nodes) * 1e3:.0f}-{max(nodes) * 1e3:.0f}) | "
+                f"{statistics.median(client) * 1e3:.0f} ms | {min(loads):.1f}-{max(loads):.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""The Lambda Cloud provider (see ``provider``); loaded on first use, so that its settings
+(``settings``) load alone."""
+
+from typing import TYPE_CHECKING
+
+from .. import provider_loader
+
+if TYPE_CHECKING:
+    from .provider import LambdaCloud as LambdaCloud
+
+__getattr__ = provider_loader(__name__, "LambdaCloud")

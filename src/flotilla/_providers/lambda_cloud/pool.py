@@ -1,0 +1,440 @@
+"""The Lambda Cloud instances of one pool: launch, reach, replace, terminate (see
+``provider``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..._accelerators import offered_as, unknown_name
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._wire.protocol import CLOUD_ENV
+from ..base import AllocationState, Machine, PoolSpec
+from ..cloud import login
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.guard import contact_path, guard_command
+from ..cloud.identity import client_id, pool_folder
+from ..cloud.keys import KeyPair, keygen, pin, user_data
+from ..cloud.rest import ApiError, RestApi
+from ..offers import Offer
+from ..ssh_shell import Target
+from .api import data
+from .settings import LambdaSettings
+
+logger = logging.getLogger("flotilla.lambda")
+
+FOLDER_PREFIX = "flotilla-lambda-"
+LABEL_PREFIX = "flotilla:"
+"""Instances are named ``flotilla:{pool id}:{client host:pid:start}``."""
+GUARD_ID = "flotilla"
+"""The name the boot guard and the watchdog give the instance's contact file (one pool per
+instance; cloud-init's instance id need not be Lambda's)."""
+TERMINATE = "/root/.flotilla-lambda-terminate"
+"""The root-only script with which an instance terminates itself."""
+POLL = 0.3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance type that fits the pool, and the regions that have room now."""
+
+    name: str
+    gpus: str
+    count: int
+    hourly: float
+    regions: tuple[str, ...]
+
+
+def candidates(types: dict[str, Any], spec: PoolSpec, settings: LambdaSettings) -> list[Candidate]:
+    """The instance types that have the pool's accelerator (count included), cheapest
+    first; ConfigurationError naming the nearest when none has it."""
+    acc = spec.accelerator
+    out = []
+    for name, entry in types.items():
+        t = entry.get("instance_type") or {}
+        gpus = int((t.get("specs") or {}).get("gpus") or 0)
+        if settings.instance_type is not None and name != settings.instance_type:
+            continue
+        if acc is not None and (gpus != acc.count or not offered_as(acc, name, "lambda")):
+            continue
+        if acc is None and settings.instance_type is None and gpus == 0:
+            continue
+        regions = tuple(
+            str(r.get("name")) for r in entry.get("regions_with_capacity_available") or []
+        )
+        if settings.region is not None:
+            regions = tuple(r for r in regions if r == settings.region)
+        out.append(
+            Candidate(
+                name,
+                str(t.get("gpu_description") or t.get("description") or name),
+                gpus,
+                float(t.get("price_cents_per_hour") or 0) / 100,
+                regions,
+            )
+        )
+    if not out and acc is not None:
+        offered = sorted(types)
+        raise ConfigurationError(
+            unknown_name(
+                f"{acc.name}:{acc.count:g}" if acc.count != 1 else acc.name,
+                "Lambda Cloud",
+                {"lambda": offered},
+            )
+        )
+    return sorted(out, key=lambda c: (c.hourly, c.name))
+
+
+def as_offers(c: Candidate) -> list[Offer]:
+    return [
+        Offer("lambda", c.gpus, c.count, c.hourly, r, False, c.name, None)
+        for r in c.regions or ("(no capacity now)",)
+    ]
+
+
+def label(pool_id: str, client: str) -> str:
+    return f"{LABEL_PREFIX}{pool_id}:{client}"
+
+
+def parse_label(text: str) -> tuple[str, str] | None:
+    if not text.startswith(LABEL_PREFIX):
+        return None
+    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
+    return (pool, client) if pool else None
+
+
+def terminate_script(url: str, key: str) -> str:
+    """The instance's own terminate script: it finds itself among the account's instances
+    by its addresses (``hostname -I``: Lambda gives an instance no id of its own to read)
+    and terminates that one; tried 8 times over about 4 minutes."""
+    python = (
+        "import json,subprocess,time,urllib.request as u\n"
+        f"URL={json.dumps(url)};KEY={json.dumps(key)}\n"
+        'H={"Authorization":"Bearer "+KEY,"Content-Type":"application/json"}\n'
+        'mine=set(subprocess.run(["hostname","-I"],capture_output=True,text=True).stdout.split())\n'
+        "for n in range(8):\n"
+        " try:\n"
+        '  rows=json.load(u.urlopen(u.Request(URL+"/instances",headers=H),timeout=10))["data"]\n'
+        '  ids=[r["id"] for r in rows if r.get("private_ip") in mine or r.get("ip") in mine]\n'
+        '  b=json.dumps({"instance_ids":ids}).encode()\n'
+        '  u.urlopen(u.Request(URL+"/instance-operations/terminate",data=b,method="POST",'
+        "headers=H),timeout=10).read()\n"
+        '  print("terminated",ids,flush=True);break\n'
+        " except Exception as x:\n"
+        '  print("failed:",x,flush=True);time.sleep(2**n)\n'
+    )
+    return (
+        f"umask 077; cat > {TERMINATE} <<'FLOTILLA_TERMINATE'\n"
+        f"exec >>{TERMINATE}.log 2>&1 </dev/null\n"
+        f"exec python3 -c '{python}'\n"
+        "FLOTILLA_TERMINATE\n"
+        f"chmod 700 {TERMINATE}"
+    )
+
+
+POWEROFF = [
+    "sh",
+    "-c",
+    f'if [ "$(id -u)" = 0 ]; then exec sh {TERMINATE}; else exec sudo -n sh {TERMINATE}; fi',
+]
+"""What the watchdog and the guard run when the client is gone: the terminate script (as
+root: the login user through sudo)."""
+
+
+class LambdaAllocation(CloudAllocation):
+    """The Lambda Cloud instances of one pool.
+
+    Attributes:
+        instances: instance id -> its last description.
+        hourly: what the pool's instances cost per hour.
+        ssh_key_id: the pool's login key registered with Lambda ("" before).
+    """
+
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=8, thread_name_prefix="flotilla-lambda"
+    )
+    handover = "installed by cloud-init from the user-data"
+
+    def __init__(
+        self, settings: LambdaSettings, api: RestApi, ttl_key: str, spec: PoolSpec
+    ) -> None:
+        super().__init__(spec, [])
+        self.state = AllocationState.ACQUIRING
+        self.settings = settings
+        self.api = api
+        self.ttl_key = ttl_key
+        self.instances: dict[str, dict[str, Any]] = {}
+        self.hourly = 0.0
+        self.ssh_key_id = ""
+        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
+        self.known_hosts = os.path.join(self.folder, "known_hosts")
+        self.login_key: KeyPair | None = None
+        self.label = label(spec.pool_id, client_id())
+        self.key_name = f"flotilla-{spec.pool_id}"
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
+        self._candidates: list[Candidate] = []
+        self._keys = 0
+        self.ssh = CloudShell(
+            self.target,
+            key=None,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        self.shell = self.ssh
+
+    # -- launch ------------------------------------------------------------------------
+    async def launch(self) -> None:
+        self.login_key = await self._in_thread(
+            keygen, self.folder, "login_key", f"flotilla-{self.spec.pool_id}"
+        )
+        self.ssh.key = self.login_key.path
+        self._candidates = self._affordable(await self._in_thread(self.search))
+        await self._in_thread(self._register_key)
+        ids, region = await self._in_thread(self._launch, self.spec.nodes, None)
+        _show(f"Lambda Cloud: {len(ids)} instance(s) in {region}: {', '.join(ids)}")
+        await self._in_thread(self._wait_active, ids)
+        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
+        self.state = AllocationState.READY
+
+    def search(self) -> list[Candidate]:
+        types = data(self.api.call("GET", "/instance-types", "list instance types")) or {}
+        return candidates(dict(types), self.spec, self.settings)
+
+    def _affordable(self, found: list[Candidate]) -> list[Candidate]:
+        spec = self.spec
+        cap = spec.max_node_hourly_cost
+        cheap = [c for c in found if cap is None or c.hourly <= cap]
+        if found and not cheap:
+            raise ProvisionError(
+                f"every Lambda instance type with {spec.accelerator} costs more than "
+                f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
+                cause=ProvisionCause.CAPACITY,
+            )
+        if cheap and spec.max_hourly_cost is not None:
+            total = cheap[0].hourly * spec.nodes
+            if total > spec.max_hourly_cost:
+                raise ProvisionError(
+                    f"the cheapest Lambda instances for {spec.nodes} node(s) cost "
+                    f"${total:.2f}/h, above max_hourly_cost=${spec.max_hourly_cost:.2f}/h: "
+                    "nothing was rented",
+                    cause=ProvisionCause.CAPACITY,
+                )
+        return cheap
+
+    def _register_key(self) -> None:
+        assert self.login_key is not None
+        with self.creating("ssh key", self.key_name):
+            reply = self.api.call(
+                "POST",
+                "/ssh-keys",
+                "register the pool's SSH key",
+                {"name": self.key_name, "public_key": self.login_key.public},
+            )
+        self.ssh_key_id = str((data(reply) or {}).get("id") or "")
+
+    def _user_data(self, host_key: KeyPair) -> str:
+        assert self.login_key is not None
+        settings = self.settings
+        guard = guard_command(
+            settings.ttl,
+            self.spec.options.start_timeout,
+            settings.workdir,
+            settings.ssh_user,
+            POWEROFF,
+        )
+        return user_data(
+            host_key,
+            self.login_key,
+            [terminate_script(self.api.url, self.ttl_key), f"INSTANCE_ID={GUARD_ID}; {guard}"],
+        )
+
+    def _launch(self, count: int, region: str | None) -> tuple[list[str], str]:
+        """``count`` instances in one launch, at the first (type, region) with room (in
+        ``region`` only when given: a replacement joins its pool's private network)."""
+        self._keys += 1
+        host_key = keygen(self.folder, f"host_key_{self._keys}", f"flotilla-{self.spec.pool_id}")
+        script = self._user_data(host_key)
+        tried = []
+        for c in self._candidates:
+            for r in c.regions:
+                if region is not None and r != region:
+                    continue
+                body = {
+                    "region_name": r,
+                    "instance_type_name": c.name,
+                    "ssh_key_names": [self.key_name],
+                    "file_system_names": [],
+                    "quantity": count,
+                    "name": self.label,
+                    "user_data": script,
+                }
+                try:
+                    with self.creating("instance", self.label):
+                        reply = self.api.call(
+                            "POST", "/instance-operations/launch", f"launch {c.name}", body
+                        )
+                except ApiError as e:
+                    if e.cause is not ProvisionCause.CAPACITY:
+                        raise
+                    tried.append(f"{c.name} in {r}")
+                    _show(f"Lambda Cloud: no capacity for {count} x {c.name} in {r}")
+                    continue
+                ids = [str(i) for i in (data(reply) or {}).get("instance_ids") or []]
+                for i in ids:
+                    self.instances[i] = {"id": i, "host_key": host_key, "price": c.hourly}
+                    self.hourly += c.hourly
+                return ids, r
+        raise ProvisionError(
+            f"Lambda Cloud has no capacity for {count} x {self.spec.accelerator or 'an instance'}"
+            f" now (tried {'; '.join(tried) or 'no region with capacity listed'})",
+            cause=ProvisionCause.CAPACITY,
+        )
+
+    def _wait_active(self, ids: list[str]) -> None:
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        waiting = set(ids)
+        while True:
+            rows = data(self.api.call("GET", "/instances", "list the pool's instances")) or []
+            listed = {str(r.get("id")): r for r in rows}
+            for i in list(waiting):
+                row = listed.get(i)
+                if row is None or row.get("status") == "terminated":
+                    raise ProvisionError(
+                        f"Lambda instance {i} ended while starting", cause=ProvisionCause.NODE
+                    )
+                self.instances[i].update(row)
+                if row.get("status") == "active" and row.get("ip"):
+                    waiting.discard(i)
+            if not waiting:
+                break
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"Lambda instances {', '.join(sorted(waiting))} not active within "
+                    f"{self.spec.options.start_timeout:g} s; Options(start_timeout=...) sets "
+                    "the limit",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            time.sleep(POLL)
+        for i in ids:
+            row = self.instances[i]
+            pin(self.known_hosts, str(row["ip"]), row["host_key"])
+
+    def _machine(self, rank: int, ident: str) -> Machine:
+        row = self.instances[ident]
+        return Machine(rank, f"lambda-{ident}", str(row.get("private_ip") or row["ip"]), ident)
+
+    # -- agents ------------------------------------------------------------------------
+    def target(self, machine: Machine) -> Target:
+        return Target(str(self.instances[machine.ident]["ip"]), self.settings.ssh_user, 22)
+
+    async def start_agent(self, machine: Machine) -> Any:
+        agent = await super().start_agent(machine)
+        login.remember(self.folder, machine.address, self.target(machine))
+        return agent
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the watchdog terminates the instance ``ttl`` s after the
+        client's last contact (its terminate script, see :func:`terminate_script`)."""
+        settings = {
+            "contact": contact_path(self.settings.workdir, GUARD_ID),
+            "ttl": self.settings.ttl,
+            "poweroff": POWEROFF,
+            "imds": "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
+
+    # -- replace -----------------------------------------------------------------------
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """Terminate the lost instance, then launch one in the pool's region (its private
+        network)."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(
+                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
+            )
+        old = self.machines[rank]
+        with contextlib.suppress(ProvisionError):
+            await self._in_thread(self._terminate, [old.ident])
+        self.hourly -= float(self.instances.get(old.ident, {}).get("price") or 0)
+        region = str((self.instances[old.ident].get("region") or {}).get("name") or "") or None
+        (ident,), _ = await self._in_thread(self._launch, 1, region)
+        await self._in_thread(self._wait_active, [ident])
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
+        return self._machine(rank, ident)
+
+    # -- release -----------------------------------------------------------------------
+    def _terminate(self, ids: list[str]) -> None:
+        if ids:
+            self.api.call(
+                "POST",
+                "/instance-operations/terminate",
+                "terminate instances",
+                {"instance_ids": ids},
+            )
+
+    def sweep(self) -> None:
+        """Terminate every instance of the pool (also those the API lists with its name:
+        a launch whose answer was lost) and delete its SSH key; remove the local folder."""
+        try:
+            ids = set(self.instances)
+            with contextlib.suppress(ProvisionError):
+                rows = data(self.api.call("GET", "/instances", "list the pool's instances"))
+                for row in rows or []:
+                    mine = str(row.get("name", "")).startswith(
+                        f"{LABEL_PREFIX}{self.spec.pool_id}:"
+                    )
+                    if mine and row.get("status") != "terminated":
+                        ids.add(str(row["id"]))
+            errors = []
+            try:
+                self._terminate(sorted(ids))
+            except ProvisionError as e:
+                errors.append(str(e))
+            try:
+                delete_keys(self.api, {self.key_name}, self.ssh_key_id)
+            except ProvisionError as e:
+                errors.append(str(e))
+            if errors:
+                _show(
+                    f"Lambda Cloud: could not release everything of pool "
+                    f"{self.spec.pool_id}: {'; '.join(errors)}"
+                )
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def delete_keys(api: RestApi, names: set[str], known: str = "") -> None:
+    """Delete the SSH keys called ``names`` (and the one of id ``known``)."""
+    ids = {known} if known else set()
+    if names:
+        for k in data(api.call("GET", "/ssh-keys", "list SSH keys")) or []:
+            if str(k.get("name")) in names:
+                ids.add(str(k.get("id")))
+    for i in sorted(ids):
+        try:
+            api.call("DELETE", f"/ssh-keys/{i}", f"delete SSH key {i}")
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` arguments that log in to the running instance whose peers' address is
+    ``address`` as its pool does (``flotilla ssh``)."""
+    return login.ssh_login(FOLDER_PREFIX, address, "Lambda Cloud")
+
+
+def _show(message: str) -> None:
+    logger.info("%s", message)
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)

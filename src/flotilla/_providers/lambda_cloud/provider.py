@@ -1,0 +1,163 @@
+"""The Lambda Cloud provider: GPU instances launched on Lambda for a pool and terminated
+after it, reached over SSH with pinned host keys.
+
+Acquiring a pool (:meth:`LambdaCloud.acquire`): list the instance types and the regions
+with capacity (``GET /instance-types``), keep the types whose GPUs are the pool's
+accelerator and count (``_accelerators.offered_as``: ``gpu_8x_a100_80gb_sxm4`` is 8 x
+A100 80 GB SXM), cheapest first; refuse before launching when none fits or costs too much;
+register the pool's login key (``POST /ssh-keys``) and launch every node in ONE call
+(``quantity``: they share a region, so its private network) with cloud-init user-data that
+installs the pool's SSH host key (pinned, never trusted on first use), the instance's
+terminate script and the boot guard (``cloud.guard``); Lambda's "insufficient capacity"
+moves to the next region, then the next type. The nodes' addresses are their private IPs.
+
+Lambda has no credential scoped to one instance: to end itself when the client is gone
+(the watchdog ``ttl`` s after the last contact, the guard ``max(ttl, start_timeout)`` s
+after the boot when no agent started) an instance gets ``ttl_api_key`` (default: the
+account's key) in a root-only script, which finds the instance by its own addresses and
+terminates it. Powering off would not do: Lambda bills a stopped instance until it is
+terminated. ``flotilla down --orphans --provider lambda`` terminates what a dead client on
+this machine left, and its SSH keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..._errors import ConfigurationError
+from ..base import PoolSpec, Provider
+from ..cloud.rest import RestApi
+from ..offers import Offer
+from ..options import provider_init
+from .api import base_url, data, find, make_api
+from .pool import LambdaAllocation, as_offers, candidates, delete_keys, parse_label
+from .settings import LambdaSettings
+
+
+def configured() -> bool:
+    """Whether this machine has a Lambda key (``market.configured``)."""
+    return bool(find(None)[0])
+
+
+@dataclass(frozen=True)
+class LambdaOrphans:
+    """What :meth:`LambdaCloud.remove_orphans` found (and terminated unless a dry run).
+
+    Attributes:
+        pools: the orphan pools' ids.
+        instances: their instances.
+        skipped: pools whose client ran on another machine (not touched).
+    """
+
+    pools: tuple[str, ...]
+    instances: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+
+class LambdaCloud(Provider):
+    """Run the nodes on Lambda Cloud GPU instances launched for the pool and terminated
+    after it.
+
+    Needs a Lambda API key (``api_key=`` or ``LAMBDA_API_KEY``) and OpenSSH's ``ssh`` and
+    ``ssh-keygen``. The pool's ``accelerator`` (``"A100:8"``) selects the instance types.
+
+    Args: the fields of :class:`LambdaSettings` (checked when the provider is made).
+    """
+
+    name = "lambda"
+    settings_type = LambdaSettings
+
+    @provider_init(LambdaSettings)
+    def __init__(self, *args: Any, settings: LambdaSettings | None = None, **options: Any) -> None:
+        self.settings: LambdaSettings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self._api: RestApi | None = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"LambdaCloud(url={base_url(self.settings.url)!r})"
+
+    @property
+    def api(self) -> RestApi:
+        if self._api is None:
+            key, source = find(self.settings.api_key)
+            if not key:
+                raise ConfigurationError(
+                    f"no Lambda Cloud API key: looked in {source}; pass "
+                    "LambdaCloud(api_key=...) or set LAMBDA_API_KEY"
+                )
+            self._api = make_api(key, source, base_url(self.settings.url))
+        return self._api
+
+    def check(self) -> str:
+        api = self.api
+        rows = data(api.call("GET", "/instances", "list instances")) or []
+        return f"key accepted by {api.url} ({len(rows)} instance(s))"
+
+    def validate(self, spec: PoolSpec) -> None:
+        self.check()
+        from ..ssh_shell import ssh_client
+
+        ssh_client()
+        if self.settings.ttl <= spec.options.heartbeat_timeout:
+            raise ConfigurationError(
+                f"LambdaCloud(ttl={self.settings.ttl:g}) must exceed Options("
+                f"heartbeat_timeout={spec.options.heartbeat_timeout:g}): the instances would "
+                "terminate themselves under a live pool"
+            )
+        if spec.accelerator is not None and spec.accelerator.fractional:
+            raise ConfigurationError(f"Lambda has no fractions of a GPU: {spec.accelerator}")
+        self._types(spec)
+
+    def _types(self, spec: PoolSpec) -> list[Any]:
+        types = data(self.api.call("GET", "/instance-types", "list instance types")) or {}
+        return candidates(dict(types), spec, self.settings)
+
+    def offers(self, spec: PoolSpec) -> list[Offer]:
+        """What Lambda offers now for one node of ``spec``: each type in each region with
+        capacity, cheapest first."""
+        return [o for c in self._types(spec) for o in as_offers(c)]
+
+    async def acquire(self, spec: PoolSpec) -> LambdaAllocation:
+        ttl_key = self.settings.ttl_api_key or find(self.settings.api_key)[0]
+        allocation = LambdaAllocation(self.settings, self.api, ttl_key, spec)
+        try:
+            await allocation.launch()
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation
+
+    def remove_orphans(self, dry_run: bool = False) -> LambdaOrphans:
+        """Terminate the instances (found by their name) of pools whose client process on
+        this machine is gone, and delete those pools' SSH keys and local key folders."""
+        import shutil
+
+        from ..cloud.identity import dead_folders, orphaned
+        from .pool import FOLDER_PREFIX
+
+        api = self.api
+        rows = data(api.call("GET", "/instances", "list instances")) or []
+        pools: set[str] = set()
+        skipped: set[str] = set()
+        gone: list[str] = []
+        for row in rows:
+            found = parse_label(str(row.get("name") or ""))
+            if found is None or row.get("status") == "terminated":
+                continue
+            pool, client = found
+            if orphaned(pool, client, skipped):
+                pools.add(pool)
+                gone.append(str(row["id"]))
+        if not dry_run and gone:
+            api.call(
+                "POST",
+                "/instance-operations/terminate",
+                "terminate orphans",
+                {"instance_ids": gone},
+            )
+            delete_keys(api, {f"flotilla-{p}" for p in pools})
+        if not dry_run:
+            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
+                shutil.rmtree(folder, ignore_errors=True)
+        return LambdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

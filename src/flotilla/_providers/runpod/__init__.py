@@ -1,0 +1,11 @@
+"""The RunPod provider (see ``provider``); loaded on first use, so that its settings
+(``settings``) load alone."""
+
+from typing import TYPE_CHECKING
+
+from .. import provider_loader
+
+if TYPE_CHECKING:
+    from .provider import RunPod as RunPod
+
+__getattr__ = provider_loader(__name__, "RunPod")

@@ -1,0 +1,346 @@
+"""The RunPod pods of one pool: rent, reach, replace, terminate (see ``provider``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+from ..._errors import ProvisionCause, ProvisionError
+from ..._wire.protocol import CLOUD_ENV
+from ..base import AllocationState, Machine, PoolSpec
+from ..cloud import login
+from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.identity import client_id, pool_folder
+from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.rest import ApiError
+from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
+from ..ssh_shell import Target
+from .api import RunPodApi
+from .choice import GPU_TYPES, Candidate, affordable, candidates
+from .settings import RunPodSettings
+
+logger = logging.getLogger("flotilla.runpod")
+
+FOLDER_PREFIX = "flotilla-runpod-"
+LABEL_PREFIX = "flotilla:"
+"""Pods are named ``flotilla:{pool id}:{client host:pid:start}``."""
+POLL = 0.2
+SSHD = (
+    'mkdir -p ~/.ssh && chmod 700 ~/.ssh && echo "$PUBLIC_KEY" >> ~/.ssh/authorized_keys\n'
+    "chmod 600 ~/.ssh/authorized_keys\n"
+    'mkdir -p /run/sshd && exec "$(command -v sshd || echo /usr/sbin/sshd)" -D -e\n'
+)
+"""The end of a pod's start command: what RunPod's images' ``/start.sh`` does for SSH (the
+login key from ``PUBLIC_KEY``, then sshd on the container's port 22)."""
+
+
+def label(pool_id: str, client: str) -> str:
+    return f"{LABEL_PREFIX}{pool_id}:{client}"
+
+
+def parse_label(text: str) -> tuple[str, str] | None:
+    """(pool id, client) of a flotilla pod name; None for another name."""
+    if not text.startswith(LABEL_PREFIX):
+        return None
+    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
+    return (pool, client) if pool else None
+
+
+def internal_name(pod_id: str) -> str:
+    """A pod's name on RunPod's global network."""
+    return f"{pod_id}.runpod.internal"
+
+
+class RunPodAllocation(CloudAllocation):
+    """The RunPod pods of one pool.
+
+    Attributes:
+        pods: pod id -> its last description (REST v1), for every pod created.
+        hourly: what the pool's pods cost per hour, as offered.
+        chosen: the candidate each rank's pod is of.
+    """
+
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=8, thread_name_prefix="flotilla-runpod"
+    )
+    handover = "installed by its start command"
+
+    def __init__(self, settings: RunPodSettings, api: RunPodApi, spec: PoolSpec) -> None:
+        super().__init__(spec, [])
+        self.state = AllocationState.ACQUIRING
+        self.settings = settings
+        self.api = api
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.hourly = 0.0
+        self.chosen: dict[str, Candidate] = {}
+        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
+        self.known_hosts = os.path.join(self.folder, "known_hosts")
+        self.login_key: KeyPair | None = None
+        self.label = label(spec.pool_id, client_id())
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
+        self._targets: dict[str, Target] = {}
+        self._candidates: list[Candidate] = []
+        self._host_keys: dict[str, KeyPair] = {}
+        self._keys = 0
+        self.ssh = CloudShell(
+            self.target,
+            key=None,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        self.shell = self.ssh
+
+    # -- launch ------------------------------------------------------------------------
+    async def launch(self) -> None:
+        self.login_key = await self._in_thread(
+            keygen, self.folder, "login_key", f"flotilla-{self.spec.pool_id}"
+        )
+        self.ssh.key = self.login_key.path
+        self._candidates = affordable(await self._in_thread(self.search), self.spec)
+        ids = await self._in_thread(self._create_all, self.spec.nodes)
+        kinds = sorted({self.chosen[i].describe() for i in ids})
+        _show(f"RunPod: {self.spec.nodes} pod(s): {', '.join(kinds)}; pods {', '.join(ids)}")
+        await self._in_thread(self._wait_running, ids)
+        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
+        self.state = AllocationState.READY
+
+    def search(self) -> list[Candidate]:
+        types = self.api.query(GPU_TYPES, "list GPU types").get("gpuTypes") or []
+        return candidates(list(types), self.spec, self.settings)
+
+    def _create_all(self, count: int) -> list[str]:
+        """Create ``count`` pods, one after the other, walking the candidates and their
+        data centers from where the previous pod was had (a capacity error moves on)."""
+        host_key = self._host_key()
+        ids: list[str] = []
+        at = 0
+        for _ in range(count):
+            ident, at = self._create(host_key, at)
+            ids.append(ident)
+        return ids
+
+    def _host_key(self) -> KeyPair:
+        self._keys += 1
+        return keygen(self.folder, f"host_key_{self._keys}", f"flotilla-{self.spec.pool_id}")
+
+    def _places(self) -> list[tuple[Candidate, str | None]]:
+        centers: list[str | None] = list(self.settings.data_centers) or [None]
+        return [(c, dc) for c in self._candidates for dc in centers]
+
+    def _create(self, host_key: KeyPair, start: int) -> tuple[str, int]:
+        """One pod at the first place from ``start`` that has room; (its id, that place's
+        index). ProvisionError (CAPACITY) listing where it was tried when none has."""
+        places = self._places()
+        tried = []
+        for index in range(start, len(places)):
+            candidate, dc = places[index]
+            try:
+                pod = self._create_at(candidate, dc, host_key)
+            except ApiError as e:
+                if e.cause is not ProvisionCause.CAPACITY:
+                    raise
+                tried.append(f"{candidate.gpu_type} {candidate.cloud.lower()} in {dc or 'any'}")
+                _show(
+                    f"RunPod: no capacity for {candidate.describe()} in {dc or 'any data center'}"
+                )
+                continue
+            ident = str(pod["id"])
+            self.pods[ident] = pod
+            self._host_keys[ident] = host_key
+            self.chosen[ident] = candidate
+            self.hourly += float(pod.get("costPerHr") or candidate.hourly)
+            return ident, index
+        raise ProvisionError(
+            f"RunPod has no capacity for {self.spec.accelerator} now (tried "
+            f"{'; '.join(tried) or 'nothing: every candidate was taken by earlier nodes'})",
+            cause=ProvisionCause.CAPACITY,
+        )
+
+    def _start_command(self, host_key: KeyPair) -> list[str]:
+        call = DestroyCall(
+            "RUNPOD_POD_ID",
+            "DELETE",
+            f"{self.api.rest.url}/pods/$RUNPOD_POD_ID",
+            (("Authorization", "Bearer $RUNPOD_API_KEY"),),
+        )
+        script = start_script(
+            "runpod",
+            self.spec.pool_id,
+            host_key,
+            call,
+            self.settings.workdir,
+            self.settings.ttl,
+            self.spec.options.start_timeout,
+        )
+        return ["bash", "-c", script + SSHD]
+
+    def _create_at(self, candidate: Candidate, dc: str | None, host_key: KeyPair) -> dict[str, Any]:
+        assert self.login_key is not None
+        body: dict[str, Any] = {
+            "name": self.label,
+            "imageName": self.settings.image,
+            "gpuTypeIds": [candidate.gpu_type],
+            "gpuCount": candidate.count,
+            "cloudType": candidate.cloud,
+            "interruptible": candidate.interruptible,
+            "containerDiskInGb": int(self.settings.disk_gb),
+            "volumeInGb": 0,
+            "ports": ["22/tcp"],
+            "supportPublicIp": True,
+            "globalNetworking": self.settings.global_networking,
+            "dockerStartCmd": self._start_command(host_key),
+            "env": {"PUBLIC_KEY": self.login_key.public},
+        }
+        if dc is not None:
+            body["dataCenterIds"] = [dc]
+        with self.creating("pod", self.label):
+            pod = self.api.call("POST", "/pods", f"create a pod of {candidate.gpu_type}", body)
+        return dict(pod)
+
+    def _wait_running(self, ids: list[str]) -> None:
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        waiting = set(ids)
+        while True:
+            rows = self.api.call("GET", "/pods", "list the pool's pods")
+            for row in rows if isinstance(rows, list) else []:
+                ident = str(row.get("id"))
+                if ident in self.pods:
+                    self.pods[ident] = row
+                if ident in waiting and row.get("publicIp") and self._port(row):
+                    waiting.discard(ident)
+            gone = [i for i in waiting if i not in {str(r.get("id")) for r in rows or []}]
+            if gone:
+                raise ProvisionError(
+                    f"RunPod pod(s) {', '.join(gone)} ended while starting",
+                    cause=ProvisionCause.NODE,
+                )
+            if not waiting:
+                break
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"RunPod pods {', '.join(sorted(waiting))} not running with a public SSH "
+                    f"port within {self.spec.options.start_timeout:g} s; "
+                    "Options(start_timeout=...) sets the limit",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            time.sleep(POLL)
+        for ident in ids:
+            row = self.pods[ident]
+            target = Target(str(row["publicIp"]), "root", self._port(row))
+            self._targets[ident] = target
+            pin(self.known_hosts, f"[{target.host}]:{target.port}", self._host_keys[ident])
+
+    @staticmethod
+    def _port(row: dict[str, Any]) -> int:
+        """The public port mapped to the pod's port 22 (0: not yet)."""
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            return int((row.get("portMappings") or {}).get("22") or 0)
+        return 0
+
+    def _machine(self, rank: int, ident: str) -> Machine:
+        row = self.pods[ident]
+        address = internal_name(ident) if self.settings.global_networking else str(row["publicIp"])
+        return Machine(rank, f"runpod-{ident}", address, ident)
+
+    # -- agents ------------------------------------------------------------------------
+    def target(self, machine: Machine) -> Target:
+        return self._targets[machine.ident]
+
+    def name(self, machine: Machine) -> str:
+        target = self.target(machine)
+        return f"runpod-{machine.ident} ({target.host}:{target.port})"
+
+    async def start_agent(self, machine: Machine) -> Any:
+        agent = await super().start_agent(machine)
+        self._remember(machine)
+        return agent
+
+    def _remember(self, machine: Machine) -> None:
+        """Where ``machine`` is reached over SSH, for ``flotilla ssh`` (:func:`ssh_login`)."""
+        login.remember(self.folder, machine.address, self._targets[machine.ident])
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the watchdog terminates the pod ``ttl`` s after the client's
+        last contact (see ``cloud/selfdestruct.py``)."""
+        settings = {
+            "contact": contact(self.settings.workdir, machine.ident),
+            "ttl": self.settings.ttl,
+            "poweroff": poweroff_command(self.settings.workdir, "runpod", machine.ident),
+            "imds": "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
+
+    # -- replace -----------------------------------------------------------------------
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """Terminate the lost pod, then create one new pod for ``rank`` (walking the
+        candidates from the first again: the old one's place may be full)."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(
+                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
+            )
+        old = self.machines[rank]
+        try:
+            await self._in_thread(self._terminate, old.ident)
+        except ProvisionError as e:
+            logger.warning("%s: %s", old.ident, e)
+        self.hourly -= float(self.pods.get(old.ident, {}).get("costPerHr") or 0)
+        host_key = await self._in_thread(self._host_key)
+        ident, _ = await self._in_thread(self._create, host_key, 0)
+        await self._in_thread(self._wait_running, [ident])
+        machine = self._machine(rank, ident)
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
+        return machine
+
+    # -- release -----------------------------------------------------------------------
+    def _terminate(self, ident: str) -> None:
+        try:
+            self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    def sweep(self) -> None:
+        """Terminate every pod of the pool: the ones created, and any the API lists with
+        the pool's name (a create whose answer was lost); then remove the local folder."""
+        try:
+            ids = set(self.pods)
+            with contextlib.suppress(ProvisionError):
+                rows = self.api.call("GET", "/pods", "list the pool's pods")
+                for row in rows if isinstance(rows, list) else []:
+                    if str(row.get("name", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
+                        ids.add(str(row["id"]))
+            errors = []
+            for ident in sorted(ids):
+                try:
+                    self._terminate(ident)
+                except ProvisionError as e:
+                    errors.append(str(e))
+            if errors:
+                _show(
+                    f"RunPod: could not terminate everything of pool {self.spec.pool_id}: "
+                    + "; ".join(errors)
+                )
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def ssh_login(address: str) -> list[str]:
+    """``ssh`` arguments that log in to the running pod whose peers' address is
+    ``address`` as its pool does (``flotilla ssh``)."""
+    return login.ssh_login(FOLDER_PREFIX, address, "RunPod")
+
+
+def _show(message: str) -> None:
+    logger.info("%s", message)
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,171 @@
+"""The RunPod provider: GPU pods rented on RunPod for a pool and terminated after it,
+reached over SSH with pinned host keys.
+
+Acquiring a pool (:meth:`RunPod.acquire`): list RunPod's GPU types and prices (GraphQL
+``gpuTypes``), keep those the pool's accelerator names in the clouds and markets asked for
+(``choice``), refuse before renting when nothing fits or costs too little; create the
+pods one after the other through REST v1 (``POST /pods``: the GPU type, cloud, data
+center, ``interruptible`` for spot, ``globalNetworking`` so that the pods reach each
+other, the login key as ``PUBLIC_KEY`` and a start command that installs the pool's SSH
+host key and a guard, see ``cloud/selfdestruct.py``); RunPod's "no instances available"
+moves to the next data center, then the next GPU type; wait until every pod runs with its
+port 22 mapped to a public port.
+
+A pod is then an SSH host at its public address and mapped port whose host key is pinned
+(never trusted on first use). The nodes' addresses are the pods' names on RunPod's global
+network, ``{pod id}.runpod.internal``: distributed frameworks talk over it.
+
+Nothing is left: :meth:`RunPodAllocation.release` (the end of the block, an exception,
+Ctrl-C) terminates every pod of the pool (also ones a lost answer did not report, found by
+name). A client killed with SIGKILL leaves pods that terminate themselves with the key
+RunPod gives each pod for itself (``RUNPOD_API_KEY`` inside the pod, scoped to it): the
+agent's watchdog ``ttl`` s after the client's last contact, the start command's guard
+``max(ttl, start_timeout)`` s after the start when no agent started. ``flotilla down
+--orphans --provider runpod`` (:meth:`RunPod.remove_orphans`) terminates what a dead
+client on this machine left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..._errors import ConfigurationError
+from ..base import PoolSpec, Provider
+from ..offers import Offer
+from ..options import provider_init
+from .api import RunPodApi, find, urls
+from .choice import GPU_TYPES, as_offer, candidates
+from .pool import RunPodAllocation, parse_label
+from .settings import RunPodSettings
+
+
+def configured() -> bool:
+    """Whether this machine has a RunPod key (``market.configured``)."""
+    return bool(find(None)[0])
+
+
+@dataclass(frozen=True)
+class RunPodOrphans:
+    """What :meth:`RunPod.remove_orphans` found (and terminated unless a dry run).
+
+    Attributes:
+        pools: the orphan pools' ids.
+        pods: their pods.
+        skipped: pools whose client ran on another machine (not touched).
+    """
+
+    pools: tuple[str, ...]
+    pods: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+
+class RunPod(Provider):
+    """Run the nodes on RunPod GPU pods rented for the pool and terminated after it.
+
+    Needs a RunPod API key (``api_key=``, ``RUNPOD_API_KEY`` or ``runpod config``) and
+    OpenSSH's ``ssh`` and ``ssh-keygen`` on this machine. The pool's ``accelerator``
+    (required) selects the GPU types; the cheapest that has room is rented.
+
+    Args: the fields of :class:`RunPodSettings` (checked when the provider is made).
+    """
+
+    name = "runpod"
+    settings_type = RunPodSettings
+
+    @provider_init(RunPodSettings)
+    def __init__(self, *args: Any, settings: RunPodSettings | None = None, **options: Any) -> None:
+        self.settings: RunPodSettings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self._api: RunPodApi | None = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"RunPod(url={urls(self.settings.url, self.settings.rest_url)[0]!r})"
+
+    @property
+    def api(self) -> RunPodApi:
+        if self._api is None:
+            key, source = find(self.settings.api_key)
+            if not key:
+                raise ConfigurationError(
+                    f"no RunPod API key: looked in {source}; pass RunPod(api_key=...), set "
+                    "RUNPOD_API_KEY, or run `runpod config`"
+                )
+            url, rest = urls(self.settings.url, self.settings.rest_url)
+            self._api = RunPodApi(key, source, url, rest)
+        return self._api
+
+    def check(self) -> str:
+        """Whether the key works: the account it opens, or a ConfigurationError saying
+        why not (naming where the key came from)."""
+        api = self.api
+        me = api.query("query { myself { id } }", "read the account").get("myself") or {}
+        pods = api.call("GET", "/pods", "list pods")
+        return f"key accepted by {api.url} (account {me.get('id', '?')}, {len(pods or [])} pod(s))"
+
+    def validate(self, spec: PoolSpec) -> None:
+        """A key the API accepts, ssh, a TTL longer than the heartbeat, and an
+        accelerator RunPod has: all before anything is rented."""
+        self.check()
+        from ..ssh_shell import ssh_client
+
+        ssh_client()
+        if self.settings.ttl <= spec.options.heartbeat_timeout:
+            raise ConfigurationError(
+                f"RunPod(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
+                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
+                "the pods would terminate themselves under a live pool"
+            )
+        if spec.nodes > 1 and spec.options.cluster and not self.settings.global_networking:
+            raise ConfigurationError(
+                "a cluster pool of several RunPod pods needs RunPod(global_networking=True): "
+                "without it the pods cannot reach each other"
+            )
+        self._types(spec)
+
+    def _types(self, spec: PoolSpec, listing: bool = False) -> list[Any]:
+        types = self.api.query(GPU_TYPES, "list GPU types").get("gpuTypes") or []
+        return candidates(list(types), spec, self.settings, listing)
+
+    def offers(self, spec: PoolSpec) -> list[Offer]:
+        """What RunPod offers now for one node of ``spec`` (every GPU type when it names
+        no accelerator), cheapest first."""
+        return [as_offer(c) for c in self._types(spec, listing=True)]
+
+    async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
+        allocation = RunPodAllocation(self.settings, self.api, spec)
+        try:
+            await allocation.launch()
+        except BaseException:
+            await allocation.release()
+            raise
+        return allocation
+
+    def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
+        """Terminate the pods (found by their name) of pools whose client process on this
+        machine is gone. Pools of clients on other machines are listed in ``skipped``, not
+        touched (their pods terminate themselves after ``ttl``). The local key folders of
+        pools whose client is gone are removed too."""
+        import shutil
+
+        from ..cloud.identity import dead_folders, orphaned
+        from .pool import FOLDER_PREFIX
+
+        rows = self.api.call("GET", "/pods", "list pods") or []
+        pools: set[str] = set()
+        skipped: set[str] = set()
+        gone: list[str] = []
+        for row in rows:
+            found = parse_label(str(row.get("name") or ""))
+            if found is None:
+                continue
+            pool, client = found
+            if orphaned(pool, client, skipped):
+                pools.add(pool)
+                gone.append(str(row["id"]))
+        if not dry_run:
+            for ident in gone:
+                self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
+                shutil.rmtree(folder, ignore_errors=True)
+        return RunPodOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

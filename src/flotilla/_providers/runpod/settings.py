@@ -1,0 +1,106 @@
+"""The RunPod provider's settings: one frozen object, checked when made (before anything is
+rented), that the provider and its allocations read. Skyward's ``RunPod`` fields, where
+they mean something to flotilla (``cloud_type``, ``data_center_ids`` as
+``data_centers``, ``container_disk_gb`` as ``disk_gb``, ``container_image`` as ``image``,
+``global_networking``, ``request_timeout``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..._errors import ConfigurationError, check_number
+from ..options import From, option
+
+CLOUD_TYPES = ("secure", "community", "all")
+ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
+ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
+
+
+def _centers(text: str) -> tuple[str, ...]:
+    """A task file's ``infra: runpod/EU-RO-1,US-TX-3`` or ``region`` as data center ids."""
+    return tuple(c.strip().upper() for c in str(text).split(",") if c.strip())
+
+
+@dataclass(frozen=True)
+class RunPodSettings:
+    """How the RunPod provider rents a pool's pods.
+
+    Attributes:
+        api_key: the account's API key (default: ``RUNPOD_API_KEY``, else the official
+            client's ``~/.runpod/config.toml``). Never shown.
+        url: the API's base URL (default: ``RUNPOD_API_BASE_URL``, else
+            ``https://api.runpod.io``): GraphQL at ``{url}/graphql``.
+        rest_url: REST API v1's base URL (default: ``RUNPOD_REST_API_BASE_URL``, else
+            ``{url}/v1`` when ``url`` is given, else ``https://rest.runpod.io/v1``).
+        image: the container image (it needs sshd and Python >= 3.11; RunPod's
+            ``runpod/pytorch`` images have both).
+        cloud_type: ``"secure"`` (RunPod's data centers), ``"community"`` (hosts of the
+            community, cheaper) or ``"all"`` (secure first, then community).
+        allocation: ``"on-demand"``, ``"spot"`` (interruptible pods, at the bid price:
+            RunPod stops them when outbid; flotilla replaces the node) or
+            ``"spot-if-available"``. A task file follows SkyPilot: ``use_spot: true``.
+        data_centers: data center ids to try, in order (``"EU-RO-1"``); a capacity error
+            moves to the next; empty: RunPod chooses. A task file's ``infra:
+            runpod/EU-RO-1`` or ``region``.
+        disk_gb: the container disk per pod in GB.
+        global_networking: put the pods on RunPod's global network, where they reach
+            each other at ``{pod id}.runpod.internal`` (the nodes' addresses); a pool of
+            several nodes needs it.
+        ttl: seconds after the last contact from the client when a pod terminates itself
+            (through RunPod's API, with the key RunPod gives that pod only): the bound on
+            what a dead client costs. A pod whose agent never starts does it
+            ``max(ttl, start_timeout)`` s after its start.
+        workdir: folder in the pods for flotilla's files.
+        python: interpreter in the pods (default: ``python3``).
+        connect_timeout: seconds for one SSH connection attempt.
+        request_timeout: seconds for one API request.
+    """
+
+    api_key: str | None = option(None, secret=True)
+    url: str | None = None
+    rest_url: str | None = None
+    image: str = option("runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04", task="image_id")
+    cloud_type: str = option("secure", choices=CLOUD_TYPES)
+    allocation: str = option("on-demand", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK)
+    data_centers: Sequence[str] = option((), task=From(("infra", "region"), _centers))
+    disk_gb: float = option(50.0, task="disk_size")
+    global_networking: bool = True
+    ttl: float = 600.0
+    workdir: str = "/root/.flotilla"
+    python: str | None = None
+    connect_timeout: float = 10.0
+    request_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ConfigurationError("RunPod(api_key=...): a non-empty string")
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise ConfigurationError(f"RunPod(image={self.image!r}): a container image name")
+        if self.cloud_type not in CLOUD_TYPES:
+            raise ConfigurationError(
+                f"RunPod(cloud_type={self.cloud_type!r}): one of {', '.join(CLOUD_TYPES)}"
+            )
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigurationError(
+                f"RunPod(allocation={self.allocation!r}): one of {', '.join(ALLOCATIONS)}"
+            )
+        disk = self.disk_gb
+        check_number(disk, f"RunPod(disk_gb={disk!r}): a positive number of GB", above=0)
+        ttl = self.ttl
+        check_number(ttl, f"RunPod(ttl={ttl!r}): a positive number of seconds", above=0)
+        centers = self.data_centers
+        centers = _centers(centers) if isinstance(centers, str) else tuple(centers)
+        for c in centers:
+            if not isinstance(c, str) or not c.replace("-", "").isalnum():
+                raise ConfigurationError(
+                    f"RunPod(data_centers=[{c!r}]): data center ids such as 'EU-RO-1'"
+                )
+        if not isinstance(self.workdir, str) or not self.workdir.startswith(("/", "~")):
+            raise ConfigurationError(
+                f"RunPod(workdir={self.workdir!r}): an absolute folder, or one under ~"
+            )
+        object.__setattr__(self, "data_centers", tuple(c.upper() for c in centers))
+        object.__setattr__(self, "ttl", float(ttl))
+        object.__setattr__(self, "disk_gb", float(disk))
+        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))

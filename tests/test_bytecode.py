@@ -1,0 +1,137 @@
+"""Nodes run flotilla's code from byte code the client compiled once (issue 42, item 1).
+
+A node start used to compile the node modules from source wherever it found no byte code it
+could use: with ``PYTHONDONTWRITEBYTECODE`` set (as on this machine) or an installation it
+cannot write, every Local agent; and on each SSH host, the first start. ``_providers/
+bytecode`` builds a compiled copy once per flotilla version and interpreter: Local agents
+import from it, and the SSH bundle ships the byte code of the modules a start imports. The
+node tests look, from inside a node's executor (forked from the agent: it has every module the agent
+loaded), at the byte code of every flotilla and cloudpickle module loaded: it must be
+checked-hash byte code (which the interpreter verifies against the source) matching the
+source. A node that compiles for itself writes timestamp byte code, or none at all.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
+
+import flotilla as sky
+from flotilla._providers import bootstrap, bytecode
+from flotilla._providers.local import Local
+
+CHECKED_HASH = 0b11
+"""The flags of a checked-hash ``.pyc`` (PEP 552); a timestamp one has 0."""
+
+
+@sky.function
+def loaded_byte_code() -> tuple[list[str], dict[str, str]]:
+    """(modules looked at, module -> what is wrong with its byte code)."""
+    import importlib.util
+    import sys
+
+    seen: list[str] = []
+    wrong: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if name.split(".")[0] not in ("flotilla", "cloudpickle") or spec is None:
+            continue
+        if not spec.has_location or not str(spec.origin).endswith(".py"):
+            continue
+        seen.append(name)
+        try:
+            with open(spec.cached, "rb") as f:
+                data = f.read(16)
+            with open(spec.origin, "rb") as f:
+                source = f.read()
+        except (OSError, TypeError) as e:
+            wrong[name] = f"no byte code ({e})"
+            continue
+        flags = int.from_bytes(data[4:8], "little")
+        if flags != 0b11:
+            wrong[name] = f"flags {flags:#b}, not checked-hash"
+        elif data[8:16] != importlib.util.source_hash(source):
+            wrong[name] = "byte code of another source"
+    return seen, wrong
+
+
+def assert_all_compiled(seen: list[str], wrong: dict[str, str]) -> None:
+    assert "flotilla._node.agent" in seen and "flotilla._node.supervisor" in seen
+    assert "cloudpickle" in seen
+    assert wrong == {}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of this test's own (the compiled copy is built in it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "flotilla" / "code"
+
+
+def test_a_local_node_imports_only_checked_byte_code(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # the node may write none
+    with sky.Compute(provider=Local(workdir=str(tmp_path)), nodes=1) as pool:
+        seen, wrong = loaded_byte_code() >> pool
+    assert_all_compiled(seen, wrong)
+    assert len(os.listdir(cache)) == 1  # one entry, for this flotilla and interpreter
+
+
+def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> None:
+    bundle = bootstrap.build_bundle(bootstrap.node_packages())
+    with tarfile.open(fileobj=io.BytesIO(bundle.data)) as tar:
+        names = tar.getnames()
+    tag = sys.implementation.cache_tag
+    assert f"flotilla/_node/__pycache__/agent.{tag}.pyc" in names
+    assert f"cloudpickle/__pycache__/cloudpickle.{tag}.pyc" in names
+    assert not [n for n in names if n.startswith("flotilla/_client/__pycache__")]  # not a node's
+    assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
+
+
+def test_an_ssh_hosts_first_start_compiles_nothing(
+    ssh_lab: Lab, cache: Path, tmp_path: Path
+) -> None:
+    workdir = str(tmp_path / "first-start")  # no bundle there yet: a first start
+    provider = ssh_lab.provider(ssh_lab.hosts[:1], workdir=workdir)
+    with sky.Compute(provider=provider, nodes=1) as pool:
+        seen, wrong = loaded_byte_code() >> pool
+    assert_all_compiled(seen, wrong)
+
+
+def _package(root: Path, text: str) -> dict[str, str]:
+    (root / "pkg").mkdir(parents=True, exist_ok=True)
+    (root / "pkg" / "__init__.py").write_text(text)
+    return {"pkg": str(root / "pkg")}
+
+
+def test_the_compiled_copy_is_built_once_per_source(cache: Path, tmp_path: Path) -> None:
+    packages = _package(tmp_path / "src", "X = 1\n")
+    first = bytecode.compiled(packages)["pkg"]
+    pyc = Path(first) / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc"
+    built = pyc.stat()
+    bytecode._made.clear()  # as another client process would
+    assert bytecode.compiled(packages)["pkg"] == first
+    assert (pyc.stat().st_ino, pyc.stat().st_mtime_ns) == (built.st_ino, built.st_mtime_ns)
+    _package(tmp_path / "src", "X = 2\n")  # an edited source: another copy
+    bytecode._made.clear()
+    second = bytecode.compiled(packages)["pkg"]
+    assert second != first and (Path(second) / "__init__.py").read_text() == "X = 2\n"
+    assert sorted(os.listdir(cache)) == sorted(
+        os.path.basename(os.path.dirname(p)) for p in (first, second)
+    )
+
+
+def test_a_cache_others_can_write_is_not_used(cache: Path, tmp_path: Path) -> None:
+    packages = _package(tmp_path / "src", "X = 1\n")
+    cache.mkdir(parents=True)
+    cache.chmod(0o777)  # anyone could put code there that every node would run
+    bytecode._made.clear()
+    assert bytecode.compiled(packages) == packages  # the sources, as they are
+    assert os.listdir(cache) == []
