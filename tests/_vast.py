@@ -439,7 +439,9 @@ class VastLab(Lifecycle):
                     f"instance {inst.id} is not on cluster {overlay.cluster_id}: it cannot "
                     "join this overlay"
                 )
-            overlay.members[inst.id] = f"{overlay.subnet}.{len(overlay.members) + 2}"
+            taken = set(overlay.members.values())  # a destroyed member's address is free
+            free = next(n for n in range(2, 255) if f"{overlay.subnet}.{n}" not in taken)
+            overlay.members[inst.id] = f"{overlay.subnet}.{free}"
         with inst.lock:
             if inst.host is not None:
                 self._plug(inst, overlay)

@@ -12,12 +12,15 @@ Ray is kept small: one CPU per node, an 80 MiB object store, no dashboard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from _procs import Client, wait_until
 from _wheels import HOST_PYTHON, PackageIndex, wheels_for
 
 import flotilla as sky
+from flotilla._client.forward import RELAY, PortForward
+from flotilla._info import SINGLE_NODE
 from flotilla.plugins._daemons import MARKER_VAR, Daemon, EngineError
 
 RAY = "2.60.0"
@@ -49,6 +54,7 @@ pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_un
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     folders = [wheels_for([f"ray=={RAY}", f"distributed=={DISTRIBUTED}"])]
+    folders.append(wheels_for([f"ray[default]=={RAY}"]))  # the dashboard's extras
     with Lab() as lab:
         index = PackageIndex(folders, f"{lab.subnet}.1")
         try:
@@ -223,6 +229,34 @@ def test_closing_the_ray_pool_leaves_no_ray_process_nor_temp_dir(
     assert scratch_folders("ray", ray_pool, lab.hosts) == []
 
 
+def dashboard_version(url: str) -> str | None:
+    """The Ray version the dashboard at ``url`` says it runs (None: it does not answer)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy: ours
+    try:
+        with direct.open(f"{url}/api/version", timeout=30) as answer:
+            return str(json.load(answer)["ray_version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@pytest.mark.timeout(600)  # its own deadlines (the build of ray[default], the start) decide
+def test_the_ray_dashboard_answers_on_the_head_through_the_pools_channel(lab: Lab) -> None:
+    """The head's dashboard listens on its pool address at a port of its block, which
+    nothing opens to others; ``pool.ray_dashboard()`` forwards it to this machine through
+    the pool's own SSH channel (a relay per connection), as ``ssh -L`` would by hand."""
+    plugin = sky.plugins.ray(
+        version=RAY, dashboard=True, num_cpus=1, object_store_memory=OBJECT_STORE
+    )
+    with sky.Compute(provider(lab, lab.hosts[:1]), nodes=1, plugins=[plugin]) as pool:
+        url = pool.ray_dashboard()
+        assert url.startswith("http://127.0.0.1:"), url
+        assert wait_until(lambda: dashboard_version(url) == RAY, timeout=120), url
+        head = f"http://{lab.hosts[0].addr}:{pool._bringup.head_port + 18}"
+        assert wait_until(lambda: dashboard_version(head) == RAY, timeout=30), head
+    assert dashboard_version(url) is None  # the forward closed with the pool
+    assert wait_until(lambda: not engine_pids(lab), timeout=30), engine_pids(lab)
+
+
 def test_a_ray_version_that_does_not_exist_fails_the_build_naming_it(lab: Lab) -> None:
     plugin = sky.plugins.ray(version="0.0.1", num_cpus=1, object_store_memory=OBJECT_STORE)
     pool = sky.Compute(provider(lab, lab.hosts[:1]), nodes=1, plugins=[plugin])
@@ -291,12 +325,12 @@ def test_dask_has_a_worker_per_node_and_maps_in_tasks(dask_pool: sky.Compute, la
     assert view["sum"] == sum(x * x for x in range(1000))
 
 
-def test_dask_client_from_this_machine_goes_through_an_ssh_tunnel(
+def test_dask_client_from_this_machine_goes_through_the_pools_ssh_channel(
     dask_pool: sky.Compute,
 ) -> None:
     pytest.importorskip("distributed")
     client = dask_pool.dask_client()
-    assert client.scheduler.address.startswith("tcp://127.0.0.1:")  # the tunnel's end
+    assert client.scheduler.address.startswith("tcp://127.0.0.1:")  # the forward's end: ssh relays
     assert len(client.scheduler_info()["workers"]) == 3
     assert client.submit(sum, client.map(lambda x: x + 1, range(1000))).result() == 500500
 
@@ -357,6 +391,81 @@ def test_a_daemon_that_fails_shows_the_root_cause_its_long_traceback_starts_with
     assert "exited (status 1) before listening" in text
     assert "the root cause" in text and "Scheduler failed to start." in text, text
     assert "frame 0" in text and "frame 99" in text and "lines left out" in text, text
+
+
+def test_a_pool_address_given_as_a_name_is_bound_as_its_ip() -> None:
+    """A node whose pool address is a host name (an SSH host given by name): the engines
+    bind the IP it resolves to, as the torch plugin's interface rule resolves it (Ray's
+    ``--node-ip-address`` takes an IP: with a name its ``node:`` resource and its drivers'
+    own address would not match)."""
+    info = dataclasses.replace(SINGLE_NODE, addr="localhost", head_addr="localhost")
+    ray = sky.plugins.ray(dashboard=True).start_argv(info, 6379, "/tmp/x")
+    assert "--node-ip-address=127.0.0.1" in ray and "--dashboard-host=127.0.0.1" in ray, ray
+    dask = sky.plugins.dask().worker_argv(info, "localhost:8786", "/tmp/x")
+    assert dask[dask.index("--host") + 1] == "127.0.0.1", dask
+
+
+# -- the client's forward (pool.dask_client(), pool.ray_dashboard()) ----------------------
+
+
+def test_a_forward_relays_both_ways_and_ends_its_relays_when_closed() -> None:
+    """A forward whose "shell" runs the relay on this machine (as ``srun`` or ``kubectl
+    exec`` run it on a node): 2 MB each way intact, a half-read answer included, and no
+    relay left once it is closed."""
+    code = (
+        "import socket\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True)\n"
+        "c, _ = s.accept(); data = b''\n"
+        "while len(data) < 2 << 20: data += c.recv(65536)\n"
+        "c.sendall(data[::-1]); c.close()\n"
+    )
+    echo = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert echo.stdout is not None
+        port = int(echo.stdout.readline())
+        forward = PortForward(lambda command: command, None, sys.executable, "127.0.0.1", port)
+        try:
+            payload = os.urandom(2 << 20)
+            with socket.create_connection(("127.0.0.1", forward.local_port), timeout=60) as c:
+                c.sendall(payload)
+                got = b""
+                while len(got) < len(payload) and (chunk := c.recv(65536)):
+                    got += chunk
+            assert got == payload[::-1]
+            assert echo.wait(30) == 0
+        finally:
+            forward.close()
+        assert wait_until(lambda: not relay_pids(), timeout=30), relay_pids()
+    finally:
+        echo.kill()
+        echo.wait()
+
+
+def test_a_forward_to_a_closed_port_says_why() -> None:
+    with socket.socket() as held:  # a port nothing listens on (bound, never listening)
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        forward = PortForward(lambda command: command, None, sys.executable, "127.0.0.1", port)
+        try:
+            with socket.create_connection(("127.0.0.1", forward.local_port), timeout=60) as c:
+                c.settimeout(60)
+                assert c.recv(1) == b""  # the relay could not connect: the connection ends
+            assert wait_until(lambda: "cannot connect to 127.0.0.1" in forward.said(), 30)
+            assert "Connection refused" in forward.said(), forward.said()
+        finally:
+            forward.close()
+
+
+def relay_pids() -> list[int]:
+    """Processes of this machine running a forward's relay."""
+    return [pid for pid in processes_with("") if RELAY in cmdline(pid)]
+
+
+def cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+    return ""
 
 
 # -- the local provider: nodes on this machine --------------------------------------------

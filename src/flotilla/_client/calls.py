@@ -106,13 +106,23 @@ class PoolCalls(Pool):
 
     def dask_client(self, **kwargs: Any) -> Any:
         """A ``distributed.Client`` on this machine connected to the pool's Dask scheduler
-        (a pool with ``plugins.dask()``): through an SSH tunnel to node 0 on providers
-        reached over SSH, directly for nodes on this machine; no port is opened to others.
-        ``kwargs`` go to ``Client``. Closed (with its tunnel) when the pool closes."""
+        (a pool with ``plugins.dask()``), through the pool's own channel to node 0 (the
+        shell its agent was started with: ``ssh``, ``srun``, ``kubectl exec``...), or
+        directly for nodes on this machine; no port is opened to others. ``kwargs`` go to
+        ``Client``. Closed (with its forward) when the pool closes."""
         self._check_running()
         from ..plugins._dask import dask_client
 
         return dask_client(self, **kwargs)
+
+    def ray_dashboard(self) -> str:
+        """The URL on this machine of the pool's Ray dashboard (``plugins.ray(dashboard=True)``),
+        forwarded to the head's through the pool's own channel as :meth:`dask_client`;
+        the forward closes with the pool."""
+        self._check_running()
+        from ..plugins._ray import dashboard_url
+
+        return dashboard_url(self)
 
     def broadcast(self, call: PendingCall[R]) -> list[R]:
         """Run ``call`` on every node; results in node-rank order (``call @ pool``)."""

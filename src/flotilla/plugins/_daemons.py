@@ -45,10 +45,11 @@ TAIL_LINES = 30
 prints a chained exception's root cause first) and its last ones."""
 STOP_GRACE = 2.0
 """Seconds :meth:`Daemon.stop` waits for the killed processes to be gone."""
-ENGINE_PORT_OFFSET = {"ray": 16, "dask": 17}
+ENGINE_PORT_OFFSET = {"ray": 16, "dask": 17, "ray-dashboard": 18}
 """The head's engine ports, from ``head_port``: the head's agent found the 64 ports from
 ``head_port`` free when it started (``PORT_BLOCK``), torch uses ``head_port``, JAX the next,
-TensorFlow the ones after it; the engines take theirs from the block's middle."""
+TensorFlow the ones after it; the engines take theirs from the block's middle (the client
+knows them too: ``pool.dask_client()`` and ``pool.ray_dashboard()`` reach them)."""
 
 
 class EngineError(RuntimeError):

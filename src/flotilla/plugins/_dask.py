@@ -6,19 +6,17 @@ interface rule) on ports the kernel picks, with as many threads as the node has 
 said. The head waits until every worker has registered before the pool runs; tasks find
 the scheduler through ``DASK_SCHEDULER_ADDRESS`` (``distributed.Client()`` with no
 address reads it). From the client, ``pool.dask_client()`` reaches the scheduler through
-an SSH tunnel to node 0 (providers reached over SSH) or directly when the nodes are on this
-machine: the scheduler's port is never opened to anyone else by flotilla.
+the pool's own channel to node 0 (``_client.forward``: the shell its agent was started
+with, ``ssh``, ``srun``, ``kubectl exec``...) or directly when the nodes are processes of
+this machine: the scheduler's port is never opened to anyone else by flotilla.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -29,13 +27,14 @@ from .._info import InstanceInfo
 from ._daemons import Daemon, EngineError, check_free, head_engine_port, scratch_dir
 from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._net import wait_listening
+from ._net import node_ip, wait_listening
 from ._versions import requirement
 
 START_TIMEOUT = 300.0
 """Seconds a worker waits for the scheduler, and the scheduler for every worker."""
-TUNNEL_TIMEOUT = 30.0
-"""Seconds ``dask_client()`` waits for its SSH tunnel to listen."""
+CONNECT_TIMEOUT = 60.0
+"""Seconds ``dask_client()`` gives its ``Client`` to connect (through the pool's channel:
+an ``ssh``, ``srun`` or ``kubectl exec`` starting on a loaded machine)."""
 
 _WAIT_FOR_WORKERS = """
 import sys
@@ -76,13 +75,15 @@ class DaskPlugin(EnginePlugin):
         return requirement("distributed", self.version, "version")
 
     def around_pool(self, pool: Any) -> AbstractContextManager[None]:
-        """Close the clients and tunnels ``pool.dask_client()`` made when the pool closes."""
-        return _clients_of(pool)
+        """Close the clients and forwards ``pool.dask_client()`` made when the pool closes."""
+        from .._client.forward import closed_with
+
+        return closed_with(pool)
 
     def worker_argv(self, info: InstanceInfo, scheduler: str, scratch: str) -> list[str]:
         threads = self.threads or len(os.sched_getaffinity(0))
         argv = [sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://{scheduler}"]
-        argv += ["--host", info.addr, "--nthreads", str(threads), "--nworkers", "1"]
+        argv += ["--host", node_ip(info.addr), "--nthreads", str(threads), "--nworkers", "1"]
         argv += ["--no-dashboard", "--local-directory", scratch]
         argv += ["--memory-limit", self.memory_limit, "--name", f"node-{info.node}"]
         return argv
@@ -100,7 +101,7 @@ class DaskPlugin(EnginePlugin):
             if info.node == 0:
                 check_free(info.addr, port, "dask scheduler")
                 argv = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
-                argv += ["--host", info.addr, "--port", str(port), "--no-dashboard"]
+                argv += ["--host", node_ip(info.addr), "--port", str(port), "--no-dashboard"]
                 head = Daemon("dask scheduler", argv, env, scratch + "-scheduler")
                 s.callback(head.stop)
                 head.start()
@@ -134,25 +135,6 @@ class DaskPlugin(EnginePlugin):
 
 # -- the client side: pool.dask_client() ----------------------------------------------------
 
-_open: dict[int, list[Any]] = {}  # id(pool) -> what dask_client() opened for it (closed last)
-_open_lock = threading.Lock()
-
-
-@contextmanager
-def _clients_of(pool: Any) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        with _open_lock:
-            opened = _open.pop(id(pool), [])
-        for thing in reversed(opened):
-            with contextlib.suppress(Exception):
-                if isinstance(thing, subprocess.Popen):
-                    thing.terminate()
-                    thing.wait(5)
-                else:
-                    thing.close()
-
 
 def dask_client(pool: Any, **kwargs: Any) -> Any:
     """A ``distributed.Client`` connected to ``pool``'s Dask scheduler from this machine
@@ -164,63 +146,26 @@ def dask_client(pool: Any, **kwargs: Any) -> Any:
         )
     from distributed import Client
 
-    head = pool._nodes[0]
+    from .._client.forward import keep, node_forward
+
+    head = pool._nodes[0].proc.address
     port = head_engine_port("dask", int(pool._bringup.head_port))
-    alloc = pool._allocation
-    shell = getattr(alloc, "shell", None)
-    opened: list[Any] = []
-    if shell is not None and hasattr(shell, "ssh_argv"):  # reached over SSH: a tunnel
-        local = _free_local_port()
-        tunnel = _ssh_tunnel(shell, alloc.machines[0], local, head.proc.address, port)
-        opened.append(tunnel)
-        address = f"tcp://127.0.0.1:{local}"
-    elif _is_this_machine(head.proc.address):
-        address = f"tcp://{host_port(head.proc.address, port)}"
-    else:
-        raise ConfigurationError(
-            f"pool.dask_client() reaches the scheduler through SSH or on this machine; the "
-            f"{getattr(pool.provider, 'name', 'provider')!r} provider's nodes are neither: "
-            "drive Dask from a task instead (distributed.Client() there finds the scheduler)"
-        )
+    forward = node_forward(pool, 0, head, port)  # None: node 0 runs on this machine
+    address = f"tcp://{forward.address if forward else host_port(head, port)}"
     try:
-        client = Client(address, **{"timeout": TUNNEL_TIMEOUT, **kwargs})  # type: ignore[no-untyped-call]
+        client = Client(address, **{"timeout": CONNECT_TIMEOUT, **kwargs})  # type: ignore[no-untyped-call]
+    except Exception as e:
+        if forward is None:
+            raise
+        forward.close()
+        raise EngineError(
+            f"pool.dask_client(): the scheduler ({host_port(head, port)} on node 0) did not "
+            f"answer through the pool's channel ({forward.command[0]}): "
+            f"{forward.said() or e}"
+        ) from e
     except BaseException:
-        for thing in opened:
-            thing.terminate()
+        if forward is not None:
+            forward.close()
         raise
-    opened.append(client)
-    with _open_lock:
-        _open.setdefault(id(pool), []).extend(opened)
+    keep(pool, *([forward] if forward else []), client)
     return client
-
-
-def _free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _is_this_machine(addr: str) -> bool:
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False
-
-
-def _ssh_tunnel(shell: Any, machine: Any, local: int, addr: str, port: int) -> Any:
-    """``ssh -N -L 127.0.0.1:local:addr:port`` to ``machine`` with the provider's key and
-    pinned host keys; returned once the local end accepts connections."""
-    argv = shell.ssh_argv(shell.target(machine), "", "-N", "-L", f"127.0.0.1:{local}:{addr}:{port}")
-    host, options = argv[-2], argv[:-3]  # ssh_argv ends "-- host command": no command here
-    options = [a.replace("ClearAllForwardings=yes", "ClearAllForwardings=no") for a in options]
-    argv = [*options, "-o", "ExitOnForwardFailure=yes", "--", host]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + TUNNEL_TIMEOUT
-    while not wait_listening("127.0.0.1", local, 0.05):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            err = (proc.communicate()[1] or b"").decode(errors="replace").strip()
-            raise EngineError(f"the SSH tunnel to the Dask scheduler did not open: {err}")
-    return proc

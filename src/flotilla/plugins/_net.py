@@ -40,6 +40,15 @@ def interface_for(addr: str) -> str | None:
     return None
 
 
+def node_ip(addr: str) -> str:
+    """``addr`` (the node's pool address) as an IP address, a host name resolved once as
+    :func:`interface_for` resolves it: what an engine binds on a machine with several
+    interfaces (Ray's ``--node-ip-address`` takes an IP, not a name); ``addr`` itself when
+    it cannot be resolved."""
+    ip = _parse(addr)
+    return str(ip) if ip is not None else addr
+
+
 def wait_listening(host: str, port: int, timeout: float, interval: float = 0.005) -> bool:
     """Wait until ``host:port`` accepts a TCP connection; whether it did within ``timeout``.
 

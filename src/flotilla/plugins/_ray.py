@@ -10,7 +10,9 @@ defaults: 10001, 52365), so a port another process holds is never used. The head
 until every node of the pool is alive in the cluster before the pool runs; tasks find it
 through ``RAY_ADDRESS``. Ray's processes live as long as the node's first executor process
 (see ``_daemons``); a group restart (a lost node replaced) starts the cluster again on the
-pool's new nodes.
+pool's new nodes. With ``dashboard=True`` the dashboard listens on the head's pool address
+at a port of its block; ``pool.ray_dashboard()`` forwards it to this machine through the
+pool's own channel (``_client.forward``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,7 +32,7 @@ from .._info import InstanceInfo
 from ._daemons import Daemon, EngineError, check_free, free_port, head_engine_port, scratch_dir
 from ._engine import EnginePlugin
 from ._env import environ, host_port
-from ._net import wait_listening
+from ._net import node_ip, wait_listening
 from ._versions import requirement
 
 START_TIMEOUT = 300.0
@@ -109,6 +111,12 @@ class RayPlugin(EnginePlugin):
         """``ray`` (``ray[default]`` with the dashboard, which needs its extras)."""
         return requirement("ray[default]" if self.dashboard else "ray", self.version, "version")
 
+    def around_pool(self, pool: Any) -> AbstractContextManager[None]:
+        """Close the forwards ``pool.ray_dashboard()`` made when the pool closes."""
+        from .._client.forward import closed_with
+
+        return closed_with(pool)
+
     def check_plugins(self, plugins: tuple[Any, ...]) -> None:
         """Refuse torch() and accelerate() in the same pool, before anything starts."""
         others = sorted({getattr(p, "name", "") for p in plugins} & REFUSED_WITH)
@@ -125,7 +133,8 @@ class RayPlugin(EnginePlugin):
     def start_argv(self, info: InstanceInfo, gcs_port: int, scratch: str) -> list[str]:
         """The ``ray start`` command of this node (head on node 0)."""
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
-        argv += [f"--node-ip-address={info.addr}", f"--temp-dir={scratch}"]
+        ip = node_ip(info.addr)  # the pool's address: the interface that carries it
+        argv += [f"--node-ip-address={ip}", f"--temp-dir={scratch}"]
         argv += ["--disable-usage-stats", "--min-worker-port=0", "--max-worker-port=0"]
         argv += [f"--dashboard-agent-listen-port={free_port(info.addr)}"]
         if info.node == 0:
@@ -133,9 +142,10 @@ class RayPlugin(EnginePlugin):
             if importlib.util.find_spec("grpc") is not None:  # Ray's test for ray[client]:
                 # without it no client server starts; with it, not on its default 10001
                 argv += [f"--ray-client-server-port={free_port(info.addr)}"]
-            if self.dashboard:
-                argv += ["--include-dashboard=true", f"--dashboard-host={info.addr}"]
-                argv += [f"--dashboard-port={free_port(info.addr)}"]
+            if self.dashboard:  # on the pool's address, at a port of the head's block
+                port = head_engine_port("ray-dashboard", info.head_port)
+                argv += ["--include-dashboard=true", f"--dashboard-host={ip}"]
+                argv += [f"--dashboard-port={port}"]
             else:
                 argv += ["--include-dashboard=false"]
         else:
@@ -162,6 +172,9 @@ class RayPlugin(EnginePlugin):
             role = "ray head" if info.node == 0 else f"ray worker node {info.node}"
             if info.node == 0:
                 check_free(info.addr, gcs_port, "ray head (GCS)")
+                if self.dashboard:
+                    port = head_engine_port("ray-dashboard", info.head_port)
+                    check_free(info.addr, port, "ray dashboard")
             elif not wait_listening(info.head_addr, gcs_port, START_TIMEOUT):
                 raise EngineError(
                     f"{role}: the head ({address}) did not listen within {START_TIMEOUT:g} s"
@@ -186,9 +199,16 @@ class RayPlugin(EnginePlugin):
                         )
                 if info.node == 0:
                     self._wait_for_nodes(daemon, address, info.total_nodes)
+                    board = head_engine_port("ray-dashboard", info.head_port)
+                    board_at = host_port(info.addr, board)
                     print(
                         f"ray: cluster of {info.total_nodes} node(s) up, head at {address} "
-                        f"(RAY_ADDRESS), temp dir {scratch} on each node",
+                        f"(RAY_ADDRESS), temp dir {scratch} on each node"
+                        + (
+                            f", dashboard at http://{board_at} (pool.ray_dashboard())"
+                            if self.dashboard
+                            else ""
+                        ),
                         file=sys.stderr,
                         flush=True,
                     )
@@ -206,3 +226,23 @@ class RayPlugin(EnginePlugin):
             raise daemon.failure(
                 "the cluster did not gather every node of the pool: " + " | ".join(said)
             )
+
+
+def dashboard_url(pool: Any) -> str:
+    """The URL of ``pool``'s Ray dashboard on this machine (see
+    :meth:`flotilla.Compute.ray_dashboard`)."""
+    plugin = next((p for p in getattr(pool, "plugins", ()) if isinstance(p, RayPlugin)), None)
+    if plugin is None or not plugin.dashboard:
+        raise ConfigurationError(
+            "pool.ray_dashboard() needs a pool with Ray's dashboard: "
+            "sky.Compute(..., plugins=[sky.plugins.ray(dashboard=True)])"
+        )
+    from .._client.forward import keep, node_forward
+
+    head = pool._nodes[0].proc.address
+    port = head_engine_port("ray-dashboard", int(pool._bringup.head_port))
+    forward = node_forward(pool, 0, head, port)  # None: node 0 runs on this machine
+    if forward is None:
+        return f"http://{host_port(head, port)}"
+    keep(pool, forward)
+    return f"http://{forward.address}"
