@@ -15,7 +15,6 @@ from typing import Any
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud.allocation import CloudAllocation, CloudShell
-from ..cloud.guard import guard_command
 from ..cloud.keys import KeyPair, keygen, pin
 from ..ssh_shell import Target
 from .agent import AWSAgent, cloud_env
@@ -218,13 +217,7 @@ class AWSAllocation(CloudAllocation):
         launch = next(self._launches)  # an elastic pool's grow steps run at once
         host_key = keygen(self.folder, f"host_key_{launch}", f"flotilla-{self.spec.pool_id}")
         settings = self.settings
-        guard = guard_command(
-            settings.ttl,
-            self.spec.options.start_timeout,
-            settings.workdir,
-            settings.ssh_user,
-            settings.poweroff_command,
-        )
+        guard = self.guard(settings.poweroff_command)
         data = user_data(host_key, self.login_key, [guard])
         allocation = self.settings.allocation
         markets = {"spot": ["spot"], "on-demand": ["on-demand"]}.get(

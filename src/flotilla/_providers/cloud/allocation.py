@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
@@ -20,6 +20,7 @@ from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
 from .boot import booting, wait_port
+from .guard import guard_command
 from .keys import KeyPair, keygen
 
 _T = TypeVar("_T")
@@ -50,11 +51,38 @@ class CloudAllocation(ShellAllocation):
 
     shell: CloudShell
     ssh: CloudShell
+    settings: Any
     folder: str
     known_hosts: str
     login_key: KeyPair | None
     handover = "installed at its start"
     executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
+
+    def guard(self, poweroff: Sequence[str]) -> str:
+        """The boot guard of the pool's instances (``guard.guard_command``): ``poweroff``
+        after ``max(ttl, start_timeout)`` s unless an agent started, per the pool's
+        settings (``ttl``, ``workdir``, ``ssh_user``)."""
+        settings = self.settings
+        return guard_command(
+            settings.ttl,
+            self.spec.options.start_timeout,
+            settings.workdir,
+            settings.ssh_user,
+            poweroff,
+        )
+
+    def poll(
+        self, step: Callable[[], bool], deadline: float, late: Callable[[], str], every: float
+    ) -> None:
+        """Call ``step`` every ``every`` s until it says it is done (it raises when an
+        instance ended); ProvisionError when the pool is released meanwhile, or (TIMEOUT)
+        saying ``late()`` past ``deadline``."""
+        while not step():
+            if self.ending.is_set():
+                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
+            if time.monotonic() > deadline:
+                raise ProvisionError(late(), cause=ProvisionCause.TIMEOUT)
+            time.sleep(every)
 
     def _open(self, settings: Any, folder: str) -> None:
         """The pool's side on this machine: its private ``folder`` (keys, known_hosts),

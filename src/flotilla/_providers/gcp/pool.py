@@ -229,7 +229,10 @@ class GCPAllocation(CloudAllocation):
         keys (guest attributes); they are pinned for that address."""
         api = self.api
         instances = api.client("InstancesClient")
-        while True:
+        row: dict[str, Any] = {}
+
+        def step() -> bool:
+            nonlocal row
             inst = api.call(
                 f"look up instance {name}",
                 lambda: instances.get(project=api.project, zone=zone, instance=name),
@@ -241,23 +244,24 @@ class GCPAllocation(CloudAllocation):
                 if keys:
                     for key in keys:
                         pin_public(self.known_hosts, _nat_ip(row), key)
-                    return
+                    return True
             if row.get("status") in ("STOPPING", "TERMINATED", "SUSPENDED"):
                 raise ProvisionError(
                     f"GCP: instance {name} is {row.get('status')} while starting",
                     cause=ProvisionCause.NODE,
                 )
-            if self.ending.is_set():
-                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
-            if time.monotonic() > deadline:
-                raise ProvisionError(
-                    f"GCP: instance {name} not running with its host keys published within "
-                    f"{self.spec.options.start_timeout:g} s (status {row.get('status')}; does "
-                    "the image run the guest agent?); Options(start_timeout=...) sets the "
-                    "limit",
-                    cause=ProvisionCause.TIMEOUT,
-                )
-            time.sleep(POLL)
+            return False
+
+        self.poll(
+            step,
+            deadline,
+            lambda: (
+                f"GCP: instance {name} not running with its host keys published within "
+                f"{self.spec.options.start_timeout:g} s (status {row.get('status')}; does "
+                "the image run the guest agent?); Options(start_timeout=...) sets the limit"
+            ),
+            POLL,
+        )
 
     def _host_keys(self, zone: str, name: str) -> list[str]:
         """The SSH host keys the instance's guest agent published (``hostkeys/`` guest

@@ -18,7 +18,7 @@ from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import CloudAllocation, show
-from ..cloud.guard import contact_path, guard_command
+from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin, user_data
 from ..cloud.market import LABEL_PREFIX, label, over_budget
@@ -212,14 +212,7 @@ class LambdaAllocation(CloudAllocation):
 
     def _user_data(self, host_key: KeyPair) -> str:
         assert self.login_key is not None
-        settings = self.settings
-        guard = guard_command(
-            settings.ttl,
-            self.spec.options.start_timeout,
-            settings.workdir,
-            settings.ssh_user,
-            POWEROFF,
-        )
+        guard = self.guard(POWEROFF)
         return user_data(
             host_key,
             self.login_key,
@@ -271,7 +264,8 @@ class LambdaAllocation(CloudAllocation):
     def _wait_active(self, ids: list[str]) -> None:
         deadline = time.monotonic() + self.spec.options.start_timeout
         waiting = set(ids)
-        while True:
+
+        def step() -> bool:
             rows = data(self.api.call("GET", "/instances", "list the pool's instances")) or []
             listed = {str(r.get("id")): r for r in rows}
             for i in list(waiting):
@@ -283,18 +277,17 @@ class LambdaAllocation(CloudAllocation):
                 self.instances[i].update(row)
                 if row.get("status") == "active" and row.get("ip"):
                     waiting.discard(i)
-            if not waiting:
-                break
-            if self.ending.is_set():
-                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
-            if time.monotonic() > deadline:
-                raise ProvisionError(
-                    f"Lambda instances {', '.join(sorted(waiting))} not active within "
-                    f"{self.spec.options.start_timeout:g} s; Options(start_timeout=...) sets "
-                    "the limit",
-                    cause=ProvisionCause.TIMEOUT,
-                )
-            time.sleep(POLL)
+            return not waiting
+
+        self.poll(
+            step,
+            deadline,
+            lambda: (
+                f"Lambda instances {', '.join(sorted(waiting))} not active within "
+                f"{self.spec.options.start_timeout:g} s; Options(start_timeout=...) sets the limit"
+            ),
+            POLL,
+        )
         for i in ids:
             row = self.instances[i]
             pin(self.known_hosts, str(row["ip"]), row["host_key"])

@@ -179,7 +179,8 @@ class RunPodAllocation(CloudAllocation):
     def _wait_running(self, ids: list[str]) -> None:
         deadline = time.monotonic() + self.spec.options.start_timeout
         waiting = set(ids)
-        while True:
+
+        def step() -> bool:
             rows = self.api.call("GET", "/pods", "list the pool's pods")
             for row in rows if isinstance(rows, list) else []:
                 ident = str(row.get("id"))
@@ -193,18 +194,18 @@ class RunPodAllocation(CloudAllocation):
                     f"RunPod pod(s) {', '.join(gone)} ended while starting",
                     cause=ProvisionCause.NODE,
                 )
-            if not waiting:
-                break
-            if self.ending.is_set():
-                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
-            if time.monotonic() > deadline:
-                raise ProvisionError(
-                    f"RunPod pods {', '.join(sorted(waiting))} not running with a public SSH "
-                    f"port within {self.spec.options.start_timeout:g} s; "
-                    "Options(start_timeout=...) sets the limit",
-                    cause=ProvisionCause.TIMEOUT,
-                )
-            time.sleep(POLL)
+            return not waiting
+
+        self.poll(
+            step,
+            deadline,
+            lambda: (
+                f"RunPod pods {', '.join(sorted(waiting))} not running with a public SSH "
+                f"port within {self.spec.options.start_timeout:g} s; "
+                "Options(start_timeout=...) sets the limit"
+            ),
+            POLL,
+        )
         for ident in ids:
             row = self.pods[ident]
             target = Target(str(row["publicIp"]), "root", self._port(row))

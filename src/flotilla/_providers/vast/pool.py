@@ -230,7 +230,8 @@ class VastAllocation(CloudAllocation):
     def _wait_running(self, ids: list[int]) -> None:
         deadline = time.monotonic() + self.spec.options.start_timeout
         waiting = set(ids)
-        while True:
+
+        def step() -> bool:
             rows = self.api.call("GET", "/instances", "list the pool's instances", owner="me")
             for row in rows.get("instances", []):
                 ident = int(row.get("id", 0))
@@ -238,21 +239,19 @@ class VastAllocation(CloudAllocation):
                     self.instances[ident] = row
                 if ident in waiting and row.get("actual_status") == "running" and ssh_port(row):
                     waiting.discard(ident)
-            if not waiting:
-                return
-            if self.ending.is_set():
-                raise ProvisionError(f"pool {self.spec.pool_id}: released while starting")
-            if time.monotonic() > deadline:
-                states = ", ".join(
-                    f"{i}: {self.instances.get(i, {}).get('actual_status', 'unknown')}"
-                    for i in sorted(waiting)
-                )
-                raise ProvisionError(
-                    f"Vast instances not running within {self.spec.options.start_timeout:g} s "
-                    f"({states}); Options(start_timeout=...) sets the limit",
-                    cause=ProvisionCause.TIMEOUT,
-                )
-            time.sleep(POLL)
+            return not waiting
+
+        def late() -> str:
+            states = ", ".join(
+                f"{i}: {self.instances.get(i, {}).get('actual_status', 'unknown')}"
+                for i in sorted(waiting)
+            )
+            return (
+                f"Vast instances not running within {self.spec.options.start_timeout:g} s "
+                f"({states}); Options(start_timeout=...) sets the limit"
+            )
+
+        self.poll(step, deadline, late, POLL)
 
     def _target(self, ident: int) -> Target:
         row = self.instances[ident]
