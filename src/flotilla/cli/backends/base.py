@@ -567,6 +567,30 @@ class Backend(ABC, Generic[S]):
         directory of node ``node`` of a running cluster."""
 
 
+@dataclass(frozen=True)
+class RentedSpec(ResourceSpec):
+    """A :class:`RentedBackend`'s spec; the task's resources (see :class:`ResourceSpec`)
+    select the offers. ``where`` names the setting (a name, or names) that messages show
+    after the kind."""
+
+    where: ClassVar[str] = ""
+
+    def describe(self) -> str:
+        place = self.value(self.where) if self.where else None
+        if isinstance(place, tuple | list):
+            place = ", ".join(place)
+        return self.kind + (f" ({place})" if place else "")
+
+
+def rented_spec(kind: str, where: str) -> type[RentedSpec]:
+    """The :class:`RentedSpec` of ``--provider KIND`` (``where``: see there)."""
+    members = {"kind": kind, "where": where, "__doc__": f"``--provider {kind}``'s spec."}
+    spec: type[RentedSpec] = dataclass(frozen=True)(
+        type(f"{kind.title()}Spec", (RentedSpec,), members)
+    )
+    return spec
+
+
 class RentedBackend(Backend[S]):
     """A cloud whose machines are rented for the cluster and given back by ``flotilla
     down`` (Vast.ai, RunPod, Lambda Cloud, Compute Engine): its provider class, built from

@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..._providers.gcp.settings import GCPSettings
-from .base import RentedBackend, ResourceSpec
+from .base import RentedBackend, RentedSpec
 
 
 @dataclass(frozen=True)
-class GCPSpec(ResourceSpec):
-    """Compute Engine instances (settings: ``GCPSettings``); the task's resources (see
-    :class:`ResourceSpec`) choose the machine."""
+class GCPSpec(RentedSpec):
+    """Compute Engine instances (settings: ``GCPSettings``)."""
 
     kind = "gcp"
 

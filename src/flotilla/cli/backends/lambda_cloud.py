@@ -9,26 +9,12 @@ library.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..._providers.lambda_cloud.settings import LambdaSettings
-from .base import RentedBackend, ResourceSpec
+from .base import RentedBackend, RentedSpec, rented_spec
 
 
-@dataclass(frozen=True)
-class LambdaSpec(ResourceSpec):
-    """Lambda Cloud instances (settings: ``LambdaSettings``); the task's resources (see
-    :class:`ResourceSpec`) select the instance types."""
-
-    kind = "lambda"
-
-    def describe(self) -> str:
-        region = self.value("region", None)
-        return "lambda" + (f" ({region})" if region else "")
-
-
-class LambdaBackend(RentedBackend[LambdaSpec]):
-    spec_type = LambdaSpec
+class LambdaBackend(RentedBackend[RentedSpec]):
+    spec_type = rented_spec("lambda", where="region")
     summary = "Lambda Cloud GPU instances launched for the cluster, terminated by `flotilla down`"
     settings_type = LambdaSettings
     hint_reason = "Lambda's instance types have no such setting flotilla knows of"

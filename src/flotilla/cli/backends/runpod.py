@@ -10,26 +10,12 @@ API key is never a flag nor kept in the cluster's state: it comes from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..._providers.runpod.settings import RunPodSettings
-from .base import RentedBackend, ResourceSpec
+from .base import RentedBackend, RentedSpec, rented_spec
 
 
-@dataclass(frozen=True)
-class RunPodSpec(ResourceSpec):
-    """RunPod instances (settings: ``RunPodSettings``); the task's resources (see
-    :class:`ResourceSpec`) select the offers."""
-
-    kind = "runpod"
-
-    def describe(self) -> str:
-        regions = self.value("data_centers", ())
-        return "runpod" + (f" ({', '.join(regions)})" if regions else "")
-
-
-class RunPodBackend(RentedBackend[RunPodSpec]):
-    spec_type = RunPodSpec
+class RunPodBackend(RentedBackend[RentedSpec]):
+    spec_type = rented_spec("runpod", where="data_centers")
     summary = "RunPod GPU pods rented for the cluster, terminated by `flotilla down`"
     settings_type = RunPodSettings
     hint_reason = "RunPod's pods have no such setting flotilla knows of"

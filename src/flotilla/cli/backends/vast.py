@@ -9,26 +9,12 @@ from ``VAST_API_KEY`` or the official CLI's key file, as for the library.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..._providers.vast.settings import VastSettings
-from .base import RentedBackend, ResourceSpec
+from .base import RentedBackend, RentedSpec, rented_spec
 
 
-@dataclass(frozen=True)
-class VastSpec(ResourceSpec):
-    """Vast.ai instances (settings: ``VastSettings``); the task's resources (see
-    :class:`ResourceSpec`) select the offers."""
-
-    kind = "vast"
-
-    def describe(self) -> str:
-        regions = self.value("regions", ())
-        return "vast" + (f" ({', '.join(regions)})" if regions else "")
-
-
-class VastBackend(RentedBackend[VastSpec]):
-    spec_type = VastSpec
+class VastBackend(RentedBackend[RentedSpec]):
+    spec_type = rented_spec("vast", where="regions")
     summary = "Vast.ai instances rented for the cluster, destroyed by `flotilla down`"
     settings_type = VastSettings
     honours = frozenset({"cpus", "memory"})
