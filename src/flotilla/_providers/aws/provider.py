@@ -41,6 +41,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
+from ..cloud.market import check_ttl
 from ..offers import Offer
 from ..options import provider_init
 from .api import Api
@@ -90,15 +91,7 @@ class AWS(Provider):
 
     def validate(self, spec: PoolSpec) -> None:
         self.api.check()
-        from ..ssh_shell import ssh_client
-
-        ssh_client()
-        if self.settings.ttl <= spec.options.heartbeat_timeout:
-            raise ConfigurationError(
-                f"AWS(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
-                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
-                "the instances would power themselves off under a live pool"
-            )
+        check_ttl(self, spec, "the instances would power themselves off")
         if spec.max_nodes and self.keep is not None:
             raise ConfigurationError(
                 f"an elastic pool (up to {spec.most} nodes) cannot be a stoppable one: its "

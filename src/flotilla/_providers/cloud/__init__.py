@@ -10,6 +10,8 @@ Vast.ai, RunPod, Lambda Cloud and the GPU markets to come).
   are tried again;
 * ``rest``: a cloud's JSON API over HTTP (standard library only): retries, the key never
   shown, a refused key a ConfigurationError naming where it came from;
+* ``market``: a rented-instance provider's settings plumbing, checks before renting, its
+  labels ``flotilla:{pool}:{client}`` and the orphan pools found by them;
 * ``allocation``: :class:`~flotilla._providers.cloud.allocation.CloudAllocation`, the
   allocation of instances reached over SSH with their host keys pinned, whose shell's
   ``transient()`` tries a booting instance again (the launch layer's retry).

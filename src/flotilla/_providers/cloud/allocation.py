@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -17,6 +20,7 @@ from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
 from .boot import booting, wait_port
+from .keys import KeyPair, keygen
 
 _T = TypeVar("_T")
 
@@ -45,8 +49,40 @@ class CloudAllocation(ShellAllocation):
     """
 
     shell: CloudShell
+    ssh: CloudShell
+    folder: str
+    known_hosts: str
+    login_key: KeyPair | None
     handover = "installed at its start"
     executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
+
+    def _open(self, settings: Any, folder: str) -> None:
+        """The pool's side on this machine: its private ``folder`` (keys, known_hosts),
+        the login key to come (:meth:`_make_login_key`), and the shell that reaches its
+        instances with their host keys pinned, per ``settings`` (``python``, ``workdir``,
+        ``connect_timeout``)."""
+        self.folder = folder
+        self.known_hosts = os.path.join(folder, "known_hosts")
+        self.login_key = None
+        self.python = settings.python or "python3"
+        self.workdir = settings.workdir
+        self.ssh = CloudShell(
+            self.target,
+            key=None,
+            known_hosts=self.known_hosts,
+            accept_new_host_keys=False,
+            connect_timeout=settings.connect_timeout,
+        )
+        self.shell = self.ssh
+
+    async def _make_login_key(self) -> KeyPair:
+        """The pool's login key, made in its folder; the shell logs in with it."""
+        key = await self._in_thread(
+            keygen, self.folder, "login_key", f"flotilla-{self.spec.pool_id}"
+        )
+        self.login_key = key
+        self.ssh.key = key.path
+        return key
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in one of :attr:`executor`'s threads. A cancelled caller does not
@@ -100,3 +136,9 @@ class CloudAllocation(ShellAllocation):
                     cause=e.cause,
                 ) from None
             raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
+
+
+def show(logger: logging.Logger, message: str) -> None:
+    """Log ``message`` and say it on stderr (what the user waits for)."""
+    logger.info("%s", message)
+    print(f"flotilla: {message}", file=sys.stderr, flush=True)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..._accelerators import Accelerator, offered_as, unknown_name
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._errors import ConfigurationError
 from ..base import PoolSpec
+from ..cloud.market import over_budget
 from ..offers import Offer
 
 N1_FOR: dict[int, str] = {1: "n1-standard-8", 2: "n1-standard-16", 4: "n1-standard-32"}
@@ -182,22 +183,19 @@ def within_cost(choice: MachineChoice, spec: PoolSpec, spot: bool) -> None:
     """ProvisionError (before renting) when the known price is above
     ``spec.max_node_hourly_cost`` (a node's) or ``spec.max_hourly_cost`` (the pool's)."""
     price = choice.hourly(spot)
-    node_cap = spec.max_node_hourly_cost
-    if price is not None and node_cap is not None and price > node_cap:
-        raise ProvisionError(
-            f"GCP {choice.machine_type} costs ${price:.2f}/h a node (list price), above "
-            f"max_node_hourly_cost=${node_cap:.2f}/h: nothing was rented",
-            cause=ProvisionCause.CAPACITY,
-        )
-    cap = spec.max_hourly_cost
-    if cap is None or price is None:
-        return
-    if price * spec.nodes > cap:
-        raise ProvisionError(
-            f"{spec.nodes} x GCP {choice.machine_type} cost ${price * spec.nodes:.2f}/h (list "
-            f"price), above max_hourly_cost=${cap:.2f}/h: nothing was rented",
-            cause=ProvisionCause.CAPACITY,
-        )
+    over_budget(
+        price,
+        spec.max_node_hourly_cost,
+        f"GCP {choice.machine_type} costs",
+        " a node (list price)",
+        "max_node_hourly_cost",
+    )
+    over_budget(
+        None if price is None else price * spec.nodes,
+        spec.max_hourly_cost,
+        f"{spec.nodes} x GCP {choice.machine_type} cost",
+        " (list price)",
+    )
 
 
 def describe(accelerator: Accelerator | None, choice: MachineChoice) -> str:

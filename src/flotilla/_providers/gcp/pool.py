@@ -7,9 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -20,10 +18,10 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.allocation import CloudAllocation, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id
-from ..cloud.keys import KeyPair, keygen, pin_public
+from ..cloud.keys import pin_public
 from ..cloud.notice import NoticeAgent
 from ..ssh_shell import Target
 from .api import SCOPE, GcpApi, GcpApiError, base_url
@@ -78,21 +76,9 @@ class GCPAllocation(CloudAllocation):
         self.zones_tried: list[str] = []
         self.instances: dict[str, dict[str, Any]] = {}
         self.hourly: float | None = None
-        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
-        self.known_hosts = os.path.join(self.folder, "known_hosts")
-        self.login_key: KeyPair | None = None
+        self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
         self.client = client_id()
-        self.python = settings.python or "python3"
-        self.workdir = settings.workdir
         self._launches = 0
-        self.ssh = CloudShell(
-            self.target,
-            key=None,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=False,
-            connect_timeout=settings.connect_timeout,
-        )
-        self.shell = self.ssh
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self, zones: list[str]) -> None:
@@ -101,10 +87,7 @@ class GCPAllocation(CloudAllocation):
         spec, settings = self.spec, self.settings
         markets = {"spot": [True], "on-demand": [False]}.get(settings.allocation, [True, False])
         within_cost(self.choice, spec, markets[-1])
-        self.login_key = await self._in_thread(
-            keygen, self.folder, "login_key", f"flotilla-{spec.pool_id}"
-        )
-        self.ssh.key = self.login_key.path
+        await self._make_login_key()
         full: list[str] = []
         for spot, zone in [(s, z) for s in markets for z in zones]:
             self.spot = spot
@@ -457,5 +440,4 @@ def ssh_login(address: str) -> list[str]:
 
 
 def _show(message: str) -> None:
-    logger.info("%s", message)
-    print(f"flotilla: {message}", file=sys.stderr, flush=True)
+    show(logger, message)

@@ -30,11 +30,11 @@ node replaced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..base import PoolSpec, Provider
+from ..base import PoolSpec
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, launched
 from ..offers import Offer
 from ..options import provider_init
 from .api import GcpApi, base_url
@@ -44,22 +44,12 @@ from .pool import CLIENT_KEY, POOL_LABEL, GCPAllocation, delete_instance
 from .settings import GCPSettings
 
 
-@dataclass(frozen=True)
-class GCPOrphans:
-    """What :meth:`GCP.remove_orphans` found (and deleted unless a dry run).
-
-    Attributes:
-        pools: the orphan pools' ids.
-        instances: their instances (``zone/name``).
-        skipped: pools whose client ran on another machine (not touched).
-    """
-
-    pools: tuple[str, ...]
-    instances: tuple[str, ...]
-    skipped: tuple[str, ...]
+class GCPOrphans(CloudOrphans):
+    """What :meth:`GCP.remove_orphans` found (and deleted unless a dry run): its
+    ``instances`` are ``zone/name``."""
 
 
-class GCP(Provider):
+class GCP(MarketProvider):
     """Run the nodes on Compute Engine instances created for the pool and deleted after it.
 
     Needs Google's client (``pip install 'flotilla[gcp]'``), Application Default
@@ -71,12 +61,12 @@ class GCP(Provider):
 
     name = "gcp"
     settings_type = GCPSettings
+    _api: GcpApi | None
 
     @provider_init(GCPSettings)
     def __init__(self, *args: Any, settings: GCPSettings | None = None, **options: Any) -> None:
-        self.settings: GCPSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api: GcpApi | None = None
+        self.settings: GCPSettings
+        self._configure(settings, args, options)
         self._checked = False
 
     def __repr__(self) -> str:
@@ -96,17 +86,10 @@ class GCP(Provider):
         return said
 
     def validate(self, spec: PoolSpec) -> None:
-        from ..ssh_shell import ssh_client
         from .startup import startup_script
 
         machine_for(spec, self.settings.machine_type)  # an accelerator GCP has
-        ssh_client()
-        if self.settings.ttl <= spec.options.heartbeat_timeout:
-            raise ConfigurationError(
-                f"GCP(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
-                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
-                "the instances would delete themselves under a live pool"
-            )
+        check_ttl(self, spec, "the instances would delete themselves")
         try:
             startup_script(base_url(self.settings), 1, 1, self.settings.workdir, "x")
         except ValueError as e:
@@ -153,7 +136,8 @@ class GCP(Provider):
 
     async def acquire(self, spec: PoolSpec) -> GCPAllocation:
         allocation = GCPAllocation(self.settings, self.api, spec)
-        try:
+
+        async def launch() -> None:
             zones = await allocation._in_thread(self.zones, spec)
             if not zones:
                 raise ProvisionError(
@@ -162,10 +146,8 @@ class GCP(Provider):
                     cause=ProvisionCause.CAPACITY,
                 )
             await allocation.launch(zones)
-        except BaseException:
-            await allocation.release()
-            raise
-        return allocation
+
+        return await launched(allocation, launch)
 
     def remove_orphans(self, dry_run: bool = False) -> GCPOrphans:
         """Delete the instances (found by their label) of pools whose client process on
@@ -175,26 +157,24 @@ class GCP(Provider):
 
         from google.cloud import compute_v1 as c
 
-        from ..cloud.identity import orphaned
-
         api = self.api
         instances = api.client("InstancesClient")
         request = c.AggregatedListInstancesRequest(
             project=api.project, filter=f"labels.{POOL_LABEL}:*"
         )
         rows = api.call("list instances", lambda: list(instances.aggregated_list(request=request)))
-        pools: set[str] = set()
-        skipped: set[str] = set()
-        gone: list[tuple[str, str]] = []
-        for key, scoped in rows:
-            zone = key.rsplit("/", 1)[-1]
-            for inst in scoped.instances:
-                pool = inst.labels.get(POOL_LABEL, "")
-                items = inst.metadata.items if inst.metadata else []
-                client = next((i.value for i in items if i.key == CLIENT_KEY), "")
-                if pool and orphaned(pool, client, skipped):
-                    pools.add(pool)
-                    gone.append((zone, inst.name))
+
+        def found() -> Any:
+            for key, scoped in rows:
+                zone = key.rsplit("/", 1)[-1]
+                for inst in scoped.instances:
+                    pool = inst.labels.get(POOL_LABEL, "")
+                    items = inst.metadata.items if inst.metadata else []
+                    client = next((i.value for i in items if i.key == CLIENT_KEY), "")
+                    if pool:
+                        yield pool, client, (zone, inst.name)
+
+        pools, skipped, gone = find_orphans(found())
         if not dry_run:
             deadline = time.monotonic() + 300
             for zone, name in gone:

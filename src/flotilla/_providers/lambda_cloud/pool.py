@@ -7,9 +7,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +17,11 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.allocation import CloudAllocation, show
 from ..cloud.guard import contact_path, guard_command
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin, user_data
+from ..cloud.market import LABEL_PREFIX, label, over_budget
 from ..cloud.rest import ApiError, RestApi
 from ..offers import Offer
 from ..ssh_shell import Target
@@ -32,8 +31,6 @@ from .settings import LambdaSettings
 logger = logging.getLogger("flotilla.lambda")
 
 FOLDER_PREFIX = "flotilla-lambda-"
-LABEL_PREFIX = "flotilla:"
-"""Instances are named ``flotilla:{pool id}:{client host:pid:start}``."""
 GUARD_ID = "flotilla"
 """The name the boot guard and the watchdog give the instance's contact file (one pool per
 instance; cloud-init's instance id need not be Lambda's)."""
@@ -100,17 +97,6 @@ def as_offers(c: Candidate) -> list[Offer]:
     ]
 
 
-def label(pool_id: str, client: str) -> str:
-    return f"{LABEL_PREFIX}{pool_id}:{client}"
-
-
-def parse_label(text: str) -> tuple[str, str] | None:
-    if not text.startswith(LABEL_PREFIX):
-        return None
-    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
-    return (pool, client) if pool else None
-
-
 def terminate_script(url: str, key: str) -> str:
     """The instance's own terminate script: it finds itself among the account's instances
     by its addresses (``hostname -I``: Lambda gives an instance no id of its own to read)
@@ -174,30 +160,15 @@ class LambdaAllocation(CloudAllocation):
         self.instances: dict[str, dict[str, Any]] = {}
         self.hourly = 0.0
         self.ssh_key_id = ""
-        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
-        self.known_hosts = os.path.join(self.folder, "known_hosts")
-        self.login_key: KeyPair | None = None
+        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
         self.key_name = f"flotilla-{spec.pool_id}"
-        self.python = settings.python or "python3"
-        self.workdir = settings.workdir
         self._candidates: list[Candidate] = []
         self._keys = 0
-        self.ssh = CloudShell(
-            self.target,
-            key=None,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=False,
-            connect_timeout=settings.connect_timeout,
-        )
-        self.shell = self.ssh
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
-        self.login_key = await self._in_thread(
-            keygen, self.folder, "login_key", f"flotilla-{self.spec.pool_id}"
-        )
-        self.ssh.key = self.login_key.path
+        await self._make_login_key()
         self._candidates = self._affordable(await self._in_thread(self.search))
         await self._in_thread(self._register_key)
         ids, region = await self._in_thread(self._launch, self.spec.nodes, None)
@@ -220,15 +191,12 @@ class LambdaAllocation(CloudAllocation):
                 f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
                 cause=ProvisionCause.CAPACITY,
             )
-        if cheap and spec.max_hourly_cost is not None:
-            total = cheap[0].hourly * spec.nodes
-            if total > spec.max_hourly_cost:
-                raise ProvisionError(
-                    f"the cheapest Lambda instances for {spec.nodes} node(s) cost "
-                    f"${total:.2f}/h, above max_hourly_cost=${spec.max_hourly_cost:.2f}/h: "
-                    "nothing was rented",
-                    cause=ProvisionCause.CAPACITY,
-                )
+        if cheap:
+            over_budget(
+                cheap[0].hourly * spec.nodes,
+                spec.max_hourly_cost,
+                f"the cheapest Lambda instances for {spec.nodes} node(s) cost",
+            )
         return cheap
 
     def _register_key(self) -> None:
@@ -436,5 +404,4 @@ def ssh_login(address: str) -> list[str]:
 
 
 def _show(message: str) -> None:
-    logger.info("%s", message)
-    print(f"flotilla: {message}", file=sys.stderr, flush=True)
+    show(logger, message)

@@ -22,16 +22,16 @@ this machine left, and its SSH keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..base import PoolSpec, Provider
+from ..base import PoolSpec
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
 from ..cloud.rest import RestApi
 from ..offers import Offer
 from ..options import provider_init
 from .api import base_url, data, find, make_api
-from .pool import LambdaAllocation, as_offers, candidates, delete_keys, parse_label
+from .pool import LambdaAllocation, as_offers, candidates, delete_keys
 from .settings import LambdaSettings
 
 
@@ -40,22 +40,11 @@ def configured() -> bool:
     return bool(find(None)[0])
 
 
-@dataclass(frozen=True)
-class LambdaOrphans:
-    """What :meth:`LambdaCloud.remove_orphans` found (and terminated unless a dry run).
-
-    Attributes:
-        pools: the orphan pools' ids.
-        instances: their instances.
-        skipped: pools whose client ran on another machine (not touched).
-    """
-
-    pools: tuple[str, ...]
-    instances: tuple[str, ...]
-    skipped: tuple[str, ...]
+class LambdaOrphans(CloudOrphans):
+    """What :meth:`LambdaCloud.remove_orphans` found (and terminated unless a dry run)."""
 
 
-class LambdaCloud(Provider):
+class LambdaCloud(MarketProvider):
     """Run the nodes on Lambda Cloud GPU instances launched for the pool and terminated
     after it.
 
@@ -67,12 +56,12 @@ class LambdaCloud(Provider):
 
     name = "lambda"
     settings_type = LambdaSettings
+    _api: RestApi | None
 
     @provider_init(LambdaSettings)
     def __init__(self, *args: Any, settings: LambdaSettings | None = None, **options: Any) -> None:
-        self.settings: LambdaSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api: RestApi | None = None
+        self.settings: LambdaSettings
+        self._configure(settings, args, options)
 
     def __repr__(self) -> str:  # never the key
         return f"LambdaCloud(url={base_url(self.settings.url)!r})"
@@ -96,15 +85,7 @@ class LambdaCloud(Provider):
 
     def validate(self, spec: PoolSpec) -> None:
         self.check()
-        from ..ssh_shell import ssh_client
-
-        ssh_client()
-        if self.settings.ttl <= spec.options.heartbeat_timeout:
-            raise ConfigurationError(
-                f"LambdaCloud(ttl={self.settings.ttl:g}) must exceed Options("
-                f"heartbeat_timeout={spec.options.heartbeat_timeout:g}): the instances would "
-                "terminate themselves under a live pool"
-            )
+        check_ttl(self, spec, "the instances would terminate themselves")
         if spec.accelerator is not None and spec.accelerator.fractional:
             raise ConfigurationError(f"Lambda has no fractions of a GPU: {spec.accelerator}")
         self._types(spec)
@@ -121,34 +102,20 @@ class LambdaCloud(Provider):
     async def acquire(self, spec: PoolSpec) -> LambdaAllocation:
         ttl_key = self.settings.ttl_api_key or find(self.settings.api_key)[0]
         allocation = LambdaAllocation(self.settings, self.api, ttl_key, spec)
-        try:
-            await allocation.launch()
-        except BaseException:
-            await allocation.release()
-            raise
-        return allocation
+        return await launched(allocation, allocation.launch)
 
     def remove_orphans(self, dry_run: bool = False) -> LambdaOrphans:
         """Terminate the instances (found by their name) of pools whose client process on
         this machine is gone, and delete those pools' SSH keys and local key folders."""
         import shutil
 
-        from ..cloud.identity import dead_folders, orphaned
+        from ..cloud.identity import dead_folders
         from .pool import FOLDER_PREFIX
 
         api = self.api
         rows = data(api.call("GET", "/instances", "list instances")) or []
-        pools: set[str] = set()
-        skipped: set[str] = set()
-        gone: list[str] = []
-        for row in rows:
-            found = parse_label(str(row.get("name") or ""))
-            if found is None or row.get("status") == "terminated":
-                continue
-            pool, client = found
-            if orphaned(pool, client, skipped):
-                pools.add(pool)
-                gone.append(str(row["id"]))
+        live = [row for row in rows if row.get("status") != "terminated"]
+        pools, skipped, gone = find_orphans(labelled(live, "name"))
         if not dry_run and gone:
             api.call(
                 "POST",

@@ -20,6 +20,7 @@ from typing import Any
 from ..._accelerators import offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import PoolSpec
+from ..cloud.market import over_budget
 from ..offers import Offer
 from .settings import RunPodSettings
 
@@ -130,14 +131,11 @@ def affordable(found: list[Candidate], spec: PoolSpec) -> list[Candidate]:
             "nothing was rented",
             cause=ProvisionCause.CAPACITY,
         )
-    total = min(c.hourly for c in cheap) * spec.nodes
-    if spec.max_hourly_cost is not None and total > spec.max_hourly_cost:
-        raise ProvisionError(
-            f"the cheapest RunPod pods for {spec.nodes} node(s) of {spec.accelerator} cost "
-            f"${total:.2f}/h, above max_hourly_cost=${spec.max_hourly_cost:.2f}/h: nothing "
-            "was rented",
-            cause=ProvisionCause.CAPACITY,
-        )
+    over_budget(
+        min(c.hourly for c in cheap) * spec.nodes,
+        spec.max_hourly_cost,
+        f"the cheapest RunPod pods for {spec.nodes} node(s) of {spec.accelerator} cost",
+    )
     return cheap
 
 

@@ -6,9 +6,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import shutil
-import sys
 import time
 from typing import Any
 
@@ -16,9 +14,10 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.allocation import CloudAllocation, show
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.market import LABEL_PREFIX, label
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
 from ..ssh_shell import Target
@@ -29,8 +28,6 @@ from .settings import RunPodSettings
 logger = logging.getLogger("flotilla.runpod")
 
 FOLDER_PREFIX = "flotilla-runpod-"
-LABEL_PREFIX = "flotilla:"
-"""Pods are named ``flotilla:{pool id}:{client host:pid:start}``."""
 POLL = 0.2
 SSHD = (
     'mkdir -p ~/.ssh && chmod 700 ~/.ssh && echo "$PUBLIC_KEY" >> ~/.ssh/authorized_keys\n'
@@ -39,18 +36,6 @@ SSHD = (
 )
 """The end of a pod's start command: what RunPod's images' ``/start.sh`` does for SSH (the
 login key from ``PUBLIC_KEY``, then sshd on the container's port 22)."""
-
-
-def label(pool_id: str, client: str) -> str:
-    return f"{LABEL_PREFIX}{pool_id}:{client}"
-
-
-def parse_label(text: str) -> tuple[str, str] | None:
-    """(pool id, client) of a flotilla pod name; None for another name."""
-    if not text.startswith(LABEL_PREFIX):
-        return None
-    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
-    return (pool, client) if pool else None
 
 
 def internal_name(pod_id: str) -> str:
@@ -80,31 +65,16 @@ class RunPodAllocation(CloudAllocation):
         self.pods: dict[str, dict[str, Any]] = {}
         self.hourly = 0.0
         self.chosen: dict[str, Candidate] = {}
-        self.folder = pool_folder(FOLDER_PREFIX, spec.pool_id)
-        self.known_hosts = os.path.join(self.folder, "known_hosts")
-        self.login_key: KeyPair | None = None
+        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
-        self.python = settings.python or "python3"
-        self.workdir = settings.workdir
         self._targets: dict[str, Target] = {}
         self._candidates: list[Candidate] = []
         self._host_keys: dict[str, KeyPair] = {}
         self._keys = 0
-        self.ssh = CloudShell(
-            self.target,
-            key=None,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=False,
-            connect_timeout=settings.connect_timeout,
-        )
-        self.shell = self.ssh
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
-        self.login_key = await self._in_thread(
-            keygen, self.folder, "login_key", f"flotilla-{self.spec.pool_id}"
-        )
-        self.ssh.key = self.login_key.path
+        await self._make_login_key()
         self._candidates = affordable(await self._in_thread(self.search), self.spec)
         ids = await self._in_thread(self._create_all, self.spec.nodes)
         kinds = sorted({self.chosen[i].describe() for i in ids})
@@ -342,5 +312,4 @@ def ssh_login(address: str) -> list[str]:
 
 
 def _show(message: str) -> None:
-    logger.info("%s", message)
-    print(f"flotilla: {message}", file=sys.stderr, flush=True)
+    show(logger, message)

@@ -27,16 +27,16 @@ client on this machine left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..base import PoolSpec, Provider
+from ..base import PoolSpec
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
 from ..offers import Offer
 from ..options import provider_init
 from .api import RunPodApi, find, urls
 from .choice import GPU_TYPES, as_offer, candidates
-from .pool import RunPodAllocation, parse_label
+from .pool import RunPodAllocation
 from .settings import RunPodSettings
 
 
@@ -45,22 +45,16 @@ def configured() -> bool:
     return bool(find(None)[0])
 
 
-@dataclass(frozen=True)
-class RunPodOrphans:
-    """What :meth:`RunPod.remove_orphans` found (and terminated unless a dry run).
+class RunPodOrphans(CloudOrphans):
+    """What :meth:`RunPod.remove_orphans` found (and terminated unless a dry run): its
+    ``instances`` are pod ids, also called ``pods``."""
 
-    Attributes:
-        pools: the orphan pools' ids.
-        pods: their pods.
-        skipped: pools whose client ran on another machine (not touched).
-    """
-
-    pools: tuple[str, ...]
-    pods: tuple[str, ...]
-    skipped: tuple[str, ...]
+    @property
+    def pods(self) -> tuple[str, ...]:
+        return self.instances
 
 
-class RunPod(Provider):
+class RunPod(MarketProvider):
     """Run the nodes on RunPod GPU pods rented for the pool and terminated after it.
 
     Needs a RunPod API key (``api_key=``, ``RUNPOD_API_KEY`` or ``runpod config``) and
@@ -72,12 +66,12 @@ class RunPod(Provider):
 
     name = "runpod"
     settings_type = RunPodSettings
+    _api: RunPodApi | None
 
     @provider_init(RunPodSettings)
     def __init__(self, *args: Any, settings: RunPodSettings | None = None, **options: Any) -> None:
-        self.settings: RunPodSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api: RunPodApi | None = None
+        self.settings: RunPodSettings
+        self._configure(settings, args, options)
 
     def __repr__(self) -> str:  # never the key
         return f"RunPod(url={urls(self.settings.url, self.settings.rest_url)[0]!r})"
@@ -107,15 +101,7 @@ class RunPod(Provider):
         """A key the API accepts, ssh, a TTL longer than the heartbeat, and an
         accelerator RunPod has: all before anything is rented."""
         self.check()
-        from ..ssh_shell import ssh_client
-
-        ssh_client()
-        if self.settings.ttl <= spec.options.heartbeat_timeout:
-            raise ConfigurationError(
-                f"RunPod(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
-                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
-                "the pods would terminate themselves under a live pool"
-            )
+        check_ttl(self, spec, "the pods would terminate themselves")
         if spec.nodes > 1 and spec.options.cluster and not self.settings.global_networking:
             raise ConfigurationError(
                 "a cluster pool of several RunPod pods needs RunPod(global_networking=True): "
@@ -134,12 +120,7 @@ class RunPod(Provider):
 
     async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
         allocation = RunPodAllocation(self.settings, self.api, spec)
-        try:
-            await allocation.launch()
-        except BaseException:
-            await allocation.release()
-            raise
-        return allocation
+        return await launched(allocation, allocation.launch)
 
     def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
         """Terminate the pods (found by their name) of pools whose client process on this
@@ -148,21 +129,11 @@ class RunPod(Provider):
         pools whose client is gone are removed too."""
         import shutil
 
-        from ..cloud.identity import dead_folders, orphaned
+        from ..cloud.identity import dead_folders
         from .pool import FOLDER_PREFIX
 
         rows = self.api.call("GET", "/pods", "list pods") or []
-        pools: set[str] = set()
-        skipped: set[str] = set()
-        gone: list[str] = []
-        for row in rows:
-            found = parse_label(str(row.get("name") or ""))
-            if found is None:
-                continue
-            pool, client = found
-            if orphaned(pool, client, skipped):
-                pools.add(pool)
-                gone.append(str(row["id"]))
+        pools, skipped, gone = find_orphans(labelled(rows, "name"))
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")

@@ -9,9 +9,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Any
@@ -19,9 +17,11 @@ from typing import Any
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, PoolSpec
-from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud import login
+from ..cloud.allocation import CloudAllocation, show
 from ..cloud.identity import client_id
-from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.keys import keygen, pin
+from ..cloud.market import LABEL_PREFIX, label, over_budget
 from ..ssh_shell import Target
 from .api import VastApi, VastApiError
 from .choice import Choice, choose, describe, query
@@ -31,23 +31,9 @@ from .settings import VastSettings
 logger = logging.getLogger("flotilla.vast")
 
 FOLDER_PREFIX = "flotilla-vast-"
-LABEL_PREFIX = "flotilla:"
-"""Instances are labelled ``flotilla:{pool id}:{client host:pid:start}``."""
 RUNTYPE = "ssh_direc ssh_proxy"
 """SSH launch mode, direct connections (``get_runtype``, vast.py 1456-1475)."""
 POLL = 0.2
-
-
-def label(pool_id: str, client: str) -> str:
-    return f"{LABEL_PREFIX}{pool_id}:{client}"
-
-
-def parse_label(text: str) -> tuple[str, str] | None:
-    """(pool id, client) of a flotilla label; None for another label."""
-    if not text.startswith(LABEL_PREFIX):
-        return None
-    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
-    return (pool, client) if pool else None
 
 
 def ssh_port(row: dict[str, Any]) -> int:
@@ -85,46 +71,27 @@ class VastAllocation(CloudAllocation):
         self.overlay = ""
         self.subnet = ""
         self.hourly = 0.0
-        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-")
-        self.known_hosts = os.path.join(self.folder, "known_hosts")
-        self.login_key: KeyPair | None = None
+        self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
         self.label = label(spec.pool_id, client_id())
-        self.python = settings.python or "python3"
-        self.workdir = settings.workdir
         self._launches = 0
         self._targets: dict[str, Target] = {}
         self._gone: set[int] = set()  # instances destroyed while the pool runs
         self._renting: set[Any] = set()  # machines an instance is being rented on
-        self.ssh = CloudShell(
-            self.target,
-            key=None,
-            known_hosts=self.known_hosts,
-            accept_new_host_keys=False,
-            connect_timeout=settings.connect_timeout,
-        )
-        self.shell = self.ssh
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
         spec = self.spec
-        offers, login_key = await asyncio.gather(
-            self._in_thread(self.search),
-            self._in_thread(keygen, self.folder, "login_key", f"flotilla-{spec.pool_id}"),
-        )
-        self.login_key = login_key
-        self.ssh.key = login_key.path
+        offers, _ = await asyncio.gather(self._in_thread(self.search), self._make_login_key())
         cheapest = 0.0
         if spec.max_nodes:  # elastic: rents one by one (``candidate``), where max could fit
             most = dataclasses.replace(spec, nodes=spec.most)
             self.choice = choice = choose(offers, most, self.settings)
             cheapest = min(float(o.get("dph_total") or 0) for o in choice.offers)
-            if spec.max_hourly_cost is not None and cheapest > spec.max_hourly_cost:
-                raise ProvisionError(
-                    f"the cheapest Vast offer for a node of {describe(spec, self.settings)} costs "
-                    f"${cheapest:.2f}/h, above max_hourly_cost=${spec.max_hourly_cost:.2f}/h: "
-                    "nothing was rented",
-                    cause=ProvisionCause.CAPACITY,
-                )
+            over_budget(
+                cheapest,
+                spec.max_hourly_cost,
+                f"the cheapest Vast offer for a node of {describe(spec, self.settings)} costs",
+            )
             rented: list[dict[str, Any]] = []
         else:
             self.choice = choice = choose(offers, spec, self.settings, spec.max_hourly_cost)
@@ -207,9 +174,7 @@ class VastAllocation(CloudAllocation):
     def _remember(self, machine: Machine) -> None:
         """Record where ``machine`` (by the address peers know) is reached over SSH, for
         ``flotilla ssh`` (:func:`ssh_login`)."""
-        target = self._targets[machine.ident]
-        with open(os.path.join(self.folder, "addresses"), "a") as f:
-            f.write(f"{machine.address} {target.host} {target.port}\n")
+        login.remember(self.folder, machine.address, self._targets[machine.ident])
 
     def _rent_one(self, offer: dict[str, Any], script: str) -> int:
         body: dict[str, Any] = {
@@ -516,37 +481,8 @@ def ssh_login(address: str) -> list[str]:
     ``address`` as its pool does: its public address and mapped port, the pool's login key
     and pinned host key (for ``flotilla ssh``). ConfigurationError when no live pool of
     this user has it."""
-    import glob
-
-    from ..._errors import ConfigurationError
-
-    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "addresses")
-    for path in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
-        folder = os.path.dirname(path)
-        if os.stat(folder).st_uid != os.getuid():
-            continue
-        with open(path) as f:
-            for line in f:
-                words = line.split()
-                if len(words) == 3 and words[0] == address:
-                    return [
-                        "-i",
-                        os.path.join(folder, "login_key"),
-                        "-o",
-                        "IdentitiesOnly=yes",
-                        "-o",
-                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
-                        "-o",
-                        "StrictHostKeyChecking=yes",
-                        "-p",
-                        words[2],
-                        f"root@{words[1]}",
-                    ]
-    raise ConfigurationError(
-        f"no running Vast pool of this user has an instance at {address}: is the cluster up?"
-    )
+    return login.ssh_login(FOLDER_PREFIX, address, "Vast")
 
 
 def _show(message: str) -> None:
-    logger.info("%s", message)
-    print(f"flotilla: {message}", file=sys.stderr, flush=True)
+    show(logger, message)

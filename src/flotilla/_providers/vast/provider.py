@@ -26,17 +26,17 @@ key Vast gives the instance for itself. ``flotilla down --orphans --provider vas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError
-from ..base import PoolSpec, Provider
+from ..base import PoolSpec
 from ..cloud.keys import KeyPair
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
 from ..offers import Offer
 from ..options import provider_init
 from .api import VastApi, find_key, find_url
 from .choice import as_offer, query
-from .pool import VastAllocation, parse_label
+from .pool import VastAllocation
 from .settings import VastSettings
 
 
@@ -45,22 +45,12 @@ def configured() -> bool:
     return bool(find_key(None)[0])
 
 
-@dataclass(frozen=True)
-class VastOrphans:
-    """What :meth:`VastAI.remove_orphans` found (and destroyed unless a dry run).
-
-    Attributes:
-        pools: the orphan pools' ids.
-        instances: their instances.
-        skipped: pools whose client ran on another machine (not touched).
-    """
-
-    pools: tuple[str, ...]
-    instances: tuple[int, ...]
-    skipped: tuple[str, ...]
+class VastOrphans(CloudOrphans):
+    """What :meth:`VastAI.remove_orphans` found (and destroyed unless a dry run): its
+    ``instances`` are instance ids (int)."""
 
 
-class VastAI(Provider):
+class VastAI(MarketProvider):
     """Run the nodes on Vast.ai instances rented for the pool and destroyed after it.
 
     Needs a Vast API key (``api_key=``, ``VAST_API_KEY`` or ``vastai set api-key``) and
@@ -72,6 +62,7 @@ class VastAI(Provider):
 
     name = "vast"
     settings_type = VastSettings
+    _api: VastApi | None
     elastic = True
     """Elastic pools: an instance is rented per node added (on another machine of the
     pool's cluster: the one chosen where ``max`` nodes fit) and destroyed per node
@@ -79,9 +70,8 @@ class VastAI(Provider):
 
     @provider_init(VastSettings)
     def __init__(self, *args: Any, settings: VastSettings | None = None, **options: Any) -> None:
-        self.settings: VastSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api: VastApi | None = None
+        self.settings: VastSettings
+        self._configure(settings, args, options)
 
     def __repr__(self) -> str:  # never the key
         return f"VastAI(url={find_url(self.settings.url)!r})"
@@ -107,15 +97,7 @@ class VastAI(Provider):
 
     def validate(self, spec: PoolSpec) -> None:
         _ = self.api  # a key, before anything else
-        from ..ssh_shell import ssh_client
-
-        ssh_client()
-        if self.settings.ttl <= spec.options.heartbeat_timeout:
-            raise ConfigurationError(
-                f"VastAI(ttl={self.settings.ttl:g}) must exceed Options(heartbeat_timeout="
-                f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
-                "the instances would destroy themselves under a live pool"
-            )
+        check_ttl(self, spec, "the instances would destroy themselves")
         _check_onstart(find_url(self.settings.url), self.settings, spec)
         if spec.vcpus is not None and spec.vcpus <= 0:
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
@@ -129,34 +111,18 @@ class VastAI(Provider):
 
     async def acquire(self, spec: PoolSpec) -> VastAllocation:
         allocation = VastAllocation(self.settings, self.api, spec, self.api.url)
-        try:
-            await allocation.launch()
-        except BaseException:
-            await allocation.release()
-            raise
-        return allocation
+        return await launched(allocation, allocation.launch)
 
     def remove_orphans(self, dry_run: bool = False) -> VastOrphans:
         """Destroy the instances (found by their label) of pools whose client process on
         this machine is gone. Pools of clients on other machines are listed in
         ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
-        from ..cloud.identity import orphaned
-
         api = self.api
         rows: list[dict[str, Any]] = api.call(
             "GET", "/instances", "list instances", owner="me"
         ).get("instances", [])
-        pools: set[str] = set()
-        skipped: set[str] = set()
-        gone: list[int] = []
-        for row in rows:
-            found = parse_label(str(row.get("label") or ""))
-            if found is None:
-                continue
-            pool, client = found
-            if orphaned(pool, client, skipped):
-                pools.add(pool)
-                gone.append(int(row["id"]))
+        pools, skipped, found = find_orphans(labelled(rows, "label"))
+        gone = [int(i) for i in found]
         if not dry_run:
             for ident in gone:
                 api.call("DELETE", f"/instances/{ident}/", f"destroy instance {ident}")

@@ -1,0 +1,127 @@
+"""What the providers of rented instances share around their allocations: the settings
+plumbing of their constructors, the checks before anything is rented (``ssh``, a TTL
+longer than the heartbeat), an acquire that releases what a failed launch made, the labels
+``flotilla:{pool}:{client}`` and the orphan pools found by them (``flotilla down
+--orphans``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..base import Allocation, PoolSpec, Provider
+from .identity import orphaned
+
+_A = TypeVar("_A", bound=Allocation)
+_T = TypeVar("_T")
+
+LABEL_PREFIX = "flotilla:"
+"""A pool's instances are labelled (or named) ``flotilla:{pool id}:{client host:pid:start}``."""
+
+
+def label(pool_id: str, client: str) -> str:
+    return f"{LABEL_PREFIX}{pool_id}:{client}"
+
+
+def parse_label(text: str) -> tuple[str, str] | None:
+    """(pool id, client) of a flotilla label; None for another label."""
+    if not text.startswith(LABEL_PREFIX):
+        return None
+    pool, _, client = text[len(LABEL_PREFIX) :].partition(":")
+    return (pool, client) if pool else None
+
+
+@dataclass(frozen=True)
+class CloudOrphans:
+    """What a provider's ``remove_orphans`` found (and removed unless a dry run).
+
+    Attributes:
+        pools: the orphan pools' ids.
+        instances: their instances.
+        skipped: pools whose client ran on another machine (not touched).
+    """
+
+    pools: tuple[str, ...]
+    instances: tuple[Any, ...]
+    skipped: tuple[str, ...]
+
+
+def find_orphans(found: Iterable[tuple[str, str, _T]]) -> tuple[set[str], set[str], list[_T]]:
+    """Of ``found`` ((pool, client, instance) of every flotilla instance listed): the
+    orphan pools (their client on this machine is gone), the pools skipped (a client of
+    another machine), and the orphans' instances, in order."""
+    pools: set[str] = set()
+    skipped: set[str] = set()
+    gone: list[_T] = []
+    for pool, client, instance in found:
+        if orphaned(pool, client, skipped):
+            pools.add(pool)
+            gone.append(instance)
+    return pools, skipped, gone
+
+
+def labelled(rows: Iterable[dict[str, Any]], key: str) -> Iterable[tuple[str, str, str]]:
+    """(pool, client, id) of the ``rows`` whose ``key`` is a flotilla label."""
+    for row in rows:
+        found = parse_label(str(row.get(key) or ""))
+        if found is not None:
+            yield found[0], found[1], str(row["id"])
+
+
+class MarketProvider(Provider):
+    """A provider of rented instances: its settings (``settings_type``), ``home`` their
+    ``workdir``, and an API client made on first use (``api``)."""
+
+    settings: Any
+    _api: Any
+
+    def _configure(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> None:
+        """The constructor's body (see ``options.provider_init``)."""
+        self.settings = self.make_settings(settings, args, options)
+        self.home = self.settings.workdir
+        self._api = None
+
+
+def check_ttl(provider: Any, spec: PoolSpec, would: str) -> None:
+    """``ssh`` on this machine, and a TTL of ``provider``'s settings that the client's
+    silence cannot reach (else ``would`` happen under a live pool): ConfigurationError
+    otherwise."""
+    from ..ssh_shell import ssh_client
+
+    ssh_client()
+    ttl = provider.settings.ttl
+    if ttl <= spec.options.heartbeat_timeout:
+        raise ConfigurationError(
+            f"{type(provider).__name__}(ttl={ttl:g}) must exceed Options(heartbeat_timeout="
+            f"{spec.options.heartbeat_timeout:g}): the client may be silent that long, and "
+            f"{would} under a live pool"
+        )
+
+
+async def launched(allocation: _A, launch: Callable[[], Awaitable[None]]) -> _A:
+    """``allocation`` once ``launch()`` made it; released (nothing left) when it fails or
+    is cancelled."""
+    try:
+        await launch()
+    except BaseException:
+        await allocation.release()
+        raise
+    return allocation
+
+
+def over_budget(
+    cost: float | None,
+    cap: float | None,
+    what: str,
+    note: str = "",
+    cap_name: str = "max_hourly_cost",
+) -> None:
+    """ProvisionError (CAPACITY, before anything is rented) when ``cost`` an hour is above
+    ``cap`` (``cap_name``; None: no cap), saying ``{what} ${cost}/h{note}``."""
+    if cost is not None and cap is not None and cost > cap:
+        raise ProvisionError(
+            f"{what} ${cost:.2f}/h{note}, above {cap_name}=${cap:.2f}/h: nothing was rented",
+            cause=ProvisionCause.CAPACITY,
+        )
