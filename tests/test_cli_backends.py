@@ -108,7 +108,7 @@ def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
         registry.backend("nomad")
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws, k8s, vast, runpod, lambda, container"
+    assert known == "local, ssh, slurm, aws, k8s, vast, runpod, lambda, gcp, container"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
@@ -325,6 +325,11 @@ _SAMPLES = {
     "container_prefix": "fx",
     "poweroff_command": "sudo -n halt",
 }
+_KIND_SAMPLES = {  # where a kind spells a setting its own way
+    ("gcp", "region"): "europe-west4",
+    ("gcp", "zone"): "europe-west4-a",
+    ("gcp", "api_endpoint"): "http://127.0.0.1:8089/compute/v1/",
+}
 _REQUIRED = {"ssh": ["--hosts", "h1,h2"], "container": ["--container-binary", "podman"]}
 
 
@@ -340,7 +345,8 @@ def test_a_settings_flag_reaches_the_provider(kind: str, flag: Flag, tmp_path: P
     b = registry.backend(kind)
     argv = ["--provider", kind, *_REQUIRED.get(kind, []), flag.name]
     if not flag.switch:
-        argv.append(_SAMPLES.get(flag.setting, "7" if flag.type in (int, float) else "x1"))
+        default = "7" if flag.type in (int, float) else "x1"
+        argv.append(_KIND_SAMPLES.get((kind, flag.setting), _SAMPLES.get(flag.setting, default)))
     spec = registry.spec_from_args(launch_args(*argv))
     assert spec is not None
     kept = registry.spec_from_dict(json.loads(json.dumps(spec.to_dict())))

@@ -18,8 +18,12 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── PoolClosedError (RuntimeError)      the pool is not running
     ├── ProvisionError                      the provider could not start or reach a node
     │   │                                   (``cause``: a ProvisionCause)
-    │   └── VastApiError                    _providers/vast/api.py: a Vast API call failed
-    │                                       (``status``, Vast's ``error`` code)
+    │   ├── VastApiError                    _providers/vast/api.py: a Vast API call failed
+    │   │                                   (``status``, Vast's ``error`` code)
+    │   ├── ApiError                        _providers/cloud/rest.py: a RunPod or Lambda
+    │   │                                   API call failed (``status``, ``code``)
+    │   └── GcpApiError                     _providers/gcp/api.py: a Compute API call or
+    │                                       operation failed (``status``, ``codes``)
     ├── RemoteError                         user exception whose type is not importable here
     ├── TaskTimeoutError (TimeoutError)     a call ran longer than its ``timeout``
     ├── WorkerDiedError                     the process running a call died under it
@@ -34,7 +38,7 @@ their original type when it can be imported locally; otherwise as :class:`Remote
 
 The classes defined here are the public ones (exported by :mod:`flotilla`): they print as
 ``flotilla.WorkerDiedError`` (their ``__module__`` is ``flotilla``) and pickle by that name.
-The command line's four and the Vast provider's API error live in their modules and
+The command line's four and the cloud providers' API errors live in their modules and
 stay internal. Two lower-level exceptions
 never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
 agent reports it, and the client raises ProvisionError) and

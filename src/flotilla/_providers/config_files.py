@@ -297,7 +297,7 @@ def _section(value: Any, key: str, at: Any) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise ConfigurationError(
-            f"{at(key)}: must be a mapping (key: value lines), got {_kind(value)}"
+            f"{at(key)}: must be a mapping (key: value lines), got {kind_of(value)}"
         )
     return dict(value)
 
@@ -329,7 +329,7 @@ def check_settings(kind: str, values: Mapping[str, Any], prefix: str, at: Any) -
             )
         if not _fits(option.type, value):
             raise ConfigurationError(
-                f"{at(key)}: must be {_describe(option.type)}, got {_kind(value)}"
+                f"{at(key)}: must be {_describe(option.type)}, got {kind_of(value)}"
             )
         out[name] = _tuples(value)
     try:
@@ -371,18 +371,18 @@ def _check_pool(name: str, pool: Any, at: Any) -> dict[str, Any]:
         value = values.get(number)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ConfigurationError(
-                f"{at(f'{key}.{number}')}: must be {POOL_FIELDS[number]}, got {_kind(value)}"
+                f"{at(f'{key}.{number}')}: must be {POOL_FIELDS[number]}, got {kind_of(value)}"
             )
     nodes = values.get("nodes")
     if nodes is not None and not _nodes_ok(nodes):
         raise ConfigurationError(
-            f"{at(f'{key}.nodes')}: must be {POOL_FIELDS['nodes']}, got {_kind(nodes)}"
+            f"{at(f'{key}.nodes')}: must be {POOL_FIELDS['nodes']}, got {kind_of(nodes)}"
         )
     for text in ("accelerator", "allocation"):
         value = values.get(text)
         if value is not None and not isinstance(value, str):
             raise ConfigurationError(
-                f"{at(f'{key}.{text}')}: must be {POOL_FIELDS[text]}, got {_kind(value)}"
+                f"{at(f'{key}.{text}')}: must be {POOL_FIELDS[text]}, got {kind_of(value)}"
             )
     return values
 
@@ -526,7 +526,8 @@ def _describe(hint: Any) -> str:
     return " or ".join(dict.fromkeys(words)) or "a value"
 
 
-def _kind(value: object) -> str:
+def kind_of(value: object) -> str:
+    """What a configuration value is, for messages: ``a string ('x')``, ``a list``..."""
     if value is None:
         return "nothing"
     if isinstance(value, bool):

@@ -222,22 +222,26 @@ class Fallback(Provider):
             try:
                 allocation, agents = await c.start(spec)
             except (ProvisionError, ConfigurationError) as e:
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.failures.append((c, why))
-                tried.append(f"{c!r}: {why}")
-                self.report(f"candidate {c!r} failed: {why}")
+                tried.append(self._failed(c, e))
                 continue
-            self.chosen = c
-            self.home = c.home
-            self.python_pinned = c.python_pinned
+            self._choose(c)
             hourly = getattr(allocation, "hourly", None)
             price = hourly if isinstance(hourly, int | float) and hourly else cost
             self.report(f"chose {c!r} for {spec.nodes} node(s), {describe_cost(price)}")
             return allocation, agents
-        raise ProvisionError(
-            "no provider could start the pool:\n  " + "\n  ".join(tried),
-            cause=ProvisionCause.CAPACITY,
-        )
+        raise _none_started(tried)
+
+    def _failed(self, c: Provider, e: Exception) -> str:
+        """Record that candidate ``c`` could not start (``e``); its line for the error."""
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        self.failures.append((c, why))
+        self.report(f"candidate {c!r} failed: {why}")
+        return f"{c!r}: {why}"
+
+    def _choose(self, c: Provider) -> None:
+        self.chosen = c
+        self.home = c.home
+        self.python_pinned = c.python_pinned
 
     async def acquire(self, spec: PoolSpec) -> Allocation:
         """An elastic pool's allocation (``spec.nodes`` is 0: no node yet) from the first
@@ -265,20 +269,19 @@ class Fallback(Provider):
             try:
                 allocation = await c.acquire(spec)
             except (ProvisionError, ConfigurationError) as e:
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.failures.append((c, why))
-                tried.append(f"{c!r}: {why}")
-                self.report(f"candidate {c!r} failed: {why}")
+                tried.append(self._failed(c, e))
                 continue
-            self.chosen = c
-            self.home = c.home
-            self.python_pinned = c.python_pinned
+            self._choose(c)
             self.report(f"chose {c!r} for an elastic pool of up to {spec.max_nodes} node(s)")
             return allocation
-        raise ProvisionError(
-            "no provider could start the pool:\n  " + "\n  ".join(tried),
-            cause=ProvisionCause.CAPACITY,
-        )
+        raise _none_started(tried)
+
+
+def _none_started(tried: list[str]) -> ProvisionError:
+    return ProvisionError(
+        "no provider could start the pool:\n  " + "\n  ".join(tried),
+        cause=ProvisionCause.CAPACITY,
+    )
 
 
 class Candidate(Provider):

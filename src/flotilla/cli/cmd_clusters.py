@@ -12,7 +12,6 @@ import time
 from .._errors import ConfigurationError, FlotillaError
 from .._system import procs
 from .backends import registry
-from .clusters import running
 from .console import CLIError, duration, print_json, say, table
 from .conventions import EXIT_FLOTILLA, confirm
 from .state import (
@@ -154,20 +153,11 @@ def _down_corrupt(paths: Paths) -> None:
 
 
 def cmd_ssh(args: argparse.Namespace) -> int:
-    paths = Paths(args.cluster)
-    rec = running(paths)
-    if not rec.nodes:
-        raise CLIError(f"cluster {paths.name} is still starting")
-    if not 0 <= args.node < len(rec.nodes):
-        raise CLIError(f"cluster {paths.name} has nodes 0 to {len(rec.nodes) - 1}", code=2)
-    spec = registry.spec_from_dict(rec.provider)
-    shell = registry.backend_for(spec).shell(
-        paths, spec, rec.nodes, args.node, " ".join(args.remote)
-    )
+    from .cmd_files import Remote, exec_shell, node_shell
+
+    shell = node_shell(Remote(args.cluster, args.node, ""), " ".join(args.remote))
     if shell.note:
         say(shell.note)
-    from .cmd_files import exec_shell
-
     exec_shell(shell)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
+from .._providers.config_files import kind_of as _kind
 from .._volume import Volume
 from .conventions import DEFAULT_AUTOSTOP_MINUTES
 from .managed.recovery import JobRecovery, parse_job_recovery
@@ -909,22 +910,6 @@ def _plugin_kind(name: str) -> bool:
     from .._providers.config_files import entry_points
 
     return name in entry_points()
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, bool):
-        return f"a boolean ({str(value).lower()})"
-    if isinstance(value, int | float):
-        return f"a number ({value})"
-    if isinstance(value, str):
-        return f"a string ({value!r})"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
 
 
 def _unknown(key: str, section: str, known: Mapping[str, Any]) -> str:

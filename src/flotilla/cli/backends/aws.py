@@ -32,7 +32,8 @@ from .base import (
     Backend,
     ResourceSpec,
     ShellCommand,
-    ssh_shell,
+    orphan_lines,
+    ssh_command,
 )
 
 if TYPE_CHECKING:
@@ -129,21 +130,14 @@ class AWSBackend(Backend[AWSSpec]):
         from ..._providers.aws import AWS
 
         found = AWS.from_settings(self.settings_of(spec)).remove_orphans(dry_run=dry_run)
-        verb = "would remove" if dry_run else "removed"
-        lines = [
-            f"{len(found.pools)} orphan pool(s){': ' if found.pools else ''}"
-            + ", ".join(found.pools)
-        ]
-        for what, items in (
+        removed = (
             ("instance(s)", found.instances),
             ("security group(s)", found.security_groups),
             ("placement group(s)", found.placement_groups),
             ("key folder(s)", found.folders),
-        ):
-            if items:
-                lines.append(f"{verb} {len(items)} {what}: {', '.join(items)}")
-        if found.skipped:
-            lines.append(f"not checked (clients on other machines): {', '.join(found.skipped)}")
+        )
+        verb = "would remove" if dry_run else "removed"
+        lines = orphan_lines(found.pools, verb, removed, found.skipped)
         if found.stopped:
             lines.append(
                 f"kept (stopped clusters; `flotilla down NAME` removes them): "
@@ -170,8 +164,7 @@ class AWSBackend(Backend[AWSSpec]):
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int, command: str
     ) -> ShellCommand:
         login = self.ssh_login(paths, spec, nodes, node)
-        tty, remote = ssh_shell(nodes[node].workdir, command)
-        return ShellCommand(("ssh", *login, *tty, remote))
+        return ssh_command(login, nodes[node].workdir, command)
 
     def ssh_login(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int

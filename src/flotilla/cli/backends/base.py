@@ -10,6 +10,7 @@ backend imports its provider (``flotilla._providers...``) inside :meth:`make_pro
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import sys
 from abc import ABC, abstractmethod
@@ -566,6 +567,113 @@ class Backend(ABC, Generic[S]):
         directory of node ``node`` of a running cluster."""
 
 
+@dataclass(frozen=True)
+class RentedSpec(ResourceSpec):
+    """A :class:`RentedBackend`'s spec; the task's resources (see :class:`ResourceSpec`)
+    select the offers. ``where`` names the setting (a name, or names) that messages show
+    after the kind."""
+
+    where: ClassVar[str] = ""
+
+    def describe(self) -> str:
+        place = self.value(self.where) if self.where else None
+        if isinstance(place, tuple | list):
+            place = ", ".join(place)
+        return self.kind + (f" ({place})" if place else "")
+
+
+def rented_spec(kind: str, where: str) -> type[RentedSpec]:
+    """The :class:`RentedSpec` of ``--provider KIND`` (``where``: see there)."""
+    members = {"kind": kind, "where": where, "__doc__": f"``--provider {kind}``'s spec."}
+    spec: type[RentedSpec] = dataclass(frozen=True)(
+        type(f"{kind.title()}Spec", (RentedSpec,), members)
+    )
+    return spec
+
+
+class RentedBackend(Backend[S]):
+    """A cloud whose machines are rented for the cluster and given back by ``flotilla
+    down`` (Vast.ai, RunPod, Lambda Cloud, Compute Engine): its provider class, built from
+    the spec's settings, makes the pool, removes orphans, lists offers and checks the
+    credentials; the ``ssh_login(address)`` of its ``pool`` module logs in to a node.
+
+    Attributes:
+        package: the provider's package under ``flotilla._providers`` (imported when used,
+            so that every command starts as fast).
+        provider_name: the provider class in that package.
+        removes: what ``down --orphans`` says it would do (dry run) and did.
+        orphan_kinds: (what, field of the provider's orphan findings) of each kind of
+            thing it removes.
+        ssh_config: whether ``flotilla launch`` writes the nodes' ``ssh_config`` blocks.
+    """
+
+    package: ClassVar[str]
+    provider_name: ClassVar[str]
+    removes: ClassVar[tuple[str, str]] = ("would destroy", "destroyed")
+    orphan_kinds: ClassVar[tuple[tuple[str, str], ...]] = (("instance(s)", "instances"),)
+    ssh_config: ClassVar[bool] = True
+
+    def provider_class(self) -> Any:
+        """The provider class (``package.provider_name``)."""
+        module = importlib.import_module(f"..._providers.{self.package}", __package__)
+        return getattr(module, self.provider_name)
+
+    def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
+        provider: Provider = self.provider_class().from_settings(self.settings_of(spec))
+        return provider
+
+    def remove_orphans(self, spec: S, dry_run: bool) -> list[str]:
+        """What pools whose client (a killed program, or a cluster daemon) on this machine
+        is gone left behind, found by their label or name; pools of other machines'
+        clients are listed, not touched."""
+        provider = self.provider_class().from_settings(self.settings_of(spec))
+        found = provider.remove_orphans(dry_run=dry_run)
+        removed = [(what, getattr(found, field)) for what, field in self.orphan_kinds]
+        return orphan_lines(found.pools, self.removes[not dry_run], removed, found.skipped)
+
+    def market_provider(self) -> Provider:
+        provider: Provider = self.provider_class()()
+        return provider
+
+    def check(self) -> str:
+        line: str = self.provider_class()().check()
+        return line
+
+    def pool_login(self, address: str) -> list[str]:
+        """``ssh`` arguments logging in to the node at ``address`` as its pool does."""
+        module = importlib.import_module(f"..._providers.{self.package}.pool", __package__)
+        login: list[str] = module.ssh_login(address)
+        return login
+
+    def ssh_login(self, paths: Paths, spec: S, nodes: Sequence[NodeRecord], node: int) -> list[str]:
+        """The pool's login to the node (its address, the pool's key, its pinned host
+        keys) when :attr:`ssh_config`; else none."""
+        return self.pool_login(nodes[node].ip) if self.ssh_config else []
+
+    def shell(
+        self, paths: Paths, spec: S, nodes: Sequence[NodeRecord], node: int, command: str
+    ) -> ShellCommand:
+        return ssh_command(self.pool_login(nodes[node].ip), nodes[node].workdir, command)
+
+
+def orphan_lines(
+    pools: Sequence[str],
+    verb: str,
+    removed: Sequence[tuple[str, Sequence[object]]],
+    skipped: Sequence[str],
+) -> list[str]:
+    """``flotilla down --orphans``'s lines: the orphan pools, what of each kind ``verb``
+    (``would destroy``, ``destroyed``...) names was removed, the pools of other machines'
+    clients (not checked)."""
+    lines = [f"{len(pools)} orphan pool(s){': ' if pools else ''}" + ", ".join(pools)]
+    for what, items in removed:
+        if items:
+            lines.append(f"{verb} {len(items)} {what}: {', '.join(map(str, items))}")
+    if skipped:
+        lines.append(f"not checked (clients on other machines): {', '.join(skipped)}")
+    return lines
+
+
 def ssh_alias(cluster: str, node: int) -> str:
     """A node's ``Host`` name in the cluster's ssh_config: ``NAME`` (the head) and
     ``NAME-workerK``, as SkyPilot names them."""
@@ -625,6 +733,12 @@ def ssh_shell(workdir: str, command: str) -> tuple[tuple[str, ...], str]:
     over ssh: ``command``, or a login shell, in the node's ``workdir``."""
     remote = f"cd {shlex.quote(workdir)} && " + (command or "exec ${SHELL:-bash} -l")
     return ("-t",) if not command and sys.stdin.isatty() else (), remote
+
+
+def ssh_command(login: Sequence[str], workdir: str, command: str) -> ShellCommand:
+    """``flotilla ssh`` as ``ssh LOGIN``: ``command``, or a login shell, in ``workdir``."""
+    tty, remote = ssh_shell(workdir, command)
+    return ShellCommand(("ssh", *login, *tty, remote))
 
 
 def task_location(task: Task, name: str) -> str:
