@@ -101,6 +101,9 @@ def test_show_gpus_lists_every_markets_offers(
     vast_lab.add_machines(1, gpu_name="RTX 4090", dph_total=0.3)  # not an A100
     for lab in (lambda_lab, runpod_lab, vast_lab):
         cli.env.update(lab.env)
+    # only those three: a GCP lab of an earlier test may have left GCP configured
+    cli.env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    cli.env["CLOUDSDK_CONFIG"] = str(cli.home / "no-gcloud")
     shown = cli.ok("show-gpus", "A100").stdout
     rows = [re.split(r"\s{2,}", line) for line in shown.splitlines()[1:]]
     assert [(r[0], r[3]) for r in rows] == [
