@@ -101,7 +101,11 @@ def test_show_gpus_lists_every_markets_offers(
     vast_lab.add_machines(1, gpu_name="RTX 4090", dph_total=0.3)  # not an A100
     for lab in (lambda_lab, runpod_lab, vast_lab):
         cli.env.update(lab.env)
-    # only those three: a GCP lab of an earlier test may have left GCP configured
+    # only those three: the AWS (moto) and GCP labs of earlier tests leave their
+    # credentials in the session's environment, which would add their offers
+    for key in [k for k in cli.env if k.startswith("AWS_")]:
+        del cli.env[key]
+    cli.env["AWS_CONFIG_FILE"] = cli.env["AWS_SHARED_CREDENTIALS_FILE"] = str(cli.home / "none")
     cli.env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
     cli.env["CLOUDSDK_CONFIG"] = str(cli.home / "no-gcloud")
     shown = cli.ok("show-gpus", "A100").stdout
