@@ -67,6 +67,15 @@ class _Meta:
     parse: Callable[[str], Any] | None = None
 
 
+MARKETS = ("on-demand", "spot", "spot-if-available")
+"""The markets a cloud's ``allocation`` setting takes (AWS, RunPod, GCP): on-demand, spot,
+or spot falling back to on-demand."""
+
+MARKET_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
+"""A task file's ``allocation``, as SkyPilot reads ``use_spot``: no ``use_spot`` is on-demand
+(a provider's own default, e.g. AWS's ``spot-if-available``, is not SkyPilot's)."""
+
+
 def option(
     default: Any = MISSING,
     *,

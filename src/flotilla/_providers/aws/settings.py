@@ -8,13 +8,9 @@ from dataclasses import dataclass
 
 from ..._errors import ConfigurationError, check_number
 from ..cloud.guard import USER_NAME, guard_command
-from ..options import From, option
+from ..options import MARKET_OF_TASK, MARKETS, From, option
 
-ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
 NETWORK_TIERS = ("standard", "best")
-ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
-"""A task file's ``allocation``, as SkyPilot reads ``use_spot``: no ``use_spot`` is on-demand
-(the library's default, ``spot-if-available``, is not SkyPilot's)."""
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_NET_GDR_LEVEL": "PHB"}
 """What processes on EFA instances get (unless set): libfabric's EFA provider, GPUDirect
 RDMA on p4d/p5, and NCCL's use of it (the aws-ofi-nccl plugin of the Deep Learning AMI)."""
@@ -59,7 +55,7 @@ class AWSSettings:
     region: str | None = option(None, flag="--region", task=From(("infra", "region")))
     instance_type: str | None = option(None, flag="--instance-type", task="instance_type")
     allocation: str = option(
-        "spot-if-available", flag="--allocation", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK
+        "spot-if-available", flag="--allocation", choices=MARKETS, task=MARKET_OF_TASK
     )
     ami: str | None = option(None, task="image_id")
     ssh_user: str = option("ubuntu", flag="--aws-user")
@@ -82,10 +78,9 @@ class AWSSettings:
                 f"AWS(network_tier={self.network_tier!r}): use one of "
                 f"{', '.join(map(repr, NETWORK_TIERS))}"
             )
-        if self.allocation not in ALLOCATIONS:
+        if self.allocation not in MARKETS:
             raise ConfigurationError(
-                f"AWS(allocation={self.allocation!r}): use one of "
-                f"{', '.join(map(repr, ALLOCATIONS))}"
+                f"AWS(allocation={self.allocation!r}): use one of {', '.join(map(repr, MARKETS))}"
             )
         for what, value, prefix in (("ami", self.ami, "ami-"), ("subnet", self.subnet, "subnet-")):
             if value is not None and (not isinstance(value, str) or not value.startswith(prefix)):

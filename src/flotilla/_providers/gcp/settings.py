@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ConfigurationError, check_number
-from ..options import From, option
+from ..options import MARKET_OF_TASK, MARKETS, From, option
 
 ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
 REGION = re.compile(r"[a-z]+-[a-z]+[0-9]+")
@@ -26,11 +26,6 @@ def _infra_zone(text: Any) -> str | None:
     if len(parts) > 1:
         return parts[1] or None
     return parts[0] if ZONE.fullmatch(parts[0]) else None
-
-
-ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
-ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
-"""A task file's ``allocation``, as SkyPilot reads ``use_spot`` (none: on-demand)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ class GCPSettings:
     network: str = "default"
     subnet: str | None = None
     machine_type: str | None = option(None, task="instance_type")
-    allocation: str = option("on-demand", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK)
+    allocation: str = option("on-demand", choices=MARKETS, task=MARKET_OF_TASK)
     disk_size_gb: float = option(200.0, task="disk_size")
     disk_type: str = "pd-balanced"
     image: str | None = option(None, task="image_id")
@@ -106,9 +101,9 @@ class GCPSettings:
             )
         if self.zone is not None and not str(self.zone).startswith(self.region + "-"):
             object.__setattr__(self, "region", str(self.zone).rsplit("-", 1)[0])
-        if self.allocation not in ALLOCATIONS:
+        if self.allocation not in MARKETS:
             raise ConfigurationError(
-                f"GCP(allocation={self.allocation!r}): one of {', '.join(ALLOCATIONS)}"
+                f"GCP(allocation={self.allocation!r}): one of {', '.join(MARKETS)}"
             )
         disk, ttl = self.disk_size_gb, self.ttl
         check_number(disk, f"GCP(disk_size_gb={disk!r}): a positive number of GB", above=0)

@@ -10,11 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError, check_number
-from ..options import From, option
+from ..options import MARKET_OF_TASK, MARKETS, From, option
 
 CLOUD_TYPES = ("secure", "community", "all")
-ALLOCATIONS = ("on-demand", "spot", "spot-if-available")
-ALLOCATION_OF_TASK = From(("use_spot",), lambda spot: "spot" if spot else "on-demand", always=True)
 
 
 def _centers(text: str) -> tuple[str, ...]:
@@ -62,7 +60,7 @@ class RunPodSettings:
     rest_url: str | None = None
     image: str = option("runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04", task="image_id")
     cloud_type: str = option("secure", choices=CLOUD_TYPES)
-    allocation: str = option("on-demand", choices=ALLOCATIONS, task=ALLOCATION_OF_TASK)
+    allocation: str = option("on-demand", choices=MARKETS, task=MARKET_OF_TASK)
     data_centers: Sequence[str] = option((), task=From(("infra", "region"), _centers))
     disk_gb: float = option(50.0, task="disk_size")
     global_networking: bool = True
@@ -81,9 +79,9 @@ class RunPodSettings:
             raise ConfigurationError(
                 f"RunPod(cloud_type={self.cloud_type!r}): one of {', '.join(CLOUD_TYPES)}"
             )
-        if self.allocation not in ALLOCATIONS:
+        if self.allocation not in MARKETS:
             raise ConfigurationError(
-                f"RunPod(allocation={self.allocation!r}): one of {', '.join(ALLOCATIONS)}"
+                f"RunPod(allocation={self.allocation!r}): one of {', '.join(MARKETS)}"
             )
         disk = self.disk_gb
         check_number(disk, f"RunPod(disk_gb={disk!r}): a positive number of GB", above=0)
