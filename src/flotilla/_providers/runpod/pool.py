@@ -275,11 +275,7 @@ class RunPodAllocation(CloudAllocation):
 
     # -- release -----------------------------------------------------------------------
     def _terminate(self, ident: str) -> None:
-        try:
-            self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
-        except ApiError as e:
-            if e.status != 404:
-                raise
+        self.api.delete(f"/pods/{ident}", f"terminate pod {ident}")
 
     def sweep(self) -> None:
         """Terminate every pod of the pool: the ones created, and any the API lists with

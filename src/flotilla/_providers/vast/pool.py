@@ -429,11 +429,7 @@ class VastAllocation(CloudAllocation):
 
     # -- release -----------------------------------------------------------------------
     def _destroy(self, ident: int) -> None:
-        try:
-            self.api.call("DELETE", f"/instances/{ident}/", f"destroy instance {ident}")
-        except VastApiError as e:
-            if e.status != 404:
-                raise
+        self.api.delete(f"/instances/{ident}/", f"destroy instance {ident}")
 
     def sweep(self) -> None:
         """Destroy everything of the pool (:meth:`_release`; synchronous, see
@@ -462,15 +458,11 @@ class VastAllocation(CloudAllocation):
                 errors.append(str(e))
         if self.overlay:
             try:
-                self.api.call(
-                    "DELETE",
-                    "/overlay/",
-                    "delete the pool's overlay network",
-                    {"overlay_name": self.overlay},
+                self.api.delete(
+                    "/overlay/", "delete the pool's overlay network", {"overlay_name": self.overlay}
                 )
             except VastApiError as e:
-                if e.status != 404:
-                    errors.append(str(e))
+                errors.append(str(e))
         if errors:
             raise ProvisionError("; ".join(errors))
 
