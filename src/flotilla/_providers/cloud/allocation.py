@@ -45,6 +45,7 @@ class CloudAllocation(ShellAllocation):
     Attributes:
         handover: how the pool's host key reached the instances, in the refusal of one
             that presents another key.
+        prefix: before a machine's id in its name ("vast-").
         executor: the threads of the cloud's blocking API calls (one pool of them per
             cloud, shared by its allocations).
     """
@@ -56,6 +57,7 @@ class CloudAllocation(ShellAllocation):
     known_hosts: str
     login_key: KeyPair | None
     handover = "installed at its start"
+    prefix = ""
     executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
 
     def guard(self, poweroff: Sequence[str]) -> str:
@@ -124,10 +126,10 @@ class CloudAllocation(ShellAllocation):
         raise NotImplementedError
 
     def name(self, machine: Machine) -> str:
-        """``machine`` in messages: its id and where it is reached."""
+        """``machine`` in messages: its id (after ``prefix``) and where it is reached."""
         target = self.target(machine)
         port = f":{target.port}" if target.port != 22 else ""
-        return f"{machine.ident} ({target.host}{port})"
+        return f"{self.prefix}{machine.ident} ({target.host}{port})"
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the instance's SSH port, then start the agent (:meth:`start_pinned`)."""

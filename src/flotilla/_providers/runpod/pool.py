@@ -56,6 +56,7 @@ class RunPodAllocation(CloudAllocation):
         max_workers=8, thread_name_prefix="flotilla-runpod"
     )
     handover = "installed by its start command"
+    prefix = "runpod-"
 
     def __init__(self, settings: RunPodSettings, api: RunPodApi, spec: PoolSpec) -> None:
         super().__init__(spec, [])
@@ -227,10 +228,6 @@ class RunPodAllocation(CloudAllocation):
     # -- agents ------------------------------------------------------------------------
     def target(self, machine: Machine) -> Target:
         return self._targets[machine.ident]
-
-    def name(self, machine: Machine) -> str:
-        target = self.target(machine)
-        return f"runpod-{machine.ident} ({target.host}:{target.port})"
 
     async def start_agent(self, machine: Machine) -> Any:
         agent = await super().start_agent(machine)

@@ -259,13 +259,10 @@ class VastAllocation(CloudAllocation):
 
     # -- agents ------------------------------------------------------------------------
     handover = "installed through its on-start script"
+    prefix = "vast-"
 
     def target(self, machine: Machine) -> Target:
         return self._targets[machine.ident]
-
-    def name(self, machine: Machine) -> str:
-        target = self.target(machine)
-        return f"vast-{machine.ident} ({target.host}:{target.port})"
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
