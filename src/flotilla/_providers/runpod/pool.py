@@ -17,7 +17,7 @@ from ..cloud import login
 from ..cloud.allocation import CloudAllocation, show
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
-from ..cloud.market import LABEL_PREFIX, label
+from ..cloud.market import label, pool_ids, release_each
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
 from ..ssh_shell import Target
@@ -281,15 +281,8 @@ class RunPodAllocation(CloudAllocation):
             ids = set(self.pods)
             with contextlib.suppress(ProvisionError):
                 rows = self.api.call("GET", "/pods", "list the pool's pods")
-                for row in rows if isinstance(rows, list) else []:
-                    if str(row.get("name", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
-                        ids.add(str(row["id"]))
-            errors = []
-            for ident in sorted(ids):
-                try:
-                    self._terminate(ident)
-                except ProvisionError as e:
-                    errors.append(str(e))
+                ids |= pool_ids(rows if isinstance(rows, list) else [], "name", self.spec.pool_id)
+            errors = release_each(sorted(ids), self._terminate)
             if errors:
                 _show(
                     f"RunPod: could not terminate everything of pool {self.spec.pool_id}: "

@@ -21,7 +21,7 @@ from ..cloud import login
 from ..cloud.allocation import CloudAllocation, show
 from ..cloud.identity import client_id
 from ..cloud.keys import keygen, pin
-from ..cloud.market import LABEL_PREFIX, label, over_budget
+from ..cloud.market import label, over_budget, pool_ids, release_each
 from ..ssh_shell import Target
 from .api import VastApi, VastApiError
 from .choice import Choice, choose, describe, query
@@ -444,15 +444,9 @@ class VastAllocation(CloudAllocation):
         ids = set(self.instances)
         with contextlib.suppress(ProvisionError):
             rows = self.api.call("GET", "/instances", "list the pool's instances", owner="me")
-            for row in rows.get("instances", []):
-                if str(row.get("label", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
-                    ids.add(int(row["id"]))
-        errors = []
-        for ident in sorted(ids):
-            try:
-                self._destroy(ident)
-            except ProvisionError as e:
-                errors.append(str(e))
+            found = pool_ids(rows.get("instances", []), "label", self.spec.pool_id)
+            ids |= {int(i) for i in found}
+        errors = release_each(sorted(ids), self._destroy)
         if self.overlay:
             try:
                 self.api.delete(
