@@ -16,7 +16,8 @@ class VerdaSettings:
     """How the Verda provider rents a pool's instances.
 
     Attributes:
-        client_id: the API client's id (default: ``VERDA_CLIENT_ID``).
+        client_id: the API client's id (default: ``VERDA_CLIENT_ID``). A credential: no
+            command-line flag, not shown.
         client_secret: its secret (default: ``VERDA_CLIENT_SECRET``). Never shown.
         url: the API's base URL (default: ``VERDA_BASE_URL``, else
             ``https://api.verda.com/v1``).
@@ -46,7 +47,7 @@ class VerdaSettings:
         request_timeout: seconds for one API request.
     """
 
-    client_id: str | None = None
+    client_id: str | None = option(None, secret=True)
     client_secret: str | None = option(None, secret=True)
     url: str | None = None
     region: str | None = option(None, flag="--verda-region", task=From(("infra", "region")))
@@ -56,7 +57,7 @@ class VerdaSettings:
     allocation: str = option("on-demand", choices=MARKETS, task=MARKET_OF_TASK)
     ssh_user: str = "root"
     ttl: float = 600.0
-    ttl_client_id: str | None = None
+    ttl_client_id: str | None = option(None, secret=True)
     ttl_client_secret: str | None = option(None, secret=True)
     workdir: str = ".flotilla"
     python: str | None = None
