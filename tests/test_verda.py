@@ -169,12 +169,25 @@ def test_spot_offers_and_a_bad_secret_refused_before_renting(verda: VerdaLab) ->
         sky.Compute(provider=sky.Verda(), accelerator="A100").open()
 
 
-def test_nothing_left_after_an_exception(verda: VerdaLab) -> None:
-    verda.add_type(*A100)
+def test_a_lost_node_is_replaced_and_nothing_is_left_after_an_exception(verda: VerdaLab) -> None:
+    """Node 1's agent dies: its instance is deleted and a new one created in the pool's
+    location; then an exception in the block gives everything back."""
+    verda.add_type(*A100, capacity={"FIN-01": 2, "FIN-02": 4})
     with (
         pytest.raises(ZeroDivisionError),
-        sky.Compute(provider=sky.Verda(), accelerator="A100", nodes=2) as pool,
+        sky.Compute(provider=sky.Verda(region="FIN-02"), accelerator="A100", nodes=2) as pool,
     ):
+        lost = pool._nodes[1]
+        assert pool._allocation is not None
+        old = pool._allocation.machines[1].ident
+        os.kill(int(lost.hello_info["pid"]), signal.SIGKILL)
+        assert wait_until(
+            lambda: pool._nodes[1] is not lost and pool._nodes[1].state.value == "ready",
+            timeout=120,
+        ), "node 1 was not replaced"
+        assert sorted(p[0] for p in place() @ pool) == [0, 1]
+        assert old not in {i.id for i in verda.live()} and verda.deleted[old] == "account"
+        assert {i.location for i in verda.live()} == {"FIN-02"} and len(verda.creates) == 3
         boom() @ pool
     assert verda.wait_gone(30) == [] and verda.keys == {} and verda.scripts == {}
 
