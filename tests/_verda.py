@@ -35,7 +35,9 @@ private network between instances); ``boot_delay`` s after the create the image 
 instance's registered SSH keys in root's ~/.ssh/authorized_keys and runs the startup
 script as root (with its own /root, /tmp, /etc/ssh and /run), then sshd starts with
 whatever host key is in /etc/ssh, listening ONLY on the public address, port 22; the
-instance is then ``running``. Each instance has an ``nvidia-smi`` listing its type's
+instance is then ``running``. With ``script_late`` (s), the image's sshd answers first
+with the image's own host key, and the startup script runs that much later, after which
+sshd restarts (what the script's ``systemctl restart ssh`` does on Verda). Each instance has an ``nvidia-smi`` listing its type's
 GPUs.
 """
 
@@ -111,6 +113,7 @@ class VerdaLab(Lifecycle):
         self.deleted: dict[str, str] = {}  # id -> "account" | "self"
         self.tokens: dict[str, str] = {}  # token -> client id
         self.self_client = ("", "")
+        self.script_late = 0.0
         self.url = ""
         self.env: dict[str, str] = {}
         self.closing = False
@@ -170,6 +173,7 @@ class VerdaLab(Lifecycle):
             self.deleted.clear()
             self.self_client = ("", "")
         self.boot_delay = 2.0
+        self.script_late = 0.0
 
     def add_type(
         self, name: str, gpu: str, gpus: int, price: float, spot: float = 0.0, **fields: Any
@@ -278,10 +282,17 @@ class VerdaLab(Lifecycle):
         keys.write_text("".join(k + "\n" for k in inst.keys))
         start = (
             f"mount --bind {etc} /etc/ssh && mount -t tmpfs -o mode=755 tmpfs /run && cd / && "
-            f"mkdir -p ~/.ssh && cat {keys} >> ~/.ssh/authorized_keys && "
-            f"(sh {script} > {host.folder / 'console.log'} 2>&1); "
-            f"mkdir -p /run/sshd && exec {SSHD} -D -e"
+            f"mkdir -p ~/.ssh /run/sshd && cat {keys} >> ~/.ssh/authorized_keys && "
         )
+        if self.script_late:  # the image's sshd (its own key) first, the script later
+            start += (
+                f"{SSHD} -e -o PidFile=/run/image-sshd.pid && sleep {self.script_late} && "
+                f"(sh {script} > {host.folder / 'console.log'} 2>&1); "
+                "kill $(cat /run/image-sshd.pid); sleep 0.2; "
+            )
+        else:
+            start += f"(sh {script} > {host.folder / 'console.log'} 2>&1); "
+        start += f"exec {SSHD} -D -e"
         self.lab.start_daemon(
             host,
             start,

@@ -114,6 +114,18 @@ def test_two_nodes_broadcast_and_train_with_ddp(verda: VerdaLab) -> None:
     assert set(verda.deleted.values()) == {"account"}
 
 
+def test_the_images_own_host_key_is_refused_until_the_script_installs_the_pools(
+    verda: VerdaLab,
+) -> None:
+    """The image's sshd answers with its own key for 6 s before the startup script
+    installs the pool's: that key is never trusted, and the start is tried again until
+    the pinned key answers."""
+    verda.script_late = 6.0
+    verda.add_type(*A100)
+    with sky.Compute(provider=sky.Verda(), accelerator="A100", nodes=1) as pool:
+        assert [p[0] for p in place() @ pool] == [0]
+
+
 def test_capacity_moves_to_the_next_location_then_the_next_type(verda: VerdaLab) -> None:
     """The cheapest type is listed in FIN-01 but has no room there (the listing is older
     than the create), FIN-02 has room for 1 of 2 (given back); the next type starts."""

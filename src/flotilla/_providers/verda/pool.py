@@ -18,7 +18,8 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..bootstrap import NoAnswer
+from ..cloud.allocation import CloudAllocation, CloudShell, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
@@ -206,6 +207,20 @@ fi
 """
 
 
+OTHER_KEY = ("REMOTE HOST IDENTIFICATION HAS CHANGED", "Host key verification failed")
+"""What ssh says when the instance presents another host key than the pinned one."""
+
+
+class VerdaShell(CloudShell):
+    """``ssh`` to a Verda instance, its host key pinned. Verda runs the startup script
+    that installs the pool's host key some time after the image's sshd may have started
+    with a key of its own: another key is refused (never trusted) but tried again, as a
+    booting instance, until the start timeout; then the instance is REFUSED."""
+
+    def transient(self, failure: NoAnswer) -> bool:
+        return super().transient(failure) or any(m in failure.stderr for m in OTHER_KEY)
+
+
 class VerdaAllocation(CloudAllocation):
     """The Verda instances of one pool.
 
@@ -220,6 +235,7 @@ class VerdaAllocation(CloudAllocation):
         max_workers=8, thread_name_prefix="flotilla-verda"
     )
     handover = "installed by its startup script"
+    shell_type = VerdaShell
 
     def __init__(
         self,
