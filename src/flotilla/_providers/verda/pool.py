@@ -17,8 +17,8 @@ from ..._accelerators import offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
-from ..cloud import login
 from ..bootstrap import NoAnswer
+from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
