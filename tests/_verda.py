@@ -37,8 +37,8 @@ script as root (with its own /root, /tmp, /etc/ssh and /run), then sshd starts w
 whatever host key is in /etc/ssh, listening ONLY on the public address, port 22; the
 instance is then ``running``. With ``script_late`` (s), the image's sshd answers first
 with the image's own host key, and the startup script runs that much later, after which
-sshd restarts (what the script's ``systemctl restart ssh`` does on Verda). Each instance has an ``nvidia-smi`` listing its type's
-GPUs.
+sshd restarts (what the script's ``systemctl restart ssh`` does on Verda). Each instance
+has an ``nvidia-smi`` listing its type's GPUs.
 """
 
 from __future__ import annotations
