@@ -47,6 +47,10 @@ class ProviderSpec:
     """The most the cluster may cost per hour in USD (the task's
     ``resources.max_hourly_cost``), for a provider that knows its prices; None: no limit."""
 
+    max_node_hourly_cost: float | None = None
+    """The most one node may cost per hour in USD (the task's
+    ``resources.max_node_hourly_cost``, ``Compute(max_node_hourly_cost=)``); None: no limit."""
+
     def __post_init__(self) -> None:
         pairs = {str(k): frozen(v) for k, v in self.settings}
         object.__setattr__(self, "settings", tuple(sorted(pairs.items())))
@@ -133,12 +137,14 @@ class PoolResources:
         vcpus: CPUs per node (None: the provider's default).
         memory_gb: memory per node in GiB (None: the provider's default).
         max_hourly_cost: the most the whole pool may cost per hour, USD (None: no limit).
+        max_node_hourly_cost: the most one node may cost per hour, USD (None: no limit).
     """
 
     accelerator: str | None = None
     vcpus: float | None = None
     memory_gb: float | None = None
     max_hourly_cost: float | None = None
+    max_node_hourly_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +340,11 @@ class Backend(ABC, Generic[S]):
             spec = replace(spec, settings=tuple(values.items()))
         if isinstance(spec, ResourceSpec):
             spec = spec.with_task_resources(task)
-        return replace(spec, max_hourly_cost=task.resources.max_hourly_cost)
+        return replace(
+            spec,
+            max_hourly_cost=task.resources.max_hourly_cost,
+            max_node_hourly_cost=task.resources.max_node_hourly_cost,
+        )
 
     def file_values(self) -> dict[str, Any]:
         """The configuration files' defaults of this provider (``_providers.config_files``: the
@@ -404,6 +414,7 @@ class Backend(ABC, Generic[S]):
             plan["set_by_flotilla"] = dict(self.fixed)
         plan["per_node"] = asdict(self.pool_resources(spec))
         plan["max_hourly_cost"] = plan["per_node"].pop("max_hourly_cost")
+        plan["max_node_hourly_cost"] = plan["per_node"].pop("max_node_hourly_cost")
         return plan
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> S:
@@ -472,10 +483,11 @@ class Backend(ABC, Generic[S]):
     # -- the cluster daemon -------------------------------------------------------------
     def pool_resources(self, spec: S) -> PoolResources:
         """What the cluster's pool asks of every node: a :class:`ResourceSpec`'s resources,
-        else nothing in particular; and the task's price limit."""
+        else nothing in particular; and the task's price limits."""
+        pool, node = spec.max_hourly_cost, spec.max_node_hourly_cost
         if isinstance(spec, ResourceSpec):
-            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb, spec.max_hourly_cost)
-        return PoolResources(max_hourly_cost=spec.max_hourly_cost)
+            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb, pool, node)
+        return PoolResources(max_hourly_cost=pool, max_node_hourly_cost=node)
 
     @abstractmethod
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
