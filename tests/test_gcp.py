@@ -201,6 +201,11 @@ def test_bad_requests_are_refused_before_anything_is_created(gcp_lab: GcpLab) ->
     assert "gcp offers nvidia-a100-80gb" in str(info.value)
     with pytest.raises(ConfigurationError, match="nearest: "):
         sky.Compute(provider=lab_gcp(), accelerator="A1000000").open()
+    # TPUs are the Cloud TPU API's, not Compute Engine's: refused, naming what GCP offers
+    with pytest.raises(ConfigurationError, match=r"does not offer TPUv5e: .*Cloud TPU API") as tpu:
+        sky.Compute(provider=lab_gcp(), accelerator=sky.accelerators.TPUv5e()).open()
+    assert "it offers the GPUs nvidia-tesla-t4, " in str(tpu.value)
+    assert "nvidia-b200" in str(tpu.value)
     with pytest.raises(ConfigurationError, match="no machine with 3 x A100"):
         sky.Compute(provider=lab_gcp(), accelerator="A100:3").open()
     with pytest.raises(ProvisionError, match=r"above max_hourly_cost=\$5\.00/h"):
