@@ -617,6 +617,9 @@ class RentedBackend(Backend[S]):
         orphan_kinds: (what, field of the provider's orphan findings) of each kind of
             thing it removes.
         ssh_config: whether ``flotilla launch`` writes the nodes' ``ssh_config`` blocks.
+        stoppable: ``flotilla stop`` stops the instances, their disks kept, and ``start``
+            starts the same ones again (``_providers.cloud.stopstart``; the provider's
+            ``keep`` is the cluster's folder ``KIND/``); spot ones are refused.
     """
 
     package: ClassVar[str]
@@ -624,6 +627,7 @@ class RentedBackend(Backend[S]):
     removes: ClassVar[tuple[str, str]] = ("would destroy", "destroyed")
     orphan_kinds: ClassVar[tuple[tuple[str, str], ...]] = (("instance(s)", "instances"),)
     ssh_config: ClassVar[bool] = True
+    stoppable: ClassVar[bool] = False
 
     def provider_class(self) -> Any:
         """The provider class (``package.provider_name``)."""
@@ -632,7 +636,62 @@ class RentedBackend(Backend[S]):
 
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
         provider: Provider = self.provider_class().from_settings(self.settings_of(spec))
+        if self.stoppable:
+            from ..._providers.cloud.kept import Keep
+
+            provider.keep = Keep(nodes_dir.parent / self.kind)  # type: ignore[attr-defined]
         return provider
+
+    # -- stop and start (a stoppable cloud's) -------------------------------------------
+    def _keep(self, paths: Paths) -> Any:
+        from ..._providers.cloud.kept import Keep
+
+        return Keep(paths.dir / self.kind)
+
+    def _kept(self, paths: Paths) -> Any:
+        """The cluster's kept pool record (None: none, or unreadable)."""
+        try:
+            return self._keep(paths).load() if self.stoppable else None
+        except ConfigurationError:
+            return None
+
+    def stop_refusal(self, paths: Paths, spec: S) -> str:
+        if not self.stoppable:
+            return self.stop_note
+        kept = self._kept(paths)
+        if self.settings_of(spec).allocation == "spot" or (kept is not None and kept.spot):
+            return f"its instances are {self.kind} spot instances, which are never stopped"
+        return ""
+
+    def autostop_refusal(self, spec: S) -> str:
+        allocation = self.settings_of(spec).allocation if self.stoppable else "on-demand"
+        if allocation != "on-demand":
+            return f"{self.kind} spot instances are never stopped (allocation {allocation})"
+        return ""
+
+    def before_close(self, provider: Provider, keep: bool) -> None:
+        """Closing the pool stops the instances (``keep``) or removes them."""
+        folder = getattr(provider, "keep", None)
+        if folder is not None:
+            folder.stop = keep
+
+    def restartable(self, paths: Paths) -> bool:
+        kept = self._kept(paths)
+        return kept is not None and kept.stopped
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """``down`` of a stopped cluster (or one whose daemon died): remove its kept
+        instances and the kept keys."""
+        if not self.stoppable:
+            return
+        keep = self._keep(paths)
+        kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
+        if kept is not None and kept.stopped:
+            provider = self.provider_class().from_settings(
+                self.settings_of(self.spec_from_dict(record.provider))
+            )
+            provider.remove_kept(kept)
+        keep.forget()
 
     def remove_orphans(self, spec: S, dry_run: bool) -> list[str]:
         """What pools whose client (a killed program, or a cluster daemon) on this machine
