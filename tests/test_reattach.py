@@ -13,11 +13,13 @@ import signal
 import subprocess
 from pathlib import Path
 
+from _hosts import Lab
+from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
 from _procs import alive, processes_in, wait_until
-from test_cli import CLI
+from test_cli import CLI, ssh_flags
 from test_cli import cli as cli  # the fixture
 
-from flotilla import Compute
+from flotilla import Compute, function
 from flotilla.cli.state import ClusterState, JobStatus, Paths
 
 TICKS = (
@@ -102,6 +104,34 @@ def test_a_killed_daemons_cluster_is_re_attached_and_its_job_goes_on(
     assert not any(alive(p) for p in agents)
 
 
+def test_an_ssh_clusters_nodes_are_re_attached_through_ssh(
+    cli: CLI, ssh_lab: Lab, tmp_path: Path
+) -> None:
+    hosts = ssh_lab.hosts[:2]
+    stop = ssh_lab.shared / f"stop-{tmp_path.name}"  # a file the hosts see
+    flags = ssh_flags(ssh_lab, hosts, tmp_path / "remote-workdir")
+    cli.ok("launch", "echo up", "-c", "rs", "--nodes", "2", *flags)
+    before = cli.record("rs")
+    assert before is not None
+    agents = [n.agent_pid for n in before.nodes]
+    log = start_ticking(cli, "rs", stop)
+    kill_daemon(cli, "rs")
+    seen = {r: last_tick(read(log), r) for r in (0, 1)}
+    started = cli.ok("start", "rs")
+    assert "re-attached to its 2 node(s)" in started.stderr
+    after = cli.record("rs")
+    assert after is not None and [n.agent_pid for n in after.nodes] == agents
+    running = ssh_lab.agent_pids(hosts)
+    assert all(p in running[h.addr] for p, h in zip(agents, hosts, strict=True)), running
+    assert wait_until(lambda: all(last_tick(read(log), r) > seen[r] + 2 for r in (0, 1)), 60)
+    stop.touch()
+    followed = cli.ok("logs", "rs", str(after.jobs[-1].id))
+    assert "done-0" in followed.stdout and "done-1" in followed.stdout
+    cli.ok("down", "rs")
+    stop.unlink()
+    assert ssh_lab.wait_no_agents(hosts, timeout=30.0) == {}
+
+
 def test_any_command_that_finds_the_cluster_stale_re_attaches_and_down_cleans_up(
     cli: CLI, tmp_path: Path
 ) -> None:
@@ -161,8 +191,9 @@ def test_a_cluster_nobody_re_attaches_to_ends_after_the_grace(cli: CLI, tmp_path
 def test_a_python_pool_ends_its_agents_with_its_client() -> None:
     """A ``Compute`` pool (not a cluster) keeps today's behaviour: no re-attach socket."""
     with Compute(nodes=1) as pool:
-        assert pool.broadcast(_agent_address) == [None]
+        assert pool.broadcast(_agent_address()) == [None]
 
 
+@function
 def _agent_address() -> str | None:
     return os.environ.get("FLOTILLA_AGENT_ADDRESS")

@@ -356,6 +356,9 @@ class ClusterDaemon(OutputRouting):
         assert self.pool is not None and self.runner is not None
         if self.backend.shares_filesystem or any(n.scheduler_job for n in self.nodes):
             return
+        if self.adopting:  # the daemon before connected them (its calls hold the slots)
+            self.runner.mesh = self.token
+            return
         self.runner.mesh = ""
         try:
             why = mesh.connect(self.pool, [n.ip for n in self.nodes], self.workdirs, self.token)
