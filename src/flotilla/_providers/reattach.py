@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class Reattach(Provider):
             for host in self.base.hosts:
                 target = self.base.target(host)
                 if node.ip in (target.address, target.host):
-                    shell = self.base.shell(lambda _, t=target: t)
+                    shell = self.base.shell(functools.partial(_same, target))
                     return shell.ssh_argv(target, "exec " + shlex.join(node.argv)), {}
             raise ProvisionError(f"node {node.rank} ({node.host}) is not one of the SSH hosts")
         raise ProvisionError(f"the {self.base.name} provider cannot re-attach to its agents")
@@ -155,6 +156,10 @@ class Reattach(Provider):
                 f"{spec.nodes} node(s) asked of a re-attach to {len(self.nodes)} node(s)"
             )
         return ReattachAllocation(self, spec)
+
+
+def _same(target: Any, _: Machine) -> Any:
+    return target
 
 
 class ReattachAllocation(Allocation):

@@ -35,7 +35,8 @@ from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
-from . import adopt
+from .adopt import adoptable, grace, keeps_agents, restore, save_spec, take_over
+from .adopt import provider as reattaching
 from .backends import registry
 from .conventions import EXIT_LOST
 from .daemon_socket import DaemonSocket
@@ -143,7 +144,7 @@ class ClusterDaemon(OutputRouting):
     def start(self) -> None:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
         with self._update() as rec:
-            self.adopting = list(rec.nodes) if adopt.adoptable(rec) else []
+            self.adopting = list(rec.nodes) if adoptable(rec) else []
             self.reattach_key = rec.reattach_key if self.adopting else secrets.token_hex(32)
             self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
             rec.pid = os.getpid()
@@ -152,7 +153,7 @@ class ClusterDaemon(OutputRouting):
             rec.error = ""
             rec.reattach_key = self.reattach_key
             rec.last_activity = self.last_activity
-            self.adopted = adopt.take_over(rec, bool(self.adopting))  # the others failed
+            self.adopted = take_over(rec, bool(self.adopting))  # the others failed
         self.socket.bind()
         self.provisioner = self._thread(self._provision, "provision")
         self._thread(self.socket.accept_forever, "accept")
@@ -276,7 +277,7 @@ class ClusterDaemon(OutputRouting):
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
             if self.adopting:  # nothing is provisioned: the recorded nodes are reached again
-                provider = adopt.provider(provider, self.adopting, self.reattach_key)
+                provider = reattaching(provider, self.adopting, self.reattach_key)
             if hasattr(provider, "report"):  # a fallback: its choices reach the first job
                 provider.report = self._provision_note
             wants = self.backend.pool_resources(self.spec)
@@ -297,12 +298,12 @@ class ClusterDaemon(OutputRouting):
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
             pool.on_replaced = self._on_replaced
-            if adopt.keeps_agents(provider):  # they outlive this daemon, for a new one
-                pool.keep_agents(adopt.grace(), self.reattach_key)
+            if keeps_agents(provider):  # they outlive this daemon, for a new one
+                pool.keep_agents(grace(), self.reattach_key)
             with self.cv:
                 if self.stopping:
                     return
-                for job in [adopt.restore(self.paths, j) for j in self.adopted]:
+                for job in [restore(self.paths, j) for j in self.adopted]:
                     self.jobs[job.id], self.running[job.id] = job, (job, None)  # its lines come
                     self.secrets.update(job.secrets)  # as soon as the pool is open
             pool.open()
@@ -421,7 +422,7 @@ class ClusterDaemon(OutputRouting):
             job = Job(job_id, spec, task_id(self.name, job_id, now), self.paths.job_dir(job_id))
             rec.jobs.append(job.record())
             rec.last_activity = now
-        adopt.save_spec(job)
+        save_spec(job)
         with self.cv:
             self.secrets.update(job.secrets)  # its background processes may print them later
             self.jobs[job_id] = job
