@@ -95,6 +95,9 @@ def test_a_killed_daemons_cluster_is_re_attached_and_its_job_goes_on(
     done = cli.record("ra")
     assert done is not None and done.job(job.id).status == JobStatus.SUCCEEDED.value  # type: ignore[union-attr]
     assert done.job(job.id).exit_code == 0  # type: ignore[union-attr]
+    # the cluster's key is never shown
+    shown = cli.ok("status", "--json").stdout + read(Paths("ra", cli.home).daemon_log)
+    assert before.reattach_secret and before.reattach_secret not in shown
     # the cluster serves as before, on the same agents
     assert cli.ok("exec", "ra", "echo again").stdout.count("again") == 2
     final = cli.record("ra")
@@ -151,6 +154,37 @@ def test_any_command_that_finds_the_cluster_stale_re_attaches_and_down_cleans_up
     assert wait_until(lambda: processes_in(cli.home) == [], 30), processes_in(cli.home)
     assert not any(alive(p) for p in agents)
     assert not stop.exists()  # the job was stopped by down, not by its end
+
+
+def test_the_server_re_attaches_to_a_stale_cluster_as_it_starts(cli: CLI, tmp_path: Path) -> None:
+    from test_server import start_server
+
+    stop = tmp_path / "stop"
+    cli.ok("launch", "echo up", "-c", "rv", "--nodes", "2")
+    rec = cli.record("rv")
+    assert rec is not None
+    log = start_ticking(cli, "rv", stop)
+    kill_daemon(cli, "rv")
+    seen = last_tick(read(log), 0)
+    server = start_server(cli)
+    try:
+
+        def up() -> bool:
+            now = cli.record("rv")
+            return now is not None and now.observed_state() is ClusterState.UP
+
+        assert wait_until(up, 120)
+        assert wait_until(lambda: last_tick(read(log), 0) > seen + 2, 60)
+        now = cli.record("rv")
+        assert now is not None and [n.agent_pid for n in now.nodes] == [
+            n.agent_pid for n in rec.nodes
+        ]
+    finally:
+        cli("server", "stop", timeout=60)
+    assert wait_until(lambda: not alive(server.pid), 60)
+    stop.touch()
+    cli.ok("down", "rv")
+    assert wait_until(lambda: processes_in(cli.home) == [], 30), processes_in(cli.home)
 
 
 def test_a_node_that_died_meanwhile_is_reported_and_down_cleans_up(cli: CLI) -> None:

@@ -55,7 +55,7 @@ def keeps_agents(provider: Provider) -> bool:
 
 def adoptable(rec: ClusterRecord) -> bool:
     """Whether the record's nodes may still run and can be re-attached to."""
-    return bool(rec.reattach_key and rec.nodes and all(n.reattach for n in rec.nodes))
+    return bool(rec.reattach_secret and rec.nodes and all(n.reattach for n in rec.nodes))
 
 
 def take_over(rec: ClusterRecord, adopting: bool) -> list[JobRecord]:

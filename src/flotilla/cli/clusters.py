@@ -211,7 +211,7 @@ def new_record(
         from .adopt import adoptable
 
         if adoptable(old):  # its nodes may run: the new daemon re-attaches to them
-            rec.nodes, rec.token, rec.reattach_key = old.nodes, old.token, old.reattach_key
+            rec.nodes, rec.token, rec.reattach_secret = old.nodes, old.token, old.reattach_secret
             rec.created = old.created
     return rec
 

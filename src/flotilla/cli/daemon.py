@@ -145,13 +145,13 @@ class ClusterDaemon(OutputRouting):
         """Take over the record, listen on the socket, start provisioning and the job loop."""
         with self._update() as rec:
             self.adopting = list(rec.nodes) if adoptable(rec) else []
-            self.reattach_key = rec.reattach_key if self.adopting else secrets.token_hex(32)
+            self.reattach_key = rec.reattach_secret if self.adopting else secrets.token_hex(32)
             self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
             rec.pid = os.getpid()
             rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
             rec.error = ""
-            rec.reattach_key = self.reattach_key
+            rec.reattach_secret = self.reattach_key
             rec.last_activity = self.last_activity
             self.adopted = take_over(rec, bool(self.adopting))  # the others failed
         self.socket.bind()

@@ -198,7 +198,7 @@ class ClusterRecord:
             ``engines``.
         autodown: the idle limit (``idle_minutes``) tears the cluster down instead of
             stopping it (``launch --autostop M --down``).
-        reattach_key: the key a new daemon proves to the nodes' agents to re-attach to
+        reattach_secret: the key a new daemon proves to the nodes' agents to re-attach to
             them after the daemon died (hex, a secret: the record is private).
         generation: which launch of this name the record belongs to (1, 2, ... per name,
             counted in NAME.lock). A daemon changes or deletes the record and the
@@ -224,7 +224,7 @@ class ClusterRecord:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
     autodown: bool = False
-    reattach_key: str = ""
+    reattach_secret: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:
