@@ -23,10 +23,12 @@ from flotilla import Compute, function
 from flotilla.cli.state import ClusterState, JobStatus, Paths
 
 TICKS = (
-    'i=0; while [ ! -e "$STOP" ]; do echo "tick-$FLOTILLA_NODE_RANK-$i"; i=$((i+1)); '
-    'sleep 0.2; done; echo "done-$FLOTILLA_NODE_RANK"'
+    'i=0; while [ ! -e "$STOP" ]; do echo "tick-$FLOTILLA_NODE_RANK-$i $API_TOKEN"; '
+    'i=$((i+1)); sleep 0.2; done; echo "done-$FLOTILLA_NODE_RANK"'
 )
-"""The job: a numbered line per node every fifth of a second until ``$STOP`` exists."""
+"""The job: a numbered line per node every fifth of a second until ``$STOP`` exists (with
+its secret, which must never be shown)."""
+SECRET = "s3cr3t-ticking-4711"
 
 
 def read(path: Path) -> str:
@@ -53,7 +55,7 @@ def kill_daemon(cli: CLI, name: str) -> None:
 
 def start_ticking(cli: CLI, name: str, stop: Path) -> Path:
     """Run the ticking job on every node; its job.log once both nodes ticked."""
-    cli.ok("exec", name, "--detach", "--env", f"STOP={stop}", TICKS)
+    cli.ok("exec", name, "--detach", "--env", f"STOP={stop}", "--env", f"API_TOKEN={SECRET}", TICKS)
     rec = cli.record(name)
     assert rec is not None
     log = Paths(name, cli.home).job_dir(rec.jobs[-1].id) / "job.log"
@@ -95,9 +97,12 @@ def test_a_killed_daemons_cluster_is_re_attached_and_its_job_goes_on(
     done = cli.record("ra")
     assert done is not None and done.job(job.id).status == JobStatus.SUCCEEDED.value  # type: ignore[union-attr]
     assert done.job(job.id).exit_code == 0  # type: ignore[union-attr]
-    # the cluster's key is never shown
+    # the cluster's key is never shown, nor the job's secret (before or after the re-attach)
     shown = cli.ok("status", "--json").stdout + read(Paths("ra", cli.home).daemon_log)
     assert before.reattach_secret and before.reattach_secret not in shown
+    assert SECRET not in read(log) + followed.stdout and "***" in read(log)
+    for path in Paths("ra", cli.home).dir.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
     # the cluster serves as before, on the same agents
     assert cli.ok("exec", "ra", "echo again").stdout.count("again") == 2
     final = cli.record("ra")

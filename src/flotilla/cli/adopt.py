@@ -15,20 +15,25 @@ cluster is FAILED and ``flotilla down`` removes it as usual.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigurationError, ProvisionError
+from .._redaction import is_secret
 from .jobs import Job
 from .jobspec import JobSpec
+from .node_ops import job_env
 from .state import ClusterRecord, JobRecord, JobStatus, NodeRecord, Paths, read_json, write_json
 
 if TYPE_CHECKING:
+    from .._client.compute import Compute
     from .._providers.base import Provider
     from .._providers.reattach import Reattach
 
 GRACE_VAR = "FLOTILLA_REATTACH_GRACE"
 DEFAULT_GRACE = 600.0
 """Seconds a cluster's agents wait for a new daemon when theirs is gone."""
+_REVEAL_TIMEOUT = 60.0
 SPEC_FILE = "spec.json"
 """In a job's folder (private): its JobSpec, for a daemon that re-attaches to it."""
 
@@ -74,8 +79,15 @@ def take_over(rec: ClusterRecord, adopting: bool) -> list[JobRecord]:
 
 
 def save_spec(job: Job) -> None:
-    """Keep the job's spec in its (private) folder for a daemon that re-attaches."""
-    write_json(job.dir / SPEC_FILE, job.spec.to_dict())
+    """Keep the job's spec in its (private) folder for a daemon that re-attaches; its
+    secrets' values never go to disk: only their names (:func:`reveal` reads the values
+    back from the job's processes)."""
+    data = job.spec.to_dict()
+    hidden = sorted(data["secrets"]) + sorted(k for k, v in data["envs"].items() if is_secret(k, v))
+    data["secrets"] = {k: "" for k in data["secrets"]}
+    data["envs"] = {k: "" if k in hidden else v for k, v in data["envs"].items()}
+    data["hidden"] = hidden
+    write_json(job.dir / SPEC_FILE, data)
 
 
 def restore(paths: Paths, rec: JobRecord) -> Job:
@@ -85,9 +97,28 @@ def restore(paths: Paths, rec: JobRecord) -> Job:
     if data is None:
         raise ProvisionError(f"job {rec.id}: its spec was not kept ({folder / SPEC_FILE})")
     job = Job(rec.id, JobSpec.from_dict(data), rec.task_id, folder)
+    job.hidden = list(data.get("hidden", []))
+    job.held = [] if job.hidden else None  # its lines wait for its secrets' values
     job.status = JobStatus.RUNNING
     job.submitted, job.started, job.nodes = rec.submitted, rec.started, list(rec.nodes)
     return job
+
+
+def reveal(job: Job, pool: Compute, token: str) -> None:
+    """Give a restored job the values of its secrets, read from the environment of its
+    processes on its first node (over the pool's channel), and let its lines go on,
+    redacted. Lines held meanwhile go on also when the values cannot be read (its
+    processes ended): then they are shown as the job printed them."""
+    values: dict[str, str] = {}
+    if job.hidden:
+        call = job_env(f"{token}.{job.id}.", job.hidden)
+        try:
+            values = pool.submit_broadcast(call, nodes=job.nodes[:1], any_slot=True)[0].result(
+                _REVEAL_TIMEOUT
+            )
+        except Exception as e:  # the job ended meanwhile, the node went away
+            print(f"job {job.id}: its secrets could not be read back: {e}", file=sys.stderr)
+    job.reveal(list(values.values()))
 
 
 def provider(base: Provider, nodes: list[NodeRecord], key: str) -> Reattach:

@@ -35,7 +35,7 @@ from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
-from .adopt import adoptable, grace, keeps_agents, restore, save_spec, take_over
+from .adopt import adoptable, grace, keeps_agents, restore, reveal, save_spec, take_over
 from .adopt import provider as reattaching
 from .backends import registry
 from .conventions import EXIT_LOST
@@ -307,6 +307,9 @@ class ClusterDaemon(OutputRouting):
                     self.jobs[job.id], self.running[job.id] = job, (job, None)  # its lines come
                     self.secrets.update(job.secrets)  # as soon as the pool is open
             pool.open()
+            for job, _ in list(self.running.values()):  # re-attached: its secrets' values
+                reveal(job, pool, self.token)
+                self.secrets.update(job.secrets)
             self.pool = pool
             self.event_log.start(pool.view)  # `flotilla top`
             if not self.adopting:  # (a re-attached cluster's run goes on)

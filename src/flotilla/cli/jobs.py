@@ -107,6 +107,8 @@ class Job:
         self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
         self.candidate: int | None = None  # where its cluster started (see demand_of)
         self.nodes: list[int] = []  # where its ``run`` runs (once it does)
+        self.hidden: list[str] = []  # a re-attached job: its secrets' names (adopt.py)
+        self.held: list[tuple[int, int, list[str]]] | None = None  # its lines until then
         self._files: dict[str, IO[str]] = {}
         private_dirs(folder.parent, folder)
 
@@ -150,6 +152,9 @@ class Job:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
         lines = [untag(line)[1] for line in lines]
         with self.lock:
+            if self.held is not None:  # until its secrets are known (see reveal)
+                self.held.append((node, stream, lines))
+                return
             throttle = self.throttles.get((node, stream))
             if throttle is not None:
                 throttle.reset()  # a finished line ends the node's bar
@@ -161,6 +166,8 @@ class Job:
         then (the first state, then one per few seconds; the final line comes as output)."""
         text = untag(text)[1]
         with self.lock:
+            if self.held is not None:
+                return
             rank = self.ranks.get(node, node)
             clean = redact(text, self.secrets)
             event = {"ev": "bar", "node": node, "rank": rank, "stream": stream, "line": clean}
@@ -193,6 +200,15 @@ class Job:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def reveal(self, values: list[str]) -> None:
+        """A re-attached job's secrets' values (read back from its processes): redacted
+        from now on; the lines held meanwhile go on."""
+        with self.lock:
+            self.secrets += [v for v in values if len(v) >= _MIN_REDACTED]
+            held, self.held = self.held or [], None
+        for node, stream, lines in held:
+            self.output(node, stream, lines)
 
     def phase(self, text: str, ranks: dict[int, int] | None = None) -> None:
         """Announce a phase; ``ranks`` (node -> rank) names the lines that follow."""

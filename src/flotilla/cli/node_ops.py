@@ -323,6 +323,25 @@ def wait_job(job: int, token_prefix: str, workdirs: dict[int, str] | None = None
 
 
 @function
+def job_env(token_prefix: str, names: list[str]) -> dict[str, str]:
+    """The values of ``names`` in the environment of a process of this machine whose
+    FLOTILLA_RUN_TOKEN starts with ``token_prefix`` (a job's, see ``adopt.reveal``);
+    empty when none runs."""
+    wanted = f"{TOKEN_VAR}={token_prefix}".encode()
+    for pid in procs.pids():
+        if not procs.has_env(pid, wanted):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        env = dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+        return {name: env[name] for name in names if name in env}
+    return {}
+
+
+@function
 def reap(token_prefix: str) -> int:
     """Kill (SIGKILL) every process on this machine whose environment has a
     FLOTILLA_RUN_TOKEN starting with ``token_prefix``; the number killed."""
