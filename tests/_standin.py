@@ -130,15 +130,19 @@ class StandIn(Lifecycle):
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
 
-    def stop_host(self, host: TestHost | None) -> None:
-        """End an instance's host: its processes, then its namespace and folder."""
-        if host is None or host not in self.lab.hosts:
-            return
-        # a process forked while the first ones are killed survives one pass
+    def kill_processes(self, host: TestHost) -> None:
+        """Kill every process of ``host`` (for up to 5 s: a process forked while the first
+        ones are killed survives one pass)."""
         deadline = time.monotonic() + 5
         while self.lab.pids(host) and time.monotonic() < deadline:
             self.lab.kill_all(host)
             time.sleep(0.02)
+
+    def stop_host(self, host: TestHost | None) -> None:
+        """End an instance's host: its processes, then its namespace and folder."""
+        if host is None or host not in self.lab.hosts:
+            return
+        self.kill_processes(host)
         with contextlib.suppress(Exception):
             self.lab.remove_host(host)
 
@@ -189,7 +193,7 @@ def nvidia_smi(folder: Path, names: Sequence[str], ident: str) -> Path:
     """A folder (in ``folder``) with an ``nvidia-smi`` whose ``-L`` lists GPUs ``names``
     (ids from ``ident``), as the GPU driver's does; the folder, for PATH."""
     bin_dir = folder / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)  # a host booted again (a stopped pod started)
     listing = "".join(f"GPU {i}: {n} (UUID: GPU-{ident}-{i})\n" for i, n in enumerate(names))
     smi = bin_dir / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\n[ \"$1\" = -L ] || exit 2\nprintf '%s' {shlex.quote(listing)}\n")
