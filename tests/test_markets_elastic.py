@@ -75,9 +75,9 @@ def lambda_market() -> Iterator[Market]:
     with _lab(LambdaLab) as lab:
         kind = lab.add_type("gpu_1x_a100", "A100 (80 GB PCIe)", 1, 129)
 
-        def room(n: int) -> None:
+        def room(n: int) -> None:  # (us-west-1 has room, but not where the nodes are)
             with lab._lock:
-                kind.capacity = {"us-east-1": n}
+                kind.capacity = {"us-east-1": n, "us-west-1": 8}
 
         yield Market(
             lambda: sky.LambdaCloud(ssh_user="root"),
@@ -141,8 +141,10 @@ def test_a_pool_born_empty_grows_with_a_burst_and_scales_to_zero(market: Market)
 def test_a_grow_step_without_capacity_keeps_the_pool_working(
     market: Market, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """``Nodes(1, max=3)`` where the market has room for one instance: the burst's grow
-    step meets a capacity error; the pool says so and runs every call on its one node.
+    """``Nodes(1, max=3)`` where the market has room for one instance (Lambda: in the
+    region of the pool's node; another region's room would be another private network):
+    the burst's grow step meets a capacity error; the pool says so and runs every call on
+    its one node.
     Once there is room, ``resize(2)`` adds an instance and ``resize(1)`` ends it again,
     keeping rank 0's."""
     market.room(1)
