@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -192,21 +193,18 @@ class InstanceAllocation(CloudAllocation):
 
     Attributes:
         costs: what each instance billed now costs per hour (None: not known), by id.
+        hourly: what the pool's instances cost per hour now, their sum (None: one's price
+            is not known; 0 with none).
     """
 
     costs: dict[str, float | None]
+    hourly: float | None
 
     def _open(self, settings: Any, folder: str) -> None:
         super()._open(settings, folder)
         self.costs = {}
-
-    @property
-    def hourly(self) -> float | None:
-        """What the pool's instances cost per hour now (None: one's price is not known)."""
-        prices = list(self.costs.values())
-        if any(p is None for p in prices):
-            return None
-        return round(sum(p for p in prices if p is not None), 4)
+        self.hourly = 0.0
+        self._bill = threading.Lock()  # (instances are billed from the API threads)
 
     def tell(self, log: logging.Logger, message: str) -> None:
         """``message`` on the console while the pool starts (:func:`show`); later (a grow
@@ -218,7 +216,20 @@ class InstanceAllocation(CloudAllocation):
 
     def billed(self, ident: str, price: float | None) -> None:
         """Instance ``ident`` is billed from now, at ``price`` an hour."""
-        self.costs[ident] = price
+        with self._bill:
+            self.costs[ident] = price
+            self._total()
+
+    def unbilled(self, ident: str) -> None:
+        """Instance ``ident`` ended: its bill stops."""
+        with self._bill:
+            self.costs.pop(ident, None)
+            self._total()
+
+    def _total(self) -> None:
+        prices = list(self.costs.values())
+        known = [p for p in prices if p is not None]
+        self.hourly = None if len(known) < len(prices) else round(sum(known), 4)
 
     def create_one(self, rank: int) -> str:
         """Create one instance where there is room (the provider's places in order, a
@@ -259,7 +270,7 @@ class InstanceAllocation(CloudAllocation):
     async def end_instance(self, ident: str) -> None:
         """End instance ``ident``: its bill stops."""
         await self._in_thread(self.end_one, ident)
-        self.costs.pop(ident, None)
+        self.unbilled(ident)
 
     async def candidate(self, rank: int) -> Machine | None:
         """One instance more (an elastic pool grows, see ``_client/elastic.py``). A

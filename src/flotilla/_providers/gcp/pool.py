@@ -58,6 +58,7 @@ class GCPAllocation(InstanceAllocation):
         choice: the machine of every node.
         zone: the zone the pool is in ("" until chosen; an elastic pool's instances may be
             in several zones of its region, all on its VPC network).
+        spot: its instances are SPOT ones (an elastic pool's first market).
         zones: the zones to try, in order.
         markets: whether to try SPOT (True) and on-demand (False), in order.
         spot_names: the instances that are SPOT ones.
@@ -75,6 +76,7 @@ class GCPAllocation(InstanceAllocation):
         self.api = api
         self.choice: MachineChoice = machine_for(spec, settings.machine_type)
         self.zone = ""
+        self.spot = settings.allocation == "spot"
         self.zones: list[str] = []
         self.markets = markets(settings)
         self.spot_names: set[str] = set()
@@ -93,6 +95,7 @@ class GCPAllocation(InstanceAllocation):
         within_cost(self.choice, spec, self.markets[-1])
         await self._make_login_key()
         self.zones = zones
+        self.spot = self.markets[0]
         if not spec.nodes:
             price = self.choice.hourly(self.markets[0])
             cost = f", ${price:.2f}/h a node (list price)" if price else ""
@@ -105,6 +108,7 @@ class GCPAllocation(InstanceAllocation):
             return
         full: list[str] = []
         for spot, zone in self._places():
+            self.spot = spot
             price = self.choice.hourly(spot)
             cost = f", ${price * spec.nodes:.2f}/h for the pool (list price)" if price else ""
             _show(
@@ -130,7 +134,8 @@ class GCPAllocation(InstanceAllocation):
                 cause=ProvisionCause.CAPACITY,
             )
         self.machines = [
-            self.machine_of(r, instance_name(spec.pool_id, r, 1)) for r in range(spec.nodes)
+            self._machine(r, self.instances[instance_name(spec.pool_id, r, 1)])
+            for r in range(spec.nodes)
         ]
         self.state = AllocationState.READY
 
@@ -345,7 +350,9 @@ class GCPAllocation(InstanceAllocation):
         self._wait_ready(_zone(self.instances[ident]), ident, deadline)
 
     def machine_of(self, rank: int, ident: str) -> Machine:
-        row = self.instances[ident]
+        return self._machine(rank, self.instances[ident])
+
+    def _machine(self, rank: int, row: dict[str, Any]) -> Machine:
         nic = (row.get("network_interfaces") or [{}])[0]
         return Machine(rank, str(row["name"]), str(nic.get("network_i_p", "")), str(row["name"]))
 
@@ -422,7 +429,7 @@ class GCPAllocation(InstanceAllocation):
             errors.extend(r for r in results if r)
             for name in names:
                 self.instances.pop(name, None)
-                self.costs.pop(name, None)
+                self.unbilled(name)
         if errors:
             raise ProvisionError("; ".join(errors))
 

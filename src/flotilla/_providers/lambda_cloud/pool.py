@@ -179,7 +179,7 @@ class LambdaAllocation(InstanceAllocation):
         ids, region = await self._in_thread(self._launch, self.spec.nodes, None)
         _show(f"Lambda Cloud: {len(ids)} instance(s) in {region}: {', '.join(ids)}")
         await self._in_thread(self._wait_active, ids)
-        self.machines = [self.machine_of(rank, i) for rank, i in enumerate(ids)]
+        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
         self.state = AllocationState.READY
 
     def search(self) -> list[Candidate]:
@@ -313,6 +313,9 @@ class LambdaAllocation(InstanceAllocation):
         self._wait_active([ident])
 
     def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
+    def _machine(self, rank: int, ident: str) -> Machine:
         row = self.instances[ident]
         return Machine(rank, f"lambda-{ident}", str(row.get("private_ip") or row["ip"]), ident)
 

@@ -82,7 +82,7 @@ class RunPodAllocation(InstanceAllocation):
         kinds = sorted({self.chosen[i].describe() for i in ids})
         _show(f"RunPod: {self.spec.nodes} pod(s): {', '.join(kinds)}; pods {', '.join(ids)}")
         await self._in_thread(self._wait_running, ids)
-        self.machines = [self.machine_of(rank, i) for rank, i in enumerate(ids)]
+        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
         self.state = AllocationState.READY
 
     def search(self) -> list[Candidate]:
@@ -225,6 +225,9 @@ class RunPodAllocation(InstanceAllocation):
         self._wait_running([ident])
 
     def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
+    def _machine(self, rank: int, ident: str) -> Machine:
         row = self.pods[ident]
         address = internal_name(ident) if self.settings.global_networking else str(row["publicIp"])
         return Machine(rank, f"runpod-{ident}", address, ident)
