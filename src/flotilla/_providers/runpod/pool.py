@@ -262,12 +262,15 @@ class RunPodAllocation(InstanceAllocation):
 
     # -- release -----------------------------------------------------------------------
     def end_one(self, ident: str) -> None:
+        self._terminate(ident)
+        self.pods.pop(ident, None)
+
+    def _terminate(self, ident: str) -> None:
         try:
             self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
         except ApiError as e:
             if e.status != 404:
                 raise
-        self.pods.pop(ident, None)
 
     def sweep(self) -> None:
         """Terminate every pod of the pool: the ones created, and any the API lists with
@@ -282,7 +285,7 @@ class RunPodAllocation(InstanceAllocation):
             errors = []
             for ident in sorted(ids):
                 try:
-                    self.end_one(ident)
+                    self._terminate(ident)
                 except ProvisionError as e:
                     errors.append(str(e))
             if errors:
