@@ -1,8 +1,9 @@
-"""Elastic pools on the GPU markets RunPod, Lambda Cloud and GCP (their stand-ins,
-``_runpod.py``, ``_lambda.py``, ``_gcp.py``: instances that boot as namespace hosts): an
-instance is made per node added and ended per node released (``cloud.allocation``'s
-``InstanceAllocation``); a pool born empty makes nothing before its first call. The
-instances are counted in the stand-ins. One lab per market for the whole module."""
+"""Elastic pools on the GPU markets RunPod, Lambda Cloud, GCP and Verda (their stand-ins,
+``_runpod.py``, ``_lambda.py``, ``_gcp.py``, ``_verda.py``: instances that boot as namespace
+hosts): an instance is made per node added and ended per node released
+(``cloud.allocation``'s ``InstanceAllocation``); a pool born empty makes nothing before its
+first call. The instances are counted in the stand-ins. One lab per market for the whole
+module."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from _hosts import lab_unavailable
 from _lambda import LambdaLab
 from _procs import wait_until
 from _runpod import RunPodLab
+from _verda import VerdaLab
 
 import flotilla as sky
 
@@ -104,7 +106,24 @@ def gcp_market() -> Iterator[Market]:
         )
 
 
-MARKETS = ["runpod", "lambda", "gcp"]
+@pytest.fixture(scope="module")
+def verda_market() -> Iterator[Market]:
+    with _lab(VerdaLab) as lab:
+        kind = lab.add_type("1A100.22V", "A100 SXM4 80GB", 1, 1.29)
+
+        def room(n: int) -> None:  # (FIN-03 has room, but not where the nodes are)
+            with lab._lock:
+                kind.capacity = {"FIN-01": n, "FIN-03": 8}
+
+        yield Market(
+            lambda: sky.Verda(),
+            lambda pool: len(lab.live(f"flotilla:{pool}:")),
+            lambda: len(lab.creates),
+            room,
+        )
+
+
+MARKETS = ["runpod", "lambda", "gcp", "verda"]
 
 
 @pytest.fixture(params=MARKETS)
@@ -141,8 +160,9 @@ def test_a_pool_born_empty_grows_with_a_burst_and_scales_to_zero(market: Market)
 def test_a_grow_step_without_capacity_keeps_the_pool_working(
     market: Market, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """``Nodes(1, max=3)`` where the market has room for one instance (Lambda: in the
-    region of the pool's node; another region's room would be another private network):
+    """``Nodes(1, max=3)`` where the market has room for one instance (Lambda, Verda: in
+    the region or location of the pool's node; another region's room would be another
+    private network):
     the burst's grow step meets a capacity error; the pool says so and runs every call on
     its one node.
     Once there is room, ``resize(2)`` adds an instance and ``resize(1)`` ends it again,

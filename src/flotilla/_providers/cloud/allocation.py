@@ -206,6 +206,16 @@ class InstanceAllocation(CloudAllocation):
         self.hourly = 0.0
         self._bill = threading.Lock()  # (instances are billed from the API threads)
 
+    def starts_empty(self, log: logging.Logger, cloud: str, what: str, detail: str = "") -> bool:
+        """Whether the pool is elastic (``spec.nodes`` 0: its instances come one at a time,
+        :meth:`candidate`). If so it is READY with none, and the console says ``{cloud}: up
+        to {max} {what} as the pool grows{detail}``."""
+        if self.spec.nodes:
+            return False
+        show(log, f"{cloud}: up to {self.spec.most} {what} as the pool grows{detail}")
+        self.state = AllocationState.READY
+        return True
+
     def tell(self, log: logging.Logger, message: str) -> None:
         """``message`` on the console while the pool starts (:func:`show`); later (a grow
         step or a replacement, tried again with a backoff) in the log only."""
@@ -301,6 +311,14 @@ class InstanceAllocation(CloudAllocation):
         machine = await self.add_instance(rank)
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
         return machine
+
+
+def cheapest(kinds: Sequence[Any]) -> str:
+    """`` (NAME, $P/h each)`` of the first of ``kinds`` (instance types with ``name`` and
+    ``hourly``, cheapest first), for :meth:`InstanceAllocation.starts_empty`."""
+    if not kinds:
+        return " (none available now)"
+    return f" ({kinds[0].name}, ${kinds[0].hourly:.2f}/h each)"
 
 
 def show(logger: logging.Logger, message: str) -> None:

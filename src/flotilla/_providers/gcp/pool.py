@@ -96,15 +96,10 @@ class GCPAllocation(InstanceAllocation):
         await self._make_login_key()
         self.zones = zones
         self.spot = self.markets[0]
-        if not spec.nodes:
-            price = self.choice.hourly(self.markets[0])
-            cost = f", ${price:.2f}/h a node (list price)" if price else ""
-            _show(
-                f"GCP: up to {spec.most} x {describe(spec.accelerator, self.choice)}"
-                f"{' (SPOT)' if self.markets[0] else ''} as the pool grows, in "
-                f"{', '.join(zones)}{cost}"
-            )
-            self.state = AllocationState.READY
+        price = self.choice.hourly(self.markets[0])
+        cost = f", ${price:.2f}/h a node (list price)" if price else ""
+        what = describe(spec.accelerator, self.choice) + (" (SPOT)" if self.markets[0] else "")
+        if self.starts_empty(logger, "GCP", f"x {what}", f", in {', '.join(zones)}{cost}"):
             return
         full: list[str] = []
         for spot, zone in self._places():

@@ -18,7 +18,7 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import InstanceAllocation, show
+from ..cloud.allocation import InstanceAllocation, cheapest, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, pin, user_data
@@ -170,11 +170,7 @@ class LambdaAllocation(InstanceAllocation):
         await self._make_login_key()
         self._candidates = self._affordable(await self._in_thread(self.search))
         await self._in_thread(self._register_key)
-        if not self.spec.nodes:  # elastic: an instance per node added (``candidate``)
-            first = self._candidates[0] if self._candidates else None
-            kind = f"{first.name}, ${first.hourly:.2f}/h each" if first else "no type listed now"
-            _show(f"Lambda Cloud: up to {self.spec.most} instance(s) as the pool grows ({kind})")
-            self.state = AllocationState.READY
+        if self.starts_empty(logger, "Lambda Cloud", "instance(s)", cheapest(self._candidates)):
             return
         ids, region = await self._in_thread(self._launch, self.spec.nodes, None)
         _show(f"Lambda Cloud: {len(ids)} instance(s) in {region}: {', '.join(ids)}")

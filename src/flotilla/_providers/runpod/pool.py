@@ -73,10 +73,9 @@ class RunPodAllocation(InstanceAllocation):
     async def launch(self) -> None:
         await self._make_login_key()
         self._candidates = affordable(await self._in_thread(self.search), self.spec)
-        if not self.spec.nodes:  # elastic: a pod per node added (``candidate``)
-            first = self._candidates[0].describe()
-            _show(f"RunPod: up to {self.spec.most} pod(s) as the pool grows, from {first}")
-            self.state = AllocationState.READY
+        if self.starts_empty(
+            logger, "RunPod", "pod(s)", f", from {self._candidates[0].describe()}"
+        ):
             return
         ids = await self._in_thread(self._create_all, self.spec.nodes)
         kinds = sorted({self.chosen[i].describe() for i in ids})
