@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,3 +186,22 @@ def test_a_grow_step_without_capacity_keeps_the_pool_working(
         assert wait_until(lambda: market.live(pool.pool_id) == 1, timeout=120)
         assert slow_addr(0) >> pool == (0, out[0][1])
     assert "the pool could not grow" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("market", ["runpod", "gcp"], indirect=True)
+def test_an_elastic_pool_cannot_be_a_stoppable_one(market: Market, tmp_path: Path) -> None:
+    """A named cluster's pool (its provider keeps stopped instances) with a range of nodes
+    is refused before anything is made: its instances come and go, what is kept is a fixed
+    pool's nodes."""
+    from flotilla._providers.cloud.kept import Keep
+
+    provider = market.provider()
+    provider.keep = Keep(tmp_path / "keep")
+    before = market.made()
+    nodes = sky.Nodes(0, max=3, min=0)
+    with (
+        pytest.raises(sky.ConfigurationError, match="cannot be a stoppable one"),
+        sky.Compute(provider=provider, accelerator="A100", nodes=nodes),
+    ):
+        pass
+    assert market.made() == before

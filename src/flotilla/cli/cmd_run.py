@@ -326,6 +326,8 @@ def _print_provider(plan: dict[str, Any], indent: str) -> None:
         print(f"{indent}every node asks for: {wants or 'nothing in particular'}")
     if plan.get("max_hourly_cost") is not None:
         print(f"{indent}at most ${plan['max_hourly_cost']:g}/h for the cluster")
+    if plan.get("max_node_hourly_cost") is not None:
+        print(f"{indent}at most ${plan['max_node_hourly_cost']:g}/h a node")
 
 
 def _node_volumes(task: Task, spec: ProviderSpec) -> tuple[Volume, ...]:

@@ -261,6 +261,7 @@ class ClusterDaemon:
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
                 max_hourly_cost=wants.max_hourly_cost,
+                max_node_hourly_cost=wants.max_node_hourly_cost,
                 volumes=self.volumes,
                 plugins=engine_plugins(self.engines),
                 worker=Worker(concurrency=JOBS_PER_NODE + 1),  # +1: syncs, ports, reaping
