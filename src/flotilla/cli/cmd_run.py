@@ -203,7 +203,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     existing = load(paths)
     state = existing.observed_state() if existing else None
     if existing is not None and state is ClusterState.STALE:
-        running(paths)  # raises, saying so
+        existing = running(paths)  # re-attached to, or it raises saying so
+        state = existing.observed_state()
     reuse = existing is not None and state in (ClusterState.UP, ClusterState.STARTING)
     # a stopped cluster whose nodes were kept (AWS instances) starts them again: same spec
     kept = (
