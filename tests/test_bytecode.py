@@ -166,7 +166,7 @@ def test_a_clients_bundle_is_kept_and_rebuilt_when_the_code_changes(
     packages = bytecode.compiled(_package(tmp_path / "src", "X = 1\n"))
     first = bootstrap.kept_bundle(packages)
     (kept,) = _kept(packages)
-    assert kept.read_bytes() == first.data and kept.stat().st_mode & 0o077 == 0
+    assert kept.read_bytes() == first.packed and kept.stat().st_mode & 0o077 == 0
 
     def no_build(packages: dict[str, str]) -> bootstrap.Bundle:
         raise AssertionError("built again")
@@ -188,9 +188,9 @@ def test_a_kept_bundle_that_does_not_match_its_hash_is_built_again(
     packages = bytecode.compiled(_package(tmp_path / "src", "X = 1\n"))
     good = bootstrap.kept_bundle(packages)
     (kept,) = _kept(packages)
-    kept.write_bytes(good.data[:-1] + bytes([good.data[-1] ^ 1]))  # one bit changed
+    kept.write_bytes(good.packed[:-1] + bytes([good.packed[-1] ^ 1]))  # one bit changed
     assert bootstrap.kept_bundle(packages) == good
-    assert [p.read_bytes() for p in _kept(packages)] == [good.data]
+    assert [p.read_bytes() for p in _kept(packages)] == [good.packed]
 
 
 @sky.function

@@ -6,8 +6,8 @@ remote shell (cloud VMs over SSH, a container exec...), through ``launch.start_r
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
 Python; an editable development install works too), with byte code of the modules a node's
 start imports, into a reproducible zip stored uncompressed (:func:`build_bundle`) named by
-the sha256 of its content, and keeps it beside its compiled copy of the node code
-(:func:`kept_bundle`). A node keeps every bundle it received as the file
+the sha256 of its content and sent compressed (zlib), and keeps it beside its compiled copy
+of the node code (:func:`kept_bundle`). A node keeps every bundle it received as the file
 ``{workdir}/lib/{hash}`` and runs the agent with ``PYTHONPATH`` pointing there: Python
 imports the modules straight from the zip (``zipimport``), so a host's first start writes
 one file instead of unpacking a few hundred::
@@ -53,6 +53,7 @@ import py_compile
 import shlex
 import tempfile
 import threading
+import zlib
 from dataclasses import dataclass
 from enum import Enum
 
@@ -75,12 +76,19 @@ class Bundle:
     """The client's flotilla + cloudpickle as a zip (:func:`build_bundle`).
 
     Attributes:
-        hash: sha256 (hex) of ``data``; the node-side directory name.
-        data: the archive.
+        hash: sha256 (hex) of ``data``; its file name on a node.
+        data: the zip.
+        packed: ``data`` compressed (zlib), as it is sent (a node unpacks and checks it).
     """
 
     hash: str
     data: bytes
+    packed: bytes = b""
+
+    @classmethod
+    def of(cls, data: bytes) -> Bundle:
+        """The bundle of the zip ``data``."""
+        return cls(hashlib.sha256(data).hexdigest(), data, zlib.compress(data, 6))
 
 
 @dataclass
@@ -146,7 +154,7 @@ def client_bundle() -> Bundle:
             if running is not None:  # on a node: ship the bundle this flotilla runs from
                 with open(running, "rb") as f:
                     data = f.read()
-                _bundle = Bundle(hashlib.sha256(data).hexdigest(), data)
+                _bundle = Bundle.of(data)
             else:
                 _bundle = kept_bundle(node_packages())
         return _bundle
@@ -159,8 +167,9 @@ def running_bundle() -> str | None:
     return root if os.path.isfile(root) else None
 
 
-KEPT_PREFIX, KEPT_SUFFIX = "bundle-", ".zip"
-"""A kept bundle's file name: ``bundle-{hash}.zip``, in the compiled copy's folder."""
+KEPT_PREFIX, KEPT_SUFFIX = "bundle-", ".zip.z"
+"""A kept bundle's file name: ``bundle-{hash}.zip.z`` (its packed form), in the compiled
+copy's folder."""
 
 
 def kept_bundle(packages: dict[str, str]) -> Bundle:
@@ -179,11 +188,14 @@ def kept_bundle(packages: dict[str, str]) -> Bundle:
         digest = file[len(KEPT_PREFIX) : -len(KEPT_SUFFIX)]
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                packed = f.read()
+            data = zlib.decompress(packed)
         except OSError:
             continue
+        except zlib.error:
+            data = b""
         if hashlib.sha256(data).hexdigest() == digest:
-            return Bundle(digest, data)
+            return Bundle(digest, data, packed)
         logger.warning("%s does not match its hash: removed, the bundle is built again", path)
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -192,7 +204,7 @@ def kept_bundle(packages: dict[str, str]) -> Bundle:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".bundle-", dir=entry)  # 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(bundle.data)
+            f.write(bundle.packed)
         os.replace(tmp, os.path.join(entry, f"{KEPT_PREFIX}{bundle.hash}{KEPT_SUFFIX}"))
     except OSError as e:
         logger.warning("cannot keep the bundle in %s (%s): the next client builds it", entry, e)
@@ -250,7 +262,7 @@ def build_bundle(packages: dict[str, str]) -> Bundle:
                     with open(cfile, "rb") as f:
                         compiled.append((arcname + "c", f.read()))
     archive = build_zip(sources, sorted(compiled))
-    return Bundle(archive.sha256, archive.data)
+    return Bundle(archive.sha256, archive.data, zlib.compress(archive.data, 6))
 
 
 # -- remote commands -----------------------------------------------------------------------
@@ -354,7 +366,7 @@ exit "$S"
 
 
 _EXTRACT = """\
-import hashlib, os, sys, tempfile
+import hashlib, os, sys, tempfile, zlib
 lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = []
 while size:
@@ -363,7 +375,10 @@ while size:
         sys.exit("the bundle upload ended early")
     parts.append(part)
     size -= len(part)
-data = b"".join(parts)
+try:
+    data = zlib.decompress(b"".join(parts))
+except zlib.error:
+    data = b""
 if hashlib.sha256(data).hexdigest() != name:
     sys.exit("the uploaded bundle does not match its hash")
 os.makedirs(lib, exist_ok=True)
@@ -376,9 +391,9 @@ except BaseException:
     os.unlink(tmp)
     raise
 """
-"""The node's bundle installer: reads the bundle, checks its hash and writes it as the file
-``lib/{hash}`` (a temporary file renamed into place: concurrent starts never see half of
-one, and a damaged bundle is replaced whole)."""
+"""The node's bundle installer: reads the packed bundle, unpacks it, checks its hash and
+writes it as the file ``lib/{hash}`` (a temporary file renamed into place: concurrent starts
+never see half of one, and a damaged bundle is replaced whole)."""
 
 
 # -- the dance -------------------------------------------------------------------------------
@@ -412,13 +427,13 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
                 "%s: uploading flotilla bundle %s (%d KB)",
                 agent.host,
                 bundle.hash[:12],
-                len(bundle.data) // 1024,
+                len(bundle.packed) // 1024,
             )
             stats.uploads += 1
             uploaded = True
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(None, agent.write, [bundle.data])
+                await loop.run_in_executor(None, agent.write, [bundle.packed])
             except OSError:
                 continue  # the command ended: the next read says why
             continue
