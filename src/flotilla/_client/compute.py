@@ -261,6 +261,13 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """Called with the ranks whose nodes were replaced, once the new ones serve (on the
         pool's event loop: it must not block)."""
 
+    def keep_agents(self, grace: float, key: str) -> None:
+        """A named cluster's pool (its daemon's): when this client dies, its agents wait
+        ``grace`` seconds for a new client proving it holds ``key`` (hex) before they end
+        (``_node/reattach.py``). Before :meth:`open`; a pool without it ends its agents
+        with its client."""
+        self._bringup.reattach = (grace, key)
+
     def __repr__(self) -> str:
         return f"<flotilla.Compute {self.provider!r} nodes={self.nodes} {self._state.value}>"
 

@@ -18,7 +18,7 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..cloud.allocation import show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id
 from ..cloud.keys import pin_public
@@ -28,14 +28,13 @@ from .api import SCOPE, GcpApi, GcpApiError, base_url
 from .choice import MachineChoice, describe, machine_for, within_cost
 from .settings import GCPSettings
 from .startup import METADATA, SELF_DELETE, startup_script
+from .stopstart import CLIENT_KEY, GCPStopping
 
 logger = logging.getLogger("flotilla.gcp")
 
 FOLDER_PREFIX = "flotilla-gcp-"
 POOL_LABEL = "flotilla-pool"
 """Every instance of a pool has the label ``flotilla-pool={pool id}``."""
-CLIENT_KEY = "flotilla-client"
-"""... and the metadata item ``flotilla-client={host:pid:start}`` (a label cannot hold it)."""
 POLL = 0.2
 RELEASE_TIMEOUT = 300.0
 GPU_IMAGE = (
@@ -50,8 +49,9 @@ def instance_name(pool_id: str, rank: int, launch: int) -> str:
     return f"flotilla-{pool_id}-{rank}" + (f"-{launch}" if launch > 1 else "")
 
 
-class GCPAllocation(CloudAllocation):
-    """The instances of one pool, all in one zone of one VPC network.
+class GCPAllocation(GCPStopping):
+    """The instances of one pool, all in one zone of one VPC network (a named cluster's
+    can be stopped and started again: ``stopstart``).
 
     Attributes:
         choice: the machine of every node.
@@ -75,6 +75,7 @@ class GCPAllocation(CloudAllocation):
         self.spot = settings.allocation == "spot"
         self.zones_tried: list[str] = []
         self.instances: dict[str, dict[str, Any]] = {}
+        self.pinned: dict[str, list[str]] = {}
         self.hourly: float | None = None
         self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
         self.client = client_id()
@@ -244,6 +245,7 @@ class GCPAllocation(CloudAllocation):
                 if keys:
                     for key in keys:
                         pin_public(self.known_hosts, _nat_ip(row), key)
+                    self.pinned[name] = keys
                     return True
             if row.get("status") in ("STOPPING", "TERMINATED", "SUSPENDED"):
                 raise ProvisionError(
@@ -388,7 +390,10 @@ class GCPAllocation(CloudAllocation):
         """Delete everything of the pool (synchronous, see ``base.Allocation.sweep``),
         then remove its local folder."""
         try:
+            if self.stop_kept():
+                return
             self._delete_all(self.zones_tried)
+            self.forget_kept()
         except Exception as e:
             _show(f"GCP: could not delete everything of pool {self.spec.pool_id}: {e}")
         finally:

@@ -34,14 +34,17 @@ from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, launched
+from ..cloud.kept import KeptPool
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans
+from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
 from .api import GcpApi, base_url
 from .api import configured as configured
 from .choice import as_offer, machine_for
-from .pool import CLIENT_KEY, POOL_LABEL, GCPAllocation, delete_instance
+from .pool import POOL_LABEL, GCPAllocation, delete_instance
 from .settings import GCPSettings
+from .stopstart import CLIENT_KEY
 
 
 class GCPOrphans(CloudOrphans):
@@ -135,6 +138,8 @@ class GCP(MarketProvider):
         return [as_offer(choice, z, spot) for spot in markets for z in zones]
 
     async def acquire(self, spec: PoolSpec) -> GCPAllocation:
+        """The pool's instances: a stoppable pool's stopped ones started again (see
+        ``stopstart``), else new ones in the first zone with room."""
         allocation = GCPAllocation(self.settings, self.api, spec)
 
         async def launch() -> None:
@@ -147,7 +152,15 @@ class GCP(MarketProvider):
                 )
             await allocation.launch(zones)
 
-        return await launched(allocation, launch)
+        return await acquired(allocation, self.keep, launch)
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Delete a stopped pool's instances (and their disks)."""
+        import time
+
+        deadline = time.monotonic() + 300
+        for name in kept.ids:
+            delete_instance(self.api, kept.place, name, deadline)
 
     def remove_orphans(self, dry_run: bool = False) -> GCPOrphans:
         """Delete the instances (found by their label) of pools whose client process on
@@ -168,6 +181,8 @@ class GCP(MarketProvider):
             for key, scoped in rows:
                 zone = key.rsplit("/", 1)[-1]
                 for inst in scoped.instances:
+                    if inst.status in ("STOPPING", "TERMINATED"):
+                        continue  # a stopped cluster's (`flotilla down NAME` removes it)
                     pool = inst.labels.get(POOL_LABEL, "")
                     items = inst.metadata.items if inst.metadata else []
                     client = next((i.value for i in items if i.key == CLIENT_KEY), "")

@@ -14,7 +14,7 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..cloud.allocation import show
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
 from ..cloud.market import LABEL_PREFIX, label
@@ -24,6 +24,7 @@ from ..ssh_shell import Target
 from .api import RunPodApi
 from .choice import GPU_TYPES, Candidate, affordable, candidates
 from .settings import RunPodSettings
+from .stopstart import RunPodStopping
 
 logger = logging.getLogger("flotilla.runpod")
 
@@ -43,8 +44,9 @@ def internal_name(pod_id: str) -> str:
     return f"{pod_id}.runpod.internal"
 
 
-class RunPodAllocation(CloudAllocation):
-    """The RunPod pods of one pool.
+class RunPodAllocation(RunPodStopping):
+    """The RunPod pods of one pool (a named cluster's can be stopped and resumed:
+    ``stopstart``).
 
     Attributes:
         pods: pod id -> its last description (REST v1), for every pod created.
@@ -163,13 +165,15 @@ class RunPodAllocation(CloudAllocation):
             "cloudType": candidate.cloud,
             "interruptible": candidate.interruptible,
             "containerDiskInGb": int(self.settings.disk_gb),
-            "volumeInGb": 0,
+            "volumeInGb": int(self.settings.volume_gb),
             "ports": ["22/tcp"],
             "supportPublicIp": True,
             "globalNetworking": self.settings.global_networking,
             "dockerStartCmd": self._start_command(host_key),
             "env": {"PUBLIC_KEY": self.login_key.public},
         }
+        if self.settings.volume_gb:
+            body["volumeMountPath"] = self.settings.volume_mount_path
         if dc is not None:
             body["dataCenterIds"] = [dc]
         with self.creating("pod", self.label):
@@ -285,6 +289,12 @@ class RunPodAllocation(CloudAllocation):
         """Terminate every pod of the pool: the ones created, and any the API lists with
         the pool's name (a create whose answer was lost); then remove the local folder."""
         try:
+            try:
+                if self.stop_kept():
+                    return
+            except ProvisionError as e:  # recorded as stopped: `flotilla down` removes them
+                _show(f"RunPod: could not stop pool {self.spec.pool_id}: {e}")
+                return
             ids = set(self.pods)
             with contextlib.suppress(ProvisionError):
                 rows = self.api.call("GET", "/pods", "list the pool's pods")
@@ -302,6 +312,8 @@ class RunPodAllocation(CloudAllocation):
                     f"RunPod: could not terminate everything of pool {self.spec.pool_id}: "
                     + "; ".join(errors)
                 )
+            else:
+                self.forget_kept()
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -31,7 +31,10 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.kept import KeptPool
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled
+from ..cloud.rest import ApiError
+from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
 from .api import RunPodApi, find, urls
@@ -119,8 +122,19 @@ class RunPod(MarketProvider):
         return [as_offer(c) for c in self._types(spec, listing=True)]
 
     async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
+        """The pool's pods: a stoppable pool's stopped ones resumed (see ``stopstart``),
+        else new ones."""
         allocation = RunPodAllocation(self.settings, self.api, spec)
-        return await launched(allocation, allocation.launch)
+        return await acquired(allocation, self.keep, allocation.launch)
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Terminate a stopped pool's pods (and their volumes)."""
+        for ident in kept.ids:
+            try:
+                self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+            except ApiError as e:
+                if e.status != 404:
+                    raise
 
     def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
         """Terminate the pods (found by their name) of pools whose client process on this
@@ -133,6 +147,9 @@ class RunPod(MarketProvider):
         from .pool import FOLDER_PREFIX
 
         rows = self.api.call("GET", "/pods", "list pods") or []
+        # a stopped cluster's pods (EXITED; an outbid spot pod is EXITED too, and is an
+        # orphan) are no orphans: `flotilla down NAME` removes them
+        rows = [r for r in rows if r.get("desiredStatus") != "EXITED" or r.get("interruptible")]
         pools, skipped, gone = find_orphans(labelled(rows, "name"))
         if not dry_run:
             for ident in gone:
