@@ -114,6 +114,17 @@ class MarketProvider(Provider):
         self._api = None
 
 
+def check_stoppable(provider: Any, spec: PoolSpec) -> None:
+    """ConfigurationError when an elastic pool (``spec.max_nodes``) would be a stoppable
+    one (``provider.keep`` set: a named cluster's): its instances come and go, and what is
+    kept is a fixed pool's nodes."""
+    if spec.max_nodes and getattr(provider, "keep", None) is not None:
+        raise ConfigurationError(
+            f"an elastic pool (up to {spec.most} nodes) cannot be a stoppable one: its "
+            "instances come and go; pass a number of nodes"
+        )
+
+
 def check_ttl(provider: Any, spec: PoolSpec, would: str) -> None:
     """``ssh`` on this machine, and a TTL of ``provider``'s settings that the client's
     silence cannot reach (else ``would`` happen under a live pool): ConfigurationError

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AllocationState, Machine
-from .allocation import CloudAllocation, show
+from .allocation import InstanceAllocation, show
 from .kept import Keep, KeptNode, KeptPool
 from .keys import KeyPair, pin_public
 from .market import launched
@@ -23,8 +23,9 @@ logger = logging.getLogger("flotilla.cloud")
 _S = TypeVar("_S", bound="StoppableAllocation")
 
 
-class StoppableAllocation(CloudAllocation):
-    """A cloud allocation whose instances can be stopped and started again.
+class StoppableAllocation(InstanceAllocation):
+    """A cloud allocation whose instances can be stopped and started again (and, in an
+    elastic pool, which cannot be a stoppable one, come and go one at a time).
 
     Attributes:
         keep: where the pool records its instances, and whether closing it stops them
@@ -34,7 +35,6 @@ class StoppableAllocation(CloudAllocation):
         kept_pool_id: the id of the pool that made the kept instances (their label).
         provider_kind: the provider's name in records and messages ("gcp", "runpod").
         spot: the pool's instances are spot / interruptible ones (never stopped).
-        hourly: what the pool's instances cost per hour (None: unknown).
     """
 
     keep: Keep | None = None
@@ -43,7 +43,6 @@ class StoppableAllocation(CloudAllocation):
     provider_kind = ""
     provider_title = ""
     spot = False
-    hourly: float | None
 
     # -- the provider's hooks --------------------------------------------------------
     def place(self) -> str:
@@ -143,9 +142,10 @@ class StoppableAllocation(CloudAllocation):
             f"{self.provider_title}: starting {len(kept.nodes)} stopped instance(s) in "
             f"{kept.place}: {', '.join(kept.ids)}",
         )
-        if kept.hourly is not None:
-            self.hourly = kept.hourly
         machines = await self._in_thread(self.start_instances, kept)
+        share = None if kept.hourly is None else kept.hourly / len(kept.nodes)
+        for node in kept.nodes:  # (a replaced node's instance later is billed apart)
+            self.billed(node.id, share)
         for machine, node in zip(machines, kept.nodes, strict=True):
             target = self.target(machine)
             address = target.host if target.port == 22 else f"[{target.host}]:{target.port}"

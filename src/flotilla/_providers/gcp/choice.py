@@ -206,10 +206,11 @@ def within_cost(choice: MachineChoice, spec: PoolSpec, spot: bool) -> None:
         " a node (list price)",
         "max_node_hourly_cost",
     )
+    nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
     over_budget(
-        None if price is None else price * spec.nodes,
+        None if price is None else price * nodes,
         spec.max_hourly_cost,
-        f"{spec.nodes} x GCP {choice.machine_type} cost",
+        f"{nodes} x GCP {choice.machine_type} cost",
         " (list price)",
     )
 

@@ -16,7 +16,7 @@ from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import show
 from ..cloud.identity import client_id, pool_folder
-from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.keys import KeyPair, pin
 from ..cloud.market import label, pool_ids, release_each
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
@@ -46,12 +46,12 @@ def internal_name(pod_id: str) -> str:
 
 class RunPodAllocation(RunPodStopping):
     """The RunPod pods of one pool (a named cluster's can be stopped and resumed:
-    ``stopstart``).
+    ``stopstart``; an elastic pool's come and go one at a time:
+    ``cloud.allocation.InstanceAllocation``).
 
     Attributes:
         pods: pod id -> its last description (REST v1), for every pod created.
-        hourly: what the pool's pods cost per hour, as offered.
-        chosen: the candidate each rank's pod is of.
+        chosen: the candidate each pod is of.
     """
 
     executor = concurrent.futures.ThreadPoolExecutor(
@@ -66,19 +66,21 @@ class RunPodAllocation(RunPodStopping):
         self.settings = settings
         self.api = api
         self.pods: dict[str, dict[str, Any]] = {}
-        self.hourly = 0.0
         self.chosen: dict[str, Candidate] = {}
         self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
         self._targets: dict[str, Target] = {}
         self._candidates: list[Candidate] = []
         self._host_keys: dict[str, KeyPair] = {}
-        self._keys = 0
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
         await self._make_login_key()
         self._candidates = affordable(await self._in_thread(self.search), self.spec)
+        if self.starts_empty(
+            logger, "RunPod", "pod(s)", f", from {self._candidates[0].describe()}"
+        ):
+            return
         ids = await self._in_thread(self._create_all, self.spec.nodes)
         kinds = sorted({self.chosen[i].describe() for i in ids})
         _show(f"RunPod: {self.spec.nodes} pod(s): {', '.join(kinds)}; pods {', '.join(ids)}")
@@ -93,7 +95,7 @@ class RunPodAllocation(RunPodStopping):
     def _create_all(self, count: int) -> list[str]:
         """Create ``count`` pods, one after the other, walking the candidates and their
         data centers from where the previous pod was had (a capacity error moves on)."""
-        host_key = self._host_key()
+        host_key = self.new_host_key()
         ids: list[str] = []
         at = 0
         for _ in range(count):
@@ -101,9 +103,8 @@ class RunPodAllocation(RunPodStopping):
             ids.append(ident)
         return ids
 
-    def _host_key(self) -> KeyPair:
-        self._keys += 1
-        return keygen(self.folder, f"host_key_{self._keys}", f"flotilla-{self.spec.pool_id}")
+    def create_one(self, rank: int) -> str:
+        return self._create(self.new_host_key(), 0)[0]
 
     def _places(self) -> list[tuple[Candidate, str | None]]:
         centers: list[str | None] = list(self.settings.data_centers) or [None]
@@ -122,15 +123,16 @@ class RunPodAllocation(RunPodStopping):
                 if e.cause is not ProvisionCause.CAPACITY:
                     raise
                 tried.append(f"{candidate.gpu_type} {candidate.cloud.lower()} in {dc or 'any'}")
-                _show(
-                    f"RunPod: no capacity for {candidate.describe()} in {dc or 'any data center'}"
+                self.tell(
+                    logger,
+                    f"RunPod: no capacity for {candidate.describe()} in {dc or 'any data center'}",
                 )
                 continue
             ident = str(pod["id"])
             self.pods[ident] = pod
             self._host_keys[ident] = host_key
             self.chosen[ident] = candidate
-            self.hourly += float(pod.get("costPerHr") or candidate.hourly)
+            self.billed(ident, float(pod.get("costPerHr") or candidate.hourly))
             return ident, index
         raise ProvisionError(
             f"RunPod has no capacity for {self.spec.accelerator} now (tried "
@@ -224,6 +226,12 @@ class RunPodAllocation(RunPodStopping):
             return int((row.get("portMappings") or {}).get("22") or 0)
         return 0
 
+    def wait_one(self, ident: str) -> None:
+        self._wait_running([ident])
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
     def _machine(self, rank: int, ident: str) -> Machine:
         row = self.pods[ident]
         address = internal_name(ident) if self.settings.global_networking else str(row["publicIp"])
@@ -253,28 +261,11 @@ class RunPodAllocation(RunPodStopping):
         }
         return {CLOUD_ENV: json.dumps(settings)}
 
-    # -- replace -----------------------------------------------------------------------
-    async def replacement(self, rank: int, reason: str) -> Machine:
-        """Terminate the lost pod, then create one new pod for ``rank`` (walking the
-        candidates from the first again: the old one's place may be full)."""
-        if self.state is not AllocationState.READY:
-            raise ProvisionError(
-                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
-            )
-        old = self.machines[rank]
-        try:
-            await self._in_thread(self._terminate, old.ident)
-        except ProvisionError as e:
-            logger.warning("%s: %s", old.ident, e)
-        self.hourly -= float(self.pods.get(old.ident, {}).get("costPerHr") or 0)
-        host_key = await self._in_thread(self._host_key)
-        ident, _ = await self._in_thread(self._create, host_key, 0)
-        await self._in_thread(self._wait_running, [ident])
-        machine = self._machine(rank, ident)
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
-        return machine
-
     # -- release -----------------------------------------------------------------------
+    def end_one(self, ident: str) -> None:
+        self._terminate(ident)
+        self.pods.pop(ident, None)
+
     def _terminate(self, ident: str) -> None:
         self.api.delete(f"/pods/{ident}", f"terminate pod {ident}")
 

@@ -11,6 +11,11 @@ host key and a guard, see ``cloud/selfdestruct.py``); RunPod's "no instances ava
 moves to the next data center, then the next GPU type; wait until every pod runs with its
 port 22 mapped to a public port.
 
+An elastic pool (``nodes=Nodes(desired, max=..., min=...)``) creates no pod at its
+start: each node added is one pod created as above (the candidates and data centers
+walked from the first; a capacity error leaves the pool at its size, and it tries again),
+each node released (drained first) one pod terminated (``cloud.allocation``).
+
 A pod is then an SSH host at its public address and mapped port whose host key is pinned
 (never trusted on first use). The nodes' addresses are the pods' names on RunPod's global
 network, ``{pod id}.runpod.internal``: distributed frameworks talk over it.
@@ -32,7 +37,14 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.kept import KeptPool
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled
+from ..cloud.market import (
+    CloudOrphans,
+    MarketProvider,
+    check_stoppable,
+    check_ttl,
+    find_orphans,
+    labelled,
+)
 from ..cloud.rest import ApiError
 from ..cloud.stopstart import acquired
 from ..offers import Offer
@@ -68,6 +80,7 @@ class RunPod(MarketProvider):
     """
 
     name = "runpod"
+    elastic = True
     settings_type = RunPodSettings
     _api: RunPodApi | None
 
@@ -105,7 +118,8 @@ class RunPod(MarketProvider):
         accelerator RunPod has: all before anything is rented."""
         self.check()
         check_ttl(self, spec, "the pods would terminate themselves")
-        if spec.nodes > 1 and spec.options.cluster and not self.settings.global_networking:
+        check_stoppable(self, spec)
+        if spec.most > 1 and spec.options.cluster and not self.settings.global_networking:
             raise ConfigurationError(
                 "a cluster pool of several RunPod pods needs RunPod(global_networking=True): "
                 "without it the pods cannot reach each other"

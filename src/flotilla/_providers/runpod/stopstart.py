@@ -36,7 +36,6 @@ class RunPodStopping(StoppableAllocation):
     provider_kind = "runpod"
     provider_title = "RunPod"
     api: RunPodApi
-    hourly: float
     label: str
     pods: dict[str, dict[str, Any]]
     _host_keys: dict[str, KeyPair]
