@@ -26,7 +26,11 @@ answers it reads:
   "cpu", "gpu", "memory", "storage", "gpu_memory", "ip", "os_volume_id", "location",
   "image", "startup_script_id", "is_spot"}``; ``status`` ``provisioning`` then
   ``running``;
-* ``PUT /instances`` (``{"id": id or [ids], "action": "delete"|"shutdown"|"start"}``);
+* ``PUT /instances`` (``{"id": id or [ids], "action": "delete"|"shutdown"|"start"}``):
+  ``shutdown`` ends everything in the instance's netns and keeps its files (the OS
+  volume), status ``offline``; ``start`` of an ``offline`` one: ``provisioning``, then,
+  ``boot_delay`` s later, sshd again with the host key on its disk (the startup script ran
+  at the first boot only), ``running``;
 * ``GET/POST /sshkeys`` (``name key``; POST answers the id as text), ``DELETE
   /sshkeys/{id}``; ``GET/POST /scripts`` (``name script``), ``DELETE /scripts/{id}``.
 
@@ -63,6 +67,8 @@ from _lifecycle import Lifecycle
 
 CLIENT_ID = "verda-test-client"
 CLIENT_SECRET = "verda-secret-0123456789abcdef"
+STOPPED = "offline"
+"""The status of a shut-down instance."""
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Instance:
     lock: threading.Lock = field(default_factory=threading.Lock)
     created_at: float = field(default_factory=time.monotonic)
     number: int = 0
+    boots: int = 0
 
 
 class VerdaLab(Lifecycle):
@@ -111,6 +118,7 @@ class VerdaLab(Lifecycle):
         self.scripts: dict[str, dict[str, str]] = {}
         self.creates: list[dict[str, Any]] = []
         self.deleted: dict[str, str] = {}  # id -> "account" | "self"
+        self.actions: list[tuple[str, str]] = []  # (action, id) of each PUT /instances
         self.tokens: dict[str, str] = {}  # token -> client id
         self.self_client = ("", "")
         self.script_late = 0.0
@@ -171,6 +179,7 @@ class VerdaLab(Lifecycle):
             self.scripts.clear()
             self.creates.clear()
             self.deleted.clear()
+            self.actions.clear()
             self.self_client = ("", "")
         self.boot_delay = 2.0
         self.script_late = 0.0
@@ -234,6 +243,53 @@ class VerdaLab(Lifecycle):
             room = inst.type.spot_capacity if inst.is_spot else inst.type.capacity
             room[inst.location] = room.get(inst.location, 0) + 1
         threading.Thread(target=self._stop, args=(inst,), daemon=True).start()
+
+    def shutdown(self, inst: Instance) -> None:
+        """``shutdown``: everything in the instance's netns ends; its host folder (the OS
+        volume: /root, /etc/ssh) stays; ``offline``. Verda keeps the instance's place (its
+        capacity is not given back)."""
+        with inst.lock:
+            inst.status = STOPPED
+            inst.boots += 1  # a boot still waiting for D does not happen
+            host = inst.host
+            if host is not None:
+                deadline = time.monotonic() + 5
+                while self.lab.pids(host) and time.monotonic() < deadline:
+                    self.lab.kill_all(host)
+                    time.sleep(0.02)
+
+    def power_on(self, inst: Instance) -> bool:
+        """``start`` of an ``offline`` instance: ``provisioning``, booted again
+        ``boot_delay`` s later from its kept disk (sshd with the host key /etc/ssh holds;
+        the startup script ran at the first boot only), then ``running``."""
+        with inst.lock:
+            if inst.status != STOPPED:
+                return False
+            inst.status = "provisioning"
+            inst.boots += 1
+            boot = inst.boots
+        threading.Thread(target=self._reboot, args=(inst, boot), daemon=True).start()
+        return True
+
+    def _reboot(self, inst: Instance, boot: int) -> None:
+        if inst.stopped.wait(self.boot_delay):
+            return
+        with inst.lock:
+            host = inst.host
+            if inst.boots != boot or self.closing or host is None:
+                return
+            etc = host.folder / "etc-ssh"
+            path = f"{host.folder / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
+            path += ":/sbin:/bin"
+            self.lab.start_daemon(
+                host,
+                f"mount --bind {etc} /etc/ssh && mount -t tmpfs -o mode=755 tmpfs /run && "
+                f"mkdir -p /run/sshd && cd / && exec {SSHD} -D -e",
+                "instance.log",
+                env={"PATH": path, "HOME": "/root"},
+                own_files=[etc],
+            )
+            inst.status = "running"
 
     def _life(self, inst: Instance) -> None:
         with inst.lock:
@@ -487,13 +543,24 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, lab.instance_json(inst))
         if (method, path) == ("PUT", "/instances"):
             ids = body.get("id")
-            if body.get("action") != "delete":
-                return self._send(400, _error("invalid_request", "only delete is stood in"))
-            for ident in [ids] if isinstance(ids, str) else ids or []:
-                with lab._lock:
-                    inst = lab.instances.get(str(ident))
-                if inst is not None:
+            action = body.get("action")
+            if action not in ("delete", "shutdown", "start"):
+                return self._send(400, _error("invalid_request", f"{action} is not stood in"))
+            listed = [ids] if isinstance(ids, str) else ids or []
+            with lab._lock:
+                found = [lab.instances.get(str(i)) for i in listed]
+            if action != "delete" and any(i is None for i in found):
+                return self._send(404, _error("not_found", "Instance not found"))
+            for inst in [i for i in found if i is not None]:
+                if action == "delete":
                     lab.delete(inst, by)
+                elif action == "shutdown":
+                    lab.shutdown(inst)
+                elif not lab.power_on(inst):
+                    return self._send(
+                        400, _error("invalid_request", f"Instance {inst.id} is not offline")
+                    )
+            lab.actions.extend((action, i.id) for i in found if i is not None)
             return self._send(202, "")
         for route, store, field_name in (
             ("/sshkeys", lab.keys, "key"),

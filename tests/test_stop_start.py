@@ -68,9 +68,9 @@ def test_stop_is_refused_where_nodes_cannot_stop(cli: CLI) -> None:
     assert "flotilla down batch" in done.stderr
 
 
-@pytest.mark.parametrize("kind", ["gcp", "runpod"])
+@pytest.mark.parametrize("kind", ["gcp", "runpod", "verda"])
 def test_stop_is_refused_for_spot_instances_of_clouds_that_stop(cli: CLI, kind: str) -> None:
-    """GCP and RunPod clusters can be stopped (``cloud.stopstart``), but not their spot
+    """GCP, RunPod and Verda clusters can be stopped (``cloud.stopstart``), but not their spot
     instances, which those clouds delete or outbid: refused before anything happens, with
     ``down`` offered; ``--autostop`` without ``--down`` is refused for them too."""
     paths = Paths("spotty", cli.home)

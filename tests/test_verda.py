@@ -7,11 +7,13 @@ from __future__ import annotations
 import glob
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import pytest
 from _procs import interruptible, wait_until
@@ -81,12 +83,28 @@ def test_the_official_client_drives_the_stand_in(verda: VerdaLab) -> None:
     assert wait_until(lambda: _answers(str(client.instances.get_by_id(inst.id).ip), 22), 30)
     with pytest.raises(APIException, match="not available in FIN-01"):
         client.instances.create("1A100.22V", "ubuntu-24.04", "x", "x", location="FIN-01")
+    # shut down: sshd gone, the disk kept; started again: it boots and answers
+    (lab_inst,) = verda.live()
+    assert lab_inst.host is not None
+    (lab_inst.host.home / "kept.txt").write_text("kept\n")
+    client.instances.action(inst.id, "shutdown")
+    assert client.instances.get_by_id(inst.id).status == "offline"
+    assert verda.lab.pids(lab_inst.host) == [] and not _answers(str(inst_ip(client, inst.id)), 22)
+    client.instances.action([inst.id], "start")
+    assert wait_until(lambda: client.instances.get_by_id(inst.id).status == "running", 60)
+    assert wait_until(lambda: _answers(str(inst_ip(client, inst.id)), 22), 30)
+    assert (lab_inst.host.home / "kept.txt").read_text() == "kept\n"
+    assert verda.actions == [("shutdown", inst.id), ("start", inst.id)]
     client.instances.action(inst.id, "delete")
     client.ssh_keys.delete_by_id(key.id)
     client.startup_scripts.delete_by_id(script.id)
     assert verda.live() == [] and verda.keys == {} and verda.scripts == {}
     with pytest.raises(APIException, match="Invalid client credentials"):
         VerdaClient(CLIENT_ID, "wrong", base_url=verda.url)
+
+
+def inst_ip(client: Any, ident: str) -> str:
+    return str(client.instances.get_by_id(ident).ip)
 
 
 def test_two_nodes_broadcast_and_train_with_ddp(verda: VerdaLab) -> None:
@@ -344,6 +362,52 @@ def test_task_file_with_infra_verda_runs_and_costs_are_reported(cli: CLI, verda:
     report = cli.ok("cost-report").stdout
     (line,) = [row for row in report.splitlines() if row.startswith("gpus ")]
     assert line.split()[1:4] == ["verda", "2", "2.58"], report
+
+
+def test_stop_keeps_the_disks_and_start_runs_the_same_instances_again(
+    cli: CLI, verda: VerdaLab
+) -> None:
+    """``flotilla stop`` shuts a 2-instance cluster down (``PUT /instances`` action
+    ``shutdown``): sshd ends, the files stay, the instances are no orphans; ``flotilla
+    start`` starts the same ones (action ``start``, no create), their recorded host keys
+    pinned, owned by the new daemon (no orphans), and a job finds the files; the stopped
+    time costs no compute."""
+    verda.add_type(*A100, capacity={"FIN-01": 4, "FIN-02": 2})
+    cli.env.update(verda.env)
+    cli.ok("launch", cli.task("job.yaml", TASK), "-c", "vst", timeout=300)
+    mark = f"kept-{secrets.token_hex(4)}"
+    cli.ok("exec", "vst", f"echo {mark}-$SKYPILOT_NODE_RANK > ~/kept.txt", timeout=120)
+    live = sorted(verda.live(), key=lambda i: i.id)
+    ids = [i.id for i in live]
+    assert len(live) == 2 and len(verda.creates) == 2
+
+    cli.ok("stop", "vst", timeout=180)
+    assert [i.status for i in live] == ["offline", "offline"]
+    assert all(i.host is not None and verda.lab.pids(i.host) == [] for i in live)
+    assert sorted(verda.actions) == [("shutdown", i) for i in ids]
+    assert "STOPPED" in cli.ok("status", "vst").stdout
+    cli.ok("down", "--orphans", "--provider", "verda")  # a stopped cluster is no orphan
+    assert sorted(i.id for i in verda.live()) == ids
+
+    cli.ok("start", "vst", timeout=300)
+    assert [i.status for i in live] == ["running", "running"] and len(verda.creates) == 2
+    assert sorted(verda.actions) == sorted(
+        [("shutdown", i) for i in ids] + [("start", i) for i in ids]
+    )
+    cli.ok("down", "--orphans", "--provider", "verda")  # owned by the new daemon
+    assert sorted(i.id for i in verda.live()) == ids
+    done = cli.ok("exec", "vst", 'echo "found: $(cat ~/kept.txt)"', timeout=120)
+    assert node_lines(done.stdout, "found: ") == {0: f"{mark}-0", 1: f"{mark}-1"}
+
+    cli.ok("stop", "vst", timeout=180)
+    cli.ok("down", "vst", "-y", timeout=120)
+    assert verda.wait_gone(30) == [] and verda.keys == {}
+    assert not (cli.home / "clusters" / "vst").exists()
+    # each run at the pool's price; the stopped time costs no compute (Verda bills a
+    # shut-down instance's disk only, which cost-report does not count)
+    report = cli.ok("cost-report").stdout
+    rows = [row.split() for row in report.splitlines() if row.startswith("vst ")]
+    assert [r[1:4] for r in rows] == [["verda", "2", "2.58"]] * 2, report
 
 
 def test_show_gpus_check_and_orphans(cli: CLI, verda: VerdaLab) -> None:

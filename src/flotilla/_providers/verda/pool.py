@@ -20,7 +20,7 @@ from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..bootstrap import NoAnswer
 from ..cloud import login
-from ..cloud.allocation import CloudShell, InstanceAllocation, cheapest, show
+from ..cloud.allocation import CloudShell, cheapest, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
@@ -30,6 +30,7 @@ from ..offers import Offer
 from ..ssh_shell import Target
 from .api import VerdaApi
 from .settings import VerdaSettings
+from .stopstart import VerdaStopping
 
 logger = logging.getLogger("flotilla.verda")
 
@@ -222,8 +223,9 @@ class VerdaShell(CloudShell):
         return super().transient(failure) or any(m in failure.stderr for m in OTHER_KEY)
 
 
-class VerdaAllocation(InstanceAllocation):
-    """The Verda instances of one pool.
+class VerdaAllocation(VerdaStopping):
+    """The Verda instances of one pool (a named cluster's can be shut down and started
+    again: ``stopstart``).
 
     Attributes:
         instances: instance id -> its last description.
@@ -402,6 +404,7 @@ class VerdaAllocation(InstanceAllocation):
             reply = self.api.call("POST", "/instances", f"create {c.name} in {loc}", body)
         ident = str(reply.get("id") if isinstance(reply, dict) else reply)
         price = self._price(c, spot)
+        self.spot = self.spot or spot  # (never shut down: ``stopstart``)
         self.instances[ident] = {
             "id": ident,
             "host_key": self._host_keys[script],
@@ -510,6 +513,12 @@ class VerdaAllocation(InstanceAllocation):
         create whose answer was lost), its startup scripts and SSH key; remove the local
         folder."""
         try:
+            try:
+                if self.stop_kept():
+                    return
+            except ProvisionError as e:  # recorded as stopped: `flotilla down` removes them
+                _show(f"Verda: could not shut down pool {self.spec.pool_id}: {e}")
+                return
             ids = set(self.instances)
             with contextlib.suppress(ProvisionError):
                 rows = self.api.call("GET", "/instances", "list the pool's instances")
@@ -535,6 +544,8 @@ class VerdaAllocation(InstanceAllocation):
                     f"Verda: could not release everything of pool "
                     f"{self.spec.pool_id}: {'; '.join(errors)}"
                 )
+            else:
+                self.forget_kept()
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -30,6 +30,10 @@ after the boot when no agent started) an instance gets ``ttl_client_id``/
 instance by its own addresses and deletes it (Verda bills a shut-down instance, so
 powering off would not do). ``flotilla down --orphans --provider verda`` deletes what a
 dead client on this machine left, its SSH keys and startup scripts.
+
+A named cluster's pool can be shut down (``flotilla stop``: ``PUT /instances`` action
+``shutdown``, the OS volumes kept) and started again (action ``start``) by the next pool,
+the recorded host keys pinned: ``stopstart``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,17 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.kept import KeptPool
+from ..cloud.market import (
+    CloudOrphans,
+    MarketProvider,
+    check_stoppable,
+    check_ttl,
+    find_orphans,
+    labelled,
+)
+from ..cloud.rest import ApiError
+from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
 from .api import SOURCE, VerdaApi, base_url, find, make_api
@@ -98,6 +112,7 @@ class Verda(MarketProvider):
     def validate(self, spec: PoolSpec) -> None:
         self.check()
         check_ttl(self, spec, "the instances would delete themselves")
+        check_stoppable(self, spec)
         if spec.accelerator is not None and spec.accelerator.fractional:
             raise ConfigurationError(f"Verda has no fractions of a GPU: {spec.accelerator}")
         self._types(spec)
@@ -128,7 +143,17 @@ class Verda(MarketProvider):
             ident, secret, _ = find(s.client_id, s.client_secret)
             ttl = (ident, secret)
         allocation = VerdaAllocation(s, self.api, (str(ttl[0]), str(ttl[1])), spec)
-        return await launched(allocation, allocation.launch)
+        return await acquired(allocation, self.keep, allocation.launch)
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Delete a shut-down pool's instances (and their OS volumes)."""
+        try:
+            self.api.call(
+                "PUT", "/instances", "delete instances", {"id": kept.ids, "action": "delete"}
+            )
+        except ApiError as e:
+            if e.status != 404:
+                raise
 
     def remove_orphans(self, dry_run: bool = False) -> VerdaOrphans:
         """Delete the instances (found by their description) of pools whose client process
@@ -140,10 +165,18 @@ class Verda(MarketProvider):
 
         from ..cloud.identity import dead_folders
         from .pool import FOLDER_PREFIX
+        from .stopstart import STOPPED, adopted
 
         api = self.api
         rows = api.call("GET", "/instances", "list instances") or []
-        live = [r for r in rows if r.get("status") not in ("deleted", "deleting")]
+        # a stopped cluster's instances (shut down, or started again by a live pool here)
+        # are no orphans: `flotilla down NAME` removes them
+        kept = adopted(FOLDER_PREFIX)
+        live = [
+            r
+            for r in rows
+            if r.get("status") not in ("deleted", "deleting", STOPPED) and str(r["id"]) not in kept
+        ]
         pools, skipped, gone = find_orphans(labelled(live, "description"))
         if dry_run:
             return VerdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

@@ -23,6 +23,8 @@ class VerdaBackend(RentedBackend[RentedSpec]):
     provider_name = "Verda"
     removes = ("would delete", "deleted")
     ssh_config = False  # `flotilla ssh` only: no ssh_config blocks
+    stop_note = ""  # action shutdown keeps the OS volumes; action start boots them again
+    stoppable = True
 
 
 BACKEND = VerdaBackend()
