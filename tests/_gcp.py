@@ -123,7 +123,7 @@ class GcpLab(Lifecycle):
     ``GOOGLE_CLOUD_PROJECT``, ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE``), set in
     ``os.environ`` while the lab runs."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
         self.url = ""

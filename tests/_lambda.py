@@ -91,7 +91,7 @@ class LambdaLab(Lifecycle):
     """The stand-in API server and its instances. A context manager; ``url`` and ``env``
     (``LAMBDA_API_URL``, ``LAMBDA_API_KEY``) are what a client needs."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
         self.types: dict[str, InstanceType] = {}

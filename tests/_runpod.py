@@ -124,7 +124,7 @@ class RunPodLab(Lifecycle):
     ``url`` and ``env`` (``RUNPOD_API_BASE_URL``, ``RUNPOD_API_KEY``) are what a client
     needs."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
         self.gpus: dict[str, GpuType] = {}
