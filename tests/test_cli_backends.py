@@ -108,7 +108,7 @@ def test_an_unknown_kind_is_an_error_listing_the_known_ones() -> None:
         registry.backend("nomad")
     with pytest.raises(ConfigurationError, match="unknown provider 'nomad'"):
         registry.spec_from_dict({"kind": "nomad", "hosts": ["h1"]})
-    assert known == "local, ssh, slurm, aws, k8s, vast, runpod, lambda, gcp, container"
+    assert known == "local, ssh, slurm, aws, k8s, vast, runpod, lambda, gcp, verda, container"
 
 
 def test_specs_round_trip_through_the_state_file_format() -> None:
@@ -329,6 +329,8 @@ _KIND_SAMPLES = {  # where a kind spells a setting its own way
     ("gcp", "region"): "europe-west4",
     ("gcp", "zone"): "europe-west4-a",
     ("gcp", "api_endpoint"): "http://127.0.0.1:8089/compute/v1/",
+    ("verda", "region"): "FIN-01",
+    ("verda", "instance_type"): "1A100.22V",
 }
 _REQUIRED = {"ssh": ["--hosts", "h1,h2"], "container": ["--container-binary", "podman"]}
 

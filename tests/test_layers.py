@@ -237,7 +237,17 @@ def test_layers_import_one_way() -> None:
     assert [v for path in modules for v in _violations(path)] == []
 
 
-PROVIDER_PACKAGES = ("aws", "vast", "runpod", "lambda_cloud", "gcp", "k8s", "container", "slurm")
+PROVIDER_PACKAGES = (
+    "aws",
+    "vast",
+    "runpod",
+    "lambda_cloud",
+    "gcp",
+    "verda",
+    "k8s",
+    "container",
+    "slurm",
+)
 
 
 def test_providers_share_the_cloud_kit_not_one_another() -> None:

@@ -127,3 +127,37 @@ def test_kill_all_finds_processes_by_environment_and_what_they_forked(
     assert procs.wait_gone(child, 0, 10.0)  # reaped by init once killed
     assert not procs.alive(proc.pid, start)
     assert procs.kill_all(lambda pid: procs.has_env(pid, mark)) == 0
+
+
+def test_kill_all_removes_the_multiprocessing_semaphores_of_what_it_killed(
+    tmp_path: Path, marked: tuple[bytes, list[subprocess.Popen[bytes]]]
+) -> None:
+    """A spawn-started multiprocessing program (a Dask worker's nanny) killed with its
+    resource tracker would leave its semaphores and shared memory in /dev/shm for good."""
+    mark, started = marked
+    name, _, value = mark.decode().partition("=")
+    code = textwrap.dedent(
+        """
+        import multiprocessing, multiprocessing.shared_memory, sys, time
+        ctx = multiprocessing.get_context("spawn")
+        lock = ctx.Lock()
+        block = multiprocessing.shared_memory.SharedMemory(create=True, size=4096)
+        print(lock._semlock.name, block.name, flush=True)
+        time.sleep(300)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, name: value},
+    )
+    started.append(proc)
+    assert proc.stdout is not None
+    semaphore, block = proc.stdout.readline().decode().split()
+    paths = [Path("/dev/shm") / f"sem.{semaphore.lstrip('/')}", Path("/dev/shm") / block]
+    assert all(p.exists() for p in paths)
+
+    assert procs.kill_all(lambda pid: procs.has_env(pid, mark)) >= 2  # with its tracker
+    proc.wait()
+    assert [p for p in paths if p.exists()] == []

@@ -83,6 +83,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from ._providers.slurm import Slurm as Slurm
     from ._providers.ssh import SSH as SSH
     from ._providers.vast import VastAI as VastAI
+    from ._providers.verda import Verda as Verda
     from ._redaction import Secret as Secret
     from ._shard import shard as shard
     from ._volume import Volume as Volume
@@ -133,6 +134,7 @@ _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     "_providers.lambda_cloud": ("LambdaCloud",),
     "_providers.runpod": ("RunPod",),
     "_providers.vast": ("VastAI",),
+    "_providers.verda": ("Verda",),
     "_shard": ("shard",),
     "_volume": ("Volume",),
     "_worker": ("Worker",),

@@ -33,13 +33,16 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     │                                       leave it alone)
     ├── StorageError                        storage.py: an object store request failed
     │                                       (``status``: the HTTP status)
+    ├── EngineError (RuntimeError)          plugins/_daemons.py: a Ray or Dask daemon did
+    │                                       not start on a node, or the client could not
+    │                                       reach it (``pool.dask_client()``)
     └── CLIError                            cli/main.py: a command that cannot go on
                                             (``code``: the exit status)
 
 The classes defined here are the public ones (exported by :mod:`flotilla`): they print as
 ``flotilla.WorkerDiedError`` (their ``__module__`` is ``flotilla``) and pickle by that name.
-The command line's four and the cloud providers' API errors live in their modules and
-stay internal. Two lower-level exceptions
+The command line's four, the cloud providers' API errors and the engines' EngineError live
+in their modules and stay internal. Two lower-level exceptions
 never leave their layer: ``_node.build.BuildError`` (an environment build step failed; the
 agent reports it, and the client raises ProvisionError) and
 ``_providers.bootstrap.NoAnswer`` (a remote start command ended without answering; the

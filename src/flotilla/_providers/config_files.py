@@ -58,6 +58,7 @@ KINDS: Mapping[str, tuple[str, str, str, str]] = {
     "runpod": ("runpod.settings", "RunPodSettings", "runpod", "RunPod"),
     "lambda": ("lambda_cloud.settings", "LambdaSettings", "lambda_cloud", "LambdaCloud"),
     "gcp": ("gcp.settings", "GCPSettings", "gcp", "GCP"),
+    "verda": ("verda.settings", "VerdaSettings", "verda", "Verda"),
     "container": ("container.settings", "ContainerSettings", "container", "Container"),
 }
 """Provider kind -> (settings module, settings class, provider module, provider class),
@@ -69,6 +70,7 @@ ALIASES: Mapping[str, str] = {
     "vastai": "vast",
     "lambda_cloud": "lambda",
     "lambdacloud": "lambda",
+    "datacrunch": "verda",
 }
 """SkyPilot's and Skyward's names of a kind."""
 

@@ -131,22 +131,54 @@ def has_env(pid: int, prefix: bytes) -> bool:
     return env.startswith(prefix) or b"\0" + prefix in env  # (no split: every process is read)
 
 
+TRACKER_GRACE = 2.0
+"""Seconds :func:`kill_all` leaves a multiprocessing resource tracker to exit by itself."""
+
+
 def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
     """SIGKILL every process (this one excepted) for which ``match(pid)`` is true, walking
-    again for what they forked meanwhile (at most ``rounds`` walks); the number killed."""
+    again for what they forked meanwhile (at most ``rounds`` walks); the number killed.
+
+    A multiprocessing resource tracker among them (Dask's nanny, a DataLoader with spawned
+    workers start one) is killed last: once the processes it served are gone it removes the
+    named semaphores and shared memory they left and exits; killed with them, it would
+    leave those in ``/dev/shm`` for good. It gets :data:`TRACKER_GRACE` seconds to do so."""
     killed: set[int] = set()
+    trackers: set[int] = set()
     for _ in range(rounds):
         found = 0
         for pid in pids():
-            if match(pid) and alive(pid):  # a zombie is dead already
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                    # SIGKILL takes effect a moment later: the next walk may see it again
-                    found += pid not in killed
-                    killed.add(pid)
+            if pid in trackers or not match(pid) or not alive(pid):  # a zombie is dead
+                continue
+            if _is_tracker(pid):
+                trackers.add(pid)
+                continue
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                # SIGKILL takes effect a moment later: the next walk may see it again
+                found += pid not in killed
+                killed.add(pid)
         if not found:
             break
-    return len(killed)
+    deadline = time.monotonic() + TRACKER_GRACE
+    while any(alive(pid) for pid in trackers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in trackers:
+        if alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+    return len(killed | trackers)
+
+
+def _is_tracker(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing resource tracker (``python -c 'from
+    multiprocessing.resource_tracker import main; main(FD)'``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker import main" in f.read()
+    except OSError:
+        return False
 
 
 def die_with_parent(

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from .._errors import FlotillaError
 from .._system.procs import (
     OWNER,
     alive,
@@ -52,8 +53,9 @@ TensorFlow the ones after it; the engines take theirs from the block's middle (t
 knows them too: ``pool.dask_client()`` and ``pool.ray_dashboard()`` reach them)."""
 
 
-class EngineError(RuntimeError):
-    """An engine's daemon could not start on a node (its own words in the message)."""
+class EngineError(FlotillaError, RuntimeError):
+    """An engine's daemon (Ray's, Dask's) could not start on a node, or the client could
+    not reach it (its own words in the message)."""
 
 
 def scratch_dir(engine: str, pool_id: str, node: int) -> str:

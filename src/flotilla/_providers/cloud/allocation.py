@@ -47,6 +47,8 @@ class CloudAllocation(ShellAllocation):
             that presents another key.
         executor: the threads of the cloud's blocking API calls (one pool of them per
             cloud, shared by its allocations).
+        shell_type: the shell that reaches the instances (:class:`CloudShell`, or one
+            that tries more failures again).
     """
 
     shell: CloudShell
@@ -57,6 +59,7 @@ class CloudAllocation(ShellAllocation):
     login_key: KeyPair | None
     handover = "installed at its start"
     executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
+    shell_type: ClassVar[type[CloudShell]] = CloudShell
 
     def guard(self, poweroff: Sequence[str]) -> str:
         """The boot guard of the pool's instances (``guard.guard_command``): ``poweroff``
@@ -94,7 +97,7 @@ class CloudAllocation(ShellAllocation):
         self.login_key = None
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
-        self.ssh = CloudShell(
+        self.ssh = self.shell_type(
             self.target,
             key=None,
             known_hosts=self.known_hosts,

@@ -112,14 +112,18 @@ class RestApi:
         body: Any = None,
         query: dict[str, str] | None = None,
         url: str | None = None,
+        auth: bool = True,
     ) -> Any:
-        """``method`` ``{url}{path}`` with the JSON ``body``; the decoded answer.
-        ApiError saying ``what`` failed; ConfigurationError when the key is refused."""
+        """``method`` ``{url}{path}`` with the JSON ``body``; the decoded answer
+        (:meth:`decode`). ApiError saying ``what`` failed; ConfigurationError when the key
+        is refused. ``auth=False``: no ``Authorization`` header (a token request)."""
         target = f"{(url or self.url).rstrip('/')}{path}"
         if query:
             target += "?" + urllib.parse.urlencode(query)
         data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self._key}", "Accept": "application/json"}
+        headers = {"Accept": "application/json"}
+        if auth:
+            headers["Authorization"] = self.authorization()
         if data is not None:
             headers["Content-Type"] = "application/json"
 
@@ -137,7 +141,7 @@ class RestApi:
                     raise _Final(error) from None
                 e.flotilla_error = error  # type: ignore[attr-defined]  # if it never works
                 raise
-            return json.loads(raw) if raw else {}
+            return self.decode(raw)
 
         try:  # 5xx, 429, timeouts and resets: tried again (``retry``)
             return retried(once, f"{self.name} ({self.url}): {what}")
@@ -152,6 +156,15 @@ class RestApi:
                 "",
                 ProvisionCause.UNREACHABLE,
             ) from None
+
+    def authorization(self) -> str:
+        """The ``Authorization`` header of a call (an API with tokens overrides it)."""
+        return f"Bearer {self._key}"
+
+    def decode(self, raw: bytes) -> Any:
+        """A successful answer's body, decoded (JSON; an API that answers some calls with
+        plain text overrides it)."""
+        return json.loads(raw) if raw else {}
 
     def error(self, what: str, status: int, raw: bytes | Any) -> Exception:
         """The exception for an error answer (``raw``: its body, or its decoded JSON)."""

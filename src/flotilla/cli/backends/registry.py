@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from . import aws, container, gcp, k8s, lambda_cloud, local, plugin, runpod, slurm, ssh, vast
+from . import aws, container, gcp, k8s, lambda_cloud, local, plugin, runpod, slurm, ssh, vast, verda
 from .base import Backend, ProviderSpec, ShellCommand, infra_name
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ BACKENDS: tuple[Backend[Any], ...] = (
     runpod.BACKEND,
     lambda_cloud.BACKEND,
     gcp.BACKEND,
+    verda.BACKEND,
     container.BACKEND,
 )
 """Every backend, the default (used when the command line names none) first."""
