@@ -40,6 +40,12 @@ part: the ``startup-script`` metadata runs (``/bin/sh``, as root, output to
 sshd starts (listening on ``natIP:22`` and ``networkIP:22`` only) with a host key the
 instance made itself, and (``enable-guest-attributes=TRUE``) that key is published as the
 guest attribute ``hostkeys/ssh-ed25519``. Deleting an instance stops everything in it.
+``.../instances/{name}/stop`` (POST) stops everything in it too but keeps the instance
+TERMINATED with its boot disk (its folder: the host key, ``/root/.flotilla``, ``/var/lib``)
+and clears its guest attributes; ``.../start`` makes it RUNNING again and boots it
+``boot_delay`` s later (the startup script again, sshd with the same host key, published
+again); ``.../setMetadata`` (POST ``{fingerprint, items}``) replaces its metadata when the
+fingerprint is the current one (412 ``conditionNotMet`` otherwise), as Google's does.
 ``preempt(name)`` sets ``instance/preempted`` to TRUE and deletes the instance a second
 later (a SPOT instance's ``instanceTerminationAction: DELETE``).
 """
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -130,6 +137,7 @@ class GcpLab(Lifecycle):
         self.env: dict[str, str] = {}
         self.instances: dict[tuple[str, str], LabInstance] = {}
         self.made: list[LabInstance] = []  # every instance ever inserted
+        self.powered: list[tuple[str, str]] = []  # (name, "stop" | "start") of each call
         self.operations: dict[str, Operation] = {}
         self.requests: list[tuple[str, str]] = []
         self.capacity: dict[str, int] = {}
@@ -405,6 +413,42 @@ class GcpLab(Lifecycle):
 
         threading.Thread(target=later, daemon=True).start()
 
+    def power(self, inst: LabInstance, verb: str) -> Operation:
+        """``instances.stop`` (everything in it killed, its disk kept, TERMINATED) or
+        ``instances.start`` (RUNNING, booted ``boot_delay`` s later)."""
+        op = Operation(f"operation-{secrets.token_hex(8)}", inst.zone, verb, inst.name)
+        with self._lock:
+            self.operations[op.name] = op
+            self.powered.append((inst.name, verb))
+
+        def stop() -> None:
+            with inst.lock:
+                inst.status = "STOPPING"
+                host = inst.host
+                deadline = time.monotonic() + 5
+                while host is not None and self.lab.pids(host) and time.monotonic() < deadline:
+                    self.lab.kill_all(host)
+                    time.sleep(0.02)
+                inst.guest.clear()
+                inst.status = "TERMINATED"
+            op.done.set()
+
+        if verb == "stop":
+            threading.Thread(target=stop, daemon=True).start()
+            return op
+        with inst.lock:
+            if inst.status == "TERMINATED" and inst.host is not None:
+                inst.status = "RUNNING"
+                threading.Thread(
+                    target=self._boot, args=(inst, inst.host, time.monotonic()), daemon=True
+                ).start()
+            elif inst.status != "RUNNING":
+                op.error = [
+                    {"code": "RESOURCE_NOT_READY", "message": f"{inst.name} is {inst.status}"}
+                ]
+        op.done.set()
+        return op
+
     def _life(self, inst: LabInstance) -> None:
         with inst.lock:
             if inst.stopped.is_set():
@@ -442,14 +486,22 @@ class GcpLab(Lifecycle):
                     if line.startswith("root:")
                 )
             )
-        if inst.stopped.wait(max(0.0, inst.created_at + self.boot_delay - time.monotonic())):
+        self._boot(inst, host, inst.created_at)
+
+    def _boot(self, inst: LabInstance, host: TestHost, since: float) -> None:
+        """``boot_delay`` s after ``since``: the startup script, then sshd (the guest
+        agent's part), unless the instance was deleted or stopped meanwhile."""
+        if inst.stopped.wait(max(0.0, since + self.boot_delay - time.monotonic())):
             return
         with inst.lock:
-            if inst.stopped.is_set():
+            if inst.stopped.is_set() or inst.status != "RUNNING":
                 return
             self._startup(inst, host)
             key = host.folder / "etc-ssh" / "ssh_host_ed25519_key"
-            public = keygen(key, inst.name)  # the instance's own host key
+            if key.exists():  # its boot disk's, made at the first boot
+                public = key.with_suffix(".pub").read_text().strip()
+            else:
+                public = keygen(key, inst.name)  # the instance's own host key
             if self.impostor:
                 public = keygen(host.folder / "other_key", inst.name)
             config = host.folder / "sshd_config"
@@ -552,7 +604,10 @@ class GcpLab(Lifecycle):
                 "%Y-%m-%dT%H:%M:%S.000-00:00", time.gmtime(inst.created_wall)
             ),
             "labels": body.get("labels") or {},
-            "metadata": body.get("metadata") or {},
+            "metadata": {
+                **(body.get("metadata") or {}),
+                "fingerprint": _fingerprint(body.get("metadata")),
+            },
             "scheduling": body.get("scheduling") or {},
             "guestAccelerators": body.get("guestAccelerators") or [],
             "serviceAccounts": body.get("serviceAccounts") or [],
@@ -591,6 +646,13 @@ class GcpLab(Lifecycle):
             out["httpErrorStatusCode"] = 503
             out["httpErrorMessage"] = "SERVICE UNAVAILABLE"
         return out
+
+
+def _fingerprint(metadata: Any) -> str:
+    """The metadata's fingerprint: a digest of its items (Google's is opaque base64)."""
+    items = (metadata or {}).get("items") or []
+    digest = hashlib.sha256(json.dumps(items, sort_keys=True).encode()).digest()
+    return base64.b64encode(digest[:8]).decode()
 
 
 def _unb64(text: str) -> bytes:
@@ -802,6 +864,26 @@ class _ApiHandler(_Handler):
                     return self._send(200, lab.instance_json(inst))
                 if len(rest) == 4 and method == "DELETE":
                     return self._send(200, lab.operation_json(lab.delete(inst, by)))
+                if rest[4:] in (["stop"], ["start"]) and method == "POST":
+                    return self._send(200, lab.operation_json(lab.power(inst, rest[4])))
+                if rest[4:] == ["setMetadata"] and method == "POST":
+                    if body.get("fingerprint") != _fingerprint(inst.body.get("metadata")):
+                        return self._error(
+                            412,
+                            "FAILED_PRECONDITION",
+                            "Supplied fingerprint does not match current metadata fingerprint.",
+                            "conditionNotMet",
+                        )
+                    with inst.lock:
+                        items = [{"key": i["key"], "value": i["value"]} for i in body["items"]]
+                        inst.body["metadata"] = {"items": items}
+                    op = Operation(
+                        f"operation-{secrets.token_hex(8)}", zone, "setMetadata", inst.name
+                    )
+                    op.done.set()
+                    with lab._lock:
+                        lab.operations[op.name] = op
+                    return self._send(200, lab.operation_json(op))
                 if rest[4:] == ["getGuestAttributes"] and method == "GET":
                     path = query.get("queryPath", "")
                     found = [

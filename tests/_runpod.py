@@ -18,13 +18,15 @@ No emulator of RunPod exists, so this is a small one, serving what the official 
   null until the pod runs); ``podFindAndDeployOnDemand(input)``, ``podRentInterruptable
   (input)`` (``mutations/pods.py``: ``name imageName gpuTypeId cloudType gpuCount
   dataCenterId dockerArgs ports env [{key, value}] startSsh supportPublicIp``...),
-  ``podTerminate(input: {podId})``, ``podStop``;
+  ``podTerminate(input: {podId})``, ``podStop(input: {podId})`` and ``podResume(input:
+  {podId, gpuCount})`` (``stop_pod``/``resume_pod``: ``id desiredStatus imageName env
+  machineId machine {podHostId}``);
 * REST v1 (RunPod's published OpenAPI, ``rest.runpod.io/v1``): ``POST /pods`` (``name
   imageName gpuTypeIds gpuCount cloudType dataCenterIds interruptible globalNetworking
   supportPublicIp ports dockerStartCmd env{} containerDiskInGb``), ``GET /pods``,
-  ``GET /pods/{id}``, ``DELETE /pods/{id}``; a pod: ``id name desiredStatus publicIp
-  portMappings{"22": port} costPerHr interruptible gpu{id count displayName}
-  machine{dataCenterId} env image``;
+  ``GET /pods/{id}``, ``DELETE /pods/{id}``, ``PATCH /pods/{id}`` (``name``); a pod:
+  ``id name desiredStatus publicIp portMappings{"22": port} costPerHr interruptible
+  gpu{id count displayName} machine{dataCenterId} env image volumeInGb volumeMountPath``;
 * no capacity: RunPod's own message, "There are no longer any instances available with
   the requested specifications. Please refresh and try again." (GraphQL ``errors``, REST
   500).
@@ -42,7 +44,13 @@ listen ONLY on the public address and the pod's mapped port (what RunPod's NAT o
 pod runs and its address and port are reported. Pods with ``globalNetworking`` are on
 one private network (a bridge of its own) and reach each other at
 ``{pod id}.runpod.internal`` (each pod's /etc/hosts, standing in for RunPod's DNS).
-Terminating a pod stops its host and everything in it.
+Terminating a pod stops its host and everything in it. Stopping one (``podStop``:
+``desiredStatus`` EXITED) stops everything in it, gives its GPUs back to the data center
+and wipes its container disk (its /root, /etc/ssh, /tmp), keeping only its volume disk
+(``volumeInGb``, mounted at ``volumeMountPath``; the stand-in mounts it only under /root,
+the pod's own, and refuses other paths): ``podResume`` takes GPUs again (RunPod's "There
+are not enough free GPUs on the host machine to start this pod." when none is free) and
+boots it ``boot_delay`` s later with its start command, at the same address and port.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -68,6 +77,7 @@ from _lifecycle import Lifecycle
 
 API_KEY = "rp-test-key-0123456789abcdef"
 """The account's key the lab's tests use."""
+NO_GPUS_TO_RESUME = "There are not enough free GPUs on the host machine to start this pod."
 NO_CAPACITY = (
     "There are no longer any instances available with the requested specifications. "
     "Please refresh and try again."
@@ -113,6 +123,9 @@ class Pod:
     running: bool = False
     host: TestHost | None = None
     private: str = ""
+    volume_gb: int = 0
+    volume_path: str = "/workspace"
+    holds_gpus: bool = True
     stopped: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     created_at: float = field(default_factory=time.monotonic)
@@ -208,6 +221,9 @@ class RunPodLab(Lifecycle):
     def create(self, spec: dict[str, Any]) -> Pod:
         """A pod for ``spec`` (the REST body's fields); GraphQLError(NO_CAPACITY) when no
         data center allowed has room."""
+        path = str(spec.get("volumeMountPath") or "/workspace")
+        if spec.get("volumeInGb") and not path.startswith("/root/"):
+            raise GraphQLError(f"the stand-in mounts volumes under /root only, not {path}")
         with self._lock:
             self.creates.append(spec)
             cloud = str(spec.get("cloudType") or "SECURE").upper()
@@ -254,6 +270,8 @@ class RunPodLab(Lifecycle):
             addr=f"{self.lab.subnet}.{10 + n}",
             port=41000 + n,
             price=round(price * count, 4),
+            volume_gb=int(spec.get("volumeInGb") or 0),
+            volume_path=str(spec.get("volumeMountPath") or "/workspace"),
         )
         if pod.global_net:
             pod.private = f"{self.private_subnet}.{10 + n}"
@@ -266,10 +284,63 @@ class RunPodLab(Lifecycle):
             if self.pods.pop(pod.id, None) is None:
                 return
             self.destroyed[pod.id] = by
-            stock = pod.gpu.stock if pod.cloud == "SECURE" else pod.gpu.community_stock
-            stock[pod.data_center] = stock.get(pod.data_center, 0) + 1
+            if pod.holds_gpus:
+                self._stock(pod)[pod.data_center] += 1
         threading.Thread(target=self._stop, args=(pod,), daemon=True).start()
         self._write_hosts()
+
+    def _stock(self, pod: Pod) -> dict[str, int]:
+        stock = pod.gpu.stock if pod.cloud == "SECURE" else pod.gpu.community_stock
+        stock.setdefault(pod.data_center, 0)
+        return stock
+
+    def stop(self, pod: Pod) -> None:
+        """``podStop``: everything in it stopped, its GPUs given back, its container disk
+        wiped; its volume kept."""
+        with self._lock:
+            if pod.holds_gpus:
+                self._stock(pod)[pod.data_center] += 1
+                pod.holds_gpus = False
+            pod.status = "EXITED"
+        with pod.lock:
+            pod.running = False
+            host = pod.host
+            deadline = time.monotonic() + 5
+            while host is not None and self.lab.pids(host) and time.monotonic() < deadline:
+                self.lab.kill_all(host)
+                time.sleep(0.02)
+            if host is not None:
+                for disk in ("home", "etc-ssh", "bin"):
+                    shutil.rmtree(host.folder / disk, ignore_errors=True)
+                (host.folder / "etc-ssh").mkdir()
+
+    def resume(self, pod: Pod) -> None:
+        """``podResume``: its GPUs taken again (GraphQLError when none is free), booted
+        ``boot_delay`` s later."""
+        with self._lock:
+            if pod.status != "EXITED":
+                raise GraphQLError(f"Pod {pod.id} is not stopped")
+            stock = self._stock(pod)
+            if stock[pod.data_center] < 1:
+                raise GraphQLError(NO_GPUS_TO_RESUME)
+            stock[pod.data_center] -= 1
+            pod.holds_gpus = True
+            pod.status = "RUNNING"
+        since = time.monotonic()
+
+        def boot() -> None:
+            if pod.stopped.wait(max(0.0, since + self.boot_delay - time.monotonic())):
+                return
+            with pod.lock:
+                if pod.stopped.is_set() or self.closing or pod.status != "RUNNING":
+                    return
+                assert pod.host is not None
+                self._boot(pod, pod.host)
+                pod.booted_at = time.monotonic()
+                pod.running = True
+            self._write_hosts()
+
+        threading.Thread(target=boot, daemon=True).start()
 
     def _life(self, pod: Pod) -> None:
         with pod.lock:
@@ -333,7 +404,7 @@ class RunPodLab(Lifecycle):
         """The pod's start command in its container; the image's sshd configuration."""
         etc = host.folder / "etc-ssh"
         bin_dir = host.folder / "bin"  # the GPU driver's nvidia-smi, listing the pod's GPUs
-        bin_dir.mkdir()
+        bin_dir.mkdir(exist_ok=True)
         listing = "".join(
             f"GPU {i}: {pod.gpu.display_name} (UUID: GPU-{pod.id}-{i})\n" for i in range(pod.count)
         )
@@ -376,8 +447,13 @@ class RunPodLab(Lifecycle):
             "RUNPOD_TCP_PORT_22": str(pod.port),
             "RUNPOD_DC_ID": pod.data_center,
         }
+        volume = ""
+        if pod.volume_gb:  # the volume disk, kept when the pod stops
+            (host.folder / "volume").mkdir(exist_ok=True)
+            disk = host.folder / "volume"
+            volume = f"mkdir -p {pod.volume_path} && mount --bind {disk} {pod.volume_path} && "
         start = (
-            f"mount --bind {etc} /etc/ssh && mount -t tmpfs -o mode=755 tmpfs /run && "
+            f"{volume}mount --bind {etc} /etc/ssh && mount -t tmpfs -o mode=755 tmpfs /run && "
             f"cd / && exec python3 -c 'import json,os,sys; a=json.load(open(sys.argv[1])); "
             f"os.execvp(a[0], a)' {script}"
         )
@@ -475,6 +551,8 @@ class RunPodLab(Lifecycle):
             "machine": {"dataCenterId": pod.data_center, "gpuTypeId": pod.gpu.id},
             "machineId": f"m-{pod.data_center}-{pod.port}",
             "globalNetworking": pod.global_net,
+            "volumeInGb": pod.volume_gb,
+            "volumeMountPath": pod.volume_path,
         }
 
     def pod_graphql(self, pod: Pod) -> dict[str, Any]:
@@ -510,8 +588,8 @@ class RunPodLab(Lifecycle):
             "ports": "22/tcp",
             "uptimeSeconds": 0,
             "vcpuCount": 8,
-            "volumeInGb": 0,
-            "volumeMountPath": "/workspace",
+            "volumeInGb": pod.volume_gb,
+            "volumeMountPath": pod.volume_path,
             "runtime": {"ports": ports} if pod.running else None,
             "machine": {"gpuDisplayName": pod.gpu.display_name, "podHostId": f"{pod.id}-host"},
         }
@@ -530,6 +608,8 @@ def _graphql_input(given: dict[str, Any], interruptible: bool) -> dict[str, Any]
         "dockerArgs": given.get("dockerArgs") or "",
         "env": env,
         "interruptible": interruptible,
+        "volumeInGb": given.get("volumeInGb") or 0,
+        "volumeMountPath": given.get("volumeMountPath"),
     }
 
 
@@ -561,6 +641,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._serve("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
 
     def _serve(self, method: str) -> None:
         lab = self.runpod
@@ -595,6 +678,14 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/v1/pods" and method == "GET":
             with lab._lock:
                 return self._send(200, [lab.pod_rest(p) for p in lab.pods.values()])
+        if own and method == "PATCH":
+            with lab._lock:
+                pod = lab.pods.get(own[1])
+                if pod is not None and "name" in body:
+                    pod.name = str(body["name"])
+            if pod is None:
+                return self._send(404, {"error": "pod not found", "status": 404})
+            return self._send(200, lab.pod_rest(pod))
         if own and method in ("GET", "DELETE"):
             with lab._lock:
                 pod = lab.pods.get(own[1])
@@ -636,12 +727,25 @@ class _Handler(BaseHTTPRequestHandler):
 
             return run_
 
-        def terminate(args: dict[str, Any]) -> None:
+        def found_pod(args: dict[str, Any]) -> Pod:
             with lab._lock:
                 found = lab.pods.get(str((args.get("input") or {}).get("podId")))
             if found is None:
                 raise GraphQLError("pod not found")
-            lab.terminate(found, "account")
+            return found
+
+        def terminate(args: dict[str, Any]) -> None:
+            lab.terminate(found_pod(args), "account")
+
+        def stop(args: dict[str, Any]) -> dict[str, Any]:
+            found = found_pod(args)
+            lab.stop(found)
+            return lab.pod_graphql(found)
+
+        def resume(args: dict[str, Any]) -> dict[str, Any]:
+            found = found_pod(args)
+            lab.resume(found)
+            return lab.pod_graphql(found)
 
         answer = execute(
             str(body.get("query") or ""),
@@ -651,6 +755,8 @@ class _Handler(BaseHTTPRequestHandler):
                 "podFindAndDeployOnDemand": deploy(False),
                 "podRentInterruptable": deploy(True),
                 "podTerminate": terminate,
+                "podStop": stop,
+                "podResume": resume,
             },
         )
         self._send(200, answer)

@@ -14,9 +14,10 @@ source. A node that compiles for itself writes timestamp byte code, or none at a
 from __future__ import annotations
 
 import io
+import marshal
 import os
 import sys
-import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,9 @@ CHECKED_HASH = 0b11
 
 @sky.function
 def loaded_byte_code() -> tuple[list[str], dict[str, str]]:
-    """(modules looked at, module -> what is wrong with its byte code)."""
+    """(modules looked at, module -> what is wrong with its byte code). A module imported
+    from a folder has its ``.pyc`` in ``__pycache__``; from the SSH bundle (a zip), beside
+    its source in the zip, and ``__file__`` names the ``.pyc`` only when it was used."""
     import importlib.util
     import sys
 
@@ -42,14 +45,24 @@ def loaded_byte_code() -> tuple[list[str], dict[str, str]]:
         spec = getattr(module, "__spec__", None)
         if name.split(".")[0] not in ("flotilla", "cloudpickle") or spec is None:
             continue
-        if not spec.has_location or not str(spec.origin).endswith(".py"):
+        if not spec.has_location:
+            continue
+        origin = str(spec.origin)
+        zipped = type(spec.loader).__name__ == "zipimporter"
+        if not origin.endswith(".py") and not zipped:
             continue
         seen.append(name)
         try:
-            with open(spec.cached, "rb") as f:
-                data = f.read(16)
-            with open(spec.origin, "rb") as f:
-                source = f.read()
+            if zipped:
+                if not origin.endswith(".pyc"):
+                    raise OSError(f"imported from its source {origin}")
+                data = spec.loader.get_data(origin)[:16]
+                source = spec.loader.get_data(origin[:-1])
+            else:
+                with open(spec.cached, "rb") as f:
+                    data = f.read(16)
+                with open(spec.origin, "rb") as f:
+                    source = f.read()
         except (OSError, TypeError) as e:
             wrong[name] = f"no byte code ({e})"
             continue
@@ -86,12 +99,14 @@ def test_a_local_node_imports_only_checked_byte_code(
 
 def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> None:
     bundle = bootstrap.build_bundle(bootstrap.node_packages())
-    with tarfile.open(fileobj=io.BytesIO(bundle.data)) as tar:
-        names = tar.getnames()
-    tag = sys.implementation.cache_tag
-    assert f"flotilla/_node/__pycache__/agent.{tag}.pyc" in names
-    assert f"cloudpickle/__pycache__/cloudpickle.{tag}.pyc" in names
-    assert not [n for n in names if n.startswith("flotilla/_client/__pycache__")]  # not a node's
+    with zipfile.ZipFile(io.BytesIO(bundle.data)) as z:
+        names = z.namelist()
+        agent = z.read("flotilla/_node/agent.pyc")
+    assert "flotilla/_node/agent.pyc" in names and "cloudpickle/cloudpickle.pyc" in names
+    assert "flotilla/_client/node.py" in names and "flotilla/_client/node.pyc" not in names
+    assert not [n for n in names if "__pycache__" in n]
+    code = marshal.loads(agent[16:])  # named by its place in the bundle, not the client's
+    assert code.co_filename == "flotilla/_node/agent.py"
     assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
 
 
@@ -135,3 +150,78 @@ def test_a_cache_others_can_write_is_not_used(cache: Path, tmp_path: Path) -> No
     bytecode._made.clear()
     assert bytecode.compiled(packages) == packages  # the sources, as they are
     assert os.listdir(cache) == []
+
+
+def _kept(packages: dict[str, str]) -> list[Path]:
+    entry = bytecode.entry_of(packages)
+    assert entry is not None
+    return sorted(Path(entry).glob(f"{bootstrap.KEPT_PREFIX}*"))
+
+
+def test_a_clients_bundle_is_kept_and_rebuilt_when_the_code_changes(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client process reads the bundle the first one built (no tar + gzip per process),
+    and an edited source gets a bundle of its own."""
+    packages = bytecode.compiled(_package(tmp_path / "src", "X = 1\n"))
+    first = bootstrap.kept_bundle(packages)
+    (kept,) = _kept(packages)
+    assert kept.read_bytes() == first.packed and kept.stat().st_mode & 0o077 == 0
+
+    def no_build(packages: dict[str, str]) -> bootstrap.Bundle:
+        raise AssertionError("built again")
+
+    with monkeypatch.context() as m:
+        m.setattr(bootstrap, "build_bundle", no_build)
+        assert bootstrap.kept_bundle(packages) == first  # read, not built
+    bytecode._made.clear()
+    edited = bytecode.compiled(_package(tmp_path / "src", "X = 2\n"))
+    second = bootstrap.kept_bundle(edited)
+    assert second.hash != first.hash
+    with zipfile.ZipFile(io.BytesIO(second.data)) as z:
+        assert z.read("pkg/__init__.py") == b"X = 2\n"
+
+
+def test_a_kept_bundle_that_does_not_match_its_hash_is_built_again(
+    cache: Path, tmp_path: Path
+) -> None:
+    packages = bytecode.compiled(_package(tmp_path / "src", "X = 1\n"))
+    good = bootstrap.kept_bundle(packages)
+    (kept,) = _kept(packages)
+    kept.write_bytes(good.packed[:-1] + bytes([good.packed[-1] ^ 1]))  # one bit changed
+    assert bootstrap.kept_bundle(packages) == good
+    assert [p.read_bytes() for p in _kept(packages)] == [good.packed]
+
+
+@sky.function
+def tampered() -> bool:
+    """Whether the altered bundle's extra module is importable here."""
+    import importlib.util
+
+    return importlib.util.find_spec("flotilla._tampered") is not None
+
+
+def test_a_damaged_bundle_on_a_host_is_replaced_not_imported(ssh_lab: Lab, tmp_path: Path) -> None:
+    """The bundle a host keeps is checked against its hash at every start: altered, it is
+    uploaded again (never imported)."""
+    host = ssh_lab.hosts[0]
+    workdir = tmp_path / "damaged"
+    provider = ssh_lab.provider([host], workdir=str(workdir))
+    with sky.Compute(provider=provider, nodes=1) as pool:
+        assert not tampered() >> pool  # the first start: uploaded
+    bundle = bootstrap.client_bundle()
+    kept = host.path(workdir / "lib" / bundle.hash)
+    altered = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(bundle.data)) as good,
+        zipfile.ZipFile(altered, "w") as bad,
+    ):
+        for info in good.infolist():
+            bad.writestr(info, good.read(info))
+        bad.writestr("flotilla/_tampered.py", "X = 1\n")
+    kept.write_bytes(altered.getvalue())
+    uploads = bootstrap.stats.uploads
+    with sky.Compute(provider=provider, nodes=1) as pool:
+        assert not tampered() >> pool
+    assert bootstrap.stats.uploads == uploads + 1
+    assert kept.read_bytes() == bundle.data  # replaced whole

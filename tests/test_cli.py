@@ -525,17 +525,17 @@ def test_stale_state_file_is_reported_and_down_cleans_it(cli: CLI) -> None:
     cli.ok("launch", "echo up", "-c", "stale", "--nodes", "2")
     rec = cli.record("stale")
     assert rec is not None
-    os.kill(rec.pid, signal.SIGKILL)
+    for pid in [rec.pid, *(n.agent_pid for n in rec.nodes)]:  # its nodes too: no re-attach
+        os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: not alive(rec.pid), 10)
     status = cli.ok("status").stdout
     assert status.splitlines()[1].split()[:4] == ["stale", "local", "2", "STALE"]
     assert f"daemon (pid {rec.pid}) is gone" in status
     refused = cli("exec", "stale", "echo hi")
-    assert refused.returncode != 0 and "stale" in refused.stderr and "down" in refused.stderr
-    again = cli("launch", "echo hi", "-c", "stale")
-    assert again.returncode != 0 and "flotilla down stale" in again.stderr
+    assert refused.returncode != 0 and "node 0 (" in refused.stderr, refused.stderr
+    assert "is gone" in refused.stderr and "flotilla down stale" in refused.stderr
     down = cli.ok("down", "stale")
-    assert "was gone" in down.stderr
+    assert "cluster stale: down" in down.stderr
     assert all_names(cli.home) == []
     assert wait_until(lambda: processes_in(cli.home) == [], 10)
 
@@ -937,7 +937,7 @@ def short_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.timeout(300)  # Ray's two starts and stops, on a loaded machine
+@pytest.mark.timeout(300)  # 18 s on a quiet machine; Ray starts slowly under load
 def test_ray_cluster_started_by_the_run_spans_both_nodes_and_stops_with_it(
     cli: CLI, tmp_path: Path, short_dir: Path
 ) -> None:

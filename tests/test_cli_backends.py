@@ -329,6 +329,7 @@ _KIND_SAMPLES = {  # where a kind spells a setting its own way
     ("gcp", "region"): "europe-west4",
     ("gcp", "zone"): "europe-west4-a",
     ("gcp", "api_endpoint"): "http://127.0.0.1:8089/compute/v1/",
+    ("runpod", "volume_mount_path"): "/x1",
     ("verda", "region"): "FIN-01",
     ("verda", "instance_type"): "1A100.22V",
 }

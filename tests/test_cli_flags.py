@@ -36,10 +36,23 @@ def test_launch_infra_use_spot_and_resources_flags_choose_and_size(cli: CLI) -> 
 
 
 def test_max_hourly_cost_is_a_task_field(cli: CLI) -> None:
-    task = cli.task("t.yaml", "resources:\n  infra: aws\n  max_hourly_cost: 2.5\nrun: echo hi\n")
+    task = cli.task(
+        "t.yaml",
+        "resources:\n  infra: aws\n  max_hourly_cost: 2.5\n  max_node_hourly_cost: 1.5\n"
+        "run: echo hi\n",
+    )
     plan = json.loads(cli.ok("launch", task, "--dryrun", "--json").stdout)
-    assert plan["max_hourly_cost"] == 2.5
-    assert "at most $2.5/h for the cluster" in cli.ok("launch", task, "--dryrun").stdout
+    assert plan["max_hourly_cost"] == 2.5 and plan["max_node_hourly_cost"] == 1.5
+    shown = cli.ok("launch", task, "--dryrun").stdout
+    assert "at most $2.5/h for the cluster" in shown and "at most $1.5/h a node" in shown
+    bad = cli.task("node.yaml", "resources:\n  max_node_hourly_cost: -1\nrun: echo hi\n")
+    done = cli("launch", bad)
+    assert done.returncode == 2
+    assert (
+        "node.yaml:2" in done.stderr
+        and ("resources.max_node_hourly_cost` must be a positive number of USD per hour")
+        in done.stderr
+    )
     bad = cli.task("bad.yaml", "resources:\n  max_hourly_cost: cheap\nrun: echo hi\n")
     done = cli("launch", bad)
     assert done.returncode == 2

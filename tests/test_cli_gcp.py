@@ -5,6 +5,7 @@ hosts)."""
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 import time
@@ -111,3 +112,46 @@ def test_down_orphans_deletes_what_a_killed_client_left(cli: CLI, gcp_lab: GcpLa
     done = cli.ok("down", "--orphans", "--provider", "gcp").stderr
     assert "deleted 1 instance(s): us-central1-a/flotilla-cafe0001-0" in done, done
     assert wait_until(lambda: [i.name for i in gcp_lab.live()] == ["x"], 10), gcp_lab.live()
+
+
+def test_stop_keeps_the_instances_disks_and_start_runs_them_again(
+    cli: CLI, gcp_lab: GcpLab
+) -> None:
+    """``flotilla stop`` stops (``instances.stop``) a 2-node GCP cluster's instances: their
+    sshd ends, their boot disks stay, and they are no orphans; ``flotilla start`` starts the
+    same instances (no insert), which run the cluster's jobs again with the files left on
+    their disks; ``down`` of the stopped cluster deletes them."""
+    cli.env.update(gcp_lab.env)
+    task = cli.task("job.yaml", TASK)
+    cli.ok("launch", task, "-c", "gst", timeout=300)
+    mark = f"kept-{secrets.token_hex(4)}"
+    cli.ok("exec", "gst", f"echo {mark}-$SKYPILOT_NODE_RANK > kept.txt", timeout=120)
+    live = sorted(gcp_lab.live(), key=lambda i: i.name)
+    names = [i.name for i in live]
+    assert len(names) == 2 and gcp_lab.inserts() == 2
+    old_client = live[0].metadata("flotilla-client")
+
+    cli.ok("stop", "gst", timeout=180)
+    assert sorted(gcp_lab.powered) == [(n, "stop") for n in names]
+    assert [i.status for i in live] == ["TERMINATED", "TERMINATED"]
+    assert all(i.host is not None and gcp_lab.lab.pids(i.host) == [] for i in live)
+    assert "STOPPED" in cli.ok("status", "gst").stdout
+    cli.ok("down", "--orphans", "--provider", "gcp")  # a stopped cluster is no orphan
+    assert sorted(i.name for i in gcp_lab.live()) == names
+
+    cli.ok("start", "gst", timeout=300)
+    assert gcp_lab.inserts() == 2 and [i.status for i in live] == ["RUNNING", "RUNNING"]
+    assert sorted(gcp_lab.powered) == sorted([(n, v) for n in names for v in ("stop", "start")])
+    assert live[0].metadata("flotilla-client") not in ("", None, old_client)  # the new daemon
+    done = cli.ok("exec", "gst", 'echo "found: $(cat kept.txt)"', timeout=120)
+    assert node_lines(done.stdout, "found: ") == {0: f"{mark}-0", 1: f"{mark}-1"}
+
+    cli.ok("stop", "gst", timeout=180)
+    cli.ok("down", "gst", "-y", timeout=120)
+    assert gcp_lab.wait_gone(30) == []
+    assert not (cli.home / "clusters" / "gst").exists()
+    # cost-report: each run at the pool's list price; the stopped time costs no compute
+    # (Compute Engine bills a TERMINATED instance's disk only, which it does not count)
+    report = cli.ok("cost-report").stdout
+    rows = [row.split() for row in report.splitlines() if row.startswith("gst ")]
+    assert [r[1:4] for r in rows] == [["gcp", "2", "0.388"]] * 2, report

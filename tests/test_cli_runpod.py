@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 
@@ -82,3 +83,48 @@ def test_down_orphans_terminates_what_a_killed_client_left(cli: CLI, runpod_lab:
     done = cli.ok("down", "--orphans", "--provider", "runpod").stderr
     assert "terminated 1 pod(s)" in done, done
     assert wait_until(lambda: [p.name for p in runpod_lab.live()] == ["x"], 10)
+
+
+def test_stop_keeps_the_volume_disk_and_start_resumes_the_same_pods(
+    cli: CLI, runpod_lab: RunPodLab
+) -> None:
+    """``flotilla stop`` stops (``podStop``) a 2-pod cluster: sshd ends, the GPUs go back to
+    the data center, the container disk is wiped and the volume disk kept, and the pods are
+    no orphans; a start without free GPUs fails and leaves them stopped; ``flotilla start``
+    then resumes the same pods (no create), renamed for the new client, and their jobs find
+    the files of the volume."""
+    gpu = runpod_lab.add_gpu(*RTX4090, secure_price=0.69, stock={"US-TX-3": 2})
+    cli.env.update(runpod_lab.env)
+    volume = "config:\n  runpod:\n    volume_gb: 10\n    volume_mount_path: /root/workspace\n"
+    cli.ok("launch", cli.task("job.yaml", TASK + volume), "-c", "rst", timeout=300)
+    mark = f"kept-{secrets.token_hex(4)}"
+    kept = f"echo {mark}-$SKYPILOT_NODE_RANK > /root/workspace/kept.txt; echo x > /root/lost.txt"
+    cli.ok("exec", "rst", kept, timeout=120)
+    pods = sorted(runpod_lab.live(), key=lambda p: p.id)
+    names = [p.name for p in pods]
+    assert len(pods) == 2 and len(runpod_lab.creates) == 2 and gpu.stock["US-TX-3"] == 0
+
+    cli.ok("stop", "rst", timeout=180)
+    assert [p.status for p in pods] == ["EXITED", "EXITED"] and gpu.stock["US-TX-3"] == 2
+    assert all(p.host is not None and runpod_lab.lab.pids(p.host) == [] for p in pods)
+    assert "STOPPED" in cli.ok("status", "rst").stdout
+    cli.ok("down", "--orphans", "--provider", "runpod")  # a stopped cluster is no orphan
+    assert sorted(p.id for p in runpod_lab.live()) == [p.id for p in pods]
+
+    gpu.stock["US-TX-3"] = 1  # someone took one of the host's GPUs meanwhile
+    failed = cli("start", "rst", timeout=300)
+    assert failed.returncode != 0, failed.stdout + failed.stderr
+    assert [p.status for p in pods] == ["EXITED", "EXITED"] and gpu.stock["US-TX-3"] == 1
+
+    gpu.stock["US-TX-3"] = 2
+    cli.ok("start", "rst", timeout=300)
+    assert [p.status for p in pods] == ["RUNNING", "RUNNING"] and len(runpod_lab.creates) == 2
+    assert all(
+        p.name != n and p.name.startswith("flotilla:") for p, n in zip(pods, names, strict=True)
+    )
+    found = 'echo "found: $(cat /root/workspace/kept.txt) $(cat /root/lost.txt || echo wiped)"'
+    done = cli.ok("exec", "rst", found, timeout=120)
+    assert node_lines(done.stdout, "found: ") == {0: f"{mark}-0 wiped", 1: f"{mark}-1 wiped"}
+    cli.ok("stop", "rst", timeout=180)
+    cli.ok("down", "rst", "-y", timeout=120)
+    assert runpod_lab.wait_gone(30) == []

@@ -64,6 +64,23 @@ def test_a_tasks_max_hourly_cost_refuses_offers_above_it_before_renting(
     assert vast_lab.live() == []
 
 
+def test_a_tasks_max_node_hourly_cost_refuses_offers_above_it_before_renting(
+    cli: CLI, vast_lab: VastLab
+) -> None:
+    """``resources.max_node_hourly_cost`` (Skyward's per-node ``Spec(max_hourly_cost=)``)
+    reaches the pool: a node at $1.25/h is above $1/h, refused before anything is rented,
+    though the pool of 2 ($2.50/h) has no pool cap."""
+    vast_lab.add_machines(2, cluster_id=3, dph_total=1.25)
+    cli.env.update(vast_lab.env)
+    task = cli.task(
+        "job.yaml", TASK.replace("  cpus: 4\n", "  cpus: 4\n  max_node_hourly_cost: 1\n")
+    )
+    done = cli("launch", task, "-c", "dear", timeout=300)
+    assert done.returncode != 0, done.stderr
+    assert "max_node_hourly_cost=$1.00/h" in done.stderr, done.stderr
+    assert vast_lab.live() == []
+
+
 def test_show_gpus_and_check(cli: CLI, vast_lab: VastLab) -> None:
     vast_lab.add_machines(1, gpu_name="H100 SXM", num_gpus=8, dph_total=20.0, geolocation="SE")
     vast_lab.add_machines(1, gpu_name="A100 PCIE", dph_total=0.9)

@@ -26,6 +26,7 @@ ARTIFACTS = Path(
     os.environ.get("FLOTILLA_TEST_ARTIFACTS") or Path(__file__).parent.parent / "test-artifacts"
 )
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+pytestmark = pytest.mark.timeout(600)  # its waits (DEADLINE each) decide, not the default 120 s
 
 
 @pytest.fixture

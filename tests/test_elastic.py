@@ -264,8 +264,18 @@ def test_a_call_placed_on_a_node_released_meanwhile_goes_to_another() -> None:
 class _Priced(sky.Local):
     """The local provider, with a price per node-hour (as a cloud's offers have)."""
 
+    price = 1.0
+
     def offers(self, spec: PoolSpec) -> list[Offer] | None:
-        return [Offer("local", None, 0, 1.0, "here", False, "a process")]
+        return [Offer("local", None, 0, self.price, "here", False, "a process")]
+
+
+class _Dear(_Priced):
+    price = 2.0
+
+
+class _Cheap(_Priced):
+    price = 0.5
 
 
 def test_growth_stops_at_what_max_hourly_cost_buys(capfd: pytest.CaptureFixture[str]) -> None:
@@ -280,6 +290,22 @@ def test_growth_stops_at_what_max_hourly_cost_buys(capfd: pytest.CaptureFixture[
         with pytest.raises(sky.ConfigurationError, match=r"max \(2\) \(max_hourly_cost buys 2\)"):
             pool.resize(3)
     assert "autoscaler: 1 -> 2 node(s): 7 call(s) queued" in capfd.readouterr().err
+
+
+def test_over_a_provider_list_growth_stops_at_what_the_chosen_candidate_buys() -> None:
+    """``provider=[$2/h a node, $0.5/h a node]`` in order, ``max_hourly_cost=4.5``: the
+    pool is on the first candidate, so it may grow to 2 nodes, not to the 4 (its max) that
+    the cheapest offer of the whole list would buy."""
+    options = sky.Options(autoscale_idle_timeout=600)
+    dear = _Dear()
+    with sky.Compute(
+        provider=[dear, _Cheap()], nodes=sky.Nodes(1, max=4), options=options, max_hourly_cost=4.5
+    ) as pool:
+        assert pool.provider.chosen is dear  # type: ignore[attr-defined]
+        elastic = pool._elastic
+        assert elastic is not None and elastic.cap == 2
+        with pytest.raises(sky.ConfigurationError, match=r"max \(2\) \(max_hourly_cost buys 2\)"):
+            pool.resize(3)
 
 
 def test_a_torch_group_scales_to_zero_and_starts_a_new_group() -> None:

@@ -45,7 +45,8 @@ def boom() -> float:
 def test_the_official_client_drives_the_stand_in(gcp_lab: GcpLab) -> None:
     """google-cloud-compute (REST, ``api_endpoint``, anonymous credentials) inserts an
     instance with ``insert_unary``, waits with a ZoneOperationsClient at the same endpoint,
-    reads it and its guest attributes, lists and deletes it."""
+    reads it and its guest attributes, lists, stops, updates the metadata of, starts and
+    deletes it."""
     from google.api_core.client_options import ClientOptions
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1 as c
@@ -89,6 +90,30 @@ def test_the_official_client_drives_the_stand_in(gcp_lab: GcpLab) -> None:
         request=c.ListInstancesRequest(project=PROJECT, zone=zone, filter='labels.team = "x"')
     )
     assert [i.name for i in listed] == ["probe-1"]
+    # stop keeps the instance (TERMINATED, guest attributes gone); setMetadata with the
+    # current fingerprint; start boots it again with the same host key
+    key = host_keys()[0]
+    op = instances.stop_unary(project=PROJECT, zone=zone, instance="probe-1")
+    assert ops.wait(project=PROJECT, zone=zone, operation=op.name).status == op.Status.DONE
+    got = instances.get(project=PROJECT, zone=zone, instance="probe-1")
+    assert got.status == "TERMINATED" and host_keys() == []
+    meta = c.Metadata(
+        fingerprint=got.metadata.fingerprint,
+        items=[*got.metadata.items, c.Items(key="flotilla-client", value="me")],
+    )
+    op = instances.set_metadata_unary(
+        project=PROJECT, zone=zone, instance="probe-1", metadata_resource=meta
+    )
+    ops.wait(project=PROJECT, zone=zone, operation=op.name)
+    with pytest.raises(Exception, match="fingerprint"):  # a stale fingerprint: 412
+        instances.set_metadata_unary(
+            project=PROJECT, zone=zone, instance="probe-1", metadata_resource=meta
+        )
+    op = instances.start_unary(project=PROJECT, zone=zone, instance="probe-1")
+    ops.wait(project=PROJECT, zone=zone, operation=op.name)
+    got = instances.get(project=PROJECT, zone=zone, instance="probe-1")
+    assert got.status == "RUNNING" and got.metadata.items[-1].value == "me"
+    assert wait_until(lambda: host_keys() == [key], 30), host_keys()
     op = instances.delete_unary(project=PROJECT, zone=zone, instance="probe-1")
     ops.wait(project=PROJECT, zone=zone, operation=op.name)
     assert gcp_lab.live() == []
@@ -201,6 +226,11 @@ def test_bad_requests_are_refused_before_anything_is_created(gcp_lab: GcpLab) ->
     assert "gcp offers nvidia-a100-80gb" in str(info.value)
     with pytest.raises(ConfigurationError, match="nearest: "):
         sky.Compute(provider=lab_gcp(), accelerator="A1000000").open()
+    # TPUs are the Cloud TPU API's, not Compute Engine's: refused, naming what GCP offers
+    with pytest.raises(ConfigurationError, match=r"does not offer TPUv5e: .*Cloud TPU API") as tpu:
+        sky.Compute(provider=lab_gcp(), accelerator=sky.accelerators.TPUv5e()).open()
+    assert "it offers the GPUs nvidia-tesla-t4, " in str(tpu.value)
+    assert "nvidia-b200" in str(tpu.value)
     with pytest.raises(ConfigurationError, match="no machine with 3 x A100"):
         sky.Compute(provider=lab_gcp(), accelerator="A100:3").open()
     with pytest.raises(ProvisionError, match=r"above max_hourly_cost=\$5\.00/h"):

@@ -29,7 +29,6 @@ from test_cli import CLI, node_lines, ssh_flags
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
-from flotilla._system import untar
 from flotilla.cli.state import Paths
 
 CLIENT = "%d.%d" % sys.version_info[:2]  # noqa: UP031
@@ -196,12 +195,6 @@ def test_debian_python_lacks_the_filter_and_uses_the_helper_s_own_rules(tmp_path
     if version_of(python) >= "3.11.4":
         pytest.skip(f"{python} is {version_of(python)}: it has tarfile's filter")
     assert answer == "OK False"
-
-
-def test_the_bundle_installer_is_the_helper() -> None:
-    from flotilla._providers import bootstrap
-
-    assert bootstrap._EXTRACT.startswith(Path(untar.__file__).read_text())
 
 
 # -- the Image's python -------------------------------------------------------------------

@@ -46,7 +46,8 @@ def _created(lab: RunPodLab) -> int:
 
 def test_the_official_client_drives_the_stand_in(runpod_lab: RunPodLab) -> None:
     """runpod 1.12.0 (GraphQL): GPU types, a pod created, listed with its public SSH port
-    once it runs (where its sshd answers, and nowhere else), terminated."""
+    once it runs (where its sshd answers, and nowhere else), stopped (EXITED: no port, no
+    sshd) and resumed (``stop_pod``/``resume_pod``), terminated."""
     runpod = pytest.importorskip("runpod")
     assert runpod.__version__ == "1.12.0"
     runpod_lab.add_gpu(*RTX4090, community_price=0.34)
@@ -72,6 +73,13 @@ def test_the_official_client_drives_the_stand_in(runpod_lab: RunPodLab) -> None:
     assert port["privatePort"] == 22 and port["isIpPublic"]
     assert wait_until(lambda: _answers(port["ip"], port["publicPort"]), 30)
     assert not _answers(port["ip"], 22)
+    stopped = runpod.stop_pod(pod["id"])
+    assert stopped == {"id": pod["id"], "desiredStatus": "EXITED"}
+    assert ports() == [] and not _answers(port["ip"], port["publicPort"])
+    resumed = runpod.resume_pod(pod["id"], 1)
+    assert resumed["desiredStatus"] == "RUNNING" and resumed["machine"]["podHostId"]
+    assert wait_until(lambda: ports() == [port], 60), ports()
+    assert wait_until(lambda: _answers(port["ip"], port["publicPort"]), 30)
     runpod.terminate_pod(pod["id"])
     assert runpod.get_pods() == [] and runpod_lab.destroyed == {pod["id"]: "account"}
     runpod.api_key = "wrong"

@@ -144,12 +144,12 @@ def test_bundle_is_deterministic_and_complete() -> None:
     second = _bootstrap.build_bundle(_bootstrap._package_dirs())
     assert first == second
     import io
-    import tarfile
+    import zipfile
 
-    with tarfile.open(fileobj=io.BytesIO(first.data)) as tar:
-        names = tar.getnames()
+    with zipfile.ZipFile(io.BytesIO(first.data)) as z:
+        names = z.namelist()
     assert "flotilla/agent.py" in names and "cloudpickle/__init__.py" in names
-    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    assert not [n for n in names if "__pycache__" in n]
 
 
 # -- real hosts -----------------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_bootstrap_from_scratch_then_cache_hit(ssh_lab: Lab, tmp_path: Path) -> 
     first = _bootstrap.stats.uploads - uploads
     assert first == 3  # each host has a disk of its own
     bundle = _bootstrap.client_bundle()
-    for h in hosts:  # in each host's own folder
-        assert h.path(workdir / "lib" / bundle.hash / "flotilla" / "agent.py").is_file()
+    for h in hosts:  # in each host's own folder, as one file
+        assert h.path(workdir / "lib" / bundle.hash).read_bytes() == bundle.data
         assert not [p for p in h.path(workdir / "lib").iterdir() if p.name.startswith(".tmp")]
     hits = _bootstrap.stats.hits
     with sky.Compute(provider=ssh_lab.provider(hosts, workdir=str(workdir)), nodes=3) as pool:

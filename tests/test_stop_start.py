@@ -9,6 +9,7 @@ import secrets
 import time
 from pathlib import Path
 
+import pytest
 from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import processes_in, wait_until
@@ -65,6 +66,24 @@ def test_stop_is_refused_where_nodes_cannot_stop(cli: CLI) -> None:
     assert done.returncode == 2
     assert "cannot be stopped and started again" in done.stderr
     assert "flotilla down batch" in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["gcp", "runpod"])
+def test_stop_is_refused_for_spot_instances_of_clouds_that_stop(cli: CLI, kind: str) -> None:
+    """GCP and RunPod clusters can be stopped (``cloud.stopstart``), but not their spot
+    instances, which those clouds delete or outbid: refused before anything happens, with
+    ``down`` offered; ``--autostop`` without ``--down`` is refused for them too."""
+    paths = Paths("spotty", cli.home)
+    paths.ensure()
+    provider = {"kind": kind, "settings": [["allocation", "spot"]]}
+    save(paths, ClusterRecord(name="spotty", provider=provider, num_nodes=1))
+    done = cli("stop", "spotty")
+    assert done.returncode == 2, done.stderr
+    assert f"{kind} spot instances, which are never stopped" in done.stderr
+    assert "flotilla down spotty" in done.stderr
+    flags = ["--provider", kind, "--use-spot", "--autostop", "5", "--dryrun"]
+    refused = cli("launch", "echo x", *flags)
+    assert refused.returncode != 0 and "spot instances are never stopped" in refused.stderr
 
 
 def test_stop_and_start_on_ssh_hosts(cli: CLI, ssh_lab: Lab) -> None:

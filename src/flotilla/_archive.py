@@ -5,8 +5,8 @@ it on the node, so an unchanged input is never sent or unpacked twice:
 
 * an Image's ``includes`` (:meth:`flotilla.Image.includes_archive`), part of the Image's
   content hash;
-* the flotilla bundle shipped to SSH hosts (:mod:`flotilla._providers.bootstrap`), kept
-  on a node under ``lib/<hash>``;
+* the flotilla bundle shipped to SSH hosts (:mod:`flotilla._providers.bootstrap`), a zip
+  kept on a node as the file ``lib/<hash>``;
 * a task's ``workdir`` and ``file_mounts`` (:mod:`flotilla.cli.sync`), not sent again
   while its digest is unchanged.
 
@@ -22,6 +22,9 @@ bit go in:
   followed (the caller named it); sockets, FIFOs and devices are left out;
 * a regular file is always stored whole (never as a hard link to an earlier member);
 * the gzip header has no file name and no time.
+
+:func:`build_zip` makes the same kind of reproducible archive as a zip, stored uncompressed
+(Python imports modules straight from it, ``zipimport``): the flotilla bundle.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import io
 import os
 import stat
 import tarfile
+import time
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -103,6 +108,35 @@ def build(sources: Iterable[Source], *, level: int = 6) -> Archive:
         for src in sources:
             for entry, arcname, st in _walk(src.path, src.name, "", src.exclude, os.stat(src.path)):
                 files += _add(tar, entry, arcname, st)
+    data = buf.getvalue()
+    return Archive(data, hashlib.sha256(data).hexdigest(), files)
+
+
+def build_zip(sources: Iterable[Source], extra: Iterable[tuple[str, bytes]] = ()) -> Archive:
+    """A reproducible zip, stored uncompressed, of the regular files of ``sources`` (the
+    same walk and order as :func:`build`; folders and links are left out) and then of
+    ``extra`` (name in the archive, content), in the order given. Every member's time is
+    :data:`MTIME`, its permissions 0o755 or 0o644 as in :func:`build`."""
+    buf = io.BytesIO()
+    files = 0
+    when = time.gmtime(MTIME)[:6]
+
+    def add(arcname: str, data: bytes, mode: int) -> None:
+        info = zipfile.ZipInfo(arcname, date_time=when)
+        info.external_attr = (stat.S_IFREG | mode) << 16
+        info.create_system = 3  # unix: the permissions above are read
+        out.writestr(info, data, compress_type=zipfile.ZIP_STORED)
+
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
+        for src in sources:
+            for entry, arcname, st in _walk(src.path, src.name, "", src.exclude, os.stat(src.path)):
+                if stat.S_ISREG(st.st_mode):
+                    with open(entry, "rb") as f:
+                        add(arcname, f.read(), 0o755 if st.st_mode & 0o111 else 0o644)
+                    files += 1
+        for arcname, data in extra:
+            add(arcname, data, 0o644)
+            files += 1
     data = buf.getvalue()
     return Archive(data, hashlib.sha256(data).hexdigest(), files)
 

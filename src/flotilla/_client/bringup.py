@@ -53,6 +53,9 @@ class Bringup:
         self.startup: Startup | None = None
         self.relay_key = secrets.token_hex(32)
         """The pool's key for node-to-node relays (``_node/relay.py``): in CONFIG only."""
+        self.reattach: tuple[float, str] | None = None
+        """A cluster's pool (``Compute.keep_agents``): how long its agents wait for a new
+        client when theirs is gone, and the key that client proves it holds."""
 
     def begin(self, startup: Startup) -> None:
         """The pool starts: every node brought up from now on (the first ones, new ones,
@@ -161,6 +164,8 @@ class Bringup:
             config["relay_key"] = self.relay_key
         if start.volumes is not None:
             config["volumes"] = start.volumes
+        if self.reattach is not None:
+            config["reattach_grace"], config["reattach_key"] = self.reattach
         config.update(start.observe)
         node.configure(config, start.blob)
 

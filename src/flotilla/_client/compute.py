@@ -261,6 +261,13 @@ class Compute(PoolCollections, PoolCalls, Observed):
         """Called with the ranks whose nodes were replaced, once the new ones serve (on the
         pool's event loop: it must not block)."""
 
+    def keep_agents(self, grace: float, key: str) -> None:
+        """A named cluster's pool (its daemon's): when this client dies, its agents wait
+        ``grace`` seconds for a new client proving it holds ``key`` (hex) before they end
+        (``_node/reattach.py``). Before :meth:`open`; a pool without it ends its agents
+        with its client."""
+        self._bringup.reattach = (grace, key)
+
     def __repr__(self) -> str:
         return f"<flotilla.Compute {self.provider!r} nodes={self.nodes} {self._state.value}>"
 
@@ -375,11 +382,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
         self._bringup.begin(for_chosen(startup, getattr(self.provider, "chosen", None)))
         if isinstance(self.provider, Fallback):  # grows on one candidate of the list
             elastic.move = lambda old: _move(self, old, dataclasses.replace(spec, nodes=0), startup)
-        if self.max_hourly_cost is not None:  # the autoscaler grows no further than it buys
-            offers = await asyncio.get_running_loop().run_in_executor(
-                None, self.provider.offers, spec
-            )
-            elastic.price_cap(offers[0].hourly if offers else None, self.max_hourly_cost)
+        await _price_cap(self, elastic, spec)
         started = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat.run())
         if not self.size.least:  # lazy start (desired=0), or scale to zero: nothing to wait for
@@ -546,7 +549,21 @@ async def _move(
         pool._use(new)
         pool._bringup.begin(for_chosen(start, pool.provider.chosen))
         await old.release()
+        if pool._elastic is not None:
+            await _price_cap(pool, pool._elastic, spec)
     return new
+
+
+async def _price_cap(pool: Compute, elastic: Elastic, spec: PoolSpec) -> None:
+    """The autoscaler grows no further than ``max_hourly_cost`` buys at the price of a node
+    where the pool is: its provider, or the chosen candidate of a provider list (not the
+    cheapest offer across the list)."""
+    if pool.max_hourly_cost is None:
+        return
+    on = getattr(pool.provider, "chosen", None) or pool.provider
+    offers = await asyncio.get_running_loop().run_in_executor(None, on.offers, spec)
+    prices = [o.hourly for o in offers or [] if o.hourly is not None]
+    elastic.price_cap(min(prices) if prices else None, pool.max_hourly_cost)
 
 
 class _PoolEvents(NodeEvents):

@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from .function import PendingCall
 
 _task_ids = itertools.count(1)
+_ids_lock = threading.Lock()
+
+
+def _skip_ids(last: int) -> None:
+    """Call ids from now on are above ``last`` (calls a re-attached agent still runs)."""
+    global _task_ids
+    with _ids_lock:
+        following = next(_task_ids)
+        _task_ids = itertools.count(max(following, last + 1))
+
+
 _STDERR_TAIL = 40
 TIMEOUT_GRACE = 1.0
 """Seconds past a call's timeout after which the client ends the call itself, when its node
@@ -250,6 +261,7 @@ class Node:
         self.inflight: dict[int, Submission] = {}
         self.sending: list[Submission] = []  # the calls being written to the agent now
         self.busy = [0]  # calls in flight per local rank
+        self.adopted: dict[int, int] = {}  # a re-attached agent's calls of the client before
         self.defined: set[int] = set()
         self.shm = False
         self.hello_info: Hello = {}
@@ -292,6 +304,9 @@ class Node:
 
     def configure(self, config: Config, blob: bytes) -> None:
         self.busy = [0] * int(config.get("procs", 1))
+        for local_rank in self.adopted.values():  # their slots are taken until they end
+            if local_rank < len(self.busy):
+                self.busy[local_rank] += 1
         data = dump(config)
         self.state = NodeState.CONFIGURING
         with self.write_lock:
@@ -431,6 +446,10 @@ class Node:
                     sub = self.inflight.pop(ident, None)
                     if sub is not None:
                         self.busy[sub.worker] -= 1
+                    elif ident in self.adopted:  # a call of the client before: it ended
+                        local_rank = self.adopted.pop(ident)
+                        if local_rank < len(self.busy):
+                            self.busy[local_rank] -= 1
                 if sub is not None:
                     status = body[0]
                     if status & UNMAPPED:  # (see frames.UNMAPPED)
@@ -464,6 +483,10 @@ class Node:
                 self._on_have(json.loads(body))
             elif kind == Kind.HELLO:
                 self.hello_info = load_hello(body)
+                adopted = self.hello_info.get("adopted")
+                if adopted:  # a re-attached agent: its calls keep their slots and ids
+                    self.adopted = {int(k): int(v) for k, v in adopted.items()}
+                    _skip_ids(max(self.adopted))
                 self.events.phase(self, "starting")
                 if self.hello and not self.hello.done():
                     self.hello.set_result(self.hello_info)

@@ -21,7 +21,9 @@ starts in a few tens of milliseconds. It
   task left running outside the executor's process group (``setsid``, a double fork, a
   launcher's workers) is stopped with the pool too;
 * exits, stopping the executor's whole process group, on SHUTDOWN, on end of stdin (the
-  client is gone), on SIGTERM, or when no frame arrived for ``heartbeat_timeout`` seconds
+  client is gone; a cluster's agent, configured with ``reattach_grace``, first waits that
+  long for a new client on its re-attach socket, see :mod:`.reattach`), on SIGTERM, or
+  when no frame arrived for ``heartbeat_timeout`` seconds
   (after reading what waits in its stdin: a stopped and resumed agent finds the client's
   pings there and goes on).
 
@@ -53,6 +55,8 @@ from .processes import kill_group, signal_group
 from .relay import Relay
 from .supervisor import Supervisor
 
+_KEPT_BYTES = 64 << 20
+"""What a detached agent keeps for its next client at most (the oldest frames go first)."""
 PORT_BLOCK = 64
 """HELLO's ``port`` starts a block of this many ports that were free on the node: the
 head's becomes ``head_port``, and plugins use the ports after it (JAX, TensorFlow)."""
@@ -88,6 +92,10 @@ class Agent(NodeEnvironment):
         self.own_dir = True  # remove FLOTILLA_NODE_DIR at exit (not after SHUTDOWN)
         self.stop_deadline = 0.0
         self.done = False
+        self.listener: Any = None  # the re-attach socket (a cluster's agent, see reattach.py)
+        self.reattach_key = b""
+        self.reattach_grace = 0.0
+        self.detached_until = 0.0  # > 0: the client is gone; a new one may come until then
         ex = self.executors
         self._on_frame: dict[int, Callable[[int, Body], object]] = {
             # kind -> handler(ident, body), for the frames the client sends (PING only
@@ -148,6 +156,8 @@ class Agent(NodeEnvironment):
             wake = min(wake, self.sampler.due)
         if self.stopping:
             wake = min(wake, self.stop_deadline)
+        if self.detached_until:
+            wake = min(wake, self.detached_until)
         return max(0.0, wake - time.monotonic())
 
     def _check_deadlines(self) -> None:
@@ -156,7 +166,13 @@ class Agent(NodeEnvironment):
             if (self.executors.idle and self.builder is None) or now >= self.stop_deadline:
                 self.done = True
             return
-        if now >= self.next_beat:
+        if self.detached_until:
+            if now >= self.detached_until:
+                self._log(f"no client came back within {self.reattach_grace:.0f} s; exiting")
+                self.begin_stop(grace=1.0)
+                return
+            self.last_seen = now  # no heartbeat without a client
+        elif now >= self.next_beat:
             self.client.send(frame(Kind.BEAT, 0))
             self.next_beat = now + self.heartbeat_timeout / 4
         if now - self.last_seen > self.heartbeat_timeout:
@@ -180,13 +196,15 @@ class Agent(NodeEnvironment):
     def _watch_writes(self) -> None:
         """Watch for writability exactly the outboxes that have something queued."""
         for box in [self.client, *self.executors.outboxes()]:
+            if box.held:
+                continue
             if box.queue and box.fd not in self.sel:
                 self.sel.register(box.fd, True, box.flush)
             elif not box.queue and box.fd in self.sel:
                 self.sel.unregister(box.fd)
 
     # -- client side -------------------------------------------------------------------
-    def _hello(self, search: PythonSearch | None = None) -> None:
+    def _hello(self, search: PythonSearch | None = None, again: bool = False) -> None:
         port = free_port_block(PORT_BLOCK)
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
@@ -206,6 +224,11 @@ class Agent(NodeEnvironment):
             hello["switched_from"] = json.loads(switched)
         if search is not None:  # no Python of the client's minor version here
             hello["python_search"] = search
+        if again:  # a re-attached client: what runs here, before what was kept for it
+            hello["adopted"] = self.executors.adopted()
+            again_frame = memoryview(b"".join(frame(Kind.HELLO, 0, dump(hello))))
+            self.client.queue.appendleft(again_frame)
+            return
         self.client.send(frame(Kind.HELLO, 0, dump(hello)))
 
     def _on_client(self) -> None:
@@ -216,6 +239,9 @@ class Agent(NodeEnvironment):
             frames = None
         if frames is None:  # the client is gone
             self.sel.unregister(self.proto_in)
+            if self.listener is not None and not self.stopping:
+                self._detach()
+                return
             self.client.broken = True
             self.begin_stop(grace=1.0)
             return
@@ -227,6 +253,58 @@ class Agent(NodeEnvironment):
             handler = handlers.get(kind)
             if handler is not None:
                 handler(ident, body)
+
+    # -- re-attach (a cluster's agent, see reattach.py) ----------------------------------
+    def _detach(self) -> None:
+        """The client is gone: keep running for ``reattach_grace`` seconds, keeping what
+        would go to it (up to a limit), for a new client on the re-attach socket."""
+        if self.client.fd in self.sel:
+            self.sel.unregister(self.client.fd)
+        for fd in {self.proto_in, self.proto_out}:
+            if fd > 2:
+                os.close(fd)
+        quiet = os.open(os.devnull, os.O_WRONLY)  # stderr was the old client's too
+        os.dup2(quiet, 2)
+        os.dup2(quiet, 1)
+        os.close(quiet)
+        self.client.queue.clear()  # (a frame half-written to the old client: dropped)
+        self.client.broken = False  # (a write to the old one may have failed first)
+        self.client.held = _KEPT_BYTES
+        self.client.kept = 0
+        self.detached_until = time.monotonic() + self.reattach_grace
+        self._log(f"the client is gone; waiting {self.reattach_grace:.0f} s for it to re-attach")
+
+    def _on_reattach(self) -> None:
+        """A connection on the re-attach socket: the new client, if none is attached."""
+        conn = self.listener.accept(self.reattach_key)
+        if conn is None:
+            return
+        if not self.detached_until or self.stopping:  # a client is attached (or it ends)
+            conn.close()
+            return
+        fd = conn.detach()
+        self.proto_in, self.proto_out = fd, os.dup(fd)
+        os.set_blocking(fd, False)
+        os.set_blocking(self.proto_out, False)
+        self.executors.agent_fds = (fd, self.proto_out, self.listener.fileno())
+        self.client_reader = FrameReader()
+        self.sel.register(fd, False, self._on_client)
+        self.detached_until = 0.0
+        self.last_seen = time.monotonic()
+        self.next_beat = self.last_seen
+        self._hello(again=True)
+        self.client.fd = self.proto_out
+        self.client.held = 0
+        self.client.kept = 0
+        self._log("a client re-attached")
+
+    def _readopt(self, config: Config) -> None:
+        """CONFIG from a re-attached client: the node keeps its own (its executors run);
+        only the heartbeat follows the new client; READY answers at once."""
+        self.heartbeat_timeout = float(config.get("heartbeat_timeout", self.heartbeat_timeout))
+        ready = self.executors.ready_info()
+        if ready is not None:
+            self.client.send(frame(Kind.READY, 0, dump(ready)))
 
     def _cancel(self, ident: int, _: Body) -> None:
         """CANCEL: stop a call, also one still waiting for its relayed payload."""
@@ -281,6 +359,9 @@ class Agent(NodeEnvironment):
         """CONFIG: the pool's settings; then build the Image, or start the executors."""
         n = int.from_bytes(body[:4], "little")
         config = load_config(bytes(body[4 : 4 + n]))
+        if self.config is not None:
+            self._readopt(config)
+            return
         blob = bytes(body[4 + n :])
         self.heartbeat_timeout = float(config.get("heartbeat_timeout", _DEFAULT_HEARTBEAT_TIMEOUT))
         self.next_beat = time.monotonic() + self.heartbeat_timeout / 4
@@ -309,6 +390,7 @@ class Agent(NodeEnvironment):
         # the volumes (credentials: for their helper alone) come after the environment,
         # whose Image may install the FUSE tool
         self.pending_volumes = config.pop("volumes", None)
+        self._listen(config)
         self.config = config
         self._start_metrics(config)
         self.executors.configure(config, blob)
@@ -326,6 +408,26 @@ class Agent(NodeEnvironment):
                     self._start_build(b"")
                 return
         self._environment_ready()
+
+    def _listen(self, config: Config) -> None:
+        """A cluster's agent (``reattach_grace``): open the re-attach socket; its name is
+        in the tasks' environment (the cluster's record keeps it)."""
+        key = str(config.pop("reattach_key", ""))
+        grace = float(config.pop("reattach_grace", 0) or 0)
+        if not key or grace <= 0:
+            return
+        from .reattach import ADDRESS_VAR, Listener
+
+        try:
+            self.listener = Listener()
+        except OSError as e:
+            self._log(f"no re-attach socket ({e}): this node ends with its client")
+            return
+        self.reattach_key = bytes.fromhex(key)
+        self.reattach_grace = grace
+        os.environ[ADDRESS_VAR] = self.listener.name
+        self.executors.agent_fds = (*self.executors.agent_fds, self.listener.fileno())
+        self.sel.register(self.listener.fileno(), False, self._on_reattach)
 
     def _start_metrics(self, config: Config) -> None:
         """Sample the metrics CONFIG asks for (none: no sampler, no cost)."""
@@ -368,6 +470,8 @@ class Agent(NodeEnvironment):
         self.executors.stop()
 
     def _cleanup(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
         if self.sampler is not None:
             self.sampler.close()
         self.relay.close()

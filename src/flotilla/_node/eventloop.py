@@ -63,9 +63,18 @@ class Outbox:
         os.set_blocking(fd, False)
         self.queue: deque[memoryview] = deque()
         self.broken = False
+        self.held = 0  # > 0: no reader now; frames are kept (up to this many bytes)
+        self.kept = 0  # bytes kept meanwhile
 
     def send(self, parts: list[Buffer]) -> None:
         if self.broken:
+            return
+        if self.held:  # whole frames, the oldest dropped past the limit
+            data = memoryview(b"".join(parts))
+            self.queue.append(data)
+            self.kept += data.nbytes
+            while self.kept > self.held and len(self.queue) > 1:
+                self.kept -= self.queue.popleft().nbytes
             return
         if not self.queue:  # fast path: write directly
             try:
@@ -89,6 +98,8 @@ class Outbox:
     def flush(self) -> bool:
         """Write what fits; True when nothing is left."""
         q = self.queue
+        if self.held:
+            return False
         while q and not self.broken:
             try:
                 n = os.writev(self.fd, list(islice(q, 256)))

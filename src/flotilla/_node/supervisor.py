@@ -442,13 +442,25 @@ class Supervisor(ExecutorProcesses):
         first = not all(s.ready for s in self.slots)
         slot.ready = True
         if first and all(s.ready for s in self.slots):  # the whole node is up
-            ready: Ready = {
-                "pids": [s.executor.pid for s in self.slots if s.executor],
-                "restarts": sum(s.restarts for s in self.slots),
-                "shm": bool(self.config and self.config["shm_prefix"]),
-                **self.ready_extra,
-            }
+            ready = self.ready_info()
+            assert ready is not None
             self.client.send(frame(Kind.READY, 0, dump(ready)))
+
+    def ready_info(self) -> Ready | None:
+        """The node's READY, once every executor is up (None before)."""
+        if not self.slots or not all(s.ready for s in self.slots):
+            return None
+        return {
+            "pids": [s.executor.pid for s in self.slots if s.executor],
+            "restarts": sum(s.restarts for s in self.slots),
+            "shm": bool(self.config and self.config["shm_prefix"]),
+            **self.ready_extra,
+        }
+
+    def adopted(self) -> dict[str, int]:
+        """The calls a client that went away left here (queued or running), by id: their
+        local rank, for the client that re-attaches (its HELLO's ``adopted``)."""
+        return {str(t.ident): slot.rank for slot in self.slots for t in slot.tasks}
 
     def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
         """``ex`` ended (``reason``: why, when the agent ended it; else its exit status

@@ -4,24 +4,27 @@ Provider-independent: SSH uses it, and so can any provider that reaches its node
 remote shell (cloud VMs over SSH, a container exec...), through ``launch.start_remote_agent``.
 
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
-Python; an editable development install works too), with the byte code of the modules a
-node's start imports (compiled once, see :mod:`flotilla._providers.bytecode`), into a
-reproducible tar.gz (:mod:`flotilla._archive`) named by the sha256 of its content. A node
-keeps every bundle it received under ``{workdir}/lib/{hash}/`` and runs the agent with
-``PYTHONPATH`` pointing there::
+Python; an editable development install works too), with byte code of the modules a node's
+start imports, into a reproducible zip stored uncompressed (:func:`build_bundle`) named by
+the sha256 of its content and sent compressed (zlib), and keeps it beside its compiled copy
+of the node code (:func:`kept_bundle`). A node keeps every bundle it received as the file
+``{workdir}/lib/{hash}`` and runs the agent with ``PYTHONPATH`` pointing there: Python
+imports the modules straight from the zip (``zipimport``), so a host's first start writes
+one file instead of unpacking a few hundred::
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
 One remote command, on the connection that then carries the agent's stdio, refuses a
 working directory another user owns or can write (made 0700 when missing) and starts one
 Python process (:data:`_BOOT`), which becomes the agent: it checks the interpreter (>= 3.11),
-takes the agent lock when the provider asks for one, and, when the bundle is there, runs the
-agent at once (``runpy``, as ``-m flotilla.agent``). Otherwise it answers ``NEED_UPLOAD``
-and reads the bundle (its exact size) from stdin: it checks the hash, extracts it
-(:mod:`flotilla._system.untar`, the node side's one safe extraction, also on Python
-3.11.0-3.11.3) into a temporary directory and renames that into place (atomic: concurrent
-pools never see a half-extracted bundle), then goes on as the agent. Either way a start
-costs one shell and one Python start.
+takes the agent lock when the provider asks for one, and, when the bundle is there and
+intact (its CRC-32 is checked at every start, ~2 ms where a sha256 would cost ~7: a damaged
+file is never imported; the folder is private, so this guards against damage, not against
+its owner), runs the agent at once (``runpy``, as ``-m flotilla.agent``). Otherwise it
+answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: it checks the
+hash and writes it to a temporary file renamed into place (:data:`_EXTRACT`; atomic:
+concurrent pools never see half a bundle, and a damaged one is replaced), then goes on as
+the agent. Either way a start costs one shell and one Python start.
 
 The agent runs as a child of the command's shell, which reports on stderr the signal that
 killed it (``FLOTILLA_BOOT SIGNAL 9``): remote shells do not pass signals on.
@@ -43,18 +46,20 @@ Lines before the answer (a chatty shell profile) are ignored.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import contextlib
+import hashlib
 import logging
 import os
+import py_compile
 import shlex
+import tempfile
 import threading
+import zlib
 from dataclasses import dataclass
 from enum import Enum
 
-from .._archive import Source, glob_excludes
-from .._archive import build as build_archive
+from .._archive import Source, build_zip, glob_excludes
 from .._errors import ProvisionCause, ProvisionError
-from .._system import untar
 from . import bytecode
 from .pipe import PipeAgent
 
@@ -64,21 +69,32 @@ MIN_PYTHON = (3, 11)
 MARKER = b"FLOTILLA_BOOT "
 """Prefix of the answer line of the start command."""
 _EXCLUDED = bytecode.SKIP
-"""Left out of the bundle: byte code, but for a compiled copy's of the modules a node's start
-imports (:func:`node_packages`)."""
+"""Left out of the bundle: the sources' byte code (:func:`build_bundle` compiles its own)."""
 
 
 @dataclass(frozen=True)
 class Bundle:
-    """The client's flotilla + cloudpickle as a tar.gz.
+    """The client's flotilla + cloudpickle as a zip (:func:`build_bundle`).
 
     Attributes:
-        hash: sha256 (hex) of ``data``; the node-side directory name.
-        data: the archive.
+        hash: sha256 (hex) of ``data``; its file name on a node.
+        data: the zip.
+        packed: ``data`` compressed (zlib), as it is sent (a node unpacks and checks it).
     """
 
     hash: str
     data: bytes
+    packed: bytes = b""
+
+    @property
+    def crc(self) -> int:
+        """The CRC-32 of ``data``: a node checks its copy against it at every start."""
+        return zlib.crc32(self.data)
+
+    @classmethod
+    def of(cls, data: bytes) -> Bundle:
+        """The bundle of the zip ``data``."""
+        return cls(hashlib.sha256(data).hexdigest(), data, zlib.compress(data, 6))
 
 
 @dataclass
@@ -135,17 +151,81 @@ class NoAnswer(Exception):
 
 # -- the bundle (client side) --------------------------------------------------------------
 def client_bundle() -> Bundle:
-    """This process's bundle, built on first use (a few tens of ms) and then cached."""
+    """This process's bundle: read from the client's cache, or built (~70 ms CPU) on first
+    use (:func:`kept_bundle`), then held."""
     global _bundle
     with _bundle_lock:
         if _bundle is None:
-            _bundle = build_bundle(node_packages())
+            running = running_bundle()
+            if running is not None:  # on a node: ship the bundle this flotilla runs from
+                with open(running, "rb") as f:
+                    data = f.read()
+                _bundle = Bundle.of(data)
+            else:
+                _bundle = kept_bundle(node_packages())
         return _bundle
+
+
+def running_bundle() -> str | None:
+    """The bundle (a zip file) this process's flotilla is imported from, on a node; None
+    where flotilla is a folder."""
+    root = os.path.dirname(_package_dirs()["flotilla"])
+    return root if os.path.isfile(root) else None
+
+
+KEPT_PREFIX, KEPT_SUFFIX = "bundle-", ".zip.z"
+"""A kept bundle's file name: ``bundle-{hash}.zip.z`` (its packed form), in the compiled
+copy's folder."""
+
+
+def kept_bundle(packages: dict[str, str]) -> Bundle:
+    """:func:`build_bundle` of ``packages``, kept on disk in their compiled copy's folder
+    (:func:`bytecode.entry_of`: private, one per source and interpreter, so an edited
+    source is another folder and another bundle), so that a client process reads it
+    instead of building it. A kept file whose content does not match the hash in its name
+    is removed and the bundle built again. Packages without a compiled copy: built."""
+    entry = bytecode.entry_of(packages)
+    if entry is None:
+        return build_bundle(packages)
+    for file in sorted(os.listdir(entry)):
+        if not (file.startswith(KEPT_PREFIX) and file.endswith(KEPT_SUFFIX)):
+            continue
+        path = os.path.join(entry, file)
+        digest = file[len(KEPT_PREFIX) : -len(KEPT_SUFFIX)]
+        try:
+            with open(path, "rb") as f:
+                packed = f.read()
+            data = zlib.decompress(packed)
+        except OSError:
+            continue
+        except zlib.error:
+            data = b""
+        if hashlib.sha256(data).hexdigest() == digest:
+            return Bundle(digest, data, packed)
+        logger.warning("%s does not match its hash: removed, the bundle is built again", path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    bundle = build_bundle(packages)
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".bundle-", dir=entry)  # 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(bundle.packed)
+        os.replace(tmp, os.path.join(entry, f"{KEPT_PREFIX}{bundle.hash}{KEPT_SUFFIX}"))
+    except OSError as e:
+        logger.warning("cannot keep the bundle in %s (%s): the next client builds it", entry, e)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return bundle
 
 
 def node_packages() -> dict[str, str]:
     """Import name -> directory of the packages a node runs: this client's flotilla and
-    cloudpickle, as their compiled copy (:func:`bytecode.compiled`)."""
+    cloudpickle, as their compiled copy (:func:`bytecode.compiled`); where flotilla runs
+    from a bundle (:func:`running_bundle`), their places in it."""
+    if running_bundle() is not None:
+        return _package_dirs()
     return bytecode.compiled(_package_dirs())
 
 
@@ -160,21 +240,35 @@ def _package_dirs() -> dict[str, str]:
 
 
 def build_bundle(packages: dict[str, str]) -> Bundle:
-    """A reproducible tar.gz (see :mod:`flotilla._archive`) of ``packages`` (name ->
-    directory), without byte code but a compiled copy's of :data:`bytecode.NODE_START`."""
+    """A reproducible zip (:func:`flotilla._archive.build_zip`) of ``packages`` (name ->
+    directory), without their byte code, with checked-hash byte code of
+    :data:`bytecode.NODE_START` where ``zipimport`` reads it: ``module.pyc`` beside
+    ``module.py``, named in tracebacks by its path in the bundle (``flotilla/agent.py``)."""
     skip = glob_excludes(_EXCLUDED)
-
-    def source(name: str, path: str) -> Source:
-        if not bytecode.is_compiled(path):
-            return Source(path, name, skip)
-
-        def exclude(relpath: str, is_dir: bool) -> bool:
-            return skip(relpath, is_dir) and not bytecode.node_start(name, relpath)
-
-        return Source(path, name, exclude)
-
-    archive = build_archive(source(name, packages[name]) for name in sorted(packages))
-    return Bundle(archive.sha256, archive.data)
+    sources = [Source(packages[name], name, skip) for name in sorted(packages)]
+    compiled: list[tuple[str, bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
+        for src in sources:
+            for folder, dirs, files in os.walk(src.path):
+                rel = os.path.relpath(folder, src.path).replace(os.sep, "/")
+                dirs[:] = sorted(d for d in dirs if not skip(d, True))
+                for file in sorted(files):
+                    relpath = f"{rel}/{file}" if rel != "." else file
+                    if not file.endswith(".py") or not bytecode.node_start(src.name, relpath):
+                        continue
+                    arcname = f"{src.name}/{relpath}"
+                    cfile = os.path.join(tmp, "module.pyc")
+                    py_compile.compile(
+                        os.path.join(folder, file),
+                        cfile=cfile,
+                        dfile=arcname,
+                        doraise=True,
+                        invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH,
+                    )
+                    with open(cfile, "rb") as f:
+                        compiled.append((arcname + "c", f.read()))
+    archive = build_zip(sources, sorted(compiled))
+    return Bundle(archive.sha256, archive.data, zlib.compress(archive.data, 6))
 
 
 # -- remote commands -----------------------------------------------------------------------
@@ -200,7 +294,7 @@ def say(line):
 if sys.version_info < {MIN_PYTHON!r}:
     say("BAD_PYTHON %d.%d" % sys.version_info[:2])
     sys.exit(0)
-lib, name, size, lock, code = sys.argv[1:6]
+lib, name, size, crc, lock, code = sys.argv[1:7]
 del sys.argv[1:]
 if lock:
     import fcntl
@@ -208,7 +302,15 @@ if lock:
     fcntl.flock(fd, fcntl.LOCK_SH)
     os.set_inheritable(fd, True)
 target = os.path.join(lib, name)
-if not os.path.isdir(target):
+def intact():
+    import mmap, zlib
+    try:
+        with open(target, "rb") as f:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return zlib.crc32(data) == int(crc)
+    except (OSError, ValueError):
+        return False
+if not intact():
     say("NEED_UPLOAD")
     sys.argv[1:] = [lib, name, size]
     try:
@@ -237,9 +339,7 @@ when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last arg
 is compiled only then) and becomes the agent (``runpy``, as ``python -m flotilla.agent``)."""
 
 
-def start_command(
-    workdir: str, python: str, bundle_hash: str, bundle_size: int, lock: str | None = None
-) -> list[str]:
+def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = None) -> list[str]:
     """The command (an argv) that checks the node, installs the bundle if needed and runs
     the agent (see the module docstring): one shell and one Python process, the agent.
 
@@ -250,7 +350,7 @@ def start_command(
     first = shlex.quote(shlex.split(python)[0])
     script = f"""\
 W={shell_path(workdir)}
-L="$W/lib/{bundle_hash}"
+L="$W/lib/{bundle.hash}"
 mkdir -p -m 700 "$W" 2>/dev/null
 for D in "$W" "$W/lib" "$L"; do
   if [ -e "$D" ] && [ ! -O "$D" ]; then echo "FLOTILLA_BOOT UNSAFE_WORKDIR owner $D"; exit 0; fi
@@ -260,7 +360,8 @@ case $(ls -ldL -- "$W" 2>/dev/null) in
 esac
 cd "$W" || exit 1
 command -v {first} >/dev/null 2>&1 || {{ echo "FLOTILLA_BOOT NO_PYTHON 127"; exit 0; }}
-{py} -c {shlex.quote(_BOOT)} "$W/lib" {bundle_hash} {bundle_size} {shlex.quote(lock or "")} \\
+{py} -c {shlex.quote(_BOOT)} "$W/lib" {bundle.hash} {len(bundle.packed)} {bundle.crc} \\
+  {shlex.quote(lock or "")} \\
   {shlex.quote(_EXTRACT)}
 S=$?
 if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
@@ -269,8 +370,8 @@ exit "$S"
     return ["sh", "-c", script]
 
 
-_EXTRACT_SCRIPT = """\
-import hashlib, io, shutil, sys, tempfile
+_EXTRACT = """\
+import hashlib, os, sys, tempfile, zlib
 lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = []
 while size:
@@ -279,27 +380,25 @@ while size:
         sys.exit("the bundle upload ended early")
     parts.append(part)
     size -= len(part)
-data = b"".join(parts)
+try:
+    data = zlib.decompress(b"".join(parts))
+except zlib.error:
+    data = b""
 if hashlib.sha256(data).hexdigest() != name:
     sys.exit("the uploaded bundle does not match its hash")
 os.makedirs(lib, exist_ok=True)
-target = os.path.join(lib, name)
-if not os.path.isdir(target):
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            extract(tar, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not os.path.isdir(target):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+fd, tmp = tempfile.mkstemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
+try:
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(lib, name))
+except BaseException:
+    os.unlink(tmp)
+    raise
 """
-_EXTRACT = inspect.getsource(untar) + "\n" + _EXTRACT_SCRIPT
-"""The node's bundle installer: the node side's one safe extraction (its module's source:
-flotilla is not on the node yet), then the script that reads, checks and unpacks."""
+"""The node's bundle installer: reads the packed bundle, unpacks it, checks its hash and
+writes it as the file ``lib/{hash}`` (a temporary file renamed into place: concurrent starts
+never see half of one, and a damaged bundle is replaced whole)."""
 
 
 # -- the dance -------------------------------------------------------------------------------
@@ -333,13 +432,13 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
                 "%s: uploading flotilla bundle %s (%d KB)",
                 agent.host,
                 bundle.hash[:12],
-                len(bundle.data) // 1024,
+                len(bundle.packed) // 1024,
             )
             stats.uploads += 1
             uploaded = True
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(None, agent.write, [bundle.data])
+                await loop.run_in_executor(None, agent.write, [bundle.packed])
             except OSError:
                 continue  # the command ended: the next read says why
             continue

@@ -17,12 +17,10 @@ interpreter ignores them (their file names carry the cache tag). The cache folde
 code every node runs, is a private one (``_system.private``: ours, nobody else can write
 it), as is every entry before it is used.
 
-Local agents import from this copy (``local``). The SSH bundle (``bootstrap``) ships it
-with the byte code of :data:`NODE_START` only, the modules a node's start imports: on a
-host's first start creating a file costs about as much CPU as compiling a small module
-(the bundle's extraction is a third of that start), so byte code for every module would
-cost more than it saves; a module outside the list is compiled by the node when first
-used, as before. Where the cache cannot be written the packages are used as they are
+Local agents import from this copy (``local``). The SSH bundle (``bootstrap``), a zip
+the nodes import from, holds byte code of :data:`NODE_START` only, the modules a node's
+start imports (a module outside the list is compiled by the node when first used), and
+is kept in the copy's folder. Where the cache cannot be written the packages are used as they are
 (byte code compiled by each node).
 """
 
@@ -159,16 +157,19 @@ def _prune(cache: str, keep: str) -> None:
 
 
 def node_start(name: str, relpath: str) -> bool:
-    """Whether ``relpath`` (a path under the package ``name``) is in :data:`NODE_START`:
-    a byte code file is by its module, a ``__pycache__`` folder by its package."""
-    folder, _, file = f"{name}/{relpath}".rpartition("/")
-    if file == "__pycache__":
-        return any(p == folder + "/" for p in NODE_START if p.endswith("/")) or any(
-            p.rpartition("/")[0] == folder for p in NODE_START if not p.endswith("/")
-        )
-    package = folder.removesuffix("/__pycache__")
-    module = f"{package}/{file.split('.', 1)[0]}"
-    return module in NODE_START or package + "/" in NODE_START
+    """Whether the module file ``relpath`` (a path under the package ``name``, e.g.
+    ``_node/agent.py``) is in :data:`NODE_START`."""
+    package, _, file = f"{name}/{relpath}".rpartition("/")
+    return f"{package}/{file.split('.', 1)[0]}" in NODE_START or package + "/" in NODE_START
+
+
+def entry_of(packages: dict[str, str]) -> str | None:
+    """The compiled copy's folder that holds every one of ``packages`` (as
+    :func:`compiled` returns them); None when they are not such a copy."""
+    folders = {os.path.dirname(path) for path in packages.values()}
+    if len(folders) != 1 or not all(is_compiled(path) for path in packages.values()):
+        return None
+    return folders.pop()
 
 
 def is_compiled(path: str) -> bool:

@@ -116,7 +116,7 @@ async def start_remote_agent(
     loop = asyncio.get_running_loop()
     bundle = await loop.run_in_executor(None, client_bundle) if ship else None
     if bundle is not None:
-        command = start_command(workdir, python, bundle.hash, len(bundle.data), lock)
+        command = start_command(workdir, python, bundle, lock)
     else:
         command = announced([python, "-m", "flotilla.agent"])
     if env:

@@ -20,7 +20,7 @@ from .base import (
     PoolSpec,
     Provider,
 )
-from .bootstrap import node_packages
+from .bootstrap import node_packages, running_bundle
 from .limits import check_local_capacity, out_of_files
 from .options import provider_init
 from .pipe import PipeAgent, spawn
@@ -152,8 +152,9 @@ class LocalAllocation(Allocation):
         links = os.path.join(folder, _LIB)  # flotilla and cloudpickle, as this client has them
         try:
             os.mkdir(links)
-            for name, path in node_packages().items():
-                os.symlink(path, os.path.join(links, name))
+            if running_bundle() is None:  # (else: the agents import from the same bundle)
+                for name, path in node_packages().items():
+                    os.symlink(path, os.path.join(links, name))
         except OSError as e:
             raise ProvisionError(f"cannot prepare node {rank}'s work folder: {e}") from e
         return Machine(rank, "localhost", "127.0.0.1", folder)
@@ -162,7 +163,8 @@ class LocalAllocation(Allocation):
         command = [self.provider.python, "-m", "flotilla.agent"]
         try:
             # the agent removes its folder when it exits, even if this client was killed
-            path = os.pathsep.join([os.path.join(machine.ident, _LIB), *self.user_path])
+            lib = running_bundle() or os.path.join(machine.ident, _LIB)
+            path = os.pathsep.join([lib, *self.user_path])
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             if self.provider.keep_folders:
                 del env["FLOTILLA_NODE_DIR"]  # kept
@@ -217,7 +219,8 @@ def _unmount_under(folder: str) -> None:
 
 _LIB = ".flotilla-lib"
 """In a node's folder: links to the client's flotilla and cloudpickle packages (their
-compiled copy, see ``bootstrap.node_packages``: an agent compiles none of it)."""
+compiled copy, see ``bootstrap.node_packages``: an agent compiles none of it). A client
+that runs from a bundle (a pool started on a node) gives its agents that bundle instead."""
 
 
 def user_code_path() -> list[str]:

@@ -3,7 +3,7 @@
     procs.py    the one process-table walk (/proc): start times, liveness, reaping
     locks.py    the one flock helper (node side and command line)
     private.py  the private folders and files (0700/0600, verified) under the user's home
-    untar.py    the one safe archive extraction (bundle, includes, workdir sync)
+    untar.py    the one safe archive extraction (includes, workdir sync)
     s3.py       the standard-library S3 client (SigV4): volumes and flotilla.storage
     mounts.py   detach the mounts under a folder before it is removed
 

@@ -1,4 +1,4 @@
-"""The one safe archive extraction of the node side: includes, workdir sync, the bundle.
+"""The one safe archive extraction of the node side: includes, workdir sync.
 
 ``tarfile``'s ``filter="data"`` exists from Python 3.11.4 (and 3.12) on; Debian 12's Python
 is 3.11.2. On every version :func:`extract` first checks every member itself, refusing the
@@ -13,8 +13,7 @@ files get neither their recorded owner nor set-user-ID,
 set-group-ID or sticky bits, and their permissions are taken from the archive without
 letting others write.
 
-Standard library only, and self-contained: the SSH bootstrap runs this module's source,
-followed by its extraction script, before flotilla exists on a node (``python -S -c``).
+Standard library only, and self-contained.
 """
 
 from __future__ import annotations

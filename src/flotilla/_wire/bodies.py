@@ -41,6 +41,7 @@ class Hello(TypedDict, total=False):
     port: int  # the first of a block of free ports (the head's becomes ``head_port``)
     switched_from: SwitchedFrom  # this interpreter replaced another one
     python_search: PythonSearch  # none of the client's minor version was found
+    adopted: dict[str, int]  # a re-attached client: the calls left here (id -> local rank)
 
 
 class Config(TypedDict, total=False):
@@ -63,6 +64,8 @@ class Config(TypedDict, total=False):
     group: bool  # the processes form one group (a plugin's collective)
     relay_key: str  # hex: the node-to-node relays' key (the agent keeps it to itself)
     volumes: dict[str, Any] | None  # for the volumes helper alone (``_node/volumes.py``)
+    reattach_grace: float  # a cluster's agent: seconds it waits for a new client (reattach)
+    reattach_key: str  # hex: the key a re-attaching client proves it holds
     shm_prefix: str  # set by the agent: "" when the node does not share the client's
     image_dir: str  # set by the agent: the Image's environment on this node
     local_rank: int  # set per executor

@@ -44,10 +44,15 @@ def record(paths: Paths) -> ClusterRecord:
 
 
 def running(paths: Paths) -> ClusterRecord:
-    """The record of a cluster whose daemon runs, or a CLIError saying what it is instead."""
+    """The record of a cluster whose daemon runs, or a CLIError saying what it is instead.
+    A stale cluster whose nodes may still run is re-attached to first (:func:`reattach`)."""
     rec = record(paths)
     state = rec.observed_state()
     if state is ClusterState.STALE:
+        from .adopt import adoptable
+
+        if adoptable(rec):
+            return reattach(paths, rec)
         raise CLIError(
             f"cluster {paths.name}: its daemon (pid {rec.pid}) is gone, so the cluster is "
             f"stale; `flotilla down {paths.name}` cleans it up"
@@ -60,6 +65,61 @@ def running(paths: Paths) -> ClusterRecord:
             "it again"
         )
     return rec
+
+
+def reattach(paths: Paths, rec: ClusterRecord) -> ClusterRecord:
+    """Start a new daemon for a stale cluster, which re-attaches to its running nodes and
+    jobs (see ``adopt``); its record once UP, or a CLIError saying why not (the nodes that
+    are gone)."""
+    from .._volume import Volume
+    from .backends import registry
+
+    say(f"cluster {paths.name}: its daemon (pid {rec.pid}) is gone; re-attaching to its nodes")
+    spec = registry.spec_from_dict(rec.provider)
+    volumes = [Volume(**v) for v in rec.volumes]
+    start_daemon(
+        paths, rec, spec, rec.num_nodes, rec.idle_minutes, volumes, rec.autodown, rec.engines
+    )
+    try:
+        return wait_up(paths)
+    except CLIError as e:
+        raise CLIError(f"{e}; `flotilla down {paths.name}` removes it", code=e.code) from None
+
+
+def reattach_stale() -> list[str]:
+    """Re-attach to every stale cluster whose nodes may still run (``flotilla server`` as
+    it starts); the names of those it re-attached to (why not, for the others: said)."""
+    from .adopt import adoptable
+    from .state import all_names
+
+    done = []
+    for name in all_names():
+        paths = Paths(name)
+        try:
+            rec = load(paths)
+            if rec is None or rec.observed_state() is not ClusterState.STALE or not adoptable(rec):
+                continue
+            reattach(paths, rec)
+        except FlotillaError as e:  # (CLIError too) the others are still tried
+            say(f"cluster {name}: {e}")
+            continue
+        done.append(name)
+    return done
+
+
+def wait_up(paths: Paths) -> ClusterRecord:
+    """The record once the cluster's (new) daemon has it UP; a CLIError when it did not
+    start."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        now = load(paths)
+        current = now.observed_state() if now is not None else ClusterState.FAILED
+        if current is ClusterState.UP and now is not None:
+            return now
+        if current is not ClusterState.STARTING or time.monotonic() > deadline:
+            why = f": {now.error}" if now is not None and now.error else ""
+            raise CLIError(f"cluster {paths.name} did not start ({current.value}){why}")
+        time.sleep(0.1)
 
 
 def connect(paths: Paths, rec: ClusterRecord, timeout: float = START_TIMEOUT) -> socket.socket:
@@ -147,6 +207,12 @@ def new_record(
     )
     if old is not None:  # a stopped cluster started again keeps its job history
         rec.jobs, rec.next_job = old.jobs, old.next_job
+    if old is not None and old.observed_state() is ClusterState.STALE:
+        from .adopt import adoptable
+
+        if adoptable(old):  # its nodes may run: the new daemon re-attaches to them
+            rec.nodes, rec.token, rec.reattach_secret = old.nodes, old.token, old.reattach_secret
+            rec.created = old.created
     return rec
 
 

@@ -30,6 +30,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         from ..server.api import clusters
 
         return print_json({"clusters": clusters(args.clusters)})
+    from .adopt import adoptable
+
     names = args.clusters or all_names()
     rows = [["NAME", "PROVIDER", "NODES", "STATE", "AGE", "IDLE"]]
     notes: list[str] = []
@@ -58,8 +60,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             ]
         )
         if state is ClusterState.STALE:
+            again = f"`flotilla start {name}` re-attaches to its nodes, " if adoptable(rec) else ""
             notes.append(
-                f"{name}: its daemon (pid {rec.pid}) is gone; `flotilla down {name}` cleans up"
+                f"{name}: its daemon (pid {rec.pid}) is gone; {again}`flotilla down {name}` "
+                "cleans up"
             )
         elif rec.error:
             notes.append(f"{name}: {rec.error}")
@@ -73,6 +77,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    from .adopt import adoptable
+    from .clusters import reattach
     from .ipc import request
     from .state import delete
 
@@ -115,6 +121,13 @@ def cmd_down(args: argparse.Namespace) -> int:
             code = EXIT_FLOTILLA
             continue
         state = rec.observed_state()
+        if state is ClusterState.STALE and adoptable(rec):  # reach its nodes to stop them
+            try:
+                rec = reattach(paths, rec)
+            except CLIError as e:
+                say(str(e))
+                rec = load(paths) or rec
+            state = rec.observed_state()
         if state.needs_daemon:
             try:
                 answers = list(request(paths.socket, {"op": "down"}))
@@ -206,7 +219,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     """Start stopped clusters with their record's provider, nodes, buckets and autostop;
     returns once they are UP (or failed, saying why)."""
     from .._volume import Volume
-    from .clusters import START_TIMEOUT, start_daemon
+    from .adopt import adoptable
+    from .clusters import reattach, start_daemon, wait_up
 
     for name in args.clusters:
         paths = Paths(name)
@@ -216,6 +230,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         state = rec.observed_state()
         if state in (ClusterState.UP, ClusterState.STARTING):
             say(f"cluster {name}: already {state.value}")
+            continue
+        if state is ClusterState.STALE and adoptable(rec):  # its nodes may still run
+            rec = reattach(paths, rec)
+            say(f"cluster {name}: re-attached to its {len(rec.nodes)} node(s)")
             continue
         spec = registry.spec_from_dict(rec.provider)
         kept = state is ClusterState.FAILED and registry.backend_for(spec).restartable(paths)
@@ -231,15 +249,6 @@ def cmd_start(args: argparse.Namespace) -> int:
         started = start_daemon(
             paths, rec, spec, rec.num_nodes, rec.idle_minutes, volumes, rec.autodown, rec.engines
         )
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            now = load(paths)
-            current = now.observed_state() if now is not None else ClusterState.FAILED
-            if current is ClusterState.UP:
-                break
-            if current is not ClusterState.STARTING or time.monotonic() > deadline:
-                why = f": {now.error}" if now is not None and now.error else ""
-                raise CLIError(f"cluster {name} did not start ({current.value}){why}")
-            time.sleep(0.1)
+        wait_up(paths)
         say(f"cluster {name}: {started.num_nodes} {spec.kind} node(s) up")
     return 0

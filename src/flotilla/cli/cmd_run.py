@@ -203,7 +203,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     existing = load(paths)
     state = existing.observed_state() if existing else None
     if existing is not None and state is ClusterState.STALE:
-        running(paths)  # raises, saying so
+        existing = running(paths)  # re-attached to, or it raises saying so
+        state = existing.observed_state()
     reuse = existing is not None and state in (ClusterState.UP, ClusterState.STARTING)
     # a stopped cluster whose nodes were kept (AWS instances) starts them again: same spec
     kept = (
@@ -326,6 +327,8 @@ def _print_provider(plan: dict[str, Any], indent: str) -> None:
         print(f"{indent}every node asks for: {wants or 'nothing in particular'}")
     if plan.get("max_hourly_cost") is not None:
         print(f"{indent}at most ${plan['max_hourly_cost']:g}/h for the cluster")
+    if plan.get("max_node_hourly_cost") is not None:
+        print(f"{indent}at most ${plan['max_node_hourly_cost']:g}/h a node")
 
 
 def _node_volumes(task: Task, spec: ProviderSpec) -> tuple[Volume, ...]:

@@ -7,7 +7,8 @@ queued and run as their nodes have room for them (``ledger.Ledger``: FIFO, sever
 when their resources allow), their output streamed to whoever follows them and kept per
 node. It stops on ``flotilla down`` (and removes the cluster), on SIGTERM, and by itself
 after ``--idle-minutes`` without jobs (the record stays, STOPPED). If it is killed, its
-agents notice and exit, and its record shows STALE until ``flotilla down NAME``.
+record shows STALE and its agents wait a while for a new daemon, which re-attaches to them
+and to the running jobs (see ``adopt``); ``flotilla down NAME`` still removes it all.
 
 ``launch --down`` of a new cluster runs the same :class:`ClusterDaemon` inside the CLI
 process instead (no second process to start).
@@ -34,6 +35,8 @@ from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
+from .adopt import adoptable, grace, keeps_agents, restore, reveal, save_spec, take_over
+from .adopt import provider as reattaching
 from .backends import registry
 from .conventions import EXIT_LOST
 from .daemon_socket import DaemonSocket
@@ -46,6 +49,7 @@ from .observe import EventLog
 from .state import (
     ClusterRecord,
     ClusterState,
+    JobRecord,
     JobStatus,
     NodeRecord,
     Paths,
@@ -58,7 +62,42 @@ from .state import (
 _CANCEL_WAIT = 30.0  # seconds a cancelled job gets to wind down before shutdown goes on
 
 
-class ClusterDaemon:
+class OutputRouting:
+    """A cluster daemon's routing of its nodes' lines to the running jobs they belong to
+    (by their tag; ``node_ops.JOB_TAG``), the others to its own log."""
+
+    running: dict[int, tuple[Job, Allocation | None]]
+    secrets: set[str]
+
+    def _job_of(self, line: str) -> tuple[Job | None, str]:
+        """The running job a node's line belongs to (by its tag), and the line untagged."""
+        job_id, clean = untag(line)
+        entry = self.running.get(job_id) if job_id is not None else None
+        return (entry[0] if entry is not None else None), clean
+
+    def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
+        by_job: dict[int, tuple[Job, list[str]]] = {}
+        stray: list[str] = []
+        for line in lines:
+            job, clean = self._job_of(line)
+            if job is None:
+                stray.append(clean)
+            else:
+                by_job.setdefault(job.id, (job, []))[1].append(clean)
+        for job, mine in by_job.values():
+            job.output(node, stream, mine)
+        if stray:  # a background process of an earlier job: keep it in the daemon's log
+            head = prefix(node, node)
+            shown = [redact(line, self.secrets) for line in stray]
+            sys.stderr.write("".join(f"{head}{line}\n" for line in shown))
+
+    def _on_state(self, node: int, stream: int, text: str) -> None:
+        job, clean = self._job_of(text)
+        if job is not None:  # between jobs, a bar's final line still comes as output
+            job.state(node, stream, clean)
+
+
+class ClusterDaemon(OutputRouting):
     """A named cluster's pool and job queue; its socket is a :class:`DaemonSocket`."""
 
     def __init__(self, paths: Paths, generation: int | None = None) -> None:
@@ -97,21 +136,24 @@ class ClusterDaemon:
         self.provisioner: threading.Thread | None = None
         self.shutdown_lock = threading.Lock()
         self.refresh_lock = threading.Lock()
+        self.adopting: list[NodeRecord] = []  # the nodes of a daemon that died, re-attached
+        self.adopted: list[JobRecord] = []  # the jobs it ran, followed again
+        self.reattach_key = ""
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
         with self._update() as rec:
+            self.adopting = list(rec.nodes) if adoptable(rec) else []
+            self.reattach_key = rec.reattach_secret if self.adopting else secrets.token_hex(32)
+            self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
             rec.pid = os.getpid()
             rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
             rec.error = ""
-            rec.nodes = []
+            rec.reattach_secret = self.reattach_key
             rec.last_activity = self.last_activity
-            for job in rec.jobs:  # left unfinished by a daemon that died
-                if not JobStatus(job.status).finished:
-                    job.status = JobStatus.FAILED.value
-                    job.error = "the cluster daemon running it exited"
+            self.adopted = take_over(rec, bool(self.adopting))  # the others failed
         self.socket.bind()
         self.provisioner = self._thread(self._provision, "provision")
         self._thread(self.socket.accept_forever, "accept")
@@ -204,7 +246,7 @@ class ClusterDaemon:
             self.pool.close()
             if self.event_log is not None:
                 self.event_log.stop()
-            self._record_cost("down", self.pool)
+            record_cost(self, "down", self.pool)
         self.socket.close()
         if self.delete_on_stop:
             if self.autodown:  # what `down` does besides removing the record
@@ -230,27 +272,12 @@ class ClusterDaemon:
         with self.cv:
             self.notes.append(text)
 
-    def _record_cost(self, event: str, pool: Compute) -> None:
-        """A line of the cost ledger (``costs``): the pool is up (its provider, nodes and
-        price per hour when known) or closed."""
-        from .costs import record
-
-        provider = getattr(pool.provider, "chosen", None) or pool.provider
-        hourly = getattr(pool._allocation, "hourly", None)
-        record(
-            event,
-            self.name,
-            self.generation,
-            self.paths.home,
-            provider=getattr(provider, "name", self.spec.kind),
-            nodes=pool.nodes,
-            hourly=hourly if isinstance(hourly, int | float) and hourly else None,
-        )
-
     # -- provisioning ------------------------------------------------------------------
     def _provision(self) -> None:
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
+            if self.adopting:  # nothing is provisioned: the recorded nodes are reached again
+                provider = reattaching(provider, self.adopting, self.reattach_key)
             if hasattr(provider, "report"):  # a fallback: its choices reach the first job
                 provider.report = self._provision_note
             wants = self.backend.pool_resources(self.spec)
@@ -261,6 +288,7 @@ class ClusterDaemon:
                 vcpus=wants.vcpus,
                 memory_gb=wants.memory_gb,
                 max_hourly_cost=wants.max_hourly_cost,
+                max_node_hourly_cost=wants.max_node_hourly_cost,
                 volumes=self.volumes,
                 plugins=engine_plugins(self.engines),
                 worker=Worker(concurrency=JOBS_PER_NODE + 1),  # +1: syncs, ports, reaping
@@ -271,15 +299,24 @@ class ClusterDaemon:
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
             pool.on_replaced = self._on_replaced
+            if keeps_agents(provider):  # they outlive this daemon, for a new one
+                pool.keep_agents(grace(), self.reattach_key)
             with self.cv:
                 if self.stopping:
                     return
+                for job in [restore(self.paths, j) for j in self.adopted]:
+                    self.jobs[job.id], self.running[job.id] = job, (job, None)  # its lines come
+                    self.secrets.update(job.secrets)  # as soon as the pool is open
             pool.open()
+            for job, _ in list(self.running.values()):  # re-attached: its secrets' values
+                reveal(job, pool, self.token)
+                self.secrets.update(job.secrets)
             self.pool = pool
             self.event_log.start(pool.view)  # `flotilla top`
-            self._record_cost("up", pool)
+            if not self.adopting:  # (a re-attached cluster's run goes on)
+                record_cost(self, "up", pool)
             shared = self.backend.shares_filesystem
-            self.nodes = self._node_records()
+            self.nodes = self.adopting or self._node_records()
             self.runner = Runner(
                 pool,
                 self.name,
@@ -293,6 +330,10 @@ class ClusterDaemon:
             self.runner.tag_output = True  # several jobs at once: their lines tell them apart
             with self.cv:
                 self.ledger = Ledger(self.nodes, JOBS_PER_NODE)
+                for job, _ in list(self.running.values()):  # re-attached: followed again
+                    where = self.ledger.take(job.demand, len(job.nodes))
+                    self.running[job.id] = (job, where)
+                    self._thread(lambda j=job, w=where: self._run(j, w, True), f"job-{job.id}")
             self._connect_nodes()
             with self._update() as rec:
                 rec.state = ClusterState.UP.value
@@ -305,6 +346,11 @@ class ClusterDaemon:
             with contextlib.suppress(FlotillaError, OSError), self._update() as rec:
                 rec.state = ClusterState.FAILED.value
                 rec.error = self.error
+            with self.cv:  # the jobs it would have followed again
+                lost, self.running = [j for j, _ in self.running.values()], {}
+            for job in lost:
+                job.finish(JobStatus.FAILED, EXIT_LOST, [f"job {job.id} lost: {self.error}"])
+                self._save_job(job)
         finally:
             self.up.set()
             self.wake.set()
@@ -314,6 +360,9 @@ class ClusterDaemon:
         not on SLURM (``srun --overlap`` is the way there) nor on this machine alone."""
         assert self.pool is not None and self.runner is not None
         if self.backend.shares_filesystem or any(n.scheduler_job for n in self.nodes):
+            return
+        if self.adopting:  # the daemon before connected them (its calls hold the slots)
+            self.runner.mesh = self.token
             return
         self.runner.mesh = ""
         try:
@@ -360,33 +409,6 @@ class ClusterDaemon:
             self.backend.on_up(self.paths, self.spec, self.nodes)
             self._connect_nodes()  # the new machine's host key and authorization
 
-    def _job_of(self, line: str) -> tuple[Job | None, str]:
-        """The running job a node's line belongs to (by its tag), and the line untagged."""
-        job_id, clean = untag(line)
-        entry = self.running.get(job_id) if job_id is not None else None
-        return (entry[0] if entry is not None else None), clean
-
-    def _on_output(self, node: int, stream: int, lines: list[str]) -> None:
-        by_job: dict[int, tuple[Job, list[str]]] = {}
-        stray: list[str] = []
-        for line in lines:
-            job, clean = self._job_of(line)
-            if job is None:
-                stray.append(clean)
-            else:
-                by_job.setdefault(job.id, (job, []))[1].append(clean)
-        for job, mine in by_job.values():
-            job.output(node, stream, mine)
-        if stray:  # a background process of an earlier job: keep it in the daemon's log
-            head = prefix(node, node)
-            shown = [redact(line, self.secrets) for line in stray]
-            sys.stderr.write("".join(f"{head}{line}\n" for line in shown))
-
-    def _on_state(self, node: int, stream: int, text: str) -> None:
-        job, clean = self._job_of(text)
-        if job is not None:  # between jobs, a bar's final line still comes as output
-            job.state(node, stream, clean)
-
     # -- jobs --------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> Job:
         """Queue a job; it runs after the jobs before it, once its nodes have room for it.
@@ -404,6 +426,7 @@ class ClusterDaemon:
             job = Job(job_id, spec, task_id(self.name, job_id, now), self.paths.job_dir(job_id))
             rec.jobs.append(job.record())
             rec.last_activity = now
+        save_spec(job)
         with self.cv:
             self.secrets.update(job.secrets)  # its background processes may print them later
             self.jobs[job_id] = job
@@ -478,15 +501,20 @@ class ClusterDaemon:
                 continue
             self._thread(lambda j=job, w=where: self._run(j, w), f"job-{job.id}")
 
-    def _run(self, job: Job, where: Allocation) -> None:
-        """Run one job on its allocation, then free it for the next ones."""
+    def _run(self, job: Job, where: Allocation | None, adopted: bool = False) -> None:
+        """Run one job on its allocation (``adopted``: follow it, a daemon that died ran
+        it), then free it for the next ones."""
         assert self.runner is not None
         try:
-            self.runner.run(job, where)
+            if adopted:
+                self.runner.adopt(job, job.nodes)
+            else:
+                assert where is not None
+                self.runner.run(job, where)
         finally:
             with self.cv:
                 self.running.pop(job.id, None)
-                if self.ledger is not None:
+                if self.ledger is not None and where is not None:
                     self.ledger.give_back(where)
                 self.last_activity = time.time()
                 self.cv.notify_all()
@@ -508,6 +536,24 @@ class ClusterDaemon:
         job.done.wait(_CANCEL_WAIT)
         with self.cv:  # its nodes' room is free when `cancel` answers
             self.cv.wait_for(lambda: job.id not in self.running, _CANCEL_WAIT)
+
+
+def record_cost(daemon: ClusterDaemon, event: str, pool: Compute) -> None:
+    """A line of the cost ledger (``costs``): the pool is up (its provider, nodes and
+    price per hour when known) or closed."""
+    from .costs import record
+
+    provider = getattr(pool.provider, "chosen", None) or pool.provider
+    hourly = getattr(pool._allocation, "hourly", None)
+    record(
+        event,
+        daemon.name,
+        daemon.generation,
+        daemon.paths.home,
+        provider=getattr(provider, "name", daemon.spec.kind),
+        nodes=pool.nodes,
+        hourly=hourly if isinstance(hourly, int | float) and hourly else None,
+    )
 
 
 def engine_plugins(engines: list[str]) -> list[Any]:

@@ -36,7 +36,15 @@ from .conventions import EXIT_INTERRUPTED
 from .ipc import Event, node_name, prefix
 from .jobspec import JobSpec, hostfile, phase_env, shared_machine_home
 from .ledger import Allocation, Demand, demand_of
-from .node_ops import TOKEN_VAR, free_port, reap, run_script, slurm_allocation_env, unpack
+from .node_ops import (
+    TOKEN_VAR,
+    free_port,
+    reap,
+    run_script,
+    slurm_allocation_env,
+    unpack,
+    wait_job,
+)
 from .state import JobRecord, JobStatus, NodeRecord
 from .sync import build as build_archive
 
@@ -98,6 +106,9 @@ class Job:
         self.subscribers: list[Subscriber] = []
         self.throttles: dict[tuple[int, int], Throttle] = {}  # bars in the logs, per node
         self.candidate: int | None = None  # where its cluster started (see demand_of)
+        self.nodes: list[int] = []  # where its ``run`` runs (once it does)
+        self.hidden: list[str] = []  # a re-attached job: its secrets' names (adopt.py)
+        self.held: list[tuple[int, int, list[str]]] | None = None  # its lines until then
         self._files: dict[str, IO[str]] = {}
         private_dirs(folder.parent, folder)
 
@@ -117,6 +128,7 @@ class Job:
             resources=self.demand.describe(
                 "" if self.spec.candidate_gpus else self.spec.accelerator
             ),
+            nodes=list(self.nodes),
         )
 
     @property
@@ -140,6 +152,9 @@ class Job:
         """Lines a node printed: logged, kept for the report, sent to the followers."""
         lines = [untag(line)[1] for line in lines]
         with self.lock:
+            if self.held is not None:  # until its secrets are known (see reveal)
+                self.held.append((node, stream, lines))
+                return
             throttle = self.throttles.get((node, stream))
             if throttle is not None:
                 throttle.reset()  # a finished line ends the node's bar
@@ -151,6 +166,8 @@ class Job:
         then (the first state, then one per few seconds; the final line comes as output)."""
         text = untag(text)[1]
         with self.lock:
+            if self.held is not None:
+                return
             rank = self.ranks.get(node, node)
             clean = redact(text, self.secrets)
             event = {"ev": "bar", "node": node, "rank": rank, "stream": stream, "line": clean}
@@ -183,6 +200,15 @@ class Job:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def reveal(self, values: list[str]) -> None:
+        """A re-attached job's secrets' values (read back from its processes): redacted
+        from now on; the lines held meanwhile go on."""
+        with self.lock:
+            self.secrets += [v for v in values if len(v) >= _MIN_REDACTED]
+            held, self.held = self.held or [], None
+        for node, stream, lines in held:
+            self.output(node, stream, lines)
 
     def phase(self, text: str, ranks: dict[int, int] | None = None) -> None:
         """Announce a phase; ``ranks`` (node -> rank) names the lines that follow."""
@@ -340,6 +366,7 @@ class Runner:
                 self._status(job, JobStatus.SETTING_UP)
                 failure = self._script(job, "setup", spec.setup, everyone)
             if failure is None and spec.run and not job.cancel_requested:
+                job.nodes = nodes
                 self._status(job, JobStatus.RUNNING)
                 failure = self._script(job, "run", spec.run, nodes, devices)
                 for attempt in range(1, spec.retries + 1):
@@ -356,6 +383,27 @@ class Runner:
             self._reap(job)
             self._end(job, JobStatus.FAILED, 1, [f"job {job.id} ({spec.name}) failed: {e}"])
             return
+        self._conclude(job, failure)
+
+    def adopt(self, job: Job, nodes: list[int]) -> None:
+        """Follow ``job``, whose ``run`` a daemon that died started on ``nodes`` (its
+        scripts ran on, see ``_node/reattach.py``; their lines come as before) to its end,
+        as :meth:`run` does; never raises."""
+        ranks = {node: rank for rank, node in enumerate(nodes)}
+        job.phase(f"job {job.id}: re-attached; run goes on on {len(nodes)} node(s)", ranks)
+        try:
+            call = wait_job(job.id, f"{self.token}.{job.id}.", self.workdirs)
+            futures = self.pool.submit_broadcast(call, nodes=nodes, any_slot=True)
+            failure = self._supervise(job, "run", futures, ok=0, nodes=nodes)
+        except Exception as e:  # the pool is gone
+            self._reap(job)
+            self._end(job, JobStatus.FAILED, 1, [f"job {job.id} ({job.spec.name}) failed: {e}"])
+            return
+        self._conclude(job, failure)
+
+    def _conclude(self, job: Job, failure: Failure | None) -> None:
+        """End ``job`` after its phases: failed, cancelled or succeeded."""
+        spec = job.spec
         if failure is not None or job.cancel_requested:
             self._reap(job)
         if failure is not None:

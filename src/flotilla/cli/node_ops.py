@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import tarfile
 import time
 from typing import TYPE_CHECKING, Any
@@ -153,7 +154,21 @@ def node_facts(subdir: str = "", token: str = "") -> dict[str, Any]:
         "scheduler_node": os.environ.get("SLURMD_NODENAME", ""),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
         "memory_gb": _memory_gb(),
+        "reattach": reattach_argv(),
     }
+
+
+def reattach_argv() -> list[str]:
+    """The command that bridges to this node's agent again (``_node/reattach.py``), run on
+    the node; [] when its agent has no re-attach socket (not a cluster's)."""
+    address = os.environ.get("FLOTILLA_AGENT_ADDRESS", "")
+    if not address:
+        return []
+    import flotilla
+
+    lib = os.path.dirname(os.path.dirname(os.path.abspath(flotilla.__file__)))
+    module = "flotilla._node.reattach"
+    return ["env", f"PYTHONPATH={lib}", sys.executable, "-m", module, address]
 
 
 def _memory_gb() -> float:
@@ -226,6 +241,9 @@ def run_script(
         full.update(mesh_env(mesh, cwd))
     full.update(env)
     full.update(per_node.get(node, {}))
+    status_file = _exit_file(cwd, job)
+    with contextlib.suppress(OSError):  # an earlier attempt's
+        os.unlink(status_file)
     if hostfile is not None:
         path = os.path.join(cwd, ".flotilla", f"hostfile-{job}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -266,7 +284,61 @@ def run_script(
     if tag:  # what it printed last; processes it left behind keep their pipe (and copy)
         for t in copies:
             t.join(2.0)
+    with contextlib.suppress(OSError):  # for a daemon that re-attached meanwhile (wait_job)
+        os.makedirs(os.path.dirname(status_file), exist_ok=True)
+        with open(status_file + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(status_file + ".tmp", status_file)
     return code
+
+
+def _exit_file(cwd: str, job: int) -> str:
+    """Where :func:`run_script` leaves the exit status of ``job``'s script."""
+    return os.path.join(cwd, ".flotilla", f"exit-{job}")
+
+
+_WAIT_GONE = 5.0  # seconds a script's status may take to appear once its processes ended
+
+
+@function
+def wait_job(job: int, token_prefix: str, workdirs: dict[int, str] | None = None) -> int:
+    """Wait for ``job``'s script, started here by a cluster daemon that died since (its
+    call ran on, see ``_node/reattach.py``), to end; its exit status (as
+    :func:`run_script` returns it). Raises RuntimeError when its processes (those whose
+    FLOTILLA_RUN_TOKEN starts with ``token_prefix``) are gone without a status."""
+    cwd = (workdirs or {}).get(instance_info().node) or os.getcwd()
+    status_file = _exit_file(cwd, job)
+    wanted = f"{TOKEN_VAR}={token_prefix}".encode()
+    gone_since: float | None = None
+    while True:
+        with contextlib.suppress(OSError, ValueError), open(status_file) as f:
+            return int(f.read())
+        if any(procs.has_env(pid, wanted) for pid in procs.pids()):
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since > _WAIT_GONE:
+            raise RuntimeError(f"job {job}'s script ended without an exit status")
+        time.sleep(0.2)
+
+
+@function
+def job_env(token_prefix: str, names: list[str]) -> dict[str, str]:
+    """The values of ``names`` in the environment of a process of this machine whose
+    FLOTILLA_RUN_TOKEN starts with ``token_prefix`` (a job's, see ``adopt.reveal``);
+    empty when none runs."""
+    wanted = f"{TOKEN_VAR}={token_prefix}".encode()
+    for pid in procs.pids():
+        if not procs.has_env(pid, wanted):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        env = dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+        return {name: env[name] for name in names if name in env}
+    return {}
 
 
 @function

@@ -87,7 +87,8 @@ class JobStatus(Enum):
     SETTING_UP --> FAILED_SETUP | CANCELLED
 
     LOST is never written: it is what an unfinished job is when its cluster's daemon is
-    gone (``queue`` on a STALE cluster). A new daemon records such jobs as FAILED.
+    gone (``queue`` on a STALE cluster). A new daemon records such jobs as FAILED, but for
+    those it re-attaches to (RUNNING, see ``cli/adopt.py``), which go on.
     """
 
     PENDING = "PENDING"
@@ -120,6 +121,8 @@ class NodeRecord:
         scheduler_node: the scheduler's name for the node (``SLURMD_NODENAME``; '').
         cpus: its vCPUs (0: unknown); with ``memory_gb`` (GB, 0: unknown) and ``gpus``,
             the room the cluster's job queue shares out.
+        reattach: the command, run on the node, that bridges to its agent again
+            (``_node/reattach.py``; [] when the agent cannot be re-attached).
     """
 
     node: int
@@ -132,6 +135,7 @@ class NodeRecord:
     scheduler_node: str = ""
     cpus: int = 0
     memory_gb: float = 0.0
+    reattach: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -150,6 +154,7 @@ class JobRecord:
         error: the first line of the failure report ('' when it succeeded).
         resources: what it holds on each of its nodes (``A100:0.5 cpus=2``; ``whole``:
             its nodes, alone).
+        nodes: the nodes its ``run`` runs on (a daemon that re-attaches follows it there).
     """
 
     id: int
@@ -164,6 +169,7 @@ class JobRecord:
     failed_node: int | None = None
     error: str = ""
     resources: str = ""
+    nodes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -192,6 +198,8 @@ class ClusterRecord:
             ``engines``.
         autodown: the idle limit (``idle_minutes``) tears the cluster down instead of
             stopping it (``launch --autostop M --down``).
+        reattach_secret: the key a new daemon proves to the nodes' agents to re-attach to
+            them after the daemon died (hex, a secret: the record is private).
         generation: which launch of this name the record belongs to (1, 2, ... per name,
             counted in NAME.lock). A daemon changes or deletes the record and the
             cluster's files only while the generation is its own, so a daemon of an
@@ -216,6 +224,7 @@ class ClusterRecord:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
     autodown: bool = False
+    reattach_secret: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:

@@ -103,6 +103,9 @@ class Resources:
         max_hourly_cost: the most the cluster may cost per hour, in USD, all its nodes
             (``Compute(max_hourly_cost=)``): a provider that knows its prices (Vast, AWS
             when priced) refuses offers above it before renting; None: no limit.
+        max_node_hourly_cost: the most ONE node may cost per hour, in USD (flotilla's
+            field, Skyward's ``Spec(max_hourly_cost=)``, ``Compute(max_node_hourly_cost=)``;
+            SkyPilot has none): offers above it are not taken; None: no limit.
         candidates: alternatives, from ``any_of`` or ``ordered`` (each a resources mapping
             over these fields) and accelerator sets (``accelerators: {A100:8, H100:8}``,
             any of them; a list: in order): every combination, each complete (a
@@ -131,6 +134,7 @@ class Resources:
     job_recovery: JobRecovery | None = None
     autostop: Autostop | None = None
     max_hourly_cost: float | None = None
+    max_node_hourly_cost: float | None = None
     candidates: tuple[Resources, ...] = ()
     ordered: bool = True
 
@@ -157,6 +161,7 @@ class Resources:
                 "job_recovery",
                 "autostop",
                 "max_hourly_cost",
+                "max_node_hourly_cost",
                 "candidates",
                 "ordered",
             ):
@@ -947,6 +952,7 @@ _RESOURCE_FIELDS: dict[str, _Check] = {
     "job_recovery": _Parser.job_recovery,
     "autostop": _Parser.autostop,
     "max_hourly_cost": _Parser.price,
+    "max_node_hourly_cost": _Parser.price,
     "cpus": _Parser.amount,
     "memory": _Parser.amount,
     "infra": _Parser.text,

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._errors import ConfigurationError
 from .._version import __version__
+from ..cli.clusters import reattach_stale
 from ..cli.observe import EVENTS, TOP
 from ..cli.state import Paths, all_names, check_name, load
 from . import api, control
@@ -671,6 +673,8 @@ def serve(host: str, port: int, announce: Callable[[str], None] | None = None) -
         raise SystemExit(0)  # uvicorn, done, raises the signal it caught again: end here
 
     signal.signal(signal.SIGTERM, stop)
+    # the clusters whose daemon died while their nodes ran: new daemons re-attach to them
+    threading.Thread(target=reattach_stale, name="flotilla-reattach", daemon=True).start()
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C in the foreground: uvicorn has shut down

@@ -17,19 +17,11 @@ command line refuses ``stop`` for it before anything happens.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..._errors import ConfigurationError
-from ..._system.private import private_dir
+from ..cloud.kept import KeepFolder, record
 
-STATE_FILE = "pool.json"
-LOGIN_KEY = "login_key"
 TAG_STOPPED = "flotilla:stopped"
 """On every resource of a stopped pool: the orphan sweep leaves the pool alone."""
 
@@ -77,62 +69,22 @@ class KeptPool:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> KeptPool:
-        instances = [KeptInstance(**i) for i in data.get("instances", [])]
-        known = {k: v for k, v in data.items() if k in KeptPool.__dataclass_fields__}
-        known["instances"] = instances
-        return KeptPool(**known)
+        return record(KeptPool, data, "instances", KeptInstance)
 
 
 @dataclass
-class Keep:
-    """A stoppable pool's folder on this machine, and what closing the pool does.
+class Keep(KeepFolder):
+    """An AWS stoppable pool's folder (see ``cloud.kept.KeepFolder``): its record is a
+    :class:`KeptPool`."""
 
-    Attributes:
-        folder: the folder (made private to this user on first write).
-        stop: closing the pool stops its instances (kept for a later pool) instead of
-            terminating them. A pool that starts kept instances sets it while it starts
-            (a failed start keeps them); it is cleared once the pool is up.
-    """
-
-    folder: Path
-    stop: bool = False
-
-    @property
-    def state_file(self) -> Path:
-        return self.folder / STATE_FILE
+    where = "its instances are tagged flotilla:stopped in the EC2 console"
 
     def load(self) -> KeptPool | None:
         """The kept pool, or None when there is none; a ConfigurationError when its record
         cannot be read."""
-        try:
-            data = json.loads(self.state_file.read_text())
-            return KeptPool.from_json(data)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as e:
-            raise ConfigurationError(
-                f"the stopped pool's record {self.state_file} cannot be read ({e}): its "
-                "instances are tagged flotilla:stopped in the EC2 console"
-            ) from e
+        data = self.load_data()
+        return None if data is None else KeptPool.from_json(data)
 
     def save(self, pool: KeptPool, login_key: str | None = None) -> None:
         """Record ``pool`` (atomically), and copy the login key file ``login_key``."""
-        private_dir(self.folder)
-        if login_key is not None and os.path.abspath(login_key) != str(self.login_key):
-            for suffix in ("", ".pub"):  # the private key first made 0600, then written
-                target = f"{self.login_key}{suffix}"
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as dst, open(f"{login_key}{suffix}", "rb") as src:
-                    shutil.copyfileobj(src, dst)
-        fd, tmp = tempfile.mkstemp(prefix=".pool.", dir=self.folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(pool), f, indent=1)
-        os.replace(tmp, self.state_file)
-
-    @property
-    def login_key(self) -> Path:
-        return self.folder / LOGIN_KEY
-
-    def forget(self) -> None:
-        """The pool's instances are terminated: nothing to keep."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.save_data(asdict(pool), login_key)

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
-from ..cloud.market import check_ttl
+from ..cloud.market import check_stoppable, check_ttl
 from ..offers import Offer
 from ..options import provider_init
 from .api import Api
@@ -92,11 +92,7 @@ class AWS(Provider):
     def validate(self, spec: PoolSpec) -> None:
         self.api.check()
         check_ttl(self, spec, "the instances would power themselves off")
-        if spec.max_nodes and self.keep is not None:
-            raise ConfigurationError(
-                f"an elastic pool (up to {spec.most} nodes) cannot be a stoppable one: its "
-                "instances come and go; pass a number of nodes"
-            )
+        check_stoppable(self, spec)
         if spec.vcpus is not None and spec.vcpus <= 0:
             raise ConfigurationError(f"vcpus={spec.vcpus!r}: a positive number")
         if spec.memory_gb is not None and spec.memory_gb <= 0:

@@ -6,7 +6,6 @@ at their current addresses."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -101,13 +100,7 @@ class StopStart:
         pool.network.placement_group = kept.placement_group
         pool.instance_type, pool.image_id = kept.instance_type, kept.image
         pool.host_keys = {i.id: i.host_key for i in kept.instances}
-        login = os.path.join(pool.folder, "login_key")
-        for suffix in ("", ".pub"):
-            with open(f"{pool.keep.login_key}{suffix}", "rb") as src:
-                data = src.read()
-            fd = os.open(login + suffix, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as dst:
-                dst.write(data)
+        login = pool.keep.restore_login_key(pool.folder)
         with open(login + ".pub") as f:
             pool.use_login_key(KeyPair(login, f.read().strip()))
         network, _ = await run_all(

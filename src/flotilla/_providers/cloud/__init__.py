@@ -14,7 +14,10 @@ Vast.ai, RunPod, Lambda Cloud and the GPU markets to come).
   labels ``flotilla:{pool}:{client}`` and the orphan pools found by them;
 * ``allocation``: :class:`~flotilla._providers.cloud.allocation.CloudAllocation`, the
   allocation of instances reached over SSH with their host keys pinned, whose shell's
-  ``transient()`` tries a booting instance again (the launch layer's retry).
+  ``transient()`` tries a booting instance again (the launch layer's retry); and
+  :class:`~flotilla._providers.cloud.allocation.InstanceAllocation`, one whose instances
+  are added, ended and replaced one at a time (elastic pools) over a provider's
+  ``create_one``/``wait_one``/``machine_of``/``end_one``, each billed until it ends.
 
 Nothing here knows a particular cloud; nothing outside ``aws/`` imports ``aws/``.
 """

@@ -1,21 +1,29 @@
 """The allocation of a cloud pool: instances reached over SSH with the host key the pool
 made pinned (``keys``), their agents started by the launch layer once their SSH port
 answers (``boot.wait_port``), a start that fails as on a booting instance tried again
-(:class:`CloudShell`'s ``transient()``, ``boot.booting``) until the start timeout."""
+(:class:`CloudShell`'s ``transient()``, ``boot.booting``) until the start timeout.
+
+An :class:`InstanceAllocation`'s instances also come and go one at a time (``candidate``,
+``give_back``, ``replacement``): an elastic pool grows by one instance (made where there is
+room, waited for until it runs; one made that does not come up is ended at once, not at the
+release) and shrinks by ending one; a lost node's instance is ended and another made."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
-from ..base import AgentProcess, Machine
+from ..base import AgentProcess, AllocationState, Machine
 from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
@@ -24,6 +32,7 @@ from .guard import guard_command
 from .keys import KeyPair, keygen
 
 _T = TypeVar("_T")
+logger = logging.getLogger("flotilla.cloud")
 
 
 class CloudShell(SSHShell):
@@ -95,6 +104,7 @@ class CloudAllocation(ShellAllocation):
         self.folder = folder
         self.known_hosts = os.path.join(folder, "known_hosts")
         self.login_key = None
+        self._key_numbers = itertools.count(1)
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
         self.ssh = self.shell_type(
@@ -114,6 +124,12 @@ class CloudAllocation(ShellAllocation):
         self.login_key = key
         self.ssh.key = key.path
         return key
+
+    def new_host_key(self) -> KeyPair:
+        """A new SSH host key for the instances made next, in the pool's folder (numbered:
+        ``next()`` of a count is atomic, so concurrent grow steps never share a file)."""
+        number = next(self._key_numbers)
+        return keygen(self.folder, f"host_key_{number}", f"flotilla-{self.spec.pool_id}")
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in one of :attr:`executor`'s threads. A cancelled caller does not
@@ -167,6 +183,142 @@ class CloudAllocation(ShellAllocation):
                     cause=e.cause,
                 ) from None
             raise ProvisionError(f"{name}: {e}", cause=e.cause) from None
+
+
+class InstanceAllocation(CloudAllocation):
+    """A cloud pool whose instances are made and ended one at a time (see the module
+    docstring): an elastic pool's grow and shrink steps (``candidate``, ``give_back``)
+    and a lost node's replacement, over the provider's steps (``create_one``,
+    ``wait_one``, ``machine_of``, ``end_one``).
+
+    Attributes:
+        costs: what each instance billed now costs per hour (None: not known), by id.
+        hourly: what the pool's instances cost per hour now, their sum (None: one's price
+            is not known; 0 with none).
+    """
+
+    costs: dict[str, float | None]
+    hourly: float | None
+
+    def _open(self, settings: Any, folder: str) -> None:
+        super()._open(settings, folder)
+        self.costs = {}
+        self.hourly = 0.0
+        self._bill = threading.Lock()  # (instances are billed from the API threads)
+
+    def starts_empty(self, log: logging.Logger, cloud: str, what: str, detail: str = "") -> bool:
+        """Whether the pool is elastic (``spec.nodes`` 0: its instances come one at a time,
+        :meth:`candidate`). If so it is READY with none, and the console says ``{cloud}: up
+        to {max} {what} as the pool grows{detail}``."""
+        if self.spec.nodes:
+            return False
+        show(log, f"{cloud}: up to {self.spec.most} {what} as the pool grows{detail}")
+        self.state = AllocationState.READY
+        return True
+
+    def tell(self, log: logging.Logger, message: str) -> None:
+        """``message`` on the console while the pool starts (:func:`show`); later (a grow
+        step or a replacement, tried again with a backoff) in the log only."""
+        if self.state is AllocationState.ACQUIRING:
+            show(log, message)
+        else:
+            log.info("%s", message)
+
+    def billed(self, ident: str, price: float | None) -> None:
+        """Instance ``ident`` is billed from now, at ``price`` an hour."""
+        with self._bill:
+            self.costs[ident] = price
+            self._total()
+
+    def unbilled(self, ident: str) -> None:
+        """Instance ``ident`` ended: its bill stops."""
+        with self._bill:
+            self.costs.pop(ident, None)
+            self._total()
+
+    def _total(self) -> None:
+        prices = list(self.costs.values())
+        known = [p for p in prices if p is not None]
+        self.hourly = None if len(known) < len(prices) else round(sum(known), 4)
+
+    def create_one(self, rank: int) -> str:
+        """Create one instance where there is room (the provider's places in order, a
+        capacity error moving on) and bill it (:meth:`billed`); its id. ProvisionError
+        (CAPACITY) when no place has room. In a thread; ``rank``: the node it is for."""
+        raise NotImplementedError
+
+    def wait_one(self, ident: str) -> None:
+        """Wait until instance ``ident`` runs, its SSH host key pinned (ProvisionError when
+        it ends or the start timeout passes). In a thread."""
+        raise NotImplementedError
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        """Instance ``ident`` (running) as the machine at ``rank``."""
+        raise NotImplementedError
+
+    def end_one(self, ident: str) -> None:
+        """End instance ``ident``; one already gone is no error. In a thread."""
+        raise NotImplementedError
+
+    def ready_for(self, what: str) -> None:
+        """ProvisionError saying ``what`` cannot be done unless the allocation is READY."""
+        if self.state is not AllocationState.READY:
+            raise ProvisionError(f"{what}: the pool's allocation is {self.state.value}")
+
+    async def add_instance(self, rank: int) -> Machine:
+        """One instance more, running, for ``rank``; one made that does not come up is
+        ended now (not at the release)."""
+        ident = await self._in_thread(self.create_one, rank)
+        try:
+            await self._in_thread(self.wait_one, ident)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await self.end_instance(ident)
+            raise
+        return self.machine_of(rank, ident)
+
+    async def end_instance(self, ident: str) -> None:
+        """End instance ``ident``: its bill stops."""
+        await self._in_thread(self.end_one, ident)
+        self.unbilled(ident)
+
+    async def candidate(self, rank: int) -> Machine | None:
+        """One instance more (an elastic pool grows, see ``_client/elastic.py``). A
+        ProvisionError leaves the pool at its size, and it asks again later."""
+        self.ready_for("cannot add a node")
+        return await self.add_instance(rank)
+
+    async def give_back(self, machine: Machine, failed: bool) -> None:
+        """End the instance of a node the pool released (drained first) or whose agent did
+        not start: its bill stops there. A failure is logged: the release ends every
+        instance of the pool in any case."""
+        try:
+            await self.end_instance(machine.ident)
+        except ProvisionError as e:
+            logger.warning("%s: %s", machine.ident, e)
+            return
+        logger.info("%s ended (%s)", machine.ident, "did not start" if failed else "released")
+
+    async def replacement(self, rank: int, reason: str) -> Machine:
+        """End the lost node's instance (the release ends it if this fails), then add one
+        for ``rank``."""
+        self.ready_for(f"cannot replace node {rank}")
+        old = self.machines[rank]
+        try:
+            await self.end_instance(old.ident)
+        except ProvisionError as e:
+            logger.warning("%s: %s", old.ident, e)
+        machine = await self.add_instance(rank)
+        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
+        return machine
+
+
+def cheapest(kinds: Sequence[Any]) -> str:
+    """`` (NAME, $P/h each)`` of the first of ``kinds`` (instance types with ``name`` and
+    ``hourly``, cheapest first), for :meth:`InstanceAllocation.starts_empty`."""
+    if not kinds:
+        return " (none available now)"
+    return f" ({kinds[0].name}, ${kinds[0].hourly:.2f}/h each)"
 
 
 def show(logger: logging.Logger, message: str) -> None:

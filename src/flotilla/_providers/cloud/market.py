@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import Allocation, PoolSpec, Provider
 from .identity import orphaned
+from .kept import Keep, KeptPool
 
 _A = TypeVar("_A", bound=Allocation)
 _T = TypeVar("_T")
@@ -72,16 +73,38 @@ def labelled(rows: Iterable[dict[str, Any]], key: str) -> Iterable[tuple[str, st
 
 class MarketProvider(Provider):
     """A provider of rented instances: its settings (``settings_type``), ``home`` their
-    ``workdir``, and an API client made on first use (``api``)."""
+    ``workdir``, and an API client made on first use (``api``).
+
+    Attributes:
+        keep: set for a stoppable pool (a named cluster's, where the provider can stop its
+            instances, see ``kept``): its instances are recorded there, closing the pool
+            with ``keep.stop`` set stops them, and the next pool starts them again.
+    """
 
     settings: Any
     _api: Any
+    keep: Keep | None = None
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Remove a stopped pool's instances (``flotilla down`` of a stopped cluster)."""
+        raise ConfigurationError(f"{type(self).__name__} keeps no stopped instances")
 
     def _configure(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> None:
         """The constructor's body (see ``options.provider_init``)."""
         self.settings = self.make_settings(settings, args, options)
         self.home = self.settings.workdir
         self._api = None
+
+
+def check_stoppable(provider: Any, spec: PoolSpec) -> None:
+    """ConfigurationError when an elastic pool (``spec.max_nodes``) would be a stoppable
+    one (``provider.keep`` set: a named cluster's): its instances come and go, and what is
+    kept is a fixed pool's nodes."""
+    if spec.max_nodes and getattr(provider, "keep", None) is not None:
+        raise ConfigurationError(
+            f"an elastic pool (up to {spec.most} nodes) cannot be a stoppable one: its "
+            "instances come and go; pass a number of nodes"
+        )
 
 
 def check_ttl(provider: Any, spec: PoolSpec, would: str) -> None:

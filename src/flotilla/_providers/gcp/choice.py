@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._accelerators import Accelerator, offered_as, unknown_name
+from ..._accelerators import Accelerator, lookup, offered_as, unknown_name
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.market import over_budget
@@ -153,7 +153,11 @@ def machine_for(spec: PoolSpec, machine_type: str | None) -> MachineChoice:
     count = acc.whole
     matching = [t for t in GPU_TYPES if offered_as(acc, t[0], "gcp")]
     if not matching:
-        raise ConfigurationError(unknown_name(acc.name, "GCP", {"gcp": [t[0] for t in GPU_TYPES]}))
+        offered = {"gcp": [t[0] for t in GPU_TYPES]}
+        model = lookup(acc.name)
+        if model is not None and model.architecture == "TPU":
+            raise ConfigurationError(tpu_refusal(model.name, offered["gcp"]))
+        raise ConfigurationError(unknown_name(acc.name, "GCP", offered))
     for gpu_type, sizes, attached in matching:
         chosen = machine_type or sizes.get(count)
         if chosen is not None:
@@ -162,6 +166,18 @@ def machine_for(spec: PoolSpec, machine_type: str | None) -> MachineChoice:
     raise ConfigurationError(
         f"GCP has no machine with {count} x {acc.name}: its {', '.join(t[0] for t in matching)} "
         f"machines have {', '.join(map(str, counts))} GPUs"
+    )
+
+
+def tpu_refusal(name: str, offered: list[str]) -> str:
+    """Why GCP(...) does not offer a TPU: Cloud TPUs are TPU VMs of the Cloud TPU API
+    (``tpu.googleapis.com``), not Compute Engine instances (the ``ct5lp``/``ct5p`` machine
+    types the Compute API lists are for GKE node pools only)."""
+    return (
+        f"GCP(...) does not offer {name}: Cloud TPUs are TPU VMs made through the Cloud TPU "
+        "API (tpu.googleapis.com), not Compute Engine instances, and flotilla's GCP provider "
+        f"uses the Compute Engine API only; it offers the GPUs {', '.join(offered)} (or no "
+        "accelerator: an n2-standard machine)"
     )
 
 
@@ -190,10 +206,11 @@ def within_cost(choice: MachineChoice, spec: PoolSpec, spot: bool) -> None:
         " a node (list price)",
         "max_node_hourly_cost",
     )
+    nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
     over_budget(
-        None if price is None else price * spec.nodes,
+        None if price is None else price * nodes,
         spec.max_hourly_cost,
-        f"{spec.nodes} x GCP {choice.machine_type} cost",
+        f"{nodes} x GCP {choice.machine_type} cost",
         " (list price)",
     )
 

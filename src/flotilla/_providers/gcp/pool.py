@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import logging
 import shutil
@@ -18,7 +19,7 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..cloud.allocation import show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id
 from ..cloud.keys import pin_public
@@ -28,14 +29,13 @@ from .api import SCOPE, GcpApi, GcpApiError, base_url
 from .choice import MachineChoice, describe, machine_for, within_cost
 from .settings import GCPSettings
 from .startup import METADATA, SELF_DELETE, startup_script
+from .stopstart import CLIENT_KEY, GCPStopping
 
 logger = logging.getLogger("flotilla.gcp")
 
 FOLDER_PREFIX = "flotilla-gcp-"
 POOL_LABEL = "flotilla-pool"
 """Every instance of a pool has the label ``flotilla-pool={pool id}``."""
-CLIENT_KEY = "flotilla-client"
-"""... and the metadata item ``flotilla-client={host:pid:start}`` (a label cannot hold it)."""
 POLL = 0.2
 RELEASE_TIMEOUT = 300.0
 GPU_IMAGE = (
@@ -50,15 +50,20 @@ def instance_name(pool_id: str, rank: int, launch: int) -> str:
     return f"flotilla-{pool_id}-{rank}" + (f"-{launch}" if launch > 1 else "")
 
 
-class GCPAllocation(CloudAllocation):
-    """The instances of one pool, all in one zone of one VPC network.
+class GCPAllocation(GCPStopping):
+    """The instances of one pool, all in one zone of one VPC network (a named cluster's
+    can be stopped and started again: ``stopstart``; an elastic pool's come and go one at
+    a time: ``cloud.allocation.InstanceAllocation``).
 
     Attributes:
         choice: the machine of every node.
-        zone: the zone the pool is in ("" until chosen).
-        spot: its instances are SPOT ones.
+        zone: the zone the pool is in ("" until chosen; an elastic pool's instances may be
+            in several zones of its region, all on its VPC network).
+        spot: its instances are SPOT ones (an elastic pool's first market).
+        zones: the zones to try, in order.
+        markets: whether to try SPOT (True) and on-demand (False), in order.
+        spot_names: the instances that are SPOT ones.
         instances: instance name -> its last description (a dict), for every instance made.
-        hourly: what the pool's instances cost per hour (list prices; None: unknown).
     """
 
     executor = concurrent.futures.ThreadPoolExecutor(
@@ -73,40 +78,47 @@ class GCPAllocation(CloudAllocation):
         self.choice: MachineChoice = machine_for(spec, settings.machine_type)
         self.zone = ""
         self.spot = settings.allocation == "spot"
+        self.zones: list[str] = []
+        self.markets = markets(settings)
+        self.spot_names: set[str] = set()
         self.zones_tried: list[str] = []
         self.instances: dict[str, dict[str, Any]] = {}
-        self.hourly: float | None = None
+        self.pinned: dict[str, list[str]] = {}
         self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
         self.client = client_id()
-        self._launches = 0
+        self._launches = itertools.count(2)  # a node added or replaced: its name's suffix
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self, zones: list[str]) -> None:
         """Create the pool's instances in the first of ``zones`` that has room for all of
-        them (a zone out of capacity: its instances are deleted, the next is tried)."""
-        spec, settings = self.spec, self.settings
-        markets = {"spot": [True], "on-demand": [False]}.get(settings.allocation, [True, False])
-        within_cost(self.choice, spec, markets[-1])
+        them (a zone out of capacity: its instances are deleted, the next is tried); an
+        elastic pool's (``spec.nodes`` 0) one by one as it grows (:meth:`create_one`)."""
+        spec = self.spec
+        within_cost(self.choice, spec, self.markets[-1])
         await self._make_login_key()
+        self.zones = zones
+        self.spot = self.markets[0]
+        price = self.choice.hourly(self.markets[0])
+        cost = f", ${price:.2f}/h a node (list price)" if price else ""
+        what = describe(spec.accelerator, self.choice) + (" (SPOT)" if self.markets[0] else "")
+        if self.starts_empty(logger, "GCP", f"x {what}", f", in {', '.join(zones)}{cost}"):
+            return
         full: list[str] = []
-        for spot, zone in [(s, z) for s in markets for z in zones]:
+        for spot, zone in self._places():
             self.spot = spot
             price = self.choice.hourly(spot)
-            self.hourly = None if price is None else price * spec.nodes
-            cost = f", ${self.hourly:.2f}/h for the pool (list price)" if self.hourly else ""
+            cost = f", ${price * spec.nodes:.2f}/h for the pool (list price)" if price else ""
             _show(
                 f"GCP: {spec.nodes} x {describe(spec.accelerator, self.choice)}"
                 f"{' (SPOT)' if spot else ''} in {zone}{cost}"
             )
-            if zone not in self.zones_tried:
-                self.zones_tried.append(zone)
             names = [instance_name(spec.pool_id, r, 1) for r in range(spec.nodes)]
             try:
-                await self._create(zone, names)
+                await self._create(zone, names, spot)
             except GcpApiError as e:
-                if e.cause is not ProvisionCause.CAPACITY or "QUOTA" in " ".join(e.codes):
+                if not _full(e):
                     raise
-                full.append(f"{zone}{' SPOT' if spot else ''} ({', '.join(sorted(set(e.codes)))})")
+                full.append(_where(zone, spot, e))
                 _show(f"GCP: {zone} has no room for the pool: {e}; trying the next zone")
                 await self._in_thread(self._delete_all, [zone])
                 continue
@@ -124,21 +136,31 @@ class GCPAllocation(CloudAllocation):
         ]
         self.state = AllocationState.READY
 
-    async def _create(self, zone: str, names: list[str]) -> None:
-        """Insert ``names`` in ``zone`` at once, wait for their operations, then until each
-        runs with its external address and host keys (which are pinned)."""
-        assert self.login_key is not None
+    def _places(self) -> list[tuple[bool, str]]:
+        """(SPOT, zone) to try, in order: each market in turn, the zones of the pool's
+        instances first (an elastic pool's), then :attr:`zones`."""
+        have = {_zone(self.instances.get(n, {})) for n in list(self.costs)}
+        zones = sorted(self.zones, key=lambda z: z not in have)
+        return [(spot, zone) for spot in self.markets for zone in zones]
+
+    def _script(self) -> str:
         settings = self.settings
-        script = startup_script(
+        return startup_script(
             base_url(settings),
             settings.ttl,
             self.spec.options.start_timeout,
             settings.workdir,
             settings.ssh_user,
         )
+
+    async def _create(self, zone: str, names: list[str], spot: bool) -> None:
+        """Insert ``names`` in ``zone`` at once, wait for their operations, then until each
+        runs with its external address and host keys (which are pinned)."""
+        assert self.login_key is not None
+        script = self._script()
         deadline = time.monotonic() + self.spec.options.start_timeout
         results = await asyncio.gather(
-            *(self._in_thread(self._insert, zone, n, script, deadline) for n in names),
+            *(self._in_thread(self._insert, zone, n, script, deadline, spot) for n in names),
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -147,7 +169,7 @@ class GCPAllocation(CloudAllocation):
             raise failed[0]
         await asyncio.gather(*(self._in_thread(self._wait_ready, zone, n, deadline) for n in names))
 
-    def _body(self, zone: str, name: str, script: str) -> Any:
+    def _body(self, zone: str, name: str, script: str, spot: bool) -> Any:
         from google.cloud import compute_v1 as c
 
         settings, choice = self.settings, self.choice
@@ -166,7 +188,7 @@ class GCPAllocation(CloudAllocation):
             "startup-script": script,
             CLIENT_KEY: self.client,
         }
-        if self.spot:
+        if spot:
             scheduling = c.Scheduling(
                 provisioning_model="SPOT",
                 instance_termination_action="DELETE",
@@ -206,15 +228,19 @@ class GCPAllocation(CloudAllocation):
             ]
         return body
 
-    def _insert(self, zone: str, name: str, script: str, deadline: float) -> None:
+    def _insert(self, zone: str, name: str, script: str, deadline: float, spot: bool) -> None:
+        """Insert instance ``name`` in ``zone`` and wait for its operation; it is then
+        billed (GcpApiError, CAPACITY, when the zone has no room)."""
         from google.cloud import compute_v1 as c
 
+        if zone not in self.zones_tried:
+            self.zones_tried.append(zone)
         api = self.api
         instances = api.client("InstancesClient")
         request = c.InsertInstanceRequest(
             project=api.project,
             zone=zone,
-            instance_resource=self._body(zone, name, script),
+            instance_resource=self._body(zone, name, script, spot),
             request_id=str(uuid.uuid4()),  # the same on a retry: one instance, not two
         )
         with self.creating("instance", name):
@@ -223,6 +249,9 @@ class GCPAllocation(CloudAllocation):
                 f"create instance {name}", lambda: instances.insert_unary(request=request)
             )
         api.wait(zone, op, f"create instance {name}", deadline)
+        if spot:
+            self.spot_names.add(name)
+        self.billed(name, self.choice.hourly(spot))
 
     def _wait_ready(self, zone: str, name: str, deadline: float) -> None:
         """Until ``name`` is RUNNING with an external address and has published its host
@@ -244,6 +273,7 @@ class GCPAllocation(CloudAllocation):
                 if keys:
                     for key in keys:
                         pin_public(self.known_hosts, _nat_ip(row), key)
+                    self.pinned[name] = keys
                     return True
             if row.get("status") in ("STOPPING", "TERMINATED", "SUSPENDED"):
                 raise ProvisionError(
@@ -290,6 +320,36 @@ class GCPAllocation(CloudAllocation):
             keys.append(value if " " in value else f"{item.key} {value}")
         return keys
 
+    def create_one(self, rank: int) -> str:
+        """One instance for ``rank`` in the first (market, zone) with room
+        (:meth:`_places`); it is not waited for (:meth:`wait_one`)."""
+        name = instance_name(self.spec.pool_id, rank, next(self._launches))
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        full: list[str] = []
+        for spot, zone in self._places():
+            try:
+                self._insert(zone, name, self._script(), deadline, spot)
+            except GcpApiError as e:
+                if not _full(e):
+                    raise
+                full.append(_where(zone, spot, e))
+                self._delete(zone, name, deadline)
+                self.instances.pop(name, None)
+                continue
+            return name
+        raise ProvisionError(
+            f"GCP: no zone has room for 1 x {self.choice.machine_type} now: "
+            f"{', '.join(full) or 'no zone offers it'}",
+            cause=ProvisionCause.CAPACITY,
+        )
+
+    def wait_one(self, ident: str) -> None:
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        self._wait_ready(_zone(self.instances[ident]), ident, deadline)
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, self.instances[ident])
+
     def _machine(self, rank: int, row: dict[str, Any]) -> Machine:
         nic = (row.get("network_interfaces") or [{}])[0]
         return Machine(rank, str(row["name"]), str(nic.get("network_i_p", "")), str(row["name"]))
@@ -316,7 +376,7 @@ class GCPAllocation(CloudAllocation):
             "contact": contact_path(self.settings.workdir, machine.ident),
             "ttl": self.settings.ttl,
             "poweroff": [SELF_DELETE],
-            "imds": METADATA if self.spot else "",
+            "imds": METADATA if machine.ident in self.spot_names else "",
             "poll": 1.0,
         }
         return {CLOUD_ENV: json.dumps(settings)}
@@ -328,29 +388,15 @@ class GCPAllocation(CloudAllocation):
                 logger.warning("%s", reason)
                 self.report_lost(rank, reason)
 
-    # -- replace -----------------------------------------------------------------------
-    async def replacement(self, rank: int, reason: str) -> Machine:
-        """Create one new instance for ``rank`` in the pool's zone and network, then
-        delete the lost one."""
-        if self.state is not AllocationState.READY:
-            raise ProvisionError(
-                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
-            )
-        old = self.machines[rank]
-        self._launches += 1
-        name = instance_name(self.spec.pool_id, rank, self._launches + 1)
-        await self._create(self.zone, [name])
-        machine = self._machine(rank, self.instances[name])
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, name, reason)
-        try:
-            await self._in_thread(self._delete, self.zone, old.ident, time.monotonic() + 60)
-        except ProvisionError as e:  # release() deletes it (by label) in any case
-            logger.warning("%s: %s", old.ident, e)
-        return machine
-
     # -- release -----------------------------------------------------------------------
     def _delete(self, zone: str, name: str, deadline: float) -> None:
         delete_instance(self.api, zone, name, deadline)
+
+    def end_one(self, ident: str) -> None:
+        row = self.instances.get(ident)
+        if row is not None:
+            self._delete(_zone(row), ident, time.monotonic() + RELEASE_TIMEOUT)
+            self.instances.pop(ident, None)
 
     def _delete_all(self, zones: list[str]) -> None:
         """Delete every instance of the pool in ``zones``: those made, and those found by
@@ -381,6 +427,7 @@ class GCPAllocation(CloudAllocation):
             errors.extend(r for r in results if r)
             for name in names:
                 self.instances.pop(name, None)
+                self.unbilled(name)
         if errors:
             raise ProvisionError("; ".join(errors))
 
@@ -388,7 +435,10 @@ class GCPAllocation(CloudAllocation):
         """Delete everything of the pool (synchronous, see ``base.Allocation.sweep``),
         then remove its local folder."""
         try:
+            if self.stop_kept():
+                return
             self._delete_all(self.zones_tried)
+            self.forget_kept()
         except Exception as e:
             _show(f"GCP: could not delete everything of pool {self.spec.pool_id}: {e}")
         finally:
@@ -409,6 +459,20 @@ def delete_instance(api: GcpApi, zone: str, name: str, deadline: float) -> None:
             return
         raise
     api.wait(zone, op, f"delete instance {name}", deadline)
+
+
+def markets(settings: GCPSettings) -> list[bool]:
+    """Whether to try SPOT (True), on-demand (False), in order, per ``allocation``."""
+    return {"spot": [True], "on-demand": [False]}.get(settings.allocation, [True, False])
+
+
+def _full(e: GcpApiError) -> bool:
+    """Whether ``e`` says a zone has no room now (not a quota: that is the account's)."""
+    return e.cause is ProvisionCause.CAPACITY and "QUOTA" not in " ".join(e.codes)
+
+
+def _where(zone: str, spot: bool, e: GcpApiError) -> str:
+    return f"{zone}{' SPOT' if spot else ''} ({', '.join(sorted(set(e.codes)))})"
 
 
 def _listed(instances: Any, request: Any) -> list[Any]:

@@ -12,6 +12,11 @@ A zone out of capacity (``ZONE_RESOURCE_POOL_EXHAUSTED``) has its instances dele
 pool moves to the next zone; none left: a ProvisionError (cause CAPACITY), which moves a
 provider list (``Compute(provider=[GCP(), ...])``) to its next candidate.
 
+An elastic pool (``nodes=Nodes(desired, max=..., min=...)``) creates no instance at its
+start: each node added is one instance, in the zone of the pool's instances when it has
+room, else the next zone of the list (the VPC network spans them), each node released
+(drained first) one instance deleted (``cloud.allocation``).
+
 The nodes share one VPC network: peers and ``head_addr`` are the internal addresses
 (``networkIP``); the client reaches each instance at its external address (``natIP``)
 on port 22, with the host keys from its guest attributes pinned (never trusted on first
@@ -34,14 +39,17 @@ from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, launched
+from ..cloud.kept import KeptPool
+from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, find_orphans
+from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
 from .api import GcpApi, base_url
 from .api import configured as configured
 from .choice import as_offer, machine_for
-from .pool import CLIENT_KEY, POOL_LABEL, GCPAllocation, delete_instance
+from .pool import POOL_LABEL, GCPAllocation, delete_instance, markets
 from .settings import GCPSettings
+from .stopstart import CLIENT_KEY
 
 
 class GCPOrphans(CloudOrphans):
@@ -60,6 +68,7 @@ class GCP(MarketProvider):
     """
 
     name = "gcp"
+    elastic = True
     settings_type = GCPSettings
     _api: GcpApi | None
 
@@ -90,6 +99,7 @@ class GCP(MarketProvider):
 
         machine_for(spec, self.settings.machine_type)  # an accelerator GCP has
         check_ttl(self, spec, "the instances would delete themselves")
+        check_stoppable(self, spec)
         try:
             startup_script(base_url(self.settings), 1, 1, self.settings.workdir, "x")
         except ValueError as e:
@@ -129,12 +139,11 @@ class GCP(MarketProvider):
         (list prices)."""
         choice = machine_for(spec, self.settings.machine_type)
         zones = self.zones(spec)
-        markets = {"spot": [True], "on-demand": [False]}.get(
-            self.settings.allocation, [True, False]
-        )
-        return [as_offer(choice, z, spot) for spot in markets for z in zones]
+        return [as_offer(choice, z, spot) for spot in markets(self.settings) for z in zones]
 
     async def acquire(self, spec: PoolSpec) -> GCPAllocation:
+        """The pool's instances: a stoppable pool's stopped ones started again (see
+        ``stopstart``), else new ones in the first zone with room."""
         allocation = GCPAllocation(self.settings, self.api, spec)
 
         async def launch() -> None:
@@ -147,7 +156,15 @@ class GCP(MarketProvider):
                 )
             await allocation.launch(zones)
 
-        return await launched(allocation, launch)
+        return await acquired(allocation, self.keep, launch)
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Delete a stopped pool's instances (and their disks)."""
+        import time
+
+        deadline = time.monotonic() + 300
+        for name in kept.ids:
+            delete_instance(self.api, kept.place, name, deadline)
 
     def remove_orphans(self, dry_run: bool = False) -> GCPOrphans:
         """Delete the instances (found by their label) of pools whose client process on
@@ -168,6 +185,8 @@ class GCP(MarketProvider):
             for key, scoped in rows:
                 zone = key.rsplit("/", 1)[-1]
                 for inst in scoped.instances:
+                    if inst.status in ("STOPPING", "TERMINATED"):
+                        continue  # a stopped cluster's (`flotilla down NAME` removes it)
                     pool = inst.labels.get(POOL_LABEL, "")
                     items = inst.metadata.items if inst.metadata else []
                     client = next((i.value for i in items if i.key == CLIENT_KEY), "")

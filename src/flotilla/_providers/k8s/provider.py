@@ -18,7 +18,7 @@ every pod made is deleted.
 
 **Agents.** ``kubectl exec -i POD -- sh -c <start command>`` is the remote shell of the
 launch layer (:class:`ExecShell`): one exec per pod, all at once, whose one Python process
-checks the interpreter, takes the pod's agent lock, unpacks the bundle (sent once per pod
+checks the interpreter, takes the pod's agent lock, installs the bundle (sent once per pod
 over the stream) and becomes the agent (``bootstrap.start_command``); the stream's
 stdin/stdout are then the protocol channel. No SSH daemon is needed in the image.
 ``instance_info().peers`` are the pod IPs (node 0's is ``head_addr``).

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,10 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..cloud.allocation import InstanceAllocation, cheapest, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
-from ..cloud.keys import KeyPair, keygen, pin, user_data
+from ..cloud.keys import KeyPair, pin, user_data
 from ..cloud.market import LABEL_PREFIX, label, over_budget
 from ..cloud.rest import ApiError, RestApi
 from ..offers import Offer
@@ -135,12 +136,11 @@ POWEROFF = [
 root: the login user through sudo)."""
 
 
-class LambdaAllocation(CloudAllocation):
+class LambdaAllocation(InstanceAllocation):
     """The Lambda Cloud instances of one pool.
 
     Attributes:
         instances: instance id -> its last description.
-        hourly: what the pool's instances cost per hour.
         ssh_key_id: the pool's login key registered with Lambda ("" before).
     """
 
@@ -158,19 +158,20 @@ class LambdaAllocation(CloudAllocation):
         self.api = api
         self.ttl_key = ttl_key
         self.instances: dict[str, dict[str, Any]] = {}
-        self.hourly = 0.0
         self.ssh_key_id = ""
         self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
         self.key_name = f"flotilla-{spec.pool_id}"
         self._candidates: list[Candidate] = []
-        self._keys = 0
+        self._launching = threading.Lock()  # one launch at a time: they choose the region
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
         await self._make_login_key()
         self._candidates = self._affordable(await self._in_thread(self.search))
         await self._in_thread(self._register_key)
+        if self.starts_empty(logger, "Lambda Cloud", "instance(s)", cheapest(self._candidates)):
+            return
         ids, region = await self._in_thread(self._launch, self.spec.nodes, None)
         _show(f"Lambda Cloud: {len(ids)} instance(s) in {region}: {', '.join(ids)}")
         await self._in_thread(self._wait_active, ids)
@@ -191,11 +192,12 @@ class LambdaAllocation(CloudAllocation):
                 f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
                 cause=ProvisionCause.CAPACITY,
             )
+        nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
         if cheap:
             over_budget(
-                cheap[0].hourly * spec.nodes,
+                cheap[0].hourly * nodes,
                 spec.max_hourly_cost,
-                f"the cheapest Lambda instances for {spec.nodes} node(s) cost",
+                f"the cheapest Lambda instances for {nodes} node(s) cost",
             )
         return cheap
 
@@ -221,9 +223,8 @@ class LambdaAllocation(CloudAllocation):
 
     def _launch(self, count: int, region: str | None) -> tuple[list[str], str]:
         """``count`` instances in one launch, at the first (type, region) with room (in
-        ``region`` only when given: a replacement joins its pool's private network)."""
-        self._keys += 1
-        host_key = keygen(self.folder, f"host_key_{self._keys}", f"flotilla-{self.spec.pool_id}")
+        ``region`` only when given: a node added joins its pool's private network)."""
+        host_key = self.new_host_key()
         script = self._user_data(host_key)
         tried = []
         for c in self._candidates:
@@ -248,12 +249,12 @@ class LambdaAllocation(CloudAllocation):
                     if e.cause is not ProvisionCause.CAPACITY:
                         raise
                     tried.append(f"{c.name} in {r}")
-                    _show(f"Lambda Cloud: no capacity for {count} x {c.name} in {r}")
+                    self.tell(logger, f"Lambda Cloud: no capacity for {count} x {c.name} in {r}")
                     continue
                 ids = [str(i) for i in (data(reply) or {}).get("instance_ids") or []]
                 for i in ids:
-                    self.instances[i] = {"id": i, "host_key": host_key, "price": c.hourly}
-                    self.hourly += c.hourly
+                    self.instances[i] = {"id": i, "host_key": host_key, "region": {"name": r}}
+                    self.billed(i, c.hourly)
                 return ids, r
         raise ProvisionError(
             f"Lambda Cloud has no capacity for {count} x {self.spec.accelerator or 'an instance'}"
@@ -292,6 +293,24 @@ class LambdaAllocation(CloudAllocation):
             row = self.instances[i]
             pin(self.known_hosts, str(row["ip"]), row["host_key"])
 
+    def create_one(self, rank: int) -> str:
+        """One instance, in the region of the pool's instances (their private network),
+        any region when it has none; the types and regions with room asked again."""
+        with self._launching:
+            self._candidates = self._affordable(self.search())
+            regions = {
+                str((self.instances[i].get("region") or {}).get("name") or "")
+                for i in list(self.costs)
+            }
+            (ident,), _ = self._launch(1, min(regions) if regions else None)
+        return ident
+
+    def wait_one(self, ident: str) -> None:
+        self._wait_active([ident])
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
     def _machine(self, rank: int, ident: str) -> Machine:
         row = self.instances[ident]
         return Machine(rank, f"lambda-{ident}", str(row.get("private_ip") or row["ip"]), ident)
@@ -316,25 +335,10 @@ class LambdaAllocation(CloudAllocation):
         }
         return {CLOUD_ENV: json.dumps(settings)}
 
-    # -- replace -----------------------------------------------------------------------
-    async def replacement(self, rank: int, reason: str) -> Machine:
-        """Terminate the lost instance, then launch one in the pool's region (its private
-        network)."""
-        if self.state is not AllocationState.READY:
-            raise ProvisionError(
-                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
-            )
-        old = self.machines[rank]
-        with contextlib.suppress(ProvisionError):
-            await self._in_thread(self._terminate, [old.ident])
-        self.hourly -= float(self.instances.get(old.ident, {}).get("price") or 0)
-        region = str((self.instances[old.ident].get("region") or {}).get("name") or "") or None
-        (ident,), _ = await self._in_thread(self._launch, 1, region)
-        await self._in_thread(self._wait_active, [ident])
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
-        return self._machine(rank, ident)
-
     # -- release -----------------------------------------------------------------------
+    def end_one(self, ident: str) -> None:
+        self._terminate([ident])
+
     def _terminate(self, ids: list[str]) -> None:
         if ids:
             self.api.call(

@@ -10,6 +10,10 @@ register the pool's login key (``POST /ssh-keys``) and launch every node in ONE 
 installs the pool's SSH host key (pinned, never trusted on first use), the instance's
 terminate script and the boot guard (``cloud.guard``); Lambda's "insufficient capacity"
 moves to the next region, then the next type. The nodes' addresses are their private IPs.
+An elastic pool (``nodes=Nodes(desired, max=..., min=...)``) registers the key and
+launches nothing at its start: each node added is one launch of quantity 1 in the region
+of the pool's instances (their private network; any region with room while it has none),
+each node released (drained first) one instance terminated (``cloud.allocation``).
 
 Lambda has no credential scoped to one instance: to end itself when the client is gone
 (the watchdog ``ttl`` s after the last contact, the guard ``max(ttl, start_timeout)`` s
@@ -55,6 +59,7 @@ class LambdaCloud(MarketProvider):
     """
 
     name = "lambda"
+    elastic = True
     settings_type = LambdaSettings
     _api: RestApi | None
 

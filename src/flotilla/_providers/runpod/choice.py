@@ -131,10 +131,11 @@ def affordable(found: list[Candidate], spec: PoolSpec) -> list[Candidate]:
             "nothing was rented",
             cause=ProvisionCause.CAPACITY,
         )
+    nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
     over_budget(
-        min(c.hourly for c in cheap) * spec.nodes,
+        min(c.hourly for c in cheap) * nodes,
         spec.max_hourly_cost,
-        f"the cheapest RunPod pods for {spec.nodes} node(s) of {spec.accelerator} cost",
+        f"the cheapest RunPod pods for {nodes} node(s) of {spec.accelerator} cost",
     )
     return cheap
 

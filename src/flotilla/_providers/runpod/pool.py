@@ -14,9 +14,9 @@ from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, show
+from ..cloud.allocation import show
 from ..cloud.identity import client_id, pool_folder
-from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.keys import KeyPair, pin
 from ..cloud.market import LABEL_PREFIX, label
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
@@ -24,6 +24,7 @@ from ..ssh_shell import Target
 from .api import RunPodApi
 from .choice import GPU_TYPES, Candidate, affordable, candidates
 from .settings import RunPodSettings
+from .stopstart import RunPodStopping
 
 logger = logging.getLogger("flotilla.runpod")
 
@@ -43,13 +44,14 @@ def internal_name(pod_id: str) -> str:
     return f"{pod_id}.runpod.internal"
 
 
-class RunPodAllocation(CloudAllocation):
-    """The RunPod pods of one pool.
+class RunPodAllocation(RunPodStopping):
+    """The RunPod pods of one pool (a named cluster's can be stopped and resumed:
+    ``stopstart``; an elastic pool's come and go one at a time:
+    ``cloud.allocation.InstanceAllocation``).
 
     Attributes:
         pods: pod id -> its last description (REST v1), for every pod created.
-        hourly: what the pool's pods cost per hour, as offered.
-        chosen: the candidate each rank's pod is of.
+        chosen: the candidate each pod is of.
     """
 
     executor = concurrent.futures.ThreadPoolExecutor(
@@ -63,19 +65,21 @@ class RunPodAllocation(CloudAllocation):
         self.settings = settings
         self.api = api
         self.pods: dict[str, dict[str, Any]] = {}
-        self.hourly = 0.0
         self.chosen: dict[str, Candidate] = {}
         self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
         self._targets: dict[str, Target] = {}
         self._candidates: list[Candidate] = []
         self._host_keys: dict[str, KeyPair] = {}
-        self._keys = 0
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
         await self._make_login_key()
         self._candidates = affordable(await self._in_thread(self.search), self.spec)
+        if self.starts_empty(
+            logger, "RunPod", "pod(s)", f", from {self._candidates[0].describe()}"
+        ):
+            return
         ids = await self._in_thread(self._create_all, self.spec.nodes)
         kinds = sorted({self.chosen[i].describe() for i in ids})
         _show(f"RunPod: {self.spec.nodes} pod(s): {', '.join(kinds)}; pods {', '.join(ids)}")
@@ -90,7 +94,7 @@ class RunPodAllocation(CloudAllocation):
     def _create_all(self, count: int) -> list[str]:
         """Create ``count`` pods, one after the other, walking the candidates and their
         data centers from where the previous pod was had (a capacity error moves on)."""
-        host_key = self._host_key()
+        host_key = self.new_host_key()
         ids: list[str] = []
         at = 0
         for _ in range(count):
@@ -98,9 +102,8 @@ class RunPodAllocation(CloudAllocation):
             ids.append(ident)
         return ids
 
-    def _host_key(self) -> KeyPair:
-        self._keys += 1
-        return keygen(self.folder, f"host_key_{self._keys}", f"flotilla-{self.spec.pool_id}")
+    def create_one(self, rank: int) -> str:
+        return self._create(self.new_host_key(), 0)[0]
 
     def _places(self) -> list[tuple[Candidate, str | None]]:
         centers: list[str | None] = list(self.settings.data_centers) or [None]
@@ -119,15 +122,16 @@ class RunPodAllocation(CloudAllocation):
                 if e.cause is not ProvisionCause.CAPACITY:
                     raise
                 tried.append(f"{candidate.gpu_type} {candidate.cloud.lower()} in {dc or 'any'}")
-                _show(
-                    f"RunPod: no capacity for {candidate.describe()} in {dc or 'any data center'}"
+                self.tell(
+                    logger,
+                    f"RunPod: no capacity for {candidate.describe()} in {dc or 'any data center'}",
                 )
                 continue
             ident = str(pod["id"])
             self.pods[ident] = pod
             self._host_keys[ident] = host_key
             self.chosen[ident] = candidate
-            self.hourly += float(pod.get("costPerHr") or candidate.hourly)
+            self.billed(ident, float(pod.get("costPerHr") or candidate.hourly))
             return ident, index
         raise ProvisionError(
             f"RunPod has no capacity for {self.spec.accelerator} now (tried "
@@ -163,13 +167,15 @@ class RunPodAllocation(CloudAllocation):
             "cloudType": candidate.cloud,
             "interruptible": candidate.interruptible,
             "containerDiskInGb": int(self.settings.disk_gb),
-            "volumeInGb": 0,
+            "volumeInGb": int(self.settings.volume_gb),
             "ports": ["22/tcp"],
             "supportPublicIp": True,
             "globalNetworking": self.settings.global_networking,
             "dockerStartCmd": self._start_command(host_key),
             "env": {"PUBLIC_KEY": self.login_key.public},
         }
+        if self.settings.volume_gb:
+            body["volumeMountPath"] = self.settings.volume_mount_path
         if dc is not None:
             body["dataCenterIds"] = [dc]
         with self.creating("pod", self.label):
@@ -219,6 +225,12 @@ class RunPodAllocation(CloudAllocation):
             return int((row.get("portMappings") or {}).get("22") or 0)
         return 0
 
+    def wait_one(self, ident: str) -> None:
+        self._wait_running([ident])
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
     def _machine(self, rank: int, ident: str) -> Machine:
         row = self.pods[ident]
         address = internal_name(ident) if self.settings.global_networking else str(row["publicIp"])
@@ -252,28 +264,11 @@ class RunPodAllocation(CloudAllocation):
         }
         return {CLOUD_ENV: json.dumps(settings)}
 
-    # -- replace -----------------------------------------------------------------------
-    async def replacement(self, rank: int, reason: str) -> Machine:
-        """Terminate the lost pod, then create one new pod for ``rank`` (walking the
-        candidates from the first again: the old one's place may be full)."""
-        if self.state is not AllocationState.READY:
-            raise ProvisionError(
-                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
-            )
-        old = self.machines[rank]
-        try:
-            await self._in_thread(self._terminate, old.ident)
-        except ProvisionError as e:
-            logger.warning("%s: %s", old.ident, e)
-        self.hourly -= float(self.pods.get(old.ident, {}).get("costPerHr") or 0)
-        host_key = await self._in_thread(self._host_key)
-        ident, _ = await self._in_thread(self._create, host_key, 0)
-        await self._in_thread(self._wait_running, [ident])
-        machine = self._machine(rank, ident)
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
-        return machine
-
     # -- release -----------------------------------------------------------------------
+    def end_one(self, ident: str) -> None:
+        self._terminate(ident)
+        self.pods.pop(ident, None)
+
     def _terminate(self, ident: str) -> None:
         try:
             self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
@@ -285,6 +280,12 @@ class RunPodAllocation(CloudAllocation):
         """Terminate every pod of the pool: the ones created, and any the API lists with
         the pool's name (a create whose answer was lost); then remove the local folder."""
         try:
+            try:
+                if self.stop_kept():
+                    return
+            except ProvisionError as e:  # recorded as stopped: `flotilla down` removes them
+                _show(f"RunPod: could not stop pool {self.spec.pool_id}: {e}")
+                return
             ids = set(self.pods)
             with contextlib.suppress(ProvisionError):
                 rows = self.api.call("GET", "/pods", "list the pool's pods")
@@ -302,6 +303,8 @@ class RunPodAllocation(CloudAllocation):
                     f"RunPod: could not terminate everything of pool {self.spec.pool_id}: "
                     + "; ".join(errors)
                 )
+            else:
+                self.forget_kept()
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 

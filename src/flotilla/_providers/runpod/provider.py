@@ -11,6 +11,11 @@ host key and a guard, see ``cloud/selfdestruct.py``); RunPod's "no instances ava
 moves to the next data center, then the next GPU type; wait until every pod runs with its
 port 22 mapped to a public port.
 
+An elastic pool (``nodes=Nodes(desired, max=..., min=...)``) creates no pod at its
+start: each node added is one pod created as above (the candidates and data centers
+walked from the first; a capacity error leaves the pool at its size, and it tries again),
+each node released (drained first) one pod terminated (``cloud.allocation``).
+
 A pod is then an SSH host at its public address and mapped port whose host key is pinned
 (never trusted on first use). The nodes' addresses are the pods' names on RunPod's global
 network, ``{pod id}.runpod.internal``: distributed frameworks talk over it.
@@ -31,7 +36,17 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.kept import KeptPool
+from ..cloud.market import (
+    CloudOrphans,
+    MarketProvider,
+    check_stoppable,
+    check_ttl,
+    find_orphans,
+    labelled,
+)
+from ..cloud.rest import ApiError
+from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
 from .api import RunPodApi, find, urls
@@ -65,6 +80,7 @@ class RunPod(MarketProvider):
     """
 
     name = "runpod"
+    elastic = True
     settings_type = RunPodSettings
     _api: RunPodApi | None
 
@@ -102,7 +118,8 @@ class RunPod(MarketProvider):
         accelerator RunPod has: all before anything is rented."""
         self.check()
         check_ttl(self, spec, "the pods would terminate themselves")
-        if spec.nodes > 1 and spec.options.cluster and not self.settings.global_networking:
+        check_stoppable(self, spec)
+        if spec.most > 1 and spec.options.cluster and not self.settings.global_networking:
             raise ConfigurationError(
                 "a cluster pool of several RunPod pods needs RunPod(global_networking=True): "
                 "without it the pods cannot reach each other"
@@ -119,8 +136,19 @@ class RunPod(MarketProvider):
         return [as_offer(c) for c in self._types(spec, listing=True)]
 
     async def acquire(self, spec: PoolSpec) -> RunPodAllocation:
+        """The pool's pods: a stoppable pool's stopped ones resumed (see ``stopstart``),
+        else new ones."""
         allocation = RunPodAllocation(self.settings, self.api, spec)
-        return await launched(allocation, allocation.launch)
+        return await acquired(allocation, self.keep, allocation.launch)
+
+    def remove_kept(self, kept: KeptPool) -> None:
+        """Terminate a stopped pool's pods (and their volumes)."""
+        for ident in kept.ids:
+            try:
+                self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
+            except ApiError as e:
+                if e.status != 404:
+                    raise
 
     def remove_orphans(self, dry_run: bool = False) -> RunPodOrphans:
         """Terminate the pods (found by their name) of pools whose client process on this
@@ -133,6 +161,9 @@ class RunPod(MarketProvider):
         from .pool import FOLDER_PREFIX
 
         rows = self.api.call("GET", "/pods", "list pods") or []
+        # a stopped cluster's pods (EXITED; an outbid spot pod is EXITED too, and is an
+        # orphan) are no orphans: `flotilla down NAME` removes them
+        rows = [r for r in rows if r.get("desiredStatus") != "EXITED" or r.get("interruptible")]
         pools, skipped, gone = find_orphans(labelled(rows, "name"))
         if not dry_run:
             for ident in gone:

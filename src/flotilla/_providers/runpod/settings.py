@@ -41,7 +41,10 @@ class RunPodSettings:
         data_centers: data center ids to try, in order (``"EU-RO-1"``); a capacity error
             moves to the next; empty: RunPod chooses. A task file's ``infra:
             runpod/EU-RO-1`` or ``region``.
-        disk_gb: the container disk per pod in GB.
+        disk_gb: the container disk per pod in GB (wiped when a pod stops).
+        volume_gb: a volume disk per pod in GB (0: none), at ``volume_mount_path``: what
+            a stopped pod keeps (``flotilla stop``), billed while it is stopped.
+        volume_mount_path: where the volume disk is in the pods.
         global_networking: put the pods on RunPod's global network, where they reach
             each other at ``{pod id}.runpod.internal`` (the nodes' addresses); a pool of
             several nodes needs it.
@@ -63,6 +66,8 @@ class RunPodSettings:
     allocation: str = option("on-demand", choices=MARKETS, task=MARKET_OF_TASK)
     data_centers: Sequence[str] = option((), task=From(("infra", "region"), _centers))
     disk_gb: float = option(50.0, task="disk_size")
+    volume_gb: float = 0.0
+    volume_mount_path: str = "/workspace"
     global_networking: bool = True
     ttl: float = 600.0
     workdir: str = "/root/.flotilla"
@@ -85,6 +90,14 @@ class RunPodSettings:
             )
         disk = self.disk_gb
         check_number(disk, f"RunPod(disk_gb={disk!r}): a positive number of GB", above=0)
+        volume = self.volume_gb
+        check_number(volume, f"RunPod(volume_gb={volume!r}): a number of GB >= 0", at_least=0)
+        if not isinstance(self.volume_mount_path, str) or not self.volume_mount_path.startswith(
+            "/"
+        ):
+            raise ConfigurationError(
+                f"RunPod(volume_mount_path={self.volume_mount_path!r}): an absolute folder"
+            )
         ttl = self.ttl
         check_number(ttl, f"RunPod(ttl={ttl!r}): a positive number of seconds", above=0)
         centers = self.data_centers

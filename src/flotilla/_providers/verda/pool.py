@@ -8,6 +8,7 @@ import json
 import logging
 import shlex
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ..._wire.protocol import CLOUD_ENV
 from ..base import AllocationState, Machine, PoolSpec
 from ..bootstrap import NoAnswer
 from ..cloud import login
-from ..cloud.allocation import CloudAllocation, CloudShell, show
+from ..cloud.allocation import CloudShell, InstanceAllocation, cheapest, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
@@ -221,12 +222,11 @@ class VerdaShell(CloudShell):
         return super().transient(failure) or any(m in failure.stderr for m in OTHER_KEY)
 
 
-class VerdaAllocation(CloudAllocation):
+class VerdaAllocation(InstanceAllocation):
     """The Verda instances of one pool.
 
     Attributes:
         instances: instance id -> its last description.
-        hourly: what the pool's instances cost per hour.
         ssh_key_id: the pool's login key registered with Verda ("" before).
         scripts: the startup scripts made for the pool (deleted once its instances run).
     """
@@ -250,7 +250,6 @@ class VerdaAllocation(CloudAllocation):
         self.api = api
         self.ttl_credentials = ttl_credentials
         self.instances: dict[str, dict[str, Any]] = {}
-        self.hourly = 0.0
         self.ssh_key_id = ""
         self.scripts: list[str] = []
         self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
@@ -259,12 +258,15 @@ class VerdaAllocation(CloudAllocation):
         self._candidates: list[Candidate] = []
         self._keys = 0
         self._host_keys: dict[str, KeyPair] = {}  # startup script id -> its host key
+        self._launching = threading.Lock()  # one launch at a time: scripts, locations
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
         await self._make_login_key()
         self._candidates = self._affordable(await self._in_thread(self.search))
         await self._in_thread(self._register_key)
+        if self.starts_empty(logger, "Verda", "instance(s)", cheapest(self._candidates)):
+            return
         ids, where = await self._in_thread(self._launch, self.spec.nodes, None)
         _show(f"Verda: {len(ids)} instance(s) in {where}: {', '.join(ids)}")
         await self._in_thread(self._wait_running, ids)
@@ -308,11 +310,12 @@ class VerdaAllocation(CloudAllocation):
                 f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
                 cause=ProvisionCause.CAPACITY,
             )
+        nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
         if cheap:
             over_budget(
-                min(self._price(c, spot) for c in cheap) * spec.nodes,
+                min(self._price(c, spot) for c in cheap) * nodes,
                 spec.max_hourly_cost,
-                f"the cheapest Verda instances for {spec.nodes} node(s) cost",
+                f"the cheapest Verda instances for {nodes} node(s) cost",
             )
         return cheap
 
@@ -371,7 +374,7 @@ class VerdaAllocation(CloudAllocation):
                 if e.cause is not ProvisionCause.CAPACITY:
                     raise
                 tried.append(f"{c.name}{' (spot)' if spot else ''} in {loc}")
-                _show(f"Verda: no capacity for {count} x {c.name} in {loc}")
+                self.tell(logger, f"Verda: no capacity for {count} x {c.name} in {loc}")
                 self._delete(made)
                 continue
             return made, loc
@@ -402,10 +405,10 @@ class VerdaAllocation(CloudAllocation):
         self.instances[ident] = {
             "id": ident,
             "host_key": self._host_keys[script],
-            "price": price,
+            "script": script,
             "location": loc,
         }
-        self.hourly += price
+        self.billed(ident, price)
         return ident
 
     def _wait_running(self, ids: list[str]) -> None:
@@ -440,7 +443,26 @@ class VerdaAllocation(CloudAllocation):
         for i in ids:
             row = self.instances[i]
             pin(self.known_hosts, str(row["ip"]), row["host_key"])
-        self._delete_scripts()  # they hold the host key: not kept at Verda once used
+        # they hold the host key: not kept at Verda once used (another launch's stay)
+        self._delete_scripts({str(self.instances[i]["script"]) for i in ids})
+
+    def create_one(self, rank: int) -> str:
+        """One instance, in the location of the pool's instances, any location while it
+        has none; the types and locations available asked again."""
+        with self._launching:
+            self._candidates = self._affordable(self.search())
+            where = {str(self.instances[i].get("location")) for i in list(self.costs)}
+            (ident,), _ = self._launch(1, min(where) if where else None)
+        return ident
+
+    def wait_one(self, ident: str) -> None:
+        self._wait_running([ident])
+
+    def end_one(self, ident: str) -> None:
+        self._delete([ident])
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
 
     def _machine(self, rank: int, ident: str) -> Machine:
         return Machine(rank, f"verda-{ident[:8]}", str(self.instances[ident]["ip"]), ident)
@@ -465,23 +487,6 @@ class VerdaAllocation(CloudAllocation):
         }
         return {CLOUD_ENV: json.dumps(settings)}
 
-    # -- replace -----------------------------------------------------------------------
-    async def replacement(self, rank: int, reason: str) -> Machine:
-        """Delete the lost instance, then create one in the pool's location."""
-        if self.state is not AllocationState.READY:
-            raise ProvisionError(
-                f"cannot replace node {rank}: the pool's allocation is {self.state.value}"
-            )
-        old = self.machines[rank]
-        with contextlib.suppress(ProvisionError):
-            await self._in_thread(self._delete, [old.ident])
-        row = self.instances.get(old.ident, {})
-        self.hourly -= float(row.get("price") or 0)
-        (ident,), _ = await self._in_thread(self._launch, 1, row.get("location"))
-        await self._in_thread(self._wait_running, [ident])
-        logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, ident, reason)
-        return self._machine(rank, ident)
-
     # -- release -----------------------------------------------------------------------
     def _delete(self, ids: list[str]) -> None:
         if ids:
@@ -489,9 +494,11 @@ class VerdaAllocation(CloudAllocation):
                 "PUT", "/instances", "delete instances", {"id": list(ids), "action": "delete"}
             )
 
-    def _delete_scripts(self) -> None:
-        while self.scripts:
-            ident = self.scripts.pop()
+    def _delete_scripts(self, only: set[str] | None = None) -> None:
+        """Delete the pool's startup scripts (``only`` those)."""
+        for ident in [i for i in self.scripts if only is None or i in only]:
+            with contextlib.suppress(ValueError):  # (another thread's already)
+                self.scripts.remove(ident)
             try:
                 self.api.call("DELETE", f"/scripts/{ident}", "delete the startup script")
             except ApiError as e:

@@ -14,7 +14,10 @@ each). A location without room for all of them ("not available") gives back what
 and the next location, then the next type (then on-demand after spot for
 ``allocation="spot-if-available"``), is tried; none left is a CAPACITY ProvisionError, so
 a provider list moves on. The startup script, which holds the host key, is deleted once
-the instances run.
+the instances run. An elastic pool (``nodes=Nodes(desired, max=..., min=...)``) registers
+the key and creates nothing at its start: each node added is one instance (its own startup
+script) in the location of the pool's instances (any while it has none), each node
+released (drained first) one instance deleted (``cloud.allocation``).
 
 Network: Verda gives each instance a public IPv4 address and no private network between
 separate instances (its Instant Clusters have one; not used): the nodes reach each other
@@ -63,6 +66,7 @@ class Verda(MarketProvider):
     """
 
     name = "verda"
+    elastic = True
     settings_type = VerdaSettings
     _api: VerdaApi | None
 

@@ -47,6 +47,10 @@ class ProviderSpec:
     """The most the cluster may cost per hour in USD (the task's
     ``resources.max_hourly_cost``), for a provider that knows its prices; None: no limit."""
 
+    max_node_hourly_cost: float | None = None
+    """The most one node may cost per hour in USD (the task's
+    ``resources.max_node_hourly_cost``, ``Compute(max_node_hourly_cost=)``); None: no limit."""
+
     def __post_init__(self) -> None:
         pairs = {str(k): frozen(v) for k, v in self.settings}
         object.__setattr__(self, "settings", tuple(sorted(pairs.items())))
@@ -133,12 +137,14 @@ class PoolResources:
         vcpus: CPUs per node (None: the provider's default).
         memory_gb: memory per node in GiB (None: the provider's default).
         max_hourly_cost: the most the whole pool may cost per hour, USD (None: no limit).
+        max_node_hourly_cost: the most one node may cost per hour, USD (None: no limit).
     """
 
     accelerator: str | None = None
     vcpus: float | None = None
     memory_gb: float | None = None
     max_hourly_cost: float | None = None
+    max_node_hourly_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +340,11 @@ class Backend(ABC, Generic[S]):
             spec = replace(spec, settings=tuple(values.items()))
         if isinstance(spec, ResourceSpec):
             spec = spec.with_task_resources(task)
-        return replace(spec, max_hourly_cost=task.resources.max_hourly_cost)
+        return replace(
+            spec,
+            max_hourly_cost=task.resources.max_hourly_cost,
+            max_node_hourly_cost=task.resources.max_node_hourly_cost,
+        )
 
     def file_values(self) -> dict[str, Any]:
         """The configuration files' defaults of this provider (``_providers.config_files``: the
@@ -404,6 +414,7 @@ class Backend(ABC, Generic[S]):
             plan["set_by_flotilla"] = dict(self.fixed)
         plan["per_node"] = asdict(self.pool_resources(spec))
         plan["max_hourly_cost"] = plan["per_node"].pop("max_hourly_cost")
+        plan["max_node_hourly_cost"] = plan["per_node"].pop("max_node_hourly_cost")
         return plan
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> S:
@@ -472,10 +483,11 @@ class Backend(ABC, Generic[S]):
     # -- the cluster daemon -------------------------------------------------------------
     def pool_resources(self, spec: S) -> PoolResources:
         """What the cluster's pool asks of every node: a :class:`ResourceSpec`'s resources,
-        else nothing in particular; and the task's price limit."""
+        else nothing in particular; and the task's price limits."""
+        pool, node = spec.max_hourly_cost, spec.max_node_hourly_cost
         if isinstance(spec, ResourceSpec):
-            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb, spec.max_hourly_cost)
-        return PoolResources(max_hourly_cost=spec.max_hourly_cost)
+            return PoolResources(spec.accelerator, spec.vcpus, spec.memory_gb, pool, node)
+        return PoolResources(max_hourly_cost=pool, max_node_hourly_cost=node)
 
     @abstractmethod
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
@@ -605,6 +617,9 @@ class RentedBackend(Backend[S]):
         orphan_kinds: (what, field of the provider's orphan findings) of each kind of
             thing it removes.
         ssh_config: whether ``flotilla launch`` writes the nodes' ``ssh_config`` blocks.
+        stoppable: ``flotilla stop`` stops the instances, their disks kept, and ``start``
+            starts the same ones again (``_providers.cloud.stopstart``; the provider's
+            ``keep`` is the cluster's folder ``KIND/``); spot ones are refused.
     """
 
     package: ClassVar[str]
@@ -612,6 +627,7 @@ class RentedBackend(Backend[S]):
     removes: ClassVar[tuple[str, str]] = ("would destroy", "destroyed")
     orphan_kinds: ClassVar[tuple[tuple[str, str], ...]] = (("instance(s)", "instances"),)
     ssh_config: ClassVar[bool] = True
+    stoppable: ClassVar[bool] = False
 
     def provider_class(self) -> Any:
         """The provider class (``package.provider_name``)."""
@@ -620,7 +636,62 @@ class RentedBackend(Backend[S]):
 
     def make_provider(self, spec: S, nodes_dir: Path) -> Provider:
         provider: Provider = self.provider_class().from_settings(self.settings_of(spec))
+        if self.stoppable:
+            from ..._providers.cloud.kept import Keep
+
+            provider.keep = Keep(nodes_dir.parent / self.kind)  # type: ignore[attr-defined]
         return provider
+
+    # -- stop and start (a stoppable cloud's) -------------------------------------------
+    def _keep(self, paths: Paths) -> Any:
+        from ..._providers.cloud.kept import Keep
+
+        return Keep(paths.dir / self.kind)
+
+    def _kept(self, paths: Paths) -> Any:
+        """The cluster's kept pool record (None: none, or unreadable)."""
+        try:
+            return self._keep(paths).load() if self.stoppable else None
+        except ConfigurationError:
+            return None
+
+    def stop_refusal(self, paths: Paths, spec: S) -> str:
+        if not self.stoppable:
+            return self.stop_note
+        kept = self._kept(paths)
+        if self.settings_of(spec).allocation == "spot" or (kept is not None and kept.spot):
+            return f"its instances are {self.kind} spot instances, which are never stopped"
+        return ""
+
+    def autostop_refusal(self, spec: S) -> str:
+        allocation = self.settings_of(spec).allocation if self.stoppable else "on-demand"
+        if allocation != "on-demand":
+            return f"{self.kind} spot instances are never stopped (allocation {allocation})"
+        return ""
+
+    def before_close(self, provider: Provider, keep: bool) -> None:
+        """Closing the pool stops the instances (``keep``) or removes them."""
+        folder = getattr(provider, "keep", None)
+        if folder is not None:
+            folder.stop = keep
+
+    def restartable(self, paths: Paths) -> bool:
+        kept = self._kept(paths)
+        return kept is not None and kept.stopped
+
+    def on_down(self, paths: Paths, record: ClusterRecord) -> None:
+        """``down`` of a stopped cluster (or one whose daemon died): remove its kept
+        instances and the kept keys."""
+        if not self.stoppable:
+            return
+        keep = self._keep(paths)
+        kept = keep.load()  # unreadable: say so (its instances are not forgotten silently)
+        if kept is not None and kept.stopped:
+            provider = self.provider_class().from_settings(
+                self.settings_of(self.spec_from_dict(record.provider))
+            )
+            provider.remove_kept(kept)
+        keep.forget()
 
     def remove_orphans(self, spec: S, dry_run: bool) -> list[str]:
         """What pools whose client (a killed program, or a cluster daemon) on this machine

@@ -6,6 +6,11 @@ A task file chooses it with ``resources: infra: gcp``, ``gcp/<region>`` or
 ``instance_type`` names one, ``use_spot`` asks for SPOT instances, ``disk_size`` and
 ``image_id`` set the boot disk. Credentials are Google's Application Default Credentials
 (``GOOGLE_APPLICATION_CREDENTIALS``...), never a flag nor kept in the cluster's state.
+
+``flotilla stop`` stops the instances (``instances.stop``: the boot disk stays, only it is
+billed) and ``flotilla start`` (or the next ``launch``) starts the same ones again (see
+``flotilla._providers.cloud.stopstart``); SPOT instances are never stopped, so ``stop``
+and ``--autostop`` without ``--down`` are refused for SPOT clusters.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class GCPBackend(RentedBackend[GCPSpec]):
     package = "gcp"
     provider_name = "GCP"
     removes = ("would delete", "deleted")
+    stop_note = ""  # instances.stop keeps the boot disk; instances.start boots it again
+    stoppable = True
 
 
 BACKEND = GCPBackend()

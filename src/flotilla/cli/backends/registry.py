@@ -251,7 +251,15 @@ class FallbackBackend(Backend[FallbackSpec]):
             b = backend_for(one)
             wants = b.pool_resources(one)
             provider = b.make_provider(one, nodes_dir / f"candidate-{i}")
-            candidates.append(Candidate(provider, wants.accelerator, wants.vcpus, wants.memory_gb))
+            candidates.append(
+                Candidate(
+                    provider,
+                    wants.accelerator,
+                    wants.vcpus,
+                    wants.memory_gb,
+                    wants.max_node_hourly_cost,
+                )
+            )
         return Fallback(candidates, spec.allocation)
 
     def shell(

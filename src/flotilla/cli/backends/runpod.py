@@ -6,6 +6,11 @@ center); its ``accelerators`` select the GPU types, ``use_spot`` interruptible p
 ``disk_size`` the container disk, ``image_id`` the image, ``region`` the data centers. The
 API key is never a flag nor kept in the cluster's state: it comes from
 ``RUNPOD_API_KEY`` or the official client's ``~/.runpod/config.toml``, as for the library.
+
+``flotilla stop`` stops the pods (``podStop``: their volume disk, ``config: {runpod:
+{volume_gb: N}}``, stays; their container disk is wiped) and ``flotilla start`` resumes the
+same pods (see ``flotilla._providers.runpod.stopstart``); interruptible pods are never
+stopped, so ``stop`` and ``--autostop`` without ``--down`` are refused for spot clusters.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class RunPodBackend(RentedBackend[RentedSpec]):
     removes = ("would terminate", "terminated")
     orphan_kinds = (("pod(s)", "pods"),)
     ssh_config = False  # `flotilla ssh` only: no ssh_config blocks
+    stop_note = ""  # podStop keeps the volume disk; podResume starts the same pods
+    stoppable = True
 
 
 BACKEND = RunPodBackend()
