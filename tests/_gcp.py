@@ -63,14 +63,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from _hosts import SSHD, Lab, TestHost, _in_netns, free_subnet, keygen, lab_unavailable, run
-from _lifecycle import Lifecycle
+from _hosts import SSHD, TestHost, free_subnet, keygen, lab_unavailable
+from _standin import SSHD_OPTIONS, JsonHandler, StandIn
 
 PROJECT = "flotilla-lab"
 ACCOUNT = "flotilla-test@flotilla-lab.iam.gserviceaccount.com"
@@ -124,22 +123,18 @@ class Operation:
     error: list[dict[str, str]] = field(default_factory=list)
 
 
-class GcpLab(Lifecycle):
+class GcpLab(StandIn):
     """The stand-in servers and the instances (see the module docstring). A context manager;
     ``env`` is what a client needs (``GOOGLE_APPLICATION_CREDENTIALS``,
     ``GOOGLE_CLOUD_PROJECT``, ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE``), set in
     ``os.environ`` while the lab runs."""
 
     def __init__(self, boot_delay: float = 0.5) -> None:
-        self.boot_delay = boot_delay
-        self.lab = Lab()
-        self.url = ""
-        self.env: dict[str, str] = {}
+        super().__init__(boot_delay)
         self.instances: dict[tuple[str, str], LabInstance] = {}
         self.made: list[LabInstance] = []  # every instance ever inserted
         self.powered: list[tuple[str, str]] = []  # (name, "stop" | "start") of each call
         self.operations: dict[str, Operation] = {}
-        self.requests: list[tuple[str, str]] = []
         self.capacity: dict[str, int] = {}
         """zone -> how many more instances it can hold (absent: any number)."""
         self.spot_capacity: dict[str, int] = {}
@@ -154,9 +149,6 @@ class GcpLab(Lifecycle):
         self._public_pem = b""
         self._request_ids: dict[str, str] = {}
         self._verified: dict[str, dict[str, Any]] = {}
-        self._saved: dict[str, str | None] = {}
-        self._lock = threading.RLock()
-        self._servers: list[ThreadingHTTPServer] = []
         self._index = 0
         self.vpc_bridge = ""
         self.vpc_subnet = ""
@@ -164,35 +156,19 @@ class GcpLab(Lifecycle):
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
         self.lab.start()
-        addr = f"{self.lab.subnet}.1"
-        lab = self
-
-        class Api(_ApiHandler):
-            gcp = lab
-
-        class Metadata(_MetadataHandler):
-            gcp = lab
-
-        api = ThreadingHTTPServer((addr, 0), Api)
-        metadata = ThreadingHTTPServer((addr, 80), Metadata)
-        for server in (api, metadata):
-            server.daemon_threads = True
-            self._servers.append(server)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-        self.url = f"http://{addr}:{api.server_port}"
+        self.url = f"http://{self.addr}:{self.serve(_ApiHandler, 'gcp')}"
+        self.serve(_MetadataHandler, "gcp", 80)
         self.vpc_subnet = free_subnet(os.getpid() + 53)
-        self.vpc_bridge = f"flb{self.lab.tag}x9"[:15]  # as remove_stale_labs knows
-        run("ip", "link", "add", self.vpc_bridge, "type", "bridge")
-        run("ip", "link", "set", self.vpc_bridge, "up")
+        # as remove_stale_labs knows
+        self.vpc_bridge = self.add_bridge(f"flb{self.lab.tag}x9"[:15])
         self.key_file = self.write_key_file(self.lab.tmp / "service-account.json")
-        self.env = {
-            "GOOGLE_APPLICATION_CREDENTIALS": str(self.key_file),
-            "GOOGLE_CLOUD_PROJECT": PROJECT,
-            "CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": f"{self.url}/compute/v1/",
-        }
-        for key, value in self.env.items():
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
+        self.set_env(
+            {
+                "GOOGLE_APPLICATION_CREDENTIALS": str(self.key_file),
+                "GOOGLE_CLOUD_PROJECT": PROJECT,
+                "CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": f"{self.url}/compute/v1/",
+            }
+        )
 
     def write_key_file(self, path: Path, token_uri: str = "") -> Path:
         """A service-account key file (JSON, as the console downloads it) whose
@@ -229,37 +205,18 @@ class GcpLab(Lifecycle):
         for inst in list(self.made):  # deleted ones too: their stop may still run
             self._stop(inst)
         self.instances.clear()
-        for server in self._servers:
-            server.shutdown()
-            server.server_close()
-        self._servers.clear()
-        if self.vpc_bridge:
-            run("ip", "link", "del", self.vpc_bridge, check=False)
-            self.vpc_bridge = ""
-        self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved.clear()
+        self.vpc_bridge = ""
+        self.shut()
 
     # -- what tests look at ----------------------------------------------------------
-    def live(self, pool_id: str = "") -> list[LabInstance]:
+    def live(self, which: str = "") -> list[LabInstance]:
+        """The instances not deleted (of pool ``which``)."""
         with self._lock:
             return [
                 i
                 for i in self.instances.values()
-                if not pool_id or (i.body.get("labels") or {}).get("flotilla-pool") == pool_id
+                if not which or (i.body.get("labels") or {}).get("flotilla-pool") == which
             ]
-
-    def wait_gone(self, timeout: float, pool_id: str = "") -> list[LabInstance]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = self.live(pool_id)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.05)
 
     def inserts(self) -> int:
         return sum(1 for m, p in self.requests if m == "POST" and p.endswith("/instances"))
@@ -424,11 +381,8 @@ class GcpLab(Lifecycle):
         def stop() -> None:
             with inst.lock:
                 inst.status = "STOPPING"
-                host = inst.host
-                deadline = time.monotonic() + 5
-                while host is not None and self.lab.pids(host) and time.monotonic() < deadline:
-                    self.lab.kill_all(host)
-                    time.sleep(0.02)
+                if inst.host is not None:
+                    self.kill_processes(inst.host)
                 inst.guest.clear()
                 inst.status = "TERMINATED"
             op.done.set()
@@ -456,22 +410,7 @@ class GcpLab(Lifecycle):
             host = self.lab.new_host(inst.index, inst.nat_ip, inst.name)
             inst.host = host
             veth = f"flv{self.lab.tag}y{inst.index}"[-15:]
-            run(
-                "ip",
-                "link",
-                "add",
-                veth,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "ens5",
-                "netns",
-                host.netns,
-            )
-            run("ip", "link", "set", veth, "master", self.vpc_bridge, "up")
-            run("ip", "-n", host.netns, "addr", "add", f"{inst.network_ip}/24", "dev", "ens5")
-            run("ip", "-n", host.netns, "link", "set", "ens5", "up")
+            self.plug(host, self.vpc_bridge, veth, "ens5", inst.network_ip)
             for sub in ("etc-ssh", "flotilla", "var-lib"):
                 (host.folder / sub).mkdir()
             (host.folder / "hosts").write_text(
@@ -510,9 +449,7 @@ class GcpLab(Lifecycle):
                 "HostKey /etc/ssh/ssh_host_ed25519_key\n"
                 f"PidFile {host.folder}/sshd.pid\n"
                 f"AuthorizedKeysFile {host.folder}/authorized_keys .ssh/authorized_keys\n"
-                "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-                "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
-                "MaxSessions 64\nMaxStartups 64\n"
+                + SSHD_OPTIONS
             )
             self.lab.start_daemon(
                 host,
@@ -542,43 +479,12 @@ class GcpLab(Lifecycle):
             return
         path = host.folder / "startup.sh"
         path.write_text(script)
-        env = {
-            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": "/root",
-        }
-        with open(host.folder / "startup.log", "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    *_in_netns(host.netns),
-                    "unshare",
-                    "--uts",
-                    "--mount",
-                    "sh",
-                    "-c",
-                    f"hostname {host.hostname} && "
-                    + self._container(host)
-                    + f"exec /bin/sh {path}",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=env,
-                cwd="/",
-            )
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
+        self.run_script(host, path, "startup.log", {}, self._container(host))
 
     def _stop(self, inst: LabInstance) -> None:
         inst.stopped.set()
         with inst.lock:
-            host = inst.host
-            if host is not None and host in self.lab.hosts:
-                deadline = time.monotonic() + 5
-                while self.lab.pids(host) and time.monotonic() < deadline:
-                    self.lab.kill_all(host)
-                    time.sleep(0.02)
-                with contextlib.suppress(Exception):
-                    self.lab.remove_host(host)
+            self.stop_host(inst.host)
             inst.host = None
             inst.status = "TERMINATED"
 
@@ -673,11 +579,8 @@ def _matches(inst: dict[str, Any], expression: str) -> bool:
     raise ValueError(f"unsupported filter {expression!r}")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     gcp: GcpLab
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
     def _send(self, code: int, body: Any, text: bool = False) -> None:
         data = (body if text else json.dumps(body)).encode()
@@ -688,10 +591,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Metadata-Flavor", "Google")
         self.end_headers()
         self.wfile.write(data)
-
-    def _raw(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
 
     def _error(self, code: int, status: str, message: str, reason: str = "") -> None:
         self._send(
@@ -707,21 +606,6 @@ class _Handler(BaseHTTPRequestHandler):
                 }
             },
         )
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_PUT(self) -> None:
-        self._serve("PUT")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
-
-    def _serve(self, method: str) -> None:
-        raise NotImplementedError
 
 
 class _ApiHandler(_Handler):
@@ -964,12 +848,8 @@ def gcp_unavailable() -> str | None:
 @pytest.fixture(name="gcp_lab")
 def gcp_lab_fixture() -> Iterator[GcpLab]:
     """A fresh Compute Engine per test."""
-    reason = gcp_unavailable()
-    if reason:
-        pytest.skip(reason)
     pytest.importorskip("google.cloud.compute_v1")
-    with GcpLab() as lab:
-        yield lab
+    yield from GcpLab.running()
 
 
 __all__ = ["ACCOUNT", "PROJECT", "GcpLab", "gcp_lab_fixture"]

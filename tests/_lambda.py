@@ -36,7 +36,6 @@ authorized; the instance is then ``active``. Each instance has its own /root, /t
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import re
@@ -46,14 +45,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
 import pytest
 import yaml
-from _hosts import SSHD, Lab, TestHost, free_subnet, keygen, lab_unavailable, run
-from _lifecycle import Lifecycle
+from _hosts import SSHD, TestHost, free_subnet, keygen
+from _standin import PATH, SSHD_OPTIONS, JsonHandler, StandIn, nvidia_smi
 
 API_KEY = "secret_lambda-test-key_0123456789abcdef"
 NO_CAPACITY = "Not enough capacity to fulfill launch request."
@@ -87,63 +85,32 @@ class Instance:
     number: int = 0
 
 
-class LambdaLab(Lifecycle):
+class LambdaLab(StandIn):
     """The stand-in API server and its instances. A context manager; ``url`` and ``env``
     (``LAMBDA_API_URL``, ``LAMBDA_API_KEY``) are what a client needs."""
 
     def __init__(self, boot_delay: float = 0.5) -> None:
-        self.boot_delay = boot_delay
-        self.lab = Lab()
+        super().__init__(boot_delay)
         self.types: dict[str, InstanceType] = {}
         self.instances: dict[str, Instance] = {}
         self.keys: dict[str, dict[str, str]] = {}  # id -> {id, name, public_key}
-        self.requests: list[tuple[str, str]] = []
         self.launches: list[dict[str, Any]] = []
         self.terminated: dict[str, str] = {}  # id -> "account" | "self" (the key used)
-        self.url = ""
-        self.env: dict[str, str] = {}
         self.self_key = ""  # a key the test gives the instances (ttl_api_key)
-        self.closing = False
         self._bridges: dict[str, tuple[str, str]] = {}  # region -> (bridge, subnet)
-        self._saved: dict[str, str | None] = {}
-        self._lock = threading.RLock()
         self._count = 0
-        self._server: ThreadingHTTPServer | None = None
 
     def start(self) -> None:
         self.lab.start()
-        addr = f"{self.lab.subnet}.1"
-        lab = self
-
-        class Handler(_Handler):
-            cloud = lab
-
-        self._server = ThreadingHTTPServer((addr, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        self.url = f"http://{addr}:{self._server.server_port}/api/v1"
-        self.env = {"LAMBDA_API_URL": self.url, "LAMBDA_API_KEY": API_KEY}
-        for key, value in self.env.items():
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
+        self.url = f"http://{self.addr}:{self.serve(_Handler, 'cloud')}/api/v1"
+        self.set_env({"LAMBDA_API_URL": self.url, "LAMBDA_API_KEY": API_KEY})
 
     def close(self) -> None:
         self.closing = True
         for inst in list(self.instances.values()):
             self._stop(inst)
-        for bridge, _ in self._bridges.values():
-            run("ip", "link", "del", bridge, check=False)
         self._bridges.clear()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        self.shut()
 
     def add_type(self, name: str, gpu: str, gpus: int, cents: int, **fields: Any) -> InstanceType:
         with self._lock:
@@ -151,24 +118,15 @@ class LambdaLab(Lifecycle):
             self.types[name] = t
         return t
 
-    def live(self, prefix: str = "") -> list[Instance]:
+    def live(self, which: str = "") -> list[Instance]:
+        """The instances not terminated (whose name starts with ``which``)."""
         with self._lock:
-            return [i for i in self.instances.values() if i.name.startswith(prefix)]
-
-    def wait_gone(self, timeout: float, prefix: str = "") -> list[Instance]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = self.live(prefix)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.05)
+            return [i for i in self.instances.values() if i.name.startswith(which)]
 
     def _bridge(self, region: str) -> tuple[str, str]:
         if region not in self._bridges:
             n = len(self._bridges)
-            bridge = f"flb{self.lab.tag}r{n}"[:15]
-            run("ip", "link", "add", bridge, "type", "bridge")
-            run("ip", "link", "set", bridge, "up")
+            bridge = self.add_bridge(f"flb{self.lab.tag}r{n}"[:15])
             self._bridges[region] = (bridge, free_subnet(os.getpid() + 53 + 11 * n))
         return self._bridges[region]
 
@@ -220,22 +178,7 @@ class LambdaLab(Lifecycle):
             host = self.lab.new_host(inst.number, inst.ip, f"lambda-{inst.number}")
             inst.host = host
             veth = f"flv{self.lab.tag}l{inst.number}"[-15:]
-            run(
-                "ip",
-                "link",
-                "add",
-                veth,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "priv0",
-                "netns",
-                host.netns,
-            )
-            run("ip", "link", "set", veth, "master", bridge, "up")
-            run("ip", "-n", host.netns, "addr", "add", f"{inst.private_ip}/24", "dev", "priv0")
-            run("ip", "-n", host.netns, "link", "set", "priv0", "up")
+            self.plug(host, bridge, veth, "priv0", inst.private_ip)
         if inst.stopped.wait(max(0.0, inst.created_at + self.boot_delay - time.monotonic())):
             return
         with inst.lock:
@@ -261,18 +204,8 @@ class LambdaLab(Lifecycle):
         dot_ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
         authorized = [*inst.keys, *(config.get("ssh_authorized_keys") or [])]
         (host.folder / "authorized_keys").write_text("".join(k + "\n" for k in authorized))
-        bin_dir = host.folder / "bin"
-        bin_dir.mkdir()
-        listing = "".join(
-            f"GPU {i}: NVIDIA {inst.type.gpu_description} (UUID: GPU-{inst.id[:8]}-{i})\n"
-            for i in range(inst.type.gpus)
-        )
-        smi = bin_dir / "nvidia-smi"
-        smi.write_text(
-            f"#!/bin/sh\n[ \"$1\" = -L ] || exit 2\nprintf '%s' {shlex.quote(listing)}\n"
-        )
-        smi.chmod(0o755)
-        path = f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        gpus = [f"NVIDIA {inst.type.gpu_description}"] * inst.type.gpus
+        path = f"{nvidia_smi(host.folder, gpus, inst.id[:8])}:{PATH}"
         lines = [
             c if isinstance(c, str) else " ".join(shlex.quote(str(w)) for w in c)
             for c in config.get("bootcmd") or []
@@ -284,10 +217,7 @@ class LambdaLab(Lifecycle):
             f"HostKey {hostkey}\n"
             f"PidFile {host.folder}/sshd.pid\n"
             f"AuthorizedKeysFile {host.folder}/authorized_keys\n"
-            f"SetEnv PATH={path}\n"
-            "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
-            "MaxSessions 64\nMaxStartups 64\n"
+            f"SetEnv PATH={path}\n" + SSHD_OPTIONS
         )
         self.lab.start_daemon(
             host,
@@ -301,24 +231,11 @@ class LambdaLab(Lifecycle):
     def _stop(self, inst: Instance) -> None:
         inst.stopped.set()
         with inst.lock:
-            host = inst.host
-            if host is not None and host in self.lab.hosts:
-                deadline = time.monotonic() + 5
-                while self.lab.pids(host) and time.monotonic() < deadline:
-                    self.lab.kill_all(host)
-                    time.sleep(0.02)
-                with contextlib.suppress(Exception):
-                    self.lab.remove_host(host)
+            self.stop_host(inst.host)
             inst.host = None
 
     def console(self) -> str:
-        out = []
-        for path in sorted(self.lab.tmp.glob("h*/console.log")) + sorted(
-            self.lab.tmp.glob("h*/home/.flotilla-lambda-terminate.log")
-        ):
-            with contextlib.suppress(OSError):
-                out.append(f"{path}: {path.read_text(errors='replace')}")
-        return "\n".join(out)
+        return self.logs("h*/console.log", "h*/home/.flotilla-lambda-terminate.log")
 
     # -- JSON views ------------------------------------------------------------------
     def instance_json(self, inst: Instance) -> dict[str, Any]:
@@ -359,36 +276,14 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "suggestion": ""}}
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     cloud: LambdaLab
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _key(self) -> str:
         auth = self.headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            return auth[7:]
         if auth.startswith("Basic "):
             return base64.b64decode(auth[6:]).decode().partition(":")[0]
-        return ""
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
+        return self._bearer() or ""
 
     def _serve(self, method: str) -> None:
         lab = self.cloud
@@ -455,11 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(name="lambda_lab")
 def lambda_lab_fixture() -> Iterator[LambdaLab]:
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with LambdaLab() as lab:
-        yield lab
+    yield from LambdaLab.running()
 
 
 __all__ = ["API_KEY", "LambdaLab", "lambda_lab_fixture"]

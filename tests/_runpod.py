@@ -60,20 +60,18 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import urlparse
 
 import pytest
 from _graphql import GraphQLError, execute
-from _hosts import SSHD, Lab, TestHost, free_subnet, keygen, lab_unavailable, run
-from _lifecycle import Lifecycle
+from _hosts import SSHD, TestHost, free_subnet, keygen
+from _standin import PATH, SSHD_OPTIONS, JsonHandler, StandIn, nvidia_smi
 
 API_KEY = "rp-test-key-0123456789abcdef"
 """The account's key the lab's tests use."""
@@ -132,71 +130,39 @@ class Pod:
     booted_at: float = 0.0
 
 
-class RunPodLab(Lifecycle):
+class RunPodLab(StandIn):
     """The stand-in API server and its pods (see the module docstring). A context manager;
     ``url`` and ``env`` (``RUNPOD_API_BASE_URL``, ``RUNPOD_API_KEY``) are what a client
     needs."""
 
     def __init__(self, boot_delay: float = 0.5) -> None:
-        self.boot_delay = boot_delay
-        self.lab = Lab()
+        super().__init__(boot_delay)
         self.gpus: dict[str, GpuType] = {}
         self.pods: dict[str, Pod] = {}
-        self.url = ""
-        self.env: dict[str, str] = {}
-        self.requests: list[tuple[str, str]] = []
         self.creates: list[dict[str, Any]] = []  # every create request's input
         self.destroyed: dict[str, str] = {}  # pod id -> "account" | "self"
         self.failing: dict[tuple[str, str], int] = {}
-        self._saved: dict[str, str | None] = {}
-        self._lock = threading.RLock()
         self._count = 0
-        self._server: ThreadingHTTPServer | None = None
         self.bridge = ""
         self.private_subnet = ""
-        self.closing = False
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
         self.lab.start()
-        addr = f"{self.lab.subnet}.1"
-        lab = self
-
-        class Handler(_Handler):
-            runpod = lab
-
-        self._server = ThreadingHTTPServer((addr, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        self.url = f"http://{addr}:{self._server.server_port}"
+        self.url = f"http://{self.addr}:{self.serve(_Handler, 'runpod')}"
         self.private_subnet = free_subnet(os.getpid() + 97)
-        self.bridge = f"flb{self.lab.tag}g"[:15]
-        run("ip", "link", "add", self.bridge, "type", "bridge")
-        run("ip", "link", "set", self.bridge, "up")
-        self.env = {"RUNPOD_API_BASE_URL": self.url, "RUNPOD_API_KEY": API_KEY}
-        for key in (*self.env, "RUNPOD_REST_API_BASE_URL"):
-            self._saved[key] = os.environ.get(key)
-            os.environ.pop(key, None)
-        os.environ.update(self.env)
+        self.bridge = self.add_bridge(f"flb{self.lab.tag}g"[:15])
+        self.set_env(
+            {"RUNPOD_API_BASE_URL": self.url, "RUNPOD_API_KEY": API_KEY},
+            clear=["RUNPOD_REST_API_BASE_URL"],
+        )
 
     def close(self) -> None:
         self.closing = True
         for pod in list(self.pods.values()):
             self._stop(pod)
-        if self.bridge:
-            run("ip", "link", "del", self.bridge, check=False)
-            self.bridge = ""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved.clear()
+        self.bridge = ""
+        self.shut()
 
     # -- the market ------------------------------------------------------------------
     def add_gpu(self, gpu_id: str, display: str, memory_gb: int, **fields: Any) -> GpuType:
@@ -205,17 +171,10 @@ class RunPodLab(Lifecycle):
             self.gpus[gpu_id] = gpu
         return gpu
 
-    def live(self, name_prefix: str = "") -> list[Pod]:
+    def live(self, which: str = "") -> list[Pod]:
+        """The pods not terminated (whose name starts with ``which``)."""
         with self._lock:
-            return [p for p in self.pods.values() if p.name.startswith(name_prefix)]
-
-    def wait_gone(self, timeout: float, name_prefix: str = "") -> list[Pod]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = self.live(name_prefix)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.05)
+            return [p for p in self.pods.values() if p.name.startswith(which)]
 
     # -- pods ------------------------------------------------------------------------
     def create(self, spec: dict[str, Any]) -> Pod:
@@ -305,11 +264,8 @@ class RunPodLab(Lifecycle):
         with pod.lock:
             pod.running = False
             host = pod.host
-            deadline = time.monotonic() + 5
-            while host is not None and self.lab.pids(host) and time.monotonic() < deadline:
-                self.lab.kill_all(host)
-                time.sleep(0.02)
             if host is not None:
+                self.kill_processes(host)
                 for disk in ("home", "etc-ssh", "bin"):
                     shutil.rmtree(host.folder / disk, ignore_errors=True)
                 (host.folder / "etc-ssh").mkdir()
@@ -351,22 +307,7 @@ class RunPodLab(Lifecycle):
             (host.folder / "etc-ssh").mkdir()
             if pod.global_net:
                 veth = f"flv{self.lab.tag}p{self._count_of(pod)}"[-15:]
-                run(
-                    "ip",
-                    "link",
-                    "add",
-                    veth,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    "gn0",
-                    "netns",
-                    host.netns,
-                )
-                run("ip", "link", "set", veth, "master", self.bridge, "up")
-                run("ip", "-n", host.netns, "addr", "add", f"{pod.private}/24", "dev", "gn0")
-                run("ip", "-n", host.netns, "link", "set", "gn0", "up")
+                self.plug(host, self.bridge, veth, "gn0", pod.private)
         if pod.stopped.wait(max(0.0, pod.created_at + self.boot_delay - time.monotonic())):
             return
         with pod.lock:
@@ -403,26 +344,14 @@ class RunPodLab(Lifecycle):
     def _boot(self, pod: Pod, host: TestHost) -> None:
         """The pod's start command in its container; the image's sshd configuration."""
         etc = host.folder / "etc-ssh"
-        bin_dir = host.folder / "bin"  # the GPU driver's nvidia-smi, listing the pod's GPUs
-        bin_dir.mkdir(exist_ok=True)
-        listing = "".join(
-            f"GPU {i}: {pod.gpu.display_name} (UUID: GPU-{pod.id}-{i})\n" for i in range(pod.count)
-        )
-        smi = bin_dir / "nvidia-smi"
-        smi.write_text(
-            f"#!/bin/sh\n[ \"$1\" = -L ] || exit 2\nprintf '%s' {shlex.quote(listing)}\n"
-        )
-        smi.chmod(0o755)
-        path = f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        bin_dir = nvidia_smi(host.folder, [pod.gpu.display_name] * pod.count, pod.id)
+        path = f"{bin_dir}:{PATH}"
         (etc / "sshd_config").write_text(
             f"SetEnv PATH={path}\n"
             f"ListenAddress {pod.addr}:{pod.port}\n"
             "HostKey /etc/ssh/ssh_host_ed25519_key\n"
             "PidFile /run/sshd.pid\n"
-            "AuthorizedKeysFile .ssh/authorized_keys\n"
-            "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
-            "MaxSessions 64\nMaxStartups 64\n"
+            "AuthorizedKeysFile .ssh/authorized_keys\n" + SSHD_OPTIONS
         )
         keygen(etc / "ssh_host_ed25519_key", pod.id)  # the image's own key
         image_start = (  # what RunPod's images' /start.sh does: PUBLIC_KEY, then sshd
@@ -469,25 +398,12 @@ class RunPodLab(Lifecycle):
     def _stop(self, pod: Pod) -> None:
         pod.stopped.set()
         with pod.lock:
-            host = pod.host
-            if host is not None and host in self.lab.hosts:
-                deadline = time.monotonic() + 5
-                while self.lab.pids(host) and time.monotonic() < deadline:
-                    self.lab.kill_all(host)
-                    time.sleep(0.02)
-                with contextlib.suppress(Exception):
-                    self.lab.remove_host(host)
+            self.stop_host(pod.host)
             pod.host = None
 
     def log(self, pod_id: str) -> str:
         """What the pod's start command, watchdog and guard said."""
-        out = []
-        for path in sorted(self.lab.tmp.glob("h*/pod.log")) + sorted(
-            self.lab.tmp.glob("h*/home/.flotilla/**/*.log")
-        ):
-            with contextlib.suppress(OSError):
-                out.append(f"{path}: {path.read_text(errors='replace')}")
-        return "\n".join(out)
+        return self.logs("h*/pod.log", "h*/home/.flotilla/**/*.log")
 
     # -- JSON views ------------------------------------------------------------------
     def gpu_json(self, gpu: GpuType) -> dict[str, Any]:
@@ -613,34 +529,8 @@ def _graphql_input(given: dict[str, Any], interruptible: bool) -> dict[str, Any]
     }
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     runpod: RunPodLab
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _key(self) -> str:
-        auth = self.headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            return auth[7:]
-        return parse_qs(urlparse(self.path).query).get("api_key", [""])[0]
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
 
     def do_PATCH(self) -> None:
         self._serve("PATCH")
@@ -649,8 +539,7 @@ class _Handler(BaseHTTPRequestHandler):
         lab = self.runpod
         path = urlparse(self.path).path
         lab.requests.append((method, path))
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self._raw()
         with lab._lock:
             if lab.failing.get((method, path), 0) > 0:
                 lab.failing[(method, path)] -= 1
@@ -765,11 +654,7 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture(name="runpod_lab")
 def runpod_lab_fixture() -> Iterator[RunPodLab]:
     """A fresh RunPod per test (GPU types added by the test)."""
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with RunPodLab() as lab:
-        yield lab
+    yield from RunPodLab.running()
 
 
 __all__ = ["API_KEY", "NO_CAPACITY", "RunPodLab", "runpod_lab_fixture"]

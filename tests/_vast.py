@@ -56,19 +56,17 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import urlparse
 
 import pytest
-from _hosts import SSHD, Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable, run
-from _lifecycle import Lifecycle
+from _hosts import SSHD, LabError, TestHost, keygen, lab_unavailable, run
+from _standin import SSHD_OPTIONS, JsonHandler, StandIn
 
 API_KEY = "vast-test-key-0123456789abcdef"
 """The account's key the lab's tests use."""
@@ -130,28 +128,21 @@ class Overlay:
     members: dict[int, str] = field(default_factory=dict)  # instance id -> address
 
 
-class VastLab(Lifecycle):
+class VastLab(StandIn):
     """The stand-in API server and its machines (see the module docstring). A context
     manager; ``url`` and ``env`` (``VAST_URL``, ``VAST_API_KEY``) are what a client needs."""
 
     def __init__(self, boot_delay: float = 0.5) -> None:
-        self.boot_delay = boot_delay
-        self.lab = Lab()
+        super().__init__(boot_delay)
         self.machines: list[LabMachine] = []
         self.instances: dict[int, LabInstance] = {}
         self.overlays: dict[str, Overlay] = {}
-        self.url = ""
-        self.env: dict[str, str] = {}
-        self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         self.throttle = 0
         self.failing: dict[tuple[str, str], int] = {}
         """(method, path under /api/v0) -> how many of the next such requests answer 500."""
         self.destroyed: dict[int, str] = {}  # instance id -> "account" | "self"
         self.destroyed_at: dict[int, float] = {}  # instance id -> wall clock
-        self._saved: dict[str, str | None] = {}
-        self._lock = threading.RLock()
         self._ids = 1000
-        self._server: ThreadingHTTPServer | None = None
         self._overlay_count = 0
         self.impostor = False
         """Instances boot with a host key of their own, whatever the on-start script
@@ -160,20 +151,8 @@ class VastLab(Lifecycle):
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
         self.lab.start()
-        addr = f"{self.lab.subnet}.1"
-        lab = self
-
-        class Handler(_Handler):
-            vast = lab
-
-        self._server = ThreadingHTTPServer((addr, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        self.url = f"http://{addr}:{self._server.server_port}"
-        self.env = {"VAST_URL": self.url, "VAST_API_KEY": API_KEY}
-        for key, value in self.env.items():
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
+        self.url = f"http://{self.addr}:{self.serve(_Handler, 'vast')}"
+        self.set_env({"VAST_URL": self.url, "VAST_API_KEY": API_KEY})
 
     def close(self) -> None:
         for inst in list(self.instances.values()):
@@ -181,17 +160,7 @@ class VastLab(Lifecycle):
         for overlay in list(self.overlays.values()):
             run("ip", "link", "del", overlay.bridge, check=False)
         self.overlays.clear()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved.clear()
+        self.shut()
 
     # -- the market ------------------------------------------------------------------
     def add_machines(self, count: int, **spec: Any) -> list[LabMachine]:
@@ -219,19 +188,10 @@ class VastLab(Lifecycle):
         self._ids += 1
         return self._ids
 
-    def live(self, label_prefix: str = "") -> list[LabInstance]:
-        """The instances not destroyed (whose label starts with ``label_prefix``)."""
+    def live(self, which: str = "") -> list[LabInstance]:
+        """The instances not destroyed (whose label starts with ``which``)."""
         with self._lock:
-            return [i for i in self.instances.values() if i.label.startswith(label_prefix)]
-
-    def wait_gone(self, timeout: float, label_prefix: str = "") -> list[LabInstance]:
-        """Wait until no instance is left; those still there."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = self.live(label_prefix)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.05)
+            return [i for i in self.instances.values() if i.label.startswith(which)]
 
     # -- instances -------------------------------------------------------------------
     def rent(self, ask_id: int, body: dict[str, Any]) -> LabInstance | None:
@@ -309,9 +269,7 @@ class VastLab(Lifecycle):
                 + "HostKey /etc/ssh/ssh_host_ed25519_key\n"
                 f"PidFile {host.folder}/sshd.pid\n"
                 f"AuthorizedKeysFile {host.folder}/authorized_keys .ssh/authorized_keys\n"
-                "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-                "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\n"
-                "MaxSessions 64\nMaxStartups 64\n"
+                + SSHD_OPTIONS
             )
             self.lab.start_daemon(
                 host,
@@ -341,47 +299,17 @@ class VastLab(Lifecycle):
         script = host.folder / "onstart.sh"
         script.write_text(inst.onstart)
         env = {
-            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": "/root",
             "CONTAINER_ID": str(inst.id),
             "CONTAINER_API_KEY": inst.key,
             "PUBLIC_IPADDR": inst.machine.addr,
             "VAST_TCP_PORT_22": str(inst.port),
         }
-        with open(host.folder / "onstart.log", "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    *_in_netns(host.netns),
-                    "unshare",
-                    "--uts",
-                    "--mount",
-                    "sh",
-                    "-c",
-                    f"hostname {host.hostname} && "
-                    + self._container(host)
-                    + f"exec /bin/sh {script}",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=env,
-                cwd="/",
-            )
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
+        self.run_script(host, script, "onstart.log", env, self._container(host))
 
     def _stop(self, inst: LabInstance) -> None:
         inst.stopped.set()
         with inst.lock:
-            host = inst.host
-            if host is not None and host in self.lab.hosts:
-                # a process forked while the first ones are killed survives one pass
-                deadline = time.monotonic() + 5
-                while self.lab.pids(host) and time.monotonic() < deadline:
-                    self.lab.kill_all(host)
-                    time.sleep(0.02)
-                with contextlib.suppress(Exception):
-                    self.lab.remove_host(host)
+            self.stop_host(inst.host)
             inst.host = None
 
     def onstart_log(self, instance_id: int) -> str:
@@ -455,11 +383,7 @@ class VastLab(Lifecycle):
             return
         inst.plugged.add(overlay.name)
         veth = f"flv{self.lab.tag}x{inst.id * 10 + overlay.overlay_id % 10}"[-15:]
-        run("ip", "link", "add", veth, "type", "veth", "peer", "name", "ovl0", "netns", host.netns)
-        run("ip", "link", "set", veth, "master", overlay.bridge, "up")
-        addr = overlay.members[inst.id]
-        run("ip", "-n", host.netns, "addr", "add", f"{addr}/24", "dev", "ovl0")
-        run("ip", "-n", host.netns, "link", "set", "ovl0", "up")
+        self.plug(host, overlay.bridge, veth, "ovl0", overlay.members[inst.id])
 
     def delete_overlay(self, name: str) -> bool:
         with self._lock:
@@ -548,42 +472,12 @@ def _matches(offer: dict[str, Any], query: dict[str, Any]) -> bool:
     return True
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     vast: VastLab
 
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self._raw()
         return json.loads(raw) if raw else {}
-
-    def _key(self) -> str:
-        auth = self.headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            return auth[7:]
-        return parse_qs(urlparse(self.path).query).get("api_key", [""])[0]
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_PUT(self) -> None:
-        self._serve("PUT")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
 
     def _serve(self, method: str) -> None:
         lab = self.vast
@@ -732,11 +626,7 @@ def vast_unavailable() -> str | None:
 @pytest.fixture(name="vast_lab")
 def vast_lab_fixture() -> Iterator[VastLab]:
     """A fresh market per test (machines added by the test)."""
-    reason = vast_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with VastLab() as lab:
-        yield lab
+    yield from VastLab.running()
 
 
 __all__ = ["API_KEY", "LabError", "Path", "VastLab", "vast_lab_fixture"]

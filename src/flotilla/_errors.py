@@ -18,10 +18,10 @@ their original type when it can be imported locally; otherwise as :class:`Remote
     ├── PoolClosedError (RuntimeError)      the pool is not running
     ├── ProvisionError                      the provider could not start or reach a node
     │   │                                   (``cause``: a ProvisionCause)
-    │   ├── VastApiError                    _providers/vast/api.py: a Vast API call failed
-    │   │                                   (``status``, Vast's ``error`` code)
-    │   ├── ApiError                        _providers/cloud/rest.py: a RunPod or Lambda
-    │   │                                   API call failed (``status``, ``code``)
+    │   ├── ApiError                        _providers/cloud/rest.py: a RunPod, Lambda or
+    │   │   │                               Vast API call failed (``status``, ``code``)
+    │   │   └── VastApiError                _providers/vast/api.py: a Vast API call failed
+    │   │                                   (Vast's ``error`` code: ``code``)
     │   └── GcpApiError                     _providers/gcp/api.py: a Compute API call or
     │                                       operation failed (``status``, ``codes``)
     ├── RemoteError                         user exception whose type is not importable here

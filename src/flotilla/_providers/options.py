@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, check_number
 
 META = "flotilla"
 """The key of a settings field's metadata that :func:`option` fills."""
@@ -295,6 +295,26 @@ def _plain(value: Any) -> Any:
 
 
 # -- the provider's constructor ----------------------------------------------------------------
+def check_rented(settings: Any, provider: str, image: str) -> None:
+    """The checks the settings of the providers of rented containers (Vast, RunPod) share,
+    in a ``__post_init__``: ``api_key`` None or a non-empty string, ``image`` a name
+    (``image`` says of what), ``ttl`` positive seconds, ``workdir`` absolute or under ``~``;
+    ``ttl`` and ``connect_timeout`` are made floats. ``provider`` is named in the errors."""
+    key = settings.api_key
+    if key is not None and (not isinstance(key, str) or not key):
+        raise ConfigurationError(f"{provider}(api_key=...): a non-empty string")
+    if not isinstance(settings.image, str) or not settings.image.strip():
+        raise ConfigurationError(f"{provider}(image={settings.image!r}): {image}")
+    ttl = settings.ttl
+    check_number(ttl, f"{provider}(ttl={ttl!r}): a positive number of seconds", above=0)
+    if not isinstance(settings.workdir, str) or not settings.workdir.startswith(("/", "~")):
+        raise ConfigurationError(
+            f"{provider}(workdir={settings.workdir!r}): an absolute folder, or one under ~"
+        )
+    object.__setattr__(settings, "ttl", float(ttl))
+    object.__setattr__(settings, "connect_timeout", float(settings.connect_timeout))
+
+
 def make_settings(
     settings_type: type[S],
     owner: str,

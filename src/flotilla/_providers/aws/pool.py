@@ -97,18 +97,10 @@ class AWSAllocation(CloudAllocation):
         """The pool's security group id ("" before it exists; see ``network``)."""
         return self.network.security_group
 
-    @security_group.setter
-    def security_group(self, group: str) -> None:
-        self.network.security_group = group
-
     @property
     def placement_group(self) -> str:
         """The pool's cluster placement group (network_tier="best"), or ""."""
         return self.network.placement_group
-
-    @placement_group.setter
-    def placement_group(self, group: str) -> None:
-        self.network.placement_group = group
 
     # -- launch ------------------------------------------------------------------------
     async def launch(self) -> None:
@@ -313,10 +305,15 @@ class AWSAllocation(CloudAllocation):
             ]
         return params
 
-    def _public_addresses(self, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The instances once every one has a public address (assigned while pending)."""
+    def _public_addresses(
+        self, instances: list[dict[str, Any]], deadline: float | None = None, after: str = ""
+    ) -> list[dict[str, Any]]:
+        """The instances once every one has a public address (assigned while pending, or
+        while starting again: ``after`` says so in the error), in the same order, recorded
+        in ``instances``; ``deadline`` by default start_timeout from now."""
         ids = [i["InstanceId"] for i in instances]
-        deadline = time.monotonic() + self.spec.options.start_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self.spec.options.start_timeout
         delay = 0.5
         while True:
             if all(i.get("PublicIpAddress") for i in instances):
@@ -325,13 +322,13 @@ class AWSAllocation(CloudAllocation):
                 raise ProvisionError(f"pool {self.tag}: released while starting")
             if time.monotonic() > deadline:
                 raise ProvisionError(
-                    f"instances {', '.join(ids)} got no public address: use a subnet that "
-                    "assigns them, or AWS(private_ips=True) from inside the VPC"
+                    f"instances {', '.join(ids)} got no public address{after}: use a subnet "
+                    "that assigns them, or AWS(private_ips=True) from inside the VPC"
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 3.0)
-            found = self._describe(ids)
-            instances = sorted(found, key=lambda i: int(i["AmiLaunchIndex"]))
+            found = {i["InstanceId"]: i for i in self._describe(ids)}
+            instances = [found[i] for i in ids]
             for inst in instances:
                 self.instances[inst["InstanceId"]] = inst
 
@@ -392,17 +389,7 @@ class AWSAllocation(CloudAllocation):
         (inst,) = await self._in_thread(self._run, 1)
         machine = self.machine_of(rank, inst)
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
-        try:
-            await self._in_thread(
-                lambda: self.api.call(
-                    "ec2",
-                    "terminate_instances",
-                    "terminate the lost instance",
-                    InstanceIds=[old.ident],
-                )
-            )
-        except ProvisionError as e:  # release() terminates it (by tag) in any case
-            logger.warning("%s: %s", old.ident, e)
+        await self._terminate(old.ident, "terminate the lost instance")
         if self.keep is not None:  # the kept record follows (the machine is put later)
             ids = [m.ident for m in self.machines]
             ids[rank] = machine.ident
@@ -425,20 +412,22 @@ class AWSAllocation(CloudAllocation):
         """Terminate the instance of a node the pool released (drained first, see
         ``_client/elastic.py``) or whose agent did not start: its bill stops there. A
         failure is logged: the release terminates it (by the pool's tag) in any case."""
-        try:
-            await self._in_thread(
-                lambda: self.api.call(
-                    "ec2",
-                    "terminate_instances",
-                    "terminate an instance the pool released",
-                    InstanceIds=[machine.ident],
-                )
-            )
-        except ProvisionError as e:
-            logger.warning("%s: %s", machine.ident, e)
+        if not await self._terminate(machine.ident, "terminate an instance the pool released"):
             return
         self.bill.remove(machine.ident)
         logger.info("%s terminated (%s)", machine.ident, "did not start" if failed else "released")
+
+    async def _terminate(self, ident: str, what: str) -> bool:
+        """Terminate instance ``ident`` (``what`` in an error); whether it was. A failure is
+        logged: the release terminates it (by the pool's tag) in any case."""
+        try:
+            await self._in_thread(
+                lambda: self.api.call("ec2", "terminate_instances", what, InstanceIds=[ident])
+            )
+        except ProvisionError as e:
+            logger.warning("%s: %s", ident, e)
+            return False
+        return True
 
     # -- release -----------------------------------------------------------------------
     def sweep(self) -> None:

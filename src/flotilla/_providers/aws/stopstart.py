@@ -60,6 +60,10 @@ class Stoppable(Protocol):
 
     def connect_addr(self, inst: dict[str, Any]) -> str: ...
 
+    def _public_addresses(
+        self, instances: list[dict[str, Any]], deadline: float | None = None, after: str = ""
+    ) -> list[dict[str, Any]]: ...
+
     def creating(self, what: str, key: str) -> AbstractContextManager[None]: ...
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T: ...
@@ -181,18 +185,10 @@ class StopStart:
                         cause=ProvisionCause.CAPACITY,
                     ) from e
                 raise translate(e, f"start the stopped instances {', '.join(start)}") from e
-        while True:
-            found = {i["InstanceId"]: i for i in self.describe_ids(ids)}
-            instances = [found[i] for i in ids]
-            if pool.settings.private_ips or all(i.get("PublicIpAddress") for i in instances):
-                break
-            if time.monotonic() > deadline:
-                raise ProvisionError(
-                    f"instances {', '.join(ids)} got no public address after starting: use a "
-                    "subnet that assigns them, or AWS(private_ips=True) from inside the VPC"
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 3.0)
+        found = {i["InstanceId"]: i for i in self.describe_ids(ids)}
+        instances = [found[i] for i in ids]
+        if not pool.settings.private_ips:
+            instances = pool._public_addresses(instances, deadline, " after starting")
         for inst in instances:  # a started instance may have a new public address
             pool.instances[inst["InstanceId"]] = inst
             pin_public(
@@ -218,28 +214,19 @@ class StopStart:
         pool = self.pool
         resources = [*ids, *([pool.network.security_group] if pool.network.security_group else [])]
         if stopped:
+            tag, what = (TAG_STOPPED, pool.network.created), "the pool's instances as stopped"
+        else:
+            tag, what = (TAG_CLIENT, pool.network.client), "the stopped instances as this client's"
+        tags = [{"Key": tag[0], "Value": tag[1]}]
+        pool.api.call("ec2", "create_tags", f"mark {what}", Resources=resources, Tags=tags)
+        if not stopped:
             pool.api.call(
                 "ec2",
-                "create_tags",
-                "mark the pool's instances as stopped",
+                "delete_tags",
+                "unmark the stopped instances",
                 Resources=resources,
-                Tags=[{"Key": TAG_STOPPED, "Value": pool.network.created}],
+                Tags=[{"Key": TAG_STOPPED}],
             )
-            return
-        pool.api.call(
-            "ec2",
-            "create_tags",
-            "mark the stopped instances as this client's",
-            Resources=resources,
-            Tags=[{"Key": TAG_CLIENT, "Value": pool.network.client}],
-        )
-        pool.api.call(
-            "ec2",
-            "delete_tags",
-            "unmark the stopped instances",
-            Resources=resources,
-            Tags=[{"Key": TAG_STOPPED}],
-        )
 
     def node_ids(self) -> list[str]:
         """The instances of the nodes, in rank order (those a start was starting, if it

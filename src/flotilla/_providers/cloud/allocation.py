@@ -54,6 +54,7 @@ class CloudAllocation(ShellAllocation):
     Attributes:
         handover: how the pool's host key reached the instances, in the refusal of one
             that presents another key.
+        prefix: before a machine's id in its name ("vast-").
         executor: the threads of the cloud's blocking API calls (one pool of them per
             cloud, shared by its allocations).
         shell_type: the shell that reaches the instances (:class:`CloudShell`, or one
@@ -67,6 +68,7 @@ class CloudAllocation(ShellAllocation):
     known_hosts: str
     login_key: KeyPair | None
     handover = "installed at its start"
+    prefix = ""
     executor: ClassVar[concurrent.futures.ThreadPoolExecutor]
     shell_type: ClassVar[type[CloudShell]] = CloudShell
 
@@ -143,10 +145,10 @@ class CloudAllocation(ShellAllocation):
         raise NotImplementedError
 
     def name(self, machine: Machine) -> str:
-        """``machine`` in messages: its id and where it is reached."""
+        """``machine`` in messages: its id (after ``prefix``) and where it is reached."""
         target = self.target(machine)
         port = f":{target.port}" if target.port != 22 else ""
-        return f"{machine.ident} ({target.host}{port})"
+        return f"{self.prefix}{machine.ident} ({target.host}{port})"
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the instance's SSH port, then start the agent (:meth:`start_pinned`)."""

@@ -1,8 +1,8 @@
 """What the providers of rented instances share around their allocations: the settings
 plumbing of their constructors, the checks before anything is rented (``ssh``, a TTL
 longer than the heartbeat), an acquire that releases what a failed launch made, the labels
-``flotilla:{pool}:{client}`` and the orphan pools found by them (``flotilla down
---orphans``)."""
+``flotilla:{pool}:{client}``, the instances and orphan pools found by them (a release,
+``flotilla down --orphans``)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,24 @@ def labelled(rows: Iterable[dict[str, Any]], key: str) -> Iterable[tuple[str, st
         found = parse_label(str(row.get(key) or ""))
         if found is not None:
             yield found[0], found[1], str(row["id"])
+
+
+def pool_ids(rows: Iterable[dict[str, Any]], key: str, pool_id: str) -> set[str]:
+    """The ids of the ``rows`` whose ``key`` labels them as pool ``pool_id``'s (the release
+    finds by them what a create whose answer was lost made)."""
+    return {ident for pool, _, ident in labelled(rows, key) if pool == pool_id}
+
+
+def release_each(ids: Iterable[_T], release: Callable[[_T], None]) -> list[str]:
+    """``release`` each of ``ids``, in order and all of them; the errors (ProvisionError)
+    of those that failed."""
+    errors = []
+    for ident in ids:
+        try:
+            release(ident)
+        except ProvisionError as e:
+            errors.append(str(e))
+    return errors
 
 
 class MarketProvider(Provider):

@@ -78,6 +78,7 @@ class RestApi:
         error_code: reads the API's error code and message from a decoded error answer.
         capacity: tells an error answer that means "no capacity there now" (its cause is
             then ProvisionCause.CAPACITY: the caller tries elsewhere).
+        error_type: the class of its errors (a provider's own :class:`ApiError`).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class RestApi:
         source: str,
         error_code: Callable[[Any], tuple[str, str]] | None = None,
         capacity: Callable[[int, str, str], bool] | None = None,
+        error_type: type[ApiError] = ApiError,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
@@ -95,6 +97,7 @@ class RestApi:
         self.source = source
         self._error_code = error_code or _error_code
         self._capacity = capacity or (lambda status, code, msg: False)
+        self.error_type = error_type
         self.calls = 0
 
     def __repr__(self) -> str:
@@ -150,12 +153,20 @@ class RestApi:
         except urllib.error.HTTPError as e:  # a transient error, every time
             raise getattr(e, "flotilla_error", None) or self.error(what, e.code, b"") from None
         except (OSError, ValueError) as e:
-            raise ApiError(
+            raise self.error_type(
                 f"{self.name} ({self.url}): cannot {what}: {self.plain(str(e))}",
                 0,
                 "",
                 ProvisionCause.UNREACHABLE,
             ) from None
+
+    def delete(self, path: str, what: str, body: Any = None) -> None:
+        """``DELETE`` ``path`` (as :meth:`call`); one already gone (404) is no error."""
+        try:
+            self.call("DELETE", path, what, body)
+        except ApiError as e:
+            if e.status != 404:
+                raise
 
     def authorization(self) -> str:
         """The ``Authorization`` header of a call (an API with tokens overrides it)."""
@@ -183,7 +194,7 @@ class RestApi:
                 f"({status}: {msg}) when asked to {what}: check {self.source}"
             )
         cause = ProvisionCause.CAPACITY if self._capacity(status, code, msg) else None
-        return ApiError(
+        return self.error_type(
             f"{self.name}: cannot {what} ({status}{', ' + code if code else ''}: {msg})",
             status,
             code,

@@ -5,7 +5,8 @@ Vast's ``CONTAINER_API_KEY``).
 
 No trust on first use (as on AWS, ``keys``): the client generates the instance's SSH host
 key (ed25519, in a pool-private folder) and hands it over in the start script, which
-installs it as the only host key before sshd starts; the client pins exactly that key.
+installs it as the only host key before sshd starts (an sshd already running, as on Vast,
+is made to reload); the client pins exactly that key.
 
 The destroy script (``{workdir}/{provider}/{ID}.destroy``, 0700) makes one API request with
 the instance's own key (never the account's, which does not leave the client), tried 8
@@ -81,9 +82,12 @@ def start_script(
     workdir: str,
     ttl: float,
     start_timeout: float,
+    guard_log: bool = True,
 ) -> str:
     """The part of the start script that installs the host key, the destroy script and
-    the guard (see the module docstring); ValueError for a URL it cannot hold."""
+    the guard (see the module docstring); ValueError for a URL it cannot hold. The guard
+    writes to ``{ID}.guard.log`` beside the destroy script, or without ``guard_log`` to
+    the script's output (Vast keeps an on-start script's output as the instance's log)."""
     if not SAFE_URL.fullmatch(call.url):
         raise ValueError(f"not a plain URL: {call.url!r}")
     private = host_key.private().strip()
@@ -112,6 +116,7 @@ def start_script(
         if call.body is None
         else f"-H 'Content-Type: application/json' -d '{json.dumps(call.body)}'"
     )
+    guard_out = f' \\\n  >>{folder}/"{ident}.guard.log" 2>&1' if guard_log else ""
     guard = (
         f'sleep {delay}; if [ -e "$2/$1.lock" ]; then echo "flotilla guard: an agent started: '
         'its watchdog is in charge"; else echo "flotilla guard: no agent started within '
@@ -127,6 +132,7 @@ cat > /etc/ssh/ssh_host_ed25519_key <<'FLOTILLA_HOST_KEY'
 FLOTILLA_HOST_KEY
 echo '{public} flotilla-{pool_id}' > /etc/ssh/ssh_host_ed25519_key.pub
 chmod 600 /etc/ssh/ssh_host_ed25519_key
+if [ -s /run/sshd.pid ]; then kill -HUP "$(cat /run/sshd.pid)" 2>/dev/null; fi
 if [ -n "{ident}" ]; then
 mkdir -p {folder} {watch}
 rm -f {watch}/"{ident}" {watch}/"{ident}.lock"
@@ -144,8 +150,7 @@ FLOTILLA_DESTROY
 chmod 700 {folder}/"{ident}.destroy"
 echo "flotilla guard: destroying this instance in {delay} s unless an agent starts"
 s=$(command -v setsid || echo nohup)
-$s sh -c {shlex.quote(guard)} flotilla-guard "{ident}" {watch} {folder} </dev/null \\
-  >>{folder}/"{ident}.guard.log" 2>&1 &
+$s sh -c {shlex.quote(guard)} flotilla-guard "{ident}" {watch} {folder} </dev/null{guard_out} &
 else
 echo "flotilla guard: no {call.id_var}: not guarding"
 fi

@@ -22,7 +22,7 @@ from ..cloud.allocation import InstanceAllocation, cheapest, show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, pin, user_data
-from ..cloud.market import LABEL_PREFIX, label, over_budget
+from ..cloud.market import label, over_budget, pool_ids
 from ..cloud.rest import ApiError, RestApi
 from ..offers import Offer
 from ..ssh_shell import Target
@@ -355,12 +355,8 @@ class LambdaAllocation(InstanceAllocation):
             ids = set(self.instances)
             with contextlib.suppress(ProvisionError):
                 rows = data(self.api.call("GET", "/instances", "list the pool's instances"))
-                for row in rows or []:
-                    mine = str(row.get("name", "")).startswith(
-                        f"{LABEL_PREFIX}{self.spec.pool_id}:"
-                    )
-                    if mine and row.get("status") != "terminated":
-                        ids.add(str(row["id"]))
+                live = [row for row in rows or [] if row.get("status") != "terminated"]
+                ids |= pool_ids(live, "name", self.spec.pool_id)
             errors = []
             try:
                 self._terminate(sorted(ids))

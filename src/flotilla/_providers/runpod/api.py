@@ -96,5 +96,8 @@ class RunPodApi:
     def call(self, method: str, path: str, what: str, body: Any = None) -> Any:
         return self.rest.call(method, path, what, body)
 
+    def delete(self, path: str, what: str) -> None:
+        self.rest.delete(path, what)
+
 
 __all__ = ["ApiError", "ConfigurationError", "RunPodApi", "find", "urls"]

@@ -17,7 +17,7 @@ from ..cloud import login
 from ..cloud.allocation import show
 from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, pin
-from ..cloud.market import LABEL_PREFIX, label
+from ..cloud.market import label, pool_ids, release_each
 from ..cloud.rest import ApiError
 from ..cloud.selfdestruct import DestroyCall, contact, poweroff_command, start_script
 from ..ssh_shell import Target
@@ -58,6 +58,7 @@ class RunPodAllocation(RunPodStopping):
         max_workers=8, thread_name_prefix="flotilla-runpod"
     )
     handover = "installed by its start command"
+    prefix = "runpod-"
 
     def __init__(self, settings: RunPodSettings, api: RunPodApi, spec: PoolSpec) -> None:
         super().__init__(spec, [])
@@ -240,10 +241,6 @@ class RunPodAllocation(RunPodStopping):
     def target(self, machine: Machine) -> Target:
         return self._targets[machine.ident]
 
-    def name(self, machine: Machine) -> str:
-        target = self.target(machine)
-        return f"runpod-{machine.ident} ({target.host}:{target.port})"
-
     async def start_agent(self, machine: Machine) -> Any:
         agent = await super().start_agent(machine)
         self._remember(machine)
@@ -270,11 +267,7 @@ class RunPodAllocation(RunPodStopping):
         self.pods.pop(ident, None)
 
     def _terminate(self, ident: str) -> None:
-        try:
-            self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
-        except ApiError as e:
-            if e.status != 404:
-                raise
+        self.api.delete(f"/pods/{ident}", f"terminate pod {ident}")
 
     def sweep(self) -> None:
         """Terminate every pod of the pool: the ones created, and any the API lists with
@@ -289,15 +282,8 @@ class RunPodAllocation(RunPodStopping):
             ids = set(self.pods)
             with contextlib.suppress(ProvisionError):
                 rows = self.api.call("GET", "/pods", "list the pool's pods")
-                for row in rows if isinstance(rows, list) else []:
-                    if str(row.get("name", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
-                        ids.add(str(row["id"]))
-            errors = []
-            for ident in sorted(ids):
-                try:
-                    self._terminate(ident)
-                except ProvisionError as e:
-                    errors.append(str(e))
+                ids |= pool_ids(rows if isinstance(rows, list) else [], "name", self.spec.pool_id)
+            errors = release_each(sorted(ids), self._terminate)
             if errors:
                 _show(
                     f"RunPod: could not terminate everything of pool {self.spec.pool_id}: "

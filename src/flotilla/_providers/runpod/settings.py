@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError, check_number
-from ..options import MARKET_OF_TASK, MARKETS, From, option
+from ..options import MARKET_OF_TASK, MARKETS, From, check_rented, option
 
 CLOUD_TYPES = ("secure", "community", "all")
 
@@ -76,10 +76,7 @@ class RunPodSettings:
     request_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ConfigurationError("RunPod(api_key=...): a non-empty string")
-        if not isinstance(self.image, str) or not self.image.strip():
-            raise ConfigurationError(f"RunPod(image={self.image!r}): a container image name")
+        check_rented(self, "RunPod", "a container image name")
         if self.cloud_type not in CLOUD_TYPES:
             raise ConfigurationError(
                 f"RunPod(cloud_type={self.cloud_type!r}): one of {', '.join(CLOUD_TYPES)}"
@@ -98,8 +95,6 @@ class RunPodSettings:
             raise ConfigurationError(
                 f"RunPod(volume_mount_path={self.volume_mount_path!r}): an absolute folder"
             )
-        ttl = self.ttl
-        check_number(ttl, f"RunPod(ttl={ttl!r}): a positive number of seconds", above=0)
         centers = self.data_centers
         centers = _centers(centers) if isinstance(centers, str) else tuple(centers)
         for c in centers:
@@ -107,11 +102,5 @@ class RunPodSettings:
                 raise ConfigurationError(
                     f"RunPod(data_centers=[{c!r}]): data center ids such as 'EU-RO-1'"
                 )
-        if not isinstance(self.workdir, str) or not self.workdir.startswith(("/", "~")):
-            raise ConfigurationError(
-                f"RunPod(workdir={self.workdir!r}): an absolute folder, or one under ~"
-            )
         object.__setattr__(self, "data_centers", tuple(c.upper() for c in centers))
-        object.__setattr__(self, "ttl", float(ttl))
         object.__setattr__(self, "disk_gb", float(disk))
-        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))

@@ -13,24 +13,20 @@ Followed from ``vast-ai/vast-python``'s ``vast.py`` (commit b25bd95):
   ``http_del``, 173-218); the official client retries a 429, flotilla every transient
   error (5xx, 429, timeouts, resets: ``_providers/retry.py``, as every provider).
 
-The key is never shown: not in ``repr``, not in errors.
+Spoken by the cloud kit's ``cloud/rest.py`` (as RunPod's and Lambda's APIs): the key is
+never shown (not in ``repr``, not in errors).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from typing import Any
 
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..retry import retried
+from ..cloud.rest import ApiError, RestApi
 
 DEFAULT_URL = "https://console.vast.ai"
 KEY_ENV = "VAST_API_KEY"
 URL_ENV = "VAST_URL"
-TIMEOUT = 30.0
 
 
 def key_files() -> list[str]:
@@ -62,83 +58,43 @@ def find_url(url: str | None) -> str:
     return (url or os.environ.get(URL_ENV, "").strip() or DEFAULT_URL).rstrip("/")
 
 
-class VastApiError(ProvisionError):
-    """An API call failed; ``status`` is the HTTP status (0: no answer), ``error`` Vast's
-    error code (``no_such_ask``...)."""
+class VastApiError(ApiError):
+    """An API call failed; ``status`` is the HTTP status (0: no answer), ``error`` (also
+    ``code``) Vast's error code (``no_such_ask``...)."""
 
-    def __init__(self, message: str, status: int, error: str, cause: ProvisionCause | None) -> None:
-        super().__init__(message, cause=cause)
-        self.status = status
-        self.error = error
+    @property
+    def error(self) -> str:
+        return self.code
+
+
+def _error_code(answer: Any) -> tuple[str, str]:
+    """(code, message) of a Vast error answer: ``{"error": "no_such_ask", "msg": ...}``."""
+    if not isinstance(answer, dict):
+        return "", str(answer)[:200]
+    error = str(answer.get("error", "") or "")
+    return error, str(answer.get("msg", "") or answer.get("message", "") or error)
 
 
 class VastApi:
-    """Calls to one Vast API with one key."""
+    """Calls to one Vast API (``url``, without ``/api/v0``) with one key (from
+    ``source``)."""
 
-    def __init__(self, key: str, url: str) -> None:
-        self._key = key
-        self.url = url
-        self.calls = 0
+    def __init__(self, key: str, url: str, source: str = "VastAI(api_key=...)") -> None:
+        self.rest = RestApi("Vast API", url, key, source, _error_code, error_type=VastApiError)
+
+    @property
+    def url(self) -> str:
+        return self.rest.url
 
     def __repr__(self) -> str:
         return f"VastApi(url={self.url!r})"
 
     def call(self, method: str, path: str, what: str, body: Any = None, **query: str) -> Any:
-        """``method`` ``/api/v0{path}`` with the JSON ``body``; the decoded answer.
-        VastApiError (a ProvisionError) saying ``what`` failed; ConfigurationError when
-        the key is refused."""
-        url = f"{self.url}/api/v0{path}"
-        if query:
-            url += "?" + "&".join(f"{k}={v}" for k, v in query.items())
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self._key}", "Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
+        """``method`` ``/api/v0{path}`` with the JSON ``body`` and the ``query``; the
+        decoded answer. VastApiError (a ProvisionError) saying ``what`` failed;
+        ConfigurationError when the key is refused."""
+        return self.rest.call(method, f"/api/v0{path}", what, body, query or None)
 
-        def once() -> Any:
-            self.calls += 1
-            req = urllib.request.Request(url, data=data, method=method, headers=headers)
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-                raw = resp.read()
-            return json.loads(raw) if raw else {}
-
-        try:  # 5xx, 429, timeouts and resets: tried again (``retry``)
-            return retried(once, f"Vast API ({self.url}): {what}")
-        except urllib.error.HTTPError as e:
-            raise self._error(what, e.code, e.read()) from None
-        except (OSError, ValueError) as e:
-            raise VastApiError(
-                f"Vast API ({self.url}): cannot {what}: {_plain(str(e), self._key)}",
-                0,
-                "",
-                ProvisionCause.UNREACHABLE,
-            ) from None
-
-    def _error(self, what: str, status: int, raw: bytes) -> Exception:
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = {}
-        if not isinstance(answer, dict):
-            answer = {}
-        error = str(answer.get("error", "") or "")
-        msg = str(
-            answer.get("msg", "") or answer.get("error", "") or raw[:200].decode(errors="replace")
-        )
-        msg = _plain(msg, self._key)
-        if status in (401, 403):
-            return ConfigurationError(
-                f"Vast API ({self.url}) refused the API key ({status}: {msg}) when asked to "
-                f"{what}: check VastAI(api_key=...), {KEY_ENV} or `vastai set api-key`"
-            )
-        return VastApiError(
-            f"Vast API: cannot {what} ({status}{', ' + error if error else ''}: {msg})",
-            status,
-            error,
-            None,
-        )
-
-
-def _plain(text: str, key: str) -> str:
-    """``text`` without the key in it."""
-    return text.replace(key, "***") if key else text
+    def delete(self, path: str, what: str, body: Any = None) -> None:
+        """``DELETE`` ``/api/v0{path}``; one already gone (404) is no error."""
+        self.rest.delete(f"/api/v0{path}", what, body)

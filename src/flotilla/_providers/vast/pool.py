@@ -21,7 +21,7 @@ from ..cloud import login
 from ..cloud.allocation import CloudAllocation, show
 from ..cloud.identity import client_id
 from ..cloud.keys import keygen, pin
-from ..cloud.market import LABEL_PREFIX, label, over_budget
+from ..cloud.market import label, over_budget, pool_ids, release_each
 from ..ssh_shell import Target
 from .api import VastApi, VastApiError
 from .choice import Choice, choose, describe, query
@@ -259,13 +259,10 @@ class VastAllocation(CloudAllocation):
 
     # -- agents ------------------------------------------------------------------------
     handover = "installed through its on-start script"
+    prefix = "vast-"
 
     def target(self, machine: Machine) -> Target:
         return self._targets[machine.ident]
-
-    def name(self, machine: Machine) -> str:
-        target = self.target(machine)
-        return f"vast-{machine.ident} ({target.host}:{target.port})"
 
     async def start_agent(self, machine: Machine) -> AgentProcess:
         """Wait for the mapped SSH port, then start the agent over SSH with the pinned host
@@ -429,11 +426,7 @@ class VastAllocation(CloudAllocation):
 
     # -- release -----------------------------------------------------------------------
     def _destroy(self, ident: int) -> None:
-        try:
-            self.api.call("DELETE", f"/instances/{ident}/", f"destroy instance {ident}")
-        except VastApiError as e:
-            if e.status != 404:
-                raise
+        self.api.delete(f"/instances/{ident}/", f"destroy instance {ident}")
 
     def sweep(self) -> None:
         """Destroy everything of the pool (:meth:`_release`; synchronous, see
@@ -451,26 +444,16 @@ class VastAllocation(CloudAllocation):
         ids = set(self.instances)
         with contextlib.suppress(ProvisionError):
             rows = self.api.call("GET", "/instances", "list the pool's instances", owner="me")
-            for row in rows.get("instances", []):
-                if str(row.get("label", "")).startswith(f"{LABEL_PREFIX}{self.spec.pool_id}:"):
-                    ids.add(int(row["id"]))
-        errors = []
-        for ident in sorted(ids):
-            try:
-                self._destroy(ident)
-            except ProvisionError as e:
-                errors.append(str(e))
+            found = pool_ids(rows.get("instances", []), "label", self.spec.pool_id)
+            ids |= {int(i) for i in found}
+        errors = release_each(sorted(ids), self._destroy)
         if self.overlay:
             try:
-                self.api.call(
-                    "DELETE",
-                    "/overlay/",
-                    "delete the pool's overlay network",
-                    {"overlay_name": self.overlay},
+                self.api.delete(
+                    "/overlay/", "delete the pool's overlay network", {"overlay_name": self.overlay}
                 )
             except VastApiError as e:
-                if e.status != 404:
-                    errors.append(str(e))
+                errors.append(str(e))
         if errors:
             raise ProvisionError("; ".join(errors))
 

@@ -85,7 +85,7 @@ class VastAI(MarketProvider):
                     f"no Vast API key: looked in {tried}; pass VastAI(api_key=...), set "
                     "VAST_API_KEY, or run `vastai set api-key KEY`"
                 )
-            self._api = VastApi(key, find_url(self.settings.url))
+            self._api = VastApi(key, find_url(self.settings.url), tried)
         return self._api
 
     def check(self) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._errors import ConfigurationError, check_number
-from ..options import From, option
+from ..options import From, check_rented, option
 
 
 def _countries(text: str) -> tuple[str, ...]:
@@ -52,10 +52,7 @@ class VastSettings:
     connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ConfigurationError("VastAI(api_key=...): a non-empty string")
-        if not isinstance(self.image, str) or not self.image.strip():
-            raise ConfigurationError(f"VastAI(image={self.image!r}): a Docker image name")
+        check_rented(self, "VastAI", "a Docker image name")
         disk, rel = self.disk_gb, self.min_reliability
         check_number(disk, f"VastAI(disk_gb={disk!r}): a positive number of GB", above=0)
         check_number(
@@ -67,14 +64,6 @@ class VastSettings:
                 raise ConfigurationError(
                     f"VastAI(regions=[{r!r}]): two-letter country codes such as 'US', 'SE'"
                 )
-        ttl = self.ttl
-        check_number(ttl, f"VastAI(ttl={ttl!r}): a positive number of seconds", above=0)
-        if not isinstance(self.workdir, str) or not self.workdir.startswith(("/", "~")):
-            raise ConfigurationError(
-                f"VastAI(workdir={self.workdir!r}): an absolute folder, or one under ~"
-            )
         object.__setattr__(self, "regions", tuple(r.upper() for r in regions))
-        object.__setattr__(self, "ttl", float(ttl))
         object.__setattr__(self, "disk_gb", float(disk))
         object.__setattr__(self, "min_reliability", float(rel))
-        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))
