@@ -129,7 +129,7 @@ class GcpLab(StandIn):
     ``GOOGLE_CLOUD_PROJECT``, ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE``), set in
     ``os.environ`` while the lab runs."""
 
-    def __init__(self, boot_delay: float = 0.5) -> None:
+    def __init__(self, boot_delay: float = 2.0) -> None:
         super().__init__(boot_delay)
         self.instances: dict[tuple[str, str], LabInstance] = {}
         self.made: list[LabInstance] = []  # every instance ever inserted
