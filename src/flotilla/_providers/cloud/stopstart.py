@@ -100,6 +100,16 @@ class StoppableAllocation(InstanceAllocation):
         )
         return True
 
+    def kept_at_release(self) -> bool:
+        """Closing the pool: :meth:`stop_kept`; True when the caller removes nothing (the
+        instances were stopped, or their stop failed: they are recorded as stopped, and
+        ``flotilla down`` removes them)."""
+        try:
+            return self.stop_kept()
+        except ProvisionError as e:
+            show(logger, f"{self.provider_title}: could not stop pool {self.spec.pool_id}: {e}")
+            return True
+
     def start_one(self, call: Callable[[], Any], what: str) -> None:
         """``call()``, which starts a stopped instance (``what`` it does, in messages): an
         answer that the provider has no room for it now is a ProvisionError (CAPACITY)

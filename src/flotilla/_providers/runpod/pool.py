@@ -273,11 +273,7 @@ class RunPodAllocation(RunPodStopping):
         """Terminate every pod of the pool: the ones created, and any the API lists with
         the pool's name (a create whose answer was lost); then remove the local folder."""
         try:
-            try:
-                if self.stop_kept():
-                    return
-            except ProvisionError as e:  # recorded as stopped: `flotilla down` removes them
-                _show(f"RunPod: could not stop pool {self.spec.pool_id}: {e}")
+            if self.kept_at_release():
                 return
             ids = set(self.pods)
             with contextlib.suppress(ProvisionError):

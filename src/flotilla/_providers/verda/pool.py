@@ -513,11 +513,7 @@ class VerdaAllocation(VerdaStopping):
         create whose answer was lost), its startup scripts and SSH key; remove the local
         folder."""
         try:
-            try:
-                if self.stop_kept():
-                    return
-            except ProvisionError as e:  # recorded as stopped: `flotilla down` removes them
-                _show(f"Verda: could not shut down pool {self.spec.pool_id}: {e}")
+            if self.kept_at_release():
                 return
             ids = set(self.instances)
             with contextlib.suppress(ProvisionError):
