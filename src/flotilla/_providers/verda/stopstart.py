@@ -109,6 +109,15 @@ class VerdaStopping(StoppableAllocation):
             if str((row or {}).get("status")) == STOPPED:
                 what = f"start instance {node.id}"
                 self.start_one(partial(self._action, [node.id], "start"), what)
+        # (``offline`` reads as ended to the launch's wait: not until the start is seen)
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        while any(s == STOPPED for i, s in self._statuses().items() if i in kept.ids):
+            if time.monotonic() > deadline:
+                raise ProvisionError(
+                    f"Verda: instances {', '.join(kept.ids)} did not start",
+                    cause=ProvisionCause.TIMEOUT,
+                )
+            time.sleep(0.2)
         self._wait_running(kept.ids)
         return [self._machine(rank, ident) for rank, ident in enumerate(kept.ids)]
 
