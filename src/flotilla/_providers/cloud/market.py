@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..._accelerators import Accelerator, offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import Allocation, PoolSpec, Provider
 from .identity import orphaned
@@ -166,3 +167,28 @@ def over_budget(
             f"{what} ${cost:.2f}/h{note}, above {cap_name}=${cap:.2f}/h: nothing was rented",
             cause=ProvisionCause.CAPACITY,
         )
+
+
+def fits(
+    acc: Accelerator | None,
+    instance_type: str | None,
+    name: str,
+    gpus: int,
+    described: str,
+    market: str,
+) -> bool:
+    """Whether instance type ``name`` (``gpus`` GPUs, ``described`` so on ``market``) can be
+    the pool's: the one ``instance_type`` names; one with ``acc`` (count included); with no
+    accelerator asked for, one with GPUs."""
+    if instance_type is not None and name != instance_type:
+        return False
+    if acc is not None:
+        return gpus == acc.count and offered_as(acc, described, market)
+    return instance_type is not None or gpus != 0
+
+
+def unoffered(acc: Accelerator, cloud: str, market: str, offered: list[str]) -> ConfigurationError:
+    """The error for an accelerator no instance type of ``cloud`` has, naming the nearest
+    of ``offered``."""
+    asked = f"{acc.name}:{acc.count:g}" if acc.count != 1 else acc.name
+    return ConfigurationError(unknown_name(asked, cloud, {market: offered}))
