@@ -18,7 +18,7 @@ from ..bootstrap import NoAnswer
 from ..cloud import login
 from ..cloud.allocation import GUARD_ID, CloudShell, SelfEnding, as_root, show
 from ..cloud.identity import client_id, pool_folder
-from ..cloud.keys import KeyPair, keygen
+from ..cloud.keys import KeyPair, host_key_script, keygen
 from ..cloud.market import fits, label, unoffered
 from ..cloud.rest import ApiError
 from ..offers import Offer
@@ -160,21 +160,11 @@ def startup_script(
     """The instance's startup script (Verda runs it as root at the first boot): the pool's
     host key as the only one, the login key authorized for ``user``, then ``more`` (the
     delete script and the guard); sshd restarted where systemd runs it."""
-    private = host_key.private().strip()
-    public = " ".join(host_key.public.split()[:2])
     home = "/root" if user == "root" else f"~{user}"
     return f"""#!/bin/sh
 # flotilla pool {pool_id}: the pinned SSH host key, the login key and the guard (see
 # flotilla's _providers/verda/pool.py)
-umask 077
-mkdir -p /etc/ssh
-rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub
-cat > /etc/ssh/ssh_host_ed25519_key <<'FLOTILLA_HOST_KEY'
-{private}
-FLOTILLA_HOST_KEY
-echo '{public} flotilla-{pool_id}' > /etc/ssh/ssh_host_ed25519_key.pub
-chmod 600 /etc/ssh/ssh_host_ed25519_key
-mkdir -p {home}/.ssh
+{host_key_script(host_key, pool_id)}mkdir -p {home}/.ssh
 echo {shlex.quote(login_key.public)} >> {home}/.ssh/authorized_keys
 chown -R {user} {home}/.ssh 2>/dev/null || true
 {more}
