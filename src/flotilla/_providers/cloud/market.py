@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..._accelerators import Accelerator, offered_as, unknown_name
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError, check_number
 from ..base import Allocation, PoolSpec, Provider
+from .guard import USER_NAME
 from .identity import orphaned
 from .kept import Keep, KeptPool
 
@@ -192,3 +193,26 @@ def unoffered(acc: Accelerator, cloud: str, market: str, offered: list[str]) -> 
     of ``offered``."""
     asked = f"{acc.name}:{acc.count:g}" if acc.count != 1 else acc.name
     return ConfigurationError(unknown_name(asked, cloud, {market: offered}))
+
+
+def check_self_ending(settings: Any, provider: str, secrets: tuple[str, ...], region: str) -> None:
+    """The checks the settings of the providers whose instances end themselves share (see
+    ``allocation.SelfEnding``), in a ``__post_init__``: the ``secrets`` fields None or
+    non-empty strings, ``region`` None or a name of letters, digits and dashes (``region``
+    says which, "a region name such as 'us-east-1'"), ``ssh_user`` a login name, ``ttl``
+    positive seconds; ``ttl`` and ``connect_timeout`` are made floats. ``provider`` is named
+    in the errors."""
+    for name in secrets:
+        value = getattr(settings, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigurationError(f"{provider}({name}=...): a non-empty string")
+    where = settings.region
+    if where is not None and (not isinstance(where, str) or not where.replace("-", "").isalnum()):
+        raise ConfigurationError(f"{provider}(region={where!r}): {region}")
+    user = settings.ssh_user
+    if not isinstance(user, str) or not USER_NAME.fullmatch(user):
+        raise ConfigurationError(f"{provider}(ssh_user={user!r}): a login name")
+    ttl = settings.ttl
+    check_number(ttl, f"{provider}(ttl={ttl!r}): a positive number of seconds", above=0)
+    object.__setattr__(settings, "ttl", float(ttl))
+    object.__setattr__(settings, "connect_timeout", float(settings.connect_timeout))
