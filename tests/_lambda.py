@@ -89,7 +89,7 @@ class LambdaLab(StandIn):
     """The stand-in API server and its instances. A context manager; ``url`` and ``env``
     (``LAMBDA_API_URL``, ``LAMBDA_API_KEY``) are what a client needs."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         super().__init__(boot_delay)
         self.types: dict[str, InstanceType] = {}
         self.instances: dict[str, Instance] = {}

@@ -135,7 +135,7 @@ class RunPodLab(StandIn):
     ``url`` and ``env`` (``RUNPOD_API_BASE_URL``, ``RUNPOD_API_KEY``) are what a client
     needs."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         super().__init__(boot_delay)
         self.gpus: dict[str, GpuType] = {}
         self.pods: dict[str, Pod] = {}

@@ -52,7 +52,7 @@ class StandIn(Lifecycle):
         with cls() as lab:
             yield lab
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
         self.url = ""

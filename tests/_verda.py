@@ -102,7 +102,7 @@ class VerdaLab(Lifecycle):
     needs. ``self_client``: other credentials the test gives the instances (their deletes
     are recorded as "self")."""
 
-    def __init__(self, boot_delay: float = 2.0) -> None:
+    def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
         self.types: dict[str, InstanceType] = {}
@@ -172,7 +172,7 @@ class VerdaLab(Lifecycle):
             self.creates.clear()
             self.deleted.clear()
             self.self_client = ("", "")
-        self.boot_delay = 2.0
+        self.boot_delay = 0.5
         self.script_late = 0.0
 
     def add_type(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import select
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
-from _procs import interruptible
+from _procs import interruptible, kill_quietly, wait_until
 
 import flotilla as sky
 from flotilla._providers.aws.pool import AWSAllocation
@@ -673,6 +674,39 @@ os._exit(0)  # the agent dies at once
         assert ready and os.read(reader, 16) == b"on\n"
     finally:
         os.close(reader)
+
+
+def test_the_helper_ends_when_its_agent_died_before_it_started(tmp_path: Any) -> None:
+    """An agent that dies right after cloud.start() (before the helper it started got to
+    watch it): the helper ends too, instead of waiting forever under another parent with
+    the agent's stderr (the test above then hung until its timeout)."""
+    contact = str(tmp_path / "contact")
+    config = {"contact": contact, "ttl": 0}  # no watchdog: only the helper
+    code = f"""
+import json, os
+os.environ["FLOTILLA_CLOUD"] = json.dumps({config!r})
+from flotilla._node.cloud import start
+start()
+os._exit(0)  # the agent dies at once, before the helper is up
+"""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(sky.__file__))}
+    agent = subprocess.run([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
+    assert agent.returncode == 0  # (the helper keeps the agent's stderr: not a pipe here)
+
+    def helpers() -> list[int]:
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+                if contact.encode() in f.read():
+                    out.append(int(pid))
+        return out
+
+    try:
+        assert wait_until(lambda: helpers() == [], 30), (
+            f"the helper outlived its agent: {helpers()}"
+        )
+    finally:
+        kill_quietly(helpers())
 
 
 def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:

@@ -1,6 +1,6 @@
 """The Lambda Cloud provider on the lab's stand-in (``_lambda.py``): its REST API as Lambda's
 OpenAPI specification documents it; instances are real sshd in network namespaces,
-reachable only at their public address, port 22, after a boot delay of 2 s, on a private
+reachable only at their public address, port 22, after a boot delay (0.5 s), on a private
 network per region."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def lam(**kw: object) -> sky.LambdaCloud:
 def test_the_documented_calls_on_the_stand_in(lambda_lab: LambdaLab) -> None:
     """The API reference's calls, HTTP Basic auth as Lambda's examples use it (curl -u
     KEY:): instance types, a launch, the instance booting then active, terminated."""
+    lambda_lab.boot_delay = 2.0  # long enough to see it booting, also on a loaded machine
     lambda_lab.add_type("gpu_1x_a10", "A10 (24 GB PCIe)", 1, 75)
     auth = "Basic " + base64.b64encode(f"{API_KEY}:".encode()).decode()
 

@@ -1,7 +1,7 @@
 """The RunPod provider on the lab's stand-in (``_runpod.py``): its GraphQL and REST v1
 APIs driven by the official client ``runpod`` and by flotilla; pods are real sshd in
 network namespaces, reachable only at the public address and port the API reports, after
-a boot delay of 2 s."""
+a boot delay (0.5 s)."""
 
 from __future__ import annotations
 

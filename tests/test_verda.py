@@ -1,6 +1,6 @@
 """The Verda provider on the lab's stand-in (``_verda.py``): its REST API as the official
 ``verda`` client calls it; instances are real sshd in network namespaces, reachable only
-at their public address, port 22, after a boot delay of 2 s. One lab for the module."""
+at their public address, port 22, after a boot delay (0.5 s). One lab for the module."""
 
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ def start() -> Contact | None:
     try:
         subprocess.Popen(
             [sys.executable, "-m", "flotilla._node.cloud"],
-            env={**os.environ, ENV: text, _ARMED_FD: str(tell)},
+            env={**os.environ, ENV: text, _ARMED_FD: str(tell), _AGENT: str(os.getpid())},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             pass_fds=(tell,),
@@ -135,6 +135,9 @@ _ARMED_FD = "FLOTILLA_CLOUD_ARMED"
 (so the agent never serves a client before the watchdog is in charge: a client killed
 at once still leaves an instance that ends)."""
 _ARM_TIMEOUT = 30.0
+_AGENT = "FLOTILLA_CLOUD_AGENT"
+"""The helper's environment: the agent's pid (the helper ends with it, also when the agent
+died before the helper got to check: its parent is then already another process)."""
 
 
 def _wait_armed(fd: int) -> bool:
@@ -289,6 +292,7 @@ def _request(url: str, method: str, headers: dict[str, str]) -> str:
 def main() -> None:
     """Entry point of ``python -m flotilla._node.cloud`` (started by :func:`start`)."""
     config = Config.from_json(os.environ[ENV])
+    agent = os.environ.pop(_AGENT, "")
     if config.ttl > 0 and _daemonize():  # first: the agent may die meanwhile
         watchdog(config)
         os._exit(0)
@@ -296,7 +300,7 @@ def main() -> None:
     if fd.isdigit():
         with contextlib.suppress(OSError):
             os.close(int(fd))
-    die_with_parent(exit_status=0)
+    die_with_parent(exit_status=0, parent=int(agent) if agent.isdigit() else None)
     if config.imds:
         poll_interruptions(config)
     else:

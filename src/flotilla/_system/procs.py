@@ -181,12 +181,16 @@ def _is_tracker(pid: int) -> bool:
         return False
 
 
-def die_with_parent(sig: int = signal.SIGKILL, exit_status: int | None = 1) -> None:
+def die_with_parent(
+    sig: int = signal.SIGKILL, exit_status: int | None = 1, parent: int | None = None
+) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies (Linux's
     ``PR_SET_PDEATHSIG``; nothing elsewhere). Called in a child right after it was forked,
     so that it never outlives the process that started it. When the parent is already gone
-    by then, exit with ``exit_status`` (None: carry on; a ``preexec_fn`` must)."""
-    parent = os.getppid()
+    by then, exit with ``exit_status`` (None: carry on; a ``preexec_fn`` must). ``parent``:
+    the pid of the process that started this one, when this is called after an exec (that
+    parent may be gone before: this process's parent is then already another one)."""
+    parent = os.getppid() if parent is None else parent
     try:
         import ctypes
 
