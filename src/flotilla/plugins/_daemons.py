@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._errors import FlotillaError
 from .._system.procs import (
@@ -36,6 +37,7 @@ from .._system.procs import (
     owner_tag,
     pids,
 )
+from ._env import host_port
 
 MARKER_VAR = "FLOTILLA_ENGINE"
 """Environment variable carried by every process of one node's engine daemons."""
@@ -70,6 +72,16 @@ def scratch_dir(engine: str, pool_id: str, node: int) -> str:
 def head_engine_port(engine: str, head_port: int) -> int:
     """The head's port for ``engine`` (its rendezvous: Ray's GCS, Dask's scheduler)."""
     return head_port + ENGINE_PORT_OFFSET[engine]
+
+
+def head_forward(pool: Any, engine: str) -> tuple[Any, str]:
+    """Node 0's port for ``engine`` reached from this machine: (a forward through the
+    pool's channel, None when node 0 runs here; the port as ``host:port`` on node 0)."""
+    from .._client.forward import node_forward
+
+    head = pool._nodes[0].proc.address
+    port = head_engine_port(engine, int(pool._bringup.head_port))
+    return node_forward(pool, 0, head, port), host_port(head, port)
 
 
 def free_port(addr: str) -> int:

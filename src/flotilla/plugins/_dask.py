@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import ConfigurationError, check_number
 from .._info import InstanceInfo
-from ._daemons import Daemon, EngineError, check_free, head_engine_port, scratch_dir
+from ._daemons import Daemon, EngineError, check_free, head_engine_port, head_forward, scratch_dir
 from ._engine import EnginePlugin
 from ._env import environ, host_port
 from ._net import node_ip, wait_listening
@@ -146,12 +146,10 @@ def dask_client(pool: Any, **kwargs: Any) -> Any:
         )
     from distributed import Client
 
-    from .._client.forward import keep, node_forward
+    from .._client.forward import keep
 
-    head = pool._nodes[0].proc.address
-    port = head_engine_port("dask", int(pool._bringup.head_port))
-    forward = node_forward(pool, 0, head, port)  # None: node 0 runs on this machine
-    address = f"tcp://{forward.address if forward else host_port(head, port)}"
+    forward, at = head_forward(pool, "dask")
+    address = f"tcp://{forward.address if forward else at}"
     try:
         client = Client(address, **{"timeout": CONNECT_TIMEOUT, **kwargs})  # type: ignore[no-untyped-call]
     except Exception as e:
@@ -159,7 +157,7 @@ def dask_client(pool: Any, **kwargs: Any) -> Any:
             raise
         forward.close()
         raise EngineError(
-            f"pool.dask_client(): the scheduler ({host_port(head, port)} on node 0) did not "
+            f"pool.dask_client(): the scheduler ({at} on node 0) did not "
             f"answer through the pool's channel ({forward.command[0]}): "
             f"{forward.said() or e}"
         ) from e

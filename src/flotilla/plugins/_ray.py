@@ -29,7 +29,15 @@ from typing import Any
 
 from .._errors import ConfigurationError, check_number
 from .._info import InstanceInfo
-from ._daemons import Daemon, EngineError, check_free, free_port, head_engine_port, scratch_dir
+from ._daemons import (
+    Daemon,
+    EngineError,
+    check_free,
+    free_port,
+    head_engine_port,
+    head_forward,
+    scratch_dir,
+)
 from ._engine import EnginePlugin
 from ._env import environ, host_port
 from ._net import node_ip, wait_listening
@@ -237,12 +245,10 @@ def dashboard_url(pool: Any) -> str:
             "pool.ray_dashboard() needs a pool with Ray's dashboard: "
             "sky.Compute(..., plugins=[sky.plugins.ray(dashboard=True)])"
         )
-    from .._client.forward import keep, node_forward
+    from .._client.forward import keep
 
-    head = pool._nodes[0].proc.address
-    port = head_engine_port("ray-dashboard", int(pool._bringup.head_port))
-    forward = node_forward(pool, 0, head, port)  # None: node 0 runs on this machine
+    forward, at = head_forward(pool, "ray-dashboard")
     if forward is None:
-        return f"http://{host_port(head, port)}"
+        return f"http://{at}"
     keep(pool, forward)
     return f"http://{forward.address}"

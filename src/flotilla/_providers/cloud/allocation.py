@@ -14,8 +14,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -23,13 +25,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
+from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine
 from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
+from . import login
 from .boot import booting, wait_port
-from .guard import guard_command
-from .keys import KeyPair, keygen
+from .guard import contact_path, guard_command
+from .keys import KeyPair, keygen, pin
+from .market import over_budget, pool_ids, release_each
 
 _T = TypeVar("_T")
 logger = logging.getLogger("flotilla.cloud")
@@ -313,6 +318,231 @@ class InstanceAllocation(CloudAllocation):
         machine = await self.add_instance(rank)
         logger.info("node %d: %s replaced by %s (%s)", rank, old.ident, machine.ident, reason)
         return machine
+
+
+GUARD_ID = "flotilla"
+"""The name the boot guard and the watchdog give the contact file of an instance that ends
+itself (:class:`SelfEnding`: one pool per instance; the cloud gives it no id to read)."""
+
+
+def as_root(script: str) -> list[str]:
+    """``sh {script}`` as root (the login user through ``sudo -n``): what the watchdog and
+    the guard run when the client is gone, on an instance that ends itself."""
+    return [
+        "sh",
+        "-c",
+        f'if [ "$(id -u)" = 0 ]; then exec sh {script}; else exec sudo -n sh {script}; fi',
+    ]
+
+
+class SelfEnding(InstanceAllocation):
+    """Instances reached at their ``ip`` as ``settings.ssh_user`` that end themselves
+    through their cloud's API with a root-only script of their own (``poweroff``) when the
+    client is gone (Lambda Cloud, Verda: no credential scoped to one instance).
+
+    Attributes:
+        instances: instance id -> its last description.
+    """
+
+    cloud: ClassVar[str]
+    """The cloud in messages ("Lambda Cloud")."""
+    poweroff: ClassVar[list[str]]
+    label_key: ClassVar[str]
+    """The field of an instance's row that holds its pool's label."""
+    cloud_log: ClassVar[logging.Logger]
+    noun: ClassVar[str]
+    """The cloud before "instance" in messages ("Lambda")."""
+    running: ClassVar[str]
+    """The status of an instance that runs ("active")."""
+    ended: ClassVar[frozenset[str]]
+    """The statuses of an instance that will not run."""
+    gone: ClassVar[frozenset[str]]
+    """The statuses of an instance the release need not end."""
+    show_status = False
+    """Whether "ended while starting" says the status it ended in."""
+    instances: dict[str, dict[str, Any]]
+    settings: Any
+    api: Any
+    _candidates: list[Any]
+    _launching: threading.Lock
+
+    async def launch(self) -> None:
+        await self._make_login_key()
+        self._candidates = self._affordable(await self._in_thread(self.search))
+        await self._in_thread(self._register_key)
+        if self.starts_empty(self.cloud_log, self.cloud, "instance(s)", cheapest(self._candidates)):
+            return
+        ids, where = await self._in_thread(self._launch, self.spec.nodes, None)
+        show(self.cloud_log, f"{self.cloud}: {len(ids)} instance(s) in {where}: {', '.join(ids)}")
+        await self._in_thread(self.wait_running, ids)
+        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
+        self.state = AllocationState.READY
+
+    def search(self) -> list[Any]:
+        """The instance types that fit the pool, cheapest first."""
+        raise NotImplementedError
+
+    def price(self, kind: Any) -> float:
+        """What an instance of ``kind`` (one of :meth:`search`'s) costs an hour here."""
+        raise NotImplementedError
+
+    def _affordable(self, found: list[Any]) -> list[Any]:
+        """Those of ``found`` within ``max_node_hourly_cost`` (ProvisionError when none
+        is; when the cheapest pool is over ``max_hourly_cost``)."""
+        spec = self.spec
+        cap = spec.max_node_hourly_cost
+        cheap = [c for c in found if cap is None or self.price(c) <= cap]
+        if found and not cheap:
+            raise ProvisionError(
+                f"every {self.noun} instance type with {spec.accelerator} costs more than "
+                f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
+                cause=ProvisionCause.CAPACITY,
+            )
+        nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
+        if cheap:
+            over_budget(
+                min(self.price(c) for c in cheap) * nodes,
+                spec.max_hourly_cost,
+                f"the cheapest {self.noun} instances for {nodes} node(s) cost",
+            )
+        return cheap
+
+    key_path: ClassVar[str]
+    """The API's path of SSH keys ("/ssh-keys")."""
+    key_field: ClassVar[str]
+    """The field of a key's public half when registering it."""
+    key_name: str
+    ssh_key_id: str
+
+    def answer_id(self, reply: Any) -> str:
+        """The id in the API's answer to a create."""
+        raise NotImplementedError
+
+    def _register_key(self) -> None:
+        assert self.login_key is not None
+        with self.creating("ssh key", self.key_name):
+            reply = self.api.call(
+                "POST",
+                self.key_path,
+                "register the pool's SSH key",
+                {"name": self.key_name, self.key_field: self.login_key.public},
+            )
+        self.ssh_key_id = self.answer_id(reply)
+
+    def _launch(self, count: int, where: str | None) -> tuple[list[str], str]:
+        """``count`` instances at the first place with room (in ``where`` only when
+        given); their ids and the place."""
+        raise NotImplementedError
+
+    def place(self, ident: str) -> str:
+        """Where instance ``ident`` runs (a region, a location)."""
+        raise NotImplementedError
+
+    def create_one(self, rank: int) -> str:
+        """One instance, where the pool's instances are (:meth:`place`), anywhere while it
+        has none; the types and places with room asked again."""
+        with self._launching:
+            self._candidates = self._affordable(self.search())
+            places = {self.place(i) for i in list(self.costs)}
+            (ident,), _ = self._launch(1, min(places) if places else None)
+        return ident
+
+    def end_one(self, ident: str) -> None:
+        self.end([ident])
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The account's instances, as the API lists them."""
+        raise NotImplementedError
+
+    def wait_one(self, ident: str) -> None:
+        self.wait_running([ident])
+
+    def wait_running(self, ids: list[str]) -> None:
+        """Wait until the instances ``ids`` run with an address (``ip``), then pin each
+        one's host key."""
+        deadline = time.monotonic() + self.spec.options.start_timeout
+        waiting = set(ids)
+
+        def step() -> bool:
+            listed = {str(r.get("id")): r for r in self.rows() or []}
+            for i in list(waiting):
+                row = listed.get(i)
+                if row is None or row.get("status") in self.ended:
+                    status = f" ({(row or {}).get('status', 'gone')})" if self.show_status else ""
+                    raise ProvisionError(
+                        f"{self.noun} instance {i} ended while starting{status}",
+                        cause=ProvisionCause.NODE,
+                    )
+                self.instances[i].update(row)
+                if row.get("status") == self.running and row.get("ip"):
+                    waiting.discard(i)
+            return not waiting
+
+        self.poll(
+            step,
+            deadline,
+            lambda: (
+                f"{self.noun} instances {', '.join(sorted(waiting))} not {self.running} within "
+                f"{self.spec.options.start_timeout:g} s; Options(start_timeout=...) sets the limit"
+            ),
+            0.3,
+        )
+        for i in ids:
+            row = self.instances[i]
+            pin(self.known_hosts, str(row["ip"]), row["host_key"])
+
+    def machine_of(self, rank: int, ident: str) -> Machine:
+        return self._machine(rank, ident)
+
+    def _machine(self, rank: int, ident: str) -> Machine:
+        raise NotImplementedError
+
+    def target(self, machine: Machine) -> Target:
+        return Target(str(self.instances[machine.ident]["ip"]), self.settings.ssh_user, 22)
+
+    async def start_agent(self, machine: Machine) -> Any:
+        agent = await super().start_agent(machine)
+        login.remember(self.folder, machine.address, self.target(machine))
+        return agent
+
+    def agent_env(self, machine: Machine) -> dict[str, str]:
+        """``FLOTILLA_CLOUD``: the watchdog ends the instance ``ttl`` s after the client's
+        last contact (its own script, ``poweroff``)."""
+        settings = {
+            "contact": contact_path(self.settings.workdir, GUARD_ID),
+            "ttl": self.settings.ttl,
+            "poweroff": self.poweroff,
+            "imds": "",
+        }
+        return {CLOUD_ENV: json.dumps(settings)}
+
+    def end(self, ids: list[str]) -> None:
+        """End the instances ``ids`` (none: nothing)."""
+        raise NotImplementedError
+
+    def leftovers(self) -> list[Callable[[], None]]:
+        """What the release deletes besides the instances (the pool's SSH key...)."""
+        return []
+
+    def sweep(self) -> None:
+        """End every instance of the pool (also those the API lists with its label: a
+        create whose answer was lost) and delete its :meth:`leftovers`; remove the local
+        folder."""
+        try:
+            ids = set(self.instances)
+            with contextlib.suppress(ProvisionError):
+                live = [row for row in self.rows() or [] if row.get("status") not in self.gone]
+                ids |= pool_ids(live, self.label_key, self.spec.pool_id)
+            steps = [lambda: self.end(sorted(ids)), *self.leftovers()]
+            errors = release_each(steps, lambda step: step())
+            if errors:
+                show(
+                    self.cloud_log,
+                    f"{self.cloud}: could not release everything of pool "
+                    f"{self.spec.pool_id}: {'; '.join(errors)}",
+                )
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def cheapest(kinds: Sequence[Any]) -> str:

@@ -88,3 +88,18 @@ def user_data(host_key: KeyPair, login_key: KeyPair, bootcmd: Sequence[str] = ()
         "ssh_authorized_keys:\n"
         f"  - {login_key.public}\n" + (f"bootcmd:\n{commands}" if bootcmd else "")
     )
+
+
+def host_key_script(host_key: KeyPair, pool_id: str) -> str:
+    """Shell lines (run as root) that make ``host_key`` the instance's only SSH host key."""
+    private = host_key.private().strip()
+    public = " ".join(host_key.public.split()[:2])
+    return f"""umask 077
+mkdir -p /etc/ssh
+rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub
+cat > /etc/ssh/ssh_host_ed25519_key <<'FLOTILLA_HOST_KEY'
+{private}
+FLOTILLA_HOST_KEY
+echo '{public} flotilla-{pool_id}' > /etc/ssh/ssh_host_ed25519_key.pub
+chmod 600 /etc/ssh/ssh_host_ed25519_key
+"""

@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
+from ..._accelerators import Accelerator, offered_as, unknown_name
+from ..._errors import ConfigurationError, ProvisionCause, ProvisionError, check_number
 from ..base import Allocation, PoolSpec, Provider
+from .guard import USER_NAME
 from .identity import orphaned
 from .kept import Keep, KeptPool
 
@@ -166,3 +168,51 @@ def over_budget(
             f"{what} ${cost:.2f}/h{note}, above {cap_name}=${cap:.2f}/h: nothing was rented",
             cause=ProvisionCause.CAPACITY,
         )
+
+
+def fits(
+    acc: Accelerator | None,
+    instance_type: str | None,
+    name: str,
+    gpus: int,
+    described: str,
+    market: str,
+) -> bool:
+    """Whether instance type ``name`` (``gpus`` GPUs, ``described`` so on ``market``) can be
+    the pool's: the one ``instance_type`` names; one with ``acc`` (count included); with no
+    accelerator asked for, one with GPUs."""
+    if instance_type is not None and name != instance_type:
+        return False
+    if acc is not None:
+        return gpus == acc.count and offered_as(acc, described, market)
+    return instance_type is not None or gpus != 0
+
+
+def unoffered(acc: Accelerator, cloud: str, market: str, offered: list[str]) -> ConfigurationError:
+    """The error for an accelerator no instance type of ``cloud`` has, naming the nearest
+    of ``offered``."""
+    asked = f"{acc.name}:{acc.count:g}" if acc.count != 1 else acc.name
+    return ConfigurationError(unknown_name(asked, cloud, {market: offered}))
+
+
+def check_self_ending(settings: Any, provider: str, secrets: tuple[str, ...], region: str) -> None:
+    """The checks the settings of the providers whose instances end themselves share (see
+    ``allocation.SelfEnding``), in a ``__post_init__``: the ``secrets`` fields None or
+    non-empty strings, ``region`` None or a name of letters, digits and dashes (``region``
+    says which, "a region name such as 'us-east-1'"), ``ssh_user`` a login name, ``ttl``
+    positive seconds; ``ttl`` and ``connect_timeout`` are made floats. ``provider`` is named
+    in the errors."""
+    for name in secrets:
+        value = getattr(settings, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigurationError(f"{provider}({name}=...): a non-empty string")
+    where = settings.region
+    if where is not None and (not isinstance(where, str) or not where.replace("-", "").isalnum()):
+        raise ConfigurationError(f"{provider}(region={where!r}): {region}")
+    user = settings.ssh_user
+    if not isinstance(user, str) or not USER_NAME.fullmatch(user):
+        raise ConfigurationError(f"{provider}(ssh_user={user!r}): a login name")
+    ttl = settings.ttl
+    check_number(ttl, f"{provider}(ttl={ttl!r}): a positive number of seconds", above=0)
+    object.__setattr__(settings, "ttl", float(ttl))
+    object.__setattr__(settings, "connect_timeout", float(settings.connect_timeout))

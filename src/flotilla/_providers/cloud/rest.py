@@ -124,6 +124,20 @@ class RestApi:
         if query:
             target += "?" + urllib.parse.urlencode(query)
         data = json.dumps(body).encode() if body is not None else None
+        try:
+            return self._send(method, target, what, data, auth)
+        except ConfigurationError:
+            if not (auth and self.renew()):
+                raise
+            return self._send(method, target, what, data, auth)
+
+    def renew(self) -> bool:
+        """After a refusal: forget the credential made from the key (an API with tokens
+        overrides it) and say whether the call is worth trying once more."""
+        return False
+
+    def _send(self, method: str, target: str, what: str, data: bytes | None, auth: bool) -> Any:
+        """:meth:`call` of the full URL ``target`` with the encoded body ``data``."""
         headers = {"Accept": "application/json"}
         if auth:
             headers["Authorization"] = self.authorization()

@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 
 from .guard import WATCHDOG_FOLDER
-from .keys import KeyPair
+from .keys import KeyPair, host_key_script
 
 SAFE_URL = re.compile(r"[A-Za-z0-9:/._\-\[\]%@$?=&{}]+")
 """A URL the script can hold unquoted (``$NAME`` of the instance's environment allowed)."""
@@ -90,8 +90,7 @@ def start_script(
     the script's output (Vast keeps an on-start script's output as the instance's log)."""
     if not SAFE_URL.fullmatch(call.url):
         raise ValueError(f"not a plain URL: {call.url!r}")
-    private = host_key.private().strip()
-    public = " ".join(host_key.public.split()[:2])
+    install_key = host_key_script(host_key, pool_id)
     delay = math.ceil(max(ttl, start_timeout))
     folder = shell_path(f"{workdir.rstrip('/')}/{provider}")
     watch = shell_path(f"{workdir.rstrip('/')}/{WATCHDOG_FOLDER}")
@@ -124,15 +123,7 @@ def start_script(
     )
     return f"""# flotilla pool {pool_id}: the pinned SSH host key and the guard (see flotilla's
 # _providers/cloud/selfdestruct.py)
-umask 077
-mkdir -p /etc/ssh
-rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub
-cat > /etc/ssh/ssh_host_ed25519_key <<'FLOTILLA_HOST_KEY'
-{private}
-FLOTILLA_HOST_KEY
-echo '{public} flotilla-{pool_id}' > /etc/ssh/ssh_host_ed25519_key.pub
-chmod 600 /etc/ssh/ssh_host_ed25519_key
-if [ -s /run/sshd.pid ]; then kill -HUP "$(cat /run/sshd.pid)" 2>/dev/null; fi
+{install_key}if [ -s /run/sshd.pid ]; then kill -HUP "$(cat /run/sshd.pid)" 2>/dev/null; fi
 if [ -n "{ident}" ]; then
 mkdir -p {folder} {watch}
 rm -f {watch}/"{ident}" {watch}/"{ident}.lock"

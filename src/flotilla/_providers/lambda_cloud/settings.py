@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError, check_number
-from ..cloud.guard import USER_NAME
+from ..cloud.market import check_self_ending
 from ..options import From, option
 
 
@@ -51,19 +50,6 @@ class LambdaSettings:
     request_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("api_key", "ttl_api_key"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigurationError(f"LambdaCloud({name}=...): a non-empty string")
-        if self.region is not None and (
-            not isinstance(self.region, str) or not self.region.replace("-", "").isalnum()
-        ):
-            raise ConfigurationError(
-                f"LambdaCloud(region={self.region!r}): a region name such as 'us-east-1'"
-            )
-        if not isinstance(self.ssh_user, str) or not USER_NAME.fullmatch(self.ssh_user):
-            raise ConfigurationError(f"LambdaCloud(ssh_user={self.ssh_user!r}): a login name")
-        ttl = self.ttl
-        check_number(ttl, f"LambdaCloud(ttl={ttl!r}): a positive number of seconds", above=0)
-        object.__setattr__(self, "ttl", float(ttl))
-        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))
+        check_self_ending(
+            self, "LambdaCloud", ("api_key", "ttl_api_key"), "a region name such as 'us-east-1'"
+        )

@@ -104,24 +104,13 @@ class VerdaApi(RestApi):
                 self._expires = time.monotonic() + float(answer.get("expires_in") or 3600)
             return f"Bearer {self._token}"
 
-    def call(
-        self,
-        method: str,
-        path: str,
-        what: str,
-        body: Any = None,
-        query: dict[str, str] | None = None,
-        url: str | None = None,
-        auth: bool = True,
-    ) -> Any:
-        try:
-            return super().call(method, path, what, body, query, url, auth)
-        except ConfigurationError:
-            if not auth or not self._token:
-                raise
-            with self._token_lock:  # the token was revoked or ended early: once more
-                self._token = ""
-            return super().call(method, path, what, body, query, url, auth)
+    def renew(self) -> bool:
+        """A refused token (revoked, or ended early) is forgotten and fetched once more."""
+        if not self._token:
+            return False
+        with self._token_lock:
+            self._token = ""
+        return True
 
     def decode(self, raw: bytes) -> Any:
         """JSON, or the plain text some calls answer (a new instance's, key's or script's

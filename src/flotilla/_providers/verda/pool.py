@@ -7,27 +7,21 @@ import contextlib
 import json
 import logging
 import shlex
-import shutil
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..._accelerators import offered_as, unknown_name
-from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
-from ..._wire.protocol import CLOUD_ENV
+from ..._errors import ProvisionCause, ProvisionError
 from ..base import AllocationState, Machine, PoolSpec
 from ..bootstrap import NoAnswer
 from ..cloud import login
-from ..cloud.allocation import CloudShell, cheapest, show
-from ..cloud.guard import contact_path
+from ..cloud.allocation import GUARD_ID, CloudShell, SelfEnding, as_root, show
 from ..cloud.identity import client_id, pool_folder
-from ..cloud.keys import KeyPair, keygen, pin
-from ..cloud.market import LABEL_PREFIX, label, over_budget
+from ..cloud.keys import KeyPair, host_key_script, keygen
+from ..cloud.market import fits, label, unoffered
 from ..cloud.rest import ApiError
 from ..offers import Offer
-from ..ssh_shell import Target
 from .api import VerdaApi
 from .settings import VerdaSettings
 from .stopstart import VerdaStopping
@@ -35,11 +29,8 @@ from .stopstart import VerdaStopping
 logger = logging.getLogger("flotilla.verda")
 
 FOLDER_PREFIX = "flotilla-verda-"
-GUARD_ID = "flotilla"
-"""The name the boot guard and the watchdog give the instance's contact file."""
 TERMINATE = "/root/.flotilla-verda-terminate"
 """The root-only script with which an instance deletes itself."""
-POLL = 0.3
 ENDED = frozenset({"error", "discontinued", "deleted", "deleting", "offline"})
 """Statuses of an instance that will not become ``running``."""
 
@@ -92,11 +83,7 @@ def candidates(
         gpu = t.get("gpu") or {}
         gpus = int(gpu.get("number_of_gpus") or 0)
         described = str(gpu.get("description") or "")
-        if settings.instance_type is not None and name != settings.instance_type:
-            continue
-        if acc is not None and (gpus != acc.count or not offered_as(acc, described, "verda")):
-            continue
-        if acc is None and settings.instance_type is None and gpus == 0:
+        if not fits(acc, settings.instance_type, name, gpus, described, "verda"):
             continue
         out.append(
             Candidate(
@@ -114,13 +101,7 @@ def candidates(
             f"{t.get('instance_type')} ({(t.get('gpu') or {}).get('description')})"
             for t in types or []
         )
-        raise ConfigurationError(
-            unknown_name(
-                f"{acc.name}:{acc.count:g}" if acc.count != 1 else acc.name,
-                "Verda",
-                {"verda": offered},
-            )
-        )
+        raise unoffered(acc, "Verda", "verda", offered)
     return sorted(out, key=lambda c: (c.hourly, c.name))
 
 
@@ -170,13 +151,8 @@ def terminate_script(url: str, client: str, secret: str) -> str:
     )
 
 
-POWEROFF = [
-    "sh",
-    "-c",
-    f'if [ "$(id -u)" = 0 ]; then exec sh {TERMINATE}; else exec sudo -n sh {TERMINATE}; fi',
-]
-"""What the watchdog and the guard run when the client is gone: the delete script (as
-root: the login user through sudo)."""
+POWEROFF = as_root(TERMINATE)
+"""What the watchdog and the guard run when the client is gone: the delete script."""
 
 
 def startup_script(
@@ -185,21 +161,11 @@ def startup_script(
     """The instance's startup script (Verda runs it as root at the first boot): the pool's
     host key as the only one, the login key authorized for ``user``, then ``more`` (the
     delete script and the guard); sshd restarted where systemd runs it."""
-    private = host_key.private().strip()
-    public = " ".join(host_key.public.split()[:2])
     home = "/root" if user == "root" else f"~{user}"
     return f"""#!/bin/sh
 # flotilla pool {pool_id}: the pinned SSH host key, the login key and the guard (see
 # flotilla's _providers/verda/pool.py)
-umask 077
-mkdir -p /etc/ssh
-rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub
-cat > /etc/ssh/ssh_host_ed25519_key <<'FLOTILLA_HOST_KEY'
-{private}
-FLOTILLA_HOST_KEY
-echo '{public} flotilla-{pool_id}' > /etc/ssh/ssh_host_ed25519_key.pub
-chmod 600 /etc/ssh/ssh_host_ed25519_key
-mkdir -p {home}/.ssh
+{host_key_script(host_key, pool_id)}mkdir -p {home}/.ssh
 echo {shlex.quote(login_key.public)} >> {home}/.ssh/authorized_keys
 chown -R {user} {home}/.ssh 2>/dev/null || true
 {more}
@@ -223,7 +189,7 @@ class VerdaShell(CloudShell):
         return super().transient(failure) or any(m in failure.stderr for m in OTHER_KEY)
 
 
-class VerdaAllocation(VerdaStopping):
+class VerdaAllocation(VerdaStopping, SelfEnding):
     """The Verda instances of one pool (a named cluster's can be shut down and started
     again: ``stopstart``).
 
@@ -238,6 +204,17 @@ class VerdaAllocation(VerdaStopping):
     )
     handover = "installed by its startup script"
     shell_type = VerdaShell
+    cloud = "Verda"
+    poweroff = POWEROFF
+    label_key = "description"
+    cloud_log = logger
+    key_path = "/sshkeys"
+    key_field = "key"
+    noun = "Verda"
+    running = "running"
+    ended = ENDED
+    gone = frozenset({"deleted", "deleting"})
+    show_status = True
 
     def __init__(
         self,
@@ -263,18 +240,6 @@ class VerdaAllocation(VerdaStopping):
         self._launching = threading.Lock()  # one launch at a time: scripts, locations
 
     # -- launch ------------------------------------------------------------------------
-    async def launch(self) -> None:
-        await self._make_login_key()
-        self._candidates = self._affordable(await self._in_thread(self.search))
-        await self._in_thread(self._register_key)
-        if self.starts_empty(logger, "Verda", "instance(s)", cheapest(self._candidates)):
-            return
-        ids, where = await self._in_thread(self._launch, self.spec.nodes, None)
-        _show(f"Verda: {len(ids)} instance(s) in {where}: {', '.join(ids)}")
-        await self._in_thread(self._wait_running, ids)
-        self.machines = [self._machine(rank, i) for rank, i in enumerate(ids)]
-        self.state = AllocationState.READY
-
     def search(self) -> list[Candidate]:
         types = self.api.call("GET", "/instance-types", "list instance types", query=_USD)
         demand = self.api.call(
@@ -301,36 +266,11 @@ class VerdaAllocation(VerdaStopping):
                     out.append((c, loc, spot))
         return out
 
-    def _affordable(self, found: list[Candidate]) -> list[Candidate]:
-        spec = self.spec
-        cap = spec.max_node_hourly_cost
-        spot = self.settings.allocation == "spot"
-        cheap = [c for c in found if cap is None or self._price(c, spot) <= cap]
-        if found and not cheap:
-            raise ProvisionError(
-                f"every Verda instance type with {spec.accelerator} costs more than "
-                f"max_node_hourly_cost=${cap:.2f}/h a node: nothing was rented",
-                cause=ProvisionCause.CAPACITY,
-            )
-        nodes = max(1, spec.nodes)  # an elastic pool (nodes 0): its first node
-        if cheap:
-            over_budget(
-                min(self._price(c, spot) for c in cheap) * nodes,
-                spec.max_hourly_cost,
-                f"the cheapest Verda instances for {nodes} node(s) cost",
-            )
-        return cheap
+    def price(self, kind: Candidate) -> float:
+        return self._price(kind, self.settings.allocation == "spot")
 
-    def _register_key(self) -> None:
-        assert self.login_key is not None
-        with self.creating("ssh key", self.key_name):
-            reply = self.api.call(
-                "POST",
-                "/sshkeys",
-                "register the pool's SSH key",
-                {"name": self.key_name, "key": self.login_key.public},
-            )
-        self.ssh_key_id = str(reply.get("id") if isinstance(reply, dict) else reply)
+    def answer_id(self, reply: Any) -> str:
+        return str(reply.get("id") if isinstance(reply, dict) else reply)
 
     def _script(self) -> str:
         """A new startup script (a new host key) for one launch; its id."""
@@ -349,7 +289,7 @@ class VerdaAllocation(VerdaStopping):
             reply = self.api.call(
                 "POST", "/scripts", "create the startup script", {"name": name, "script": text}
             )
-        ident = str(reply.get("id") if isinstance(reply, dict) else reply)
+        ident = self.answer_id(reply)
         self.scripts.append(ident)
         self._host_keys[ident] = host_key
         return ident
@@ -377,7 +317,7 @@ class VerdaAllocation(VerdaStopping):
                     raise
                 tried.append(f"{c.name}{' (spot)' if spot else ''} in {loc}")
                 self.tell(logger, f"Verda: no capacity for {count} x {c.name} in {loc}")
-                self._delete(made)
+                self.end(made)
                 continue
             return made, loc
         raise ProvisionError(
@@ -402,7 +342,7 @@ class VerdaAllocation(VerdaStopping):
         }
         with self.creating("instance", self.label):
             reply = self.api.call("POST", "/instances", f"create {c.name} in {loc}", body)
-        ident = str(reply.get("id") if isinstance(reply, dict) else reply)
+        ident = self.answer_id(reply)
         price = self._price(c, spot)
         self.spot = self.spot or spot  # (never shut down: ``stopstart``)
         self.instances[ident] = {
@@ -414,84 +354,16 @@ class VerdaAllocation(VerdaStopping):
         self.billed(ident, price)
         return ident
 
-    def _wait_running(self, ids: list[str]) -> None:
-        deadline = time.monotonic() + self.spec.options.start_timeout
-        waiting = set(ids)
-
-        def step() -> bool:
-            rows = self.api.call("GET", "/instances", "list the pool's instances") or []
-            listed = {str(r.get("id")): r for r in rows}
-            for i in list(waiting):
-                row = listed.get(i)
-                if row is None or row.get("status") in ENDED:
-                    raise ProvisionError(
-                        f"Verda instance {i} ended while starting "
-                        f"({(row or {}).get('status', 'gone')})",
-                        cause=ProvisionCause.NODE,
-                    )
-                self.instances[i].update(row)
-                if row.get("status") == "running" and row.get("ip"):
-                    waiting.discard(i)
-            return not waiting
-
-        self.poll(
-            step,
-            deadline,
-            lambda: (
-                f"Verda instances {', '.join(sorted(waiting))} not running within "
-                f"{self.spec.options.start_timeout:g} s; Options(start_timeout=...) sets the limit"
-            ),
-            POLL,
-        )
-        for i in ids:
-            row = self.instances[i]
-            pin(self.known_hosts, str(row["ip"]), row["host_key"])
+    def wait_running(self, ids: list[str]) -> None:
+        super().wait_running(ids)
         # they hold the host key: not kept at Verda once used (another launch's stay)
         self._delete_scripts({str(self.instances[i]["script"]) for i in ids})
-
-    def create_one(self, rank: int) -> str:
-        """One instance, in the location of the pool's instances, any location while it
-        has none; the types and locations available asked again."""
-        with self._launching:
-            self._candidates = self._affordable(self.search())
-            where = {str(self.instances[i].get("location")) for i in list(self.costs)}
-            (ident,), _ = self._launch(1, min(where) if where else None)
-        return ident
-
-    def wait_one(self, ident: str) -> None:
-        self._wait_running([ident])
-
-    def end_one(self, ident: str) -> None:
-        self._delete([ident])
-
-    def machine_of(self, rank: int, ident: str) -> Machine:
-        return self._machine(rank, ident)
 
     def _machine(self, rank: int, ident: str) -> Machine:
         return Machine(rank, f"verda-{ident[:8]}", str(self.instances[ident]["ip"]), ident)
 
-    # -- agents ------------------------------------------------------------------------
-    def target(self, machine: Machine) -> Target:
-        return Target(str(self.instances[machine.ident]["ip"]), self.settings.ssh_user, 22)
-
-    async def start_agent(self, machine: Machine) -> Any:
-        agent = await super().start_agent(machine)
-        login.remember(self.folder, machine.address, self.target(machine))
-        return agent
-
-    def agent_env(self, machine: Machine) -> dict[str, str]:
-        """``FLOTILLA_CLOUD``: the watchdog deletes the instance ``ttl`` s after the
-        client's last contact (its delete script, see :func:`terminate_script`)."""
-        settings = {
-            "contact": contact_path(self.settings.workdir, GUARD_ID),
-            "ttl": self.settings.ttl,
-            "poweroff": POWEROFF,
-            "imds": "",
-        }
-        return {CLOUD_ENV: json.dumps(settings)}
-
     # -- release -----------------------------------------------------------------------
-    def _delete(self, ids: list[str]) -> None:
+    def end(self, ids: list[str]) -> None:
         if ids:
             self.api.call(
                 "PUT", "/instances", "delete instances", {"id": list(ids), "action": "delete"}
@@ -502,48 +374,16 @@ class VerdaAllocation(VerdaStopping):
         for ident in [i for i in self.scripts if only is None or i in only]:
             with contextlib.suppress(ValueError):  # (another thread's already)
                 self.scripts.remove(ident)
-            try:
-                self.api.call("DELETE", f"/scripts/{ident}", "delete the startup script")
-            except ApiError as e:
-                if e.status != 404:
-                    raise
+            self.api.delete(f"/scripts/{ident}", "delete the startup script")
 
-    def sweep(self) -> None:
-        """Delete every instance of the pool (also those the API lists with its label: a
-        create whose answer was lost), its startup scripts and SSH key; remove the local
-        folder."""
-        try:
-            if self.kept_at_release():
-                return
-            ids = set(self.instances)
-            with contextlib.suppress(ProvisionError):
-                rows = self.api.call("GET", "/instances", "list the pool's instances")
-                for row in rows or []:
-                    mine = str(row.get("description", "")).startswith(
-                        f"{LABEL_PREFIX}{self.spec.pool_id}:"
-                    )
-                    if mine and row.get("status") not in ("deleted", "deleting"):
-                        ids.add(str(row["id"]))
-            errors = []
-            steps: list[Callable[[], None]] = [
-                lambda: self._delete(sorted(ids)),
-                self._delete_scripts,
-                lambda: delete_keys(self.api, {self.key_name}, self.ssh_key_id),
-            ]
-            for step in steps:
-                try:
-                    step()
-                except ProvisionError as e:
-                    errors.append(str(e))
-            if errors:
-                _show(
-                    f"Verda: could not release everything of pool "
-                    f"{self.spec.pool_id}: {'; '.join(errors)}"
-                )
-            else:
-                self.forget_kept()
-        finally:
-            shutil.rmtree(self.folder, ignore_errors=True)
+    def rows(self) -> list[dict[str, Any]]:
+        return self.api.call("GET", "/instances", "list the pool's instances") or []
+
+    def leftovers(self) -> list[Callable[[], None]]:
+        return [
+            self._delete_scripts,
+            lambda: delete_keys(self.api, {self.key_name}, self.ssh_key_id),
+        ]
 
 
 _USD = {"currency": "usd"}
@@ -557,11 +397,7 @@ def delete_keys(api: VerdaApi, names: set[str], known: str = "") -> None:
             if str(k.get("name")) in names:
                 ids.add(str(k.get("id")))
     for i in sorted(ids):
-        try:
-            api.call("DELETE", f"/sshkeys/{i}", f"delete SSH key {i}")
-        except ApiError as e:
-            if e.status != 404:
-                raise
+        api.delete(f"/sshkeys/{i}", f"delete SSH key {i}")
 
 
 def delete_scripts(api: VerdaApi, pools: set[str]) -> None:

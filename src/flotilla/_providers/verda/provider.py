@@ -146,7 +146,7 @@ class Verda(MarketProvider):
         return await acquired(allocation, self.keep, allocation.launch)
 
     def remove_kept(self, kept: KeptPool) -> None:
-        """Delete a shut-down pool's instances (and their OS volumes)."""
+        """Delete a shut-down pool's instances, as a pool's release does."""
         try:
             self.api.call(
                 "PUT", "/instances", "delete instances", {"id": kept.ids, "action": "delete"}

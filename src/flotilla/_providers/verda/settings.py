@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._errors import ConfigurationError, check_number
-from ..cloud.guard import USER_NAME
+from ..._errors import ConfigurationError
+from ..cloud.market import check_self_ending
 from ..options import MARKET_OF_TASK, MARKETS, From, option
 
 
@@ -65,27 +65,17 @@ class VerdaSettings:
     request_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("client_id", "client_secret", "ttl_client_id", "ttl_client_secret"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigurationError(f"Verda({name}=...): a non-empty string")
+        check_self_ending(
+            self,
+            "Verda",
+            ("client_id", "client_secret", "ttl_client_id", "ttl_client_secret"),
+            "a location code such as 'FIN-01'",
+        )
         if (self.ttl_client_id is None) != (self.ttl_client_secret is None):
             raise ConfigurationError(
                 "Verda(ttl_client_id=..., ttl_client_secret=...): give both or neither"
-            )
-        if self.region is not None and (
-            not isinstance(self.region, str) or not self.region.replace("-", "").isalnum()
-        ):
-            raise ConfigurationError(
-                f"Verda(region={self.region!r}): a location code such as 'FIN-01'"
             )
         if self.allocation not in MARKETS:
             raise ConfigurationError(
                 f"Verda(allocation={self.allocation!r}): one of {', '.join(MARKETS)}"
             )
-        if not isinstance(self.ssh_user, str) or not USER_NAME.fullmatch(self.ssh_user):
-            raise ConfigurationError(f"Verda(ssh_user={self.ssh_user!r}): a login name")
-        ttl = self.ttl
-        check_number(ttl, f"Verda(ttl={ttl!r}): a positive number of seconds", above=0)
-        object.__setattr__(self, "ttl", float(ttl))
-        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))

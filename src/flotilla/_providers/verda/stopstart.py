@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
 import time
 from functools import partial
@@ -26,7 +27,6 @@ from ..base import Machine
 from ..cloud.identity import client_alive
 from ..cloud.kept import KeptPool
 from ..cloud.keys import KeyPair
-from ..cloud.rest import ApiError
 from ..cloud.stopstart import StoppableAllocation
 from .api import VerdaApi
 
@@ -49,18 +49,32 @@ class VerdaStopping(StoppableAllocation):
     ssh_key_id: str
     key_name: str
 
-    def _wait_running(self, ids: list[str]) -> None:
+    def wait_running(self, ids: list[str]) -> None:
         raise NotImplementedError
 
     def _machine(self, rank: int, ident: str) -> Machine:
         raise NotImplementedError
 
-    def _delete(self, ids: list[str]) -> None:
+    def end(self, ids: list[str]) -> None:
         raise NotImplementedError
 
-    def place(self) -> str:
-        ids = self.node_ids()
-        return str(self.instances.get(ids[0], {}).get("location") or "") if ids else ""
+    def place(self, ident: str | None = None) -> str:
+        """Where instance ``ident`` is (its location); by default the pool's nodes'."""
+        if ident is None:
+            ids = self.node_ids()
+            if not ids:
+                return ""
+            ident = ids[0]
+        return str(self.instances.get(ident, {}).get("location") or "")
+
+    def sweep(self) -> None:
+        """Closing the pool: its instances shut down when its keep folder says so, else
+        everything removed (``cloud.allocation.SelfEnding``) and nothing kept."""
+        if self.kept_at_release():
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        super().sweep()
+        self.forget_kept()
 
     def host_keys_of(self, ident: str) -> list[str]:
         key = self.instances.get(ident, {}).get("host_key")
@@ -75,7 +89,7 @@ class VerdaStopping(StoppableAllocation):
         return {str(r.get("id")): str(r.get("status")) for r in rows}
 
     def stop_instances(self, ids: list[str]) -> None:
-        self._delete([i for i in self.instances if i not in ids])  # replaced nodes' ones
+        self.end([i for i in self.instances if i not in ids])  # replaced nodes' ones
         self._action(ids, "shutdown")
         deadline = time.monotonic() + STOP_TIMEOUT
         while True:
@@ -91,11 +105,7 @@ class VerdaStopping(StoppableAllocation):
             time.sleep(0.2)
         # the login key is on the instances' disks: Verda need not keep it
         if self.ssh_key_id:
-            try:
-                self.api.call("DELETE", f"/sshkeys/{self.ssh_key_id}", "delete the SSH key")
-            except ApiError as e:
-                if e.status != 404:
-                    raise
+            self.api.delete(f"/sshkeys/{self.ssh_key_id}", "delete the SSH key")
 
     def start_instances(self, kept: KeptPool) -> list[Machine]:
         with open(os.path.join(self.folder, ADOPTED), "w") as f:  # the owner now
@@ -118,7 +128,7 @@ class VerdaStopping(StoppableAllocation):
                     cause=ProvisionCause.TIMEOUT,
                 )
             time.sleep(0.2)
-        self._wait_running(kept.ids)
+        self.wait_running(kept.ids)
         return [self._machine(rank, ident) for rank, ident in enumerate(kept.ids)]
 
 
