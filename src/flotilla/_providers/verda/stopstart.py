@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..base import Machine
@@ -49,14 +49,13 @@ class VerdaStopping(StoppableAllocation):
     ssh_key_id: str
     key_name: str
 
-    def wait_running(self, ids: list[str]) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # ``pool.VerdaAllocation``'s and ``SelfEnding``'s (after this in its MRO)
 
-    def _machine(self, rank: int, ident: str) -> Machine:
-        raise NotImplementedError
+        def wait_running(self, ids: list[str]) -> None: ...
 
-    def end(self, ids: list[str]) -> None:
-        raise NotImplementedError
+        def _machine(self, rank: int, ident: str) -> Machine: ...
+
+        def end(self, ids: list[str]) -> None: ...
 
     def place(self, ident: str | None = None) -> str:
         """Where instance ``ident`` is (its location); by default the pool's nodes'."""
