@@ -52,7 +52,12 @@ class Terminal:
             [self.tmux, "-S", self.socket, "-f", "/dev/null", *args],
             capture_output=True,
             text=True,
-            env={**os.environ, "TERM": "xterm-256color"},
+            # the pane's size is the terminal's: a COLUMNS/LINES inherited (pytest-xdist's
+            # workers are given 80x24) would override it for rich
+            env={
+                **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+                "TERM": "xterm-256color",
+            },
         )
         if proc.returncode != 0:
             raise RuntimeError(f"tmux {args[0]}: {proc.stderr.strip()}")
