@@ -225,8 +225,7 @@ class ClusterDaemon(OutputRouting):
                 rec.state = ClusterState.STOPPING.value
         for job in pending:  # not 130: that says Ctrl-C; the cluster went away under it
             down = [f"job {job.id} was cancelled: cluster down"]
-            job.finish(JobStatus.CANCELLED, EXIT_LOST, down)
-            self._save_job(job)
+            job.finish(JobStatus.CANCELLED, EXIT_LOST, down, save=self._save_job)
         for job in current:
             job.cancel_code, job.cancel_why = EXIT_LOST, ": cluster down"
             job.cancel_requested = True  # also when it still waits for provisioning
@@ -349,8 +348,12 @@ class ClusterDaemon(OutputRouting):
             with self.cv:  # the jobs it would have followed again
                 lost, self.running = [j for j, _ in self.running.values()], {}
             for job in lost:
-                job.finish(JobStatus.FAILED, EXIT_LOST, [f"job {job.id} lost: {self.error}"])
-                self._save_job(job)
+                job.finish(
+                    JobStatus.FAILED,
+                    EXIT_LOST,
+                    [f"job {job.id} lost: {self.error}"],
+                    save=self._save_job,
+                )
         finally:
             self.up.set()
             self.wake.set()
@@ -466,8 +469,12 @@ class ClusterDaemon(OutputRouting):
                     why = self.ledger.refusal(job.demand, count, self.name, job.spec.accelerator)
                     if why:  # queued while the cluster started; it never fits
                         self.queue.popleft()
-                        job.finish(JobStatus.FAILED, 2, [f"job {job.id} refused: {why}"])
-                        self._save_job(job)
+                        job.finish(
+                            JobStatus.FAILED,
+                            2,
+                            [f"job {job.id} refused: {why}"],
+                            save=self._save_job,
+                        )
                         self.wake.set()
                         continue
                     where = self.ledger.take(job.demand, count)
@@ -493,8 +500,8 @@ class ClusterDaemon(OutputRouting):
                     JobStatus.FAILED,
                     1,
                     [f"job {job.id} failed: cluster {self.name} could not start: {why}"],
+                    save=self._save_job,
                 )
-                self._save_job(job)
                 with self.cv:
                     self.last_activity = time.time()
                 self.wake.set()  # nothing may be left to do: serve_forever decides
@@ -529,8 +536,9 @@ class ClusterDaemon(OutputRouting):
             if queued:
                 self.queue.remove(job)
         if queued:
-            job.finish(JobStatus.CANCELLED, 130, [f"job {job.id} was cancelled"])
-            self._save_job(job)
+            job.finish(
+                JobStatus.CANCELLED, 130, [f"job {job.id} was cancelled"], save=self._save_job
+            )
         elif not job.done.is_set() and self.runner is not None:
             self.runner.cancel(job)
         job.done.wait(_CANCEL_WAIT)

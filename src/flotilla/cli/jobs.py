@@ -250,7 +250,15 @@ class Job:
             "elapsed": round((self.ended or time.time()) - (self.started or self.submitted), 3),
         }
 
-    def finish(self, status: JobStatus, exit_code: int, report: list[str]) -> None:
+    def finish(
+        self,
+        status: JobStatus,
+        exit_code: int,
+        report: list[str],
+        save: Callable[[Job], None] | None = None,
+    ) -> None:
+        """End the job: its log, then ``save(job)`` (the cluster's record), then its
+        followers are told; a command that returns on the news finds the record ended."""
         with self.lock:
             self.status = status
             self.exit_code = exit_code
@@ -260,6 +268,9 @@ class Job:
             for line in self.report or [f"job {self.id} {status.value}"]:
                 log.write(f"flotilla: {line}\n")
             self._close()
+        if save is not None:
+            save(self)
+        with self.lock:
             self._publish(self.end_event())
             self.subscribers.clear()
             self.done.set()
@@ -417,8 +428,7 @@ class Runner:
             self._end(job, JobStatus.SUCCEEDED, 0, [])
 
     def _end(self, job: Job, status: JobStatus, code: int, report: list[str]) -> None:
-        job.finish(status, code, report)
-        self.on_status(job)
+        job.finish(status, code, report, save=self.on_status)
 
     def _reap(self, job: Job | None, timeout: float = 30.0) -> None:
         """Kill what ``job`` (None: every job of this pool) left running on the nodes, also
