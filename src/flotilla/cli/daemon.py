@@ -407,10 +407,10 @@ class ClusterDaemon(OutputRouting):
                 if self.stopping:
                     return
                 self.nodes[:] = nodes  # the runner holds this list
-            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
-                rec.nodes = self.nodes
-            self.backend.on_up(self.paths, self.spec, self.nodes)
             self._connect_nodes()  # the new machine's host key and authorization
+            with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
+                rec.nodes = self.nodes  # (after: a record naming it says it is ready)
+            self.backend.on_up(self.paths, self.spec, self.nodes)
 
     # -- jobs --------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> Job:
@@ -517,6 +517,8 @@ class ClusterDaemon(OutputRouting):
                 self.runner.adopt(job, job.nodes)
             else:
                 assert where is not None
+                with self.refresh_lock:  # a replaced node's records and keys come first
+                    pass
                 self.runner.run(job, where)
         finally:
             with self.cv:
