@@ -261,7 +261,8 @@ def test_a_controller_killed_at_each_task_resumes_and_never_reruns_a_finished_on
     assert pipeline.recoveries == 3 and [r.recoveries for r in records] == [1, 1, 1]
     assert [r.state for r in records] == ["SUCCEEDED"] * 3
     assert pipeline.pid not in killed
-    assert not (jobs.home / "managed" / "1" / "request.json").exists()
+    request = jobs.home / "managed" / "1" / "request.json"  # removed once its end is recorded
+    assert wait_until(lambda: not request.exists(), 30), "the finished pipeline's request stayed"
     assert_pipeline_left_nothing(jobs)
 
 
