@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _hosts import lab_unavailable
 from _lambda import API_KEY, LambdaLab
+from start_table import print_start_table
 
 import flotilla as sky
 
@@ -129,18 +129,13 @@ def main() -> int:
             floors.append(floor(lab, args.nodes, key))
             starts.append(one_pool(lab, args.nodes))
 
-    def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-    ratios = [s / f for s, f in zip(starts, floors, strict=True)]
-    d = args.boot_delay
-    print(f"| Lambda Cloud stand-in, {args.nodes} instances, D = {d:g} s | median (range) |")
-    print("| --- | --- |")
-    print(f"| pool start to first result, s (goal <= D + 3 = {d + 3:g}) | {cell(starts)} |")
-    print(f"| floor: documented REST calls launch, wait, ssh true, s | {cell(floors)} |")
-    print(f"| ratio to the same repetition's floor | {cell(ratios)} |")
-    ok = statistics.median(starts) <= d + 3
-    print(f"\ngoal {'met' if ok else 'NOT met'}")
+    print_start_table(
+        f"Lambda Cloud stand-in, {args.nodes} instances",
+        "documented REST calls launch, wait, ssh true",
+        starts,
+        floors,
+        args.boot_delay,
+    )
     return 0
 
 

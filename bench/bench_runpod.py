@@ -12,7 +12,6 @@ run, alternating: the official ``runpod`` client creating the same pods (GraphQL
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _hosts import lab_unavailable
 from _runpod import API_KEY, RunPodLab
+from start_table import print_start_table
 
 import flotilla as sky
 
@@ -123,18 +123,13 @@ def main() -> int:
             floors.append(floor(lab, args.nodes, key))
             starts.append(one_pool(lab, args.nodes))
 
-    def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-    ratios = [s / f for s, f in zip(starts, floors, strict=True)]
-    d = args.boot_delay
-    print(f"| RunPod stand-in, {args.nodes} pods, D = {d:g} s | median (range) |")
-    print("| --- | --- |")
-    print(f"| pool start to first result, s (goal <= D + 3 = {d + 3:g}) | {cell(starts)} |")
-    print(f"| floor: official client creates, waits, ssh true, s | {cell(floors)} |")
-    print(f"| ratio to the same repetition's floor | {cell(ratios)} |")
-    ok = statistics.median(starts) <= d + 3
-    print(f"\ngoal {'met' if ok else 'NOT met'}")
+    print_start_table(
+        f"RunPod stand-in, {args.nodes} pods",
+        "official client creates, waits, ssh true",
+        starts,
+        floors,
+        args.boot_delay,
+    )
     return 0
 
 
