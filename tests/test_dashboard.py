@@ -115,7 +115,12 @@ def test_the_dashboard_shows_nodes_metrics_and_live_output(server: Server, brows
     # a metric changes: node 0's CPU figure, as the views come
     assert wait_until(lambda: text('#nodes tr[data-node="0"] td.cpu').endswith("%"), DEADLINE)
     first = text('#nodes tr[data-node="0"] td.cpu')
+    cell = find('#nodes tr[data-node="0"] td.cpu')[0]
     assert wait_until(lambda: text('#nodes tr[data-node="0"] td.cpu') != first, DEADLINE)
+    # the redraw changed the element on the page instead of swapping it: a click that
+    # lands while the rows are redrawn still reaches its link or button
+    same = "return document.querySelector(arguments[0]) === arguments[1]"
+    assert driver.execute_script(same, '#nodes tr[data-node="0"] td.cpu', cell)  # type: ignore[attr-defined]
 
     # output lines arrive live: more come while the job still runs
     assert wait_until(lambda: "tick 2 on rank 1" in text("#output"), timeout=DEADLINE)

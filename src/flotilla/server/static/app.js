@@ -11,16 +11,61 @@ let streams = [];           // the EventSources of the page shown
 let timer = null;
 let shown = 0;              // the page's number: a late answer for an earlier page is dropped
 
+// An element's handlers live in el.on (one listener per event type reads it), so that
+// patch() can hand a redrawn element's handlers to the element already on the page.
+function handle(e) {
+  const fn = (e.currentTarget.on || {})[e.type];
+  if (fn) fn(e);
+}
+
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else if (v !== null && v !== undefined && v !== false) el.setAttribute(k, v === true ? "" : v);
+    if (k.startsWith("on")) {
+      if (!el.on) el.on = {};
+      el.on[k.slice(2)] = v;
+      el.addEventListener(k.slice(2), handle);
+    } else if (v !== null && v !== undefined && v !== false) el.setAttribute(k, v === true ? "" : v);
   }
   for (const c of children.flat()) {
     if (c !== null && c !== undefined) el.append(c instanceof Node ? c : String(c));
   }
   return el;
+}
+
+// Make `old` look like `fresh` while keeping the elements that are already on the page:
+// a redraw every few seconds must not swap a link or button out from under a click (a
+// press and a release on two different elements is no click) or lose the focus.
+function morph(old, fresh) {
+  if (old.nodeType !== fresh.nodeType || old.nodeName !== fresh.nodeName ||
+      old.namespaceURI !== fresh.namespaceURI) {
+    old.replaceWith(fresh);
+    return;
+  }
+  if (old.nodeType !== Node.ELEMENT_NODE) {
+    if (old.nodeValue !== fresh.nodeValue) old.nodeValue = fresh.nodeValue;
+    return;
+  }
+  for (const a of [...old.attributes]) if (!fresh.hasAttribute(a.name)) old.removeAttribute(a.name);
+  for (const a of fresh.attributes) {
+    if (old.getAttribute(a.name) !== a.value) old.setAttribute(a.name, a.value);
+  }
+  if (fresh.on) {
+    for (const type of Object.keys(fresh.on)) {
+      if (!old.on || !(type in old.on)) old.addEventListener(type, handle);
+    }
+  }
+  old.on = fresh.on;
+  patch(old, ...fresh.childNodes);
+}
+
+// replaceChildren that keeps what is already there (see morph)
+function patch(parent, ...children) {
+  const fresh = children.flat().filter((c) => c !== null && c !== undefined)
+    .map((c) => (c instanceof Node ? c : document.createTextNode(String(c))));
+  const now = [...parent.childNodes];
+  fresh.forEach((c, i) => (i < now.length ? morph(now[i], c) : parent.append(c)));
+  for (const extra of now.slice(fresh.length)) extra.remove();
 }
 
 async function call(method, path, body) {
@@ -98,7 +143,7 @@ async function overview() {
     const pooled = pools.pools.map((p) => h("tr", {},
       h("td", {}, p.pool || "-"), h("td", { class: "num" }, p.pid), h("td", {}, p.phase || "-"),
       h("td", { class: "num" }, (p.nodes || []).length), h("td", { class: "muted" }, p.program || "")));
-    main.replaceChildren(
+    patch(main,
       h("section", {}, h("h2", {}, "Clusters"), rows.length ? h("table", { id: "clusters" },
         h("thead", {}, h("tr", {}, ["name", "state", "provider", "nodes", "jobs running", "age", ""]
           .map((t) => h("th", {}, t)))), h("tbody", {}, rows))
@@ -211,7 +256,7 @@ async function clusterPage(name) {
     const nodes = (view && view.nodes) || [];
     const pages = Math.max(1, Math.ceil(nodes.length / PAGE));
     page = Math.min(page, pages - 1);
-    nodesBody.replaceChildren(...nodes.slice(page * PAGE, (page + 1) * PAGE).map((n) => {
+    patch(nodesBody, ...nodes.slice(page * PAGE, (page + 1) * PAGE).map((n) => {
       const m = n.metrics || {};
       const hist = history.get(n.node) || { cpu: [], mem: [], gpu: [] };
       const gpus = Object.keys(m).filter((k) => k.startsWith("gpu_util_")).sort()
@@ -225,7 +270,7 @@ async function clusterPage(name) {
           spark(hist.mem, 100)),
         h("td", { class: "gpu" }, gpus, hist.gpu.length ? spark(hist.gpu, 100) : null), h("td", { class: "num" }, `${n.running}/${n.done}`));
     }));
-    pager.replaceChildren(
+    patch(pager,
       h("button", { onclick: () => { page--; drawNodes(); }, disabled: page === 0 }, "previous"),
       h("span", { class: "muted", id: "page" }, `page ${page + 1} of ${pages} (${nodes.length} nodes)`),
       h("button", { onclick: () => { page++; drawNodes(); }, disabled: page >= pages - 1 }, "next"));
@@ -233,7 +278,7 @@ async function clusterPage(name) {
 
   const drawHead = () => {
     if (!view) return;
-    head.replaceChildren(...[h("h2", {}, name), h("span", { id: "state" }, state(view.state)),
+    patch(head, ...[h("h2", {}, name), h("span", { id: "state" }, state(view.state)),
       h("span", { class: "muted" }, `${view.provider.kind || "?"} · ${view.num_nodes} node(s) · pool ${view.phase}`),
       view.error ? h("span", { class: "error" }, view.error) : null,
       h("span", { style: "margin-left:auto" }),
@@ -245,7 +290,7 @@ async function clusterPage(name) {
 
   const drawJobs = () => {
     const jobs = ((view && view.jobs) || []).slice().reverse();
-    jobsBody.replaceChildren(...jobs.map((j) => {
+    patch(jobsBody, ...jobs.map((j) => {
       const end = j.ended || Date.now() / 1000;
       const done = !["PENDING", "SETTING_UP", "RUNNING"].includes(j.status);
       return h("tr", { "data-job": j.id },
