@@ -24,7 +24,7 @@ from _procs import interruptible, kill_quietly, wait_until
 
 import flotilla as sky
 from flotilla._providers.aws.pool import AWSAllocation
-from flotilla._providers.base import Options, PoolSpec
+from flotilla._providers.base import AgentProcess, Machine, Options, PoolSpec
 
 
 @sky.function
@@ -392,6 +392,36 @@ def test_a_stopped_host_leaves_no_process_forked_while_it_was_stopped(
         aws_lab.client().terminate_instances(InstanceIds=[ident])
     assert aws_lab.wait_ended(ident)
     assert aws_lab.leftovers([ident]) == {}
+
+
+def test_a_start_that_pauses_past_the_ttl_keeps_its_instances(
+    aws_lab: AwsLab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client keeps its instances alive during the whole start, not only once the pool
+    is up: node 0's agent (and its watchdog) runs while node 1's start pauses longer than
+    the ttl (a busy machine, a slow instance), and node 0's watchdog never powers it off;
+    the pool starts whole."""
+    ttl = 3.0
+    started: set[int] = set()
+    original = AWSAllocation.start_agent
+
+    async def start_agent(self: AWSAllocation, machine: Machine) -> AgentProcess:
+        if machine.rank == 1:  # node 0's agent runs and waits for this one, a long time
+            while 0 not in started:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(ttl + 3)  # the pause the test is about, not a wait
+        agent = await original(self, machine)
+        started.add(machine.rank)
+        return agent
+
+    monkeypatch.setattr(AWSAllocation, "start_agent", start_agent)
+    options = sky.Options(heartbeat_timeout=2, start_timeout=60)
+    with sky.Compute(provider=aws_lab.provider(ttl=ttl), nodes=2, options=options) as pool:
+        addrs = [m.address for m in pool._allocation.machines]
+        assert [a["addr"] for a in where() @ pool] == addrs
+        assert [aws_lab.poweroffs(a) for a in addrs] == [[], []]  # no watchdog fired
+        pool_id = pool.pool_id
+    _gone(aws_lab, pool_id)
 
 
 def test_boot_guard_leaves_a_live_pool_to_its_watchdog(aws_lab: AwsLab) -> None:
