@@ -373,6 +373,10 @@ def test_a_stopped_host_leaves_no_process_forked_while_it_was_stopped(
         InstanceType="t3.micro",
         SubnetId=aws_lab.subnets[ZONES[0]],
         UserData="#cloud-config\n" + yaml.safe_dump(config),
+        # tagged, as every instance of the lab (tests look at all instances' tags)
+        TagSpecifications=[
+            {"ResourceType": "instance", "Tags": [{"Key": "test", "Value": "forker"}]}
+        ],
     )["Instances"]
     ident = desc["InstanceId"]
     try:
