@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -21,10 +22,13 @@ from .base import (
     Provider,
 )
 from .bootstrap import node_packages, running_bundle
+from .forks import ForkedAgent, ForkServer
 from .limits import check_local_capacity, out_of_files
 from .options import provider_init
 from .pipe import PipeAgent, spawn
 from .settings import LocalSettings
+
+logger = logging.getLogger("flotilla")
 
 
 class Local(Provider):
@@ -101,6 +105,7 @@ class Local(Provider):
         allocation = LocalAllocation(self, spec)
         try:
             allocation.machines = [allocation.new_machine(r) for r in range(spec.nodes)]
+            await allocation.forks_ready()
         except BaseException:
             await allocation.release()
             raise
@@ -134,6 +139,13 @@ class LocalAllocation(Allocation):
         self.env.pop("COMPUTE_POOL", None)
         self.user_path = user_code_path()
         self._folders: list[str] = []  # every folder ever made, removed at release
+        self.forks: ForkServer | None = None  # the agents' fork server (see forks.py)
+        root = None if provider.keep_folders else compiled_root()
+        if root is not None:  # started now: it warms up while the folders are made
+            try:
+                self.forks = ForkServer(provider.python, root, self.env)
+            except OSError as e:
+                logger.warning("no local fork server (%s): each agent starts its interpreter", e)
 
     def new_machine(self, rank: int) -> Machine:
         try:
@@ -168,12 +180,40 @@ class LocalAllocation(Allocation):
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             if self.provider.keep_folders:
                 del env["FLOTILLA_NODE_DIR"]  # kept
+            if self.forks is not None:
+                forked = self._fork(machine.ident, env)
+                if forked is not None:
+                    return PipeAgent(forked, address=machine.address, host=machine.host)
             proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"
             ) from e
         return PipeAgent(proc, address=machine.address, host=machine.host)
+
+    async def forks_ready(self) -> None:
+        """Wait (in a worker thread) until the fork server has imported the agents'
+        modules; without it (it failed), agents are spawned."""
+        if self.forks is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.forks.wait_ready)
+            except OSError as e:
+                self._no_forks(e)
+
+    def _fork(self, folder: str, env: dict[str, str]) -> ForkedAgent | None:
+        """An agent from the fork server; None (and no server any more) if it cannot."""
+        assert self.forks is not None
+        try:
+            return self.forks.fork(folder, env)
+        except OSError as e:
+            self._no_forks(e)
+            return None
+
+    def _no_forks(self, e: OSError) -> None:
+        logger.warning("the local fork server failed (%s): each agent starts its interpreter", e)
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
 
     async def replacement(self, rank: int, reason: str) -> Machine:
         """A new folder; the lost machine's goes."""
@@ -198,6 +238,8 @@ class LocalAllocation(Allocation):
 
     def sweep(self) -> None:
         """Remove the folders made (synchronous, see ``base.Allocation.sweep``)."""
+        if self.forks is not None:
+            self.forks.close()
         for folder in list(self._folders):
             _remove(folder)
         for machine in self.machines:  # kept folders: only what lost agents left mounted
@@ -221,6 +263,30 @@ _LIB = ".flotilla-lib"
 """In a node's folder: links to the client's flotilla and cloudpickle packages (their
 compiled copy, see ``bootstrap.node_packages``: an agent compiles none of it). A client
 that runs from a bundle (a pool started on a node) gives its agents that bundle instead."""
+
+
+def compiled_root() -> str | None:
+    """The folder of the compiled copy of the node code (``bootstrap.node_packages``) when
+    nothing else can be imported from it (the fork server's import path; the kept SSH
+    bundle beside them is no module); None where there is none (no cache, or a client
+    running from a bundle)."""
+    if running_bundle() is not None:
+        return None
+    packages = node_packages()
+    roots = {os.path.dirname(path) for path in packages.values()}
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    try:
+        others = set(os.listdir(root)) - set(packages)
+    except OSError:
+        return None
+    importable = [
+        name
+        for name in others
+        if name.endswith((".py", ".pyc", ".so")) or os.path.isdir(os.path.join(root, name))
+    ]
+    return None if importable else root
 
 
 def user_code_path() -> list[str]:
