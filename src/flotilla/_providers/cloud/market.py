@@ -85,6 +85,12 @@ def labelled(rows: Iterable[dict[str, Any]], key: str) -> Iterable[tuple[str, st
             yield found[0], found[1], str(row["id"])
 
 
+def orphans_in(rows: Iterable[dict[str, Any]], key: str) -> tuple[set[str], set[str], list[str]]:
+    """:func:`find_orphans` of the ``rows`` (an API's instances) whose ``key`` holds a
+    flotilla label: the orphan pools, the pools skipped, the orphans' ids."""
+    return find_orphans(labelled(rows, key))
+
+
 def pool_ids(rows: Iterable[dict[str, Any]], key: str, pool_id: str) -> set[str]:
     """The ids of the ``rows`` whose ``key`` labels them as pool ``pool_id``'s (the release
     finds by them what a create whose answer was lost made)."""

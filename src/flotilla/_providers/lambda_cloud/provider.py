@@ -30,7 +30,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, launched, orphans_in
 from ..cloud.rest import RestApi
 from ..offers import Offer
 from ..options import provider_init
@@ -98,7 +98,7 @@ class LambdaCloud(MarketProvider[LambdaSettings, RestApi]):
 
         api = self.api
         live = [row for row in self.instances() if row.get("status") != "terminated"]
-        pools, skipped, gone = find_orphans(labelled(live, "name"))
+        pools, skipped, gone = orphans_in(live, "name")
         if not dry_run and gone:
             api.call(
                 "POST",

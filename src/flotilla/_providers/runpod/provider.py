@@ -37,14 +37,7 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.kept import KeptPool
-from ..cloud.market import (
-    CloudOrphans,
-    MarketProvider,
-    check_stoppable,
-    check_ttl,
-    find_orphans,
-    labelled,
-)
+from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, orphans_in
 from ..cloud.rest import ApiError
 from ..cloud.stopstart import acquired
 from ..offers import Offer
@@ -147,7 +140,7 @@ class RunPod(MarketProvider[RunPodSettings, RunPodApi]):
         # a stopped cluster's pods (EXITED; an outbid spot pod is EXITED too, and is an
         # orphan) are no orphans: `flotilla down NAME` removes them
         rows = [r for r in rows if r.get("desiredStatus") != "EXITED" or r.get("interruptible")]
-        pools, skipped, gone = find_orphans(labelled(rows, "name"))
+        pools, skipped, gone = orphans_in(rows, "name")
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")

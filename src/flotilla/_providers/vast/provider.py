@@ -31,7 +31,7 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.keys import KeyPair
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, launched, orphans_in
 from ..offers import Offer
 from ..options import provider_init
 from .api import VastApi, connect, find_key, find_url
@@ -97,7 +97,7 @@ class VastAI(MarketProvider[VastSettings, VastApi]):
         this machine is gone. Pools of clients on other machines are listed in
         ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
         api = self.api
-        pools, skipped, found = find_orphans(labelled(self.instances(), "label"))
+        pools, skipped, found = orphans_in(self.instances(), "label")
         gone = [int(i) for i in found]
         if not dry_run:
             for ident in gone:

@@ -43,14 +43,7 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.kept import KeptPool
-from ..cloud.market import (
-    CloudOrphans,
-    MarketProvider,
-    check_stoppable,
-    check_ttl,
-    find_orphans,
-    labelled,
-)
+from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, orphans_in
 from ..cloud.rest import ApiError
 from ..cloud.stopstart import acquired
 from ..offers import Offer
@@ -157,7 +150,7 @@ class Verda(MarketProvider[VerdaSettings, VerdaApi]):
             for r in rows
             if r.get("status") not in ("deleted", "deleting", STOPPED) and str(r["id"]) not in kept
         ]
-        pools, skipped, gone = find_orphans(labelled(live, "description"))
+        pools, skipped, gone = orphans_in(live, "description")
         if dry_run:
             return VerdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
         if gone:
