@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from typing import Any
@@ -232,6 +233,45 @@ def test_a_nodes_payload_file_takes_the_next_broadcast_only_once_no_call_sees_it
         assert not set(after) & set(kept)
         assert kept_digest() @ pool == [want_kept] * HOSTS
         assert broadcast(mapped_file)[0] == after
+
+
+def test_a_kept_file_is_cut_to_a_smaller_payload_and_removed_once_idle() -> None:
+    """The node's kept files (``relay.Segments``): a smaller payload takes a larger kept
+    file, cut to its size; a larger one gets a new file; an idle one goes; none outlives
+    the relay."""
+    prefix = f"flotilla-test{os.getpid()}-relay-"
+
+    def files() -> dict[str, int]:
+        return {
+            n: os.stat(os.path.join(relay.SHM_DIR, n)).st_size
+            for n in os.listdir(relay.SHM_DIR)
+            if n.startswith(prefix)
+        }
+
+    kept = relay.Segments()
+    try:
+        made = kept.take(2 << 20, prefix)
+        assert isinstance(made, tuple)
+        name, mapping = made
+        mapping[:4] = b"used"
+        kept.give(name, mapping)
+        again = kept.take(1 << 20, prefix)
+        assert isinstance(again, tuple) and again[0] == name and len(again[1]) == 1 << 20
+        assert files() == {name: 1 << 20}  # the pages beyond are given back
+        kept.give(*again)
+        larger = kept.take(3 << 20, prefix)
+        assert isinstance(larger, tuple) and larger[0] != name
+        assert files() == {name: 1 << 20, larger[0]: 3 << 20}
+        kept.give(*larger)
+        kept.trim(time.monotonic() + relay.KEEP_IDLE + 1)
+        assert files() == {}
+        last = kept.take(1 << 20, prefix)
+        assert isinstance(last, tuple)
+        kept.give(*last)
+        assert len(files()) == 1
+    finally:
+        kept.close()
+    assert files() == {}
 
 
 def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:

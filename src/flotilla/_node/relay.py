@@ -207,7 +207,7 @@ class Segments:
                 if len(mapping) != size:
                     mapping.resize(size)  # truncates the file too: its pages beyond are freed
                 return name, mapping
-            except (OSError, ValueError, SystemError):
+            except (OSError, ValueError, SystemError, BufferError):
                 self._remove(name, mapping)
         return _shared(size, prefix)
 
