@@ -560,6 +560,26 @@ class Provider(ABC):
     is the client's Python minor version, and never looks for another one (see
     ``_client/interpreter.py``)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A constructor derived from a settings class (``options.provider_init``) gives
+        the class its :attr:`settings_type`."""
+        super().__init_subclass__(**kwargs)
+        derived = getattr(cls.__dict__.get("__init__"), "settings_type", None)
+        if derived is not None:
+            cls.settings_type = derived
+
+    def __repr__(self) -> str:
+        """``Name(field=value, ...)``: the settings fields (of :attr:`settings_type`) that
+        differ from their defaults, never a secret one; a provider without settings is
+        shown as an object is."""
+        settings = getattr(self, "settings", None)
+        if self.settings_type is None or not isinstance(settings, self.settings_type):
+            return super().__repr__()
+        from .options import changed
+
+        args = ", ".join(f"{k}={v!r}" for k, v in changed(settings).items())
+        return f"{type(self).__name__}({args})"
+
     @classmethod
     def from_settings(cls, settings: Any) -> Self:
         """The provider made from a :attr:`settings_type` object (``cls(settings=...)`` when

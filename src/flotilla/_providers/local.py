@@ -9,7 +9,6 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
@@ -49,20 +48,16 @@ class Local(Provider):
     """
 
     name = "local"
-    settings_type = LocalSettings
+    settings: LocalSettings
     shares_filesystem = True
     elastic = True
 
     @provider_init(LocalSettings)
-    def __init__(self, *args: Any, settings: LocalSettings | None = None, **options: Any) -> None:
-        self.settings: LocalSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.keep_folders = self.settings.keep_folders
         self.python = self.settings.python or sys.executable
         self.workdir = self.settings.workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
-
-    def __repr__(self) -> str:
-        return "Local()"
 
     def validate(self, spec: PoolSpec) -> None:
         """Every node runs on this machine: each one's GPUs, CPUs and memory must fit it.

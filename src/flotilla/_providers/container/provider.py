@@ -186,30 +186,16 @@ class Container(Provider):
     of their own, forming one cluster (peers, head, DDP across them). Needs the engine's
     command on this machine and an image with Python of the client's minor version (see
     docs/providers.md, "Local containers").
-
-    Args: the fields of :class:`ContainerSettings`.
     """
 
     name = "container"
-    settings_type = ContainerSettings
+    settings: ContainerSettings
     elastic = True
     """Elastic pools: a container is run per node added and removed per node released."""
 
     @provider_init(ContainerSettings)
-    def __init__(
-        self, *args: Any, settings: ContainerSettings | None = None, **options: Any
-    ) -> None:
-        self.settings: ContainerSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.engine = Engine(self.settings)
-        self.home = self.settings.workdir
-
-    def __repr__(self) -> str:
-        what = (
-            f"rootfs={self.settings.rootfs!r}"
-            if self.settings.rootfs
-            else (f"image={self.settings.image_name!r}")
-        )
-        return f"Container({what}, binary={self.settings.binary!r})"
 
     def validate(self, spec: PoolSpec) -> None:
         self.engine.check_local()

@@ -133,26 +133,16 @@ class Kubernetes(Provider):
     ``Compute(provider=Kubernetes(namespace="ml"), nodes=4, accelerator="A100:8")``. Needs
     ``kubectl`` on this machine and, in the namespace, the right to create, get, list and
     delete pods and to exec into them (see docs/providers.md, "Kubernetes").
-
-    Args: the fields of :class:`KubernetesSettings`.
     """
 
     name = "k8s"
-    settings_type = KubernetesSettings
+    settings: KubernetesSettings
     elastic = True
     """Elastic pools: a pod is created per node added and deleted per node released."""
 
     @provider_init(KubernetesSettings)
-    def __init__(
-        self, *args: Any, settings: KubernetesSettings | None = None, **options: Any
-    ) -> None:
-        self.settings: KubernetesSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.kubectl = Kubectl(self.settings)
-        self.home = self.settings.workdir
-
-    def __repr__(self) -> str:
-        where = f", context={self.settings.context!r}" if self.settings.context else ""
-        return f"Kubernetes(namespace={self.settings.namespace!r}{where})"
 
     def validate(self, spec: PoolSpec) -> None:
         self.kubectl.check_local()

@@ -54,7 +54,6 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
@@ -102,19 +101,17 @@ class Slurm(Provider):
     Used on a login node of a SLURM cluster (the SLURM commands must be on PATH), or inside
     a job: ``Compute(provider=Slurm(partition="gpu", time="2:00:00"), nodes=4,
     accelerator="A100:8")``.
-
-    Args: the fields of :class:`SlurmSettings`.
     """
 
     name = "slurm"
-    settings_type = SlurmSettings
+    settings: SlurmSettings
     elastic = True
     """Elastic pools: a one-node job per node added, ended per node released (see the
     module docstring)."""
 
     @provider_init(SlurmSettings)
-    def __init__(self, *args: Any, settings: SlurmSettings | None = None, **options: Any) -> None:
-        self.settings = settings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
+        settings = self.settings
         time, python, workdir = settings.time, settings.python, settings.workdir
         self.time_limit = parse_time(time) if time is not None else None
         self.shares_filesystem = settings.shared_filesystem
@@ -123,10 +120,6 @@ class Slurm(Provider):
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
         self._partition: Partition | None = None
-
-    def __repr__(self) -> str:
-        where = f"partition={self.settings.partition!r}" if self.settings.partition else ""
-        return f"Slurm({where})"
 
     def existing_job(self) -> str | None:
         """The job this program runs in, when the pool should use its nodes."""
