@@ -38,7 +38,8 @@ class Local(Provider):
     packages), flotilla and cloudpickle as this client has them, and the user's own code
     folders of the client's ``sys.path`` (never the client's standard library or
     site-packages: another interpreter could not load them), so a pool starts in a
-    fraction of a second.
+    fraction of a second. The agents are forked by one fork server per pool (see
+    ``forks``): one interpreter's start and imports for all of them.
 
     Args: the fields of :class:`LocalSettings` (``python``: another interpreter must be the
     client's Python minor version, or the pool is refused), and ``keep_folders``: name the
