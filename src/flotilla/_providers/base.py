@@ -176,6 +176,9 @@ class PoolSpec:
             provider that knows its prices refuses offers above it before renting.
         max_node_hourly_cost: the most one node may cost per hour (USD; Skyward's
             ``Spec(max_hourly_cost=)``), or None: offers above it are not taken.
+        keep_agents: seconds the agents wait for a new client once theirs is gone (a
+            named cluster's pool, ``Compute.keep_agents``): what holds the nodes must
+            then outlive the client while they run (0: the nodes end with it).
     """
 
     pool_id: str
@@ -189,6 +192,7 @@ class PoolSpec:
     max_nodes: int = 0
     max_hourly_cost: float | None = None
     max_node_hourly_cost: float | None = None
+    keep_agents: float = 0.0
 
     @property
     def most(self) -> int:
