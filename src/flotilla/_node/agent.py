@@ -83,6 +83,7 @@ class Agent(NodeEnvironment):
         self.executors = Supervisor(self.sel, self.client, (self.proto_in, self.proto_out))
         self.relay = Relay(self.sel, self.client, self.executors.submit_task)
         self.executors.inherited = self.relay.fds
+        self.executors.answered = self.relay.answered
         self.config: Config | None = None
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()
@@ -98,8 +99,7 @@ class Agent(NodeEnvironment):
         self.detached_until = 0.0  # > 0: the client is gone; a new one may come until then
         ex = self.executors
         self._on_frame: dict[int, Callable[[int, Body], object]] = {
-            # kind -> handler(ident, body), for the frames the client sends (PING only
-            # refreshes ``last_seen``, as every frame does)
+            # kind -> handler(ident, body) of the client's frames (a PING only sets last_seen)
             Kind.TASK: ex.submit,
             Kind.DEFINE: ex.define,
             Kind.CONFIG: self._configure,
