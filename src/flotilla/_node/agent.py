@@ -169,6 +169,8 @@ class Agent(NodeEnvironment):
         if self.detached_until:
             if now >= self.detached_until:
                 self._log(f"no client came back within {self.reattach_grace:.0f} s; exiting")
+                if self.cloud is not None:  # nobody holds the instance: it ends now
+                    self.cloud.hold(0.0)
                 self.begin_stop(grace=1.0)
                 return
             self.last_seen = now  # no heartbeat without a client
@@ -272,6 +274,8 @@ class Agent(NodeEnvironment):
         self.client.held = _KEPT_BYTES
         self.client.kept = 0
         self.detached_until = time.monotonic() + self.reattach_grace
+        if self.cloud is not None:  # the instance lives as long as the wait, not ``ttl``
+            self.cloud.hold(self.reattach_grace)
         self._log(f"the client is gone; waiting {self.reattach_grace:.0f} s for it to re-attach")
 
     def _on_reattach(self) -> None:
@@ -292,6 +296,8 @@ class Agent(NodeEnvironment):
         self.detached_until = 0.0
         self.last_seen = time.monotonic()
         self.next_beat = self.last_seen
+        if self.cloud is not None:  # the new client keeps the instance alive from now
+            self.cloud.renew()
         self._hello(again=True)
         self.client.fd = self.proto_out
         self.client.held = 0

@@ -12,9 +12,11 @@ the calls they run go on).
 
 How the bridge is started is the provider's (:meth:`Reattach.bridge_command`): the local
 provider runs the command as it is; the SSH provider through ``ssh`` as it started the
-agent (its key, its pinned host keys). Other providers cannot re-attach yet
-(:func:`can_reattach`; SLURM and the clouds would run it through their own shells, as
-they start the agent): their clusters' agents end with their daemon, as before.
+agent (its key, its pinned host keys); a cloud (a provider with ``reattaches_over_ssh``:
+AWS and the rented clouds of the cloud kit) through ``ssh`` with the node's ``login``, the
+pool's own login key and pinned host key (what ``flotilla ssh`` uses, kept in the pool's
+private folder). Other providers cannot re-attach yet (:func:`can_reattach`): their
+clusters' agents end with their daemon, as before.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Node:
     host: str
     workdir: str
     argv: tuple[str, ...]
+    login: tuple[str, ...] = ()
+    """A cloud node's: ``ssh`` options then ``USER@HOST``, logging in as its pool did."""
 
 
 def can_reattach(provider: Provider) -> bool:
@@ -51,7 +55,13 @@ def can_reattach(provider: Provider) -> bool:
     from .local import Local
     from .ssh import SSH
 
-    return isinstance(provider, Local | SSH | Reattach)
+    return isinstance(provider, Local | SSH | Reattach) or reattaches_over_ssh(provider)
+
+
+def reattaches_over_ssh(provider: Provider) -> bool:
+    """Whether ``provider`` is a cloud whose nodes are re-attached to over its pool's
+    pinned SSH login (``Node.login``; the cloud kit's providers)."""
+    return bool(getattr(provider, "reattaches_over_ssh", False))
 
 
 class Reattach(Provider):
@@ -75,6 +85,9 @@ class Reattach(Provider):
 
         if isinstance(self.base, Local):
             return list(node.argv), {}
+        if node.login and reattaches_over_ssh(self.base):
+            ssh = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30"]
+            return [*ssh, *node.login, "exec " + shlex.join(node.argv)], {}
         if isinstance(self.base, SSH):
             for host in self.base.hosts:
                 target = self.base.target(host)

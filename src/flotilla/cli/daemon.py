@@ -35,7 +35,19 @@ from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
-from .adopt import adoptable, grace, keeps_agents, restore, reveal, save_spec, take_over
+from .adopt import (
+    adoptable,
+    grace,
+    hold,
+    keep_login,
+    keeps_agents,
+    login_for,
+    release,
+    restore,
+    reveal,
+    save_spec,
+    take_over,
+)
 from .adopt import provider as reattaching
 from .backends import registry
 from .conventions import EXIT_LOST
@@ -139,6 +151,8 @@ class ClusterDaemon(OutputRouting):
         self.adopting: list[NodeRecord] = []  # the nodes of a daemon that died, re-attached
         self.adopted: list[JobRecord] = []  # the jobs it ran, followed again
         self.reattach_key = ""
+        self.clients: list[str] = []  # a cloud cluster's client identities (adopt.Leases)
+        self.leases: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -147,6 +161,7 @@ class ClusterDaemon(OutputRouting):
             self.adopting = list(rec.nodes) if adoptable(rec) else []
             self.reattach_key = rec.reattach_secret if self.adopting else secrets.token_hex(32)
             self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
+            self.clients = list(rec.clients) if self.adopting else []
             rec.pid = os.getpid()
             rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
@@ -246,6 +261,8 @@ class ClusterDaemon(OutputRouting):
             if self.event_log is not None:
                 self.event_log.stop()
             record_cost(self, "down", self.pool)
+        if self.leases is not None:  # a cloud's: what a daemon that died rented, too
+            release(self.leases, bool(self.adopting), self.backend, self.spec, self.paths)
         self.socket.close()
         if self.delete_on_stop:
             if self.autodown:  # what `down` does besides removing the record
@@ -276,7 +293,8 @@ class ClusterDaemon(OutputRouting):
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
             if self.adopting:  # nothing is provisioned: the recorded nodes are reached again
-                provider = reattaching(provider, self.adopting, self.reattach_key)
+                login = login_for(self.paths)  # (a cloud's: see adopt.keep_login)
+                provider = reattaching(provider, self.adopting, self.reattach_key, login)
             if hasattr(provider, "report"):  # a fallback: its choices reach the first job
                 provider.report = self._provision_note
             wants = self.backend.pool_resources(self.spec)
@@ -300,6 +318,9 @@ class ClusterDaemon(OutputRouting):
             pool.on_replaced = self._on_replaced
             if keeps_agents(provider):  # they outlive this daemon, for a new one
                 pool.keep_agents(grace(), self.reattach_key)
+                self.leases = hold(provider, self.clients)  # a cloud's instances, too
+                with self._update() as rec:
+                    rec.clients = self.clients
             with self.cv:
                 if self.stopping:
                     return
@@ -316,6 +337,8 @@ class ClusterDaemon(OutputRouting):
                 record_cost(self, "up", pool)
             shared = self.backend.shares_filesystem
             self.nodes = self.adopting or self._node_records()
+            if self.leases is not None and not self.adopting:  # a cloud's: for a new daemon
+                keep_login(self.backend, self.spec, self.paths, self.nodes)
             self.runner = Runner(
                 pool,
                 self.name,
@@ -408,6 +431,8 @@ class ClusterDaemon(OutputRouting):
                     return
                 self.nodes[:] = nodes  # the runner holds this list
             self._connect_nodes()  # the new machine's host key and authorization
+            if self.leases is not None:  # the new machine's login, for a new daemon
+                keep_login(self.backend, self.spec, self.paths, self.nodes)
             with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
                 rec.nodes = self.nodes  # (after: a record naming it says it is ready)
             self.backend.on_up(self.paths, self.spec, self.nodes)

@@ -104,6 +104,9 @@ class MarketProvider(Provider):
     settings: Any
     _api: Any
     keep: Keep | None = None
+    reattaches_over_ssh = True
+    """A named cluster's nodes are re-attached to over the pool's SSH login
+    (``_providers/reattach.py``)."""
 
     def remove_kept(self, kept: KeptPool) -> None:
         """Remove a stopped pool's instances (``flotilla down`` of a stopped cluster)."""
