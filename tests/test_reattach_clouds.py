@@ -150,7 +150,8 @@ def test_a_runpod_clusters_pods_are_re_attached_and_down_terminates_them(
     pods = {p.id for p in runpod_lab.live()} - others
     (pool,) = {p.name.split(":")[1] for p in runpod_lab.live() if p.id in pods}
     agents = [n.agent_pid for n in before.nodes]
-    log = start_ticking(cli, "cr", tmp_path / "stop")
+    stop = Path(f"/tmp/flotilla-stop-{tmp_path.name}")  # on each pod's own file system
+    log = start_ticking(cli, "cr", stop)
     kill_daemon(cli, "cr")
     dry = cli.ok("down", "--orphans", "--provider", "runpod", "--dry-run").stderr
     assert "orphan pool(s)" in dry and pool not in dry, dry  # held for the grace
@@ -161,7 +162,9 @@ def test_a_runpod_clusters_pods_are_re_attached_and_down_terminates_them(
     assert after is not None and [n.agent_pid for n in after.nodes] == agents
     assert {p.id for p in runpod_lab.live()} - others == pods  # no pod rented again
     assert wait_until(lambda: all(last_tick(read(log), r) > seen[r] + 2 for r in (0, 1)), 60)
-    (tmp_path / "stop").touch()
+    for rank in (0, 1):  # (the pods have file systems of their own)
+        cli.ok("ssh", "cr", "--node", str(rank), "--", f"touch {stop}")
+    assert wait_until(lambda: "done-0" in read(log) and "done-1" in read(log), 60), read(log)[-999:]
     job = after.jobs[-1]
     followed = cli.ok("logs", "cr", str(job.id))
     assert "done-0" in followed.stdout and "done-1" in followed.stdout
