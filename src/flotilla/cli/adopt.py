@@ -77,19 +77,49 @@ def adoptable(rec: ClusterRecord) -> bool:
     return bool(rec.reattach_secret and rec.nodes and all(n.reattach for n in rec.nodes))
 
 
-def take_over(rec: ClusterRecord, adopting: bool) -> list[JobRecord]:
-    """A new daemon takes over ``rec``: the jobs the old one left unfinished fail, but
-    for the running ones it re-attaches to (``adopting``), returned."""
-    kept = []
+def take_over(
+    rec: ClusterRecord, adopting: bool, paths: Paths | None = None
+) -> tuple[list[JobRecord], list[JobRecord]]:
+    """A new daemon takes over ``rec``: the jobs the old one left unfinished fail, but for
+    the running ones it re-attaches to (``adopting``) and those it queues again (queued
+    or in ``sync``/``setup``: :func:`requeue`), returned. A job whose secrets held values
+    cannot run again (they are never kept on disk): it fails, saying so."""
+    kept, again = [], []
     for job in rec.jobs:
         if JobStatus(job.status).finished:
             continue
         if adopting and job.status == JobStatus.RUNNING.value and job.nodes:
             kept.append(job)
             continue
+        why = _cannot_requeue(paths, job) if adopting and paths is not None else "-"
+        if not why:
+            job.status, job.started, job.nodes = JobStatus.PENDING.value, 0.0, []
+            again.append(job)
+            continue
         job.status = JobStatus.FAILED.value
-        job.error = "the cluster daemon running it exited"
-    return kept
+        job.error = "the cluster daemon running it exited" + (why if why != "-" else "")
+    return kept, again
+
+
+def _cannot_requeue(paths: Paths, job: JobRecord) -> str:
+    """Why ``job`` (queued or in setup) cannot be queued again ('' when it can)."""
+    if job.status not in (JobStatus.PENDING.value, JobStatus.SETTING_UP.value):
+        return "-"
+    data = read_json(paths.job_dir(job.id) / SPEC_FILE, ConfigurationError)
+    if data is None:
+        return "; its spec was not kept"
+    if data.get("hidden"):
+        return "; it cannot run again: its secrets' values are never kept on disk"
+    return ""
+
+
+def requeue(paths: Paths, rec: JobRecord) -> Job:
+    """A job the dead daemon had queued, or was syncing or setting up, as it was submitted
+    (its spec from its folder): it runs again from its start (``sync``, ``setup``)."""
+    job = restore(paths, rec)
+    job.status, job.started, job.nodes, job.held = JobStatus.PENDING, 0.0, [], None
+    job.phase(f"job {rec.id}: its cluster's daemon died; queued again by the new one")
+    return job
 
 
 def save_spec(job: Job) -> None:
