@@ -87,8 +87,9 @@ class JobStatus(Enum):
     SETTING_UP --> FAILED_SETUP | CANCELLED
 
     LOST is never written: it is what an unfinished job is when its cluster's daemon is
-    gone (``queue`` on a STALE cluster). A new daemon records such jobs as FAILED, but for
-    those it re-attaches to (RUNNING, see ``cli/adopt.py``), which go on.
+    gone (``queue`` on a STALE cluster). A new daemon that re-attaches follows the RUNNING
+    ones and queues the PENDING and SETTING_UP ones again (see ``cli/adopt.py``); it
+    records the others (and every one, when it cannot re-attach) as FAILED.
     """
 
     PENDING = "PENDING"
