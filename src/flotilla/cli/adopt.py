@@ -186,13 +186,16 @@ def provider(
                 how = login(n.node)
             except (ConfigurationError, OSError) as e:  # its pool's folder is gone
                 unreachable[n.node] = f"its pool's login is gone: {e}"
-        found.append(Node(n.node, n.ip, n.host, n.workdir, tuple(n.reattach), tuple(how)))
+        job, scheduler_node = n.scheduler_job, n.scheduler_node
+        argv, where = tuple(n.reattach), (n.node, n.ip, n.host, n.workdir)
+        found.append(Node(*where, argv, job, scheduler_node, tuple(how)))
     reattach = Reattach(base, found, key)
     gone = {**reattach.probe(), **unreachable}
     if not gone:
         return reattach
     alive = [n.node for n in nodes if n.node not in gone]
     reattach.stop(alive)
+    reattach.sweep([n for n in found if n.rank in gone])  # the job, pods, containers go whole
     said = "; ".join(f"node {r} ({nodes[r].host}) is gone: {why}" for r, why in gone.items())
     stopped = f"; its other node(s) {alive} were stopped" if alive else ""
     raise ProvisionError(f"{said}{stopped}")
