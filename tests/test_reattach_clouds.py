@@ -224,3 +224,23 @@ Contact({str(contact)!r}, 5.0, ttl=0.5).hold(3600.0)
     )
     assert done.returncode == 0, done.stderr
     assert len(fired.read_text().split()) == 1  # powered off once, not ttl (600 s) later
+
+
+def test_a_lease_keeps_a_dead_client_alive_until_it_runs_out_or_is_dropped() -> None:
+    """What keeps orphan cleanups off a dead daemon's instances (``cloud.identity``)."""
+    import socket
+    import subprocess
+
+    from flotilla._providers.cloud.identity import client_alive, drop_leases, lease
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    client = f"{socket.gethostname()}:{dead.pid}:1"
+    assert client_alive(client) is False  # an orphan's client
+    lease([client], 600.0)
+    assert client_alive(client) is True  # held: not an orphan
+    lease([client], -1.0)
+    assert client_alive(client) is False  # ran out
+    lease([client], 600.0)
+    drop_leases([client])
+    assert client_alive(client) is False  # released by its cluster

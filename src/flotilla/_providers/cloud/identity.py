@@ -76,6 +76,10 @@ def lease(clients: Iterable[str], seconds: float) -> None:
         with contextlib.suppress(OSError):
             tmp.write_text(f"{until:.3f}\n")
             os.replace(tmp, path)
+    for old in folder.iterdir():  # those that ran out (their daemons died long ago)
+        with contextlib.suppress(OSError, ValueError):
+            if not old.name.startswith(".") and float(old.read_text()) <= time.time():
+                old.unlink()
 
 
 def drop_leases(clients: Iterable[str]) -> None:
