@@ -4,10 +4,14 @@ subprocesses pointed at the emulator through the standard AWS_* variables."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
+import pytest
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
+from _hosts import Lab, ssh_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 from test_cli_files import copy_check
@@ -200,3 +204,100 @@ def test_node_records_follow_a_replaced_instance(cli: CLI, aws_lab: AwsLab) -> N
     job = cli.ok("exec", "renew", "echo AT $SKYPILOT_NODE_RANK $(hostname -I)")
     assert after.nodes[2].ip in node_lines(job.stdout, "AT")[2].split()
     cli.ok("down", "renew", timeout=120)
+
+
+def _pool_folder(lab: Lab, public: str, known_hosts: str) -> str:
+    """An AWS pool's private folder as a public-IP pool leaves it: its login key, the host
+    key pinned at the PUBLIC address the client reaches the instance at (``pin``), no
+    ``client`` file (no orphan cleanup takes it)."""
+    import shutil
+    import tempfile
+
+    from flotilla._providers.aws.keys import FOLDER_PREFIX
+
+    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}h46pub{os.getpid()}-")
+    shutil.copyfile(lab.client_key, os.path.join(folder, "login_key"))
+    os.chmod(os.path.join(folder, "login_key"), 0o600)
+    pinned = [line for line in known_hosts.splitlines() if line.split(" ", 1)[0] == public]
+    assert pinned, known_hosts
+    with open(os.path.join(folder, "known_hosts"), "w") as f:
+        f.write("".join(line + "\n" for line in pinned))
+    return folder
+
+
+def _ssh(argv: list[str], command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ssh", "-T", "-o", "BatchMode=yes", *argv, command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_a_public_ip_aws_node_is_found_by_its_private_address_for_ssh_and_re_attach(
+    ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """A public-IP AWS pool (no ``--private-ips``) pins each instance's host key at its
+    public address, while the cluster records the private address (what peers know it
+    by). ``flotilla ssh`` and a re-attach find the node's login by that private address
+    and reach it at the public one, host key pinned. The AWS lab cannot stand in public
+    addresses (moto draws them at random and the provider asks AWS's checkip service on
+    the internet), so an SSH lab host plays the instance at its public address, its
+    private address reaches nothing, and the pool's folder is what the AWS pool writes."""
+    from flotilla._providers.aws.keys import remove_folder
+    from flotilla._providers.cloud import login
+    from flotilla._providers.ssh_shell import Target
+    from flotilla.cli.adopt import keep_login, login_for
+    from flotilla.cli.backends.aws import BACKEND, AWSSpec
+    from flotilla.cli.state import NodeRecord, Paths
+
+    host = ssh_lab.hosts[0]
+    public, private = host.addr, f"{ssh_lab.subnet}.251"  # no host has .251
+    folder = _pool_folder(ssh_lab, public, ssh_lab.known_hosts.read_text())
+    try:
+        # what AWSAllocation.start_agent records once the node's agent runs
+        login.remember(folder, private, Target(public, "root", 22))
+        nodes = [NodeRecord(0, private, "ip-x", "/root", 0)]
+        paths = Paths("pub", home=tmp_path)
+        paths.ensure()
+        argv = BACKEND.ssh_login(paths, AWSSpec(), nodes, 0)  # what `flotilla ssh` runs
+        assert "StrictHostKeyChecking=yes" in argv and f"root@{public}" in argv
+        done = _ssh(argv, "hostname -I")
+        assert done.returncode == 0 and public in done.stdout.split(), done.stderr
+        keep_login(BACKEND, AWSSpec(), paths, nodes)  # the first daemon keeps it
+    finally:
+        remove_folder(folder)  # as an orphan cleanup removes the dead client's folder
+    kept = login_for(paths)(0)  # what a daemon re-attaching after a kill -9 logs in with
+    done = _ssh(kept, "hostname -I")
+    assert done.returncode == 0 and public in done.stdout.split(), done.stderr
+    # the host key stays pinned: another key at that address is refused
+    other = next(h for h in ssh_lab.hosts if h.addr != public)
+    kept_hosts = next(w.split("=", 1)[1] for w in kept if w.startswith("UserKnownHostsFile="))
+    Path(kept_hosts).write_text(f"{public} {' '.join(other.pubkey.split()[:2])}\n")
+    refused = _ssh(kept, "true")
+    assert refused.returncode != 0 and "host key" in refused.stderr.lower(), refused.stderr
+
+
+def test_the_latest_login_recorded_for_an_address_wins() -> None:
+    """A replacement instance may get the private address of one before it (in the same
+    pool): its line, the latest, is the login; a pool of another user's folder or with no
+    line for the address is not."""
+    import tempfile
+
+    from flotilla._errors import ConfigurationError
+    from flotilla._providers.aws.keys import FOLDER_PREFIX, remove_folder, ssh_login
+    from flotilla._providers.cloud import login
+    from flotilla._providers.ssh_shell import Target
+
+    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}h46last{os.getpid()}-")
+    try:
+        login.remember(folder, "10.9.0.5", Target("203.0.113.7", "ubuntu", 22))
+        login.remember(folder, "10.9.0.5", Target("203.0.113.9", "ubuntu", 22))
+        argv = ssh_login("10.9.0.5")
+        assert argv[-1] == "ubuntu@203.0.113.9"
+        assert f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}" in argv
+        with pytest.raises(ConfigurationError, match="no running AWS pool"):
+            ssh_login("10.9.0.6")
+    finally:
+        remove_folder(folder)

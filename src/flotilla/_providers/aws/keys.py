@@ -15,12 +15,10 @@ instances of one launch share their host key; a replacement launch gets a key of
 
 from __future__ import annotations
 
-import glob
-import os
 import shutil
 import tempfile
 
-from ..._errors import ConfigurationError
+from ..cloud import login
 from ..cloud.keys import user_data as user_data  # the cloud kit's #cloud-config
 
 FOLDER_PREFIX = "flotilla-aws-"
@@ -37,28 +35,9 @@ def remove_folder(folder: str) -> None:
 
 
 def ssh_login(address: str) -> list[str]:
-    """``ssh`` options that log in to the running pool instance at ``address`` as its
-    pool does: the pool's login key and its pinned host key (for ``flotilla ssh``). The
-    pool is found by its folder's known_hosts (only live pools have a folder); a
-    ConfigurationError when no pool of this user has an instance there."""
-    pattern = os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*", "known_hosts")
-    for known_hosts in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
-        folder = os.path.dirname(known_hosts)
-        key = os.path.join(folder, "login_key")
-        if os.stat(folder).st_uid != os.getuid() or not os.path.exists(key):
-            continue
-        with open(known_hosts) as f:
-            if any(line.split(" ", 1)[0] == address for line in f):
-                return [
-                    "-i",
-                    key,
-                    "-o",
-                    "IdentitiesOnly=yes",
-                    "-o",
-                    f"UserKnownHostsFile={known_hosts}",
-                    "-o",
-                    "StrictHostKeyChecking=yes",
-                ]
-    raise ConfigurationError(
-        f"no running AWS pool of this user has an instance at {address}: is the cluster up?"
-    )
+    """``ssh`` arguments that log in to the running pool instance peers know as
+    ``address`` (its private address) as its pool does: the pool's login key, its pinned
+    host key, ``USER@HOST`` at the address the client reaches it at (its public one unless
+    ``private_ips``; the pool records it, ``cloud.login``). For ``flotilla ssh`` and a
+    re-attach; a ConfigurationError when no live pool of this user has an instance there."""
+    return login.ssh_login(FOLDER_PREFIX, address, "AWS")

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
+from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.keys import KeyPair, keygen, pin
 from ..cloud.notice import watch_notices
@@ -359,6 +360,9 @@ class AWSAllocation(CloudAllocation):
         its host key pinned, tried again while it fails as on a booting instance (see
         ``cloud.allocation``); spot interruption notices on its stderr are reported."""
         agent = await super().start_agent(machine)
+        # ``flotilla ssh`` and a re-attach find the node by the address peers know it by
+        # (private); the client reaches it (host key pinned) at ``target``: public or private
+        login.remember(self.folder, machine.address, self.target(machine))
         return watch_notices(
             agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
         )

@@ -29,22 +29,22 @@ def ssh_login(prefix: str, address: str, cloud: str) -> list[str]:
         if os.stat(folder).st_uid != os.getuid():
             continue
         with open(path) as f:
-            for line in f:
-                words = line.split()
-                if len(words) == 4 and words[0] == address:
-                    return [
-                        "-i",
-                        os.path.join(folder, "login_key"),
-                        "-o",
-                        "IdentitiesOnly=yes",
-                        "-o",
-                        f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
-                        "-o",
-                        "StrictHostKeyChecking=yes",
-                        "-p",
-                        words[2],
-                        f"{words[3]}@{words[1]}",
-                    ]
+            found = [w for w in map(str.split, f) if len(w) == 4 and w[0] == address]
+        if found:  # the latest line: a replacement may have the address of one before it
+            words = found[-1]
+            return [
+                "-i",
+                os.path.join(folder, "login_key"),
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                f"UserKnownHostsFile={os.path.join(folder, 'known_hosts')}",
+                "-o",
+                "StrictHostKeyChecking=yes",
+                "-p",
+                words[2],
+                f"{words[3]}@{words[1]}",
+            ]
     raise ConfigurationError(
         f"no running {cloud} pool of this user has a node at {address}: is the cluster up?"
     )

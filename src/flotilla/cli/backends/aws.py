@@ -167,11 +167,11 @@ class AWSBackend(Backend[AWSSpec]):
     def ssh_login(
         self, paths: Paths, spec: AWSSpec, nodes: Sequence[NodeRecord], node: int
     ) -> list[str]:
-        """The pool's login key and pinned host key, as its ssh user at the node's address."""
+        """The pool's login key and pinned host key, as its ssh user at the address the
+        client reaches the node at (public or private, see ``keys.ssh_login``)."""
         from ..._providers.aws.keys import ssh_login
 
-        address = nodes[node].ip
-        return [*ssh_login(address), f"{self.settings_of(spec).ssh_user}@{address}"]
+        return ssh_login(nodes[node].ip)
 
 
 SPOT_CANNOT_STOP = (
