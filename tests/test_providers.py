@@ -303,6 +303,27 @@ def test_a_lone_calls_waiter_sleeps_at_once_after_a_slow_answer() -> None:
         assert proc._spin_window() == 0.0
 
 
+def test_a_local_agent_is_in_the_clients_session_and_its_own_process_group() -> None:
+    """Linux schedules a session as one group (autogroup): a Local agent in a session of
+    its own preempted the client at every call it woke for, and the client then waited
+    behind its own session's busy processes (ms per lone call on a busy machine). The agent
+    and its executor share the client's session; the agent leads its own process group,
+    so Ctrl-C in a terminal (the foreground group's signal) still reaches only the client."""
+    with sky.Compute(nodes=1) as pool:
+        proc = pool._nodes[0].proc
+        assert isinstance(proc, PipeAgent)
+        assert pause(0.0) >> pool == 0.0  # its executor runs
+        agent = proc.proc.pid
+        executors = [
+            int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+        ]
+        assert executors
+        assert os.getsid(agent) == os.getsid(0)
+        assert os.getpgid(agent) == agent != os.getpgid(0)
+        for pid in executors:
+            assert os.getsid(pid) == os.getsid(0)
+
+
 def _runnable() -> int:
     """Threads the kernel counts runnable right now, machine-wide (/proc/loadavg)."""
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])

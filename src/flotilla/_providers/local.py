@@ -168,7 +168,7 @@ class LocalAllocation(Allocation):
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             if self.provider.keep_folders:
                 del env["FLOTILLA_NODE_DIR"]  # kept
-            proc = spawn(command, cwd=machine.ident, env=env)
+            proc = spawn(command, own_session=False, cwd=machine.ident, env=env)  # see spawn
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"
