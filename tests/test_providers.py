@@ -329,6 +329,21 @@ def _runnable() -> int:
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
 
 
+def test_a_waiter_counts_the_cores_it_may_run_on() -> None:
+    """A process allowed one core (a container's share, ``taskset``) has no idle core as
+    soon as one other thread is runnable, however many the machine has: its waiter
+    compares the runnable threads with its own cores, not the machine's."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from flotilla._providers import pipe; print(pipe._CORES)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+
+
 def test_a_lone_calls_waiter_does_not_spin_on_a_busy_machine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

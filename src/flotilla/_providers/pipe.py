@@ -72,15 +72,24 @@ def _epoll_of(loop: asyncio.AbstractEventLoop) -> select.epoll | None:
     return epoll
 
 
-_CORES = os.cpu_count() or 1
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a ``taskset``'s
+    share of the machine), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+_CORES = _cores()
 _loadavg: list[int] = []  # a descriptor of /proc/loadavg, once opened; empty until then
 
 
 def idle_core() -> bool:
     """Whether a core of this machine is idle for the calling thread: fewer other
-    runnable threads than cores, as the kernel counts them right now (the fourth field of
-    ``/proc/loadavg``, which counts the caller too). Where that count cannot be read, the
-    one-minute load average stands in for it."""
+    runnable threads than the cores it may run on (:func:`_cores`), as the kernel counts
+    them right now (the fourth field of ``/proc/loadavg``, which counts the caller too).
+    Where that count cannot be read, the one-minute load average stands in for it."""
     if not _loadavg:
         try:
             _loadavg.append(os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC))
