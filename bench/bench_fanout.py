@@ -14,7 +14,8 @@ All the test hosts share this machine's CPUs: past a few hosts the broadcast is 
 the CPU time all of them spend (each receives, checks and relays 32 MB, and the benchmark's
 function hashes it again). So the table also gives that time (the CPU seconds of every
 process of the hosts and of the client and its ``ssh`` processes, per broadcast), divided
-by the number of CPUs: the least any broadcast can take here, whatever the tree.
+by the number of CPUs: the least any broadcast can take here, whatever the tree, and
+each broadcast's time divided by that floor (issue 42's goal: <= 1.2x).
 """
 
 from __future__ import annotations
@@ -138,9 +139,11 @@ def _row(name: str, samples: list[Sample], cpus: int) -> str:
     split = ", ".join(
         f"{r} {statistics.median(s.per_host.get(r, 0.0) for s in samples) * 1e3:.0f}" for r in roles
     )
+    floor = [s.took / (s.cpu / cpus) for s in samples]  # each broadcast's own floor
     return (
         f"| {name} | {statistics.median(took):.2f} s ({min(took):.2f}-{max(took):.2f}) "
-        f"| {cpu:.1f} s ({cpu / cpus:.2f} s) | {statistics.median(host) * 1e3:.0f} ms "
+        f"| {cpu:.1f} s ({cpu / cpus:.2f} s) | {statistics.median(floor):.2f}x "
+        f"({min(floor):.2f}-{max(floor):.2f}) | {statistics.median(host) * 1e3:.0f} ms "
         f"({min(host) * 1e3:.0f}-{max(host) * 1e3:.0f}; {split}) "
         f"| {statistics.median(s.copies for s in samples):g} |"
     )
@@ -203,12 +206,15 @@ def main() -> None:
         f"load average {load_start:.1f} at the start and {load_end:.1f} at the end (other "
         f"work shares the machine); {args.reps} repetitions, medians (min-max). CPU: the "
         "seconds every process of the hosts and the client spent on one broadcast (divided "
-        "by the CPUs: the least it can take here). CPU per host: the seconds of a host's "
+        "by the CPUs: the least it can take here; time ÷ floor: each broadcast's time over "
+        "its own floor). CPU per host: the seconds of a host's "
         "processes (sshd, agent, executor: the benchmark's function hashes the array "
         "again there), per broadcast. Copies: payloads the client sent.\n"
     )
-    print("| measurement | time | CPU (÷ CPUs) | CPU per host (ms, by role) | copies |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| measurement | time | CPU (÷ CPUs) | time ÷ floor | CPU per host (ms, by role) | copies |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     names = {
         "many": f"{args.mb} MB broadcast, {args.hosts} hosts, fan-out",
         "few": f"{args.mb} MB broadcast, 8 hosts, fan-out",
@@ -219,12 +225,12 @@ def main() -> None:
         if key in runs:
             print(_row(name, runs[key], cpus))
     verdict = "met" if ratio <= 4 else "NOT met"
-    print(f"| {args.hosts} hosts / 8 hosts, fan-out | {ratio:.1f}x | | | <= 4x: {verdict} |")
+    print(f"| {args.hosts} hosts / 8 hosts, fan-out | {ratio:.1f}x | | | | <= 4x: {verdict} |")
     if args.direct:
         before = statistics.median(s.took for s in runs["many direct"]) / statistics.median(
             s.took for s in runs["few direct"]
         )
-        print(f"| {args.hosts} hosts / 8 hosts, direct (before) | {before:.1f}x | | | |")
+        print(f"| {args.hosts} hosts / 8 hosts, direct (before) | {before:.1f}x | | | | |")
 
 
 if __name__ == "__main__":

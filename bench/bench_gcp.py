@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _gcp import PROJECT, GcpLab
 from _hosts import lab_unavailable
-from start_table import print_start_table
+from start_table import print_start_table, ssh_true
 
 import flotilla as sky
 
@@ -79,35 +79,7 @@ def floor(nodes: int, key: Path, rep: int) -> float:
                 addresses[name] = nat
         time.sleep(0.05)
 
-    def ssh(addr: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [
-                "ssh",
-                "-i",
-                str(key),
-                "-o",
-                "StrictHostKeyChecking=no",
-                "-o",
-                "UserKnownHostsFile=/dev/null",
-                "-o",
-                "BatchMode=yes",
-                "-o",
-                "LogLevel=ERROR",
-                f"root@{addr}",
-                "true",
-            ]
-        )
-
-    pending = {n: ssh(a) for n, a in addresses.items()}
-    while pending:  # sshd may not listen yet: try again until each answers
-        for n, proc in list(pending.items()):
-            if proc.poll() is None:
-                continue
-            pending.pop(n)
-            if proc.returncode != 0:
-                time.sleep(0.05)
-                pending[n] = ssh(addresses[n])
-        time.sleep(0.01)
+    ssh_true(str(key), ((a, 22) for a in addresses.values()))
     t1 = time.monotonic()
     for name in names:
         op = instances.delete_unary(project=PROJECT, zone=ZONE, instance=name)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _hosts import lab_unavailable
 from _lambda import API_KEY, LambdaLab
-from start_table import print_start_table
+from start_table import print_start_table, ssh_true
 
 import flotilla as sky
 
@@ -84,23 +84,7 @@ def floor(lab: LambdaLab, nodes: int, key: Path) -> float:
                 ips[inst["id"]] = inst["ip"]
         time.sleep(0.05)
 
-    def ssh(ip: str) -> subprocess.Popen[bytes]:
-        options = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "BatchMode=yes"]
-        argv = ["ssh", "-i", str(key), "-o", "LogLevel=ERROR"]
-        for option in options:
-            argv += ["-o", option]
-        return subprocess.Popen([*argv, f"root@{ip}", "true"])
-
-    pending = {i: ssh(ip) for i, ip in ips.items()}
-    while pending:  # sshd may not listen yet: try again until each answers
-        for i, proc in list(pending.items()):
-            if proc.poll() is None:
-                continue
-            pending.pop(i)
-            if proc.returncode != 0:
-                time.sleep(0.05)
-                pending[i] = ssh(ips[i])
-        time.sleep(0.01)
+    ssh_true(str(key), ((ip, 22) for ip in ips.values()))
     t1 = time.monotonic()
     call(lab, "POST", "/instance-operations/terminate", {"instance_ids": ids})
     call(lab, "DELETE", f"/ssh-keys/{ssh_key['id']}")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _hosts import lab_unavailable
 from _runpod import API_KEY, RunPodLab
-from start_table import print_start_table
+from start_table import print_start_table, ssh_true
 
 import flotilla as sky
 
@@ -64,37 +64,7 @@ def floor(lab: RunPodLab, nodes: int, key: Path) -> float:
                 ports[i] = runtime["ports"][0]
         time.sleep(0.05)
 
-    def ssh(p: dict[str, Any]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [
-                "ssh",
-                "-i",
-                str(key),
-                "-o",
-                "StrictHostKeyChecking=no",
-                "-o",
-                "UserKnownHostsFile=/dev/null",
-                "-o",
-                "BatchMode=yes",
-                "-o",
-                "LogLevel=ERROR",
-                "-p",
-                str(p["publicPort"]),
-                f"root@{p['ip']}",
-                "true",
-            ]
-        )
-
-    pending = {i: ssh(p) for i, p in ports.items()}
-    while pending:  # sshd may not listen yet: try again until each answers
-        for i, proc in list(pending.items()):
-            if proc.poll() is None:
-                continue
-            pending.pop(i)
-            if proc.returncode != 0:
-                time.sleep(0.05)
-                pending[i] = ssh(ports[i])
-        time.sleep(0.01)
+    ssh_true(str(key), ((p["ip"], int(p["publicPort"])) for p in ports.values()))
     t1 = time.monotonic()
     for i in ids:
         runpod.terminate_pod(i)

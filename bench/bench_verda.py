@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _hosts import lab_unavailable
 from _verda import CLIENT_ID, CLIENT_SECRET, VerdaLab
-from start_table import print_start_table
+from start_table import print_start_table, ssh_true
 
 import flotilla as sky
 
@@ -64,35 +64,7 @@ def floor(lab: VerdaLab, nodes: int, key: Path) -> float:
                 ips[inst.id] = inst.ip
         time.sleep(0.05)
 
-    def ssh(ip: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [
-                "ssh",
-                "-i",
-                str(key),
-                "-o",
-                "StrictHostKeyChecking=no",
-                "-o",
-                "UserKnownHostsFile=/dev/null",
-                "-o",
-                "BatchMode=yes",
-                "-o",
-                "LogLevel=ERROR",
-                f"root@{ip}",
-                "true",
-            ]
-        )
-
-    pending = {i: ssh(ip) for i, ip in ips.items()}
-    while pending:  # sshd may not listen yet: try again until each answers
-        for i, proc in list(pending.items()):
-            if proc.poll() is None:
-                continue
-            pending.pop(i)
-            if proc.returncode != 0:
-                time.sleep(0.05)
-                pending[i] = ssh(ips[i])
-        time.sleep(0.01)
+    ssh_true(str(key), ((ip, 22) for ip in ips.values()))
     t1 = time.monotonic()
     client.instances.action(ids, "delete")
     client.ssh_keys.delete_by_id(ssh_key.id)

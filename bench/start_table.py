@@ -1,9 +1,13 @@
 """The report of the GPU markets' start benchmarks (bench_runpod, bench_gcp, bench_lambda,
-bench_verda): a pool's start against its floor, alternating in each repetition."""
+bench_verda): a pool's start against its floor, alternating in each repetition; and the
+floor's last step, ``ssh true`` into each instance."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import time
+from collections.abc import Iterable
 
 
 def print_start_table(
@@ -23,3 +27,27 @@ def print_start_table(
     print(f"| ratio to the same repetition's floor | {cell(ratios)} |")
     ok = statistics.median(starts) <= d + 3
     print(f"\ngoal {'met' if ok else 'NOT met'}")
+
+
+def ssh_true(key: str, hosts: Iterable[tuple[str, int]]) -> None:
+    """``ssh true`` as root with ``key`` into each ``(address, port)``, all at once, each
+    tried again until it answers (its sshd may not listen yet)."""
+    options = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "BatchMode=yes"]
+
+    def ssh(host: tuple[str, int]) -> subprocess.Popen[bytes]:
+        argv = ["ssh", "-i", key, "-o", "LogLevel=ERROR", "-p", str(host[1])]
+        for option in options:
+            argv += ["-o", option]
+        return subprocess.Popen([*argv, f"root@{host[0]}", "true"])
+
+    targets = list(hosts)
+    pending = {i: ssh(host) for i, host in enumerate(targets)}
+    while pending:
+        for i, proc in list(pending.items()):
+            if proc.poll() is None:
+                continue
+            pending.pop(i)
+            if proc.returncode != 0:
+                time.sleep(0.05)
+                pending[i] = ssh(targets[i])
+        time.sleep(0.01)

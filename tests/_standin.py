@@ -15,18 +15,21 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 from _hosts import Lab, TestHost, _in_netns, lab_unavailable, run
 from _lifecycle import Lifecycle
+from _procs import interruptible, wait_until
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SSHD_OPTIONS = (
@@ -187,6 +190,72 @@ class StandIn(Lifecycle):
             else:
                 os.environ[key] = value
         self._saved.clear()
+
+
+class Market(Protocol):
+    """A market's stand-in, as the scenarios below use it (``StandIn``, ``VerdaLab``)."""
+
+    boot_delay: float
+
+    def live(self, which: str = "", /) -> list[Any]: ...
+
+
+def interrupted_while_booting(
+    lab: Market,
+    client: str,
+    signum: int = signal.SIGINT,
+    wait: float = 120.0,
+    booting: Callable[[], object] = lambda: None,
+) -> tuple[str, str]:
+    """Run the Python ``client`` (a 2-node pool on ``lab``) with its instances never
+    booting; once both exist (then ``booting()``: a test's own checks) send it
+    ``signum``. Its stdout and stderr, once it has exited."""
+    lab.boot_delay = 3600.0
+    proc = start_client(client)
+    try:
+        if not wait_until(lambda: len(lab.live()) == 2 or proc.poll() is not None, wait):
+            proc.kill()
+            said = proc.communicate()[1][-3000:]
+            pytest.fail(f"the client did not create its two instances: {said}")
+        assert proc.poll() is None, proc.communicate()
+        booting()
+        proc.send_signal(signum)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_client(client: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """The Python ``client`` run in a process (and session) of its own, its output read
+    as text."""
+    return subprocess.Popen(
+        [sys.executable, "-c", client],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+
+
+def killed_client(lab: Market, client: str, which: str = "flotilla:{}:") -> tuple[str, list[Any]]:
+    """Run the Python ``client`` that prints its pool's id once the pool's 2 instances on
+    ``lab`` run (those ``which``, with the id, selects), then kill it with SIGKILL: the
+    pool's id and its instances."""
+    proc = start_client(client, preexec_fn=interruptible)
+    try:
+        assert proc.stdout is not None
+        pool_id = proc.stdout.readline().strip()
+        assert pool_id, proc.stderr.read() if proc.stderr else ""
+        mine = lab.live(which.format(pool_id))
+        assert len(mine) == 2
+        return pool_id, mine
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def nvidia_smi(folder: Path, names: Sequence[str], ident: str) -> Path:

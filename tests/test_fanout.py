@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from typing import Any
@@ -164,6 +165,113 @@ def test_bytes_that_do_not_match_the_hash_are_never_run(
         assert fake.served == 1
         assert any("sha256 does not match" in why for why in victim.relay_failures)
         assert victim.have[_ref_of(pool)]["via"] == "client"
+
+
+@sky.function
+def mapped_file(array: Any) -> tuple[str, str]:
+    """The file this node's call sees ``array`` in (from its process's memory map), and
+    the array's sha256."""
+    return _file_of(array), hashlib.sha256(memoryview(array)).hexdigest()
+
+
+@sky.function
+def keep(array: Any) -> tuple[str, str]:
+    """As :func:`mapped_file`, and keep ``array`` in a module global of the node."""
+    sys.modules.setdefault("_kept_by_the_test", type(sys)("_kept_by_the_test")).array = array  # type: ignore[attr-defined]
+    return _file_of(array), hashlib.sha256(memoryview(array)).hexdigest()
+
+
+@sky.function
+def kept_digest() -> str:
+    """The sha256 of the array :func:`keep` kept, as this node's process sees it now."""
+    return hashlib.sha256(memoryview(sys.modules["_kept_by_the_test"].array)).hexdigest()  # type: ignore[attr-defined]
+
+
+def _file_of(array: Any) -> str:
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def test_a_nodes_payload_file_takes_the_next_broadcast_only_once_no_call_sees_it(
+    lab: Lab,
+) -> None:
+    """A relayed payload's file is kept for the next broadcast of its size (no new pages
+    to allocate and free) when its calls unmapped it; a file a call still sees (a task
+    kept the array) is never written again: that call's array stays as it was."""
+    np = pytest.importorskip("numpy")
+
+    def arrays() -> tuple[Any, str]:
+        array = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
+        return array, hashlib.sha256(array).hexdigest()
+
+    with _pool(lab) as pool:
+
+        def broadcast(fn: Any) -> tuple[list[str], str]:
+            array, want = arrays()
+            got = fn(array) @ pool
+            assert [g[1] for g in got] == [want] * HOSTS
+            assert wait_until(lambda: not any(n.blobs for n in pool._nodes))
+            files = [g[0] for g in got]
+            assert all("-relay-" in f for f in files), files  # a view of the node's file
+            return files, want
+
+        first, _ = broadcast(mapped_file)
+        assert len(set(first)) == HOSTS
+        second, _ = broadcast(mapped_file)
+        assert second == first  # each node received the next payload into the same file
+        kept, want_kept = broadcast(keep)
+        assert kept == first
+        after, _ = broadcast(mapped_file)
+        # the kept array still maps its file: the next payload went into another one,
+        # and the array a call kept never changes under it
+        assert not set(after) & set(kept)
+        assert kept_digest() @ pool == [want_kept] * HOSTS
+        assert broadcast(mapped_file)[0] == after
+
+
+def test_a_kept_file_is_cut_to_a_smaller_payload_and_removed_once_idle() -> None:
+    """The node's kept files (``relay.Segments``): a smaller payload takes a larger kept
+    file, cut to its size; a larger one gets a new file; an idle one goes; none outlives
+    the relay."""
+    prefix = f"flotilla-test{os.getpid()}-relay-"
+
+    def files() -> dict[str, int]:
+        return {
+            n: os.stat(os.path.join(relay.SHM_DIR, n)).st_size
+            for n in os.listdir(relay.SHM_DIR)
+            if n.startswith(prefix)
+        }
+
+    kept = relay.Segments()
+    try:
+        made = kept.take(2 << 20, prefix)
+        assert isinstance(made, tuple)
+        name, mapping = made
+        mapping[:4] = b"used"
+        kept.give(name, mapping)
+        again = kept.take(1 << 20, prefix)
+        assert isinstance(again, tuple) and again[0] == name and len(again[1]) == 1 << 20
+        assert files() == {name: 1 << 20}  # the pages beyond are given back
+        kept.give(*again)
+        larger = kept.take(3 << 20, prefix)
+        assert isinstance(larger, tuple) and larger[0] != name
+        assert files() == {name: 1 << 20, larger[0]: 3 << 20}
+        kept.give(*larger)
+        kept.trim(time.monotonic() + relay.KEEP_IDLE + 1)
+        assert files() == {}
+        last = kept.take(1 << 20, prefix)
+        assert isinstance(last, tuple)
+        kept.give(*last)
+        assert len(files()) == 1
+    finally:
+        kept.close()
+    assert files() == {}
 
 
 def test_the_relay_port_refuses_unauthenticated_connections(lab: Lab) -> None:

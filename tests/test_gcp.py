@@ -6,7 +6,6 @@ in network namespaces at their external address, on a VPC network of their own, 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,8 @@ from typing import Any
 
 import pytest
 from _gcp import PROJECT, GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fixture
-from _procs import interruptible, wait_until
+from _procs import wait_until
+from _standin import interrupted_while_booting, killed_client
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
@@ -307,16 +307,8 @@ with sky.Compute(provider=provider, nodes=2, options=options) as pool:
 """
 
 
-def _client(ttl: float, start_timeout: float = 60.0) -> subprocess.Popen[str]:
-    code = _CLIENT.format(tests=os.path.dirname(__file__), ttl=ttl, start_timeout=start_timeout)
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,
-    )
+def _client(ttl: float, start_timeout: float = 60.0) -> str:
+    return _CLIENT.format(tests=os.path.dirname(__file__), ttl=ttl, start_timeout=start_timeout)
 
 
 @pytest.mark.timeout(480)  # a client process of its own: its start, under load
@@ -326,25 +318,13 @@ def test_kill9_instances_delete_themselves_and_orphans_are_found(gcp_lab: GcpLab
     then remove_orphans() deletes a pool left by a dead client of this machine, and not a
     pool of a client elsewhere."""
     ttl = 3.0
-    proc = _client(ttl)
-    try:
-        assert proc.stdout is not None
-        pool_id = proc.stdout.readline().strip()
-        assert pool_id, proc.stderr.read() if proc.stderr else ""
-        mine = gcp_lab.live(pool_id)
-        assert len(mine) == 2
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        left = gcp_lab.wait_gone(120, pool_id)
-        assert left == [], [gcp_lab.log(i) for i in left]
-        assert all(gcp_lab.destroyed[i.name] == "self" for i in mine)
-        for i in mine:  # not before ttl s after the client's last contact
-            last = gcp_lab.contact(i)
-            assert last > 0 and gcp_lab.destroyed_at[i.name] >= last + ttl
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    pool_id, mine = killed_client(gcp_lab, _client(ttl), which="{}")
+    left = gcp_lab.wait_gone(120, pool_id)
+    assert left == [], [gcp_lab.log(i) for i in left]
+    assert all(gcp_lab.destroyed[i.name] == "self" for i in mine)
+    for i in mine:  # not before ttl s after the client's last contact
+        last = gcp_lab.contact(i)
+        assert last > 0 and gcp_lab.destroyed_at[i.name] >= last + ttl
     dead = subprocess.Popen(["true"])
     dead.wait()
     _insert_labelled("deadbeef", f"{socket.gethostname()}:{dead.pid}:1")
@@ -411,26 +391,8 @@ with sky.Compute(provider=provider, nodes=2, options=options):
 def test_ctrl_c_while_instances_boot_deletes_them_before_the_client_exits(
     gcp_lab: GcpLab,
 ) -> None:
-    gcp_lab.boot_delay = 3600.0  # they never publish host keys
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTING_CLIENT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        if not wait_until(lambda: len(gcp_lab.live()) == 2 or proc.poll() is not None, timeout=240):
-            proc.kill()
-            said = proc.communicate()[1][-3000:]
-            pytest.fail(f"the client did not create its two instances: {said}")
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # the instances never publish host keys
+    out, err = interrupted_while_booting(gcp_lab, _BOOTING_CLIENT, wait=240)
     assert "opened" not in out
     assert gcp_lab.live() == [], err
     assert set(gcp_lab.destroyed.values()) == {"account"}

@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import urllib.request
 
 import pytest
 from _lambda import API_KEY, LambdaLab, lambda_lab_fixture  # noqa: F401 - the fixture
-from _procs import interruptible, wait_until
+from _procs import wait_until
+from _standin import interrupted_while_booting, killed_client
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
@@ -194,24 +194,8 @@ with sky.Compute(provider=sky.LambdaCloud(ssh_user="root"), accelerator="A10", n
 
 
 def test_ctrl_c_while_instances_boot_terminates_them(lambda_lab: LambdaLab) -> None:
-    lambda_lab.boot_delay = 3600.0
     lambda_lab.add_type("gpu_1x_a10", "A10", 1, 75)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTING],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert wait_until(lambda: len(lambda_lab.live()) == 2 or proc.poll() is not None, 120)
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = interrupted_while_booting(lambda_lab, _BOOTING)
     assert "opened" not in out
     assert lambda_lab.live() == [] and lambda_lab.keys == {}, err
 
@@ -233,28 +217,9 @@ def test_kill9_instances_terminate_themselves_and_orphans_are_found(lambda_lab: 
     remove_orphans() finds a dead client's pool by name, and leaves others alone."""
     lambda_lab.self_key = "secret_instances_" + "2" * 16
     lambda_lab.add_type("gpu_1x_a10", "A10", 1, 75, capacity={"us-east-1": 6})
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CLIENT.format(key=lambda_lab.self_key)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,
-    )
-    try:
-        assert proc.stdout is not None
-        pool_id = proc.stdout.readline().strip()
-        assert pool_id, proc.stderr.read() if proc.stderr else ""
-        mine = lambda_lab.live(f"flotilla:{pool_id}:")
-        assert len(mine) == 2
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert lambda_lab.wait_gone(120, f"flotilla:{pool_id}:") == [], lambda_lab.console()
-        assert all(lambda_lab.terminated[i.id] == "self" for i in mine)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    pool_id, mine = killed_client(lambda_lab, _CLIENT.format(key=lambda_lab.self_key))
+    assert lambda_lab.wait_gone(120, f"flotilla:{pool_id}:") == [], lambda_lab.console()
+    assert all(lambda_lab.terminated[i.id] == "self" for i in mine)
     dead = subprocess.Popen(["true"])
     dead.wait()
     api = sky.LambdaCloud().api

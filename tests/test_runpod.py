@@ -16,8 +16,9 @@ import tempfile
 from typing import Any
 
 import pytest
-from _procs import interruptible, wait_until
+from _procs import wait_until
 from _runpod import API_KEY, RunPodLab, runpod_lab_fixture  # noqa: F401 - the fixture
+from _standin import interrupted_while_booting, killed_client
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionError
@@ -228,26 +229,8 @@ with sky.Compute(provider=sky.RunPod(ttl=600), accelerator="A100", nodes=2, opti
 def test_ctrl_c_while_pods_boot_terminates_them_before_the_client_exits(
     runpod_lab: RunPodLab,
 ) -> None:
-    runpod_lab.boot_delay = 3600.0  # they never run
     runpod_lab.add_gpu(*A100)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTING_CLIENT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert wait_until(
-            lambda: len(runpod_lab.live()) == 2 or proc.poll() is not None, timeout=120
-        ), "the client did not create its two pods"
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = interrupted_while_booting(runpod_lab, _BOOTING_CLIENT)  # the pods never run
     assert "opened" not in out
     assert runpod_lab.live() == [], err
     assert set(runpod_lab.destroyed.values()) == {"account"}
@@ -270,29 +253,10 @@ def test_kill9_pods_terminate_themselves_and_orphans_are_found(runpod_lab: RunPo
     left by a dead client is found by its name by remove_orphans(), another client's
     pods and pods that are not flotilla's are not touched."""
     runpod_lab.add_gpu(*A100)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CLIENT.format(ttl=3.0)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,
-    )
-    try:
-        assert proc.stdout is not None
-        pool_id = proc.stdout.readline().strip()
-        assert pool_id, proc.stderr.read() if proc.stderr else ""
-        mine = runpod_lab.live(f"flotilla:{pool_id}:")
-        assert len(mine) == 2
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        left = runpod_lab.wait_gone(120, f"flotilla:{pool_id}:")
-        assert left == [], runpod_lab.log("")
-        assert all(runpod_lab.destroyed[p.id] == "self" for p in mine)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    pool_id, mine = killed_client(runpod_lab, _CLIENT.format(ttl=3.0))
+    left = runpod_lab.wait_gone(120, f"flotilla:{pool_id}:")
+    assert left == [], runpod_lab.log("")
+    assert all(runpod_lab.destroyed[p.id] == "self" for p in mine)
     dead = subprocess.Popen(["true"])
     dead.wait()
     api = sky.RunPod().api

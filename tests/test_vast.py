@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from _procs import interruptible, wait_until
+from _standin import interrupted_while_booting, killed_client, start_client
 from _vast import API_KEY, VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 
 import flotilla as sky
@@ -197,16 +198,8 @@ with sky.Compute(provider=sky.VastAI(ttl={ttl!r}), accelerator="A100", nodes=2,
 """
 
 
-def _client(ttl: float, start_timeout: float = 60.0) -> subprocess.Popen[str]:
-    code = _CLIENT.format(tests=os.path.dirname(__file__), ttl=ttl, start_timeout=start_timeout)
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,  # a test sends it Ctrl-C (SIGINT)
-    )
+def _client(ttl: float, start_timeout: float = 60.0) -> str:
+    return _CLIENT.format(tests=os.path.dirname(__file__), ttl=ttl, start_timeout=start_timeout)
 
 
 def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: VastLab) -> None:
@@ -218,25 +211,13 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
     # so that this test's count is of its own pool only
     assert vast_lab.wait_gone(120) == []
     vast_lab.add_machines(2, cluster_id=5)
-    proc = _client(ttl)
-    try:
-        assert proc.stdout is not None
-        pool_id = proc.stdout.readline().strip()
-        assert pool_id, proc.stderr.read() if proc.stderr else ""
-        mine = vast_lab.live(f"flotilla:{pool_id}:")
-        assert len(mine) == 2
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        left = vast_lab.wait_gone(120, f"flotilla:{pool_id}:")
-        assert left == [], [(i.id, vast_lab.watchdog_log(i.id)) for i in left]
-        assert all(vast_lab.destroyed[i.id] == "self" for i in mine)
-        for i in mine:  # not before ttl s after the client's last contact
-            last = vast_lab.contact(i.id)
-            assert last > 0 and vast_lab.destroyed_at[i.id] >= last + ttl
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    pool_id, mine = killed_client(vast_lab, _client(ttl))
+    left = vast_lab.wait_gone(120, f"flotilla:{pool_id}:")
+    assert left == [], [(i.id, vast_lab.watchdog_log(i.id)) for i in left]
+    assert all(vast_lab.destroyed[i.id] == "self" for i in mine)
+    for i in mine:  # not before ttl s after the client's last contact
+        last = vast_lab.contact(i.id)
+        assert last > 0 and vast_lab.destroyed_at[i.id] >= last + ttl
     # orphans: a rented instance labelled for a dead client on this machine
     vast_lab.add_machines(1)
     offer = sky.VastAI().offers(sky.PoolSpec("o", 1, None, None, (), sky.Options(cluster=False)))[0]
@@ -277,7 +258,7 @@ def test_guard_destroys_an_instance_no_agent_reaches(vast_lab: VastLab) -> None:
 
 def test_nothing_left_after_ctrl_c(vast_lab: VastLab) -> None:
     vast_lab.add_machines(2, cluster_id=6)
-    proc = _client(ttl=600)
+    proc = start_client(_client(ttl=600), preexec_fn=interruptible)  # it gets Ctrl-C (SIGINT)
     try:
         assert proc.stdout is not None
         pool_id = proc.stdout.readline().strip()
@@ -311,27 +292,12 @@ def test_a_signal_while_instances_boot_destroys_them_before_the_client_exits(
     """Ctrl-C (or SIGTERM) while both instances of a 2-node pool are still loading: the
     client destroys them, and the overlay, before it exits (no ttl: they would have been
     billed until their watchdog)."""
-    vast_lab.boot_delay = 3600.0  # they stay "loading"
     vast_lab.add_machines(2, cluster_id=7)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTING_CLIENT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert wait_until(
-            lambda: len(vast_lab.live()) == 2 or proc.poll() is not None, timeout=120
-        ), "the client did not rent its two instances"
-        assert proc.poll() is None, proc.communicate()
+
+    def loading() -> None:  # they stay "loading"
         assert {vast_lab.instance_json(i)["actual_status"] for i in vast_lab.live()} == {"loading"}
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    out, err = interrupted_while_booting(vast_lab, _BOOTING_CLIENT, signum, booting=loading)
     assert "opened" not in out
     # right after the exit, not eventually: nothing is rented any more
     assert vast_lab.live() == [], err

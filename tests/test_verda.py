@@ -16,7 +16,8 @@ import tempfile
 from typing import Any
 
 import pytest
-from _procs import interruptible, wait_until
+from _procs import wait_until
+from _standin import interrupted_while_booting, killed_client
 from _verda import (  # noqa: F401 - the fixtures
     CLIENT_ID,
     CLIENT_SECRET,
@@ -233,24 +234,8 @@ with sky.Compute(provider=sky.Verda(), accelerator="A100", nodes=2,
 
 
 def test_ctrl_c_while_instances_boot_deletes_them(verda: VerdaLab) -> None:
-    verda.boot_delay = 3600.0
     verda.add_type(*A100)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTING],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert wait_until(lambda: len(verda.live()) == 2 or proc.poll() is not None, 120)
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = interrupted_while_booting(verda, _BOOTING)
     assert "opened" not in out
     assert verda.live() == [] and verda.keys == {} and verda.scripts == {}, err
 
@@ -273,28 +258,9 @@ def test_kill9_instances_delete_themselves_and_orphans_are_found(verda: VerdaLab
     remove_orphans() finds a dead client's pool by its description, and leaves others."""
     verda.self_client = ("instances", "secret-for-instances-" + "3" * 8)
     verda.add_type(*A100, capacity={"FIN-01": 6})
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CLIENT.format(secret=verda.self_client[1])],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,
-    )
-    try:
-        assert proc.stdout is not None
-        pool_id = proc.stdout.readline().strip()
-        assert pool_id, proc.stderr.read() if proc.stderr else ""
-        mine = verda.live(f"flotilla:{pool_id}:")
-        assert len(mine) == 2
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert verda.wait_gone(120, f"flotilla:{pool_id}:") == [], verda.console()
-        assert all(verda.deleted[i.id] == "self" for i in mine)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    pool_id, mine = killed_client(verda, _CLIENT.format(secret=verda.self_client[1]))
+    assert verda.wait_gone(120, f"flotilla:{pool_id}:") == [], verda.console()
+    assert all(verda.deleted[i.id] == "self" for i in mine)
     _orphan_and_other(verda, "deadbeef")
     found = sky.Verda().remove_orphans(dry_run=True)
     assert found.pools == ("deadbeef",) and len(verda.live()) == 2

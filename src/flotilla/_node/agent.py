@@ -83,6 +83,7 @@ class Agent(NodeEnvironment):
         self.executors = Supervisor(self.sel, self.client, (self.proto_in, self.proto_out))
         self.relay = Relay(self.sel, self.client, self.executors.submit_task)
         self.executors.inherited = self.relay.fds
+        self.executors.answered = self.relay.answered
         self.config: Config | None = None
         self.builder: Any = None  # the environment build subprocess, while it runs
         self.last_seen = time.monotonic()

@@ -161,9 +161,13 @@ def _serve(
             with write_lock:
                 write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.ERROR,)), *parts))
             return True
-        return task(ident, payload, 0)
+        mapping: Any = payload.obj  # (the mmap itself: the call's unmap closes it, see _run)
+        payload.release()
+        return task(ident, mapping, 0, mapping)
 
-    def task(ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size) -> bool:
+    def task(
+        ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
+    ) -> bool:
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
@@ -173,7 +177,14 @@ def _serve(
         )
         try:
             status, parts = _run(
-                functions, body, offset, shm_prefix, _serialize, partial(stream, ident), forks
+                functions,
+                body,
+                offset,
+                shm_prefix,
+                _serialize,
+                partial(stream, ident),
+                forks,
+                mapped,
             )
         finally:
             feeds.set_current(None)
@@ -386,10 +397,13 @@ def _run(
     ser: Any,
     stream: Callable[[Generator[Any, Any, Any]], None],
     forks: _Forks,
+    mapped: Any = None,
 ) -> tuple[int, list[Any]]:
     """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire
-    parts of its result."""
-    maps: list[Any] = []  # the mapping of the arguments' shared-memory file, if any
+    parts of its result. ``mapped``: the mapping ``body`` is (a relayed payload's file),
+    unmapped with the arguments'."""
+    # the mappings of the arguments' shared-memory files, if any
+    maps: list[Any] = [] if mapped is None else [mapped]
     forks_before = forks.n
     args: Any = None
     kwargs: Any = None

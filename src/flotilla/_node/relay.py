@@ -26,6 +26,14 @@ Trust:
   ``ok: false``), which then sends this node the payload itself; the node's own children
   go on fetching from it meanwhile. Every node ends with the payload or is lost.
 
+Memory: a payload's shared-memory file is not removed when its broadcast ends if no
+process maps it any more (each call's executor says so in its RESULT,
+``frames.UNMAPPED``): the node keeps it (:class:`Segments`, mapped, its pages already
+there) and receives the next payload of the same size into it, which saves allocating,
+zeroing, faulting in and freeing its pages per broadcast. A file a call may still see (a
+task kept the array, forked, died or was cancelled) is removed as before: a later
+broadcast never changes what a call sees.
+
 Relay handshake (child connects to parent)::
 
     child:  MAGIC(8) | child nonce(16) | reference(40)
@@ -46,7 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.frames import TASK_HEAD, Body, Buffer, Kind, Status, frame
+from .._wire.frames import TASK_HEAD, UNMAPPED, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
 
 MAGIC = b"FLRELAY1"
@@ -69,6 +77,11 @@ MAX_UNAUTHENTICATED = 256
 """Connections still proving themselves, at most; more are closed at once."""
 _SEND_MAX = 4 << 20
 SHM_DIR = "/dev/shm"
+KEEP_SEGMENTS = 2
+"""Shared-memory files a node keeps for the next payloads, at most (see :class:`Segments`)."""
+KEEP_IDLE = 60.0
+"""Seconds a kept file waits for a next payload before it is removed (an idle node gives
+its shared memory back)."""
 
 
 def mac(key: bytes, role: bytes, child: bytes, parent: bytes, ref: bytes) -> bytes:
@@ -102,12 +115,14 @@ class Blob:
         "complete",
         "filled",
         "hasher",
+        "mapped",
         "name",
         "ref",
         "servers",
         "size",
         "source",
         "tasks",
+        "unsure",
         "via",
     )
 
@@ -123,13 +138,16 @@ class Blob:
         self.servers: list[Serve] = []
         self.tasks: list[tuple[int, bytes]] = []  # TASKREFs waiting: (task id, TASK_HEAD)
         self.via = ""
+        self.mapped: set[int] = set()  # calls given its file, not yet answered UNMAPPED
+        self.unsure = False  # a call answered without UNMAPPED: its file may still be seen
 
-    def restart(self, size: int, via: str, shm_prefix: str) -> None:
+    def restart(self, size: int, via: str, shm_prefix: str, kept: Segments) -> None:
         """Receive the payload again from its first byte (``via``: from whom), into a
-        shared-memory file named with ``shm_prefix`` when one can be made."""
+        shared-memory file named with ``shm_prefix`` (one of ``kept`` if it fits) when one
+        can be made."""
         if self.size != size:
             self.unlink()
-            made = _shared(size, shm_prefix) if shm_prefix and size else bytearray(size)
+            made = kept.take(size, shm_prefix) if shm_prefix and size else bytearray(size)
             if isinstance(made, tuple):
                 self.name, self.buf = made
             else:
@@ -147,6 +165,91 @@ class Blob:
             except OSError:
                 pass
             self.name = ""
+
+    def reusable(self) -> bool:
+        """Whether its file can take another payload: every call given it unmapped it."""
+        return bool(self.name) and not self.mapped and not self.unsure
+
+    def release(self, kept: Segments) -> None:
+        """Its broadcast ended here: its file goes to ``kept`` when no process maps it any
+        more, else it is removed."""
+        if self.reusable():
+            assert isinstance(self.buf, mmap.mmap)
+            kept.give(self.name, self.buf)
+            self.name = ""
+        else:
+            self.unlink()
+        self.buf = bytearray()
+        self.size = -1
+
+
+class Segments:
+    """The shared-memory files (mapped) a node keeps for its next payloads: at most
+    :data:`KEEP_SEGMENTS` and a quarter of ``/dev/shm``, each for :data:`KEEP_IDLE` s.
+
+    A payload of a size one of them has goes into it (no new pages: none to zero, fault
+    in or free, and no full ``/dev/shm`` can fail the writes); a larger one is cut to a
+    smaller payload's size (the pages beyond are freed). Only files no process maps any
+    more are given back (:meth:`Blob.release`)."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[str, mmap.mmap, float]] = []  # (name, mapping, kept at)
+        self._cap = -1
+
+    def take(self, size: int, prefix: str) -> tuple[str, mmap.mmap] | bytearray:
+        """A file of ``size`` bytes and its mapping, kept or new (see :func:`_shared`)."""
+        fits = [k for k in self.kept if len(k[1]) >= size]
+        if fits:
+            found = min(fits, key=lambda k: len(k[1]))
+            self.kept.remove(found)
+            name, mapping, _ = found
+            try:
+                if len(mapping) != size:
+                    mapping.resize(size)  # truncates the file too: its pages beyond are freed
+                return name, mapping
+            except (OSError, ValueError, SystemError, BufferError):
+                self._remove(name, mapping)
+        return _shared(size, prefix)
+
+    def give(self, name: str, mapping: mmap.mmap) -> None:
+        """Keep ``name`` (mapped by ``mapping``) for a later payload; the oldest kept go
+        beyond the limits."""
+        if self._cap < 0:
+            try:
+                st = os.statvfs(SHM_DIR)
+                self._cap = st.f_blocks * st.f_frsize // 4
+            except OSError:
+                self._cap = 0
+        self.kept.append((name, mapping, time.monotonic()))
+        while self.kept and (
+            len(self.kept) > KEEP_SEGMENTS or sum(len(k[1]) for k in self.kept) > self._cap
+        ):
+            self._remove(*self.kept.pop(0)[:2])
+
+    def next_deadline(self, default: float) -> float:
+        return min([default, *(k[2] + KEEP_IDLE for k in self.kept)])
+
+    def trim(self, now: float) -> None:
+        """Remove the files kept for more than :data:`KEEP_IDLE` s by ``now``."""
+        for k in [k for k in self.kept if now - k[2] > KEEP_IDLE]:
+            self.kept.remove(k)
+            self._remove(k[0], k[1])
+
+    def close(self) -> None:
+        for name, mapping, _ in self.kept:
+            self._remove(name, mapping)
+        self.kept = []
+
+    @staticmethod
+    def _remove(name: str, mapping: mmap.mmap) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+        try:
+            mapping.close()
+        except BufferError:  # (cannot be: nothing views a kept file)
+            pass
 
 
 def _shared(size: int, prefix: str) -> tuple[str, mmap.mmap] | bytearray:
@@ -434,6 +537,8 @@ class Relay:
         self.listener: socket.socket | None = None
         self.blobs: dict[bytes, Blob] = {}
         self.conns: set[_Conn] = set()
+        self.kept = Segments()
+        self.mapping: dict[int, Blob] = {}  # calls given a payload's file, until answered
 
     # -- the relay port -------------------------------------------------------------------
     def listen(self, key: bytes) -> int:
@@ -492,7 +597,7 @@ class Relay:
             blob.source.close()
             blob.source = None
         parent = info.get("parent")
-        blob.restart(int(info["size"]), "relay" if parent else "client", self.shm_prefix)
+        blob.restart(int(info["size"]), "relay" if parent else "client", self.shm_prefix, self.kept)
         for srv in blob.servers:
             srv.wake()
         if parent:
@@ -553,9 +658,21 @@ class Relay:
         blob = self.blobs.pop(bytes(body[:REF]), None)
         if blob is None:
             return
-        blob.unlink()
         for conn in [*blob.servers, *([blob.source] if blob.source else [])]:
             conn.close()
+        for ident in blob.mapped:  # never answered by its executor (e.g. it died)
+            self.mapping.pop(ident, None)
+        blob.release(self.kept)
+
+    def answered(self, ident: int, status: int) -> None:
+        """An executor's RESULT of call ``ident`` (``status``, its first byte): a call
+        given a payload's file says whether it unmapped it (see :meth:`Blob.release`)."""
+        blob = self.mapping.pop(ident, None)
+        if blob is None:
+            return
+        blob.mapped.discard(ident)
+        if not status & UNMAPPED:
+            blob.unsure = True
 
     # -- progress -------------------------------------------------------------------------
     def grew(self, blob: Blob, n: int) -> None:
@@ -581,6 +698,8 @@ class Relay:
 
     def _submit(self, ident: int, head: bytes, blob: Blob) -> None:
         if blob.name:  # the executor maps the file
+            blob.mapped.add(ident)
+            self.mapping[ident] = blob
             self.submit(ident, head, frame(Kind.TASKREF, ident, head, blob.name.encode()))
         else:
             self.submit(ident, head, frame(Kind.TASK, ident, head, memoryview(blob.buf)))
@@ -591,13 +710,14 @@ class Relay:
 
     # -- time -----------------------------------------------------------------------------
     def next_deadline(self, default: float) -> float:
-        wake = default
+        wake = self.kept.next_deadline(default)
         for conn in self.conns:
             wake = min(wake, conn.deadline)
         return wake
 
     def check(self, now: float) -> None:
-        """Give up the connections past their deadline."""
+        """Give up the connections past their deadline; remove the files kept too long."""
+        self.kept.trim(now)
         for conn in [c for c in self.conns if c.deadline <= now]:
             if isinstance(conn, Fetch):
                 conn.expire()
@@ -609,6 +729,7 @@ class Relay:
             conn.close()
         for blob in self.blobs.values():
             blob.unlink()
+        self.kept.close()
         if self.listener is not None:
             self.sel.unregister(self.listener.fileno())
             self.listener.close()

@@ -111,6 +111,8 @@ class Supervisor(ExecutorProcesses):
         self.request_ids = itertools.count(1)
         self.ready_extra: Ready = {}  # more for the node's READY (the relay port)
         self.inherited: Callable[[], list[int]] = list  # the agent's other descriptors
+        # told each executor's RESULT (call id, status byte): the relay's kept files
+        self.answered: Callable[[int, int], None] = lambda ident, status: None
         self.threads = False  # one process, a thread per slot (see the module docstring)
         self.shared_death = ""  # thread slots: why their process ended, for the others
 
@@ -360,6 +362,7 @@ class Supervisor(ExecutorProcesses):
         """A task's result: its output was forwarded first (see Poller). The next task
         given begins now; the window ahead is refilled while tasks are quick."""
         result: list[Buffer] = [HEADER.pack(Kind.RESULT, ident, len(body)), body]
+        self.answered(ident, body[0] if len(body) else 0)
         slot = ex.slot
         tasks = slot.tasks
         if slot.fed and tasks and tasks[0].ident == ident:

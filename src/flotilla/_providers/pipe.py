@@ -58,6 +58,10 @@ _loop_epolls: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, select.epoll 
 """Per event loop: its epoll set (a descriptor of our own for it), for :meth:`read_direct`;
 None when the loop does not run on epoll."""
 
+StderrFilter = Callable[[bytes], bytes]
+"""One step of an agent's stderr on its way to the client (``PipeAgent.stderr_filters``):
+the bytes read in, what to pass on out (nothing: b"")."""
+
 
 def _epoll_of(loop: asyncio.AbstractEventLoop) -> select.epoll | None:
     try:
@@ -115,6 +119,9 @@ class PipeAgent(AgentProcess):
         proc: the child process (started with three pipes, in its own session or
             process group: see :func:`spawn`).
         err_tail: the last bytes the child wrote to stderr.
+        stderr_filters: what the child's stderr passes through, in order, before
+            :meth:`start_reading`'s ``on_stderr`` (the ssh process's own lines taken out,
+            a cloud instance's interruption notices); ``err_tail`` keeps it unfiltered.
     """
 
     def __init__(self, proc: subprocess.Popen[bytes], address: str, host: str) -> None:
@@ -123,6 +130,7 @@ class PipeAgent(AgentProcess):
         self.address = address
         self.host = host
         self.err_tail = b""
+        self.stderr_filters: list[StderrFilter] = []
         self.lost_reason = ""  # why the stream was dropped, when it was not its end
         self._in = proc.stdin.fileno()
         os.set_blocking(self._in, False)  # writes wait in poll, and can be given up
@@ -240,9 +248,9 @@ class PipeAgent(AgentProcess):
         self._loop = loop
         self._read_stderr(loop)
         early, self._early_err = self._early_err, []
-        self._on_stderr = on_stderr
+        self._on_stderr = self._filtered(on_stderr)
         for data in early:
-            on_stderr(data)
+            self._on_stderr(data)
         reader = self._reader
         if self._early_out:
             frames = reader.feed(bytes(self._early_out))
@@ -300,6 +308,22 @@ class PipeAgent(AgentProcess):
         self._handed_over = handed_over
         loop.add_reader(self._out, readable)
 
+    def _filtered(self, on_stderr: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """``on_stderr`` behind :attr:`stderr_filters` (called only when some bytes are
+        left to pass on)."""
+        filters = self.stderr_filters
+        if not filters:
+            return on_stderr
+
+        def passed(data: bytes) -> None:
+            for step in filters:
+                data = step(data)
+                if not data:
+                    return
+            on_stderr(data)
+
+        return passed
+
     def read_direct(
         self,
         on_frames: FramesCallback,
@@ -313,39 +337,15 @@ class PipeAgent(AgentProcess):
         (one reader at a time: a lock). Frames of a kind not in ``kinds`` (they are the
         loop's to handle), an error and the end of the stream are left to the loop, in
         order. Nothing happens when the loop is reading right now, or does not use epoll."""
-        loop = self._loop
-        if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
+        epoll = self._watch_off()
+        if epoll is None:
             return
-        try:
-            epoll = _epoll_of(loop)
-            if epoll is None or self._out_ended:
-                return
-            try:
-                epoll.unregister(self._out)  # the loop no longer wakes for it
-            except OSError:
-                return
-            try:
-                self._read_here(on_frames, done, budget, kinds)
-            finally:
-                epoll.register(self._out, select.EPOLLIN)  # before the loop gets the rest
-                if self._handed or self._handed_error is not None:
-                    loop.call_soon_threadsafe(self._handed_over)
-        finally:
-            self._read_lock.release()
-
-    def _read_here(
-        self,
-        on_frames: FramesCallback,
-        done: Callable[[], bool],
-        budget: float,
-        kinds: Collection[int],
-    ) -> None:
-        poller = select.poll()
-        poller.register(self._out, select.POLLIN)
         start = time.monotonic()
-        deadline = start + budget
-        spin = start + self._spin_window()
         try:
+            poller = select.poll()
+            poller.register(self._out, select.POLLIN)
+            deadline = start + budget
+            spin = start + self._spin_window()
             while not done():
                 ready: list[tuple[int, int]] = []
                 while not ready and time.monotonic() < spin:  # see SPIN
@@ -370,6 +370,41 @@ class PipeAgent(AgentProcess):
         finally:
             took = time.monotonic() - start
             self._answered = took if took > SPIN else (self._answered + took) / 2
+            self._watch_on(epoll)
+
+    def _watch_off(self) -> select.epoll | None:
+        """Take the loop's watch of stdout off (the loop no longer wakes for it) and hold
+        the read lock, for :meth:`read_direct`; the loop's epoll set, for
+        :meth:`_watch_on`. None, with nothing held: the loop is reading right now, the
+        stream has ended, or the loop does not use epoll."""
+        loop = self._loop
+        if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
+            return None
+        taken = None
+        try:
+            epoll = _epoll_of(loop)
+            if epoll is None or self._out_ended:
+                return None
+            try:
+                epoll.unregister(self._out)
+            except OSError:
+                return None
+            taken = epoll
+            return taken
+        finally:
+            if taken is None:
+                self._read_lock.release()
+
+    def _watch_on(self, epoll: select.epoll) -> None:
+        """Put the loop's watch back (before the loop gets the rest: what a direct read
+        left it), and release the read lock."""
+        try:
+            epoll.register(self._out, select.EPOLLIN)
+            if self._handed or self._handed_error is not None:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._handed_over)
+        finally:
+            self._read_lock.release()
 
     def _spin_window(self) -> float:
         """Seconds the next wait polls without sleeping (see SPIN): twice the recent

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ProvisionError
+from .._system.procs import last_words
 from .base import AgentProcess, Allocation, Machine, PoolSpec, Provider
 from .pipe import PipeAgent, spawn
 
@@ -110,14 +111,9 @@ class Reattach(Provider):
             except (OSError, ProvisionError) as e:
                 gone[node.rank] = f"cannot reach it: {e}"
         for node, proc in started:
-            try:
-                _, err = proc.communicate(timeout=_PROBE_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
+            why = last_words(proc, _PROBE_TIMEOUT)
             if proc.returncode != 0:
-                why = err.decode(errors="replace").strip().splitlines()
-                gone[node.rank] = why[-1] if why else f"its bridge exited ({proc.returncode})"
+                gone[node.rank] = why or f"its bridge exited ({proc.returncode})"
         return gone
 
     def stop(self, ranks: list[int]) -> None:
@@ -134,11 +130,7 @@ class Reattach(Provider):
                     continue
         shutdown = b"".join(frame(Kind.SHUTDOWN, 0))
         for proc in started:
-            try:  # its stream ends when the agent exits
-                proc.communicate(shutdown, timeout=_PROBE_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+            last_words(proc, _PROBE_TIMEOUT, shutdown)  # its stream ends when the agent exits
         self.sweep([n for n in self.nodes if n.rank in ranks])
 
     def sweep(self, nodes: list[Node]) -> None:

@@ -24,10 +24,10 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from .._errors import ConfigurationError, ProvisionCause, ProvisionError
-from .base import FramesCallback, Machine
+from .base import Machine
 from .bootstrap import SIGNAL_LINE, NoAnswer
 from .launch import RemoteShell
 from .pipe import PipeAgent
@@ -71,10 +71,11 @@ REFUSALS = (
 unknown name (``SSHShell.explain``'s IDENTITY, AUTH and UNKNOWN_HOST causes)."""
 
 
+@dataclass(eq=False, repr=False)
 class SSHShell(RemoteShell):
     """``ssh`` to a machine's :class:`Target`.
 
-    Args:
+    Attributes:
         target: the target of a machine.
         key: private key file (None: ssh-agent and ``~/.ssh/id_*``).
         known_hosts: the known_hosts file host keys are checked against.
@@ -85,23 +86,14 @@ class SSHShell(RemoteShell):
 
     name = "ssh"
 
-    def __init__(
-        self,
-        target: Callable[[Machine], Target],
-        *,
-        key: str | None,
-        known_hosts: str,
-        accept_new_host_keys: bool,
-        connect_timeout: float,
-        unknown_key_advice: str = "SSH(..., accept_new_host_keys=True), which records it",
-    ) -> None:
-        self.target = target
-        self.key = key
-        self.known_hosts = known_hosts
-        self.accept_new_host_keys = accept_new_host_keys
-        self.connect_timeout = connect_timeout
-        self.unknown_key_advice = unknown_key_advice
-        self._starting: dict[tuple[str, int], asyncio.Semaphore] = {}
+    target: Callable[[Machine], Target]
+    _: KW_ONLY
+    key: str | None
+    known_hosts: str
+    accept_new_host_keys: bool
+    connect_timeout: float
+    unknown_key_advice: str = "SSH(..., accept_new_host_keys=True), which records it"
+    _starting: dict[tuple[str, int], asyncio.Semaphore] = field(default_factory=dict, init=False)
 
     def pace(self, machine: Machine) -> asyncio.Semaphore:
         """At most :data:`STARTS_PER_SERVER` agents start through one sshd at once."""
@@ -279,22 +271,15 @@ class SSHAgent(PipeAgent):
         self._signal = 0
         self._partial = b""
         self._exited_at: float | None = None  # when exit_status first saw ssh exited
+        self.stderr_filters.append(self._lines)
 
-    def start_reading(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_frames: FramesCallback,
-        on_stderr: Callable[[bytes], None],
-    ) -> None:
-        def filtered(data: bytes) -> None:
-            lines = (self._partial + data).split(b"\n")
-            self._partial = lines.pop()
-            kept = [self._line(line) for line in lines]
-            text = b"".join(line + b"\n" for line in kept if line is not None)
-            if text:
-                on_stderr(text)
-
-        super().start_reading(loop, on_frames, filtered)
+    def _lines(self, data: bytes) -> bytes:
+        """What to pass on of a piece of the ssh process's stderr: its whole lines, each as
+        :meth:`_line` says (a partial line waits for its end)."""
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        kept = [self._line(line) for line in lines]
+        return b"".join(line + b"\n" for line in kept if line is not None)
 
     def _line(self, line: bytes) -> bytes | None:
         """What to pass on of one stderr line of the ssh process (None: nothing)."""

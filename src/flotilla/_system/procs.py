@@ -15,6 +15,10 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 HAS_PROC = os.path.isdir("/proc/self")
 
@@ -199,6 +203,21 @@ def die_with_parent(
         pass
     if exit_status is not None and os.getppid() != parent:
         os._exit(exit_status)
+
+
+def last_words(proc: subprocess.Popen[bytes], timeout: float, data: bytes | None = None) -> str:
+    """Wait up to ``timeout`` s for ``proc`` to end (killed when it has not by then), ``data``
+    written to its stdin and its output read meanwhile; the last line of its stderr (''
+    when none). Its exit status is then ``proc.returncode``."""
+    import subprocess  # here: the agent's start does not need it
+
+    try:
+        _, err = proc.communicate(data, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    lines = (err or b"").decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _ps(*args: str) -> str:

@@ -92,9 +92,9 @@ UNMAPPED = 0x80
 """A flag on a RESULT's status byte (``Status | UNMAPPED``): the executor mapped the call's
 shared-memory file (its arguments) and, the call done, unmapped it; nothing (no array
 the task kept, no process it forked) shows that memory any more, so the client may
-write the file again for a later call (``_client/shm.py``). Only the executor sets it;
-the agent forwards the byte as it is; the client reads ``byte & ~UNMAPPED`` as the
-status."""
+write the file again for a later call (``_client/shm.py``), or the node's relay, for a
+relayed payload's file (``_node/relay.py``). Only the executor sets it; the agent
+forwards the byte as it is; the client reads ``byte & ~UNMAPPED`` as the status."""
 
 
 STREAM_WINDOW = 8

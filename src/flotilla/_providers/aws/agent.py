@@ -4,7 +4,7 @@ An instance is an SSH host whose host key the client generated (``cloud.keys``):
 agent starts through ``ssh`` as on any cloud instance (``cloud.allocation``, the client's
 exact flotilla shipped by content hash), with the pool's login key and known_hosts, once
 the instance answers on port 22; spot interruption notices come on its stderr, taken out
-by the cloud kit's ``NoticeAgent`` (``cloud/notice.py``), which GCP shares.
+by the cloud kit's ``watch_notices`` (``cloud/notice.py``), which GCP shares.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 from ..._wire.protocol import CLOUD_ENV
 from ..cloud.guard import contact_path
-from ..cloud.notice import NoticeAgent as AWSAgent
 from .settings import EFA_ENV, AWSSettings
 
 IMDS = "http://169.254.169.254"
@@ -39,4 +38,4 @@ def cloud_env(
     return env
 
 
-__all__ = ["AWSAgent", "cloud_env"]
+__all__ = ["cloud_env"]

@@ -16,8 +16,9 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud.allocation import CloudAllocation, CloudShell
 from ..cloud.keys import KeyPair, keygen, pin
+from ..cloud.notice import watch_notices
 from ..ssh_shell import Target
-from .agent import AWSAgent, cloud_env
+from .agent import cloud_env
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, choose_for
 from .kept import Keep, KeptPool
@@ -358,7 +359,7 @@ class AWSAllocation(CloudAllocation):
         its host key pinned, tried again while it fails as on a booting instance (see
         ``cloud.allocation``); spot interruption notices on its stderr are reported."""
         agent = await super().start_agent(machine)
-        return AWSAgent(
+        return watch_notices(
             agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
         )
 

@@ -29,8 +29,9 @@ A named cluster's pool can be stopped and started again (``flotilla stop`` / ``s
 see ``kept``.
 
 Spot interruption notices reach the client as a line on the agent's stderr (see
-``_node/cloud.py``); :class:`AWSAgent` takes it out of the stream and reports the machine
-lost through :meth:`Allocation.watch`'s callback, two minutes before AWS reclaims it.
+``_node/cloud.py``); ``cloud.notice.watch_notices`` takes it out of the stream and reports
+the machine lost through :meth:`Allocation.watch`'s callback, two minutes before AWS
+reclaims it.
 """
 
 from __future__ import annotations

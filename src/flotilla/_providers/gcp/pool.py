@@ -23,7 +23,7 @@ from ..cloud.allocation import show
 from ..cloud.guard import contact_path
 from ..cloud.identity import client_id
 from ..cloud.keys import pin_public
-from ..cloud.notice import NoticeAgent
+from ..cloud.notice import watch_notices
 from ..ssh_shell import Target
 from .api import SCOPE, GcpApi, GcpApiError, base_url
 from .choice import MachineChoice, describe, machine_for, within_cost
@@ -365,7 +365,7 @@ class GCPAllocation(GCPStopping):
         ``cloud.allocation``); a SPOT instance's preemption notice is reported."""
         agent = await super().start_agent(machine)
         login.remember(self.folder, machine.address, self.target(machine))  # flotilla ssh
-        return NoticeAgent(
+        return watch_notices(
             agent, self.name(machine), lambda notice: self._on_notice(machine.ident, notice)
         )
 

@@ -48,10 +48,8 @@ class AWSSpec(ResourceSpec):
     :class:`ResourceSpec`) choose the instance type when none is given."""
 
     kind = "aws"
-
-    def describe(self) -> str:
-        region = self.value("region")
-        return f"aws {region}" if region else "aws"
+    where = "region"
+    shown = " {}"
 
 
 class AWSBackend(Backend[AWSSpec]):

@@ -159,9 +159,20 @@ class ResourceSpec(ProviderSpec):
         memory_gb: memory per node in GiB (the task's ``memory``).
     """
 
+    where: ClassVar[str] = ""
+    """The setting (a name, or names) that messages show after the kind, when set."""
+    shown: ClassVar[str] = " ({})"
+    """How they show it (``{}``: its value)."""
+
     accelerator: str | None = None
     vcpus: float | None = None
     memory_gb: float | None = None
+
+    def describe(self) -> str:
+        place = self.value(self.where) if self.where else None
+        if isinstance(place, tuple | list):
+            place = ", ".join(place)
+        return self.kind + (self.shown.format(place) if place else "")
 
     def with_task_resources(self, task: Task, **changes: Any) -> Self:
         """This spec with the task's resources (and ``changes``)."""
@@ -584,14 +595,6 @@ class RentedSpec(ResourceSpec):
     """A :class:`RentedBackend`'s spec; the task's resources (see :class:`ResourceSpec`)
     select the offers. ``where`` names the setting (a name, or names) that messages show
     after the kind."""
-
-    where: ClassVar[str] = ""
-
-    def describe(self) -> str:
-        place = self.value(self.where) if self.where else None
-        if isinstance(place, tuple | list):
-            place = ", ".join(place)
-        return self.kind + (f" ({place})" if place else "")
 
 
 def rented_spec(kind: str, where: str) -> type[RentedSpec]:

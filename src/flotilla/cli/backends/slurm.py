@@ -40,10 +40,8 @@ class SlurmSpec(ResourceSpec):
     :class:`ResourceSpec`) become ``--gres``, ``--cpus-per-task`` and ``--mem``."""
 
     kind = "slurm"
-
-    def describe(self) -> str:
-        partition = self.value("partition")
-        return f"slurm partition {partition}" if partition else "slurm"
+    where = "partition"
+    shown = " partition {}"
 
 
 class SlurmBackend(Backend[SlurmSpec]):

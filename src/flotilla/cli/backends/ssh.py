@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..._errors import ConfigurationError
 from ..._providers.settings import SSHSettings
 from ..._system.private import private_dir
+from ..._system.procs import last_words
 from .base import Backend, ProviderSpec, ShellCommand, ssh_alias, ssh_shell
 
 if TYPE_CHECKING:
@@ -121,17 +122,9 @@ class SSHBackend(Backend[SSHSpec]):
         ]
         timeout = provider.settings.connect_timeout + REMOVE_TIMEOUT
         for host, proc in running:
-            try:
-                _, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
+            why = last_words(proc, timeout) or "no answer"
             if proc.returncode != 0:
-                why = err.decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
-                print(
-                    f"{host.host}: {folder} could not be removed: {why[0]}",
-                    file=sys.stderr,
-                )
+                print(f"{host.host}: {folder} could not be removed: {why}", file=sys.stderr)
 
     def shell(
         self, paths: Paths, spec: SSHSpec, nodes: Sequence[NodeRecord], node: int, command: str
