@@ -4,7 +4,7 @@
 
 Each repetition starts a pool in a fresh process, answers one no-op on every node, and then
 reads, for every process of each node (Local: the agent and its executors, children of
-the measuring process; SSH, as root: every process of the host's network namespace but its
+the measuring process or of its fork server, whose own CPU is shared out among the nodes; SSH, as root: every process of the host's network namespace but its
 sshd daemon: the session's sshd, the start shell, the agent, the executors), the CPU it
 spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
 of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
@@ -117,13 +117,32 @@ def child(args: argparse.Namespace) -> None:
                 for p in session:
                     roles[role(p)] = roles.get(role(p), 0.0) + cpu_of(p) / args.nodes
         else:
-            for agent in kids.get(os.getpid(), []):
-                per_node.append(sum(cpu_of(p) for p in tree(agent, kids)))
+            agents, servers = [], []
+            for p in kids.get(os.getpid(), []):
+                if is_fork_server(p):  # its agents' shared start: a share for each node
+                    servers.append(p)
+                    agents.extend(kids.get(p, []))
+                else:
+                    agents.append(p)
+            shared = sum(cpu_of(p) for p in servers) / args.nodes
+            if servers:
+                roles["fork server"] = shared
+            for agent in agents:
+                per_node.append(shared + sum(cpu_of(p) for p in tree(agent, kids)))
                 for p in tree(agent, kids):
                     name = "agent" if p == agent else "executor"
                     roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         assert len(set(pids)) == args.nodes, pids
     print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+
+
+def is_fork_server(pid: int) -> bool:
+    """A local pool's fork server (its agents are its children)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"flotilla._node.forkserver" in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def role(pid: int) -> str:

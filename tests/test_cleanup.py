@@ -216,6 +216,33 @@ def test_agents_and_executors_exit_when_the_client_is_killed(tmp_path: Path) -> 
         kill_quietly(processes_in(nodes_dir))
 
 
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_a_local_pools_fork_server_ends_with_its_client(tmp_path: Path, sig: int) -> None:
+    """The fork server the local pool's agents were forked from (their parent) ends with
+    them when the client is interrupted (Ctrl-C) or killed: it outlives no pool."""
+    client, nodes_dir = start_client(tmp_path)
+    pids: list[int] = []
+    try:
+        first = client.expect(lambda line: line.startswith("[["))
+        pids, _ = pids_and_dirs([tuple(x) for x in json.loads(first)], 2)
+        servers = {parent_of(agent) for agent, _, _ in json.loads(first)}
+        assert len(servers) == 1 and parent_of(*servers) == client.proc.pid, servers
+        pids.extend(servers)
+        client.expect(lambda line: line.endswith(") napping"))
+        client.signal(sig)
+        assert client.wait() == -sig
+        assert_all_gone(pids, ORPHANS_EXIT_WITHIN, "the fork server, agents and executors")
+    finally:
+        client.kill()
+        kill_quietly(pids)
+        kill_quietly(processes_in(nodes_dir))
+
+
 STARTING_CLIENT = """
     import os, time
     from pathlib import Path

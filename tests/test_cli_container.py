@@ -5,12 +5,15 @@ derived from ``ContainerSettings`` (``--container-FIELD``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _container import ContainerLab, container_lab_fixture  # noqa: F401 - the fixture
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 from test_cli_files import copy_check
 from test_container import _killed_client
+from test_reattach import check_ends_after_the_grace, check_survives_its_daemon
 
 
 def _engine_flags(lab: ContainerLab) -> list[str]:
@@ -66,3 +69,46 @@ def test_down_orphans_provider_container_removes_a_killed_clients_pool(
     assert all(c in removed for c in left), done.stderr
     assert container_lab.containers(pool_id) == []
     assert f"flotilla-{pool_id}" not in container_lab.networks()
+
+
+def _cluster_flags(lab: ContainerLab, shared: Path) -> list[str]:
+    """A cluster of the lab's containers that see ``shared`` (read-write)."""
+    flags = [
+        *_engine_flags(lab),
+        "--container-rootfs",
+        str(lab.rootfs),
+        "--container-python",
+        lab.python,
+        f"--container-volumes={' '.join([*lab.volumes, f'{shared}:{shared}'])}",
+    ]
+    if lab.run_args:
+        flags.append(f"--container-run-args={' '.join(lab.run_args)}")
+    return flags
+
+
+@pytest.mark.timeout(420)
+def test_a_container_cluster_outlives_its_killed_daemon_and_is_re_attached(
+    cli: CLI, container_lab: ContainerLab, tmp_path: Path
+) -> None:
+    """The janitor waits while the agents do (each agent's exec holds its stdin); `start`
+    re-attaches through exec into the same containers; `down` removes them."""
+    before = set(container_lab.containers())
+
+    def held() -> list[str]:
+        return sorted(set(container_lab.containers()) - before)
+
+    flags = _cluster_flags(container_lab, tmp_path)
+    check_survives_its_daemon(cli, "boxa", flags, tmp_path / "stop", held)
+
+
+@pytest.mark.timeout(420)
+def test_a_container_cluster_nobody_re_attaches_to_is_removed_after_the_grace(
+    cli: CLI, container_lab: ContainerLab, tmp_path: Path
+) -> None:
+    before = set(container_lab.containers())
+
+    def held() -> list[str]:
+        return sorted(set(container_lab.containers()) - before)
+
+    flags = _cluster_flags(container_lab, tmp_path)
+    check_ends_after_the_grace(cli, "boxg", flags, tmp_path / "stop", held)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401
@@ -16,6 +17,7 @@ from test_cli import cli as cli  # the fixture
 from test_cli_files import copy_check
 from test_managed import RESUMABLE, Jobs
 from test_managed import jobs as jobs  # the fixture
+from test_reattach import check_ends_after_the_grace, check_survives_its_daemon
 
 TASK = """\
 num_nodes: 3
@@ -191,3 +193,41 @@ def _made_by(lab: K8sLab, pid: int, namespace: str = "default") -> list[str]:
         for p in lab.pods(namespace, selector="app.kubernetes.io/managed-by=flotilla")
         if f":{pid}:" in p["metadata"].get("annotations", {}).get("flotilla/client", "")
     ]
+
+
+def _pods(lab: K8sLab, live: bool = False) -> set[str]:
+    """The pods flotilla made (only those pending or running: ``live``)."""
+    return {
+        p["metadata"]["name"]
+        for p in lab.pods(selector="app.kubernetes.io/managed-by=flotilla")
+        if not live or p["status"].get("phase") in ("Pending", "Running")
+    }
+
+
+@pytest.mark.timeout(420)
+def test_a_k8s_cluster_outlives_its_killed_daemon_and_is_re_attached(
+    cli: CLI, k8s_lab: K8sLab, tmp_path: Path
+) -> None:
+    """The pods stay while the agents wait (each holds its pod's lock); `start`
+    re-attaches through kubectl exec into the same pods; `down` deletes them."""
+    cli.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
+    before = _pods(k8s_lab)
+    flags = ["--provider", "k8s", "--k8s-python", sys.executable]
+    check_survives_its_daemon(
+        cli, "kra", flags, tmp_path / "stop", lambda: sorted(_pods(k8s_lab) - before)
+    )
+
+
+@pytest.mark.timeout(420)
+def test_a_k8s_cluster_nobody_re_attaches_to_ends_its_pods_after_the_grace(
+    cli: CLI, k8s_lab: K8sLab, tmp_path: Path
+) -> None:
+    """Past the grace the agents end and the holders end the pods (Succeeded, holding
+    nothing); `down` deletes them."""
+    cli.env.update({k: v for k, v in k8s_lab.env().items() if k in ("PATH", "KUBECONFIG")})
+    before = _pods(k8s_lab)
+    flags = ["--provider", "k8s", "--k8s-python", sys.executable]
+    check_ends_after_the_grace(
+        cli, "krg", flags, tmp_path / "stop", lambda: sorted(_pods(k8s_lab, live=True) - before)
+    )
+    assert _pods(k8s_lab) - before == set()

@@ -9,6 +9,7 @@ from _slurm import SHORT_PARTITION, SlurmCluster, slurm_cluster_fixture  # noqa:
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 from test_cli_files import copy_check
+from test_reattach import check_ends_after_the_grace, check_survives_its_daemon
 
 TASK = """\
 num_nodes: 3
@@ -91,3 +92,25 @@ def test_bad_slurm_time_is_refused_before_anything_starts(cli: CLI, tmp_path: Pa
     assert done.returncode != 0
     assert "unlimited time" in done.stderr
     assert cli.record("bad") is None
+
+
+def test_a_slurm_cluster_outlives_its_killed_daemon_and_is_re_attached(
+    cli: CLI, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """The job stays allocated while the agents wait (each agent's srun holds the holder's
+    stdin); `start` re-attaches through steps of the same job; `down` ends the job."""
+    cli.env["SLURM_CONF"] = str(slurm_cluster.conf)
+    flags = ["--provider", "slurm", "--time", "30:00"]
+    check_survives_its_daemon(
+        cli, "sra", flags, tmp_path / "stop", lambda: _flotilla_jobs(slurm_cluster)
+    )
+
+
+def test_a_slurm_cluster_nobody_re_attaches_to_is_released_after_the_grace(
+    cli: CLI, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    cli.env["SLURM_CONF"] = str(slurm_cluster.conf)
+    flags = ["--provider", "slurm", "--time", "30:00"]
+    check_ends_after_the_grace(
+        cli, "srg", flags, tmp_path / "stop", lambda: _flotilla_jobs(slurm_cluster)
+    )

@@ -110,6 +110,37 @@ def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
     assert [m for m in loaded if m.startswith("flotilla.plugins")] == []
 
 
+_SERVER_PROBE = """
+import sys, signal, threading
+sys.path.insert(0, {src!r})
+before = set(sys.modules)
+handlers = {{s: signal.getsignal(s) for s in signal.valid_signals() if s not in (9, 19)}}
+import flotilla._node.forkserver  # what a local pool's fork server holds before it forks
+import json
+changed = [int(s) for s, h in handlers.items() if signal.getsignal(s) != h]
+print(json.dumps([sorted(set(sys.modules) - before), threading.active_count(), changed]))
+"""
+
+
+def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
+    """What a local pool's fork server imports before it forks the agents (they inherit
+    it): none of the modules an agent starts without, no plugin, nothing outside the
+    standard library and the node side (so no torch or CUDA in a forked process); and it
+    starts no thread and sets no signal handler (a fork after either is unsafe)."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _SERVER_PROBE.format(src=str(SRC))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, threads, handlers = json.loads(done.stdout)
+    assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
+    assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
+    assert [m for m in loaded if not _node_side_allowed(m)] == []
+    assert (threads, handlers) == (1, [])
+
+
 def test_the_probe_notices_a_foreign_module() -> None:
     """The check above can fail: a third-party or client-side module is reported."""
     assert not _node_side_allowed("cloudpickle")

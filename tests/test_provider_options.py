@@ -206,6 +206,43 @@ def test_secrets_are_never_shown_in_clear() -> None:
     assert shown(Unmarked(hf_token="hf-1")) == {"hf_token": "***", "region": "r1"}
 
 
+PROVIDERS = ["Local", "SSH", "AWS", "Slurm", "Kubernetes", "Container", "VastAI", "RunPod"]
+PROVIDERS += ["LambdaCloud", "GCP", "Verda"]
+
+
+@pytest.mark.parametrize("name", PROVIDERS)
+def test_a_providers_constructor_and_repr_are_derived_from_its_settings(name: str) -> None:
+    """Every built-in provider's constructor is its settings class's fields (and
+    ``settings=``); a keyword that is no field is a ConfigurationError naming it and the
+    fields there are, before anything is made; the ``repr`` shows the fields given that
+    differ from their defaults, never a secret."""
+    import inspect
+
+    import flotilla as sky
+
+    provider = getattr(sky, name)
+    known = [f.name for f in dataclasses.fields(provider.settings_type)]
+    assert list(inspect.signature(provider).parameters) == [*known, "settings"]
+    with pytest.raises(ConfigurationError) as info:
+        provider(bogus=1)
+    assert str(info.value) == (
+        f"{name}() got an unexpected keyword argument 'bogus' (its settings: {', '.join(known)})"
+    )
+    with pytest.raises(ConfigurationError, match=rf"{name}\(settings=\.\.\.\) must be a"):
+        provider(settings=LocalSettings() if name != "Local" else AWSSettings())
+
+
+def test_a_providers_repr_shows_the_settings_given_never_a_secret() -> None:
+    import flotilla as sky
+
+    assert repr(sky.Local()) == "Local()"
+    assert repr(sky.Kubernetes(namespace="ml")) == "Kubernetes(namespace='ml')"
+    assert repr(sky.RunPod(api_key="k-123", ttl=900)) == "RunPod(ttl=900.0)"
+    assert repr(sky.Verda(client_id="c", client_secret="s-1")) == "Verda()"
+    made = sky.AWS(settings=AWSSettings(region="eu-west-1"), allocation="spot")
+    assert repr(made) == "AWS(region='eu-west-1', allocation='spot')"
+
+
 # -- launch --dryrun ---------------------------------------------------------------------------
 TASK = """\
 num_nodes: 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,63 @@ def test_a_pool_whose_agent_cannot_start_leaves_nothing(nodes_dir: Path) -> None
     assert pool.state is sky.PoolState.CLOSED
     assert_all_gone(provider.started, timeout=5, what="the agents that had started")
     assert list(nodes_dir.iterdir()) == []
+
+
+@sky.function
+def lineage() -> dict[str, Any]:
+    """Where this executor runs: its agent, the agent's parent and the client above it,
+    their command lines, the agent's descriptors, this process's folder and import path."""
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    def argv(pid: int) -> list[str]:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode() for a in f.read().split(b"\0") if a]
+
+    agent = parent(os.getpid())
+    server = parent(agent)
+    fds = os.listdir(f"/proc/{agent}/fd")
+    return {
+        "executor": os.getpid(),
+        "agent": agent,
+        "server": server,
+        "client": parent(server),
+        "agent_argv": argv(agent),
+        "server_argv": argv(server),
+        "agent_fds": [os.readlink(f"/proc/{agent}/fd/{fd}") for fd in fds],
+        "cwd": os.getcwd(),
+        "node_dir": os.environ.get("FLOTILLA_NODE_DIR", ""),
+        "path": [os.path.realpath(p) for p in sys.path if p],
+    }
+
+
+def test_a_local_pools_agents_are_forked_by_its_fork_server(nodes_dir: Path) -> None:
+    """A local pool's agents are forked by one fork server, a child of the client (one
+    interpreter's start for all of them): each in the client's session (see pipe.spawn) and
+    a process group of its own, with its own
+    folder, environment and import path, shown as ``python -m flotilla.agent``, holding
+    none of the server's descriptors (its socket); an agent killed takes its executor with
+    it, and the server ends with the pool."""
+    with sky.Compute(provider=Local(workdir=str(nodes_dir)), nodes=2) as pool:
+        seen = lineage() @ pool
+        assert len({s["agent"] for s in seen}) == 2
+        servers = {s["server"] for s in seen}
+        assert len(servers) == 1
+        for s in seen:
+            assert s["client"] == os.getpid()
+            assert s["server_argv"][1:3] == ["-m", "flotilla._node.forkserver"]
+            assert s["agent_argv"][1:] == ["-m", "flotilla.agent"]
+            assert os.getsid(s["agent"]) == os.getsid(0)  # the scheduler's group
+            assert os.getpgid(s["agent"]) == s["agent"]  # Ctrl-C: the client's alone
+            assert [fd for fd in s["agent_fds"] if fd.startswith("socket:")] == []
+            assert os.path.realpath(s["node_dir"]) == s["cwd"]
+            assert os.path.join(s["cwd"], ".flotilla-lib") in s["path"]
+        first = seen[0]
+        os.kill(first["agent"], signal.SIGKILL)
+        assert_all_gone([first["agent"], first["executor"]], 60, "the killed agent and executor")
+    assert_all_gone([*servers, *(s["executor"] for s in seen)], 60, "the fork server, executors")
 
 
 # -- SSH -------------------------------------------------------------------------------------
@@ -303,13 +362,19 @@ def test_a_lone_calls_waiter_sleeps_at_once_after_a_slow_answer() -> None:
         assert proc._spin_window() == 0.0
 
 
-def test_a_local_agent_is_in_the_clients_session_and_its_own_process_group() -> None:
+@pytest.mark.parametrize("spawned", [False, True], ids=["forked", "spawned"])
+def test_a_local_agent_is_in_the_clients_session_and_its_own_process_group(
+    nodes_dir: Path, spawned: bool
+) -> None:
     """Linux schedules a session as one group (autogroup): a Local agent in a session of
     its own preempted the client at every call it woke for, and the client then waited
     behind its own session's busy processes (ms per lone call on a busy machine). The agent
     and its executor share the client's session; the agent leads its own process group,
-    so Ctrl-C in a terminal (the foreground group's signal) still reaches only the client."""
-    with sky.Compute(nodes=1) as pool:
+    so Ctrl-C in a terminal (the foreground group's signal) still reaches only the client.
+    Both ways a Local agent starts: forked by the pool's fork server, or spawned (kept
+    folders: no fork server)."""
+    provider = Local(workdir=str(nodes_dir), keep_folders=spawned)
+    with sky.Compute(provider=provider, nodes=1) as pool:
         proc = pool._nodes[0].proc
         assert isinstance(proc, PipeAgent)
         assert pause(0.0) >> pool == 0.0  # its executor runs

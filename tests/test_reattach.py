@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from _hosts import Lab
@@ -236,3 +237,66 @@ def test_a_python_pool_ends_its_agents_with_its_client() -> None:
 @function
 def _agent_address() -> str | None:
     return os.environ.get("FLOTILLA_AGENT_ADDRESS")
+
+
+# -- the providers that re-attach through their own shell (srun, kubectl exec, exec): their
+# tests run in the provider's CLI test file, on its lab, with these two checks.
+
+
+def check_survives_its_daemon(
+    cli: CLI, name: str, flags: list[str], stop: Path, held: Callable[[], list[str]]
+) -> None:
+    """A 2-node cluster launched with ``flags`` runs the ticking job (until ``stop``
+    exists, a file its nodes see); its daemon is killed -9: what holds its nodes
+    (``held()``: the SLURM job, the pods, the containers) stays, ``start`` re-attaches to
+    the same agents, the job's output goes on and it ends with its real status, and
+    ``down`` leaves nothing held."""
+    cli.ok("launch", "echo up", "-c", name, "--nodes", "2", *flags, timeout=300)
+    before = cli.record(name)
+    assert before is not None and all(n.reattach for n in before.nodes), before.nodes
+    agents = [n.agent_pid for n in before.nodes]
+    holding = held()
+    assert holding, "nothing holds the cluster's nodes"
+    log = start_ticking(cli, name, stop)
+    kill_daemon(cli, name)
+    seen = {r: last_tick(read(log), r) for r in (0, 1)}
+    started = cli.ok("start", name, timeout=300)
+    assert "re-attached to its 2 node(s)" in started.stderr, started.stderr
+    after = cli.record(name)
+    assert after is not None and after.observed_state() is ClusterState.UP
+    assert [n.agent_pid for n in after.nodes] == agents  # nothing was provisioned again
+    assert held() == holding
+    assert wait_until(lambda: all(last_tick(read(log), r) > seen[r] + 2 for r in (0, 1)), 60)
+    job = after.jobs[-1]
+    stop.touch()
+    followed = cli.ok("logs", name, str(job.id), timeout=120)
+    assert "done-0" in followed.stdout and "done-1" in followed.stdout, followed.stdout
+    done = cli.record(name)
+    assert done is not None and done.job(job.id).status == JobStatus.SUCCEEDED.value  # type: ignore[union-attr]
+    assert done.job(job.id).exit_code == 0  # type: ignore[union-attr]
+    assert cli.ok("exec", name, "echo again").stdout.count("again") == 2  # the same agents
+    cli.ok("down", name, timeout=180)
+    assert wait_until(lambda: held() == [], 120), held()
+    # and no process of the cluster's is left here (the dead daemon's salloc, srun, exec)
+    assert wait_until(lambda: processes_in(cli.home) == [], 60), processes_in(cli.home)
+
+
+def check_ends_after_the_grace(
+    cli: CLI, name: str, flags: list[str], stop: Path, held: Callable[[], list[str]]
+) -> None:
+    """The same cluster, its daemon killed, nobody re-attaching: past the grace what held
+    its nodes is given back by itself; ``start`` then says the nodes are gone and ``down``
+    removes the cluster."""
+    grace = {"FLOTILLA_REATTACH_GRACE": "3"}
+    cli.ok("launch", "echo up", "-c", name, "--nodes", "2", *flags, timeout=300, env=grace)
+    rec = cli.record(name)
+    assert rec is not None and all(n.reattach for n in rec.nodes), rec.nodes
+    assert held()
+    start_ticking(cli, name, stop)
+    kill_daemon(cli, name)
+    assert wait_until(lambda: held() == [], 180), held()
+    refused = cli("start", name, timeout=300)
+    assert refused.returncode != 0 and "is gone" in refused.stderr, refused.stderr
+    cli.ok("down", name, timeout=180)
+    assert held() == []
+    assert wait_until(lambda: processes_in(cli.home) == [], 60), processes_in(cli.home)

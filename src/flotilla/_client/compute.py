@@ -268,6 +268,12 @@ class Compute(PoolCollections, PoolCalls, Observed):
         with its client."""
         self._bringup.reattach = (grace, key)
 
+    @property
+    def reattach_grace(self) -> float:
+        """Seconds the agents wait for a new client once this one is gone (0: none, see
+        :meth:`keep_agents`)."""
+        return self._bringup.reattach[0] if self._bringup.reattach is not None else 0.0
+
     def __repr__(self) -> str:
         return f"<flotilla.Compute {self.provider!r} nodes={self.nodes} {self._state.value}>"
 

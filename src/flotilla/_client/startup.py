@@ -107,6 +107,9 @@ class Opening(Protocol):
     max_node_hourly_cost: float | None
 
     @property
+    def reattach_grace(self) -> float: ...
+
+    @property
     def size(self) -> Size: ...
 
     @property
@@ -127,6 +130,7 @@ def pool_spec(pool: Opening, image: Image) -> PoolSpec:
         max_nodes=pool.size.most if pool.size.elastic else 0,
         max_hourly_cost=pool.max_hourly_cost,
         max_node_hourly_cost=pool.max_node_hourly_cost,
+        keep_agents=pool.reattach_grace,
     )
 
 

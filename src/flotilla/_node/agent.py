@@ -99,8 +99,7 @@ class Agent(NodeEnvironment):
         self.detached_until = 0.0  # > 0: the client is gone; a new one may come until then
         ex = self.executors
         self._on_frame: dict[int, Callable[[int, Body], object]] = {
-            # kind -> handler(ident, body), for the frames the client sends (PING only
-            # refreshes ``last_seen``, as every frame does)
+            # kind -> handler(ident, body) of the client's frames (a PING only sets last_seen)
             Kind.TASK: ex.submit,
             Kind.DEFINE: ex.define,
             Kind.CONFIG: self._configure,

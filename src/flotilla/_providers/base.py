@@ -176,6 +176,9 @@ class PoolSpec:
             provider that knows its prices refuses offers above it before renting.
         max_node_hourly_cost: the most one node may cost per hour (USD; Skyward's
             ``Spec(max_hourly_cost=)``), or None: offers above it are not taken.
+        keep_agents: seconds the agents wait for a new client once theirs is gone (a
+            named cluster's pool, ``Compute.keep_agents``): what holds the nodes must
+            then outlive the client while they run (0: the nodes end with it).
     """
 
     pool_id: str
@@ -189,6 +192,7 @@ class PoolSpec:
     max_nodes: int = 0
     max_hourly_cost: float | None = None
     max_node_hourly_cost: float | None = None
+    keep_agents: float = 0.0
 
     @property
     def most(self) -> int:
@@ -559,6 +563,26 @@ class Provider(ABC):
     """The user named the nodes' interpreter (``python=``): flotilla only checks that it
     is the client's Python minor version, and never looks for another one (see
     ``_client/interpreter.py``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A constructor derived from a settings class (``options.provider_init``) gives
+        the class its :attr:`settings_type`."""
+        super().__init_subclass__(**kwargs)
+        derived = getattr(cls.__dict__.get("__init__"), "settings_type", None)
+        if derived is not None:
+            cls.settings_type = derived
+
+    def __repr__(self) -> str:
+        """``Name(field=value, ...)``: the settings fields (of :attr:`settings_type`) that
+        differ from their defaults, never a secret one; a provider without settings is
+        shown as an object is."""
+        settings = getattr(self, "settings", None)
+        if self.settings_type is None or not isinstance(settings, self.settings_type):
+            return super().__repr__()
+        from .options import changed
+
+        args = ", ".join(f"{k}={v!r}" for k, v in changed(settings).items())
+        return f"{type(self).__name__}({args})"
 
     @classmethod
     def from_settings(cls, settings: Any) -> Self:

@@ -81,6 +81,14 @@ class RemoteShell(ABC):
         """What did not start, in messages ("the agent", "the agent's step in job 12")."""
         return "the agent"
 
+    def holds(self, machine: Machine) -> tuple[int, ...]:
+        """Descriptors the shell's process for ``machine`` inherits: the write end of a
+        pipe whose end of input releases the machine (SLURM's holder, the containers'
+        janitor), so that the machine is released only once this process (and with it
+        the agent) has ended too: a cluster's agents outlive their client for a while
+        (``PoolSpec.keep_agents``). None by default."""
+        return ()
+
     def agent(self, proc: subprocess.Popen[bytes], machine: Machine) -> PipeAgent:
         """The agent whose stdio is ``proc``'s (a shell may filter its own messages)."""
         return PipeAgent(proc, machine.address, machine.host)
@@ -127,7 +135,8 @@ async def start_remote_agent(
     while True:
         async with shell.pace(machine):
             try:
-                agent = shell.agent(spawn(argv, env=shell.env), machine)
+                proc = spawn(argv, env=shell.env, pass_fds=shell.holds(machine))
+                agent = shell.agent(proc, machine)
             except OSError as e:
                 raise ProvisionError(
                     f"{machine.host}: cannot run {shell.name}: {e}", cause=ProvisionCause.SPAWN

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
-from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
@@ -21,10 +21,13 @@ from .base import (
     Provider,
 )
 from .bootstrap import node_packages, running_bundle
+from .forks import ForkedAgent, ForkServer
 from .limits import check_local_capacity, out_of_files
 from .options import provider_init
 from .pipe import PipeAgent, spawn
 from .settings import LocalSettings
+
+logger = logging.getLogger("flotilla")
 
 
 class Local(Provider):
@@ -35,7 +38,8 @@ class Local(Provider):
     packages), flotilla and cloudpickle as this client has them, and the user's own code
     folders of the client's ``sys.path`` (never the client's standard library or
     site-packages: another interpreter could not load them), so a pool starts in a
-    fraction of a second.
+    fraction of a second. The agents are forked by one fork server per pool (see
+    ``forks``): one interpreter's start and imports for all of them.
 
     Args: the fields of :class:`LocalSettings` (``python``: another interpreter must be the
     client's Python minor version, or the pool is refused), and ``keep_folders``: name the
@@ -45,20 +49,16 @@ class Local(Provider):
     """
 
     name = "local"
-    settings_type = LocalSettings
+    settings: LocalSettings
     shares_filesystem = True
     elastic = True
 
     @provider_init(LocalSettings)
-    def __init__(self, *args: Any, settings: LocalSettings | None = None, **options: Any) -> None:
-        self.settings: LocalSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.keep_folders = self.settings.keep_folders
         self.python = self.settings.python or sys.executable
         self.workdir = self.settings.workdir
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
-
-    def __repr__(self) -> str:
-        return "Local()"
 
     def validate(self, spec: PoolSpec) -> None:
         """Every node runs on this machine: each one's GPUs, CPUs and memory must fit it.
@@ -101,6 +101,7 @@ class Local(Provider):
         allocation = LocalAllocation(self, spec)
         try:
             allocation.machines = [allocation.new_machine(r) for r in range(spec.nodes)]
+            await allocation.forks_ready()
         except BaseException:
             await allocation.release()
             raise
@@ -134,6 +135,13 @@ class LocalAllocation(Allocation):
         self.env.pop("COMPUTE_POOL", None)
         self.user_path = user_code_path()
         self._folders: list[str] = []  # every folder ever made, removed at release
+        self.forks: ForkServer | None = None  # the agents' fork server (see forks.py)
+        root = None if provider.keep_folders else compiled_root()
+        if root is not None:  # started now: it warms up while the folders are made
+            try:
+                self.forks = ForkServer(provider.python, root, self.env)
+            except OSError as e:
+                logger.warning("no local fork server (%s): each agent starts its interpreter", e)
 
     def new_machine(self, rank: int) -> Machine:
         try:
@@ -168,12 +176,40 @@ class LocalAllocation(Allocation):
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             if self.provider.keep_folders:
                 del env["FLOTILLA_NODE_DIR"]  # kept
+            if self.forks is not None:
+                forked = self._fork(machine.ident, env)
+                if forked is not None:
+                    return PipeAgent(forked, address=machine.address, host=machine.host)
             proc = spawn(command, own_session=False, cwd=machine.ident, env=env)  # see spawn
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"
             ) from e
         return PipeAgent(proc, address=machine.address, host=machine.host)
+
+    async def forks_ready(self) -> None:
+        """Wait (in a worker thread) until the fork server has imported the agents'
+        modules; without it (it failed), agents are spawned."""
+        if self.forks is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.forks.wait_ready)
+            except OSError as e:
+                self._no_forks(e)
+
+    def _fork(self, folder: str, env: dict[str, str]) -> ForkedAgent | None:
+        """An agent from the fork server; None (and no server any more) if it cannot."""
+        assert self.forks is not None
+        try:
+            return self.forks.fork(folder, env)
+        except OSError as e:
+            self._no_forks(e)
+            return None
+
+    def _no_forks(self, e: OSError) -> None:
+        logger.warning("the local fork server failed (%s): each agent starts its interpreter", e)
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
 
     async def replacement(self, rank: int, reason: str) -> Machine:
         """A new folder; the lost machine's goes."""
@@ -198,6 +234,8 @@ class LocalAllocation(Allocation):
 
     def sweep(self) -> None:
         """Remove the folders made (synchronous, see ``base.Allocation.sweep``)."""
+        if self.forks is not None:
+            self.forks.close()
         for folder in list(self._folders):
             _remove(folder)
         for machine in self.machines:  # kept folders: only what lost agents left mounted
@@ -221,6 +259,30 @@ _LIB = ".flotilla-lib"
 """In a node's folder: links to the client's flotilla and cloudpickle packages (their
 compiled copy, see ``bootstrap.node_packages``: an agent compiles none of it). A client
 that runs from a bundle (a pool started on a node) gives its agents that bundle instead."""
+
+
+def compiled_root() -> str | None:
+    """The folder of the compiled copy of the node code (``bootstrap.node_packages``) when
+    nothing else can be imported from it (the fork server's import path; the kept SSH
+    bundle beside them is no module); None where there is none (no cache, or a client
+    running from a bundle)."""
+    if running_bundle() is not None:
+        return None
+    packages = node_packages()
+    roots = {os.path.dirname(path) for path in packages.values()}
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    try:
+        others = set(os.listdir(root)) - set(packages)
+    except OSError:
+        return None
+    importable = [
+        name
+        for name in others
+        if name.endswith((".py", ".pyc", ".so")) or os.path.isdir(os.path.join(root, name))
+    ]
+    return None if importable else root
 
 
 def user_code_path() -> list[str]:

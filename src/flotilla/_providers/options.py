@@ -20,6 +20,7 @@ command of the command line reads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 import shlex
@@ -284,6 +285,19 @@ def shown(settings: Any) -> dict[str, Any]:
     return out
 
 
+def changed(settings: Any) -> dict[str, Any]:
+    """The fields of a settings object that differ from their defaults (a provider's
+    ``repr``), never a secret one."""
+    hidden = secrets(type(settings))
+    out: dict[str, Any] = {}
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.name not in hidden and value != default:
+            out[f.name] = value
+    return out
+
+
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
@@ -324,11 +338,11 @@ def make_settings(
 ) -> S:
     """The settings of ``owner(*args, settings=settings, **kw)``: ``settings`` as it is (the
     keywords replacing its fields), else the settings class made of ``args`` and ``kw``.
-    A keyword that is no field is a TypeError naming the ones there are."""
+    A keyword that is no field is a ConfigurationError naming the ones there are."""
     known = [f.name for f in fields(settings_type)]  # type: ignore[arg-type]
     unknown = sorted(set(kw) - set(known))
     if unknown:
-        raise TypeError(
+        raise ConfigurationError(
             f"{owner}() got an unexpected keyword argument {unknown[0]!r} (its settings: "
             f"{', '.join(known)})"
         )
@@ -340,24 +354,41 @@ def make_settings(
             f"{type(settings).__name__}"
         )
     if args:
-        raise TypeError(f"{owner}(): give settings= or the settings' fields, not both")
+        raise ConfigurationError(f"{owner}(): give settings= or the settings' fields, not both")
     return replace(settings, **kw) if kw else settings  # type: ignore[type-var]
 
 
 def provider_init(
     settings_type: Callable[P, Any],
-) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
-    """Type a provider's ``__init__(self, *args, settings=None, **options)`` as taking its
-    settings class's fields, for type checkers and ``help()`` (which also shows
-    ``settings=``; a type checker cannot be told of it: ``Provider.from_settings`` is the
-    typed spelling); nothing more at run time."""
+) -> Callable[[Callable[[Any], None]], Callable[Concatenate[Any, P], None]]:
+    """A provider's constructor derived from its settings class: the decorated
+    ``__init__(self)`` holds only what the provider sets beyond its settings, and becomes
+    ``__init__(self, *args, settings=None, **options)``, which first sets ``settings``
+    (``Provider.make_settings``: ``settings=``, its fields replaced by ``options``, else the
+    settings class made of ``args`` and ``options``; a keyword that is no field is a
+    ConfigurationError naming the fields) and ``home`` (the settings' ``workdir`` where
+    they have one), then runs it. The provider's ``settings_type`` is ``settings_type``.
 
-    def typed(init: Callable[..., None]) -> Callable[Concatenate[Any, P], None]:
-        fields_ = list(inspect.signature(settings_type).parameters.values())
+    Type checkers and ``help()`` see the settings class's fields as the constructor's
+    keywords (``help()`` also shows ``settings=``; a type checker cannot be told of it:
+    ``Provider.from_settings`` is the typed spelling)."""
+
+    def typed(setup: Callable[[Any], None]) -> Callable[Concatenate[Any, P], None]:
+        def init(self: Any, *args: Any, settings: Any = None, **options: Any) -> None:
+            self.settings = self.make_settings(settings, args, options)
+            self.home = getattr(self.settings, "workdir", None) or self.home
+            setup(self)
+
+        functools.update_wrapper(init, setup)
+        name = getattr(settings_type, "__name__", "the settings")
+        init.__doc__ = (
+            f"Args: the fields of :class:`{name}` (checked when the provider is made), or "
+            f"``settings=`` a {name} (the keywords given replace its fields)."
+        )
         init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [
                 inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
-                *fields_,
+                *inspect.signature(settings_type).parameters.values(),
                 inspect.Parameter(
                     "settings",
                     inspect.Parameter.KEYWORD_ONLY,
@@ -366,6 +397,7 @@ def provider_init(
                 ),
             ]
         )
-        return init
+        init.settings_type = settings_type  # type: ignore[attr-defined]
+        return init  # type: ignore[return-value]
 
     return typed

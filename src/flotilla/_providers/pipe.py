@@ -24,10 +24,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .._wire.frames import Buffer, FrameError, FrameReader, advance
 from .base import AgentProcess, FramesCallback, GiveUp
+
+if TYPE_CHECKING:
+    from .forks import ForkedAgent
 
 _T = TypeVar("_T")
 _NOISE_LIMIT = 1 << 16
@@ -117,14 +120,17 @@ class PipeAgent(AgentProcess):
 
     Attributes:
         proc: the child process (started with three pipes, in its own session or
-            process group: see :func:`spawn`).
+            process group: see :func:`spawn`), or an agent forked by a local pool's fork
+            server (``forks.ForkedAgent``).
         err_tail: the last bytes the child wrote to stderr.
         stderr_filters: what the child's stderr passes through, in order, before
             :meth:`start_reading`'s ``on_stderr`` (the ssh process's own lines taken out,
             a cloud instance's interruption notices); ``err_tail`` keeps it unfiltered.
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], address: str, host: str) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes] | ForkedAgent, address: str, host: str
+    ) -> None:
         assert proc.stdin and proc.stdout and proc.stderr
         self.proc = proc
         self.address = address

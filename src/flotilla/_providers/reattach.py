@@ -12,9 +12,12 @@ the calls they run go on).
 
 How the bridge is started is the provider's (:meth:`Reattach.bridge_command`): the local
 provider runs the command as it is; the SSH provider through ``ssh`` as it started the
-agent (its key, its pinned host keys). Other providers cannot re-attach yet
-(:func:`can_reattach`; SLURM and the clouds would run it through their own shells, as
-they start the agent): their clusters' agents end with their daemon, as before.
+agent (its key, its pinned host keys). A provider with a ``reattach_command(node)``
+method (SLURM: a step of the still-running job; Kubernetes: ``kubectl exec`` into the
+pod; Container: ``exec`` into the container) runs it through its own shell, and its
+``release_reattached(nodes)`` gives back what holds the nodes once their agents ended.
+Other providers cannot re-attach yet (:func:`can_reattach`): their clusters' agents end
+with their daemon, as before.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class Node:
     host: str
     workdir: str
     argv: tuple[str, ...]
+    job: str = ""
+    """The batch scheduler's job the node's agent runs in (SLURM's; "" when none)."""
+    scheduler_node: str = ""
+    """The batch scheduler's name for the node (SLURM's; "" when none)."""
 
 
 def can_reattach(provider: Provider) -> bool:
@@ -52,7 +59,7 @@ def can_reattach(provider: Provider) -> bool:
     from .local import Local
     from .ssh import SSH
 
-    return isinstance(provider, Local | SSH | Reattach)
+    return isinstance(provider, Local | SSH | Reattach) or hasattr(provider, "reattach_command")
 
 
 class Reattach(Provider):
@@ -83,6 +90,9 @@ class Reattach(Provider):
                     shell = self.base.shell(functools.partial(_same, target))
                     return shell.ssh_argv(target, "exec " + shlex.join(node.argv)), {}
             raise ProvisionError(f"node {node.rank} ({node.host}) is not one of the SSH hosts")
+        through = getattr(self.base, "reattach_command", None)
+        if through is not None:  # the provider's own shell (srun, kubectl exec, exec)
+            return through(node)  # type: ignore[no-any-return]
         raise ProvisionError(f"the {self.base.name} provider cannot re-attach to its agents")
 
     def start_bridge(self, node: Node, probe: bool = False) -> subprocess.Popen[bytes]:
@@ -135,12 +145,16 @@ class Reattach(Provider):
 
     def sweep(self, nodes: list[Node]) -> None:
         """Remove the folders of ``nodes`` (whose agents ended) where the provider made
-        them (the local provider's, unless it keeps them)."""
+        them (the local provider's, unless it keeps them), and give back what held them
+        (the provider's ``release_reattached``)."""
         from .local import Local, _remove
 
         if isinstance(self.base, Local) and not self.base.keep_folders:
             for node in nodes:
                 _remove(node.workdir)
+        release = getattr(self.base, "release_reattached", None)
+        if release is not None and nodes:  # the job, the pods, the containers
+            release(nodes)
 
     async def acquire(self, spec: PoolSpec) -> ReattachAllocation:
         if spec.nodes != len(self.nodes):

@@ -15,7 +15,6 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .base import (
@@ -47,18 +46,14 @@ class SSH(Provider):
     Node ``i`` runs on ``hosts[i]``; a pool of N nodes uses the first N hosts. Each node
     runs the client's own flotilla version (uploaded once per version, see ``bootstrap``)
     with the host's ``python``. Needs OpenSSH's ``ssh`` client on this machine.
-
-    Args: the fields of :class:`SSHSettings`.
     """
 
     name = "ssh"
-    settings_type = SSHSettings
+    settings: SSHSettings
     elastic = True
 
     @provider_init(SSHSettings)
-    def __init__(self, *args: Any, settings: SSHSettings | None = None, **options: Any) -> None:
-        self.settings: SSHSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
+    def __init__(self) -> None: ...
 
     @property
     def hosts(self) -> tuple[SSHHost, ...]:

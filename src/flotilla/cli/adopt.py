@@ -132,13 +132,17 @@ def provider(base: Provider, nodes: list[NodeRecord], key: str) -> Reattach:
 
     if not can_reattach(base):
         raise ProvisionError(f"the {base.name} provider cannot re-attach to its nodes")
-    found = [Node(n.node, n.ip, n.host, n.workdir, tuple(n.reattach)) for n in nodes]
+    found = [
+        Node(n.node, n.ip, n.host, n.workdir, tuple(n.reattach), n.scheduler_job, n.scheduler_node)
+        for n in nodes
+    ]
     reattach = Reattach(base, found, key)
     gone = reattach.probe()
     if not gone:
         return reattach
     alive = [n.node for n in nodes if n.node not in gone]
     reattach.stop(alive)
+    reattach.sweep([n for n in found if n.rank in gone])  # the job, pods, containers go whole
     said = "; ".join(f"node {r} ({nodes[r].host}) is gone: {why}" for r, why in gone.items())
     stopped = f"; its other node(s) {alive} were stopped" if alive else ""
     raise ProvisionError(f"{said}{stopped}")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec, Provider
@@ -60,29 +59,22 @@ class AWS(Provider):
     Needs boto3 (``pip install 'flotilla[aws]'``), AWS credentials, and OpenSSH's ``ssh``
     and ``ssh-keygen`` on this machine. The pool's ``accelerator``, ``vcpus`` and
     ``memory_gb`` choose the smallest instance type that has them.
-
-    Args: the fields of :class:`AWSSettings` (checked when the provider is made).
     """
 
     name = "aws"
-    settings_type = AWSSettings
     elastic = True
     """Elastic pools: an instance is launched per node added and terminated per node
     released (``AWSAllocation.candidate``, ``give_back``); a pool born empty launches none
     until its first call."""
+    settings: AWSSettings
+    keep: Keep | None = None
+    """Set for a stoppable pool (a named cluster's, see ``kept``): its instances are
+    recorded there, closing the pool with ``keep.stop`` set stops them, and the next pool
+    starts them again instead of launching new ones."""
+    _api: Api | None = None
 
     @provider_init(AWSSettings)
-    def __init__(self, *args: Any, settings: AWSSettings | None = None, **options: Any) -> None:
-        self.settings: AWSSettings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api: Api | None = None
-        self.keep: Keep | None = None
-        """Set for a stoppable pool (a named cluster's, see ``kept``): its instances are
-        recorded there, closing the pool with ``keep.stop`` set stops them, and the next
-        pool starts them again instead of launching new ones."""
-
-    def __repr__(self) -> str:
-        return f"AWS(region={self.settings.region!r}, allocation={self.settings.allocation!r})"
+    def __init__(self) -> None: ...
 
     @property
     def api(self) -> Api:

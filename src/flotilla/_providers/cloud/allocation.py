@@ -26,15 +26,16 @@ from typing import Any, ClassVar, TypeVar
 
 from ..._errors import ProvisionCause, ProvisionError
 from ..._wire.protocol import CLOUD_ENV
-from ..base import AgentProcess, AllocationState, Machine
+from ..base import AgentProcess, AllocationState, Machine, PoolSpec
 from ..bootstrap import NoAnswer
 from ..launch import ShellAllocation, start_remote_agent
 from ..ssh_shell import SSHShell, Target
 from . import login
 from .boot import booting, wait_port
 from .guard import contact_path, guard_command
+from .identity import client_id, pool_folder
 from .keys import KeyPair, keygen, pin
-from .market import over_budget, pool_ids, release_each
+from .market import label, over_budget, pool_ids, release_each
 
 _T = TypeVar("_T")
 logger = logging.getLogger("flotilla.cloud")
@@ -360,11 +361,26 @@ class SelfEnding(InstanceAllocation):
     """The statuses of an instance the release need not end."""
     show_status = False
     """Whether "ended while starting" says the status it ended in."""
+    folder_prefix: ClassVar[str]
+    """The start of its pools' folders' names on this machine ("flotilla-lambda-")."""
     instances: dict[str, dict[str, Any]]
     settings: Any
     api: Any
     _candidates: list[Any]
     _launching: threading.Lock
+
+    def __init__(self, settings: Any, api: Any, spec: PoolSpec) -> None:
+        super().__init__(spec, [])
+        self.state = AllocationState.ACQUIRING
+        self.settings = settings
+        self.api = api
+        self.instances = {}
+        self.ssh_key_id = ""
+        self._open(settings, pool_folder(self.folder_prefix, spec.pool_id))
+        self.label = label(spec.pool_id, client_id())
+        self.key_name = f"flotilla-{spec.pool_id}"
+        self._candidates = []
+        self._launching = threading.Lock()  # one launch at a time: it chooses the place
 
     async def launch(self) -> None:
         await self._make_login_key()

@@ -6,9 +6,10 @@ longer than the heartbeat), an acquire that releases what a failed launch made, 
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..._accelerators import Accelerator, offered_as, unknown_name
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError, check_number
@@ -19,6 +20,17 @@ from .kept import Keep, KeptPool
 
 _A = TypeVar("_A", bound=Allocation)
 _T = TypeVar("_T")
+
+
+class Client(Protocol):
+    """What :class:`MarketProvider` needs of an API client: the URL it calls."""
+
+    @property
+    def url(self) -> str: ...
+
+
+_S = TypeVar("_S")
+_Api = TypeVar("_Api", bound=Client)
 
 LABEL_PREFIX = "flotilla:"
 """A pool's instances are labelled (or named) ``flotilla:{pool id}:{client host:pid:start}``."""
@@ -73,6 +85,12 @@ def labelled(rows: Iterable[dict[str, Any]], key: str) -> Iterable[tuple[str, st
             yield found[0], found[1], str(row["id"])
 
 
+def orphans_in(rows: Iterable[dict[str, Any]], key: str) -> tuple[set[str], set[str], list[str]]:
+    """:func:`find_orphans` of the ``rows`` (an API's instances) whose ``key`` holds a
+    flotilla label: the orphan pools, the pools skipped, the orphans' ids."""
+    return find_orphans(labelled(rows, key))
+
+
 def pool_ids(rows: Iterable[dict[str, Any]], key: str, pool_id: str) -> set[str]:
     """The ids of the ``rows`` whose ``key`` labels them as pool ``pool_id``'s (the release
     finds by them what a create whose answer was lost made)."""
@@ -91,9 +109,10 @@ def release_each(ids: Iterable[_T], release: Callable[[_T], None]) -> list[str]:
     return errors
 
 
-class MarketProvider(Provider):
-    """A provider of rented instances: its settings (``settings_type``), ``home`` their
-    ``workdir``, and an API client made on first use (``api``).
+class MarketProvider(Provider, Generic[_S, _Api]):
+    """A provider of rented instances (elastic): its settings (``_S``, whose ``workdir`` is
+    its ``home``; its constructor is derived from them, see ``options.provider_init``) and
+    its API client (``_Api``), made on first use (:attr:`api`, by :meth:`connect`).
 
     Attributes:
         keep: set for a stoppable pool (a named cluster's, where the provider can stop its
@@ -101,19 +120,39 @@ class MarketProvider(Provider):
             with ``keep.stop`` set stops them, and the next pool starts them again.
     """
 
-    settings: Any
-    _api: Any
+    settings: _S
+    elastic = True
     keep: Keep | None = None
+    accepted = "key"
+    """What :meth:`check` says the API accepted ("credentials")."""
+    _api: _Api | None = None
+
+    @property
+    def api(self) -> _Api:
+        """The API client, made (:meth:`connect`) on first use."""
+        if self._api is None:
+            self._api = self.connect()
+        return self._api
+
+    @abstractmethod
+    def connect(self) -> _Api:
+        """A new API client; a ConfigurationError when no credentials are found (naming
+        where they were looked for and how to give them)."""
+
+    def check(self) -> str:
+        """Whether the credentials work: the API that accepted them and the number of
+        instances it lists, or a ConfigurationError saying why not (naming where they came
+        from)."""
+        listed = self.instances()
+        return f"{self.accepted} accepted by {self.api.url} ({len(listed)} instance(s))"
+
+    def instances(self) -> list[Any]:
+        """The account's instances, as the API lists them (:meth:`check`, the orphans)."""
+        raise NotImplementedError
 
     def remove_kept(self, kept: KeptPool) -> None:
         """Remove a stopped pool's instances (``flotilla down`` of a stopped cluster)."""
         raise ConfigurationError(f"{type(self).__name__} keeps no stopped instances")
-
-    def _configure(self, settings: Any, args: tuple[Any, ...], options: dict[str, Any]) -> None:
-        """The constructor's body (see ``options.provider_init``)."""
-        self.settings = self.make_settings(settings, args, options)
-        self.home = self.settings.workdir
-        self._api = None
 
 
 def check_stoppable(provider: Any, spec: PoolSpec) -> None:

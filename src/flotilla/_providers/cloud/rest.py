@@ -49,6 +49,15 @@ def find_key(
     return "", ", ".join([argument, *variables, *files])
 
 
+def credential(found: tuple[str, str], what: str, fix: str) -> tuple[str, str]:
+    """``found``: (a credential, where it came from) as a provider's key lookup gives it.
+    When it found none (an empty key, and what it tried), a ConfigurationError ``no
+    {what}: looked in {what it tried}; {fix}``."""
+    if not found[0]:
+        raise ConfigurationError(f"no {what}: looked in {found[1]}; {fix}")
+    return found
+
+
 class _Final(Exception):
     """An error answer not worth another try, carrying its exception past ``retried``."""
 

@@ -24,6 +24,15 @@ the client holds; at its end of input without the client's "done" it removes the
 containers and network itself. What even that missed (the janitor killed too) is found by
 its labels: :func:`..container.orphans.remove_orphans` (``flotilla down --orphans``) removes
 the pools whose client is gone.
+
+**A named cluster's daemon dies** (kill -9; ``PoolSpec.keep_agents``): its agents wait for
+a new daemon (``_providers/reattach.py``), so the containers must stay. Each agent's
+``exec`` process inherits the write end of the janitor's stdin (:meth:`ExecShell.holds`):
+the janitor sees end of input only once the client *and* every agent ended, and removes
+the pool then. Nobody re-attaching, the agents end after the grace and the janitor removes
+the containers; a new daemon reaches the agents with ``exec`` into the same containers
+(:meth:`Container.reattach_command`) and removes the pool once they ended
+(:meth:`Container.release_reattached`).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, Machine, PoolSpec, Provider
@@ -46,6 +55,9 @@ from ..bootstrap import NoAnswer
 from ..launch import RemoteShell, ShellAllocation
 from ..options import provider_init
 from .settings import ContainerSettings
+
+if TYPE_CHECKING:
+    from ..reattach import Node
 
 logger = logging.getLogger("flotilla.container")
 
@@ -186,30 +198,16 @@ class Container(Provider):
     of their own, forming one cluster (peers, head, DDP across them). Needs the engine's
     command on this machine and an image with Python of the client's minor version (see
     docs/providers.md, "Local containers").
-
-    Args: the fields of :class:`ContainerSettings`.
     """
 
     name = "container"
-    settings_type = ContainerSettings
+    settings: ContainerSettings
     elastic = True
     """Elastic pools: a container is run per node added and removed per node released."""
 
     @provider_init(ContainerSettings)
-    def __init__(
-        self, *args: Any, settings: ContainerSettings | None = None, **options: Any
-    ) -> None:
-        self.settings: ContainerSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.engine = Engine(self.settings)
-        self.home = self.settings.workdir
-
-    def __repr__(self) -> str:
-        what = (
-            f"rootfs={self.settings.rootfs!r}"
-            if self.settings.rootfs
-            else (f"image={self.settings.image_name!r}")
-        )
-        return f"Container({what}, binary={self.settings.binary!r})"
 
     def validate(self, spec: PoolSpec) -> None:
         self.engine.check_local()
@@ -222,6 +220,24 @@ class Container(Provider):
                 f"{spec.accelerator} cannot be honoured (pass GPUs with run_args, e.g. "
                 "['--device', 'nvidia.com/gpu=all'], and no accelerator=)"
             )
+
+    def reattach_command(self, node: Node) -> tuple[list[str], dict[str, Any]]:
+        """The bridge to ``node``'s agent: ``exec`` into its container."""
+        return [*self.engine.base(), "exec", "-i", node.host, *node.argv], {}
+
+    def release_reattached(self, nodes: list[Node]) -> None:
+        """Remove the pool of ``nodes`` (whose agents ended): its containers, found by
+        their pool's label, and its own network."""
+        pools = set()
+        for node in nodes:
+            try:
+                data = json.loads(self.engine.call_now(["inspect", node.host]))
+            except (ProvisionError, ValueError):
+                continue  # gone already (the janitor removed it)
+            pools |= {pool_labels(info).get(POOL_LABEL, "") for info in data}
+        for pool in sorted(pools - {""}):
+            network = None if self.settings.network else f"flotilla-{pool}"
+            self.engine.remove_pool_now(pool, network)
 
     def network_name(self, spec: PoolSpec) -> str:
         return self.settings.network or f"flotilla-{spec.pool_id}"
@@ -298,6 +314,13 @@ class ExecShell(RemoteShell):
 
     def subject(self, machine: Machine) -> str:
         return f"the agent in container {machine.host}"
+
+    def holds(self, machine: Machine) -> tuple[int, ...]:
+        """The janitor's stdin, when the pool's agents outlive it (see the module doc)."""
+        janitor = self.allocation.janitor
+        if not self.allocation.spec.keep_agents or janitor is None or janitor.stdin is None:
+            return ()
+        return (janitor.stdin.fileno(),)
 
     async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
         text = failure.stderr or ""

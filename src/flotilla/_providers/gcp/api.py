@@ -109,6 +109,11 @@ class GcpApi:
         self._lock = threading.Lock()
         self.source = (settings.credentials_file and "GCP(credentials_file=...)") or ""
 
+    @property
+    def url(self) -> str:
+        """The Compute API's endpoint."""
+        return base_url(self.settings)
+
     def __repr__(self) -> str:
         return f"GcpApi(project={self._project or self.settings.project!r})"
 

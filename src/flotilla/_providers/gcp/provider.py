@@ -57,35 +57,22 @@ class GCPOrphans(CloudOrphans):
     ``instances`` are ``zone/name``."""
 
 
-class GCP(MarketProvider):
+class GCP(MarketProvider[GCPSettings, GcpApi]):
     """Run the nodes on Compute Engine instances created for the pool and deleted after it.
 
     Needs Google's client (``pip install 'flotilla[gcp]'``), Application Default
     Credentials (``GOOGLE_APPLICATION_CREDENTIALS`` or ``gcloud auth application-default
     login``), a project, and OpenSSH's ``ssh`` and ``ssh-keygen`` on this machine.
-
-    Args: the fields of :class:`GCPSettings` (checked when the provider is made).
     """
 
     name = "gcp"
-    elastic = True
-    settings_type = GCPSettings
-    _api: GcpApi | None
+    _checked = False  # the credentials were accepted
 
     @provider_init(GCPSettings)
-    def __init__(self, *args: Any, settings: GCPSettings | None = None, **options: Any) -> None:
-        self.settings: GCPSettings
-        self._configure(settings, args, options)
-        self._checked = False
+    def __init__(self) -> None: ...
 
-    def __repr__(self) -> str:
-        return f"GCP(project={self.settings.project!r}, region={self.settings.region!r})"
-
-    @property
-    def api(self) -> GcpApi:
-        if self._api is None:
-            self._api = GcpApi(self.settings)
-        return self._api
+    def connect(self) -> GcpApi:
+        return GcpApi(self.settings)
 
     def check(self) -> str:
         """Whether the credentials work: a description, or a ConfigurationError naming

@@ -150,12 +150,12 @@ class Kubectl:
         ]
         await self.call(args)
 
-    def delete_now(self, kinds: str, selector: str) -> None:
-        """:meth:`delete` without waiting, synchronously (no event loop)."""
+    def delete_now(self, kinds: str, selector: str, wait: bool = False) -> None:
+        """:meth:`delete` (by default without waiting), synchronously (no event loop)."""
         argv = [*self.base(), "-n", self.namespace, "delete", kinds, "-l", selector]
-        argv += ["--ignore-not-found", "--wait=false"]
+        argv += ["--ignore-not-found", f"--wait={str(wait).lower()}"]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120 if wait else 60)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ProvisionError(f"kubectl delete failed: {e}") from None
         if proc.returncode != 0:

@@ -27,6 +27,14 @@ stdin/stdout are then the protocol channel. No SSH daemon is needed in the image
 is seen gone by the watcher, :meth:`KubernetesAllocation.watch`): the node is lost and
 replaced by a new pod at the same rank (the old one deleted).
 
+**A named cluster's daemon dies** (kill -9; ``PoolSpec.keep_agents``): its kubectl
+processes see end of input and the agents wait for a new daemon
+(``_providers/reattach.py``); each still holds its pod's lock, so the holder keeps the pod.
+Nobody re-attaching, the agents end after the grace and the holders end the pods ``IDLE``
+seconds later, as below; a new daemon reaches the agents with ``kubectl exec`` into the
+same pods (:meth:`Kubernetes.reattach_command`) and deletes the pool's objects once they
+ended (:meth:`Kubernetes.release_reattached`).
+
 **Nothing left.** Closing the pool (also on exceptions and Ctrl-C) deletes its pods and waits
 until they are gone. A client killed with SIGKILL: its kubectl processes see end of input,
 the agents end, and the holders end the pods (Succeeded, holding nothing) ``IDLE`` seconds
@@ -40,14 +48,16 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import re
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..._redaction import Secret, is_secret
@@ -63,6 +73,9 @@ from ..options import provider_init
 from ..polling import PolledAllocation
 from .kubectl import Kubectl, Watch, said
 from .settings import KubernetesSettings
+
+if TYPE_CHECKING:
+    from ..reattach import Node
 
 logger = logging.getLogger("flotilla.k8s")
 
@@ -133,26 +146,60 @@ class Kubernetes(Provider):
     ``Compute(provider=Kubernetes(namespace="ml"), nodes=4, accelerator="A100:8")``. Needs
     ``kubectl`` on this machine and, in the namespace, the right to create, get, list and
     delete pods and to exec into them (see docs/providers.md, "Kubernetes").
-
-    Args: the fields of :class:`KubernetesSettings`.
     """
 
     name = "k8s"
-    settings_type = KubernetesSettings
+    settings: KubernetesSettings
     elastic = True
     """Elastic pools: a pod is created per node added and deleted per node released."""
 
     @provider_init(KubernetesSettings)
-    def __init__(
-        self, *args: Any, settings: KubernetesSettings | None = None, **options: Any
-    ) -> None:
-        self.settings: KubernetesSettings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
         self.kubectl = Kubectl(self.settings)
-        self.home = self.settings.workdir
+        self.reattached: dict[str, str] = {}
+        """A re-attached node's address -> its pool's id (``reattach_command``)."""
 
-    def __repr__(self) -> str:
-        where = f", context={self.settings.context!r}" if self.settings.context else ""
-        return f"Kubernetes(namespace={self.settings.namespace!r}{where})"
+    def reattach_command(self, node: Node) -> tuple[list[str], dict[str, Any]]:
+        """The bridge to ``node``'s agent: ``kubectl exec`` into its pod (the running pod
+        of flotilla's with the node's address, as ``flotilla ssh`` finds it)."""
+        pod = next((p for p in self._pods_at([node]) if _phase(p) == "Running"), None)
+        if pod is None:
+            raise ProvisionError(f"no running pod has the node's address {node.ip}")
+        meta = pod["metadata"]
+        self.reattached[node.ip] = (meta.get("labels") or {}).get(POOL_LABEL, "")
+        kubectl = self.kubectl
+        argv = [*kubectl.base(), "-n", kubectl.namespace, "exec", "-i", meta["name"]]
+        return [*argv, "-c", CONTAINER, "--", *node.argv], {}
+
+    def release_reattached(self, nodes: list[Node]) -> None:
+        """Delete the pool of ``nodes`` (whose agents ended): its pods, Service and
+        Secret, found by the pool's label (the pool's re-attached to, else that of the
+        pods with the nodes' addresses)."""
+        pools = {self.reattached.get(n.ip, "") for n in nodes} - {""}
+        if not pools:
+            with contextlib.suppress(ProvisionError):
+                pods = self._pods_at(nodes)
+                pools = {(p["metadata"].get("labels") or {}).get(POOL_LABEL, "") for p in pods}
+        for pool in sorted(pools - {""}):
+            self.kubectl.delete_now("pods,services", f"{POOL_LABEL}={pool}", wait=True)
+            with contextlib.suppress(ProvisionError):  # a pool without secrets may lack the right
+                self.kubectl.delete_now("secrets", f"{POOL_LABEL}={pool}")
+
+    def _pods_at(self, nodes: list[Node]) -> list[dict[str, Any]]:
+        """flotilla's pods (any phase) with the addresses of ``nodes``."""
+        kubectl = self.kubectl
+        argv = [*kubectl.base(), "-n", kubectl.namespace, "get", "pods", "-l", MANAGED]
+        try:
+            proc = subprocess.run([*argv, "-o", "json"], capture_output=True, text=True, timeout=60)
+            items = (
+                json.loads(proc.stdout or "{}").get("items", []) if proc.returncode == 0 else None
+            )
+        except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+            raise ProvisionError(f"kubectl get pods failed: {e}") from None
+        if items is None:
+            raise ProvisionError(f"kubectl get pods failed: {said(proc.stderr)}")
+        ips = {n.ip for n in nodes}
+        return [p for p in items if (p.get("status") or {}).get("podIP") in ips]
 
     def validate(self, spec: PoolSpec) -> None:
         self.kubectl.check_local()
@@ -288,6 +335,10 @@ class Kubernetes(Provider):
             await allocation.release()
             raise
         return allocation
+
+
+def _phase(pod: dict[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase", ""))
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,12 @@ instance_type_name ssh_key_names quantity name user_data``), ``GET /instances``,
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..cloud.rest import RestApi, find_key
+from ..cloud.rest import RestApi, credential, find_key
+
+if TYPE_CHECKING:
+    from .settings import LambdaSettings
 
 DEFAULT_URL = "https://cloud.lambda.ai/api/v1"
 KEY_ENV = "LAMBDA_API_KEY"
@@ -38,8 +41,12 @@ def capacity(status: int, code: str, message: str) -> bool:
     return "insufficient-capacity" in code or "capacity" in message.lower()
 
 
-def make_api(key: str, source: str, url: str) -> RestApi:
-    return RestApi("Lambda Cloud API", url, key, source, capacity=capacity)
+def connect(settings: LambdaSettings) -> RestApi:
+    """The API client of ``settings`` (``LambdaCloud.api``); a ConfigurationError when no
+    key is found."""
+    fix = "pass LambdaCloud(api_key=...) or set LAMBDA_API_KEY"
+    key, source = credential(find(settings.api_key), "Lambda Cloud API key", fix)
+    return RestApi("Lambda Cloud API", base_url(settings.url), key, source, capacity=capacity)
 
 
 def data(answer: Any) -> Any:

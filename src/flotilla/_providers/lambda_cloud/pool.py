@@ -6,18 +6,16 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ProvisionCause, ProvisionError
-from ..base import AllocationState, Machine, PoolSpec
+from ..base import Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import GUARD_ID, SelfEnding, as_root, show
-from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, user_data
-from ..cloud.market import fits, label, unoffered
+from ..cloud.market import fits, unoffered
 from ..cloud.rest import ApiError, RestApi
 from ..offers import Offer
 from .api import data
@@ -133,21 +131,16 @@ class LambdaAllocation(SelfEnding):
     ended = frozenset({"terminated"})
     gone = frozenset({"terminated"})
 
+    folder_prefix = FOLDER_PREFIX
+    settings: LambdaSettings
+    api: RestApi
+    _candidates: list[Candidate]
+
     def __init__(
         self, settings: LambdaSettings, api: RestApi, ttl_key: str, spec: PoolSpec
     ) -> None:
-        super().__init__(spec, [])
-        self.state = AllocationState.ACQUIRING
-        self.settings = settings
-        self.api = api
+        super().__init__(settings, api, spec)
         self.ttl_key = ttl_key
-        self.instances: dict[str, dict[str, Any]] = {}
-        self.ssh_key_id = ""
-        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
-        self.label = label(spec.pool_id, client_id())
-        self.key_name = f"flotilla-{spec.pool_id}"
-        self._candidates: list[Candidate] = []
-        self._launching = threading.Lock()  # one launch at a time: they choose the region
 
     # -- launch ------------------------------------------------------------------------
     def search(self) -> list[Candidate]:

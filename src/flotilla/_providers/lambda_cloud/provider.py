@@ -30,11 +30,11 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, launched, orphans_in
 from ..cloud.rest import RestApi
 from ..offers import Offer
 from ..options import provider_init
-from .api import base_url, data, find, make_api
+from .api import connect, data, find
 from .pool import LambdaAllocation, as_offers, candidates, delete_keys
 from .settings import LambdaSettings
 
@@ -48,45 +48,24 @@ class LambdaOrphans(CloudOrphans):
     """What :meth:`LambdaCloud.remove_orphans` found (and terminated unless a dry run)."""
 
 
-class LambdaCloud(MarketProvider):
+class LambdaCloud(MarketProvider[LambdaSettings, RestApi]):
     """Run the nodes on Lambda Cloud GPU instances launched for the pool and terminated
     after it.
 
     Needs a Lambda API key (``api_key=`` or ``LAMBDA_API_KEY``) and OpenSSH's ``ssh`` and
     ``ssh-keygen``. The pool's ``accelerator`` (``"A100:8"``) selects the instance types.
-
-    Args: the fields of :class:`LambdaSettings` (checked when the provider is made).
     """
 
     name = "lambda"
-    elastic = True
-    settings_type = LambdaSettings
-    _api: RestApi | None
 
     @provider_init(LambdaSettings)
-    def __init__(self, *args: Any, settings: LambdaSettings | None = None, **options: Any) -> None:
-        self.settings: LambdaSettings
-        self._configure(settings, args, options)
+    def __init__(self) -> None: ...
 
-    def __repr__(self) -> str:  # never the key
-        return f"LambdaCloud(url={base_url(self.settings.url)!r})"
+    def connect(self) -> RestApi:
+        return connect(self.settings)
 
-    @property
-    def api(self) -> RestApi:
-        if self._api is None:
-            key, source = find(self.settings.api_key)
-            if not key:
-                raise ConfigurationError(
-                    f"no Lambda Cloud API key: looked in {source}; pass "
-                    "LambdaCloud(api_key=...) or set LAMBDA_API_KEY"
-                )
-            self._api = make_api(key, source, base_url(self.settings.url))
-        return self._api
-
-    def check(self) -> str:
-        api = self.api
-        rows = data(api.call("GET", "/instances", "list instances")) or []
-        return f"key accepted by {api.url} ({len(rows)} instance(s))"
+    def instances(self) -> list[Any]:
+        return data(self.api.call("GET", "/instances", "list instances")) or []
 
     def validate(self, spec: PoolSpec) -> None:
         self.check()
@@ -118,9 +97,8 @@ class LambdaCloud(MarketProvider):
         from .pool import FOLDER_PREFIX
 
         api = self.api
-        rows = data(api.call("GET", "/instances", "list instances")) or []
-        live = [row for row in rows if row.get("status") != "terminated"]
-        pools, skipped, gone = find_orphans(labelled(live, "name"))
+        live = [row for row in self.instances() if row.get("status") != "terminated"]
+        pools, skipped, gone = orphans_in(live, "name")
         if not dry_run and gone:
             api.call(
                 "POST",

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 import tomllib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from ..cloud.rest import ApiError, RestApi, find_key
+from ..cloud.rest import ApiError, RestApi, credential, find_key
+
+if TYPE_CHECKING:
+    from .settings import RunPodSettings
 
 DEFAULT_URL = "https://api.runpod.io"
 DEFAULT_REST_URL = "https://rest.runpod.io/v1"
@@ -101,3 +104,11 @@ class RunPodApi:
 
 
 __all__ = ["ApiError", "ConfigurationError", "RunPodApi", "find", "urls"]
+
+
+def connect(settings: RunPodSettings) -> RunPodApi:
+    """The API client of ``settings`` (``RunPod.api``); a ConfigurationError when no key
+    is found."""
+    fix = "pass RunPod(api_key=...), set RUNPOD_API_KEY, or run `runpod config`"
+    key, source = credential(find(settings.api_key), "RunPod API key", fix)
+    return RunPodApi(key, source, *urls(settings.url, settings.rest_url))

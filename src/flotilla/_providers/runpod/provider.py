@@ -37,19 +37,12 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.kept import KeptPool
-from ..cloud.market import (
-    CloudOrphans,
-    MarketProvider,
-    check_stoppable,
-    check_ttl,
-    find_orphans,
-    labelled,
-)
+from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, orphans_in
 from ..cloud.rest import ApiError
 from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
-from .api import RunPodApi, find, urls
+from .api import RunPodApi, connect, find
 from .choice import GPU_TYPES, as_offer, candidates
 from .pool import RunPodAllocation
 from .settings import RunPodSettings
@@ -69,49 +62,32 @@ class RunPodOrphans(CloudOrphans):
         return self.instances
 
 
-class RunPod(MarketProvider):
+class RunPod(MarketProvider[RunPodSettings, RunPodApi]):
     """Run the nodes on RunPod GPU pods rented for the pool and terminated after it.
 
     Needs a RunPod API key (``api_key=``, ``RUNPOD_API_KEY`` or ``runpod config``) and
     OpenSSH's ``ssh`` and ``ssh-keygen`` on this machine. The pool's ``accelerator``
     (required) selects the GPU types; the cheapest that has room is rented.
-
-    Args: the fields of :class:`RunPodSettings` (checked when the provider is made).
     """
 
     name = "runpod"
-    elastic = True
-    settings_type = RunPodSettings
-    _api: RunPodApi | None
 
     @provider_init(RunPodSettings)
-    def __init__(self, *args: Any, settings: RunPodSettings | None = None, **options: Any) -> None:
-        self.settings: RunPodSettings
-        self._configure(settings, args, options)
+    def __init__(self) -> None: ...
 
-    def __repr__(self) -> str:  # never the key
-        return f"RunPod(url={urls(self.settings.url, self.settings.rest_url)[0]!r})"
-
-    @property
-    def api(self) -> RunPodApi:
-        if self._api is None:
-            key, source = find(self.settings.api_key)
-            if not key:
-                raise ConfigurationError(
-                    f"no RunPod API key: looked in {source}; pass RunPod(api_key=...), set "
-                    "RUNPOD_API_KEY, or run `runpod config`"
-                )
-            url, rest = urls(self.settings.url, self.settings.rest_url)
-            self._api = RunPodApi(key, source, url, rest)
-        return self._api
+    def connect(self) -> RunPodApi:
+        return connect(self.settings)
 
     def check(self) -> str:
         """Whether the key works: the account it opens, or a ConfigurationError saying
         why not (naming where the key came from)."""
         api = self.api
         me = api.query("query { myself { id } }", "read the account").get("myself") or {}
-        pods = api.call("GET", "/pods", "list pods")
-        return f"key accepted by {api.url} (account {me.get('id', '?')}, {len(pods or [])} pod(s))"
+        pods = self.instances()
+        return f"key accepted by {api.url} (account {me.get('id', '?')}, {len(pods)} pod(s))"
+
+    def instances(self) -> list[Any]:
+        return self.api.call("GET", "/pods", "list pods") or []
 
     def validate(self, spec: PoolSpec) -> None:
         """A key the API accepts, ssh, a TTL longer than the heartbeat, and an
@@ -160,11 +136,11 @@ class RunPod(MarketProvider):
         from ..cloud.identity import dead_folders
         from .pool import FOLDER_PREFIX
 
-        rows = self.api.call("GET", "/pods", "list pods") or []
+        rows = self.instances()
         # a stopped cluster's pods (EXITED; an outbid spot pod is EXITED too, and is an
         # orphan) are no orphans: `flotilla down NAME` removes them
         rows = [r for r in rows if r.get("desiredStatus") != "EXITED" or r.get("interruptible")]
-        pools, skipped, gone = find_orphans(labelled(rows, "name"))
+        pools, skipped, gone = orphans_in(rows, "name")
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")

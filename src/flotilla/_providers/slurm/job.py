@@ -48,7 +48,7 @@ HOLDER = (
 client's end, even by kill -9, ends it); then makes sure salloc ends too (see above)."""
 _PENDING_REPORT_EVERY = 30.0
 """Seconds between two console lines about a job that stays pending for the same reason."""
-_GONE_TIMEOUT = 10.0
+GONE_TIMEOUT = 10.0
 """Seconds release() waits for SLURM to stop listing a job before cancelling it again."""
 
 
@@ -203,9 +203,12 @@ class Job:
         return self.salloc is not None
 
     @classmethod
-    async def submit(cls, argv: list[str], queue_timeout: float | None) -> Job:
+    async def submit(
+        cls, argv: list[str], queue_timeout: float | None, outlives: bool = False
+    ) -> Job:
         """Run salloc with the holder; return once the job runs. While it is pending, say
-        so with SLURM's reason; on timeout, failure or cancellation, cancel it."""
+        so with SLURM's reason; on timeout, failure or cancellation, cancel it.
+        ``outlives``: the job may outlive the client (its agents wait for a new one)."""
         try:
             proc = subprocess.Popen(
                 argv,
@@ -215,9 +218,13 @@ class Job:
                 env=slurm_env(),
                 start_new_session=True,
                 # SIGTERM when the client (salloc's creating thread) dies, so that a
-                # pending salloc revokes its request even when the client is killed -9
+                # pending salloc revokes its request even when the client is killed -9.
+                # Not when the job may outlive the client: salloc cancels a running job
+                # on SIGTERM too (slurm_complete_job in its handler); a request still
+                # pending when such a client dies is given back by the holder as soon as
+                # it runs (nothing holds its input then).
                 preexec_fn=partial(die_with_parent, signal.SIGTERM, None)
-                if sys.platform == "linux"
+                if sys.platform == "linux" and not outlives
                 else None,
             )
         except OSError as e:
@@ -314,7 +321,7 @@ class Job:
                 if stream is not None:
                     stream.close()
         if self.id:
-            deadline = time.monotonic() + _GONE_TIMEOUT
+            deadline = time.monotonic() + GONE_TIMEOUT
             while await loop.run_in_executor(None, job_state, self.id) is not None:
                 if time.monotonic() > deadline:
                     await loop.run_in_executor(None, query, ["scancel", self.id])

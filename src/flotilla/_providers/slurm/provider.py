@@ -32,6 +32,16 @@ step's stdio, into ``workdir`` on each node.
 ``SLURM_JOB_ID`` is set and no ``partition`` is given) the pool uses that job's nodes with
 steps and never cancels the job.
 
+**A named cluster's daemon dies** (kill -9; ``PoolSpec.keep_agents``): its agents wait for
+a new daemon (``_providers/reattach.py``), so the job must stay. Each agent's srun inherits
+the write end of the holder's stdin (:meth:`SrunShell.holds`): the holder sees end of input
+only once the client *and* every agent's srun ended; and salloc is not sent SIGTERM at the
+client's death (it would cancel the running job: a request still pending then is released
+by the holder as soon as it runs). Nobody re-attaching, the agents end after
+the grace, their steps with them, and the job is released as above; a new daemon reaches
+the agents with a step of the same job (:meth:`Slurm.reattach_command`) and cancels the
+job once they ended (:meth:`Slurm.release_reattached`).
+
 **Replacing a node.** The pool's job is submitted with ``--no-kill`` so that it survives the
 failure of one of its nodes; a replacement is a new one-node job (excluding the lost node),
 released with the pool.
@@ -53,8 +63,9 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError, ProvisionError
 from ..base import (
@@ -69,6 +80,7 @@ from ..local import user_code_path
 from ..options import provider_init
 from ..polling import PolledAllocation
 from .job import (
+    GONE_TIMEOUT,
     HOLDER,
     Job,
     Partition,
@@ -88,6 +100,9 @@ from .job import (
 )
 from .settings import SlurmSettings, parse_time
 
+if TYPE_CHECKING:
+    from ..reattach import Node
+
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol", "sinfo")
 FALLBACK_TIME = "1-00:00:00"
 """--time when neither time= nor the partition gives a limit (never UNLIMITED)."""
@@ -102,19 +117,17 @@ class Slurm(Provider):
     Used on a login node of a SLURM cluster (the SLURM commands must be on PATH), or inside
     a job: ``Compute(provider=Slurm(partition="gpu", time="2:00:00"), nodes=4,
     accelerator="A100:8")``.
-
-    Args: the fields of :class:`SlurmSettings`.
     """
 
     name = "slurm"
-    settings_type = SlurmSettings
+    settings: SlurmSettings
     elastic = True
     """Elastic pools: a one-node job per node added, ended per node released (see the
     module docstring)."""
 
     @provider_init(SlurmSettings)
-    def __init__(self, *args: Any, settings: SlurmSettings | None = None, **options: Any) -> None:
-        self.settings = settings = self.make_settings(settings, args, options)
+    def __init__(self) -> None:
+        settings = self.settings
         time, python, workdir = settings.time, settings.python, settings.workdir
         self.time_limit = parse_time(time) if time is not None else None
         self.shares_filesystem = settings.shared_filesystem
@@ -123,10 +136,6 @@ class Slurm(Provider):
         self.workdir = workdir or (None if self.shares_filesystem else "~/.flotilla")
         self.home = os.environ.get("FLOTILLA_HOME", "~/.flotilla")
         self._partition: Partition | None = None
-
-    def __repr__(self) -> str:
-        where = f"partition={self.settings.partition!r}" if self.settings.partition else ""
-        return f"Slurm({where})"
 
     def existing_job(self) -> str | None:
         """The job this program runs in, when the pool should use its nodes."""
@@ -210,6 +219,33 @@ class Slurm(Provider):
             gpus=tuple(sorted(set(gpus))),
         )
 
+    # -- a cluster's agents, reached again by a new daemon (``_providers/reattach.py``) -
+    def reattach_command(self, node: Node) -> tuple[list[str], dict[str, Any]]:
+        """The bridge to ``node``'s agent: a step of the job it runs in, on its node."""
+        if not node.job:
+            raise ProvisionError(f"node {node.rank} ({node.host}): its SLURM job is not known")
+        argv = [
+            "srun",
+            f"--jobid={node.job}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node.scheduler_node or node.host}",
+            "--overlap",
+            "--chdir=/",
+            "--quiet",
+            "--unbuffered",
+        ]
+        return [*argv, *node.argv], {"env": slurm_env()}
+
+    def release_reattached(self, nodes: list[Node]) -> None:
+        """End the jobs of ``nodes`` (whose agents ended; never the job this program runs
+        inside) and wait until SLURM no longer lists them."""
+        for job in sorted({n.job for n in nodes if n.job and n.job != self.existing_job()}):
+            query(["scancel", job])
+            deadline = time.monotonic() + GONE_TIMEOUT
+            while job_state(job) is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+
     # -- allocation ------------------------------------------------------------------
     def salloc_argv(self, spec: PoolSpec, nodes: int, exclude: Sequence[str] = ()) -> list[str]:
         """The salloc command line of a job of ``nodes`` nodes for ``spec``."""
@@ -272,7 +308,7 @@ class Slurm(Provider):
             return SlurmAllocation(self, spec, job=None)
         else:
             argv = await loop.run_in_executor(None, self.salloc_argv, spec, spec.nodes)
-            held = await Job.submit(argv, self.settings.queue_timeout)
+            held = await Job.submit(argv, self.settings.queue_timeout, bool(spec.keep_agents))
             allocation = SlurmAllocation(self, spec, job=held)
         pool_job = allocation.job
         assert pool_job is not None
@@ -326,6 +362,13 @@ class SrunShell(RemoteShell):
 
     def subject(self, machine: Machine) -> str:
         return f"the agent's step in SLURM job {self.allocation.job_of[machine.ident].id}"
+
+    def holds(self, machine: Machine) -> tuple[int, ...]:
+        """The holder's stdin, when the pool's agents outlive it (see the module doc)."""
+        salloc = self.allocation.job_of[machine.ident].salloc
+        if not self.allocation.spec.keep_agents or salloc is None or salloc.stdin is None:
+            return ()
+        return (salloc.stdin.fileno(),)
 
     async def explain(self, machine: Machine, failure: NoAnswer) -> ProvisionError:
         job = self.allocation.job_of[machine.ident].id
@@ -385,7 +428,8 @@ class SlurmAllocation(PolledAllocation, ShellAllocation):
         ``rank``; once it runs (ProvisionError after the provider's ``queue_timeout``)."""
         loop = asyncio.get_running_loop()
         argv = await loop.run_in_executor(None, self.provider.salloc_argv, self.spec, 1, exclude)
-        job = await Job.submit(argv, self.provider.settings.queue_timeout)
+        keep = bool(self.spec.keep_agents)
+        job = await Job.submit(argv, self.provider.settings.queue_timeout, keep)
         self.jobs.append(job)
         try:
             addrs = await loop.run_in_executor(None, node_addresses, job.nodes)

@@ -20,9 +20,12 @@ never shown (not in ``repr``, not in errors).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..cloud.rest import ApiError, RestApi
+from ..cloud.rest import ApiError, RestApi, credential
+
+if TYPE_CHECKING:
+    from .settings import VastSettings
 
 DEFAULT_URL = "https://console.vast.ai"
 KEY_ENV = "VAST_API_KEY"
@@ -98,3 +101,11 @@ class VastApi:
     def delete(self, path: str, what: str, body: Any = None) -> None:
         """``DELETE`` ``/api/v0{path}``; one already gone (404) is no error."""
         self.rest.delete(f"/api/v0{path}", what, body)
+
+
+def connect(settings: VastSettings) -> VastApi:
+    """The API client of ``settings`` (``VastAI.api``); a ConfigurationError when no key is
+    found."""
+    fix = "pass VastAI(api_key=...), set VAST_API_KEY, or run `vastai set api-key KEY`"
+    key, source = credential(find_key(settings.api_key), "Vast API key", fix)
+    return VastApi(key, find_url(settings.url), source)

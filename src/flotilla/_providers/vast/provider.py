@@ -31,10 +31,10 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.keys import KeyPair
-from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, find_orphans, labelled, launched
+from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, launched, orphans_in
 from ..offers import Offer
 from ..options import provider_init
-from .api import VastApi, find_key, find_url
+from .api import VastApi, connect, find_key, find_url
 from .choice import as_offer, query
 from .pool import VastAllocation
 from .settings import VastSettings
@@ -50,50 +50,29 @@ class VastOrphans(CloudOrphans):
     ``instances`` are instance ids (int)."""
 
 
-class VastAI(MarketProvider):
+class VastAI(MarketProvider[VastSettings, VastApi]):
     """Run the nodes on Vast.ai instances rented for the pool and destroyed after it.
 
     Needs a Vast API key (``api_key=``, ``VAST_API_KEY`` or ``vastai set api-key``) and
     OpenSSH's ``ssh`` and ``ssh-keygen`` on this machine. The pool's ``accelerator``,
     ``vcpus`` and ``memory_gb`` select the offers; the cheapest that fit are rented.
-
-    Args: the fields of :class:`VastSettings` (checked when the provider is made).
     """
 
     name = "vast"
-    settings_type = VastSettings
-    _api: VastApi | None
     elastic = True
     """Elastic pools: an instance is rented per node added (on another machine of the
     pool's cluster: the one chosen where ``max`` nodes fit) and destroyed per node
     released; a pool born empty rents none until its first call."""
 
     @provider_init(VastSettings)
-    def __init__(self, *args: Any, settings: VastSettings | None = None, **options: Any) -> None:
-        self.settings: VastSettings
-        self._configure(settings, args, options)
+    def __init__(self) -> None: ...
 
-    def __repr__(self) -> str:  # never the key
-        return f"VastAI(url={find_url(self.settings.url)!r})"
+    def connect(self) -> VastApi:
+        return connect(self.settings)
 
-    @property
-    def api(self) -> VastApi:
-        if self._api is None:
-            key, tried = find_key(self.settings.api_key)
-            if not key:
-                raise ConfigurationError(
-                    f"no Vast API key: looked in {tried}; pass VastAI(api_key=...), set "
-                    "VAST_API_KEY, or run `vastai set api-key KEY`"
-                )
-            self._api = VastApi(key, find_url(self.settings.url), tried)
-        return self._api
-
-    def check(self) -> str:
-        """Whether the key works: a description of the account's access, or a
-        ConfigurationError/ProvisionError saying why not."""
-        api = self.api
-        rows = api.call("GET", "/instances", "list instances", owner="me")
-        return f"key accepted by {api.url} ({len(rows.get('instances', []))} instance(s))"
+    def instances(self) -> list[Any]:
+        listed = self.api.call("GET", "/instances", "list instances", owner="me")
+        return list(listed.get("instances", []))
 
     def validate(self, spec: PoolSpec) -> None:
         _ = self.api  # a key, before anything else
@@ -118,10 +97,7 @@ class VastAI(MarketProvider):
         this machine is gone. Pools of clients on other machines are listed in
         ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
         api = self.api
-        rows: list[dict[str, Any]] = api.call(
-            "GET", "/instances", "list instances", owner="me"
-        ).get("instances", [])
-        pools, skipped, found = find_orphans(labelled(rows, "label"))
+        pools, skipped, found = orphans_in(self.instances(), "label")
         gone = [int(i) for i in found]
         if not dry_run:
             for ident in gone:

@@ -25,10 +25,13 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import ConfigurationError
-from ..cloud.rest import RestApi
+from ..cloud.rest import RestApi, credential
+
+if TYPE_CHECKING:
+    from .settings import VerdaSettings
 
 DEFAULT_URL = "https://api.verda.com/v1"
 ID_ENV = "VERDA_CLIENT_ID"
@@ -123,5 +126,10 @@ class VerdaApi(RestApi):
             return raw.decode(errors="replace").strip().strip('"')
 
 
-def make_api(client_id: str, secret: str, source: str, url: str) -> VerdaApi:
-    return VerdaApi(client_id, secret, source, url)
+def connect(settings: VerdaSettings) -> VerdaApi:
+    """The API client of ``settings`` (``Verda.api``); a ConfigurationError when no
+    client credentials are found."""
+    ident, secret, source = find(settings.client_id, settings.client_secret)
+    fix = f"pass Verda(client_id=..., client_secret=...) or set {ID_ENV} and {SECRET_ENV}"
+    credential((ident, SOURCE), "Verda API credentials", fix)
+    return VerdaApi(ident, secret, source, base_url(settings.url))

@@ -7,19 +7,17 @@ import contextlib
 import json
 import logging
 import shlex
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import ProvisionCause, ProvisionError
-from ..base import AllocationState, Machine, PoolSpec
+from ..base import Machine, PoolSpec
 from ..bootstrap import NoAnswer
 from ..cloud import login
 from ..cloud.allocation import GUARD_ID, CloudShell, SelfEnding, as_root, show
-from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import KeyPair, host_key_script, keygen
-from ..cloud.market import fits, label, unoffered
+from ..cloud.market import fits, unoffered
 from ..cloud.rest import ApiError
 from ..offers import Offer
 from .api import VerdaApi
@@ -215,6 +213,10 @@ class VerdaAllocation(VerdaStopping, SelfEnding):
     ended = ENDED
     gone = frozenset({"deleted", "deleting"})
     show_status = True
+    folder_prefix = FOLDER_PREFIX
+    settings: VerdaSettings
+    api: VerdaApi
+    _candidates: list[Candidate]
 
     def __init__(
         self,
@@ -223,21 +225,11 @@ class VerdaAllocation(VerdaStopping, SelfEnding):
         ttl_credentials: tuple[str, str],
         spec: PoolSpec,
     ) -> None:
-        super().__init__(spec, [])
-        self.state = AllocationState.ACQUIRING
-        self.settings = settings
-        self.api = api
+        super().__init__(settings, api, spec)
         self.ttl_credentials = ttl_credentials
-        self.instances: dict[str, dict[str, Any]] = {}
-        self.ssh_key_id = ""
         self.scripts: list[str] = []
-        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
-        self.label = label(spec.pool_id, client_id())
-        self.key_name = f"flotilla-{spec.pool_id}"
-        self._candidates: list[Candidate] = []
         self._keys = 0
         self._host_keys: dict[str, KeyPair] = {}  # startup script id -> its host key
-        self._launching = threading.Lock()  # one launch at a time: scripts, locations
 
     # -- launch ------------------------------------------------------------------------
     def search(self) -> list[Candidate]:

@@ -43,19 +43,12 @@ from typing import Any
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
 from ..cloud.kept import KeptPool
-from ..cloud.market import (
-    CloudOrphans,
-    MarketProvider,
-    check_stoppable,
-    check_ttl,
-    find_orphans,
-    labelled,
-)
+from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, orphans_in
 from ..cloud.rest import ApiError
 from ..cloud.stopstart import acquired
 from ..offers import Offer
 from ..options import provider_init
-from .api import SOURCE, VerdaApi, base_url, find, make_api
+from .api import VerdaApi, connect, find
 from .pool import VerdaAllocation, as_offers, candidates, delete_keys, delete_scripts
 from .settings import VerdaSettings
 
@@ -69,45 +62,25 @@ class VerdaOrphans(CloudOrphans):
     """What :meth:`Verda.remove_orphans` found (and deleted unless a dry run)."""
 
 
-class Verda(MarketProvider):
+class Verda(MarketProvider[VerdaSettings, VerdaApi]):
     """Run the nodes on Verda GPU instances created for the pool and deleted after it.
 
     Needs Verda API client credentials (``client_id=``/``client_secret=`` or
     ``VERDA_CLIENT_ID``/``VERDA_CLIENT_SECRET``) and OpenSSH's ``ssh`` and
     ``ssh-keygen``. The pool's ``accelerator`` (``"A100:8"``) selects the instance types.
-
-    Args: the fields of :class:`VerdaSettings` (checked when the provider is made).
     """
 
     name = "verda"
-    elastic = True
-    settings_type = VerdaSettings
-    _api: VerdaApi | None
+    accepted = "credentials"
 
     @provider_init(VerdaSettings)
-    def __init__(self, *args: Any, settings: VerdaSettings | None = None, **options: Any) -> None:
-        self.settings: VerdaSettings
-        self._configure(settings, args, options)
+    def __init__(self) -> None: ...
 
-    def __repr__(self) -> str:  # never the secret
-        return f"Verda(url={base_url(self.settings.url)!r})"
+    def connect(self) -> VerdaApi:
+        return connect(self.settings)
 
-    @property
-    def api(self) -> VerdaApi:
-        if self._api is None:
-            ident, secret, source = find(self.settings.client_id, self.settings.client_secret)
-            if not ident:
-                raise ConfigurationError(
-                    f"no Verda API credentials: looked in {SOURCE}; pass Verda(client_id=..., "
-                    "client_secret=...) or set VERDA_CLIENT_ID and VERDA_CLIENT_SECRET"
-                )
-            self._api = make_api(ident, secret, source, base_url(self.settings.url))
-        return self._api
-
-    def check(self) -> str:
-        api = self.api
-        rows = api.call("GET", "/instances", "list instances") or []
-        return f"credentials accepted by {api.url} ({len(rows)} instance(s))"
+    def instances(self) -> list[Any]:
+        return self.api.call("GET", "/instances", "list instances") or []
 
     def validate(self, spec: PoolSpec) -> None:
         self.check()
@@ -168,7 +141,7 @@ class Verda(MarketProvider):
         from .stopstart import STOPPED, adopted
 
         api = self.api
-        rows = api.call("GET", "/instances", "list instances") or []
+        rows = self.instances()
         # a stopped cluster's instances (shut down, or started again by a live pool here)
         # are no orphans: `flotilla down NAME` removes them
         kept = adopted(FOLDER_PREFIX)
@@ -177,7 +150,7 @@ class Verda(MarketProvider):
             for r in rows
             if r.get("status") not in ("deleted", "deleting", STOPPED) and str(r["id"]) not in kept
         ]
-        pools, skipped, gone = find_orphans(labelled(live, "description"))
+        pools, skipped, gone = orphans_in(live, "description")
         if dry_run:
             return VerdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
         if gone:
