@@ -35,12 +35,13 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -402,7 +403,11 @@ class AwsLab(Lifecycle):
         self._watcher.start()
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop every instance's host and the emulator; LabError if a process an instance
+        started (its boot guard, what its ``bootcmd`` left) outlived its host: an orphan on
+        this machine (it is killed first)."""
+        with self._lock:  # no instance is followed from now on (see _follow)
+            self._stop.set()
         self._wake.set()
         if self._watcher is not None:
             self._watcher.join(5)
@@ -412,12 +417,39 @@ class AwsLab(Lifecycle):
             self.server.shutdown()
             self.server = None
         self.lab.close()
+        left = self.leftovers(self.instances)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+        if left:
+            raise LabError(f"processes of the lab's instances outlived them: {left}")
+
+    def leftovers(self, instance_ids: Iterable[str]) -> dict[int, str]:
+        """Live processes of the instances ``instance_ids`` on this machine, pid ->
+        command line: those with the instance's ``INSTANCE_ID`` in their environment,
+        which cloud-init's ``bootcmd`` runs with (the boot guard and its ``sleep``). Empty
+        once the instances' hosts are stopped."""
+        wanted = {f"INSTANCE_ID={i}".encode() for i in instance_ids}
+        found: dict[int, str] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = set(f.read().split(b"\0"))
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:  # gone meanwhile
+                continue
+            if env & wanted and cmdline:  # (a zombie has no command line: it is dead)
+                found[int(entry)] = cmdline
+        return found
 
     def client(self, service: str = "ec2") -> Any:
         import boto3
@@ -626,7 +658,10 @@ class AwsLab(Lifecycle):
                 threading.Thread(target=self._restart, args=(known,), daemon=True).start()
             return
         inst = Instance(ident, desc["PrivateIpAddress"], seen=seen)
-        self.instances[ident] = inst
+        with self._lock:  # a host made after close() stopped them all would run on
+            if self._stop.is_set():
+                return
+            self.instances[ident] = inst
         threading.Thread(target=self._life, args=(inst, ec2), daemon=True).start()
 
     def _life(self, inst: Instance, ec2: Any) -> None:

@@ -293,6 +293,8 @@ class FakeAllocation(Allocation):
         self.provider.events.append(("replace", rank, reason))
         if self.provider.no_spares:
             raise ProvisionError(f"no machine to replace node {rank} with")
+        if self.provider.replace_error is not None:
+            raise self.provider.replace_error
         return self.provider.machine(rank)
 
     async def free(self) -> None:
@@ -309,6 +311,7 @@ class FakeProvider(Provider):
         agents: every agent started, in order.
         events: ("start", rank, machine) / ("replace", rank, reason) / ("release", -1, "").
         no_spares: replacing a machine fails (a ProvisionError).
+        replace_error: when set, what replacing a machine raises.
         broken_machines: idents of machines on which no agent starts.
         fail_config: executors fail to start (READY with an error).
         start_gate: when set, agents start only once it is set (a slow provider).
@@ -319,6 +322,7 @@ class FakeProvider(Provider):
     agents: list[FakeAgent] = field(default_factory=list)
     events: list[tuple[str, int, str]] = field(default_factory=list)
     no_spares: bool = False
+    replace_error: BaseException | None = None
     broken_machines: set[str] = field(default_factory=set)
     fail_config: bool = False
     start_gate: threading.Event | None = None

@@ -488,11 +488,20 @@ class Lab(Lifecycle):
     def link_up(self, host: TestHost) -> None:
         run("ip", "link", "set", host.veth, "up")
 
-    def kill_all(self, host: TestHost) -> None:
-        """SIGKILL every process in the host (its sshd, sessions and agents)."""
-        for pid in self.pids(host):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    def kill_all(self, host: TestHost, timeout: float = 30.0) -> None:
+        """SIGKILL every process in the host (its sshd, sessions and agents), until none is
+        left: a process forking while it is killed (a boot guard's ``sh`` starting its
+        ``sleep``) has a child the listing before the kill did not hold, which a single pass
+        would leave running, an orphan outliving the host. A killed process forks no more,
+        so the passes end. LabError when processes are still there after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while pids := self.pids(host):
+            if time.monotonic() > deadline:
+                raise LabError(f"{host.addr}: processes {pids} survive SIGKILL")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)  # until the killed ones are gone from /proc
 
     # -- processes -------------------------------------------------------------------
     def pids(self, host: TestHost) -> list[int]:

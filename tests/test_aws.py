@@ -13,15 +13,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
+from _hosts import _in_netns, keygen
 from _procs import interruptible, kill_quietly, wait_until
 
 import flotilla as sky
 from flotilla._providers.aws.pool import AWSAllocation
-from flotilla._providers.base import Options, PoolSpec
+from flotilla._providers.base import AgentProcess, Machine, Options, PoolSpec
 
 
 @sky.function
@@ -49,6 +52,7 @@ def _gone(lab: AwsLab, pool_id: str) -> None:
     for ident in states:
         assert lab.wait_ended(ident), f"the lab did not see {ident} terminated"
         assert lab.host_of(ident) is None, f"{ident}'s host still runs"
+    assert lab.leftovers(states) == {}  # e.g. a boot guard's sleep: an orphan here
 
 
 def _spec(nodes: int, **kwargs: Any) -> PoolSpec:
@@ -342,6 +346,85 @@ def test_boot_guard_ends_the_instances_of_a_client_killed_after_launch(aws_lab: 
         assert pool_id in orphans.pools
     finally:
         aws_lab.boot_delay = boot_delay
+    _gone(aws_lab, pool_id)
+
+
+_FORKER = "while :; do sleep 600 & k=$!; kill $o 2>/dev/null; o=$k; done"
+"""Forks all the time (a ``sleep 600`` at a time alive): a boot guard's shell forking its
+``sleep`` at the moment its host is stopped, made likely at every stop."""
+
+
+def test_a_stopped_host_leaves_no_process_forked_while_it_was_stopped(
+    aws_lab: AwsLab, tmp_path: Path
+) -> None:
+    """What runs in an instance (its boot guard: a ``setsid`` shell that forks its ``sleep``)
+    ends with its host, also a child forked while the lab was killing the host's processes
+    (which a single pass of kills missed: the guard's ``sleep 600`` outlived the tests).
+    A process forking all the time stands in for the guard's shell; the kill that stops
+    and terminates the lab's instances is tried a few times (each time a fork may or may
+    not fall in the moment it lists the host's processes), then the instance terminated."""
+    public = keygen(tmp_path / "host_key", "test")  # the instance's (the lab wants one)
+    private = (tmp_path / "host_key").read_text()
+    config = {"ssh_keys": {"ed25519_private": private, "ed25519_public": public}}
+    (desc,) = aws_lab.client().run_instances(
+        ImageId=aws_lab.ami,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="t3.micro",
+        SubnetId=aws_lab.subnets[ZONES[0]],
+        UserData="#cloud-config\n" + yaml.safe_dump(config),
+        # tagged, as every instance of the lab (tests look at all instances' tags)
+        TagSpecifications=[
+            {"ResourceType": "instance", "Tags": [{"Key": "test", "Value": "forker"}]}
+        ],
+    )["Instances"]
+    ident = desc["InstanceId"]
+    try:
+        host = aws_lab.wait_booted(ident).host
+        assert host is not None
+        for _ in range(15):
+            forker = subprocess.Popen(
+                [*_in_netns(host.netns), "setsid", "sh", "-c", _FORKER],
+                env={"PATH": os.environ["PATH"], "INSTANCE_ID": ident},
+                stdin=subprocess.DEVNULL,
+            )
+            _wait_for("the forker forks", lambda: len(aws_lab.leftovers([ident])) > 1)
+            aws_lab.lab.kill_all(host)
+            forker.wait()
+            assert aws_lab.leftovers([ident]) == {}
+    finally:
+        aws_lab.client().terminate_instances(InstanceIds=[ident])
+    assert aws_lab.wait_ended(ident)
+    assert aws_lab.leftovers([ident]) == {}
+
+
+def test_a_start_that_pauses_past_the_ttl_keeps_its_instances(
+    aws_lab: AwsLab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client keeps its instances alive during the whole start, not only once the pool
+    is up: node 0's agent (and its watchdog) runs while node 1's start pauses longer than
+    the ttl (a busy machine, a slow instance), and node 0's watchdog never powers it off;
+    the pool starts whole."""
+    ttl = 3.0
+    started: set[int] = set()
+    original = AWSAllocation.start_agent
+
+    async def start_agent(self: AWSAllocation, machine: Machine) -> AgentProcess:
+        if machine.rank == 1:  # node 0's agent runs and waits for this one, a long time
+            while 0 not in started:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(ttl + 3)  # the pause the test is about, not a wait
+        agent = await original(self, machine)
+        started.add(machine.rank)
+        return agent
+
+    monkeypatch.setattr(AWSAllocation, "start_agent", start_agent)
+    options = sky.Options(heartbeat_timeout=2, start_timeout=60)
+    with sky.Compute(provider=aws_lab.provider(ttl=ttl), nodes=2, options=options) as pool:
+        addrs = [m.address for m in pool._allocation.machines]
+        assert [a["addr"] for a in where() @ pool] == addrs
+        assert [aws_lab.poweroffs(a) for a in addrs] == [[], []]  # no watchdog fired
+        pool_id = pool.pool_id
     _gone(aws_lab, pool_id)
 
 

@@ -97,9 +97,10 @@ def test_task_file_with_infra_aws_runs_setup_and_run_on_3_instances(
 
 
 def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsLab) -> None:
-    """The cluster's daemon (the pool's client) is killed -9: its instances stay until their
-    ttl. ``flotilla down --orphans --provider aws`` removes them, its group and keys; a live
-    cluster's pool is left alone."""
+    """The cluster's daemon (the pool's client) is killed -9: its instances are held for
+    the re-attach grace (here 2 s), then nothing holds them. ``flotilla down --orphans
+    --provider aws`` removes them, its group and keys; a live cluster's pool is left
+    alone."""
     import os
     import signal
 
@@ -117,7 +118,10 @@ def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsL
         }
 
     before = running_pools()
-    cli.ok("launch", "echo up", "-c", "doomed", "--provider", "aws", *_lab_flags(aws_lab))
+    grace = {"FLOTILLA_REATTACH_GRACE": "2"}
+    cli.ok(
+        "launch", "echo up", "-c", "doomed", "--provider", "aws", *_lab_flags(aws_lab), env=grace
+    )
     (doomed_pool,) = running_pools() - before
     cli.ok("launch", "echo up", "-c", "alive", "--provider", "aws", *_lab_flags(aws_lab))
     (alive_pool,) = running_pools() - before - {doomed_pool}
@@ -126,6 +130,12 @@ def test_down_orphans_removes_what_a_killed_cluster_left(cli: CLI, aws_lab: AwsL
     assert doomed is not None
     os.kill(doomed.pid, signal.SIGKILL)
     wait_until(lambda: not procs.alive(doomed.pid, doomed.pid_start), 30.0)
+
+    def listed() -> bool:  # once the grace (and the daemon's lease on its pool) ended
+        dry = cli.ok("down", "--orphans", "--provider", "aws", "--region", REGION, "--dry-run")
+        return doomed_pool in dry.stdout + dry.stderr
+
+    assert wait_until(listed, 60.0)
     done = cli.ok("down", "--orphans", "--provider", "aws", "--region", REGION, timeout=120)
     assert pools["doomed"] in done.stderr + done.stdout
     assert {i["State"]["Name"] for i in aws_lab.pool_instances(pools["doomed"])} == {"terminated"}

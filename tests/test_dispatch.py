@@ -4,6 +4,7 @@ nodes. The real Compute, dispatcher and node handles run; no agent is forked."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from _procs import wait_until
 import flotilla as sky
 from flotilla._client import dispatch
 from flotilla._client.loop import get_loop
+from flotilla._errors import ProvisionCause, ProvisionError
 from flotilla._providers.base import AllocationState, MachineState
 
 
@@ -344,6 +346,45 @@ def test_a_node_that_cannot_be_replaced_is_gone_and_named(fake: FakeProvider) ->
         with pytest.raises(sky.PoolClosedError, match=r"node 1 .*no machine to replace node 1"):
             work() @ pool
         assert work() >> pool == 0
+
+
+def test_a_failed_replacement_is_logged_root_cause_first_whole_and_redacted(
+    fake: FakeProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replacement that fails with a chained, multi-line error: the log says the root
+    cause first (the innermost error), then every error of the chain with all its lines
+    (not only the first line of the outer one), the pool's secrets hidden."""
+    secret = "hf_" + "x" * 20
+    root = OSError(28, f"No space left on device (pulling with token {secret})")
+    error = ProvisionError(
+        "fake9: the executor failed to start:\n  installing torch\n"
+        f"--- last lines of its stderr ---\nerror: HF_TOKEN={secret} rejected",
+        cause=ProvisionCause.NODE,
+    )
+    error.__cause__ = root
+    fake.replace_error = error
+    image = sky.Image(env={"HF_TOKEN": secret})
+    with (
+        caplog.at_level(logging.WARNING, logger="flotilla"),
+        sky.Compute(provider=fake, nodes=2, image=image) as pool,
+    ):
+        fake.live[1].lose()
+        assert wait_until(lambda: any("replaced yet" in r.getMessage() for r in caplog.records))
+        assert work() >> pool == 0
+    (message,) = [r.getMessage() for r in caplog.records if "replaced yet" in r.getMessage()]
+    assert secret not in message
+    first, *rest = message.splitlines()
+    assert first.startswith(
+        "node 1 could not be replaced yet (OSError: [Errno 28] No space left on device "
+        "(pulling with token ***)); trying again"
+    ), first
+    assert rest == [
+        "  root cause: OSError: [Errno 28] No space left on device (pulling with token ***)",
+        "  which caused: fake9: the executor failed to start:",
+        "      installing torch",
+        "    --- last lines of its stderr ---",
+        "    error: HF_TOKEN=*** rejected",
+    ], message
 
 
 def test_closing_releases_the_allocation_and_fails_what_waits(fake: FakeProvider) -> None:

@@ -5,9 +5,11 @@ transitions their enums document. Local on this machine, SSH on the namespace te
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +203,36 @@ def test_a_local_pools_agents_are_forked_by_its_fork_server(nodes_dir: Path) -> 
         os.kill(first["agent"], signal.SIGKILL)
         assert_all_gone([first["agent"], first["executor"]], 60, "the killed agent and executor")
     assert_all_gone([*servers, *(s["executor"] for s in seen)], 60, "the fork server, executors")
+
+
+@sky.function
+def site_view() -> dict[str, Any]:
+    """This executor's site-packages folders and ``-S`` beside a plain interpreter's started
+    here with the same environment, and where ``packaging`` (in site-packages only) is."""
+    import packaging
+
+    code = "import json, sys; print(json.dumps([sys.path, sys.flags.no_site]))"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    path, no_site = json.loads(plain.stdout)
+    return {
+        "sites": [p for p in sys.path if p.endswith("-packages")],
+        "plain_sites": [p for p in path if p.endswith("-packages")],
+        "no_site": sys.flags.no_site,
+        "plain_no_site": no_site,
+        "packaging": packaging.__file__,
+    }
+
+
+def test_a_local_executor_has_the_site_packages_of_a_plain_interpreter(nodes_dir: Path) -> None:
+    """A local agent is forked from the fork server, its executors from the agent: they
+    must still be the ordinary interpreter (its site-packages and ``.pth`` files, no
+    ``-S`` passed on to the processes a task starts)."""
+    with sky.Compute(provider=Local(workdir=str(nodes_dir)), nodes=1) as pool:
+        view = site_view() >> pool
+    assert view["plain_sites"], view
+    assert view["sites"] == view["plain_sites"]
+    assert view["no_site"] == view["plain_no_site"] == 0
+    assert any(str(view["packaging"]).startswith(f"{s}/") for s in view["plain_sites"]), view
 
 
 # -- SSH -------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Tests that need the hosts need root; they skip with the reason otherwise.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -67,6 +68,24 @@ def block_after(marker: str, seconds: float) -> None:
     """Create ``marker`` (the task started), then sleep."""
     Path(f"{marker}.{sky.instance_info().node}").touch()
     time.sleep(seconds)
+
+
+@sky.function
+def interpreter_view() -> dict[str, object]:
+    """This executor's interpreter beside a plain one started here with the same environment:
+    their site-packages folders, ``-S``, and where ``packaging`` (in site-packages only) is."""
+    import packaging
+
+    code = "import json, sys; print(json.dumps([sys.path, sys.flags.no_site]))"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    path, no_site = json.loads(plain.stdout)
+    return {
+        "sites": [p for p in sys.path if p.endswith("-packages")],
+        "plain_sites": [p for p in path if p.endswith("-packages")],
+        "no_site": sys.flags.no_site,
+        "plain_no_site": no_site,
+        "packaging": packaging.__file__,
+    }
 
 
 def _hosts3(lab: Lab) -> list[TestHost]:
@@ -179,6 +198,18 @@ def test_instance_info_has_each_hosts_own_address(ssh_lab: Lab) -> None:
     assert [i["hostname"] for i in infos] == [h.hostname for h in hosts]
     bundle = _bootstrap.client_bundle()
     assert all(f"/lib/{bundle.hash}/flotilla/" in str(i["flotilla"]) for i in infos)
+
+
+def test_an_executor_has_the_site_packages_of_a_plain_interpreter(ssh_lab: Lab) -> None:
+    """The agent is started from the shipped bundle, but its executors must be the host's
+    ordinary interpreter: its site-packages (and ``.pth`` files) on the path, no ``-S`` for
+    the processes a task starts (``multiprocessing`` passes the flags on)."""
+    with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
+        view = interpreter_view() >> pool
+    assert view["plain_sites"], view  # the hosts' python3 has a site-packages folder
+    assert view["sites"] == view["plain_sites"]
+    assert view["no_site"] == view["plain_no_site"] == 0
+    assert any(str(view["packaging"]).startswith(f"{s}/") for s in view["plain_sites"]), view
 
 
 def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:

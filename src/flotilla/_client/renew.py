@@ -22,8 +22,10 @@ A provider that says it cannot replace the machine (a ProvisionError without a c
 not asked again: the rank is gone and broadcasts fail naming it.
 
 The console says what happened: ``node k lost (why), replacing``, ``node k could not be
-replaced yet (why); trying again ...`` once, then ``node k back after N s``. Everything runs
-on the client's event loop.
+replaced yet (why); trying again ...`` once, then ``node k back after N s``. A failure is
+told root cause first, as torchrun reports one (:func:`failure_report`): ``why`` is the
+innermost error of the chain, and the lines after it give every error of the chain whole,
+the pool's secrets redacted. Everything runs on the client's event loop.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from .._errors import ProvisionError
+from .._errors import FlotillaError, ProvisionError
 from .._providers.base import Allocation, MachineState, restart_agents
 from .._wire.frames import Kind
 from .bringup import Bringup
+from .console import redact
 from .dispatch import Dispatcher
 from .node import Node, NodeState
 
@@ -144,18 +147,20 @@ class Renewals:
                     break
                 except Exception as e:
                     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    root, report = failure_report(e, dispatcher.secrets)
                     if not _may_pass(e):
-                        logger.error("node %d could not be replaced: %s", lost, reason)
+                        logger.error("node %d could not be replaced (%s)%s", lost, root, report)
                         dispatcher.recovery.failed(ranks, reason)
                         return
                 if not failures:
                     logger.warning(
                         "node %d could not be replaced yet (%s); trying again until it is "
-                        "back (every %g s at most); calls for it wait up to %g s",
+                        "back (every %g s at most); calls for it wait up to %g s%s",
                         lost,
-                        reason,
+                        root,
                         RETRY_MAX,
                         max(0.0, patience - (time.monotonic() - started)),
+                        report,
                     )
                 failures[1:] = [reason]
                 if expired:
@@ -211,6 +216,38 @@ class Renewals:
             if node.rank not in by_rank and node.state is NodeState.READY
         ]
         await self.bringup.tell(nodes, survivors)
+
+
+def failure_report(error: BaseException, secrets: Sequence[str]) -> tuple[str, str]:
+    """(root cause, report) of a failed replacement, as torchrun reports a failure: root
+    cause first. The root cause is the first line of the innermost exception of
+    ``error``'s chain (its ``__cause__``, or the ``__context__`` it was raised in); the
+    report, on the lines after the log message's (empty when the root cause says it all),
+    is every exception of the chain from the root cause out, each with its whole message.
+    ``secrets`` are redacted from both."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and all(e is not seen for seen in chain):
+        chain.append(e)
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+    texts = [redact(_shown(e), list(secrets)).splitlines() or [""] for e in reversed(chain)]
+    root = texts[0][0]
+    if len(texts) == 1 and len(texts[0]) == 1:
+        return root, ""
+    lines: list[str] = []
+    for n, text in enumerate(texts):
+        lines.append(f"  {'root cause' if n == 0 else 'which caused'}: {text[0]}")
+        lines += [f"    {line}" for line in text[1:]]
+    return root, "\n" + "\n".join(lines)
+
+
+def _shown(error: BaseException) -> str:
+    """``error`` as its report shows it: flotilla's errors by their message, others (an
+    OSError, a KeyError) with their type's name first, as a traceback's last line."""
+    text = str(error)
+    if isinstance(error, FlotillaError) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _may_pass(error: BaseException) -> bool:

@@ -68,7 +68,106 @@ SWITCH_VAR = "FLOTILLA_PYTHON_SWITCH"
 (``python_version``, ``python``) and whether the new one was ``installed``."""
 
 
-class Agent(NodeEnvironment):
+class Reattachable(NodeEnvironment):
+    """The re-attach side of an :class:`Agent` (a cluster's agent, see :mod:`.reattach`):
+    its socket, detaching when its client is gone and taking a new client; the agent
+    sets these attributes."""
+
+    proto_in: int
+    proto_out: int
+    listener: Any
+    reattach_key: bytes
+    reattach_grace: float
+    detached_until: float
+    last_seen: float
+    next_beat: float
+    heartbeat_timeout: float
+    cloud: Any
+    client_reader: FrameReader
+
+    def _hello(self, search: Any = None, again: bool = False) -> None:
+        raise NotImplementedError
+
+    def _on_client(self) -> None:
+        raise NotImplementedError
+
+    def _detach(self) -> None:
+        """The client is gone: keep running for ``reattach_grace`` seconds, keeping what
+        would go to it (up to a limit), for a new client on the re-attach socket."""
+        if self.client.fd in self.sel:
+            self.sel.unregister(self.client.fd)
+        for fd in {self.proto_in, self.proto_out}:
+            if fd > 2:
+                os.close(fd)
+        quiet = os.open(os.devnull, os.O_WRONLY)  # stderr was the old client's too
+        os.dup2(quiet, 2)
+        os.dup2(quiet, 1)
+        os.close(quiet)
+        self.client.queue.clear()  # (a frame half-written to the old client: dropped)
+        self.client.broken = False  # (a write to the old one may have failed first)
+        self.client.held = _KEPT_BYTES
+        self.client.kept = 0
+        self.detached_until = time.monotonic() + self.reattach_grace
+        if self.cloud is not None:  # the instance lives as long as the wait, not ``ttl``
+            self.cloud.hold(self.reattach_grace)
+        self._log(f"the client is gone; waiting {self.reattach_grace:.0f} s for it to re-attach")
+
+    def _on_reattach(self) -> None:
+        """A connection on the re-attach socket: the new client, if none is attached."""
+        conn = self.listener.accept(self.reattach_key)
+        if conn is None:
+            return
+        if not self.detached_until or self.stopping:  # a client is attached (or it ends)
+            conn.close()
+            return
+        fd = conn.detach()
+        self.proto_in, self.proto_out = fd, os.dup(fd)
+        os.set_blocking(fd, False)
+        os.set_blocking(self.proto_out, False)
+        self.executors.agent_fds = (fd, self.proto_out, self.listener.fileno())
+        self.client_reader = FrameReader()
+        self.sel.register(fd, False, self._on_client)
+        self.detached_until = 0.0
+        self.last_seen = time.monotonic()
+        self.next_beat = self.last_seen
+        if self.cloud is not None:  # the new client keeps the instance alive from now
+            self.cloud.renew()
+        self._hello(again=True)
+        self.client.fd = self.proto_out
+        self.client.held = 0
+        self.client.kept = 0
+        self._log("a client re-attached")
+
+    def _readopt(self, config: Config) -> None:
+        """CONFIG from a re-attached client: the node keeps its own (its executors run);
+        only the heartbeat follows the new client; READY answers at once."""
+        self.heartbeat_timeout = float(config.get("heartbeat_timeout", self.heartbeat_timeout))
+        ready = self.executors.ready_info()
+        if ready is not None:
+            self.client.send(frame(Kind.READY, 0, dump(ready)))
+
+    def _listen(self, config: Config) -> None:
+        """A cluster's agent (``reattach_grace``): open the re-attach socket; its name is
+        in the tasks' environment (the cluster's record keeps it)."""
+        key = str(config.pop("reattach_key", ""))
+        grace = float(config.pop("reattach_grace", 0) or 0)
+        if not key or grace <= 0:
+            return
+        from .reattach import ADDRESS_VAR, Listener
+
+        try:
+            self.listener = Listener()
+        except OSError as e:
+            self._log(f"no re-attach socket ({e}): this node ends with its client")
+            return
+        self.reattach_key = bytes.fromhex(key)
+        self.reattach_grace = grace
+        os.environ[ADDRESS_VAR] = self.listener.name
+        self.executors.agent_fds = (*self.executors.agent_fds, self.listener.fileno())
+        self.sel.register(self.listener.fileno(), False, self._on_reattach)
+
+
+class Agent(Reattachable):
     """The agent of one node: speaks the protocol on its stdin/stdout (see the module
     docstring), runs the executors through a :class:`Supervisor`."""
 
@@ -169,6 +268,8 @@ class Agent(NodeEnvironment):
         if self.detached_until:
             if now >= self.detached_until:
                 self._log(f"no client came back within {self.reattach_grace:.0f} s; exiting")
+                if self.cloud is not None:  # nobody holds the instance: it ends now
+                    self.cloud.hold(0.0)
                 self.begin_stop(grace=1.0)
                 return
             self.last_seen = now  # no heartbeat without a client
@@ -253,58 +354,6 @@ class Agent(NodeEnvironment):
             handler = handlers.get(kind)
             if handler is not None:
                 handler(ident, body)
-
-    # -- re-attach (a cluster's agent, see reattach.py) ----------------------------------
-    def _detach(self) -> None:
-        """The client is gone: keep running for ``reattach_grace`` seconds, keeping what
-        would go to it (up to a limit), for a new client on the re-attach socket."""
-        if self.client.fd in self.sel:
-            self.sel.unregister(self.client.fd)
-        for fd in {self.proto_in, self.proto_out}:
-            if fd > 2:
-                os.close(fd)
-        quiet = os.open(os.devnull, os.O_WRONLY)  # stderr was the old client's too
-        os.dup2(quiet, 2)
-        os.dup2(quiet, 1)
-        os.close(quiet)
-        self.client.queue.clear()  # (a frame half-written to the old client: dropped)
-        self.client.broken = False  # (a write to the old one may have failed first)
-        self.client.held = _KEPT_BYTES
-        self.client.kept = 0
-        self.detached_until = time.monotonic() + self.reattach_grace
-        self._log(f"the client is gone; waiting {self.reattach_grace:.0f} s for it to re-attach")
-
-    def _on_reattach(self) -> None:
-        """A connection on the re-attach socket: the new client, if none is attached."""
-        conn = self.listener.accept(self.reattach_key)
-        if conn is None:
-            return
-        if not self.detached_until or self.stopping:  # a client is attached (or it ends)
-            conn.close()
-            return
-        fd = conn.detach()
-        self.proto_in, self.proto_out = fd, os.dup(fd)
-        os.set_blocking(fd, False)
-        os.set_blocking(self.proto_out, False)
-        self.executors.agent_fds = (fd, self.proto_out, self.listener.fileno())
-        self.client_reader = FrameReader()
-        self.sel.register(fd, False, self._on_client)
-        self.detached_until = 0.0
-        self.last_seen = time.monotonic()
-        self.next_beat = self.last_seen
-        self._hello(again=True)
-        self.client.fd = self.proto_out
-        self.client.held = 0
-        self.client.kept = 0
-        self._log("a client re-attached")
-
-    def _readopt(self, config: Config) -> None:
-        """CONFIG from a re-attached client: the node keeps its own (its executors run);
-        only the heartbeat follows the new client; READY answers at once."""
-        self.heartbeat_timeout = float(config.get("heartbeat_timeout", self.heartbeat_timeout))
-        ready = self.executors.ready_info()
-        if ready is not None:
-            self.client.send(frame(Kind.READY, 0, dump(ready)))
 
     def _cancel(self, ident: int, _: Body) -> None:
         """CANCEL: stop a call, also one still waiting for its relayed payload."""
@@ -408,26 +457,6 @@ class Agent(NodeEnvironment):
                     self._start_build(b"")
                 return
         self._environment_ready()
-
-    def _listen(self, config: Config) -> None:
-        """A cluster's agent (``reattach_grace``): open the re-attach socket; its name is
-        in the tasks' environment (the cluster's record keeps it)."""
-        key = str(config.pop("reattach_key", ""))
-        grace = float(config.pop("reattach_grace", 0) or 0)
-        if not key or grace <= 0:
-            return
-        from .reattach import ADDRESS_VAR, Listener
-
-        try:
-            self.listener = Listener()
-        except OSError as e:
-            self._log(f"no re-attach socket ({e}): this node ends with its client")
-            return
-        self.reattach_key = bytes.fromhex(key)
-        self.reattach_grace = grace
-        os.environ[ADDRESS_VAR] = self.listener.name
-        self.executors.agent_fds = (*self.executors.agent_fds, self.listener.fileno())
-        self.sel.register(self.listener.fileno(), False, self._on_reattach)
 
     def _start_metrics(self, config: Config) -> None:
         """Sample the metrics CONFIG asks for (none: no sampler, no cost)."""

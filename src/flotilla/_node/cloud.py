@@ -79,11 +79,17 @@ class Config:
 
 
 class Contact:
-    """The agent's side: touches the contact file, at most once per ``every`` seconds."""
+    """The agent's side: touches the contact file, at most once per ``every`` seconds.
 
-    def __init__(self, path: str, every: float) -> None:
+    A cluster's agent whose client is gone (it waits for a new one, ``agent._detach``)
+    moves the watchdog's deadline instead (:meth:`hold`): the instance lives exactly as
+    long as the agent waits, whatever ``ttl`` is, and powers off as the wait ends unless a
+    client re-attached (then :meth:`renew`: ``ttl`` after each contact again)."""
+
+    def __init__(self, path: str, every: float, ttl: float = 0.0) -> None:
         self.path = path
         self.every = every
+        self.ttl = ttl
         self.last = time.monotonic()
 
     def touch(self, now: float) -> None:
@@ -93,6 +99,20 @@ class Contact:
                 os.utime(self.path)
             except OSError:
                 pass
+
+    def hold(self, seconds: float) -> None:
+        """The watchdog powers off ``seconds`` from now (0: at once), no contact coming
+        meanwhile: the contact file's time becomes ``now + seconds - ttl``."""
+        when = time.time() + seconds - self.ttl
+        try:
+            os.utime(self.path, (when, when))
+        except OSError:
+            pass
+
+    def renew(self) -> None:
+        """A client is there again: the last contact is now."""
+        self.last = -self.every
+        self.touch(time.monotonic())
 
 
 def start() -> Contact | None:
@@ -127,7 +147,7 @@ def start() -> Contact | None:
         )
     os.close(armed)
     every = min(5.0, config.ttl / 10) if config.ttl > 0 else 3600.0
-    return Contact(config.contact, every)
+    return Contact(config.contact, every, config.ttl)
 
 
 _ARMED_FD = "FLOTILLA_CLOUD_ARMED"

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Self
 
 from .._accelerators import Accelerator
 from .._errors import ConfigurationError, ProvisionError, check_number
-from .._wire.frames import Buffer
+from .._wire.frames import Buffer, Kind, frame
 from .._worker import Worker
 from . import ledger
 from .offers import Offer
@@ -637,8 +637,11 @@ class Provider(ABC):
 
 async def start_agents(allocation: Allocation, machines: Sequence[Machine]) -> list[AgentProcess]:
     """Start an agent on each of ``machines`` at once; in their order. On a failure (or
-    cancellation) every agent started is terminated and the first failure in order raised."""
-    agents = await _all_or_none([allocation.start_agent(m) for m in machines])
+    cancellation) every agent started is terminated and the first failure in order raised.
+    The agents started are kept alive while the others start (:func:`_keep_alive`)."""
+    agents = await _all_or_none(
+        [allocation.start_agent(m) for m in machines], _ping_every(allocation)
+    )
     for m in machines:
         allocation.mark(m, MachineState.RUNNING)
     return agents
@@ -658,21 +661,49 @@ async def restart_agents(
             if r == lost
             else allocation.start_agent(allocation.machines[r])
             for r in ranks
-        ]
+        ],
+        _ping_every(allocation),
     )
     for m in others:
         allocation.mark(m, MachineState.RUNNING)
     return agents
 
 
-async def _all_or_none(starts: Sequence[Coroutine[Any, Any, AgentProcess]]) -> list[AgentProcess]:
+def _ping_every(allocation: Allocation) -> float:
+    """Seconds between two keep-alive PINGs to the agents of a start: as the pool's
+    heartbeat pings them (a quarter of ``Options(heartbeat_timeout=...)``, which a cloud
+    provider's ``ttl`` exceeds, see ``cloud.market.check_ttl``)."""
+    return allocation.spec.options.heartbeat_timeout / 4
+
+
+async def _keep_alive(tasks: Sequence[asyncio.Task[AgentProcess]], every: float) -> None:
+    """PING the agents of ``tasks`` that started, every ``every`` s, until cancelled: from
+    the moment an agent runs, not once all of them do. Each frame from the client renews
+    the agent's silence limit and, on a cloud instance, its watchdog's contact
+    (``_node/cloud.py``): an instance whose agent started first must not power itself off
+    ``ttl`` s later while the others still start (a slow instance, a busy client)."""
+    ping = b"".join(bytes(part) for part in frame(Kind.PING, 0))
+    while True:
+        await asyncio.sleep(every)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(OSError):  # gone: its start's failure tells
+                    task.result().try_write(ping)
+
+
+async def _all_or_none(
+    starts: Sequence[Coroutine[Any, Any, AgentProcess]], ping_every: float
+) -> list[AgentProcess]:
     """Run the agent ``starts`` at once; their agents in order, or, on a failure (or
     cancellation), none: every agent started is terminated, the first failure in order
-    raised."""
+    raised. The agents started are PINGed every ``ping_every`` s meanwhile
+    (:func:`_keep_alive`)."""
     tasks = [asyncio.create_task(start) for start in starts]
+    pings = asyncio.create_task(_keep_alive(tasks, ping_every))
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
+        pings.cancel()  # (it writes between two sleeps: from here on, never)
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
         if failed or not all(t.done() for t in tasks):  # an error, or we were cancelled
             for t in tasks:

@@ -15,9 +15,12 @@ provider runs the command as it is; the SSH provider through ``ssh`` as it start
 agent (its key, its pinned host keys). A provider with a ``reattach_command(node)``
 method (SLURM: a step of the still-running job; Kubernetes: ``kubectl exec`` into the
 pod; Container: ``exec`` into the container) runs it through its own shell, and its
-``release_reattached(nodes)`` gives back what holds the nodes once their agents ended.
-Other providers cannot re-attach yet (:func:`can_reattach`): their clusters' agents end
-with their daemon, as before.
+``release_reattached(nodes)`` gives back what holds the nodes once their agents ended. A
+cloud (a provider with ``reattaches_over_ssh``: AWS and the rented clouds of the cloud
+kit) through ``ssh`` with the node's ``login``, the pool's own login key and pinned host
+key (kept in the cluster's private folder, see ``cli/adopt.py``). Other providers cannot
+re-attach yet (:func:`can_reattach`): their clusters' agents end with their daemon, as
+before.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Node:
     """The batch scheduler's job the node's agent runs in (SLURM's; "" when none)."""
     scheduler_node: str = ""
     """The batch scheduler's name for the node (SLURM's; "" when none)."""
+    login: tuple[str, ...] = ()
+    """A cloud node's: ``ssh`` options then ``USER@HOST``, logging in as its pool did."""
 
 
 def can_reattach(provider: Provider) -> bool:
@@ -59,7 +64,15 @@ def can_reattach(provider: Provider) -> bool:
     from .local import Local
     from .ssh import SSH
 
-    return isinstance(provider, Local | SSH | Reattach) or hasattr(provider, "reattach_command")
+    if isinstance(provider, Local | SSH | Reattach) or reattaches_over_ssh(provider):
+        return True
+    return hasattr(provider, "reattach_command")
+
+
+def reattaches_over_ssh(provider: Provider) -> bool:
+    """Whether ``provider`` is a cloud whose nodes are re-attached to over its pool's
+    pinned SSH login (``Node.login``; the cloud kit's providers)."""
+    return bool(getattr(provider, "reattaches_over_ssh", False))
 
 
 class Reattach(Provider):
@@ -83,6 +96,9 @@ class Reattach(Provider):
 
         if isinstance(self.base, Local):
             return list(node.argv), {}
+        if node.login and reattaches_over_ssh(self.base):
+            ssh = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30"]
+            return [*ssh, *node.login, "exec " + shlex.join(node.argv)], {}
         if isinstance(self.base, SSH):
             for host in self.base.hosts:
                 target = self.base.target(host)

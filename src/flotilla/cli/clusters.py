@@ -212,6 +212,7 @@ def new_record(
 
         if adoptable(old):  # its nodes may run: the new daemon re-attaches to them
             rec.nodes, rec.token, rec.reattach_secret = old.nodes, old.token, old.reattach_secret
+            rec.clients = list(old.clients)  # (a cloud's instances are labelled with them)
             rec.created = old.created
     return rec
 

@@ -179,6 +179,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     """Stop clusters: their agents end, their nodes' folders and built environments stay,
     the record says STOPPED; ``flotilla start`` brings them back. Providers whose nodes
     cannot be stopped are refused, with ``down`` offered."""
+    from .adopt import stop_refusal
     from .backends import registry
     from .ipc import request
 
@@ -193,6 +194,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         kind = str(rec.provider.get("kind", registry.DEFAULT.kind))
         backend = registry.backend(kind)
         note = backend.stop_refusal(paths, backend.spec_from_dict(rec.provider))
+        note = note or stop_refusal(rec)
         if note:
             raise CLIError(
                 f"cluster {name} runs on {kind}: {note}; `flotilla down {name}` releases "

@@ -35,7 +35,20 @@ from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
-from .adopt import adoptable, grace, keeps_agents, restore, reveal, save_spec, take_over
+from .adopt import (
+    adoptable,
+    grace,
+    hold,
+    keep_login,
+    keeps_agents,
+    login_for,
+    release,
+    requeue,
+    restore,
+    reveal,
+    save_spec,
+    take_over,
+)
 from .adopt import provider as reattaching
 from .backends import registry
 from .conventions import EXIT_LOST
@@ -97,7 +110,76 @@ class OutputRouting:
             job.state(node, stream, clean)
 
 
-class ClusterDaemon(OutputRouting):
+class Adopting(OutputRouting):
+    """A cluster daemon's side of re-attaching (see ``adopt``): the nodes, jobs and (on a
+    cloud) client identities of a daemon that died, taken over."""
+
+    paths: Paths
+    generation: int
+    backend: Any
+    spec: Any
+    token: str
+    jobs: dict[int, Job]
+    queue: deque[Job]
+    runner: Runner | None
+
+    def _init_adopting(self) -> None:
+        self.adopting: list[NodeRecord] = []  # the nodes of a daemon that died, re-attached
+        self.adopted: list[JobRecord] = []  # the jobs it ran, followed again
+        self.again: list[JobRecord] = []  # the jobs it queued or set up, queued again
+        self.reattach_key = ""
+        self.clients: list[str] = []  # a cloud cluster's client identities (adopt.Leases)
+        self.leases: Any = None
+
+    def _take_over(self, rec: ClusterRecord) -> None:
+        """The record's nodes, key, token and jobs, when they can be re-attached to."""
+        self.adopting = list(rec.nodes) if adoptable(rec) else []
+        self.reattach_key = rec.reattach_secret if self.adopting else secrets.token_hex(32)
+        self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
+        self.clients = list(rec.clients) if self.adopting else []
+        rec.reattach_secret = self.reattach_key
+        self.adopted, self.again = take_over(rec, bool(self.adopting), self.paths)
+
+    def _reach(self, provider: Any) -> Any:
+        """``provider``, or the one reaching the dead daemon's nodes again."""
+        if not self.adopting:
+            return provider
+        login = login_for(self.paths)  # (a cloud's: see adopt.keep_login)
+        return reattaching(provider, self.adopting, self.reattach_key, login)
+
+    def _keep_agents(self, pool: Compute, provider: Any) -> None:
+        """The pool's agents outlive this daemon, for a new one; a cloud's instances too."""
+        if keeps_agents(provider):
+            pool.keep_agents(grace(), self.reattach_key)
+            self.leases = hold(provider, self.clients)
+            with update(self.paths, self.generation) as rec:
+                rec.clients = self.clients
+
+    def _restore_jobs(self, running: dict[int, tuple[Job, Allocation | None]]) -> list[str]:
+        """The dead daemon's jobs: the running ones followed (their lines come as soon as
+        the pool is open), the others queued again before new ones; their secrets."""
+        found = []
+        for job in [restore(self.paths, j) for j in self.adopted]:
+            self.jobs[job.id], running[job.id] = job, (job, None)
+            found.extend(job.secrets)
+        again = [requeue(self.paths, j) for j in self.again]
+        self.jobs.update({job.id: job for job in again})
+        found.extend(secret for job in again for secret in job.secrets)
+        self.queue.extendleft(reversed(again))
+        return found
+
+    def _reap_again(self) -> None:
+        """What a setup the dead daemon ran left: stopped before the job runs again."""
+        assert self.runner is not None
+        for queued in self.again:
+            self.runner.reap(self.jobs[queued.id])
+
+    def _release(self) -> None:
+        if self.leases is not None:  # a cloud's: what a daemon that died rented, too
+            release(self.leases, bool(self.adopting), self.backend, self.spec, self.paths)
+
+
+class ClusterDaemon(Adopting):
     """A named cluster's pool and job queue; its socket is a :class:`DaemonSocket`."""
 
     def __init__(self, paths: Paths, generation: int | None = None) -> None:
@@ -136,24 +218,18 @@ class ClusterDaemon(OutputRouting):
         self.provisioner: threading.Thread | None = None
         self.shutdown_lock = threading.Lock()
         self.refresh_lock = threading.Lock()
-        self.adopting: list[NodeRecord] = []  # the nodes of a daemon that died, re-attached
-        self.adopted: list[JobRecord] = []  # the jobs it ran, followed again
-        self.reattach_key = ""
+        self._init_adopting()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Take over the record, listen on the socket, start provisioning and the job loop."""
         with self._update() as rec:
-            self.adopting = list(rec.nodes) if adoptable(rec) else []
-            self.reattach_key = rec.reattach_secret if self.adopting else secrets.token_hex(32)
-            self.token = rec.token if self.adopting else self.token  # (its jobs' processes)
+            self._take_over(rec)  # a dead daemon's nodes and jobs, if they can be reached
             rec.pid = os.getpid()
             rec.pid_start = procs.start_time(rec.pid)
             rec.state = ClusterState.STARTING.value
             rec.error = ""
-            rec.reattach_secret = self.reattach_key
             rec.last_activity = self.last_activity
-            self.adopted = take_over(rec, bool(self.adopting))  # the others failed
         self.socket.bind()
         self.provisioner = self._thread(self._provision, "provision")
         self._thread(self.socket.accept_forever, "accept")
@@ -246,6 +322,7 @@ class ClusterDaemon(OutputRouting):
             if self.event_log is not None:
                 self.event_log.stop()
             record_cost(self, "down", self.pool)
+        self._release()
         self.socket.close()
         if self.delete_on_stop:
             if self.autodown:  # what `down` does besides removing the record
@@ -275,8 +352,7 @@ class ClusterDaemon(OutputRouting):
     def _provision(self) -> None:
         try:
             provider = self.backend.make_provider(self.spec, self.paths.nodes)
-            if self.adopting:  # nothing is provisioned: the recorded nodes are reached again
-                provider = reattaching(provider, self.adopting, self.reattach_key)
+            provider = self._reach(provider)  # re-attaching: nothing is provisioned
             if hasattr(provider, "report"):  # a fallback: its choices reach the first job
                 provider.report = self._provision_note
             wants = self.backend.pool_resources(self.spec)
@@ -298,14 +374,11 @@ class ClusterDaemon(OutputRouting):
             pool.output_sink = self._on_output
             pool.state_sink = self._on_state
             pool.on_replaced = self._on_replaced
-            if keeps_agents(provider):  # they outlive this daemon, for a new one
-                pool.keep_agents(grace(), self.reattach_key)
+            self._keep_agents(pool, provider)
             with self.cv:
                 if self.stopping:
                     return
-                for job in [restore(self.paths, j) for j in self.adopted]:
-                    self.jobs[job.id], self.running[job.id] = job, (job, None)  # its lines come
-                    self.secrets.update(job.secrets)  # as soon as the pool is open
+                self.secrets.update(self._restore_jobs(self.running))
             pool.open()
             for job, _ in list(self.running.values()):  # re-attached: its secrets' values
                 reveal(job, pool, self.token)
@@ -316,6 +389,8 @@ class ClusterDaemon(OutputRouting):
                 record_cost(self, "up", pool)
             shared = self.backend.shares_filesystem
             self.nodes = self.adopting or self._node_records()
+            if self.leases is not None and not self.adopting:  # a cloud's: for a new daemon
+                keep_login(self.backend, self.spec, self.paths, self.nodes)
             self.runner = Runner(
                 pool,
                 self.name,
@@ -327,6 +402,7 @@ class ClusterDaemon(OutputRouting):
                 candidate=getattr(provider, "chosen_index", None),  # a fallback's choice
             )
             self.runner.tag_output = True  # several jobs at once: their lines tell them apart
+            self._reap_again()
             with self.cv:
                 self.ledger = Ledger(self.nodes, JOBS_PER_NODE)
                 for job, _ in list(self.running.values()):  # re-attached: followed again
@@ -408,6 +484,8 @@ class ClusterDaemon(OutputRouting):
                     return
                 self.nodes[:] = nodes  # the runner holds this list
             self._connect_nodes()  # the new machine's host key and authorization
+            if self.leases is not None:  # the new machine's login, for a new daemon
+                keep_login(self.backend, self.spec, self.paths, self.nodes)
             with contextlib.suppress(FlotillaError, OSError), update(self.paths) as rec:
                 rec.nodes = self.nodes  # (after: a record naming it says it is ready)
             self.backend.on_up(self.paths, self.spec, self.nodes)

@@ -438,6 +438,10 @@ class Runner:
         with contextlib.suppress(Exception):  # best effort: the pool may be going away
             wait(self.pool.submit_broadcast(reap(prefix), nodes=ranks, any_slot=True), timeout)
 
+    def reap(self, job: Job) -> None:
+        """Kill what ``job`` left running on the nodes (a setup a daemon that died ran)."""
+        self._reap(job)
+
     def reap_all(self) -> None:
         """Kill every process any job of this pool started (the cluster goes down)."""
         self._reap(None)

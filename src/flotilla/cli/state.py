@@ -87,8 +87,9 @@ class JobStatus(Enum):
     SETTING_UP --> FAILED_SETUP | CANCELLED
 
     LOST is never written: it is what an unfinished job is when its cluster's daemon is
-    gone (``queue`` on a STALE cluster). A new daemon records such jobs as FAILED, but for
-    those it re-attaches to (RUNNING, see ``cli/adopt.py``), which go on.
+    gone (``queue`` on a STALE cluster). A new daemon that re-attaches follows the RUNNING
+    ones and queues the PENDING and SETTING_UP ones again (see ``cli/adopt.py``); it
+    records the others (and every one, when it cannot re-attach) as FAILED.
     """
 
     PENDING = "PENDING"
@@ -200,6 +201,9 @@ class ClusterRecord:
             stopping it (``launch --autostop M --down``).
         reattach_secret: the key a new daemon proves to the nodes' agents to re-attach to
             them after the daemon died (hex, a secret: the record is private).
+        clients: a cloud cluster's: the client identities (``cloud.identity``) of its
+            daemons, the first one's on its instances; each daemon holds leases on them
+            (``adopt.Leases``). More than one: a daemon re-attached to the instances.
         generation: which launch of this name the record belongs to (1, 2, ... per name,
             counted in NAME.lock). A daemon changes or deletes the record and the
             cluster's files only while the generation is its own, so a daemon of an
@@ -225,6 +229,7 @@ class ClusterRecord:
     engines: list[str] = field(default_factory=list)
     autodown: bool = False
     reattach_secret: str = ""
+    clients: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterRecord:

@@ -63,6 +63,7 @@ class AWS(Provider):
 
     name = "aws"
     elastic = True
+    reattaches_over_ssh = True  # a named cluster's nodes (``_providers/reattach.py``)
     """Elastic pools: an instance is launched per node added and terminated per node
     released (``AWSAllocation.candidate``, ``give_back``); a pool born empty launches none
     until its first call."""

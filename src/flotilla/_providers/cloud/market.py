@@ -123,6 +123,9 @@ class MarketProvider(Provider, Generic[_S, _Api]):
     settings: _S
     elastic = True
     keep: Keep | None = None
+    reattaches_over_ssh = True
+    """A named cluster's nodes are re-attached to over the pool's SSH login
+    (``_providers/reattach.py``)."""
     accepted = "key"
     """What :meth:`check` says the API accepted ("credentials")."""
     _api: _Api | None = None
