@@ -1,16 +1,21 @@
 """A lone call's round trip against ``Pool.apply``, on the machine as it is and with two
 busy-loop processes per core added: same run, each system in a fresh process (issue 42).
 
-    .venv/bin/python bench/bench_wait.py [--rounds 5] [--calls 2000]
+    .venv/bin/python bench/bench_wait.py [--rounds 5] [--calls 2000] [--before SRC]
 
 Each round measures, for each condition (``as is``, then ``busy``: 2 busy loops per core
-started for it), flotilla's ``noop() >> pool`` and multiprocessing's ``Pool.apply(noop)``
-one after the other (the order alternating between rounds), each in a fresh process
-(``bench/trial.py``'s systems, 4 workers): the median of up to ``--calls`` round trips
-(3 s at most, after 200 untimed ones), and the CPU seconds per call that the measuring
-process and the pool's processes spent (``/proc/PID/stat``: load-independent, unlike the
-time). Prints one line per measurement and the same-run ratios as a markdown table with
-the load (``/proc/loadavg``: 1-minute average and threads runnable) at each measurement.
+that this script starts for the condition and ends after it), flotilla's ``noop() >> pool``
+and multiprocessing's ``Pool.apply(noop)`` one after the other (the order rotating between
+rounds), each in a fresh process (``bench/trial.py``'s systems, 4 workers): the median of up
+to ``--calls`` round trips (3 s at most, after 200 untimed ones), and the CPU seconds per
+call that the measuring process and the pool's processes spent (``/proc/PID/stat``:
+load-independent, unlike the time). ``--before SRC`` adds flotilla from another source
+folder (the code before a change) to every measurement set.
+
+Progress goes to stderr, one line per measurement; stdout gets the report: a markdown table
+of every round (the same-run ratio, the load before and after it: ``/proc/loadavg``'s
+1-minute average and the threads runnable) and the medians per condition with their spread,
+as ``./dev bench`` puts it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ def _load() -> str:
     return f"{fields[0]} ({fields[3].split('/')[0]} runnable)"
 
 
+def _running(loops: int) -> None:
+    """Wait (3 s at most) until the kernel counts ``loops`` more threads runnable."""
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) > loops:
+            return
+        time.sleep(0.01)
+
+
 def run(system_name: str, calls: int, src: str = "") -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=src) if src else None
     out = subprocess.run(
@@ -101,6 +115,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--before", default="", help="also flotilla from this src folder")
+    parser.add_argument(
+        "--loops-apart",
+        action="store_true",
+        help="start the busy loops in sessions of their own (as other users' programs are), "
+        "not in this script's (as a program's own busy processes are)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -113,10 +133,13 @@ def main() -> None:
             loops = []
             if condition == "busy":
                 loops = [
-                    subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    subprocess.Popen(
+                        [sys.executable, "-c", "while True: pass"],
+                        start_new_session=args.loops_apart,
+                    )
                     for _ in range(2 * cores)
                 ]
-                time.sleep(0.5)  # the loops are running
+                _running(2 * cores)
             try:
                 order = ["flotilla", "multiprocessing"] + (["before"] if args.before else [])
                 order = order[rnd % len(order) :] + order[: rnd % len(order)]
@@ -141,6 +164,7 @@ def main() -> None:
                     f"round {rnd} {condition}: before {b['median'] * 1e6:.1f} us "
                     f"({b['cpu_per_call'] * 1e6:.0f} us CPU/call): "
                     f"{b['median'] / mp['median']:.2f}x",
+                    file=sys.stderr,
                     flush=True,
                 )
             print(
@@ -148,27 +172,46 @@ def main() -> None:
                 f"({fl['cpu_per_call'] * 1e6:.0f} us CPU/call), Pool.apply "
                 f"{mp['median'] * 1e6:.1f} us ({mp['cpu_per_call'] * 1e6:.0f} us CPU/call): "
                 f"{fl['median'] / mp['median']:.2f}x",
+                file=sys.stderr,
                 flush=True,
             )
             rows.append((rnd, condition, load, fl, mp, got.get("before", {})))
+    report(rows, args.rounds, cores, args.loops_apart)
+
+
+def report(rows: list[Any], rounds: int, cores: int, apart: bool = False) -> None:
+    """The markdown report of :func:`main`'s rows (see the module docstring)."""
+    before = any(r[5] for r in rows)
     print(
-        "\n| round | condition | load (1-min, runnable) | flotilla vs `Pool.apply` | ratio "
-        "| before: ratio |"
+        f"`bench/bench_wait.py --rounds {rounds}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f', {cores} CPUs; "busy" = {2 * cores} busy-loop processes added for the condition'
+        + (" (each in a session of its own):" if apart else " (in the benchmark's session):")
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print()
+    print(
+        "| round | condition | load (1-min, runnable) | flotilla vs `Pool.apply` | ratio "
+        "| CPU per call: flotilla / `Pool.apply` |" + (" before: ratio |" if before else "")
+    )
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if before else ""))
     for rnd, condition, load, fl, mp, b in rows:
-        before = f"{b['median'] * 1e6:.1f} µs: {b['median'] / mp['median']:.2f}×" if b else ""
+        old = f" {b['median'] * 1e6:.1f} µs: {b['median'] / mp['median']:.2f}× |" if b else ""
         print(
             f"| {rnd} | {condition} | {load} | {fl['median'] * 1e6:.1f} vs "
-            f"{mp['median'] * 1e6:.1f} µs | {fl['median'] / mp['median']:.2f}× | {before} |"
+            f"{mp['median'] * 1e6:.1f} µs | {fl['median'] / mp['median']:.2f}× | "
+            f"{fl['cpu_per_call'] * 1e6:.0f} / {mp['cpu_per_call'] * 1e6:.0f} µs |"
+            + (old or (" |" if before else ""))
         )
     for condition in ("as is", "busy"):
-        ratios = [r[3]["median"] / r[4]["median"] for r in rows if r[1] == condition]
-        olds = [r[5]["median"] / r[4]["median"] for r in rows if r[1] == condition and r[5]]
-        old = f"{statistics.median(olds):.2f}× ({min(olds):.2f}-{max(olds):.2f})" if olds else ""
+        mine = [r for r in rows if r[1] == condition]
+        ratios = [r[3]["median"] / r[4]["median"] for r in mine]
+        olds = [r[5]["median"] / r[4]["median"] for r in mine if r[5]]
+        old = f" {statistics.median(olds):.2f}× ({min(olds):.2f}-{max(olds):.2f}) |" if olds else ""
+        cpu = statistics.median(r[3]["cpu_per_call"] for r in mine) * 1e6
+        mp_cpu = statistics.median(r[4]["cpu_per_call"] for r in mine) * 1e6
         print(
             f"| median | {condition} | | | **{statistics.median(ratios):.2f}×** "
-            f"({min(ratios):.2f}-{max(ratios):.2f}) | {old} |"
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {cpu:.0f} / {mp_cpu:.0f} µs |"
+            + (old or (" |" if before else ""))
         )
 
 

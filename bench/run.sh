@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks flotilla against its peers and rewrites the sections of BENCHMARKS.md it produces
-# (run it as `./dev bench`); every other section (an issue's figures) stays (bench/sections.py).
+# (run it as `./dev bench`); every other section (an issue's figures) stays, and the blocks
+# marked `<!-- bench: NAME -->` inside one are refilled (bench/sections.py).
 # The peers (ray, dask[distributed], numpy) live in their own venv, .venv-bench, never in
 # flotilla's dependencies. A stamp file skips the install when nothing changed.
 # Extra arguments go to bench/bench.py (try `./dev bench --help`).
@@ -67,10 +68,16 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo "## The server: the API and 100 event streams (issue 39)"
     echo
     .venv/bin/python bench/bench_server.py 2>/dev/null
+    # Issue 42's section is written by hand; the run refills its two blocks (sections.py).
     echo
-    echo "## Node start CPU, every process of a start from /proc (issue 42)"
-    echo
+    echo "<!-- bench: nodestart -->"
     .venv/bin/python bench/bench_nodestart.py --reps 5 $([ "$(id -u)" = 0 ] && echo --ssh) 2>/dev/null
+    echo "<!-- /bench: nodestart -->"
+    echo "<!-- bench: wait -->"
+    .venv/bin/python bench/bench_wait.py --rounds 5 2>/dev/null
+    echo
+    .venv/bin/python bench/bench_wait.py --rounds 5 --loops-apart 2>/dev/null
+    echo "<!-- /bench: wait -->"
     if [ "$(id -u)" = 0 ]; then
         echo
         echo "## SSH provider on 4 test hosts (issue 3)"

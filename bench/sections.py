@@ -7,13 +7,25 @@ the load they were taken under). :func:`merge` keeps those: a section of the new
 replaces the old one of the same heading, where it was; an old section the run did not
 produce stays, after the section it followed; a new heading goes where the run put it.
 
+A hand-written section can hold a table the run refreshes: a block between the lines
+``<!-- bench: NAME -->`` and ``<!-- /bench: NAME -->``. A run that writes a block of that
+name (anywhere in its text, markers included) refills it there, and leaves the words
+around it as they were; a block the report has no place for is added at its end.
+
     python bench/sections.py REPORT NEW   # merge the file NEW into REPORT, in place
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+
+_BLOCK = re.compile(
+    r"^<!-- bench: (?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- /bench: (?P=name) -->\n?",
+    re.M | re.S,
+)
+"""A block a run refills (see the module docstring), its two marker lines included."""
 
 
 def split(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -36,7 +48,10 @@ def split(text: str) -> tuple[str, list[tuple[str, str]]]:
 
 def merge(old: str, new: str) -> str:
     """``new``'s sections, in its order, with ``old``'s other sections kept (each after
-    the section it followed in ``old``); ``new``'s preamble unless it is blank."""
+    the section it followed in ``old``); ``new``'s preamble unless it is blank; then
+    ``new``'s blocks put in the place of ``old``'s blocks of the same name."""
+    blocks = {m["name"]: m[0].rstrip("\n") + "\n" for m in _BLOCK.finditer(new)}
+    new = _BLOCK.sub("", new)
     old_pre, old_sections = split(old)
     new_pre, new_sections = split(new)
     produced = {head for head, _ in new_sections}
@@ -48,7 +63,13 @@ def merge(old: str, new: str) -> str:
             out.insert(at, (head, text))
         after = head
     body = "".join(_ended(text) for _, text in out)
-    return (new_pre if new_pre.strip() else old_pre) + body
+    text = (new_pre if new_pre.strip() else old_pre) + body
+
+    def refill(m: re.Match[str]) -> str:
+        return blocks.pop(m["name"], m[0])
+
+    text = _BLOCK.sub(refill, text)
+    return text + "".join(f"\n{block}" for block in blocks.values())
 
 
 def _ended(text: str) -> str:

@@ -44,6 +44,13 @@ NEW CLI TABLE
 ## A benchmark added later (issue 99)
 
 NEW SECTION
+
+<!-- bench: nodestart -->
+NEW NODE START TABLE
+<!-- /bench: nodestart -->
+<!-- bench: wait -->
+NEW WAIT TABLE
+<!-- /bench: wait -->
 """
 """What ``bench/run.sh`` then writes for the other issues' benchmarks."""
 
@@ -62,10 +69,15 @@ def test_a_full_rerun_keeps_the_sections_written_for_an_issue(tmp_path: Path) ->
     before, after = headings(committed), headings(text)
     # every section is still there, once, in its order; the new one comes last
     assert after == [*before, "A benchmark added later (issue 99)"]
-    hand_written = [h for h in before if "issues 37, 38, 41, 42" in h]
+    hand_written = [h for h in before if "(issue 42)" in h]
     assert hand_written, "the committed report has a section written by hand for issue 42"
-    for head in hand_written:  # kept word for word
-        assert dict(sections.split(committed)[1])[head] in text
+    for head in hand_written:  # kept word for word, but for the blocks the run refilled
+        old_words = sections._BLOCK.split(dict(sections.split(committed)[1])[head])
+        new_words = sections._BLOCK.split(dict(sections.split(text)[1])[head])
+        assert old_words[::3] == new_words[::3] and len(old_words) > 1
+    issue = dict(sections.split(text)[1])["Lighter nodes (issue 42)"]
+    assert "NEW NODE START TABLE" in issue and "NEW WAIT TABLE" in issue
+    assert text.count("NEW WAIT TABLE") == 1
     # what the run produced replaced the old text, and nothing else did
     produced = dict(sections.split(text)[1])
     assert produced["Cold start"].strip() == "## Cold start\n\nNEW COLD START TABLE"
@@ -81,3 +93,33 @@ def test_a_heading_inside_a_code_block_is_not_a_section() -> None:
     assert sections.merge(text, "## B\n\nnew b\n") == (
         "intro\n\n## A\n\n```\n## not a heading\n```\n\n## B\n\nnew b\n\n"
     )
+
+
+def test_a_run_refills_the_blocks_inside_a_hand_written_section() -> None:
+    old = (
+        "# report\n\n## Lighter nodes (issue 42)\n\nWords written by hand.\n\n"
+        "<!-- bench: wait -->\nTHE OLD TABLE\n<!-- /bench: wait -->\n\nMore words.\n\n"
+        "## Cold start\n\nOLD COLD START\n"
+    )
+    new = (
+        "## Cold start\n\nNEW COLD START\n\n"
+        "<!-- bench: wait -->\nTHE NEW TABLE\n<!-- /bench: wait -->\n"
+        "<!-- bench: later -->\nA BLOCK WITH NO PLACE YET\n<!-- /bench: later -->\n"
+    )
+    merged = sections.merge(old, new)
+    pre, parts = sections.split(merged)
+    assert pre == "# report\n\n"  # a run's blocks are not its preamble
+    issue = dict(parts)["Lighter nodes (issue 42)"]
+    assert issue == (
+        "## Lighter nodes (issue 42)\n\nWords written by hand.\n\n"
+        "<!-- bench: wait -->\nTHE NEW TABLE\n<!-- /bench: wait -->\n\nMore words.\n\n"
+    )
+    assert "THE OLD TABLE" not in merged and merged.count("THE NEW TABLE") == 1
+    assert "NEW COLD START" in dict(parts)["Cold start"]
+    # a block the report has no markers for is kept, markers and all, at its end
+    assert merged.endswith(
+        "<!-- bench: later -->\nA BLOCK WITH NO PLACE YET\n<!-- /bench: later -->\n"
+    )
+    # and the next run finds it there
+    again = sections.merge(merged, "<!-- bench: later -->\nNEWER\n<!-- /bench: later -->\n")
+    assert "A BLOCK WITH NO PLACE YET" not in again and again.count("NEWER") == 1

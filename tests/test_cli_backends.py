@@ -42,11 +42,18 @@ def launch_args(*flags: str) -> argparse.Namespace:
 # -- provider kinds are named in the backends only ---------------------------------------------
 def _kind_literals(path: Path, kinds: set[str], root: Path = CLI_DIR.parent) -> list[str]:
     """``file:line: 'kind'`` for each string constant equal to a provider kind, except a
-    sub-command's name (``add_parser("ssh")``: the `flotilla ssh` command) and a path
-    component (``home / "ssh"``: a folder's name)."""
+    sub-command's name (``add_parser("ssh")``: the `flotilla ssh` command, or a name in
+    ``cli/parser.py``'s table of the sub-commands it builds on demand, ``_PARTS``) and a
+    path component (``home / "ssh"``: a folder's name)."""
     tree = ast.parse(path.read_text(), str(path))
     allowed: set[int] = set()
     for node in ast.walk(tree):
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == "_PARTS":
+            assert isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Tuple)
+            for row in node.value.elts:  # (names, the commands it changes, its builder)
+                if isinstance(row, ast.Tuple) and isinstance(row.elts[0], ast.Tuple):
+                    allowed.update(id(name) for name in row.elts[0].elts)
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -83,8 +90,12 @@ def test_the_kind_check_catches_a_comparison(tmp_path: Path) -> None:
     module.write_text(
         'def f(kind, sub, home):\n    sub.add_parser("ssh")\n    d = home / "ssh"\n'
         '    return kind == "ssh"\n'
+        '_PARTS: tuple = ((("ssh",), ("ssh",), f),)\n'
     )
-    assert _kind_literals(module, {"ssh"}, tmp_path) == ["flotilla/cli/bad.py:4: 'ssh'"]
+    assert _kind_literals(module, {"ssh"}, tmp_path) == [
+        "flotilla/cli/bad.py:4: 'ssh'",
+        "flotilla/cli/bad.py:5: 'ssh'",  # a table's command name, yes; its other columns, no
+    ]
 
 
 def test_every_backend_module_is_in_the_registry() -> None:

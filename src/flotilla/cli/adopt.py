@@ -33,16 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError, ProvisionError
 from .._redaction import is_secret
-from .jobs import Job
 from .jobspec import JobSpec
-from .node_ops import job_env
 from .state import ClusterRecord, JobRecord, JobStatus, NodeRecord, Paths, read_json, write_json
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the daemon's modules: `flotilla status` asks only `adoptable`)
     from .._client.compute import Compute
     from .._providers.base import Provider
     from .._providers.reattach import Reattach
     from .backends.base import Backend, ProviderSpec
+    from .jobs import Job
 
 GRACE_VAR = "FLOTILLA_REATTACH_GRACE"
 DEFAULT_GRACE = 600.0
@@ -136,6 +135,8 @@ def save_spec(job: Job) -> None:
 
 def restore(paths: Paths, rec: JobRecord) -> Job:
     """The running job of ``rec``, as its daemon had it (its spec from its folder)."""
+    from .jobs import Job
+
     folder = paths.job_dir(rec.id)
     data = read_json(folder / SPEC_FILE, lambda why: ProvisionError(f"job {rec.id}: {why}"))
     if data is None:
@@ -153,6 +154,8 @@ def reveal(job: Job, pool: Compute, token: str) -> None:
     processes on its first node (over the pool's channel), and let its lines go on,
     redacted. Lines held meanwhile go on also when the values cannot be read (its
     processes ended): then they are shown as the job printed them."""
+    from .node_ops import job_env
+
     values: dict[str, str] = {}
     if job.hidden:
         call = job_env(f"{token}.{job.id}.", job.hidden)

@@ -11,7 +11,6 @@ import time
 
 from .._errors import ConfigurationError, FlotillaError
 from .._system import procs
-from .backends import registry
 from .console import CLIError, duration, print_json, say, table
 from .conventions import EXIT_FLOTILLA, confirm
 from .state import (
@@ -78,6 +77,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     from .adopt import adoptable
+    from .backends import registry
     from .clusters import reattach
     from .ipc import request
     from .state import delete
@@ -155,6 +155,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def _down_corrupt(paths: Paths) -> None:
     """``down`` of a cluster whose state file is unreadable: ask a daemon that may still
     listen to stop, clean up what local nodes may have left, remove the rest."""
+    from .backends import registry
     from .ipc import request
     from .state import delete
 
@@ -179,6 +180,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     the record says STOPPED; ``flotilla start`` brings them back. Providers whose nodes
     cannot be stopped are refused, with ``down`` offered."""
     from .adopt import stop_refusal
+    from .backends import registry
     from .ipc import request
 
     code = 0
@@ -222,6 +224,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     returns once they are UP (or failed, saying why)."""
     from .._volume import Volume
     from .adopt import adoptable
+    from .backends import registry
     from .clusters import reattach, start_daemon, wait_up
 
     for name in args.clusters:

@@ -13,7 +13,9 @@
 Exit status: the job's own, or one of ``conventions.EXIT_CODES`` for flotilla's own.
 
 Commands that only talk to a running cluster import nothing heavy (no asyncio, no pool
-machinery): the cluster daemon (``daemon``) does the work and streams the output back.
+machinery): the cluster daemon (``daemon``) does the work and streams the output back. A
+run builds and imports only the command it names (``parser.build_parser``): the backends,
+the server and the observers load when a command needs them.
 
 Where things are: ``parser`` (the commands and their flags), ``cmd_run`` (launch, exec),
 ``cmd_jobs`` (queue, logs, cancel), ``cmd_clusters`` (status, down, ssh), ``clusters``
@@ -38,14 +40,14 @@ from .conventions import (
     EXIT_USAGE,
     split_command,
 )
-from .parser import build_parser, command_options
+from .parser import build_parser, command_of, command_options
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``flotilla`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     after: list[str] = []
-    parser = build_parser()
+    parser = build_parser(command_of(argv))  # that command's modules only
     valued = command_options(parser, argv[0]) if argv else None
     if valued is not None:  # `flotilla ssh NAME --node 1 CMD ARGS`: CMD is not parsed
         parsed, after = split_command(argv[1:], valued)

@@ -1,23 +1,30 @@
 """The ``flotilla`` argument parser: its commands, their arguments and flags (the backends
-add theirs to ``launch``, see ``backends.registry``)."""
+add theirs to ``launch``, see ``backends.registry``).
+
+A run builds only the command it names (:func:`build_parser` with ``command``): the other
+commands are names alone, so that a command imports its own modules and nothing else (a
+``flotilla status`` does not load every backend, the server and the pool machinery).
+``--help`` before any command builds them all.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeAlias
 
 from .._version import __version__
-from .backends import registry
-from .cmd_autostop import add_autostop_parser
-from .cmd_clusters import cmd_down, cmd_ssh, cmd_start, cmd_status, cmd_stop
-from .cmd_jobs import cmd_cancel, cmd_logs, cmd_queue
-from .cmd_run import cmd_exec, cmd_launch
 from .console import json_flag
 from .conventions import EXIT_CODES, count, index
-from .managed.commands import add_jobs_parser
+
+_Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``flotilla`` command line: one sub-command per ``cmd_*`` function."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``flotilla`` command line: one sub-command per ``cmd_*`` function. Given
+    ``command`` (a run's first word), only that sub-command gets its arguments (and imports
+    its modules); the others are there by name only, which is all argparse needs to pick
+    one, print the usage or refuse an unknown name. None: every sub-command (``--help``)."""
     codes = "; ".join(f"{c}: {what}" for c, what in EXIT_CODES.items())
     p = argparse.ArgumentParser(
         prog="flotilla",
@@ -26,55 +33,76 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"flotilla {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    made: dict[str, argparse.ArgumentParser] = {}
+    for names, changes, add in _PARTS:
+        if command is None or command in names or command in changes:
+            add(sub, made)
+        else:
+            for name in names:
+                sub.add_parser(name)
+    return p
 
-    def job_flags(q: argparse.ArgumentParser) -> None:
-        q.add_argument(
-            "--env", action="append", default=[], metavar="K=V", help="set or override a variable"
-        )
-        q.add_argument(
-            "--secret",
-            action="append",
-            default=[],
-            metavar="K",
-            help="a secret variable, its value taken from this environment: never logged, "
-            "shown or written to disk (K=V works but shows V to every user through ps)",
-        )
-        q.add_argument(
-            "--secret-file",
-            action="append",
-            default=[],
-            metavar="FILE",
-            help="secret variables from a file of KEY=VALUE lines",
-        )
-        q.add_argument(
-            "--env-file",
-            action="append",
-            default=[],
-            metavar="FILE",
-            help="variables from a dotenv file (KEY=VALUE lines; --env wins over it)",
-        )
-        q.add_argument(
-            "--workdir",
-            metavar="DIR",
-            help="the local folder synced to the nodes, instead of the task's workdir",
-        )
-        q.add_argument(
-            "-y",
-            "--yes",
-            action="store_true",
-            help="do not ask for confirmation; launch: add the Include line that lets `ssh "
-            "NAME` reach the cluster to ~/.ssh/config (see `flotilla ssh-config`)",
-        )
-        q.add_argument(
-            "-d", "--detach", action="store_true", help="submit and return; do not follow"
-        )
-        q.add_argument(
-            "--retries",
-            type=int,
-            default=0,
-            help="run a failed `run` again up to this many times (same task id)",
-        )
 
+def command_of(argv: list[str]) -> str | None:
+    """The sub-command ``argv`` names (its first word that is not an option), for
+    :func:`build_parser`; None when ``-h``/``--help`` comes first (the whole parser)."""
+    for word in argv:
+        if word in ("-h", "--help"):
+            return None
+        if not word.startswith("-"):
+            return word
+    return ""
+
+
+def job_flags(q: argparse.ArgumentParser) -> None:
+    """The flags of a job's submission: ``launch``, ``exec`` and ``jobs launch``."""
+    q.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="set or override a variable"
+    )
+    q.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="K",
+        help="a secret variable, its value taken from this environment: never logged, "
+        "shown or written to disk (K=V works but shows V to every user through ps)",
+    )
+    q.add_argument(
+        "--secret-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="secret variables from a file of KEY=VALUE lines",
+    )
+    q.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="variables from a dotenv file (KEY=VALUE lines; --env wins over it)",
+    )
+    q.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="the local folder synced to the nodes, instead of the task's workdir",
+    )
+    q.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="do not ask for confirmation; launch: add the Include line that lets `ssh "
+        "NAME` reach the cluster to ~/.ssh/config (see `flotilla ssh-config`)",
+    )
+    q.add_argument("-d", "--detach", action="store_true", help="submit and return; do not follow")
+    q.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="run a failed `run` again up to this many times (same task id)",
+    )
+
+
+def _launch(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     q = sub.add_parser("launch", help="start a cluster (if needed), sync, set up and run a task")
     q.add_argument("task", help="a task file (SkyPilot YAML) or a shell command")
     q.add_argument("-c", "--cluster", help="cluster name (default: a new one)")
@@ -124,9 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="spot instances (or not: --no-use-spot), as a task's resources.use_spot",
     )
     job_flags(q)
+    from .backends import registry
+    from .cmd_run import cmd_launch
+
     registry.add_flags(q)
     q.set_defaults(func=cmd_launch)
 
+
+def _exec(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     q = sub.add_parser("exec", help="sync the workdir and run a task or command (no setup)")
     q.add_argument("cluster")
     q.add_argument(
@@ -155,17 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the task against the cluster and print what would run; submit nothing",
     )
     job_flags(q)
+    from .cmd_run import cmd_exec
+
     q.set_defaults(func=cmd_exec)
+
+
+def _status(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_clusters import cmd_status
 
     q = sub.add_parser("status", help="the clusters: provider, nodes, state, age, idle time")
     q.add_argument("clusters", nargs="*")
     json_flag(q)
     q.set_defaults(func=cmd_status)
 
+
+def _queue(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_jobs import cmd_queue
+
     q = sub.add_parser("queue", help="a cluster's jobs")
     q.add_argument("cluster")
     json_flag(q)
     q.set_defaults(func=cmd_queue)
+
+
+def _logs(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_jobs import cmd_logs
 
     q = sub.add_parser("logs", help="a job's output (default: the latest job)")
     q.add_argument("cluster")
@@ -178,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--node", type=index("--node"), help="only this node's output")
     q.set_defaults(func=cmd_logs)
-    logs = q
+    made["logs"] = q  # `observe` adds --export
+
+
+def _cancel(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_jobs import cmd_cancel
 
     q = sub.add_parser("cancel", help="stop jobs on every node")
     q.add_argument("cluster")
@@ -186,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-a", "--all", action="store_true", help="every job not finished yet")
     q.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     q.set_defaults(func=cmd_cancel)
+
+
+def _down(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .backends import registry
+    from .cmd_clusters import cmd_down
 
     q = sub.add_parser("down", help="stop clusters and remove them (logs included)")
     q.add_argument("clusters", nargs="*", metavar="CLUSTER")
@@ -200,18 +256,37 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_flags(q)  # --provider and its flags: where to look (--region, --namespace)
     q.set_defaults(func=cmd_down)
 
+
+def _autostop(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_autostop import add_autostop_parser
+
     add_autostop_parser(sub)
+
+
+def _config(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from .cmd_config import add_config_parser
 
     add_config_parser(sub)  # config show|validate
+
+
+def _stop(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_clusters import cmd_stop
 
     q = sub.add_parser("stop", help="stop clusters, keeping their disks and environments")
     q.add_argument("clusters", nargs="+", metavar="CLUSTER")
     q.set_defaults(func=cmd_stop)
 
+
+def _start(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_clusters import cmd_start
+
     q = sub.add_parser("start", help="start stopped clusters again")
     q.add_argument("clusters", nargs="+", metavar="CLUSTER")
     q.set_defaults(func=cmd_start)
+
+
+def _ssh(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .cmd_clusters import cmd_ssh
 
     q = sub.add_parser("ssh", help="a shell (or a command) on a node, in its working directory")
     q.add_argument("cluster")
@@ -219,23 +294,72 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("remote", nargs="*", metavar="CMD", help="a command instead of a shell")
     q.set_defaults(func=cmd_ssh, takes_rest=True)  # what follows `--` is CMD, unparsed
 
+
+def _files(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from .cmd_files import add_file_parsers
 
     add_file_parsers(sub)  # cp, download, rsync
+
+
+def _ssh_config(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from .sshconfig import add_parser as add_ssh_config
 
     add_ssh_config(sub)  # ssh-config
+
+
+def _jobs(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
+    from .backends import registry
+    from .managed.commands import add_jobs_parser
+
     add_jobs_parser(sub, job_flags, registry.add_flags)  # `flotilla jobs ...`: managed jobs
+
+
+def _market(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from .cmd_market import add_parsers
 
     add_parsers(sub)  # show-gpus, check, cost-report
+
+
+def _observe(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from .observe import add_parsers as add_observe
 
+    logs = made.get("logs") or argparse.ArgumentParser()  # --export, on `logs` when built
     add_observe(sub, logs)  # top, events, logs --export
+
+
+def _server(sub: _Sub, made: dict[str, argparse.ArgumentParser]) -> None:
     from ..server.control import add_parser as add_server
 
     add_server(sub)  # server start|stop|status: the HTTP API and dashboard
-    return p
+
+
+_PARTS: tuple[
+    tuple[
+        tuple[str, ...], tuple[str, ...], Callable[[_Sub, dict[str, argparse.ArgumentParser]], None]
+    ],
+    ...,
+] = (
+    (("launch",), (), _launch),
+    (("exec",), (), _exec),
+    (("status",), (), _status),
+    (("queue",), (), _queue),
+    (("logs",), (), _logs),
+    (("cancel",), (), _cancel),
+    (("down",), (), _down),
+    (("autostop",), (), _autostop),
+    (("config",), (), _config),
+    (("stop",), (), _stop),
+    (("start",), (), _start),
+    (("ssh",), (), _ssh),
+    (("cp", "download", "rsync"), (), _files),
+    (("ssh-config",), (), _ssh_config),
+    (("jobs",), (), _jobs),
+    (("show-gpus", "check", "cost-report"), (), _market),
+    (("top", "events"), ("logs",), _observe),
+    (("server",), (), _server),
+)
+"""The sub-commands in ``--help``'s order: (the names a part adds, the other commands it
+changes, the function that adds them)."""
 
 
 def resource_flags(
