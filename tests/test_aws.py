@@ -8,7 +8,9 @@ import contextlib
 import glob
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -276,6 +278,31 @@ def test_kill9_watchdog_and_orphan_cleanup(aws_lab: AwsLab) -> None:
         assert live.pool_id not in orphans.pools
         assert {i["State"]["Name"] for i in aws_lab.pool_instances(live.pool_id)} == {"running"}
     _gone(aws_lab, pool_id)
+
+
+def test_the_orphan_sweep_removes_only_the_key_folders_of_its_own_place(aws_lab: AwsLab) -> None:
+    """A dead client's key folder is removed by the sweep of the API its pool used, never by
+    that of another region, account or endpoint (a user's second region; in CI, another
+    lab): each key folder records its pool's place."""
+    provider = aws_lab.provider()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead = f"{socket.gethostname()}:{ended.pid}:0"  # a client gone (no such start)
+    folders = {}
+    for name, place in (("here", provider.api.place), ("there", "eu-west-3 http://127.0.0.1:9")):
+        folder = tempfile.mkdtemp(prefix=f"flotilla-aws-o{os.urandom(3).hex()}-")
+        for file, text in (("client", dead), ("place", place)):
+            Path(folder, file).write_text(text)
+        folders[name] = folder
+    try:
+        orphans = provider.remove_orphans()
+        assert folders["here"] in orphans.folders
+        assert not os.path.exists(folders["here"])
+        assert folders["there"] not in orphans.folders
+        assert os.path.isdir(folders["there"])
+    finally:
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait_for(what: str, check: Any, timeout: float = 60.0) -> None:

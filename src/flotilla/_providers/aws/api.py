@@ -153,6 +153,12 @@ class Api:
         if self.session.get_credentials() is None:
             raise ConfigurationError(f"no AWS credentials found: {CONFIGURE_CREDENTIALS}")
 
+    @property
+    def place(self) -> str:
+        """Where this API's instances live: the region and the EC2 endpoint (another
+        account's or emulator's endpoint is another place; see ``orphans.remove_orphans``)."""
+        return f"{self.region} {self.client('ec2').meta.endpoint_url}"
+
     def client(self, service: str, region: str | None = None) -> Any:
         """The ``service`` client of the pool's region (or of ``region``), made once."""
         region = region or self.region

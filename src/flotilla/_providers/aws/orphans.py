@@ -5,7 +5,8 @@ process's start time in clock ticks: a recycled pid is not mistaken for the clie
 whose client ran on this machine and is gone is an orphan: :func:`remove_orphans`
 terminates its instances, deletes its security group and its local key folder. Pools of
 clients on other machines cannot be checked from here and are left alone (their instances
-end themselves ``ttl`` s after their client stopped talking to them).
+end themselves ``ttl`` s after their client stopped talking to them). A key folder names
+its pool's place (region and endpoint, ``Api.place``): only this API's are looked at.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def remove_orphans(api: Api, dry_run: bool = False) -> Orphans:
         try:
             with open(os.path.join(folder, "client")) as f:
                 client = f.read().strip()
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, "place")) as f:
+                if f.read() != api.place:
+                    continue  # a pool of another region, account or endpoint: not this API's
         except OSError:
             continue
         pool = os.path.basename(folder)[len(FOLDER_PREFIX) :].rsplit("-", 1)[0]

@@ -91,8 +91,9 @@ class AWSAllocation(CloudAllocation):
         self.image_id = ""
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
-        with open(os.path.join(self.folder, "client"), "w") as f:
-            f.write(self.network.client)
+        for name, text in (("client", self.network.client), ("place", api.place)):
+            with open(os.path.join(self.folder, name), "w") as f:
+                f.write(text)
 
     @property
     def security_group(self) -> str:
