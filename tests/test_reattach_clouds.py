@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
 from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
 from _procs import wait_until
 from _runpod import RunPodLab, runpod_lab_fixture  # noqa: F401 - the runpod_lab fixture
@@ -23,6 +24,10 @@ from test_cli_runpod import RTX4090
 from test_reattach import kill_daemon, last_tick, read, start_ticking
 
 from flotilla.cli.state import ClusterState, JobStatus
+
+# The tests' own waits (a launch, 180 s for the instances to end, 300 s for start and down)
+# are longer than pytest-timeout's 120 s default: a CI run hit that default mid-wait.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _pool(aws_lab: AwsLab, cli: CLI, name: str) -> str:

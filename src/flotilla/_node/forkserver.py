@@ -11,10 +11,9 @@ it says ``R 0`` (ready) and serves requests on ``FD`` (a ``SOCK_SEQPACKET`` Unix
 * a request is one message: JSON ``{"cwd", "env"}`` with three descriptors, the agent's
   stdin, stdout and stderr. The server forks; the child closes every descriptor of the
   server (the socket, the pidfds of the other agents), takes the three as 0, 1 and 2,
-  takes a process group of its own in the client's session (as a spawned agent does,
-  see ``pipe.spawn``: Ctrl-C reaches the client only, a kill of the agent's group is the
-  agent's alone, and the scheduler keeps the pool in the client's group), moves to
-  ``cwd``, replaces its environment with ``env`` and its import path with
+  starts a session of its own (``setsid``, as ``start_new_session`` does for a spawned
+  agent: Ctrl-C reaches the client only, and a kill of the agent's group is the agent's
+  alone), moves to ``cwd``, replaces its environment with ``env`` and its import path with
   the one ``env``'s ``PYTHONPATH`` gives a fresh agent, shows ``python -m flotilla.agent``
   as its command line (``ps``, ``/proc/PID/cmdline``: what tools look for to find an
   agent, written over the server's longer one) and runs the agent's
@@ -124,7 +123,7 @@ def _agent(
         control.close()
         for pidfd in pidfds:
             os.close(pidfd)
-        os.setpgid(0, 0)
+        os.setsid()
         for target, received in enumerate(fds):
             os.dup2(received, target)
         for received in fds:

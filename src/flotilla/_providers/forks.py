@@ -3,9 +3,8 @@ interpreter instead of a fresh one each (the node side is ``flotilla._node.forks
 
 A node's start is then a fork and the agent's own work, not an interpreter's start and
 the agent's imports: :class:`ForkServer` starts ``python -m flotilla._node.forkserver``
-once (in the client's session, a process group of its own, as spawned agents are: see
-``pipe.spawn``; with the agents' environment and the compiled node code on its path),
-:meth:`ForkServer.wait_ready` waits until it has imported them (the pool's
+once (in a session of its own, with the agents' environment and the compiled node code on
+its path), :meth:`ForkServer.wait_ready` waits until it has imported them (the pool's
 acquire, in a worker thread), and :meth:`ForkServer.fork` asks it for one agent, giving it
 the agent's three pipes (a fork of a warm process: about as long as a spawn's fork and
 exec, so an agent's start does it on the event loop as it spawns). The agent is a
@@ -46,7 +45,7 @@ class ForkServer:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 pass_fds=(fd,),
-                process_group=0,  # the client's session (see pipe.spawn)
+                start_new_session=True,
                 cwd=root,
                 env=dict(env, PYTHONPATH=root),
             )

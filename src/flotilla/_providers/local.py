@@ -180,7 +180,7 @@ class LocalAllocation(Allocation):
                 forked = self._fork(machine.ident, env)
                 if forked is not None:
                     return PipeAgent(forked, address=machine.address, host=machine.host)
-            proc = spawn(command, own_session=False, cwd=machine.ident, env=env)  # see spawn
+            proc = spawn(command, cwd=machine.ident, env=env)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"

@@ -119,9 +119,8 @@ class PipeAgent(AgentProcess):
     """An agent whose protocol channel is a child process's stdin/stdout.
 
     Attributes:
-        proc: the child process (started with three pipes, in its own session or
-            process group: see :func:`spawn`), or an agent forked by a local pool's fork
-            server (``forks.ForkedAgent``).
+        proc: the child process (started with three pipes, in its own session), or an
+            agent forked by a local pool's fork server (``forks.ForkedAgent``).
         err_tail: the last bytes the child wrote to stderr.
         stderr_filters: what the child's stderr passes through, in order, before
             :meth:`start_reading`'s ``on_stderr`` (the ssh process's own lines taken out,
@@ -491,25 +490,16 @@ class PipeAgent(AgentProcess):
                     stream.close()
 
 
-def spawn(argv: list[str], own_session: bool = True, **kwargs: object) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
     """Start ``argv`` with three unbuffered pipes in a new session (Ctrl-C reaches only
-    the client, which then stops its pool in order); without ``own_session``, in a new
-    process group of the client's session, which keeps Ctrl-C to the client as well.
-
-    A process on this machine that answers the client's calls (a Local agent) stays in the
-    client's session: Linux schedules a session as one group (autogroup), and an agent in
-    a group of its own took the CPU from the client at every call it woke for (the
-    client, preempted in its write, then waited behind the busy processes of its own group:
-    a lone call of 2-10 ms instead of ~0.2 ms with 2 busy loops per core). A pool then
-    shares its session's part of the machine, as a ``multiprocessing`` pool does."""
-    group: dict[str, object] = {"start_new_session": True} if own_session else {"process_group": 0}
+    the client, which then stops its pool in order)."""
     return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
         argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        start_new_session=True,
         bufsize=0,
-        **group,
         **kwargs,
     )
 
