@@ -25,6 +25,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 START_TIMEOUT = 60.0
@@ -65,15 +66,7 @@ class ForkServer:
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Wait until the server has imported the agents' modules (it said so). Raises
         OSError when it ended or did not within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while not self.ready:
-            if self.ended:
-                raise OSError("the local fork server ended as it started")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OSError(f"the local fork server did not start in {timeout:.0f} s")
-            select.select([self.sock], [], [], left)
-            self._read()
+        self._until(lambda: self.ready, timeout, "ended as it started", "did not start")
 
     def fork(self, cwd: str, env: dict[str, str]) -> ForkedAgent:
         """A new agent in ``cwd`` with ``env`` (its ``PYTHONPATH`` gives its import path).
@@ -88,7 +81,7 @@ class ForkServer:
             with self._asking:
                 request = json.dumps({"cwd": cwd, "env": env}).encode()
                 socket.send_fds(self.sock, [request], theirs)
-                pid = self._answer(time.monotonic() + START_TIMEOUT)
+                pid = self._answer()
         except BaseException:
             for fd in ours:
                 os.close(fd)
@@ -98,15 +91,21 @@ class ForkServer:
                 os.close(fd)
         return ForkedAgent(self, pid, *ours)
 
-    def _answer(self, deadline: float) -> int:
-        while not self._answers:
+    def _until(self, done: Callable[[], bool], timeout: float, ended: str, late: str) -> None:
+        """Take in what the server says until ``done()``; OSError "the local fork server
+        {ended}" when it ended first, "... {late} in {timeout} s" when it took longer."""
+        deadline = time.monotonic() + timeout
+        while not done():
             if self.ended:
-                raise OSError("the local fork server ended")
+                raise OSError(f"the local fork server {ended}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise OSError(f"the local fork server did not answer in {START_TIMEOUT:.0f} s")
+                raise OSError(f"the local fork server {late} in {timeout:.0f} s")
             select.select([self.sock], [], [], left)
             self._read()
+
+    def _answer(self) -> int:
+        self._until(lambda: bool(self._answers), START_TIMEOUT, "ended", "did not answer")
         pid, failed = self._answers.pop(0)
         self._forked.add(pid)
         if failed:
