@@ -760,6 +760,57 @@ watchdog(Config({str(contact)!r}, 0.1, {command!r}, retry=0.05))
     assert log.count("the power-off command failed (exit status 1)") == 2
 
 
+def test_watchdog_counts_a_removed_contact_file_as_no_contact(tmp_path: Any) -> None:
+    """The contact file removed under a running watchdog (a cleanup, a stale-file removal
+    running late) and no contact after: the watchdog still powers off, ttl s after the
+    last contact it saw, instead of reading "no file" as "a contact now" forever."""
+    contact, fired = tmp_path / "watchdog" / "i-1", tmp_path / "fired"
+    code = f"""
+import os, threading, time
+from flotilla._node.cloud import Config, watchdog
+path = {str(contact)!r}
+os.makedirs(os.path.dirname(path))
+open(path, "a").close()  # the agent's start
+def remove():  # once the watchdog is in charge (its lock file is there)
+    while not os.path.exists(path + ".lock"):
+        time.sleep(0.01)
+    os.unlink(path)
+threading.Thread(target=remove).start()
+watchdog(Config(path, 1.0, ("sh", "-c", "date +%s.%N >> {fired}")))
+"""
+    proc = _node_python(code)  # it hung until the timeout: it never powered off
+    assert proc.returncode == 0, proc.stderr
+    assert len(fired.read_text().split()) == 1
+    assert not contact.exists()
+
+
+def test_a_removed_contact_file_is_made_again_by_the_agents_next_contact(tmp_path: Any) -> None:
+    """The agent's side makes a removed contact file (and its folder) again: a contact
+    gives it the time now, a hold the deadline it sets, which the watchdog then keeps (a
+    hold for 0 s with a ttl of 600 s: the power-off at once, not 600 s later)."""
+    contact, fired = tmp_path / "watchdog" / "i-1", tmp_path / "fired"
+    code = f"""
+import os, shutil, time
+from flotilla._node.cloud import Config, Contact, watchdog
+path = {str(contact)!r}
+os.makedirs(os.path.dirname(path))
+open(path, "a").close()
+shutil.rmtree(os.path.dirname(path))
+before = time.time()
+Contact(path, 0.0, ttl=600.0).touch(time.monotonic())  # a frame from the client
+assert os.path.exists(path), "the contact did not make the file again"
+assert os.stat(path).st_mtime >= before - 1
+os.unlink(path)
+Contact(path, 5.0, ttl=600.0).hold(0.0)  # nobody re-attached: the instance ends now
+assert os.path.exists(path), "the hold did not make the file again"
+assert os.stat(path).st_mtime <= time.time() - 599
+watchdog(Config(path, 600.0, ("sh", "-c", "date +%s.%N >> {fired}")))
+"""
+    proc = _node_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert len(fired.read_text().split()) == 1
+
+
 def test_watchdog_is_in_charge_before_the_agent_goes_on(tmp_path: Any) -> None:
     """cloud.start() returns once the watchdog holds its lock: an agent killed right after
     (a client killed at once) leaves an instance that still powers off ttl s later."""

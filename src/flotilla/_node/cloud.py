@@ -7,9 +7,11 @@ flotilla._node.cloud``, which
 
 * forks the **watchdog**, a daemon (own session, no inherited descriptors) that outlives
   the agent and runs the power-off command ``ttl`` seconds after the last contact from the
-  client: the modification time of the contact file, which the agent touches. One
-  watchdog per instance (a lock file): a second agent on the instance shares it. With the
-  instance's shutdown behaviour "terminate", power-off ends the instance and its billing;
+  client: the modification time of the contact file, which the agent touches (:func:`mark`
+  makes a removed file again; the watchdog counts a missing file as no contact, keeping
+  the last time it saw). One watchdog per instance (a lock file): a second agent on the
+  instance shares it. With the instance's shutdown behaviour "terminate", power-off ends
+  the instance and its billing;
 * then polls the instance metadata service (EC2's IMDSv2: a token, then
   ``spot/instance-action``; Compute Engine's, whose URL ends in ``/computeMetadata/v1``:
   ``instance/preempted`` until it says ``TRUE``) until the agent ends (it dies with it),
@@ -78,6 +80,22 @@ class Config:
         )
 
 
+def mark(path: str, when: float | None = None) -> None:
+    """Set the contact file's time to ``when`` (None: now), making the file (and its
+    folder) if it is not there: through its descriptor, so a file removed meanwhile (by
+    hand, a cleanup, a boot guard's stale-file removal) is made again at the next contact,
+    never an error or a contact lost."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:  # its folder is gone too
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.utime(fd, None if when is None else (when, when))
+    finally:
+        os.close(fd)
+
+
 class Contact:
     """The agent's side: touches the contact file, at most once per ``every`` seconds.
 
@@ -95,19 +113,15 @@ class Contact:
     def touch(self, now: float) -> None:
         if now - self.last >= self.every:
             self.last = now
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                mark(self.path)
 
     def hold(self, seconds: float) -> None:
         """The watchdog powers off ``seconds`` from now (0: at once), no contact coming
         meanwhile: the contact file's time becomes ``now + seconds - ttl``."""
         when = time.time() + seconds - self.ttl
-        try:
-            os.utime(self.path, (when, when))
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            mark(self.path, when)
 
     def renew(self) -> None:
         """A client is there again: the last contact is now."""
@@ -122,10 +136,7 @@ def start() -> Contact | None:
     if not text:
         return None
     config = Config.from_json(text)
-    os.makedirs(os.path.dirname(config.contact) or ".", mode=0o700, exist_ok=True)
-    with open(config.contact, "a"):
-        pass
-    os.utime(config.contact)
+    mark(config.contact)
     armed, tell = os.pipe()
     try:
         subprocess.Popen(
@@ -194,11 +205,12 @@ def watchdog(config: Config, log: Any = None) -> None:
         _say_armed()
         return
     _say_armed()
+    last = time.time()  # the agent marked the contact just before it started this process
     while True:
-        try:
+        # a contact file that is gone (removed under it) is no contact: the last time seen
+        # still counts, and the agent's next contact makes the file again (mark)
+        with contextlib.suppress(OSError):
             last = os.stat(config.contact).st_mtime
-        except OSError:
-            last = time.time()
         left = last + config.ttl - time.time()
         if left <= 0:
             _log(config, f"no contact from the client since {last:.3f}: {config.poweroff}")
