@@ -85,13 +85,19 @@ def mark(path: str, when: float | None = None) -> None:
     folder) if it is not there: through its descriptor, so a file removed meanwhile (by
     hand, a cleanup, a boot guard's stale-file removal) is made again at the next contact,
     never an error or a contact lost."""
+    times = None if when is None else (when, when)
+    try:
+        os.utime(path, times)
+        return
+    except FileNotFoundError:
+        pass
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except FileNotFoundError:  # its folder is gone too
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        os.utime(fd, None if when is None else (when, when))
+        os.utime(fd, times)
     finally:
         os.close(fd)
 
