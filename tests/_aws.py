@@ -816,10 +816,15 @@ class AwsLab(Lifecycle):
                 env={**env, "INSTANCE_ID": inst.instance_id},
                 cwd="/",
             )
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:  # stopped with the host
-            pass
+        # as with cloud-init, sshd (so the agent) comes after the whole script, however busy
+        # the machine is: a boot guard still running when the agent starts would remove the
+        # contact file the agent just made, as a former boot's (with the 30 s cap this wait
+        # had, sshd could start first)
+        while proc.poll() is None:
+            if inst.stopped.is_set():  # terminated meanwhile: the host's removal kills it
+                return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1)
 
     def _shutdown(self, inst: Instance) -> None:
         """The instance is terminated: stop its host and everything in it."""
