@@ -148,3 +148,35 @@ def test_a_market_clusters_instances_are_re_attached_and_down_deletes_them(
         assert market.asked(lab) == asked
     finally:
         stop.unlink(missing_ok=True)
+
+
+def test_a_gone_instance_is_said_and_down_deletes_the_other_at_once(
+    cli: CLI, vast_lab: VastLab
+) -> None:
+    """One instance of the cluster went away while its daemon was dead (the market took
+    the machine back): ``start`` names the node that is gone and fails, and the other
+    instance is deleted with the account's key (the re-attach stopped its agent): none
+    stays rented until its watchdog ends it at the grace's end (600 s). One market is
+    enough: this is the cloud kit's path, shared by the four."""
+    market = MARKETS[0]
+    market.offer(vast_lab)
+    cli.env.update(vast_lab.env)
+    task = cli.task("up.yaml", f"num_nodes: 2\nresources:\n{market.resources}run: echo up\n")
+    cli.ok("launch", task, "-c", "rg", timeout=300)
+    rec = cli.record("rg")
+    assert rec is not None
+    (overlay,) = vast_lab.overlays.values()
+    (gone,) = [i for i in vast_lab.live() if overlay.members[i.id] == rec.nodes[1].ip]
+    (other,) = [i for i in vast_lab.live() if i is not gone]
+    kill_daemon(cli, "rg")
+    vast_lab.destroy(gone, "market")
+
+    refused = cli("start", "rg", timeout=300)
+    assert refused.returncode != 0, refused.stderr
+    assert f"node 1 ({rec.nodes[1].host}) is gone" in refused.stderr, refused.stderr
+    failed = cli.record("rg")
+    assert failed is not None and failed.observed_state() is ClusterState.FAILED
+    assert wait_until(lambda: vast_lab.live() == [], 60), [i.id for i in vast_lab.live()]
+    assert vast_lab.destroyed[other.id] == "account"  # released, not by its watchdog
+    cli.ok("down", "rg", timeout=300)
+    assert cli.record("rg") is None and market.asked(vast_lab) == 2
