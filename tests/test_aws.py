@@ -778,6 +778,37 @@ watchdog(Config(path, 1.0, ("sh", "-c", "date +%s.%N >> {fired}")))
     assert not contact.exists()
 
 
+def test_watchdog_makes_its_removed_lock_file_again(tmp_path: Any) -> None:
+    """The watchdog folder removed under a running watchdog: it makes its lock file again
+    (the boot guard powers off an instance whose lock file is missing at the end of its
+    wait, taking it for one whose agent never started) and still powers off, once."""
+    contact, fired = tmp_path / "watchdog" / "i-1", tmp_path / "fired"
+    code = f"""
+import os, shutil, threading, time
+from flotilla._node.cloud import Config, watchdog
+path = {str(contact)!r}
+os.makedirs(os.path.dirname(path))
+open(path, "a").close()  # the agent's start
+back = []
+def remove():  # once the watchdog is in charge: the whole folder
+    while not os.path.exists(path + ".lock"):
+        time.sleep(0.01)
+    shutil.rmtree(os.path.dirname(path))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path + ".lock") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    back.append(os.path.exists(path + ".lock"))
+thread = threading.Thread(target=remove)
+thread.start()
+watchdog(Config(path, 2.0, ("sh", "-c", "date +%s.%N >> {fired}")))
+thread.join()
+assert back == [True], "the lock file was not made again"
+"""
+    proc = _node_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert len(fired.read_text().split()) == 1
+
+
 def test_a_removed_contact_file_is_made_again_by_the_agents_next_contact(tmp_path: Any) -> None:
     """The agent's side makes a removed contact file (and its folder) again: a contact
     gives it the time now, a hold the deadline it sets, which the watchdog then keeps (a

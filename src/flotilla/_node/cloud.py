@@ -9,9 +9,10 @@ flotilla._node.cloud``, which
   the agent and runs the power-off command ``ttl`` seconds after the last contact from the
   client: the modification time of the contact file, which the agent touches (:func:`mark`
   makes a removed file again; the watchdog counts a missing file as no contact, keeping
-  the last time it saw). One watchdog per instance (a lock file): a second agent on the
-  instance shares it. With the instance's shutdown behaviour "terminate", power-off ends
-  the instance and its billing;
+  the last time it saw). One watchdog per instance (a lock file, which it makes again if
+  removed: the boot guard looks for it): a second agent on the instance shares it. With
+  the instance's shutdown behaviour "terminate", power-off ends the instance and its
+  billing;
 * then polls the instance metadata service (EC2's IMDSv2: a token, then
   ``spot/instance-action``; Compute Engine's, whose URL ends in ``/computeMetadata/v1``:
   ``instance/preempted`` until it says ``TRUE``) until the agent ends (it dies with it),
@@ -213,6 +214,10 @@ def watchdog(config: Config, log: Any = None) -> None:
     _say_armed()
     last = time.time()  # the agent marked the contact just before it started this process
     while True:
+        if not os.path.exists(lock.name):  # removed under it: the boot guard looks for it
+            lock = _lock_again(lock)
+            if lock is None:  # a watchdog started since then holds the new one
+                return
         # a contact file that is gone (removed under it) is no contact: the last time seen
         # still counts, and the agent's next contact makes the file again (mark)
         with contextlib.suppress(OSError):
@@ -225,6 +230,26 @@ def watchdog(config: Config, log: Any = None) -> None:
             time.sleep(config.retry)  # the instance still runs (and costs): try again
             continue
         time.sleep(min(left, 5.0) + 0.01)
+
+
+def _lock_again(held: Any) -> Any:
+    """The watchdog's lock file made again and locked after it was removed (the boot
+    guard takes a missing one for "no agent started" and powers the instance off); None
+    when a watchdog started meanwhile holds the new one (it is in charge). ``held`` is
+    kept if the file cannot be made (the next check tries again)."""
+    try:
+        os.makedirs(os.path.dirname(held.name) or ".", mode=0o700, exist_ok=True)
+        new = open(held.name, "a")  # noqa: SIM115 - held until the process ends
+    except OSError:
+        return held
+    try:
+        fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        new.close()
+        held.close()
+        return None
+    held.close()
+    return new
 
 
 def _power_off(config: Config) -> bool:
