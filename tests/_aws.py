@@ -23,7 +23,8 @@ every boot), then sshd with the same host key, ``boot_delay`` seconds after the 
 Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInstances
 answer with an error code (capacity, quota) for a market and zone, as AWS would; the
 provider has no test branch. :meth:`AwsLab.interrupt` announces a spot interruption in an
-instance's metadata. The pytest fixture ``aws_lab`` (session scope) wraps it.
+instance's metadata. The pytest fixture ``aws_lab`` wraps it: one lab per process, shared by
+every test module that imports the fixture (moto's state is the process's).
 """
 
 from __future__ import annotations
@@ -819,12 +820,9 @@ class AwsLab(Lifecycle):
         # as with cloud-init, sshd (so the agent) comes after the whole script, however busy
         # the machine is: a boot guard still running when the agent starts would remove the
         # contact file the agent just made, as a former boot's (with the 30 s cap this wait
-        # had, sshd could start first)
-        while proc.poll() is None:
-            if inst.stopped.is_set():  # terminated meanwhile: the host's removal kills it
-                return
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(1)
+        # had, sshd could start first). A termination meanwhile waits for it too (the lock):
+        # the script is in the host when the host's removal kills what runs there.
+        proc.wait()
 
     def _shutdown(self, inst: Instance) -> None:
         """The instance is terminated: stop its host and everything in it."""
@@ -896,10 +894,30 @@ def aws_unavailable() -> str | None:
     return None
 
 
+_shared: AwsLab | None = None
+_users = 0
+
+
 @pytest.fixture(scope="session", name="aws_lab")
 def aws_lab_fixture() -> Iterator[AwsLab]:
+    """The process's one ``AwsLab``, however many test modules import this fixture: pytest
+    makes a session-scoped fixture once per module that defines it (each import is a
+    definition), and two labs in one process share moto's EC2 state (it lives in the
+    process), so each booted the other's instances too: a second boot, whose boot guard
+    removed the contact file of the agent the first boot's host already ran (issue 39's
+    instances that never ended, test_fallback's agent that died at its start). The last
+    user closes it."""
+    global _shared, _users
     reason = aws_unavailable()
     if reason:
         pytest.skip(reason)
-    with AwsLab() as lab:
-        yield lab
+    if _shared is None:
+        _shared = AwsLab().__enter__()  # (a start failing part way closes what it made)
+    _users += 1
+    try:
+        yield _shared
+    finally:
+        _users -= 1
+        if _users == 0:
+            lab, _shared = _shared, None
+            lab.close()

@@ -130,7 +130,7 @@ def test_an_aws_cluster_nobody_re_attaches_to_ends_its_instances_after_the_grace
     pool = _pool(aws_lab, cli, "cg")
     start_ticking(cli, "cg", tmp_path / "stop")
     first = aws_lab.pool_instances(pool)[0]["InstanceId"]
-    (aws_lab.lab.tmp / "workdir" / "watchdog" / first).unlink()
+    (aws_lab.lab.tmp / "workdir" / "watchdog" / first).unlink(missing_ok=True)
     kill_daemon(cli, "cg")
     assert wait_until(lambda: _states(aws_lab, pool) == {"terminated"}, 180), _states(aws_lab, pool)
     refused = cli("start", "cg", timeout=300)
