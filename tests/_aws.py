@@ -349,6 +349,9 @@ class Instance:
 class AwsLab(Lifecycle):
     """moto + booting instances (see the module docstring). A context manager."""
 
+    running: AwsLab | None = None
+    """The lab started in this process and not closed yet (one at a time)."""
+
     def __init__(self, boot_delay: float = 0.0) -> None:
         self.boot_delay = boot_delay
         self.lab = Lab()
@@ -380,6 +383,9 @@ class AwsLab(Lifecycle):
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
+        if AwsLab.running is not None:  # moto's state is the process's: see aws_lab_fixture
+            raise LabError("another AwsLab runs in this process (each would boot both's instances)")
+        AwsLab.running = self
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         self.lab.start()
         addr = f"{self.lab.subnet}.1"
@@ -428,6 +434,8 @@ class AwsLab(Lifecycle):
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+        if AwsLab.running is self:
+            AwsLab.running = None
         if left:
             raise LabError(f"processes of the lab's instances outlived them: {left}")
 
