@@ -67,6 +67,16 @@ def wait(fut: concurrent.futures.Future[T]) -> T:
     raises the signal's exception within one."""
     if threading.current_thread() is not threading.main_thread():
         return fut.result()
-    while not fut.done():
-        concurrent.futures.wait((fut,), WAIT_SLICE)  # the signal's exception is raised here
-    return fut.result()
+    while True:
+        try:
+            return fut.result(WAIT_SLICE)  # the signal's exception is raised here
+        except TimeoutError:
+            if fut.done():  # (done meanwhile, or failed with a TimeoutError of its own)
+                return fut.result()
+
+
+def wait_slice() -> float | None:
+    """The timeout of one wait of the calling thread for the client's work (a condition's,
+    an event's, in a loop until it is there): :data:`WAIT_SLICE` in the main thread (see
+    :func:`wait`), None (no timeout) in any other."""
+    return WAIT_SLICE if threading.current_thread() is threading.main_thread() else None
