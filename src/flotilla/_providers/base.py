@@ -241,17 +241,32 @@ class AgentProcess(ABC):
     ) -> None:
         """Deliver the agent's stdout as frames and its stderr as bytes, on ``loop``."""
 
+    def hold_direct(self) -> object | None:
+        """Optionally keep the loop from reading the agent's stdout from now on, for a
+        caller about to write one call and wait for its answer (:meth:`read_direct`): the
+        answer then waits for that caller even when it comes before the caller reads (the
+        caller was preempted in its write), instead of waking the loop's thread, which
+        would then wake the caller. A token for :meth:`read_direct` or
+        :meth:`release_direct`, which must follow; None (the default): nothing held."""
+        return None
+
+    def release_direct(self, held: object) -> None:  # noqa: B027 - see hold_direct
+        """Give the loop back its reading, held by :meth:`hold_direct` (``held``: its
+        token) and not passed to :meth:`read_direct`."""
+
     def read_direct(  # noqa: B027 - optional: the default leaves reading to the loop
         self,
         on_frames: FramesCallback,
         done: Callable[[], bool],
         budget: float,
         kinds: Collection[int],
+        held: object | None = None,
     ) -> None:
         """Optionally read the agent's stdout in the calling thread until ``done()`` or
         for ``budget`` seconds, delivering frames of ``kinds`` there and leaving everything
-        else to the loop, in order (a shortcut for a caller waiting for one result). The
-        default does nothing: the loop reads."""
+        else to the loop, in order (a shortcut for a caller waiting for one result);
+        ``held``: :meth:`hold_direct`'s token, released here. The default does nothing:
+        the loop reads."""
 
     @abstractmethod
     async def wait(self, timeout: float) -> int | None:

@@ -329,20 +329,33 @@ class PipeAgent(AgentProcess):
 
         return passed
 
+    def hold_direct(self) -> object | None:
+        """Take the loop's watch of stdout off before a lone call is written (see
+        :meth:`AgentProcess.hold_direct`): the epoll set, for :meth:`read_direct` or
+        :meth:`release_direct`; None when the loop is reading right now."""
+        return self._watch_off()
+
+    def release_direct(self, held: object) -> None:
+        if isinstance(held, select.epoll):
+            self._watch_on(held)
+
     def read_direct(
         self,
         on_frames: FramesCallback,
         done: Callable[[], bool],
         budget: float,
         kinds: Collection[int],
+        held: object | None = None,
     ) -> None:
         """Read stdout in this thread (not the event loop's: no hop between threads for a
         caller waiting for one result) and deliver its frames here, until ``done()`` or
         ``budget`` seconds have passed. The loop's watch of stdout is taken off meanwhile
-        (one reader at a time: a lock). Frames of a kind not in ``kinds`` (they are the
-        loop's to handle), an error and the end of the stream are left to the loop, in
-        order. Nothing happens when the loop is reading right now, or does not use epoll."""
-        epoll = self._watch_off()
+        (one reader at a time: a lock), or was already (``held``, from
+        :meth:`hold_direct`: it is put back here). Frames of a kind not in ``kinds`` (they
+        are the loop's to handle), an error and the end of the stream are left to the
+        loop, in order. Nothing happens when the loop is reading right now, or does not
+        use epoll."""
+        epoll = held if isinstance(held, select.epoll) else self._watch_off()
         if epoll is None:
             return
         start = time.monotonic()
