@@ -23,6 +23,7 @@ import yaml
 from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
 from _hosts import _in_netns, keygen
 from _procs import interruptible, kill_quietly, wait_until
+from _standin import start_client
 
 import flotilla as sky
 from flotilla._providers.aws.pool import AWSAllocation
@@ -218,14 +219,7 @@ def _client(aws_lab: AwsLab, start_timeout: float = 120.0, **kwargs: Any) -> sub
     code = _CLIENT.format(
         tests=os.path.dirname(__file__), provider=provider, start_timeout=start_timeout
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=interruptible,  # a test sends it Ctrl-C (SIGINT)
-    )
+    return start_client(code, preexec_fn=interruptible)  # a test sends it Ctrl-C (SIGINT)
 
 
 def _pool_id(proc: subprocess.Popen[str]) -> str:

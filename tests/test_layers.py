@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,17 +61,24 @@ def _node_side_allowed(name: str) -> bool:
     )
 
 
+def _probe(template: str) -> Any:
+    """What ``template`` (given ``src``) prints as JSON, run in a clean interpreter (-I)."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", template.format(src=str(SRC))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_the_node_side_loads_only_the_standard_library() -> None:
     """In a clean interpreter (-I: no PYTHONPATH, no user site, no current folder), importing
     every agent-side module loads nothing from outside the standard library and flotilla's
     node-side modules. The interpreter keeps its site-packages: a third-party import would
     succeed there, and be reported by name."""
-    probe = _PROBE.format(src=str(SRC))
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    loaded = json.loads(done.stdout)
+    loaded = _probe(_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla.plugins._torch" in loaded
     assert "flotilla._system.s3" in loaded
     assert [m for m in loaded if not _node_side_allowed(m)] == []
@@ -97,14 +105,7 @@ def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
     imports neither cloudpickle, rich nor a plugin's module, nor hashlib, hmac or
     subprocess: each costs CPU at every node start, and a plain pool never uses them in
     the agent."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", _START_PROBE.format(src=str(SRC))],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    loaded = json.loads(done.stdout)
+    loaded = _probe(_START_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.relay" in loaded
     assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
     assert [m for m in loaded if m.startswith("flotilla.plugins")] == []
@@ -127,14 +128,7 @@ def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
     it): none of the modules an agent starts without, no plugin, nothing outside the
     standard library and the node side (so no torch or CUDA in a forked process); and it
     starts no thread and sets no signal handler (a fork after either is unsafe)."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", _SERVER_PROBE.format(src=str(SRC))],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    loaded, threads, handlers = json.loads(done.stdout)
+    loaded, threads, handlers = _probe(_SERVER_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
     assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
     assert [m for m in loaded if not _node_side_allowed(m)] == []

@@ -5,7 +5,6 @@ transitions their enums document. Local on this machine, SSH on the namespace te
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import assert_all_gone, processes_in
+from test_ssh import assert_a_plain_interpreter, interpreter_view
 
 import flotilla as sky
 from flotilla._errors import ProvisionError
@@ -203,34 +203,12 @@ def test_a_local_pools_agents_are_forked_by_its_fork_server(nodes_dir: Path) -> 
     assert_all_gone([*servers, *(s["executor"] for s in seen)], 60, "the fork server, executors")
 
 
-@sky.function
-def site_view() -> dict[str, Any]:
-    """This executor's site-packages folders and ``-S`` beside a plain interpreter's started
-    here with the same environment, and where ``packaging`` (in site-packages only) is."""
-    import packaging
-
-    code = "import json, sys; print(json.dumps([sys.path, sys.flags.no_site]))"
-    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
-    path, no_site = json.loads(plain.stdout)
-    return {
-        "sites": [p for p in sys.path if p.endswith("-packages")],
-        "plain_sites": [p for p in path if p.endswith("-packages")],
-        "no_site": sys.flags.no_site,
-        "plain_no_site": no_site,
-        "packaging": packaging.__file__,
-    }
-
-
 def test_a_local_executor_has_the_site_packages_of_a_plain_interpreter(nodes_dir: Path) -> None:
     """A local agent is forked from the fork server, its executors from the agent: they
     must still be the ordinary interpreter (its site-packages and ``.pth`` files, no
     ``-S`` passed on to the processes a task starts)."""
     with sky.Compute(provider=Local(workdir=str(nodes_dir)), nodes=1) as pool:
-        view = site_view() >> pool
-    assert view["plain_sites"], view
-    assert view["sites"] == view["plain_sites"]
-    assert view["no_site"] == view["plain_no_site"] == 0
-    assert any(str(view["packaging"]).startswith(f"{s}/") for s in view["plain_sites"]), view
+        assert_a_plain_interpreter(interpreter_view() >> pool)
 
 
 # -- SSH -------------------------------------------------------------------------------------
@@ -446,7 +424,6 @@ def test_a_waiter_counts_the_cores_it_may_run_on() -> None:
     """A process allowed one core (a container's share, ``taskset``) has no idle core as
     soon as one other thread is runnable, however many the machine has: its waiter
     compares the runnable threads with its own cores, not the machine's."""
-    import subprocess
     import sys
 
     probe = (
@@ -464,7 +441,6 @@ def test_a_lone_calls_waiter_does_not_spin_on_a_busy_machine(
     in ``poll`` at once (never a ``poll(0)`` spin), leaving the CPU to the node that has to
     answer; even a new pool's first call, whose waiter would spin on an idle machine."""
     import select
-    import subprocess
     import sys
     import threading
 

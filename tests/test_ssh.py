@@ -200,16 +200,21 @@ def test_instance_info_has_each_hosts_own_address(ssh_lab: Lab) -> None:
     assert all(f"/lib/{bundle.hash}/flotilla/" in str(i["flotilla"]) for i in infos)
 
 
+def assert_a_plain_interpreter(view: dict[str, object]) -> None:
+    """``interpreter_view()``'s answer: the executor is the ordinary interpreter."""
+    plain = view["plain_sites"]
+    assert isinstance(plain, list) and plain, view  # the interpreter has a site-packages
+    assert view["sites"] == plain
+    assert view["no_site"] == view["plain_no_site"] == 0
+    assert any(str(view["packaging"]).startswith(f"{s}/") for s in plain), view
+
+
 def test_an_executor_has_the_site_packages_of_a_plain_interpreter(ssh_lab: Lab) -> None:
     """The agent is started from the shipped bundle, but its executors must be the host's
     ordinary interpreter: its site-packages (and ``.pth`` files) on the path, no ``-S`` for
     the processes a task starts (``multiprocessing`` passes the flags on)."""
     with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
-        view = interpreter_view() >> pool
-    assert view["plain_sites"], view  # the hosts' python3 has a site-packages folder
-    assert view["sites"] == view["plain_sites"]
-    assert view["no_site"] == view["plain_no_site"] == 0
-    assert any(str(view["packaging"]).startswith(f"{s}/") for s in view["plain_sites"]), view
+        assert_a_plain_interpreter(interpreter_view() >> pool)
 
 
 def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:

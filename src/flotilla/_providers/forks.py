@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import IO
 
+from .._system import procs
+
 START_TIMEOUT = 60.0
 """Seconds a fork may wait for the server's answer (its start included) on a busy machine."""
 
@@ -137,7 +139,7 @@ class ForkServer:
         """``pid``'s exit status, once it ended (see ``Popen.returncode``)."""
         if pid not in self._ends:
             self._read()
-        if pid not in self._ends and self.ended and not _alive(pid):
+        if pid not in self._ends and self.ended and not procs.alive(pid):
             self._ends[pid] = -signal.SIGKILL  # the server is gone: its status is unknown
         return self._ends.get(pid)
 
@@ -183,13 +185,3 @@ class ForkedAgent:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
