@@ -96,15 +96,15 @@ class PoolCalls(Pool):
             and not dispatcher.most  # an elastic pool's may send backlogged calls: the same
             and not _loop.in_loop_thread()
         )
-        sub = self._send([call], direct=direct)[0]
         try:
+            sub = self._send([call], direct=direct)[0]
             node, fut = sub.node, sub.future
-            if direct and node is not None and (sub.watch is not None or not fut.done()):
-                node.wait_direct(sub)
+            if direct and node is not None:
+                node.wait_direct(fut)  # (also when done: it gives the loop its reading back)
         finally:
-            watch, sub.watch = sub.watch, None
-            if watch is not None:  # (not read: the loop reads again)
-                watch[0].release_direct(watch[1])
+            if direct:  # what this thread held and did not read (an exception: any node)
+                for held in self._nodes:
+                    held.proc.release_direct()
         value: R = fut.result()
         return value
 

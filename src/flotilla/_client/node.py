@@ -193,7 +193,6 @@ class Submission:
     placed: threading.Event | None = None  # set once sent (for streamed arguments)
     started_at: float = 0.0  # when its node said it started (STARTED), monotonic
     direct: int = 0  # the thread that waits for it reading its node itself (`>>`), if any
-    watch: tuple[AgentProcess, object] | None = None  # that thread's hold_direct() token
 
 
 class NodeEvents:
@@ -371,7 +370,8 @@ class Node:
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
                 self.sending = subs  # a loss meanwhile leaves them to this thread
-            token = self.proc.hold_direct() if hold else None
+            if hold:  # (released by the caller: it reads, or gives up, see wait_direct)
+                self.proc.hold_direct()
             failure = ""
             try:
                 self.proc.write(parts, self.give_up)
@@ -380,15 +380,12 @@ class Node:
             with self.lock:
                 self.sending = []
                 if not failure and not self.abandoned:  # abandoned: lost, or closed
-                    if token is not None:
-                        subs[0].watch = (self.proc, token)
                     return
                 for sub in subs:  # not sent whole, or to a node lost meanwhile: the caller
                     if self.inflight.pop(sub.tid, None) is not None:  # sends them again
                         sub.node = None
                         self.busy[sub.worker] -= 1
-            if token is not None:
-                self.proc.release_direct(token)
+            self.proc.release_direct()
             raise self.lost_error(failure or "was lost while calls were sent to it")
 
     def send_control(
@@ -413,19 +410,15 @@ class Node:
         finally:
             self.write_lock.release()
 
-    def wait_direct(self, sub: Submission) -> None:
-        """Wait a little for ``sub`` (a call sent to this node) by reading the agent's
+    def wait_direct(self, future: Future[Any]) -> None:
+        """Wait a little for ``future`` (a call sent to this node) by reading the agent's
         stream in this thread, which saves the hop through the event loop's thread for a
         quick call; the loop takes over after :data:`DIRECT_BUDGET` or at any frame other
         than a result, STARTED or BEAT (see ``AgentProcess.read_direct``). A call sent
-        with ``sub.direct`` by this thread had the loop's reading of the stream held
-        before it was written (``AgentProcess.hold_direct``): the loop never takes its
-        answer (nor wakes this thread for it), even when it came before this read."""
-        watch, sub.watch = sub.watch, None
-        held = watch[1] if watch is not None and watch[0] is self.proc else None
-        if watch is not None and held is None:
-            watch[0].release_direct(watch[1])
-        self.proc.read_direct(self._on_frames, sub.future.done, DIRECT_BUDGET, _DIRECT_KINDS, held)
+        with ``Submission.direct`` (this thread's) had the loop's reading of the stream
+        held before it was written (``AgentProcess.hold_direct``): the loop never takes
+        its answer (nor wakes this thread for it), even when it came before this read."""
+        self.proc.read_direct(self._on_frames, future.done, DIRECT_BUDGET, _DIRECT_KINDS)
 
     # -- the client's own watch (loop thread) ----------------------------------------
     def _arm_timeout(self, sub: Submission, tid: int) -> None:
