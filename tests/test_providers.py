@@ -415,6 +415,27 @@ def test_a_lone_calls_answer_waits_for_its_caller_not_the_loop(
         assert settled_in == [threading.get_ident()]
 
 
+def test_a_lone_call_interrupted_before_its_read_leaves_the_stream_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C between a lone call's write and its read (the waiter held its node's stream
+    for itself): the loop reads that node again, so the next call, the pool's close and
+    its results go on."""
+    from flotilla._client.node import Node
+
+    with sky.Compute(nodes=1) as pool:
+        assert pause(0.0) >> pool == 0.0
+
+        def interrupted(self: Node, future: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Node, "wait_direct", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pause(0.0) >> pool
+        monkeypatch.undo()
+        assert (pause(0.0) > pool).result(timeout=60) == 0.0  # read by the loop
+
+
 def _runnable() -> int:
     """Threads the kernel counts runnable right now, machine-wide (/proc/loadavg)."""
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
