@@ -96,15 +96,19 @@ class PoolCalls(Pool):
             and not dispatcher.most  # an elastic pool's may send backlogged calls: the same
             and not _loop.in_loop_thread()
         )
+        sub = None
         try:
             sub = self._send([call], direct=direct)[0]
             node, fut = sub.node, sub.future
             if direct and node is not None:
                 node.wait_direct(fut)  # (also when done: it gives the loop its reading back)
         finally:
-            if direct:  # what this thread held and did not read (an exception: any node)
-                for held in self._nodes:
-                    held.proc.release_direct()
+            if direct:  # what this thread held and did not read (see Node.wait_direct)
+                if sub is None:  # an exception in the sending: on whichever node
+                    for held in self._nodes:
+                        held.proc.release_direct()
+                elif sub.holder is not None:
+                    sub.holder.release_direct()
         value: R = fut.result()
         return value
 

@@ -193,6 +193,7 @@ class Submission:
     placed: threading.Event | None = None  # set once sent (for streamed arguments)
     started_at: float = 0.0  # when its node said it started (STARTED), monotonic
     direct: int = 0  # the thread that waits for it reading its node itself (`>>`), if any
+    holder: AgentProcess | None = None  # the agent whose stream that thread holds for it
 
 
 class NodeEvents:
@@ -370,8 +371,8 @@ class Node:
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
                 self.sending = subs  # a loss meanwhile leaves them to this thread
-            if hold:  # (released by the caller: it reads, or gives up, see wait_direct)
-                self.proc.hold_direct()
+            if hold and self.proc.hold_direct():  # (the caller reads, or releases it)
+                subs[0].holder = self.proc
             failure = ""
             try:
                 self.proc.write(parts, self.give_up)
