@@ -8,8 +8,9 @@ start NAME``, by a command that needs the daemon and finds the cluster stale
 recorded nodes through the provider (``_providers/reattach.py``), provisions nothing, and
 follows the jobs that were running (:meth:`Runner.adopt`): their scripts ran on, their
 output continues in the same logs. A node whose agent is gone is said so (the record's
-``error``: which node, why); the others are stopped then, the running jobs fail, the
-cluster is FAILED and ``flotilla down`` removes it as usual.
+``error``: which node, why); the others are stopped then (on a cloud their instances are
+released: :func:`abandon`), the running jobs fail, the cluster is FAILED and ``flotilla
+down`` removes it as usual.
 
 On a cloud (AWS and the cloud kit's rented clouds) the daemon is also the client its
 instances are labelled with, and each instance's watchdog ends it when its client stops
@@ -326,8 +327,29 @@ def release(
     and nothing holds them now: ``down --orphans``), which also takes the old pool's
     folder; what is said goes to the daemon's log."""
     leases.end()
-    if not reattached:
+    if reattached:
+        _release_rented(backend, spec, paths)
+
+
+def abandon(
+    provider: Provider, clients: list[str], backend: Backend[Any], spec: ProviderSpec, paths: Paths
+) -> None:
+    """A re-attach that failed (a node is gone; the others' agents were stopped, see
+    :func:`provider`): on a cloud (``provider``), the instances the dead daemon rented are
+    released now, as :func:`release` does (the leases on its ``clients`` dropped first),
+    so that ``flotilla down`` leaves none rented until the grace ends."""
+    from .._providers.cloud.identity import drop_leases
+    from .._providers.reattach import reattaches_over_ssh
+
+    if not reattaches_over_ssh(provider) or not clients:
         return
+    drop_leases(clients)
+    _release_rented(backend, spec, paths)
+
+
+def _release_rented(backend: Backend[Any], spec: ProviderSpec, paths: Paths) -> None:
+    """Remove the instances a cloud cluster's dead daemon rented: as ``flotilla down``
+    removes a dead daemon's (``backend.on_down``), then as orphans (``down --orphans``)."""
     from .state import load
 
     print("releasing the instances the cluster's first daemon rented", file=sys.stderr)

@@ -30,12 +30,13 @@ from typing import Any
 
 from .._client import mesh
 from .._client.compute import Compute
-from .._errors import FlotillaError
+from .._errors import FlotillaError, ProvisionError
 from .._redaction import redact
 from .._system import procs
 from .._volume import Volume
 from .._worker import Worker
 from .adopt import (
+    abandon,
     adoptable,
     grace,
     hold,
@@ -145,7 +146,11 @@ class Adopting(OutputRouting):
         if not self.adopting:
             return provider
         login = login_for(self.paths)  # (a cloud's: see adopt.keep_login)
-        return reattaching(provider, self.adopting, self.reattach_key, login)
+        try:
+            return reattaching(provider, self.adopting, self.reattach_key, login)
+        except ProvisionError:  # a node is gone: the others' instances are released too
+            abandon(provider, self.clients, self.backend, self.spec, self.paths)
+            raise
 
     def _keep_agents(self, pool: Compute, provider: Any) -> None:
         """The pool's agents outlive this daemon, for a new one; a cloud's instances too."""
