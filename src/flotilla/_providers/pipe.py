@@ -414,14 +414,15 @@ class PipeAgent(AgentProcess):
         """Take the loop's watch of stdout off (the loop no longer wakes for it) and hold
         the read lock, for :meth:`read_direct`; the loop's epoll set, for
         :meth:`_watch_on`. None, with nothing held: the loop is reading right now, the
-        stream has ended, or the loop does not use epoll."""
+        stream has ended, the loop does not use epoll, or frames an earlier direct read
+        left are still the loop's to deliver (read here, later frames would pass them)."""
         loop = self._loop
         if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
             return None
         taken = None
         try:
             epoll = _epoll_of(loop)
-            if epoll is None or self._out_ended:
+            if epoll is None or self._out_ended or self._handed or self._handed_error is not None:
                 return None
             try:
                 epoll.unregister(self._out)
