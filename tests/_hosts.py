@@ -24,6 +24,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -261,7 +262,11 @@ class Lab(Lifecycle):
         self.shared.mkdir()
         self._write_bashrc()
         self.subnet = free_subnet(self._seed)
-        run("ip", "link", "add", self.bridge, "type", "bridge")
+        # a MAC address of its own: a bridge without one takes its ports' lowest, which
+        # changes when a host's veth is deleted, and the other hosts' ARP entries for the
+        # bridge's address then point nowhere until they expire (~40 s of timeouts)
+        mac = "02:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
+        run("ip", "link", "add", self.bridge, "address", mac, "type", "bridge")
         run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
 
