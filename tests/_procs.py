@@ -134,6 +134,28 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def signal_a_thread(pid: int, signum: int) -> int:
+    """Send ``signum`` to a thread of process ``pid`` other than its main one (``tgkill``);
+    that thread's id.
+
+    Linux gives a signal sent to a process (Ctrl-C, ``kill``) to any of its threads that
+    does not block it; Python runs its handlers in the main thread only, once that thread
+    runs again. This is the delivery a Python program cannot count on being woken by, made
+    certain instead of occasional (a busy machine makes it more likely)."""
+    import ctypes
+
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    deadline = time.monotonic() + 10
+    while True:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        for tid in tids:
+            if tgkill(pid, tid, signum) == 0:
+                return tid
+        if time.monotonic() > deadline:  # (a thread that ended meanwhile: the next one)
+            raise AssertionError(f"process {pid} has no thread but its main one: {tids}")
+        time.sleep(POLL_INTERVAL)
+
+
 class Client:
     """A client script run as a subprocess of this interpreter, its stdout read by line.
 

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from _hosts import Lab, TestHost, _in_netns, lab_unavailable, run
 from _lifecycle import Lifecycle
-from _procs import interruptible, wait_until
+from _procs import interruptible, signal_a_thread, wait_until
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SSHD_OPTIONS = (
@@ -208,8 +208,10 @@ def interrupted_while_booting(
     booting: Callable[[], object] = lambda: None,
 ) -> tuple[str, str]:
     """Run the Python ``client`` (a 2-node pool on ``lab``) with its instances never
-    booting; once both exist (then ``booting()``: a test's own checks) send it
-    ``signum``. Its stdout and stderr, once it has exited."""
+    booting; once both exist (then ``booting()``: a test's own checks) send ``signum`` to
+    one of its threads other than the main one, as Linux may deliver a Ctrl-C
+    (``_procs.signal_a_thread``: the main thread, blocked in a wait, is not woken by it).
+    Its stdout and stderr, once it has exited."""
     lab.boot_delay = 3600.0
     proc = start_client(client)
     try:
@@ -219,7 +221,7 @@ def interrupted_while_booting(
             pytest.fail(f"the client did not create its two instances: {said}")
         assert proc.poll() is None, proc.communicate()
         booting()
-        proc.send_signal(signum)
+        signal_a_thread(proc.pid, signum)
         return proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

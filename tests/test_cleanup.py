@@ -22,6 +22,7 @@ from _procs import (
     processes_in,
     remove_stale_test_folders,
     session_folder,
+    signal_a_thread,
     wait_until,
 )
 
@@ -177,14 +178,20 @@ def start_client(tmp_path: Path) -> tuple[Client, Path]:
     return Client(CLIENT.replace("NODES_DIR", repr(str(nodes_dir))), tmp_path), nodes_dir
 
 
-def test_ctrl_c_in_the_client_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("to", ["process", "thread"])
+def test_ctrl_c_in_the_client_stops_everything(tmp_path: Path, to: str) -> None:
+    """Ctrl-C during a call: also when the signal reaches a thread other than the main one
+    (``to="thread"``), which Linux may choose and which does not wake the main thread."""
     client, nodes_dir = start_client(tmp_path)
     pids: list[int] = []
     try:
         first = client.expect(lambda line: line.startswith("[["))
         pids, dirs = pids_and_dirs([tuple(x) for x in json.loads(first)], 2)
         client.expect(lambda line: line.endswith(") napping"))  # the long call is running
-        client.signal(signal.SIGINT)
+        if to == "thread":
+            signal_a_thread(client.proc.pid, signal.SIGINT)
+        else:
+            client.signal(signal.SIGINT)
         assert_all_gone(pids, STOP_WITHIN, "the pool's agents and executors")
         code = client.wait()
         assert code == -signal.SIGINT  # it ends as an interrupted program (130 in a shell)

@@ -379,7 +379,7 @@ def test_a_client_killed_with_sigkill_leaves_no_agent(kit: Kit, tmp_path: Path) 
 
 
 _INTERRUPTED_CLIENT = """
-import contextlib, os, signal, sys
+import contextlib, signal, sys, threading
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even under a nohup'd suite
 sys.path[:0] = {path!r}
 import flotilla as sky
@@ -392,7 +392,9 @@ def step(where):
     steps.append(where)
     if len(steps) == {step}:
         print("interrupted at", where, flush=True)
-        os.kill(os.getpid(), signal.SIGINT)  # the main thread: Ctrl-C
+        # Ctrl-C, received by this thread (the loop's, an API call's), as Linux may deliver
+        # it: not by the main thread, which the client must wake itself
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
 
 creating = getattr(base.Allocation, "creating", None)
@@ -423,8 +425,9 @@ with sky.Compute(provider=provider, nodes=2, options=sky.Options(heartbeat_timeo
 
 def test_an_acquire_interrupted_at_any_step_leaves_nothing(kit: Kit, tmp_path: Path) -> None:
     """Ctrl-C at each step of a pool's start (each create the provider records before it
-    sends it, then the agents' start): once the client has exited, nothing it created is
-    left (cloud instances at once: no watchdog's ttl)."""
+    sends it, then the agents' start), received by the thread doing the step, not the main
+    one: once the client has exited, nothing it created is left (cloud instances at once:
+    no watchdog's ttl)."""
     if kit.in_process:
         pytest.skip("the fake's agents live in the client")
     make = _source(kit, tmp_path)

@@ -370,6 +370,72 @@ def test_a_lone_calls_waiter_sleeps_at_once_after_a_slow_answer() -> None:
         assert proc._spin_window() == 0.0
 
 
+def test_a_lone_calls_answer_waits_for_its_caller_not_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller held up right after writing its call (preempted on a busy machine) finds
+    the answer waiting for it: the loop's thread never takes a lone call's answer (it
+    would then have to wake the caller: two more wake-ups per call), however late the
+    caller comes to read it."""
+    import fcntl
+    import termios
+    import threading
+
+    from _procs import wait_until
+
+    from flotilla._client.dispatch import Dispatcher
+    from flotilla._wire.frames import HEADER, Kind, frame
+    from flotilla._wire.serialize import encode, pickle_obj
+
+    answer = HEADER.size + sum(  # STARTED, then the RESULT of pause(0.0)
+        len(p) for p in frame(Kind.RESULT, 1, b"\0", *encode(pickle_obj(0.0)))
+    )
+    with sky.Compute(nodes=1) as pool:
+        assert pause(0.0) >> pool == 0.0  # (the function is on the node now)
+        settled_in: list[int] = []
+        real_settle, real_write = Dispatcher.settle, PipeAgent.write
+
+        def settle(self: Dispatcher, sub: Any, **kw: Any) -> None:
+            settled_in.append(threading.get_ident())
+            real_settle(self, sub, **kw)
+
+        def unread(agent: PipeAgent) -> int:
+            size = bytearray(4)
+            fcntl.ioctl(agent._out, termios.FIONREAD, size)
+            return int.from_bytes(size, sys.byteorder)
+
+        def write(self: PipeAgent, parts: Any, give_up: Any = None) -> None:
+            real_write(self, parts, give_up)  # then the caller is held up until the answer
+            assert wait_until(lambda: bool(settled_in) or unread(self) >= answer, 60)
+
+        monkeypatch.setattr(Dispatcher, "settle", settle)
+        monkeypatch.setattr(PipeAgent, "write", write)
+        assert pause(0.0) >> pool == 0.0
+        monkeypatch.undo()
+        assert settled_in == [threading.get_ident()]
+
+
+def test_a_lone_call_interrupted_before_its_read_leaves_the_stream_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C between a lone call's write and its read (the waiter held its node's stream
+    for itself): the loop reads that node again, so the next call, the pool's close and
+    its results go on."""
+    from flotilla._client.node import Node
+
+    with sky.Compute(nodes=1) as pool:
+        assert pause(0.0) >> pool == 0.0
+
+        def interrupted(self: Node, future: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Node, "wait_direct", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pause(0.0) >> pool
+        monkeypatch.undo()
+        assert (pause(0.0) > pool).result(timeout=60) == 0.0  # read by the loop
+
+
 def _runnable() -> int:
     """Threads the kernel counts runnable right now, machine-wide (/proc/loadavg)."""
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])

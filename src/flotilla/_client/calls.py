@@ -4,6 +4,7 @@ call goes and what happens when it fails is the :class:`Dispatcher`'s (``dispatc
 
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
@@ -50,10 +51,13 @@ class PoolCalls(Pool):
         self._check_running()
         return self._send([as_call(call, ">")])[0].future
 
-    def _send(self, calls: list[PendingCall[Any]], stream: bool = False) -> list[Submission]:
+    def _send(
+        self, calls: list[PendingCall[Any]], stream: bool = False, direct: bool = False
+    ) -> list[Submission]:
         """Send calls to the least busy slots; their streamed arguments follow
         (``feeds.py``); with ``stream``, ``>>``'s iterator over the values of the one call
-        (``stream.py``)."""
+        (``stream.py``); with ``direct``, the one call's answer is for this thread to read
+        (``Node.wait_direct``: a call without streamed arguments)."""
         split = [feeds.split(c) for c in calls]
         d = self._dispatcher
         bound = [c for c, _ in split]
@@ -66,6 +70,8 @@ class PoolCalls(Pool):
             if stream:  # (one call)
                 first = chunk[0]
                 first.stream = Values(first.future)  # (the iterator: see _stream)
+            elif direct and not split[0][1]:  # (one call)
+                chunk[0].direct = threading.get_ident()
             for sub, (_, sources) in zip(chunk, split[start:end], strict=True):
                 if sources:
                     feeds.prepare(sub)
@@ -84,17 +90,25 @@ class PoolCalls(Pool):
         if yields(call.function.fn):
             return self._stream(call)  # type: ignore[return-value]
         self._check_running()
-        sub = self._send([call])[0]
-        node, fut = sub.node, sub.future
         dispatcher = self._dispatcher
-        if (
-            node is not None
-            and not fut.done()
-            and not dispatcher.group  # a group's results may restart it: the loop's work
+        direct = (
+            not dispatcher.group  # a group's results may restart it: the loop's work
             and not dispatcher.most  # an elastic pool's may send backlogged calls: the same
             and not _loop.in_loop_thread()
-        ):
-            node.wait_direct(fut)
+        )
+        sub = None
+        try:
+            sub = self._send([call], direct=direct)[0]
+            node, fut = sub.node, sub.future
+            if direct and node is not None:
+                node.wait_direct(fut)  # (also when done: it gives the loop its reading back)
+        finally:
+            if direct:  # what this thread held and did not read (see Node.wait_direct)
+                if sub is None:  # an exception in the sending: on whichever node
+                    for held in self._nodes:
+                        held.proc.release_direct()
+                elif sub.holder is not None:
+                    sub.holder.release_direct()
         value: R = fut.result()
         return value
 

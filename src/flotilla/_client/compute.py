@@ -325,7 +325,7 @@ class Compute(PoolCollections, PoolCalls, Observed):
         fut = asyncio.run_coroutine_threadsafe(self._start(spec, startup), loop)
         try:
             with sigterm_exits():  # what is being created is given back first (ledger)
-                fut.result()
+                _loop.wait(fut)  # (a Ctrl-C another thread received is raised here too)
         except BaseException as e:
             fut.cancel()
             self.close()

@@ -30,6 +30,8 @@ from concurrent.futures._base import (  # the states the base class keeps in _st
 )
 from typing import Any, TypeVar
 
+from .loop import wait_slice
+
 T = TypeVar("T")
 
 _SETTLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
@@ -63,7 +65,8 @@ class Batch:
         False (nothing waited for) if they are not."""
         if len(futures) != self.size or any(getattr(f, "batch", None) is not self for f in futures):
             return False
-        self.ended.wait()
+        while not self.ended.wait(wait_slice()):  # (a Ctrl-C: see loop.wait)
+            pass
         return True
 
 
@@ -117,7 +120,7 @@ class CallFuture(Future[T]):
         with self._condition:
             if timeout is None:
                 while self._state not in _SETTLED:
-                    self._condition.wait()
+                    self._condition.wait(wait_slice())  # (a Ctrl-C: see loop.wait)
                 return
             end = time.monotonic() + timeout
             while self._state not in _SETTLED:

@@ -192,6 +192,8 @@ class Submission:
     pumps: list[Any] | None = None  # its streamed arguments (feeds.py)
     placed: threading.Event | None = None  # set once sent (for streamed arguments)
     started_at: float = 0.0  # when its node said it started (STARTED), monotonic
+    direct: int = 0  # the thread that waits for it reading its node itself (`>>`), if any
+    holder: AgentProcess | None = None  # the agent whose stream that thread holds for it
 
 
 class NodeEvents:
@@ -328,6 +330,7 @@ class Node:
     def send(self, subs: list[Submission]) -> None:
         """Send calls to this node (any thread). Raises NodeLostError if it is gone."""
         parts: list[Buffer] = []
+        hold = len(subs) == 1 and subs[0].direct == threading.get_ident()  # see wait_direct
         with self.write_lock:  # the loop thread only ever takes self.lock: no deadlock
             with self.lock:
                 if self.state is not NodeState.READY:
@@ -344,6 +347,7 @@ class Node:
                     if sub.fn_key not in self.defined:
                         self.defined.add(sub.fn_key)
                         parts += frame(Kind.DEFINE, sub.fn_key, *sub.define)
+                        hold = False  # (a write that may take a while: the loop reads)
                     if sub.any_slot:
                         sub.worker = min(range(len(self.busy)), key=self.busy.__getitem__)
                     self.busy[sub.worker] += 1
@@ -358,13 +362,17 @@ class Node:
                             parts += (HEADER.pack(Kind.TASK, tid, size), head, body[0])
                         else:
                             parts += frame(Kind.TASK, tid, head, *body)
+                            hold = False
                     else:  # its arguments come through the tree (fanout.py)
                         assert fan is not None
                         parts += told
                         parts += frame(Kind.TASKREF, tid, head, fan.ref)
+                        hold = False
                     if sub.timeout and self.loop is not None:
                         self.loop.call_soon_threadsafe(self._arm_timeout, sub, tid)
                 self.sending = subs  # a loss meanwhile leaves them to this thread
+            if hold and self.proc.hold_direct():  # (the caller reads, or releases it)
+                subs[0].holder = self.proc
             failure = ""
             try:
                 self.proc.write(parts, self.give_up)
@@ -378,6 +386,7 @@ class Node:
                     if self.inflight.pop(sub.tid, None) is not None:  # sends them again
                         sub.node = None
                         self.busy[sub.worker] -= 1
+            self.proc.release_direct()
             raise self.lost_error(failure or "was lost while calls were sent to it")
 
     def send_control(
@@ -406,7 +415,10 @@ class Node:
         """Wait a little for ``future`` (a call sent to this node) by reading the agent's
         stream in this thread, which saves the hop through the event loop's thread for a
         quick call; the loop takes over after :data:`DIRECT_BUDGET` or at any frame other
-        than a result, STARTED or BEAT (see ``AgentProcess.read_direct``)."""
+        than a result, STARTED or BEAT (see ``AgentProcess.read_direct``). A call sent
+        with ``Submission.direct`` (this thread's) had the loop's reading of the stream
+        held before it was written (``AgentProcess.hold_direct``): the loop never takes
+        its answer (nor wakes this thread for it), even when it came before this read."""
         self.proc.read_direct(self._on_frames, future.done, DIRECT_BUDGET, _DIRECT_KINDS)
 
     # -- the client's own watch (loop thread) ----------------------------------------

@@ -14,6 +14,7 @@ from .._wire.frames import Status
 from .._wire.serialize import decode, shm_name_of, unlink_shm
 from .function import Function
 from .futures import Batch
+from .loop import wait_slice
 from .node import Node
 
 
@@ -89,12 +90,20 @@ def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -
     return exc
 
 
+def _settled(waited: tuple[set[Future[Any]], set[Future[Any]]]) -> bool:
+    """Whether a ``wait(..., FIRST_EXCEPTION)`` that may have timed out ended as one that
+    did not: every future done, or one failed."""
+    done, pending = waited
+    return not pending or any(not f.cancelled() and f.exception() is not None for f in done)
+
+
 def results(futures: list[Future[Any]]) -> list[Any]:
     """Wait for every future; raise the first failure as soon as it happens (the root
     cause rather than a call stopped by the group restart it caused, when both are in)."""
     batch = getattr(futures[0], "batch", None) if futures else None
     if not isinstance(batch, Batch) or not batch.wait(futures):
-        wait(futures, return_when=FIRST_EXCEPTION)
+        while not _settled(wait(futures, wait_slice(), FIRST_EXCEPTION)):  # (Ctrl-C: loop.wait)
+            pass
     failures = [e for f in futures if f.done() and (e := f.exception()) is not None]
     if failures:
         causes = [e for e in failures if not getattr(e, "restarted", False)]

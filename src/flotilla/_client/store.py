@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._wire.serialize import dumps
+from .loop import wait
 
 Reply = Callable[[tuple[Any, ...]], None]
 """Takes an answer: ``(True, value)`` or ``(False, exception type name, message)``."""
@@ -112,7 +113,7 @@ class Store:
         """Apply a request of the client's own; its answer (see :data:`Reply`)."""
         answer: Future[tuple[Any, ...]] = Future()
         self.submit(CLIENT, request, answer.set_result)
-        return answer.result()
+        return wait(answer)  # (a Ctrl-C: see loop.wait)
 
     def forget(self, origin: int) -> None:
         """Node ``origin`` is lost (see the module docstring)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from .._wire.frames import CREDIT_BODY, STREAM_WINDOW, Kind
 from .._wire.serialize import decode
+from .loop import wait_slice
 
 Node = Any  # _client.node.Node (which imports this module)
 Submission = Any  # _client.node.Submission
@@ -95,7 +96,7 @@ class Stream(Iterator[Any]):
             if v.closed:  # as a closed generator's
                 raise StopIteration
             while not v.queue and not self._future.done():
-                v.cond.wait()
+                v.cond.wait(wait_slice())  # (a Ctrl-C: see loop.wait)
             if not v.queue:
                 self._future.result()  # raises the call's error, if it failed
                 raise StopIteration

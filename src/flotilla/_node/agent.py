@@ -236,9 +236,11 @@ class Agent(Reattachable):
         self._hello()
         try:
             while not self.done:
-                for callback in self.sel.poll(self._next_wakeup()):
+                wake = self._next_wakeup()
+                for callback in self.sel.poll(max(0.0, wake - time.monotonic())):
                     callback()
-                self._check_deadlines()
+                if self.stopping or self.detached_until or time.monotonic() >= wake:
+                    self._check_deadlines()  # (else none is due: not on each call's frames)
                 if self.executors.waiting and not self.client.queue:
                     self.executors.resume()
                 self.executors.pace()
@@ -247,6 +249,8 @@ class Agent(Reattachable):
             self._cleanup()
 
     def _next_wakeup(self) -> float:
+        """The monotonic time by which :meth:`_check_deadlines` has something to do (a
+        beat, a timeout, a relay's or the sampler's deadline), if nothing comes first."""
         wake = self.executors.next_deadline(
             min(self.last_seen + self.heartbeat_timeout, self.next_beat)
         )
@@ -257,7 +261,7 @@ class Agent(Reattachable):
             wake = min(wake, self.stop_deadline)
         if self.detached_until:
             wake = min(wake, self.detached_until)
-        return max(0.0, wake - time.monotonic())
+        return wake
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

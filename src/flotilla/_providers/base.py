@@ -241,6 +241,20 @@ class AgentProcess(ABC):
     ) -> None:
         """Deliver the agent's stdout as frames and its stderr as bytes, on ``loop``."""
 
+    def hold_direct(self) -> bool:
+        """Optionally keep the loop from reading the agent's stdout from now on, for the
+        calling thread, about to write one call and wait for its answer
+        (:meth:`read_direct`): the answer then waits for that thread even when it comes
+        before the thread reads (it was preempted in its write), instead of waking the
+        loop's thread, which would then wake the caller. Whether it was held; then
+        :meth:`read_direct` or :meth:`release_direct` must follow, in the same thread.
+        The default holds nothing."""
+        return False
+
+    def release_direct(self) -> None:  # noqa: B027 - see hold_direct
+        """Give the loop back its reading, if the calling thread held it
+        (:meth:`hold_direct`) and did not read (else nothing: any thread may call it)."""
+
     def read_direct(  # noqa: B027 - optional: the default leaves reading to the loop
         self,
         on_frames: FramesCallback,
@@ -250,8 +264,9 @@ class AgentProcess(ABC):
     ) -> None:
         """Optionally read the agent's stdout in the calling thread until ``done()`` or
         for ``budget`` seconds, delivering frames of ``kinds`` there and leaving everything
-        else to the loop, in order (a shortcut for a caller waiting for one result). The
-        default does nothing: the loop reads."""
+        else to the loop, in order (a shortcut for a caller waiting for one result); what
+        the thread held (:meth:`hold_direct`) is released here. The default does nothing:
+        the loop reads."""
 
     @abstractmethod
     async def wait(self, timeout: float) -> int | None:

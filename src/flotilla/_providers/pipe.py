@@ -144,6 +144,8 @@ class PipeAgent(AgentProcess):
         self._reader = FrameReader()  # of stdout, once start_reading() is called
         self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
         self._answered = _SPIN_FIRST  # how long recent answers took (see _spin_window)
+        self._held: select.epoll | None = None  # the loop's watch, taken off by hold_direct
+        self._holder = 0  # the thread that took it
         self._released = False  # stdout and stderr closed (see terminate)
         self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
         self._handed_error: str | None = None  # a corrupt stream read_direct met
@@ -178,6 +180,7 @@ class PipeAgent(AgentProcess):
             views = [memoryview(data)[n:]]
         else:  # large buffers are written where they are
             views = [memoryview(p).cast("B") for p in parts if len(p)]
+        self.release_direct()  # a write that waits holds no one's reading (hold_direct)
         stalled_since = time.monotonic()
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
@@ -329,6 +332,27 @@ class PipeAgent(AgentProcess):
 
         return passed
 
+    def hold_direct(self) -> bool:
+        """Take the loop's watch of stdout off before a lone call is written (see
+        :meth:`AgentProcess.hold_direct`), for this thread; False when the loop is
+        reading right now. Only for as long as the write takes one system call: one that
+        has to wait for room gives the watch back first (:meth:`write`), so the loop is
+        never kept from the stream (nor :meth:`terminate` from its lock) while a write
+        to a stalled agent waits."""
+        epoll = self._watch_off()
+        if epoll is None:
+            return False
+        self._holder = threading.get_ident()
+        self._held = epoll
+        return True
+
+    def release_direct(self) -> None:
+        epoll = self._held
+        if epoll is not None and self._holder == threading.get_ident():
+            self._held = None
+            self._holder = 0
+            self._watch_on(epoll)
+
     def read_direct(
         self,
         on_frames: FramesCallback,
@@ -339,10 +363,19 @@ class PipeAgent(AgentProcess):
         """Read stdout in this thread (not the event loop's: no hop between threads for a
         caller waiting for one result) and deliver its frames here, until ``done()`` or
         ``budget`` seconds have passed. The loop's watch of stdout is taken off meanwhile
-        (one reader at a time: a lock). Frames of a kind not in ``kinds`` (they are the
-        loop's to handle), an error and the end of the stream are left to the loop, in
-        order. Nothing happens when the loop is reading right now, or does not use epoll."""
-        epoll = self._watch_off()
+        (one reader at a time: a lock), or was already by this thread
+        (:meth:`hold_direct`: it is put back here). Frames of a kind not in ``kinds``
+        (they are the loop's to handle), an error and the end of the stream are left to
+        the loop, in order. Nothing happens when the loop is reading right now, or does
+        not use epoll."""
+        epoll = self._held
+        if epoll is not None and self._holder == threading.get_ident():
+            self._held = None
+            self._holder = 0
+        elif done():
+            return
+        else:
+            epoll = self._watch_off()
         if epoll is None:
             return
         start = time.monotonic()
@@ -381,14 +414,15 @@ class PipeAgent(AgentProcess):
         """Take the loop's watch of stdout off (the loop no longer wakes for it) and hold
         the read lock, for :meth:`read_direct`; the loop's epoll set, for
         :meth:`_watch_on`. None, with nothing held: the loop is reading right now, the
-        stream has ended, or the loop does not use epoll."""
+        stream has ended, the loop does not use epoll, or frames an earlier direct read
+        left are still the loop's to deliver (read here, later frames would pass them)."""
         loop = self._loop
         if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
             return None
         taken = None
         try:
             epoll = _epoll_of(loop)
-            if epoll is None or self._out_ended:
+            if epoll is None or self._out_ended or self._handed or self._handed_error is not None:
                 return None
             try:
                 epoll.unregister(self._out)
