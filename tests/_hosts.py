@@ -24,6 +24,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -227,6 +228,15 @@ class TestHost:
         return Path(f"/proc/{self.sshd.pid}/root") / Path(path).relative_to("/")
 
 
+def add_bridge(name: str) -> None:
+    """A new bridge ``name`` (down) with a MAC address of its own: a bridge without one takes
+    its ports' lowest, which changes when a host's veth is deleted; the other hosts' ARP
+    entries for the bridge's address then point nowhere until they expire, and their
+    connections to this machine time out for ~40 s."""
+    mac = "02:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))  # locally administered
+    run("ip", "link", "add", name, "address", mac, "type", "bridge")
+
+
 class Lab(Lifecycle):
     """A bridge with test hosts; a context manager that removes everything it made."""
 
@@ -261,7 +271,7 @@ class Lab(Lifecycle):
         self.shared.mkdir()
         self._write_bashrc()
         self.subnet = free_subnet(self._seed)
-        run("ip", "link", "add", self.bridge, "type", "bridge")
+        add_bridge(self.bridge)
         run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
 

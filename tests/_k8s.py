@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _hosts import LabError, free_subnet, next_lab_tag, remove_stale_labs, run
+from _hosts import LabError, add_bridge, free_subnet, next_lab_tag, remove_stale_labs, run
 from _lifecycle import Lifecycle
 
 from flotilla._system.procs import die_with_parent
@@ -260,7 +260,7 @@ class K8sLab(Lifecycle):
         )
         # the pods' bridge
         self.subnet = free_subnet(os.getpid() + 77)
-        run("ip", "link", "add", self.bridge, "type", "bridge")
+        add_bridge(self.bridge)
         run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
         node_args = []
