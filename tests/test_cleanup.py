@@ -288,8 +288,10 @@ def test_what_a_client_killed_with_its_agents_during_the_start_left_goes_at_the_
         kill_quietly([client.proc.pid, *pids])
         assert client.wait() == -signal.SIGKILL
         assert_all_gone(pids, STOP_WITHIN, "the killed client's agents and executors")
-        assert (Path("/dev/shm") / left[0]).exists()  # nobody cleaned up
-        assert len(list(nodes_dir.iterdir())) == 2  # nor the node folders
+        # The probe is in the machine's /dev/shm: a pool that another test (another
+        # pytest-xdist worker) starts meanwhile may sweep it first, which is the behaviour
+        # under test. The node folders are this test's own: only its pool start sweeps them.
+        assert len(list(nodes_dir.iterdir())) == 2  # nobody cleaned up
         with sky.Compute(sky.Local(workdir=str(nodes_dir)), nodes=1) as pool:
             assert (where() >> pool)[2]
         assert not (Path("/dev/shm") / left[0]).exists()
