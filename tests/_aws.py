@@ -50,7 +50,7 @@ from urllib.parse import parse_qs
 
 import pytest
 import yaml
-from _hosts import Lab, LabError, TestHost, _in_netns, keygen, lab_unavailable
+from _hosts import Lab, LabError, SharedLab, TestHost, _in_netns, keygen, lab_unavailable
 from _lifecycle import Lifecycle
 
 REGION = "us-east-1"
@@ -902,8 +902,7 @@ def aws_unavailable() -> str | None:
     return None
 
 
-_shared: AwsLab | None = None
-_users = 0
+_AWS = SharedLab(lambda: AwsLab().__enter__())  # (a start failing part way closes what it made)
 
 
 @pytest.fixture(scope="session", name="aws_lab")
@@ -915,17 +914,8 @@ def aws_lab_fixture() -> Iterator[AwsLab]:
     removed the contact file of the agent the first boot's host already ran (issue 39's
     instances that never ended, test_fallback's agent that died at its start). The last
     user closes it."""
-    global _shared, _users
     reason = aws_unavailable()
     if reason:
         pytest.skip(reason)
-    if _shared is None:
-        _shared = AwsLab().__enter__()  # (a start failing part way closes what it made)
-    _users += 1
-    try:
-        yield _shared
-    finally:
-        _users -= 1
-        if _users == 0:
-            lab, _shared = _shared, None
-            lab.close()
+    with _AWS.use() as lab:
+        yield lab

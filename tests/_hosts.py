@@ -32,10 +32,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import pytest
 from _lifecycle import Lifecycle
@@ -579,35 +579,59 @@ def lab_with_hosts(count: int) -> Iterator[Lab]:
         yield lab
 
 
-_shared: Lab | None = None
-_shared_users = 0
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+L = TypeVar("L", bound=_Closable)
+
+
+class SharedLab(Generic[L]):
+    """One lab per process for a session-scoped fixture: pytest makes such a fixture
+    once per module that imports it (each import is a definition), so without this every
+    module would get a lab of its own. The first user makes it (``make``), the last one
+    closes it."""
+
+    def __init__(self, make: Callable[[], L]) -> None:
+        self.make = make
+        self.lab: L | None = None
+        self.users = 0
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[L]:
+        if self.lab is None:
+            self.lab = self.make()
+        lab = self.lab
+        self.users += 1
+        try:
+            yield lab
+        finally:
+            self.users -= 1
+            if self.users == 0:
+                self.lab = None
+                lab.close()
+
+
+def _three_hosts() -> Lab:
+    lab = Lab()
+    try:
+        lab.start()
+        lab.add_hosts(3)
+    except BaseException:
+        lab.close()
+        raise
+    return lab
+
+
+_SSH_LAB = SharedLab(_three_hosts)
 
 
 @pytest.fixture(scope="session", name="ssh_lab")
 def ssh_lab_fixture() -> Iterator[Lab]:
-    """Three SSH test hosts for the whole session (skips when they cannot be built).
-
-    Every test module that imports this fixture gets its own session-scoped instance of
-    it; they all share one lab, removed when the last of them is finalised.
-    """
-    global _shared, _shared_users
+    """Three SSH test hosts for the whole session (skips when they cannot be built),
+    one lab shared by every module that imports this fixture (:class:`SharedLab`)."""
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
-    if _shared is None:
-        lab = Lab()
-        try:
-            lab.start()
-            lab.add_hosts(3)
-        except BaseException:
-            lab.close()
-            raise
-        _shared = lab
-    _shared_users += 1
-    try:
-        yield _shared
-    finally:
-        _shared_users -= 1
-        if _shared_users == 0:
-            _shared.close()
-            _shared = None
+    with _SSH_LAB.use() as lab:
+        yield lab

@@ -42,7 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _hosts import LabError, add_bridge, free_subnet, next_lab_tag, remove_stale_labs, run
+from _hosts import (
+    LabError,
+    SharedLab,
+    add_bridge,
+    free_subnet,
+    next_lab_tag,
+    remove_stale_labs,
+    run,
+)
 from _lifecycle import Lifecycle
 
 from flotilla._system.procs import die_with_parent
@@ -384,19 +392,9 @@ def k8s_lab_fixture() -> Iterator[K8sLab]:
         pytest.skip(why)
     if _build_error is not None:
         raise LabError(_build_error)
-    global _shared, _users
-    if _shared is None:
-        _shared = K8sLab().__enter__()
-    _users += 1
-    try:
-        yield _shared
-    finally:
-        _users -= 1
-        if _users == 0:
-            _shared.close()
-            _shared = None
+    with _K8S.use() as lab:
+        yield lab
 
 
-_shared: K8sLab | None = None
+_K8S = SharedLab(lambda: K8sLab().__enter__())
 """The session's lab: the modules that import the fixture get one fixture each, one lab."""
-_users = 0

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _hosts import Lab, LabError, TestHost, _in_netns, lab_unavailable
+from _hosts import Lab, LabError, SharedLab, TestHost, _in_netns, lab_unavailable
 from _lifecycle import Lifecycle
 
 NODES = 3
@@ -340,36 +340,28 @@ class SlurmCluster(Lifecycle):
             time.sleep(0.05)
 
 
-_shared: SlurmCluster | None = None
-_shared_users = 0
+def _started_cluster() -> SlurmCluster:
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+_SLURM = SharedLab(_started_cluster)
 
 
 @pytest.fixture(scope="session", name="slurm_cluster")
 def slurm_cluster_fixture() -> Iterator[SlurmCluster]:
-    """Three idle SLURM nodes for the whole session (skips when they cannot be built).
-
-    Shared by every test module that imports it; stopped when the last one is finalised.
-    """
-    global _shared, _shared_users
+    """Three idle SLURM nodes for the whole session (skips when they cannot be built),
+    one cluster shared by every module that imports this fixture (:class:`SharedLab`)."""
     reason = cluster_unavailable()
     if reason:
         pytest.skip(reason)
-    if _shared is None:
-        cluster = SlurmCluster()
-        try:
-            cluster.start()
-        except BaseException:
-            cluster.close()
-            raise
-        _shared = cluster
-    _shared_users += 1
-    try:
-        yield _shared
-    finally:
-        _shared_users -= 1
-        if _shared_users == 0:
-            _shared.close()
-            _shared = None
+    with _SLURM.use() as cluster:
+        yield cluster
 
 
 def in_netns_of(host: TestHost) -> list[str]:
