@@ -7,8 +7,10 @@ bytecode`` builds a compiled copy once per flotilla version and interpreter: Loc
 import from it, and the SSH bundle ships the byte code of the modules a start imports. The
 node tests look, from inside a node's executor (forked from the agent: it has every module the agent
 loaded), at the byte code of every flotilla and cloudpickle module loaded: it must be
-checked-hash byte code (which the interpreter verifies against the source) matching the
-source. A node that compiles for itself writes timestamp byte code, or none at all.
+hash-based byte code matching the source: checked-hash in a folder (the interpreter
+verifies it against the source), unchecked-hash in the SSH bundle (a zip checked whole at
+every start, whose hash covers each source with its byte code: an import reads no source).
+A node that compiles for itself writes timestamp byte code, or none at all.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import marshal
 import os
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,8 @@ from flotilla._providers.local import Local
 
 CHECKED_HASH = 0b11
 """The flags of a checked-hash ``.pyc`` (PEP 552); a timestamp one has 0."""
+UNCHECKED_HASH = 0b01
+"""The flags of an unchecked-hash ``.pyc``: the interpreter does not read its source."""
 
 
 @sky.function
@@ -67,8 +72,9 @@ def loaded_byte_code() -> tuple[list[str], dict[str, str]]:
             wrong[name] = f"no byte code ({e})"
             continue
         flags = int.from_bytes(data[4:8], "little")
-        if flags != 0b11:
-            wrong[name] = f"flags {flags:#b}, not checked-hash"
+        want = 0b01 if zipped else 0b11  # unchecked-hash in the bundle, else checked-hash
+        if flags != want:
+            wrong[name] = f"flags {flags:#b}, not {want:#b}"
         elif data[8:16] != importlib.util.source_hash(source):
             wrong[name] = "byte code of another source"
     return seen, wrong
@@ -102,11 +108,14 @@ def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> Non
     with zipfile.ZipFile(io.BytesIO(bundle.data)) as z:
         names = z.namelist()
         agent = z.read("flotilla/_node/agent.pyc")
+        byte_code = [z.read(n) for n in names if n.endswith(".pyc")]
     assert "flotilla/_node/agent.pyc" in names and "cloudpickle/cloudpickle.pyc" in names
     assert "flotilla/_client/node.py" in names and "flotilla/_client/node.pyc" not in names
     assert not [n for n in names if "__pycache__" in n]
     code = marshal.loads(agent[16:])  # named by its place in the bundle, not the client's
     assert code.co_filename == "flotilla/_node/agent.py"
+    # unchecked: a start's imports do not read and hash the sources the zip's hash covers
+    assert {int.from_bytes(b[4:8], "little") for b in byte_code} == {UNCHECKED_HASH}
     assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
 
 
@@ -167,6 +176,7 @@ def test_a_clients_bundle_is_kept_and_rebuilt_when_the_code_changes(
     first = bootstrap.kept_bundle(packages)
     (kept,) = _kept(packages)
     assert kept.read_bytes() == first.packed and kept.stat().st_mode & 0o077 == 0
+    assert first.crc == zlib.crc32(first.data) and "crc" in vars(first)  # computed once
 
     def no_build(packages: dict[str, str]) -> bootstrap.Bundle:
         raise AssertionError("built again")

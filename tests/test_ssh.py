@@ -323,6 +323,39 @@ def test_a_new_workdir_is_private(ssh_lab: Lab, tmp_path: Path) -> None:
     assert host.path(workdir).stat().st_mode & 0o777 == 0o700
 
 
+def test_a_start_runs_no_program_but_the_shell_and_the_interpreter(
+    ssh_lab: Lab, tmp_path: Path
+) -> None:
+    """A node start costs one shell and one Python process (issue 42 item 1): the working
+    directory is made, checked and entered by the interpreter, not by ``mkdir`` and ``ls``
+    processes. The host's PATH starts with tools that log their runs; a first start (the
+    bundle uploaded) and a later one run none of them, and the new workdir is private."""
+    spies = ssh_lab.shared / f"spies-{tmp_path.name}"
+    spies.mkdir()
+    log = spies / "ran"
+    for tool in ("mkdir", "ls", "test", "stat", "chmod", "cat", "rm", "mv"):
+        real = subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True, text=True)
+        if not real.stdout.strip().startswith("/"):
+            continue  # a shell builtin here
+        (spies / tool).write_text(
+            f'#!/bin/sh\necho {tool} >> {log}\nexec {real.stdout.strip()} "$@"\n'
+        )
+        (spies / tool).chmod(0o755)
+    path = f"{spies}:{os.path.dirname(sys.executable)}:/usr/bin:/bin"
+    host = ssh_lab.add_host(env={"PATH": path})
+    try:
+        workdir = tmp_path / "new" / "spied"
+        for _ in range(2):
+            with sky.Compute(
+                provider=ssh_lab.provider([host], workdir=str(workdir)), nodes=1
+            ) as pool:
+                assert add(1, 1) >> pool == 2
+        assert not log.exists(), log.read_text()
+        assert host.path(workdir).stat().st_mode & 0o777 == 0o700
+    finally:
+        ssh_lab.remove_host(host)
+
+
 def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
     host = ssh_lab.hosts[0]
     empty = tmp_path / "known_hosts"

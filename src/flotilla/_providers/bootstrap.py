@@ -6,23 +6,25 @@ remote shell (cloud VMs over SSH, a container exec...), through ``launch.start_r
 The client packs its own ``flotilla`` and ``cloudpickle`` package directories (both pure
 Python; an editable development install works too), with byte code of the modules a node's
 start imports, into a reproducible zip stored uncompressed (:func:`build_bundle`) named by
-the sha256 of its content and sent compressed (zlib), and keeps it beside its compiled copy
-of the node code (:func:`kept_bundle`). A node keeps every bundle it received as the file
-``{workdir}/lib/{hash}`` and runs the agent with ``PYTHONPATH`` pointing there: Python
-imports the modules straight from the zip (``zipimport``), so a host's first start writes
-one file instead of unpacking a few hundred::
+the sha256 of its content and sent compressed (zlib: every byte an sshd relays costs it
+CPU), and keeps it beside its compiled copy of the node code (:func:`kept_bundle`). A node
+keeps every bundle it received as the file ``{workdir}/lib/{hash}`` and runs the agent with
+``PYTHONPATH`` pointing there: Python imports the modules straight from the zip
+(``zipimport``), so a host's first start writes one file instead of unpacking a few
+hundred::
 
     cd {workdir} && PYTHONPATH={workdir}/lib/{hash} exec {python} -m flotilla.agent
 
-One remote command, on the connection that then carries the agent's stdio, refuses a
-working directory another user owns or can write (made 0700 when missing) and starts one
-Python process (:data:`_BOOT`), which becomes the agent: it checks the interpreter (>= 3.11),
-takes the agent lock when the provider asks for one, and, when the bundle is there and
+One remote command, on the connection that then carries the agent's stdio, starts one
+Python process (:data:`_BOOT`; the shell runs nothing else), which becomes the agent: it
+checks the interpreter (>= 3.11), refuses a working directory another user owns or can
+write (made 0700 when missing), takes the agent lock when the provider asks for one, and,
+when the bundle is there and
 intact (its CRC-32 is checked at every start, ~2 ms where a sha256 would cost ~7: a damaged
 file is never imported; the folder is private, so this guards against damage, not against
 its owner), runs the agent at once (``runpy``, as ``-m flotilla.agent``). Otherwise it
 answers ``NEED_UPLOAD`` and reads the bundle (its exact size) from stdin: it checks the
-hash and writes it to a temporary file renamed into place (:data:`_EXTRACT`; atomic:
+sha256 and writes it to a temporary file renamed into place (:data:`_EXTRACT`; atomic:
 concurrent pools never see half a bundle, and a damaged one is replaced), then goes on as
 the agent. Either way a start costs one shell and one Python start.
 
@@ -57,6 +59,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from .._archive import Source, build_zip, glob_excludes
 from .._errors import ProvisionCause, ProvisionError
@@ -86,9 +89,10 @@ class Bundle:
     data: bytes
     packed: bytes = b""
 
-    @property
+    @cached_property
     def crc(self) -> int:
-        """The CRC-32 of ``data``: a node checks its copy against it at every start."""
+        """The CRC-32 of ``data``: a node checks its copy against it at every start
+        (computed once: every host's start command carries it)."""
         return zlib.crc32(self.data)
 
     @classmethod
@@ -241,9 +245,11 @@ def _package_dirs() -> dict[str, str]:
 
 def build_bundle(packages: dict[str, str]) -> Bundle:
     """A reproducible zip (:func:`flotilla._archive.build_zip`) of ``packages`` (name ->
-    directory), without their byte code, with checked-hash byte code of
-    :data:`bytecode.NODE_START` where ``zipimport`` reads it: ``module.pyc`` beside
-    ``module.py``, named in tracebacks by its path in the bundle (``flotilla/agent.py``)."""
+    directory), without their byte code, with byte code of :data:`bytecode.NODE_START`
+    where ``zipimport`` reads it: ``module.pyc`` beside ``module.py``, named in tracebacks
+    by its path in the bundle (``flotilla/agent.py``). The byte code is unchecked-hash:
+    the zip, whose hash covers every source with its byte code, is checked whole at every
+    start, so an import does not read and hash its source again."""
     skip = glob_excludes(_EXCLUDED)
     sources = [Source(packages[name], name, skip) for name in sorted(packages)]
     compiled: list[tuple[str, bytes]] = []
@@ -263,7 +269,7 @@ def build_bundle(packages: dict[str, str]) -> Bundle:
                         cfile=cfile,
                         dfile=arcname,
                         doraise=True,
-                        invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH,
+                        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
                     )
                     with open(cfile, "rb") as f:
                         compiled.append((arcname + "c", f.read()))
@@ -294,14 +300,35 @@ def say(line):
 if sys.version_info < {MIN_PYTHON!r}:
     say("BAD_PYTHON %d.%d" % sys.version_info[:2])
     sys.exit(0)
-lib, name, size, crc, lock, code = sys.argv[1:7]
+if not sys.flags.safe_path:
+    del sys.path[0]
+work, name, size, crc, lock, code = sys.argv[1:7]
 del sys.argv[1:]
+lib = os.path.join(work, "lib")
+target = os.path.join(lib, name)
+try:
+    os.makedirs(work, 0o700, exist_ok=True)
+except OSError:
+    pass
+for d in (work, lib, target):
+    try:
+        if os.stat(d).st_uid != os.geteuid():
+            say("UNSAFE_WORKDIR owner " + d)
+            sys.exit(0)
+    except OSError:
+        pass
+if os.path.isdir(work) and os.stat(work).st_mode & 0o022:
+    say("UNSAFE_WORKDIR writable " + work)
+    sys.exit(0)
+try:
+    os.chdir(work)
+except OSError as e:
+    sys.exit("cannot enter the working directory %s: %s" % (work, e))
 if lock:
     import fcntl
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)
     os.set_inheritable(fd, True)
-target = os.path.join(lib, name)
 def intact():
     import mmap, zlib
     try:
@@ -326,7 +353,8 @@ if not intact():
         sys.exit(0)
     del sys.argv[1:]
 del code
-sys.path[0] = os.getcwd()
+if not sys.flags.safe_path:
+    sys.path.insert(0, os.getcwd())
 sys.path.insert(1, target)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [target, os.environ.get("PYTHONPATH")]))
 say("AGENT")
@@ -334,9 +362,12 @@ import runpy
 runpy.run_module("flotilla.agent", run_name="__main__", alter_sys=True)
 """
 """The node side of the start command, in one Python process: it checks the interpreter
-(first, in syntax any Python parses), takes the agent lock when asked, installs the bundle
-when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last argument and
-is compiled only then) and becomes the agent (``runpy``, as ``python -m flotilla.agent``)."""
+(first, in syntax any Python parses), takes the session's folder off ``sys.path`` (nothing
+is imported from it), refuses a working directory another user owns or others can write
+(made 0700 when missing) and enters it, takes the agent lock when asked, installs the
+bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last
+argument and is compiled only then) and becomes the agent (``runpy``, as ``python -m
+flotilla.agent``, with the working directory first on ``sys.path``)."""
 
 
 def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = None) -> list[str]:
@@ -349,20 +380,9 @@ def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = 
     py = python_words(python)
     first = shlex.quote(shlex.split(python)[0])
     script = f"""\
-W={shell_path(workdir)}
-L="$W/lib/{bundle.hash}"
-mkdir -p -m 700 "$W" 2>/dev/null
-for D in "$W" "$W/lib" "$L"; do
-  if [ -e "$D" ] && [ ! -O "$D" ]; then echo "FLOTILLA_BOOT UNSAFE_WORKDIR owner $D"; exit 0; fi
-done
-case $(ls -ldL -- "$W" 2>/dev/null) in
-  d????w*|d???????w*) echo "FLOTILLA_BOOT UNSAFE_WORKDIR writable $W"; exit 0 ;;
-esac
-cd "$W" || exit 1
 command -v {first} >/dev/null 2>&1 || {{ echo "FLOTILLA_BOOT NO_PYTHON 127"; exit 0; }}
-{py} -c {shlex.quote(_BOOT)} "$W/lib" {bundle.hash} {len(bundle.packed)} {bundle.crc} \\
-  {shlex.quote(lock or "")} \\
-  {shlex.quote(_EXTRACT)}
+{py} -c {shlex.quote(_BOOT)} {shell_path(workdir)} {bundle.hash} {len(bundle.packed)} \\
+  {bundle.crc} {shlex.quote(lock or "")} {shlex.quote(_EXTRACT)}
 S=$?
 if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
 exit "$S"
@@ -371,23 +391,26 @@ exit "$S"
 
 
 _EXTRACT = """\
-import hashlib, os, sys, tempfile, zlib
+import hashlib, os, sys, zlib
 lib, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-parts = []
-while size:
-    part = os.read(0, min(size, 1 << 20))
+packed = bytearray(size)
+view = memoryview(packed)
+got = 0
+while got < size:
+    part = os.readv(0, [view[got:]])
     if not part:
         sys.exit("the bundle upload ended early")
-    parts.append(part)
-    size -= len(part)
+    got += part
 try:
-    data = zlib.decompress(b"".join(parts))
+    data = zlib.decompress(packed)
 except zlib.error:
     data = b""
+del view, packed
 if hashlib.sha256(data).hexdigest() != name:
     sys.exit("the uploaded bundle does not match its hash")
-os.makedirs(lib, exist_ok=True)
-fd, tmp = tempfile.mkstemp(prefix=".tmp-" + name[:12] + "-", dir=lib)
+os.makedirs(lib, 0o700, exist_ok=True)
+tmp = os.path.join(lib, ".tmp-%s-%d-%s" % (name[:12], os.getpid(), os.urandom(6).hex()))
+fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 try:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -396,9 +419,11 @@ except BaseException:
     os.unlink(tmp)
     raise
 """
-"""The node's bundle installer: reads the packed bundle, unpacks it, checks its hash and
-writes it as the file ``lib/{hash}`` (a temporary file renamed into place: concurrent starts
-never see half of one, and a damaged bundle is replaced whole)."""
+"""The node's bundle installer: reads the packed bundle (its exact size) into one buffer,
+unpacks it, checks its sha256 and writes it as the file ``lib/{hash}`` (a private temporary
+file, created new, renamed into place: concurrent starts never see half of one, and a
+damaged bundle is replaced whole). It imports ``hashlib`` and ``zlib`` only: no
+``tempfile``, ~15 ms to import on a plain interpreter."""
 
 
 # -- the dance -------------------------------------------------------------------------------
