@@ -73,7 +73,10 @@ def block_after(marker: str, seconds: float) -> None:
 @sky.function
 def interpreter_view() -> dict[str, object]:
     """This executor's interpreter beside a plain one started here with the same environment:
-    their site-packages folders, ``-S``, and where ``packaging`` (in site-packages only) is."""
+    their site-packages folders, ``-S``, where ``packaging`` (in site-packages only) is, and
+    whether the cyclic garbage collector runs (a start pauses it while it imports)."""
+    import gc
+
     import packaging
 
     code = "import json, sys; print(json.dumps([sys.path, sys.flags.no_site]))"
@@ -85,6 +88,7 @@ def interpreter_view() -> dict[str, object]:
         "no_site": sys.flags.no_site,
         "plain_no_site": no_site,
         "packaging": packaging.__file__,
+        "gc": gc.isenabled(),
     }
 
 
@@ -207,12 +211,14 @@ def assert_a_plain_interpreter(view: dict[str, object]) -> None:
     assert view["sites"] == plain
     assert view["no_site"] == view["plain_no_site"] == 0
     assert any(str(view["packaging"]).startswith(f"{s}/") for s in plain), view
+    assert view["gc"] is True, view
 
 
 def test_an_executor_has_the_site_packages_of_a_plain_interpreter(ssh_lab: Lab) -> None:
     """The agent is started from the shipped bundle, but its executors must be the host's
     ordinary interpreter: its site-packages (and ``.pth`` files) on the path, no ``-S`` for
-    the processes a task starts (``multiprocessing`` passes the flags on)."""
+    the processes a task starts (``multiprocessing`` passes the flags on), and its garbage
+    collector on (the start pauses it while it imports)."""
     with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
         assert_a_plain_interpreter(interpreter_view() >> pool)
 

@@ -36,6 +36,7 @@ heartbeats and shutdown.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -598,6 +599,12 @@ def _bindable(port: int) -> bool:
 
 
 def main() -> None:
-    """Entry point of ``python -m flotilla.agent``."""
+    """Entry point of ``python -m flotilla.agent``. What exists now (the interpreter and the
+    node modules) lives as long as the process: it is frozen (``gc.freeze``), so that no
+    collection, here or in an executor forked from here, walks it again (or touches its
+    pages: a forked executor shares them), and the collector, which a start pauses while
+    it imports (the SSH bootstrap does), runs again."""
+    gc.freeze()
+    gc.enable()
     Agent().run()
     os._exit(0)

@@ -300,6 +300,8 @@ def say(line):
 if sys.version_info < {MIN_PYTHON!r}:
     say("BAD_PYTHON %d.%d" % sys.version_info[:2])
     sys.exit(0)
+import gc
+gc.disable()
 if not sys.flags.safe_path:
     del sys.path[0]
 work, name, size, crc, lock, code = sys.argv[1:7]
@@ -362,12 +364,14 @@ import runpy
 runpy.run_module("flotilla.agent", run_name="__main__", alter_sys=True)
 """
 """The node side of the start command, in one Python process: it checks the interpreter
-(first, in syntax any Python parses), takes the session's folder off ``sys.path`` (nothing
-is imported from it), refuses a working directory another user owns or others can write
-(made 0700 when missing) and enters it, takes the agent lock when asked, installs the
-bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last
-argument and is compiled only then) and becomes the agent (``runpy``, as ``python -m
-flotilla.agent``, with the working directory first on ``sys.path``)."""
+(first, in syntax any Python parses), pauses the cyclic garbage collector for the start
+(its passes over the modules being imported find nothing; the agent freezes what they
+made and resumes it, :func:`flotilla._node.agent.main`), takes the session's folder off
+``sys.path`` (nothing is imported from it), refuses a working directory another user owns
+or others can write (made 0700 when missing) and enters it, takes the agent lock when
+asked, installs the bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes
+as its last argument and is compiled only then) and becomes the agent (``runpy``, as
+``python -m flotilla.agent``, with the working directory first on ``sys.path``)."""
 
 
 def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = None) -> list[str]:
