@@ -1,11 +1,13 @@
 """The CPU a node start costs: every process a start makes, from /proc (issue 42, item 1).
 
-    .venv/bin/python bench/bench_nodestart.py [--reps 5] [--nodes 2] [--before SRC] [--ssh]
+    .venv/bin/python bench/bench_nodestart.py [--reps 5] [--nodes 2] [--before SRC] [--ssh] [--aws]
 
 Each repetition starts a pool in a fresh process, answers one no-op on every node, and then
 reads, for every process of each node (Local: the agent and its executors, children of
 the measuring process or of its fork server, whose own CPU is shared out among the nodes; SSH, as root: every process of the host's network namespace but its
-sshd daemon: the session's sshd, the start shell, the agent, the executors), the CPU it
+sshd daemon: the session's sshd, the start shell, the agent, the executors; EC2 lab, as
+root: what the instance's sshd daemon started, i.e. the same, but not the lab's own
+stand-ins for the instance's boot), the CPU it
 spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
 of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
 over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
@@ -15,7 +17,8 @@ repetition on stderr, and the medians as a markdown table with the load
 ``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
 (e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
 (and the byte code the first start wrote) on the hosts. SSH starts are *first* starts: the
-hosts' bundle folder is removed before each, as on a new host. The compiled node code
+hosts' bundle folder is removed before each, as on a new host (an EC2 lab start is always
+a new instance's first start). The compiled node code
 (``_providers.bytecode``) is built before the first repetition (the one-time build's CPU
 is printed once).
 """
@@ -93,10 +96,15 @@ def child(args: argparse.Namespace) -> None:
 
     mine = time.process_time()
     if args.ssh_spec:
-        from flotilla._providers.ssh import SSH
-
         spec = json.loads(args.ssh_spec)
-        provider: Any = SSH(spec["hosts"], **spec["options"])
+        if spec.get("aws"):
+            from flotilla._providers.aws import AWS
+
+            provider: Any = AWS(**spec["options"])
+        else:
+            from flotilla._providers.ssh import SSH
+
+            provider = SSH(spec["hosts"], **spec["options"])
     else:
         provider = sky.Local()
     t0 = time.perf_counter()
@@ -108,11 +116,14 @@ def child(args: argparse.Namespace) -> None:
         per_node: list[float] = []
         roles: dict[str, float] = {}
         if args.ssh_spec:
-            for netns, daemon in spec["netns"]:
-                sys.path.insert(0, str(HERE.parent / "tests"))
-                from _hosts import pids_in_netns
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from _hosts import pids_in_netns
 
-                session = [p for p in pids_in_netns(netns) if p != daemon]
+            for netns, daemon in spec.get("netns") or instances(spec["prefix"], kids):
+                if spec.get("aws"):  # what the sshd started, not the lab's boot stand-ins
+                    session = [p for p in tree(daemon, kids) if p != daemon]
+                else:
+                    session = [p for p in pids_in_netns(netns) if p != daemon]
                 per_node.append(sum(cpu_of(p) for p in session))
                 for p in session:
                     roles[role(p)] = roles.get(role(p), 0.0) + cpu_of(p) / args.nodes
@@ -134,6 +145,36 @@ def child(args: argparse.Namespace) -> None:
                     roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         assert len(set(pids)) == args.nodes, pids
     print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+
+
+def instances(prefix: str, kids: dict[int, list[int]]) -> list[tuple[str, int]]:
+    """(network namespace, sshd daemon) of each EC2 lab instance running now: the lab's
+    namespaces named ``{prefix}N``; the daemon, the sshd there whose parent is no sshd
+    (an instance whose daemon runs no session is another pool's, ending)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from _hosts import pids_in_netns
+
+    out = []
+    for netns in sorted(os.listdir("/run/netns")):
+        if not netns.startswith(prefix):
+            continue
+        for p in pids_in_netns(netns):
+            try:
+                parent = int(_stat(p)[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            daemon = comm(p).startswith("sshd") and not comm(parent).startswith("sshd")
+            if daemon and len(tree(p, kids)) > 1:  # a session: an instance of this pool
+                out.append((netns, p))
+    return out
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def is_fork_server(pid: int) -> bool:
@@ -195,6 +236,7 @@ def main() -> None:
         help="also flotilla from this src folder (repeatable)",
     )
     parser.add_argument("--ssh", action="store_true", help="SSH test hosts (root) too")
+    parser.add_argument("--aws", action="store_true", help="EC2 lab instances (root) too")
     parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
     parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
     parser.add_argument("--ssh-python", default="", help="SSH: the hosts' interpreter")
@@ -213,10 +255,24 @@ def main() -> None:
         name, _, src = before.rpartition("=")
         variants.append((name or "before", Path(src)))
     providers = ([] if args.no_local else ["local"]) + (["ssh"] if args.ssh else [])
+    providers += ["aws"] if args.aws else []
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
-    lab = None
+    lab = aws = None
     try:
-        spec = ""
+        spec = aws_spec = ""
+        if args.aws:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from _aws import AwsLab
+
+            aws = AwsLab()
+            aws.start()
+            aws_spec = json.dumps(
+                {
+                    "aws": True,
+                    "options": aws.provider_options(),
+                    "prefix": f"flotilla-{aws.lab.tag}-h",
+                }
+            )
         if args.ssh:
             sys.path.insert(0, str(HERE.parent / "tests"))
             from _hosts import Lab
@@ -247,7 +303,8 @@ def main() -> None:
                         for h in lab.hosts:
                             shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
                         shutil.rmtree(lab.tmp / "workdir" / "lib", ignore_errors=True)
-                    got = run_child(src, args, spec if provider == "ssh" else "")
+                    specs = {"ssh": spec, "aws": aws_spec}
+                    got = run_child(src, args, specs.get(provider, ""))
                     rows.append((provider, name, rep, load(), got))
                     node = statistics.median(got["per_node"])
                     print(
@@ -261,6 +318,8 @@ def main() -> None:
     finally:
         if lab is not None:
             lab.close()
+        if aws is not None:
+            aws.close()
     print()
     print(
         f"| provider | flotilla | CPU per node start, median (min-max), {args.reps} reps | "

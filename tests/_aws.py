@@ -544,6 +544,11 @@ class AwsLab(Lifecycle):
         :meth:`poweroffs`)."""
         from flotilla._providers.aws import AWS
 
+        return AWS(**self.provider_options(**kwargs))
+
+    def provider_options(self, **kwargs: Any) -> dict[str, Any]:
+        """The options of :meth:`provider` (JSON: another process can build it, with the
+        lab's environment, e.g. ``bench/bench_nodestart.py --aws``)."""
         options: dict[str, Any] = {
             "region": REGION,
             "ssh_user": "root",
@@ -558,7 +563,7 @@ class AwsLab(Lifecycle):
             "connect_timeout": 5.0,
         }
         options.update(kwargs)
-        return AWS(**options)
+        return options
 
     def fail_launches(
         self,

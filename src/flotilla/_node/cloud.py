@@ -2,8 +2,9 @@
 
 A cloud provider asks for them by setting ``FLOTILLA_CLOUD`` (JSON, see :class:`Config`) in
 the agent's environment. The agent then calls :func:`start` once and :meth:`Contact.touch`
-whenever a frame from the client arrives. :func:`start` runs ``python -m
-flotilla._node.cloud``, which
+whenever a frame from the client arrives. :func:`start` forks a helper (a fork of the
+agent, as it starts: no interpreter of its own to start, which cost an instance's start
+about as much CPU as the agent itself), which
 
 * forks the **watchdog**, a daemon (own session, no inherited descriptors) that outlives
   the agent and runs the power-off command ``ttl`` seconds after the last contact from the
@@ -32,11 +33,8 @@ import json
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,25 +136,33 @@ class Contact:
 
 def start() -> Contact | None:
     """Start the watchdog and the poller if ``FLOTILLA_CLOUD`` asks for them (the variable
-    is removed from the agent's environment: task processes do not inherit it)."""
+    is removed from the agent's environment: task processes do not inherit it). Called by
+    the agent as it starts, while it runs one thread and before it marks its processes
+    with its token: the helper is a fork of it (:func:`_helper`), which the token does not
+    mark (the watchdog outlives the agent on purpose)."""
     text = os.environ.pop(ENV, None)
     if not text:
         return None
     config = Config.from_json(text)
     mark(config.contact)
     armed, tell = os.pipe()
+    agent = os.getpid()
     try:
-        subprocess.Popen(
-            [sys.executable, "-m", "flotilla._node.cloud"],
-            env={**os.environ, ENV: text, _ARMED_FD: str(tell), _AGENT: str(os.getpid())},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            pass_fds=(tell,),
-        )
+        pid = os.fork()
     except OSError as e:  # the agent still serves the pool; the client releases it
         print(f"flotilla agent: cannot start the instance watchdog: {e}", file=sys.stderr)
-    finally:
-        os.close(tell)
+        pid = -1
+    if pid == 0:
+        try:
+            os.close(armed)
+            _helper(config, tell, agent)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    os.close(tell)
     if config.ttl > 0 and not _wait_armed(armed):
         print(
             "flotilla agent: the instance watchdog did not start: this instance will not "
@@ -168,14 +174,10 @@ def start() -> Contact | None:
     return Contact(config.contact, every, config.ttl)
 
 
-_ARMED_FD = "FLOTILLA_CLOUD_ARMED"
-"""The helper's environment: the descriptor on which the watchdog says it holds its lock
-(so the agent never serves a client before the watchdog is in charge: a client killed
-at once still leaves an instance that ends)."""
 _ARM_TIMEOUT = 30.0
-_AGENT = "FLOTILLA_CLOUD_AGENT"
-"""The helper's environment: the agent's pid (the helper ends with it, also when the agent
-died before the helper got to check: its parent is then already another process)."""
+"""Seconds the agent waits for the watchdog to say it holds its lock (so that the agent
+never serves a client before the watchdog is in charge: a client killed at once still
+leaves an instance that ends)."""
 
 
 def _wait_armed(fd: int) -> bool:
@@ -191,27 +193,27 @@ def _wait_armed(fd: int) -> bool:
     return False
 
 
-def _say_armed() -> None:
-    fd = os.environ.pop(_ARMED_FD, "")
-    if fd.isdigit():
+def _say_armed(fd: int) -> None:
+    if fd >= 0:
         try:
-            os.write(int(fd), b"1")
-            os.close(int(fd))
+            os.write(fd, b"1")
+            os.close(fd)
         except OSError:
             pass
 
 
 # -- the watchdog ----------------------------------------------------------------------------
-def watchdog(config: Config, log: Any = None) -> None:
+def watchdog(config: Config, armed: int = -1) -> None:
     """Run ``config.poweroff`` ``config.ttl`` s after the contact file's last modification.
-    Returns at once when another watchdog holds the instance's lock (it is in charge)."""
+    Returns at once when another watchdog holds the instance's lock (it is in charge).
+    ``armed``: a descriptor to write ``1`` on (and close) once a watchdog is in charge."""
     lock = open(config.contact + ".lock", "a")  # noqa: SIM115 - held until the process ends
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        _say_armed()
+        _say_armed(armed)
         return
-    _say_armed()
+    _say_armed(armed)
     last = time.time()  # the agent marked the contact just before it started this process
     while True:
         if not os.path.exists(lock.name):  # removed under it: the boot guard looks for it
@@ -254,6 +256,8 @@ def _lock_again(held: Any) -> Any:
 
 def _power_off(config: Config) -> bool:
     """Run the power-off command; whether it succeeded (exit status 0)."""
+    import subprocess  # (the watchdog's, when it fires: not at every agent's start)
+
     try:
         code = subprocess.run(list(config.poweroff), stdin=subprocess.DEVNULL).returncode
     except OSError as e:
@@ -290,6 +294,8 @@ def _daemonize() -> bool:
 # -- the interruption poller -----------------------------------------------------------------
 def poll_interruptions(config: Config) -> None:
     """Poll IMDSv2 until an interruption notice comes; announce it on stderr, once."""
+    import urllib.error  # (the poller's: not at every agent's start)
+
     if config.imds.rstrip("/").endswith(GCE_METADATA):
         return poll_preemption(config)
     token = ""
@@ -347,28 +353,39 @@ def poll_preemption(config: Config) -> None:
 
 
 def _request(url: str, method: str, headers: dict[str, str]) -> str:
+    import urllib.request
+
     req = urllib.request.Request(url, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=2.0) as resp:
         return str(resp.read().decode())
 
 
-def main() -> None:
-    """Entry point of ``python -m flotilla._node.cloud`` (started by :func:`start`)."""
-    config = Config.from_json(os.environ[ENV])
-    agent = os.environ.pop(_AGENT, "")
+def _helper(config: Config, armed: int, agent: int) -> None:
+    """The agent's fork (:func:`start`): the watchdog, forked first as a daemon (the agent
+    may die meanwhile; it says on ``armed`` when it is in charge), then the interruption
+    poller, which ends with the agent (``agent``: its pid). It keeps the agent's stderr
+    (an interruption notice goes there) and nothing else of it: stdin and stdout on
+    /dev/null, every other descriptor closed, signals as in a new process."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    keep = os.dup2(armed, 3, inheritable=False) if armed != 3 else 3
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(4, 1024))
+    for fd in fds:
+        if fd > 3:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     if config.ttl > 0 and _daemonize():  # first: the agent may die meanwhile
-        watchdog(config)
+        watchdog(config, keep)
         os._exit(0)
-    fd = os.environ.pop(_ARMED_FD, "")  # the watchdog's to write on, not this process's
-    if fd.isdigit():
-        with contextlib.suppress(OSError):
-            os.close(int(fd))
-    die_with_parent(exit_status=0, parent=int(agent) if agent.isdigit() else None)
+    os.close(keep)
+    die_with_parent(exit_status=0, parent=agent)
     if config.imds:
         poll_interruptions(config)
     else:
         signal.pause()  # nothing to poll: end with the agent
-
-
-if __name__ == "__main__":
-    main()
