@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import json
 import os
 import select
 import shutil
@@ -862,6 +863,51 @@ os._exit(0)  # the agent dies at once
         os.close(reader)
 
 
+def test_the_cloud_helper_is_a_fork_of_the_agent(tmp_path: Any) -> None:
+    """The watchdog and the poller cost an instance's start no interpreter of their own
+    (issue 42 item 1: ``python -m flotilla._node.cloud`` cost about what the agent did): the
+    helper is a fork of the agent, and the agent imports no HTTP client or ``subprocess``
+    for it."""
+    contact = str(tmp_path / "contact")
+    config = {"contact": contact, "ttl": 30, "poweroff": ["true"]}
+    code = f"""
+import json, os, sys
+os.environ["FLOTILLA_CLOUD"] = json.dumps({config!r})
+from flotilla._node.cloud import start
+start()
+me = os.getpid()
+with open(f"/proc/{{me}}/task/{{me}}/children") as f:
+    kids = [int(p) for p in f.read().split()]
+lines = []
+for pid in kids:
+    with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+        lines.append(f.read().decode())
+print(json.dumps({{"kids": lines, "me": open("/proc/self/cmdline", "rb").read().decode(),
+    "imported": [m for m in ("subprocess", "urllib.request", "http.client") if m in sys.modules]}}))
+os._exit(0)
+"""
+    proc = _node_python(code)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        seen = json.loads(proc.stdout)
+        assert seen["kids"] == [seen["me"]], seen  # the poller: the agent's own command line
+        assert seen["imported"] == [], seen
+    finally:  # the watchdog (ttl 30 s): it names this test's contact file
+        kill_quietly(_naming(contact))
+
+
+def _naming(text: str) -> list[int]:
+    """The processes whose command line or environment holds ``text``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for part in ("environ", "cmdline"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/{part}", "rb") as f:
+                if text.encode() in f.read():
+                    out.append(int(pid))
+                    break
+    return out
+
+
 def test_the_helper_ends_when_its_agent_died_before_it_started(tmp_path: Any) -> None:
     """An agent that dies right after cloud.start() (before the helper it started got to
     watch it): the helper ends too, instead of waiting forever under another parent with
@@ -880,14 +926,7 @@ os._exit(0)  # the agent dies at once, before the helper is up
     assert agent.returncode == 0  # (the helper keeps the agent's stderr: not a pipe here)
 
     def helpers() -> list[int]:  # (a fork of the agent: its command line names the contact)
-        out = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            for part in ("environ", "cmdline"):
-                with contextlib.suppress(OSError), open(f"/proc/{pid}/{part}", "rb") as f:
-                    if contact.encode() in f.read():
-                        out.append(int(pid))
-                        break
-        return out
+        return _naming(contact)
 
     try:
         assert wait_until(lambda: helpers() == [], 30), (
