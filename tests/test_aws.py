@@ -971,8 +971,10 @@ def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
     try:
         url = f"http://127.0.0.1:{server.server_port}"
         code = f"""
+import sys
 from flotilla._node.cloud import Config, poll_interruptions
 poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
+print([m for m in ("http.client", "urllib.request") if m in sys.modules])
 """
         proc = _node_python(code)
     finally:
@@ -980,6 +982,7 @@ poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.1))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("FLOTILLA_CLOUD NOTICE ")
     assert '"action": "stop"' in proc.stderr
+    assert proc.stdout.strip() == "[]"  # no HTTP client to import (~27 ms a spot start paid)
     assert seen[:2] == [
         "PUT /latest/api/token 21600",
         "GET /latest/meta-data/spot/instance-action True",
