@@ -50,7 +50,16 @@ from urllib.parse import parse_qs
 
 import pytest
 import yaml
-from _hosts import Lab, LabError, SharedLab, TestHost, _in_netns, keygen, lab_unavailable
+from _hosts import (
+    SERVE_POLL,
+    Lab,
+    LabError,
+    SharedLab,
+    TestHost,
+    _in_netns,
+    keygen,
+    lab_unavailable,
+)
 from _lifecycle import Lifecycle
 
 REGION = "us-east-1"
@@ -392,7 +401,7 @@ class AwsLab(Lifecycle):
         self.faults = Faults(DomainDispatcherApplication(create_backend_app), {})
         self.faults.on_change = self._wake.set
         self.server = make_server(addr, 0, self.faults, threaded=True)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(SERVE_POLL,), daemon=True).start()
         self.endpoint = f"http://{addr}:{self.server.server_port}"
         self.env = {
             "AWS_ENDPOINT_URL": self.endpoint,

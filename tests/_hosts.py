@@ -59,6 +59,11 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 """
 
 
+SERVE_POLL = 0.05
+"""How often a lab's HTTP server (``serve_forever``'s ``poll_interval``) looks whether it
+is asked to stop: its shutdown waits for that look, and socketserver's default, 0.5 s, was
+most of what closing a stand-in took (one per test for the GPU markets)."""
+
 _labs_made = 0
 
 

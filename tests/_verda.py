@@ -62,7 +62,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from _hosts import SSHD, Lab, SharedLab, TestHost, keygen, lab_unavailable, run  # noqa: F401
+from _hosts import SERVE_POLL, SSHD, Lab, SharedLab, TestHost, keygen, lab_unavailable, run  # noqa: F401
 from _lifecycle import Lifecycle
 
 CLIENT_ID = "verda-test-client"
@@ -140,7 +140,7 @@ class VerdaLab(Lifecycle):
 
         self._server = ThreadingHTTPServer((addr, 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, args=(SERVE_POLL,), daemon=True).start()
         self.url = f"http://{addr}:{self._server.server_port}/v1"
         self.env = {
             "VERDA_BASE_URL": self.url,
