@@ -261,8 +261,8 @@ def main() -> None:
         "broadcast: the CPU per host less the function's (issue 42's goal: <= 70 ms). "
         "Idle, other: of the CPUs' time during a broadcast (its time x CPUs), the shares "
         "they sat idle and ran something else than the lab's processes and the client "
-        "(other work on the machine, interrupts): what makes the time exceed the floor. "
-        "Copies: payloads the client sent.\n"
+        "(other work on the machine, the hypervisor's steal): what makes the time exceed "
+        "the floor. Copies: payloads the client sent.\n"
     )
     print(
         "| measurement | time | CPU (÷ CPUs) | time ÷ floor | idle, other "
