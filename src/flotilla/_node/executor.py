@@ -36,6 +36,7 @@ from .._wire.frames import (
     Status,
     frame,
     write_all,
+    write_frame,
 )
 
 
@@ -165,6 +166,10 @@ def _serve(
         payload.release()
         return task(ident, mapping, 0, mapping)
 
+    # the running task's feeds: this thread's, or the process's (its main thread serves
+    # the first slot: no look at which thread runs, per task)
+    set_context = feeds.set_current if threaded else partial(setattr, feeds, "current")
+
     def task(
         ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
     ) -> bool:
@@ -172,7 +177,7 @@ def _serve(
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        feeds.set_current(
+        set_context(
             feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
         )
         try:
@@ -187,7 +192,7 @@ def _serve(
                 mapped,
             )
         finally:
-            feeds.set_current(None)
+            set_context(None)
             inbox.feeds.pop(ident, None)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
@@ -195,7 +200,7 @@ def _serve(
             os._exit(0)
         _flush()  # the task's output goes before its result
         with write_lock:
-            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
@@ -431,7 +436,8 @@ def _run(
         msg = f"the task's return value cannot be pickled{where}: {e}"
         pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
         status = Status.ERROR
-    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
+    big = shm_prefix and pickled.buffers and pickled.shm_bytes  # (no property call: per call)
+    shm = ser.write_shm(pickled, shm_prefix) if big else ""
     parts = ser.encode(pickled, shm)
     del pickled, value  # (the result's inline buffers live on in parts)
     if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:
