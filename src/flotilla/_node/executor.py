@@ -281,11 +281,12 @@ def _restore_streams(saved: list[int]) -> None:
 
 class _Inbox:
     """Frames from the agent, read ahead so that a CANCEL queued behind a task is seen
-    before the task runs."""
+    before the task runs. The pipe is blocking: a wait for the next frame is the read
+    itself (no poll first); a read that must not wait asks ``poll`` first."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        os.set_blocking(fd, False)
+        os.set_blocking(fd, True)
         self.poller = select.poll()
         self.poller.register(fd, select.POLLIN)
         self.reader = FrameReader()
@@ -299,10 +300,8 @@ class _Inbox:
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
-        if not self.frames:
-            self._read(block=True)
-        elif self.poller.poll(0):  # what came behind the queued frames (a CANCEL)
-            self._read(block=False)
+        # (else what came behind the queued frames, a CANCEL)
+        self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
 
     def answer(self, ident: int) -> Body | None:
@@ -331,7 +330,7 @@ class _Inbox:
         """Whether yielding task ``ident`` is to end at its next yield: its caller closed
         the iterator (CLOSE), the executor is to stop (SHUTDOWN), or the agent is gone.
         Reads what came meanwhile (without waiting)."""
-        if not self.eof and self.poller.poll(0):
+        if not self.eof:
             self._read(block=False)
         return self._ends(ident)
 
@@ -349,14 +348,10 @@ class _Inbox:
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
         """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``)."""
         while not self.eof:
-            if block and (not self.frames if until is None else not until()):
-                self.poller.poll()
-            try:
-                got = self.reader.read(self.fd)
-            except BlockingIOError:
-                if block:
-                    continue
-                return
+            waiting = block and (not self.frames if until is None else not until())
+            if not waiting and not self.poller.poll(0):
+                return  # nothing more now (a read would wait)
+            got = self.reader.read(self.fd)  # (waits for the agent when ``waiting``)
             if got is None:
                 self.eof = True
                 return
