@@ -50,7 +50,16 @@ from urllib.parse import parse_qs
 
 import pytest
 import yaml
-from _hosts import Lab, LabError, SharedLab, TestHost, _in_netns, keygen, lab_unavailable
+from _hosts import (
+    SERVE_POLL,
+    Lab,
+    LabError,
+    SharedLab,
+    TestHost,
+    _in_netns,
+    keygen,
+    lab_unavailable,
+)
 from _lifecycle import Lifecycle
 
 REGION = "us-east-1"
@@ -392,7 +401,7 @@ class AwsLab(Lifecycle):
         self.faults = Faults(DomainDispatcherApplication(create_backend_app), {})
         self.faults.on_change = self._wake.set
         self.server = make_server(addr, 0, self.faults, threaded=True)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(SERVE_POLL,), daemon=True).start()
         self.endpoint = f"http://{addr}:{self.server.server_port}"
         self.env = {
             "AWS_ENDPOINT_URL": self.endpoint,
@@ -412,7 +421,9 @@ class AwsLab(Lifecycle):
     def close(self) -> None:
         """Stop every instance's host and the emulator; LabError if a process an instance
         started (its boot guard, what its ``bootcmd`` left) outlived its host: an orphan on
-        this machine (it is killed first)."""
+        this machine (it is killed first), or if a pool was left alive to the lab's end
+        (:meth:`end_orphan_pools`)."""
+        pools = self.end_orphan_pools()
         with self._lock:  # no instance is followed from now on (see _follow)
             self._stop.set()
         self._wake.set()
@@ -438,6 +449,30 @@ class AwsLab(Lifecycle):
             AwsLab.running = None
         if left:
             raise LabError(f"processes of the lab's instances outlived them: {left}")
+        if pools:
+            raise LabError(
+                f"AWS pools left alive to the lab's end (orphans: a test or fixture that "
+                f"started them never released them): {'; '.join(pools)}"
+            )
+
+    def end_orphan_pools(self) -> list[str]:
+        """Give back, while the emulator still answers, every AWS pool still on this
+        process's ledger (``flotilla._providers.ledger``): only a pool nobody released is
+        there (the process's exit would give it back, after the emulator is gone: "cannot
+        reach the AWS API"). Each one said: its pool id and what it created."""
+        from flotilla._providers import ledger
+        from flotilla._providers.aws.pool import AWSAllocation
+
+        said = []
+        for pool in ledger.pending():
+            if isinstance(pool, AWSAllocation):
+                what = ", ".join(sorted({what for what, _ in pool.created}))
+                said.append(f"pool {pool.spec.pool_id} (tag {pool.tag}: {what})")
+                try:
+                    pool.end_now()
+                except Exception as e:  # the others all the same
+                    said[-1] += f", not given back: {e}"
+        return said
 
     def leftovers(self, instance_ids: Iterable[str]) -> dict[int, str]:
         """Live processes of the instances ``instance_ids`` on this machine, pid ->

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -85,6 +86,27 @@ MACHINE_TYPES = {
     "g2-standard-4": (4, 16384),
 }
 ACCELERATOR_TYPES = ("nvidia-tesla-a100", "nvidia-tesla-t4", "nvidia-l4")
+
+
+def _private_key() -> str:
+    """A new RSA private key (PEM), as a service account's."""
+    return subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+@functools.cache
+def _trusted_key() -> tuple[str, bytes]:
+    """The key (private PEM, public PEM) every lab of this process trusts, made once: an
+    RSA key took a good part of a lab's start (a lab per test)."""
+    private = _private_key()
+    public = subprocess.run(
+        ["openssl", "pkey", "-pubout"], input=private.encode(), capture_output=True, check=True
+    ).stdout
+    return private, public
 
 
 @dataclass
@@ -172,31 +194,22 @@ class GcpLab(StandIn):
 
     def write_key_file(self, path: Path, token_uri: str = "") -> Path:
         """A service-account key file (JSON, as the console downloads it) whose
-        ``token_uri`` is the lab's token endpoint; the lab trusts the first one's key."""
-        private = path.with_suffix(".pem")
-        subprocess.run(
-            ["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
-            stdout=open(private, "wb"),  # noqa: SIM115 - closed by the child's end
-            stderr=subprocess.DEVNULL,
-            check=True,
-        )
+        ``token_uri`` is the lab's token endpoint; the lab trusts the first one's key (the
+        same in every lab of this process: :func:`_trusted_key`), each other one is new."""
         if not self._public_pem:
-            self._public_pem = subprocess.run(
-                ["openssl", "pkey", "-in", str(private), "-pubout"],
-                capture_output=True,
-                check=True,
-            ).stdout
+            private, self._public_pem = _trusted_key()
+        else:
+            private = _private_key()
         data = {
             "type": "service_account",
             "project_id": PROJECT,
             "private_key_id": secrets.token_hex(20),
-            "private_key": private.read_text(),
+            "private_key": private,
             "client_email": ACCOUNT,
             "client_id": "1234567890",
             "auth_uri": "https://accounts.google.com/o/oauth2/auth",
             "token_uri": token_uri or f"{self.url}/token",
         }
-        private.unlink()
         path.write_text(json.dumps(data))
         path.chmod(0o600)
         return path

@@ -21,6 +21,7 @@ The pytest fixture ``ssh_lab`` (session scope, 3 hosts) wraps it; test modules i
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -59,6 +60,11 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 """
 
 
+SERVE_POLL = 0.05
+"""How often a lab's HTTP server (``serve_forever``'s ``poll_interval``) looks whether it
+is asked to stop: its shutdown waits for that look, and socketserver's default, 0.5 s, was
+most of what closing a stand-in took (one per test for the GPU markets)."""
+
 _labs_made = 0
 
 
@@ -78,6 +84,18 @@ def _letters(n: int) -> str:
         n //= 26
         out = chr(ord("a") + n % 26) + out
     return out
+
+
+@functools.cache
+def _python3_folder() -> str:
+    """The folder of this machine's ``python3`` ('' if none), asked once per process: it
+    runs pyenv's shim, most of the time a lab's start took (a lab per test for the
+    markets)."""
+    return subprocess.run(
+        ["python3", "-c", "import os, sys; print(os.path.dirname(sys.executable))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 class LabError(RuntimeError):
@@ -280,11 +298,7 @@ class Lab(Lifecycle):
         PATH and nothing else. (bash reads ~/.bashrc for every command run over SSH; this
         machine's runs ``pyenv init``, ~100 processes per command, which a real host does
         not, and which would be counted against every SSH start.)"""
-        found = subprocess.run(
-            ["python3", "-c", "import os, sys; print(os.path.dirname(sys.executable))"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+        found = _python3_folder()
         path = f"export PATH={found}:$PATH\n" if found else ""
         self.bashrc.write_text(f"# a test host's ~/.bashrc (tests/_hosts.py)\n{path}")
 

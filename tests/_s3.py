@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _hosts import LabError, ensure_package
+from _hosts import SERVE_POLL, LabError, ensure_package
 
 REGION = "us-east-1"
 
@@ -36,7 +36,9 @@ class S3Server:
         self.server = make_server(
             addr, 0, DomainDispatcherApplication(create_backend_app), threaded=True
         )
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, args=(SERVE_POLL,), daemon=True
+        )
         self.thread.start()
         self.endpoint = f"http://{addr}:{self.server.server_port}"
         self.secret_key = "s3cret-" + secrets.token_hex(12)

@@ -27,7 +27,7 @@ from typing import Any, Protocol, Self
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from _hosts import Lab, TestHost, _in_netns, lab_unavailable, run
+from _hosts import SERVE_POLL, Lab, TestHost, _in_netns, lab_unavailable, run
 from _lifecycle import Lifecycle
 from _procs import interruptible, signal_a_thread, wait_until
 
@@ -79,7 +79,7 @@ class StandIn(Lifecycle):
         server = ThreadingHTTPServer((self.addr, port), bound)
         server.daemon_threads = True
         self._servers.append(server)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(SERVE_POLL,), daemon=True).start()
         return server.server_port
 
     def set_env(self, env: Mapping[str, str], clear: Sequence[str] = ()) -> None:

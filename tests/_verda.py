@@ -62,7 +62,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from _hosts import SSHD, Lab, TestHost, keygen, lab_unavailable, run  # noqa: F401
+from _hosts import SERVE_POLL, SSHD, Lab, SharedLab, TestHost, keygen, lab_unavailable, run  # noqa: F401
 from _lifecycle import Lifecycle
 
 CLIENT_ID = "verda-test-client"
@@ -140,7 +140,7 @@ class VerdaLab(Lifecycle):
 
         self._server = ThreadingHTTPServer((addr, 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, args=(SERVE_POLL,), daemon=True).start()
         self.url = f"http://{addr}:{self._server.server_port}/v1"
         self.env = {
             "VERDA_BASE_URL": self.url,
@@ -579,18 +579,23 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(404, _error("not_found", f"no route {method} {path}"))
 
 
-@pytest.fixture(name="verda_lab", scope="module")
+_VERDA = SharedLab(lambda: VerdaLab().__enter__())  # (a start failing part way closes it)
+
+
+@pytest.fixture(name="verda_lab", scope="session")
 def verda_lab_fixture() -> Iterator[VerdaLab]:
+    """One lab for the whole session, shared by every module that imports this fixture
+    (:class:`SharedLab`): each test gets it reset (``verda``), its account empty."""
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
-    with VerdaLab() as lab:
+    with _VERDA.use() as lab:
         yield lab
 
 
 @pytest.fixture(name="verda")
 def verda_fixture(verda_lab: VerdaLab) -> Iterator[VerdaLab]:
-    """The module's lab, reset for one test; nothing may be left running after it."""
+    """The session's lab, reset for one test; nothing may be left running after it."""
     verda_lab.reset()
     yield verda_lab
     left = verda_lab.wait_gone(60)

@@ -5,6 +5,7 @@ providers (and spot instances) that cannot stop are refused with ``down`` offere
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from pathlib import Path
@@ -234,7 +235,7 @@ def test_aws_started_instance_is_pinned_at_its_new_public_address(
     from _aws import ZONES
 
     from flotilla._providers.aws.kept import KeptInstance
-    from flotilla._providers.aws.keys import remove_folder, user_data
+    from flotilla._providers.aws.keys import user_data
     from flotilla._providers.aws.pool import AWSAllocation
     from flotilla._providers.base import Options, PoolSpec
     from flotilla._providers.cloud.keys import keygen
@@ -285,9 +286,9 @@ def test_aws_started_instance_is_pinned_at_its_new_public_address(
             pinned = f.read().split()
         assert pinned == [new, *host_key.public.split()[:2]]
     finally:
+        if alloc is not None:  # its start put it on the ledger: an orphan until released
+            asyncio.run(alloc.release())
         ec2.terminate_instances(InstanceIds=[ident])
-        if alloc is not None:
-            remove_folder(alloc.folder)
 
 
 def test_aws_start_without_capacity_keeps_the_instances_stopped(cli: CLI, aws_lab: AwsLab) -> None:

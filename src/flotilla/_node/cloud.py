@@ -92,15 +92,18 @@ def mark(path: str, when: float | None = None) -> None:
         return
     except FileNotFoundError:
         pass
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except FileNotFoundError:  # its folder is gone too
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _made(path)
     try:
         os.utime(fd, times)
     finally:
         os.close(fd)
+
+
+def _made(path: str) -> int:
+    """A write descriptor of ``path``, made (0600, its folder 0700) if it is not there:
+    the contact file's and the watchdog's lock file's one way to be made again."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
 
 class Contact:
@@ -205,19 +208,24 @@ def _say_armed() -> None:
 def watchdog(config: Config, log: Any = None) -> None:
     """Run ``config.poweroff`` ``config.ttl`` s after the contact file's last modification.
     Returns at once when another watchdog holds the instance's lock (it is in charge)."""
-    lock = open(config.contact + ".lock", "a")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        _say_armed()
-        return
+    path = config.contact + ".lock"
+    lock = _lock(path)
     _say_armed()
+    if lock is None:
+        return
     last = time.time()  # the agent marked the contact just before it started this process
     while True:
-        if not os.path.exists(lock.name):  # removed under it: the boot guard looks for it
-            lock = _lock_again(lock)
-            if lock is None:  # a watchdog started since then holds the new one
-                return
+        if not os.path.exists(path):  # removed under it: the boot guard looks for it
+            # (a missing one is "no agent started" to it, and it powers the instance off)
+            try:
+                again = _lock(path)
+            except OSError:  # cannot be made now: the one held is kept, the next check tries
+                pass
+            else:
+                os.close(lock)
+                if again is None:  # a watchdog started since then holds the new one
+                    return
+                lock = again
         # a contact file that is gone (removed under it) is no contact: the last time seen
         # still counts, and the agent's next contact makes the file again (mark)
         with contextlib.suppress(OSError):
@@ -232,24 +240,17 @@ def watchdog(config: Config, log: Any = None) -> None:
         time.sleep(min(left, 5.0) + 0.01)
 
 
-def _lock_again(held: Any) -> Any:
-    """The watchdog's lock file made again and locked after it was removed (the boot
-    guard takes a missing one for "no agent started" and powers the instance off); None
-    when a watchdog started meanwhile holds the new one (it is in charge). ``held`` is
-    kept if the file cannot be made (the next check tries again)."""
+def _lock(path: str) -> int | None:
+    """The watchdog's lock file (made if it is not there) locked, held until the process
+    ends (its descriptor); None when another watchdog holds it (that one is in charge).
+    OSError when it cannot be made."""
+    fd = _made(path)
     try:
-        os.makedirs(os.path.dirname(held.name) or ".", mode=0o700, exist_ok=True)
-        new = open(held.name, "a")  # noqa: SIM115 - held until the process ends
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return held
-    try:
-        fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        new.close()
-        held.close()
+        os.close(fd)
         return None
-    held.close()
-    return new
+    return fd
 
 
 def _power_off(config: Config) -> bool:
