@@ -137,6 +137,7 @@ class Reattachable(NodeEnvironment):
         self.client.fd = self.proto_out
         self.client.held = 0
         self.client.kept = 0
+        Outbox.queued = True  # what was kept goes out now: _watch_writes looks
         self._log("a client re-attached")
 
     def _readopt(self, config: Config) -> None:
@@ -242,20 +243,23 @@ class Agent(Reattachable):
                     callback()
                 if self.stopping or self.detached_until or time.monotonic() >= wake:
                     self._check_deadlines()  # (else none is due: not on each call's frames)
-                if self.executors.waiting and not self.client.queue:
-                    self.executors.resume()
-                self.executors.pace()
-                self._watch_writes()
+                ex = self.executors
+                if ex.waiting and not self.client.queue:
+                    ex.resume()
+                if ex.deep or ex.policy.batch:  # (a queue: else nothing to pace)
+                    ex.pace()
+                if Outbox.queued or self.sel.writing:  # (else no watch to change)
+                    self._watch_writes()
         finally:
             self._cleanup()
 
     def _next_wakeup(self) -> float:
         """The monotonic time by which :meth:`_check_deadlines` has something to do (a
         beat, a timeout, a relay's or the sampler's deadline), if nothing comes first."""
-        wake = self.executors.next_deadline(
-            min(self.last_seen + self.heartbeat_timeout, self.next_beat)
-        )
-        wake = self.relay.next_deadline(wake)
+        wake = self.last_seen + self.heartbeat_timeout
+        if self.next_beat < wake:
+            wake = self.next_beat
+        wake = self.relay.next_deadline(self.executors.next_deadline(wake))
         if self.sampler is not None:
             wake = min(wake, self.sampler.due)
         if self.stopping:
@@ -300,7 +304,10 @@ class Agent(Reattachable):
                 self.sampler = None
 
     def _watch_writes(self) -> None:
-        """Watch for writability exactly the outboxes that have something queued."""
+        """Watch for writability exactly the outboxes that have something queued (the
+        loop calls this only when one queued bytes since the last look or one is
+        watched)."""
+        Outbox.queued = False
         for box in [self.client, *self.executors.outboxes()]:
             if box.held:
                 continue

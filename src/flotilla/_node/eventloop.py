@@ -28,16 +28,20 @@ class Poller:
     def __init__(self) -> None:
         self.epoll = select.epoll()
         self.callbacks: dict[int, tuple[bool, Callable[[], object]]] = {}
+        self.writing: set[int] = set()  # the descriptors watched for writability
 
     def register(
         self, fd: int, write: bool, callback: Callable[[], object], first: bool = False
     ) -> None:
         self.epoll.register(fd, select.EPOLLOUT if write else select.EPOLLIN)
         self.callbacks[fd] = (first, callback)
+        if write:
+            self.writing.add(fd)
 
     def unregister(self, fd: int) -> None:
         if self.callbacks.pop(fd, None) is not None:
             self.epoll.unregister(fd)
+            self.writing.discard(fd)
 
     def __contains__(self, fd: int) -> bool:
         return fd in self.callbacks
@@ -56,7 +60,14 @@ class Poller:
 
 
 class Outbox:
-    """Non-blocking writer: queues what the descriptor cannot take now."""
+    """Non-blocking writer: queues what the descriptor cannot take now.
+
+    ``Outbox.queued`` is set whenever an outbox of this process queues bytes: the agent's
+    loop looks for outboxes to watch for writability only then (or while it watches one),
+    not after every wake-up (it clears the flag when it looks).
+    """
+
+    queued = False
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -72,6 +83,7 @@ class Outbox:
         if self.held:  # whole frames, the oldest dropped past the limit
             data = memoryview(b"".join(parts))
             self.queue.append(data)
+            Outbox.queued = True
             self.kept += data.nbytes
             while self.kept > self.held and len(self.queue) > 1:
                 self.kept -= self.queue.popleft().nbytes
@@ -90,9 +102,11 @@ class Outbox:
                     n -= size
                     continue
                 self.queue.append(memoryview(p).cast("B")[n:])
+                Outbox.queued = True
                 n = 0
             return
         self.queue.extend(memoryview(p).cast("B") for p in parts if len(p))
+        Outbox.queued = True
         self.flush()
 
     def flush(self) -> bool:

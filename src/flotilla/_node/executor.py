@@ -36,6 +36,7 @@ from .._wire.frames import (
     Status,
     frame,
     write_all,
+    write_frame,
 )
 
 
@@ -165,6 +166,10 @@ def _serve(
         payload.release()
         return task(ident, mapping, 0, mapping)
 
+    # the running task's feeds: this thread's, or the process's (its main thread serves
+    # the first slot: no look at which thread runs, per task)
+    set_context = feeds.set_current if threaded else partial(setattr, feeds, "current")
+
     def task(
         ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
     ) -> bool:
@@ -172,7 +177,7 @@ def _serve(
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
             return True
-        feeds.set_current(
+        set_context(
             feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
         )
         try:
@@ -187,7 +192,7 @@ def _serve(
                 mapped,
             )
         finally:
-            feeds.set_current(None)
+            set_context(None)
             inbox.feeds.pop(ident, None)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
@@ -195,7 +200,7 @@ def _serve(
             os._exit(0)
         _flush()  # the task's output goes before its result
         with write_lock:
-            write_all(wfd, frame(Kind.RESULT, ident, bytes((status,)), *parts))
+            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
@@ -276,11 +281,12 @@ def _restore_streams(saved: list[int]) -> None:
 
 class _Inbox:
     """Frames from the agent, read ahead so that a CANCEL queued behind a task is seen
-    before the task runs."""
+    before the task runs. The pipe is blocking: a wait for the next frame is the read
+    itself (no poll first); a read that must not wait asks ``poll`` first."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        os.set_blocking(fd, False)
+        os.set_blocking(fd, True)
         self.poller = select.poll()
         self.poller.register(fd, select.POLLIN)
         self.reader = FrameReader()
@@ -294,10 +300,8 @@ class _Inbox:
         self.eof = False
 
     def next(self) -> tuple[int, int, Body] | None:
-        if not self.frames:
-            self._read(block=True)
-        elif self.poller.poll(0):  # what came behind the queued frames (a CANCEL)
-            self._read(block=False)
+        # (else what came behind the queued frames, a CANCEL)
+        self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
 
     def answer(self, ident: int) -> Body | None:
@@ -326,7 +330,7 @@ class _Inbox:
         """Whether yielding task ``ident`` is to end at its next yield: its caller closed
         the iterator (CLOSE), the executor is to stop (SHUTDOWN), or the agent is gone.
         Reads what came meanwhile (without waiting)."""
-        if not self.eof and self.poller.poll(0):
+        if not self.eof:
             self._read(block=False)
         return self._ends(ident)
 
@@ -344,14 +348,10 @@ class _Inbox:
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
         """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``)."""
         while not self.eof:
-            if block and (not self.frames if until is None else not until()):
-                self.poller.poll()
-            try:
-                got = self.reader.read(self.fd)
-            except BlockingIOError:
-                if block:
-                    continue
-                return
+            waiting = block and (not self.frames if until is None else not until())
+            if not waiting and not self.poller.poll(0):
+                return  # nothing more now (a read would wait)
+            got = self.reader.read(self.fd)  # (waits for the agent when ``waiting``)
             if got is None:
                 self.eof = True
                 return
@@ -431,7 +431,8 @@ def _run(
         msg = f"the task's return value cannot be pickled{where}: {e}"
         pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
         status = Status.ERROR
-    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
+    big = shm_prefix and pickled.buffers and pickled.shm_bytes  # (no property call: per call)
+    shm = ser.write_shm(pickled, shm_prefix) if big else ""
     parts = ser.encode(pickled, shm)
     del pickled, value  # (the result's inline buffers live on in parts)
     if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:

@@ -710,6 +710,8 @@ class Relay:
 
     # -- time -----------------------------------------------------------------------------
     def next_deadline(self, default: float) -> float:
+        if not self.conns and not self.kept.kept:  # (no relay in use: each wake-up asks)
+            return default
         wake = self.kept.next_deadline(default)
         for conn in self.conns:
             wake = min(wake, conn.deadline)

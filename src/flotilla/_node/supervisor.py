@@ -98,6 +98,7 @@ class Supervisor(ExecutorProcesses):
         self.generation = 0  # of the pool's process group: RESTART frames count them
         self.waiting: set[Slot] = set()  # slots whose next task waits for the client outbox
         self.policy = Policy()  # SCHED_BATCH while tasks queue (see batching.py)
+        self.deep = False  # a slot got more tasks than WINDOW since pace() last looked
         self._on_frame: dict[int, Callable[[Executor, int, Body], None]] = {
             Kind.RESULT: self._result,
             Kind.READY: self._ready,
@@ -130,8 +131,11 @@ class Supervisor(ExecutorProcesses):
         slot = self.slots[local_rank]
         task = Task(ident, timeout, [HEADER.pack(Kind.TASK, ident, len(body)), body])
         slot.tasks.append(task)
-        if len(slot.tasks) <= (WINDOW if slot.quick else 1):
+        queued = len(slot.tasks)
+        if queued <= (WINDOW if slot.quick else 1):
             self.waiting.add(slot)  # fed once the frames read with it are taken: resume()
+        elif queued > WINDOW:
+            self.deep = True  # see pace()
 
     def submit_task(self, ident: int, head: bytes, parts: list[Buffer]) -> None:
         """A call whose arguments came apart from its TASK frame (a relayed payload, see
@@ -140,8 +144,11 @@ class Supervisor(ExecutorProcesses):
         timeout, local_rank = TASK_HEAD.unpack_from(head)
         slot = self.slots[local_rank]
         slot.tasks.append(Task(ident, timeout, parts))
-        if len(slot.tasks) <= (WINDOW if slot.quick else 1):
+        queued = len(slot.tasks)
+        if queued <= (WINDOW if slot.quick else 1):
             self._feed(slot)
+        elif queued > WINDOW:
+            self.deep = True  # see pace()
 
     def define(self, ident: int, body: Body) -> None:
         """A DEFINE frame: every executor, and every later one, gets it."""
@@ -246,7 +253,10 @@ class Supervisor(ExecutorProcesses):
 
     def pace(self) -> None:
         """The agent runs as SCHED_BATCH while more tasks wait on a slot than its
-        executor is given ahead (a queue: see batching.py), normally otherwise."""
+        executor is given ahead (a queue: see batching.py), normally otherwise. The
+        agent's loop calls this only while the policy is SCHED_BATCH or a slot got more
+        than WINDOW tasks since the last look (``deep``): else nothing changed."""
+        self.deep = False
         self.policy.set(any(len(slot.tasks) > WINDOW for slot in self.slots))
 
     def outboxes(self) -> list[Outbox]:
@@ -377,6 +387,10 @@ class Supervisor(ExecutorProcesses):
                 _arm(head, now)
                 if head.cancelled:  # its executor skips it at once, or it runs
                     head.deadline = now + CANCEL_GRACE
+            if not tasks:  # nothing more to give (a lone call's answer)
+                if not done.cancelled:  # (told CANCELLED already)
+                    self.client.send(result)
+                return
             self._feed(slot, None if done.cancelled else result)  # (told CANCELLED already)
             return
         for i in range(1, slot.fed):  # a task given ahead, answered out of turn

@@ -131,6 +131,21 @@ def write_all(fd: int, parts: Sequence[Buffer]) -> None:
         advance(views, os.writev(fd, views[:512]))
 
 
+def write_frame(fd: int, kind: Kind, ident: int, *parts: Buffer) -> None:
+    """Write one frame whole to a blocking descriptor: :func:`frame` and
+    :func:`write_all` in one step (a task's result: its size counted once)."""
+    size = 0
+    for p in parts:
+        size += p.nbytes if isinstance(p, memoryview) else len(p)
+    if size <= 65536:  # small: one copy, one system call
+        data = b"".join((HEADER.pack(kind, ident, size), *parts))
+        n = os.write(fd, data)
+        if n < len(data):
+            write_all(fd, [memoryview(data)[n:]])
+        return
+    write_all(fd, [HEADER.pack(kind, ident, size), *parts])
+
+
 def advance(views: list[memoryview], written: int) -> None:
     """Drop the first ``written`` bytes of ``views`` (what ``os.writev`` wrote of them)."""
     while written:
@@ -193,9 +208,14 @@ class FrameReader:
             self._big = None
             return [(kind, ident, body)]
         data = os.read(fd, _CHUNK)
-        if not data:
+        size = len(data)
+        if not size:
             return None
-        self.more = len(data) == _CHUNK
+        self.more = size == _CHUNK
+        if not self._buf and size >= HEADER_SIZE:  # one whole frame (a call's, its answer)
+            kind, ident, length = HEADER.unpack_from(data)
+            if HEADER_SIZE + length == size:
+                return [(kind, ident, data[HEADER_SIZE:])]
         return self.feed(data)
 
     def feed(self, data: Buffer) -> list[tuple[int, int, Body]]:

@@ -50,6 +50,8 @@ class Pickled:
     @property
     def shm_bytes(self) -> int:
         """Bytes that would travel through shared memory."""
+        if not self.buffers:
+            return 0
         return sum(b.nbytes for b in self.buffers if b.nbytes >= SHM_MIN)
 
 
