@@ -936,6 +936,81 @@ os._exit(0)  # the agent dies at once, before the helper is up
         kill_quietly(helpers())
 
 
+def test_the_poller_ends_with_its_agent_without_ctypes(tmp_path: Any) -> None:
+    """The helper polling the metadata service ends when its agent is killed, and its
+    start imported no ``ctypes`` (issue 42 item 1: ~3-5 ms of an instance start's CPU for
+    ``PR_SET_PDEATHSIG``): it watches the agent's pidfd between two requests."""
+    import http.server
+    import threading
+
+    asked = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            self._send(200, b"tok")
+
+        def do_GET(self) -> None:  # no interruption notice: the helper polls on
+            asked.set()
+            self._send(404, b"")
+
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    contact = str(tmp_path / "contact")
+    config = {"contact": contact, "ttl": 0, "imds": f"http://127.0.0.1:{server.server_port}"}
+    code = f"""
+import json, os, sys
+os.environ["FLOTILLA_CLOUD"] = json.dumps({config!r})
+from flotilla._node.cloud import start
+start()
+me = os.getpid()
+with open(f"/proc/{{me}}/task/{{me}}/children") as f:
+    print(f.read().split()[0], flush=True)
+sys.stdin.read()
+"""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(sky.__file__))}
+    agent = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    helper = 0
+    try:
+        assert agent.stdout is not None
+        helper = int(agent.stdout.readline())
+        assert asked.wait(60), "the helper never asked the metadata service"
+        with open(f"/proc/{helper}/maps") as f:  # it polls: its start is behind it
+            assert "_ctypes" not in f.read()
+        agent.kill()
+        agent.wait(60)
+
+        def gone() -> bool:
+            try:
+                with open(f"/proc/{helper}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        assert wait_until(gone, 60), "the helper outlived its agent"
+    finally:
+        server.shutdown()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(60)
+        kill_quietly(_naming(contact))
+
+
 def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
     import http.server
     import threading
