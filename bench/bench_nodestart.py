@@ -1,13 +1,17 @@
 """The CPU a node start costs: every process a start makes, from /proc (issue 42, item 1).
 
     .venv/bin/python bench/bench_nodestart.py [--reps 5] [--nodes 2] [--before SRC] [--ssh] [--aws]
+        [--k8s]
 
 Each repetition starts a pool in a fresh process, answers one no-op on every node, and then
 reads, for every process of each node (Local: the agent and its executors, children of
 the measuring process or of its fork server, whose own CPU is shared out among the nodes; SSH, as root: every process of the host's network namespace but its
 sshd daemon: the session's sshd, the start shell, the agent, the executors; EC2 lab, as
 root: what the instance's sshd daemon started, i.e. the same, but not the lab's own
-stand-ins for the instance's boot), the CPU it
+stand-ins for the instance's boot; Kubernetes lab, as root: every process of the pod's
+network namespace, i.e. the pod's holder and what ``kubectl exec`` started there, with, as
+roles beside, the client's ``kubectl`` processes and the lab's control plane and kubelet
+stand-in over the start, per node), the CPU it
 spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
 of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
 over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -95,18 +100,26 @@ def child(args: argparse.Namespace) -> None:
         return os.getpid()
 
     mine = time.process_time()
+    spec: dict[str, Any] = json.loads(args.ssh_spec) if args.ssh_spec else {}
     if args.ssh_spec:
-        spec = json.loads(args.ssh_spec)
         if spec.get("aws"):
             from flotilla._providers.aws import AWS
 
             provider: Any = AWS(**spec["options"])
+        elif spec.get("k8s"):
+            from flotilla._providers.k8s import Kubernetes
+
+            provider = Kubernetes(
+                kubeconfig=spec["kubeconfig"], kubectl=spec["kubectl"], python=sys.executable
+            )
         else:
             from flotilla._providers.ssh import SSH
 
             provider = SSH(spec["hosts"], **spec["options"])
     else:
         provider = sky.Local()
+    lab0 = {name: cpu_of(pid) for name, pid in (spec.get("lab") or {}).items()}
+    reaped0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with sky.Compute(provider=provider, nodes=args.nodes) as pool:
         pids = noop() @ pool
@@ -115,7 +128,9 @@ def child(args: argparse.Namespace) -> None:
         kids = children_map()
         per_node: list[float] = []
         roles: dict[str, float] = {}
-        if args.ssh_spec:
+        if spec.get("k8s"):  # the pods' processes; the client's kubectl, the lab's
+            per_node = kubernetes_start(spec, kids, lab0, reaped0, roles, args.nodes)
+        elif args.ssh_spec:
             sys.path.insert(0, str(HERE.parent / "tests"))
             from _hosts import pids_in_netns
 
@@ -145,6 +160,47 @@ def child(args: argparse.Namespace) -> None:
                     roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         assert len(set(pids)) == args.nodes, pids
     print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+
+
+def kubernetes_start(
+    spec: dict[str, Any],
+    kids: dict[int, list[int]],
+    lab0: dict[str, float],
+    reaped0: resource.struct_rusage,
+    roles: dict[str, float],
+    nodes: int,
+) -> list[float]:
+    """A Kubernetes lab start: per pod, the CPU of every process of its network namespace
+    (the holder, and the start shell, agent and executors ``kubectl exec`` started);
+    beside it, per node (in ``roles``): the client's ``kubectl`` processes (live and
+    reaped) and each lab process's CPU since ``lab0`` (the API server, etcd, the scheduler,
+    the kubelet stand-in: this machine's stand-ins for the cluster)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from _hosts import pids_in_netns
+
+    per_node = []
+    for netns in sorted(os.listdir("/run/netns")):
+        pids = pids_in_netns(netns) if netns.startswith(spec["prefix"]) else []
+        if pids:
+            per_node.append(sum(cpu_of(p) for p in pids))
+            for p in pids:
+                name = "holder" if b"free_since" in cmdline(p) else role(p)
+                roles[name] = roles.get(name, 0.0) + cpu_of(p) / nodes
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    live = sum(cpu_of(p) for p in kids.get(os.getpid(), []) if comm(p) == "kubectl")
+    spent = reaped.ru_utime + reaped.ru_stime - reaped0.ru_utime - reaped0.ru_stime
+    roles["kubectl (client)"] = (live + spent) / nodes
+    for name, pid in spec["lab"].items():
+        roles[f"lab {name}"] = (cpu_of(pid) - lab0[name]) / nodes
+    return per_node
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def instances(prefix: str, kids: dict[int, list[int]]) -> list[tuple[str, int]]:
@@ -237,6 +293,7 @@ def main() -> None:
     )
     parser.add_argument("--ssh", action="store_true", help="SSH test hosts (root) too")
     parser.add_argument("--aws", action="store_true", help="EC2 lab instances (root) too")
+    parser.add_argument("--k8s", action="store_true", help="Kubernetes lab pods (root) too")
     parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
     parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
     parser.add_argument("--ssh-python", default="", help="SSH: the hosts' interpreter")
@@ -256,10 +313,26 @@ def main() -> None:
         variants.append((name or "before", Path(src)))
     providers = ([] if args.no_local else ["local"]) + (["ssh"] if args.ssh else [])
     providers += ["aws"] if args.aws else []
+    providers += ["k8s"] if args.k8s else []
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
-    lab = aws = None
+    lab = aws = k8s = None
     try:
-        spec = aws_spec = ""
+        spec = aws_spec = k8s_spec = ""
+        if args.k8s:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from _k8s import K8sLab
+
+            k8s = K8sLab()
+            k8s.start()
+            k8s_spec = json.dumps(
+                {
+                    "k8s": True,
+                    "kubeconfig": str(k8s.kubeconfig),
+                    "kubectl": k8s.kubectl_path,
+                    "prefix": f"flotilla-{k8s.tag}-h",
+                    "lab": {comm(p.pid): p.pid for p in k8s.procs},
+                }
+            )
         if args.aws:
             sys.path.insert(0, str(HERE.parent / "tests"))
             from _aws import AwsLab
@@ -303,7 +376,11 @@ def main() -> None:
                         for h in lab.hosts:
                             shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
                         shutil.rmtree(lab.tmp / "workdir" / "lib", ignore_errors=True)
-                    specs = {"ssh": spec, "aws": aws_spec}
+                    if provider == "k8s" and k8s is not None:  # the last start's pods gone
+                        managed = "app.kubernetes.io/managed-by=flotilla"
+                        while k8s.pods(selector=managed) or k8s.running_pod_processes():
+                            time.sleep(0.2)
+                    specs = {"ssh": spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
                     rows.append((provider, name, rep, load(), got))
                     node = statistics.median(got["per_node"])
@@ -320,6 +397,8 @@ def main() -> None:
             lab.close()
         if aws is not None:
             aws.close()
+        if k8s is not None:
+            k8s.close()
     print()
     print(
         f"| provider | flotilla | CPU per node start, median (min-max), {args.reps} reps | "
