@@ -36,11 +36,11 @@ heartbeats and shutdown.
 
 from __future__ import annotations
 
-import _socket  # the C part of ``socket``: ~3 ms of CPU less to import (its enums, selectors)
 import gc
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -326,7 +326,7 @@ class Agent(Reattachable):
             boot_id = ""
         hello: Hello = {
             "pid": os.getpid(),
-            "host": _socket.gethostname(),
+            "host": socket.gethostname(),
             "boot_id": boot_id,
             "python": sys.executable,
             "python_version": ".".join(map(str, sys.version_info[:3])),
@@ -587,12 +587,9 @@ def free_port_block(width: int) -> int:
     few tries: the first port alone if no whole block is found)."""
     first = 0
     for _ in range(20):
-        s = _socket.socket()
-        try:
+        with socket.socket() as s:
             s.bind(("", 0))
             base = int(s.getsockname()[1])
-        finally:
-            s.close()
         first = first or base
         if base + width <= 65536 and all(_bindable(base + i) for i in range(1, width)):
             return base
@@ -600,13 +597,11 @@ def free_port_block(width: int) -> int:
 
 
 def _bindable(port: int) -> bool:
-    s = _socket.socket()
-    try:
-        s.bind(("", port))
-    except OSError:
-        return False
-    finally:
-        s.close()
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
     return True
 
 

@@ -48,16 +48,14 @@ import errno
 import json
 import mmap
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._wire.frames import TASK_HEAD, UNMAPPED, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
-
-if TYPE_CHECKING:
-    import socket  # imported where a relay connects or listens: ~3 ms of a start's CPU
 
 MAGIC = b"FLRELAY1"
 NONCE = 16
@@ -419,8 +417,6 @@ class Fetch(_Conn):
     """This node's connection to its parent, fetching a payload."""
 
     def __init__(self, relay: Relay, blob: Blob, addr: tuple[str, int]) -> None:
-        import socket
-
         family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -435,8 +431,6 @@ class Fetch(_Conn):
         self.watch(True, self.on_connected)
 
     def on_connected(self) -> None:
-        import socket
-
         code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             self.fail(f"cannot connect to {self.addr[0]}:{self.addr[1]}: {os.strerror(code)}")
@@ -549,8 +543,6 @@ class Relay:
     # -- the relay port -------------------------------------------------------------------
     def listen(self, key: bytes) -> int:
         """Open the relay port (every address of the node); its number."""
-        import socket
-
         self.key = key
         if socket.has_dualstack_ipv6():
             sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
