@@ -282,7 +282,12 @@ def _restore_streams(saved: list[int]) -> None:
 class _Inbox:
     """Frames from the agent, read ahead so that a CANCEL queued behind a task is seen
     before the task runs. The pipe is blocking: a wait for the next frame is the read
-    itself (no poll first); a read that must not wait asks ``poll`` first."""
+    itself (no poll first); a read that must not wait asks ``poll`` first.
+
+    Threads of a task may wait on it at once (one for a value of a streamed argument,
+    another for the answer of the collections): one of them reads (``reading``), the
+    others wait for what it reads (``turn``), and take over when it is done. (Two threads
+    in a read would each keep waiting when the other one read what it waited for.)"""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -298,6 +303,10 @@ class _Inbox:
         self.closing: set[int] = set()  # CLOSE frames: yielding tasks whose caller closed
         self.shutdown = False  # a SHUTDOWN frame came (it is queued in ``frames`` too)
         self.eof = False
+        self.guard = threading.Lock()
+        self.turn = threading.Condition(self.guard)  # notified after each read, if waited on
+        self.reading = False  # a thread reads the pipe (the others wait on ``turn``)
+        self.waiting = 0  # threads waiting on ``turn``
 
     def next(self) -> tuple[int, int, Body] | None:
         # (else what came behind the queued frames, a CANCEL)
@@ -346,7 +355,26 @@ class _Inbox:
         return self.feeds[ident].popleft()
 
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
-        """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``)."""
+        """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``).
+        While another thread reads, wait for what it reads instead (or, without ``block``,
+        leave it to that thread)."""
+        with self.guard:
+            while self.reading:
+                if not block or self.eof or (self.frames if until is None else until()):
+                    return
+                self.waiting += 1
+                self.turn.wait()
+                self.waiting -= 1
+            self.reading = True
+        try:
+            self._read_alone(block, until)
+        finally:
+            with self.guard:
+                self.reading = False
+                if self.waiting:  # one of them reads next, if what it waits for is not here
+                    self.turn.notify_all()
+
+    def _read_alone(self, block: bool, until: Callable[[], bool] | None) -> None:
         while not self.eof:
             waiting = block and (not self.frames if until is None else not until())
             if not waiting and not self.poller.poll(0):
@@ -370,6 +398,9 @@ class _Inbox:
                 else:
                     self.shutdown = self.shutdown or kind == Kind.SHUTDOWN
                     self.frames.append((kind, ident, body))
+            with self.guard:  # (what another thread waits for may have come)
+                if self.waiting:
+                    self.turn.notify_all()
             if not (self.frames if until is None else until()):
                 continue  # nothing yet, or part of a frame: on (waiting if ``block``)
             if not self.reader.more:  # the pipe is drained
