@@ -170,6 +170,8 @@ class GcpLab(StandIn):
         self.key_file: Path | None = None
         self._public_pem = b""
         self._request_ids: dict[str, str] = {}
+        self._inserts = 0  # insert requests, a retry of one not counted (see inserts())
+        self._insert_ids: set[str] = set()
         self._verified: dict[str, dict[str, Any]] = {}
         self._index = 0
         self.vpc_bridge = ""
@@ -232,7 +234,17 @@ class GcpLab(StandIn):
             ]
 
     def inserts(self) -> int:
-        return sum(1 for m, p in self.requests if m == "POST" and p.endswith("/instances"))
+        """The inserts asked for: a retry of one (the same ``requestId``, which Compute
+        Engine answers with the first one's operation) is not another."""
+        with self._lock:
+            return self._inserts
+
+    def count_insert(self, request_id: str) -> None:
+        """One more insert asked for, unless it retries one already counted."""
+        with self._lock:
+            if not request_id or request_id not in self._insert_ids:
+                self._insert_ids.add(request_id)
+                self._inserts += 1
 
     def log(self, inst: LabInstance) -> str:
         folder = self.lab.tmp / f"h{inst.index}"
@@ -627,6 +639,8 @@ class _ApiHandler(_Handler):
         url = urlparse(self.path)
         path, query = url.path, {k: v[0] for k, v in parse_qs(url.query).items()}
         lab.requests.append((method, path))
+        if method == "POST" and path.endswith("/instances"):
+            lab.count_insert(query.get("requestId", ""))
         raw = self._raw()
         if path == "/token" and method == "POST":
             form = {k: v[0] for k, v in parse_qs(raw.decode()).items()}

@@ -989,6 +989,65 @@ print([m for m in ("http.client", "urllib.request") if m in sys.modules])
     ]
 
 
+def test_interruption_poller_takes_only_whole_answers() -> None:
+    """The metadata poller's bare-socket HTTP: an answer cut short (the connection closed
+    before its ``Content-Length`` bytes came) is no notice, the poller asks again; a whole
+    answer is taken without waiting for the server to close the connection (one that keeps
+    it open: a wait for its end would time out, every time), and a chunked one is decoded.
+    The notice announced is the whole one."""
+    import threading
+
+    notice = b'{"action": "stop", "time": "2026-11-23T19:00:00Z"}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(notice)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
+        b"%x\r\n%s\r\n" % (len(part), part) for part in (notice[:9], notice[9:])
+    )
+    answers = [  # GETs of spot/instance-action, in turn: (bytes, keep the connection open)
+        (head + notice[:20], False),  # cut short
+        (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", True),  # no notice yet
+        (chunked + b"0\r\n\r\n", True),
+    ]
+    seen: list[bytes] = []
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        request += conn.recv(4096) or b"\r\n\r\n"
+                    line = request.split(b"\r\n", 1)[0]
+                    seen.append(line)
+                    if line.startswith(b"PUT "):
+                        answer, keep = b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\ntok", False
+                    elif answers:
+                        answer, keep = answers.pop(0)
+                    else:
+                        answer, keep = b"HTTP/1.0 404 Not Found\r\n\r\n", False
+                    conn.sendall(answer)
+                    while keep and conn.recv(4096):  # until the client closes it
+                        pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        code = f"""
+from flotilla._node.cloud import Config, poll_interruptions
+poll_interruptions(Config("/nonexistent", 0, (), imds={url!r}, poll=0.01))
+"""
+        proc = _node_python(code)
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FLOTILLA_CLOUD NOTICE "), proc.stderr
+    assert json.loads(lines[0].removeprefix("FLOTILLA_CLOUD NOTICE ")) == json.loads(notice)
+    gets = [line for line in seen if line.startswith(b"GET ")]
+    assert len(gets) == 3, seen  # the cut one, "not yet" and the chunked one: none waited
+
+
 def _guard(tmp_path: Any, ttl: float) -> subprocess.Popen[str]:
     """The boot guard's bootcmd line run by ``sh`` as cloud-init would (INSTANCE_ID set),
     with a power-off command that records that it ran."""

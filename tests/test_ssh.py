@@ -321,6 +321,20 @@ def test_a_workdir_another_user_could_write_is_refused(
     assert ssh_lab.wait_no_agents([host]) == {}
 
 
+def test_a_workdir_behind_a_link_is_used_where_it_was_checked(ssh_lab: Lab, tmp_path: Path) -> None:
+    """A working directory reached through a symbolic link: the start checks the folder it
+    entered and names it by its real path from then on (the bundle, the import path), so a
+    link another user owns on the way, pointed elsewhere once the check is done, leads no
+    import of the node there."""
+    host = ssh_lab.hosts[0]
+    real, link = tmp_path / "real", tmp_path / "link"
+    host.path(real).mkdir(mode=0o700, parents=True)
+    host.path(link).symlink_to(real)  # (the path as the host sees it)
+    with sky.Compute(provider=ssh_lab.provider([host], workdir=str(link)), nodes=1) as pool:
+        found = str((where() >> pool)["flotilla"])
+    assert found.startswith(f"{real}/lib/"), found
+
+
 def test_a_new_workdir_is_private(ssh_lab: Lab, tmp_path: Path) -> None:
     host = ssh_lab.hosts[0]
     workdir = tmp_path / "new" / "flotilla"

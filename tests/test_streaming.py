@@ -147,6 +147,56 @@ def test_streamed_in_and_out(pool: sky.Compute) -> None:
 
 
 @sky.function
+def take_while_a_thread_stores(values: Iterator[int], name: str) -> int:
+    """Sums ``values`` in the task's thread while another thread of the task puts 1 and 2
+    on queue ``name``, once the task's thread waits for a value on its task pipe: the
+    answer to that thread's first put reaches the executor while both wait on the pipe."""
+    import threading
+
+    main = threading.get_native_id()
+
+    def main_waits() -> bool:  # in a read or poll of its task pipe
+        try:
+            with open(f"/proc/self/task/{main}/wchan") as f:
+                return any(word in f.read() for word in ("pipe", "poll"))
+        except OSError:
+            return True  # (no way to tell: go on)
+
+    def store() -> None:
+        deadline = time.monotonic() + 60
+        while not main_waits() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queue = sky.queue(name)
+        queue.put(1)
+        queue.put(2)  # (only once the first put was answered)
+
+    thread = threading.Thread(target=store, daemon=True)
+    thread.start()
+    total = sum(values)
+    thread.join()
+    return total
+
+
+def test_a_task_thread_using_the_collections_while_another_takes_a_streamed_argument(
+    pool: sky.Compute,
+) -> None:
+    """Two threads of a task wait on its executor's task pipe at once: the task's thread
+    for a value of its streamed argument, another for the answer to its put on a queue.
+    Whichever thread reads the answer, the other sees it: the put returns, the second
+    put goes out, and the client's iterator, which gives its values once both puts are
+    in, lets the task end (an executor whose other thread stayed in its read until more
+    came hung here)."""
+    name = f"stores-{os.getpid()}-{time.monotonic_ns()}"
+    queue = sky.queue(name)
+
+    def values() -> Iterator[int]:
+        assert [queue.get(timeout=60), queue.get(timeout=60)] == [1, 2]
+        yield from range(10)
+
+    assert take_while_a_thread_stores(values(), name) >> pool == 45
+
+
+@sky.function
 def wait_for(name: str) -> object:
     return sky.queue(name).get(timeout=60)
 

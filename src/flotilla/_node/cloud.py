@@ -379,22 +379,61 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float = 2.
         port = int(number)
     lines = [f"{method} {slash}{path or ''} HTTP/1.0", f"Host: {where}", "Content-Length: 0"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("Connection: close")
     answer = bytearray()
+    deadline = time.monotonic() + timeout  # for the whole answer, not per read
     with socket.create_connection((host, port), timeout=timeout) as conn:
         conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        while len(answer) < (1 << 20):
+        while len(answer) < (1 << 20) and _body(answer) is None:  # (whole: no wait for EOF)
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
             part = conn.recv(65536)
             if not part:
                 break
             answer += part
-    head, sep, body = bytes(answer).partition(b"\r\n\r\n")
+    head, sep, _ = bytes(answer).partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split()
     if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
         raise ValueError(f"not an HTTP answer from {url}: {bytes(answer[:80])!r}")
     code = int(status[1])
     if not 200 <= code < 300:
         raise HTTPStatus(code)
+    body = _body(answer, ended=True)
+    if body is None:
+        raise ValueError(f"the answer from {url} ended early: {bytes(answer[-80:])!r}")
     return body.decode(errors="replace")
+
+
+def _body(answer: bytes | bytearray, ended: bool = False) -> bytes | None:
+    """The body of the HTTP answer ``answer`` once it is whole, else None (its headers,
+    its ``Content-Length`` bytes, or its chunks, are not all there). A server may keep
+    the connection open after a whole answer, and one that ends early (``ended``: the
+    connection closed) is no answer: the caller then tries again, not a truncated
+    notice."""
+    head, sep, rest = bytes(answer).partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    fields: dict[bytes, bytes] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip().lower()
+    if b"chunked" in fields.get(b"transfer-encoding", b""):
+        body = bytearray()
+        while True:
+            size, crlf, rest = rest.partition(b"\r\n")
+            if not crlf:
+                return None
+            n = int(size.split(b";")[0], 16)  # (ValueError: not HTTP)
+            if n == 0:
+                return bytes(body)
+            if len(rest) < n + 2:
+                return None
+            body += rest[:n]
+            rest = rest[n + 2 :]
+    length = fields.get(b"content-length")
+    if length is not None:
+        n = int(length)  # (ValueError: not HTTP)
+        return rest[:n] if len(rest) >= n else None
+    return rest if ended else None  # the answer ends with the connection
 
 
 def _helper(config: Config, armed: int, agent: int) -> None:

@@ -282,7 +282,12 @@ def _restore_streams(saved: list[int]) -> None:
 class _Inbox:
     """Frames from the agent, read ahead so that a CANCEL queued behind a task is seen
     before the task runs. The pipe is blocking: a wait for the next frame is the read
-    itself (no poll first); a read that must not wait asks ``poll`` first."""
+    itself (no poll first); a read that must not wait asks ``poll`` first.
+
+    Threads of a task may wait on it at once (one for a value of a streamed argument,
+    another for the answer of the collections): one of them reads (it holds ``alone``),
+    the others wait for what it reads (``turn``), and take over when it is done. (Two threads
+    in a read would each keep waiting when the other one read what it waited for.)"""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -298,6 +303,10 @@ class _Inbox:
         self.closing: set[int] = set()  # CLOSE frames: yielding tasks whose caller closed
         self.shutdown = False  # a SHUTDOWN frame came (it is queued in ``frames`` too)
         self.eof = False
+        self.alone = threading.Lock()  # held by the thread that reads the pipe
+        self.guard = threading.Lock()
+        self.turn = threading.Condition(self.guard)  # notified after a read, if waited on
+        self.waiting = 0  # threads waiting on ``turn`` (or about to)
 
     def next(self) -> tuple[int, int, Body] | None:
         # (else what came behind the queued frames, a CANCEL)
@@ -346,35 +355,64 @@ class _Inbox:
         return self.feeds[ident].popleft()
 
     def _read(self, block: bool, until: Callable[[], bool] | None = None) -> None:
-        """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``)."""
-        while not self.eof:
-            waiting = block and (not self.frames if until is None else not until())
-            if not waiting and not self.poller.poll(0):
-                return  # nothing more now (a read would wait)
-            got = self.reader.read(self.fd)  # (waits for the agent when ``waiting``)
-            if got is None:
-                self.eof = True
-                return
-            for kind, ident, body in got:
-                if kind == Kind.CANCEL:
-                    self.cancelled.add(ident)
-                elif kind == Kind.STORED:
-                    self.answers[ident] = body
-                elif kind == Kind.FEED:
-                    self.feeds.setdefault(ident, deque()).append(body)
-                elif kind == Kind.CREDIT:
-                    more = CREDIT_BODY.unpack_from(body)[0]
-                    self.credits[ident] = self.credits.get(ident, 0) + more
-                elif kind == Kind.CLOSE:
-                    self.closing.add(ident)
-                else:
-                    self.shutdown = self.shutdown or kind == Kind.SHUTDOWN
-                    self.frames.append((kind, ident, body))
-            if not (self.frames if until is None else until()):
-                continue  # nothing yet, or part of a frame: on (waiting if ``block``)
-            if not self.reader.more:  # the pipe is drained
-                return
-            block = False
+        """Read what the pipe holds; with ``block``, wait until a frame (or ``until()``).
+        While another thread reads, wait for what it reads instead (or, without ``block``,
+        leave it to that thread)."""
+        if not self.alone.acquire(False) and not self._wait_turn(block, until):
+            return
+        try:
+            while not self.eof:
+                waiting = block and (not self.frames if until is None else not until())
+                if not waiting and not self.poller.poll(0):
+                    return  # nothing more now (a read would wait)
+                got = self.reader.read(self.fd)  # (waits for the agent when ``waiting``)
+                if got is None:
+                    self.eof = True
+                    return
+                for kind, ident, body in got:
+                    if kind == Kind.CANCEL:
+                        self.cancelled.add(ident)
+                    elif kind == Kind.STORED:
+                        self.answers[ident] = body
+                    elif kind == Kind.FEED:
+                        self.feeds.setdefault(ident, deque()).append(body)
+                    elif kind == Kind.CREDIT:
+                        more = CREDIT_BODY.unpack_from(body)[0]
+                        self.credits[ident] = self.credits.get(ident, 0) + more
+                    elif kind == Kind.CLOSE:
+                        self.closing.add(ident)
+                    else:
+                        self.shutdown = self.shutdown or kind == Kind.SHUTDOWN
+                        self.frames.append((kind, ident, body))
+                if self.waiting:  # (what a waiting thread waits for may have come)
+                    with self.guard:
+                        self.turn.notify_all()
+                if not (self.frames if until is None else until()):
+                    continue  # nothing yet, or part of a frame: on (waiting if ``block``)
+                if not self.reader.more:  # the pipe is drained
+                    return
+                block = False
+        finally:
+            self.alone.release()
+            if self.waiting:  # one of them reads next, if what it waits for is not here
+                with self.guard:
+                    self.turn.notify_all()
+
+    def _wait_turn(self, block: bool, until: Callable[[], bool] | None) -> bool:
+        """Wait while another thread reads, for what it reads: True when this one reads
+        now (it holds ``alone``), False when what it waits for came (or, without
+        ``block``, at once)."""
+        with self.guard:
+            self.waiting += 1  # first: a reader that read, or let go, since then notifies
+            try:
+                while True:
+                    if not block or self.eof or (self.frames if until is None else until()):
+                        return False
+                    if self.alone.acquire(False):
+                        return True
+                    self.turn.wait()
+            finally:
+                self.waiting -= 1
 
 
 class _Forks:

@@ -326,6 +326,12 @@ try:
     os.chdir(work)
 except OSError as e:
     sys.exit("cannot enter the working directory %s: %s" % (work, e))
+st = os.stat(".")
+if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    say("UNSAFE_WORKDIR %s %s" % ("owner" if st.st_uid != os.geteuid() else "writable", work))
+    sys.exit(0)
+lib = os.path.join(os.getcwd(), "lib")
+target = os.path.join(lib, name)
 if lock:
     import fcntl
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
@@ -368,7 +374,9 @@ runpy.run_module("flotilla.agent", run_name="__main__", alter_sys=True)
 (its passes over the modules being imported find nothing; the agent freezes what they
 made and resumes it, :func:`flotilla._node.agent.main`), takes the session's folder off
 ``sys.path`` (nothing is imported from it), refuses a working directory another user owns
-or others can write (made 0700 when missing) and enters it, takes the agent lock when
+or others can write (made 0700 when missing) and enters it (the folder entered is checked
+again and named by its real path from then on: a link on the way, which its owner could
+point elsewhere after the first check, is not followed again), takes the agent lock when
 asked, installs the bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes
 as its last argument and is compiled only then) and becomes the agent (``runpy``, as
 ``python -m flotilla.agent``, with the working directory first on ``sys.path``)."""
