@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import http.server
 import json
 import os
 import select
@@ -936,31 +937,35 @@ os._exit(0)  # the agent dies at once, before the helper is up
         kill_quietly(helpers())
 
 
+class _Metadata(http.server.BaseHTTPRequestHandler):
+    """A metadata service's handler in a test (the poller's tests below): answers of bytes
+    (``_send``), nothing logged."""
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 def test_the_poller_ends_with_its_agent_without_ctypes(tmp_path: Any) -> None:
     """The helper polling the metadata service ends when its agent is killed, and its
     start imported no ``ctypes`` (issue 42 item 1: ~3-5 ms of an instance start's CPU for
     ``PR_SET_PDEATHSIG``): it watches the agent's pidfd between two requests."""
-    import http.server
     import threading
 
     asked = threading.Event()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(_Metadata):
         def do_PUT(self) -> None:
             self._send(200, b"tok")
 
         def do_GET(self) -> None:  # no interruption notice: the helper polls on
             asked.set()
             self._send(404, b"")
-
-        def _send(self, code: int, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -1012,13 +1017,12 @@ sys.stdin.read()
 
 
 def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
-    import http.server
     import threading
 
     token = "tok123"
     seen: list[str] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(_Metadata):
         def do_PUT(self) -> None:
             seen.append(
                 f"PUT {self.path} {self.headers.get('X-aws-ec2-metadata-token-ttl-seconds')}"
@@ -1031,15 +1035,6 @@ def test_interruption_poller_announces_the_notice(tmp_path: Any) -> None:
             if not ok:
                 return self._send(401, b"")
             self._send(200, b'{"action": "stop", "time": "2026-11-23T19:00:00Z"}')
-
-        def _send(self, code: int, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
