@@ -469,8 +469,7 @@ def _run(
         msg = f"the task's return value cannot be pickled{where}: {e}"
         pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
         status = Status.ERROR
-    big = shm_prefix and pickled.buffers and pickled.shm_bytes  # (no property call: per call)
-    shm = ser.write_shm(pickled, shm_prefix) if big else ""
+    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
     parts = ser.encode(pickled, shm)
     del pickled, value  # (the result's inline buffers live on in parts)
     if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:

@@ -50,7 +50,7 @@ class Pickled:
     @property
     def shm_bytes(self) -> int:
         """Bytes that would travel through shared memory."""
-        if not self.buffers:
+        if not self.buffers:  # (most results: no sum to start, per call)
             return 0
         return sum(b.nbytes for b in self.buffers if b.nbytes >= SHM_MIN)
 
