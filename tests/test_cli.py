@@ -20,6 +20,7 @@ import sys
 import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _hosts import Lab, LabError, TestHost, ensure_package
@@ -42,6 +43,10 @@ from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 """This checkout's sources: first on the CLI's import path."""
+
+
+MARKET_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "VAST_", "RUNPOD_", "LAMBDA_", "VERDA_")
+"""The environment variables through which a market's credentials or API address come."""
 
 
 class CLI:
@@ -81,6 +86,20 @@ class CLI:
             f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
         )
         return done
+
+    def only_markets(self, *labs: Any) -> None:
+        """Leave this CLI the credentials of ``labs`` (each with its ``env``) alone: the
+        shared labs of earlier tests in the process (moto's AWS, GCP, Verda) leave theirs in
+        the session's environment, and a command asking every configured market would list
+        their offers too."""
+        for key in [k for k in self.env if k.startswith(MARKET_PREFIXES)]:
+            del self.env[key]
+        self.env["AWS_CONFIG_FILE"] = self.env["AWS_SHARED_CREDENTIALS_FILE"] = str(
+            self.home / "none"
+        )
+        self.env["CLOUDSDK_CONFIG"] = str(self.home / "no-gcloud")
+        for lab in labs:
+            self.env.update(lab.env)
 
     def task(self, name: str, text: str) -> str:
         path = self.cwd / name

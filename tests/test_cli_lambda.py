@@ -99,15 +99,7 @@ def test_show_gpus_lists_every_markets_offers(
     runpod_lab.add_gpu("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, secure_price=1.64)
     vast_lab.add_machines(1, gpu_name="A100 SXM4", dph_total=0.95)
     vast_lab.add_machines(1, gpu_name="RTX 4090", dph_total=0.3)  # not an A100
-    for lab in (lambda_lab, runpod_lab, vast_lab):
-        cli.env.update(lab.env)
-    # only those three: the AWS (moto) and GCP labs of earlier tests leave their
-    # credentials in the session's environment, which would add their offers
-    for key in [k for k in cli.env if k.startswith("AWS_")]:
-        del cli.env[key]
-    cli.env["AWS_CONFIG_FILE"] = cli.env["AWS_SHARED_CREDENTIALS_FILE"] = str(cli.home / "none")
-    cli.env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    cli.env["CLOUDSDK_CONFIG"] = str(cli.home / "no-gcloud")
+    cli.only_markets(lambda_lab, runpod_lab, vast_lab)
     shown = cli.ok("show-gpus", "A100").stdout
     rows = [re.split(r"\s{2,}", line) for line in shown.splitlines()[1:]]
     assert [(r[0], r[3]) for r in rows] == [
