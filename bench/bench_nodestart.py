@@ -339,6 +339,7 @@ def main() -> None:
 
             aws = AwsLab()
             aws.start()
+            os.environ.update(aws.env)  # (the lab no longer sets it: its clients here need it)
             aws_spec = json.dumps(
                 {
                     "aws": True,

@@ -1,7 +1,8 @@
 """An EC2 region on this machine: moto's real HTTP EC2/SSM API, and instances that boot.
 
 ``AwsLab`` (root only) starts moto in server mode on a test bridge's address and points
-boto3 at it (``AWS_ENDPOINT_URL``, dummy credentials): the provider runs unchanged. The
+boto3 at it (``AWS_ENDPOINT_URL``, dummy credentials: ``env``, in ``os.environ`` only
+inside a with-block on the lab or a test's ``aws_lab`` fixture): the provider runs unchanged. The
 default VPC gets the bridge's /24 (two subnets, two zones) instead of its own subnets,
 so instances get private addresses on the bridge, in order. A watcher thread follows the
 API: every instance launched is at once a network-namespace host with the instance's
@@ -24,7 +25,8 @@ Faults come from the emulator's side: :meth:`AwsLab.fail_launches` makes RunInst
 answer with an error code (capacity, quota) for a market and zone, as AWS would; the
 provider has no test branch. :meth:`AwsLab.interrupt` announces a spot interruption in an
 instance's metadata. The pytest fixture ``aws_lab`` wraps it: one lab per process, shared by
-every test module that imports the fixture (moto's state is the process's).
+every test module that imports the fixtures (moto's state is the process's), its
+environment applied for one test at a time.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from _hosts import (
     keygen,
     lab_unavailable,
 )
-from _lifecycle import Lifecycle
+from _lifecycle import Lifecycle, environment
 
 REGION = "us-east-1"
 ZONES = ("us-east-1a", "us-east-1b")
@@ -374,7 +376,6 @@ class AwsLab(Lifecycle):
         self.power: Counter[tuple[str, str]] = Counter()  # (instance, "stop"/"start") seen
         self.boot_times: dict[str, tuple[float, float]] = {}  # id -> (seen, sshd started)
         self.env: dict[str, str] = {}
-        self._saved_env: dict[str, str | None] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -411,9 +412,6 @@ class AwsLab(Lifecycle):
             "AWS_EC2_METADATA_DISABLED": "true",
             "XDG_CACHE_HOME": str(self.lab.tmp / "cache"),  # the instance type catalog
         }
-        for key, value in self.env.items():
-            self._saved_env[key] = os.environ.get(key)
-            os.environ[key] = value
         self._setup_region()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="aws-lab-watcher")
         self._watcher.start()
@@ -423,7 +421,8 @@ class AwsLab(Lifecycle):
         started (its boot guard, what its ``bootcmd`` left) outlived its host: an orphan on
         this machine (it is killed first), or if a pool was left alive to the lab's end
         (:meth:`end_orphan_pools`)."""
-        pools = self.end_orphan_pools()
+        with self.environment():  # (a lab several tests share is closed outside theirs)
+            pools = self.end_orphan_pools()
         with self._lock:  # no instance is followed from now on (see _follow)
             self._stop.set()
         self._wake.set()
@@ -439,12 +438,6 @@ class AwsLab(Lifecycle):
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved_env.clear()
         if AwsLab.running is self:
             AwsLab.running = None
         if left:
@@ -495,10 +488,21 @@ class AwsLab(Lifecycle):
                 found[int(entry)] = cmdline
         return found
 
+    def environment(self) -> contextlib.AbstractContextManager[None]:
+        return environment(self.env)
+
     def client(self, service: str = "ec2") -> Any:
+        """A boto3 client of the emulator (whatever ``os.environ`` holds: the watcher
+        thread and a shared lab's start run outside every test's environment)."""
         import boto3
 
-        return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint)
+        return boto3.client(
+            service,
+            region_name=REGION,
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def _setup_region(self) -> None:
         """The default VPC on the bridge's /24 (two /25 subnets, zones a and b), and the
@@ -942,20 +946,29 @@ def aws_unavailable() -> str | None:
     return None
 
 
-_AWS = SharedLab(lambda: AwsLab().__enter__())  # (a start failing part way closes what it made)
+_AWS = SharedLab(lambda: AwsLab().started())
 
 
-@pytest.fixture(scope="session", name="aws_lab")
-def aws_lab_fixture() -> Iterator[AwsLab]:
+@pytest.fixture(scope="session", name="aws_shared_lab")
+def aws_shared_lab_fixture() -> Iterator[AwsLab]:
     """The process's one ``AwsLab``, however many test modules import this fixture: pytest
     makes a session-scoped fixture once per module that defines it (each import is a
     definition), and two labs in one process share moto's EC2 state (it lives in the
     process), so each booted the other's instances too: a second boot, whose boot guard
     removed the contact file of the agent the first boot's host already ran (issue 39's
     instances that never ended, test_fallback's agent that died at its start). The last
-    user closes it."""
+    user closes it. Tests ask for ``aws_lab``."""
     reason = aws_unavailable()
     if reason:
         pytest.skip(reason)
     with _AWS.use() as lab:
         yield lab
+
+
+@pytest.fixture(name="aws_lab")
+def aws_lab_fixture(aws_shared_lab: AwsLab) -> Iterator[AwsLab]:
+    """The process's ``AwsLab`` for one test: its environment (``AWS_*`` pointing boto3 at
+    the emulator) in ``os.environ`` while the test runs, as it was before afterwards (the
+    lab lives on, the next test may not know it)."""
+    with aws_shared_lab.environment():
+        yield aws_shared_lab

@@ -1,7 +1,8 @@
 """What the stand-ins of the GPU markets' APIs (``_vast``, ``_runpod``, ``_lambda``,
 ``_gcp``) share: the lab of network namespaces their instances are hosts of, their HTTP
-servers on the lab's bridge, the environment a client reads set while they run (and put
-back at the end), bridges of their own, and the ends of an instance's host.
+servers on the lab's bridge, the environment a client reads (in ``os.environ`` only
+inside a test's fixture: :meth:`StandIn.environment`), bridges of their own, and the ends
+of an instance's host.
 
 A stand-in subclasses :class:`StandIn`: its ``start`` calls ``self.lab.start()`` first,
 then :meth:`StandIn.serve` and :meth:`StandIn.set_env`; its ``close`` stops its instances
@@ -28,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 from _hosts import SERVE_POLL, Lab, TestHost, _in_netns, lab_unavailable, run
-from _lifecycle import Lifecycle
+from _lifecycle import Lifecycle, environment
 from _procs import interruptible, signal_a_thread, wait_until
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -63,7 +64,7 @@ class StandIn(Lifecycle):
         self.requests: list[tuple[str, str]] = []
         self.closing = False
         self._lock = threading.RLock()
-        self._saved: dict[str, str | None] = {}
+        self._clear: tuple[str, ...] = ()
         self._servers: list[ThreadingHTTPServer] = []
         self._own_bridges: list[str] = []
 
@@ -83,13 +84,13 @@ class StandIn(Lifecycle):
         return server.server_port
 
     def set_env(self, env: Mapping[str, str], clear: Sequence[str] = ()) -> None:
-        """``env`` (what a client needs) in os.environ while the stand-in runs, ``clear``
-        out of it; both as they were after :meth:`shut`."""
+        """``env``: what a client needs; ``clear``: what it must not find. Both applied to
+        ``os.environ`` inside :meth:`environment` only."""
         self.env = dict(env)
-        for key in (*env, *clear):
-            self._saved.setdefault(key, os.environ.get(key))
-            os.environ.pop(key, None)
-        os.environ.update(env)
+        self._clear = tuple(clear)
+
+    def environment(self) -> contextlib.AbstractContextManager[None]:
+        return environment(self.env, self._clear)
 
     def add_bridge(self, name: str) -> str:
         """A bridge of the stand-in's own (a network of its instances), up; deleted at
@@ -174,8 +175,8 @@ class StandIn(Lifecycle):
         return "\n".join(out)
 
     def shut(self) -> None:
-        """Delete its bridges, stop its servers, close the lab and put the environment
-        back (once its instances are stopped)."""
+        """Delete its bridges, stop its servers and close the lab (once its instances are
+        stopped)."""
         for bridge in self._own_bridges:
             run("ip", "link", "del", bridge, check=False)
         self._own_bridges.clear()
@@ -184,12 +185,6 @@ class StandIn(Lifecycle):
             server.server_close()
         self._servers.clear()
         self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved.clear()
 
 
 class Market(Protocol):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import shlex
 import threading
@@ -63,7 +62,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 from _hosts import SERVE_POLL, SSHD, Lab, SharedLab, TestHost, keygen, lab_unavailable, run  # noqa: F401
-from _lifecycle import Lifecycle
+from _lifecycle import Lifecycle, environment
 
 CLIENT_ID = "verda-test-client"
 CLIENT_SECRET = "verda-secret-0123456789abcdef"
@@ -106,8 +105,8 @@ class Instance:
 class VerdaLab(Lifecycle):
     """The stand-in API server and its instances. A context manager; ``url`` and ``env``
     (``VERDA_BASE_URL``, ``VERDA_CLIENT_ID``, ``VERDA_CLIENT_SECRET``) are what a client
-    needs. ``self_client``: other credentials the test gives the instances (their deletes
-    are recorded as "self")."""
+    needs (in ``os.environ`` only inside :meth:`environment`). ``self_client``: other
+    credentials the test gives the instances (their deletes are recorded as "self")."""
 
     def __init__(self, boot_delay: float = 0.5) -> None:
         self.boot_delay = boot_delay
@@ -125,7 +124,6 @@ class VerdaLab(Lifecycle):
         self.url = ""
         self.env: dict[str, str] = {}
         self.closing = False
-        self._saved: dict[str, str | None] = {}
         self._lock = threading.RLock()
         self._count = 0
         self._server: ThreadingHTTPServer | None = None
@@ -147,9 +145,9 @@ class VerdaLab(Lifecycle):
             "VERDA_CLIENT_ID": CLIENT_ID,
             "VERDA_CLIENT_SECRET": CLIENT_SECRET,
         }
-        for key, value in self.env.items():
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
+
+    def environment(self) -> contextlib.AbstractContextManager[None]:
+        return environment(self.env)
 
     def close(self) -> None:
         self.closing = True
@@ -160,19 +158,12 @@ class VerdaLab(Lifecycle):
             self._server.server_close()
             self._server = None
         self.lab.close()
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
     def reset(self) -> None:
         """A fresh account for the next test of a shared lab (what an earlier failed test
         left running is deleted first)."""
         for inst in self.live():
             self.delete(inst, "reset")
-        for key, value in self.env.items():
-            os.environ[key] = value
         with self._lock:
             self.types.clear()
             self.keys.clear()
@@ -579,7 +570,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(404, _error("not_found", f"no route {method} {path}"))
 
 
-_VERDA = SharedLab(lambda: VerdaLab().__enter__())  # (a start failing part way closes it)
+_VERDA = SharedLab(lambda: VerdaLab().started())
 
 
 @pytest.fixture(name="verda_lab", scope="session")
@@ -595,10 +586,13 @@ def verda_lab_fixture() -> Iterator[VerdaLab]:
 
 @pytest.fixture(name="verda")
 def verda_fixture(verda_lab: VerdaLab) -> Iterator[VerdaLab]:
-    """The session's lab, reset for one test; nothing may be left running after it."""
+    """The session's lab, reset for one test, its environment in ``os.environ`` while the
+    test runs (as it was before afterwards: the lab lives on, the next test may not know
+    it); nothing may be left running after it."""
     verda_lab.reset()
-    yield verda_lab
-    left = verda_lab.wait_gone(60)
+    with verda_lab.environment():  # (a pool still ending after the test needs it too)
+        yield verda_lab
+        left = verda_lab.wait_gone(60)
     assert left == [], [i.description for i in left]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _aws import REGION, ZONES, AwsLab, aws_lab_fixture  # noqa: F401
+from _aws import REGION, ZONES, AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _hosts import _in_netns, keygen
 from _procs import interruptible, kill_quietly, wait_until
 from _standin import start_client

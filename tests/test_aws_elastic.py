@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 
 import flotilla as sky
 from flotilla import events

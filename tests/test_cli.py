@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from _hosts import Lab, LabError, TestHost, ensure_package
 from _hosts import ssh_lab_fixture as ssh_lab_fixture  # the fixture
+from _lifecycle import MARKET_PREFIXES
 from _procs import (
     alive,
     all_pids,
@@ -43,10 +44,6 @@ from flotilla.cli.state import ClusterState, JobStatus, Paths, all_names, load
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 """This checkout's sources: first on the CLI's import path."""
-
-
-MARKET_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "VAST_", "RUNPOD_", "LAMBDA_", "VERDA_")
-"""The environment variables through which a market's credentials or API address come."""
 
 
 class CLI:
@@ -88,10 +85,10 @@ class CLI:
         return done
 
     def only_markets(self, *labs: Any) -> None:
-        """Leave this CLI the credentials of ``labs`` (each with its ``env``) alone: the
-        shared labs of earlier tests in the process (moto's AWS, GCP, Verda) leave theirs in
-        the session's environment, and a command asking every configured market would list
-        their offers too."""
+        """Leave this CLI the credentials of ``labs`` (each with its ``env``) alone: a
+        command asking every configured market would also list the offers of any other
+        market configured where the tests run (its variables, this machine's ~/.aws or
+        gcloud settings)."""
         for key in [k for k in self.env if k.startswith(MARKET_PREFIXES)]:
             del self.env[key]
         self.env["AWS_CONFIG_FILE"] = self.env["AWS_SHARED_CREDENTIALS_FILE"] = str(

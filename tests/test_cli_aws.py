@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401
+from _aws import REGION, AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture

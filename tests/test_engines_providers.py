@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
 from _procs import wait_until
 from _slurm import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - the slurm_cluster fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture (moto is global)
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _procs import wait_until
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from test_cli import CLI, node_lines

@@ -3,10 +3,12 @@
 hosts): an instance is made per node added and ended per node released
 (``cloud.allocation``'s ``InstanceAllocation``); a pool born empty makes nothing before its
 first call. The instances are counted in the stand-ins. One lab per market for the whole
-module."""
+module, its environment (credentials, API address) in ``os.environ`` only while a test of
+that market runs."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -39,21 +41,29 @@ def slow_addr(i: int) -> tuple[int, str]:
 
 @dataclass
 class Market:
-    """One market's lab, as these tests use it: its provider, the pool's instances alive
-    in the stand-in, every instance it ever made, and room for ``n`` more instances."""
+    """One market's lab, as these tests use it: the lab (its ``environment()``), its
+    provider, the pool's instances alive in the stand-in, every instance it ever made, and
+    room for ``n`` more instances."""
 
+    lab: Any
     provider: Callable[[], Any]
     live: Callable[[str], int]
     made: Callable[[], int]
     room: Callable[[int], None]
 
 
-def _lab(cls: type[Any]) -> Any:
-    """A new lab of ``cls`` (a context manager that starts it); skips when none can run."""
+@contextlib.contextmanager
+def _lab(cls: type[Any]) -> Iterator[Any]:
+    """A new lab of ``cls``, started (its environment not applied: see ``market``) and
+    closed at the end; skips when none can run."""
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
-    return cls()
+    lab = cls().started()
+    try:
+        yield lab
+    finally:
+        lab.close()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +76,7 @@ def runpod_market() -> Iterator[Market]:
                 gpu.stock = {"US-TX-3": n}
 
         yield Market(
+            lab,
             lambda: sky.RunPod(),
             lambda pool: len(lab.live(f"flotilla:{pool}:")),
             lambda: len(lab.creates),
@@ -83,6 +94,7 @@ def lambda_market() -> Iterator[Market]:
                 kind.capacity = {"us-east-1": n, "us-west-1": 8}
 
         yield Market(
+            lab,
             lambda: sky.LambdaCloud(ssh_user="root"),
             lambda pool: len(lab.live(f"flotilla:{pool}:")),
             lambda: len(lab.launches),
@@ -100,6 +112,7 @@ def gcp_market() -> Iterator[Market]:
                 lab.capacity.update({z: n if z == GCP_ZONES[0] else 0 for z in GCP_ZONES})
 
         yield Market(
+            lab,
             lambda: sky.GCP(ssh_user="root", python=sys.executable),
             lambda pool: len(lab.live(pool)),
             lab.inserts,
@@ -117,6 +130,7 @@ def verda_market() -> Iterator[Market]:
                 kind.capacity = {"FIN-01": n, "FIN-03": 8}
 
         yield Market(
+            lab,
             lambda: sky.Verda(),
             lambda pool: len(lab.live(f"flotilla:{pool}:")),
             lambda: len(lab.creates),
@@ -128,8 +142,11 @@ MARKETS = ["runpod", "lambda", "gcp", "verda"]
 
 
 @pytest.fixture(params=MARKETS)
-def market(request: pytest.FixtureRequest) -> Market:
-    return request.getfixturevalue(f"{request.param}_market")  # type: ignore[no-any-return]
+def market(request: pytest.FixtureRequest) -> Iterator[Market]:
+    """The market of this run of a test, its lab's environment applied while it runs."""
+    chosen: Market = request.getfixturevalue(f"{request.param}_market")
+    with chosen.lab.environment():
+        yield chosen
 
 
 def test_a_pool_born_empty_grows_with_a_burst_and_scales_to_zero(market: Market) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _container import ContainerLab, container_lab_fixture  # noqa: F401 - its fixture
 from _fake import FakeCall, FakeProvider
 from _gcp import GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fixture

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _aws import REGION, AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import REGION, AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _procs import wait_until
 from _runpod import RunPodLab, runpod_lab_fixture  # noqa: F401 - the runpod_lab fixture
 from test_cli import CLI

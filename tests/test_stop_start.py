@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import processes_in, wait_until
 from test_cli import CLI, node_lines, ssh_flags

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _aws import AwsLab, aws_lab_fixture  # noqa: F401 - the aws_lab fixture
+from _aws import AwsLab, aws_lab_fixture, aws_shared_lab_fixture  # noqa: F401
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import agent_above, session_folder, wait_until
 from _s3 import (
