@@ -285,7 +285,8 @@ def role(pid: int) -> str:
 
 def masked_files(python: str) -> list[str]:
     """``--bare-env``: the file(s) to mask on the hosts, ``ENV_PTH`` in ``python``'s
-    site-packages (the machine's ``python3`` when ``python`` is '')."""
+    site-packages (the machine's ``python3`` when ``python`` is ''); none where it has no
+    such file (another machine: its hosts are bare already)."""
     sys.path.insert(0, str(HERE.parent / "tests"))
     from _hosts import _python3_folder
 
@@ -294,7 +295,8 @@ def masked_files(python: str) -> list[str]:
     done = subprocess.run([python, "-S", "-c", code], capture_output=True, text=True)
     found = Path(done.stdout.strip()) / ENV_PTH
     if done.returncode or not found.is_file():
-        raise SystemExit(f"bench_nodestart --bare-env: {python} has no {ENV_PTH}: nothing to mask")
+        print(f"--bare-env: {python} has no {ENV_PTH}: hosts as they are only", file=sys.stderr)
+        return []
     return [str(found)]
 
 
@@ -505,7 +507,39 @@ def report(
                 f"{ms(ours)} | {ms(host) if any(host) else '-'} | {each} | "
                 f"{statistics.median(client) * 1e3:.0f} ms | {min(loads):.1f}-{max(loads):.1f} |"
             )
+    pairs = [(f"{n}, bare", n) for n in names] if bare else []
+    pairs += [(f"{names[0]}{e}", f"{n}{e}") for n in names[1:] for e in ("", ", bare")[: 1 + bare]]
+    lines.append("")
+    for provider in providers:
+        for top, bottom in pairs:
+            ratios = paired(rows, provider, top, bottom)
+            if ratios:
+                lines.append(
+                    f"* {provider}: {top} / {bottom}, per rep: whole start "
+                    + ", flotilla's processes ".join(
+                        f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for r in ratios
+                    )
+                )
     return "\n".join(lines)
+
+
+def paired(
+    rows: list[tuple[str, str, int, str, dict[str, Any]]], provider: str, top: str, bottom: str
+) -> tuple[list[float], list[float]] | None:
+    """Per repetition, ``top``'s start over ``bottom``'s: the whole start, and flotilla's
+    processes alone (None when the run has no such pair)."""
+    by = {(r[1], r[2]): r[4] for r in rows if r[0] == provider}
+    whole, ours = [], []
+    for (label, rep), got in by.items():
+        other = by.get((bottom, rep))
+        if label != top or other is None:
+            continue
+        whole.append(statistics.median(got["per_node"]) / statistics.median(other["per_node"]))
+        mine, theirs = (
+            sum(v for k, v in g["roles"].items() if k in FLOTILLA) for g in (got, other)
+        )
+        ours.append(mine / theirs if theirs else float("nan"))
+    return (whole, ours) if whole else None
 
 
 def shell(roles: dict[str, float]) -> float:
