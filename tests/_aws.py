@@ -396,7 +396,7 @@ class AwsLab(Lifecycle):
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
-        if AwsLab.running is not None:  # moto's state is the process's: see aws_lab_fixture
+        if AwsLab.running is not None:  # moto's state is the process's: see aws_shared_lab_fixture
             raise LabError("another AwsLab runs in this process (each would boot both's instances)")
         AwsLab.running = self
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
