@@ -49,7 +49,7 @@ class Lifecycle:
 
     def environment(self) -> contextlib.AbstractContextManager[None]:
         """What a client of the lab needs in ``os.environ`` (its address, credentials),
-        there inside the block only. None by default."""
+        there inside the block only. Nothing by default."""
         return contextlib.nullcontext()
 
     def started(self) -> Self:
