@@ -1,7 +1,7 @@
 """The CPU a node start costs: every process a start makes, from /proc (issue 42, item 1).
 
     .venv/bin/python bench/bench_nodestart.py [--reps 5] [--nodes 2] [--before SRC] [--ssh] [--aws]
-        [--k8s]
+        [--k8s] [--bare-env]
 
 Each repetition starts a pool in a fresh process, answers one no-op on every node, and then
 reads, for every process of each node (Local: the agent and its executors, children of
@@ -17,6 +17,15 @@ of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node star
 over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
 repetition on stderr, and the medians as a markdown table with the load
 (``/proc/loadavg``) on stdout.
+
+``--bare-env``: SSH and EC2 lab starts also on hosts without this machine's environment,
+same run, side by side: ``_sandboxing_egress_ca.pth`` (this sandbox's: every ``python3``
+start imports certifi for it) masked in the hosts' own mount namespace (an empty file bound
+over it there, see ``Lab.add_host``'s ``hidden``; the machine's file stays as it is). Local
+agents and Kubernetes lab pods run the bench's own interpreter (a venv: no such ``.pth``),
+so their starts are "bare" already. The table splits every start by process: flotilla's
+(the agent, its executors, a cloud node's helper and watchdog, a pod's holder) and the
+host's (the session's sshd, the login shell that runs the start command).
 
 ``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
 (e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
@@ -44,6 +53,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 _TICK = os.sysconf("SC_CLK_TCK")
+ENV_PTH = "_sandboxing_egress_ca.pth"
+"""This machine's start-up file in its interpreters' site-packages (``--bare-env`` masks it)."""
+FLOTILLA = ("agent", "executor", "cloud helper", "watchdog", "holder", "fork server")
+"""The processes of a start that run flotilla's code; the others (sshd, the login shell) are
+the host's way in."""
 
 
 def _stat(pid: int) -> list[str]:
@@ -135,13 +149,21 @@ def child(args: argparse.Namespace) -> None:
             from _hosts import pids_in_netns
 
             for netns, daemon in spec.get("netns") or instances(spec["prefix"], kids):
+                named: dict[int, str] = {}
                 if spec.get("aws"):  # what the sshd started, not the lab's boot stand-ins
                     session = [p for p in tree(daemon, kids) if p != daemon]
+                    # and the watchdog: a daemon forked from the agent (its command line)
+                    agents = {cmdline(p) for p in session if role(p) == "agent"}
+                    for p in pids_in_netns(netns):
+                        if p not in session and cmdline(p) in agents:
+                            session.append(p)
+                            named[p] = "watchdog"
                 else:
                     session = [p for p in pids_in_netns(netns) if p != daemon]
                 per_node.append(sum(cpu_of(p) for p in session))
                 for p in session:
-                    roles[role(p)] = roles.get(role(p), 0.0) + cpu_of(p) / args.nodes
+                    name = named.get(p) or role(p)
+                    roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         else:
             agents, servers = [], []
             for p in kids.get(os.getpid(), []):
@@ -243,18 +265,39 @@ def is_fork_server(pid: int) -> bool:
 
 
 def role(pid: int) -> str:
-    """An SSH host's process: sshd, the start shell, the agent or an executor."""
+    """An SSH host's process: sshd, the start shell, the agent, an executor (a fork of the
+    agent with a process group of its own) or a cloud node's helper (a fork that has not)."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             name = f.read().strip()
-        parent = int(_stat(pid)[1])
+        fields = _stat(pid)
+        parent, group = int(fields[1]), int(fields[2])
         with open(f"/proc/{parent}/comm") as f:
             parent_name = f.read().strip()
     except (OSError, IndexError, ValueError):
         return "gone"
     if name.startswith("python"):
-        return "executor" if parent_name.startswith("python") else "agent"
+        if not parent_name.startswith("python"):
+            return "agent"
+        return "executor" if group == pid else "cloud helper"
     return "sshd" if "sshd" in name else name
+
+
+def masked_files(python: str) -> list[str]:
+    """``--bare-env``: the file(s) to mask on the hosts, ``ENV_PTH`` in ``python``'s
+    site-packages (the machine's ``python3`` when ``python`` is ''); none where it has no
+    such file (another machine: its hosts are bare already)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from _hosts import _python3_folder
+
+    python = python or os.path.join(_python3_folder(), "python3")
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    done = subprocess.run([python, "-S", "-c", code], capture_output=True, text=True)
+    found = Path(done.stdout.strip()) / ENV_PTH
+    if done.returncode or not found.is_file():
+        print(f"--bare-env: {python} has no {ENV_PTH}: hosts as they are only", file=sys.stderr)
+        return []
+    return [str(found)]
 
 
 def run_child(src: Path, args: argparse.Namespace, ssh_spec: str) -> dict[str, Any]:
@@ -297,6 +340,11 @@ def main() -> None:
     parser.add_argument("--no-local", action="store_true", help="SSH hosts only")
     parser.add_argument("--warm", action="store_true", help="SSH: keep the hosts' bundle")
     parser.add_argument("--ssh-python", default="", help="SSH: the hosts' interpreter")
+    parser.add_argument(
+        "--bare-env",
+        action="store_true",
+        help=f"SSH/EC2 lab: also starts with {ENV_PTH} masked on the hosts, side by side",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ssh-spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -316,8 +364,9 @@ def main() -> None:
     providers += ["k8s"] if args.k8s else []
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
     lab = aws = k8s = None
+    masked = masked_files(args.ssh_python) if args.bare_env else []
     try:
-        spec = aws_spec = k8s_spec = ""
+        spec = aws_spec = k8s_spec = bare_spec = ""
         if args.k8s:
             sys.path.insert(0, str(HERE.parent / "tests"))
             from _k8s import K8sLab
@@ -353,6 +402,7 @@ def main() -> None:
             lab = Lab()
             lab.start()
             hosts = lab.add_hosts(args.nodes)
+            bare = [lab.add_host(hidden=tuple(masked)) for _ in range(args.nodes if masked else 0)]
             options = {
                 "user": "root",
                 "key": str(lab.client_key),
@@ -362,16 +412,26 @@ def main() -> None:
             }
             if args.ssh_python:
                 options["python"] = args.ssh_python
-            assert all(h.sshd is not None for h in hosts)
-            netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
-            spec = json.dumps(
-                {"hosts": [h.addr for h in hosts], "options": options, "netns": netns}
-            )
+            assert all(h.sshd is not None for h in hosts + bare)
+
+            def ssh_spec(hosts: list[Any]) -> str:
+                netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
+                return json.dumps(
+                    {"hosts": [h.addr for h in hosts], "options": options, "netns": netns}
+                )
+
+            spec, bare_spec = ssh_spec(hosts), ssh_spec(bare) if bare else ""
+        starts = [
+            (name, src, env) for name, src in variants for env in ("", "bare")[: 1 + bool(masked)]
+        ]
         for rep in range(args.reps):
-            shift = rep % len(variants)
-            order = variants[shift:] + variants[:shift]
+            shift = rep % len(starts)
+            order = starts[shift:] + starts[:shift]
             for provider in providers:
-                for name, src in order:
+                for name, src, env in order:
+                    if env and provider not in ("ssh", "aws"):
+                        continue  # Local and the Kubernetes pods: the bench's own interpreter
+                    label = f"{name}, {env}" if env else name
                     if provider == "ssh" and lab is not None and not args.warm:  # first starts
                         for h in lab.hosts:
                             shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
@@ -380,12 +440,14 @@ def main() -> None:
                         managed = "app.kubernetes.io/managed-by=flotilla"
                         while k8s.pods(selector=managed) or k8s.running_pod_processes():
                             time.sleep(0.2)
-                    specs = {"ssh": spec, "aws": aws_spec, "k8s": k8s_spec}
+                    if aws is not None:  # the instances this start boots
+                        aws.hidden = tuple(masked) if env else ()
+                    specs = {"ssh": bare_spec if env else spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
-                    rows.append((provider, name, rep, load(), got))
+                    rows.append((provider, label, rep, load(), got))
                     node = statistics.median(got["per_node"])
                     print(
-                        f"rep {rep} {provider} {name}: {node * 1e3:.0f} ms CPU per node "
+                        f"rep {rep} {provider} {label}: {node * 1e3:.0f} ms CPU per node "
                         f"({', '.join(f'{c * 1e3:.0f}' for c in got['per_node'])}), client "
                         f"{got['client'] * 1e3:.0f} ms, {got['took']:.2f} s; load {load()}"
                         + "".join(f"; {k} {v * 1e3:.0f}" for k, v in sorted(got["roles"].items())),
@@ -400,22 +462,89 @@ def main() -> None:
         if k8s is not None:
             k8s.close()
     print()
-    print(
-        f"| provider | flotilla | CPU per node start, median (min-max), {args.reps} reps | "
-        "client CPU | load (1 min) |"
-    )
-    print("| --- | --- | --- | --- | --- |")
+    print(report(rows, providers, [label for label, _ in variants], args.reps, bool(masked)))
+
+
+def report(
+    rows: list[tuple[str, str, int, str, dict[str, Any]]],
+    providers: list[str],
+    names: list[str],
+    reps: int,
+    bare: bool,
+) -> str:
+    """The markdown table: per provider and flotilla (and host environment), the CPU per
+    node start, flotilla's processes and the host's (sshd, shell) apart, each process."""
+    lines = [
+        f"| provider | flotilla | CPU per node start, median (min-max), {reps} reps | "
+        "flotilla's processes | sshd + shell | by process | client CPU | load (1 min) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def ms(values: list[float]) -> str:
+        return (
+            f"{statistics.median(values) * 1e3:.0f} ms "
+            f"({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f})"
+        )
+
+    labels = [n for name in names for n in ((name, f"{name}, bare") if bare else (name,))]
     for provider in providers:
-        for name, _ in variants:
-            mine = [r for r in rows if r[0] == provider and r[1] == name]
+        for label in labels:
+            mine = [r for r in rows if r[0] == provider and r[1] == label]
+            if not mine:
+                continue
             nodes = [statistics.median(r[4]["per_node"]) for r in mine]
             client = [r[4]["client"] for r in mine]
             loads = [float(r[3].split()[0]) for r in mine]
-            print(
-                f"| {provider} | {name} | {statistics.median(nodes) * 1e3:.0f} ms "
-                f"({min(nodes) * 1e3:.0f}-{max(nodes) * 1e3:.0f}) | "
+            ours = [sum(v for k, v in r[4]["roles"].items() if k in FLOTILLA) for r in mine]
+            host = [r[4]["roles"].get("sshd", 0.0) + shell(r[4]["roles"]) for r in mine]
+            names_seen = sorted({k for r in mine for k in r[4]["roles"]})
+            each = ", ".join(
+                f"{k} {statistics.median(r[4]['roles'].get(k, 0.0) for r in mine) * 1e3:.0f}"
+                for k in names_seen
+            )
+            lines.append(
+                f"| {provider} | {label.replace(', bare', ', host bare')} | {ms(nodes)} | "
+                f"{ms(ours)} | {ms(host) if any(host) else '-'} | {each} | "
                 f"{statistics.median(client) * 1e3:.0f} ms | {min(loads):.1f}-{max(loads):.1f} |"
             )
+    pairs = [(f"{n}, bare", n) for n in names] if bare else []
+    pairs += [(f"{names[0]}{e}", f"{n}{e}") for n in names[1:] for e in ("", ", bare")[: 1 + bare]]
+    lines.append("")
+    for provider in providers:
+        for top, bottom in pairs:
+            ratios = paired(rows, provider, top, bottom)
+            if ratios:
+                lines.append(
+                    f"* {provider}: {top} / {bottom}, per rep: whole start "
+                    + ", flotilla's processes ".join(
+                        f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for r in ratios
+                    )
+                )
+    return "\n".join(lines)
+
+
+def paired(
+    rows: list[tuple[str, str, int, str, dict[str, Any]]], provider: str, top: str, bottom: str
+) -> tuple[list[float], list[float]] | None:
+    """Per repetition, ``top``'s start over ``bottom``'s: the whole start, and flotilla's
+    processes alone (None when the run has no such pair)."""
+    by = {(r[1], r[2]): r[4] for r in rows if r[0] == provider}
+    whole, ours = [], []
+    for (label, rep), got in by.items():
+        other = by.get((bottom, rep))
+        if label != top or other is None:
+            continue
+        whole.append(statistics.median(got["per_node"]) / statistics.median(other["per_node"]))
+        mine, theirs = (
+            sum(v for k, v in g["roles"].items() if k in FLOTILLA) for g in (got, other)
+        )
+        ours.append(mine / theirs if theirs else float("nan"))
+    return (whole, ours) if whole else None
+
+
+def shell(roles: dict[str, float]) -> float:
+    """The CPU of a start's login shell(s) (bash, dash, sh)."""
+    return sum(v for k, v in roles.items() if k in ("bash", "sh", "dash"))
 
 
 if __name__ == "__main__":

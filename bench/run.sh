@@ -71,7 +71,7 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     # Issue 42's section is written by hand; the run refills its two blocks (sections.py).
     echo
     echo "<!-- bench: nodestart -->"
-    .venv/bin/python bench/bench_nodestart.py --reps 5 $([ "$(id -u)" = 0 ] && echo --ssh) 2>/dev/null
+    .venv/bin/python bench/bench_nodestart.py --reps 5 $([ "$(id -u)" = 0 ] && echo --ssh --bare-env) 2>/dev/null
     echo "<!-- /bench: nodestart -->"
     echo "<!-- bench: wait -->"
     .venv/bin/python bench/bench_wait.py --rounds 5 2>/dev/null

@@ -386,6 +386,9 @@ class AwsLab(Lifecycle):
         self.impostor = False
         """Instances boot with a host key of their own instead of the user-data's one
         (someone in the middle)."""
+        self.hidden: tuple[str, ...] = ()
+        """Files of this machine that instances booting from now on lack (each an empty
+        file there, in their sshd's mount namespace: see ``Lab.add_host``)."""
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -742,6 +745,7 @@ class AwsLab(Lifecycle):
             return
         with inst.lock:
             if not inst.stopped.is_set() and inst.host is not None and inst.boot == boot:
+                inst.host.hidden = self.hidden
                 self.lab.start_sshd(
                     # the instance's bootcmd (boot guard, watchdog) runs in this machine's
                     # mount namespace (_bootcmd): its sshd shares that file system view

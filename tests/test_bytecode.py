@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import marshal
 import os
+import subprocess
 import sys
 import zipfile
 import zlib
@@ -119,14 +120,64 @@ def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> Non
     assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
 
 
+@sky.function
+def openssl_loaded() -> list[str]:
+    """The modules of OpenSSL's start (hashlib's) this executor has: what the agent had."""
+    return [m for m in ("hashlib", "_hashlib") if m in sys.modules]
+
+
 def test_an_ssh_hosts_first_start_compiles_nothing(
     ssh_lab: Lab, cache: Path, tmp_path: Path
 ) -> None:
+    """A first start imports byte code only, and installs the bundle without ``hashlib``
+    (the upload is checked by its CRC-32, as every later start checks the file)."""
     workdir = str(tmp_path / "first-start")  # no bundle there yet: a first start
     provider = ssh_lab.provider(ssh_lab.hosts[:1], workdir=workdir)
+    uploads = bootstrap.stats.uploads
     with sky.Compute(provider=provider, nodes=1) as pool:
         seen, wrong = loaded_byte_code() >> pool
+        assert openssl_loaded() >> pool == []
     assert_all_compiled(seen, wrong)
+    assert bootstrap.stats.uploads == uploads + 1
+
+
+@pytest.mark.parametrize("damage", ["other bundle", "flipped byte", "cut short"])
+def test_the_installer_refuses_an_upload_that_is_not_the_bundle(
+    tmp_path: Path, damage: str
+) -> None:
+    """The installer (``bootstrap._EXTRACT``, as a first start runs it) writes nothing when
+    what it read does not unpack to the bundle whose CRC-32 the start command names."""
+    bundle = bootstrap.client_bundle()
+    packed = bytearray(bundle.packed)
+    if damage == "other bundle":
+        packed = bytearray(zlib.compress(bundle.data + b"\0"))
+    elif damage == "flipped byte":
+        packed[len(packed) // 2] ^= 0x10
+    else:
+        packed = packed[: len(packed) // 2]
+    lib = tmp_path / "lib"
+    argv = [str(lib), bundle.hash, str(len(packed)), str(bundle.crc)]
+    done = subprocess.run(
+        [sys.executable, "-c", bootstrap._EXTRACT, *argv], input=bytes(packed), capture_output=True
+    )
+    assert done.returncode == 1
+    assert b"does not match its CRC-32" in done.stderr
+    assert not lib.exists() or os.listdir(lib) == []
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            bootstrap._EXTRACT,
+            str(lib),
+            bundle.hash,
+            str(len(bundle.packed)),
+            str(bundle.crc),
+        ],
+        input=bundle.packed,
+        capture_output=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert (lib / bundle.hash).read_bytes() == bundle.data
 
 
 def _package(root: Path, text: str) -> dict[str, str]:

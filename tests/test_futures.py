@@ -65,8 +65,11 @@ def test_a_timeout_still_ends_the_wait() -> None:
     assert not pending.done()
 
 
-def test_it_behaves_as_a_future() -> None:
-    futures = [CallFuture[int](Batch(3)) for _ in range(3)]
+@pytest.mark.parametrize("batched", [True, False])
+def test_it_behaves_as_a_future(batched: bool) -> None:
+    """A batch's futures, and lone ones (whose condition is made on first use)."""
+    batch = Batch(3) if batched else None
+    futures = [CallFuture[int](batch) for _ in range(3)]
     assert all(isinstance(f, Future) and f.running() and not f.done() for f in futures)
     assert not futures[0].cancel()  # a call under way: pool.cancel stops it
     seen: list[int] = []
@@ -83,6 +86,34 @@ def test_it_behaves_as_a_future() -> None:
     assert done == set(futures[:2]) and pending == {futures[2]}
     threading.Timer(0.01, futures[2].set_result, (9,)).start()
     assert [f is futures[1] or f.result() for f in as_completed(futures, timeout=10)][-1] == 9
+
+
+def test_a_lone_futures_waiter_is_woken_by_its_result() -> None:
+    """A lone future makes its condition only for a waiter (a lone call's caller reads
+    its answer itself: its result is set with none); one waiting in another thread, in
+    ``result()`` or ``wait()``, is woken by the result all the same."""
+    quiet = CallFuture[int]()
+    quiet.set_result(1)
+    assert quiet.result() == 1 and "_condition" not in quiet.__dict__
+    for how in ("result", "wait"):
+        fut = CallFuture[int]()
+        got: list[object] = []
+
+        def waiter(fut: CallFuture[int] = fut, how: str = how, got: list[object] = got) -> None:
+            if how == "result":
+                got.append(fut.result())
+            else:
+                got.append(len(wait([fut], timeout=60).done))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        for _ in range(10_000_000):  # until the waiter waits (on the condition it made)
+            made = fut.__dict__.get("_condition")
+            if made is not None and (made._waiters or fut._waiters):  # type: ignore[attr-defined]
+                break
+        fut.set_result(2)
+        t.join(60)
+        assert got == [2 if how == "result" else 1]
 
 
 @sky.function

@@ -436,6 +436,48 @@ def test_a_lone_call_interrupted_before_its_read_leaves_the_stream_to_the_loop(
         assert (pause(0.0) > pool).result(timeout=60) == 0.0  # read by the loop
 
 
+def _watched(agent: PipeAgent) -> bool:
+    """Whether the loop's epoll set watches ``agent``'s stdout (the kernel's list of it:
+    ``/proc/self/fdinfo`` of the epoll descriptor)."""
+    from flotilla._providers.pipe import _epoll_of
+
+    assert agent._loop is not None
+    epoll = _epoll_of(agent._loop)
+    assert epoll is not None
+    lines = Path(f"/proc/self/fdinfo/{epoll.fileno()}").read_text().splitlines()
+    return any(line.split()[1] == str(agent._out) for line in lines if line.startswith("tfd:"))
+
+
+def test_a_call_for_the_loop_after_lone_calls_gives_it_the_stream_back() -> None:
+    """Lone calls leave the loop's watch of their node's stream off between them
+    (``PipeAgent.watch``); a call whose answer is the loop's (``>``) puts it back as it is
+    sent, not at the next heartbeat tick, a quarter second later."""
+    with sky.Compute(nodes=1) as pool:
+        agent = pool._nodes[0].proc
+        assert isinstance(agent, PipeAgent)
+        for _ in range(3):
+            assert pause(0.0) >> pool == 0.0
+        fut = pause(0.5) > pool
+        assert _watched(agent)
+        assert fut.result(timeout=60) == 0.5
+        assert pause(0.0) >> pool == 0.0  # the lone calls go on
+
+
+def test_a_node_lost_after_lone_calls_is_heard_without_a_call() -> None:
+    """After lone calls (the loop's watch of the stream left off between them), the loop
+    still hears its node: the agent killed, its end of stream is read by the next
+    heartbeat tick's look, not left for a next call or the silence timeout (ten minutes
+    here)."""
+    from _procs import wait_until
+
+    with sky.Compute(nodes=1, options=sky.Options(heartbeat_timeout=600)) as pool:
+        node = pool._nodes[0]
+        for _ in range(3):
+            assert pause(0.0) >> pool == 0.0
+        os.kill(int(node.hello_info["pid"]), signal.SIGKILL)
+        assert wait_until(lambda: node.ended, 120)
+
+
 def _runnable() -> int:
     """Threads the kernel counts runnable right now, machine-wide (/proc/loadavg)."""
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])

@@ -8,10 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 from _ddp import assert_ddp_averages
 from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
-from _procs import Client, all_pids, assert_all_gone, cmdline
+from _procs import Client, alive, all_pids, assert_all_gone, cmdline, wait_until
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionCause, ProvisionError
@@ -221,6 +223,41 @@ def test_an_executor_has_the_site_packages_of_a_plain_interpreter(ssh_lab: Lab) 
     collector on (the start pauses it while it imports)."""
     with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
         assert_a_plain_interpreter(interpreter_view() >> pool)
+
+
+@sky.function
+def busy_in_c(folder: str) -> int:
+    """Write this executor's and its agent's pids to ``folder/busy``, then add up numbers in
+    C for hours: the GIL is held all along, so no Python thread could watch the agent."""
+    with open(os.path.join(folder, "busy.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()} {int('_ctypes' in sys.modules)}")
+    os.rename(os.path.join(folder, "busy.tmp"), os.path.join(folder, "busy"))
+    return sum(range(10**15))
+
+
+def test_an_executor_busy_in_c_dies_with_its_agent_without_ctypes(ssh_lab: Lab) -> None:
+    """An executor dies with its agent, even one running a function that holds the GIL in
+    C code, and without ``ctypes`` (``PR_SET_PDEATHSIG``'s one way from Python, ~3-4 ms
+    of CPU per executor start): the kernel SIGKILLs it when its lifeline, a pipe only the
+    agent writes to, loses its writer."""
+    folder = Path(tempfile.mkdtemp(dir=ssh_lab.shared))
+    busy = folder / "busy"
+    executor = 0
+    try:
+        with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
+            running = pool.submit(busy_in_c(str(folder)))
+            assert wait_until(busy.exists, timeout=120), "the busy call never started"
+            executor, agent, ctypes_loaded = map(int, busy.read_text().split())
+            assert agent == int(pool._nodes[0].hello_info["pid"])
+            assert ctypes_loaded == 0
+            os.kill(agent, signal.SIGKILL)
+            assert_all_gone([agent, executor], 60, "the killed agent and its busy executor")
+            with pytest.raises(NodeLostError):
+                running.result(timeout=120)
+    finally:
+        if executor and alive(executor):
+            os.kill(executor, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_private_addr_is_what_peers_see(ssh_lab: Lab) -> None:

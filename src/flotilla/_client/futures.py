@@ -10,7 +10,10 @@ A :class:`CallFuture` is a real ``Future`` (``wait``, ``as_completed``, callback
   instead of one each (a lock and a condition per call were a third of the client's time
   per call), and their :class:`Batch` counts them as they are settled, so that waiting
   for all of them (or the first failure) is one event, not a waiter on each;
-- reads of a settled future (``done``, ``result``, ``exception``) take no lock.
+- reads of a settled future (``done``, ``result``, ``exception``) take no lock;
+- a future on its own makes its condition only when something needs it (a waiter, a
+  callback, ``wait``): a lone call's caller reads its answer itself and never waits on
+  the future, so its result is set with no condition to notify.
 
 Sharing the condition means a waiter may be woken by a sibling's result: :meth:`result`
 and :meth:`exception` wait in a loop until their own future is settled, where the base
@@ -35,6 +38,9 @@ from .loop import wait_slice
 T = TypeVar("T")
 
 _SETTLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
+_MAKING = threading.Lock()
+"""Held while a lone future's condition is made, or its result set without one: either
+comes first, so a waiter never misses the result."""
 
 
 class Batch:
@@ -74,17 +80,36 @@ class CallFuture(Future[T]):
     """A call's future (see the module's docstring), one of ``batch`` or on its own."""
 
     def __init__(self, batch: Batch | None = None) -> None:
-        # the base's __init__, without its condition (the batch's) and already RUNNING
+        # the base's __init__, without its condition (the batch's, or made when needed:
+        # __getattr__) and already RUNNING
         self.batch = batch
-        self._condition = batch.condition if batch is not None else threading.Condition()
+        if batch is not None:
+            self._condition = batch.condition
         self._state = RUNNING
         self._result: Any = None
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
 
+    def __getattr__(self, name: str) -> Any:
+        """A lone future's condition, made on first use (only ``_condition`` gets here:
+        every other attribute is set in ``__init__``)."""
+        if name != "_condition":
+            raise AttributeError(name)
+        with _MAKING:
+            made = self.__dict__.get("_condition")
+            if made is None:
+                made = self.__dict__["_condition"] = threading.Condition()
+            return made
+
     def set_result(self, result: T) -> None:
-        super().set_result(result)
+        if "_condition" not in self.__dict__ and self._state not in _SETTLED:
+            with _MAKING:  # alone, and nothing has waited for it (nor can now, until set)
+                if "_condition" not in self.__dict__ and self._state not in _SETTLED:
+                    self._result = result
+                    self._state = FINISHED
+                    return
+        super().set_result(result)  # (settled already: InvalidStateError, as the base)
         if self.batch is not None:
             self.batch.settled(False)
 

@@ -90,6 +90,7 @@ class Heartbeat:
             if ping:
                 next_ping = now + interval
             for node in nodes:
+                node.proc.watch()  # a lone call's read may have left the loop's off
                 if node.state in (NodeState.READY, NodeState.CONFIGURING):
                     if ping:
                         node.send_control(Kind.PING, wait=False)

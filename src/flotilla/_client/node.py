@@ -373,6 +373,8 @@ class Node:
                 self.sending = subs  # a loss meanwhile leaves them to this thread
             if hold and self.proc.hold_direct():  # (the caller reads, or releases it)
                 subs[0].holder = self.proc
+            else:  # the answer is the loop's: its reading back, if a lone call left it off
+                self.proc.watch()
             failure = ""
             try:
                 self.proc.write(parts, self.give_up)
@@ -419,7 +421,14 @@ class Node:
         with ``Submission.direct`` (this thread's) had the loop's reading of the stream
         held before it was written (``AgentProcess.hold_direct``): the loop never takes
         its answer (nor wakes this thread for it), even when it came before this read."""
-        self.proc.read_direct(self._on_frames, future.done, DIRECT_BUDGET, _DIRECT_KINDS)
+        self.proc.read_direct(
+            self._on_frames, future.done, DIRECT_BUDGET, _DIRECT_KINDS, self._quiet
+        )
+
+    def _quiet(self) -> bool:
+        """Whether no call of this node is under way (the loop need not read its stream
+        until one is sent, or the next heartbeat tick: see ``AgentProcess.watch``)."""
+        return not self.inflight
 
     # -- the client's own watch (loop thread) ----------------------------------------
     def _arm_timeout(self, sub: Submission, tid: int) -> None:

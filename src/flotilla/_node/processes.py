@@ -4,7 +4,8 @@ closed (standard library only).
 :class:`ExecutorProcesses` is the part of the :class:`~flotilla._node.supervisor.Supervisor`
 that deals with processes: it forks each executor (:mod:`flotilla._node.executor`) with
 four pipes (tasks in, results out, its stdout and stderr), or one process for every thread
-slot, in a process group of its own that dies with the agent; forwards what they write to
+slot, in a process group of its own that dies with the agent (:func:`die_with_agent`: a
+fifth pipe, its lifeline); forwards what they write to
 the client as OUTPUT frames (stderr's last lines kept to explain a death); kills a slot's
 process group and closes its pipes; and reaps the processes that ended or were killed
 without waiting in the agent's loop (:class:`Grave`: a pidfd watched with the pipes), so
@@ -17,8 +18,10 @@ what their ends mean is the supervisor's (see its module docstring).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
+import select
 import signal
 import sys
 import time
@@ -76,6 +79,7 @@ class Executor:
     out_fd: int
     err_fd: int
     outbox: Outbox
+    life_fd: int = -1  # the write end of its lifeline (see die_with_agent); -1: another's
     reader: FrameReader = field(default_factory=FrameReader)
     state: ExecState = ExecState.STARTING
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
@@ -184,8 +188,10 @@ class ExecutorProcesses:
         r_task, w_task = os.pipe()
         r_res, w_res = os.pipe()
         others = [o.executor for o in self.slots if o.executor is not None]
-        theirs = [fd for ex in others for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd)]
-        pid, r_out, r_err = self._fork([w_task, r_res, *theirs])
+        theirs = [
+            fd for ex in others for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd, ex.life_fd)
+        ]
+        pid, r_out, r_err, life = self._fork([w_task, r_res, *theirs])
         if pid == 0:  # the executor
             try:
                 from .executor import main
@@ -195,30 +201,32 @@ class ExecutorProcesses:
                 os._exit(70)
         for fd in (r_task, w_res):
             os.close(fd)
-        ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task))
+        ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task), life)
         self._began(slot, ex)
 
-    def _fork(self, close: list[int]) -> tuple[int, int, int]:
+    def _fork(self, close: list[int]) -> tuple[int, int, int, int]:
         """Fork an executor, its stdout and stderr into pipes the agent reads. In the agent:
-        (its pid, the read ends of those pipes). In the executor: (0, -1, -1), once it closed
-        the agent's descriptors and ``close``, took a process group of its own, the
-        child's policy and death with the agent, and stdin from /dev/null (it exits 70 if
-        any of that fails)."""
+        (its pid, the read ends of those pipes, the write end of its lifeline). In the
+        executor: (0, -1, -1, -1), once it closed the agent's descriptors and ``close``
+        (-1s skipped), took a process group of its own, the child's policy and death with
+        the agent, and stdin from /dev/null (it exits 70 if any of that fails)."""
         r_out, w_out = os.pipe()
         r_err, w_err = os.pipe()
+        r_life, w_life = os.pipe()
         sys.stderr.flush()
         pid = os.fork()
         if pid != 0:
-            os.close(w_out)
-            os.close(w_err)
-            return pid, r_out, r_err
+            for fd in (w_out, w_err, r_life):
+                os.close(fd)
+            return pid, r_out, r_err, w_life
         try:
             self.sel.close()
-            for fd in (*self.agent_fds, *self.inherited(), *close, r_out, r_err):
-                os.close(fd)
+            for fd in (*self.agent_fds, *self.inherited(), *close, r_out, r_err, w_life):
+                if fd >= 0:
+                    os.close(fd)
             os.setpgid(0, 0)
             self.policy.in_child()
-            die_with_parent()
+            die_with_agent(r_life)
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.dup2(w_out, 1)
@@ -227,7 +235,7 @@ class ExecutorProcesses:
                 os.close(fd)
         except BaseException:
             os._exit(70)
-        return 0, -1, -1
+        return 0, -1, -1, -1
 
     def _start_threads(self) -> None:
         """Start the process of every thread slot, once none is left (see the module
@@ -236,7 +244,7 @@ class ExecutorProcesses:
         if any(s.executor is not None or s.dying for s in self.slots):
             return  # the others' ends are still to be read: the last one starts it
         pipes = [(os.pipe(), os.pipe()) for _ in self.slots]  # (task r, w), (result r, w)
-        pid, r_out, r_err = self._fork([fd for (_, w), (r, _) in pipes for fd in (w, r)])
+        pid, r_out, r_err, life = self._fork([fd for (_, w), (r, _) in pipes for fd in (w, r)])
         if pid == 0:  # the executor
             try:
                 from .executor import main
@@ -255,8 +263,8 @@ class ExecutorProcesses:
             os.close(r_task)
             os.close(w_res)
             first = slot is self.slots[0]
-            out, err = (r_out, r_err) if first else (-1, -1)
-            self._began(slot, Executor(slot, pid, w_task, r_res, out, err, Outbox(w_task)))
+            out, err, mine = (r_out, r_err, life) if first else (-1, -1, -1)
+            self._began(slot, Executor(slot, pid, w_task, r_res, out, err, Outbox(w_task), mine))
 
     def _on_output(self, ex: Executor, stream: int) -> None:
         self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
@@ -389,6 +397,9 @@ class ExecutorProcesses:
                 os.close(fd)
             except OSError:
                 pass
+        if ex.life_fd >= 0:  # its lifeline: the process is killed here anyway
+            os.close(ex.life_fd)
+            ex.life_fd = -1
         kill_group(ex.pid)  # whatever the task left behind in its process group
         for relay in [r for r, (e, _) in self.requests.items() if e is ex]:
             del self.requests[relay]
@@ -407,6 +418,29 @@ def _poll(pid: int) -> tuple[bool, int | None]:
     except ChildProcessError:
         return True, None
     return bool(done), status if done else None
+
+
+def die_with_agent(fd: int) -> None:
+    """In a new executor: have the kernel SIGKILL it once the agent is gone, however the
+    agent ends (a SIGKILL too), even while a user function holds the GIL in C code.
+
+    ``fd`` is the read end of the executor's lifeline, a pipe whose write end only the
+    agent holds (every other process it forks closes it) and never writes to: when that
+    end is closed (the agent died, or closed it in ``_close``) the read end's owner is sent
+    its I/O signal, set to SIGKILL (``F_SETOWN``, ``F_SETSIG``, ``O_ASYNC``). It is kept
+    across an exec (as ``PR_SET_PDEATHSIG`` is, which this replaces: its only way from
+    Python is ``ctypes``, ~3-4 ms of CPU to import in every remote executor). Exits 1 when
+    the agent is gone already; where ``F_SETSIG`` is missing, ``die_with_parent``."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    except (AttributeError, OSError):
+        die_with_parent()
+        return
+    os.set_inheritable(fd, True)
+    if select.select([fd], [], [], 0)[0]:  # closed before the signal was armed
+        os._exit(1)
 
 
 def reap(pid: int, wait: bool = False) -> int | None:

@@ -261,12 +261,19 @@ class AgentProcess(ABC):
         done: Callable[[], bool],
         budget: float,
         kinds: Collection[int],
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         """Optionally read the agent's stdout in the calling thread until ``done()`` or
         for ``budget`` seconds, delivering frames of ``kinds`` there and leaving everything
         else to the loop, in order (a shortcut for a caller waiting for one result); what
-        the thread held (:meth:`hold_direct`) is released here. The default does nothing:
-        the loop reads."""
+        the thread held (:meth:`hold_direct`) is released here. When ``done()`` and
+        ``quiet()`` (nothing else awaited), the loop's reading may stay off until
+        :meth:`watch`. The default does nothing: the loop reads."""
+
+    def watch(self) -> None:  # noqa: B027 - see read_direct
+        """Give the loop its reading back if a lone call's :meth:`read_direct` left it
+        off (any thread, never waits): before a call whose answer is the loop's, and on
+        each heartbeat tick, so that nothing the agent says waits longer than that."""
 
     @abstractmethod
     async def wait(self, timeout: float) -> int | None:

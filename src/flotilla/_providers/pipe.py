@@ -145,6 +145,8 @@ class PipeAgent(AgentProcess):
         self._read_lock = threading.Lock()  # one reader of stdout: the loop or read_direct
         self._answered = _SPIN_FIRST  # how long recent answers took (see _spin_window)
         self._held: select.epoll | None = None  # the loop's watch, taken off by hold_direct
+        self._parked: select.epoll | None = None  # left off after a lone call (see watch)
+        self._poller: select.poll | None = None  # read_direct's wait for stdout, made once
         self._holder = 0  # the thread that took it
         self._released = False  # stdout and stderr closed (see terminate)
         self._handed: list[_Frames] = []  # frames read_direct left for the loop, in order
@@ -359,6 +361,7 @@ class PipeAgent(AgentProcess):
         done: Callable[[], bool],
         budget: float,
         kinds: Collection[int],
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         """Read stdout in this thread (not the event loop's: no hop between threads for a
         caller waiting for one result) and deliver its frames here, until ``done()`` or
@@ -367,7 +370,12 @@ class PipeAgent(AgentProcess):
         (:meth:`hold_direct`: it is put back here). Frames of a kind not in ``kinds``
         (they are the loop's to handle), an error and the end of the stream are left to
         the loop, in order. Nothing happens when the loop is reading right now, or does
-        not use epoll."""
+        not use epoll.
+
+        When ``done()`` and ``quiet()`` (nothing else is awaited from the agent) at the
+        end, the watch stays off (parked) until :meth:`watch`: the next lone call's
+        reader takes it as it is, which saves the two changes of the loop's epoll set
+        per call of a caller making lone calls one after another."""
         epoll = self._held
         if epoll is not None and self._holder == threading.get_ident():
             self._held = None
@@ -379,9 +387,12 @@ class PipeAgent(AgentProcess):
         if epoll is None:
             return
         start = time.monotonic()
+        park = False
         try:
-            poller = select.poll()
-            poller.register(self._out, select.POLLIN)
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = select.poll()
+                poller.register(self._out, select.POLLIN)
             deadline = start + budget
             spin = start + self._spin_window()
             while not done():
@@ -405,10 +416,26 @@ class PipeAgent(AgentProcess):
                 else:
                     self._handed.append(frames)
                     return
+            park = quiet is not None and quiet()
         finally:
             took = time.monotonic() - start
             self._answered = took if took > SPIN else (self._answered + took) / 2
-            self._watch_on(epoll)
+            self._watch_on(epoll, park)
+        if park and quiet is not None and not quiet():  # a call sent meanwhile found the
+            self.watch()  # read lock taken and the watch not yet parked: it is given back
+
+    def watch(self) -> None:
+        """Give the loop its watch of stdout back if a lone call's read left it off
+        (:meth:`read_direct`'s ``quiet``); any thread, never waits. When the read lock is
+        taken, its holder puts the watch back or reads, as it sees fit."""
+        if self._parked is None or not self._read_lock.acquire(blocking=False):
+            return
+        try:
+            epoll, self._parked = self._parked, None
+            if epoll is not None:
+                epoll.register(self._out, select.EPOLLIN)
+        finally:
+            self._read_lock.release()
 
     def _watch_off(self) -> select.epoll | None:
         """Take the loop's watch of stdout off (the loop no longer wakes for it) and hold
@@ -419,7 +446,10 @@ class PipeAgent(AgentProcess):
         loop = self._loop
         if loop is None or self._out_ended or not self._read_lock.acquire(blocking=False):
             return None
-        taken = None
+        taken = self._parked  # (off since the last lone call: nothing to change)
+        if taken is not None:
+            self._parked = None
+            return taken
         try:
             epoll = _epoll_of(loop)
             if epoll is None or self._out_ended or self._handed or self._handed_error is not None:
@@ -434,10 +464,14 @@ class PipeAgent(AgentProcess):
             if taken is None:
                 self._read_lock.release()
 
-    def _watch_on(self, epoll: select.epoll) -> None:
+    def _watch_on(self, epoll: select.epoll, park: bool = False) -> None:
         """Put the loop's watch back (before the loop gets the rest: what a direct read
-        left it), and release the read lock."""
+        left it), or with ``park`` leave it off for the next lone call (see :meth:`watch`),
+        and release the read lock."""
         try:
+            if park:
+                self._parked = epoll
+                return
             epoll.register(self._out, select.EPOLLIN)
             if self._handed or self._handed_error is not None:
                 assert self._loop is not None
@@ -515,6 +549,7 @@ class PipeAgent(AgentProcess):
         # that agent's stderr, ssh's own words on why it failed, is lost
         loop = self._loop or asyncio.get_running_loop()
         with self._read_lock:  # a read_direct puts the loop's watch back first
+            self._parked = None  # (a later read_direct finds the descriptor closed)
             for fd in (self._out, self._err):
                 with contextlib.suppress(Exception):
                     loop.remove_reader(fd)
