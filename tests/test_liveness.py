@@ -8,9 +8,12 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import wait
+from concurrent.futures import CancelledError, wait
+from pathlib import Path
 
 import pytest
 from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
@@ -162,3 +165,83 @@ def test_a_send_to_a_frozen_agent_is_given_up_when_the_node_is_lost() -> None:
             assert future.result(timeout=120) == (2_000_000, 1)
         assert wait_until(lambda: agent_pid(pool, 0) != frozen, 60)  # node 0 was replaced
         assert rank() @ pool == [0, 1]
+
+
+_TRACER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.ptrace(0x4206, int(sys.argv[1]), None, None) != 0:  # PTRACE_SEIZE
+    print(os.strerror(ctypes.get_errno()), flush=True)
+    sys.exit(1)
+print("held", flush=True)
+sys.stdin.read()  # once released (or the test gone), its end is its parent's to reap
+"""
+
+
+@contextlib.contextmanager
+def death_held(pid: int) -> Iterator[None]:
+    """The end of process ``pid`` is held back from its parent: a tracer (ptrace) that
+    never waits for it holds it, as the kernel holds a process slow to die (a large one on
+    a busy machine, a thread stuck in the kernel): the parent's ``waitpid`` does not
+    return until the tracer lets go, when this ends."""
+    tracer = subprocess.Popen(
+        [sys.executable, "-c", _TRACER, str(pid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert tracer.stdin and tracer.stdout
+    try:
+        said = tracer.stdout.readline().strip()
+        if said != "held":
+            pytest.skip(f"cannot trace an executor here (ptrace: {said})")
+        yield
+    finally:
+        tracer.stdin.close()
+        tracer.wait(timeout=60)
+
+
+@sky.function
+def pid_then_wait(path: str) -> int:
+    """Write this process's pid to ``path.pid``, then wait until ``path`` exists."""
+    import pathlib
+    import time
+
+    pathlib.Path(f"{path}.pid").write_text(str(os.getpid()))
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+@sky.function
+def slot_and_pid(_: int, parties: int) -> tuple[int, int]:
+    """The slot and process of a call that meets the others (they run at once)."""
+    assert sky.barrier("slots", parties).wait(timeout=120), "the calls did not run at once"
+    return sky.instance_info().worker, os.getpid()
+
+
+def test_an_executor_slow_to_die_does_not_stop_its_agent(tmp_path: Path) -> None:
+    """A killed executor whose end is slow to come (its parent cannot reap it yet) leaves
+    its agent serving: the other slot's call is answered, the node beats on and is not
+    lost; the slot gets a new process once the old one is gone. (The agent used to wait
+    for the killed process in its loop: nothing, not even a beat, until it was gone, and
+    past the heartbeat timeout the node was lost: issue of CI run 22.)"""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with sky.Compute(nodes=1, worker=sky.Worker(concurrency=2)) as pool:
+        agent = agent_pid(pool, 0)
+        first, second = pid_then_wait(a) > pool, pid_then_wait(b) > pool  # a slot each
+        assert wait_until(lambda: os.path.exists(f"{a}.pid") and os.path.exists(f"{b}.pid"), 120)
+        killed, other = (int(Path(f"{p}.pid").read_text()) for p in (a, b))
+        assert killed != other
+        with death_held(killed):
+            pool.cancel([first])  # its process is killed; its end is held back
+            with pytest.raises(CancelledError):
+                first.result(timeout=120)
+            Path(b).touch()
+            assert second.result(timeout=120) == other  # the agent answered for the other
+        Path(a).touch()
+        slots = pool.map(slot_and_pid, range(2), [2, 2])
+        pids = {pid for _, pid in slots}
+        assert sorted(slot for slot, _ in slots) == [0, 1]
+        assert len(pids) == 2 and killed not in pids  # the slot has a new process...
+        assert agent_pid(pool, 0) == agent  # ...on the same node: it was never lost

@@ -7,12 +7,17 @@ four pipes (tasks in, results out, its stdout and stderr), or one process for ev
 slot, in a process group of its own that dies with the agent (:func:`die_with_agent`: a
 fifth pipe, its lifeline); forwards what they write to
 the client as OUTPUT frames (stderr's last lines kept to explain a death); kills a slot's
-process group and closes its pipes. What the executors are given and what their ends mean
-is the supervisor's (see its module docstring).
+process group and closes its pipes; and reaps the processes that ended or were killed
+without waiting in the agent's loop (:class:`Grave`: a pidfd watched with the pipes), so
+that a process slow to die (a large one on a busy machine, one stuck in the kernel) never
+stops the agent from beating and serving its other slots; the slot's next process starts
+once the last one is gone (its ports and memory free). What the executors are given and
+what their ends mean is the supervisor's (see its module docstring).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
@@ -24,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 
 from .._system.procs import die_with_parent
 from .._wire.bodies import Config
@@ -33,6 +39,11 @@ from .eventloop import Outbox, Poller
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
+EXIT_GRACE = 2.0
+"""Seconds an executor whose result channel ended gets to exit by itself (its own exit
+status explains its death) before it is killed."""
+REAP_POLL = 0.05
+"""Seconds between two looks at an ended process the agent cannot reap yet (see Grave)."""
 
 
 class ExecState(Enum):
@@ -74,6 +85,7 @@ class Executor:
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     partial_err: bytes = b""
     stored: bool = False  # it used the distributed collections
+    closed: bool = False  # its pipes are closed (it was killed, or its end was handled)
 
 
 @dataclass(eq=False)
@@ -92,6 +104,24 @@ class Slot:
     ready: bool = False
     quick: bool = False  # its last task took less than QUICK: give it a WINDOW ahead
     began: float = 0.0  # when tasks[0] began (monotonic), once fed
+    dying: int = 0  # its last process (ended or killed) until it is reaped: no new one before
+    start_due: bool = False  # a new process starts once ``dying`` is reaped
+
+
+@dataclass(eq=False)
+class Grave:
+    """A process that ended or was killed, waited for in the agent's loop (its pidfd).
+
+    ``then`` gets its exit status once it is reaped; past ``deadline`` (monotonic, 0: none)
+    it is killed. A process that ended but is not the agent's to reap yet (a tracer holds
+    it) is looked at again every :data:`REAP_POLL` seconds (``poll_at``), not in a spin."""
+
+    pid: int
+    slot: Slot
+    fd: int
+    then: Callable[[int | None], None] | None
+    deadline: float = 0.0
+    poll_at: float = 0.0
 
 
 class ExecutorProcesses:
@@ -111,13 +141,46 @@ class ExecutorProcesses:
     policy: Policy
     requests: dict[int, tuple[Executor, int]]
     inherited: Callable[[], list[int]]
+    graves: dict[int, Grave]  # by pidfd
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         raise NotImplementedError
 
+    def _ended(self, ex: Executor, reason: str, status: int | None) -> None:
+        raise NotImplementedError
+
+    def start_all(self) -> None:
+        for slot in self.slots:
+            self._start(slot)
+
+    def kill_all(self) -> None:
+        """Kill every executor and wait for each (the agent ends)."""
+        for slot in self.slots:
+            self._kill(slot, wait=True)
+        self._bury_all()
+
+    @property
+    def idle(self) -> bool:
+        """Whether no executor is left."""
+        return all(s.executor is None for s in self.slots)
+
+    def outboxes(self) -> list[Outbox]:
+        return [s.executor.outbox for s in self.slots if s.executor is not None]
+
+    def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
+        """``ex``'s result channel ended (``reason``: why, when the agent ended it; else
+        its exit status says, once it is reaped: :meth:`_ended`). It gets
+        :data:`EXIT_GRACE` seconds to exit by itself, unless it was killed (``wait``);
+        the agent's loop goes on meanwhile."""
+        self.sel.unregister(ex.from_fd)  # (read to its end)
+        self._bury(ex.slot, ex.pid, partial(self._ended, ex, reason), 0.0 if wait else EXIT_GRACE)
+
     def _start(self, slot: Slot) -> None:
         assert self.config is not None
         if self.stopping:
+            return
+        if slot.dying:  # its last process is not gone yet: started once it is (_reaped)
+            slot.start_due = True
             return
         if self.threads:
             self._start_threads()
@@ -178,7 +241,7 @@ class ExecutorProcesses:
         """Start the process of every thread slot, once none is left (see the module
         docstring): the first slot in its main thread, the others in threads."""
         assert self.config is not None
-        if any(s.executor is not None for s in self.slots):
+        if any(s.executor is not None or s.dying for s in self.slots):
             return  # the others' ends are still to be read: the last one starts it
         pipes = [(os.pipe(), os.pipe()) for _ in self.slots]  # (task r, w), (result r, w)
         pid, r_out, r_err, life = self._fork([fd for (_, w), (r, _) in pipes for fd in (w, r)])
@@ -227,7 +290,9 @@ class ExecutorProcesses:
             while fd in self.sel and self._forward_output(ex, fd, stream):
                 pass
 
-    def _kill(self, slot: Slot) -> None:
+    def _kill(self, slot: Slot, wait: bool = False) -> None:
+        """Kill the slot's process (its process group) and close its pipes; it is reaped
+        in the loop (:meth:`_bury`), or here with ``wait`` (the agent's exit)."""
         ex = slot.executor
         if ex is None:
             return
@@ -237,10 +302,95 @@ class ExecutorProcesses:
                 f"and the call of slot {slot.rank} had to be stopped"
             )
         kill_group(ex.pid)
-        reap(ex.pid, wait=True)
         self._close(ex)
+        if wait:
+            reap(ex.pid, wait=True)
+        else:
+            self._bury(slot, ex.pid, None)
+
+    def _bury(
+        self,
+        slot: Slot,
+        pid: int,
+        then: Callable[[int | None], None] | None,
+        grace: float = 0.0,
+    ) -> None:
+        """Reap ``pid`` (``slot``'s process, which ended or was killed) without waiting
+        in the agent's loop: at once if it is gone, else when its pidfd says so; ``then``
+        gets its exit status. Killed after ``grace`` seconds (0: it was killed already).
+        The slot starts no new process meanwhile (see :meth:`_start`). Where there is no
+        pidfd (not Linux 5.3+), it is waited for here, as much as ``grace`` allows."""
+        done, status = _poll(pid)
+        fd = -1
+        if not done:
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # (a process reaped meanwhile: ESRCH)
+                status = reap(pid, wait=not grace)
+        if fd < 0:
+            kill_group(pid)  # whatever the process left behind in its group
+            if then is not None:
+                then(status)
+            return
+        deadline = time.monotonic() + grace if grace else 0.0
+        self.graves[fd] = Grave(pid, slot, fd, then, deadline)
+        slot.dying = pid
+        self.sel.register(fd, False, partial(self._reaped, fd))
+
+    def _reaped(self, fd: int) -> None:
+        """A buried process ended (its pidfd is readable): reap it, tell its ``then``,
+        and start its slot's next process if one is due."""
+        grave = self.graves[fd]
+        done, status = _poll(grave.pid)
+        self.sel.unregister(fd)  # (its pidfd stays readable: looked at in time from now)
+        if not done:
+            grave.poll_at = time.monotonic() + REAP_POLL
+            return
+        del self.graves[fd]
+        os.close(fd)
+        slot = grave.slot
+        if slot.dying == grave.pid and not any(g.slot is slot for g in self.graves.values()):
+            slot.dying = 0
+        kill_group(grave.pid)  # whatever the process left behind in its group
+        if grave.then is not None:
+            grave.then(status)
+        if slot.start_due and not slot.dying:
+            slot.start_due = False
+            self._start(slot)
+
+    def _bury_overdue(self, now: float) -> None:
+        """Kill the buried processes past their grace; look again at those not reaped."""
+        for fd, grave in list(self.graves.items()):
+            if grave.deadline and now >= grave.deadline:
+                grave.deadline = 0.0
+                kill_group(grave.pid)
+                with contextlib.suppress(OSError):  # (one that left its group)
+                    os.kill(grave.pid, signal.SIGKILL)
+            if grave.poll_at and now >= grave.poll_at:
+                self._reaped(fd)
+
+    def _graves_due(self, wake: float) -> float:
+        """The earliest grace of a buried process that ends (monotonic), or ``wake``."""
+        for grave in self.graves.values():
+            for due in (grave.deadline, grave.poll_at):
+                if due:
+                    wake = min(wake, due)
+        return wake
+
+    def _bury_all(self) -> None:
+        """Wait here for every buried process (the agent ends)."""
+        for fd, grave in list(self.graves.items()):
+            kill_group(grave.pid)
+            reap(grave.pid, wait=True)
+            self.sel.unregister(fd)
+            os.close(fd)
+            grave.slot.dying = 0
+        self.graves.clear()
 
     def _close(self, ex: Executor) -> None:
+        if ex.closed:
+            return
+        ex.closed = True
         for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
             self.sel.unregister(fd)
             try:
@@ -259,6 +409,15 @@ class ExecutorProcesses:
             ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
+
+
+def _poll(pid: int) -> tuple[bool, int | None]:
+    """Whether ``pid`` is gone (reaped now, or not a child any more), and its status."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True, None
+    return bool(done), status if done else None
 
 
 def die_with_agent(fd: int) -> None:

@@ -62,7 +62,15 @@ from .._wire.frames import (
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
-from .processes import ExecState, Executor, ExecutorProcesses, Slot, Task, kill_group, reap
+from .processes import (
+    ExecState,
+    Executor,
+    ExecutorProcesses,
+    Grave,
+    Slot,
+    Task,
+    kill_group,
+)
 
 WINDOW = 4
 """Tasks an executor is given at once while its tasks are quick (see the module docstring)."""
@@ -116,6 +124,7 @@ class Supervisor(ExecutorProcesses):
         self.answered: Callable[[int, int], None] = lambda ident, status: None
         self.threads = False  # one process, a thread per slot (see the module docstring)
         self.shared_death = ""  # thread slots: why their process ended, for the others
+        self.graves: dict[int, Grave] = {}  # processes ended or killed, not reaped yet
 
     def configure(self, config: Config, blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -206,10 +215,6 @@ class Supervisor(ExecutorProcesses):
             slot.restarts += 1
             self._start(slot)
 
-    def start_all(self) -> None:
-        for slot in self.slots:
-            self._start(slot)
-
     def stop(self) -> None:
         """Ask every executor to end (SHUTDOWN) and start no new one."""
         self.stopping = True
@@ -218,19 +223,11 @@ class Supervisor(ExecutorProcesses):
             if ex is not None and ex.state is not ExecState.FAILED:
                 ex.outbox.send(frame(Kind.SHUTDOWN, 0))
 
-    def kill_all(self) -> None:
-        for slot in self.slots:
-            self._kill(slot)
-
     # -- time -----------------------------------------------------------------------------
-    @property
-    def idle(self) -> bool:
-        """Whether no executor is left."""
-        return all(s.executor is None for s in self.slots)
-
     def next_deadline(self, default: float) -> float:
-        """The earliest running task's deadline (monotonic time), or ``default``."""
-        wake = default
+        """The earliest running task's deadline, or ended process's grace (monotonic
+        time), or ``default``."""
+        wake = self._graves_due(default) if self.graves else default
         for slot in self.slots:
             if slot.fed and slot.tasks[0].deadline:
                 wake = min(wake, slot.tasks[0].deadline)
@@ -238,7 +235,10 @@ class Supervisor(ExecutorProcesses):
 
     def check_timeouts(self, now: float) -> None:
         """End the running tasks past their deadline (TIMEOUT; CANCELLED for a cancelled
-        one its executor did not skip: it runs) and replace their process."""
+        one its executor did not skip: it runs) and replace their process; kill the
+        processes past their grace to exit."""
+        if self.graves:
+            self._bury_overdue(now)
         for slot in self.slots:
             if slot.fed and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
                 task = slot.tasks.popleft()
@@ -258,9 +258,6 @@ class Supervisor(ExecutorProcesses):
         than WINDOW tasks since the last look (``deep``): else nothing changed."""
         self.deep = False
         self.policy.set(any(len(slot.tasks) > WINDOW for slot in self.slots))
-
-    def outboxes(self) -> list[Outbox]:
-        return [s.executor.outbox for s in self.slots if s.executor is not None]
 
     # -- executors ------------------------------------------------------------------------
     def _replace(self, slot: Slot, reason: str) -> None:
@@ -479,11 +476,14 @@ class Supervisor(ExecutorProcesses):
         local rank, for the client that re-attaches (its HELLO's ``adopted``)."""
         return {str(t.ident): slot.rank for slot in self.slots for t in slot.tasks}
 
-    def _exited(self, ex: Executor, wait: bool = False, reason: str = "") -> None:
-        """``ex`` ended (``reason``: why, when the agent ended it; else its exit status
-        says)."""
+    def _ended(self, ex: Executor, reason: str, status: int | None) -> None:
+        """``ex`` is gone (reaped, with ``status``): its death is told, and its slot gets a
+        new process (or, in a group pool, the client is asked to restart the group).
+        Nothing more when the agent killed it meanwhile (a RESTART, a cancel: they saw to
+        its slot)."""
+        if ex.closed:
+            return
         slot = ex.slot
-        status = reap(ex.pid, wait=wait)
         self._drain_output(ex)
         self._close(ex)
         if self.stopping:
