@@ -34,6 +34,7 @@ import flotilla as sky
 from flotilla._client.forward import RELAY, PortForward
 from flotilla._info import SINGLE_NODE
 from flotilla.plugins._daemons import MARKER_VAR, Daemon, EngineError
+from flotilla.plugins._ray import START_ATTEMPTS, start_node
 
 RAY = "2.60.0"
 DISTRIBUTED = "2026.8.0"
@@ -391,6 +392,55 @@ def test_a_daemon_that_fails_shows_the_root_cause_its_long_traceback_starts_with
     assert "exited (status 1) before listening" in text
     assert "the root cause" in text and "Scheduler failed to start." in text, text
     assert "frame 0" in text and "frame 99" in text and "lines left out" in text, text
+
+
+def test_a_ray_worker_that_joined_a_replaced_head_starts_again(tmp_path: Path) -> None:
+    """CI run 23: in a group restart a worker's ``ray start`` reached the last head's GCS,
+    then the new head at the same address, and failed with ``WrongClusterID``: another
+    ``ray start`` joins the new head. A failure another try does not mend is raised at the
+    first, and every daemon tried is stopped (stand-in ``ray start`` processes: the first
+    fails as Ray's does, the second says Ray's words for being up)."""
+    tries = tmp_path / "tries"
+    code = (
+        "import pathlib, sys, time\n"
+        f"tries = pathlib.Path({str(tries)!r})\n"
+        "n = len(tries.read_text()) if tries.exists() else 0\n"
+        "tries.write_text('x' * (n + 1))\n"
+        "if n == 0 or sys.argv[1] == 'never':\n"
+        "    print('RPC error: WrongClusterID: Perhaps the client is accessing GCS', flush=True)\n"
+        "    sys.exit(1)\n"
+        "print('Ray runtime started.', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    made: list[Daemon] = []
+
+    def make(mode: str) -> Daemon:
+        argv = [sys.executable, "-c", code, mode]
+        made.append(Daemon("ray worker node 1", argv, {}, str(tmp_path / "s")))
+        return made[-1]
+
+    daemon = start_node(lambda: make("once"))
+    try:
+        assert daemon is made[1] and daemon.running() and len(made) == 2
+        assert not made[0].running()
+    finally:
+        daemon.stop()
+    assert not daemon.running()
+
+    tries.unlink()
+    made.clear()
+    with pytest.raises(EngineError, match="WrongClusterID"):
+        start_node(lambda: make("never"))
+    assert len(made) == START_ATTEMPTS and not any(d.running() for d in made)
+
+    tries.unlink()
+    made.clear()
+    plain = [sys.executable, "-c", "import sys; print('some other failure'); sys.exit(1)"]
+    with pytest.raises(EngineError, match="some other failure"):
+        start_node(
+            lambda: made.append(Daemon("ray head", plain, {}, str(tmp_path / "h"))) or made[-1]
+        )
+    assert len(made) == 1 and not made[0].running()  # tried once
 
 
 def test_a_pool_address_given_as_a_name_is_bound_as_its_ip() -> None:

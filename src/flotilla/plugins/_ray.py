@@ -21,7 +21,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,9 +46,15 @@ from ._versions import requirement
 START_TIMEOUT = 300.0
 """Seconds a node waits for its Ray node to start, and the head for every node to join."""
 START_ATTEMPTS = 3
-"""Tries of a node's ``ray start`` that failed with :data:`SLOW_START`."""
+"""Tries of a node's ``ray start`` that failed saying one of :data:`RETRIED`."""
 SLOW_START = "timed out during startup"
 """What ``ray start`` says when its raylet did not register within Ray's 30 s."""
+HEAD_RESTARTED = "WrongClusterID"
+"""What a worker's ``ray start`` says when the head it joined was replaced under it: in a
+group restart, a worker node may reach the last head's GCS (still listening until the
+new head's start sweeps it away) and then find the new one at the same address."""
+RETRIED = (SLOW_START, HEAD_RESTARTED)
+"""Failures of ``ray start`` that another try mends (see :func:`start_node`)."""
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 """Ray refuses an object store smaller than this (bytes)."""
 REFUSED_WITH = {"torch", "accelerate"}
@@ -188,23 +194,10 @@ class RayPlugin(EnginePlugin):
                     f"{role}: the head ({address}) did not listen within {START_TIMEOUT:g} s"
                 )
             env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-            daemon = Daemon(role, self.start_argv(info, gcs_port, scratch), env, scratch)
+            daemon = start_node(
+                lambda: Daemon(role, self.start_argv(info, gcs_port, scratch), env, scratch)
+            )
             try:
-                for attempt in range(1, START_ATTEMPTS + 1):
-                    daemon.start()
-                    try:
-                        up = partial(daemon.said, "Ray runtime started")
-                        daemon.wait_for(up, START_TIMEOUT, "up")
-                        break
-                    except EngineError:
-                        # Ray gives a raylet 30 s to register (hard-coded): on a loaded
-                        # machine it may not; another try usually does
-                        if attempt == START_ATTEMPTS or not daemon.said(SLOW_START):
-                            raise
-                        daemon.stop()
-                        daemon = Daemon(
-                            role, self.start_argv(info, gcs_port, scratch), env, scratch
-                        )
                 if info.node == 0:
                     self._wait_for_nodes(daemon, address, info.total_nodes)
                     board = head_engine_port("ray-dashboard", info.head_port)
@@ -234,6 +227,27 @@ class RayPlugin(EnginePlugin):
             raise daemon.failure(
                 "the cluster did not gather every node of the pool: " + " | ".join(said)
             )
+
+
+def start_node(make: Callable[[], Daemon]) -> Daemon:
+    """Start a node's ``ray start`` (``make()``'s daemon) and wait until Ray says it is up;
+    return that daemon (the caller stops it). When it failed saying one of
+    :data:`RETRIED`, it is stopped and a new one tried, up to :data:`START_ATTEMPTS` in
+    all; a daemon that failed is stopped here before its error is raised."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        daemon = make()
+        daemon.start()
+        try:
+            daemon.wait_for(partial(daemon.said, "Ray runtime started"), START_TIMEOUT, "up")
+            return daemon
+        except BaseException as e:
+            daemon.stop()
+            # Ray gives a raylet 30 s to register (hard-coded): on a loaded machine it may
+            # not; a worker that joined a head replaced since joins the new one next time
+            retried = isinstance(e, EngineError) and any(daemon.said(s) for s in RETRIED)
+            if attempt == START_ATTEMPTS or not retried:
+                raise
+    raise AssertionError("START_ATTEMPTS is at least 1")
 
 
 def dashboard_url(pool: Any) -> str:
