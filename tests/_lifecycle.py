@@ -7,9 +7,10 @@ only inside the fixture each test asks for."""
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Self
+
+from flotilla.plugins._env import environ
 
 MARKET_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "VAST_", "RUNPOD_", "LAMBDA_", "VERDA_")
 """The environment variables a cloud's or market's client reads (its credentials, its API
@@ -17,22 +18,13 @@ address): set by the labs (each while a test that asked for it runs), looked at 
 configured-market command."""
 
 
-@contextlib.contextmanager
-def environment(env: Mapping[str, str], clear: Sequence[str] = ()) -> Iterator[None]:
+def environment(
+    env: Mapping[str, str], clear: Sequence[str] = ()
+) -> contextlib.AbstractContextManager[None]:
     """``env`` in ``os.environ`` (and ``clear`` out of it) inside the block; afterwards each
-    of those variables as it was before (even if the block changed it meanwhile)."""
-    saved = {key: os.environ.get(key) for key in (*env, *clear)}
-    for key in clear:
-        os.environ.pop(key, None)
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    of those variables as it was before (even if the block changed it meanwhile): the
+    plugins' own ``environ``."""
+    return environ({**dict.fromkeys(clear), **env})
 
 
 class Lifecycle:

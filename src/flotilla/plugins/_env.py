@@ -10,10 +10,15 @@ from .._info import InstanceInfo
 
 
 @contextmanager
-def environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ``; restore the previous values on exit."""
+def environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` (a variable whose value is None: removed);
+    restore the previous values on exit."""
     saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
