@@ -301,8 +301,7 @@ class ExecutorProcesses:
                 "was replaced with the node's other thread slots: they share one process, "
                 f"and the call of slot {slot.rank} had to be stopped"
             )
-        kill_group(ex.pid)
-        self._close(ex)
+        self._close(ex)  # (its process group killed there)
         if wait:
             reap(ex.pid, wait=True)
         else:
