@@ -269,8 +269,12 @@ def test_a_cancelled_broadcasts_file_is_not_written_again(
     removed, never written again; the next broadcast gets its own data."""
     first, second = np.full(N, 5.0), np.arange(N, dtype=np.float64)
     futures = pool.submit_broadcast(wait_forever(first, str(tmp_path)))
-    assert wait_until(lambda: len(list(tmp_path.iterdir())) == 2, timeout=30)
-    (name,) = {marker.read_text() for marker in tmp_path.iterdir()}
+
+    def written() -> list[str]:  # a marker is made empty, then written: wait for both texts
+        return [text for m in tmp_path.iterdir() if (text := m.read_text())]
+
+    assert wait_until(lambda: len(written()) == 2, timeout=30)
+    (name,) = set(written())
     pool.cancel(futures)
     for future in futures:
         with pytest.raises(CancelledError):
