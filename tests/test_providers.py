@@ -20,6 +20,7 @@ from _procs import assert_all_gone, processes_in
 from test_ssh import assert_a_plain_interpreter, interpreter_view
 
 import flotilla as sky
+from flotilla._client import lanes as client_lanes
 from flotilla._errors import ProvisionError
 from flotilla._providers.base import (
     AgentProcess,
@@ -178,12 +179,20 @@ def lineage() -> dict[str, Any]:
     }
 
 
+def _fds(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+
+
 def test_a_local_pools_agents_are_forked_by_its_fork_server(nodes_dir: Path) -> None:
     """A local pool's agents are forked by one fork server, a child of the client (one
     interpreter's start for all of them): each in a session of its own, with its own
     folder, environment and import path, shown as ``python -m flotilla.agent``, holding
-    none of the server's descriptors (its socket); an agent killed takes its executor with
-    it, and the server ends with the pool."""
+    none of the server's descriptors (its socket: its only socket is its lane socket, see
+    ``_node/lanes.py``); an agent killed takes its executor with it, and the server ends
+    with the pool."""
     with sky.Compute(provider=Local(workdir=str(nodes_dir)), nodes=2) as pool:
         seen = lineage() @ pool
         assert len({s["agent"] for s in seen}) == 2
@@ -194,7 +203,10 @@ def test_a_local_pools_agents_are_forked_by_its_fork_server(nodes_dir: Path) -> 
             assert s["server_argv"][1:3] == ["-m", "flotilla._node.forkserver"]
             assert s["agent_argv"][1:] == ["-m", "flotilla.agent"]
             assert os.getsid(s["agent"]) == s["agent"]
-            assert [fd for fd in s["agent_fds"] if fd.startswith("socket:")] == []
+            sockets = {fd for fd in s["agent_fds"] if fd.startswith("socket:")}
+            assert len(sockets) == 1  # its lane socket
+            server = {os.readlink(f"/proc/{s['server']}/fd/{fd}") for fd in _fds(s["server"])}
+            assert not sockets & server
             assert os.path.realpath(s["node_dir"]) == s["cwd"]
             assert os.path.join(s["cwd"], ".flotilla-lib") in s["path"]
         first = seen[0]
@@ -390,6 +402,7 @@ def test_a_lone_calls_answer_waits_for_its_caller_not_the_loop(
     answer = HEADER.size + sum(  # STARTED, then the RESULT of pause(0.0)
         len(p) for p in frame(Kind.RESULT, 1, b"\0", *encode(pickle_obj(0.0)))
     )
+    monkeypatch.setattr(client_lanes, "send", lambda d, call: None)  # the agent's way
     with sky.Compute(nodes=1) as pool:
         assert pause(0.0) >> pool == 0.0  # (the function is on the node now)
         settled_in: list[int] = []
@@ -423,6 +436,7 @@ def test_a_lone_call_interrupted_before_its_read_leaves_the_stream_to_the_loop(
     its results go on."""
     from flotilla._client.node import Node
 
+    monkeypatch.setattr(client_lanes, "send", lambda d, call: None)  # the agent's way
     with sky.Compute(nodes=1) as pool:
         assert pause(0.0) >> pool == 0.0
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from .._errors import ConfigurationError
 from .._providers.base import Options
-from . import feeds
+from . import feeds, lanes
 from . import loop as _loop
 from .dispatch import Dispatcher
 from .elastic import Elastic, Nodes
@@ -96,6 +96,17 @@ class PoolCalls(Pool):
             and not dispatcher.most  # an elastic pool's may send backlogged calls: the same
             and not _loop.in_loop_thread()
         )
+        if direct:
+            sent = lanes.send(dispatcher, call)
+            if sent is not None:
+                on, lane, lone = sent
+                try:
+                    lanes.wait(dispatcher, on, lane, lone)
+                except BaseException:  # (Ctrl-C): stopped as a running call is
+                    dispatcher.cancel([lone.future])
+                    raise
+                lane_value: R = lone.future.result()
+                return lane_value
         sub = None
         try:
             sub = self._send([call], direct=direct)[0]

@@ -189,6 +189,8 @@ class Dispatcher(Ranks):
         except InvalidStateError:
             pass
         sub.payload.release()  # after: removing a large shared-memory file takes a while
+        if sub.wake_by is not None:  # a lane call's thread waits for it (lanes.py)
+            sub.wake_by.wake()
         if self.held and sub.siblings:
             self.release_held(sub.siblings)
         if self.backlog:

@@ -56,6 +56,13 @@ class Encoder:
             self._functions[id(fn)] = cached
         return cached[0], cached[1]
 
+    def cached(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]] | None:
+        """The pool's key of ``fn`` and its wire form if it was pickled already."""
+        cached = self._functions.get(id(fn))
+        if cached is None or cached[2] is not fn:
+            return None
+        return cached[0], cached[1]
+
     def payload(self, call: PendingCall[Any], fn_key: int, shared: bool) -> Payload:
         """The call's arguments, pickled; in shared memory if ``shared`` and worth it."""
         try:

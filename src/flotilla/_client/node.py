@@ -35,6 +35,11 @@ _task_ids = itertools.count(1)
 _ids_lock = threading.Lock()
 
 
+def next_id() -> int:
+    """A new call id."""
+    return next(_task_ids)
+
+
 def _skip_ids(last: int) -> None:
     """Call ids from now on are above ``last`` (calls a re-attached agent still runs)."""
     global _task_ids
@@ -194,6 +199,8 @@ class Submission:
     started_at: float = 0.0  # when its node said it started (STARTED), monotonic
     direct: int = 0  # the thread that waits for it reading its node itself (`>>`), if any
     holder: AgentProcess | None = None  # the agent whose stream that thread holds for it
+    wake_by: Any = None  # a lane call's waiting thread, woken when the loop settles it
+    lane: Any = None  # the lane it was sent on (lanes.py), if it was
 
 
 class NodeEvents:
@@ -286,6 +293,9 @@ class Node:
         self.blobs: dict[bytes, Fanout] = {}  # the relayed payloads it was told of, by ref
         self.have: dict[str, dict[str, Any]] = {}  # its last word (HAVE) on each, by ref
         self.relay_failures: list[str] = []  # why payloads did not come through the tree
+        self.lanes: Any = None  # a Local node's lanes to its executors (lanes.py), once
+        # a lone call looked (False: it has none)
+        self.answered: set[int] = set()  # functions a call of which the agent answered
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of this node's process ``local_rank``."""
@@ -481,6 +491,7 @@ class Node:
                     if not self.inflight:
                         self.flush_output()
                     self.events.task_finished(self, sub, status, body)
+                    self.answered.add(sub.fn_key)  # (its executors have it: lanes.py)
                     self._on_result(self, sub, status, body)
             elif kind == Kind.STARTED:
                 sub = self.inflight.get(ident)

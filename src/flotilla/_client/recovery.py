@@ -200,12 +200,14 @@ def _started(node: Node, subs: list[Submission]) -> tuple[list[Submission], list
     (``_node/supervisor.py``): when the agent is known to be gone (its stream ended), a
     call without STARTED never ran. A node lost otherwise (silence, a broken connection,
     a write that made no progress, an executor that failed to start) may still have an
-    agent that starts its calls: then every call counts as started."""
+    agent that starts its calls: then every call counts as started. A lane call (its agent
+    never saw it) started unless its executor is gone without having begun it (its lane's
+    board says so: ``lanes.Lane.started``)."""
     dropped: str = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's
     if not node.ended or node.silence or dropped:
         return subs, []
-    started = [s for s in subs if s.started]
-    return started, [s for s in subs if not s.started]
+    started = [s for s in subs if s.started and (s.lane is None or s.lane.started(s.tid))]
+    return started, [s for s in subs if s not in started]
 
 
 def others_run(sub: Submission) -> bool:

@@ -52,6 +52,7 @@ from .._wire.frames import Body, FrameError, FrameReader, Kind, frame
 from .._wire.protocol import BUILD_STOP_GRACE
 from .environment import TOKEN_VAR, NodeEnvironment
 from .eventloop import Outbox, Poller
+from .lanes import lane_socket
 from .processes import kill_group, signal_group
 from .relay import Relay
 from .supervisor import Supervisor
@@ -97,6 +98,9 @@ class Reattachable(NodeEnvironment):
         would go to it (up to a limit), for a new client on the re-attach socket."""
         if self.client.fd in self.sel:
             self.sel.unregister(self.client.fd)
+        if self.executors.lanes is not None:  # (no lane for another client)
+            self.executors.lanes.close()
+            self.executors.lanes = None
         for fd in {self.proto_in, self.proto_out}:
             if fd > 2:
                 os.close(fd)
@@ -182,6 +186,10 @@ class Agent(Reattachable):
         self.sel = Poller()
         self.sel.register(self.proto_in, False, self._on_client)
         self.executors = Supervisor(self.sel, self.client, (self.proto_in, self.proto_out))
+        lanes = lane_socket()  # a Local client's (see lanes.py)
+        if lanes is not None:
+            self.executors.lanes = lanes
+            self.executors.agent_fds = (self.proto_in, self.proto_out, lanes.fd)
         self.relay = Relay(self.sel, self.client, self.executors.submit_task)
         self.executors.inherited = self.relay.fds
         self.executors.answered = self.relay.answered
@@ -244,7 +252,7 @@ class Agent(Reattachable):
                 if self.stopping or self.detached_until or time.monotonic() >= wake:
                     self._check_deadlines()  # (else none is due: not on each call's frames)
                 ex = self.executors
-                if ex.waiting and not self.client.queue:
+                if (ex.waiting or ex.unsent) and not self.client.queue:
                     ex.resume()
                 if ex.deep or ex.policy.batch:  # (a queue: else nothing to pace)
                     ex.pace()

@@ -4,17 +4,24 @@ The agent forks it (and forks a new one when it dies or a task times out). It en
 plugins' ``around_process`` hooks once, says READY, then runs the tasks it is sent one at a
 time, in order, answering each with a RESULT frame. Its stdout/stderr are pipes the agent
 forwards to the client; the protocol uses two other pipes, so prints cannot corrupt it.
+
+On a Local node it also serves its lane (:mod:`.lanes`): a task the client wrote there is
+run as one from its task pipe (which it reads first, when both have something), with the
+board saying which one runs; its RESULT goes back on the lane when none of its output can
+still be on its way, else on the result pipe, after the output, through the agent.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import gc
 import json
 import os
 import pickle
 import select
 import sys
+import termios
 import threading
 import traceback
 from collections import deque
@@ -38,6 +45,7 @@ from .._wire.frames import (
     write_all,
     write_frame,
 )
+from .lanes import RUNNING, SEQ, Board
 
 
 def main(
@@ -46,10 +54,12 @@ def main(
     rfd: int,
     wfd: int,
     others: Sequence[tuple[int, int, int]] = (),
+    lane: tuple[int, int, Board] | None = None,
 ) -> NoReturn:
     """Run the executor loop; never returns. ``others``: the (slot, task pipe, result pipe)
     of the node's other task slots, served by threads of this process
-    (``Worker(executor="thread")``: one process, shared memory and GIL, as Skyward's)."""
+    (``Worker(executor="thread")``: one process, shared memory and GIL, as Skyward's).
+    ``lane``: its lane's task pipe, result pipe and board (see :mod:`.lanes`)."""
     os.environ.update(config.get("env", {}))
     info = json.loads(config["compute_pool"])
     slot = config.get("local_rank", 0)
@@ -105,7 +115,7 @@ def main(
     ]
     for thread in threads:
         thread.start()
-    _serve(config, info, slot, rfd, wfd, forked, forks, streams, False)
+    _serve(config, info, slot, rfd, wfd, forked, forks, streams, False, lane)
     for thread in threads:
         thread.join()
     try:
@@ -125,6 +135,7 @@ def _serve(
     forks: _Forks,
     streams: list[int],
     threaded: bool,
+    lane: tuple[int, int, Board] | None = None,
 ) -> None:
     """Say READY, then run the tasks of ``slot`` sent on ``rfd`` (answers on ``wfd``) until
     SHUTDOWN or the end of the pipe. ``threaded``: a thread slot other than the process's
@@ -139,7 +150,8 @@ def _serve(
         set_thread_pool(json.dumps(info))
     _send(wfd, Kind.READY, 0, dump({"pid": os.getpid()}))
     functions: dict[int, Any] = {}
-    inbox = _Inbox(rfd)
+    inbox = _Inbox(rfd, lane[0] if lane is not None else -1)
+    lane_out, board = (lane[1], lane[2]) if lane is not None else (-1, None)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
@@ -173,10 +185,18 @@ def _serve(
     def task(
         ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
     ) -> bool:
+        lane_task = board is not None and ident == inbox.lane_ident
+        if lane_task and board is not None:  # said running first, then a CANCEL looked
+            board.set(RUNNING, ident)  # for: the agent's, if sent, is seen (see lanes.py)
+            inbox.read_ahead()
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            if board is not None and ident == inbox.lane_ident:
+                board.set(RUNNING, -ident)  # (answered: see lanes.py)
+                inbox.lane_ident = 0
             return True
+        seq = board.get(SEQ) if lane_task and board is not None else -1
         set_context(
             feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
         )
@@ -199,8 +219,14 @@ def _serve(
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
+        out = wfd  # on the lane only if no output of the task can be on its way:
+        if seq >= 0 and not seq & 1 and board is not None and board.get(SEQ) == seq:
+            out = lane_out if _drained() and board.get(SEQ) == seq and _small(parts) else wfd
         with write_lock:
-            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
+            write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
+        if seq >= 0 and board is not None:
+            board.set(RUNNING, -ident)  # answered (see lanes.py)
+            inbox.lane_ident = 0
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
@@ -259,6 +285,25 @@ def _serve(
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
+        if inbox.lane_ident and board is not None:  # a lane frame that was not a task
+            board.set(RUNNING, -inbox.lane_ident)
+            inbox.lane_ident = 0
+
+
+def _drained() -> bool:
+    """Whether the output pipes (fds 1 and 2) hold nothing unread (see lanes.py)."""
+    try:
+        for fd in (1, 2):
+            if int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little"):
+                return False
+    except OSError:  # (a task closed one)
+        return False
+    return True
+
+
+def _small(parts: list[Any]) -> bool:
+    """Whether a result fits an empty pipe (a lane's reader may be gone: never wait)."""
+    return sum(memoryview(p).nbytes for p in parts) < 60000
 
 
 def _restore_streams(saved: list[int]) -> None:
@@ -289,11 +334,20 @@ class _Inbox:
     the others wait for what it reads (``turn``), and take over when it is done. (Two threads
     in a read would each keep waiting when the other one read what it waited for.)"""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, lane: int = -1) -> None:
         self.fd = fd
         os.set_blocking(fd, True)
         self.poller = select.poll()
         self.poller.register(fd, select.POLLIN)
+        self.lane = lane  # the lane's task pipe (see lanes.py), -1: none
+        self.lane_ident = 0  # the id of the lane task being run (0: none)
+        self.lane_reader = FrameReader()
+        self.both: Any = None  # a poll of the task pipe and the lane
+        if lane >= 0:
+            os.set_blocking(lane, True)
+            self.both = select.poll()
+            self.both.register(fd, select.POLLIN)
+            self.both.register(lane, select.POLLIN)
         self.reader = FrameReader()
         self.frames: deque[tuple[int, int, Body]] = deque()
         self.cancelled: set[int] = set()
@@ -310,8 +364,26 @@ class _Inbox:
 
     def next(self) -> tuple[int, int, Body] | None:
         # (else what came behind the queued frames, a CANCEL)
+        while self.lane >= 0 and not self.frames and not self.eof:
+            ready = dict(self.both.poll())
+            if self.fd in ready:  # the task pipe first (see lanes.py)
+                break
+            got = self.lane_reader.read(self.lane)
+            if got is None:  # the client closed it
+                self.both.unregister(self.lane)
+                self.lane = -1
+                break
+            if got:
+                kind, ident, body = got[0]
+                self.lane_ident = ident
+                return kind, ident, body
         self._read(block=not self.frames)
         return self.frames.popleft() if self.frames else None
+
+    def read_ahead(self) -> None:
+        """Take in what the task pipe holds now (a CANCEL), without waiting."""
+        if not self.eof:
+            self._read(block=False)
 
     def answer(self, ident: int) -> Body | None:
         """Wait for the STORED frame answering request ``ident``; None at end of stream.

@@ -9,7 +9,8 @@ plugin, CUDA or torch), starts no thread and sets no signal handler; then, singl
 it says ``R 0`` (ready) and serves requests on ``FD`` (a ``SOCK_SEQPACKET`` Unix socket):
 
 * a request is one message: JSON ``{"cwd", "env"}`` with three descriptors, the agent's
-  stdin, stdout and stderr. The server forks; the child closes every descriptor of the
+  stdin, stdout and stderr, and maybe a fourth, its lane socket (given to the agent in
+  ``FLOTILLA_LANES``, see :mod:`.lanes`). The server forks; the child closes every descriptor of the
   server (the socket, the pidfds of the other agents), takes the three as 0, 1 and 2,
   starts a session of its own (``setsid``, as ``start_new_session`` does for a spawned
   agent: Ctrl-C reaches the client only, and a kill of the agent's group is the agent's
@@ -48,7 +49,7 @@ import traceback
 
 from .. import _info  # noqa: F401  (warm: what every agent and executor imports)
 from .._wire import code, serialize  # noqa: F401
-from . import agent, executor, feeds, hooks, metrics, storechannel  # noqa: F401
+from . import agent, executor, feeds, hooks, lanes, metrics, storechannel  # noqa: F401
 
 _MESSAGE = 1 << 20
 """The largest request (its environment) the server reads."""
@@ -75,10 +76,10 @@ def serve(fd: int) -> None:
                 _say(control, f"X {pid} {os.waitstatus_to_exitcode(status)}")
                 continue
             try:
-                data, fds, _, _ = socket.recv_fds(control, _MESSAGE, 3)
+                data, fds, _, _ = socket.recv_fds(control, _MESSAGE, 4)
             except OSError:
                 data, fds = b"", []
-            if not data or len(fds) != 3:
+            if not data or len(fds) not in (3, 4):
                 for received in fds:
                     os.close(received)
                 if not data:  # the client closed it: serve the agents' ends, then exit
@@ -124,9 +125,9 @@ def _agent(
         for pidfd in pidfds:
             os.close(pidfd)
         os.setsid()
-        for target, received in enumerate(fds):
+        for target, received in enumerate(fds[:3]):
             os.dup2(received, target)
-        for received in fds:
+        for received in fds[:3]:
             os.close(received)
         cwd = str(request["cwd"])
         os.chdir(cwd)
@@ -134,6 +135,8 @@ def _agent(
         assert isinstance(env, dict)
         os.environ.clear()
         os.environ.update(env)
+        if len(fds) == 4:  # the client's lane socket (see lanes.py)
+            os.environ[lanes.VAR] = str(fds[3])
         path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [cwd, *path, *base]  # as ``python -m`` with that PYTHONPATH has it
         sys.argv[1:] = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pickle
 import select
@@ -33,9 +34,10 @@ from functools import partial
 
 from .._system.procs import die_with_parent
 from .._wire.bodies import Config
-from .._wire.frames import HEADER, Buffer, FrameReader, Kind, frame
+from .._wire.frames import HEADER, Buffer, FrameReader, Kind, Status, frame
 from .batching import Policy
 from .eventloop import Outbox, Poller
+from .lanes import CLAIMED, CLOSED, RUNNING, SEEN, SEQ, Board, Lane, LaneSocket
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
@@ -86,6 +88,7 @@ class Executor:
     partial_err: bytes = b""
     stored: bool = False  # it used the distributed collections
     closed: bool = False  # its pipes are closed (it was killed, or its end was handled)
+    board: Board | None = None  # its lane's shared words, if it has a lane (see lanes.py)
 
 
 @dataclass(eq=False)
@@ -142,6 +145,8 @@ class ExecutorProcesses:
     requests: dict[int, tuple[Executor, int]]
     inherited: Callable[[], list[int]]
     graves: dict[int, Grave]  # by pidfd
+    lanes: LaneSocket | None
+    unsent: set[Executor]  # executors whose output read last is still in the client outbox
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         raise NotImplementedError
@@ -191,18 +196,32 @@ class ExecutorProcesses:
         theirs = [
             fd for ex in others for fd in (ex.to_fd, ex.from_fd, ex.out_fd, ex.err_fd, ex.life_fd)
         ]
-        pid, r_out, r_err, life = self._fork([w_task, r_res, *theirs])
+        lanes = self.lanes
+        lane = None
+        if lanes is not None and not lanes.broken and not self.config.get("group"):
+            try:
+                lane = Lane()
+            except OSError:  # (out of descriptors: this executor has none)
+                lane = None
+        mine = [*lane.client, lane.board.fd] if lane is not None else []
+        pid, r_out, r_err, life = self._fork([w_task, r_res, *theirs, *mine])
         if pid == 0:  # the executor
             try:
                 from .executor import main
 
-                main({**self.config, "local_rank": slot.rank}, self.blob, r_task, w_res)
+                config: Config = {**self.config, "local_rank": slot.rank}
+                if lane is not None:
+                    main(config, self.blob, r_task, w_res, lane=(*lane.theirs, lane.board))
+                main(config, self.blob, r_task, w_res)
             finally:
                 os._exit(70)
         for fd in (r_task, w_res):
             os.close(fd)
         ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task), life)
-        self._began(slot, ex)
+        ex.board = lane.board if lane is not None else None
+        self._began(slot, ex)  # (the functions are in its task pipe before the lane is given)
+        if lane is not None and lanes is not None:
+            lanes.give(lane, slot.rank, pid)
 
     def _fork(self, close: list[int]) -> tuple[int, int, int, int]:
         """Fork an executor, its stdout and stderr into pipes the agent reads. In the agent:
@@ -270,19 +289,58 @@ class ExecutorProcesses:
         self._forward_output(ex, ex.out_fd if stream == 1 else ex.err_fd, stream)
 
     def _forward_output(self, ex: Executor, fd: int, stream: int) -> bool:
+        board = ex.board
+        if board is not None:  # odd while output is on its way (see lanes.py)
+            board.set(SEQ, board.get(SEQ) | 1)
         try:
             data = os.read(fd, 65536)
         except BlockingIOError:
-            return False
-        if not data:
+            data = None
+        if data:
+            if stream == 2:
+                lines = (ex.partial_err + data).split(b"\n")
+                ex.partial_err = lines.pop()[-4096:]
+                ex.stderr_tail.extend(line[-1000:] for line in lines)
+            self.client.send(frame(Kind.OUTPUT, stream | ex.slot.rank << 8, data))
+        elif data is not None:
             self.sel.unregister(fd)
+        if board is not None:
+            if self.client.queue:  # not out yet: even once the client's outbox is empty
+                self.unsent.add(ex)
+            else:
+                _output_out(board)
+        return bool(data)
+
+    def output_out(self) -> None:
+        """The client's outbox is empty: the output read before has left (see lanes.py)."""
+        unsent, self.unsent = self.unsent, set()
+        for ex in unsent:
+            if ex.board is not None:
+                _output_out(ex.board)
+
+    def _lane_closed(self, ex: Executor, death: dict[str, object] | None = None) -> bool:
+        """``ex`` ended or is stopped: the lane call claimed on it, if any, ends (DIED,
+        with ``death``: see lanes.py); whether that call was running (else it had not
+        started, and a task the agent gave ``ex`` was the one running)."""
+        board = ex.board
+        if board is None:
             return False
-        if stream == 2:
-            lines = (ex.partial_err + data).split(b"\n")
-            ex.partial_err = lines.pop()[-4096:]
-            ex.stderr_tail.extend(line[-1000:] for line in lines)
-        self.client.send(frame(Kind.OUTPUT, stream | ex.slot.rank << 8, data))
-        return True
+        ex.board = None
+        self.unsent.discard(ex)
+        board.set(CLOSED, 1)
+        kill_group(ex.pid)  # (a system call between the write and the read: see lanes.py)
+        ident = board.get(CLAIMED)
+        board.set(SEEN, ident or -1)
+        ran = board.get(RUNNING)
+        if not ident or ran == -ident:  # none, or answered (the client reads it)
+            return False
+        running = ran == ident
+        if death is None:
+            death = {"exitcode": None, "pid": ex.pid, "local_rank": ex.slot.rank}
+            death["reason"] = "was stopped by its agent" if running else "was replaced"
+        body = json.dumps(death).encode()
+        self.client.send(frame(Kind.RESULT, ident, bytes((Status.DIED,)), body))
+        return running
 
     def _drain_output(self, ex: Executor) -> None:
         """Forward what the executor wrote before it exited."""
@@ -390,6 +448,7 @@ class ExecutorProcesses:
         if ex.closed:
             return
         ex.closed = True
+        self._lane_closed(ex)
         for fd in (ex.from_fd, ex.out_fd, ex.err_fd, ex.to_fd):
             self.sel.unregister(fd)
             try:
@@ -408,6 +467,12 @@ class ExecutorProcesses:
             ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
+
+
+def _output_out(board: Board) -> None:
+    seq = board.get(SEQ)
+    if seq & 1:
+        board.set(SEQ, seq + 1)
 
 
 def _poll(pid: int) -> tuple[bool, int | None]:

@@ -31,6 +31,12 @@ Executor states (one executor per slot at a time)::
     STARTING --failed start--> FAILED
     RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
 
+Lanes (:mod:`.lanes`): on a Local node, each executor of a pool of process slots that
+forms no group also serves the client's lone calls straight (its lane), which the agent
+never sees. The agent owns the slot still: it feeds it no task while a lane call is
+claimed on the executor's board (it looks again on a timer), answers a CANCEL of a lane
+call, and sends the DIED result of a lane call whose executor ended.
+
 Thread slots (``Worker(executor="thread")``, ``config["threads"]``): one process serves
 every slot, a thread each (shared memory and GIL, as Skyward's thread executor), with a
 pair of pipes per slot, so each slot is fed and answers as above; output goes through the
@@ -62,6 +68,7 @@ from .._wire.frames import (
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
+from .lanes import CLAIMED, RUNNING, LaneSocket, claimed
 from .processes import (
     ExecState,
     Executor,
@@ -79,6 +86,9 @@ REFILL = 2
 to the executor and fewer STARTED frames of their own), never below one task ahead."""
 QUICK = 0.01
 """Seconds under which a task counts as quick: the next ones are given a window ahead."""
+LANE_POLL = (0.001, 0.02)
+"""Seconds between two looks at a slot's lane claim while a task of the agent waits for it
+to clear (see lanes.py): the first, and the longest (doubling in between)."""
 CANCEL_GRACE = 0.5
 """Seconds a cancelled task that was given ahead gets to be skipped by its executor once
 its turn comes; past that it runs (it had started when the cancel came), and its process is
@@ -125,6 +135,10 @@ class Supervisor(ExecutorProcesses):
         self.threads = False  # one process, a thread per slot (see the module docstring)
         self.shared_death = ""  # thread slots: why their process ended, for the others
         self.graves: dict[int, Grave] = {}  # processes ended or killed, not reaped yet
+        self.lanes: LaneSocket | None = None  # a Local client's lane socket (see lanes.py)
+        self.unsent: set[Executor] = set()  # (see ExecutorProcesses._forward_output)
+        # slots whose next task waits for a lane call to end: (when to look, next pause)
+        self.held: dict[Slot, tuple[float, float]] = {}
 
     def configure(self, config: Config, blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -200,6 +214,24 @@ class Supervisor(ExecutorProcesses):
                 elif i == 0:
                     self._feed(slot)
                 return
+        for slot in self.slots:  # a lane call (see lanes.py)
+            ex = slot.executor
+            board = ex.board if ex is not None else None
+            if ex is None or board is None or board.get(CLAIMED) != ident:
+                continue
+            self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            if board.get(RUNNING) != ident:
+                # it waits in the executor's lane: skipped there (what it says is
+                # dropped), unless it began meanwhile: the executor says so before it
+                # looks for a CANCEL, so one of the two sees the other's word (lanes.py)
+                ex.outbox.send(frame(Kind.CANCEL, ident))
+                if board.get(RUNNING) != ident:
+                    return
+            ex.board = None  # (its end is told now: CANCELLED, not DIED)
+            slot.fed = 0  # a task given behind it did not start: the next process's
+            self._kill(slot)
+            self._replace(slot, "a running call was cancelled")
+            return
 
     def restart(self, generation: int, cause: bytes) -> None:
         """Replace every executor; the tasks they held end ABORTED (with ``cause``)."""
@@ -231,6 +263,8 @@ class Supervisor(ExecutorProcesses):
         for slot in self.slots:
             if slot.fed and slot.tasks[0].deadline:
                 wake = min(wake, slot.tasks[0].deadline)
+        for at, _ in self.held.values():
+            wake = min(wake, at)
         return wake
 
     def check_timeouts(self, now: float) -> None:
@@ -239,6 +273,8 @@ class Supervisor(ExecutorProcesses):
         processes past their grace to exit."""
         if self.graves:
             self._bury_overdue(now)
+        if self.held:
+            self._look_at_lanes(now)
         for slot in self.slots:
             if slot.fed and slot.tasks[0].deadline and now >= slot.tasks[0].deadline:
                 task = slot.tasks.popleft()
@@ -250,6 +286,26 @@ class Supervisor(ExecutorProcesses):
                 body = json.dumps({"timeout": task.timeout}).encode()
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
                 self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
+
+    def _look_at_lanes(self, now: float) -> None:
+        """Feed the held slots whose lane call ended (arm the timeout of a task given
+        behind it, see :meth:`_feed`); look again later at the others."""
+        for slot, (at, pause) in list(self.held.items()):
+            if now < at:
+                continue
+            ex = slot.executor
+            if ex is not None and ex.board is not None and claimed(ex.board):
+                self.held[slot] = (now + pause, min(pause * 2, LANE_POLL[1]))
+                continue
+            del self.held[slot]
+            if slot.fed:
+                _arm(slot.tasks[0], now)
+            else:
+                self._feed(slot)
+
+    def _hold(self, slot: Slot) -> None:
+        if slot not in self.held:
+            self.held[slot] = (time.monotonic() + LANE_POLL[0], LANE_POLL[0] * 2)
 
     def pace(self) -> None:
         """The agent runs as SCHED_BATCH while more tasks wait on a slot than its
@@ -297,6 +353,12 @@ class Supervisor(ExecutorProcesses):
         ex = slot.executor
         tasks = slot.tasks
         upto = min(len(tasks), WINDOW if slot.quick else 1)
+        board = ex.board if ex is not None else None
+        if board is not None and not slot.fed and tasks and claimed(board):
+            self._hold(slot)  # a lane call runs there: fed once it ends (see lanes.py)
+            if before:
+                self.client.send(before)
+            return
         if (
             slot.fed >= upto
             or (slot.fed > 0 and upto == WINDOW and upto - slot.fed < REFILL)  # see REFILL
@@ -322,15 +384,21 @@ class Supervisor(ExecutorProcesses):
         given: list[Buffer] = []
         for i in range(slot.fed, upto):
             given += tasks[i].frame
-        if not slot.fed:  # the first one starts now
+        first = not slot.fed
+        if first:  # the first one starts now
             slot.began = time.monotonic()
             _arm(tasks[0], slot.began)
         slot.fed = upto
         ex.outbox.send(given)
+        if first and board is not None and claimed(board):  # a lane call came meanwhile:
+            tasks[0].deadline = 0.0  # this one may wait for it; timed once it ended
+            self._hold(slot)
 
     def resume(self) -> None:
         """The client's outbox is empty: feed the slots that waited for it (or for the
         TASK frames read with their task)."""
+        if self.unsent:
+            self.output_out()
         slots, self.waiting = self.waiting, set()
         for slot in slots:
             self._feed(slot)
@@ -485,6 +553,7 @@ class Supervisor(ExecutorProcesses):
             return
         slot = ex.slot
         self._drain_output(ex)
+        lane_ran = self._lane_closed(ex, self._death(ex, reason, status))
         self._close(ex)
         if self.stopping:
             return
@@ -512,7 +581,8 @@ class Supervisor(ExecutorProcesses):
                 error = "the executor process exited during start-up"
                 self.client.send(frame(Kind.READY, 0, dump({"error": error, **death})))
             return
-        task = slot.tasks.popleft() if slot.tasks and slot.fed else None
+        task = slot.tasks.popleft() if slot.tasks and slot.fed and not lane_ran else None
+        self.held.pop(slot, None)
         slot.fed = 0  # the tasks given after it did not start: the next process gets them
         if task is not None and task.cancelled:  # its client was told CANCELLED
             task = None
@@ -527,6 +597,19 @@ class Supervisor(ExecutorProcesses):
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
         if not group:  # the next task is fed once the client has the result
             self._replace(slot, cause)
+
+    def _death(self, ex: Executor, reason: str, status: int | None) -> dict[str, object]:
+        """A DIED result's body for a lane call of ``ex`` (see :meth:`_ended`)."""
+        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
+        death: dict[str, object] = {
+            "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
+            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
+            "pid": ex.pid,
+            "local_rank": ex.slot.rank,
+        }
+        if reason:
+            death["reason"] = reason
+        return death
 
 
 def _arm(task: Task, now: float) -> None:

@@ -70,8 +70,9 @@ class ForkServer:
         OSError when it ended or did not within ``timeout`` seconds."""
         self._until(lambda: self.ready, timeout, "ended as it started", "did not start")
 
-    def fork(self, cwd: str, env: dict[str, str]) -> ForkedAgent:
-        """A new agent in ``cwd`` with ``env`` (its ``PYTHONPATH`` gives its import path).
+    def fork(self, cwd: str, env: dict[str, str], lanes: int = -1) -> ForkedAgent:
+        """A new agent in ``cwd`` with ``env`` (its ``PYTHONPATH`` gives its import path),
+        and ``lanes`` (its end of a lane socket, see ``_node/lanes.py``; -1: none).
         Raises OSError when the server cannot (it ended, or did not answer in time)."""
         ours: list[int] = []
         theirs: list[int] = []
@@ -82,7 +83,8 @@ class ForkServer:
         try:
             with self._asking:
                 request = json.dumps({"cwd": cwd, "env": env}).encode()
-                socket.send_fds(self.sock, [request], theirs)
+                given = [*theirs, lanes] if lanes >= 0 else theirs
+                socket.send_fds(self.sock, [request], given)
                 pid = self._answer()
         except BaseException:
             for fd in ours:

@@ -7,12 +7,14 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 
 from .._errors import ConfigurationError, ProvisionError
 from .._image import is_installed
 from .._system import procs
+from .._wire.lanes import VAR as LANES_VAR
 from .base import (
     AgentProcess,
     Allocation,
@@ -176,16 +178,31 @@ class LocalAllocation(Allocation):
             env = dict(self.env, FLOTILLA_NODE_DIR=machine.ident, PYTHONPATH=path)
             if self.provider.keep_folders:
                 del env["FLOTILLA_NODE_DIR"]  # kept
-            if self.forks is not None:
-                forked = self._fork(machine.ident, env)
-                if forked is not None:
-                    return PipeAgent(forked, address=machine.address, host=machine.host)
-            proc = spawn(command, cwd=machine.ident, env=env)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as e:
             raise out_of_files(e) or ProvisionError(
                 f"cannot start the agent {command[0]!r}: {e}"
             ) from e
-        return PipeAgent(proc, address=machine.address, host=machine.host)
+        agent: PipeAgent | None = None
+        try:  # the agent's lane socket: its executors' lanes come through it (_node/lanes.py)
+            ours.setblocking(False)
+            if self.forks is not None:
+                forked = self._fork(machine.ident, env, theirs.fileno())
+                if forked is not None:
+                    agent = PipeAgent(forked, address=machine.address, host=machine.host)
+            if agent is None:
+                env[LANES_VAR] = str(theirs.fileno())
+                proc = spawn(command, cwd=machine.ident, env=env, pass_fds=(theirs.fileno(),))
+                agent = PipeAgent(proc, address=machine.address, host=machine.host)
+        except OSError as e:
+            ours.close()
+            raise out_of_files(e) or ProvisionError(
+                f"cannot start the agent {command[0]!r}: {e}"
+            ) from e
+        finally:
+            theirs.close()
+        agent.lanes = ours
+        return agent
 
     async def forks_ready(self) -> None:
         """Wait (in a worker thread) until the fork server has imported the agents'
@@ -196,11 +213,11 @@ class LocalAllocation(Allocation):
             except OSError as e:
                 self._no_forks(e)
 
-    def _fork(self, folder: str, env: dict[str, str]) -> ForkedAgent | None:
+    def _fork(self, folder: str, env: dict[str, str], lanes: int) -> ForkedAgent | None:
         """An agent from the fork server; None (and no server any more) if it cannot."""
         assert self.forks is not None
         try:
-            return self.forks.fork(folder, env)
+            return self.forks.fork(folder, env, lanes)
         except OSError as e:
             self._no_forks(e)
             return None

@@ -19,12 +19,13 @@ import os
 import select
 import selectors
 import signal
+import socket
 import subprocess
 import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._wire.frames import Buffer, FrameError, FrameReader, advance
 from .base import AgentProcess, FramesCallback, GiveUp
@@ -159,6 +160,9 @@ class PipeAgent(AgentProcess):
         self._early_err: list[bytes] = []  # stderr read before start_reading()
         self._on_stderr: Callable[[bytes], None] = self._early_err.append
         self._err_ended: asyncio.Future[None] | None = None
+        # a Local agent's lane socket, or the client's lanes made of it (_client/lanes.py):
+        # closed with the agent's pipes
+        self.lanes: socket.socket | Any = None
 
     # -- writing -----------------------------------------------------------------------
     def write(self, parts: Sequence[Buffer], give_up: GiveUp | None = None) -> None:
@@ -542,6 +546,8 @@ class PipeAgent(AgentProcess):
         if self._released:  # once only: the descriptor numbers may be another agent's now,
             return  # and removing the loop's reader of them would make it deaf to that one
         self._released = True
+        if self.lanes is not None:
+            self.lanes.close()
         # the loop's readers go before the descriptors close, also those a start left
         # (read_line, _read_stderr: no start_reading yet). A descriptor closed while still
         # watched leaves the loop a stale entry: the next pipe given that number is then

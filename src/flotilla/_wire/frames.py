@@ -192,6 +192,11 @@ class FrameReader:
         self._big_filled = 0
         self._big_header: tuple[int, int] = (0, 0)
 
+    @property
+    def idle(self) -> bool:
+        """Whether no part of a frame waits here for the rest."""
+        return not self._buf and self._big is None
+
     def read(self, fd: int) -> list[tuple[int, int, Body]] | None:
         """Read once from ``fd``; ``None`` at end of stream."""
         if self._big is not None:

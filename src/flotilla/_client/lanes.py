@@ -1,0 +1,385 @@
+"""A lone call straight to an executor of a Local node, past its agent: the client's end
+of a lane (what a lane is, and who writes what on its board: ``_node/lanes.py``).
+
+A Local agent sends its client, on the lane socket it was started with, each executor's
+lane: the slot, the executor's pid, the task pipe's write end, the result pipe's read end
+and its board (:class:`Lanes` takes them in, in the caller's thread, without waiting).
+A lone ``call >> pool`` takes its slot's lane (:func:`send`) when it can go no other way
+than the general path would send it, with nothing lost by skipping the agent:
+
+- the least busy (node, slot) is a READY node's idle slot that has a lane;
+- the function was defined on that node already (its first call sends DEFINE the general
+  way, and once the agent answered a call of it, every executor of the node has it in its
+  task pipe, which it reads before its lane), it has no timeout (the agent times calls),
+  no streamed argument;
+- its arguments are one small part (no shared-memory file, no fan-out): the frame fits an
+  empty pipe, so the write never waits.
+
+The call is then in the node's ``inflight`` and busy on its slot like any other (a node
+lost, a pool closed, the agent's DIED or CANCELLED for it settle it as today), and counts
+as started for retries (a lane call lost with its node is sent again only with
+``retries=``: at most once). Its caller reads the lane's result pipe (:func:`wait`); the
+agent's stream stays the event loop's, which wakes the caller when it settles the call (a
+result the agent forwarded: one that had output before it; its DIED or CANCELLED; a node
+lost). A value read on the lane is settled here the short way (:func:`_finished`: what
+``Node._on_frames`` and the dispatcher do for it, the observers told the same); any other
+answer goes through ``Node._on_frames`` as one from the agent does.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from concurrent.futures import InvalidStateError
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._providers.pipe import SPIN, idle_core
+from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
+from .._wire.lanes import CLAIMED, CLOSED, MESSAGE, RUNNING, SEEN, Board
+from .._wire.serialize import decode, encode, pickle_obj, shm_name_of
+from .feeds import streamed_parameters
+from .node import Node, NodeState, Payload, Submission, next_id
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+    from .function import PendingCall
+
+GONE = 0.5
+"""Seconds a lost node's executor gets to be gone before its lane calls count as started
+(see :meth:`Lane.started`)."""
+LARGEST = 60000
+"""Bytes of a lane task's frame at most: it must fit an empty pipe (64 KiB) whole."""
+
+
+@dataclass(eq=False)
+class Lane:
+    """One executor's lane, as the client holds it."""
+
+    slot: int
+    pid: int
+    task_fd: int
+    result_fd: int
+    board: Board
+    reader: FrameReader = field(default_factory=FrameReader)
+    ended: bool = False  # its result pipe ended (the executor is gone)
+    answered: float = SPIN / 2  # how long recent answers took (seconds: see wait)
+    orphan: bool = False  # the agent had closed its board when the last call was sent
+
+    def started(self, ident: int) -> bool:
+        """Whether call ``ident``, sent on this lane, may have started: False only when
+        the executor is gone (no writer of the result pipe is left: its agent's death
+        killed it, it is given :data:`GONE` seconds for that) and never began it."""
+        gone = select.poll()
+        gone.register(self.result_fd, select.POLLIN)
+        deadline = time.monotonic() + GONE
+        while True:
+            for _, events in gone.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                if events & select.POLLIN:  # its answer (it ran), or more to read
+                    return True
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    return self.board.get(RUNNING) in (ident, -ident)
+            if time.monotonic() >= deadline:
+                return True
+
+    def close(self) -> None:
+        """No call takes it any more; its descriptors close once no caller holds it (its
+        last reference goes: a caller still waiting on it never reads another's pipe)."""
+        self.ended = True
+
+    def __del__(self) -> None:
+        for fd in (self.task_fd, self.result_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.board.close()
+
+
+class Lanes:
+    """A Local node's lanes, by slot, as its agent sent them (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.by_slot: dict[int, Lane] = {}
+        self.lock = threading.Lock()  # one taker of the socket at a time
+        self.closed = False
+
+    def take(self) -> None:
+        """Take in the lanes the agent sent (never waits): a slot's new lane replaces its
+        last one."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            while not self.closed:
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE.size, 3)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    data, fds = b"", []
+                if len(data) != MESSAGE.size or len(fds) != 3:
+                    for fd in fds:
+                        os.close(fd)
+                    if not data:  # the agent is gone
+                        return
+                    continue
+                slot, pid = MESSAGE.unpack(data)
+                try:
+                    board = Board(fds[2])
+                except (OSError, ValueError):
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                board.close()  # (the mapping stays)
+                old = self.by_slot.get(slot)
+                self.by_slot[slot] = Lane(slot, pid, fds[0], fds[1], board)
+                if old is not None:
+                    old.close()
+                    del old
+        finally:
+            self.lock.release()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for lane in self.by_slot.values():
+                lane.close()
+            self.by_slot.clear()
+            self.sock.close()
+
+
+def send(d: Dispatcher, call: PendingCall[Any]) -> tuple[Node, Lane, Submission] | None:
+    """Send ``call`` on a lane if it can take one (see the module docstring); None when it
+    goes the general way (nothing of it sent)."""
+    fn = call.function
+    if fn.timeout or streamed_parameters(fn.fn):
+        return None
+    cached = d.encoder.cached(fn)
+    if cached is None:  # its first call: DEFINE goes the general way
+        return None
+    key, define = cached
+    choice = d.placement.least_busy()
+    if choice is None:
+        return None
+    node, slot = choice
+    lanes = node.lanes
+    if lanes is None:  # (the first lone call on this node)
+        lanes = node.lanes = _lanes_of(node)
+    if not lanes or node.busy[slot] or key not in node.answered:
+        return None
+    lane = lanes.by_slot.get(slot)
+    if lane is None or lane.ended or lane.board.get(CLOSED):  # replaced: its next one
+        lanes.take()
+        lane = lanes.by_slot.get(slot)
+        if lane is None or lane.ended or lane.board.get(CLOSED):
+            return None
+    try:
+        pickled = pickle_obj((key, call.args, call.kwargs))
+    except Exception:  # the general way says what cannot be pickled
+        return None
+    if pickled.buffers:  # (a large argument, maybe for shared memory: the general way)
+        return None
+    body = encode(pickled)
+    size = TASK_HEAD.size + sum(len(p) for p in body)
+    if len(body) != 1 or size > LARGEST:
+        return None
+    payload = Payload(pickled)
+    sub = d.encoder.submission(call, payload, key, define, pinned=False)
+    with node.lock:
+        if node.state is not NodeState.READY or node.busy[slot] or node.abandoned:
+            tid = 0
+        else:
+            tid = next_id()
+            sub.node = node
+            sub.tid = tid
+            sub.worker = slot
+            sub.attempts += 1
+            sub.started = True  # at most once: as a call its agent said STARTED for
+            sub.lane = lane  # (but one its executor never began: see Lane.started)
+            sub.started_at = time.monotonic()
+            node.inflight[tid] = sub
+            node.busy[slot] += 1
+    if tid:
+        sub.wake_by = _waker()
+        lane.board.set(CLAIMED, tid)
+        head = HEADER.pack(Kind.TASK, tid, size) + TASK_HEAD.pack(0.0, slot)
+        try:
+            os.write(lane.task_fd, head + body[0])  # (fits the pipe whole: see LARGEST)
+            sent = True
+        except OSError:  # the executor is gone: the general way
+            sent = False
+        if sent:
+            lane.orphan = bool(lane.board.get(CLOSED))  # see _node/lanes.py
+            node.proc.watch()  # the loop reads the stream (a lone call's read parks it)
+            node.events.task_started(node, sub)
+            return node, lane, sub
+        lane.ended = True
+        if lane.board.get(CLAIMED) == tid:
+            lane.board.set(CLAIMED, 0)
+        with node.lock:
+            if node.inflight.pop(tid, None) is not None:
+                node.busy[slot] -= 1
+        sub.node = None
+    d.by_future.pop(id(sub.future), None)
+    payload.release()
+    return None
+
+
+def _lanes_of(node: Node) -> Lanes | bool:
+    """The node's lanes (False: its agent has no lane socket). The agent's ``lanes``
+    becomes them: they are closed with its pipes."""
+    sock = getattr(node.proc, "lanes", None)
+    if not isinstance(sock, socket.socket):
+        return False
+    lanes = Lanes(sock)
+    node.proc.lanes = lanes  # type: ignore[attr-defined]
+    return lanes
+
+
+def wait(d: Dispatcher, node: Node, lane: Lane, sub: Submission) -> None:
+    """Wait for ``sub`` (sent on ``lane``) to end, reading the lane's result pipe in this
+    thread. The agent's stream stays the event loop's: a result the agent forwards (one
+    that had output before it), its DIED or CANCELLED, a node lost, settle the call there,
+    and the loop wakes this thread (``Submission.wake_by``, this thread's waker);
+    a pool closed is seen within a tenth of a second."""
+    waker = sub.wake_by
+    assert waker is not None
+    fd = lane.result_fd
+    poller = waker.polls.get(fd)  # (by number: a poll takes the numbers each time)
+    if poller is None:
+        poller = waker.polls[fd] = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(waker.fd, select.POLLIN)
+    try:
+        _wait(d, node, lane, sub, poller, waker)
+    finally:
+        sub.wake_by = None
+        if sub.future.done() and lane.board.get(CLAIMED) == sub.tid:  # (else its cancel
+            lane.board.set(CLAIMED, 0)  # finds it claimed) the slot is the agent's again
+
+
+def _wait(
+    d: Dispatcher, node: Node, lane: Lane, sub: Submission, poller: select.poll, waker: _Waker
+) -> None:
+    fd = lane.result_fd
+    done = sub.future.done
+    start = time.monotonic()
+    # polled without sleeping for about twice the recent answers' time, at most SPIN,
+    # while a core is idle: as a lone call's wait on the agent's stream (pipe.SPIN)
+    spin = start + min(SPIN, 2 * lane.answered) if lane.answered <= SPIN else 0.0
+    if spin and not idle_core():
+        spin = 0.0
+    while not done():
+        spinning = spin and time.monotonic() < spin
+        for ready, _ in poller.poll(0 if spinning else 100):
+            if ready != fd:
+                waker.clear()
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if data:
+                if lane.reader.idle and _finished(d, node, sub, data):
+                    continue
+                frames = lane.reader.feed(data)
+                if frames:
+                    node._on_frames(frames)
+                continue
+            lane.ended = True  # the executor is gone: the agent says how (DIED)
+            waker.polls.pop(fd, None)
+            if lane.orphan and not done() and not _seen(lane, sub):  # (its agent says it)
+                _orphaned(node, sub)  # (a second answer is dropped)
+            poller = waker.alone
+    took = time.monotonic() - start
+    lane.answered = took if took > SPIN else (lane.answered + took) / 2
+
+
+class _Waker:
+    """A thread's wake-up for its lane calls (an ``eventfd``), and its polls."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.polls: dict[int, select.poll] = {}
+        self.alone = select.poll()
+        self.alone.register(self.fd, select.POLLIN)
+
+    def wake(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_threads = threading.local()
+
+
+def _waker() -> _Waker:
+    try:
+        waker: _Waker = _threads.waker
+    except AttributeError:
+        waker = _threads.waker = _Waker()
+    return waker
+
+
+def _finished(d: Dispatcher, node: Node, sub: Submission, data: bytes) -> bool:
+    """The short way of a lane call's value (``data``: one whole RESULT frame, OK, its
+    value inline): what ``Node._on_frames`` and ``Dispatcher.on_result`` do for it, no
+    more; False (nothing done) for anything else."""
+    if len(data) <= HEADER_SIZE:
+        return False
+    kind, ident, size = HEADER.unpack_from(data)
+    if kind != Kind.RESULT or ident != sub.tid or len(data) != HEADER_SIZE + size:
+        return False
+    body = data[HEADER_SIZE:]
+    if body[0] != Status.OK or shm_name_of(body, 1):
+        return False
+    try:
+        value = decode(body, 1)
+    except BaseException:  # (e.g. a type unknown here: the general way says so)
+        return False
+    with node.lock:
+        if node.inflight.pop(ident, None) is None:  # settled otherwise meanwhile
+            return True
+        node.busy[sub.worker] -= 1
+        idle = not node.inflight
+    node.last_heard = time.monotonic()
+    if idle:
+        node.flush_output()
+    node.events.task_finished(node, sub, Status.OK, body)
+    sub.finished = True
+    d.by_future.pop(id(sub.future), None)
+    try:
+        sub.future.set_result(value)
+    except InvalidStateError:
+        pass
+    if d.backlog:
+        d.pump()
+    return True
+
+
+def _seen(lane: Lane, sub: Submission) -> bool:
+    """Whether the agent saw ``sub``'s claim when its executor was gone (it then answers
+    for it): it says so on the board (``SEEN``) right after it looked."""
+    deadline = time.monotonic() + GONE
+    while not lane.board.get(SEEN) and not sub.future.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return lane.board.get(SEEN) == sub.tid or sub.future.done()
+
+
+def _orphaned(node: Node, sub: Submission) -> None:
+    import json
+
+    death = {"exitcode": None, "reason": "was replaced", "local_rank": sub.worker}
+    body = bytes((Status.DIED,)) + json.dumps(death).encode()
+    node._on_frames([(Kind.RESULT, sub.tid, body)])

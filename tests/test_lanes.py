@@ -1,0 +1,268 @@
+"""Lanes: a lone ``>>`` call straight between a Local client and an executor, past the
+node's agent (``_node/lanes.py``, ``_client/lanes.py``), on real local pools.
+
+``laned`` watches the real :func:`flotilla._client.lanes.send` (the ids of the calls it
+sent on a lane): a test that needs a call to take a lane first waits until one does
+(:func:`_lane_ready`: a replaced executor's lane comes a moment after its start)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _procs import alive, wait_until
+
+import flotilla as sky
+from flotilla._client import lanes as client_lanes
+
+
+@sky.function
+def noop(x: Any = None) -> Any:
+    return x
+
+
+@sky.function
+def whose() -> tuple[int, int]:
+    """The executor's pid and its agent's."""
+    return os.getpid(), os.getppid()
+
+
+@sky.function
+def hold(path: str) -> int:
+    """Say it runs (``path``.in, its pid), then run until ``path`` exists."""
+    Path(path + ".in").write_text(str(os.getpid()))
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+@sky.function
+def die(how: str) -> None:
+    if how == "exit":
+        os._exit(3)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@sky.function(retries=1)
+def once(marker: str) -> str:
+    """Dies the first time (no ``marker`` yet), returns the next."""
+    if not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(3)
+    return "again"
+
+
+@sky.function
+def boom(x: int) -> None:
+    raise ValueError(f"bad {x}")
+
+
+@sky.function
+def shout(i: int) -> int:
+    print(f"line {i}", flush=True)
+    subprocess.run(["echo", f"sub {i}"], check=True)  # (a child's write on fd 1)
+    return i
+
+
+@sky.function(timeout=1)
+def brief() -> int:
+    return os.getpid()
+
+
+class Group:
+    """A plugin whose processes form one group (as torch's do)."""
+
+    forms_group = True
+
+    def around_process(self, info: sky.InstanceInfo) -> None:
+        return None
+
+
+@pytest.fixture
+def laned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the calls sent on a lane from now on."""
+    sent: list[int] = []
+    real = client_lanes.send
+
+    def send(d: Any, call: Any) -> Any:
+        got = real(d, call)
+        if got is not None:
+            sent.append(got[2].tid)
+        return got
+
+    monkeypatch.setattr(client_lanes, "send", send)
+    return sent
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[sky.Compute]:
+    with sky.Compute(nodes=1) as p:
+        yield p
+
+
+def _lane_ready(pool: sky.Compute, laned: list[int]) -> None:
+    """Call until a call takes a lane (the function's first call goes the general way,
+    a new executor's lane comes once it started), then forget those calls."""
+    assert wait_until(lambda: noop(1) >> pool == 1 and bool(laned), 60)
+    laned.clear()
+
+
+def test_a_lone_call_goes_past_its_agent(pool: sky.Compute, laned: list[int]) -> None:
+    """With the agent stopped (SIGSTOP), lone calls still run: their task and result go
+    straight between this client and the executor."""
+    (_, agent), *_ = whose() @ pool
+    _lane_ready(pool, laned)
+    calls = ThreadPoolExecutor(1)
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        done = calls.submit(lambda: [noop(i) >> pool for i in range(50)])
+        assert done.result(timeout=60) == list(range(50))
+    finally:
+        os.kill(agent, signal.SIGCONT)
+        calls.shutdown()
+    assert len(laned) == 50
+
+
+def test_a_lane_calls_output_arrives_before_its_value(laned: list[int]) -> None:
+    """What a lane call printed (and a process it started) reaches the output sink
+    before its value returns: its result then comes through the agent, after the output."""
+    got: list[str] = []
+    with sky.Compute(nodes=1) as pool:
+        pool.output_sink = lambda rank, stream, lines: got.extend(lines)
+        assert shout(-1) >> pool == -1
+        _lane_ready(pool, laned)
+        for i in range(20):
+            assert shout(i) >> pool == i
+            assert got[-2:] == [f"line {i}", f"sub {i}"]
+            assert noop(i) >> pool == i
+    assert len(laned) >= 20  # (the quiet ones at least)
+
+
+@pytest.mark.parametrize(
+    ("how", "said"), [("exit", "exited with status 3"), ("kill", "was killed by SIGKILL")]
+)
+def test_an_executor_that_dies_in_a_lane_call(
+    pool: sky.Compute, laned: list[int], how: str, said: str
+) -> None:
+    die("") >> pool
+    _lane_ready(pool, laned)
+    with pytest.raises(sky.WorkerDiedError, match=f"the process running die\\(...\\) {said}"):
+        die(how) >> pool
+    assert len(laned) == 1
+    assert noop(2) >> pool == 2
+
+
+def test_a_lane_call_whose_process_died_is_retried(
+    pool: sky.Compute, laned: list[int], tmp_path: Path
+) -> None:
+    assert once(str(tmp_path / "first")) >> pool == "again"
+    _lane_ready(pool, laned)
+    assert once(str(tmp_path / "second")) >> pool == "again"
+    assert laned  # its first attempt took a lane
+
+
+def test_a_lane_calls_exception_is_raised_as_today(pool: sky.Compute, laned: list[int]) -> None:
+    with pytest.raises(ValueError, match="bad 0"):
+        boom(0) >> pool
+    _lane_ready(pool, laned)
+    with pytest.raises(ValueError, match="bad 1") as info:
+        boom(1) >> pool
+    assert laned
+    assert info.value.node == 0  # type: ignore[attr-defined]
+    assert "raise ValueError" in info.value.remote_traceback  # type: ignore[attr-defined]
+
+
+def test_a_broadcast_behind_a_lane_call_waits_without_its_timeout_running(
+    pool: sky.Compute, laned: list[int], tmp_path: Path
+) -> None:
+    """A call the agent gets while a lane call runs on its slot waits for it: its timeout
+    (1 s) does not run on the node meanwhile, so it does not stop the process running the
+    lane call, though that runs longer. (The client's own watch of the timeout, for a
+    frozen agent, counts from the send, as for any call queued behind another: the
+    broadcast may end as a timeout there.)"""
+    brief() @ pool
+    (tmp_path / "warm.go").touch()
+    hold(str(tmp_path / "warm.go")) >> pool
+    _lane_ready(pool, laned)
+    path = tmp_path / "go"
+    started = Path(str(path) + ".in")
+    running = ThreadPoolExecutor(2)
+    try:
+        lone = running.submit(lambda: hold(str(path)) >> pool)
+        assert wait_until(lambda: started.exists() and bool(started.read_text()), 60)
+        assert laned
+        broadcast = running.submit(lambda: brief() @ pool)
+        time.sleep(2.5)  # longer than brief's timeout: the point of the test
+        path.touch()
+        assert lone.result(timeout=60) == int(started.read_text())  # not stopped
+        with contextlib.suppress(sky.TaskTimeoutError):
+            broadcast.result(timeout=60)
+        assert len(brief() @ pool) == 1
+    finally:
+        path.touch()
+        running.shutdown()
+
+
+def test_ctrl_c_in_a_lane_call_stops_its_process(
+    pool: sky.Compute, laned: list[int], tmp_path: Path
+) -> None:
+    (tmp_path / "warm.go").touch()
+    hold(str(tmp_path / "warm.go")) >> pool
+    _lane_ready(pool, laned)
+    path = tmp_path / "go"
+    started = Path(str(path) + ".in")
+
+    def interrupt() -> None:
+        if wait_until(started.exists, 60):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        hold(str(path)) >> pool
+    assert laned
+    assert wait_until(lambda: bool(started.read_text()), 60)
+    assert wait_until(lambda: not alive(int(started.read_text())), 60)  # replaced
+    assert noop(3) >> pool == 3
+
+
+def test_a_lane_call_whose_agent_is_killed_fails_as_on_a_lost_node(
+    laned: list[int], tmp_path: Path
+) -> None:
+    with sky.Compute(nodes=1, options=sky.Options(replace_lost_nodes=False)) as pool:
+        (tmp_path / "warm.go").touch()
+        hold(str(tmp_path / "warm.go")) >> pool
+        _, agent = whose() >> pool
+        _lane_ready(pool, laned)
+        path = tmp_path / "go"
+        started = Path(str(path) + ".in")
+
+        def kill() -> None:
+            if wait_until(lambda: started.exists() and bool(started.read_text()), 60):
+                os.kill(agent, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(sky.NodeLostError):
+            hold(str(path)) >> pool
+        assert laned
+        assert wait_until(lambda: not alive(int(started.read_text())), 60)
+
+
+def test_thread_slots_and_group_pools_take_no_lane(laned: list[int]) -> None:
+    thread_slots = sky.Worker(concurrency=2, executor="thread")
+    with sky.Compute(nodes=1, worker=thread_slots) as pool:
+        noop() @ pool
+        assert [noop(i) >> pool for i in range(20)] == list(range(20))
+    with sky.Compute(nodes=2, plugins=[Group()]) as pool:  # type: ignore[list-item]
+        noop() @ pool
+        assert [noop(i) >> pool for i in range(20)] == list(range(20))
+    assert laned == []
