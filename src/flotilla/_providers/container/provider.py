@@ -123,7 +123,7 @@ class Engine:
 
     async def call(self, args: list[str], timeout: float = CALL_TIMEOUT) -> str:
         """Run ``<engine> args``; its stdout. ProvisionError with the engine's message when
-        it fails."""
+        it fails. Cancelled, it lets the command end first (:func:`_finish`)."""
         argv = [*self.base(), *args]
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -136,13 +136,15 @@ class Engine:
             raise ProvisionError(
                 f"cannot run {self.settings.binary}: {e}", cause=ProvisionCause.SPAWN
             ) from e
+        answer = asyncio.ensure_future(proc.communicate())
         try:
             async with asyncio.timeout(timeout):
-                out, err = await proc.communicate()
+                out, err = await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            await _finish(proc, answer, timeout)
+            raise
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            await _kill(proc, answer)
             raise
         if proc.returncode != 0:
             raise ProvisionError(
@@ -487,6 +489,34 @@ class ContainerAllocation(ShellAllocation):
             janitor, self.janitor = self.janitor, None
             if janitor is not None:
                 _dismiss(janitor, removed)
+
+
+async def _finish(
+    proc: asyncio.subprocess.Process, answer: asyncio.Future[Any], timeout: float
+) -> None:
+    """Let an engine command the pool no longer waits for (its start or release cut short:
+    Ctrl-C, an elastic pool closing while it grows) end by itself within ``timeout`` s;
+    killed past that, or when cancelled again. A ``run`` killed while it sets up the
+    container's network leaves that network namespace behind for good (podman 4 with CNI:
+    made, and not yet recorded with the container), where one let end makes a container
+    that the pool's release removes, namespace and all."""
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(answer)
+    except Exception:  # past the time limit
+        await _kill(proc, answer)
+    except BaseException:
+        await _kill(proc, answer)
+        raise
+
+
+async def _kill(proc: asyncio.subprocess.Process, answer: asyncio.Future[Any]) -> None:
+    """End an engine command now (SIGKILL) and wait for it."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+    with contextlib.suppress(Exception):
+        await answer  # its output pipes are closed now
 
 
 def _dismiss(janitor: subprocess.Popen[bytes], removed: bool) -> None:
