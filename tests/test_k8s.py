@@ -119,6 +119,34 @@ def test_pods_are_listed_when_the_watch_ends(
     assert made  # the start did watch
 
 
+_PROBE = """
+def probe():
+    import os, sys
+    loaded = "flotilla._info" in sys.modules  # what the executor's start imported
+    from flotilla._info import in_task
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a fork the task makes is in the task too
+        os.write(w, b"1" if in_task() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return loaded, in_task(), os.read(r, 1) == b"1"
+"""
+
+
+def test_a_pods_executor_starts_without_instance_info_and_its_tasks_know_they_are_tasks(
+    k8s_lab: K8sLab,
+) -> None:
+    """A pool without plugin hooks: the executor's start imports no ``flotilla._info`` (its
+    two frozen dataclasses cost every executor start ~2 ms); a task, and a fork it made,
+    are still in a task (``in_task``: a flotilla function called there runs there). The
+    probe is sent by value (a module of no file), so that nothing imports flotilla for it."""
+    namespace: dict[str, Any] = {"__name__": "flotilla_test_probe"}
+    exec(_PROBE, namespace)
+    with sky.Compute(provider=provider(k8s_lab), nodes=1) as pool:
+        assert sky.function(namespace["probe"])() >> pool == (False, True, True)
+
+
 def test_a_gpu_pod_lands_on_the_gpu_node(k8s_lab: K8sLab) -> None:
     with sky.Compute(provider=provider(k8s_lab), nodes=1, accelerator="A100:1") as pool:
         pods = pool_pods(k8s_lab, pool.pool_id)

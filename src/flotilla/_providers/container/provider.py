@@ -20,12 +20,12 @@ removed).
 **Nothing left.** Closing the pool (also on exceptions and Ctrl-C) stops the agents, removes
 the pool's containers (``rm -f``) and its own network. An engine command it cut short (a
 ``run`` of a start interrupted, of an elastic pool growing) is let end first: killed while
-it sets up a container's network, podman leaves that network namespace behind. A client killed with SIGKILL: a
-*janitor*, a small process started with the pool in a session of its own, reads a pipe only
-the client holds; at its end of input without the client's "done" it removes the pool's
-containers and network itself. What even that missed (the janitor killed too) is found by
-its labels: :func:`..container.orphans.remove_orphans` (``flotilla down --orphans``) removes
-the pools whose client is gone.
+it sets up a container's network, podman leaves that network namespace behind. A client
+killed with SIGKILL: a *janitor*, a small process started with the pool in a session of its
+own, reads a pipe only the client holds; at its end of input without the client's "done"
+it removes the pool's containers and network itself. What even that missed (the janitor
+killed too) is found by its labels: :func:`..container.orphans.remove_orphans` (``flotilla
+down --orphans``) removes the pools whose client is gone.
 
 **A named cluster's daemon dies** (kill -9; ``PoolSpec.keep_agents``): its agents wait for
 a new daemon (``_providers/reattach.py``), so the containers must stay. Each agent's
