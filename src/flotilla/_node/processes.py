@@ -390,7 +390,8 @@ class ExecutorProcesses:
                 self._reaped(fd)
 
     def _graves_due(self, wake: float) -> float:
-        """The earliest grace of a buried process that ends (monotonic), or ``wake``."""
+        """The earliest moment (monotonic) a buried process needs a look (its grace ends,
+        its next poll, its warning), or ``wake``."""
         for grave in self.graves.values():
             stuck = grave.killed + stuck_after() if grave.killed and not grave.warned else 0.0
             for due in (grave.deadline, grave.poll_at, stuck):
