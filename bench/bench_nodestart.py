@@ -206,7 +206,7 @@ def kubernetes_start(
         if pids:
             per_node.append(sum(cpu_of(p) for p in pids))
             for p in pids:
-                name = "holder" if b"free_since" in cmdline(p) else role(p)
+                name = "holder" if is_holder(p) or is_holder(parent(p)) else role(p)
                 roles[name] = roles.get(name, 0.0) + cpu_of(p) / nodes
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     live = sum(cpu_of(p) for p in kids.get(os.getpid(), []) if comm(p) == "kubectl")
@@ -215,6 +215,20 @@ def kubernetes_start(
     for name, pid in spec["lab"].items():
         roles[f"lab {name}"] = (cpu_of(pid) - lab0[name]) / nodes
     return per_node
+
+
+def is_holder(pid: int) -> bool:
+    """A pod's holder: the shell one (its ``flock`` and ``sleep`` are its children) or the
+    Python one (``PYTHON_HOLDER``, where the image has no ``flock``)."""
+    line = cmdline(pid)
+    return b"flotilla-holder" in line or b"free_since" in line
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(_stat(pid)[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def cmdline(pid: int) -> bytes:

@@ -16,6 +16,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,26 @@ class ContainerLab:
         data = json.loads(self.podman("inspect", name))
         return data[0]  # type: ignore[no-any-return]
 
+    def orphan_netns(self, among: set[str]) -> set[str]:
+        """The network namespaces of ``among`` that podman made (``netns-*``) and still
+        exist though no container has them (a container's ``SandboxKey``): left for good."""
+        made = {n for n in among if n.startswith("netns-")} & podman_netns()
+        if not made:
+            return set()
+        ids = self.podman("ps", "-a", "-q").split()
+        if ids:
+            used = self.podman("inspect", "--format", "{{.NetworkSettings.SandboxKey}}", *ids)
+            made -= {os.path.basename(key) for key in used.split()}
+        return made
+
+
+def podman_netns() -> set[str]:
+    """The network namespaces in /run/netns that podman made (``netns-<uuid>``)."""
+    try:
+        return {n for n in os.listdir("/run/netns") if n.startswith("netns-")}
+    except FileNotFoundError:
+        return set()
+
 
 def _probe(rootfs: Path, binary_args: list[str], run_args: list[str]) -> str:
     """'' when a container runs with these arguments, else podman's error."""
@@ -142,6 +163,23 @@ def container_lab_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     if _lab is None:
         pytest.skip(_reason or "no container lab")
     yield _lab
+
+
+@pytest.fixture(autouse=True)
+def no_netns_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that uses the lab: no network namespace podman made meanwhile is
+    left without its container (a user's machine would collect them). Test modules
+    import it with the lab's fixture."""
+    if "container_lab" not in request.fixturenames:
+        yield
+        return
+    lab: ContainerLab = request.getfixturevalue("container_lab")
+    before = podman_netns()
+    yield
+    deadline = time.monotonic() + 60  # a container starting now has one not yet recorded
+    while (left := lab.orphan_netns(podman_netns() - before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"podman network namespaces left without a container: {sorted(left)}"
 
 
 _lab: ContainerLab | None = None

@@ -8,7 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _container import ContainerLab, container_lab_fixture  # noqa: F401 - the fixture
+from _container import (  # noqa: F401 - the fixtures
+    ContainerLab,
+    container_lab_fixture,
+    no_netns_left,
+)
 from test_cli import CLI, node_lines
 from test_cli import cli as cli  # the fixture
 from test_cli_files import copy_check

@@ -10,17 +10,25 @@ tested on machines without a container runtime.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _container import ContainerLab, container_lab_fixture  # noqa: F401 - the fixture
+from _container import (  # noqa: F401 - the fixtures
+    ContainerLab,
+    container_lab_fixture,
+    no_netns_left,
+    podman_netns,
+)
 from _ddp import assert_ddp_averages
 from _procs import all_pids, cmdline, wait_until
 
@@ -350,6 +358,53 @@ def test_a_removed_container_is_replaced_at_its_rank(container_lab: ContainerLab
     assert again[1]["addr"] != first[1]["addr"]
     assert first[0]["addr"] == again[0]["addr"]
     assert container_lab.containers(pool.pool_id) == []
+
+
+def test_a_start_cut_short_leaves_no_network_namespace(container_lab: ContainerLab) -> None:
+    """A pool's start cut short (Ctrl-C; an elastic pool closing while it grows) while
+    the engine sets up a container's network: the engine's ``run`` is let end, and the
+    release removes the container with its network namespace. (podman 4 with CNI leaves
+    that namespace behind for good when ``run`` is killed right then: made, not yet
+    recorded with the container.)"""
+    from flotilla._providers.base import Options, PoolSpec
+
+    provider = container_lab.provider()
+    spec = PoolSpec(uuid.uuid4().hex[:8], 1, None, None, (), Options())
+    name = f"{provider.settings.prefix}-{spec.pool_id}-0"
+    before = podman_netns()
+
+    def engine_run() -> list[int]:  # this process's `podman run` of the container
+        kids = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+        return [int(p) for p in kids if f" --name {name} " in cmdline(int(p))]
+
+    async def cut_short() -> set[str]:
+        start = asyncio.create_task(provider.acquire(spec))
+        runs: list[int] = []
+        while not (runs and podman_netns() - before):  # the namespace is made: hold it
+            assert not start.done(), "the pool started before its network was set up"
+            runs = runs or engine_run()
+            await asyncio.sleep(0.001)
+        made = podman_netns() - before
+        for pid in runs:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            start.cancel()
+            for _ in range(10):  # the cancellation reaches the engine's call
+                await asyncio.sleep(0)
+        finally:
+            for pid in runs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        return made
+
+    made = asyncio.run(cut_short())
+    assert container_lab.containers(spec.pool_id) == []
+    assert f"flotilla-{spec.pool_id}" not in container_lab.networks()
+    assert wait_until(lambda: not container_lab.orphan_netns(made), timeout=60), (
+        container_lab.orphan_netns(made)
+    )
 
 
 _CLIENT = """

@@ -7,8 +7,11 @@ Tests that need the lab need root; they skip with the reason otherwise.
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 from _ddp import assert_ddp_averages
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
-from _procs import assert_all_gone, interruptible, wait_until
+from _procs import assert_all_gone, cmdline, interruptible, wait_until
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, ProvisionCause, ProvisionError
@@ -114,6 +117,34 @@ def test_pods_are_listed_when_the_watch_ends(
     with sky.Compute(provider=provider(k8s_lab), nodes=2) as pool:
         assert [i["node"] for i in where() @ pool] == [0, 1]
     assert made  # the start did watch
+
+
+_PROBE = """
+def probe():
+    import os, sys
+    loaded = "flotilla._info" in sys.modules  # what the executor's start imported
+    from flotilla._info import in_task
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a fork the task makes is in the task too
+        os.write(w, b"1" if in_task() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return loaded, in_task(), os.read(r, 1) == b"1"
+"""
+
+
+def test_a_pods_executor_starts_without_instance_info_and_its_tasks_know_they_are_tasks(
+    k8s_lab: K8sLab,
+) -> None:
+    """A pool without plugin hooks: the executor's start imports no ``flotilla._info`` (its
+    two frozen dataclasses cost every executor start ~2 ms); a task, and a fork it made,
+    are still in a task (``in_task``: a flotilla function called there runs there). The
+    probe is sent by value (a module of no file), so that nothing imports flotilla for it."""
+    namespace: dict[str, Any] = {"__name__": "flotilla_test_probe"}
+    exec(_PROBE, namespace)
+    with sky.Compute(provider=provider(k8s_lab), nodes=1) as pool:
+        assert sky.function(namespace["probe"])() >> pool == (False, True, True)
 
 
 def test_a_gpu_pod_lands_on_the_gpu_node(k8s_lab: K8sLab) -> None:
@@ -236,8 +267,28 @@ def test_ctrl_c_leaves_no_pod(k8s_lab: K8sLab) -> None:
     assert_all_gone(pids, timeout=10, what="the agents")
 
 
+def holders(lab: K8sLab) -> dict[str, str]:
+    """The lab's pods' holders: pod name -> the program the holder runs (its ``exe``)."""
+    from _hosts import pids_in_netns
+
+    found = {}
+    for name in sorted(os.listdir("/run/netns")):
+        for pid in pids_in_netns(name) if name.startswith(f"flotilla-{lab.tag}-h") else []:
+            with contextlib.suppress(OSError):
+                if "flotilla-holder" in cmdline(pid) or "free_since" in cmdline(pid):
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    pod = next(v[9:] for v in environ if v.startswith(b"HOSTNAME="))
+                    found[pod.decode()] = os.path.realpath(f"/proc/{pid}/exe")
+    return found
+
+
 def test_a_client_killed_with_sigkill_leaves_no_running_pod(k8s_lab: K8sLab) -> None:
+    """The agents end with the killed client's exec streams, and the pods' holders (the
+    shell's: the lab's "image" has ``flock``) end the pods ``IDLE`` s later."""
     client, pool_id, pids = _client(k8s_lab)
+    sh = os.path.realpath(str(shutil.which("sh")))
+    pods = {f"flotilla-{pool_id}-{k}": sh for k in range(2)}
+    assert {k: v for k, v in holders(k8s_lab).items() if k in pods} == pods
     client.kill()
     client.wait()
     assert_all_gone(pids, timeout=30, what="the killed client's agents")
@@ -485,3 +536,115 @@ def test_the_default_image_is_the_clients_python_and_gpus_select_their_type() ->
     assert pod["spec"]["nodeSelector"] == {"skypilot.co/accelerator": "a100"}
     pod = Kubernetes(gpu_label=None).pod(gpus, 0, "flotilla-abcd1234-0")
     assert "nodeSelector" not in pod["spec"]
+
+
+# -- the pods' holder, run here as a pod runs it (see HOLDER) ------------------------------
+def _holder(tmp_path: Path, flock: bool, first: int = 1, idle: int = 1) -> subprocess.Popen[bytes]:
+    """A pod's command for the lock ``~/agent.lock`` (HOME: ``tmp_path``); without
+    ``flock``: on a PATH with only ``sh`` and ``sleep`` (an image without util-linux)."""
+    from flotilla._providers.k8s.provider import holder_command
+
+    path = os.environ["PATH"]
+    if not flock:
+        tools = tmp_path / "bin"
+        tools.mkdir()
+        for name in ("sh", "sleep"):
+            (tools / name).symlink_to(str(shutil.which(name)))
+        path = str(tools)
+    argv = holder_command([sys.executable], first, idle, "~/agent.lock")
+    return subprocess.Popen(argv, env={"PATH": path, "HOME": str(tmp_path)})
+
+
+def _agent_lock(tmp_path: Path) -> int:
+    """Take the pod's agent lock as an agent does (``bootstrap``: a shared ``flock``)."""
+    fd = os.open(tmp_path / "agent.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _runs_python(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath(sys.executable)
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _waits_in_flock(holder: subprocess.Popen[bytes]) -> bool:
+    """The shell holder waits in ``flock`` for the agents' lock (it has seen the lock)."""
+    return any(cmdline(p).startswith("flock -x") for p in _children(holder.pid))
+
+
+def _counts_idle_seconds(holder: subprocess.Popen[bytes]) -> bool:
+    """The shell holder has seen the lock free: it counts its idle seconds (``sleep``)."""
+    return any(cmdline(p).startswith("sleep") for p in _children(holder.pid))
+
+
+@pytest.mark.parametrize("flock", [True, False], ids=["shell", "no flock: python"])
+def test_a_pods_holder_keeps_it_while_an_agent_runs_and_ends_it_idle_after(
+    tmp_path: Path, flock: bool
+) -> None:
+    """The holder outlives its ``first`` and ``idle`` seconds while an agent holds the lock,
+    and goes back to waiting when an agent takes the lock within ``idle`` s of the last one
+    letting it go; ``idle`` s after the last agent let it go it ends (status 0: the pod is
+    Succeeded). Where the image has ``flock`` no Python starts (the shell waits in
+    ``flock``); without it the Python holder does the same."""
+    fd = _agent_lock(tmp_path)
+    holder = _holder(tmp_path, flock, first=1, idle=2)
+    try:
+        if flock:
+            assert wait_until(lambda: _waits_in_flock(holder), timeout=60)
+        else:
+            assert wait_until(lambda: _runs_python(holder.pid), timeout=60)
+        with pytest.raises(subprocess.TimeoutExpired):
+            holder.wait(timeout=4)  # past first and idle: held, it stays
+        os.close(fd)  # the agent ended...
+        if flock:  # (the shell has seen it: it counts idle seconds)
+            assert wait_until(lambda: _counts_idle_seconds(holder), timeout=60)
+        fd = _agent_lock(tmp_path)  # ...and another one starts within idle seconds
+        with pytest.raises(subprocess.TimeoutExpired):
+            holder.wait(timeout=3)
+        assert _runs_python(holder.pid) is not flock
+        os.close(fd)
+        fd = -1
+        assert holder.wait(timeout=60) == 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("flock", [True, False], ids=["shell", "no flock: python"])
+def test_a_pods_holder_ends_it_when_no_agent_starts(tmp_path: Path, flock: bool) -> None:
+    holder = _holder(tmp_path, flock, first=1, idle=60)
+    try:
+        assert holder.wait(timeout=60) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_pods_holder_ends_at_once_when_the_pod_is_deleted(tmp_path: Path) -> None:
+    """SIGTERM (the pod's deletion) ends the shell holder while it waits in ``flock`` for a
+    running agent, with status 0, and its ``flock`` with it."""
+    fd = _agent_lock(tmp_path)
+    holder = _holder(tmp_path, flock=True)
+    try:
+        assert wait_until(lambda: _waits_in_flock(holder), timeout=60)
+        waiting = _children(holder.pid)
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=60) == 0  # the lock is still held
+        assert_all_gone(waiting, timeout=30, what="the holder's flock")
+    finally:
+        os.close(fd)
+        holder.kill()
+        holder.wait()

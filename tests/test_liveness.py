@@ -245,3 +245,33 @@ def test_an_executor_slow_to_die_does_not_stop_its_agent(tmp_path: Path) -> None
         assert sorted(slot for slot, _ in slots) == [0, 1]
         assert len(pids) == 2 and killed not in pids  # the slot has a new process...
         assert agent_pid(pool, 0) == agent  # ...on the same node: it was never lost
+
+
+def test_a_slot_whose_killed_process_does_not_end_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed executor that has not ended ``FLOTILLA_STUCK_WARNING`` seconds later (30 by
+    default; 1 here) leaves its slot without a process: the agent names the slot and the
+    process to the client, which prints it as the node's stderr, once; the slot gets a new
+    process once the old one is gone."""
+    monkeypatch.setenv("FLOTILLA_STUCK_WARNING", "1")  # the local agents' environment
+    a = str(tmp_path / "a")
+    said: list[str] = []
+
+    def warned() -> list[str]:
+        said.extend(capsys.readouterr().err.splitlines())
+        return [line for line in said if "slot 0 has no process" in line]
+
+    with sky.Compute(nodes=1) as pool:
+        call = pid_then_wait(a) > pool
+        assert wait_until(lambda: os.path.exists(f"{a}.pid"), 120)
+        killed = int(Path(f"{a}.pid").read_text())
+        with death_held(killed):
+            pool.cancel([call])  # its process is killed; its end is held back
+            with pytest.raises(CancelledError):
+                call.result(timeout=120)
+            assert wait_until(lambda: bool(warned()), 60), said
+        Path(a).touch()
+        assert rank() >> pool == 0  # the slot serves again, with a new process
+        (line,) = warned()
+    assert f"(pid {killed}, state " in line and "was killed" in line, line

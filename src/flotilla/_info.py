@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -115,18 +116,13 @@ SINGLE_NODE = InstanceInfo(
 _cache: dict[str, InstanceInfo] = {}
 
 
-_task_process = False
-
-
-def mark_task_process() -> None:
-    """Record that this process runs a pool's tasks (the node's executor calls it)."""
-    global _task_process
-    _task_process = True
-
-
 def in_task() -> bool:
-    """Whether this process runs a pool's tasks (an executor on a node)."""
-    return _task_process
+    """Whether this process runs a pool's tasks (an executor on a node, or a fork a task
+    made): the executor says so in its own module (``serving``), which every such process
+    has loaded (the executor imports this module only when it needs it: not at its
+    start)."""
+    executor = sys.modules.get("flotilla._node.executor")
+    return bool(getattr(executor, "serving", False))
 
 
 _thread = threading.local()

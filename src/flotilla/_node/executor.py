@@ -47,6 +47,10 @@ from .._wire.frames import (
 )
 from .lanes import RUNNING, SEQ, Board
 
+serving = False
+"""True in a process that runs a pool's tasks (set by :func:`main`; a task's forks keep it):
+``flotilla._info.in_task`` reads it."""
+
 
 def main(
     config: Config,
@@ -80,10 +84,10 @@ def main(
         sys.stdout.reconfigure(line_buffering=True)
     stack = ExitStack()
     try:
-        from .._info import instance_info, mark_task_process
         from .hooks import enter_plugins
 
-        mark_task_process()  # a flotilla function called by a task runs right here
+        global serving
+        serving = True  # a flotilla function called by a task runs right here
         plugins = pickle.loads(blob) if blob else []
         if config.get("group"):  # every node reaches the head before the collective forms
             from .preflight import preflight
@@ -94,7 +98,7 @@ def main(
                     _send(fd, Kind.READY, 0, dump({"error": unreachable}))
                 _flush()
                 os._exit(1)
-        enter_plugins(stack, plugins, instance_info())
+        enter_plugins(stack, plugins)
     except BaseException:
         for fd in result_fds:
             _send(fd, Kind.READY, 0, dump({"error": traceback.format_exc()}))
@@ -140,12 +144,13 @@ def _serve(
     """Say READY, then run the tasks of ``slot`` sent on ``rfd`` (answers on ``wfd``) until
     SHUTDOWN or the end of the pipe. ``threaded``: a thread slot other than the process's
     first (its place in the pool, collections and streamed arguments are this thread's)."""
-    from .._info import set_thread_pool
     from .._wire import serialize as _serialize
     from . import feeds
 
     shm_prefix: str = config.get("shm_prefix", "")
     if threaded:
+        from .._info import set_thread_pool
+
         info = {**info, "worker": slot}
         set_thread_pool(json.dumps(info))
     _send(wfd, Kind.READY, 0, dump({"pid": os.getpid()}))

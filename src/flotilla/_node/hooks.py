@@ -7,11 +7,11 @@ import gc
 from contextlib import ExitStack
 from typing import Any
 
-from .._info import InstanceInfo
 
-
-def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> None:
-    """Enter each plugin's ``around_process`` context, in order, on ``stack``.
+def enter_plugins(stack: ExitStack, plugins: list[Any]) -> None:
+    """Enter each plugin's ``around_process`` context, in order, on ``stack``, with this
+    process's ``instance_info()`` (``flotilla._info`` is imported only then: a pool without
+    such hooks does without it).
 
     The hooks import frameworks (torch, jax...): hundreds of thousands of objects that live
     as long as the process. The cyclic garbage collector is paused meanwhile (its passes
@@ -26,7 +26,9 @@ def enter_plugins(stack: ExitStack, plugins: list[Any], info: InstanceInfo) -> N
             hook = getattr(plugin, "around_process", None)
             if hook is None:
                 continue
-            cm = hook(info)
+            from .._info import instance_info
+
+            cm = hook(instance_info())
             if cm is not None:
                 stack.enter_context(cm)
     finally:

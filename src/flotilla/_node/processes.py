@@ -46,6 +46,11 @@ EXIT_GRACE = 2.0
 status explains its death) before it is killed."""
 REAP_POLL = 0.05
 """Seconds between two looks at an ended process the agent cannot reap yet (see Grave)."""
+STUCK_AFTER = 30.0
+"""Seconds a killed process may take to end before the agent tells the client that its
+slot is left without a process (``FLOTILLA_STUCK_WARNING`` in the agent's environment:
+another number of seconds)."""
+STUCK_VAR = "FLOTILLA_STUCK_WARNING"
 
 
 class ExecState(Enum):
@@ -117,7 +122,10 @@ class Grave:
 
     ``then`` gets its exit status once it is reaped; past ``deadline`` (monotonic, 0: none)
     it is killed. A process that ended but is not the agent's to reap yet (a tracer holds
-    it) is looked at again every :data:`REAP_POLL` seconds (``poll_at``), not in a spin."""
+    it) is looked at again every :data:`REAP_POLL` seconds (``poll_at``), not in a spin.
+    One killed (at ``killed``, monotonic) that has not ended :func:`stuck_after` seconds
+    later (stuck in the kernel for good: its slot runs nothing meanwhile) is named to the
+    client once (``warned``)."""
 
     pid: int
     slot: Slot
@@ -125,6 +133,8 @@ class Grave:
     then: Callable[[int | None], None] | None
     deadline: float = 0.0
     poll_at: float = 0.0
+    killed: float = 0.0
+    warned: bool = False
 
 
 class ExecutorProcesses:
@@ -389,8 +399,9 @@ class ExecutorProcesses:
             if then is not None:
                 then(status)
             return
-        deadline = time.monotonic() + grace if grace else 0.0
-        self.graves[fd] = Grave(pid, slot, fd, then, deadline)
+        now = time.monotonic()
+        deadline, killed = (now + grace, 0.0) if grace else (0.0, now)
+        self.graves[fd] = Grave(pid, slot, fd, then, deadline, killed=killed)
         slot.dying = pid
         self.sel.register(fd, False, partial(self._reaped, fd))
 
@@ -416,20 +427,32 @@ class ExecutorProcesses:
             self._start(slot)
 
     def _bury_overdue(self, now: float) -> None:
-        """Kill the buried processes past their grace; look again at those not reaped."""
+        """Kill the buried processes past their grace; look again at those not reaped;
+        name those killed long ago that still have not ended."""
         for fd, grave in list(self.graves.items()):
             if grave.deadline and now >= grave.deadline:
-                grave.deadline = 0.0
+                grave.deadline, grave.killed = 0.0, now
                 kill_group(grave.pid)
                 with contextlib.suppress(OSError):  # (one that left its group)
                     os.kill(grave.pid, signal.SIGKILL)
+            if grave.killed and not grave.warned and now >= grave.killed + stuck_after():
+                grave.warned = True
+                slot, waited = grave.slot.rank, now - grave.killed
+                said = (
+                    f"flotilla agent: slot {slot} has no process: its last one (pid "
+                    f"{grave.pid}{_state(grave.pid)}) was killed {waited:.0f} s ago and is "
+                    "not gone (stuck in the kernel?); the slot starts a new one once it is\n"
+                )
+                self.client.send(frame(Kind.OUTPUT, 2 | slot << 8, said.encode()))
             if grave.poll_at and now >= grave.poll_at:
                 self._reaped(fd)
 
     def _graves_due(self, wake: float) -> float:
-        """The earliest grace of a buried process that ends (monotonic), or ``wake``."""
+        """The earliest moment (monotonic) a buried process needs a look (its grace ends,
+        its next poll, its warning), or ``wake``."""
         for grave in self.graves.values():
-            for due in (grave.deadline, grave.poll_at):
+            stuck = grave.killed + stuck_after() if grave.killed and not grave.warned else 0.0
+            for due in (grave.deadline, grave.poll_at, stuck):
                 if due:
                     wake = min(wake, due)
         return wake
@@ -473,6 +496,26 @@ def _output_out(board: Board) -> None:
     seq = board.get(SEQ)
     if seq & 1:
         board.set(SEQ, seq + 1)
+
+
+def stuck_after() -> float:
+    """:data:`STUCK_AFTER`, or the seconds ``FLOTILLA_STUCK_WARNING`` gives (a positive
+    number; anything else is ignored)."""
+    try:
+        seconds = float(os.environ.get(STUCK_VAR) or STUCK_AFTER)
+    except ValueError:
+        return STUCK_AFTER
+    return seconds if seconds > 0 else STUCK_AFTER
+
+
+def _state(pid: int) -> str:
+    """``pid``'s state as /proc names it (", state D": in an uninterruptible wait), or ""."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return f", state {chr(stat[stat.rindex(b')') + 2])}"
+    except (OSError, ValueError, IndexError):
+        return ""
 
 
 def _poll(pid: int) -> tuple[bool, int | None]:

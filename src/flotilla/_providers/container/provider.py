@@ -18,12 +18,14 @@ stream: the node is lost and replaced by a new container at the same rank (the o
 removed).
 
 **Nothing left.** Closing the pool (also on exceptions and Ctrl-C) stops the agents, removes
-the pool's containers (``rm -f``) and its own network. A client killed with SIGKILL: a
-*janitor*, a small process started with the pool in a session of its own, reads a pipe only
-the client holds; at its end of input without the client's "done" it removes the pool's
-containers and network itself. What even that missed (the janitor killed too) is found by
-its labels: :func:`..container.orphans.remove_orphans` (``flotilla down --orphans``) removes
-the pools whose client is gone.
+the pool's containers (``rm -f``) and its own network. An engine command it cut short (a
+``run`` of a start interrupted, of an elastic pool growing) is let end first: killed while
+it sets up a container's network, podman leaves that network namespace behind. A client
+killed with SIGKILL: a *janitor*, a small process started with the pool in a session of its
+own, reads a pipe only the client holds; at its end of input without the client's "done"
+it removes the pool's containers and network itself. What even that missed (the janitor
+killed too) is found by its labels: :func:`..container.orphans.remove_orphans` (``flotilla
+down --orphans``) removes the pools whose client is gone.
 
 **A named cluster's daemon dies** (kill -9; ``PoolSpec.keep_agents``): its agents wait for
 a new daemon (``_providers/reattach.py``), so the containers must stay. Each agent's
@@ -123,7 +125,7 @@ class Engine:
 
     async def call(self, args: list[str], timeout: float = CALL_TIMEOUT) -> str:
         """Run ``<engine> args``; its stdout. ProvisionError with the engine's message when
-        it fails."""
+        it fails. Cancelled, it lets the command end first (:func:`_finish`)."""
         argv = [*self.base(), *args]
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -136,13 +138,15 @@ class Engine:
             raise ProvisionError(
                 f"cannot run {self.settings.binary}: {e}", cause=ProvisionCause.SPAWN
             ) from e
+        answer = asyncio.ensure_future(proc.communicate())
         try:
             async with asyncio.timeout(timeout):
-                out, err = await proc.communicate()
+                out, err = await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            await _finish(proc, answer, timeout)
+            raise
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            await _kill(proc, answer)
             raise
         if proc.returncode != 0:
             raise ProvisionError(
@@ -487,6 +491,34 @@ class ContainerAllocation(ShellAllocation):
             janitor, self.janitor = self.janitor, None
             if janitor is not None:
                 _dismiss(janitor, removed)
+
+
+async def _finish(
+    proc: asyncio.subprocess.Process, answer: asyncio.Future[Any], timeout: float
+) -> None:
+    """Let an engine command the pool no longer waits for (its start or release cut short:
+    Ctrl-C, an elastic pool closing while it grows) end by itself within ``timeout`` s;
+    killed past that, or when cancelled again. A ``run`` killed while it sets up the
+    container's network leaves that network namespace behind for good (podman 4 with CNI:
+    made, and not yet recorded with the container), where one let end makes a container
+    that the pool's release removes, namespace and all."""
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(answer)
+    except Exception:  # past the time limit
+        await _kill(proc, answer)
+    except BaseException:
+        await _kill(proc, answer)
+        raise
+
+
+async def _kill(proc: asyncio.subprocess.Process, answer: asyncio.Future[Any]) -> None:
+    """End an engine command now (SIGKILL) and wait for it."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+    with contextlib.suppress(Exception):
+        await answer  # its output pipes are closed now
 
 
 def _dismiss(janitor: subprocess.Popen[bytes], removed: bool) -> None:

@@ -2,11 +2,14 @@
 
 **Pods.** A pool of N nodes is N pods created in one call (``restartPolicy: Never``,
 labelled ``flotilla/pool=<id>`` and ``flotilla/rank=<k>``, annotated with the client that
-made them), each running a *holder*: a few lines of Python that keep the pod alive while an
-agent runs in it and end it (so the pod is Succeeded and holds no GPU) when no agent has run
-for a while: ``start_timeout`` + 30 s when none ever started, ``IDLE`` seconds after the last
-one ended (an agent holds a lock on a file of the pod while it runs; the file's existence
-says that one started). Resources:
+made them), each running a *holder* (:data:`HOLDER`): a few lines of shell that keep the pod
+alive while an agent runs in it and end it (so the pod is Succeeded and holds no GPU) when no
+agent has run for a while: ``start_timeout`` + 30 s when none ever started, ``IDLE`` seconds
+after the last one ended (an agent holds a lock on a file of the pod while it runs; the
+file's existence says that one started). It waits in ``flock`` while agents hold the lock
+and counts the idle seconds with ``sleep``; an image without ``flock`` (util-linux, or
+busybox's) runs the same loop in Python instead (:data:`PYTHON_HOLDER`, a second interpreter
+start). Resources:
 ``accelerator="A100:8"`` requests (and limits) ``nvidia.com/gpu: 8`` and selects nodes
 labelled ``<gpu_label>=a100``; ``vcpus`` and ``memory_gb`` request CPU and memory.
 
@@ -96,6 +99,42 @@ WATCH_INTERVAL = 5.0
 """Seconds between two looks at the pool's pods while it runs (see watch())."""
 
 HOLDER = """\
+first=$1 idle=$2 lock=$3
+shift 3
+command -v flock >/dev/null && command -v sleep >/dev/null || exec "$@" "$first" "$idle" "$lock"
+case $lock in "~") lock=$HOME ;; "~/"*) lock=$HOME/${lock#"~/"} ;; esac
+trap 'kill $! 2>/dev/null; exit 0' TERM
+n=0
+until [ -e "$lock" ]; do
+    [ "$n" -lt "$first" ] || exit 0
+    sleep 1 & wait $!
+    n=$((n + 1))
+done
+while :; do
+    if command exec 9<"$lock"; then flock -x 9 & wait $!; fi 2>/dev/null
+    exec 9<&-
+    n=0
+    while [ "$n" -lt "$idle" ]; do
+        sleep 1 & wait $!
+        n=$((n + 1))
+        if command exec 9<"$lock" && ! flock -n -x 9; then exec 9<&-; continue 2; fi 2>/dev/null
+        exec 9<&-
+    done
+    exit 0
+done
+"""
+"""The pods' command (``sh -c HOLDER flotilla-holder FIRST IDLE LOCK PYTHON...``): keeps the
+pod while an agent holds the lock (see the module doc). One ``sh`` and, while it waits, one
+``flock`` or ``sleep`` at a time: an exclusive ``flock`` on a descriptor of its own blocks
+while any agent holds its shared one (no polling while agents run), and is dropped by
+closing that descriptor; then ``IDLE`` probes one second apart (``flock -n``) must all find
+the lock free (one that finds it held goes back to waiting). The waits run in the background
+under ``wait``, so SIGTERM (a pod's deletion) ends it at once: a trapped signal interrupts
+``wait``, not a command in the foreground (and the container's PID 1 gets no signal it has
+no handler for). Where ``flock`` or ``sleep`` is missing it becomes
+``PYTHON... -S -c PYTHON_HOLDER FIRST IDLE LOCK``. ``~`` in the lock's path is ``$HOME``."""
+
+PYTHON_HOLDER = """\
 import fcntl, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 first, idle, path = float(sys.argv[1]), float(sys.argv[2]), os.path.expanduser(sys.argv[3])
@@ -120,7 +159,16 @@ while True:
         sys.exit(0)
     time.sleep(0.5)
 """
-"""The pods' command: keeps the pod while an agent holds the lock (see the module doc)."""
+"""The holder where the image has no ``flock``: the same promises, polling every 0.5 s."""
+
+
+def holder_command(python: list[str], first: int, idle: int, lock: str) -> list[str]:
+    """A pod's command: :data:`HOLDER`, ending the pod ``first`` s after it started when no
+    agent took ``lock``, ``idle`` s after the last one let it go; ``python`` (the image's
+    interpreter, as words) runs :data:`PYTHON_HOLDER` instead where the image has no
+    ``flock``."""
+    holder = ["sh", "-c", HOLDER, "flotilla-holder", str(first), str(idle), lock]
+    return [*holder, *python, "-S", "-c", PYTHON_HOLDER]
 
 
 def default_image() -> str:
@@ -265,7 +313,7 @@ class Kubernetes(Provider):
     def pod(self, spec: PoolSpec, rank: int, name: str) -> dict[str, Any]:
         """The Pod object of ``rank``."""
         python = shlex.split(self.settings.python or "python3")
-        first = spec.options.start_timeout + 30
+        first, idle = math.ceil(spec.options.start_timeout + 30), math.ceil(IDLE)
         requests: dict[str, str] = {}
         limits: dict[str, str] = {}
         if spec.vcpus is not None:
@@ -287,15 +335,7 @@ class Kubernetes(Provider):
                 {
                     "name": CONTAINER,
                     "image": self.settings.image or default_image(),
-                    "command": [
-                        *python,
-                        "-S",
-                        "-c",
-                        HOLDER,
-                        f"{first:g}",
-                        f"{IDLE:g}",
-                        self.lock_path(),
-                    ],
+                    "command": holder_command(python, first, idle, self.lock_path()),
                     "resources": {"requests": requests, "limits": limits},
                     **({"env": env} if env else {}),
                 }
