@@ -94,11 +94,11 @@ def laned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sent: list[int] = []
     real = client_lanes.send
 
-    def send(d: Any, call: Any) -> Any:
-        got = real(d, call)
-        if got is not None:
-            sent.append(got[2].tid)
-        return got
+    def send(d: Any, call: Any, taken: list[Any]) -> Any:
+        try:
+            return real(d, call, taken)
+        finally:  # (also when interrupted: Ctrl-C once the call runs)
+            sent.extend(sub.tid for sub in taken if sub.lane is not None)
 
     monkeypatch.setattr(client_lanes, "send", send)
     return sent
@@ -222,15 +222,14 @@ def test_ctrl_c_in_a_lane_call_stops_its_process(
     path = tmp_path / "go"
     started = Path(str(path) + ".in")
 
-    def interrupt() -> None:
-        if wait_until(started.exists, 60):
+    def interrupt() -> None:  # once it runs (its pid written)
+        if wait_until(lambda: started.exists() and bool(started.read_text()), 60):
             os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         hold(str(path)) >> pool
     assert laned
-    assert wait_until(lambda: bool(started.read_text()), 60)
     assert wait_until(lambda: not alive(int(started.read_text())), 60)  # replaced
     assert noop(3) >> pool == 3
 

@@ -402,7 +402,7 @@ def test_a_lone_calls_answer_waits_for_its_caller_not_the_loop(
     answer = HEADER.size + sum(  # STARTED, then the RESULT of pause(0.0)
         len(p) for p in frame(Kind.RESULT, 1, b"\0", *encode(pickle_obj(0.0)))
     )
-    monkeypatch.setattr(client_lanes, "send", lambda d, call: None)  # the agent's way
+    monkeypatch.setattr(client_lanes, "send", lambda *_: None)  # the agent's way
     with sky.Compute(nodes=1) as pool:
         assert pause(0.0) >> pool == 0.0  # (the function is on the node now)
         settled_in: list[int] = []
@@ -436,7 +436,7 @@ def test_a_lone_call_interrupted_before_its_read_leaves_the_stream_to_the_loop(
     its results go on."""
     from flotilla._client.node import Node
 
-    monkeypatch.setattr(client_lanes, "send", lambda d, call: None)  # the agent's way
+    monkeypatch.setattr(client_lanes, "send", lambda *_: None)  # the agent's way
     with sky.Compute(nodes=1) as pool:
         assert pause(0.0) >> pool == 0.0
 

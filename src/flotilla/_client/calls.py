@@ -97,15 +97,16 @@ class PoolCalls(Pool):
             and not _loop.in_loop_thread()
         )
         if direct:
-            sent = lanes.send(dispatcher, call)
+            taken: list[Submission] = []
+            try:
+                sent = lanes.send(dispatcher, call, taken)
+                if sent is not None:
+                    lanes.wait(dispatcher, *sent)
+            except BaseException:  # (Ctrl-C): stopped as a running call is
+                lanes.stop(dispatcher, taken)
+                raise
             if sent is not None:
-                on, lane, lone = sent
-                try:
-                    lanes.wait(dispatcher, on, lane, lone)
-                except BaseException:  # (Ctrl-C): stopped as a running call is
-                    dispatcher.cancel([lone.future])
-                    raise
-                lane_value: R = lone.future.result()
+                lane_value: R = sent[2].future.result()
                 return lane_value
         sub = None
         try:

@@ -28,6 +28,7 @@ answer goes through ``Node._on_frames`` as one from the agent does.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -152,9 +153,12 @@ class Lanes:
             self.sock.close()
 
 
-def send(d: Dispatcher, call: PendingCall[Any]) -> tuple[Node, Lane, Submission] | None:
+def send(
+    d: Dispatcher, call: PendingCall[Any], taken: list[Submission]
+) -> tuple[Node, Lane, Submission] | None:
     """Send ``call`` on a lane if it can take one (see the module docstring); None when it
-    goes the general way (nothing of it sent)."""
+    goes the general way (nothing of it sent). Its submission is in ``taken`` from its
+    claim on (for :func:`stop`)."""
     fn = call.function
     if fn.timeout or streamed_parameters(fn.fn):
         return None
@@ -205,28 +209,53 @@ def send(d: Dispatcher, call: PendingCall[Any]) -> tuple[Node, Lane, Submission]
             node.busy[slot] += 1
     if tid:
         sub.wake_by = _waker()
+        taken.append(sub)  # (an interrupt from here on: the caller undoes or cancels it)
         lane.board.set(CLAIMED, tid)
         head = HEADER.pack(Kind.TASK, tid, size) + TASK_HEAD.pack(0.0, slot)
         try:
             os.write(lane.task_fd, head + body[0])  # (fits the pipe whole: see LARGEST)
-            sent = True
+            sub.lane = lane  # written (see undo)
         except OSError:  # the executor is gone: the general way
-            sent = False
-        if sent:
+            lane.ended = True
+        if sub.lane is not None:
             lane.orphan = bool(lane.board.get(CLOSED))  # see _node/lanes.py
             node.proc.watch()  # the loop reads the stream (a lone call's read parks it)
             node.events.task_started(node, sub)
             return node, lane, sub
-        lane.ended = True
-        if lane.board.get(CLAIMED) == tid:
-            lane.board.set(CLAIMED, 0)
-        with node.lock:
-            if node.inflight.pop(tid, None) is not None:
-                node.busy[slot] -= 1
-        sub.node = None
+        taken.clear()
+        undo(d, sub, lane)
+        return None
     d.by_future.pop(id(sub.future), None)
     payload.release()
     return None
+
+
+def undo(d: Dispatcher, sub: Submission, lane: Lane) -> None:
+    """Take back ``sub``, claimed on ``lane`` but not written there: nothing of it was
+    sent."""
+    node = sub.node
+    if lane.board.get(CLAIMED) == sub.tid:
+        lane.board.set(CLAIMED, 0)
+    if node is not None:
+        with node.lock:
+            if node.inflight.pop(sub.tid, None) is not None:
+                node.busy[sub.worker] -= 1
+    sub.node = None
+    sub.wake_by = None
+    d.by_future.pop(id(sub.future), None)
+    sub.payload.release()
+
+
+def stop(d: Dispatcher, taken: list[Submission]) -> None:
+    """The caller of a lane call was interrupted (Ctrl-C): the call, if it was written,
+    is cancelled as a running call is (its process replaced); else taken back."""
+    for sub in taken:
+        if sub.lane is not None:
+            d.cancel([sub.future])
+        elif sub.node is not None and sub.node.lanes:
+            lane = sub.node.lanes.by_slot.get(sub.worker)
+            if lane is not None:
+                undo(d, sub, lane)
 
 
 def _lanes_of(node: Node) -> Lanes | bool:
@@ -293,7 +322,7 @@ def _wait(
             lane.ended = True  # the executor is gone: the agent says how (DIED)
             waker.polls.pop(fd, None)
             if lane.orphan and not done() and not _seen(lane, sub):  # (its agent says it)
-                _orphaned(node, sub)  # (a second answer is dropped)
+                _orphaned(d, node, sub, lane)  # (a second answer is dropped)
             poller = waker.alone
     took = time.monotonic() - start
     lane.answered = took if took > SPIN else (lane.answered + took) / 2
@@ -377,9 +406,19 @@ def _seen(lane: Lane, sub: Submission) -> bool:
     return lane.board.get(SEEN) == sub.tid or sub.future.done()
 
 
-def _orphaned(node: Node, sub: Submission) -> None:
-    import json
-
-    death = {"exitcode": None, "reason": "was replaced", "local_rank": sub.worker}
-    body = bytes((Status.DIED,)) + json.dumps(death).encode()
-    node._on_frames([(Kind.RESULT, sub.tid, body)])
+def _orphaned(d: Dispatcher, node: Node, sub: Submission, lane: Lane) -> None:
+    """``sub``'s lane ended without its answer, its agent having closed the lane before
+    it saw the claim: sent again (free) if the executor never began it, else DIED."""
+    if lane.board.get(RUNNING) in (sub.tid, -sub.tid):
+        death = {"exitcode": None, "reason": "was replaced", "local_rank": sub.worker}
+        body = bytes((Status.DIED,)) + json.dumps(death).encode()
+        node._on_frames([(Kind.RESULT, sub.tid, body)])
+        return
+    with node.lock:
+        if node.inflight.pop(sub.tid, None) is None:
+            return
+        node.busy[sub.worker] -= 1
+    sub.lane = None
+    err = node.lost_error("replaced the process a call was sent to before it began")
+    if not d.retry(sub, err, free=True):
+        d.settle(sub, exc=err)

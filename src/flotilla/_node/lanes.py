@@ -46,6 +46,7 @@ from .._wire.lanes import CLAIMED, CLOSED, MESSAGE, RUNNING, SEEN, SEQ, VAR, Boa
 __all__ = [
     "CLAIMED",
     "CLOSED",
+    "LANE_POLL",
     "RUNNING",
     "SEEN",
     "SEQ",
@@ -55,6 +56,11 @@ __all__ = [
     "LaneSocket",
     "claimed",
 ]
+
+
+LANE_POLL = (0.001, 0.02)
+"""Seconds between two looks at a slot's lane claim while a task of the agent waits for it
+to clear: the first, and the longest (doubling in between)."""
 
 
 def claimed(board: Board) -> bool:

@@ -33,11 +33,22 @@ from enum import Enum
 from functools import partial
 
 from .._system.procs import die_with_parent
-from .._wire.bodies import Config
+from .._wire.bodies import Config, Ready
 from .._wire.frames import HEADER, Buffer, FrameReader, Kind, Status, frame
 from .batching import Policy
 from .eventloop import Outbox, Poller
-from .lanes import CLAIMED, CLOSED, RUNNING, SEEN, SEQ, Board, Lane, LaneSocket
+from .lanes import (
+    CLAIMED,
+    CLOSED,
+    LANE_POLL,
+    RUNNING,
+    SEEN,
+    SEQ,
+    Board,
+    Lane,
+    LaneSocket,
+    claimed,
+)
 
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
@@ -73,6 +84,10 @@ class Task:
     deadline: float = 0.0
     announced: bool = False  # STARTED was sent to the client
     cancelled: bool = False  # cancelled once given to the executor (the client was told)
+
+    def arm(self, now: float) -> None:
+        """It runs from ``now``: its deadline (0: none)."""
+        self.deadline = now + self.timeout if self.timeout > 0 else 0.0
 
 
 @dataclass(eq=False)
@@ -157,11 +172,18 @@ class ExecutorProcesses:
     graves: dict[int, Grave]  # by pidfd
     lanes: LaneSocket | None
     unsent: set[Executor]  # executors whose output read last is still in the client outbox
+    held: dict[Slot, tuple[float, float]]  # slots held for a lane call: (look at, pause)
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         raise NotImplementedError
 
     def _ended(self, ex: Executor, reason: str, status: int | None) -> None:
+        raise NotImplementedError
+
+    def _feed(self, slot: Slot, before: list[Buffer] | None = None) -> None:
+        raise NotImplementedError
+
+    def _replace(self, slot: Slot, reason: str) -> None:
         raise NotImplementedError
 
     def start_all(self) -> None:
@@ -328,7 +350,79 @@ class ExecutorProcesses:
             if ex.board is not None:
                 _output_out(ex.board)
 
-    def _lane_closed(self, ex: Executor, death: dict[str, object] | None = None) -> bool:
+    def _death(self, ex: Executor, reason: str, status: int | None) -> Ready:
+        """A DIED result's body: how ``ex`` ended (``reason``: why, when the agent ended
+        it), its stderr's last lines."""
+        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
+        death: Ready = {
+            "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
+            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
+            "pid": ex.pid,
+            "local_rank": ex.slot.rank,
+        }
+        if reason:
+            death["reason"] = reason
+        return death
+
+    def _cancel_lane(self, ident: int) -> None:
+        """CANCEL of a lane call (see lanes.py): CANCELLED, and its executor replaced if
+        it runs it; one waiting in the lane is skipped there (what it says is dropped),
+        unless it began meanwhile: the executor says it runs before it looks for a
+        CANCEL, so one of the two sees the other's word."""
+        for slot in self.slots:
+            ex = slot.executor
+            board = ex.board if ex is not None else None
+            if ex is None or board is None or board.get(CLAIMED) != ident:
+                continue
+            self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            if board.get(RUNNING) != ident:
+                ex.outbox.send(frame(Kind.CANCEL, ident))
+                if board.get(RUNNING) != ident:
+                    return
+            slot.fed = 0  # a task given behind it did not start: the next process's
+            self._kill(slot)
+            self._replace(slot, "a running call was cancelled")
+            return
+
+    def _look_at_lanes(self, now: float) -> None:
+        """Feed the slots held for a lane call that ended (time a task given behind it
+        from now, see the supervisor's ``_feed``); look again later at the others."""
+        for slot, (at, pause) in list(self.held.items()):
+            if now < at:
+                continue
+            ex = slot.executor
+            if ex is not None and ex.board is not None and claimed(ex.board):
+                self.held[slot] = (now + pause, min(pause * 2, LANE_POLL[1]))
+                continue
+            del self.held[slot]
+            if slot.fed:
+                slot.tasks[0].arm(now)
+            else:
+                self._feed(slot)
+
+    def _lane_holds(self, slot: Slot) -> bool:
+        """Whether ``slot``'s next task waits: a lane call is claimed on its executor,
+        which runs nothing of the agent's (the slot is held, looked at again)."""
+        ex = slot.executor
+        if ex is None or ex.board is None or slot.fed or not claimed(ex.board):
+            return False
+        self._hold(slot)
+        return True
+
+    def _behind_lane(self, slot: Slot) -> None:
+        """``slot``'s first task was just given: if a lane call was claimed meanwhile,
+        the task may wait behind it, so it is timed only once that ended."""
+        ex = slot.executor
+        if ex is not None and ex.board is not None and claimed(ex.board):
+            slot.tasks[0].deadline = 0.0
+            self._hold(slot)
+
+    def _hold(self, slot: Slot) -> None:
+        """Give ``slot`` no task while a lane call is claimed on it (looked at again)."""
+        if slot not in self.held:
+            self.held[slot] = (time.monotonic() + LANE_POLL[0], LANE_POLL[0] * 2)
+
+    def _lane_closed(self, ex: Executor, death: Ready | None = None) -> bool:
         """``ex`` ended or is stopped: the lane call claimed on it, if any, ends (DIED,
         with ``death``: see lanes.py); whether that call was running (else it had not
         started, and a task the agent gave ``ex`` was the one running)."""

@@ -68,7 +68,7 @@ from .._wire.frames import (
 )
 from .batching import Policy
 from .eventloop import Outbox, Poller
-from .lanes import CLAIMED, RUNNING, LaneSocket, claimed
+from .lanes import LaneSocket
 from .processes import (
     ExecState,
     Executor,
@@ -86,9 +86,6 @@ REFILL = 2
 to the executor and fewer STARTED frames of their own), never below one task ahead."""
 QUICK = 0.01
 """Seconds under which a task counts as quick: the next ones are given a window ahead."""
-LANE_POLL = (0.001, 0.02)
-"""Seconds between two looks at a slot's lane claim while a task of the agent waits for it
-to clear (see lanes.py): the first, and the longest (doubling in between)."""
 CANCEL_GRACE = 0.5
 """Seconds a cancelled task that was given ahead gets to be skipped by its executor once
 its turn comes; past that it runs (it had started when the cancel came), and its process is
@@ -137,8 +134,7 @@ class Supervisor(ExecutorProcesses):
         self.graves: dict[int, Grave] = {}  # processes ended or killed, not reaped yet
         self.lanes: LaneSocket | None = None  # a Local client's lane socket (see lanes.py)
         self.unsent: set[Executor] = set()  # (see ExecutorProcesses._forward_output)
-        # slots whose next task waits for a lane call to end: (when to look, next pause)
-        self.held: dict[Slot, tuple[float, float]] = {}
+        self.held: dict[Slot, tuple[float, float]] = {}  # (see ExecutorProcesses._hold)
 
     def configure(self, config: Config, blob: bytes) -> None:
         """Take the pool's configuration; one slot per local rank (``procs``)."""
@@ -214,24 +210,7 @@ class Supervisor(ExecutorProcesses):
                 elif i == 0:
                     self._feed(slot)
                 return
-        for slot in self.slots:  # a lane call (see lanes.py)
-            ex = slot.executor
-            board = ex.board if ex is not None else None
-            if ex is None or board is None or board.get(CLAIMED) != ident:
-                continue
-            self.client.send(frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-            if board.get(RUNNING) != ident:
-                # it waits in the executor's lane: skipped there (what it says is
-                # dropped), unless it began meanwhile: the executor says so before it
-                # looks for a CANCEL, so one of the two sees the other's word (lanes.py)
-                ex.outbox.send(frame(Kind.CANCEL, ident))
-                if board.get(RUNNING) != ident:
-                    return
-            ex.board = None  # (its end is told now: CANCELLED, not DIED)
-            slot.fed = 0  # a task given behind it did not start: the next process's
-            self._kill(slot)
-            self._replace(slot, "a running call was cancelled")
-            return
+        self._cancel_lane(ident)
 
     def restart(self, generation: int, cause: bytes) -> None:
         """Replace every executor; the tasks they held end ABORTED (with ``cause``)."""
@@ -287,26 +266,6 @@ class Supervisor(ExecutorProcesses):
                 self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.TIMEOUT,)), body))
                 self._replace(slot, f"a call ran longer than its timeout of {task.timeout:g} s")
 
-    def _look_at_lanes(self, now: float) -> None:
-        """Feed the held slots whose lane call ended (arm the timeout of a task given
-        behind it, see :meth:`_feed`); look again later at the others."""
-        for slot, (at, pause) in list(self.held.items()):
-            if now < at:
-                continue
-            ex = slot.executor
-            if ex is not None and ex.board is not None and claimed(ex.board):
-                self.held[slot] = (now + pause, min(pause * 2, LANE_POLL[1]))
-                continue
-            del self.held[slot]
-            if slot.fed:
-                _arm(slot.tasks[0], now)
-            else:
-                self._feed(slot)
-
-    def _hold(self, slot: Slot) -> None:
-        if slot not in self.held:
-            self.held[slot] = (time.monotonic() + LANE_POLL[0], LANE_POLL[0] * 2)
-
     def pace(self) -> None:
         """The agent runs as SCHED_BATCH while more tasks wait on a slot than its
         executor is given ahead (a queue: see batching.py), normally otherwise. The
@@ -353,14 +312,9 @@ class Supervisor(ExecutorProcesses):
         ex = slot.executor
         tasks = slot.tasks
         upto = min(len(tasks), WINDOW if slot.quick else 1)
-        board = ex.board if ex is not None else None
-        if board is not None and not slot.fed and tasks and claimed(board):
-            self._hold(slot)  # a lane call runs there: fed once it ends (see lanes.py)
-            if before:
-                self.client.send(before)
-            return
         if (
             slot.fed >= upto
+            or self._lane_holds(slot)  # a lane call runs there: fed once it ends
             or (slot.fed > 0 and upto == WINDOW and upto - slot.fed < REFILL)  # see REFILL
             or ex is None
             or self.stopping
@@ -387,12 +341,11 @@ class Supervisor(ExecutorProcesses):
         first = not slot.fed
         if first:  # the first one starts now
             slot.began = time.monotonic()
-            _arm(tasks[0], slot.began)
+            tasks[0].arm(slot.began)
         slot.fed = upto
         ex.outbox.send(given)
-        if first and board is not None and claimed(board):  # a lane call came meanwhile:
-            tasks[0].deadline = 0.0  # this one may wait for it; timed once it ended
-            self._hold(slot)
+        if first:
+            self._behind_lane(slot)
 
     def resume(self) -> None:
         """The client's outbox is empty: feed the slots that waited for it (or for the
@@ -449,7 +402,7 @@ class Supervisor(ExecutorProcesses):
             slot.began = now
             if slot.fed:  # the next one was given ahead: it runs from now on
                 head = tasks[0]
-                _arm(head, now)
+                head.arm(now)
                 if head.cancelled:  # its executor skips it at once, or it runs
                     head.deadline = now + CANCEL_GRACE
             if not tasks:  # nothing more to give (a lone call's answer)
@@ -566,16 +519,8 @@ class Supervisor(ExecutorProcesses):
                     f"which {what})"
                 )
             reason = reason or self.shared_death
-        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
-        exitcode = os.waitstatus_to_exitcode(status) if status is not None else None
-        death: Ready = {
-            "exitcode": exitcode,
-            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
-            "pid": ex.pid,
-            "local_rank": slot.rank,
-        }
-        if reason:
-            death["reason"] = reason
+        death = self._death(ex, reason, status)
+        exitcode = death["exitcode"]
         if ex.state is ExecState.STARTING or ex.state is ExecState.FAILED:
             if ex.state is ExecState.STARTING:
                 error = "the executor process exited during start-up"
@@ -597,20 +542,3 @@ class Supervisor(ExecutorProcesses):
             self.client.send(frame(Kind.RESULT, task.ident, bytes((Status.DIED,)), body))
         if not group:  # the next task is fed once the client has the result
             self._replace(slot, cause)
-
-    def _death(self, ex: Executor, reason: str, status: int | None) -> dict[str, object]:
-        """A DIED result's body for a lane call of ``ex`` (see :meth:`_ended`)."""
-        tail = list(ex.stderr_tail) + ([ex.partial_err] if ex.partial_err else [])
-        death: dict[str, object] = {
-            "exitcode": os.waitstatus_to_exitcode(status) if status is not None else None,
-            "stderr_tail": b"\n".join(tail).decode(errors="replace"),
-            "pid": ex.pid,
-            "local_rank": ex.slot.rank,
-        }
-        if reason:
-            death["reason"] = reason
-        return death
-
-
-def _arm(task: Task, now: float) -> None:
-    task.deadline = now + task.timeout if task.timeout > 0 else 0.0
