@@ -300,7 +300,7 @@ def _wait(
     # polled without sleeping for about twice the recent answers' time, at most SPIN,
     # while a core is idle: as a lone call's wait on the agent's stream (pipe.SPIN)
     spin = start + min(SPIN, 2 * lane.answered) if lane.answered <= SPIN else 0.0
-    if spin and not idle_core():
+    if spin and not _idle(start):
         spin = 0.0
     while not done():
         spinning = spin and time.monotonic() < spin
@@ -326,6 +326,19 @@ def _wait(
             poller = waker.alone
     took = time.monotonic() - start
     lane.answered = took if took > SPIN else (lane.answered + took) / 2
+
+
+IDLE_LOOK = 0.005
+"""Seconds a look at the machine's idle cores (``pipe.idle_core``: a read of
+``/proc/loadavg``, a few µs) is reused by the next lane calls' waits."""
+_idle_seen = [0.0, 0.0]  # (until when, idle: 1.0 or 0.0), shared by the threads
+
+
+def _idle(now: float) -> bool:
+    if now >= _idle_seen[0]:
+        _idle_seen[1] = 1.0 if idle_core() else 0.0
+        _idle_seen[0] = now + IDLE_LOOK
+    return bool(_idle_seen[1])
 
 
 class _Waker:

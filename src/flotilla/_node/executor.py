@@ -202,9 +202,10 @@ def _serve(
                 inbox.lane_ident = 0
             return True
         seq = board.get(SEQ) if lane_task and board is not None else -1
-        set_context(
-            feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
-        )
+        if not lane_task:  # (a lane call has no streamed argument: see _client/lanes.py)
+            set_context(
+                feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
+            )
         try:
             status, parts = _run(
                 functions,
@@ -217,7 +218,8 @@ def _serve(
                 mapped,
             )
         finally:
-            set_context(None)
+            if not lane_task:
+                set_context(None)
             inbox.feeds.pop(ident, None)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)

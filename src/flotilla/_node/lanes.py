@@ -29,8 +29,9 @@ Who writes what on the board (each word has one writer, so no write is lost):
 * ``CLOSED``, ``SEEN``: the agent, when the executor is gone: ``CLOSED`` set before it
   reads ``CLAIMED`` one last time, then ``SEEN`` what it read (-1: nothing). A client that
   finds ``CLOSED`` set after writing its task (it may have claimed after that last look)
-  waits for ``SEEN``: the agent answers for the call if it saw it, else the client settles
-  it itself when the lane ends without a result.
+  waits for ``SEEN``: the agent answers for the call if it saw it; else, when the lane
+  ends without a result, the client sends the call again (free) if ``RUNNING`` says the
+  executor never began it, or ends it DIED.
 
 The executor serves its lane as it serves its task pipe, the task pipe first: a task the
 agent gave it (after seeing no claim) runs before a lane task that came at the same time.
