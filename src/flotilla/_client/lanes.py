@@ -262,7 +262,7 @@ def _lanes_of(node: Node) -> Lanes | bool:
     """The node's lanes (False: its agent has no lane socket). The agent's ``lanes``
     becomes them: they are closed with its pipes."""
     sock = getattr(node.proc, "lanes", None)
-    if not isinstance(sock, socket.socket):
+    if not isinstance(sock, socket.socket) or not hasattr(os, "eventfd"):  # (Linux's)
         return False
     lanes = Lanes(sock)
     node.proc.lanes = lanes  # type: ignore[attr-defined]

@@ -233,7 +233,7 @@ class ExecutorProcesses:
         if lanes is not None and not lanes.broken and not self.config.get("group"):
             try:
                 lane = Lane()
-            except OSError:  # (out of descriptors: this executor has none)
+            except (OSError, AttributeError):  # (out of descriptors; no memfd: not Linux)
                 lane = None
         mine = [*lane.client, lane.board.fd] if lane is not None else []
         pid, r_out, r_err, life = self._fork([w_task, r_res, *theirs, *mine])
