@@ -265,3 +265,35 @@ def test_thread_slots_and_group_pools_take_no_lane(laned: list[int]) -> None:
         noop() @ pool
         assert [noop(i) >> pool for i in range(20)] == list(range(20))
     assert laned == []
+
+
+def test_a_dying_agents_lanes_are_not_taken() -> None:
+    """A lone call goes the general way while the node's agent is exiting or gone (its
+    executors outlive it by a moment: a call written on their lane could begin and die
+    with them, where one written to the agent is never begun and goes elsewhere)."""
+    proc = subprocess.Popen(["sleep", "600"])
+    stat = os.open(f"/proc/{proc.pid}/stat", os.O_RDONLY)
+    left, right = __import__("socket").socketpair()
+    lanes = client_lanes.Lanes(left, stat)
+    try:
+        assert not lanes.agent_dying()
+        os.kill(proc.pid, signal.SIGKILL)
+        # not reaped: a zombie is still an exiting process, then gone once reaped
+        assert wait_until(lambda: _state(proc.pid) == "Z", timeout=60)
+        assert lanes.agent_dying()
+        proc.wait()
+        assert lanes.agent_dying()
+    finally:
+        proc.kill()
+        proc.wait()
+        lanes.close()
+        right.close()
+    assert client_lanes.Lanes(right, -1).agent_dying()  # nothing to look at: no lane
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

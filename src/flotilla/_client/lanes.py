@@ -54,6 +54,10 @@ GONE = 0.5
 (see :meth:`Lane.started`)."""
 LARGEST = 60000
 """Bytes of a lane task's frame at most: it must fit an empty pipe (64 KiB) whole."""
+_PF_EXITING = 0x4
+"""``/proc/PID/stat``'s flags (its 9th field): the process is exiting."""
+_SIGKILL_PENDING = 1 << 8
+"""``/proc/PID/stat``'s pending signals (its 31st field): SIGKILL (9)."""
 
 
 @dataclass(eq=False)
@@ -101,13 +105,30 @@ class Lane:
 
 
 class Lanes:
-    """A Local node's lanes, by slot, as its agent sent them (see the module docstring)."""
+    """A Local node's lanes, by slot, as its agent sent them (see the module docstring).
+    ``stat``: the agent's ``/proc/PID/stat``, open (-1: none), for :meth:`agent_dying`."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, stat: int = -1) -> None:
         self.sock = sock
+        self.stat = stat
         self.by_slot: dict[int, Lane] = {}
         self.lock = threading.Lock()  # one taker of the socket at a time
         self.closed = False
+
+    def agent_dying(self) -> bool:
+        """Whether the agent is being killed or is ending (a SIGKILL pending, or exiting),
+        or cannot be looked at. Its executors outlive it by a moment (until its descriptors
+        close: their lifeline), so a call written on a lane then could begin and die with
+        them, where one written to the dying agent is never begun and goes to another node:
+        such a call goes the general way. A signal sent before this look is seen by it (the
+        kernel marks every thread of its target when it sends a SIGKILL)."""
+        if self.stat < 0:
+            return True
+        try:
+            fields = os.pread(self.stat, 1024, 0).rsplit(b")", 1)[1].split()
+            return bool(int(fields[6]) & _PF_EXITING or int(fields[28]) & _SIGKILL_PENDING)
+        except (OSError, IndexError, ValueError):  # (gone: ESRCH)
+            return True
 
     def take(self) -> None:
         """Take in the lanes the agent sent (never waits): a slot's new lane replaces its
@@ -151,6 +172,9 @@ class Lanes:
                 lane.close()
             self.by_slot.clear()
             self.sock.close()
+            stat, self.stat = self.stat, -1  # (a look meanwhile finds -1, or fails)
+            if stat >= 0:
+                os.close(stat)
 
 
 def send(
@@ -173,7 +197,7 @@ def send(
     lanes = node.lanes
     if lanes is None:  # (the first lone call on this node)
         lanes = node.lanes = _lanes_of(node)
-    if not lanes or node.busy[slot] or key not in node.answered:
+    if not lanes or node.busy[slot] or key not in node.answered or lanes.agent_dying():
         return None
     lane = lanes.by_slot.get(slot)
     if lane is None or lane.ended or lane.board.get(CLOSED):  # replaced: its next one
@@ -264,7 +288,11 @@ def _lanes_of(node: Node) -> Lanes | bool:
     sock = getattr(node.proc, "lanes", None)
     if not isinstance(sock, socket.socket) or not hasattr(os, "eventfd"):  # (Linux's)
         return False
-    lanes = Lanes(sock)
+    try:
+        stat = os.open(f"/proc/{int(node.hello_info['pid'])}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except (KeyError, TypeError, ValueError, OSError):  # (no agent to look at: no lanes)
+        return False
+    lanes = Lanes(sock, stat)
     node.proc.lanes = lanes  # type: ignore[attr-defined]
     return lanes
 
