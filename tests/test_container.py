@@ -363,9 +363,10 @@ def test_a_removed_container_is_replaced_at_its_rank(container_lab: ContainerLab
 def test_a_start_cut_short_leaves_no_network_namespace(container_lab: ContainerLab) -> None:
     """A pool's start cut short (Ctrl-C; an elastic pool closing while it grows) while
     the engine sets up a container's network: the engine's ``run`` is let end, and the
-    release removes the container with its network namespace. (podman 4 with CNI leaves
-    that namespace behind for good when ``run`` is killed right then: made, not yet
-    recorded with the container.)"""
+    release removes the container with its network namespace and its processes. (podman 4
+    with CNI leaves that namespace behind for good when ``run`` is killed right then: made,
+    not yet recorded with the container; killed a little later, the container's ``conmon``
+    and ``runc init`` stay, in a namespace no container names.)"""
     from flotilla._providers.base import Options, PoolSpec
 
     provider = container_lab.provider()
@@ -405,6 +406,11 @@ def test_a_start_cut_short_leaves_no_network_namespace(container_lab: ContainerL
     assert wait_until(lambda: not container_lab.orphan_netns(made), timeout=60), (
         container_lab.orphan_netns(made)
     )
+
+    def monitors() -> list[str]:  # a conmon (and its `runc init`) left of the container
+        return [cmdline(p) for p in all_pids() if f" -n {name} " in cmdline(p)]
+
+    assert wait_until(lambda: not monitors(), timeout=60), monitors()
 
 
 _CLIENT = """
