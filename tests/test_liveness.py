@@ -201,6 +201,15 @@ def death_held(pid: int) -> Iterator[None]:
         tracer.wait(timeout=60)
 
 
+def _written(path: str) -> bool:
+    """Whether ``path`` holds something (``pid_then_wait`` creates it empty, then writes:
+    CI run 30 read one in between)."""
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
 @sky.function
 def pid_then_wait(path: str) -> int:
     """Write this process's pid to ``path.pid``, then wait until ``path`` exists."""
@@ -230,7 +239,7 @@ def test_an_executor_slow_to_die_does_not_stop_its_agent(tmp_path: Path) -> None
     with sky.Compute(nodes=1, worker=sky.Worker(concurrency=2)) as pool:
         agent = agent_pid(pool, 0)
         first, second = pid_then_wait(a) > pool, pid_then_wait(b) > pool  # a slot each
-        assert wait_until(lambda: os.path.exists(f"{a}.pid") and os.path.exists(f"{b}.pid"), 120)
+        assert wait_until(lambda: _written(f"{a}.pid") and _written(f"{b}.pid"), 120)
         killed, other = (int(Path(f"{p}.pid").read_text()) for p in (a, b))
         assert killed != other
         with death_held(killed):
@@ -264,7 +273,7 @@ def test_a_slot_whose_killed_process_does_not_end_says_so(
 
     with sky.Compute(nodes=1) as pool:
         call = pid_then_wait(a) > pool
-        assert wait_until(lambda: os.path.exists(f"{a}.pid"), 120)
+        assert wait_until(lambda: _written(f"{a}.pid"), 120)
         killed = int(Path(f"{a}.pid").read_text())
         with death_held(killed):
             pool.cancel([call])  # its process is killed; its end is held back
