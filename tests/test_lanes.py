@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import alive, wait_until
+from _procs import _stat_state, alive, wait_until
 
 import flotilla as sky
 from flotilla._client import lanes as client_lanes
@@ -285,7 +285,7 @@ def test_a_dying_agents_lanes_are_not_taken() -> None:
         assert not lanes.agent_dying()
         os.kill(proc.pid, signal.SIGKILL)
         # not reaped: a zombie is still an exiting process, then gone once reaped
-        assert wait_until(lambda: _state(proc.pid) == "Z", timeout=60)
+        assert wait_until(lambda: _stat_state(proc.pid) == "Z", timeout=60)
         assert lanes.agent_dying()
         proc.wait()
         assert lanes.agent_dying()
@@ -295,11 +295,3 @@ def test_a_dying_agents_lanes_are_not_taken() -> None:
         lanes.close()
         right.close()
     assert client_lanes.Lanes(right, -1).agent_dying()  # nothing to look at: no lane
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._providers.pipe import SPIN, idle_core
 from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
-from .._wire.lanes import CLAIMED, CLOSED, MESSAGE, RUNNING, SEEN, Board
+from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
 from .._wire.serialize import decode, encode, pickle_obj, shm_name_of
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
 GONE = 0.5
 """Seconds a lost node's executor gets to be gone before its lane calls count as started
 (see :meth:`Lane.started`)."""
-LARGEST = 60000
-"""Bytes of a lane task's frame at most: it must fit an empty pipe (64 KiB) whole."""
 _PF_EXITING = 0x4
 """``/proc/PID/stat``'s flags (its 9th field): the process is exiting."""
 _SIGKILL_PENDING = 1 << 8

@@ -45,7 +45,7 @@ from .._wire.frames import (
     write_all,
     write_frame,
 )
-from .lanes import RUNNING, SEQ, Board
+from .lanes import LARGEST, RUNNING, SEQ, Board
 
 serving = False
 """True in a process that runs a pool's tasks (set by :func:`main`; a task's forks keep it):
@@ -310,7 +310,7 @@ def _drained() -> bool:
 
 def _small(parts: list[Any]) -> bool:
     """Whether a result fits an empty pipe (a lane's reader may be gone: never wait)."""
-    return sum(memoryview(p).nbytes for p in parts) < 60000
+    return sum(memoryview(p).nbytes for p in parts) < LARGEST
 
 
 def _restore_streams(saved: list[int]) -> None:

@@ -42,12 +42,13 @@ from __future__ import annotations
 import os
 import socket
 
-from .._wire.lanes import CLAIMED, CLOSED, MESSAGE, RUNNING, SEEN, SEQ, VAR, Board
+from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, SEQ, VAR, Board
 
 __all__ = [
     "CLAIMED",
     "CLOSED",
     "LANE_POLL",
+    "LARGEST",
     "RUNNING",
     "SEEN",
     "SEQ",

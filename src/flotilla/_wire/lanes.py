@@ -16,6 +16,9 @@ _WORD = struct.Struct("<q")
 MESSAGE = struct.Struct("<Hi")
 """A lane's message on the socket: the slot (local rank) and the executor's pid; its
 descriptors are the client's task end, result end and the board, in that order."""
+LARGEST = 60000
+"""Bytes of a lane's frame at most, a task or a result: it must fit an empty pipe (64 KiB)
+whole, so that its write never waits (the other end may be gone)."""
 _SIZE = 64
 
 
