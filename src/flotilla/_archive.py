@@ -23,8 +23,8 @@ bit go in:
 * a regular file is always stored whole (never as a hard link to an earlier member);
 * the gzip header has no file name and no time.
 
-:func:`build_zip` makes the same kind of reproducible archive as a zip, stored uncompressed
-(Python imports modules straight from it, ``zipimport``): the flotilla bundle.
+:func:`build_zip` makes the same kind of reproducible archive as a zip (Python imports
+modules straight from it, ``zipimport``): the flotilla bundle.
 """
 
 from __future__ import annotations
@@ -112,31 +112,36 @@ def build(sources: Iterable[Source], *, level: int = 6) -> Archive:
     return Archive(data, hashlib.sha256(data).hexdigest(), files)
 
 
-def build_zip(sources: Iterable[Source], extra: Iterable[tuple[str, bytes]] = ()) -> Archive:
-    """A reproducible zip, stored uncompressed, of the regular files of ``sources`` (the
-    same walk and order as :func:`build`; folders and links are left out) and then of
-    ``extra`` (name in the archive, content), in the order given. Every member's time is
-    :data:`MTIME`, its permissions 0o755 or 0o644 as in :func:`build`."""
+def build_zip(sources: Iterable[Source], stored: Iterable[tuple[str, bytes]] = ()) -> Archive:
+    """A reproducible zip of ``stored`` (name in the archive, content), stored uncompressed,
+    in the order given, and then of the regular files of ``sources`` (the same walk and
+    order as :func:`build`; folders and links are left out), deflated (level 9). Every
+    member's time is :data:`MTIME`, its permissions 0o755 or 0o644 as in :func:`build`.
+
+    The stored members come first, so that the archive is one uncompressed head and one
+    tail of deflated members (and the central directory): the bundle is sent as the head
+    compressed and the tail as it is (``bootstrap.pack``)."""
     buf = io.BytesIO()
     files = 0
     when = time.gmtime(MTIME)[:6]
 
-    def add(arcname: str, data: bytes, mode: int) -> None:
+    def add(arcname: str, data: bytes, mode: int, how: int) -> None:
         info = zipfile.ZipInfo(arcname, date_time=when)
         info.external_attr = (stat.S_IFREG | mode) << 16
         info.create_system = 3  # unix: the permissions above are read
-        out.writestr(info, data, compress_type=zipfile.ZIP_STORED)
+        out.writestr(info, data, compress_type=how, compresslevel=9)
 
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
+        for arcname, data in stored:
+            add(arcname, data, 0o644, zipfile.ZIP_STORED)
+            files += 1
         for src in sources:
             for entry, arcname, st in _walk(src.path, src.name, "", src.exclude, os.stat(src.path)):
                 if stat.S_ISREG(st.st_mode):
                     with open(entry, "rb") as f:
-                        add(arcname, f.read(), 0o755 if st.st_mode & 0o111 else 0o644)
+                        mode = 0o755 if st.st_mode & 0o111 else 0o644
+                        add(arcname, f.read(), mode, zipfile.ZIP_DEFLATED)
                     files += 1
-        for arcname, data in extra:
-            add(arcname, data, 0o644)
-            files += 1
     data = buf.getvalue()
     return Archive(data, hashlib.sha256(data).hexdigest(), files)
 
