@@ -3,10 +3,10 @@ every key either side writes or reads, with its type, in one place (mypy checks 
 sides' lookups against them). A body is sent with :func:`dump` and read with the
 ``load_*`` function of its kind.
 
-Standard library only: the agent imports it at start-up.
+Standard library only: the agent imports it at start-up. Its annotations are evaluated
+(no ``from __future__ import annotations``): a ``TypedDict`` of string annotations compiles
+each of them as it is made (~2 ms of every node's start for these fifty keys).
 """
-
-from __future__ import annotations
 
 import json
 from typing import Any, TypedDict, cast
