@@ -36,11 +36,11 @@ heartbeats and shutdown.
 
 from __future__ import annotations
 
+import _socket
 import gc
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -334,7 +334,7 @@ class Agent(Reattachable):
             boot_id = ""
         hello: Hello = {
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": os.uname().nodename,  # (gethostname(2)'s)
             "boot_id": boot_id,
             "python": sys.executable,
             "python_version": ".".join(map(str, sys.version_info[:3])),
@@ -592,12 +592,17 @@ def _read_probe(name: str) -> bytes:
 
 def free_port_block(width: int) -> int:
     """A port ``p`` such that ``p .. p + width - 1`` can all be bound now (the best of a
-    few tries: the first port alone if no whole block is found)."""
+    few tries: the first port alone if no whole block is found). Its sockets are
+    ``_socket``'s: ``socket``, whose import makes its enums (~2.5 ms), is not part of an
+    agent's start (see ``relay.Relay.listen``)."""
     first = 0
     for _ in range(20):
-        with socket.socket() as s:
+        s = _socket.socket()  # TCP over IPv4
+        try:
             s.bind(("", 0))
             base = int(s.getsockname()[1])
+        finally:
+            s.close()
         first = first or base
         if base + width <= 65536 and all(_bindable(base + i) for i in range(1, width)):
             return base
@@ -605,11 +610,13 @@ def free_port_block(width: int) -> int:
 
 
 def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
+    s = _socket.socket()
+    try:
+        s.bind(("", port))
+    except OSError:
+        return False
+    finally:
+        s.close()
     return True
 
 

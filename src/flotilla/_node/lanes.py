@@ -40,7 +40,6 @@ agent gave it (after seeing no claim) runs before a lane task that came at the s
 from __future__ import annotations
 
 import os
-import socket
 
 from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, SEQ, VAR, Board
 
@@ -100,6 +99,8 @@ class LaneSocket:
     """The agent's end of its client's lane socket."""
 
     def __init__(self, fd: int) -> None:
+        import socket  # (a Local agent's: an agent without a lane does without it, ~2.5 ms)
+
         self.sock = socket.socket(fileno=fd)
         self.fd = fd
         self.broken = False
@@ -107,6 +108,8 @@ class LaneSocket:
     def give(self, lane: Lane, rank: int, pid: int) -> None:
         """Send the client its ends of ``lane`` (the executor ``pid`` of slot ``rank``)
         and close the agent's copies of every end and the board's descriptor."""
+        import socket
+
         try:
             if not self.broken:
                 fds = [*lane.client, lane.board.fd]

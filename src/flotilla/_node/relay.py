@@ -44,18 +44,21 @@ Relay handshake (child connects to parent)::
 
 from __future__ import annotations
 
+import _socket
 import errno
 import json
 import mmap
 import os
-import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._wire.frames import TASK_HEAD, UNMAPPED, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
+
+if TYPE_CHECKING:
+    import socket
 
 MAGIC = b"FLRELAY1"
 NONCE = 16
@@ -417,6 +420,8 @@ class Fetch(_Conn):
     """This node's connection to its parent, fetching a payload."""
 
     def __init__(self, relay: Relay, blob: Blob, addr: tuple[str, int]) -> None:
+        import socket
+
         family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -431,6 +436,8 @@ class Fetch(_Conn):
         self.watch(True, self.on_connected)
 
     def on_connected(self) -> None:
+        import socket
+
         code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             self.fail(f"cannot connect to {self.addr[0]}:{self.addr[1]}: {os.strerror(code)}")
@@ -534,7 +541,7 @@ class Relay:
         self.key = b""
         self.shm_prefix = ""
         self.stall = STALL_TIMEOUT
-        self.listener: socket.socket | None = None
+        self.listener: _socket.socket | None = None  # a socket.socket once it accepted
         self.blobs: dict[bytes, Blob] = {}
         self.conns: set[_Conn] = set()
         self.kept = Segments()
@@ -542,22 +549,43 @@ class Relay:
 
     # -- the relay port -------------------------------------------------------------------
     def listen(self, key: bytes) -> int:
-        """Open the relay port (every address of the node); its number."""
+        """Open the relay port (every address of the node, IPv6 and IPv4 where it can);
+        its number. What ``socket.create_server`` does, with ``_socket``: an agent opens it
+        at CONFIG, and ``socket``, whose import makes its enums (~2.5 ms of a node's
+        start), is imported once a connection comes (:meth:`_accept`)."""
         self.key = key
-        if socket.has_dualstack_ipv6():
-            sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        try:
+            sock = _socket.socket(_socket.AF_INET6, _socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            sock = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
         else:
-            sock = socket.create_server(("", 0))
-        sock.setblocking(False)
+            try:
+                sock.setsockopt(_socket.IPPROTO_IPV6, _socket.IPV6_V6ONLY, 0)  # IPv4 too
+            except OSError:  # an IPv6 socket that cannot take IPv4: IPv4 alone
+                sock.close()
+                sock = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            sock.bind(("", 0))
+            sock.listen()
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
         self.listener = sock
         self.sel.register(sock.fileno(), False, self._accept)
         return int(sock.getsockname()[1])
 
     def _accept(self) -> None:
+        import socket
+
         assert self.listener is not None
+        listener = self.listener
+        if not isinstance(listener, socket.socket):  # the first connection: ``accept``'s
+            listener = self.listener = socket.socket(fileno=listener.detach())
         while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # e.g. out of descriptors: the child falls back to the client
