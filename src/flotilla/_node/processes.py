@@ -28,7 +28,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 
@@ -74,44 +73,56 @@ class ExecState(Enum):
     STOPPED = "stopped"
 
 
-@dataclass
 class Task:
-    """A call sent to a slot: its TASK frame, kept to send again to a new executor."""
+    """A call sent to a slot: its TASK frame, kept to send again to a new executor.
 
-    ident: int
-    timeout: float
-    frame: list[Buffer]
-    deadline: float = 0.0
-    announced: bool = False  # STARTED was sent to the client
-    cancelled: bool = False  # cancelled once given to the executor (the client was told)
+    (This module's records are plain classes: making a dataclass compiles its methods,
+    ~0.5 ms each, and every agent's start imports this module.)"""
+
+    def __init__(self, ident: int, timeout: float, frame: list[Buffer]) -> None:
+        self.ident = ident
+        self.timeout = timeout
+        self.frame = frame
+        self.deadline = 0.0
+        self.announced = False  # STARTED was sent to the client
+        self.cancelled = False  # cancelled once given to the executor (the client was told)
 
     def arm(self, now: float) -> None:
         """It runs from ``now``: its deadline (0: none)."""
         self.deadline = now + self.timeout if self.timeout > 0 else 0.0
 
 
-@dataclass(eq=False)
 class Executor:
     """One executor process and the pipes the agent holds to it."""
 
-    slot: Slot
-    pid: int
-    to_fd: int
-    from_fd: int
-    out_fd: int
-    err_fd: int
-    outbox: Outbox
-    life_fd: int = -1  # the write end of its lifeline (see die_with_agent); -1: another's
-    reader: FrameReader = field(default_factory=FrameReader)
-    state: ExecState = ExecState.STARTING
-    stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
-    partial_err: bytes = b""
-    stored: bool = False  # it used the distributed collections
-    closed: bool = False  # its pipes are closed (it was killed, or its end was handled)
-    board: Board | None = None  # its lane's shared words, if it has a lane (see lanes.py)
+    def __init__(
+        self,
+        slot: Slot,
+        pid: int,
+        to_fd: int,
+        from_fd: int,
+        out_fd: int,
+        err_fd: int,
+        outbox: Outbox,
+        life_fd: int = -1,
+    ) -> None:
+        self.slot = slot
+        self.pid = pid
+        self.to_fd = to_fd
+        self.from_fd = from_fd
+        self.out_fd = out_fd
+        self.err_fd = err_fd
+        self.outbox = outbox
+        self.life_fd = life_fd  # the write end of its lifeline (see die_with_agent); -1: another's
+        self.reader = FrameReader()
+        self.state = ExecState.STARTING
+        self.stderr_tail: deque[bytes] = deque(maxlen=STDERR_TAIL_LINES)
+        self.partial_err = b""
+        self.stored = False  # it used the distributed collections
+        self.closed = False  # its pipes are closed (it was killed, or its end was handled)
+        self.board: Board | None = None  # its lane's shared words, if it has a lane (lanes.py)
 
 
-@dataclass(eq=False)
 class Slot:
     """One local rank of the node: its executor (replaced when it dies) and its tasks.
 
@@ -119,19 +130,19 @@ class Slot:
     (``tasks[0]`` is the one running once ``fed``); the others stay here until their turn.
     """
 
-    rank: int
-    tasks: deque[Task] = field(default_factory=deque)
-    executor: Executor | None = None
-    fed: int = 0
-    restarts: int = 0
-    ready: bool = False
-    quick: bool = False  # its last task took less than QUICK: give it a WINDOW ahead
-    began: float = 0.0  # when tasks[0] began (monotonic), once fed
-    dying: int = 0  # its last process (ended or killed) until it is reaped: no new one before
-    start_due: bool = False  # a new process starts once ``dying`` is reaped
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.tasks: deque[Task] = deque()
+        self.executor: Executor | None = None
+        self.fed = 0
+        self.restarts = 0
+        self.ready = False
+        self.quick = False  # its last task took less than QUICK: give it a WINDOW ahead
+        self.began = 0.0  # when tasks[0] began (monotonic), once fed
+        self.dying = 0  # its last process (ended or killed) until it is reaped: no new one before
+        self.start_due = False  # a new process starts once ``dying`` is reaped
 
 
-@dataclass(eq=False)
 class Grave:
     """A process that ended or was killed, waited for in the agent's loop (its pidfd).
 
@@ -142,14 +153,23 @@ class Grave:
     later (stuck in the kernel for good: its slot runs nothing meanwhile) is named to the
     client once (``warned``)."""
 
-    pid: int
-    slot: Slot
-    fd: int
-    then: Callable[[int | None], None] | None
-    deadline: float = 0.0
-    poll_at: float = 0.0
-    killed: float = 0.0
-    warned: bool = False
+    def __init__(
+        self,
+        pid: int,
+        slot: Slot,
+        fd: int,
+        then: Callable[[int | None], None] | None,
+        deadline: float = 0.0,
+        killed: float = 0.0,
+    ) -> None:
+        self.pid = pid
+        self.slot = slot
+        self.fd = fd
+        self.then = then
+        self.deadline = deadline
+        self.poll_at = 0.0
+        self.killed = killed
+        self.warned = False
 
 
 class ExecutorProcesses:
