@@ -106,13 +106,9 @@ class Executor:
         outbox: Outbox,
         life_fd: int = -1,
     ) -> None:
-        self.slot = slot
-        self.pid = pid
-        self.to_fd = to_fd
-        self.from_fd = from_fd
-        self.out_fd = out_fd
-        self.err_fd = err_fd
-        self.outbox = outbox
+        self.slot, self.pid, self.outbox = slot, pid, outbox
+        # the agent's ends of its pipes: its tasks, its results, its stdout, its stderr
+        self.to_fd, self.from_fd, self.out_fd, self.err_fd = to_fd, from_fd, out_fd, err_fd
         self.life_fd = life_fd  # the write end of its lifeline (see die_with_agent); -1: another's
         self.reader = FrameReader()
         self.state = ExecState.STARTING
@@ -162,13 +158,9 @@ class Grave:
         deadline: float = 0.0,
         killed: float = 0.0,
     ) -> None:
-        self.pid = pid
-        self.slot = slot
-        self.fd = fd
-        self.then = then
-        self.deadline = deadline
+        self.pid, self.slot, self.fd, self.then = pid, slot, fd, then
+        self.deadline, self.killed = deadline, killed
         self.poll_at = 0.0
-        self.killed = killed
         self.warned = False
 
 
