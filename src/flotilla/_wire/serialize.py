@@ -24,7 +24,6 @@ import stat
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
@@ -40,12 +39,16 @@ _HEAD = struct.Struct("<IQH")
 _BUF = struct.Struct("<BQQ")
 
 
-@dataclass(frozen=True, slots=True)
 class Pickled:
-    """A pickled object: the pickle stream and its out-of-band buffers."""
+    """A pickled object: the pickle stream and its out-of-band buffers. (A plain class, not
+    a dataclass, whose making compiles its methods: every executor's start imports this
+    module.)"""
 
-    main: bytes
-    buffers: tuple[memoryview, ...]
+    __slots__ = ("buffers", "main")
+
+    def __init__(self, main: bytes, buffers: tuple[memoryview, ...]) -> None:
+        self.main = main
+        self.buffers = buffers
 
     @property
     def shm_bytes(self) -> int:
