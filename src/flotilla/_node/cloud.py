@@ -408,8 +408,10 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float = 2.
     an address of the instance's own link: ``http://HOST[:PORT]/PATH``, HOST an IPv6
     address in brackets): HTTPStatus when its status is not 2xx, OSError or ValueError
     when it cannot be reached or answers something else. On a bare socket: ``urllib``'s
-    HTTP client costs ~27 ms of CPU to import, which every spot instance's start paid."""
-    import socket
+    HTTP client costs ~27 ms of CPU to import, which every spot instance's start paid; and
+    ``_socket``'s, not ``socket``'s, whose import makes its enums (~3 ms of the helper's
+    first poll: the agent it is forked from does without it, see ``agent.free_port_block``)."""
+    import _socket
 
     if not url.startswith("http://"):
         raise ValueError(f"not an http:// URL: {url}")
@@ -426,7 +428,13 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float = 2.
     lines.append("Connection: close")
     answer = bytearray()
     deadline = time.monotonic() + timeout  # for the whole answer, not per read
-    with socket.create_connection((host, port), timeout=timeout) as conn:
+    # an IPv6 address comes in brackets; an IPv4 one or a name (metadata.google.internal,
+    # resolved as connect does) is IPv4's, as every metadata service answers
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    conn = _socket.socket(family, _socket.SOCK_STREAM)
+    try:
+        conn.settimeout(timeout)
+        conn.connect((host, port))
         conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
         while len(answer) < (1 << 20) and _body(answer) is None:  # (whole: no wait for EOF)
             conn.settimeout(max(0.001, deadline - time.monotonic()))
@@ -434,6 +442,8 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float = 2.
             if not part:
                 break
             answer += part
+    finally:
+        conn.close()
     head, sep, _ = bytes(answer).partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split()
     if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
