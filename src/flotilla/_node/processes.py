@@ -199,6 +199,7 @@ class ExecutorProcesses:
         raise NotImplementedError
 
     def start_all(self) -> None:
+        warm()
         for slot in self.slots:
             self._start(slot)
 
@@ -596,6 +597,35 @@ class ExecutorProcesses:
             ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
+
+
+_warm = False
+
+
+def warm() -> None:
+    """Import, in the agent, once, before it forks its first executor, what every executor
+    imports as it starts (its own modules, with the paused collector, then frozen as the
+    agent's start-up is, see ``agent.main``), and ``dataclasses`` (with ``inspect``), which
+    cloudpickle imports with a first call's function: each executor is a fork that has
+    them, and a node pays them once, not once per executor. Not cloudpickle itself, which
+    comes with the first call that needs it (``tests/test_layers.py``)."""
+    global _warm
+    if _warm:
+        return
+    _warm = True
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import dataclasses  # noqa: F401
+
+        from .._wire import serialize  # noqa: F401
+        from . import executor, feeds, hooks  # noqa: F401
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def _output_out(board: Board) -> None:
