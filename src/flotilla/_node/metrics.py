@@ -216,11 +216,12 @@ class NVML:
     def load(cls) -> NVML | None:
         """NVML, where its library loads and initialises; else None. The library is looked
         for with ``_ctypes.dlopen`` first: a node without it (most) does not import
-        ``ctypes`` (~1.5 ms of a node's start, whose first sample looks)."""
+        ``ctypes`` (~1.5 ms of a node's start, whose first sample looks). Where it is, it
+        stays loaded (not closed and loaded again: ``CDLL`` then finds it there)."""
         try:
             import _ctypes
 
-            _ctypes.dlclose(_ctypes.dlopen(NVML_LIBRARY))
+            _ctypes.dlopen(NVML_LIBRARY)
         except (ImportError, OSError):
             return None
         import ctypes
