@@ -212,7 +212,7 @@ def kept_bundle(packages: dict[str, str]) -> Bundle:
     (:func:`bytecode.entry_of`: private, one per source and interpreter, so an edited
     source is another folder and another bundle), so that a client process reads it
     instead of building it. The kept file is checked against the sha256 of its own
-    (packed) bytes, named with the bundle's hash and CRC-32: a client reads 0.9 MB and
+    (packed) bytes, named with the bundle's hash and CRC-32: a client reads 1.1 MB and
     hashes it, instead of unpacking and hashing the 3 MB zip. A kept file that does not
     match is removed and the bundle built again. Packages without a compiled copy: built."""
     entry = bytecode.entry_of(packages)
