@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .._providers.pipe import SPIN, idle_core
 from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
 from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
-from .._wire.serialize import PAYLOAD_HEAD, Pickled, decode, encode, pickle_obj
+from .._wire.serialize import PAYLOAD_HEAD, Pickled, encode, pickle_obj
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
 
@@ -442,14 +442,10 @@ def _finished(d: Dispatcher, node: Node, sub: Submission, data: bytes) -> bool:
     kind, ident, size, status, buffers, length, name = _VALUE.unpack_from(data)
     if kind != Kind.RESULT or ident != sub.tid or len(data) != HEADER_SIZE + size:
         return False
-    if status != Status.OK or name:  # (its buffers in a file: the general way maps it)
+    if status != Status.OK or buffers or name:  # (a buffer is too large for a lane)
         return False
-    view = memoryview(data)
-    try:
-        if buffers:
-            value = decode(view, HEADER_SIZE + 1)
-        else:  # the pickle alone (serialize.decode's first case)
-            value = pickle.loads(view[_VALUE.size : _VALUE.size + length])
+    try:  # the pickle alone (serialize.decode's first case)
+        value = pickle.loads(memoryview(data)[_VALUE.size : _VALUE.size + length])
     except BaseException:  # (e.g. a type unknown here: the general way says so)
         return False
     with node.lock:

@@ -394,9 +394,9 @@ class _Inbox:
     def next(self) -> tuple[int, int, Body] | None:
         # (else what came behind the queued frames, a CANCEL)
         while self.lane >= 0 and not self.frames and not self.eof:
-            ready = dict(self.both.poll())
-            if self.fd in ready:  # the task pipe first (see lanes.py)
-                break
+            ready = self.both.poll()  # (one fd ready, or both: no dict made per task)
+            if ready and (len(ready) > 1 or ready[0][0] == self.fd):  # the task pipe
+                break  # first (see lanes.py)
             got = self.lane_reader.read(self.lane)
             if got is None:  # the client closed it
                 self.both.unregister(self.lane)
