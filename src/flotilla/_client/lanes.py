@@ -264,7 +264,8 @@ def _slot(d: Dispatcher) -> tuple[Node, int] | None:
     nodes = d.nodes
     if nodes:
         first = nodes[0]
-        if first.state is NodeState.READY and not first.busy[0]:
+        busy = first.busy
+        if first.state is NodeState.READY and busy and not busy[0]:
             return first, 0
     return d.placement.least_busy()
 
