@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import flotilla as sky
-from flotilla._errors import WorkerDiedError
+from flotilla._client.outcome import results
+from flotilla._errors import NodeLostError, WorkerDiedError
+from flotilla._node.eventloop import Poller
 
 pytest.importorskip("torch")
 
@@ -67,15 +69,48 @@ def test_a_rank_raising_does_not_leave_the_others_waiting(pool: sky.Compute) -> 
 
 def test_a_rank_dying_restarts_the_whole_group(pool: sky.Compute) -> None:
     before = {pid for _, pid in all_reduce(1.0) @ pool}
+    agents = agent_pid() @ pool
     futures = pool.submit_broadcast(rank_fails(1, "exit"))
     with pytest.raises(WorkerDiedError, match=r"node 1: .*exited with status 3"):
         futures[1].result(timeout=60)
     with pytest.raises(Exception) as info:  # gloo's own error, or the restart's
         futures[0].result(timeout=60)
     assert not isinstance(info.value, ValueError)
+    said = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "node 1" in said  # the restart's cause, or a note on gloo's error naming the death
+    with pytest.raises(WorkerDiedError, match=r"node 1: .*exited with status 3"):
+        results(futures)  # the root cause first, not rank 0's error from it
     after = all_reduce(3.0) @ pool
     assert [value for value, _ in after] == [6.0, 6.0]
     assert not before & {pid for _, pid in after}
+    assert agent_pid() @ pool == agents  # the restart was the processes', not the agents'
+
+
+def test_the_agents_poller_skips_a_descriptor_unregistered_earlier_in_the_same_wake_up() -> None:
+    """An executor's end can close another executor's pipes (a group restart) while that
+    one's readiness came in the same wake-up: its callback must not run on a closed (or
+    reused) descriptor. (An agent read one and died: EBADF, exit 70.)"""
+    sel = Poller()
+    (r1, w1), (r2, w2) = os.pipe(), os.pipe()
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("first")
+        sel.unregister(r2)  # what the group restart does to the other executor's pipe
+        os.close(r2)
+
+    sel.register(r1, False, first, first=True)
+    sel.register(r2, False, lambda: ran.append("second"))
+    os.write(w1, b"x")
+    os.write(w2, b"x")
+    try:
+        for callback in sel.poll(1.0):
+            callback()
+        assert ran == ["first"]
+    finally:
+        sel.close()
+        for fd in (r1, w1, w2):
+            os.close(fd)
 
 
 def test_an_error_on_every_rank_needs_no_restart(pool: sky.Compute) -> None:
@@ -143,10 +178,15 @@ def test_a_lost_node_restarts_the_whole_group_on_a_fresh_agent_everywhere(
     reducing = pool.submit_broadcast(rank_fails(1, "hang"))  # rank 0 waits in all_reduce
     node = pool._nodes[1]
     os.kill(agents[1], 9)  # node 1's agent is gone: rank 0 would wait forever
-    with pytest.raises(WorkerDiedError, match="node 1 was lost"):
+    # rank 0 no longer waits: stopped by the group's restart, or failed in gloo by itself
+    # (node 1's process ended with its agent; whichever comes first), naming the loss
+    with pytest.raises(Exception) as info:
         reducing[0].result(timeout=60)
-    with pytest.raises(WorkerDiedError):  # NodeLostError: its agent was killed
+    assert "node 1 was lost" in "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    with pytest.raises(NodeLostError, match="node 1 was lost"):  # its agent was killed
         reducing[1].result(timeout=60)
+    with pytest.raises(NodeLostError, match="node 1 was lost"):  # the root cause first
+        results(reducing)
     assert node.state.value == "lost"
     after = all_reduce(5.0) @ pool  # a fresh group of the new agents
     assert [value for value, _ in after] == [10.0, 10.0]

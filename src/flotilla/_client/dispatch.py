@@ -53,7 +53,7 @@ from .node import Node, Submission
 from .outcome import outcome
 from .placement import Placement
 from .ranks import Ranks, Replacer
-from .recovery import Recovery, others_run
+from .recovery import Recovery, note_sibling_death, others_run
 from .stream import collected, yields
 
 logger = logging.getLogger("flotilla")
@@ -180,6 +180,8 @@ class Dispatcher(Ranks):
         self, sub: Submission, *, value: Any = None, exc: BaseException | None = None
     ) -> None:
         self.by_future.pop(id(sub.future), None)
+        if exc is not None and self.group and sub.siblings:
+            note_sibling_death(sub, exc)
         try:  # (a future settled already, e.g. by close, stays as it is)
             if exc is not None:
                 # the one point errors reach the caller through: no secrets

@@ -98,8 +98,10 @@ def _settled(waited: tuple[set[Future[Any]], set[Future[Any]]]) -> bool:
 
 
 def results(futures: list[Future[Any]]) -> list[Any]:
-    """Wait for every future; raise the first failure as soon as it happens (the root
-    cause rather than a call stopped by the group restart it caused, when both are in)."""
+    """Wait for every future; raise the first failure as soon as it happens: the root
+    cause, when several are in. A process or node that ended (a WorkerDiedError of its
+    own) comes before a raised exception (in a group, its peers' collectives fail because
+    it ended), and both before a call stopped by the group restart they caused."""
     batch = getattr(futures[0], "batch", None) if futures else None
     if not isinstance(batch, Batch) or not batch.wait(futures):
         while not _settled(wait(futures, wait_slice(), FIRST_EXCEPTION)):  # (Ctrl-C: loop.wait)
@@ -107,5 +109,6 @@ def results(futures: list[Future[Any]]) -> list[Any]:
     failures = [e for f in futures if f.done() and (e := f.exception()) is not None]
     if failures:
         causes = [e for e in failures if not getattr(e, "restarted", False)]
-        raise (causes or failures)[0]
+        deaths = [e for e in causes if isinstance(e, WorkerDiedError)]
+        raise (deaths or causes or failures)[0]
     return [f.result() for f in futures]

@@ -215,6 +215,28 @@ def others_run(sub: Submission) -> bool:
     return any(s is not sub and not s.finished and not s.future.done() for s in sub.siblings or ())
 
 
+def note_sibling_death(sub: Submission, exc: BaseException) -> None:
+    """In a group pool, a call that raised (gloo's "connection closed by peer", NCCL's
+    abort...) while a sibling's process or node ended under the same broadcast most likely
+    failed because of it: its exception gets a note naming that end, the root cause (which
+    ``results`` raises first)."""
+    if isinstance(exc, WorkerDiedError):
+        return
+    for s in sub.siblings or ():
+        if s is sub:
+            continue
+        if s.held is not None:  # (its failure waits for the siblings, see dispatch.py)
+            death: BaseException | None = s.held[1]
+        elif s.future.done() and not s.future.cancelled():
+            death = s.future.exception()
+        else:
+            continue
+        if isinstance(death, WorkerDiedError) and not death.restarted:
+            first = str(death).splitlines()[0] if str(death) else type(death).__name__
+            exc.add_note(f"(meanwhile {first}: a collective with that rank fails so)")
+            return
+
+
 def _failed(sub: Submission) -> bool:
     if sub.held is not None:
         return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import select
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 
 from .._wire.frames import Buffer
@@ -46,14 +46,23 @@ class Poller:
     def __contains__(self, fd: int) -> bool:
         return fd in self.callbacks
 
-    def poll(self, timeout: float) -> list[Callable[[], object]]:
+    def poll(self, timeout: float) -> Iterator[Callable[[], object]]:
+        """The callbacks of the descriptors ready within ``timeout`` seconds, to run in
+        turn. One whose descriptor an earlier callback of the same wake-up unregistered
+        (an executor's pipes, closed when another's end restarted the group) is not given:
+        its descriptor may be closed, or another's already (epoll is level-triggered: a
+        descriptor registered again is reported by the next poll)."""
         events = self.epoll.poll(timeout)
         cbs = self.callbacks
         if len(events) == 1:
             entry = cbs.get(events[0][0])
-            return [entry[1]] if entry else []
-        entries = [cbs[fd] for fd, _ in events if fd in cbs]
-        return [cb for first, cb in entries if first] + [cb for first, cb in entries if not first]
+            if entry:
+                yield entry[1]
+            return
+        entries = [(fd, cbs[fd]) for fd, _ in events if fd in cbs]
+        for fd, entry in [e for e in entries if e[1][0]] + [e for e in entries if not e[1][0]]:
+            if cbs.get(fd) is entry:  # (still registered: see above)
+                yield entry[1]
 
     def close(self) -> None:
         self.epoll.close()
