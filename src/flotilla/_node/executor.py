@@ -248,10 +248,12 @@ def _serve(
         out = wfd  # on the lane only if no output of the task can be on its way:
         if not seq & 1 and board.get(SEQ) == seq and _drained(count) and board.get(SEQ) == seq:
             out = lane_out if _small(parts) else wfd
+        # for the next task, before the result: the caller it wakes may wait for this
+        # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
+        _restore_streams(streams)
         with write_lock:
             write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
         board.set(RUNNING, -ident)
-        _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
 
     def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
