@@ -74,6 +74,12 @@ def shout(i: int) -> int:
     return i
 
 
+@sky.function
+def stdout_to(path: str) -> None:
+    """Point fd 1 at ``path`` (a regular file: its unread count is 0, as an empty pipe's)."""
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
+
+
 @sky.function(timeout=1)
 def brief() -> int:
     return os.getpid()
@@ -146,6 +152,25 @@ def test_a_lane_calls_output_arrives_before_its_value(laned: list[int]) -> None:
             assert got[-2:] == [f"line {i}", f"sub {i}"]
             assert noop(i) >> pool == i
     assert len(laned) >= 20  # (the quiet ones at least)
+
+
+def test_a_lane_call_that_redirects_stdout_leaves_the_next_ones_output_alone(
+    laned: list[int], tmp_path: Path
+) -> None:
+    """A lane call that points fd 1 elsewhere, and prints nothing, answers on the lane (its
+    output pipes are empty); the next calls' output still reaches the output sink."""
+    got: list[str] = []
+    with sky.Compute(nodes=1) as pool:
+        pool.output_sink = lambda rank, stream, lines: got.extend(lines)
+        stdout_to(str(tmp_path / "first")) >> pool
+        assert shout(-1) >> pool == -1
+        _lane_ready(pool, laned)
+        stdout_to(str(tmp_path / "out")) >> pool
+        assert laned
+        for i in range(3):
+            assert shout(i) >> pool == i
+            assert got[-2:] == [f"line {i}", f"sub {i}"]
+    assert (tmp_path / "out").read_text() == ""
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import select
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import InvalidStateError
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .._providers.pipe import SPIN, idle_core
 from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
 from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
-from .._wire.serialize import decode, encode, pickle_obj, shm_name_of
+from .._wire.serialize import PAYLOAD_HEAD, Pickled, encode, pickle_obj
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
 
@@ -123,7 +125,8 @@ class Lanes:
         if self.stat < 0:
             return True
         try:
-            fields = os.pread(self.stat, 1024, 0).rsplit(b")", 1)[1].split()
+            stat = os.pread(self.stat, 1024, 0)
+            fields = stat[stat.rindex(b")") + 2 :].split(b" ", 29)  # (as far as the 31st)
             return bool(int(fields[6]) & _PF_EXITING or int(fields[28]) & _SIGKILL_PENDING)
         except (OSError, IndexError, ValueError):  # (gone: ESRCH)
             return True
@@ -180,7 +183,9 @@ def send(
 ) -> tuple[Node, Lane, Submission] | None:
     """Send ``call`` on a lane if it can take one (see the module docstring); None when it
     goes the general way (nothing of it sent). Its submission is in ``taken`` from its
-    claim on (for :func:`stop`)."""
+    claim on (for :func:`stop`). The short way of a lone call: no placement beyond the
+    choice of its slot (:func:`_slot`), its arguments pickled and framed in one step
+    (:func:`_task`)."""
     fn = call.function
     if fn.timeout or streamed_parameters(fn.fn):
         return None
@@ -188,7 +193,7 @@ def send(
     if cached is None:  # its first call: DEFINE goes the general way
         return None
     key, define = cached
-    choice = d.placement.least_busy()
+    choice = _slot(d)
     if choice is None:
         return None
     node, slot = choice
@@ -203,16 +208,10 @@ def send(
         lane = lanes.by_slot.get(slot)
         if lane is None or lane.ended or lane.board.get(CLOSED):
             return None
-    try:
-        pickled = pickle_obj((key, call.args, call.kwargs))
-    except Exception:  # the general way says what cannot be pickled
+    task = _task(key, call)
+    if task is None:  # (not small builtin data: the general way, which says what fails)
         return None
-    if pickled.buffers:  # (a large argument, maybe for shared memory: the general way)
-        return None
-    body = encode(pickled)
-    size = TASK_HEAD.size + sum(len(p) for p in body)
-    if len(body) != 1 or size > LARGEST:
-        return None
+    pickled, wire = task
     payload = Payload(pickled)
     sub = d.encoder.submission(call, payload, key, define, pinned=False)
     with node.lock:
@@ -233,9 +232,9 @@ def send(
         sub.wake_by = _waker()
         taken.append(sub)  # (an interrupt from here on: the caller undoes or cancels it)
         lane.board.set(CLAIMED, tid)
-        head = HEADER.pack(Kind.TASK, tid, size) + TASK_HEAD.pack(0.0, slot)
         try:
-            os.write(lane.task_fd, head + body[0])  # (fits the pipe whole: see LARGEST)
+            head = _TASK.pack(Kind.TASK, tid, TASK_HEAD.size + len(wire), 0.0, slot)
+            os.write(lane.task_fd, head + wire)  # (fits the pipe whole: see LARGEST)
             sub.lane = lane  # written (see undo)
         except OSError:  # the executor is gone: the general way
             lane.ended = True
@@ -250,6 +249,41 @@ def send(
     d.by_future.pop(id(sub.future), None)
     payload.release()
     return None
+
+
+_TASK = struct.Struct(HEADER.format + TASK_HEAD.format.lstrip("<"))
+"""A lane task's frame header and task head in one (see ``_wire/frames.py``)."""
+_VALUE = struct.Struct(HEADER.format + "B" + PAYLOAD_HEAD.format.lstrip("<"))
+"""A RESULT frame's header, status and payload head in one (``serialize.encode``)."""
+
+
+def _slot(d: Dispatcher) -> tuple[Node, int] | None:
+    """The (node, slot) a lone call takes: ``Placement.least_busy``'s, which is the first
+    node's first slot when that node is READY and the slot idle (the usual case, checked
+    first: no look at the others)."""
+    nodes = d.nodes
+    if nodes:
+        first = nodes[0]
+        busy = first.busy
+        if first.state is NodeState.READY and busy and not busy[0]:
+            return first, 0
+    return d.placement.least_busy()
+
+
+def _task(key: int, call: PendingCall[Any]) -> tuple[Pickled, bytes] | None:
+    """``call``'s arguments pickled, and their wire form when it is one part that fits a
+    lane (see LARGEST); None for the general way (a large argument, maybe for shared
+    memory; or one that cannot be pickled: the general way says what)."""
+    try:
+        pickled = pickle_obj((key, call.args, call.kwargs))
+    except Exception:
+        return None
+    if pickled.buffers:
+        return None
+    body = encode(pickled)
+    if len(body) != 1 or len(body[0]) + _TASK.size > LARGEST:
+        return None
+    return pickled, bytes(body[0])
 
 
 def undo(d: Dispatcher, sub: Submission, lane: Lane) -> None:
@@ -404,16 +438,15 @@ def _finished(d: Dispatcher, node: Node, sub: Submission, data: bytes) -> bool:
     """The short way of a lane call's value (``data``: one whole RESULT frame, OK, its
     value inline): what ``Node._on_frames`` and ``Dispatcher.on_result`` do for it, no
     more; False (nothing done) for anything else."""
-    if len(data) <= HEADER_SIZE:
+    if len(data) < _VALUE.size:
         return False
-    kind, ident, size = HEADER.unpack_from(data)
+    kind, ident, size, status, buffers, length, name = _VALUE.unpack_from(data)
     if kind != Kind.RESULT or ident != sub.tid or len(data) != HEADER_SIZE + size:
         return False
-    body = data[HEADER_SIZE:]
-    if body[0] != Status.OK or shm_name_of(body, 1):
+    if status != Status.OK or buffers or name:  # (a buffer is too large for a lane)
         return False
-    try:
-        value = decode(body, 1)
+    try:  # the pickle alone (serialize.decode's first case)
+        value = pickle.loads(memoryview(data)[_VALUE.size : _VALUE.size + length])
     except BaseException:  # (e.g. a type unknown here: the general way says so)
         return False
     with node.lock:
@@ -424,7 +457,7 @@ def _finished(d: Dispatcher, node: Node, sub: Submission, data: bytes) -> bool:
     node.last_heard = time.monotonic()
     if idle:
         node.flush_output()
-    node.events.task_finished(node, sub, Status.OK, body)
+    node.events.task_finished(node, sub, Status.OK, data[HEADER_SIZE:])
     sub.finished = True
     d.by_future.pop(id(sub.future), None)
     try:

@@ -13,6 +13,7 @@ still be on its way, else on the result pipe, after the output, through the agen
 
 from __future__ import annotations
 
+import array
 import faulthandler
 import fcntl
 import gc
@@ -158,6 +159,7 @@ def _serve(
     inbox = _Inbox(rfd, lane[0] if lane is not None else -1)
     lane_out, board = (lane[1], lane[2]) if lane is not None else (-1, None)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
+    count = array.array("i", [0])  # (see _drained)
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
 
@@ -190,22 +192,13 @@ def _serve(
     def task(
         ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
     ) -> bool:
-        lane_task = board is not None and ident == inbox.lane_ident
-        if lane_task and board is not None:  # said running first, then a CANCEL looked
-            board.set(RUNNING, ident)  # for: the agent's, if sent, is seen (see lanes.py)
-            inbox.read_ahead()
         if ident in inbox.cancelled:
             inbox.cancelled.discard(ident)
             write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
-            if board is not None and ident == inbox.lane_ident:
-                board.set(RUNNING, -ident)  # (answered: see lanes.py)
-                inbox.lane_ident = 0
             return True
-        seq = board.get(SEQ) if lane_task and board is not None else -1
-        if not lane_task:  # (a lane call has no streamed argument: see _client/lanes.py)
-            set_context(
-                feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
-            )
+        set_context(
+            feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
+        )
         try:
             status, parts = _run(
                 functions,
@@ -218,24 +211,49 @@ def _serve(
                 mapped,
             )
         finally:
-            if not lane_task:
-                set_context(None)
+            set_context(None)
             inbox.feeds.pop(ident, None)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
-        out = wfd  # on the lane only if no output of the task can be on its way:
-        if seq >= 0 and not seq & 1 and board is not None and board.get(SEQ) == seq:
-            out = lane_out if _drained() and board.get(SEQ) == seq and _small(parts) else wfd
         with write_lock:
-            write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
-        if seq >= 0 and board is not None:
-            board.set(RUNNING, -ident)  # answered (see lanes.py)
-            inbox.lane_ident = 0
+            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
+
+    def lane_task(ident: int, body: Body, board: Board) -> None:
+        """Run a task the client wrote on the lane (see lanes.py), as :func:`task` runs
+        one (no streamed argument, no shared memory: see ``_client/lanes.py``): said
+        RUNNING first, then a CANCEL looked for (the agent's, if sent, is seen); its
+        RESULT on the lane when no output of it can be on its way, else on ``wfd``."""
+        board.set(RUNNING, ident)
+        inbox.read_ahead()
+        if ident in inbox.cancelled:
+            inbox.cancelled.discard(ident)
+            write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+            board.set(RUNNING, -ident)  # (answered: see lanes.py)
+            return
+        seq = board.get(SEQ)
+        status, parts = _run(
+            functions, body, TASK_HEAD.size, shm_prefix, _serialize, partial(stream, ident), forks
+        )
+        if inbox.credits or inbox.closing:  # (a generator it returned was streamed)
+            inbox.credits.pop(ident, None)
+            inbox.closing.discard(ident)
+        if forked:  # a child the task forked returned here: it has no say
+            os._exit(0)
+        _flush()  # the task's output goes before its result
+        out = wfd  # on the lane only if no output of the task can be on its way:
+        if not seq & 1 and board.get(SEQ) == seq and _drained(count) and board.get(SEQ) == seq:
+            out = lane_out if _small(parts) else wfd
+        # for the next task, before the result: the caller it wakes may wait for this
+        # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
+        _restore_streams(streams)
+        with write_lock:
+            write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
+        board.set(RUNNING, -ident)
 
     def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
@@ -289,6 +307,10 @@ def _serve(
     }
     while (item := inbox.next()) is not None:
         kind, ident, body = item
+        if inbox.lane_ident and board is not None and kind == Kind.TASK:  # see lanes.py
+            inbox.lane_ident = 0
+            lane_task(ident, body, board)
+            continue
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
@@ -297,15 +319,17 @@ def _serve(
             inbox.lane_ident = 0
 
 
-def _drained() -> bool:
-    """Whether the output pipes (fds 1 and 2) hold nothing unread (see lanes.py)."""
+def _drained(count: array.array[int]) -> bool:
+    """Whether the output pipes (fds 1 and 2) hold nothing unread (see lanes.py).
+    ``count``: a one-int array the kernel writes each count into (no bytes made)."""
     try:
-        for fd in (1, 2):
-            if int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little"):
-                return False
+        fcntl.ioctl(1, termios.FIONREAD, count)
+        if count[0]:
+            return False
+        fcntl.ioctl(2, termios.FIONREAD, count)
     except OSError:  # (a task closed one)
         return False
-    return True
+    return not count[0]
 
 
 def _small(parts: list[Any]) -> bool:
@@ -372,9 +396,9 @@ class _Inbox:
     def next(self) -> tuple[int, int, Body] | None:
         # (else what came behind the queued frames, a CANCEL)
         while self.lane >= 0 and not self.frames and not self.eof:
-            ready = dict(self.both.poll())
-            if self.fd in ready:  # the task pipe first (see lanes.py)
-                break
+            ready = self.both.poll()  # (one fd ready, or both: no dict made per task)
+            if ready and (len(ready) > 1 or ready[0][0] == self.fd):  # the task pipe
+                break  # first (see lanes.py)
             got = self.lane_reader.read(self.lane)
             if got is None:  # the client closed it
                 self.both.unregister(self.lane)

@@ -36,6 +36,8 @@ SHM_DIR = "/dev/shm"
 _ALIGN = 64
 
 _HEAD = struct.Struct("<IQH")
+PAYLOAD_HEAD = _HEAD
+"""A payload's head: its buffers, the pickle's length, its file name's length."""
 _BUF = struct.Struct("<BQQ")
 
 
