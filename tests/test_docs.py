@@ -11,6 +11,7 @@ import ast
 import functools
 import importlib
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,8 @@ def _resolves(index: Index, dotted: str) -> bool | None:
         found = [m for m in index.modules if m.endswith(tail)]
         if found and (n > 1 or parts[0].startswith("_") or len(found) == 1):
             return any(_attribute_exists(index, m, parts[n:]) for m in found)
+    if parts[0] in sys.stdlib_module_names:  # ``_socket``, ``_ctypes.dlopen``: Python's
+        return None
     private = parts[0].startswith("_") and not parts[0].startswith("__")
     if len(parts) == 1:  # a private name is always flotilla's; a class may be another's
         return parts[0] in index.names if private or parts[0] in index.names else None
