@@ -127,9 +127,8 @@ class Recovery:
         if sub.future.done():
             return
         if self.d.group and sub.siblings:
-            failed = next((s for s in sub.siblings if _failed(s)), None)
-            if failed is not None:  # it would wait in a collective for a sibling that ended
-                err = failed.held[1] if failed.held else failed.future.exception()
+            err = next((e for s in sub.siblings if (e := _failure(s)) is not None), None)
+            if err is not None:  # it would wait in a collective for a sibling that ended
                 self.d.settle(sub, exc=WorkerDiedError(f"not run: {err}", node=rank or 0))
                 return
             sub.generation = self.d.generation
@@ -223,21 +222,17 @@ def note_sibling_death(sub: Submission, exc: BaseException) -> None:
     if isinstance(exc, WorkerDiedError):
         return
     for s in sub.siblings or ():
-        if s is sub:
-            continue
-        if s.held is not None:  # (its failure waits for the siblings, see dispatch.py)
-            death: BaseException | None = s.held[1]
-        elif s.future.done() and not s.future.cancelled():
-            death = s.future.exception()
-        else:
-            continue
+        death = _failure(s) if s is not sub else None
         if isinstance(death, WorkerDiedError) and not death.restarted:
-            first = str(death).splitlines()[0] if str(death) else type(death).__name__
+            said = str(death)
+            first = said.splitlines()[0] if said else type(death).__name__
             exc.add_note(f"(meanwhile {first}: a collective with that rank fails so)")
             return
 
 
-def _failed(sub: Submission) -> bool:
+def _failure(sub: Submission) -> BaseException | None:
+    """``sub``'s failure: held until its siblings end (see dispatch.py), or settled."""
     if sub.held is not None:
-        return True
-    return sub.future.done() and not sub.future.cancelled() and sub.future.exception() is not None
+        return sub.held[1]
+    fut = sub.future
+    return fut.exception() if fut.done() and not fut.cancelled() else None
