@@ -4,7 +4,8 @@ arrive pickled: the node side imports none of them; see ``plugins._base`` for th
 from __future__ import annotations
 
 import gc
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 
@@ -17,11 +18,9 @@ def enter_plugins(stack: ExitStack, plugins: list[Any]) -> None:
     as long as the process. The cyclic garbage collector is paused meanwhile (its passes
     over them found nothing and cost a fifth of ``import torch``), and what exists
     afterwards is frozen (``gc.freeze``), so that later collections in the user's tasks do
-    not walk it again either.
+    not walk it again either (:func:`collector_paused`).
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         for plugin in plugins:
             hook = getattr(plugin, "around_process", None)
             if hook is None:
@@ -31,6 +30,17 @@ def enter_plugins(stack: ExitStack, plugins: list[Any]) -> None:
             cm = hook(instance_info())
             if cm is not None:
                 stack.enter_context(cm)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while the block makes objects that live as long
+    as the process (imports), then freeze what exists (``gc.freeze``: no later collection
+    walks it) and let the collector run again if it ran before."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         gc.freeze()
         if was_enabled:

@@ -613,19 +613,13 @@ def warm() -> None:
     if _warm:
         return
     _warm = True
-    import gc
+    from . import hooks
 
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with hooks.collector_paused():
         import dataclasses  # noqa: F401
 
         from .._wire import serialize  # noqa: F401
-        from . import executor, feeds, hooks  # noqa: F401
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
+        from . import executor, feeds  # noqa: F401
 
 
 def _output_out(board: Board) -> None:
