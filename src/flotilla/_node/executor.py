@@ -189,12 +189,18 @@ def _serve(
     # the first slot: no look at which thread runs, per task)
     set_context = feeds.set_current if threaded else partial(setattr, feeds, "current")
 
+    def skipped(ident: int) -> bool:
+        """Whether task ``ident`` was cancelled before it began: then answered CANCELLED."""
+        if ident not in inbox.cancelled:
+            return False
+        inbox.cancelled.discard(ident)
+        write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+        return True
+
     def task(
         ident: int, body: Body | memoryview, offset: int = TASK_HEAD.size, mapped: Any = None
     ) -> bool:
-        if ident in inbox.cancelled:
-            inbox.cancelled.discard(ident)
-            write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+        if skipped(ident):
             return True
         set_context(
             feeds.Context(ident, inbox.feed, partial(credit_feed, ident), _serialize.decode)
@@ -230,9 +236,7 @@ def _serve(
         RESULT on the lane when no output of it can be on its way, else on ``wfd``."""
         board.set(RUNNING, ident)
         inbox.read_ahead()
-        if ident in inbox.cancelled:
-            inbox.cancelled.discard(ident)
-            write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+        if skipped(ident):
             board.set(RUNNING, -ident)  # (answered: see lanes.py)
             return
         seq = board.get(SEQ)
