@@ -15,11 +15,13 @@ agent (``python -m flotilla.agent``), which imports this package, starts fast.
 
 import builtins as _builtins
 import importlib as _importlib
-import typing as _typing
 
 from ._version import __version__
 
-if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a test checks)
+    from typing import Any
+
     from . import events as events
     from . import metrics as metrics
     from . import plugins as plugins
@@ -91,6 +93,7 @@ if _typing.TYPE_CHECKING:  # for type checkers: the same names as _EXPORTS (a te
     from .plugins._base import Plugin as Plugin
     from .storage import Storage as Storage
     from .storage import StorageError as StorageError
+del TYPE_CHECKING  # not a public name
 
 _EXPORTS: _builtins.dict[str, tuple[str, ...]] = {
     # module (relative to this package) -> the public names it defines. The one list of the
@@ -149,7 +152,7 @@ _SUBMODULES = ("events", "metrics", "plugins", "storage")
 __all__ = ["__version__", *_SUBMODULES, *_MODULE_OF]
 
 
-def __getattr__(name: str) -> _typing.Any:
+def __getattr__(name: str) -> "Any":
     if name in _SUBMODULES:  # flotilla.plugins.torch(), flotilla.storage.S3()
         return _importlib.import_module(f".{name}", __name__)
     module = _MODULE_OF.get(name)

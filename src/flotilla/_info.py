@@ -12,7 +12,10 @@ import os
 import sys
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 ENV_VAR = "COMPUTE_POOL"
 DEFAULT_HEAD_PORT = 29500

@@ -44,7 +44,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from .._system.procs import has_env, kill_all
 from .._wire.bodies import Config, Hello, PythonSearch, dump, load_config
@@ -56,6 +55,10 @@ from .lanes import lane_socket
 from .processes import kill_group, signal_group
 from .relay import Relay
 from .supervisor import Supervisor
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 _KEPT_BYTES = 64 << 20
 """What a detached agent keeps for its next client at most (the oldest frames go first)."""

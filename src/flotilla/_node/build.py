@@ -23,10 +23,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from typing import Any
 
 from .._system.locks import exclusive
 from .._system.untar import UnsafeArchive, extract
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def interpreter_key() -> str:

@@ -36,10 +36,13 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from .._wire.protocol import CLOUD_ENV as ENV
 from .._wire.protocol import CLOUD_NOTICE as NOTICE
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 _TOKEN_TTL = 21600
 

@@ -14,13 +14,16 @@ import json
 import os
 import sys
 from collections import deque
-from typing import Any
 
 from .._wire.bodies import Config, Ready, dump
 from .._wire.frames import Kind, frame
 from .eventloop import Outbox, Poller
 from .processes import STDERR_TAIL_LINES
 from .supervisor import Supervisor
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 TOKEN_VAR = "FLOTILLA_NODE_TOKEN"
 """Environment variable marking every process an agent started (directly or not)."""

@@ -30,7 +30,6 @@ from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
-from typing import Any, NoReturn
 
 from .._wire.bodies import Config, dump
 from .._wire.frames import (
@@ -47,6 +46,10 @@ from .._wire.frames import (
     write_frame,
 )
 from .lanes import LARGEST, RUNNING, SEQ, Board
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 serving = False
 """True in a process that runs a pool's tasks (set by :func:`main`; a task's forks keep it):

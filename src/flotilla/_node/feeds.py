@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from .._wire.frames import CREDIT_BODY, STREAM_WINDOW, Body
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 ITEM, END, ERROR = 0, 1, 2
 """Second byte of a FEED body (the first is the argument's index): a value, the end, or
@@ -56,7 +59,7 @@ def _current() -> Context | None:
     return getattr(_thread, "current", None) or current
 
 
-class Feed(Iterator[Any]):
+class Feed(Iterator["Any"]):
     """A streamed argument, on the node."""
 
     def __init__(self, context: Context, index: int) -> None:

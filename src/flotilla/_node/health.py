@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def probe(fn: Callable[[Any], Any], timeout: float) -> tuple[str, str | None]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def enter_plugins(stack: ExitStack, plugins: list[Any]) -> None:

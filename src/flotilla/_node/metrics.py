@@ -42,7 +42,10 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 COMMAND_TIMEOUT = 10.0
 """Seconds a metric's command may run at most before it is killed and reported: twice its

@@ -14,7 +14,10 @@ from __future__ import annotations
 import errno
 import socket
 import time
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 PREFLIGHT_TIMEOUT = 10.0
 """Seconds the head listens, and a node keeps trying while the head is not listening yet."""

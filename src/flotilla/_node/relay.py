@@ -52,13 +52,14 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from .._wire.frames import TASK_HEAD, UNMAPPED, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from typing import Any
 
 MAGIC = b"FLRELAY1"
 NONCE = 16

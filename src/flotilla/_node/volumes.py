@@ -65,9 +65,12 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from .._system.s3 import S3, S3Error
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def resolve(path: str) -> str:

@@ -15,8 +15,8 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
 

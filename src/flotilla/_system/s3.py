@@ -14,7 +14,10 @@ import os
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
-from typing import BinaryIO
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()

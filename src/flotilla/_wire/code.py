@@ -30,9 +30,12 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType
-from typing import Any
 
-Reduced = tuple[Callable[..., CodeType], tuple[Any, ...]]
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, TypeAlias
+
+    Reduced: TypeAlias = tuple[Callable[..., CodeType], tuple[Any, ...]]
 
 _reduced: dict[int, Reduced] = {}  # by id(code); an entry goes when its code object does
 

@@ -18,10 +18,9 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from enum import IntEnum
-from typing import TypeAlias
 
-Buffer: TypeAlias = bytes | bytearray | memoryview
-Body: TypeAlias = bytes | bytearray
+Buffer = bytes | bytearray | memoryview
+Body = bytes | bytearray
 """A received frame's body."""
 
 HEADER = struct.Struct("<BQQ")

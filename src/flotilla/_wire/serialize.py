@@ -25,10 +25,13 @@ import struct
 import sys
 from collections.abc import Callable
 from types import CodeType
-from typing import Any
 
 from .code import reduce_code
 from .frames import Buffer
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 OUT_OF_BAND = 64 * 1024  # buffers this large are not copied into the pickle stream
 SHM_MIN = 1 << 20  # buffers this large go through shared memory between same-host nodes
