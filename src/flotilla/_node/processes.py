@@ -605,10 +605,10 @@ _warm = False
 def warm() -> None:
     """Import, in the agent, once, before it forks its first executor, what every executor
     imports as it starts (its own modules, with the paused collector, then frozen as the
-    agent's start-up is, see ``agent.main``), and ``dataclasses`` (with ``inspect``), which
-    cloudpickle imports with a first call's function: each executor is a fork that has
-    them, and a node pays them once, not once per executor. Not cloudpickle itself, which
-    comes with the first call that needs it (``tests/test_layers.py``)."""
+    agent's start-up is, see ``agent.main``): each executor is a fork that has them, and a
+    node pays them once, not once per executor. Not cloudpickle, nor ``dataclasses`` (with
+    ``inspect``, ~8 ms), which it imports: they come with the first call that needs them
+    (``tests/test_layers.py``)."""
     global _warm
     if _warm:
         return
@@ -616,8 +616,6 @@ def warm() -> None:
     from . import hooks
 
     with hooks.collector_paused():
-        import dataclasses  # noqa: F401
-
         from .._wire import serialize  # noqa: F401
         from . import executor, feeds  # noqa: F401
 
