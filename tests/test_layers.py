@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import flotilla
+from flotilla._providers import bootstrap
 
 PACKAGE = Path(flotilla.__file__).parent
 SRC = PACKAGE.parent
@@ -90,25 +91,63 @@ sys.path.insert(0, {src!r})
 before = set(sys.modules)  # the interpreter's own start-up (site, .pth files)
 import flotilla.agent  # what ``python -m flotilla.agent`` loads before main() runs
 import flotilla._node.metrics  # and at CONFIG (metrics are on by default)
+from flotilla._node import processes
+processes.warm()  # before the first executor's fork: what every executor imports
+from flotilla._node.hooks import enter_plugins  # and what an executor imports before READY
 import json
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
 
-NOT_AT_START = ("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess")
+NOT_AT_START = (
+    *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
+    *("typing", "dataclasses", "runpy"),
+)
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
-with the first environment build, process-table walk or command metric."""
+with the first environment build, process-table walk or command metric; typing (the node
+side's annotations are for mypy alone), dataclasses (with inspect) and runpy never."""
+
+
+def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    """The modules of ``loaded`` a node's start does without (:data:`NOT_AT_START`, but
+    ``allowed``)."""
+    banned = [m for m in NOT_AT_START if m not in allowed]
+    return [m for m in loaded if m.split(".")[0] in banned or m in banned]
 
 
 def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
     """The agent's start (every node's, every provider's; its metrics' sampler included)
-    imports neither cloudpickle, rich nor a plugin's module, nor hashlib, hmac or
-    subprocess: each costs CPU at every node start, and a plain pool never uses them in
-    the agent."""
+    and its executors' (forked from it once it imported what they need) import neither
+    cloudpickle, rich nor a plugin's module, nor hashlib, hmac or subprocess, nor typing,
+    dataclasses or runpy: each costs CPU at every node start, and a plain pool never uses
+    them in the agent."""
     loaded = _probe(_START_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.relay" in loaded
-    assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
+    assert "flotilla._node.executor" in loaded and "flotilla._wire.serialize" in loaded
+    assert _not_at_start(loaded) == []
     assert [m for m in loaded if m.startswith("flotilla.plugins")] == []
+
+
+def test_the_ssh_start_command_becomes_the_agent_without_runpy(tmp_path: Path) -> None:
+    """The start command a remote shell runs (``bootstrap.start_command``: here through a
+    local shell, with this interpreter in isolated mode), first start and next, imports
+    none of the modules a node's start does without, and runs the agent (which ends at
+    the end of its stdin): it calls its ``main`` rather than ``runpy``'s, as ``python -m``
+    would."""
+    bundle = bootstrap.client_bundle()
+    python = f"{sys.executable} -I -X importtime"  # every import, on stderr
+    command = bootstrap.start_command(str(tmp_path / "work"), python, bundle)
+    for data in (bundle.packed, b""):  # the first start installs the bundle
+        done = subprocess.run(command, input=data, capture_output=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert b"FLOTILLA_BOOT AGENT" in done.stdout
+        imported = [
+            line.rpartition(b"|")[2].strip().decode()
+            for line in done.stderr.splitlines()
+            if line.startswith(b"import time:")
+        ]
+        assert "flotilla._node.agent" in imported
+        assert _not_at_start(imported) == []
 
 
 _SERVER_PROBE = """
@@ -125,12 +164,13 @@ print(json.dumps([sorted(set(sys.modules) - before), threading.active_count(), c
 
 def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
     """What a local pool's fork server imports before it forks the agents (they inherit
-    it): none of the modules an agent starts without, no plugin, nothing outside the
+    it): none of the modules an agent starts without (but dataclasses: it warms
+    ``flotilla._info`` for its agents' tasks, once per pool), no plugin, nothing outside the
     standard library and the node side (so no torch or CUDA in a forked process); and it
     starts no thread and sets no signal handler (a fork after either is unsafe)."""
     loaded, threads, handlers = _probe(_SERVER_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
-    assert [m for m in loaded if m.split(".")[0] in NOT_AT_START or m in NOT_AT_START] == []
+    assert _not_at_start(loaded, allowed=("dataclasses",)) == []
     assert [m for m in loaded if not _node_side_allowed(m)] == []
     assert (threads, handlers) == (1, [])
 
