@@ -22,6 +22,7 @@ from _hosts import ssh_lab_fixture  # noqa: F401 - the fixture
 
 import flotilla as sky
 from flotilla import events
+from flotilla._node import metrics as node_metrics
 from flotilla._node.metrics import parse_smi
 
 MB = 1 << 20
@@ -279,6 +280,53 @@ def test_gpu_metrics_from_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert [m[f"gpu_mem_mb_{i}"] for i in range(3)] == [1000.0, 1001.0, 1002.0]
     assert m["gpu_mem_total_mb_0"] == 40960.0
     assert (m["gpu_temp_0"], m["gpu_temp_1"]) == (70.0, 71.0) and "gpu_temp_2" not in m
+
+
+def test_nvml_is_looked_for_where_the_loader_would_find_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node looks for NVML (``may_load``) before it imports ``_ctypes`` to load it (a
+    node without it imports none): no library ``dlopen`` loads here is missed (a GPU
+    node's NVML is found wherever the loader finds it), one that is nowhere is not looked
+    for, and each of the loader's places finds one: a folder of ``LD_LIBRARY_PATH``, a
+    default folder, the cache."""
+    probe = (
+        f"import sys; sys.path.insert(0, {str(Path(node_metrics.__file__).parents[2])!r}); "
+        "from flotilla._node.metrics import NVML; NVML.load(); print('_ctypes' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True)
+    assert done.stdout.strip() == str(node_metrics.may_load(node_metrics.NVML_LIBRARY)).encode()
+
+    import _ctypes
+
+    def loads(name: str) -> bool:
+        try:
+            _ctypes.dlopen(name)
+        except OSError:
+            return False
+        return True
+
+    real = ("libc.so.6", "libm.so.6", "libz.so.1", "libpthread.so.0", "libstdc++.so.6")
+    assert [n for n in real if loads(n)], "no library of this machine loads"
+    for name in (*real, node_metrics.NVML_LIBRARY):
+        assert node_metrics.may_load(name) or not loads(name), name
+    name = f"libflotilla-{os.getpid()}.so.1"
+    assert not node_metrics.may_load(name) and not loads(name)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / name).write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/nowhere::{lib}")
+    assert node_metrics.may_load(name)
+    monkeypatch.delenv("LD_LIBRARY_PATH")
+    assert not node_metrics.may_load(name)
+    monkeypatch.setattr(node_metrics, "LIBRARY_DIRS", ("/nowhere", str(lib)))
+    assert node_metrics.may_load(name)
+    monkeypatch.setattr(node_metrics, "LIBRARY_DIRS", ())
+    cache = tmp_path / "ld.so.cache"
+    cache.write_bytes(b"glibc-ld.so.cache1.1\0" + name.encode() + b"\0/opt/x/" + name.encode())
+    monkeypatch.setattr(node_metrics, "LD_CACHE", str(cache))
+    assert node_metrics.may_load(name)
+    assert not node_metrics.may_load("libflotilla-other.so.1")
 
 
 def test_no_gpu_no_gpu_values_and_no_complaint(
