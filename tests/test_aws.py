@@ -867,8 +867,8 @@ os._exit(0)  # the agent dies at once
 def test_the_cloud_helper_is_a_fork_of_the_agent(tmp_path: Any) -> None:
     """The watchdog and the poller cost an instance's start no interpreter of their own
     (issue 42 item 1: ``python -m flotilla._node.cloud`` cost about what the agent did): the
-    helper is a fork of the agent, and the agent imports no HTTP client or ``subprocess``
-    for it."""
+    helper is a fork of the agent, and the agent imports no HTTP client, ``subprocess`` or
+    ``dataclasses`` for it, nor ``typing``."""
     contact = str(tmp_path / "contact")
     config = {"contact": contact, "ttl": 30, "poweroff": ["true"]}
     code = f"""
@@ -884,7 +884,8 @@ for pid in kids:
     with open(f"/proc/{{pid}}/cmdline", "rb") as f:
         lines.append(f.read().decode())
 print(json.dumps({{"kids": lines, "me": open("/proc/self/cmdline", "rb").read().decode(),
-    "imported": [m for m in ("subprocess", "urllib.request", "http.client") if m in sys.modules]}}))
+    "imported": [m for m in ("subprocess", "urllib.request", "http.client", "dataclasses",
+        "typing") if m in sys.modules]}}))
 os._exit(0)
 """
     proc = _node_python(code)
