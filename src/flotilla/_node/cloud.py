@@ -71,12 +71,8 @@ class Config:
         poll: float = 2.0,
         retry: float = 60.0,
     ) -> None:
-        self.contact = contact
-        self.ttl = ttl
-        self.poweroff = poweroff
-        self.imds = imds
-        self.poll = poll
-        self.retry = retry
+        self.contact, self.ttl, self.poweroff = contact, ttl, poweroff
+        self.imds, self.poll, self.retry = imds, poll, retry
 
     @staticmethod
     def from_json(text: str) -> Config:
