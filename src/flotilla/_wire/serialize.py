@@ -24,9 +24,10 @@ import stat
 import struct
 import sys
 from collections.abc import Callable
-from types import CodeType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
+from . import rebuild
 from .code import reduce_code
 from .frames import Buffer
 
@@ -120,17 +121,37 @@ def dumps(obj: Any, buffer_callback: Callable[[pickle.PickleBuffer], bool] | Non
 
 @functools.cache
 def _pickler() -> type[pickle.Pickler]:
+    """cloudpickle's pickler, code objects sent by ``code``, and cloudpickle's function
+    reconstructors named as their twins in ``rebuild`` (the node unpickles a by-value
+    function without importing cloudpickle)."""
     import cloudpickle
+
+    twins = _twins(cloudpickle)
 
     class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         def reducer_override(self, obj: Any) -> Any:
-            if type(obj) is CodeType:
+            t = type(obj)
+            if t is CodeType:
                 reduced = reduce_code(obj)
+                if reduced is not None:
+                    return reduced
+            elif t is FunctionType:
+                reduced = twins.get(obj)
                 if reduced is not None:
                     return reduced
             return super().reducer_override(obj)
 
     return Pickler
+
+
+def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
+    """The reduce value of each of ``cloudpickle``'s reconstructors that ``rebuild`` has a
+    twin of: a call of ``rebuild.twin``. None for a version whose reconstructors were not
+    compared with the twins (it is pickled as cloudpickle pickles it)."""
+    if getattr(cloudpickle, "__version__", None) not in rebuild.CLOUDPICKLE_VERSIONS:
+        return {}
+    module = cloudpickle.cloudpickle
+    return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
