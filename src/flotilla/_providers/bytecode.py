@@ -52,7 +52,7 @@ NODE_START = (
     "flotilla/_node/",
     "flotilla/_wire/",
     "flotilla/_system/",
-    "cloudpickle/",
+    "cloudpickle/",  # a class sent by value, a result cloudpickle pickles (not a function)
 )
 """The modules (a name without ``.py``) and packages (ending with ``/``) an agent and its
 first executor import as they start: the byte code the SSH bundle ships

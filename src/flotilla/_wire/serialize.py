@@ -24,8 +24,9 @@ import stat
 import struct
 import sys
 from collections.abc import Callable
-from types import CodeType
+from types import CodeType, FunctionType, ModuleType
 
+from . import rebuild
 from .code import reduce_code
 from .frames import Buffer
 
@@ -123,17 +124,38 @@ def dumps(obj: Any, buffer_callback: Callable[[pickle.PickleBuffer], bool] | Non
 
 @functools.cache
 def _pickler() -> type[pickle.Pickler]:
+    """cloudpickle's pickler, code objects sent by ``code``, and cloudpickle's function
+    reconstructors named as their twins in ``rebuild`` (the node unpickles a by-value
+    function without importing cloudpickle)."""
     import cloudpickle
+
+    twins = _twins(cloudpickle)
 
     class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         def reducer_override(self, obj: Any) -> Any:
-            if type(obj) is CodeType:
+            t = type(obj)
+            if t is CodeType:
                 reduced = reduce_code(obj)
+                if reduced is not None:
+                    return reduced
+            elif t is FunctionType:
+                reduced = twins.get(obj)
                 if reduced is not None:
                     return reduced
             return super().reducer_override(obj)
 
     return Pickler
+
+
+def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
+    """The reduce value of each of ``cloudpickle``'s reconstructors that ``rebuild`` has a
+    twin of: a call of ``rebuild.twin``. None for a series whose reconstructors were not
+    compared with the twins (it is pickled as cloudpickle pickles it)."""
+    version = str(getattr(cloudpickle, "__version__", ""))
+    if ".".join(version.split(".")[:2]) not in rebuild.CLOUDPICKLE_SERIES:
+        return {}
+    module = cloudpickle.cloudpickle
+    return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
