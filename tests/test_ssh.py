@@ -19,11 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _ddp import assert_ddp_averages
 from _hosts import Lab, TestHost, keygen, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _procs import Client, alive, all_pids, assert_all_gone, cmdline, wait_until
+from test_layers import NOT_AT_START
 
 import flotilla as sky
 from flotilla._errors import ConfigurationError, NodeLostError, ProvisionCause, ProvisionError
@@ -411,6 +413,31 @@ def test_a_start_runs_no_program_but_the_shell_and_the_interpreter(
         assert host.path(workdir).stat().st_mode & 0o777 == 0o700
     finally:
         ssh_lab.remove_host(host)
+
+
+_LOADED_PROBE = """
+def loaded(names):
+    import sys
+    ours = set(sys.modules)  # the agent's start, the executor's, this call's
+    import subprocess
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys; print(*sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    theirs = set(fresh.stdout.split())  # the interpreter's own start (its site's .pth files)
+    return sorted(m for m in ours - theirs if m in names or m.split(".")[0] in names)
+"""
+
+
+def test_a_nodes_first_call_finds_none_of_what_a_start_does_without(ssh_lab: Lab) -> None:
+    """On an SSH node (the start command, the agent, its executor), a first call sent by
+    value (a module of no file: rebuilt without cloudpickle) finds none of the modules a
+    node's start does without (``NOT_AT_START``: typing, dataclasses, runpy, cloudpickle...)
+    in its executor, but for those its interpreter's own start imports."""
+    namespace: dict[str, Any] = {"__name__": "flotilla_test_probe"}
+    exec(_LOADED_PROBE, namespace)
+    with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1]), nodes=1) as pool:
+        assert sky.function(namespace["loaded"])(NOT_AT_START) >> pool == []
 
 
 def test_unknown_host_key_is_refused_with_fingerprint(ssh_lab: Lab, tmp_path: Path) -> None:
