@@ -128,6 +128,35 @@ def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
     assert [m for m in loaded if m.startswith("flotilla.plugins")] == []
 
 
+_WARM_PROBE = """
+import sys
+sys.path.insert(0, {src!r})
+from flotilla._node import processes
+processes.warm(shared={shared})
+print(__import__("json").dumps(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_dataclasses_are_warmed_once_only_for_a_node_of_several_executor_processes(
+    shared: bool,
+) -> None:
+    """One executor process imports ``dataclasses`` (``instance_info()``, cloudpickle) with
+    the first call that needs it, if one does; several would each import it after their
+    fork, so the agent imports it once before it forks them (``processes.warm``)."""
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", _WARM_PROBE.format(src=src, shared=shared)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    loaded = json.loads(out.stdout)
+    assert "flotilla._node.executor" in loaded
+    assert ("dataclasses" in loaded) is shared
+
+
 def test_the_ssh_start_command_becomes_the_agent_without_runpy(tmp_path: Path) -> None:
     """The start command a remote shell runs (``bootstrap.start_command``: here through a
     local shell, with this interpreter in isolated mode), first start and next, imports

@@ -199,7 +199,7 @@ class ExecutorProcesses:
         raise NotImplementedError
 
     def start_all(self) -> None:
-        warm()
+        warm(shared=len(self.slots) > 1 and not self.threads)
         for slot in self.slots:
             self._start(slot)
 
@@ -602,13 +602,15 @@ class ExecutorProcesses:
 _warm = False
 
 
-def warm() -> None:
+def warm(shared: bool = False) -> None:
     """Import, in the agent, once, before it forks its first executor, what every executor
     imports as it starts (its own modules, with the paused collector, then frozen as the
     agent's start-up is, see ``agent.main``): each executor is a fork that has them, and a
     node pays them once, not once per executor. Not cloudpickle, nor ``dataclasses`` (with
-    ``inspect``, ~8 ms), which it imports: they come with the first call that needs them
-    (``tests/test_layers.py``)."""
+    ``inspect``, ~8 ms), which it and ``instance_info()`` import: a node of one executor
+    process imports them with the first call that needs them, if one does
+    (``tests/test_layers.py``). ``shared``: the node runs several executor processes, which
+    would each import ``dataclasses`` for ``instance_info()``: it is imported here, once."""
     global _warm
     if _warm:
         return
@@ -616,6 +618,8 @@ def warm() -> None:
     from . import hooks
 
     with hooks.collector_paused():
+        if shared:
+            import dataclasses  # noqa: F401
         from .._wire import serialize  # noqa: F401
         from . import executor, feeds  # noqa: F401
 
