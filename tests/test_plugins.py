@@ -449,13 +449,16 @@ def test_jax_env_uses_the_port_after_torchs() -> None:
 
 
 def test_the_head_port_starts_a_block_of_free_ports() -> None:
-    from flotilla._node.agent import PORT_BLOCK, _bindable, free_port_block
+    from flotilla._node.agent import PORT_BLOCK, _bindable, _ephemeral_start, free_port_block
 
     base = free_port_block(PORT_BLOCK)
     assert [p for p in range(base, base + PORT_BLOCK) if not _bindable(p)] == []
+    # below the ephemeral ports: no socket bound to port 0 on the node can take one of them
+    assert base + PORT_BLOCK <= _ephemeral_start()
     with sky.Compute(nodes=2) as pool:
         head_port = sky.function(lambda: sky.instance_info().head_port)() >> pool
     assert [p for p in range(head_port, head_port + PORT_BLOCK) if not _bindable(p)] == []
+    assert head_port + PORT_BLOCK <= _ephemeral_start()
 
 
 def test_jax_env_with_several_processes_per_node() -> None:

@@ -594,10 +594,20 @@ def _read_probe(name: str) -> bytes:
 
 
 def free_port_block(width: int) -> int:
-    """A port ``p`` such that ``p .. p + width - 1`` can all be bound now (the best of a
-    few tries: the first port alone if no whole block is found). Its sockets are
-    ``_socket``'s: ``socket``, whose import makes its enums (~2.5 ms), is not part of an
-    agent's start (see ``relay.Relay.listen``)."""
+    """A port ``p`` such that ``p .. p + width - 1`` can all be bound now, below the
+    kernel's ephemeral range where it can be (the best of a few tries: the first port of
+    the range alone if no whole block is found). A block among the ephemeral ports could
+    be taken, before the head's process listens on it, by any socket bound to port 0 on
+    the node: the relay's listener, a collective's own, a connection's source port. Its
+    sockets are ``_socket``'s: ``socket``, whose import makes its enums (~2.5 ms), is not
+    part of an agent's start (see ``relay.Relay.listen``)."""
+    low = _ephemeral_start()
+    if low - width > _BLOCKS_FROM:
+        for _ in range(20):
+            spread = low - width - _BLOCKS_FROM
+            base = _BLOCKS_FROM + int.from_bytes(os.urandom(4), "big") % spread
+            if all(_bindable(base + i) for i in range(width)):
+                return base
     first = 0
     for _ in range(20):
         s = _socket.socket()  # TCP over IPv4
@@ -610,6 +620,20 @@ def free_port_block(width: int) -> int:
         if base + width <= 65536 and all(_bindable(base + i) for i in range(1, width)):
             return base
     return first
+
+
+_BLOCKS_FROM = 20000
+"""The lowest port a block starts at (above the ports well-known services listen on)."""
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (``ip_local_port_range``), or 0
+    when it cannot be read (another system: the block is found among them)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", "rb") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _bindable(port: int) -> bool:
