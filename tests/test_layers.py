@@ -100,12 +100,13 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 
 NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
-    *("typing", "dataclasses", "runpy"),
+    *("typing", "dataclasses", "runpy", "traceback"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
 with the first environment build, process-table walk or command metric; typing (the node
-side's annotations are for mypy alone), dataclasses (with inspect) and runpy never."""
+side's annotations are for mypy alone), dataclasses (with inspect) and runpy never, nor
+traceback (an executor's first failure imports it)."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:

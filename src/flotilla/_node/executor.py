@@ -24,7 +24,6 @@ import select
 import sys
 import termios
 import threading
-import traceback
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack
@@ -105,7 +104,7 @@ def main(
         enter_plugins(stack, plugins)
     except BaseException:
         for fd in result_fds:
-            _send(fd, Kind.READY, 0, dump({"error": traceback.format_exc()}))
+            _send(fd, Kind.READY, 0, dump({"error": _formatted()}))
         _flush()
         os._exit(1)
     forked: list[bool] = []  # not empty in a child a task forked (no system call per task)
@@ -577,7 +576,7 @@ def _run(
         found = ser.describe_unpicklable(value, "result")
         where = f" at {found[0]} (type {found[1]})" if found else ""
         msg = f"the task's return value cannot be pickled{where}: {e}"
-        pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, traceback.format_exc()))
+        pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, _formatted()))
         status = Status.ERROR
     shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
     parts = ser.encode(pickled, shm)
@@ -608,6 +607,8 @@ def _unmapped(ser: Any, maps: list[Any], parts: list[Any], failed: bool) -> bool
 
 def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
     """(pickled exception or None, type name, message, formatted traceback)."""
+    import traceback
+
     from .._wire.serialize import dumps
 
     t = type(e)
@@ -620,6 +621,14 @@ def _describe(e: BaseException) -> tuple[bytes | None, str, str, str]:
     except Exception:
         data = None
     return data, f"{t.__module__}.{t.__qualname__}", str(e), tb
+
+
+def _formatted() -> str:
+    """The exception being handled, formatted. ``traceback`` (with ``textwrap``'s
+    expressions, ~2 ms) is imported by the first failure, not by every node's start."""
+    import traceback
+
+    return traceback.format_exc()
 
 
 def _send(fd: int, kind: Kind, ident: int, body: bytes) -> None:

@@ -45,7 +45,6 @@ import os
 import select
 import socket
 import sys
-import traceback
 
 from .. import _info  # noqa: F401  (warm: what every agent and executor imports)
 from .._wire import code, serialize  # noqa: F401
@@ -148,6 +147,8 @@ def _agent(
         os.close(set_up)
         agent.main()
     except BaseException:
+        import traceback  # (not in every agent forked from here: see executor._formatted)
+
         traceback.print_exc()
     finally:
         os._exit(70)
