@@ -575,7 +575,10 @@ def test_ssh_hosts_read_and_write_back(
     ro = sky.Volume(bucket, f"in-{mode}", prefix="data", mode=mode)
     rw = sky.Volume(bucket, f"out-{mode}", prefix="results", read_only=False, mode=mode)
     hosts = ssh_lab.hosts[:3]
-    with sky.Compute(ssh_lab.provider(hosts), nodes=3, volumes=[ro, rw]) as pool:
+    # a start that never ends (seen twice in full local runs, [copy], never alone) fails
+    # with the stage and the nodes it stopped at, before the test's own timeout
+    options = sky.Options(start_timeout=90)
+    with sky.Compute(ssh_lab.provider(hosts), nodes=3, volumes=[ro, rw], options=options) as pool:
         seen = tree(f"in-{mode}") @ pool
         write(f"out-{mode}/{mode}.txt", "from the lab") >> pool
     for files in seen:
