@@ -194,10 +194,9 @@ def _on_a_fresh_node(data: bytes, *, with_cloudpickle: bool = False) -> dict[str
 def _checked_series() -> None:
     """Skips (with what to do) when the installed cloudpickle is of a series the twins were
     not compared with: the client then maps nothing, and a node imports cloudpickle."""
-    series = ".".join(cloudpickle.__version__.split(".")[:2])
-    if series not in rebuild.CLOUDPICKLE_SERIES:
+    if not rebuild.checked(cloudpickle.__version__):
         pytest.skip(
-            f"cloudpickle {cloudpickle.__version__} (series {series}) is not compared with "
+            f"cloudpickle {cloudpickle.__version__} is not of a series compared with "
             "flotilla._wire.rebuild's twins: compare its function reconstructors and the "
             "state they read, then add the series to CLOUDPICKLE_SERIES"
         )

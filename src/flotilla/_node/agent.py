@@ -602,9 +602,9 @@ def free_port_block(width: int) -> int:
     sockets are ``_socket``'s: ``socket``, whose import makes its enums (~2.5 ms), is not
     part of an agent's start (see ``relay.Relay.listen``)."""
     low = _ephemeral_start()
-    if low - width > _BLOCKS_FROM:
+    spread = low - width - _BLOCKS_FROM
+    if spread > 0:
         for _ in range(20):
-            spread = low - width - _BLOCKS_FROM
             base = _BLOCKS_FROM + int.from_bytes(os.urandom(4), "big") % spread
             if all(_bindable(base + i) for i in range(width)):
                 return base

@@ -62,6 +62,11 @@ release of these keeps the twins (``tests/test_rebuild.py`` compares them with t
 cloudpickle on every run); a new series maps nothing until it is compared."""
 
 
+def checked(version: str) -> bool:
+    """Whether cloudpickle ``version`` is of a series in :data:`CLOUDPICKLE_SERIES`."""
+    return ".".join(version.split(".")[:2]) in CLOUDPICKLE_SERIES
+
+
 def _make_function(
     code: CodeType,
     globals: dict[str, Any],

@@ -149,10 +149,9 @@ def _pickler() -> type[pickle.Pickler]:
 
 def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
     """The reduce value of each of ``cloudpickle``'s reconstructors that ``rebuild`` has a
-    twin of: a call of ``rebuild.twin``. None for a series whose reconstructors were not
+    twin of: a call of ``rebuild.twin``. Empty for a series whose reconstructors were not
     compared with the twins (it is pickled as cloudpickle pickles it)."""
-    version = str(getattr(cloudpickle, "__version__", ""))
-    if ".".join(version.split(".")[:2]) not in rebuild.CLOUDPICKLE_SERIES:
+    if not rebuild.checked(str(getattr(cloudpickle, "__version__", ""))):
         return {}
     module = cloudpickle.cloudpickle
     return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
