@@ -61,9 +61,16 @@ def _not_a_pool(op: str, other: object) -> ConfigurationError:
     )
 
 
+_pool_types: set[type] = set()
+"""The pool classes seen (an ABC's ``isinstance`` is slower than a set: per call)."""
+
+
 def _check_pool(op: str, pool: object) -> Pool:
+    if type(pool) in _pool_types:
+        return pool  # type: ignore[return-value]
     if not isinstance(pool, Pool):
         raise _not_a_pool(op, pool)
+    _pool_types.add(type(pool))
     return pool
 
 

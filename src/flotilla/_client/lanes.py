@@ -29,6 +29,7 @@ answer goes through ``Node._on_frames`` as one from the agent does.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pickle
 import select
@@ -42,14 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._providers.pipe import SPIN, idle_core
 from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
-from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
-from .._wire.serialize import PAYLOAD_HEAD, Pickled, encode, pickle_obj
+from .._wire.lanes import _WORD, CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
+from .._wire.serialize import _PLAIN_BYTES, PAYLOAD_HEAD, Pickled, _plain, pickle_obj
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
 
 if TYPE_CHECKING:
+    from .._wire.frames import Buffer
     from .dispatch import Dispatcher
-    from .function import PendingCall
+    from .function import Function, PendingCall
 
 GONE = 0.5
 """Seconds a lost node's executor gets to be gone before its lane calls count as started
@@ -73,6 +75,10 @@ class Lane:
     ended: bool = False  # its result pipe ended (the executor is gone)
     answered: float = SPIN / 2  # how long recent answers took (seconds: see wait)
     orphan: bool = False  # the agent had closed its board when the last call was sent
+    mem: mmap.mmap = field(init=False)  # the board's words (read per call: see _word)
+
+    def __post_init__(self) -> None:
+        self.mem = self.board.mem
 
     def started(self, ident: int) -> bool:
         """Whether call ``ident``, sent on this lane, may have started: False only when
@@ -184,38 +190,50 @@ def send(
     """Send ``call`` on a lane if it can take one (see the module docstring); None when it
     goes the general way (nothing of it sent). Its submission is in ``taken`` from its
     claim on (for :func:`stop`). The short way of a lone call: no placement beyond the
-    choice of its slot (:func:`_slot`), its arguments pickled and framed in one step
-    (:func:`_task`)."""
+    choice of its slot (the first node's idle first slot, else ``least_busy``'s), its
+    arguments pickled and framed in one step (:func:`_task`). Per call, every step here
+    counts (a lone call's CPU is most of its round trip on a busy machine): no helper
+    that a line does as well."""
     fn = call.function
-    if fn.timeout or streamed_parameters(fn.fn):
+    laned = d.encoder.laned.get(id(fn))
+    if laned is None or laned[2] is not fn:
+        laned = _laned(d, fn)
+        if laned is None:
+            return None
+    if fn.timeout:  # (the agent times calls)
         return None
-    cached = d.encoder.cached(fn)
-    if cached is None:  # its first call: DEFINE goes the general way
+    nodes = d.nodes
+    if not nodes:
         return None
-    key, define = cached
-    choice = _slot(d)
-    if choice is None:
-        return None
-    node, slot = choice
+    node = nodes[0]
+    busy = node.busy
+    if node.state is NodeState.READY and busy and not busy[0]:
+        slot = 0  # (the usual case: no look at the others)
+    else:
+        choice = d.placement.least_busy()
+        if choice is None:
+            return None
+        node, slot = choice
+        busy = node.busy
     lanes = node.lanes
     if lanes is None:  # (the first lone call on this node)
         lanes = node.lanes = _lanes_of(node)
-    if not lanes or node.busy[slot] or key not in node.answered or lanes.agent_dying():
+    key = laned[0]
+    if not lanes or busy[slot] or key not in node.answered or lanes.agent_dying():
         return None
     lane = lanes.by_slot.get(slot)
-    if lane is None or lane.ended or lane.board.get(CLOSED):  # replaced: its next one
+    if lane is None or lane.ended or _word(lane.mem, CLOSED)[0]:  # replaced: its next one
         lanes.take()
         lane = lanes.by_slot.get(slot)
-        if lane is None or lane.ended or lane.board.get(CLOSED):
+        if lane is None or lane.ended or _word(lane.mem, CLOSED)[0]:
             return None
-    task = _task(key, call)
-    if task is None:  # (not small builtin data: the general way, which says what fails)
+    main = _task(key, call)
+    if main is None:  # (not small builtin data: the general way, which says what fails)
         return None
-    pickled, wire = task
-    payload = Payload(pickled)
-    sub = d.encoder.submission(call, payload, key, define, pinned=False)
+    payload = Payload(Pickled(main, ()))
+    sub = d.encoder.submission(call, payload, key, laned[1], pinned=False)
     with node.lock:
-        if node.state is not NodeState.READY or node.busy[slot] or node.abandoned:
+        if node.state is not NodeState.READY or busy[slot] or node.abandoned:
             tid = 0
         else:
             tid = next_id()
@@ -227,63 +245,78 @@ def send(
             sub.lane = lane  # (but one its executor never began: see Lane.started)
             sub.started_at = time.monotonic()
             node.inflight[tid] = sub
-            node.busy[slot] += 1
-    if tid:
-        sub.wake_by = _waker()
-        taken.append(sub)  # (an interrupt from here on: the caller undoes or cancels it)
-        lane.board.set(CLAIMED, tid)
-        try:
-            head = _TASK.pack(Kind.TASK, tid, TASK_HEAD.size + len(wire), 0.0, slot)
-            os.write(lane.task_fd, head + wire)  # (fits the pipe whole: see LARGEST)
-            sub.lane = lane  # written (see undo)
-        except OSError:  # the executor is gone: the general way
-            lane.ended = True
-        if sub.lane is not None:
-            lane.orphan = bool(lane.board.get(CLOSED))  # see _node/lanes.py
-            node.proc.watch()  # the loop reads the stream (a lone call's read parks it)
-            node.events.task_started(node, sub)
-            return node, lane, sub
-        taken.clear()
-        undo(d, sub, lane)
+            busy[slot] += 1
+    if not tid:
+        d.by_future.pop(id(sub.future), None)
+        payload.release()
         return None
-    d.by_future.pop(id(sub.future), None)
-    payload.release()
-    return None
+    sub.wake_by = _waker()
+    taken.append(sub)  # (an interrupt from here on: the caller undoes or cancels it)
+    mem = lane.mem
+    _set_word(mem, CLAIMED, tid)
+    try:  # the frame's header, task head and payload head in one (see _TASK_PAYLOAD)
+        frame = _TASK_PAYLOAD.pack(
+            Kind.TASK, tid, _TASK_BODY + len(main), 0.0, slot, 0, len(main), 0
+        )
+        os.write(lane.task_fd, frame + main)  # (fits the pipe whole: see LARGEST)
+    except OSError:  # the executor is gone: its agent says how (DIED)
+        lane.ended = True
+    lane.orphan = bool(_word(mem, CLOSED)[0])  # see _node/lanes.py
+    node.proc.watch()  # the loop reads the stream (a lone call's read parks it)
+    node.events.task_started(node, sub)
+    return node, lane, sub
 
 
+def _laned(d: Dispatcher, fn: Function[..., Any]) -> tuple[int, list[Buffer], Any] | None:
+    """``fn``'s key and wire form if its calls may take a lane (defined already, no
+    streamed argument), kept for its next calls (``Encoder.laned``); else None."""
+    if streamed_parameters(fn.fn):
+        return None
+    cached = d.encoder.cached(fn)
+    if cached is None:  # its first call: DEFINE goes the general way
+        return None
+    laned = d.encoder.laned[id(fn)] = (cached[0], cached[1], fn)
+    return laned
+
+
+_word = _WORD.unpack_from
+"""A board word, as ``Board.get`` reads it, without its frame: ``_word(lane.mem, WORD)[0]``
+(per call)."""
+_set_word = _WORD.pack_into
+"""``Board.set`` without its frame: ``_set_word(lane.mem, WORD, value)``."""
 _TASK = struct.Struct(HEADER.format + TASK_HEAD.format.lstrip("<"))
 """A lane task's frame header and task head in one (see ``_wire/frames.py``)."""
 _VALUE = struct.Struct(HEADER.format + "B" + PAYLOAD_HEAD.format.lstrip("<"))
 """A RESULT frame's header, status and payload head in one (``serialize.encode``)."""
 
 
-def _slot(d: Dispatcher) -> tuple[Node, int] | None:
-    """The (node, slot) a lone call takes: ``Placement.least_busy``'s, which is the first
-    node's first slot when that node is READY and the slot idle (the usual case, checked
-    first: no look at the others)."""
-    nodes = d.nodes
-    if nodes:
-        first = nodes[0]
-        busy = first.busy
-        if first.state is NodeState.READY and busy and not busy[0]:
-            return first, 0
-    return d.placement.least_busy()
+_TASK_PAYLOAD = struct.Struct(_TASK.format + PAYLOAD_HEAD.format.lstrip("<"))
+"""A lane task's frame header, task head and payload head (no buffer, no file) in one."""
+_TASK_BODY = TASK_HEAD.size + PAYLOAD_HEAD.size
+"""A lane task's body before its pickle."""
+_LANE_PICKLE = min(_PLAIN_BYTES, LARGEST - _TASK_PAYLOAD.size)
+"""Bytes of a lane task's pickle at most: one part (``serialize.encode`` makes a larger
+pickle a part of its own) in a frame that fits LARGEST."""
 
 
-def _task(key: int, call: PendingCall[Any]) -> tuple[Pickled, bytes] | None:
-    """``call``'s arguments pickled, and their wire form when it is one part that fits a
-    lane (see LARGEST); None for the general way (a large argument, maybe for shared
-    memory; or one that cannot be pickled: the general way says what)."""
-    try:
-        pickled = pickle_obj((key, call.args, call.kwargs))
-    except Exception:
-        return None
-    if pickled.buffers:
-        return None
-    body = encode(pickled)
-    if len(body) != 1 or len(body[0]) + _TASK.size > LARGEST:
-        return None
-    return pickled, bytes(body[0])
+def _task(key: int, call: PendingCall[Any]) -> bytes | None:
+    """``call``'s arguments pickled, when they are one small part that fits a lane (see
+    LARGEST): small builtin data by the standard pickler (``serialize.pickle_obj``'s first
+    case, without its wrapping), else by ``pickle_obj``; None for the general way (a large
+    argument, maybe for shared memory; or one that cannot be pickled: the general way
+    says what)."""
+    args, kwargs = call.args, call.kwargs
+    if (not args or _plain(args, 1)) and (not kwargs or _plain(kwargs, 1)):
+        main = pickle.dumps((key, args, kwargs), 5)
+    else:
+        try:
+            pickled = pickle_obj((key, args, kwargs))
+        except Exception:
+            return None
+        if pickled.buffers:
+            return None
+        main = pickled.main
+    return main if len(main) <= _LANE_PICKLE else None
 
 
 def undo(d: Dispatcher, sub: Submission, lane: Lane) -> None:
@@ -334,7 +367,11 @@ def wait(d: Dispatcher, node: Node, lane: Lane, sub: Submission) -> None:
     thread. The agent's stream stays the event loop's: a result the agent forwards (one
     that had output before it), its DIED or CANCELLED, a node lost, settle the call there,
     and the loop wakes this thread (``Submission.wake_by``, this thread's waker);
-    a pool closed is seen within a tenth of a second."""
+    a pool closed is seen within a tenth of a second.
+
+    The result pipe is polled without sleeping for about twice the recent answers' time,
+    at most SPIN, while a core is idle: as a lone call's wait on the agent's stream
+    (``pipe.SPIN``)."""
     waker = sub.wake_by
     assert waker is not None
     fd = lane.result_fd
@@ -343,49 +380,41 @@ def wait(d: Dispatcher, node: Node, lane: Lane, sub: Submission) -> None:
         poller = waker.polls[fd] = select.poll()
         poller.register(fd, select.POLLIN)
         poller.register(waker.fd, select.POLLIN)
-    try:
-        _wait(d, node, lane, sub, poller, waker)
-    finally:
-        sub.wake_by = None
-        if sub.future.done() and lane.board.get(CLAIMED) == sub.tid:  # (else its cancel
-            lane.board.set(CLAIMED, 0)  # finds it claimed) the slot is the agent's again
-
-
-def _wait(
-    d: Dispatcher, node: Node, lane: Lane, sub: Submission, poller: select.poll, waker: _Waker
-) -> None:
-    fd = lane.result_fd
     done = sub.future.done
     start = time.monotonic()
-    # polled without sleeping for about twice the recent answers' time, at most SPIN,
-    # while a core is idle: as a lone call's wait on the agent's stream (pipe.SPIN)
-    spin = start + min(SPIN, 2 * lane.answered) if lane.answered <= SPIN else 0.0
-    if spin and not _idle(start):
-        spin = 0.0
-    while not done():
-        spinning = spin and time.monotonic() < spin
-        for ready, _ in poller.poll(0 if spinning else 100):
-            if ready != fd:
-                waker.clear()
-                continue
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                data = b""
-            if data:
-                if lane.reader.idle and _finished(d, node, sub, data):
+    answered = lane.answered
+    spin = start + min(SPIN, 2 * answered) if answered <= SPIN and _idle(start) else 0.0
+    try:
+        while not done():
+            if spin and time.monotonic() >= spin:
+                spin = 0.0
+            for ready, _ in poller.poll(0 if spin else 100):
+                if ready != fd:
+                    waker.clear()
                     continue
-                frames = lane.reader.feed(data)
-                if frames:
-                    node._on_frames(frames)
-                continue
-            lane.ended = True  # the executor is gone: the agent says how (DIED)
-            waker.polls.pop(fd, None)
-            if lane.orphan and not done() and not _seen(lane, sub):  # (its agent says it)
-                _orphaned(d, node, sub, lane)  # (a second answer is dropped)
-            poller = waker.alone
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    data = b""
+                if data:
+                    if lane.reader.idle and _finished(d, node, sub, data):
+                        continue
+                    frames = lane.reader.feed(data)
+                    if frames:
+                        node._on_frames(frames)
+                    continue
+                lane.ended = True  # the executor is gone: the agent says how (DIED)
+                waker.polls.pop(fd, None)
+                if lane.orphan and not done() and not _seen(lane, sub):  # (its agent says
+                    _orphaned(d, node, sub, lane)  # it; a second answer is dropped)
+                poller = waker.alone
+    finally:
+        sub.wake_by = None
+        mem = lane.mem
+        if done() and _word(mem, CLAIMED)[0] == sub.tid:  # (else its cancel finds it
+            _set_word(mem, CLAIMED, 0)  # claimed) the slot is the agent's again
     took = time.monotonic() - start
-    lane.answered = took if took > SPIN else (lane.answered + took) / 2
+    lane.answered = took if took > SPIN else (answered + took) / 2
 
 
 IDLE_LOOK = 0.005
