@@ -87,10 +87,12 @@ class PoolCalls(Pool):
         for a function that yields, an iterator over its values as they come
         (``stream.py``)."""
         call = as_call(call, ">>")
-        if yields(call.function.fn):
+        dispatcher = self._dispatcher
+        fn = call.function
+        laned = dispatcher.encoder.laned.get(id(fn))  # (a generator's never is: lanes.py)
+        if (laned is None or laned[2] is not fn) and yields(fn.fn):
             return self._stream(call)  # type: ignore[return-value]
         self._check_running()
-        dispatcher = self._dispatcher
         direct = (
             not dispatcher.group  # a group's results may restart it: the loop's work
             and not dispatcher.most  # an elastic pool's may send backlogged calls: the same

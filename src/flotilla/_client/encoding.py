@@ -38,7 +38,8 @@ class Encoder:
         self._functions: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         self.laned: dict[int, tuple[int, list[Buffer], Function[..., Any]]] = {}
         """:meth:`cached`'s answers for the functions whose calls may take a lane (no
-        streamed argument: ``lanes.send``), by ``id``; kept by ``lanes.send``."""
+        streamed argument, not a generator function: ``lanes.send``), by ``id``; kept by
+        ``lanes.send``."""
 
     def function(self, fn: Function[..., Any]) -> tuple[int, list[Buffer]]:
         """The pool's key of ``fn`` and its wire form (pickled once per pool)."""

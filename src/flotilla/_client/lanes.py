@@ -47,6 +47,7 @@ from .._wire.lanes import _WORD, CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEE
 from .._wire.serialize import _PLAIN_BYTES, PAYLOAD_HEAD, Pickled, _plain, pickle_obj
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
+from .stream import yields
 
 if TYPE_CHECKING:
     from .._wire.frames import Buffer
@@ -269,8 +270,9 @@ def send(
 
 def _laned(d: Dispatcher, fn: Function[..., Any]) -> tuple[int, list[Buffer], Any] | None:
     """``fn``'s key and wire form if its calls may take a lane (defined already, no
-    streamed argument), kept for its next calls (``Encoder.laned``); else None."""
-    if streamed_parameters(fn.fn):
+    streamed argument, not a generator function), kept for its next calls
+    (``Encoder.laned``); else None."""
+    if streamed_parameters(fn.fn) or yields(fn.fn):  # (its values stream: stream.py)
         return None
     cached = d.encoder.cached(fn)
     if cached is None:  # its first call: DEFINE goes the general way
@@ -484,7 +486,7 @@ def _finished(d: Dispatcher, node: Node, sub: Submission, data: bytes) -> bool:
         node.busy[sub.worker] -= 1
         idle = not node.inflight
     node.last_heard = time.monotonic()
-    if idle:
+    if idle and node._out:  # (a line the calls left unfinished)
         node.flush_output()
     node.events.task_finished(node, sub, Status.OK, data[HEADER_SIZE:])
     sub.finished = True

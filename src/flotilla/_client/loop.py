@@ -21,11 +21,12 @@ a Ctrl-C received by another thread waits before it is raised."""
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+_ident: int | None = None  # the loop thread's (per call: see in_loop_thread)
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """The shared loop, started on first use."""
-    global _loop, _thread
+    global _loop, _thread, _ident
     with _lock:
         if _loop is None or _thread is None or not _thread.is_alive():
             loop = asyncio.new_event_loop()
@@ -38,13 +39,14 @@ def get_loop() -> asyncio.AbstractEventLoop:
 
             _thread = threading.Thread(target=serve, name="flotilla-loop", daemon=True)
             _thread.start()
+            _ident = _thread.ident
             ready.wait()
             _loop = loop
         return _loop
 
 
 def in_loop_thread() -> bool:
-    return _thread is not None and threading.current_thread() is _thread
+    return threading.get_ident() == _ident
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
