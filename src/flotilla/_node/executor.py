@@ -13,13 +13,12 @@ still be on its way, else on the result pipe, after the output, through the agen
 
 from __future__ import annotations
 
+import _pickle as pickle  # pickle.py adds re, struct and its Python twin: ~1 ms of a start
 import array
 import faulthandler
 import fcntl
 import gc
-import json
 import os
-import pickle
 import select
 import sys
 import termios
@@ -30,6 +29,7 @@ from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
 
+from .._system import fastjson as json
 from .._wire.bodies import Config, dump
 from .._wire.frames import (
     CREDIT_BODY,
