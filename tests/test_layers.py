@@ -102,7 +102,7 @@ print(json.dumps(loaded))
 NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
     *("typing", "dataclasses", "runpy", "traceback"),
-    *("json", "pickle", "linecache", "tokenize", "re"),
+    *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
@@ -110,7 +110,8 @@ with the first environment build, process-table walk or command metric; typing (
 side's annotations are for mypy alone), dataclasses (with inspect) and runpy never, nor
 traceback (an executor's first failure imports it); nor json (``_system.fastjson`` calls
 its accelerator), pickle.py (the node uses ``_pickle``), linecache with tokenize (a
-function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start."""
+function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start; nor
+importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``)."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
@@ -199,14 +200,15 @@ print(json.dumps([loaded, threading.active_count(), changed]))
 
 def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
     """What a local pool's fork server imports before it forks the agents (they inherit
-    it): none of the modules an agent starts without (but dataclasses, with the re,
-    linecache and tokenize its inspect imports: it warms ``flotilla._info`` for its agents'
-    tasks, once per pool), no plugin, nothing outside the
+    it): none of the modules an agent starts without (but dataclasses, with what its
+    inspect imports, re, linecache, tokenize, importlib and warnings: it warms
+    ``flotilla._info`` for its agents' tasks, once per pool), no plugin, nothing outside the
     standard library and the node side (so no torch or CUDA in a forked process); and it
     starts no thread and sets no signal handler (a fork after either is unsafe)."""
     loaded, threads, handlers = _probe(_SERVER_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
-    assert _not_at_start(loaded, allowed=("dataclasses", "re", "linecache", "tokenize")) == []
+    dataclasses = ("dataclasses", "re", "linecache", "tokenize", "importlib", "warnings")
+    assert _not_at_start(loaded, allowed=dataclasses) == []
     assert [m for m in loaded if not _node_side_allowed(m)] == []
     assert (threads, handlers) == (1, [])
 
