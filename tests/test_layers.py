@@ -102,7 +102,7 @@ print(json.dumps(loaded))
 NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
     *("typing", "dataclasses", "runpy", "traceback"),
-    *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings"),
+    *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings", "weakref"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
@@ -111,7 +111,8 @@ side's annotations are for mypy alone), dataclasses (with inspect) and runpy nev
 traceback (an executor's first failure imports it); nor json (``_system.fastjson`` calls
 its accelerator), pickle.py (the node uses ``_pickle``), linecache with tokenize (a
 function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start; nor
-importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``)."""
+importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``), nor
+weakref (the client's cache of reduced code objects)."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
@@ -201,13 +202,13 @@ print(json.dumps([loaded, threading.active_count(), changed]))
 def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
     """What a local pool's fork server imports before it forks the agents (they inherit
     it): none of the modules an agent starts without (but dataclasses, with what its
-    inspect imports, re, linecache, tokenize, importlib and warnings: it warms
+    inspect imports, re, linecache, tokenize, importlib, warnings, weakref: it warms
     ``flotilla._info`` for its agents' tasks, once per pool), no plugin, nothing outside the
     standard library and the node side (so no torch or CUDA in a forked process); and it
     starts no thread and sets no signal handler (a fork after either is unsafe)."""
     loaded, threads, handlers = _probe(_SERVER_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
-    dataclasses = ("dataclasses", "re", "linecache", "tokenize", "importlib", "warnings")
+    dataclasses = ("dataclasses", "re", "linecache", "tokenize", "importlib", "warnings", "weakref")
     assert _not_at_start(loaded, allowed=dataclasses) == []
     assert [m for m in loaded if not _node_side_allowed(m)] == []
     assert (threads, handlers) == (1, [])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import marshal
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType
 
@@ -59,6 +58,8 @@ def reduce_code(code: CodeType) -> Reduced | None:
         except ValueError:
             return None
         _reduced[key] = reduced
+        import weakref  # the client's: a node's start does without it (~0.5-1 ms)
+
         weakref.finalize(code, _reduced.pop, key, None)
     return reduced
 
