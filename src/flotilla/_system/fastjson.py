@@ -3,8 +3,8 @@
 ``json`` imports ``re`` and compiles five expressions as it is imported (~1.5-2 ms of
 every node's start, ``/usr/bin/python3`` 3.11, after the agent's other imports), though
 what it does with default options is done by its C accelerator, ``_json``. This module
-calls the accelerator as ``json`` does (``json.encoder.JSONEncoder.iterencode`` with
-``_one_shot``, ``json.decoder.JSONDecoder.decode``), with ``json``'s default options, so
+calls the accelerator as ``json`` does (``json.encoder.JSONEncoder.iterencode`` in one
+shot, ``json.decoder.JSONDecoder.decode``), with ``json``'s default options, so
 its text and its values are ``json``'s. Anything else goes to ``json`` itself, imported
 then: an interpreter without ``_json``, an accelerator that takes other arguments, bytes
 in UTF-16 or UTF-32 or behind a byte-order mark (``json.detect_encoding``), and every
