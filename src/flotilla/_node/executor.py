@@ -44,7 +44,7 @@ from .._wire.frames import (
     write_all,
     write_frame,
 )
-from .lanes import LARGEST, RUNNING, SEQ, Board
+from .lanes import LARGEST, RUNNING, SEQ, WORD, Board
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -160,6 +160,9 @@ def _serve(
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd, lane[0] if lane is not None else -1)
     lane_out, board = (lane[1], lane[2]) if lane is not None else (-1, None)
+    if board is not None:  # the board's words, looked at and set without a Python frame
+        look = partial(WORD.unpack_from, board.mem)
+        put = partial(WORD.pack_into, board.mem)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
     count = array.array("i", [0])  # (see _drained)
     if info.get("cluster"):  # the distributed collections (storechannel.py)
@@ -196,7 +199,7 @@ def _serve(
         if ident not in inbox.cancelled:
             return False
         inbox.cancelled.discard(ident)
-        write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+        write_all(wfd, frame(Kind.RESULT, ident, _STATUS[Status.CANCELLED]))
         return True
 
     def task(
@@ -209,14 +212,7 @@ def _serve(
         )
         try:
             status, parts = _run(
-                functions,
-                body,
-                offset,
-                shm_prefix,
-                _serialize,
-                partial(stream, ident),
-                forks,
-                mapped,
+                functions, body, offset, shm_prefix, _serialize, stream, ident, forks, mapped
             )
         finally:
             set_context(None)
@@ -227,23 +223,24 @@ def _serve(
             os._exit(0)
         _flush()  # the task's output goes before its result
         with write_lock:
-            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
+            write_frame(wfd, Kind.RESULT, ident, _STATUS[status], *parts)
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
-    def lane_task(ident: int, body: Body, board: Board) -> None:
+    def lane_task(ident: int, body: Body) -> None:
         """Run a task the client wrote on the lane (see lanes.py), as :func:`task` runs
         one (no streamed argument, no shared memory: see ``_client/lanes.py``): said
         RUNNING first, then a CANCEL looked for (the agent's, if sent, is seen); its
         RESULT on the lane when no output of it can be on its way, else on ``wfd``."""
-        board.set(RUNNING, ident)
-        inbox.read_ahead()
-        if skipped(ident):
-            board.set(RUNNING, -ident)  # (answered: see lanes.py)
+        put(RUNNING, ident)
+        if inbox.poller.poll(0):  # (what the task pipe holds: a CANCEL of it?)
+            inbox.read_ahead()
+        if ident in inbox.cancelled and skipped(ident):
+            put(RUNNING, -ident)  # (answered: see lanes.py)
             return
-        seq = board.get(SEQ)
+        seq = look(SEQ)[0]
         status, parts = _run(
-            functions, body, TASK_HEAD.size, shm_prefix, _serialize, partial(stream, ident), forks
+            functions, body, TASK_HEAD.size, shm_prefix, _serialize, stream, ident, forks
         )
         if inbox.credits or inbox.closing:  # (a generator it returned was streamed)
             inbox.credits.pop(ident, None)
@@ -251,15 +248,17 @@ def _serve(
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
-        out = wfd  # on the lane only if no output of the task can be on its way:
-        if not seq & 1 and board.get(SEQ) == seq and _drained(count) and board.get(SEQ) == seq:
-            out = lane_out if _small(parts) else wfd
+        out = wfd  # on the lane only if no output of the task can be on its way (SEQ
+        # only grows: the same even number after the pipes were seen empty as before the
+        # task means the agent read nothing meanwhile, see lanes.py)
+        if not seq & 1 and _drained(count) and look(SEQ)[0] == seq and _small(parts):
+            out = lane_out
         # for the next task, before the result: the caller it wakes may wait for this
         # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
         _restore_streams(streams)
         with write_lock:
-            write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
-        board.set(RUNNING, -ident)
+            write_frame(out, Kind.RESULT, ident, _STATUS[status], *parts)
+        put(RUNNING, -ident)
 
     def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
@@ -315,13 +314,13 @@ def _serve(
         kind, ident, body = item
         if inbox.lane_ident and board is not None and kind == Kind.TASK:  # see lanes.py
             inbox.lane_ident = 0
-            lane_task(ident, body, board)
+            lane_task(ident, body)
             continue
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
         if inbox.lane_ident and board is not None:  # a lane frame that was not a task
-            board.set(RUNNING, -inbox.lane_ident)
+            put(RUNNING, -inbox.lane_ident)
             inbox.lane_ident = 0
 
 
@@ -340,7 +339,14 @@ def _drained(count: array.array[int]) -> bool:
 
 def _small(parts: list[Any]) -> bool:
     """Whether a result fits an empty pipe (a lane's reader may be gone: never wait)."""
-    return sum(memoryview(p).nbytes for p in parts) < LARGEST
+    size = 0
+    for p in parts:  # (a loop: sum() over a generator costs more, per call)
+        size += p.nbytes if isinstance(p, memoryview) else len(p)
+    return size < LARGEST
+
+
+_STATUS = [bytes((i,)) for i in range(256)]
+"""A RESULT's status byte, by value (none made per task)."""
 
 
 def _restore_streams(saved: list[int]) -> None:
@@ -542,13 +548,15 @@ def _run(
     offset: int,
     shm_prefix: str,
     ser: Any,
-    stream: Callable[[Generator[Any, Any, Any]], None],
+    stream: Callable[[int, Generator[Any, Any, Any]], None],
+    ident: int,
     forks: _Forks,
     mapped: Any = None,
 ) -> tuple[int, list[Any]]:
-    """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire
-    parts of its result. ``mapped``: the mapping ``body`` is (a relayed payload's file),
-    unmapped with the arguments'."""
+    """Run task ``ident``: its status byte (with :data:`UNMAPPED` when it says so) and the
+    wire parts of its result (a generator's values go to ``stream(ident, generator)``).
+    ``mapped``: the mapping ``body`` is (a relayed payload's file), unmapped with the
+    arguments'."""
     # the mappings of the arguments' shared-memory files, if any
     maps: list[Any] = [] if mapped is None else [mapped]
     forks_before = forks.n
@@ -561,7 +569,7 @@ def _run(
         args = kwargs = None
         if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames
             try:
-                stream(value)
+                stream(ident, value)
             finally:
                 value.close()
             value = None
@@ -570,17 +578,20 @@ def _run(
         args = kwargs = None
         value = _describe(e)
         status = Status.ERROR
-    try:
-        pickled = ser.pickle_obj(value)
-    except Exception as e:
-        found = ser.describe_unpicklable(value, "result")
-        where = f" at {found[0]} (type {found[1]})" if found else ""
-        msg = f"the task's return value cannot be pickled{where}: {e}"
-        pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, _formatted()))
-        status = Status.ERROR
-    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
-    parts = ser.encode(pickled, shm)
-    del pickled, value  # (the result's inline buffers live on in parts)
+    parts = ser.plain_parts(value)  # small builtin data (the usual value): at once
+    if parts is None:
+        try:
+            pickled = ser.pickle_obj(value)
+        except Exception as e:
+            found = ser.describe_unpicklable(value, "result")
+            where = f" at {found[0]} (type {found[1]})" if found else ""
+            msg = f"the task's return value cannot be pickled{where}: {e}"
+            pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, _formatted()))
+            status = Status.ERROR
+        shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
+        parts = ser.encode(pickled, shm)
+        del pickled
+    del value  # (the result's inline buffers live on in parts)
     if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:
         status |= UNMAPPED  # the client may write the file again (see frames.UNMAPPED)
     return status, parts

@@ -41,7 +41,18 @@ from __future__ import annotations
 
 import os
 
-from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, SEQ, VAR, Board
+from .._wire.lanes import (
+    CLAIMED,
+    CLOSED,
+    LARGEST,
+    MESSAGE,
+    RUNNING,
+    SEEN,
+    SEQ,
+    VAR,
+    WORD,
+    Board,
+)
 
 __all__ = [
     "CLAIMED",
@@ -52,6 +63,7 @@ __all__ = [
     "SEEN",
     "SEQ",
     "VAR",
+    "WORD",
     "Board",
     "Lane",
     "LaneSocket",
