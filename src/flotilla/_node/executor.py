@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import select
+import struct
 import sys
 import termios
 import threading
@@ -33,6 +34,8 @@ from types import GeneratorType
 from .._wire.bodies import Config, dump
 from .._wire.frames import (
     CREDIT_BODY,
+    HEADER,
+    HEADER_SIZE,
     STREAM_WINDOW,
     TASK_HEAD,
     UNMAPPED,
@@ -164,7 +167,9 @@ def _serve(
         look = partial(WORD.unpack_from, board.mem)
         put = partial(WORD.pack_into, board.mem)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
-    count = array.array("i", [0])  # (see _drained)
+    count = array.array("i", [0])  # (see lane_task)
+    out_pipe, err_pipe = streams  # the output pipes (fds 1 and 2 between tasks)
+    ioctl, unread = fcntl.ioctl, termios.FIONREAD
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
 
@@ -227,37 +232,50 @@ def _serve(
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
-    def lane_task(ident: int, body: Body) -> None:
+    def lane_task(ident: int, body: Body, offset: int = TASK_HEAD.size) -> None:
         """Run a task the client wrote on the lane (see lanes.py), as :func:`task` runs
         one (no streamed argument, no shared memory: see ``_client/lanes.py``): said
         RUNNING first, then a CANCEL looked for (the agent's, if sent, is seen); its
-        RESULT on the lane when no output of it can be on its way, else on ``wfd``."""
+        RESULT on the lane when no output of it can be on its way, else on ``wfd``.
+        ``offset``: where its task head ends in ``body``."""
         put(RUNNING, ident)
-        if inbox.poller.poll(0):  # (what the task pipe holds: a CANCEL of it?)
+        if task_pipe(0):  # (what the task pipe holds: a CANCEL of it?)
             inbox.read_ahead()
-        if ident in inbox.cancelled and skipped(ident):
+        if ident in cancelled and skipped(ident):
             put(RUNNING, -ident)  # (answered: see lanes.py)
             return
         seq = look(SEQ)[0]
-        status, parts = _run(
-            functions, body, TASK_HEAD.size, shm_prefix, _serialize, stream, ident, forks
-        )
+        status, parts = _run(functions, body, offset, shm_prefix, _serialize, stream, ident, forks)
         if inbox.credits or inbox.closing:  # (a generator it returned was streamed)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
         _flush()  # the task's output goes before its result
-        out = wfd  # on the lane only if no output of the task can be on its way (SEQ
-        # only grows: the same even number after the pipes were seen empty as before the
-        # task means the agent read nothing meanwhile, see lanes.py)
-        if not seq & 1 and _drained(count) and look(SEQ)[0] == seq and _small(parts):
-            out = lane_out
+        out = wfd  # on the lane only if no output of the task can be on its way (see
+        # lanes.py): the output pipes hold nothing unread, and SEQ is the same even number
+        # as before the task (it only grows: the agent read nothing meanwhile)
+        if not seq & 1 and (len(parts[0]) < LARGEST if len(parts) == 1 else _small(parts)):
+            try:  # (``count``: a one-int array the kernel writes each count into)
+                ioctl(out_pipe, unread, count)
+                if not count[0]:
+                    ioctl(err_pipe, unread, count)
+                    if not count[0] and look(SEQ)[0] == seq:
+                        out = lane_out
+            except OSError:  # (a task closed one)
+                pass
         # for the next task, before the result: the caller it wakes may wait for this
         # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
         _restore_streams(streams)
-        with write_lock:
-            write_frame(out, Kind.RESULT, ident, _STATUS[status], *parts)
+        if out == lane_out and len(parts) == 1:  # (the usual: a small value, one part;
+            # the lane is this thread's alone)
+            data = _RESULT.pack(Kind.RESULT, ident, len(parts[0]) + 1, status) + parts[0]
+            written = os.write(out, data)
+            if written < len(data):  # (a signal cut it short)
+                write_all(out, [memoryview(data)[written:]])
+        else:
+            with write_lock:
+                write_frame(out, Kind.RESULT, ident, _STATUS[status], *parts)
         put(RUNNING, -ident)
 
     def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
@@ -310,9 +328,41 @@ def _serve(
         Kind.MEMBERS: members,
         Kind.SHUTDOWN: lambda ident, body: False,
     }
-    while (item := inbox.next()) is not None:
+
+    def lane_calls() -> None:
+        """Run the lane's tasks while it alone holds something, each read whole by one
+        read (its client writes a task whole: see LARGEST) and run from here: a lone
+        call's round trip makes no Python frame more than it needs. What else comes (the
+        task pipe holds something, a frame in parts, more than one, the lane's end) is
+        left to ``inbox.next``."""
+        wait = inbox.both.poll
+        queued = inbox.frames
+        while not queued and not inbox.eof:
+            ready = wait()
+            if len(ready) != 1 or ready[0][0] != lane_fd:
+                return  # (the task pipe first: see lanes.py)
+            data = os.read(lane_fd, 65536)
+            if len(data) >= lane_start:
+                kind, ident, length = HEADER.unpack_from(data)
+                if kind == Kind.TASK and len(data) == HEADER_SIZE + length:
+                    lane_task(ident, data, lane_start)
+                    continue
+            inbox.lane_data(data)
+            return
+
+    lane_fd = inbox.lane
+    lane_start = HEADER_SIZE + TASK_HEAD.size  # (where a lane frame's task head ends)
+    lane_kind = Kind.TASK if board is not None else -1  # (a lane frame: see lanes.py)
+    task_pipe = inbox.poller.poll
+    cancelled = inbox.cancelled
+    while True:
+        if inbox.lane >= 0 and not inbox.lane_frames and inbox.lane_reader.idle:
+            lane_calls()
+        item = inbox.next()
+        if item is None:
+            break
         kind, ident, body = item
-        if inbox.lane_ident and board is not None and kind == Kind.TASK:  # see lanes.py
+        if kind == lane_kind and inbox.lane_ident:
             inbox.lane_ident = 0
             lane_task(ident, body)
             continue
@@ -324,19 +374,6 @@ def _serve(
             inbox.lane_ident = 0
 
 
-def _drained(count: array.array[int]) -> bool:
-    """Whether the output pipes (fds 1 and 2) hold nothing unread (see lanes.py).
-    ``count``: a one-int array the kernel writes each count into (no bytes made)."""
-    try:
-        fcntl.ioctl(1, termios.FIONREAD, count)
-        if count[0]:
-            return False
-        fcntl.ioctl(2, termios.FIONREAD, count)
-    except OSError:  # (a task closed one)
-        return False
-    return not count[0]
-
-
 def _small(parts: list[Any]) -> bool:
     """Whether a result fits an empty pipe (a lane's reader may be gone: never wait)."""
     size = 0
@@ -345,6 +382,9 @@ def _small(parts: list[Any]) -> bool:
     return size < LARGEST
 
 
+_OK = Status.OK  # (an Enum's member is slower to look up, per task)
+_RESULT = struct.Struct(HEADER.format + "B")
+"""A RESULT frame's header and status byte (a lane task's, in one step)."""
 _STATUS = [bytes((i,)) for i in range(256)]
 """A RESULT's status byte, by value (none made per task)."""
 
@@ -385,6 +425,7 @@ class _Inbox:
         self.lane = lane  # the lane's task pipe (see lanes.py), -1: none
         self.lane_ident = 0  # the id of the lane task being run (0: none)
         self.lane_reader = FrameReader()
+        self.lane_frames: deque[tuple[int, int, Body]] = deque()  # read, not run yet
         self.both: Any = None  # a poll of the task pipe and the lane
         if lane >= 0:
             os.set_blocking(lane, True)
@@ -406,22 +447,40 @@ class _Inbox:
         self.waiting = 0  # threads waiting on ``turn`` (or about to)
 
     def next(self) -> tuple[int, int, Body] | None:
-        # (else what came behind the queued frames, a CANCEL)
-        while self.lane >= 0 and not self.frames and not self.eof:
-            ready = self.both.poll()  # (one fd ready, or both: no dict made per task)
-            if ready and (len(ready) > 1 or ready[0][0] == self.fd):  # the task pipe
-                break  # first (see lanes.py)
-            got = self.lane_reader.read(self.lane)
-            if got is None:  # the client closed it
-                self.both.unregister(self.lane)
-                self.lane = -1
-                break
-            if got:
-                kind, ident, body = got[0]
-                self.lane_ident = ident
-                return kind, ident, body
-        self._read(block=not self.frames)
-        return self.frames.popleft() if self.frames else None
+        """The next frame to run (None: the task pipe ended): the task pipe's first, else
+        the lane's (``lane_ident`` then is its id; see lanes.py)."""
+        queued = self.lane_frames
+        while True:
+            lane = self.lane
+            while (lane >= 0 or queued) and not self.frames and not self.eof:
+                if not queued:
+                    ready = self.both.poll()  # (one fd ready, or both: no dict made)
+                    if ready and (len(ready) > 1 or ready[0][0] != lane):  # the task
+                        break  # pipe first (see lanes.py)
+                    got = self.lane_reader.read(lane)
+                    if got is None:  # the client closed it
+                        self.lane_data(b"")
+                        break
+                    queued.extend(got)
+                elif self.poller.poll(0):  # (the task pipe first)
+                    break
+                if queued:
+                    first = queued.popleft()
+                    self.lane_ident = first[1]
+                    return first
+            # (else what came behind the queued frames, a CANCEL)
+            self._read(block=not self.frames and not queued)
+            if self.frames or not queued or self.eof:
+                return self.frames.popleft() if self.frames else None
+
+    def lane_data(self, data: bytes) -> None:
+        """Take bytes read from the lane but not run at once: their frames are queued
+        for :meth:`next`; b"": the lane's end (the client closed it)."""
+        if data:
+            self.lane_frames.extend(self.lane_reader.feed(data))
+        elif self.lane >= 0:
+            self.both.unregister(self.lane)
+            self.lane = -1
 
     def read_ahead(self) -> None:
         """Take in what the task pipe holds now (a CANCEL), without waiting."""
@@ -573,7 +632,7 @@ def _run(
             finally:
                 value.close()
             value = None
-        status = Status.OK
+        status = _OK
     except BaseException as e:  # user code: report everything, including SystemExit
         args = kwargs = None
         value = _describe(e)

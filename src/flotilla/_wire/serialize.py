@@ -157,9 +157,16 @@ def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
     return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
 
 
+_NONE = _HEAD.pack(0, len(pickle.dumps(None, 5)), 0) + pickle.dumps(None, 5)
+"""``encode(pickle_obj(None))``'s one part."""
+
+
 def plain_parts(obj: Any) -> list[Buffer] | None:
     """``encode(pickle_obj(obj))`` in one step for small builtin data (a task's usual
-    value: no out-of-band buffer, so no shared memory either); None for anything else."""
+    value: no out-of-band buffer, so no shared memory either); None for anything else.
+    None itself (what a function without ``return`` returns) is pickled once for all."""
+    if obj is None:
+        return [_NONE]
     if type(obj) not in _SCALARS and not _plain(obj):
         return None
     main = pickle.dumps(obj, 5)
