@@ -251,7 +251,10 @@ def _serve(
             inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
-        _flush()  # the task's output goes before its result
+        # the task's output goes before its result; fds 1 and 2 restored for the next
+        # task, before the result: the caller it wakes may wait for this process's CPU
+        # until it sleeps again (a pipe's wake-up is a synchronous one)
+        _restore_streams(streams, flush=True)
         out = wfd  # on the lane only if no output of the task can be on its way (see
         # lanes.py): the output pipes hold nothing unread, and SEQ is the same even number
         # as before the task (it only grows: the agent read nothing meanwhile)
@@ -264,9 +267,6 @@ def _serve(
                         out = lane_out
             except OSError:  # (a task closed one)
                 pass
-        # for the next task, before the result: the caller it wakes may wait for this
-        # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
-        _restore_streams(streams)
         if out == lane_out and len(parts) == 1:  # (the usual: a small value, one part;
             # the lane is this thread's alone)
             data = _RESULT.pack(Kind.RESULT, ident, len(parts[0]) + 1, status) + parts[0]
@@ -389,9 +389,17 @@ _STATUS = [bytes((i,)) for i in range(256)]
 """A RESULT's status byte, by value (none made per task)."""
 
 
-def _restore_streams(saved: list[int]) -> None:
+def _restore_streams(saved: list[int], flush: bool = False) -> None:
     """Point file descriptors 1 and 2 (and sys.stdout/sys.stderr) at the output pipes
-    again: a task may have closed or redirected them (``os.close(1)``)."""
+    again: a task may have closed or redirected them (``os.close(1)``). ``flush``: first
+    flush sys.stdout and sys.stderr, as :func:`_flush` (a lane task's, in one step)."""
+    out, err = sys.stdout, sys.stderr
+    if flush:
+        for stream in (out, err):
+            try:
+                stream.flush()
+            except Exception:
+                pass
     try:
         os.dup2(saved[0], 1)
     except OSError:
@@ -400,7 +408,6 @@ def _restore_streams(saved: list[int]) -> None:
         os.dup2(saved[1], 2)
     except OSError:
         pass
-    out, err = sys.stdout, sys.stderr
     if out is None or getattr(out, "closed", False):
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     if err is None or getattr(err, "closed", False):
