@@ -353,7 +353,9 @@ executor._serve({}, {"local_rank": 0}, 0, task, result, [], executor._Forks(), s
 def test_an_executor_answers_lane_tasks_however_their_bytes_come() -> None:
     """An executor (its serving loop, in a process of its own, on real pipes and board)
     runs and answers on the lane every task written there: two in one write (one read
-    takes both), one in two writes, one alone; then the task pipe's SHUTDOWN ends it."""
+    takes both), one in two writes, one alone, one behind a CANCEL on the task pipe (which
+    holds no frame to run then: the executor still watches the lane); then the task
+    pipe's SHUTDOWN ends it."""
     import operator
 
     from flotilla._node.lanes import Board
@@ -404,6 +406,9 @@ def test_an_executor_answers_lane_tasks_however_their_bytes_come() -> None:
         os.write(lane_w, second[20:])
         os.write(lane_w, task(4))
         assert answered(4) == [(Kind.RESULT, i, i + 100) for i in (1, 2, 3, 4)]
+        write_all(task_w, frame(Kind.CANCEL, 99))  # (of a call it never saw: nothing to do)
+        os.write(lane_w, task(5))
+        assert answered(5)[-1] == (Kind.RESULT, 5, 105)
         os.close(lane_w)
         lane_w = -1
         write_all(task_w, frame(Kind.SHUTDOWN, 0))

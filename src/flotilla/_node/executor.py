@@ -475,9 +475,12 @@ class _Inbox:
                     first = queued.popleft()
                     self.lane_ident = first[1]
                     return first
-            # (else what came behind the queued frames, a CANCEL)
-            self._read(block=not self.frames and not queued)
-            if self.frames or not queued or self.eof:
+            # what the task pipe holds (else what came behind the queued frames, a CANCEL);
+            # waited for only when the lane is gone: else it may hold no frame to run (a
+            # CANCEL alone), and the lane is watched again
+            lane = self.lane
+            self._read(block=not self.frames and not queued and lane < 0)
+            if self.frames or self.eof or (lane < 0 and not queued):
                 return self.frames.popleft() if self.frames else None
 
     def lane_data(self, data: bytes) -> None:
