@@ -415,7 +415,7 @@ def test_an_executor_answers_lane_tasks_however_their_bytes_come() -> None:
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()
         for fd in (task_w, result_r, answer_r, lane_w):
             if fd >= 0:
                 os.close(fd)
