@@ -419,3 +419,18 @@ def test_an_executor_answers_lane_tasks_however_their_bytes_come() -> None:
         for fd in (task_w, result_r, answer_r, lane_w):
             if fd >= 0:
                 os.close(fd)
+
+
+def test_a_small_value_pickled_the_short_way_is_what_the_general_way_sends() -> None:
+    """``serialize.plain_parts`` (an executor's result, pickled and framed in one step)
+    gives the parts ``encode(pickle_obj(...))`` gives for small builtin data, None itself
+    included, and declines anything else (which takes the general way)."""
+    from flotilla._wire.serialize import encode, pickle_obj, plain_parts
+
+    class Point:
+        pass
+
+    for value in (None, True, 3, 2.5, "é" * 3000, b"x" * 4000, (1, [2, {"a": None}]), {}):
+        assert plain_parts(value) == encode(pickle_obj(value)), value
+    for other in (Point(), b"x" * 5000, [[[[[1]]]]], list(range(100)), noop):
+        assert plain_parts(other) is None
