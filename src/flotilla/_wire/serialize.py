@@ -157,6 +157,23 @@ def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
     return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
 
 
+_NONE = _HEAD.pack(0, len(pickle.dumps(None, 5)), 0) + pickle.dumps(None, 5)
+"""``encode(pickle_obj(None))``'s one part."""
+
+
+def plain_parts(obj: Any) -> list[Buffer] | None:
+    """``encode(pickle_obj(obj))`` in one step for small builtin data (a task's usual
+    value: no out-of-band buffer, so no shared memory either); None for anything else.
+    None itself (what a function without ``return`` returns) is pickled once for all."""
+    if obj is None:
+        return [_NONE]
+    if type(obj) not in _SCALARS and not _plain(obj):
+        return None
+    main = pickle.dumps(obj, 5)
+    head = _HEAD.pack(0, len(main), 0)
+    return [head + main] if len(main) <= _PLAIN_BYTES else [head, main]
+
+
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
     """Wire parts of ``p``; buffers of ``SHM_MIN`` bytes or more lie in ``shm_name``.
     A small pickle with no buffer is one part (the header joined to it)."""
