@@ -31,6 +31,7 @@ import flotilla as sky
 from flotilla._providers import bootstrap, bytecode
 from flotilla._providers.local import Local
 
+SRC = Path(__file__).resolve().parent.parent / "src"
 CHECKED_HASH = 0b11
 """The flags of a checked-hash ``.pyc`` (PEP 552); a timestamp one has 0."""
 UNCHECKED_HASH = 0b01
@@ -122,6 +123,33 @@ def test_the_ssh_bundle_ships_the_byte_code_of_a_nodes_start(cache: Path) -> Non
     # unchecked: a start's imports do not read and hash the sources the zip's hash covers
     assert {int.from_bytes(b[4:8], "little") for b in byte_code} == {UNCHECKED_HASH}
     assert bootstrap.build_bundle(bootstrap.node_packages()) == bundle  # reproducible
+
+
+def test_the_bundle_stores_at_its_head_the_byte_code_every_start_imports(cache: Path) -> None:
+    """The byte code of :data:`bytecode.STORED` is stored (uncompressed, first: the head a
+    first start inflates whole), the other modules' deflated; and STORED is what a start
+    imports of flotilla: the agent, its metrics, its executor's modules, a cloud helper."""
+    bundle = bootstrap.build_bundle(bootstrap.node_packages())
+    with zipfile.ZipFile(io.BytesIO(bundle.data)) as z:
+        members = z.infolist()
+    stored = [m.filename for m in members if m.compress_type == zipfile.ZIP_STORED]
+    assert stored == [m.filename for m in members[: len(stored)]]  # the head
+    assert sorted(stored) == sorted(f"{name}.pyc" for name in bytecode.STORED)
+    later = [m.filename for m in members if m.filename.endswith(".pyc")][len(stored) :]
+    assert "cloudpickle/cloudpickle.pyc" in later and "flotilla/_node/volumes.pyc" in later
+    probe = (
+        f"import sys; sys.path.insert(0, {str(SRC)!r}); before = set(sys.modules)\n"
+        "import flotilla.agent, flotilla._node.metrics, flotilla._node.cloud\n"
+        "from flotilla._node import processes; processes.warm()\n"
+        "from flotilla._node.hooks import enter_plugins\n"
+        "print(' '.join(sorted(set(sys.modules) - before)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    packages = {"flotilla", "flotilla._node", "flotilla._system", "flotilla._wire"}
+    started = {m.replace(".", "/") + ("/__init__" if m in packages else "") for m in out}
+    assert {m for m in started if m.startswith("flotilla")} == set(bytecode.STORED)
 
 
 @sky.function

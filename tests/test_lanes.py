@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from _procs import _stat_state, alive, wait_until
 
 import flotilla as sky
 from flotilla._client import lanes as client_lanes
+from flotilla._wire.frames import iter_frames
 
 
 @sky.function
@@ -334,3 +337,100 @@ def test_a_dying_agents_lanes_are_not_taken() -> None:
         lanes.close()
         right.close()
     assert client_lanes.Lanes(right, -1).agent_dying()  # nothing to look at: no lane
+
+
+_SERVE = """
+import os, sys
+from flotilla._node import executor
+from flotilla._node.lanes import Board
+task, result, lane_task, lane_result, board = map(int, sys.argv[1:])
+streams = [os.dup(1), os.dup(2)]
+executor._serve({}, {"local_rank": 0}, 0, task, result, [], executor._Forks(), streams, False,
+                (lane_task, lane_result, Board(board)))
+"""
+
+
+def test_an_executor_answers_lane_tasks_however_their_bytes_come() -> None:
+    """An executor (its serving loop, in a process of its own, on real pipes and board)
+    runs and answers on the lane every task written there: two in one write (one read
+    takes both), one in two writes, one alone, one behind a CANCEL on the task pipe (which
+    holds no frame to run then: the executor still watches the lane); then the task
+    pipe's SHUTDOWN ends it."""
+    import operator
+
+    from flotilla._node.lanes import Board
+    from flotilla._wire.frames import TASK_HEAD, FrameReader, Kind, Status, frame, write_all
+    from flotilla._wire.serialize import decode, encode, pickle_obj
+
+    def payload(obj: Any) -> bytes:
+        return b"".join(encode(pickle_obj(obj)))
+
+    board = Board()
+    task_r, task_w = os.pipe()
+    result_r, result_w = os.pipe()
+    lane_r, lane_w = os.pipe()
+    answer_r, answer_w = os.pipe()
+    theirs = [task_r, result_w, lane_r, answer_w, board.fd]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, *map(str, theirs)],
+        pass_fds=theirs,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    for fd in theirs[:-1]:
+        os.close(fd)
+    board.close()  # (the mapping stays)
+    try:
+        write_all(task_w, frame(Kind.DEFINE, 7, payload(operator.add)))
+        assert next(iter_frames(result_r))[0] == Kind.READY
+
+        def task(ident: int) -> bytes:
+            body = TASK_HEAD.pack(0.0, 0) + payload((7, (ident, 100), {}))
+            return b"".join(frame(Kind.TASK, ident, body))
+
+        answers = FrameReader()
+        got: list[tuple[int, int, int]] = []
+
+        def answered(n: int) -> list[tuple[int, int, int]]:
+            while len(got) < n:
+                assert select.select([answer_r], [], [], 60)[0], f"answered: {got}"
+                frames = answers.read(answer_r)
+                assert frames is not None, proc.stderr.read() if proc.stderr else ""
+                got.extend((kind, ident, decode(body, 1)) for kind, ident, body in frames)
+                assert all(body[0] == Status.OK for _, _, body in frames)
+            return got
+
+        os.write(lane_w, task(1) + task(2))
+        second = task(3)
+        os.write(lane_w, second[:20])
+        os.write(lane_w, second[20:])
+        os.write(lane_w, task(4))
+        assert answered(4) == [(Kind.RESULT, i, i + 100) for i in (1, 2, 3, 4)]
+        write_all(task_w, frame(Kind.CANCEL, 99))  # (of a call it never saw: nothing to do)
+        os.write(lane_w, task(5))
+        assert answered(5)[-1] == (Kind.RESULT, 5, 105)
+        os.close(lane_w)
+        lane_w = -1
+        write_all(task_w, frame(Kind.SHUTDOWN, 0))
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.communicate()
+        for fd in (task_w, result_r, answer_r, lane_w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_a_small_value_pickled_the_short_way_is_what_the_general_way_sends() -> None:
+    """``serialize.plain_parts`` (an executor's result, pickled and framed in one step)
+    gives the parts ``encode(pickle_obj(...))`` gives for small builtin data, None itself
+    included, and declines anything else (which takes the general way)."""
+    from flotilla._wire.serialize import encode, pickle_obj, plain_parts
+
+    class Point:
+        pass
+
+    for value in (None, True, 3, 2.5, "é" * 3000, b"x" * 4000, (1, [2, {"a": None}]), {}):
+        assert plain_parts(value) == encode(pickle_obj(value)), value
+    for other in (Point(), b"x" * 5000, [[[[[1]]]]], list(range(100)), noop):
+        assert plain_parts(other) is None

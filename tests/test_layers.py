@@ -94,19 +94,25 @@ import flotilla._node.metrics  # and at CONFIG (metrics are on by default)
 from flotilla._node import processes
 processes.warm()  # before the first executor's fork: what every executor imports
 from flotilla._node.hooks import enter_plugins  # and what an executor imports before READY
-import json
-print(json.dumps(sorted(set(sys.modules) - before)))
+loaded = sorted(set(sys.modules) - before)
+import json  # after the list is made: the start does without it
+print(json.dumps(loaded))
 """
 
 NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
     *("typing", "dataclasses", "runpy", "traceback"),
+    *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings", "weakref"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
 with the first environment build, process-table walk or command metric; typing (the node
 side's annotations are for mypy alone), dataclasses (with inspect) and runpy never, nor
-traceback (an executor's first failure imports it)."""
+traceback (an executor's first failure imports it); nor json (``_system.fastjson`` calls
+its accelerator), pickle.py (the node uses ``_pickle``), linecache with tokenize (a
+function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start; nor
+importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``), nor
+weakref (the client's cache of reduced code objects)."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
@@ -186,21 +192,24 @@ sys.path.insert(0, {src!r})
 before = set(sys.modules)
 handlers = {{s: signal.getsignal(s) for s in signal.valid_signals() if s not in (9, 19)}}
 import flotilla._node.forkserver  # what a local pool's fork server holds before it forks
+loaded = sorted(set(sys.modules) - before)
 import json
 changed = [int(s) for s, h in handlers.items() if signal.getsignal(s) != h]
-print(json.dumps([sorted(set(sys.modules) - before), threading.active_count(), changed]))
+print(json.dumps([loaded, threading.active_count(), changed]))
 """
 
 
 def test_the_fork_server_holds_nothing_an_agent_must_start_without() -> None:
     """What a local pool's fork server imports before it forks the agents (they inherit
-    it): none of the modules an agent starts without (but dataclasses: it warms
+    it): none of the modules an agent starts without (but dataclasses, with what its
+    inspect imports, re, linecache, tokenize, importlib, warnings, weakref: it warms
     ``flotilla._info`` for its agents' tasks, once per pool), no plugin, nothing outside the
     standard library and the node side (so no torch or CUDA in a forked process); and it
     starts no thread and sets no signal handler (a fork after either is unsafe)."""
     loaded, threads, handlers = _probe(_SERVER_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.executor" in loaded
-    assert _not_at_start(loaded, allowed=("dataclasses",)) == []
+    dataclasses = ("dataclasses", "re", "linecache", "tokenize", "importlib", "warnings", "weakref")
+    assert _not_at_start(loaded, allowed=dataclasses) == []
     assert [m for m in loaded if not _node_side_allowed(m)] == []
     assert (threads, handlers) == (1, [])
 

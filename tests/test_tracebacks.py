@@ -164,6 +164,44 @@ def test_code_carries_its_source_lines_to_a_node_that_cannot_read_the_file(
     assert "return b / 0  # line 5" in out, out
 
 
+def test_lines_loaded_before_linecache_is_imported_are_in_it_once_it_is(
+    tmp_path: Path,
+) -> None:
+    """A node that has not imported ``linecache`` (its start does without it) keeps a
+    function's lines until something imports it: a traceback printed then (its first
+    failure), or the user's own ``linecache`` look-up, shows them; and ``linecache`` is
+    the module its own loader made."""
+    path = tmp_path / "gone.py"
+    source = "x = 1\n\ndef broken(a):\n    b = a + 1\n    return b / 0  # line 5\n"
+    path.write_text(source)
+    data = dumps(_function_from(str(path), source, "broken"))
+    path.unlink()
+    node = textwrap.dedent(
+        """
+        import _pickle, sys
+        fn = _pickle.loads(sys.stdin.buffer.read())
+        print("linecache before:", "linecache" in sys.modules)
+        try:
+            fn(1)
+        except ZeroDivisionError:
+            import traceback
+            traceback.print_exc(file=sys.stdout)
+        import linecache
+        print("line 4:", linecache.getline({path!r}, 4), end="")
+        loaders = linecache.__loader__, linecache.__spec__.loader
+        print("loader:", *(type(loader).__name__ for loader in loaders))
+        """
+    ).format(path=str(path))
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", node], input=data, capture_output=True, timeout=60
+    ).stdout.decode()
+    assert "linecache before: False" in out, out
+    assert f'File "{path}", line 5, in broken' in out, out
+    assert "return b / 0  # line 5" in out, out
+    assert "line 4:     b = a + 1" in out, out
+    assert "loader: SourceFileLoader SourceFileLoader" in out, out
+
+
 def test_a_notebook_cell_gets_a_stand_in_name_the_node_never_opens(pool2: sky.Compute) -> None:
     cell = "/tmp/ipykernel_4242/3141592653.py"  # not a file: ipykernel keeps cells in linecache
     assert not os.path.exists(cell)

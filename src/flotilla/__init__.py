@@ -14,7 +14,7 @@ agent (``python -m flotilla.agent``), which imports this package, starts fast.
 """
 
 import builtins as _builtins
-import importlib as _importlib
+import sys as _sys
 
 from ._version import __version__
 
@@ -152,13 +152,21 @@ _SUBMODULES = ("events", "metrics", "plugins", "storage")
 __all__ = ["__version__", *_SUBMODULES, *_MODULE_OF]
 
 
+def _submodule(name: str) -> "Any":
+    """``flotilla.{name}``, imported (by ``__import__``: ``importlib``'s package brings
+    ``warnings``, ~0.5 ms of every node's start, which imports this package)."""
+    full = f"{__name__}.{name}"
+    __import__(full)
+    return _sys.modules[full]
+
+
 def __getattr__(name: str) -> "Any":
     if name in _SUBMODULES:  # flotilla.plugins.torch(), flotilla.storage.S3()
-        return _importlib.import_module(f".{name}", __name__)
+        return _submodule(name)
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'flotilla' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_submodule(module), name)
     globals()[name] = value
     return value
 

@@ -112,11 +112,16 @@ def build(sources: Iterable[Source], *, level: int = 6) -> Archive:
     return Archive(data, hashlib.sha256(data).hexdigest(), files)
 
 
-def build_zip(sources: Iterable[Source], stored: Iterable[tuple[str, bytes]] = ()) -> Archive:
+def build_zip(
+    sources: Iterable[Source],
+    stored: Iterable[tuple[str, bytes]] = (),
+    deflated: Iterable[tuple[str, bytes]] = (),
+) -> Archive:
     """A reproducible zip of ``stored`` (name in the archive, content), stored uncompressed,
-    in the order given, and then of the regular files of ``sources`` (the same walk and
-    order as :func:`build`; folders and links are left out), deflated (level 9). Every
-    member's time is :data:`MTIME`, its permissions 0o755 or 0o644 as in :func:`build`.
+    in the order given, then of ``deflated`` likewise but deflated, and then of the regular
+    files of ``sources`` (the same walk and order as :func:`build`; folders and links are
+    left out), deflated (level 9). Every member's time is :data:`MTIME`, its permissions
+    0o755 or 0o644 as in :func:`build`.
 
     The stored members come first, so that the archive is one uncompressed head and one
     tail of deflated members (and the central directory): the bundle is sent as the head
@@ -134,6 +139,9 @@ def build_zip(sources: Iterable[Source], stored: Iterable[tuple[str, bytes]] = (
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
         for arcname, data in stored:
             add(arcname, data, 0o644, zipfile.ZIP_STORED)
+            files += 1
+        for arcname, data in deflated:
+            add(arcname, data, 0o644, zipfile.ZIP_DEFLATED)
             files += 1
         for src in sources:
             for entry, arcname, st in _walk(src.path, src.name, "", src.exclude, os.stat(src.path)):

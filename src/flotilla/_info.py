@@ -7,11 +7,12 @@ place in the pool as JSON; :func:`instance_info` parses it. Outside a pool (a pl
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 from dataclasses import asdict, dataclass
+
+from ._system import fastjson as json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

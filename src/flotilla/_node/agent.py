@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import _socket
 import gc
-import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 
+from .._system import fastjson as json
 from .._system.procs import has_env, kill_all
 from .._wire.bodies import Config, Hello, PythonSearch, dump, load_config
 from .._wire.frames import Body, FrameError, FrameReader, Kind, frame

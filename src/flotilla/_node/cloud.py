@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import select
 import signal
 import sys
 import time
 
+from .._system import fastjson as json
 from .._wire.protocol import CLOUD_ENV as ENV
 from .._wire.protocol import CLOUD_NOTICE as NOTICE
 

@@ -10,11 +10,11 @@ writes back), then the executors; a failure of either is the node's READY error.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import deque
 
+from .._system import fastjson as json
 from .._wire.bodies import Config, Ready, dump
 from .._wire.frames import Kind, frame
 from .eventloop import Outbox, Poller

@@ -13,14 +13,14 @@ still be on its way, else on the result pipe, after the output, through the agen
 
 from __future__ import annotations
 
+import _pickle as pickle  # pickle.py adds re, struct and its Python twin: ~1 ms of a start
 import array
 import faulthandler
 import fcntl
 import gc
-import json
 import os
-import pickle
 import select
+import struct
 import sys
 import termios
 import threading
@@ -30,9 +30,12 @@ from contextlib import ExitStack
 from functools import partial
 from types import GeneratorType
 
+from .._system import fastjson as json
 from .._wire.bodies import Config, dump
 from .._wire.frames import (
     CREDIT_BODY,
+    HEADER,
+    HEADER_SIZE,
     STREAM_WINDOW,
     TASK_HEAD,
     UNMAPPED,
@@ -44,7 +47,7 @@ from .._wire.frames import (
     write_all,
     write_frame,
 )
-from .lanes import LARGEST, RUNNING, SEQ, Board
+from .lanes import LARGEST, RUNNING, SEQ, WORD, Board
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -160,8 +163,13 @@ def _serve(
     functions: dict[int, Any] = {}
     inbox = _Inbox(rfd, lane[0] if lane is not None else -1)
     lane_out, board = (lane[1], lane[2]) if lane is not None else (-1, None)
+    if board is not None:  # the board's words, looked at and set without a Python frame
+        look = partial(WORD.unpack_from, board.mem)
+        put = partial(WORD.pack_into, board.mem)
     write_lock = threading.Lock()  # RESULT and STORE frames share the result pipe
-    count = array.array("i", [0])  # (see _drained)
+    count = array.array("i", [0])  # (see lane_task)
+    out_pipe, err_pipe = streams  # the output pipes (fds 1 and 2 between tasks)
+    ioctl, unread = fcntl.ioctl, termios.FIONREAD
     if info.get("cluster"):  # the distributed collections (storechannel.py)
         from .storechannel import Channel, install
 
@@ -196,7 +204,7 @@ def _serve(
         if ident not in inbox.cancelled:
             return False
         inbox.cancelled.discard(ident)
-        write_all(wfd, frame(Kind.RESULT, ident, bytes((Status.CANCELLED,))))
+        write_all(wfd, frame(Kind.RESULT, ident, _STATUS[Status.CANCELLED]))
         return True
 
     def task(
@@ -209,14 +217,7 @@ def _serve(
         )
         try:
             status, parts = _run(
-                functions,
-                body,
-                offset,
-                shm_prefix,
-                _serialize,
-                partial(stream, ident),
-                forks,
-                mapped,
+                functions, body, offset, shm_prefix, _serialize, stream, ident, forks, mapped
             )
         finally:
             set_context(None)
@@ -227,39 +228,55 @@ def _serve(
             os._exit(0)
         _flush()  # the task's output goes before its result
         with write_lock:
-            write_frame(wfd, Kind.RESULT, ident, bytes((status,)), *parts)
+            write_frame(wfd, Kind.RESULT, ident, _STATUS[status], *parts)
         _restore_streams(streams)  # for the next task (the result is on its way meanwhile)
         return True
 
-    def lane_task(ident: int, body: Body, board: Board) -> None:
+    def lane_task(ident: int, body: Body, offset: int = TASK_HEAD.size) -> None:
         """Run a task the client wrote on the lane (see lanes.py), as :func:`task` runs
         one (no streamed argument, no shared memory: see ``_client/lanes.py``): said
         RUNNING first, then a CANCEL looked for (the agent's, if sent, is seen); its
-        RESULT on the lane when no output of it can be on its way, else on ``wfd``."""
-        board.set(RUNNING, ident)
-        inbox.read_ahead()
-        if skipped(ident):
-            board.set(RUNNING, -ident)  # (answered: see lanes.py)
+        RESULT on the lane when no output of it can be on its way, else on ``wfd``.
+        ``offset``: where its task head ends in ``body``."""
+        put(RUNNING, ident)
+        if task_pipe(0):  # (what the task pipe holds: a CANCEL of it?)
+            inbox.read_ahead()
+        if ident in cancelled and skipped(ident):
+            put(RUNNING, -ident)  # (answered: see lanes.py)
             return
-        seq = board.get(SEQ)
-        status, parts = _run(
-            functions, body, TASK_HEAD.size, shm_prefix, _serialize, partial(stream, ident), forks
-        )
+        seq = look(SEQ)[0]
+        status, parts = _run(functions, body, offset, shm_prefix, _serialize, stream, ident, forks)
         if inbox.credits or inbox.closing:  # (a generator it returned was streamed)
             inbox.credits.pop(ident, None)
             inbox.closing.discard(ident)
         if forked:  # a child the task forked returned here: it has no say
             os._exit(0)
-        _flush()  # the task's output goes before its result
-        out = wfd  # on the lane only if no output of the task can be on its way:
-        if not seq & 1 and board.get(SEQ) == seq and _drained(count) and board.get(SEQ) == seq:
-            out = lane_out if _small(parts) else wfd
-        # for the next task, before the result: the caller it wakes may wait for this
-        # process's CPU until it sleeps again (a pipe's wake-up is a synchronous one)
-        _restore_streams(streams)
-        with write_lock:
-            write_frame(out, Kind.RESULT, ident, bytes((status,)), *parts)
-        board.set(RUNNING, -ident)
+        # the task's output goes before its result; fds 1 and 2 restored for the next
+        # task, before the result: the caller it wakes may wait for this process's CPU
+        # until it sleeps again (a pipe's wake-up is a synchronous one)
+        _restore_streams(streams, flush=True)
+        out = wfd  # on the lane only if no output of the task can be on its way (see
+        # lanes.py): the output pipes hold nothing unread, and SEQ is the same even number
+        # as before the task (it only grows: the agent read nothing meanwhile)
+        if not seq & 1 and (len(parts[0]) < LARGEST if len(parts) == 1 else _small(parts)):
+            try:  # (``count``: a one-int array the kernel writes each count into)
+                ioctl(out_pipe, unread, count)
+                if not count[0]:
+                    ioctl(err_pipe, unread, count)
+                    if not count[0] and look(SEQ)[0] == seq:
+                        out = lane_out
+            except OSError:  # (a task closed one)
+                pass
+        if out == lane_out and len(parts) == 1:  # (the usual: a small value, one part;
+            # the lane is this thread's alone)
+            data = _RESULT.pack(Kind.RESULT, ident, len(parts[0]) + 1, status) + parts[0]
+            written = os.write(out, data)
+            if written < len(data):  # (a signal cut it short)
+                write_all(out, [memoryview(data)[written:]])
+        else:
+            with write_lock:
+                write_frame(out, Kind.RESULT, ident, _STATUS[status], *parts)
+        put(RUNNING, -ident)
 
     def stream(ident: int, values: Generator[Any, Any, Any]) -> None:
         """Send a yielding task's values as they come, STREAM_WINDOW ahead of the client's
@@ -311,41 +328,78 @@ def _serve(
         Kind.MEMBERS: members,
         Kind.SHUTDOWN: lambda ident, body: False,
     }
-    while (item := inbox.next()) is not None:
+
+    def lane_calls() -> None:
+        """Run the lane's tasks while it alone holds something, each read whole by one
+        read (its client writes a task whole: see LARGEST) and run from here: a lone
+        call's round trip makes no Python frame more than it needs. What else comes (the
+        task pipe holds something, a frame in parts, more than one, the lane's end) is
+        left to ``inbox.next``."""
+        wait = inbox.both.poll
+        queued = inbox.frames
+        while not queued and not inbox.eof:
+            ready = wait()
+            if len(ready) != 1 or ready[0][0] != lane_fd:
+                return  # (the task pipe first: see lanes.py)
+            data = os.read(lane_fd, 65536)
+            if len(data) >= lane_start:
+                kind, ident, length = HEADER.unpack_from(data)
+                if kind == Kind.TASK and len(data) == HEADER_SIZE + length:
+                    lane_task(ident, data, lane_start)
+                    continue
+            inbox.lane_data(data)
+            return
+
+    lane_fd = inbox.lane
+    lane_start = HEADER_SIZE + TASK_HEAD.size  # (where a lane frame's task head ends)
+    lane_kind = Kind.TASK if board is not None else -1  # (a lane frame: see lanes.py)
+    task_pipe = inbox.poller.poll
+    cancelled = inbox.cancelled
+    while True:
+        if inbox.lane >= 0 and not inbox.lane_frames and inbox.lane_reader.idle:
+            lane_calls()
+        item = inbox.next()
+        if item is None:
+            break
         kind, ident, body = item
-        if inbox.lane_ident and board is not None and kind == Kind.TASK:  # see lanes.py
+        if kind == lane_kind and inbox.lane_ident:
             inbox.lane_ident = 0
-            lane_task(ident, body, board)
+            lane_task(ident, body)
             continue
         handler = handlers.get(kind)
         if handler is not None and not handler(ident, body):
             break
         if inbox.lane_ident and board is not None:  # a lane frame that was not a task
-            board.set(RUNNING, -inbox.lane_ident)
+            put(RUNNING, -inbox.lane_ident)
             inbox.lane_ident = 0
-
-
-def _drained(count: array.array[int]) -> bool:
-    """Whether the output pipes (fds 1 and 2) hold nothing unread (see lanes.py).
-    ``count``: a one-int array the kernel writes each count into (no bytes made)."""
-    try:
-        fcntl.ioctl(1, termios.FIONREAD, count)
-        if count[0]:
-            return False
-        fcntl.ioctl(2, termios.FIONREAD, count)
-    except OSError:  # (a task closed one)
-        return False
-    return not count[0]
 
 
 def _small(parts: list[Any]) -> bool:
     """Whether a result fits an empty pipe (a lane's reader may be gone: never wait)."""
-    return sum(memoryview(p).nbytes for p in parts) < LARGEST
+    size = 0
+    for p in parts:  # (a loop: sum() over a generator costs more, per call)
+        size += p.nbytes if isinstance(p, memoryview) else len(p)
+    return size < LARGEST
 
 
-def _restore_streams(saved: list[int]) -> None:
+_OK = Status.OK  # (an Enum's member is slower to look up, per task)
+_RESULT = struct.Struct(HEADER.format + "B")
+"""A RESULT frame's header and status byte (a lane task's, in one step)."""
+_STATUS = [bytes((i,)) for i in range(256)]
+"""A RESULT's status byte, by value (none made per task)."""
+
+
+def _restore_streams(saved: list[int], flush: bool = False) -> None:
     """Point file descriptors 1 and 2 (and sys.stdout/sys.stderr) at the output pipes
-    again: a task may have closed or redirected them (``os.close(1)``)."""
+    again: a task may have closed or redirected them (``os.close(1)``). ``flush``: first
+    flush sys.stdout and sys.stderr, as :func:`_flush` (a lane task's, in one step)."""
+    out, err = sys.stdout, sys.stderr
+    if flush:
+        for stream in (out, err):
+            try:
+                stream.flush()
+            except Exception:
+                pass
     try:
         os.dup2(saved[0], 1)
     except OSError:
@@ -354,7 +408,6 @@ def _restore_streams(saved: list[int]) -> None:
         os.dup2(saved[1], 2)
     except OSError:
         pass
-    out, err = sys.stdout, sys.stderr
     if out is None or getattr(out, "closed", False):
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     if err is None or getattr(err, "closed", False):
@@ -379,6 +432,7 @@ class _Inbox:
         self.lane = lane  # the lane's task pipe (see lanes.py), -1: none
         self.lane_ident = 0  # the id of the lane task being run (0: none)
         self.lane_reader = FrameReader()
+        self.lane_frames: deque[tuple[int, int, Body]] = deque()  # read, not run yet
         self.both: Any = None  # a poll of the task pipe and the lane
         if lane >= 0:
             os.set_blocking(lane, True)
@@ -400,22 +454,43 @@ class _Inbox:
         self.waiting = 0  # threads waiting on ``turn`` (or about to)
 
     def next(self) -> tuple[int, int, Body] | None:
-        # (else what came behind the queued frames, a CANCEL)
-        while self.lane >= 0 and not self.frames and not self.eof:
-            ready = self.both.poll()  # (one fd ready, or both: no dict made per task)
-            if ready and (len(ready) > 1 or ready[0][0] == self.fd):  # the task pipe
-                break  # first (see lanes.py)
-            got = self.lane_reader.read(self.lane)
-            if got is None:  # the client closed it
-                self.both.unregister(self.lane)
-                self.lane = -1
-                break
-            if got:
-                kind, ident, body = got[0]
-                self.lane_ident = ident
-                return kind, ident, body
-        self._read(block=not self.frames)
-        return self.frames.popleft() if self.frames else None
+        """The next frame to run (None: the task pipe ended): the task pipe's first, else
+        the lane's (``lane_ident`` then is its id; see lanes.py)."""
+        queued = self.lane_frames
+        while True:
+            lane = self.lane
+            while (lane >= 0 or queued) and not self.frames and not self.eof:
+                if not queued:
+                    ready = self.both.poll()  # (one fd ready, or both: no dict made)
+                    if ready and (len(ready) > 1 or ready[0][0] != lane):  # the task
+                        break  # pipe first (see lanes.py)
+                    got = self.lane_reader.read(lane)
+                    if got is None:  # the client closed it
+                        self.lane_data(b"")
+                        break
+                    queued.extend(got)
+                elif self.poller.poll(0):  # (the task pipe first)
+                    break
+                if queued:
+                    first = queued.popleft()
+                    self.lane_ident = first[1]
+                    return first
+            # what the task pipe holds (else what came behind the queued frames, a CANCEL);
+            # waited for only when the lane is gone: else it may hold no frame to run (a
+            # CANCEL alone), and the lane is watched again
+            lane = self.lane
+            self._read(block=not self.frames and not queued and lane < 0)
+            if self.frames or self.eof or (lane < 0 and not queued):
+                return self.frames.popleft() if self.frames else None
+
+    def lane_data(self, data: bytes) -> None:
+        """Take bytes read from the lane but not run at once: their frames are queued
+        for :meth:`next`; b"": the lane's end (the client closed it)."""
+        if data:
+            self.lane_frames.extend(self.lane_reader.feed(data))
+        elif self.lane >= 0:
+            self.both.unregister(self.lane)
+            self.lane = -1
 
     def read_ahead(self) -> None:
         """Take in what the task pipe holds now (a CANCEL), without waiting."""
@@ -542,13 +617,15 @@ def _run(
     offset: int,
     shm_prefix: str,
     ser: Any,
-    stream: Callable[[Generator[Any, Any, Any]], None],
+    stream: Callable[[int, Generator[Any, Any, Any]], None],
+    ident: int,
     forks: _Forks,
     mapped: Any = None,
 ) -> tuple[int, list[Any]]:
-    """Run a task: its status byte (with :data:`UNMAPPED` when it says so) and the wire
-    parts of its result. ``mapped``: the mapping ``body`` is (a relayed payload's file),
-    unmapped with the arguments'."""
+    """Run task ``ident``: its status byte (with :data:`UNMAPPED` when it says so) and the
+    wire parts of its result (a generator's values go to ``stream(ident, generator)``).
+    ``mapped``: the mapping ``body`` is (a relayed payload's file), unmapped with the
+    arguments'."""
     # the mappings of the arguments' shared-memory files, if any
     maps: list[Any] = [] if mapped is None else [mapped]
     forks_before = forks.n
@@ -561,26 +638,29 @@ def _run(
         args = kwargs = None
         if isinstance(value, GeneratorType):  # a generator: its values go as YIELD frames
             try:
-                stream(value)
+                stream(ident, value)
             finally:
                 value.close()
             value = None
-        status = Status.OK
+        status = _OK
     except BaseException as e:  # user code: report everything, including SystemExit
         args = kwargs = None
         value = _describe(e)
         status = Status.ERROR
-    try:
-        pickled = ser.pickle_obj(value)
-    except Exception as e:
-        found = ser.describe_unpicklable(value, "result")
-        where = f" at {found[0]} (type {found[1]})" if found else ""
-        msg = f"the task's return value cannot be pickled{where}: {e}"
-        pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, _formatted()))
-        status = Status.ERROR
-    shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
-    parts = ser.encode(pickled, shm)
-    del pickled, value  # (the result's inline buffers live on in parts)
+    parts = ser.plain_parts(value)  # small builtin data (the usual value): at once
+    if parts is None:
+        try:
+            pickled = ser.pickle_obj(value)
+        except Exception as e:
+            found = ser.describe_unpicklable(value, "result")
+            where = f" at {found[0]} (type {found[1]})" if found else ""
+            msg = f"the task's return value cannot be pickled{where}: {e}"
+            pickled = ser.pickle_obj((None, "flotilla.SerializationError", msg, _formatted()))
+            status = Status.ERROR
+        shm = ser.write_shm(pickled, shm_prefix) if shm_prefix and pickled.shm_bytes else ""
+        parts = ser.encode(pickled, shm)
+        del pickled
+    del value  # (the result's inline buffers live on in parts)
     if maps and _unmapped(ser, maps, parts, status == Status.ERROR) and forks.n == forks_before:
         status |= UNMAPPED  # the client may write the file again (see frames.UNMAPPED)
     return status, parts

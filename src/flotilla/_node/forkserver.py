@@ -40,13 +40,13 @@ their client (each reads the end of its stdin when the client goes).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import select
 import socket
 import sys
 
 from .. import _info  # noqa: F401  (warm: what every agent and executor imports)
+from .._system import fastjson as json
 from .._wire import code, serialize  # noqa: F401
 from . import agent, executor, feeds, hooks, lanes, metrics, storechannel  # noqa: F401
 

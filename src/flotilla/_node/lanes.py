@@ -23,9 +23,11 @@ Who writes what on the board (each word has one writer, so no write is lost):
   executor if it runs it (CANCELLED), else the executor skips it.
 * ``SEQ``: the agent, odd from the moment it reads the executor's output until what it
   read has left for the client. A lane task's result goes on the lane only when no output
-  of the task can still be on its way (fds 1 and 2 drained: ``FIONREAD`` 0, and ``SEQ``
-  the same even number as when the task began); otherwise on the executor's result pipe,
-  and the agent forwards it after the output (a RESULT for an id it never gave).
+  of the task can still be on its way (its output pipes drained: ``FIONREAD`` 0 on the
+  executor's own copies of their ends, wherever the task pointed fds 1 and 2; and ``SEQ``
+  the same even number as when the task began, read after that: it only grows); otherwise
+  on the executor's result pipe, and the agent forwards it after the output (a RESULT for
+  an id it never gave).
 * ``CLOSED``, ``SEEN``: the agent, when the executor is gone: ``CLOSED`` set before it
   reads ``CLAIMED`` one last time, then ``SEEN`` what it read (-1: nothing). A client that
   finds ``CLOSED`` set after writing its task (it may have claimed after that last look)
@@ -41,7 +43,18 @@ from __future__ import annotations
 
 import os
 
-from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, SEQ, VAR, Board
+from .._wire.lanes import (
+    CLAIMED,
+    CLOSED,
+    LARGEST,
+    MESSAGE,
+    RUNNING,
+    SEEN,
+    SEQ,
+    VAR,
+    WORD,
+    Board,
+)
 
 __all__ = [
     "CLAIMED",
@@ -52,6 +65,7 @@ __all__ = [
     "SEEN",
     "SEQ",
     "VAR",
+    "WORD",
     "Board",
     "Lane",
     "LaneSocket",

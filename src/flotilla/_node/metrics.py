@@ -37,12 +37,13 @@ reported once (``{"error": [name, why]}``) and not run again on this node.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
+
+from .._system import fastjson as json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import _socket
 import errno
-import json
 import mmap
 import os
 import struct
 import time
 from collections.abc import Callable
 
+from .._system import fastjson as json
 from .._wire.frames import TASK_HEAD, UNMAPPED, Body, Buffer, Kind, Status, frame
 from .eventloop import Outbox, Poller
 

@@ -48,12 +48,12 @@ end DIED saying so; the new process is started once every slot's pipes are close
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable
 from functools import partial
 
+from .._system import fastjson as json
 from .._wire.bodies import Config, Ready, dump, load_ready
 from .._wire.exits import describe_exit
 from .._wire.frames import (

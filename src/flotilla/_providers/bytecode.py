@@ -57,6 +57,22 @@ NODE_START = (
 """The modules (a name without ``.py``) and packages (ending with ``/``) an agent and its
 first executor import as they start: the byte code the SSH bundle ships
 (``tests/test_bytecode.py`` checks that a first start compiles nothing)."""
+STORED = (
+    *("flotilla/__init__", "flotilla/agent", "flotilla/_version"),
+    *("flotilla/_system/__init__", "flotilla/_system/fastjson", "flotilla/_system/procs"),
+    *("flotilla/_wire/__init__", "flotilla/_wire/bodies", "flotilla/_wire/code"),
+    *("flotilla/_wire/exits", "flotilla/_wire/frames", "flotilla/_wire/lanes"),
+    *("flotilla/_wire/protocol", "flotilla/_wire/rebuild", "flotilla/_wire/serialize"),
+    *("flotilla/_node/__init__", "flotilla/_node/agent", "flotilla/_node/batching"),
+    *("flotilla/_node/environment", "flotilla/_node/eventloop", "flotilla/_node/executor"),
+    *("flotilla/_node/feeds", "flotilla/_node/hooks", "flotilla/_node/lanes"),
+    *("flotilla/_node/metrics", "flotilla/_node/processes", "flotilla/_node/relay"),
+    *("flotilla/_node/supervisor", "flotilla/_node/cloud"),
+)
+"""The modules of :data:`NODE_START` that every node's start imports (the agent, its first
+executor, a cloud instance's helper): the SSH bundle stores their byte code at its head,
+which a first start inflates whole, and deflates the rest's, which an import inflates
+when it needs it (``tests/test_bytecode.py`` checks the list against a start)."""
 KEEP_DAYS = 14
 """An entry unused for this long is removed when another one is built."""
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import re
     import subprocess
 
 HAS_PROC = os.path.isdir("/proc/self")

@@ -10,8 +10,7 @@ node's start neither imports ``typing`` nor makes the classes (their fifty annot
 
 from __future__ import annotations
 
-import json
-
+from .._system import fastjson as json
 from .frames import Body
 
 TYPE_CHECKING = False

@@ -11,7 +11,10 @@ compiled it, and the function's source lines from the client's ``linecache``. Th
 checks the version (bytecode runs only on the minor version that made it: a mismatch is an
 error, never a crash), loads the code and puts those lines in its own ``linecache``, where
 Python's traceback formatting finds them: the traceback shows the user's file, line number
-and source line on every provider.
+and source line on every provider. A node that has not imported ``linecache`` yet (it
+brings ``tokenize`` and ``re``: ~3 ms of a node's first call, which rarely fails) keeps the
+lines until something imports it (:class:`_WhenImported`, first on ``sys.meta_path`` until
+then), and they are in its cache as soon as it is.
 
 A file name that is not a file on the client (a notebook cell, code compiled from a string
 under a made-up path) is replaced by a stand-in in angle brackets (``<notebook cell 42>``),
@@ -23,16 +26,16 @@ Standard library only: the node unpickles with ``load_code``.
 
 from __future__ import annotations
 
-import linecache
 import marshal
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
     from typing import Any, TypeAlias
 
     Reduced: TypeAlias = tuple[Callable[..., CodeType], tuple[Any, ...]]
@@ -55,6 +58,8 @@ def reduce_code(code: CodeType) -> Reduced | None:
         except ValueError:
             return None
         _reduced[key] = reduced
+        import weakref  # the client's: a node's start does without it (~0.5-1 ms)
+
         weakref.finalize(code, _reduced.pop, key, None)
     return reduced
 
@@ -103,6 +108,8 @@ def _reduce(code: CodeType) -> Reduced:
 def _source_lines(code: CodeType) -> tuple[str, ...]:
     """The client's lines of ``code``: from its first line (decorators included) to the
     last line any of its code (nested functions too) runs; () when there are none."""
+    import linecache  # the client's (imported by then: traceback, inspect, cloudpickle)
+
     lines = linecache.getlines(code.co_filename)
     if not lines:
         return ()
@@ -125,13 +132,66 @@ def _renamed(code: CodeType, name: str) -> CodeType:
 
 def _remember(filename: str, first: int, lines: tuple[str, ...]) -> None:
     """Put ``lines`` (``first`` is the number of the first) in ``linecache`` for
-    ``filename``, beside lines other functions of the same file brought; an entry of a real
-    file of the node's with that name is replaced: the client's lines are the truth."""
-    entry: tuple[Any, ...] = linecache.cache.get(filename, ())
+    ``filename``, or keep them until it is imported (see the module docstring)."""
+    linecache = sys.modules.get("linecache")
+    if linecache is not None:
+        _put(linecache.cache, filename, first, lines)
+        return
+    _waiting.append((filename, first, lines))
+    if _WhenImported not in sys.meta_path:
+        sys.meta_path.insert(0, _WhenImported)
+
+
+def _put(cache: dict[str, Any], filename: str, first: int, lines: tuple[str, ...]) -> None:
+    """Put ``lines`` in ``cache`` (``linecache.cache``) beside lines other functions of the
+    same file brought; an entry of a real file of the node's with that name is replaced:
+    the client's lines are the truth."""
+    entry: tuple[Any, ...] = cache.get(filename, ())
     have = list(entry[2]) if len(entry) == 4 and entry[1] is None else []
     end = first - 1 + len(lines)
     if len(have) < end:
         have.extend(["\n"] * (end - len(have)))
     have[first - 1 : end] = lines
     # mtime None: checkcache() leaves the entry alone (as for a module's __loader__ source)
-    linecache.cache[filename] = (sum(map(len, have)), None, have, filename)
+    cache[filename] = (sum(map(len, have)), None, have, filename)
+
+
+_waiting: list[tuple[str, int, tuple[str, ...]]] = []
+"""Lines loaded before ``linecache`` was imported: (file name, first line number, lines)."""
+
+
+class _WhenImported:
+    """A finder first on ``sys.meta_path`` while lines wait for ``linecache``: it finds
+    nothing, but ``linecache`` itself, which the next finders find, and whose loader it
+    follows with the lines (it then leaves ``sys.meta_path``, and the module its loader)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    @classmethod
+    def find_spec(cls, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        if name != "linecache":
+            return None
+        try:
+            sys.meta_path.remove(cls)
+        except ValueError:
+            pass  # another thread's import of linecache took it out
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec: ModuleSpec | None = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = cls(spec.loader)  # type: ignore[assignment]
+                return spec
+        return None
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        while _waiting:
+            _put(module.cache, *_waiting.pop(0))

@@ -12,7 +12,9 @@ VAR = "FLOTILLA_LANES"
 """The environment variable that gives a Local agent its lane socket's descriptor."""
 CLAIMED, RUNNING, SEQ, CLOSED, SEEN = 0, 8, 16, 24, 32
 """The board's words (offsets): see ``_node/lanes.py``."""
-_WORD = struct.Struct("<q")
+WORD = struct.Struct("<q")
+"""A board's word: its executor reads and writes it with ``WORD``'s own methods (no Python
+frame per look, see ``_node/executor.py``)."""
 MESSAGE = struct.Struct("<Hi")
 """A lane's message on the socket: the slot (local rank) and the executor's pid; its
 descriptors are the client's task end, result end and the board, in that order."""
@@ -35,10 +37,10 @@ class Board:
         self.mem = mmap.mmap(fd, _SIZE)
 
     def get(self, word: int) -> int:
-        return int(_WORD.unpack_from(self.mem, word)[0])
+        return int(WORD.unpack_from(self.mem, word)[0])
 
     def set(self, word: int, value: int) -> None:
-        _WORD.pack_into(self.mem, word, value)
+        WORD.pack_into(self.mem, word, value)
 
     def close(self) -> None:
         """Close the descriptor (the mapping stays, e.g. in a forked executor)."""

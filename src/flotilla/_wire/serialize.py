@@ -15,11 +15,11 @@ Decoding is zero-copy: buffers become views of the received frame or of the mapp
 
 from __future__ import annotations
 
+import _pickle as pickle  # pickle.py adds re, struct and its Python twin: ~1 ms of a start
 import functools
 import io
 import mmap
 import os
-import pickle
 import stat
 import struct
 import sys
@@ -155,6 +155,23 @@ def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
         return {}
     module = cloudpickle.cloudpickle
     return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
+
+
+_NONE = _HEAD.pack(0, len(pickle.dumps(None, 5)), 0) + pickle.dumps(None, 5)
+"""``encode(pickle_obj(None))``'s one part."""
+
+
+def plain_parts(obj: Any) -> list[Buffer] | None:
+    """``encode(pickle_obj(obj))`` in one step for small builtin data (a task's usual
+    value: no out-of-band buffer, so no shared memory either); None for anything else.
+    None itself (what a function without ``return`` returns) is pickled once for all."""
+    if obj is None:
+        return [_NONE]
+    if type(obj) not in _SCALARS and not _plain(obj):
+        return None
+    main = pickle.dumps(obj, 5)
+    head = _HEAD.pack(0, len(main), 0)
+    return [head + main] if len(main) <= _PLAIN_BYTES else [head, main]
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
