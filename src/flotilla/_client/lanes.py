@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._providers.pipe import SPIN, idle_core
 from .._wire.frames import HEADER, HEADER_SIZE, TASK_HEAD, FrameReader, Kind, Status
-from .._wire.lanes import _WORD, CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, Board
+from .._wire.lanes import CLAIMED, CLOSED, LARGEST, MESSAGE, RUNNING, SEEN, WORD, Board
 from .._wire.serialize import _PLAIN_BYTES, PAYLOAD_HEAD, Pickled, _plain, pickle_obj
 from .feeds import streamed_parameters
 from .node import Node, NodeState, Payload, Submission, next_id
@@ -281,10 +281,10 @@ def _laned(d: Dispatcher, fn: Function[..., Any]) -> tuple[int, list[Buffer], An
     return laned
 
 
-_word = _WORD.unpack_from
+_word = WORD.unpack_from
 """A board word, as ``Board.get`` reads it, without its frame: ``_word(lane.mem, WORD)[0]``
 (per call)."""
-_set_word = _WORD.pack_into
+_set_word = WORD.pack_into
 """``Board.set`` without its frame: ``_set_word(lane.mem, WORD, value)``."""
 _TASK = struct.Struct(HEADER.format + TASK_HEAD.format.lstrip("<"))
 """A lane task's frame header and task head in one (see ``_wire/frames.py``)."""
