@@ -82,7 +82,13 @@ OTHER_ENCODINGS = [
 ]
 
 
-@pytest.mark.parametrize("given", BAD + OTHER_ENCODINGS, ids=repr)
+def _id(value: Any) -> str:
+    """A test id that is the same in every process (a memoryview's repr has its address:
+    pytest-xdist's workers would collect different tests)."""
+    return f"memoryview({bytes(value)!r})" if isinstance(value, memoryview) else repr(value)
+
+
+@pytest.mark.parametrize("given", BAD + OTHER_ENCODINGS, ids=_id)
 def test_what_is_not_plain_json_text_gets_json_s_answer(given: Any) -> None:
     """Bad text raises json's JSONDecodeError (position and all); other encodings are
     read by json; a type json refuses is refused with json's words."""
