@@ -157,7 +157,14 @@ def _twins(cloudpickle: ModuleType) -> dict[Any, tuple[Any, tuple[str]]]:
     return {getattr(module, name): (rebuild.twin, (name,)) for name in rebuild.TWINS}
 
 
-_NONE = _HEAD.pack(0, len(pickle.dumps(None, 5)), 0) + pickle.dumps(None, 5)
+def _inline(main: bytes) -> list[Buffer]:
+    """The wire parts of a pickle with no buffer (:func:`encode`'s first case): one part,
+    the header joined to it, when it is small."""
+    head = _HEAD.pack(0, len(main), 0)
+    return [head + main] if len(main) <= _PLAIN_BYTES else [head, main]
+
+
+_NONE = _inline(pickle.dumps(None, 5))[0]
 """``encode(pickle_obj(None))``'s one part."""
 
 
@@ -169,17 +176,14 @@ def plain_parts(obj: Any) -> list[Buffer] | None:
         return [_NONE]
     if type(obj) not in _SCALARS and not _plain(obj):
         return None
-    main = pickle.dumps(obj, 5)
-    head = _HEAD.pack(0, len(main), 0)
-    return [head + main] if len(main) <= _PLAIN_BYTES else [head, main]
+    return _inline(pickle.dumps(obj, 5))
 
 
 def encode(p: Pickled, shm_name: str = "") -> list[Buffer]:
     """Wire parts of ``p``; buffers of ``SHM_MIN`` bytes or more lie in ``shm_name``.
     A small pickle with no buffer is one part (the header joined to it)."""
     if not p.buffers:
-        head = _HEAD.pack(0, len(p.main), 0)
-        return [head + p.main] if len(p.main) <= _PLAIN_BYTES else [head, p.main]
+        return _inline(p.main)
     descriptors: list[Buffer] = []
     inline: list[Buffer] = []
     shm_offset = 0
