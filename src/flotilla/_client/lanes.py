@@ -29,7 +29,6 @@ answer goes through ``Node._on_frames`` as one from the agent does.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import pickle
 import select
@@ -76,10 +75,6 @@ class Lane:
     ended: bool = False  # its result pipe ended (the executor is gone)
     answered: float = SPIN / 2  # how long recent answers took (seconds: see wait)
     orphan: bool = False  # the agent had closed its board when the last call was sent
-    mem: mmap.mmap = field(init=False)  # the board's words (read per call: see _word)
-
-    def __post_init__(self) -> None:
-        self.mem = self.board.mem
 
     def started(self, ident: int) -> bool:
         """Whether call ``ident``, sent on this lane, may have started: False only when
@@ -223,15 +218,16 @@ def send(
     if not lanes or busy[slot] or key not in node.answered or lanes.agent_dying():
         return None
     lane = lanes.by_slot.get(slot)
-    if lane is None or lane.ended or _word(lane.mem, CLOSED)[0]:  # replaced: its next one
+    if lane is None or lane.ended or _word(lane.board.mem, CLOSED)[0]:  # replaced: its next
         lanes.take()
         lane = lanes.by_slot.get(slot)
-        if lane is None or lane.ended or _word(lane.mem, CLOSED)[0]:
+        if lane is None or lane.ended or _word(lane.board.mem, CLOSED)[0]:
             return None
-    main = _task(key, call)
-    if main is None:  # (not small builtin data: the general way, which says what fails)
+    pickled = _task(key, call)
+    if pickled is None:  # (not one small part: the general way, which says what fails)
         return None
-    payload = Payload(Pickled(main, ()))
+    main = pickled.main
+    payload = Payload(pickled)
     sub = d.encoder.submission(call, payload, key, laned[1], pinned=False)
     with node.lock:
         if node.state is not NodeState.READY or busy[slot] or node.abandoned:
@@ -253,7 +249,7 @@ def send(
         return None
     sub.wake_by = _waker()
     taken.append(sub)  # (an interrupt from here on: the caller undoes or cancels it)
-    mem = lane.mem
+    mem = lane.board.mem
     _set_word(mem, CLAIMED, tid)
     try:  # the frame's header, task head and payload head in one (see _TASK_PAYLOAD)
         frame = _TASK_PAYLOAD.pack(
@@ -282,18 +278,19 @@ def _laned(d: Dispatcher, fn: Function[..., Any]) -> tuple[int, list[Buffer], An
 
 
 _word = WORD.unpack_from
-"""A board word, as ``Board.get`` reads it, without its frame: ``_word(lane.mem, WORD)[0]``
+"""A board word, as ``Board.get`` reads it, without its frame: ``_word(board.mem, WORD)[0]``
 (per call)."""
 _set_word = WORD.pack_into
-"""``Board.set`` without its frame: ``_set_word(lane.mem, WORD, value)``."""
-_TASK = struct.Struct(HEADER.format + TASK_HEAD.format.lstrip("<"))
-"""A lane task's frame header and task head in one (see ``_wire/frames.py``)."""
+"""``Board.set`` without its frame: ``_set_word(board.mem, WORD, value)``."""
 _VALUE = struct.Struct(HEADER.format + "B" + PAYLOAD_HEAD.format.lstrip("<"))
 """A RESULT frame's header, status and payload head in one (``serialize.encode``)."""
 
 
-_TASK_PAYLOAD = struct.Struct(_TASK.format + PAYLOAD_HEAD.format.lstrip("<"))
-"""A lane task's frame header, task head and payload head (no buffer, no file) in one."""
+_TASK_PAYLOAD = struct.Struct(
+    HEADER.format + TASK_HEAD.format.lstrip("<") + PAYLOAD_HEAD.format.lstrip("<")
+)
+"""A lane task's frame header, task head and payload head (no buffer, no file) in one
+(see ``_wire/frames.py``, ``serialize.encode``)."""
 _TASK_BODY = TASK_HEAD.size + PAYLOAD_HEAD.size
 """A lane task's body before its pickle."""
 _LANE_PICKLE = min(_PLAIN_BYTES, LARGEST - _TASK_PAYLOAD.size)
@@ -301,15 +298,15 @@ _LANE_PICKLE = min(_PLAIN_BYTES, LARGEST - _TASK_PAYLOAD.size)
 pickle a part of its own) in a frame that fits LARGEST."""
 
 
-def _task(key: int, call: PendingCall[Any]) -> bytes | None:
+def _task(key: int, call: PendingCall[Any]) -> Pickled | None:
     """``call``'s arguments pickled, when they are one small part that fits a lane (see
-    LARGEST): small builtin data by the standard pickler (``serialize.pickle_obj``'s first
-    case, without its wrapping), else by ``pickle_obj``; None for the general way (a large
-    argument, maybe for shared memory; or one that cannot be pickled: the general way
-    says what)."""
+    LARGEST); None for the general way (a large argument, maybe for shared memory; or one
+    that cannot be pickled: the general way says what). Small builtin data is pickled as
+    ``serialize.pickle_obj`` pickles it, the empty arguments of most calls not looked at
+    (its scan of the whole tuple costs a lone call ~4 us of its caller's ~60, measured)."""
     args, kwargs = call.args, call.kwargs
     if (not args or _plain(args, 1)) and (not kwargs or _plain(kwargs, 1)):
-        main = pickle.dumps((key, args, kwargs), 5)
+        pickled = Pickled(pickle.dumps((key, args, kwargs), 5), ())
     else:
         try:
             pickled = pickle_obj((key, args, kwargs))
@@ -317,8 +314,7 @@ def _task(key: int, call: PendingCall[Any]) -> bytes | None:
             return None
         if pickled.buffers:
             return None
-        main = pickled.main
-    return main if len(main) <= _LANE_PICKLE else None
+    return pickled if len(pickled.main) <= _LANE_PICKLE else None
 
 
 def undo(d: Dispatcher, sub: Submission, lane: Lane) -> None:
@@ -412,7 +408,7 @@ def wait(d: Dispatcher, node: Node, lane: Lane, sub: Submission) -> None:
                 poller = waker.alone
     finally:
         sub.wake_by = None
-        mem = lane.mem
+        mem = lane.board.mem
         if done() and _word(mem, CLAIMED)[0] == sub.tid:  # (else its cancel finds it
             _set_word(mem, CLAIMED, 0)  # claimed) the slot is the agent's again
     took = time.monotonic() - start

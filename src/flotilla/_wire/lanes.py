@@ -13,8 +13,8 @@ VAR = "FLOTILLA_LANES"
 CLAIMED, RUNNING, SEQ, CLOSED, SEEN = 0, 8, 16, 24, 32
 """The board's words (offsets): see ``_node/lanes.py``."""
 WORD = struct.Struct("<q")
-"""A board's word: its executor reads and writes it with ``WORD``'s own methods (no Python
-frame per look, see ``_node/executor.py``)."""
+"""A board's word: the executor and the client read and write it with ``WORD``'s own
+methods per call (no Python frame per look: ``_node/executor.py``, ``_client/lanes.py``)."""
 MESSAGE = struct.Struct("<Hi")
 """A lane's message on the socket: the slot (local rank) and the executor's pid; its
 descriptors are the client's task end, result end and the board, in that order."""
