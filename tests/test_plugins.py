@@ -387,6 +387,60 @@ def test_hooks_run_with_the_collector_paused_and_tasks_with_it_running() -> None
         assert frozen > 0  # what the hooks made is frozen, not walked by each collection
 
 
+class Preloads(sky.Plugin):
+    """Names a module for each agent to import before it forks its executors; its hook
+    records whether the executor had the module before anything of the pool's ran."""
+
+    preload = ("_preload_probe",)
+
+    @contextlib.contextmanager
+    def _record(self) -> Iterator[None]:
+        os.environ["HOOK_SAW_PRELOADED"] = str("_preload_probe" in sys.modules)
+        yield
+
+    def around_process(self, info: InstanceInfo) -> Any:
+        return self._record()
+
+
+@sky.function
+def preloaded() -> tuple[str, int, int, str | None, str | None]:
+    import _preload_probe
+
+    return (
+        os.environ["HOOK_SAW_PRELOADED"],
+        _preload_probe.PID,
+        os.getppid(),
+        _preload_probe.ENV,
+        os.environ.get("PRELOAD_PROBE"),
+    )
+
+
+def test_a_plugins_preload_is_imported_once_by_the_agent_as_its_executors_would() -> None:
+    image = sky.Image(env={"PRELOAD_PROBE": "the pool's"})
+    with sky.Compute(nodes=2, image=image, plugins=[Preloads()]) as pool:
+        results = preloaded() @ pool
+    assert len(results) == 2
+    for hook_saw, imported_by, agent, env_then, env_now in results:
+        assert hook_saw == "True"  # the executor began with it
+        assert imported_by == agent != os.getpid()  # its agent imported it, then forked
+        assert env_then == env_now == "the pool's"  # in the executor's environment
+
+
+class PreloadsAString(sky.Plugin):
+    preload = "torch"  # type: ignore[assignment]  # a string, not a tuple of names
+
+
+class PreloadsNoName(sky.Plugin):
+    preload = ("torch", "not a name")
+
+
+def test_a_preload_that_names_no_modules_is_refused_before_anything_starts() -> None:
+    with pytest.raises(sky.ConfigurationError, match=r"preload must be a tuple of module names"):
+        sky.Compute(nodes=1, plugins=[PreloadsAString()])
+    with pytest.raises(sky.ConfigurationError, match=r"got \('torch', 'not a name'\)"):
+        sky.Compute(nodes=1, plugins=[PreloadsNoName()])
+
+
 # -- node-side environment (pure) -----------------------------------------------------
 
 

@@ -160,6 +160,8 @@ class Bringup:
             "group": self.group,
             "threads": start.threads,
         }
+        if start.preload:
+            config["preload"] = list(start.preload)
         if self.options.relay:  # the agent opens its relay port (if apart from the client)
             config["relay_key"] = self.relay_key
         if start.volumes is not None:

@@ -51,6 +51,8 @@ class Startup:
         build_spec: the node environment to build (``Image.build_spec``), or None.
         includes: the Image's includes archive, sent to a node that asks for it.
         blob: the pickled plugins, sent with the configuration.
+        preload: the modules every agent imports before it forks its executors (the
+            plugins' ``preload``, :func:`preload_modules`).
         volumes: the buckets every node mounts or copies (``_volume.node_spec``), or None.
         secrets: the values never shown in clear (the Image's, the Options', the plugins'
             and the volumes').
@@ -71,6 +73,7 @@ class Startup:
     build_spec: dict[str, Any] | None = None
     includes: bytes = b""
     blob: bytes = b""
+    preload: tuple[str, ...] = ()
     volumes: dict[str, Any] | None = None
     secrets: tuple[str, ...] = ()
     delivered: frozenset[str] = frozenset()
@@ -204,6 +207,7 @@ def prepare(pool: Opening, image: Image) -> tuple[PoolSpec, Startup]:
         build_spec=image.build_spec(includes) if image.needs_build else None,
         includes=includes,
         blob=blob,
+        preload=preload_modules(pool.plugins),
         volumes=volumes,
         secrets=tuple(secrets),
     )
@@ -244,6 +248,7 @@ def check_plugins(plugins: Sequence[Any], options: Options) -> None:
         check = getattr(p, "check_plugins", None)
         if check is not None:  # a plugin that refuses some others (ray: torch)
             check(plugins)
+        preload_modules([p])
         if not options.cluster and getattr(p, "requires_cluster", False):
             name = getattr(p, "name", type(p).__name__)
             raise ConfigurationError(
@@ -251,6 +256,25 @@ def check_plugins(plugins: Sequence[Any], options: Options) -> None:
                 "but the pool "
                 f"has Options(cluster=False): remove the plugin or use cluster=True"
             )
+
+
+def preload_modules(plugins: Sequence[Any]) -> tuple[str, ...]:
+    """The modules ``plugins`` name in their ``preload``, in order, once each; a
+    ConfigurationError for a ``preload`` that is not a tuple or list of module names."""
+    names: dict[str, None] = {}
+    for p in plugins:
+        preload = getattr(p, "preload", ())
+        if not isinstance(preload, tuple | list) or not all(
+            isinstance(n, str) and all(part.isidentifier() for part in n.split("."))
+            for n in preload
+        ):
+            name = getattr(p, "name", type(p).__name__)
+            raise ConfigurationError(
+                f"plugin {name!r}: preload must be a tuple of module names such as "
+                f"('torch', 'torch.distributed'), got {preload!r}"
+            )
+        names.update(dict.fromkeys(preload))
+    return tuple(names)
 
 
 def resource(name: str, value: object, example: str) -> float | None:

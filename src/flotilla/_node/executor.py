@@ -58,6 +58,23 @@ serving = False
 ``flotilla._info.in_task`` reads it."""
 
 
+def import_setting(config: Config) -> tuple[list[str], dict[str, str]]:
+    """What an executor puts first on its import path and sets in its environment before
+    it imports anything of the user's: the pool's variables (``config["env"]``) and the
+    Image's environment on this node (its includes and site folders on the import path and
+    ``PYTHONPATH``, its ``bin`` on ``PATH``), read from the agent's environment."""
+    env = dict(config.get("env", {}))
+    image_dir = config.get("image_dir")
+    if not image_dir:
+        return [], env
+    paths = [os.path.join(image_dir, "includes"), os.path.join(image_dir, "site")]
+    old = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
+    bin_dir = os.path.join(image_dir, "site", "bin")
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.environ.get("PATH", ""))
+    return paths, env
+
+
 def main(
     config: Config,
     blob: bytes,
@@ -70,7 +87,9 @@ def main(
     of the node's other task slots, served by threads of this process
     (``Worker(executor="thread")``: one process, shared memory and GIL, as Skyward's).
     ``lane``: its lane's task pipe, result pipe and board (see :mod:`.lanes`)."""
-    os.environ.update(config.get("env", {}))
+    paths, env = import_setting(config)
+    sys.path[:0] = paths
+    os.environ.update(env)
     info = json.loads(config["compute_pool"])
     slot = config.get("local_rank", 0)
     info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
@@ -78,14 +97,6 @@ def main(
     os.environ["COMPUTE_POOL"] = json.dumps(info)
     result_fds = [wfd, *(w for _, _, w in others)]
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail
-    image_dir = config.get("image_dir")
-    if image_dir:  # the Image's environment comes first on the import path
-        paths = [os.path.join(image_dir, "includes"), os.path.join(image_dir, "site")]
-        sys.path[:0] = paths
-        old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
-        bin_dir = os.path.join(image_dir, "site", "bin")
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     if isinstance(sys.stdout, __import__("io").TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     stack = ExitStack()

@@ -200,6 +200,8 @@ class ExecutorProcesses:
 
     def start_all(self) -> None:
         warm(shared=len(self.slots) > 1 and not self.threads)
+        if self.config is not None and self.config.get("preload"):
+            preload(self.config)
         for slot in self.slots:
             self._start(slot)
 
@@ -622,6 +624,35 @@ def warm(shared: bool = False) -> None:
             import dataclasses  # noqa: F401
         from .._wire import serialize  # noqa: F401
         from . import executor, feeds  # noqa: F401
+
+
+def preload(config: Config) -> None:
+    """Import, in the agent, once, before it forks its first executor, the modules the
+    plugins name (``config["preload"]``, a plugin's ``preload``: torch's ~2 CPU-s, with
+    ``torch._dynamo`` ~4): every executor, and every process a group restart starts again,
+    is a fork that has them, instead of importing them itself. They are imported as an
+    executor would import them (its import path and environment, :func:`.executor.import_setting`,
+    the agent's own restored afterwards) with the collector paused, then frozen. One that
+    fails to import is left to the executors, whose plugin reports why."""
+    from . import hooks
+    from .executor import import_setting
+
+    paths, env = import_setting(config)
+    agent_path, agent_env = sys.path[:], dict(os.environ)
+    sys.path[:0] = paths
+    os.environ.update(env)
+    try:
+        with hooks.collector_paused():
+            for name in config.get("preload", ()):
+                try:
+                    __import__(name)
+                except Exception:  # (the executor's own import says why)
+                    pass
+    finally:
+        sys.path[:] = agent_path
+        for name in set(os.environ) - set(agent_env):
+            del os.environ[name]
+        os.environ.update(agent_env)
 
 
 def _output_out(board: Board) -> None:

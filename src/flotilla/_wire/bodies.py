@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         shm_probe: dict[str, str] | None  # name, token, prefix: a file the client wrote in its
         # /dev/shm (``_client/shm.py``): an agent that reads it shares the client's memory
         group: bool  # the processes form one group (a plugin's collective)
+        preload: list[str]  # modules the agent imports before its first fork (plugins')
         relay_key: str  # hex: the node-to-node relays' key (the agent keeps it to itself)
         volumes: dict[str, Any] | None  # for the volumes helper alone (``_node/volumes.py``)
         reattach_grace: float  # a cluster's agent: seconds it waits for a new client (reattach)

@@ -17,6 +17,15 @@ executor processes (local ranks 0..P-1, in
 ``nodes * P`` results in global rank order (``node * P + local_rank``). Plugins travel to the
 nodes pickled, so keep their state small and picklable.
 
+A plugin whose hook imports a framework that is slow to import (torch: seconds of CPU) names
+its modules in ``preload``: each node's agent imports them once, before it forks its
+executor processes, in the executors' environment (the Image's packages, the pool's
+variables), so every executor process, and every process a group restart starts again, has
+them already. Name only modules that start no threads as they are imported (a fork keeps
+the calling thread alone), and set what a framework reads at import time (``OMP_*``...)
+in the Image's environment, not in ``around_process``: set there, a preloaded framework has
+read it already (the torch plugin applies its thread count itself).
+
 A plugin whose processes form one communication group (a torch process group, JAX's
 distributed runtime, a TensorFlow collective) sets ``forms_group = True``. A lone replacement
 process could not rejoin such a group, so in such a pool (with two or more processes) a
@@ -43,6 +52,7 @@ class Plugin:
     requires_cluster: bool = False
     procs_per_node: int | None = 1
     forms_group: bool = False
+    preload: tuple[str, ...] = ()
 
     def transform(self, image: Any, cluster: Any) -> Any:
         """Return the image the nodes should build (client side)."""

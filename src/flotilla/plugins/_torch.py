@@ -87,6 +87,7 @@ class TorchPlugin(Plugin):
     name = "torch"
     requires_cluster = True
     forms_group = True
+    preload = ("torch", "torch._dynamo", "torch.distributed")  # see _process_group
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
@@ -151,9 +152,14 @@ class TorchPlugin(Plugin):
 
             # torch._dynamo is imported by DDP's constructor and by every optimizer's first
             # step: a second of CPU. Here it is imported while the executor has the garbage
-            # collector paused (enter_plugins), a third faster than in the user's code.
+            # collector paused (enter_plugins), a third faster than in the user's code. All
+            # three are usually imported already: the agent preloads them (preload above),
+            # before OMP_NUM_THREADS is set here, so its value is applied explicitly.
             import torch._dynamo
             import torch.distributed as dist
+
+            if "OMP_NUM_THREADS" in env:
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
             cuda = torch.cuda.is_available()
             backend = self.backend or ("nccl" if cuda else "gloo")
