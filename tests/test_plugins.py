@@ -426,6 +426,25 @@ def test_a_plugins_preload_is_imported_once_by_the_agent_as_its_executors_would(
         assert env_then == env_now == "the pool's"  # in the executor's environment
 
 
+class PreloadsSlowly(sky.Plugin):
+    preload = ("_preload_slow",)  # an import of 5 s
+
+
+@sky.function
+def preloaded_slowly() -> bool:
+    import _preload_slow
+
+    return os.getppid() == _preload_slow.PID
+
+
+def test_an_agent_goes_on_beating_while_it_preloads() -> None:
+    """The agent imports a plugin's ``preload`` beside its loop: an import that lasts longer
+    than the pool's heartbeat timeout does not lose the node."""
+    options = sky.Options(heartbeat_timeout=2)
+    with sky.Compute(nodes=1, plugins=[PreloadsSlowly()], options=options) as pool:
+        assert preloaded_slowly() @ pool == [True]
+
+
 class PreloadsAString(sky.Plugin):
     preload = "torch"  # type: ignore[assignment]  # a string, not a tuple of names
 

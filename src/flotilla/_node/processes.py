@@ -200,10 +200,32 @@ class ExecutorProcesses:
 
     def start_all(self) -> None:
         warm(shared=len(self.slots) > 1 and not self.threads)
-        if self.config is not None and self.config.get("preload"):
-            preload(self.config)
+        if self.config is not None and self.config.get("preload") and not _preloaded:
+            self._preload_then_start(self.config)
+            return
         for slot in self.slots:
             self._start(slot)
+
+    def _preload_then_start(self, config: Config) -> None:
+        """:func:`preload` in a thread, then the executors: the agent's loop goes on
+        meanwhile (an import of torch can take longer than the client waits for a beat), and
+        the forks come once the thread has ended (a fork keeps the calling thread alone)."""
+        import threading
+
+        done_r, done_w = os.pipe()
+        thread = threading.Thread(
+            target=_preload_and_tell, args=(config, done_w), name="preload", daemon=True
+        )
+
+        def preloaded() -> None:
+            self.sel.unregister(done_r)
+            os.close(done_r)
+            thread.join()
+            for slot in self.slots:
+                self._start(slot)
+
+        self.sel.register(done_r, False, preloaded)
+        thread.start()
 
     def kill_all(self) -> None:
         """Kill every executor and wait for each (the agent ends)."""
@@ -626,6 +648,9 @@ def warm(shared: bool = False) -> None:
         from . import executor, feeds  # noqa: F401
 
 
+_preloaded = False
+
+
 def preload(config: Config) -> None:
     """Import, in the agent, once, before it forks its first executor, the modules the
     plugins name (``config["preload"]``, a plugin's ``preload``: torch's ~2 CPU-s, with
@@ -634,6 +659,8 @@ def preload(config: Config) -> None:
     executor would import them (its import path and environment, :func:`.executor.import_setting`,
     the agent's own restored afterwards) with the collector paused, then frozen. One that
     fails to import is left to the executors, whose plugin reports why."""
+    global _preloaded
+    _preloaded = True
     from . import hooks
     from .executor import import_setting
 
@@ -653,6 +680,15 @@ def preload(config: Config) -> None:
         for name in set(os.environ) - set(agent_env):
             del os.environ[name]
         os.environ.update(agent_env)
+
+
+def _preload_and_tell(config: Config, done: int) -> None:
+    """:func:`preload`, then a byte on ``done`` (the agent's loop forks the executors)."""
+    try:
+        preload(config)
+    finally:
+        os.write(done, b".")
+        os.close(done)
 
 
 def _output_out(board: Board) -> None:
