@@ -200,32 +200,13 @@ class ExecutorProcesses:
 
     def start_all(self) -> None:
         warm(shared=len(self.slots) > 1 and not self.threads)
-        if self.config is not None and self.config.get("preload") and not _preloaded:
-            self._preload_then_start(self.config)
+        config = self.config
+        if config is not None and config.get("preload") and _preload != "done":
+            if _preload != "running":  # (here again once it is done)
+                preload_beside(self.sel, config, then=self.start_all)
             return
         for slot in self.slots:
             self._start(slot)
-
-    def _preload_then_start(self, config: Config) -> None:
-        """:func:`preload` in a thread, then the executors: the agent's loop goes on
-        meanwhile (an import of torch can take longer than the client waits for a beat), and
-        the forks come once the thread has ended (a fork keeps the calling thread alone)."""
-        import threading
-
-        done_r, done_w = os.pipe()
-        thread = threading.Thread(
-            target=_preload_and_tell, args=(config, done_w), name="preload", daemon=True
-        )
-
-        def preloaded() -> None:
-            self.sel.unregister(done_r)
-            os.close(done_r)
-            thread.join()
-            for slot in self.slots:
-                self._start(slot)
-
-        self.sel.register(done_r, False, preloaded)
-        thread.start()
 
     def kill_all(self) -> None:
         """Kill every executor and wait for each (the agent ends)."""
@@ -648,7 +629,8 @@ def warm(shared: bool = False) -> None:
         from . import executor, feeds  # noqa: F401
 
 
-_preloaded = False
+_preload = ""
+"""Where this agent's :func:`preload_beside` is: "", "running", "done"."""
 
 
 def preload(config: Config) -> None:
@@ -659,8 +641,6 @@ def preload(config: Config) -> None:
     executor would import them (its import path and environment, :func:`.executor.import_setting`,
     the agent's own restored afterwards) with the collector paused, then frozen. One that
     fails to import is left to the executors, whose plugin reports why."""
-    global _preloaded
-    _preloaded = True
     from . import hooks
     from .executor import import_setting
 
@@ -680,6 +660,33 @@ def preload(config: Config) -> None:
         for name in set(os.environ) - set(agent_env):
             del os.environ[name]
         os.environ.update(agent_env)
+
+
+def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> None:
+    """:func:`preload` in a thread, then ``then`` (the executors' forks) in the agent's
+    loop, once the thread has ended (a fork keeps the calling thread alone): the loop goes
+    on meanwhile, for an import of torch can take longer than the client waits for a
+    beat. The thread sets the executors' import path and environment for the agent as a
+    whole while it imports (:func:`preload`)."""
+    import threading
+
+    global _preload
+    _preload = "running"
+    done_r, done_w = os.pipe()
+    thread = threading.Thread(
+        target=_preload_and_tell, args=(config, done_w), name="preload", daemon=True
+    )
+
+    def preloaded() -> None:
+        global _preload
+        sel.unregister(done_r)
+        os.close(done_r)
+        thread.join()
+        _preload = "done"
+        then()
+
+    sel.register(done_r, False, preloaded)
+    thread.start()
 
 
 def _preload_and_tell(config: Config, done: int) -> None:
