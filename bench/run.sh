@@ -47,6 +47,10 @@ case " $* " in *" --quick "* | *" --systems "* | *" --help "* | *" -h "*) exit 0
     echo
     .venv/bin/python bench/bench_managed.py 2>/dev/null | sed 's/^## /### /'
     echo
+    echo "## A torch group restarted after a rank raised, against torchrun"
+    echo
+    .venv/bin/python bench/bench_group_restart.py --rounds 3 2>/dev/null
+    echo
     echo "## Frozen and lost nodes (issue 13)"
     echo
     .venv/bin/python bench/bench_liveness.py 2>/dev/null
