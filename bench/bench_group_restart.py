@@ -12,7 +12,8 @@ the systems one after the other (the order rotating between rounds):
   raises to the ``all_reduce`` answered. ``--before SRC`` adds flotilla from another source
   folder (the code before a change) to every round.
 - **torchrun** (``--standalone --nproc-per-node 2 --max-restarts N --monitor-interval
-  0.1``): each attempt forms the group and all-reduces; in all but the last, rank 1 raises
+  0.1``): each attempt forms the group (on a store of its own: on torchrun's, a restarted
+  attempt's gloo group waited for the last attempt's ranks) and all-reduces; in all but the last, rank 1 raises
   while rank 0 waits in an ``all_reduce``, and torchrun restarts both workers. Timed: from
   rank 1's raise (its clock, just before) to the next attempt's ``all_reduce`` done on both.
 
@@ -29,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -81,9 +81,12 @@ import os, sys, time
 import torch
 import torch.distributed as dist
 
-out, restarts = sys.argv[1], int(sys.argv[2])
+out, restarts, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-dist.init_process_group("gloo")
+# a store of the attempt's own: on torchrun's store, a restarted attempt's gloo group
+# waited for the addresses of the last attempt's ranks (torch 2.13, --standalone)
+store = dist.TCPStore("127.0.0.1", port + attempt, 2, rank == 0)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 t = torch.ones(1)
 dist.all_reduce(t)
 with open(f"{out}/done-{rank}", "a") as f:
@@ -120,13 +123,23 @@ def flotilla_restarts(src: Path, restarts: int) -> list[float]:
     return times
 
 
+def free_ports() -> int:
+    """A port above which a few are free (the attempts' stores)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
 def torchrun_restarts(restarts: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(TORCHRUN)
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         argv += ["--nproc-per-node", "2", "--max-restarts", str(restarts)]
-        argv += ["--monitor-interval", "0.1", str(script), tmp, str(restarts)]
+        argv += ["--monitor-interval", "0.1", str(script), tmp, str(restarts), str(free_ports())]
         subprocess.run(argv, cwd=tmp, check=True, capture_output=True, timeout=600)
         raised = dict(line.split() for line in Path(tmp, "raised").read_text().splitlines())
         done: dict[str, list[float]] = {}
@@ -167,11 +180,12 @@ def main() -> None:
         cells = " | ".join(f"{m[n]:.2f}" for n in names)
         print(f"| {i} | {at} | {cells} | {m['flotilla'] / m['torchrun']:.2f}x |")
     ratios = sorted(m["flotilla"] / m["torchrun"] for _, m in rows)
+    flotilla = statistics.median(m["flotilla"] for _, m in rows)
+    torchrun = statistics.median(m["torchrun"] for _, m in rows)
     print(
-        textwrap.dedent(f"""
-        Median over {len(rows)} rounds: flotilla {statistics.median(r[1]["flotilla"] for r in rows):.2f} s,
-        torchrun {statistics.median(r[1]["torchrun"] for r in rows):.2f} s per restart;
-        flotilla / torchrun {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}).""")
+        f"\nMedian over {len(rows)} rounds: flotilla {flotilla:.2f} s, torchrun {torchrun:.2f} s"
+        f" per restart; flotilla / torchrun {statistics.median(ratios):.2f}x"
+        f" ({ratios[0]:.2f}-{ratios[-1]:.2f})."
     )
     if args.before:
         before = sorted(m["flotilla"] / m["flotilla before"] for _, m in rows)
