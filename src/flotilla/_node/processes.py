@@ -673,9 +673,13 @@ def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> N
     global _preload
     _preload = "running"
     done_r, done_w = os.pipe()
-    thread = threading.Thread(
-        target=_preload_and_tell, args=(config, done_w), name="preload", daemon=True
-    )
+
+    def run() -> None:  # (the thread)
+        try:
+            preload(config)
+        finally:
+            os.write(done_w, b".")
+            os.close(done_w)
 
     def preloaded() -> None:
         global _preload
@@ -685,17 +689,9 @@ def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> N
         _preload = "done"
         then()
 
+    thread = threading.Thread(target=run, name="preload", daemon=True)
     sel.register(done_r, False, preloaded)
     thread.start()
-
-
-def _preload_and_tell(config: Config, done: int) -> None:
-    """:func:`preload`, then a byte on ``done`` (the agent's loop forks the executors)."""
-    try:
-        preload(config)
-    finally:
-        os.write(done, b".")
-        os.close(done)
 
 
 def _output_out(board: Board) -> None:
