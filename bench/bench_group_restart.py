@@ -33,6 +33,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ddp_spawn import free_port  # noqa: E402  (the stores' first port)
+
 SRC = HERE.parent / "src"
 
 FLOTILLA = """\
@@ -123,23 +127,13 @@ def flotilla_restarts(src: Path, restarts: int) -> list[float]:
     return times
 
 
-def free_ports() -> int:
-    """A port above which a few are free (the attempts' stores)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def torchrun_restarts(restarts: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(TORCHRUN)
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         argv += ["--nproc-per-node", "2", "--max-restarts", str(restarts)]
-        argv += ["--monitor-interval", "0.1", str(script), tmp, str(restarts), str(free_ports())]
+        argv += ["--monitor-interval", "0.1", str(script), tmp, str(restarts), str(free_port())]
         subprocess.run(argv, cwd=tmp, check=True, capture_output=True, timeout=600)
         raised = dict(line.split() for line in Path(tmp, "raised").read_text().splitlines())
         done: dict[str, list[float]] = {}
