@@ -86,20 +86,39 @@ nanosecond. ``/proc`` counts a reaped child only in 10 ms clock ticks (sshd's
 pre-authentication child), which the per-process figures undercount."""
 
 
+def own_cpu(pid: int) -> float:
+    """CPU seconds of a live process's own threads (not of the children it reaped)."""
+    total = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0]) / 1e9
+    return total
+
+
 def cgroup_cpu(path: str) -> float:
     """CPU seconds of every process that was in the cgroup at ``path``."""
     with open(os.path.join(path, "cpuacct.usage")) as f:
         return int(f.read()) / 1e9
 
 
+def can_count() -> bool:
+    """Whether this process may make cgroups to count hosts' CPU in."""
+    return os.geteuid() == 0 and os.access(CPUACCT, os.W_OK)
+
+
+def cgroup_of(netns: str) -> str:
+    """The cgroup counting the host (network namespace) ``netns``'s sshd daemon."""
+    return str(CPUACCT / f"flotilla-bench-{netns}")
+
+
 def host_cgroups(daemons: dict[str, int]) -> dict[str, str]:
-    """netns -> a new cgroup holding that host's sshd daemon (empty where cgroup v1's
-    cpuacct is not writable)."""
-    if os.geteuid() != 0 or not os.access(CPUACCT, os.W_OK):
+    """netns -> a new cgroup holding that host's sshd daemon (:func:`cgroup_of`; none
+    where this process cannot make them, :func:`can_count`)."""
+    if not can_count():
         return {}
     made = {}
     for netns, daemon in daemons.items():
-        path = CPUACCT / f"flotilla-bench-{os.getpid()}-{netns}"
+        path = Path(cgroup_of(netns))
         path.mkdir()
         (path / "cgroup.procs").write_text(str(daemon))
         made[netns] = str(path)
@@ -202,6 +221,8 @@ def child(args: argparse.Namespace) -> None:
                 named: dict[int, str] = {}
                 if spec.get("aws"):  # what the sshd started, not the lab's boot stand-ins
                     session = [p for p in tree(daemon, kids) if p != daemon]
+                    if os.path.isdir(cgroup_of(netns)):  # all it started, but its own boot
+                        exact.append(cgroup_cpu(cgroup_of(netns)) - own_cpu(daemon))
                     # and the watchdog: a daemon forked from the agent (its command line)
                     agents = {cmdline(p) for p in session if role(p) == "agent"}
                     for p in pids_in_netns(netns):
@@ -429,7 +450,8 @@ def main() -> None:
     providers += ["k8s"] if args.k8s else []
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
     lab = aws = k8s = None
-    cgroups: dict[str, str] = {}
+    cgroups: dict[str, str] = {}  # netns -> the cgroup counting its sshd daemon
+    aws_prefix = ""
     masked = masked_files(args.ssh_python) if args.bare_env else []
     try:
         spec = aws_spec = k8s_spec = bare_spec = ""
@@ -454,12 +476,17 @@ def main() -> None:
 
             aws = AwsLab()
             aws.start()
+            aws_prefix = f"flotilla-{aws.lab.tag}-h"
             os.environ.update(aws.env)  # (the lab no longer sets it: its clients here need it)
+            if can_count():
+                aws.sshd_started = lambda host: cgroups.update(
+                    host_cgroups({host.netns: host.sshd.pid})
+                )
             aws_spec = json.dumps(
                 {
                     "aws": True,
                     "options": aws.provider_options(),
-                    "prefix": f"flotilla-{aws.lab.tag}-h",
+                    "prefix": aws_prefix,
                 }
             )
         if args.ssh:
@@ -521,6 +548,9 @@ def main() -> None:
                         aws.hidden = tuple(masked) if env else ()
                     specs = {"ssh": bare_spec if env else spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
+                    if provider == "aws":  # its instances are gone: so are their daemons
+                        for netns in [n for n in cgroups if n.startswith(aws_prefix)]:
+                            drop_cgroups([cgroups.pop(netns)])
                     rows.append((provider, label, rep, load(), got))
                     node = statistics.median(got["per_node"])
                     print(
