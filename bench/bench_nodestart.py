@@ -39,6 +39,7 @@ is printed once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -76,6 +77,71 @@ def cpu_of(pid: int) -> float:
     except (OSError, IndexError, ValueError):
         return total
     return total + (int(fields[13]) + int(fields[14])) / _TICK
+
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+"""cgroup v1's CPU accounting (root only): an SSH lab host's sshd daemon is moved into a
+cgroup of its own, so every process it starts, those that ended too, is counted to the
+nanosecond. ``/proc`` counts a reaped child only in 10 ms clock ticks (sshd's
+pre-authentication child), which the per-process figures undercount."""
+
+
+def own_cpu(pid: int) -> float:
+    """CPU seconds of a live process's own threads (not of the children it reaped)."""
+    total = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0]) / 1e9
+    return total
+
+
+def cgroup_cpu(path: str) -> float:
+    """CPU seconds of every process that was in the cgroup at ``path``."""
+    with open(os.path.join(path, "cpuacct.usage")) as f:
+        return int(f.read()) / 1e9
+
+
+def can_count() -> bool:
+    """Whether this process may make cgroups to count hosts' CPU in."""
+    return os.geteuid() == 0 and os.access(CPUACCT, os.W_OK)
+
+
+def cgroup_of(netns: str) -> str:
+    """The cgroup counting the host (network namespace) ``netns``'s sshd daemon."""
+    return str(CPUACCT / f"flotilla-bench-{netns}")
+
+
+def host_cgroups(daemons: dict[str, int]) -> dict[str, str]:
+    """netns -> a new cgroup holding that host's sshd daemon (:func:`cgroup_of`; none
+    where this process cannot make them, :func:`can_count`)."""
+    if not can_count():
+        return {}
+    made = {}
+    for netns, daemon in daemons.items():
+        path = Path(cgroup_of(netns))
+        path.mkdir()
+        (path / "cgroup.procs").write_text(str(daemon))
+        made[netns] = str(path)
+    return made
+
+
+def settled(path: str) -> None:
+    """Wait until the cgroup holds its daemon alone (the last start's sessions ended)."""
+    deadline = time.monotonic() + 30
+    while len(Path(path, "cgroup.procs").read_text().split()) > 1:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_nodestart: the last start's sessions are still in {path}")
+        time.sleep(0.02)
+
+
+def drop_cgroups(paths: list[str]) -> None:
+    """Move the cgroups' processes back to the root cgroup and remove them."""
+    for path in paths:
+        for pid in Path(path, "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPUACCT / "cgroup.procs").write_text(pid)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def children_map() -> dict[int, list[int]]:
@@ -133,12 +199,15 @@ def child(args: argparse.Namespace) -> None:
     else:
         provider = sky.Local()
     lab0 = {name: cpu_of(pid) for name, pid in (spec.get("lab") or {}).items()}
+    cgroups: list[str] = spec.get("cgroups") or []
+    exact0 = [cgroup_cpu(g) for g in cgroups]
     reaped0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with sky.Compute(provider=provider, nodes=args.nodes) as pool:
         pids = noop() @ pool
         took = time.perf_counter() - t0
         client = time.process_time() - mine
+        exact = [cgroup_cpu(g) - c for g, c in zip(cgroups, exact0, strict=True)]
         kids = children_map()
         per_node: list[float] = []
         roles: dict[str, float] = {}
@@ -152,6 +221,8 @@ def child(args: argparse.Namespace) -> None:
                 named: dict[int, str] = {}
                 if spec.get("aws"):  # what the sshd started, not the lab's boot stand-ins
                     session = [p for p in tree(daemon, kids) if p != daemon]
+                    if os.path.isdir(cgroup_of(netns)):  # all it started, but its own boot
+                        exact.append(cgroup_cpu(cgroup_of(netns)) - own_cpu(daemon))
                     # and the watchdog: a daemon forked from the agent (its command line)
                     agents = {cmdline(p) for p in session if role(p) == "agent"}
                     for p in pids_in_netns(netns):
@@ -181,7 +252,8 @@ def child(args: argparse.Namespace) -> None:
                     name = "agent" if p == agent else "executor"
                     roles[name] = roles.get(name, 0.0) + cpu_of(p) / args.nodes
         assert len(set(pids)) == args.nodes, pids
-    print(json.dumps({"per_node": per_node, "client": client, "took": took, "roles": roles}))
+    got = {"per_node": per_node, "client": client, "took": took, "roles": roles}
+    print(json.dumps(got | ({"exact": exact} if exact else {})))
 
 
 def kubernetes_start(
@@ -378,6 +450,8 @@ def main() -> None:
     providers += ["k8s"] if args.k8s else []
     rows: list[tuple[str, str, int, str, dict[str, Any]]] = []
     lab = aws = k8s = None
+    cgroups: dict[str, str] = {}  # netns -> the cgroup counting its sshd daemon
+    aws_prefix = ""
     masked = masked_files(args.ssh_python) if args.bare_env else []
     try:
         spec = aws_spec = k8s_spec = bare_spec = ""
@@ -402,12 +476,17 @@ def main() -> None:
 
             aws = AwsLab()
             aws.start()
+            aws_prefix = f"flotilla-{aws.lab.tag}-h"
             os.environ.update(aws.env)  # (the lab no longer sets it: its clients here need it)
+            if can_count():
+                aws.sshd_started = lambda host: cgroups.update(
+                    host_cgroups({host.netns: host.sshd.pid})
+                )
             aws_spec = json.dumps(
                 {
                     "aws": True,
                     "options": aws.provider_options(),
-                    "prefix": f"flotilla-{aws.lab.tag}-h",
+                    "prefix": aws_prefix,
                 }
             )
         if args.ssh:
@@ -429,10 +508,18 @@ def main() -> None:
                 options["python"] = args.ssh_python
             assert all(h.sshd is not None for h in hosts + bare)
 
+            cgroups = host_cgroups({h.netns: h.sshd.pid for h in hosts + bare if h.sshd})
+
             def ssh_spec(hosts: list[Any]) -> str:
                 netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
+                exact = [cgroups[n] for n, _ in netns if n in cgroups]
                 return json.dumps(
-                    {"hosts": [h.addr for h in hosts], "options": options, "netns": netns}
+                    {
+                        "hosts": [h.addr for h in hosts],
+                        "options": options,
+                        "netns": netns,
+                        "cgroups": exact if len(exact) == len(netns) else [],
+                    }
                 )
 
             spec, bare_spec = ssh_spec(hosts), ssh_spec(bare) if bare else ""
@@ -451,6 +538,8 @@ def main() -> None:
                         for h in lab.hosts:
                             shutil.rmtree(h.path(lab.tmp / "workdir" / "lib"), ignore_errors=True)
                         shutil.rmtree(lab.tmp / "workdir" / "lib", ignore_errors=True)
+                        for path in cgroups.values():
+                            settled(path)
                     if provider == "k8s" and k8s is not None:  # the last start's pods gone
                         managed = "app.kubernetes.io/managed-by=flotilla"
                         while k8s.pods(selector=managed) or k8s.running_pod_processes():
@@ -459,6 +548,9 @@ def main() -> None:
                         aws.hidden = tuple(masked) if env else ()
                     specs = {"ssh": bare_spec if env else spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
+                    if provider == "aws":  # its instances are gone: so are their daemons
+                        for netns in [n for n in cgroups if n.startswith(aws_prefix)]:
+                            drop_cgroups([cgroups.pop(netns)])
                     rows.append((provider, label, rep, load(), got))
                     node = statistics.median(got["per_node"])
                     print(
@@ -472,6 +564,7 @@ def main() -> None:
     finally:
         if lab is not None:
             lab.close()
+        drop_cgroups(list(cgroups.values()))
         if aws is not None:
             aws.close()
         if k8s is not None:
@@ -522,6 +615,18 @@ def report(
                 f"{ms(ours)} | {ms(host) if any(host) else '-'} | {each} | "
                 f"{statistics.median(client) * 1e3:.0f} ms | {min(loads):.1f}-{max(loads):.1f} |"
             )
+    lines.append("")
+    for provider in providers:
+        for label in labels:
+            mine = [r for r in rows if r[0] == provider and r[1] == label and r[4].get("exact")]
+            if mine:
+                exact = [statistics.median(r[4]["exact"]) for r in mine]
+                counted = [statistics.median(r[4]["per_node"]) for r in mine]
+                lines.append(
+                    f"* {provider}, {label}: every process the host's sshd daemon started, "
+                    f"counted by its cgroup (to the ns, ended ones too): {ms(exact)}; the "
+                    f"same starts from /proc: {ms(counted)}"
+                )
     pairs = [(f"{n}, bare", n) for n in names] if bare else []
     pairs += [(f"{names[0]}{e}", f"{n}{e}") for n in names[1:] for e in ("", ", bare")[: 1 + bare]]
     lines.append("")

@@ -390,6 +390,9 @@ class AwsLab(Lifecycle):
         self.hidden: tuple[str, ...] = ()
         """Files of this machine that instances booting from now on lack (each an empty
         file there, in their sshd's mount namespace: see ``Lab.add_host``)."""
+        self.sshd_started: Callable[[TestHost], None] | None = None
+        """Called with an instance's host as its sshd daemon starts (``bench_nodestart``
+        moves the daemon into a cgroup of its own there, to count what it starts)."""
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -758,6 +761,8 @@ class AwsLab(Lifecycle):
                     wait=False,
                     own_files=False,
                 )
+                if self.sshd_started is not None:
+                    self.sshd_started(inst.host)
                 self.booted.append(inst.instance_id)
                 self.boot_times[inst.instance_id] = (inst.seen, time.monotonic())
 

@@ -173,7 +173,7 @@ def test_the_ssh_start_command_becomes_the_agent_without_runpy(tmp_path: Path) -
     bundle = bootstrap.client_bundle()
     python = f"{sys.executable} -I -X importtime"  # every import, on stderr
     command = bootstrap.start_command(str(tmp_path / "work"), python, bundle)
-    for data in (bundle.packed, b""):  # the first start installs the bundle
+    for data in (bundle.data, b""):  # the first start installs the bundle
         done = subprocess.run(command, input=data, capture_output=True, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
         assert b"FLOTILLA_BOOT AGENT" in done.stdout

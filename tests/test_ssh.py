@@ -415,6 +415,38 @@ def test_a_start_runs_no_program_but_the_shell_and_the_interpreter(
         ssh_lab.remove_host(host)
 
 
+@sky.function
+def agent_stdin_pipe_size() -> int:
+    """The length of the pipe the node's agent reads its stdin from (the session's sshd
+    writes the bundle and every frame into it). The agent is the executor's ancestor whose
+    parent is the start command's shell."""
+    import fcntl
+
+    pid = os.getpid()
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/comm") as f:
+            if f.read().strip() in ("sh", "dash", "bash"):
+                break
+        pid = parent
+    fd = os.open(f"/proc/{pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)  # the same pipe
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(fd)
+
+
+def test_an_agent_reads_its_stdin_through_a_long_pipe(ssh_lab: Lab, tmp_path: Path) -> None:
+    """A start makes its stdin pipe ``bootstrap.PIPE_SIZE`` long, before the bundle comes
+    (Linux's default, 64 KiB, made the host's sshd buffer and copy the rest of the bundle
+    over and over), on a first start and on a later one."""
+    workdir = str(tmp_path / "pipe")
+    for _ in range(2):  # a first start (the bundle uploaded), then a later one
+        with sky.Compute(provider=ssh_lab.provider(ssh_lab.hosts[:1], workdir=workdir)) as pool:
+            assert agent_stdin_pipe_size() >> pool == _bootstrap.PIPE_SIZE
+
+
 _LOADED_PROBE = """
 def loaded(names):
     import sys

@@ -123,9 +123,9 @@ def build_zip(
     left out), deflated (level 9). Every member's time is :data:`MTIME`, its permissions
     0o755 or 0o644 as in :func:`build`.
 
-    The stored members come first, so that the archive is one uncompressed head and one
-    tail of deflated members (and the central directory): the bundle is sent as the head
-    compressed and the tail as it is (``bootstrap.pack``)."""
+    The stored members come first, so that the archive is one uncompressed head (the byte
+    code every node start imports, :func:`flotilla._providers.bootstrap.build_bundle`) and
+    one tail of deflated members (and the central directory)."""
     buf = io.BytesIO()
     files = 0
     when = time.gmtime(MTIME)[:6]

@@ -8,10 +8,9 @@ Python; an editable development install works too), with byte code of the node's
 into a reproducible zip (:func:`build_bundle`) named by the sha256 of its content: the byte
 code of the modules every start imports stored uncompressed, then the other modules' byte
 code and every source deflated (a start reads none; a later import inflates the one it
-needs). It is sent as its stored head compressed (zlib) and its deflated tail as it is
-(:func:`pack`: every byte an sshd relays costs it CPU, ~12 ms per MB on this project's
-test hosts, and a node inflates 0.4 MB, not 3 MB; the head sent as it is would save its
-inflating, ~3 ms, and cost the sshd about as much for 0.24 MB more), and kept beside the
+needs). It is sent as it is (1.4 MB: the host's sshd relays a MB for ~3 ms of CPU once
+the node's stdin is a long pipe, :data:`PIPE_SIZE`, so compressing the stored head, 0.27 MB
+less, cost a first start more, ~4 ms to inflate it, than it saved), and kept beside the
 client's compiled copy of the node code (:func:`kept_bundle`). A node
 keeps every bundle it received as the file ``{workdir}/lib/{hash}`` and runs the agent with
 ``PYTHONPATH`` pointing there: Python imports the modules straight from the zip
@@ -55,18 +54,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import py_compile
 import shlex
 import tempfile
 import threading
-import zipfile
 import zlib
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
 
 from .._archive import Source, build_zip, glob_excludes
 from .._errors import ProvisionCause, ProvisionError
@@ -78,6 +74,13 @@ logger = logging.getLogger("flotilla.bootstrap")
 MIN_PYTHON = (3, 11)
 MARKER = b"FLOTILLA_BOOT "
 """Prefix of the answer line of the start command."""
+PIPE_SIZE = 1 << 20
+"""The length a node's start makes the pipe of its stdin (``F_SETPIPE_SZ``; Linux's default
+is 64 KiB, 1 MiB the most an unprivileged process may ask for by default). An sshd relays
+what the client sends (the bundle, then every frame) into that pipe, and holds what does
+not fit in a buffer it grows by reallocating and copying it whole, packet by packet: with
+64 KiB, receiving the 1.15 MB bundle cost the host's sshd ~13 ms of CPU; with 1 MiB, ~3
+(measured over 12 sessions each, the sshd's cgroup counted to the nanosecond)."""
 _EXCLUDED = bytecode.SKIP
 """Left out of the bundle: the sources' byte code (:func:`build_bundle` compiles its own)."""
 
@@ -88,44 +91,18 @@ class Bundle:
 
     Attributes:
         hash: sha256 (hex) of the zip; its file name on a node.
-        packed: the zip as it is sent (:func:`pack`; a node unpacks and checks it).
+        data: the zip, as it is sent.
         crc: the CRC-32 of the zip: a node checks its copy against it at every start.
     """
 
     hash: str
-    packed: bytes
+    data: bytes
     crc: int
-
-    @cached_property
-    def data(self) -> bytes:
-        """The zip (unpacked when asked: a client process that reads its kept bundle
-        needs only the fields, not the zip unpacked and hashed again)."""
-        return unpack(self.packed)
 
     @classmethod
     def of(cls, data: bytes) -> Bundle:
         """The bundle of the zip ``data``."""
-        return cls(hashlib.sha256(data).hexdigest(), pack(data), zlib.crc32(data))
-
-
-def pack(data: bytes) -> bytes:
-    """The zip ``data`` as it is sent: its head, up to its first deflated member (the
-    byte code a start imports, stored: :func:`flotilla._archive.build_zip`), compressed
-    (zlib), then the rest as it is (deflated members compress no further). A node inflates
-    the head alone (:data:`_EXTRACT`, :func:`unpack`)."""
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        deflated = [i.header_offset for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
-    head = min(deflated, default=len(data))
-    return zlib.compress(data[:head], 9) + data[head:]
-
-
-def unpack(packed: bytes) -> bytes:
-    """The zip of :func:`pack`'s ``packed``; zlib.error if its head is not whole."""
-    head = zlib.decompressobj()
-    data = head.decompress(packed)
-    if not head.eof:
-        raise zlib.error("the packed bundle's head is cut short")
-    return data + head.unused_data
+        return cls(hashlib.sha256(data).hexdigest(), data, zlib.crc32(data))
 
 
 @dataclass
@@ -204,19 +181,19 @@ def running_bundle() -> str | None:
     return root if os.path.isfile(root) else None
 
 
-KEPT_PREFIX, KEPT_SUFFIX = "bundle-", ".zip.z"
-"""A kept bundle's file name: ``bundle-{hash}-{crc}-{sha256 of the file}.zip.z`` (its
-packed form, the bundle's fields in its name), in the compiled copy's folder."""
+KEPT_PREFIX, KEPT_SUFFIX = "bundle-", ".zip"
+"""A kept bundle's file name: ``bundle-{hash}-{crc}.zip`` (the bundle's fields in its
+name), in the compiled copy's folder."""
 
 
 def kept_bundle(packages: dict[str, str]) -> Bundle:
     """:func:`build_bundle` of ``packages``, kept on disk in their compiled copy's folder
     (:func:`bytecode.entry_of`: private, one per source and interpreter, so an edited
     source is another folder and another bundle), so that a client process reads it
-    instead of building it. The kept file is checked against the sha256 of its own
-    (packed) bytes, named with the bundle's hash and CRC-32: a client reads 1.1 MB and
-    hashes it, instead of unpacking and hashing the 3 MB zip. A kept file that does not
-    match is removed and the bundle built again. Packages without a compiled copy: built."""
+    instead of building it. The kept file is checked against its hash (the sha256 in its
+    name) and named with its CRC-32 too, which a client does not compute again. A kept
+    file that does not match is removed and the bundle built again. Packages without a
+    compiled copy: built."""
     entry = bytecode.entry_of(packages)
     if entry is None:
         return build_bundle(packages)
@@ -224,26 +201,24 @@ def kept_bundle(packages: dict[str, str]) -> Bundle:
         if not (file.startswith(KEPT_PREFIX) and file.endswith(KEPT_SUFFIX)):
             continue
         path = os.path.join(entry, file)
-        digest, _, rest = file[len(KEPT_PREFIX) : -len(KEPT_SUFFIX)].partition("-")
-        crc, _, own = rest.partition("-")
+        digest, _, crc = file[len(KEPT_PREFIX) : -len(KEPT_SUFFIX)].partition("-")
         try:
             with open(path, "rb") as f:
-                packed = f.read()
+                data = f.read()
         except OSError:
             continue
-        if hashlib.sha256(packed).hexdigest() == own and crc.isdigit():
-            return Bundle(digest, packed, int(crc))
+        if hashlib.sha256(data).hexdigest() == digest and crc.isdigit():
+            return Bundle(digest, data, int(crc))
         logger.warning("%s does not match its hash: removed, the bundle is built again", path)
         with contextlib.suppress(OSError):
             os.unlink(path)
     bundle = build_bundle(packages)
-    own = hashlib.sha256(bundle.packed).hexdigest()
     tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(prefix=".bundle-", dir=entry)  # 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(bundle.packed)
-        name = f"{KEPT_PREFIX}{bundle.hash}-{bundle.crc}-{own}{KEPT_SUFFIX}"
+            f.write(bundle.data)
+        name = f"{KEPT_PREFIX}{bundle.hash}-{bundle.crc}{KEPT_SUFFIX}"
         os.replace(tmp, os.path.join(entry, name))
     except OSError as e:
         logger.warning("cannot keep the bundle in %s (%s): the next client builds it", entry, e)
@@ -334,6 +309,11 @@ if sys.version_info < {MIN_PYTHON!r}:
     sys.exit(0)
 import gc
 gc.disable()
+try:
+    import fcntl
+    fcntl.fcntl(0, fcntl.F_SETPIPE_SZ, {PIPE_SIZE})
+except (ImportError, AttributeError, OSError):
+    pass
 if not sys.flags.safe_path:
     del sys.path[0]
 work, name, size, crc, lock, code = sys.argv[1:7]
@@ -402,20 +382,21 @@ import flotilla.agent
 sys.argv[0] = flotilla.agent.__file__
 flotilla.agent.main()
 """
-"""The node side of the start command, in one Python process: it checks the interpreter
-(first, in syntax any Python parses), pauses the cyclic garbage collector for the start
-(its passes over the modules being imported find nothing; the agent freezes what they
-made and resumes it, :func:`flotilla._node.agent.main`), takes the session's folder off
-``sys.path`` (nothing is imported from it), refuses a working directory another user owns
-or others can write (made 0700 when missing) and enters it (the folder entered is checked
-again and named by its real path from then on: a link on the way, which its owner could
-point elsewhere after the first check, is not followed again), takes the agent lock when
-asked, installs the bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes
-as its last argument and is compiled only then) and becomes the agent: it calls
-:func:`flotilla.agent.main` with what ``python -m flotilla.agent`` would give it (the
-working directory first on ``sys.path``, the module's file as ``sys.argv[0]``; its command
-line names ``flotilla.agent``, as tools that look for agents expect), without ``runpy``
-(with ``importlib.util``: ~0.7 ms CPU of every start)."""
+"""The node side of the start command, in one Python process: it checks the interpreter (first,
+in syntax any Python parses), pauses the cyclic garbage collector for the start (its passes
+over the modules being imported find nothing; the agent freezes what they made and resumes
+it, :func:`flotilla._node.agent.main`), makes its stdin pipe :data:`PIPE_SIZE` long (where
+stdin is a pipe and the host allows it), takes the session's folder off ``sys.path``
+(nothing is imported from it), refuses a working directory another user owns or others can
+write (made 0700 when missing) and enters it (the folder entered is checked again and named
+by its real path from then on: a link on the way, which its owner could point elsewhere
+after the first check, is not followed again), takes the agent lock when asked, installs the
+bundle when it is missing (the extraction code, :data:`_EXTRACT`, comes as its last argument
+and is compiled only then) and becomes the agent: it calls :func:`flotilla.agent.main` with
+what ``python -m flotilla.agent`` would give it (the working directory first on
+``sys.path``, the module's file as ``sys.argv[0]``; its command line names
+``flotilla.agent``, as tools that look for agents expect), without ``runpy`` (with
+``importlib.util``: ~0.7 ms CPU of every start)."""
 
 
 def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = None) -> list[str]:
@@ -429,7 +410,7 @@ def start_command(workdir: str, python: str, bundle: Bundle, lock: str | None = 
     first = shlex.quote(shlex.split(python)[0])
     script = f"""\
 command -v {first} >/dev/null 2>&1 || {{ echo "FLOTILLA_BOOT NO_PYTHON 127"; exit 0; }}
-{py} -c {shlex.quote(_BOOT)} {shell_path(workdir)} {bundle.hash} {len(bundle.packed)} \\
+{py} -c {shlex.quote(_BOOT)} {shell_path(workdir)} {bundle.hash} {len(bundle.data)} \\
   {bundle.crc} {shlex.quote(lock or "")} {shlex.quote(_EXTRACT)}
 S=$?
 if [ "$S" -gt 128 ]; then echo "FLOTILLA_BOOT SIGNAL $((S - 128))" >&2; fi
@@ -441,45 +422,35 @@ exit "$S"
 _EXTRACT = """\
 import os, sys, zlib
 lib, name, size, crc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-packed = bytearray(size)
-view = memoryview(packed)
+data = bytearray(size)
+view = memoryview(data)
 got = 0
 while got < size:
     part = os.readv(0, [view[got:]])
     if not part:
         sys.exit("the bundle upload ended early")
     got += part
-unpack = zlib.decompressobj()
-try:
-    head = unpack.decompress(view)
-except zlib.error:
-    head = b""
-tail = unpack.unused_data
-del view, packed
-if not unpack.eof or zlib.crc32(tail, zlib.crc32(head)) != crc:
+if zlib.crc32(data) != crc:
     sys.exit("the uploaded bundle does not match its CRC-32")
 os.makedirs(lib, 0o700, exist_ok=True)
 tmp = os.path.join(lib, ".tmp-%s-%d-%s" % (name[:12], os.getpid(), os.urandom(6).hex()))
 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 try:
     with os.fdopen(fd, "wb") as f:
-        f.write(head)
-        f.write(tail)
+        f.write(data)
     os.replace(tmp, os.path.join(lib, name))
 except BaseException:
     os.unlink(tmp)
     raise
 """
-"""The node's bundle installer: reads the packed bundle (its exact size) into one buffer,
-unpacks it (:func:`pack`'s form: the compressed head is inflated, zlib checking its own
-Adler-32, and the deflated tail follows as it came), checks the zip's CRC-32, as every
-later start does, and writes it as the file ``lib/{hash}`` (a private temporary file, created
-new, renamed into place: concurrent starts never see half of one, and a damaged bundle is
-replaced whole). It imports ``zlib`` only: no ``tempfile`` (~15 ms to import on a plain
-interpreter), no ``hashlib`` (OpenSSL's start and a sha256 of the zip, ~5 ms of a
-first start: the upload comes over the client's own SSH session, whose MAC covers it, into
-a private folder, so the check guards against damage, as the CRC-32 does, not against
-anyone)."""
+"""The node's bundle installer: reads the bundle (its exact size) into one buffer, checks its
+CRC-32, as every later start does, and writes it as the file ``lib/{hash}`` (a private
+temporary file, created new, renamed into place: concurrent starts never see half of one,
+and a damaged bundle is replaced whole). It imports ``zlib`` only: no ``tempfile`` (~15 ms
+to import on a plain interpreter), no ``hashlib`` (OpenSSL's start and a sha256 of the zip,
+~5 ms of a first start: the upload comes over the client's own SSH session, whose MAC covers
+it, into a private folder, so the check guards against damage, as the CRC-32 does, not
+against anyone)."""
 
 
 # -- the dance -------------------------------------------------------------------------------
@@ -513,13 +484,13 @@ async def start_agent(agent: PipeAgent, workdir: str, python: str, bundle: Bundl
                 "%s: uploading flotilla bundle %s (%d KB)",
                 agent.host,
                 bundle.hash[:12],
-                len(bundle.packed) // 1024,
+                len(bundle.data) // 1024,
             )
             stats.uploads += 1
             uploaded = True
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(None, agent.write, [bundle.packed])
+                await loop.run_in_executor(None, agent.write, [bundle.data])
             except OSError:
                 continue  # the command ended: the next read says why
             continue

@@ -71,7 +71,7 @@ STORED = (
 )
 """The modules of :data:`NODE_START` that every node's start imports (the agent, its first
 executor, a cloud instance's helper): the SSH bundle stores their byte code at its head,
-which a first start inflates whole, and deflates the rest's, which an import inflates
+which a start reads as it is, and deflates the rest's, which an import inflates
 when it needs it (``tests/test_bytecode.py`` checks the list against a start)."""
 KEEP_DAYS = 14
 """An entry unused for this long is removed when another one is built."""
