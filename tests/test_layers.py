@@ -103,6 +103,7 @@ NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
     *("typing", "dataclasses", "runpy", "traceback"),
     *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings", "weakref"),
+    *("enum", "signal"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
@@ -112,7 +113,9 @@ traceback (an executor's first failure imports it); nor json (``_system.fastjson
 its accelerator), pickle.py (the node uses ``_pickle``), linecache with tokenize (a
 function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start; nor
 importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``), nor
-weakref (the client's cache of reduced code objects)."""
+weakref (the client's cache of reduced code objects); nor enum (the wire's kinds and
+statuses are plain ints) and signal, which makes four enums as it starts (the node uses
+``_signal``, its C module): ~4 ms of a start."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
