@@ -174,7 +174,7 @@ class FakeAgent(AgentProcess):
             self._next(call.worker)
 
     # -- the protocol ------------------------------------------------------------------
-    def _send(self, kind: Kind, ident: int, body: bytes) -> None:
+    def _send(self, kind: int, ident: int, body: bytes) -> None:
         assert self._loop is not None and self._on_frames is not None
         self._loop.call_soon_threadsafe(self._deliver, [(int(kind), ident, body)])
 
@@ -256,7 +256,7 @@ class FakeAgent(AgentProcess):
         if queue and self.status is None:
             self._run(queue[0])
 
-    def _result(self, call: FakeCall, status: Status, value: Any, how: str = "") -> None:
+    def _result(self, call: FakeCall, status: int, value: Any, how: str = "") -> None:
         if status == Status.OK:
             payload = b"".join(bytes(p) for p in encode(pickle_obj(value)))
         elif status == Status.ERROR:

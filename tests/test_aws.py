@@ -868,7 +868,7 @@ def test_the_cloud_helper_is_a_fork_of_the_agent(tmp_path: Any) -> None:
     """The watchdog and the poller cost an instance's start no interpreter of their own
     (issue 42 item 1: ``python -m flotilla._node.cloud`` cost about what the agent did): the
     helper is a fork of the agent, and the agent imports no HTTP client, ``subprocess`` or
-    ``dataclasses`` for it, nor ``typing``."""
+    ``dataclasses`` for it, nor ``typing``, nor ``signal`` (its handlers are ``_signal``'s)."""
     contact = str(tmp_path / "contact")
     config = {"contact": contact, "ttl": 30, "poweroff": ["true"]}
     code = f"""
@@ -885,7 +885,7 @@ for pid in kids:
         lines.append(f.read().decode())
 print(json.dumps({{"kids": lines, "me": open("/proc/self/cmdline", "rb").read().decode(),
     "imported": [m for m in ("subprocess", "urllib.request", "http.client", "dataclasses",
-        "typing") if m in sys.modules]}}))
+        "typing", "signal") if m in sys.modules]}}))
 os._exit(0)
 """
     proc = _node_python(code)

@@ -32,7 +32,7 @@ def _declared(name: str) -> set[str]:
     raise LookupError(f"bodies.py declares no {name}")
 
 
-def _next(proc: subprocess.Popen[bytes], reader: FrameReader, kind: Kind) -> bytes:
+def _next(proc: subprocess.Popen[bytes], reader: FrameReader, kind: int) -> bytes:
     """The body of the agent's next frame of ``kind`` (others, such as BEAT, are skipped);
     the agent's end of stream fails the test."""
     assert proc.stdout is not None

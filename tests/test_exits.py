@@ -38,3 +38,17 @@ def test_statuses_of_real_processes() -> None:
     exited = subprocess.run([sys.executable, "-c", "raise SystemExit(4)"]).returncode
     assert exit_summary(exited) == "exit status 4"
     assert signal_name(int(signal.SIGINT)) == "SIGINT"
+
+
+def test_every_signal_is_named_as_the_signal_module_names_it() -> None:
+    """``signal_name`` reads ``_signal``'s constants (not ``signal``, whose enums a node's
+    start does without): for every number, the name ``signal.Signals`` gives, the first
+    of a number's aliases (SIGABRT, not SIGIOT; SIGCHLD, not SIGCLD; SIGIO, not SIGPOLL)."""
+    numbers = {int(s) for s in signal.Signals} | set(range(-2, 2 * signal.NSIG))
+    for number in sorted(numbers):
+        try:
+            expected = signal.Signals(number).name
+        except ValueError:
+            expected = f"signal {number}"
+        assert signal_name(number) == expected
+    assert [signal_name(signal.SIGABRT), signal_name(signal.SIGCHLD)] == ["SIGABRT", "SIGCHLD"]

@@ -94,6 +94,7 @@ import flotilla._node.metrics  # and at CONFIG (metrics are on by default)
 from flotilla._node import processes
 processes.warm()  # before the first executor's fork: what every executor imports
 from flotilla._node.hooks import enter_plugins  # and what an executor imports before READY
+import flotilla._node.cloud  # and, on a cloud instance, its helper's module
 loaded = sorted(set(sys.modules) - before)
 import json  # after the list is made: the start does without it
 print(json.dumps(loaded))
@@ -103,6 +104,7 @@ NOT_AT_START = (
     *("cloudpickle", "rich", "flotilla.plugins", "hashlib", "hmac", "subprocess"),
     *("typing", "dataclasses", "runpy", "traceback"),
     *("json", "pickle", "linecache", "tokenize", "re", "importlib", "warnings", "weakref"),
+    *("enum", "signal"),
 )
 """Modules a node's start does without (issue 42): the pickler and the plugins come with
 the first call that needs them, OpenSSL's hashes with the first broadcast, subprocess
@@ -112,7 +114,9 @@ traceback (an executor's first failure imports it); nor json (``_system.fastjson
 its accelerator), pickle.py (the node uses ``_pickle``), linecache with tokenize (a
 function's lines wait for it, ``_wire.code``), and so no ``re``: ~5 ms of every start; nor
 importlib's package, with warnings (``flotilla.__getattr__`` uses ``__import__``), nor
-weakref (the client's cache of reduced code objects)."""
+weakref (the client's cache of reduced code objects); nor enum (the wire's kinds and
+statuses are plain ints) and signal, which makes four enums as it starts (the node uses
+``_signal``, its C module): ~4 ms of a start."""
 
 
 def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
@@ -123,11 +127,11 @@ def _not_at_start(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]
 
 
 def test_the_agent_starts_without_the_modules_only_some_pools_use() -> None:
-    """The agent's start (every node's, every provider's; its metrics' sampler included)
-    and its executors' (forked from it once it imported what they need) import neither
-    cloudpickle, rich nor a plugin's module, nor hashlib, hmac or subprocess, nor typing,
-    dataclasses or runpy: each costs CPU at every node start, and a plain pool never uses
-    them in the agent."""
+    """The agent's start (every node's, every provider's; its metrics' sampler and a cloud
+    instance's helper included) and its executors' (forked from it once it imported what
+    they need) import neither cloudpickle, rich nor a plugin's module, nor hashlib, hmac
+    or subprocess, nor typing, dataclasses or runpy, nor enum or signal: each costs CPU at
+    every node start, and a plain pool never uses them in the agent."""
     loaded = _probe(_START_PROBE)
     assert "flotilla._node.agent" in loaded and "flotilla._node.relay" in loaded
     assert "flotilla._node.executor" in loaded and "flotilla._wire.serialize" in loaded

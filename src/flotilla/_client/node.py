@@ -401,9 +401,7 @@ class Node:
             self.proc.release_direct()
             raise self.lost_error(failure or "was lost while calls were sent to it")
 
-    def send_control(
-        self, kind: Kind, wait: bool = True, ident: int = 0, body: bytes = b""
-    ) -> bool:
+    def send_control(self, kind: int, wait: bool = True, ident: int = 0, body: bytes = b"") -> bool:
         """Send a control frame; False if the node is gone or given up, or (without wait)
         if that would wait at all (the event loop's sends: they never block)."""
         if wait:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import _socket
 import gc
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -58,7 +57,10 @@ from .supervisor import Supervisor
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
     from typing import Any
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
 
 _KEPT_BYTES = 64 << 20
 """What a detached agent keeps for its next client at most (the oldest frames go first)."""
@@ -244,8 +246,8 @@ class Agent(Reattachable):
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.begin_stop(grace=1.0))
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _signal.signal(_signal.SIGTERM, lambda *_: self.begin_stop(grace=1.0))
+        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
         self._hello()
         try:
             while not self.done:
@@ -518,7 +520,7 @@ class Agent(Reattachable):
         self.stopping = True
         self.stop_deadline = time.monotonic() + grace
         if self.builder is not None:  # it removes its half-built folder (see _cleanup)
-            signal_group(self.builder.pid, signal.SIGTERM)
+            signal_group(self.builder.pid, _signal.SIGTERM)
         self.executors.stop()
 
     def _cleanup(self) -> None:
@@ -529,7 +531,7 @@ class Agent(Reattachable):
         self.relay.close()
         self.executors.kill_all()
         if self.builder is not None:  # a build stops on SIGTERM, removing its folder
-            signal_group(self.builder.pid, signal.SIGTERM)
+            signal_group(self.builder.pid, _signal.SIGTERM)
             import subprocess
 
             try:

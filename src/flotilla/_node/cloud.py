@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import os
 import select
-import signal
 import sys
 import time
 
@@ -41,7 +40,10 @@ from .._wire.protocol import CLOUD_NOTICE as NOTICE
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
     from typing import Any
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
 
 _TOKEN_TTL = 21600
 
@@ -505,8 +507,8 @@ def _helper(config: Config, armed: int, agent: int) -> None:
     poller, which ends with the agent (``agent``: its pid). It keeps the agent's stderr
     (an interruption notice goes there) and nothing else of it: stdin and stdout on
     /dev/null, every other descriptor closed, signals as in a new process."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP, _signal.SIGCHLD):
+        _signal.signal(sig, _signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)

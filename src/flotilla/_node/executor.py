@@ -393,7 +393,7 @@ def _small(parts: list[Any]) -> bool:
     return size < LARGEST
 
 
-_OK = Status.OK  # (an Enum's member is slower to look up, per task)
+_OK = Status.OK  # (one lookup, not two, per task)
 _RESULT = struct.Struct(HEADER.format + "B")
 """A RESULT frame's header and status byte (a lane task's, in one step)."""
 _STATUS = [bytes((i,)) for i in range(256)]
@@ -722,7 +722,7 @@ def _formatted() -> str:
     return traceback.format_exc()
 
 
-def _send(fd: int, kind: Kind, ident: int, body: bytes) -> None:
+def _send(fd: int, kind: int, ident: int, body: bytes) -> None:
     write_all(fd, frame(kind, ident, body))
 
 

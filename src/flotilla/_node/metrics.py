@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -47,7 +46,10 @@ from .._system import fastjson as json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
     from typing import Any
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
 
 COMMAND_TIMEOUT = 10.0
 """Seconds a metric's command may run at most before it is killed and reported: twice its
@@ -355,7 +357,7 @@ class _Command:
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, _signal.SIGKILL)
         assert self.proc.stdout is not None
         self.proc.stdout.close()
         self.proc.wait()
@@ -371,7 +373,7 @@ class _Command:
             self.proc.wait(0.05)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, _signal.SIGKILL)
             self.proc.wait()
             self.proc.returncode = 0
 

@@ -22,12 +22,10 @@ import contextlib
 import fcntl
 import os
 import select
-import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from enum import Enum
 from functools import partial
 
 from .._system import fastjson as json
@@ -49,6 +47,12 @@ from .lanes import (
     claimed,
 )
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
+
 STDERR_TAIL_LINES = 40
 """Lines of an executor's (or the build's) stderr kept to explain its death."""
 EXIT_GRACE = 2.0
@@ -63,8 +67,10 @@ another number of seconds)."""
 STUCK_VAR = "FLOTILLA_STUCK_WARNING"
 
 
-class ExecState(Enum):
-    """Lifecycle of an executor process (transitions in the module docstring)."""
+class ExecState:
+    """Lifecycle of an executor process (transitions in the module docstring): an
+    executor's ``state`` is one of these strings (not an ``Enum``'s: its module and class
+    would cost every node's start ~2 ms)."""
 
     STARTING = "starting"
     RUNNING = "running"
@@ -546,7 +552,7 @@ class ExecutorProcesses:
                 grave.deadline, grave.killed = 0.0, now
                 kill_group(grave.pid)
                 with contextlib.suppress(OSError):  # (one that left its group)
-                    os.kill(grave.pid, signal.SIGKILL)
+                    os.kill(grave.pid, _signal.SIGKILL)
             if grave.killed and not grave.warned and now >= grave.killed + stuck_after():
                 grave.warned = True
                 slot, waited = grave.slot.rank, now - grave.killed
@@ -742,7 +748,7 @@ def die_with_agent(fd: int) -> None:
     the agent is gone already; where ``F_SETSIG`` is missing, ``die_with_parent``."""
     try:
         fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
-        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(fd, fcntl.F_SETSIG, _signal.SIGKILL)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
     except (AttributeError, OSError):
         die_with_parent()
@@ -771,7 +777,7 @@ def reap(pid: int, wait: bool = False) -> int | None:
 
 def kill_group(pgid: int) -> None:
     """SIGKILL a process group, if it is still there."""
-    signal_group(pgid, signal.SIGKILL)
+    signal_group(pgid, _signal.SIGKILL)
 
 
 def signal_group(pgid: int, sig: int) -> None:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import re
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
     import subprocess
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
 
 HAS_PROC = os.path.isdir("/proc/self")
 
@@ -158,7 +160,7 @@ def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
                 trackers.add(pid)
                 continue
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, _signal.SIGKILL)
                 # SIGKILL takes effect a moment later: the next walk may see it again
                 found += pid not in killed
                 killed.add(pid)
@@ -170,7 +172,7 @@ def kill_all(match: Callable[[int], bool], rounds: int = 10) -> int:
     for pid in trackers:
         if alive(pid):
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, _signal.SIGKILL)
                 killed.add(pid)
     return len(killed | trackers)
 
@@ -186,7 +188,7 @@ def _is_tracker(pid: int) -> bool:
 
 
 def die_with_parent(
-    sig: int = signal.SIGKILL, exit_status: int | None = 1, parent: int | None = None
+    sig: int = _signal.SIGKILL, exit_status: int | None = 1, parent: int | None = None
 ) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies (Linux's
     ``PR_SET_PDEATHSIG``; nothing elsewhere). Called in a child right after it was forked,

@@ -18,18 +18,25 @@ None                   exited (status unknown)          status unknown
 
 from __future__ import annotations
 
-import signal
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import signal as _signal  # (typeshed has no _signal: signal's names, its types)
+else:
+    import _signal  # signal.py's C module: the same calls and SIG* ints, without its enums
 
 _OOM_HINT = " — out of memory?"
 """SIGKILL is what the kernel's out-of-memory killer sends: the likeliest cause to name."""
 
 
 def signal_name(number: int) -> str:
-    """``SIGKILL`` for 9; ``signal 99`` for a number with no name."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+    """``SIGKILL`` for 9; ``signal 99`` for a number with no name. The name
+    ``signal.Signals(number).name`` gives (its first in alphabetical order: SIGABRT, not
+    SIGIOT; SIGCHLD, not SIGCLD; SIGIO, not SIGPOLL), found among ``_signal``'s constants:
+    ``signal``'s import makes its enums, at every node's start."""
+    for name in sorted(vars(_signal)):
+        if name.startswith("SIG") and name[3:4] != "_" and getattr(_signal, name) == number:
+            return name
+    return f"signal {number}"
 
 
 def exit_signal(status: int | None) -> str | None:

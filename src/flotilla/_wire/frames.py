@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from enum import IntEnum
 
 Buffer = bytes | bytearray | memoryview
 Body = bytes | bytearray
@@ -30,8 +29,12 @@ _BIG = 1 << 20
 _CHUNK = 1 << 16  # larger reads cost more than they save: os.read allocates the whole size
 
 
-class Kind(IntEnum):
-    """Frame kinds. ``ident`` is a task id, a function key or a stream number."""
+class Kind:
+    """Frame kinds. ``ident`` is a task id, a function key or a stream number.
+
+    (Plain int constants, as :class:`Status`'s: an ``IntEnum`` would import ``enum``, ~2 ms
+    of the agent's CPU at every node's start, and build its class; a frame's kind is an
+    int as the reader gives it, one no handler takes is ignored.)"""
 
     # agent -> client
     HELLO = 1  # JSON: the agent is up (pid, host, boot id, python, free port)
@@ -76,8 +79,8 @@ class Kind(IntEnum):
     METRICS = 31  # agent -> client; JSON: the node's metric samples (_node/metrics.py)
 
 
-class Status(IntEnum):
-    """First byte of a RESULT body."""
+class Status:
+    """First byte of a RESULT body (a value the client does not know: a protocol error)."""
 
     OK = 0  # payload: pickled return value
     ERROR = 1  # payload: pickled (exception bytes | None, type name, message, traceback)
@@ -106,7 +109,7 @@ TASK_HEAD = struct.Struct("<dH")
 """Start of a TASK body: the timeout in seconds (0: none) and the local rank to run it on."""
 
 
-def frame(kind: Kind, ident: int, *parts: Buffer) -> list[Buffer]:
+def frame(kind: int, ident: int, *parts: Buffer) -> list[Buffer]:
     """Header and body parts of one frame, ready for :func:`write_all`."""
     length = 0
     for p in parts:
@@ -130,7 +133,7 @@ def write_all(fd: int, parts: Sequence[Buffer]) -> None:
         advance(views, os.writev(fd, views[:512]))
 
 
-def write_frame(fd: int, kind: Kind, ident: int, *parts: Buffer) -> None:
+def write_frame(fd: int, kind: int, ident: int, *parts: Buffer) -> None:
     """Write one frame whole to a blocking descriptor: :func:`frame` and
     :func:`write_all` in one step (a task's result: its size counted once)."""
     size = 0
