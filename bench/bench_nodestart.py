@@ -13,7 +13,10 @@ network namespace, i.e. the pod's holder and what ``kubectl exec`` started there
 roles beside, the client's ``kubectl`` processes and the lab's control plane and kubelet
 stand-in over the start, per node), the CPU it
 spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + cstime``
-of ``/proc/PID/stat`` for the children they reaped. Prints the CPU per node start (median
+of ``/proc/PID/stat`` for the children they reaped (clock ticks: 10 ms). As root, an SSH
+host's or EC2 lab instance's start is also counted whole by its sshd daemon's cgroup
+(:data:`CPUACCT`, to the nanosecond, ended processes too: the session's pre-authentication
+child, the port probe's connection), printed below the table. Prints the CPU per node start (median
 over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
 repetition on stderr, and the medians as a markdown table with the load
 (``/proc/loadavg``) on stdout.
@@ -79,6 +82,8 @@ def cpu_of(pid: int) -> float:
     return total + (int(fields[13]) + int(fields[14])) / _TICK
 
 
+BOOT_DELAY = 2.0
+"""Seconds an EC2 lab instance takes to boot (its sshd to start) after its launch."""
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 """cgroup v1's CPU accounting (root only): an SSH lab host's sshd daemon is moved into a
 cgroup of its own, so every process it starts, those that ended too, is counted to the
@@ -474,7 +479,11 @@ def main() -> None:
             sys.path.insert(0, str(HERE.parent / "tests"))
             from _aws import AwsLab
 
-            aws = AwsLab()
+            # booting as a real instance does: its network answers (refuses) before its
+            # sshd listens. Booting at once, the port probes in flight while the lab's ARP
+            # resolved the new address all connected together, each an sshd (~9 ms) the
+            # start paid, as a real instance's start does not
+            aws = AwsLab(boot_delay=BOOT_DELAY)
             aws.start()
             aws_prefix = f"flotilla-{aws.lab.tag}-h"
             os.environ.update(aws.env)  # (the lab no longer sets it: its clients here need it)
