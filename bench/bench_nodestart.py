@@ -31,10 +31,11 @@ so their starts are "bare" already. The table splits every start by process: flo
 host's (the session's sshd, the login shell that runs the start command).
 
 ``--before [NAME=]SRC`` (repeatable) also measures flotilla from another source folder
-(e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: SSH starts that find the bundle
-(and the byte code the first start wrote) on the hosts. SSH starts are *first* starts: the
-hosts' bundle folder is removed before each, as on a new host (an EC2 lab start is always
-a new instance's first start). The compiled node code
+(e.g. ``git archive`` of main, extracted): same run, order rotating. ``--warm``: starts
+that find the bundle (and the byte code the first start wrote) on the hosts. Otherwise
+every start is a *first* start: the bundle folder is removed before each, as on a new host
+or a new instance (the EC2 lab's instances share this machine's files: without that, all
+but a run's first would find the bundle). The compiled node code
 (``_providers.bytecode``) is built before the first repetition (the one-time build's CPU
 is printed once).
 """
@@ -555,6 +556,9 @@ def main() -> None:
                             time.sleep(0.2)
                     if aws is not None:  # the instances this start boots
                         aws.hidden = tuple(masked) if env else ()
+                        if provider == "aws" and not args.warm:  # new instances: first starts
+                            # (the lab's instances share this machine's files, the bundle too)
+                            shutil.rmtree(aws.lab.tmp / "workdir" / "lib", ignore_errors=True)
                     specs = {"ssh": bare_spec if env else spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
                     if provider == "aws":  # its instances are gone: so are their daemons
