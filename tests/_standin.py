@@ -13,12 +13,14 @@ subclasses :class:`JsonHandler` and answers in ``_serve``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -253,6 +255,18 @@ def killed_client(lab: Market, client: str, which: str = "flotilla:{}:") -> tupl
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def key_folders(clients: Sequence[str]) -> list[str]:
+    """This machine's cloud pool folders (a pool's keys, ``cloud.identity.pool_folder``)
+    whose ``client`` file names one of ``clients`` (``host:pid:start``; or ``host:pid:``, a
+    killed client's whose start is no longer known)."""
+    found = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "flotilla-*", "client")):
+        with contextlib.suppress(OSError):
+            if Path(path).read_text().strip().startswith(tuple(clients)):
+                found.append(os.path.dirname(path))
+    return found
 
 
 def nvidia_smi(folder: Path, names: Sequence[str], ident: str) -> Path:

@@ -5,10 +5,12 @@ in network namespaces at their external address, on a VPC network of their own, 
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -315,8 +317,8 @@ def _client(ttl: float, start_timeout: float = 60.0) -> str:
 def test_kill9_instances_delete_themselves_and_orphans_are_found(gcp_lab: GcpLab) -> None:
     """A client killed with SIGKILL: each instance's watchdog deletes it through the API
     with the instance's own service-account token, ttl s after the client's last contact;
-    then remove_orphans() deletes a pool left by a dead client of this machine, and not a
-    pool of a client elsewhere."""
+    then remove_orphans() deletes a pool left by a dead client of this machine (and the
+    killed client's local key folder), and not a pool of a client elsewhere."""
     ttl = 3.0
     pool_id, mine = killed_client(gcp_lab, _client(ttl), which="{}")
     left = gcp_lab.wait_gone(120, pool_id)
@@ -332,9 +334,12 @@ def test_kill9_instances_delete_themselves_and_orphans_are_found(gcp_lab: GcpLab
     found = lab_gcp().remove_orphans(dry_run=True)
     assert found.pools == ("deadbeef",) and found.skipped == ("c0ffee01",)
     assert len(gcp_lab.live("deadbeef")) == 1
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-gcp-{pool_id}-*"))
     found = lab_gcp().remove_orphans()
     assert found.instances == ("us-central1-c/flotilla-deadbeef-0",)
     assert gcp_lab.live("deadbeef") == [] and len(gcp_lab.live("c0ffee01")) == 1
+    # the killed client's local key folder went too
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-gcp-{pool_id}-*")) == []
 
 
 def _insert_labelled(pool: str, client: str) -> None:

@@ -222,3 +222,29 @@ def test_an_elastic_pool_cannot_be_a_stoppable_one(market: Market, tmp_path: Pat
     ):
         pass
     assert market.made() == before
+
+
+@pytest.mark.parametrize("market", ["runpod", "gcp", "verda"], indirect=True)
+def test_an_unreadable_stopped_pool_record_leaves_no_key_folder(
+    market: Market, tmp_path: Path
+) -> None:
+    """A named cluster's pool whose record of stopped instances cannot be read is refused
+    before anything is made, the record left for the user, and the pool's folder on this
+    machine (its private login key) is removed, as every pool's release removes it."""
+    from _standin import key_folders
+
+    from flotilla._providers.cloud.identity import client_id
+    from flotilla._providers.cloud.kept import Keep
+
+    provider = market.provider()
+    provider.keep = keep = Keep(tmp_path / "keep")
+    keep.folder.mkdir()
+    keep.state_file.write_text("{not json")
+    before = market.made()
+    with (
+        pytest.raises(sky.ConfigurationError, match="cannot be read"),
+        sky.Compute(provider=provider, accelerator="A100", nodes=2),
+    ):
+        pass
+    assert market.made() == before and keep.state_file.read_text() == "{not json"
+    assert key_folders([client_id()]) == []

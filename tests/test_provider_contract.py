@@ -12,6 +12,7 @@ import base64
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from _hosts import Lab, ssh_lab_fixture  # noqa: F401 - the ssh_lab fixture
 from _k8s import K8sLab, k8s_lab_fixture  # noqa: F401 - the k8s_lab fixture
 from _procs import assert_all_gone, wait_until
 from _slurm import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - the slurm_cluster fixture
+from _standin import key_folders
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from test_example_provider import _example_package
 
@@ -374,7 +376,14 @@ def test_a_client_killed_with_sigkill_leaves_no_agent(kit: Kit, tmp_path: Path) 
         client.wait()
     assert_all_gone(pids, timeout=30, what="the killed client's agents")
     if kit.ends_later:
-        return  # AWS: the instances end by their watchdog, after ttl (see test_aws.py)
+        # the clouds: the instances end by their watchdog, after ttl (see test_aws.py);
+        # the orphans sweep (``flotilla down --orphans``) takes them and the pool's folder
+        # on this machine (its keys) now
+        killed = [f"{socket.gethostname()}:{client.pid}:"]
+        assert key_folders(killed)
+        kit.make().remove_orphans()  # type: ignore[attr-defined]
+        assert key_folders(killed) == []
+        return
     assert wait_until(lambda: not kit.leftovers(), timeout=30), kit.leftovers()
 
 

@@ -1,7 +1,8 @@
 """The rented clouds of the cloud kit whose clusters had no re-attach test of their own
 (Vast.ai, Compute Engine, Lambda Cloud, Verda): a cluster whose daemon died (kill -9)
 while its instances ran is re-attached to by ``flotilla start``, nothing is rented again,
-its job's output goes on, and ``down`` then deletes the instances.
+its job's output goes on, and ``down`` then deletes the instances (and the first daemon's
+pool folder on this machine, its keys).
 
 Each market's stand-in (``_vast``, ``_gcp``, ``_lambda``, ``_verda``, the same fixtures
 their CLI tests use); root only. The job ticks until a file the test writes on each node
@@ -21,6 +22,7 @@ import pytest
 from _gcp import GcpLab, gcp_lab_fixture  # noqa: F401 - the gcp_lab fixture
 from _lambda import LambdaLab, lambda_lab_fixture  # noqa: F401 - the lambda_lab fixture
 from _procs import wait_until
+from _standin import key_folders
 from _vast import VastLab, vast_lab_fixture  # noqa: F401 - the vast_lab fixture
 from _verda import VerdaLab, verda_fixture, verda_lab_fixture  # noqa: F401 - the fixtures
 from test_cli import CLI
@@ -116,6 +118,7 @@ def test_a_market_clusters_instances_are_re_attached_and_down_deletes_them(
     ids, asked = market.ids(lab), market.asked(lab)
     assert len(ids) == 2 and asked == 2, (ids, asked)
     agents = [n.agent_pid for n in before.nodes]
+    assert key_folders(before.clients), before.clients  # the first daemon's pool's
     # on each instance's own file system (some share this machine's /tmp: one file then)
     stop = Path(f"/tmp/flotilla-stop-{tmp_path.name}")
     try:
@@ -146,6 +149,7 @@ def test_a_market_clusters_instances_are_re_attached_and_down_deletes_them(
         by = market.deleted_by(lab)
         assert {by[i] for i in ids} == {"account"}  # by down, not by their watchdogs
         assert market.asked(lab) == asked
+        assert key_folders(before.clients) == []  # nothing of the pool's left in /tmp
     finally:
         stop.unlink(missing_ok=True)
 
@@ -164,7 +168,7 @@ def test_a_gone_instance_is_said_and_down_deletes_the_other_at_once(
     task = cli.task("up.yaml", f"num_nodes: 2\nresources:\n{market.resources}run: echo up\n")
     cli.ok("launch", task, "-c", "rg", timeout=300)
     rec = cli.record("rg")
-    assert rec is not None
+    assert rec is not None and key_folders(rec.clients)
     (overlay,) = vast_lab.overlays.values()
     (gone,) = [i for i in vast_lab.live() if overlay.members[i.id] == rec.nodes[1].ip]
     (other,) = [i for i in vast_lab.live() if i is not gone]
@@ -180,3 +184,4 @@ def test_a_gone_instance_is_said_and_down_deletes_the_other_at_once(
     assert vast_lab.destroyed[other.id] == "account"  # released, not by its watchdog
     cli.ok("down", "rg", timeout=300)
     assert cli.record("rg") is None and market.asked(vast_lab) == 2
+    assert key_folders(rec.clients) == []  # nothing of the pool's left in /tmp

@@ -4,10 +4,12 @@ overlay networks."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import pytest
@@ -205,7 +207,8 @@ def _client(ttl: float, start_timeout: float = 60.0) -> str:
 def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: VastLab) -> None:
     """A client killed with SIGKILL: each instance's watchdog destroys it (with the
     instance's own key) ttl s after the client's last contact; a pool left behind is
-    found by its label by remove_orphans()."""
+    found by its label by remove_orphans(), which removes the killed client's local key
+    folder too."""
     ttl = 3.0
     # instances an earlier test's killed client left end by their own ttl: wait for them,
     # so that this test's count is of its own pool only
@@ -232,9 +235,12 @@ def test_kill9_instances_destroy_themselves_and_orphans_are_found(vast_lab: Vast
     assert len(vast_lab.live("flotilla:deadbeef:")) == 1
     found = sky.VastAI().remove_orphans(dry_run=True)
     assert found.pools == ("deadbeef",) and len(vast_lab.live("flotilla:deadbeef:")) == 1
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-vast-{pool_id}-*"))
     found = sky.VastAI().remove_orphans()
     assert found.pools == ("deadbeef",)
     assert vast_lab.wait_gone(10, "flotilla:deadbeef:") == []
+    # the killed client's local key folder went too
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"flotilla-vast-{pool_id}-*")) == []
 
 
 def test_guard_destroys_an_instance_no_agent_reaches(vast_lab: VastLab) -> None:

@@ -16,18 +16,12 @@ instances of one launch share their host key; a replacement launch gets a key of
 from __future__ import annotations
 
 import shutil
-import tempfile
 
 from ..cloud import login
 from ..cloud.keys import user_data as user_data  # the cloud kit's #cloud-config
 
 FOLDER_PREFIX = "flotilla-aws-"
 """Pool folders are ``{tempdir}/flotilla-aws-{pool_id}-XXXX`` (the orphan cleanup finds them)."""
-
-
-def pool_folder(pool_id: str) -> str:
-    """A new folder for the pool's keys and known_hosts, private to this user (0700)."""
-    return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{pool_id}-")
 
 
 def remove_folder(folder: str) -> None:

@@ -16,6 +16,7 @@ from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import CloudAllocation, CloudShell
+from ..cloud.identity import pool_folder
 from ..cloud.keys import KeyPair, keygen, pin
 from ..cloud.notice import watch_notices
 from ..ssh_shell import Target
@@ -23,7 +24,7 @@ from .agent import cloud_env
 from .api import CAPACITY_CODES, SPOT_QUOTA_CODES, Api, error_code, error_message, translate
 from .choice import InstanceChoice, choose_for
 from .kept import Keep, KeptPool
-from .keys import pool_folder, remove_folder, user_data
+from .keys import FOLDER_PREFIX, remove_folder, user_data
 from .network import TAG_POOL, PoolNetwork, public_cidr
 from .price import Bill, on_demand_price, spot_price
 from .price import describe as describe_price
@@ -78,7 +79,7 @@ class AWSAllocation(CloudAllocation):
         self.zone = ""
         self.instances: dict[str, dict[str, Any]] = {}
         self.network = PoolNetwork(api, settings, self.tag, self.creating)
-        self.folder = pool_folder(self.tag)
+        self.folder = pool_folder(FOLDER_PREFIX, self.tag)  # its ``client``: this one
         self.known_hosts = os.path.join(self.folder, "known_hosts")
         self.login_key: KeyPair | None = None
         self.host_keys: dict[str, str] = {}  # instance id -> the public host key it got
@@ -91,9 +92,8 @@ class AWSAllocation(CloudAllocation):
         self.image_id = ""
         self.python = settings.python or "python3"
         self.workdir = settings.workdir
-        for name, text in (("client", self.network.client), ("place", api.place)):
-            with open(os.path.join(self.folder, name), "w") as f:
-                f.write(text)
+        with open(os.path.join(self.folder, "place"), "w") as f:
+            f.write(api.place)
 
     @property
     def security_group(self) -> str:

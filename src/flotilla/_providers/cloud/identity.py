@@ -138,3 +138,14 @@ def dead_folders(prefix: str) -> list[str]:
         if client_alive(client) is False:
             out.append(folder)
     return out
+
+
+def remove_dead_folders(prefix: str) -> list[str]:
+    """Remove this user's pool folders of clients that are gone (:func:`dead_folders`):
+    what ``flotilla down --orphans`` does with a killed client's keys; those removed."""
+    import shutil
+
+    folders = dead_folders(prefix)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return folders

@@ -184,11 +184,12 @@ def kept_pool(keep: Keep | None, kind: str) -> KeptPool | None:
 async def acquired(allocation: _S, keep: Keep | None, launch: Callable[[], Awaitable[None]]) -> _S:
     """``allocation`` of a provider that can stop its instances: the stopped pool ``keep``
     holds (if any) started again, else ``launch()`` and the pool recorded in ``keep``;
-    released (nothing left, or the kept instances stopped again) when that fails."""
-    allocation.keep = keep
-    kept = kept_pool(keep, allocation.provider_kind)
+    released (nothing left, or the kept instances stopped again) when that fails; when its
+    record cannot be read too (the record left as it is)."""
 
     async def start() -> None:
+        kept = kept_pool(keep, allocation.provider_kind)
+        allocation.keep = keep
         if kept is not None:
             await allocation.resume(kept)
             return

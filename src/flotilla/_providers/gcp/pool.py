@@ -9,7 +9,6 @@ import itertools
 import json
 import logging
 import shutil
-import tempfile
 import time
 import uuid
 from functools import partial
@@ -21,7 +20,7 @@ from ..base import AgentProcess, AllocationState, Machine, MachineState, PoolSpe
 from ..cloud import login
 from ..cloud.allocation import show
 from ..cloud.guard import contact_path
-from ..cloud.identity import client_id
+from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import pin_public
 from ..cloud.notice import watch_notices
 from ..ssh_shell import Target
@@ -84,7 +83,7 @@ class GCPAllocation(GCPStopping):
         self.zones_tried: list[str] = []
         self.instances: dict[str, dict[str, Any]] = {}
         self.pinned: dict[str, list[str]] = {}
-        self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
+        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.client = client_id()
         self._launches = itertools.count(2)  # a node added or replaced: its name's suffix
 

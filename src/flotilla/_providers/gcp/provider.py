@@ -39,6 +39,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError, ProvisionCause, ProvisionError
 from ..base import PoolSpec
+from ..cloud.identity import remove_dead_folders
 from ..cloud.kept import KeptPool
 from ..cloud.market import CloudOrphans, MarketProvider, check_stoppable, check_ttl, find_orphans
 from ..cloud.stopstart import acquired
@@ -47,7 +48,7 @@ from ..options import provider_init
 from .api import GcpApi, base_url
 from .api import configured as configured
 from .choice import as_offer, machine_for
-from .pool import POOL_LABEL, GCPAllocation, delete_instance, markets
+from .pool import FOLDER_PREFIX, POOL_LABEL, GCPAllocation, delete_instance, markets
 from .settings import GCPSettings
 from .stopstart import CLIENT_KEY
 
@@ -155,8 +156,9 @@ class GCP(MarketProvider[GCPSettings, GcpApi]):
 
     def remove_orphans(self, dry_run: bool = False) -> GCPOrphans:
         """Delete the instances (found by their label) of pools whose client process on
-        this machine is gone. Pools of clients on other machines are listed in
-        ``skipped``, not touched (their instances delete themselves after ``ttl``)."""
+        this machine is gone, and the local key folders of pools whose client is gone.
+        Pools of clients on other machines are listed in ``skipped``, not touched (their
+        instances delete themselves after ``ttl``)."""
         import time
 
         from google.cloud import compute_v1 as c
@@ -185,6 +187,7 @@ class GCP(MarketProvider[GCPSettings, GcpApi]):
             deadline = time.monotonic() + 300
             for zone, name in gone:
                 delete_instance(api, zone, name, deadline)
+            remove_dead_folders(FOLDER_PREFIX)  # keys of killed clients' pools
         return GCPOrphans(
             tuple(sorted(pools)), tuple(f"{z}/{n}" for z, n in sorted(gone)), tuple(sorted(skipped))
         )

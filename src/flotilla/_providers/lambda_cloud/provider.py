@@ -91,9 +91,7 @@ class LambdaCloud(MarketProvider[LambdaSettings, RestApi]):
     def remove_orphans(self, dry_run: bool = False) -> LambdaOrphans:
         """Terminate the instances (found by their name) of pools whose client process on
         this machine is gone, and delete those pools' SSH keys and local key folders."""
-        import shutil
-
-        from ..cloud.identity import dead_folders
+        from ..cloud.identity import remove_dead_folders
         from .pool import FOLDER_PREFIX
 
         api = self.api
@@ -108,6 +106,5 @@ class LambdaCloud(MarketProvider[LambdaSettings, RestApi]):
             )
             delete_keys(api, {f"flotilla-{p}" for p in pools})
         if not dry_run:
-            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
-                shutil.rmtree(folder, ignore_errors=True)
+            remove_dead_folders(FOLDER_PREFIX)  # keys of killed clients' pools
         return LambdaOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

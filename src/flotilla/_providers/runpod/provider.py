@@ -131,9 +131,7 @@ class RunPod(MarketProvider[RunPodSettings, RunPodApi]):
         machine is gone. Pools of clients on other machines are listed in ``skipped``, not
         touched (their pods terminate themselves after ``ttl``). The local key folders of
         pools whose client is gone are removed too."""
-        import shutil
-
-        from ..cloud.identity import dead_folders
+        from ..cloud.identity import remove_dead_folders
         from .pool import FOLDER_PREFIX
 
         rows = self.instances()
@@ -144,6 +142,5 @@ class RunPod(MarketProvider[RunPodSettings, RunPodApi]):
         if not dry_run:
             for ident in gone:
                 self.api.call("DELETE", f"/pods/{ident}", f"terminate pod {ident}")
-            for folder in dead_folders(FOLDER_PREFIX):  # keys of killed clients' pools
-                shutil.rmtree(folder, ignore_errors=True)
+            remove_dead_folders(FOLDER_PREFIX)  # keys of killed clients' pools
         return RunPodOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))

@@ -10,7 +10,6 @@ import ipaddress
 import json
 import logging
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ from ..._wire.protocol import CLOUD_ENV
 from ..base import AgentProcess, AllocationState, Machine, PoolSpec
 from ..cloud import login
 from ..cloud.allocation import CloudAllocation, show
-from ..cloud.identity import client_id
+from ..cloud.identity import client_id, pool_folder
 from ..cloud.keys import keygen, pin
 from ..cloud.market import label, over_budget, pool_ids, release_each
 from ..ssh_shell import Target
@@ -71,7 +70,7 @@ class VastAllocation(CloudAllocation):
         self.overlay = ""
         self.subnet = ""
         self.hourly = 0.0
-        self._open(settings, tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{spec.pool_id}-"))
+        self._open(settings, pool_folder(FOLDER_PREFIX, spec.pool_id))
         self.label = label(spec.pool_id, client_id())
         self._launches = 0
         self._targets: dict[str, Target] = {}

@@ -30,13 +30,14 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ..base import PoolSpec
+from ..cloud.identity import remove_dead_folders
 from ..cloud.keys import KeyPair
 from ..cloud.market import CloudOrphans, MarketProvider, check_ttl, launched, orphans_in
 from ..offers import Offer
 from ..options import provider_init
 from .api import VastApi, connect, find_key, find_url
 from .choice import as_offer, query
-from .pool import VastAllocation
+from .pool import FOLDER_PREFIX, VastAllocation
 from .settings import VastSettings
 
 
@@ -94,8 +95,9 @@ class VastAI(MarketProvider[VastSettings, VastApi]):
 
     def remove_orphans(self, dry_run: bool = False) -> VastOrphans:
         """Destroy the instances (found by their label) of pools whose client process on
-        this machine is gone. Pools of clients on other machines are listed in
-        ``skipped``, not touched (their instances destroy themselves after ``ttl``)."""
+        this machine is gone, and the local key folders of pools whose client is gone.
+        Pools of clients on other machines are listed in ``skipped``, not touched (their
+        instances destroy themselves after ``ttl``)."""
         api = self.api
         pools, skipped, found = orphans_in(self.instances(), "label")
         gone = [int(i) for i in found]
@@ -108,6 +110,7 @@ class VastAI(MarketProvider[VastSettings, VastApi]):
                     api.call(
                         "DELETE", "/overlay/", "delete an overlay", {"overlay_name": o["name"]}
                     )
+            remove_dead_folders(FOLDER_PREFIX)  # keys of killed clients' pools
         return VastOrphans(tuple(sorted(pools)), tuple(sorted(gone)), tuple(sorted(skipped)))
 
 
