@@ -70,13 +70,23 @@ def _stat(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
-def cpu_of(pid: int) -> float:
-    """CPU seconds of a live process (all its threads) and of the children it reaped."""
+def own_cpu(pid: int) -> float:
+    """CPU seconds of a live process's own threads (not of the children it reaped); what
+    could be read of a process that is ending."""
     total = 0.0
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
                 total += int(f.read().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
+    return total
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds of a live process (all its threads) and of the children it reaped."""
+    total = own_cpu(pid)
+    try:
         fields = _stat(pid)
     except (OSError, IndexError, ValueError):
         return total
@@ -90,15 +100,6 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 cgroup of its own, so every process it starts, those that ended too, is counted to the
 nanosecond. ``/proc`` counts a reaped child only in 10 ms clock ticks (sshd's
 pre-authentication child), which the per-process figures undercount."""
-
-
-def own_cpu(pid: int) -> float:
-    """CPU seconds of a live process's own threads (not of the children it reaped)."""
-    total = 0.0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0]) / 1e9
-    return total
 
 
 def cgroup_cpu(path: str) -> float:
@@ -518,7 +519,7 @@ def main() -> None:
                 options["python"] = args.ssh_python
             assert all(h.sshd is not None for h in hosts + bare)
 
-            cgroups = host_cgroups({h.netns: h.sshd.pid for h in hosts + bare if h.sshd})
+            cgroups.update(host_cgroups({h.netns: h.sshd.pid for h in hosts + bare if h.sshd}))
 
             def ssh_spec(hosts: list[Any]) -> str:
                 netns = [(h.netns, h.sshd.pid) for h in hosts if h.sshd is not None]
