@@ -4,10 +4,12 @@ whole, so no rank waits forever for a peer that is gone (real torch, gloo, local
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _procs import wait_until
 
 import flotilla as sky
 from flotilla._client.outcome import results
@@ -210,3 +212,61 @@ def test_a_broadcast_right_after_a_failed_one_never_pairs_with_a_stale_collectiv
                 rank_fails(1, "raise") @ pool
             assert ok() @ pool == [0, 1, 2]
             assert [total for total, _ in all_reduce(1.0) @ pool] == [3.0, 3.0, 3.0]
+
+
+def test_a_rank_restarted_while_the_old_groups_head_still_runs_joins_the_new_group() -> None:
+    """Node 1's process dies while node 0's agent is held (SIGSTOP), so the group restarts
+    on node 1 first: its new rank finds the old group's store on the head's port (the old
+    rank 0 still runs). It must wait for the new group's head, not join the old group: it
+    did, and the new rank 0 then waited for it for good (CI run 47's hang)."""
+    options = sky.Options(heartbeat_timeout=120)  # node 0 is not declared lost meanwhile
+    with sky.Compute(nodes=2, plugins=[sky.plugins.torch()], options=options) as pool:
+        before = [pid for _, pid in all_reduce(1.0) @ pool]
+        agents = agent_pid() @ pool
+        port = pool._bringup.head_port
+        os.kill(agents[0], signal.SIGSTOP)
+        try:
+            os.kill(before[1], signal.SIGKILL)
+            new: list[int] = []
+
+            def on_old_store() -> bool:  # node 1's new process is connected to the old store
+                new[:] = [p for p in _children(agents[1]) if p != before[1]]
+                return bool(new) and port in _connected_ports(new[0])
+
+            assert wait_until(on_old_store, timeout=60), "node 1's process was not restarted"
+        finally:
+            os.kill(agents[0], signal.SIGCONT)
+        after = all_reduce(2.0) @ pool
+        assert [value for value, _ in after] == [4.0, 4.0]
+        assert after[1][1] == new[0] and not set(before) & {pid for _, pid in after}
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (/proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _connected_ports(pid: int) -> set[int]:
+    """The remote ports of ``pid``'s established TCP connections (/proc)."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # (it ended)
+        return set()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
+                ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports

@@ -191,6 +191,7 @@ class ExecutorProcesses:
     lanes: LaneSocket | None
     unsent: set[Executor]  # executors whose output read last is still in the client outbox
     held: dict[Slot, tuple[float, float]]  # slots held for a lane call: (look at, pause)
+    generation: int  # of the pool's process group (see the supervisor)
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         raise NotImplementedError
@@ -265,7 +266,11 @@ class ExecutorProcesses:
             try:
                 from .executor import main
 
-                config: Config = {**self.config, "local_rank": slot.rank}
+                config: Config = {
+                    **self.config,
+                    "local_rank": slot.rank,
+                    "generation": self.generation,
+                }
                 if lane is not None:
                     main(config, self.blob, r_task, w_res, lane=(*lane.theirs, lane.board))
                 main(config, self.blob, r_task, w_res)
@@ -329,7 +334,11 @@ class ExecutorProcesses:
                     (s.rank, p[0][0], p[1][1])
                     for s, p in zip(self.slots[1:], pipes[1:], strict=True)
                 ]
-                config: Config = {**self.config, "local_rank": self.slots[0].rank}
+                config: Config = {
+                    **self.config,
+                    "local_rank": self.slots[0].rank,
+                    "generation": self.generation,
+                }
                 main(config, self.blob, r_first, w_first, others)
             finally:
                 os._exit(70)
