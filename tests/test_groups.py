@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _procs import wait_until
+from _procs import alive, wait_until
 
 import flotilla as sky
 from flotilla._client.outcome import results
@@ -270,3 +272,89 @@ def _connected_ports(pid: int) -> set[int]:
             if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
                 ports.add(int(fields[2].rsplit(":", 1)[1], 16))
     return ports
+
+
+class HangsOnceMarked:
+    """A plugin whose processes, once ``marker`` exists, never end their set-up (as a
+    rendezvous whose peer never comes)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def around_process(self, info: sky.InstanceInfo) -> None:
+        if os.path.exists(self.marker):
+            threading.Event().wait()
+
+
+def test_a_replacement_process_that_never_starts_fails_its_calls_saying_so(
+    tmp_path: Path,
+) -> None:
+    """The client waits for no READY from a replacement process (a group's restart, a dead
+    one's): one whose set-up never ends is killed past the start timeout, and the calls
+    waiting for it fail saying why, instead of waiting for good."""
+    marker = tmp_path / "hang"
+    options = sky.Options(start_timeout=15)
+    with sky.Compute(nodes=1, plugins=[HangsOnceMarked(str(marker))], options=options) as pool:
+        marker.touch()
+        with pytest.raises(WorkerDiedError):
+            exit_on(0) @ pool
+        with pytest.raises(NodeLostError, match=r"the process did not start within 15 s"):
+            pid() @ pool
+
+
+def test_a_restart_that_finds_the_groups_port_taken_says_so_and_the_pool_carries_on() -> None:
+    """Another process takes the group's port (MASTER_PORT) between the old rank 0's end and
+    the new one's start (as another pool's could): the new rank 0 fails at once saying so,
+    nothing waits for good, and the pool carries on with fresh agents (a new port)."""
+    options = sky.Options(heartbeat_timeout=120, start_timeout=30)
+    with sky.Compute(nodes=2, plugins=[sky.plugins.torch()], options=options) as pool:
+        before = [pid for _, pid in all_reduce(1.0) @ pool]
+        agents = agent_pid() @ pool
+        port, generation = pool._bringup.head_port, pool._dispatcher.generation
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            os.kill(agents[0], signal.SIGSTOP)  # the old rank 0 is not restarted meanwhile
+            try:
+                os.kill(before[0], signal.SIGKILL)
+                assert wait_until(lambda: not alive(before[0]), timeout=60)
+                taken.bind(("", port))
+                taken.listen()
+            finally:
+                os.kill(agents[0], signal.SIGCONT)
+            assert wait_until(lambda: pool._dispatcher.generation > generation, timeout=60)
+            futures = pool.submit_broadcast(all_reduce(2.0))  # (sent after the RESTART)
+            said = f"cannot start the torch group's store on port {port}"
+            with pytest.raises(NodeLostError, match=said):
+                futures[0].result(timeout=60)
+            with pytest.raises(Exception):  # noqa: B017 (the group's restart, or the loss, says)
+                futures[1].result(timeout=60)
+            after = all_reduce(3.0) @ pool
+        assert [value for value, _ in after] == [6.0, 6.0]
+        assert not set(agents) & set(agent_pid() @ pool)  # fresh agents
+
+
+def test_a_rank_does_not_join_the_store_of_an_older_generation_of_its_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store on the group's port is the old group's (generation 2, its rank 0 not
+    ended): a rank of generation 3 waits for its own group's store, and past the start
+    timeout fails naming what it waited for, where."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flotilla.plugins._torch import GROUP_KEY, group_store
+
+    old = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    old.set(GROUP_KEY.format(2), "2")
+    port = old.port
+    info = sky.InstanceInfo(
+        node=1, total_nodes=2, is_head=False, head_addr="127.0.0.1", head_port=port,
+        accelerators=0, peers=(), pool_id="p",
+    )  # fmt: skip
+    monkeypatch.setenv("COMPUTE_POOL", '{"generation": 3, "start_timeout": 2}')
+    said = rf"rank 1 found no store of its group \(generation 3\) at 127.0.0.1:{port} .*within 2 s"
+    with pytest.raises(RuntimeError, match=said):
+        group_store(info, 1, 2, "gloo")

@@ -193,13 +193,15 @@ def group_store(info: InstanceInfo, rank: int, size: int, backend: str) -> Any:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_timeout
 
-    default = _get_default_timeout(backend)  # (env:// gives its store the group's timeout)
+    TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # (set where c10d is built)
+
+    default = _get_default_timeout(dist.Backend(backend))  # (env:// gives its store this timeout)
     generation = int(group_setting("generation", 0))
     key = GROUP_KEY.format(generation)
     host, port = info.head_addr, info.head_port
     if rank == 0:
         try:
-            store = dist.TCPStore(
+            store = TCPStore(
                 host,
                 port,
                 size,
@@ -230,7 +232,7 @@ def group_store(info: InstanceInfo, rank: int, size: int, backend: str) -> Any:
         if not wait_listening(host, port, left):
             continue
         try:
-            store = dist.TCPStore(
+            store = TCPStore(
                 host,
                 port,
                 size,
