@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _procs import alive, wait_until
+from _procs import wait_until
 
 import flotilla as sky
 from flotilla._client.outcome import results
@@ -316,8 +316,15 @@ def test_a_restart_that_finds_the_groups_port_taken_says_so_and_the_pool_carries
             os.kill(agents[0], signal.SIGSTOP)  # the old rank 0 is not restarted meanwhile
             try:
                 os.kill(before[0], signal.SIGKILL)
-                assert wait_until(lambda: not alive(before[0]), timeout=60)
-                taken.bind(("", port))
+
+                def bound() -> bool:  # once the old rank 0's sockets are closed
+                    try:
+                        taken.bind(("", port))
+                    except OSError:
+                        return False
+                    return True
+
+                assert wait_until(bound, timeout=60), f"port {port} stayed taken"
                 taken.listen()
             finally:
                 os.kill(agents[0], signal.SIGCONT)
