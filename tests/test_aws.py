@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -674,37 +675,69 @@ def test_waiting_for_a_booting_instance_holds_a_few_sockets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While the instance's network is not up, connection attempts hang until their own
-    timeout: at most CONNECTS_AT_ONCE of them (sockets) are in flight per instance, new
-    ones still start as old ones end, and port 22 opening is noticed."""
+    timeout: at most CONNECTS_AT_ONCE of them (sockets) are in flight per instance, a new
+    one starts as an old one ends, and port 22 opening is noticed. The attempts here hang
+    until the test ends them (or wait_port's deadline cancels them): no clock decides."""
     from flotilla._providers.cloud import boot
 
-    in_flight, most, tries = 0, 0, 0
-    up_at = time.monotonic() + 1.5
+    cap = boot.CONNECTS_AT_ONCE
+    hanging: list[asyncio.Future[bool]] = []
+    started, most, port_open = 0, 0, False
+    changed = asyncio.Event()
 
-    async def hanging(addr: str, port: int, timeout: float) -> bool:
-        nonlocal in_flight, most, tries
-        in_flight += 1
-        tries += 1
-        most = max(most, in_flight)
+    def in_flight() -> int:
+        return sum(not f.done() for f in hanging)
+
+    async def attempt(addr: str, port: int, timeout: float) -> bool:
+        nonlocal started, most
+        started += 1
+        changed.set()
+        if port_open:
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        hanging.append(fut)
+        most = max(most, in_flight())
         try:
-            if time.monotonic() >= up_at:
-                return True
-            await asyncio.sleep(min(timeout, 0.3))  # hangs, then times out
-            return False
+            return await fut  # no answer (no ARP) until the test says it timed out
         finally:
-            in_flight -= 1
+            changed.set()
 
-    monkeypatch.setattr(boot, "_connects", hanging)
-    t0 = time.monotonic()
-    asyncio.run(boot.wait_port("10.0.0.9", 22, t0 + 10, "i-1", 10))
-    took = time.monotonic() - t0
-    assert most == boot.CONNECTS_AT_ONCE, most
-    assert 1.5 <= took < 1.5 + 0.3 + 0.5, took  # noticed within an attempt's hang
-    assert tries >= 1.5 / 0.3 * boot.CONNECTS_AT_ONCE - 1, tries  # kept trying
+    async def until(what: str, condition: Callable[[], bool]) -> None:
+        try:
+            async with asyncio.timeout(30):  # a deadline: a regression fails, not hangs
+                while not condition():
+                    changed.clear()
+                    await changed.wait()
+        except TimeoutError:
+            pytest.fail(f"wait_port did not start {what}: {started} started, {in_flight()} hang")
+
+    async def booting() -> None:
+        nonlocal port_open
+        waiting = asyncio.create_task(
+            boot.wait_port("10.0.0.9", 22, time.monotonic() + 60, "i-1", 60)
+        )
+        await until("the first attempts", lambda: in_flight() == cap)
+        await asyncio.sleep(0.3)  # six of its 50 ms paces: none may start beyond the cap
+        assert (started, in_flight()) == (cap, cap)
+        hanging[0].set_result(False)  # one times out: another takes its place
+        await until("a new attempt", lambda: started == cap + 1)
+        assert in_flight() == cap
+        port_open = True  # sshd listens: the next attempt connects
+        hanging[1].set_result(False)
+        async with asyncio.timeout(30):
+            await waiting
+        assert started == cap + 2
+        assert all(f.cancelled() for f in hanging[2:])  # the ones left were given up
+
+    monkeypatch.setattr(boot, "_connects", attempt)
+    asyncio.run(booting())
+    assert most == cap, most
+    hanging.clear()
+    port_open = False  # never opens: the deadline ends the wait
     with pytest.raises(sky.ProvisionError, match="did not answer"):
-        up_at = time.monotonic() + 60
         asyncio.run(boot.wait_port("10.0.0.9", 22, time.monotonic() + 0.5, "i-1", 0.5))
-    assert most == boot.CONNECTS_AT_ONCE
+    assert most == cap, most
+    assert hanging and all(f.cancelled() for f in hanging)  # none left behind
 
 
 # -- the node side, without the lab (no root needed) ----------------------------------------
