@@ -4,10 +4,14 @@ whole, so no rank waits forever for a peer that is gone (real torch, gloo, local
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _procs import wait_until
 
 import flotilla as sky
 from flotilla._client.outcome import results
@@ -210,3 +214,152 @@ def test_a_broadcast_right_after_a_failed_one_never_pairs_with_a_stale_collectiv
                 rank_fails(1, "raise") @ pool
             assert ok() @ pool == [0, 1, 2]
             assert [total for total, _ in all_reduce(1.0) @ pool] == [3.0, 3.0, 3.0]
+
+
+def test_a_rank_restarted_while_the_old_groups_head_still_runs_joins_the_new_group() -> None:
+    """Node 1's process dies while node 0's agent is held (SIGSTOP), so the group restarts
+    on node 1 first: its new rank finds the old group's store on the head's port (the old
+    rank 0 still runs). It must wait for the new group's head, not join the old group: it
+    did, and the new rank 0 then waited for it for good (CI run 47's hang)."""
+    options = sky.Options(heartbeat_timeout=120)  # node 0 is not declared lost meanwhile
+    with sky.Compute(nodes=2, plugins=[sky.plugins.torch()], options=options) as pool:
+        before = [pid for _, pid in all_reduce(1.0) @ pool]
+        agents = agent_pid() @ pool
+        port = pool._bringup.head_port
+        os.kill(agents[0], signal.SIGSTOP)
+        try:
+            os.kill(before[1], signal.SIGKILL)
+            new: list[int] = []
+
+            def on_old_store() -> bool:  # node 1's new process is connected to the old store
+                new[:] = [p for p in _children(agents[1]) if p != before[1]]
+                return bool(new) and port in _connected_ports(new[0])
+
+            assert wait_until(on_old_store, timeout=60), "node 1's process was not restarted"
+        finally:
+            os.kill(agents[0], signal.SIGCONT)
+        after = all_reduce(2.0) @ pool
+        assert [value for value, _ in after] == [4.0, 4.0]
+        assert after[1][1] == new[0] and not set(before) & {pid for _, pid in after}
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (/proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _connected_ports(pid: int) -> set[int]:
+    """The remote ports of ``pid``'s established TCP connections (/proc)."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # (it ended)
+        return set()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
+                ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class HangsOnceMarked:
+    """A plugin whose processes, once ``marker`` exists, never end their set-up (as a
+    rendezvous whose peer never comes)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def around_process(self, info: sky.InstanceInfo) -> None:
+        if os.path.exists(self.marker):
+            threading.Event().wait()
+
+
+def test_a_replacement_process_that_never_starts_fails_its_calls_saying_so(
+    tmp_path: Path,
+) -> None:
+    """The client waits for no READY from a replacement process (a group's restart, a dead
+    one's): one whose set-up never ends is killed past the start timeout, and the calls
+    waiting for it fail saying why, instead of waiting for good."""
+    marker = tmp_path / "hang"
+    options = sky.Options(start_timeout=15)
+    with sky.Compute(nodes=1, plugins=[HangsOnceMarked(str(marker))], options=options) as pool:
+        marker.touch()
+        with pytest.raises(WorkerDiedError):
+            exit_on(0) @ pool
+        with pytest.raises(NodeLostError, match=r"the process did not start within 15 s"):
+            pid() @ pool
+
+
+def test_a_restart_that_finds_the_groups_port_taken_says_so() -> None:
+    """Another process takes the group's port (MASTER_PORT) between the old rank 0's end and
+    the new one's start (as another pool's could): the new rank 0 fails at once saying so,
+    and nothing waits for good (the node is then replaced as a lost one, on fresh agents
+    with a new port)."""
+    options = sky.Options(heartbeat_timeout=120, start_timeout=30)
+    with sky.Compute(nodes=2, plugins=[sky.plugins.torch()], options=options) as pool:
+        before = [pid for _, pid in all_reduce(1.0) @ pool]
+        agents = agent_pid() @ pool
+        port, generation = pool._bringup.head_port, pool._dispatcher.generation
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            os.kill(agents[0], signal.SIGSTOP)  # the old rank 0 is not restarted meanwhile
+            try:
+                os.kill(before[0], signal.SIGKILL)
+
+                def bound() -> bool:  # once the old rank 0's sockets are closed
+                    try:
+                        taken.bind(("", port))
+                    except OSError:
+                        return False
+                    return True
+
+                assert wait_until(bound, timeout=60), f"port {port} stayed taken"
+                taken.listen()
+            finally:
+                os.kill(agents[0], signal.SIGCONT)
+            assert wait_until(lambda: pool._dispatcher.generation > generation, timeout=60)
+            futures = pool.submit_broadcast(all_reduce(2.0))  # (sent after the RESTART)
+            said = f"cannot start the torch group's store on port {port}"
+            with pytest.raises(NodeLostError, match=said):
+                futures[0].result(timeout=60)
+            with pytest.raises(Exception):  # noqa: B017 (the group's restart, or the loss, says)
+                futures[1].result(timeout=60)
+
+
+def test_a_rank_does_not_join_the_store_of_an_older_generation_of_its_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store on the group's port is the old group's (generation 2, its rank 0 not
+    ended): a rank of generation 3 waits for its own group's store, and past the start
+    timeout fails naming what it waited for, where."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flotilla.plugins._torch import GROUP_KEY, group_store
+
+    old = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    old.set(GROUP_KEY.format(2), "2")
+    port = old.port
+    info = sky.InstanceInfo(
+        node=1, total_nodes=2, is_head=False, head_addr="127.0.0.1", head_port=port,
+        accelerators=0, peers=(), pool_id="p",
+    )  # fmt: skip
+    monkeypatch.setenv("COMPUTE_POOL", '{"generation": 3, "start_timeout": 2}')
+    said = rf"rank 1 found no store of its group \(generation 3\) at 127.0.0.1:{port} .*within 2 s"
+    with pytest.raises(RuntimeError, match=said):
+        group_store(info, 1, 2, "gloo")

@@ -155,6 +155,7 @@ class Bringup:
             "image": start.build_spec,
             "home": start.home,
             "heartbeat_timeout": self.options.heartbeat_timeout,
+            "start_timeout": self.options.start_timeout,
             "shutdown_grace": self.options.shutdown_grace,
             "shm_probe": probe or None,
             "group": self.group,

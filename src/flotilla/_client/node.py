@@ -286,6 +286,7 @@ class Node:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.last_heard = time.monotonic()  # when the agent last sent anything
         self.loss = "its agent exited"  # why the node was lost, once it is
+        self.start_failed = ""  # lost so: why a replacement executor failed to start
         self.silence = 0.0  # seconds nothing was heard from it, when that is why
         self.write_limit = 60.0  # seconds a write may make no progress (heartbeat_timeout)
         self.abandoned = False  # lost or closed: writes waiting for it end
@@ -560,6 +561,9 @@ class Node:
                 self.ready.set_exception(ProvisionError(msg))
             else:  # a replacement executor failed: the node cannot run anything more
                 self.state = NodeState.LOST
+                self.loss = msg.removeprefix(f"{self.name}: ")  # (its calls' errors say it)
+                said = [line.strip() for line in detail.splitlines() if line.strip()]
+                self.start_failed = said[-1] if said else "?"  # (a traceback's last line)
                 self._fail_all(msg)
             return
         self.ready_info = info

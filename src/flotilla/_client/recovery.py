@@ -177,6 +177,8 @@ def _why(node: Node) -> str:
     """Why ``node`` was lost, in a few words for the console."""
     if node.silence:
         return f"it stopped answering for {node.silence:.1f} s"
+    if node.start_failed:
+        return f"its executor failed to start: {node.start_failed}"
     lost = getattr(node.proc, "lost_reason", "")  # e.g. the SSH connection's last words
     if lost:
         return f"the connection was lost: {lost}"

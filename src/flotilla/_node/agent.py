@@ -51,7 +51,7 @@ from .._wire.protocol import BUILD_STOP_GRACE
 from .environment import TOKEN_VAR, NodeEnvironment
 from .eventloop import Outbox, Poller
 from .lanes import lane_socket
-from .processes import kill_group, signal_group
+from .processes import end_unstarted, kill_group, signal_group, starts_due
 from .relay import Relay
 from .supervisor import Supervisor
 
@@ -273,6 +273,7 @@ class Agent(Reattachable):
         if self.next_beat < wake:
             wake = self.next_beat
         wake = self.relay.next_deadline(self.executors.next_deadline(wake))
+        wake = starts_due(self.executors, wake)
         if self.sampler is not None:
             wake = min(wake, self.sampler.due)
         if self.stopping:
@@ -307,6 +308,7 @@ class Agent(Reattachable):
             self.begin_stop(grace=1.0)
             return
         self.executors.check_timeouts(now)
+        end_unstarted(self.executors, now)
         self.relay.check(now)
         if self.sampler is not None and now >= self.sampler.due:
             try:

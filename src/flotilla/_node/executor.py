@@ -94,6 +94,9 @@ def main(
     slot = config.get("local_rank", 0)
     info["worker"] = slot  # the task slot; the local rank of a plugin's processes too
     info["local_rank"] = slot if info.get("procs_per_node", 1) > 1 else 0
+    # (not InstanceInfo's: for the group plugins' rendezvous, see plugins._env.group_setting)
+    info["generation"] = config.get("generation", 0)
+    info["start_timeout"] = config.get("start_timeout", 0.0)
     os.environ["COMPUTE_POOL"] = json.dumps(info)
     result_fds = [wfd, *(w for _, _, w in others)]
     faulthandler.enable()  # a crash leaves its Python traceback in the stderr tail

@@ -30,7 +30,7 @@ from functools import partial
 
 from .._system import fastjson as json
 from .._system.procs import die_with_parent
-from .._wire.bodies import Config, Ready
+from .._wire.bodies import Config, Ready, dump
 from .._wire.frames import HEADER, Buffer, FrameReader, Kind, Status, frame
 from .batching import Policy
 from .eventloop import Outbox, Poller
@@ -65,6 +65,10 @@ STUCK_AFTER = 30.0
 slot is left without a process (``FLOTILLA_STUCK_WARNING`` in the agent's environment:
 another number of seconds)."""
 STUCK_VAR = "FLOTILLA_STUCK_WARNING"
+START_GRACE = 10.0
+"""Seconds past the pool's start timeout a replacement executor may take to say READY
+before it is killed (:func:`end_unstarted`): a plugin that waits up to the
+start timeout itself (the torch plugin's rendezvous) fails first, in its own words."""
 
 
 class ExecState:
@@ -123,6 +127,7 @@ class Executor:
         self.stored = False  # it used the distributed collections
         self.closed = False  # its pipes are closed (it was killed, or its end was handled)
         self.board: Board | None = None  # its lane's shared words, if it has a lane (lanes.py)
+        self.start_deadline = 0.0  # a replacement's: READY by then (monotonic), see end_unstarted
 
 
 class Slot:
@@ -191,6 +196,7 @@ class ExecutorProcesses:
     lanes: LaneSocket | None
     unsent: set[Executor]  # executors whose output read last is still in the client outbox
     held: dict[Slot, tuple[float, float]]  # slots held for a lane call: (look at, pause)
+    generation: int  # of the pool's process group (see the supervisor)
 
     def _began(self, slot: Slot, ex: Executor) -> None:
         raise NotImplementedError
@@ -265,7 +271,11 @@ class ExecutorProcesses:
             try:
                 from .executor import main
 
-                config: Config = {**self.config, "local_rank": slot.rank}
+                config: Config = {
+                    **self.config,
+                    "local_rank": slot.rank,
+                    "generation": self.generation,
+                }
                 if lane is not None:
                     main(config, self.blob, r_task, w_res, lane=(*lane.theirs, lane.board))
                 main(config, self.blob, r_task, w_res)
@@ -275,6 +285,9 @@ class ExecutorProcesses:
             os.close(fd)
         ex = Executor(slot, pid, w_task, r_res, r_out, r_err, Outbox(w_task), life)
         ex.board = lane.board if lane is not None else None
+        start_timeout = float(self.config.get("start_timeout", 0.0))
+        if slot.restarts and start_timeout > 0:  # a replacement: no client waits for it
+            ex.start_deadline = time.monotonic() + start_timeout + START_GRACE
         self._began(slot, ex)  # (the functions are in its task pipe before the lane is given)
         if lane is not None and lanes is not None:
             lanes.give(lane, slot.rank, pid)
@@ -329,7 +342,11 @@ class ExecutorProcesses:
                     (s.rank, p[0][0], p[1][1])
                     for s, p in zip(self.slots[1:], pipes[1:], strict=True)
                 ]
-                config: Config = {**self.config, "local_rank": self.slots[0].rank}
+                config: Config = {
+                    **self.config,
+                    "local_rank": self.slots[0].rank,
+                    "generation": self.generation,
+                }
                 main(config, self.blob, r_first, w_first, others)
             finally:
                 os._exit(70)
@@ -608,6 +625,42 @@ class ExecutorProcesses:
             ex.stored = False
         if ex.slot.executor is ex:
             ex.slot.executor = None
+
+
+def starts_due(procs: ExecutorProcesses, wake: float) -> float:
+    """``wake``, or the start deadline of a replacement executor not READY yet if earlier
+    (see :func:`end_unstarted`)."""
+    for slot in procs.slots:
+        ex = slot.executor
+        if ex is not None and ex.start_deadline and ex.state is ExecState.STARTING:
+            wake = min(wake, ex.start_deadline)
+    return wake
+
+
+def end_unstarted(procs: ExecutorProcesses, now: float) -> None:
+    """Kill the replacement executors (a group's restart, a dead one's) not READY past
+    their start deadline (the pool's start timeout and :data:`START_GRACE`: their
+    plugins' set-up waits, e.g. a group's rendezvous whose peer never comes), and tell
+    their start as failed (READY with the error and their stderr's last lines): the
+    client waits for no READY from a replacement, so it would wait for its calls for
+    good; it fails them saying why."""
+    for slot in procs.slots:
+        ex = slot.executor
+        if ex is None or ex.state is not ExecState.STARTING or not ex.start_deadline:
+            continue
+        if now < ex.start_deadline:
+            continue
+        procs._drain_output(ex)
+        timeout = float((procs.config or {}).get("start_timeout", 0.0))
+        error = (
+            f"the process did not start within {timeout:g} s (Options(start_timeout=...)): "
+            "its plugins' set-up (a process group's rendezvous, for one) did not end; it "
+            "was killed"
+        )
+        body = dump({"error": error, **procs._death(ex, "", None)})
+        ex.state = ExecState.FAILED
+        procs._kill(slot)
+        procs.client.send(frame(Kind.READY, 0, body))
 
 
 _warm = False

@@ -10,7 +10,10 @@ task cancelled, starts a new one: the task it was running ends DIED/TIMEOUT/CANC
 the queued ones go to the new process. In a pool whose processes form one
 group (``config["group"]``: a plugin's collective, e.g. a torch process group) a lone new
 process could not rejoin the group, so it tells the client instead (BROKEN), which restarts
-every executor of the pool (RESTART: queued and running tasks end ABORTED).
+every executor of the pool (RESTART: queued and running tasks end ABORTED). The client
+awaits no READY from a replacement: one whose set-up does not end (a group's rendezvous
+whose peer never comes) is killed past the pool's start timeout and its start told as
+failed (``processes.end_unstarted``), so that its node's calls fail saying why.
 
 An executor is given a task only once the client was told (STARTED, in the same write as
 the result of the task before) and that has left the agent (its outbox to the client is
@@ -29,6 +32,7 @@ Executor states (one executor per slot at a time)::
     RUNNING --died / timeout / cancelled, group pool--> (none) --RESTART--> STARTING
     RUNNING | STARTING --RESTART--> STARTING (a new process)
     STARTING --failed start--> FAILED
+    STARTING (a replacement) --not READY past the start timeout (killed)--> FAILED
     RUNNING | STARTING --shutdown--> STOPPING --exited--> STOPPED
 
 Lanes (:mod:`.lanes`): on a Local node, each executor of a pool of process slots that

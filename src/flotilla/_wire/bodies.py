@@ -70,6 +70,8 @@ if TYPE_CHECKING:
         shm_prefix: str  # set by the agent: "" when the node does not share the client's
         image_dir: str  # set by the agent: the Image's environment on this node
         local_rank: int  # set per executor
+        generation: int  # set per executor: the group's restarts so far (RESTART's ident)
+        start_timeout: float  # a replacement executor not READY by then is ended (see READY)
         metrics: list[dict[str, Any]]  # the metrics the agent samples (``_node/metrics.py``)
         metrics_scope: str  # "tree": the node's own processes (nodes share a machine); "host"
 

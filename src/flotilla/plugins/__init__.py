@@ -130,12 +130,16 @@ def torch(
     ``NCCL_SOCKET_IFNAME`` (the interface carrying the node's address) unless already set,
     and, as torchrun does, ``OMP_NUM_THREADS=1`` unless set when several ranks share a
     machine (local nodes, ``procs_per_node > 1``);
-    then calls ``torch.distributed.init_process_group(backend, init_method="env://")``
-    once per process, and ``destroy_process_group()`` when the pool closes. Ranks other
+    then calls ``torch.distributed.init_process_group(backend, store=...)`` once per
+    process with the store ``init_method="env://"`` would make (rank 0 hosts it on
+    ``MASTER_PORT``), and ``destroy_process_group()`` when the pool closes. Ranks other
     than 0 wait for rank 0's store to listen before they join (torch's own retry would
-    add up to a second), and ``torch._dynamo``, which DDP's constructor and the first
-    optimizer step import, is imported during this setup, where it is a third cheaper.
-    A single rank gets no setup. Needs cluster mode.
+    add up to a second), and join only the store of their own group: after a group
+    restart, the old rank 0's store may still be there a moment (each node starts its new
+    processes once its own old ones are gone); they wait for the new one, up to the
+    pool's start timeout, then fail saying what they found. ``torch._dynamo``, which
+    DDP's constructor and the first optimizer step import, is imported during this setup,
+    where it is a third cheaper. A single rank gets no setup. Needs cluster mode.
     """
     from ._torch import TorchPlugin
 

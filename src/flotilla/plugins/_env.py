@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
-from .._info import InstanceInfo
+from .._info import ENV_VAR, InstanceInfo
 
 
 @contextmanager
@@ -47,3 +49,18 @@ def global_rank(info: InstanceInfo) -> int:
 def world_size(info: InstanceInfo) -> int:
     """Processes in the pool: ``total_nodes * procs_per_node``."""
     return info.total_nodes * info.procs_per_node
+
+
+def group_setting(key: str, default: Any) -> Any:
+    """A setting the executor puts in this process's ``COMPUTE_POOL`` beside the
+    :class:`InstanceInfo` fields, for a group's rendezvous: ``generation`` (the group's
+    restarts so far) and ``start_timeout`` (the pool's, in seconds); ``default`` outside
+    an executor, or when it is not there."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return default
+    try:
+        value = json.loads(raw).get(key, default)
+    except (ValueError, AttributeError):
+        return default
+    return default if value is None else value

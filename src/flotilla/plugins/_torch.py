@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from .._errors import ConfigurationError
 from .._info import InstanceInfo
 from ._base import Plugin
-from ._env import environ, global_rank, unless_set, world_size
+from ._env import environ, global_rank, group_setting, unless_set, world_size
 from ._extend import extend
 from ._net import interface_for, wait_listening
 from ._versions import requirement
@@ -21,9 +23,14 @@ WHEEL_INDEX = "https://download.pytorch.org/whl/{}"
 
 BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
 
-STORE_WAIT = 120.0
-"""Seconds a rank other than 0 waits for rank 0's store to listen before it lets
-``init_process_group`` (and its own timeout) take over."""
+GROUP_KEY = "flotilla/group/{}"
+"""Set in the group's store (on ``head_port``) by its rank 0, with the group's generation
+(its restarts so far): the other ranks join only the store that has their generation's key.
+A group restarts node by node (each agent starts its new processes once its old ones are
+gone), so a new rank may find the old group's store still there, its rank 0 not killed yet:
+joining it paired the rank with the old rank 0, and the new rank 0 waited for it for good."""
+JOIN_RETRY = 0.05
+"""Seconds between two attempts to join the group's store (the last one ended or failed)."""
 
 
 def rank_env(info: InstanceInfo, local_rank: int = 0, procs_per_node: int = 1) -> dict[str, str]:
@@ -167,12 +174,81 @@ class TorchPlugin(Plugin):
                 torch.cuda.set_device(local_rank % torch.cuda.device_count())
             created = False
             if not dist.is_initialized():
-                if global_rank(info) != 0:  # rank 0 starts the store (MASTER_ADDR:MASTER_PORT)
-                    wait_listening(info.head_addr, info.head_port, STORE_WAIT)
-                dist.init_process_group(backend=backend, init_method="env://")
+                rank, size = global_rank(info), world_size(info)
+                store = group_store(info, rank, size, backend)
+                dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
                 created = True
             try:
                 yield
             finally:
                 if created and dist.is_initialized():
                     dist.destroy_process_group()
+
+
+def group_store(info: InstanceInfo, rank: int, size: int, backend: str) -> Any:
+    """The group's store, as ``init_process_group(init_method="env://")`` makes it (rank 0
+    hosts it on ``MASTER_ADDR:MASTER_PORT``, the others are its clients), of this
+    generation of the group (see :data:`GROUP_KEY`). A rank other than 0 waits for it up
+    to the pool's start timeout, then fails saying what it found."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # (set where c10d is built)
+
+    default = _get_default_timeout(dist.Backend(backend))  # (env:// gives its store this timeout)
+    generation = int(group_setting("generation", 0))
+    key = GROUP_KEY.format(generation)
+    host, port = info.head_addr, info.head_port
+    if rank == 0:
+        try:
+            store = TCPStore(
+                host,
+                port,
+                size,
+                is_master=True,
+                timeout=default,
+                multi_tenant=True,
+                wait_for_workers=False,
+            )
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"node 0 cannot start the torch group's store on port {port} (MASTER_PORT): "
+                f"{_first_line(e)}; another process may hold the port"
+            ) from e
+        store.set(key, str(generation))
+        return store
+    timeout = float(group_setting("start_timeout", 0.0)) or default.total_seconds()
+    deadline = time.monotonic() + timeout
+    found = "nothing listened there"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(
+                f"rank {rank} found no store of its group (generation {generation}) at "
+                f"{host}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout:g} s "
+                f"(Options(start_timeout=...)); last: {found}. Rank 0 (node 0) did not start "
+                "it, or another process holds the port"
+            )
+        if not wait_listening(host, port, left):
+            continue
+        try:
+            store = TCPStore(
+                host,
+                port,
+                size,
+                is_master=False,
+                timeout=timedelta(seconds=left),
+                wait_for_workers=False,
+            )
+            store.wait([key])  # (on the old group's store: until that store is gone)
+        except RuntimeError as e:  # (torch's DistError: the store ended, or timed out)
+            found = _first_line(e)
+            time.sleep(JOIN_RETRY)
+            continue
+        store.set_timeout(default)
+        return store
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
