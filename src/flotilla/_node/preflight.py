@@ -39,21 +39,28 @@ _FATAL = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
 
 
 def answer(head_port: int) -> Any:
-    """The head's agent: a listening socket on ``head_port + PORT_OFFSET``, every address
-    (its caller accepts and closes each connection: :func:`accept`); None when the port is
-    taken (something listens there: the nodes find it) or cannot be bound. Until accepted,
-    the kernel completes the nodes' connections itself (its backlog): an agent busy a
-    moment still answers."""
-    server = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
-    try:
-        server.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-        server.bind(("", head_port + PORT_OFFSET))
-        server.listen(_socket.SOMAXCONN)
-        server.setblocking(False)
-    except OSError:
-        server.close()
-        return None
-    return server
+    """The head's agent: a listening socket on ``head_port + PORT_OFFSET``, every address,
+    IPv6 too where the node has it (its caller accepts and closes each connection:
+    :func:`accept`); None when the port is taken (something listens there: the nodes find
+    it) or cannot be bound. Until accepted, the kernel completes the nodes' connections
+    itself (its backlog): an agent busy a moment still answers."""
+    for family, host in ((_socket.AF_INET6, "::"), (_socket.AF_INET, "")):
+        try:
+            server = _socket.socket(family, _socket.SOCK_STREAM)
+        except OSError:  # (no IPv6 on this node)
+            continue
+        try:
+            if family == _socket.AF_INET6:  # IPv4 too
+                server.setsockopt(_socket.IPPROTO_IPV6, _socket.IPV6_V6ONLY, 0)
+            server.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            server.bind((host, head_port + PORT_OFFSET))
+            server.listen(_socket.SOMAXCONN)
+            server.setblocking(False)
+        except OSError:
+            server.close()
+            continue
+        return server
+    return None
 
 
 def accept(server: Any) -> None:
