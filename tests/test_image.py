@@ -100,7 +100,7 @@ def test_a_missing_package_is_installed_with_uv(home: Path) -> None:
 
 def test_failing_setup_names_node_step_exit_code_and_output(home: Path) -> None:
     image = sky.Image(setup=["echo preparing; echo second line >&2; exit 3"])
-    before = _agents()
+    before = _agents(home)
     with pytest.raises(sky.ProvisionError) as info, sky.Compute(nodes=2, image=image):
         pass
     msg = str(info.value)
@@ -108,7 +108,7 @@ def test_failing_setup_names_node_step_exit_code_and_output(home: Path) -> None:
     assert "step 'setup'" in msg and "exit code 3" in msg
     assert "preparing" in msg and "second line" in msg
     assert built_envs(home) == []  # nothing half-built is kept
-    _wait_gone(_agents() - before)
+    _wait_gone(_agents(home) - before)
 
 
 def test_secrets_never_appear_in_output_or_errors(
@@ -181,15 +181,19 @@ def test_image_hash_follows_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert b.build_spec(b.includes_archive())["hash"] == a.build_spec(a.includes_archive())["hash"]
 
 
-def _agents() -> set[int]:
+def _agents(home: Path) -> set[int]:
+    """This test's agents and environment builds: those started with its flotilla home
+    (not another pool's on this machine, which may come and go meanwhile)."""
+    mine = f"FLOTILLA_HOME={home}".encode()
     out = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"flotilla.agent" in cmd or b"flotilla._node.build" in cmd:
+            if (b"flotilla.agent" in cmd or b"flotilla._node.build" in cmd) and mine in env:
                 out.add(int(pid))
     return out
 
