@@ -16,7 +16,11 @@ spent: ``/proc/PID/task/*/schedstat`` (ns) for the live ones and the ``cutime + 
 of ``/proc/PID/stat`` for the children they reaped (clock ticks: 10 ms). As root, an SSH
 host's or EC2 lab instance's start is also counted whole by its sshd daemon's cgroup
 (:data:`CPUACCT`, to the nanosecond, ended processes too: the session's pre-authentication
-child, the port probe's connection), printed below the table. Prints the CPU per node start (median
+child, the port probe's connection), printed below the table with the floor: an empty SSH
+session (``ssh host true``, as any SSH tool pays to run a command there, the options
+flotilla's ssh uses) through an SSH lab host's sshd, counted the same way after every
+start, and the start beyond it (whole by cgroup minus that floor, same rep: the Kubernetes
+lab's counterpart is the pod's processes beside ``kubectl exec``). Prints the CPU per node start (median
 over the nodes, the CPU by role, and the client's own CPU for the pool's start) per
 repetition on stderr, and the medians as a markdown table with the load
 (``/proc/loadavg``) on stdout.
@@ -139,6 +143,46 @@ def settled(path: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"bench_nodestart: the last start's sessions are still in {path}")
         time.sleep(0.02)
+
+
+FLOOR_SESSIONS = 3
+"""Empty sessions per floor measurement (their mean is the floor of that rep)."""
+
+
+def floor(addr: str, daemon: int, path: str, key: str, known_hosts: str) -> float:
+    """CPU seconds of an empty SSH session (``true``) through the sshd daemon ``daemon``,
+    counted by its cgroup ``path`` without the daemon's own (accepting, forking): what any
+    SSH tool's command costs the host, with the options flotilla's ssh uses
+    (``ssh_shell.SSHShell.ssh_argv``). The mean of :data:`FLOOR_SESSIONS`, one after the
+    other."""
+    settled(path)
+    used, own = cgroup_cpu(path), own_cpu(daemon)
+    for _ in range(FLOOR_SESSIONS):
+        subprocess.run(
+            ["ssh", "-T", "-e", "none", "-l", "root", "-i", key, "-o", "IdentitiesOnly=yes"]
+            + [
+                f"-o{name}={value}"
+                for name, value in (
+                    ("BatchMode", "yes"),
+                    ("StrictHostKeyChecking", "yes"),
+                    ("UserKnownHostsFile", known_hosts),
+                    ("UpdateHostKeys", "no"),
+                    ("ControlMaster", "no"),
+                    ("ControlPath", "none"),
+                    ("ForwardAgent", "no"),
+                    ("ForwardX11", "no"),
+                    ("ClearAllForwardings", "yes"),
+                    ("RequestTTY", "no"),
+                )
+            ]
+            + ["--", addr, "true"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+    settled(path)
+    return (cgroup_cpu(path) - used - (own_cpu(daemon) - own)) / FLOOR_SESSIONS
 
 
 def drop_cgroups(paths: list[str]) -> None:
@@ -534,6 +578,18 @@ def main() -> None:
                 )
 
             spec, bare_spec = ssh_spec(hosts), ssh_spec(bare) if bare else ""
+        floor_host = None  # an SSH lab host whose sshd gives each rep's floor
+        if (args.ssh or args.aws) and can_count():
+            if lab is None:  # (the EC2 lab's instances run the same sshd and configuration)
+                sys.path.insert(0, str(HERE.parent / "tests"))
+                from _hosts import Lab
+
+                lab = Lab()
+                lab.start()
+            floor_host = lab.hosts[0] if lab.hosts else lab.add_host()
+            assert floor_host.sshd is not None
+            if floor_host.netns not in cgroups:
+                cgroups.update(host_cgroups({floor_host.netns: floor_host.sshd.pid}))
         starts = [
             (name, src, env) for name, src in variants for env in ("", "bare")[: 1 + bool(masked)]
         ]
@@ -562,6 +618,15 @@ def main() -> None:
                             shutil.rmtree(aws.lab.tmp / "workdir" / "lib", ignore_errors=True)
                     specs = {"ssh": bare_spec if env else spec, "aws": aws_spec, "k8s": k8s_spec}
                     got = run_child(src, args, specs.get(provider, ""))
+                    if provider in ("ssh", "aws") and floor_host is not None and lab is not None:
+                        assert floor_host.sshd is not None
+                        got["floor"] = floor(
+                            floor_host.addr,
+                            floor_host.sshd.pid,
+                            cgroups[floor_host.netns],
+                            str(lab.client_key),
+                            str(lab.known_hosts),
+                        )
                     if provider == "aws":  # its instances are gone: so are their daemons
                         for netns in [n for n in cgroups if n.startswith(aws_prefix)]:
                             drop_cgroups([cgroups.pop(netns)])
@@ -641,6 +706,13 @@ def report(
                     f"counted by its cgroup (to the ns, ended ones too): {ms(exact)}; the "
                     f"same starts from /proc: {ms(counted)}"
                 )
+                floors = [r[4]["floor"] for r in mine if "floor" in r[4]]
+                if len(floors) == len(mine):
+                    beyond = [e - f for e, f in zip(exact, floors, strict=True)]
+                    lines.append(
+                        f"  * the floor, an empty SSH session (`true`) through a lab host's "
+                        f"sshd: {ms(floors)}; the start beyond it, per rep: **{ms(beyond)}**"
+                    )
     pairs = [(f"{n}, bare", n) for n in names] if bare else []
     pairs += [(f"{names[0]}{e}", f"{n}{e}") for n in names[1:] for e in ("", ", bare")[: 1 + bare]]
     lines.append("")

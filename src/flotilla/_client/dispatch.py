@@ -53,7 +53,7 @@ from .node import Node, Submission
 from .outcome import outcome
 from .placement import Placement
 from .ranks import Ranks, Replacer
-from .recovery import Recovery, note_sibling_death, others_run
+from .recovery import Recovery, note_sibling_death, others_run, restart_consequence
 from .stream import collected, yields
 
 logger = logging.getLogger("flotilla")
@@ -136,6 +136,8 @@ class Dispatcher(Ranks):
                 value = collected(sub)  # a yielding call without an iterator: its values
         except BaseException as e:  # e.g. a result whose type cannot be unpickled here
             value, exc = None, e
+        if self.group and exc is not None and sub.siblings and sub.generation < self.generation:
+            exc = restart_consequence(node, sub, exc, self.restarts)
         if self.group and status == Status.ERROR and exc is not None and others_run(sub):
             # the others may wait for this one in a collective, and would wait forever
             what = f"{type(exc).__name__}: {exc}".splitlines()[0]

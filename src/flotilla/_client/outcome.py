@@ -41,13 +41,7 @@ def outcome(
             timeout=timeout,
         )
     if status == Status.ABORTED:
-        cause = bytes(body[1:]).decode(errors="replace")
-        return None, WorkerDiedError(
-            f"{node.name}: {fn_name}(...) was stopped because {cause}; the pool's processes "
-            "form one group (a plugin's collective), so all of them were restarted",
-            node=node.rank,
-            restarted=True,
-        )
+        return None, stopped_by_restart(node, fn_name, bytes(body[1:]).decode(errors="replace"))
     if status == Status.DIED:
         death = json.loads(bytes(body[1:]))
         how, sig = describe_exit(death.get("exitcode"))
@@ -60,6 +54,17 @@ def outcome(
             msg, node=node.rank, exitcode=death.get("exitcode"), signal=sig, stderr_tail=tail
         )
     return None, RemoteError("flotilla.ProtocolError", f"unknown status {status}", "", node.rank)
+
+
+def stopped_by_restart(node: Node, fn_name: str, cause: str) -> WorkerDiedError:
+    """The error of a call of ``node`` that the restart of the pool's group stopped (its
+    ``cause``: what broke the group, e.g. another rank's exception)."""
+    return WorkerDiedError(
+        f"{node.name}: {fn_name}(...) was stopped because {cause}; the pool's processes "
+        "form one group (a plugin's collective), so all of them were restarted",
+        node=node.rank,
+        restarted=True,
+    )
 
 
 def remote_exception(described: tuple[bytes | None, str, str, str], node: int) -> BaseException:

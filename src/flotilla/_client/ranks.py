@@ -25,6 +25,7 @@ class Ranks(ABC):
         group: the pool's processes form one group (restarted together).
         procs: processes per node.
         generation: group restarts so far; a break is acted on once per generation.
+        restarts: generation -> the cause of the restart that began it.
         replacer: starts the replacement of a lost node; None when lost nodes are not
             replaced (``Options(replace_lost_nodes=False)``).
         running: whether the pool takes calls (RUNNING).
@@ -56,6 +57,7 @@ class Ranks(ABC):
         self.group = group
         self.procs = procs
         self.generation = 0
+        self.restarts: dict[int, str] = {}
         self.replacer = replacer
         self.running = running
         self.secrets: list[str] = []

@@ -15,6 +15,7 @@ from .._errors import WorkerDiedError
 from .._redaction import redact
 from .._wire.frames import Kind
 from .node import Node, NodeState, Submission
+from .outcome import stopped_by_restart
 from .placement import Placement
 from .ranks import Ranks
 
@@ -57,6 +58,7 @@ class Recovery:
             return
         self.d.generation += 1
         cause = redact(cause, self.d.secrets)  # logged, and sent to every node
+        self.d.restarts[self.d.generation] = cause
         logger.warning("restarting every process of the pool: %s", cause)
         for node in self.d.nodes:
             if node.state is NodeState.READY:  # (before any call of the new group)
@@ -95,12 +97,7 @@ class Recovery:
             subs = list(node.inflight.values())
             node.inflight.clear()
         for sub in subs:
-            err = WorkerDiedError(
-                f"{node.name}: {sub.call.function.name}(...) was stopped because {cause}; "
-                "the pool's processes form one group, so all of them were restarted",
-                node=node.rank,
-                restarted=True,
-            )
+            err = stopped_by_restart(node, sub.call.function.name, cause)
             if not self.d.retry(sub, err):
                 self.d.settle(sub, exc=err)
 
@@ -226,6 +223,24 @@ def note_sibling_death(sub: Submission, exc: BaseException) -> None:
             first = said.splitlines()[0] if said else type(death).__name__
             exc.add_note(f"(meanwhile {first}: a collective with that rank fails so)")
             return
+
+
+def restart_consequence(
+    node: Node, sub: Submission, exc: BaseException, restarts: dict[int, str]
+) -> BaseException:
+    """In a group pool, the failure ``exc`` of ``sub`` that arrived after the group was
+    restarted since ``sub`` was sent (``restarts``: the causes, by generation) is the
+    restart's doing, whichever came first on its node: the restart killing a peer's
+    process ended ``sub``'s collective (gloo's "connection closed by peer"), or stopped
+    ``sub`` itself (ABORTED). Either way it says so: a :class:`WorkerDiedError`
+    (``restarted``) naming the restart's cause, ``exc``'s first line as a note."""
+    cause = restarts.get(sub.generation + 1)
+    if cause is None or isinstance(exc, WorkerDiedError):
+        return exc
+    err = stopped_by_restart(node, sub.call.function.name, cause)
+    said = str(exc).splitlines()
+    err.add_note(f"(its own error as it ended: {type(exc).__name__}: {said[0] if said else ''})")
+    return err
 
 
 def _failure(sub: Submission) -> BaseException | None:

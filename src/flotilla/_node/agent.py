@@ -208,6 +208,7 @@ class Agent(Reattachable):
         self.stop_deadline = 0.0
         self.done = False
         self.listener: Any = None  # the re-attach socket (a cluster's agent, see reattach.py)
+        self.preflight: Any = None  # a group pool's head: the pre-flight's socket (preflight.py)
         self.reattach_key = b""
         self.reattach_grace = 0.0
         self.detached_until = 0.0  # > 0: the client is gone; a new one may come until then
@@ -467,6 +468,8 @@ class Agent(Reattachable):
         # whose Image may install the FUSE tool
         self.pending_volumes = config.pop("volumes", None)
         self._listen(config)
+        if config.get("group"):  # a group pool: its head answers the nodes' pre-flight
+            self._answer_preflight(config)
         self.config = config
         self._start_metrics(config)
         self.executors.configure(config, blob)
@@ -484,6 +487,23 @@ class Agent(Reattachable):
                     self._start_build(b"")
                 return
         self._environment_ready()
+
+    def _answer_preflight(self, config: Config) -> None:
+        """The head of a group pool: answer the other nodes' rendezvous pre-flight for as
+        long as this agent lives (see :mod:`.preflight`), its executors without the socket."""
+        info = json.loads(config["compute_pool"])
+        if not info.get("is_head") or not info.get("head_port"):
+            return
+        from .preflight import PORT_OFFSET, accept, answer
+
+        server = answer(int(info["head_port"]))
+        if server is None:  # (whatever listens there answers the nodes)
+            port = int(info["head_port"]) + PORT_OFFSET
+            self._log(f"the pre-flight's port {port} is taken: the nodes' check may fail")
+            return
+        self.preflight = server
+        self.executors.agent_fds = (*self.executors.agent_fds, server.fileno())
+        self.sel.register(server.fileno(), False, lambda: accept(server))
 
     def _start_metrics(self, config: Config) -> None:
         """Sample the metrics CONFIG asks for (none: no sampler, no cost)."""

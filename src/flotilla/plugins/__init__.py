@@ -9,8 +9,9 @@
 Plugins are applied in the order given. Combine them freely; ports do not collide:
 ``torch`` rendezvouses on the head node's ``head_port``, the ``jax`` coordinator on
 ``head_port + 1``, TensorFlow worker ``k`` on ``head_port + 2 + k``, Ray's head on
-``head_port + 16``, Dask's scheduler on ``head_port + 17``. The head's agent found the 64
-ports from ``head_port`` free when the pool started. ``ray()`` refuses ``torch()`` and
+``head_port + 16``, Dask's scheduler on ``head_port + 17``; the head's agent answers the
+nodes' rendezvous pre-flight on ``head_port + 63``. The head's agent found the 64 ports
+from ``head_port`` free when the pool started. ``ray()`` refuses ``torch()`` and
 ``accelerate()`` in the same pool (a plugin may define ``check_plugins(plugins)``, called
 with the pool's plugins before anything starts, to refuse a combination).
 

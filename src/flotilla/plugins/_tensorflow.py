@@ -19,7 +19,8 @@ WORKER_PORT_OFFSET = 2
 the three plugins can share a pool. Adding the rank keeps the ports distinct when several
 workers share an address (the local provider, several processes per node). The head
 node's ``head_port .. head_port + 63`` are checked free when the pool starts (so the ports
-of up to 62 workers on one machine are); other nodes' ports are not checked.
+of up to 61 workers on one machine are: ``head_port + 63`` is the head's agent's, for the
+nodes' rendezvous pre-flight); other nodes' ports are not checked.
 """
 
 
