@@ -8,7 +8,9 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _procs import wait_until
@@ -363,3 +365,43 @@ def test_a_rank_does_not_join_the_store_of_an_older_generation_of_its_group(
     said = rf"rank 1 found no store of its group \(generation 3\) at 127.0.0.1:{port} .*within 2 s"
     with pytest.raises(RuntimeError, match=said):
         group_store(info, 1, 2, "gloo")
+
+
+def test_a_restart_asked_while_a_nodes_channel_is_busy_reaches_it_before_the_next_call(
+    pool: sky.Compute,
+) -> None:
+    """The loop writes RESTART without waiting; while node 1's channel was busy, a worker
+    thread wrote it later, and a call of the new group sent meanwhile could reach the agent
+    first: the restart then aborted it, and node 0's rank waited in all_reduce for it for
+    good (CI run 47's hang). Here the channel is held and the loop's worker threads are busy
+    until the call is sent: the restart must still reach node 1 first."""
+    from flotilla._client.loop import get_loop
+
+    loop, d, node = get_loop(), pool._dispatcher, pool._nodes[1]
+    generation = d.generation
+    gate, busy = threading.Event(), threading.Semaphore(0)
+    previous: list[Any] = []  # the loop's own worker threads, given back at the end
+
+    def occupy() -> None:  # (the loop's thread: run_in_executor)
+        previous.append(getattr(loop, "_default_executor", None))
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=4))
+        for _ in range(4):
+            loop.run_in_executor(None, lambda: (busy.release(), gate.wait()))
+
+    futures: list[Any] = []
+    sender = threading.Thread(target=lambda: futures.extend(pool.submit_broadcast(all_reduce(2.0))))
+    try:
+        with node.write_lock:  # (another thread's long write to node 1)
+            loop.call_soon_threadsafe(occupy)
+            for _ in range(4):
+                assert busy.acquire(timeout=60)
+            loop.call_soon_threadsafe(d.recovery.restart_group, "a test's restart", generation)
+            assert wait_until(lambda: d.generation > generation, timeout=60)
+            sender.start()  # node 0 gets its call at once, node 1 once the channel is free
+            assert wait_until(lambda: bool(pool._nodes[0].inflight), timeout=60)
+        sender.join()
+    finally:
+        gate.set()
+        mine = previous[0] if previous and previous[0] is not None else ThreadPoolExecutor()
+        loop.call_soon_threadsafe(loop.set_default_executor, mine)
+    assert [f.result(timeout=60)[0] for f in futures] == [4.0, 4.0]

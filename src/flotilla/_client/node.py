@@ -267,6 +267,7 @@ class Node:
         self.state = NodeState.STARTING
         self.lock = threading.Lock()  # guards inflight, busy, defined: held briefly
         self.write_lock = threading.Lock()  # keeps frames whole and in order on the channel
+        self.first: list[bytes] = []  # frames due before any later write (see send_first)
         self.inflight: dict[int, Submission] = {}
         self.sending: list[Submission] = []  # the calls being written to the agent now
         self.busy = [0]  # calls in flight per local rank
@@ -343,6 +344,7 @@ class Node:
         parts: list[Buffer] = []
         hold = len(subs) == 1 and subs[0].direct == threading.get_ident()  # see wait_direct
         with self.write_lock:  # the loop thread only ever takes self.lock: no deadlock
+            parts += self._due_first()  # (a RESTART asked for before these calls)
             with self.lock:
                 if self.state is not NodeState.READY:
                     raise self.lost_error("cannot take calls")
@@ -419,6 +421,47 @@ class Node:
             return True
         except OSError:
             return False
+        finally:
+            self.write_lock.release()
+
+    def send_first(self, kind: int, ident: int = 0, body: bytes = b"") -> None:
+        """Send a control frame that must reach the agent before anything sent after this
+        call (a RESTART: a call of the new group written before it would be aborted by it,
+        and its siblings would wait for it in a collective for good). From the loop: written
+        now if the channel is free, else it goes first in the next write (:meth:`send`'s),
+        or a helper thread writes it."""
+        with self.lock:
+            self.first.append(b"".join(frame(kind, ident, body)))
+        if self.write_lock.acquire(blocking=False):
+            try:
+                due = self._due_first()
+                if not due or self.proc.try_write(b"".join(due)):
+                    return
+                with self.lock:  # (not written: they stay first)
+                    self.first[:0] = due
+            except OSError:
+                return  # the node is lost
+            finally:
+                self.write_lock.release()
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, self._write_first)
+
+    def _due_first(self) -> list[bytes]:
+        with self.lock:
+            due, self.first = self.first, []
+        return due
+
+    def _write_first(self) -> None:
+        """Write the frames :meth:`send_first` could not (a thread: it may wait)."""
+        while not self.write_lock.acquire(timeout=0.1):
+            if self.abandoned:
+                return
+        try:
+            due = self._due_first()
+            if due:
+                self.proc.write(due, self.give_up)
+        except OSError:
+            pass  # the node is lost
         finally:
             self.write_lock.release()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from functools import partial
 
 from .._errors import WorkerDiedError
 from .._redaction import redact
@@ -61,12 +60,9 @@ class Recovery:
         cause = redact(cause, self.d.secrets)  # logged, and sent to every node
         self.d.restarts[self.d.generation] = cause
         logger.warning("restarting every process of the pool: %s", cause)
-        loop = asyncio.get_running_loop()
         for node in self.d.nodes:
-            if node.state is NodeState.READY:
-                send = partial(node.send_control, Kind.RESTART, ident=self.d.generation)
-                if not send(wait=False, body=cause.encode()):  # busy: not on the loop
-                    loop.run_in_executor(None, partial(send, wait=True, body=cause.encode()))
+            if node.state is NodeState.READY:  # (before any call of the new group)
+                node.send_first(Kind.RESTART, ident=self.d.generation, body=cause.encode())
 
     def on_lost(self, node: Node, subs: list[Submission]) -> None:
         """``node``'s agent is gone (``subs`` ran on it): replace it, retry or fail them."""
