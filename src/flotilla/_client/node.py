@@ -344,10 +344,11 @@ class Node:
         parts: list[Buffer] = []
         hold = len(subs) == 1 and subs[0].direct == threading.get_ident()  # see wait_direct
         with self.write_lock:  # the loop thread only ever takes self.lock: no deadlock
-            parts += self._due_first()  # (a RESTART asked for before these calls)
             with self.lock:
                 if self.state is not NodeState.READY:
                     raise self.lost_error("cannot take calls")
+                parts += self.first  # (a RESTART asked for before these calls: send_first)
+                self.first = []
                 for sub in subs:
                     tid = next(_task_ids)
                     sub.node = self
@@ -404,14 +405,20 @@ class Node:
             self.proc.release_direct()
             raise self.lost_error(failure or "was lost while calls were sent to it")
 
+    def _take_write_lock(self, wait: bool) -> bool:
+        """Take ``write_lock``: waiting for it (False once the node is abandoned), or only
+        if it is free."""
+        if not wait:
+            return self.write_lock.acquire(blocking=False)
+        while not self.write_lock.acquire(timeout=0.1):
+            if self.abandoned:
+                return False
+        return True
+
     def send_control(self, kind: int, wait: bool = True, ident: int = 0, body: bytes = b"") -> bool:
         """Send a control frame; False if the node is gone or given up, or (without wait)
         if that would wait at all (the event loop's sends: they never block)."""
-        if wait:
-            while not self.write_lock.acquire(timeout=0.1):
-                if self.abandoned:
-                    return False
-        elif not self.write_lock.acquire(blocking=False):
+        if not self._take_write_lock(wait):
             return False
         try:
             parts = frame(kind, ident, body)
@@ -432,36 +439,28 @@ class Node:
         or a helper thread writes it."""
         with self.lock:
             self.first.append(b"".join(frame(kind, ident, body)))
-        if self.write_lock.acquire(blocking=False):
-            try:
-                due = self._due_first()
-                if not due or self.proc.try_write(b"".join(due)):
-                    return
-                with self.lock:  # (not written: they stay first)
-                    self.first[:0] = due
-            except OSError:
-                return  # the node is lost
-            finally:
-                self.write_lock.release()
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(None, self._write_first)
+        if not self._write_first(wait=False):
+            asyncio.get_running_loop().run_in_executor(None, self._write_first)
 
-    def _due_first(self) -> list[bytes]:
-        with self.lock:
-            due, self.first = self.first, []
-        return due
-
-    def _write_first(self) -> None:
-        """Write the frames :meth:`send_first` could not (a thread: it may wait)."""
-        while not self.write_lock.acquire(timeout=0.1):
-            if self.abandoned:
-                return
+    def _write_first(self, wait: bool = True) -> bool:
+        """Write the frames :meth:`send_first` queued, if no write took them meanwhile;
+        False (without ``wait``) when that would wait: they stay first."""
+        if not self._take_write_lock(wait):
+            return False  # (waiting: the node is lost)
         try:
-            due = self._due_first()
-            if due:
+            with self.lock:
+                due, self.first = self.first, []
+            if not due:
+                return True
+            if wait:
                 self.proc.write(due, self.give_up)
+            elif not self.proc.try_write(b"".join(due)):
+                with self.lock:
+                    self.first[:0] = due
+                return False
+            return True
         except OSError:
-            pass  # the node is lost
+            return True  # the node is lost
         finally:
             self.write_lock.release()
 
