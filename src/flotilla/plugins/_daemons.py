@@ -112,9 +112,19 @@ class Daemon:
         argv: its command.
         env: its environment (the marker is added).
         scratch: its scratch folder: made empty before it starts, removed when it stops.
+        watch: the texts :meth:`said` is asked about: each is looked for in every line of
+            its output as it is read (a failure's traceback may push the line that names its
+            cause out of the lines kept).
     """
 
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], scratch: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        scratch: str,
+        watch: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.marker = f"{name.replace(' ', '-')}.{os.getpid()}.{os.urandom(6).hex()}"
@@ -124,6 +134,8 @@ class Daemon:
         self.head: list[str] = []
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.lines = 0
+        self.watch = tuple(watch)
+        self.found: set[str] = set()
         self.seen = threading.Condition()
         self._reader: threading.Thread | None = None
 
@@ -154,6 +166,7 @@ class Daemon:
                     self.head.append(line)
                 self.tail.append(line)
                 self.lines += 1
+                self.found.update(text for text in self.watch if text in line)
                 self.seen.notify_all()
         with self.seen:
             self.seen.notify_all()
@@ -191,9 +204,11 @@ class Daemon:
                 self.seen.wait(min(left, 0.05))
 
     def said(self, text: str) -> bool:
-        """Whether a line of its output so far contains ``text``."""
+        """Whether a line of its output so far contains ``text``, one of its ``watch``."""
+        if text not in self.watch:
+            raise ValueError(f"{self.name}: said({text!r}) asks for a text not in its watch")
         with self.seen:
-            return any(text in line for line in self.tail)
+            return text in self.found
 
     def stop(self) -> None:
         """Stop it: SIGKILL to every process carrying its marker (the pool is going away:

@@ -36,6 +36,11 @@ CONNECT_TIMEOUT = 60.0
 """Seconds ``dask_client()`` gives its ``Client`` to connect (through the pool's channel:
 an ``ssh``, ``srun`` or ``kubectl exec`` starting on a loaded machine)."""
 
+LISTENING = "Scheduler at"
+"""What Dask's scheduler says when it listens."""
+REGISTERED = "Registered to"
+"""What a Dask worker says when it joined the scheduler."""
+
 _WAIT_FOR_WORKERS = """
 import sys
 from distributed import Client
@@ -102,21 +107,20 @@ class DaskPlugin(EnginePlugin):
                 check_free(info.addr, port, "dask scheduler")
                 argv = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
                 argv += ["--host", node_ip(info.addr), "--port", str(port), "--no-dashboard"]
-                head = Daemon("dask scheduler", argv, env, scratch + "-scheduler")
+                head = Daemon("dask scheduler", argv, env, scratch + "-scheduler", [LISTENING])
                 s.callback(head.stop)
                 head.start()
-                head.wait_for(lambda: head.said("Scheduler at"), START_TIMEOUT, "listening")
+                head.wait_for(lambda: head.said(LISTENING), START_TIMEOUT, "listening")
             elif not wait_listening(info.head_addr, port, START_TIMEOUT):
                 raise EngineError(
                     f"dask worker {info.node}: the scheduler ({scheduler}) did not listen "
                     f"within {START_TIMEOUT:g} s"
                 )
-            worker = Daemon(
-                f"dask worker {info.node}", self.worker_argv(info, scheduler, scratch), env, scratch
-            )
+            argv = self.worker_argv(info, scheduler, scratch)
+            worker = Daemon(f"dask worker {info.node}", argv, env, scratch, [REGISTERED])
             s.callback(worker.stop)
             worker.start()
-            worker.wait_for(lambda: worker.said("Registered to"), START_TIMEOUT, "registered")
+            worker.wait_for(lambda: worker.said(REGISTERED), START_TIMEOUT, "registered")
             if info.node == 0:
                 argv = [sys.executable, "-c", _WAIT_FOR_WORKERS, f"tcp://{scheduler}"]
                 argv += [str(info.total_nodes), str(START_TIMEOUT)]

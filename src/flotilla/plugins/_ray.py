@@ -55,6 +55,10 @@ group restart, a worker node may reach the last head's GCS (still listening unti
 new head's start sweeps it away) and then find the new one at the same address."""
 RETRIED = (SLOW_START, HEAD_RESTARTED)
 """Failures of ``ray start`` that another try mends (see :func:`start_node`)."""
+STARTED = "Ray runtime started"
+"""What ``ray start`` says when its node is up."""
+WATCH = (STARTED, *RETRIED)
+"""What a node's ``ray start`` output is watched for."""
 MIN_OBJECT_STORE = 75 * 1024 * 1024
 """Ray refuses an object store smaller than this (bytes)."""
 REFUSED_WITH = {"torch", "accelerate"}
@@ -195,7 +199,7 @@ class RayPlugin(EnginePlugin):
                 )
             env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
             daemon = start_node(
-                lambda: Daemon(role, self.start_argv(info, gcs_port, scratch), env, scratch)
+                lambda: Daemon(role, self.start_argv(info, gcs_port, scratch), env, scratch, WATCH)
             )
             try:
                 if info.node == 0:
@@ -238,7 +242,7 @@ def start_node(make: Callable[[], Daemon]) -> Daemon:
         daemon = make()
         daemon.start()
         try:
-            daemon.wait_for(partial(daemon.said, "Ray runtime started"), START_TIMEOUT, "up")
+            daemon.wait_for(partial(daemon.said, STARTED), START_TIMEOUT, "up")
             return daemon
         except BaseException as e:
             daemon.stop()
