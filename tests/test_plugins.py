@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from _procs import wait_until
 
 import flotilla as sky
 import flotilla.plugins as plugins
@@ -443,6 +444,29 @@ def test_an_agent_goes_on_beating_while_it_preloads() -> None:
     options = sky.Options(heartbeat_timeout=2)
     with sky.Compute(nodes=1, plugins=[PreloadsSlowly()], options=options) as pool:
         assert preloaded_slowly() @ pool == [True]
+
+
+class PreloadsPartly(sky.Plugin):
+    preload = ("_preload_partial",)  # fails in the agent, one submodule imported whole
+
+
+@sky.function
+def imported_whole() -> bool:
+    import _preload_partial
+
+    return _preload_partial.done.PACKAGE is _preload_partial
+
+
+def test_a_preload_that_fails_leaves_the_executors_nothing_half_imported() -> None:
+    """A preload whose import fails in the agent after a submodule was imported whole (as
+    ``torch._dynamo``'s did once, leaving its executor a circular-import error): what it
+    added is dropped, each executor imports the package whole itself, and the agent says
+    what failed (in its stderr, which explains a lost node)."""
+    said = "could not preload _preload_partial: ImportError: a failure of the agent's preload"
+    with sky.Compute(nodes=1, plugins=[PreloadsPartly()]) as pool:
+        assert imported_whole() @ pool == [True]
+        node = pool._nodes[0]
+        assert wait_until(lambda: any(said in line for line in node.stderr_tail), 60)
 
 
 class PreloadsAString(sky.Plugin):

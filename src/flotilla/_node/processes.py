@@ -692,14 +692,17 @@ _preload = ""
 """Where this agent's :func:`preload_beside` is: "", "running", "done"."""
 
 
-def preload(config: Config) -> None:
+def preload(config: Config) -> list[str]:
     """Import, in the agent, once, before it forks its first executor, the modules the
     plugins name (``config["preload"]``, a plugin's ``preload``: torch's ~2 CPU-s, with
     ``torch._dynamo`` ~4): every executor, and every process a group restart starts again,
     is a fork that has them, instead of importing them itself. They are imported as an
     executor would import them (its import path and environment, :func:`.executor.import_setting`,
     the agent's own restored afterwards) with the collector paused, then frozen. One that
-    fails to import is left to the executors, whose plugin reports why."""
+    fails to import is left to the executors, whose plugin reports why: what its import
+    added to ``sys.modules`` under its package is dropped (:func:`forget`), for a fork
+    that has a package's submodules without the package imports it in another order
+    (torch's circular imports then fail). Returns ``name: error`` for each that failed."""
     from . import hooks
     from .executor import import_setting
 
@@ -707,18 +710,35 @@ def preload(config: Config) -> None:
     agent_path, agent_env = sys.path[:], dict(os.environ)
     sys.path[:0] = paths
     os.environ.update(env)
+    failed = []
     try:
         with hooks.collector_paused():
             for name in config.get("preload", ()):
+                before = set(sys.modules)
                 try:
                     __import__(name)
-                except Exception:  # (the executor's own import says why)
-                    pass
+                except Exception as e:  # (the executor's own import says why)
+                    failed.append(f"{name}: {type(e).__name__}: {e}")
+                    forget(name.partition(".")[0], set(sys.modules) - before)
     finally:
         sys.path[:] = agent_path
         for name in set(os.environ) - set(agent_env):
             del os.environ[name]
         os.environ.update(agent_env)
+    return failed
+
+
+def forget(package: str, added: set[str]) -> None:
+    """Drop the modules of ``added`` that are ``package`` or in it from ``sys.modules``,
+    and from their parent's attributes (``from package import sub`` looks there first)."""
+    for name in sorted(added, reverse=True):  # (a submodule before its package)
+        if name != package and not name.startswith(package + "."):
+            continue
+        module = sys.modules.pop(name, None)
+        parent, _, child = name.rpartition(".")
+        owner = sys.modules.get(parent) if parent else None
+        if owner is not None and module is not None and getattr(owner, child, None) is module:
+            delattr(owner, child)
 
 
 def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> None:
@@ -733,9 +753,11 @@ def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> N
     _preload = "running"
     done_r, done_w = os.pipe()
 
+    failed: list[str] = []
+
     def run() -> None:  # (the thread)
         try:
-            preload(config)
+            failed.extend(preload(config))
         finally:
             os.write(done_w, b".")
             os.close(done_w)
@@ -746,6 +768,13 @@ def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> N
         os.close(done_r)
         thread.join()
         _preload = "done"
+        for failure in failed:
+            print(
+                f"flotilla agent {os.getpid()}: could not preload {failure}; "
+                "each process imports it itself",
+                file=sys.stderr,
+                flush=True,
+            )
         then()
 
     thread = threading.Thread(target=run, name="preload", daemon=True)
