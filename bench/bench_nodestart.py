@@ -155,27 +155,22 @@ def floor(addr: str, daemon: int, path: str, key: str, known_hosts: str) -> floa
     SSH tool's command costs the host, with the options flotilla's ssh uses
     (``ssh_shell.SSHShell.ssh_argv``). The mean of :data:`FLOOR_SESSIONS`, one after the
     other."""
+    from flotilla._providers.ssh_shell import SSHShell, Target
+
+    target = Target(addr, "root", 22)
+    shell = SSHShell(
+        lambda _: target,
+        key=key,
+        known_hosts=known_hosts,
+        accept_new_host_keys=False,
+        connect_timeout=60,
+    )
+    argv = shell.ssh_argv(target, "true")
     settled(path)
     used, own = cgroup_cpu(path), own_cpu(daemon)
     for _ in range(FLOOR_SESSIONS):
         subprocess.run(
-            ["ssh", "-T", "-e", "none", "-l", "root", "-i", key, "-o", "IdentitiesOnly=yes"]
-            + [
-                f"-o{name}={value}"
-                for name, value in (
-                    ("BatchMode", "yes"),
-                    ("StrictHostKeyChecking", "yes"),
-                    ("UserKnownHostsFile", known_hosts),
-                    ("UpdateHostKeys", "no"),
-                    ("ControlMaster", "no"),
-                    ("ControlPath", "none"),
-                    ("ForwardAgent", "no"),
-                    ("ForwardX11", "no"),
-                    ("ClearAllForwardings", "yes"),
-                    ("RequestTTY", "no"),
-                )
-            ]
-            + ["--", addr, "true"],
+            argv,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=True,
