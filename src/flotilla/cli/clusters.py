@@ -298,8 +298,9 @@ def launch_here(
     try:
         daemon.start()
         serving.start()  # stop requests (`flotilla down`, the job's end) are handled there
-        submitted = daemon.submit(job)
-        return show(follow_local(submitted)) or 0
+        submitted, sub = daemon.submit(job, follow=True)
+        assert sub is not None
+        return show(follow_local(submitted, sub)) or 0
     except KeyboardInterrupt:
         say(f"interrupted: stopping cluster {paths.name}")
         return 130

@@ -55,7 +55,7 @@ from .backends import registry
 from .conventions import EXIT_LOST
 from .daemon_socket import DaemonSocket
 from .ipc import Event, prefix
-from .jobs import Job, Runner, untag
+from .jobs import Job, Runner, Subscriber, untag
 from .jobspec import JobSpec, task_id
 from .ledger import JOBS_PER_NODE, Allocation, Ledger, demand_of
 from .node_ops import describe_nodes
@@ -496,9 +496,11 @@ class ClusterDaemon(Adopting):
             self.backend.on_up(self.paths, self.spec, self.nodes)
 
     # -- jobs --------------------------------------------------------------------------
-    def submit(self, spec: JobSpec) -> Job:
+    def submit(self, spec: JobSpec, follow: bool = False) -> tuple[Job, Subscriber | None]:
         """Queue a job; it runs after the jobs before it, once its nodes have room for it.
-        A job that could never fit the cluster is refused here."""
+        A job that could never fit the cluster is refused here. With ``follow``, a follower
+        of all its events (output and end), subscribed before it is queued: a job of a few
+        milliseconds may be over before its submitter would follow it."""
         with self.cv:
             if self.stopping:
                 raise FlotillaError(f"cluster {self.name} is going down")
@@ -513,13 +515,14 @@ class ClusterDaemon(Adopting):
             rec.jobs.append(job.record())
             rec.last_activity = now
         save_spec(job)
+        sub = job.subscribe(None, replay=False)[1] if follow else None
         with self.cv:
             self.secrets.update(job.secrets)  # its background processes may print them later
             self.jobs[job_id] = job
             self.queue.append(job)
             self.last_activity = now
             self.cv.notify_all()
-        return job
+        return job, sub
 
     def _save_job(self, job: Job) -> None:
         if self.event_log is not None:
@@ -657,12 +660,9 @@ def engine_plugins(engines: list[str]) -> list[Any]:
     return [made[name]() for name in engines]
 
 
-def follow_local(job: Job) -> Iterator[Event]:
-    """Events of a job of a daemon in this process (``launch --down``), then its end."""
-    _, sub = job.subscribe(None, replay=False)
-    if sub is None:
-        yield job.end_event()
-        return
+def follow_local(job: Job, sub: Subscriber) -> Iterator[Event]:
+    """Events of a job of a daemon in this process (``launch --down``), then its end:
+    those ``sub`` (``submit(..., follow=True)``'s) gets."""
     try:
         while True:
             event: Event = sub.events.get()

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from .._errors import FlotillaError
 from .._system.private import socket_address
 from .ipc import encode, peer_uid
-from .jobs import Job
+from .jobs import Job, Subscriber
 from .jobspec import JobSpec
 from .ledger import Allocation
 from .state import Paths
@@ -39,7 +39,7 @@ class Served(Protocol):
     jobs: dict[int, Job]
     stopped: threading.Event
 
-    def submit(self, spec: JobSpec) -> Job: ...
+    def submit(self, spec: JobSpec, follow: bool = False) -> tuple[Job, Subscriber | None]: ...
     def cancel(self, job: Job) -> None: ...
     def set_autostop(self, minutes: float | None, down: bool) -> None: ...
     def request_stop(self, delete_record: bool) -> None: ...
@@ -122,22 +122,27 @@ class DaemonSocket:
         if op == "ping":
             conn.sendall(encode({"ev": "pong", "pid": os.getpid(), "error": d.error}))
         elif op == "submit":
-            job = d.submit(JobSpec.from_dict(request["job"]))
-            with d.cv:
-                queued = list(d.queue)
-                ahead = queued.index(job) + len(d.running) if job in queued else 0
-            conn.sendall(
-                encode({"ev": "accepted", "job": job.id, "task_id": job.task_id, "ahead": ahead})
-            )
-            if request.get("attach"):
-                self._stream(conn, job, None, replay=False)
+            attach = bool(request.get("attach"))
+            job, sub = d.submit(JobSpec.from_dict(request["job"]), follow=attach)
+            try:
+                with d.cv:
+                    queued = list(d.queue)
+                    ahead = queued.index(job) + len(d.running) if job in queued else 0
+                accepted = {"ev": "accepted", "job": job.id, "task_id": job.task_id}
+                conn.sendall(encode({**accepted, "ahead": ahead}))
+                if attach:
+                    self._stream(conn, job, [], sub)
+            finally:
+                if sub is not None:
+                    job.unsubscribe(sub)
         elif op == "follow":
             job_opt = d.jobs.get(int(request["job"]))
             if job_opt is None:
                 conn.sendall(encode({"ev": "gone"}))
             else:
                 node = request.get("node")
-                self._stream(conn, job_opt, None if node is None else int(node), replay=True)
+                which = None if node is None else int(node)
+                self._stream(conn, job_opt, *job_opt.subscribe(which, replay=True))
         elif op == "cancel":
             job_opt = d.jobs.get(int(request["job"]))
             if job_opt is None:
@@ -162,8 +167,11 @@ class DaemonSocket:
         else:
             raise ValueError(f"unknown request {op!r}")
 
-    def _stream(self, conn: socket.socket, job: Job, node: int | None, replay: bool) -> None:
-        backlog, sub = job.subscribe(node, replay)
+    def _stream(
+        self, conn: socket.socket, job: Job, backlog: list[str], sub: Subscriber | None
+    ) -> None:
+        """Send ``backlog`` (the job's log so far, as ``log`` events), then what ``sub``
+        gets until the job's end (or the end at once: None, the job had ended)."""
         if backlog:
             conn.sendall(b"".join(encode({"ev": "log", "line": line}) for line in backlog))
         if sub is None:
