@@ -18,7 +18,7 @@ from .._system import fastjson as json
 from .._wire.bodies import Config, Ready, dump
 from .._wire.frames import Kind, frame
 from .eventloop import Outbox, Poller
-from .processes import STDERR_TAIL_LINES
+from .processes import STDERR_TAIL_LINES, log
 from .supervisor import Supervisor
 
 TYPE_CHECKING = False
@@ -198,7 +198,7 @@ class NodeEnvironment:
         self.client.send(frame(Kind.READY, 0, dump(error)))
 
     def _log(self, message: str) -> None:
-        print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+        log(message)
 
 
 def _available(proc: Any) -> bytes | None:

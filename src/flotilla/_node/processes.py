@@ -688,6 +688,12 @@ def warm(shared: bool = False) -> None:
         from . import executor, feeds  # noqa: F401
 
 
+def log(message: str) -> None:
+    """A line of the agent's on its stderr (the client keeps its last ones to explain a
+    lost node)."""
+    print(f"flotilla agent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+
+
 _preload = ""
 """Where this agent's :func:`preload_beside` is: "", "running", "done"."""
 
@@ -769,12 +775,7 @@ def preload_beside(sel: Poller, config: Config, then: Callable[[], object]) -> N
         thread.join()
         _preload = "done"
         for failure in failed:
-            print(
-                f"flotilla agent {os.getpid()}: could not preload {failure}; "
-                "each process imports it itself",
-                file=sys.stderr,
-                flush=True,
-            )
+            log(f"could not preload {failure}; each process imports it itself")
         then()
 
     thread = threading.Thread(target=run, name="preload", daemon=True)
